@@ -1,0 +1,95 @@
+"""Tiny random checkpoints (Llama, Qwen2, DeepSeek-V3) built through Hugging Face transformers, for tests.
+
+Each is a real checkpoint directory: ``config.json``, safetensors weights (optionally sharded), a byte-level
+``tokenizer.json`` (every byte is a token, plus ChatML specials) and a chat template. transformers is only
+needed here, to build them; loading them needs nothing but this project.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dualpath.checkpoints.chatml import CHATML_TEMPLATE, END_OF_TEXT, IM_END, IM_START
+
+TINY_VOCAB = 320
+SPECIALS = (END_OF_TEXT, IM_START, IM_END)  # ids 256, 257, 258
+EOS_ID = 258
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (one token per byte, no merges) with ChatML special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": IM_END,
+        "pad_token": END_OF_TEXT, "chat_template": CHATML_TEMPLATE, "model_max_length": 4096}, indent=1))
+
+
+def _hf_config(arch: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.08,
+                  bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=256)
+    if arch == "llama":
+        cfg = dict(common, num_key_value_heads=2, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 256})
+        return transformers.LlamaConfig(**{**cfg, **overrides})
+    if arch == "qwen2":
+        cfg = dict(common, num_key_value_heads=2, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        return transformers.Qwen2Config(**{**cfg, **overrides})
+    if arch == "deepseek_v3":
+        cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
+                   kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
+                   n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                   routed_scaling_factor=2.5, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+        return transformers.DeepseekV3Config(**{**cfg, **overrides})
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_size: str | None = None,
+                          **overrides) -> Path:
+    """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "deepseek_v3":  # random correction biases with enough spread that routing
+        # exercises them and bfloat16 rounding does not flip expert choices
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.5)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    write_byte_tokenizer(path)
+    return path

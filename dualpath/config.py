@@ -1,0 +1,225 @@
+"""Frozen configuration dataclasses, built once (from a checkpoint, CLI flags or YAML) and passed down.
+
+Nothing mutates a config after it is built; derived values are properties. ``ModelConfig.from_hf`` turns a
+Hugging Face ``config.json`` into the architecture-neutral description every other module uses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualpath.errors import CheckpointError, ConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. ``kind`` is ``default``, ``llama3``, ``yarn`` or ``linear``."""
+
+    kind: str = "default"
+    theta: float = 10000.0
+    rotary_dim: int = 64
+    interleaved: bool = False  # DeepSeek lays rotary pairs out as (x0, x1), (x2, x3), ...
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 0.0  # yarn; 0 means unset
+    mscale_all_dim: float = 0.0  # yarn; 0 means unset
+    attention_factor: float | None = None  # yarn; None means derived
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds ``kv_lora_rank + qk_rope_head_dim`` per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-V3 mixture of experts: grouped top-k over sigmoid scores with a correction bias."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    num_groups: int
+    topk_group: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_dense_layers: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama", "qwen2" or "deepseek_v3"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Elements of one token's KV in one layer: K and V of every KV head, or MLA's latent plus rope key."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_dense_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Parse a Hugging Face ``config.json`` dict; unknown or unsupported models raise ``CheckpointError``."""
+        archs = hf.get("architectures") or []
+        known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not known:
+            raise CheckpointError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = known[0]
+        if hf.get("quantization_config"):
+            raise CheckpointError(
+                f"quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) are not supported; "
+                "convert the weights to bfloat16 first")
+        if hf.get("use_sliding_window"):
+            raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
+        try:
+            return _parse_hf(arch, hf)
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required field {e.args[0]!r} for {arch}") from None
+
+
+def _eos_ids(hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope_from_hf(hf: dict, rotary_dim: int, interleaved: bool) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "llama3", "yarn", "linear"):
+        raise CheckpointError(f"unsupported rope type {kind!r}")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    orig = params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 0))
+    factor = params.get("factor")
+    if factor is None:
+        factor = hf["max_position_embeddings"] / orig if kind == "yarn" and orig else 1.0
+    return RopeConfig(
+        kind=kind, theta=float(theta), rotary_dim=rotary_dim, interleaved=interleaved, factor=float(factor),
+        original_max_position=int(orig or 0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _parse_hf(arch: str, hf: dict) -> ModelConfig:
+    num_heads = hf["num_attention_heads"]
+    mla = moe = None
+    if arch == "deepseek_v3":
+        mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                        v_head_dim=hf["v_head_dim"])
+        moe = MoEConfig(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
+                        num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                        moe_intermediate_size=hf["moe_intermediate_size"],
+                        num_shared_experts=hf.get("n_shared_experts") or 0,
+                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                        first_dense_layers=hf.get("first_k_dense_replace") or 0)
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise CheckpointError("only DeepSeek-V3 routing (sigmoid scores, noaux_tc) is supported")
+        head_dim = mla.qk_rope_head_dim
+        rope = _rope_from_hf(hf, mla.qk_rope_head_dim, interleaved=bool(hf.get("rope_interleave", True)))
+        num_kv_heads = num_heads
+    else:
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope = _rope_from_hf(hf, int(head_dim * hf.get("partial_rotary_factor", 1.0)), interleaved=False)
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+    qkv_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"], rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096), rope=rope,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        o_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)), mla=mla, moe=moe,
+        bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf), hidden_act=hf.get("hidden_act", "silu"),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV block geometry choices and how much device memory the paged cache takes."""
+
+    block_size: int = 64
+    num_device_blocks: int = 0  # 0: derive from device_memory_bytes
+    device_memory_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's runtime choices. ``dtype`` is the model and KV dtype."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]

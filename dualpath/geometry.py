@@ -1,0 +1,117 @@
+"""The one owner of KV block geometry and block identity.
+
+Units (``shared/DESIGN.md`` §2):
+- a *token block* is ``block_size`` tokens; only full blocks have an identity (a chained hash);
+- a *Layer Block* is one layer's KV of one block: ``block_size × token_bytes`` bytes, token-major, each token's
+  row being that layer's KV elements (GQA/MHA: K heads then V heads; MLA: latent then rope key);
+- a *Full Block* is the Layer Blocks of every layer, layer-major and contiguous, so layer ``l`` is the byte
+  range ``[l × layer_block_bytes, (l+1) × layer_block_bytes)``.
+
+Every other module derives sizes and offsets from ``KVGeometry``; nothing else multiplies these numbers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from dualpath.config import DTYPE_BYTES, ModelConfig
+from dualpath.errors import ConfigError
+
+KV_LAYOUT_VERSION = 1
+HASH_BYTES = 16
+
+BlockHash = bytes
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    block_size: int
+    kv_elems_per_token: int
+    dtype: str
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"unknown KV dtype {self.dtype!r}")
+        if min(self.num_layers, self.block_size, self.kv_elems_per_token) < 1:
+            raise ConfigError(f"degenerate KV geometry {self}")
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, dtype: str, block_size: int) -> "KVGeometry":
+        return cls(model.num_layers, block_size, model.kv_elems_per_token, dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's KV in one layer."""
+        return self.kv_elems_per_token * self.dtype_bytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        return self.block_size * self.token_bytes
+
+    @property
+    def full_block_bytes(self) -> int:
+        return self.num_layers * self.layer_block_bytes
+
+    @property
+    def layer_block_shape(self) -> tuple[int, int]:
+        """Element shape of a Layer Block: ``(block_size, kv_elems_per_token)``."""
+        return (self.block_size, self.kv_elems_per_token)
+
+    def layer_offset(self, layer: int) -> int:
+        """Byte offset of ``layer`` inside a Full Block."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
+        return layer * self.layer_block_bytes
+
+    def layer_range(self, first: int, last: int) -> tuple[int, int]:
+        """``(offset, nbytes)`` of layers ``[first, last)`` inside a Full Block."""
+        if not 0 <= first < last <= self.num_layers:
+            raise IndexError(f"layer range [{first}, {last}) outside [0, {self.num_layers}]")
+        return first * self.layer_block_bytes, (last - first) * self.layer_block_bytes
+
+    def num_full_blocks(self, num_tokens: int) -> int:
+        return num_tokens // self.block_size
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` (the last one possibly partial)."""
+        return -(-num_tokens // self.block_size)
+
+
+def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_digest: str) -> BlockHash:
+    """Identity of everything that changes KV bytes: architecture, weights, dtype, block size, layout.
+
+    Two deployments share stored blocks only if their fingerprints are equal, so a block computed by another
+    model, dtype or block size can never be served as a hit.
+    """
+    payload = json.dumps({"layout": KV_LAYOUT_VERSION, "model": model.to_dict(), "dtype": dtype,
+                          "block_size": block_size, "weights": weights_digest}, sort_keys=True)
+    return hashlib.blake2b(payload.encode(), digest_size=HASH_BYTES).digest()
+
+
+def block_hashes(token_ids: Sequence[int], fingerprint: BlockHash, block_size: int,
+                 parent: BlockHash | None = None) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1} || tokens_i)``, ``h_{-1}`` = fingerprint.
+
+    A trailing partial block gets no hash. ``parent`` continues a chain whose earlier blocks were hashed
+    already (then ``token_ids`` starts at a block boundary).
+    """
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    raw = np.asarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
+    step = block_size * 4
+    h = parent if parent is not None else fingerprint
+    out = []
+    for i in range(n_full):
+        h = hashlib.blake2b(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()
+        out.append(h)
+    return out

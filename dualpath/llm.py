@@ -1,0 +1,96 @@
+"""Single-process offline inference: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
+
+This is the reference the disaggregated runtime must match token for token.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+from tqdm import tqdm
+
+from dualpath.config import CacheConfig, EngineConfig
+from dualpath.geometry import KVGeometry
+from dualpath.sampling_params import SamplingParams
+from dualpath.tokenizer import Tokenizer
+from engines.kv_cache import PagedKVCache
+from engines.local import LocalEngine
+from engines.models import load_model, open_checkpoint
+from engines.sampler import TokenLogprob, make_generator
+from engines.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+class LLM:
+    """A model and a paged KV cache in this process.
+
+    ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; ``block_size`` is the KV block geometry shared
+    with storage.
+    """
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
+                 kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None):
+        self.config = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
+                                                     device_memory_bytes=kv_cache_bytes))
+        ckpt = open_checkpoint(model)
+        self.model_config = ckpt.config
+        self.model = load_model(ckpt, device, dtype)
+        self.tokenizer = Tokenizer(model)
+        self.geometry = KVGeometry.for_model(ckpt.config, dtype, block_size)
+        num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)
+        self.cache = PagedKVCache(self.geometry, num_blocks, device)
+        self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                  self.tokenizer)
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+
+    def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]], sampling: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); outputs are in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling = sampling or SamplingParams()
+        seqs = [Sequence(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling,
+                         make_generator(sampling, self.config.device)) for p in prompts]
+        for s in seqs:
+            self.engine.add(s)
+        with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_work():
+                bar.update(len(self.engine.step()))
+        return [self._output(s) for s in seqs]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in convs], sampling, use_tqdm)
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        text = s.stop_text if s.stop_text is not None else self.tokenizer.decode(s.output_ids)
+        lps = s.logprobs if s.params.logprobs is not None else None
+        return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps)
+
+    @torch.inference_mode()
+    def logits(self, prompt: str | Seq[int]) -> torch.Tensor:
+        """Logits of every position of one prompt in a single forward (float32), for checks and scoring."""
+        from engines.models.base import ForwardBatch
+
+        ids = self._prompt_ids(prompt)
+        logits, _ = self.model.forward_all(torch.tensor(ids, device=self.config.device),
+                                           ForwardBatch((0,), (len(ids),)), all_logits=True)
+        return logits

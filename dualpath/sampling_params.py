@@ -1,0 +1,59 @@
+"""Per-request sampling parameters: plain, frozen, validated data that crosses process boundaries."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpath.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    temperature 0 means greedy. top_k 0 or -1 and top_p 1.0 disable those filters. A seed makes sampling
+    reproducible per request, whatever else runs in the same batch. ``ignore_eos`` forces exactly
+    ``max_tokens`` tokens (used by rollout replays). ``logprobs`` asks for the chosen token's log-probability
+    and that many top alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", field="max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}", field="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", field="top_k")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", field="logprobs")
+        if any(not s for s in self.stop):
+            raise RequestError("stop strings must not be empty", field="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+GREEDY = SamplingParams(temperature=0.0)

@@ -1,0 +1,130 @@
+"""Tokenizer of a checkpoint: ``tokenizer.json`` through the ``tokenizers`` library, chat templates through a
+sandboxed Jinja environment (as Hugging Face renders them), and incremental detokenization for streaming.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from dualpath.errors import CheckpointError, RequestError
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts exactly as the checkpoint's Hugging Face tokenizer would."""
+
+    def __init__(self, model_dir: str | Path):
+        path = Path(model_dir)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise CheckpointError(f"{path}: no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.chat_template = self._find_template(path, cfg)
+
+    @staticmethod
+    def _find_template(path: Path, cfg: dict) -> str | None:
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        tpl = cfg.get("chat_template")
+        if isinstance(tpl, list):  # named templates: take the default one
+            tpl = next((t["template"] for t in tpl if t.get("name") == "default"), tpl[0]["template"] if tpl else None)
+        return tpl
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        return self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise RequestError("this model has no chat template; use the completions API", field="messages")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"chat template rejected the messages: {e}", field="messages") from None
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Token ids of the rendered chat; the template supplies special tokens itself."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding from the start each time.
+
+    A delta is held back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD), so multi-byte
+    characters split across tokens are never emitted broken.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_tail[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """Index in ``text`` where the earliest stop string begins, searching from ``start``; -1 if none."""
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else -1

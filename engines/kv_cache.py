@@ -1,0 +1,112 @@
+"""Paged KV cache in device memory: per layer ``[num_blocks, block_size, kv_elems]``, with block tables.
+
+Block ``b`` of layer ``l`` is one Layer Block (``dualpath.geometry``), so moving a block to or from a Full
+Block never needs a layout change. The allocator and the tables are the only owners of block ids.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from dualpath.errors import OutOfBlocksError
+from dualpath.geometry import KVGeometry
+from kernels.kv_move import write_tokens
+
+
+class BlockAllocator:
+    """Free list of ``num_blocks`` ids; every id is either free or owned by exactly one holder."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
+        out = [self._free.pop() for _ in range(n)]
+        self._used.update(out)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} freed but not allocated")
+            self._used.remove(b)
+            self._free.append(b)
+
+    def check(self) -> None:
+        """Raise if any id is lost, duplicated or both free and used."""
+        free = set(self._free)
+        if len(free) != len(self._free) or free & self._used or len(free) + len(self._used) != self.num_blocks:
+            raise AssertionError(f"allocator corrupt: {len(self._free)} free, {len(self._used)} used, "
+                                 f"{self.num_blocks} total")
+
+
+class PagedKVCache:
+    """KV of many sequences in fixed-size blocks; a sequence's tokens live in the blocks of its table, in order."""
+
+    def __init__(self, geometry: KVGeometry, num_blocks: int, device: str | torch.device = "cpu"):
+        self.geometry = geometry
+        self.device = torch.device(device)
+        dtype = getattr(torch, geometry.dtype)
+        self.layers = [torch.zeros(num_blocks, *geometry.layer_block_shape, dtype=dtype, device=self.device)
+                       for _ in range(geometry.num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+        self._tables: dict[Hashable, list[int]] = {}
+
+    @staticmethod
+    def blocks_for_memory(geometry: KVGeometry, memory_bytes: int) -> int:
+        return max(1, memory_bytes // geometry.full_block_bytes)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def num_free_tokens(self) -> int:
+        return self.allocator.num_free * self.geometry.block_size
+
+    def blocks_needed(self, seq: Hashable, num_tokens: int) -> int:
+        """More blocks ``seq`` needs to hold ``num_tokens`` tokens in total."""
+        return max(0, self.geometry.num_blocks(num_tokens) - len(self._tables.get(seq, ())))
+
+    def reserve(self, seq: Hashable, num_tokens: int) -> None:
+        """Grow ``seq``'s table to hold ``num_tokens`` tokens in total."""
+        need = self.blocks_needed(seq, num_tokens)
+        table = self._tables.setdefault(seq, [])
+        if need:
+            table.extend(self.allocator.allocate(need))
+
+    def free(self, seq: Hashable) -> None:
+        self.allocator.free(self._tables.pop(seq, []))
+
+    def block_table(self, seq: Hashable) -> list[int]:
+        return self._tables[seq]
+
+    def slots(self, seq: Hashable, start: int, n: int) -> torch.Tensor:
+        """Flat slot indices (``block × block_size + offset``) of token positions ``[start, start + n)``."""
+        bs = self.geometry.block_size
+        table = torch.tensor(self._tables[seq], dtype=torch.long)
+        pos = torch.arange(start, start + n)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    def block_tables(self, seqs: list[Hashable]) -> torch.Tensor:
+        """Block tables of ``seqs`` as one ``[B, max_blocks]`` tensor, short rows padded with block 0."""
+        tables = [self._tables[s] for s in seqs]
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        write_tokens(self.layers[layer], slots, kv)
+
+    def check(self) -> None:
+        """Integrity: tables are disjoint and exactly the allocator's used set."""
+        self.allocator.check()
+        owned = [b for t in self._tables.values() for b in t]
+        if len(owned) != len(set(owned)) or set(owned) != self.allocator._used:
+            raise AssertionError("block tables and allocator disagree")

@@ -1,0 +1,167 @@
+"""Single-process continuous batching over one model and one paged cache.
+
+This is the reference runtime: ``dualpath.LLM`` drives it, and the multi-process runtime must produce exactly
+what it produces. Each step either prefills newly admitted sequences (chunked to a token budget) or decodes one
+token for every running sequence; when the cache runs out during decode, the newest sequence is preempted
+(its blocks freed, its tokens recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+import torch
+
+from dualpath.errors import RequestError
+from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from engines.kv_cache import PagedKVCache
+from engines.models.base import CausalLM, ForwardBatch
+from engines.sampler import sample
+from engines.sequence import FinishReason, Sequence
+from kernels.attention import PagedKV
+
+
+class ModelRunner:
+    """Runs a forward over sequences whose earlier KV is in a paged cache, writing the new KV back into it."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
+        """Feed each sequence its next ``new_lens[i]`` tokens; returns logits of each one's last fed token."""
+        batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
+        device = self.cache.device
+        ids = [t for s, n in zip(seqs, new_lens) for t in s.token_ids[s.num_computed:s.num_computed + n]]
+        slots = torch.cat([self.cache.slots(s.seq_id, s.num_computed, n) for s, n in zip(seqs, new_lens)])
+        tables = self.cache.block_tables([s.seq_id for s in seqs])
+        ctx = self.model.begin(batch)
+        hidden = self.model.embed(torch.tensor(ids, device=device))
+        for layer in range(self.model.config.num_layers):
+            cached = PagedKV(self.cache.layers[layer], tables, list(batch.cached_lens))
+            hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
+            self.cache.write(layer, slots, kv)
+        for s, n in zip(seqs, new_lens):
+            s.num_computed += n
+        return self.model.compute_logits(hidden[batch.last_token_indices()])
+
+
+class LocalEngine:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.runner = ModelRunner(model, cache)
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.eos_ids = model.config.eos_token_ids
+        self.tokenizer = tokenizer
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, seq: Sequence) -> None:
+        if not seq.prompt_ids:
+            raise RequestError("empty prompt", field="prompt")
+        if len(seq.prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(seq.prompt_ids)} tokens; the model's context is "
+                               f"{self.max_model_len}", field="prompt")
+        if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) > self.cache.allocator.num_blocks:
+            raise RequestError("prompt does not fit in the KV cache", field="prompt")
+        if seq.params.stop and self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """One forward. Returns the sequences that finished in it (their blocks already freed)."""
+        batch, new_lens = self._schedule_prefill()
+        if not batch:
+            batch = self._schedule_decode()
+            new_lens = [1] * len(batch)
+        if not batch:
+            return []
+        logits = self.runner.forward(batch, new_lens)
+        done_rows = [i for i, s in enumerate(batch) if s.num_computed == s.num_tokens]
+        seqs = [batch[i] for i in done_rows]
+        tokens, logprobs = sample(logits[done_rows], [s.params for s in seqs], [s.generator for s in seqs])
+        finished = []
+        for s, tok, lp in zip(seqs, tokens, logprobs):
+            s.append(tok, lp, self.eos_ids, self.max_model_len)
+            self._check_stop_strings(s, tok)
+            if s.finished:
+                finished.append(s)
+        for s in finished:
+            self._release(s)
+        return finished
+
+    def abort(self, seq_id: str) -> None:
+        for s in list(self.waiting) + self.running:
+            if s.seq_id == seq_id:
+                s.finish_reason = FinishReason.ABORT
+                if s in self.waiting:
+                    self.waiting.remove(s)
+                self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        self.cache.free(s.seq_id)
+        self._detok.pop(s.seq_id, None)
+
+    def _check_stop_strings(self, s: Sequence, token: int) -> None:
+        detok = self._detok.get(s.seq_id)
+        if detok is None or s.finish_reason is FinishReason.STOP:
+            return  # a stop string in the token that also hit max_tokens still counts
+        before = len(detok.text)
+        detok.add(token)
+        longest = max(len(x) for x in s.params.stop)
+        idx = find_stop(detok.text, s.params.stop, max(0, before - longest + 1))
+        if idx >= 0:
+            s.finish_reason, s.stop_text = FinishReason.STOP, detok.text[:idx]
+
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        batch, new_lens, budget = [], [], self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            s = self.waiting[0]
+            n = min(s.num_tokens - s.num_computed, budget)
+            # Admit only if the whole sequence (and its next token) fits, so an admitted prefill never stalls.
+            if self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) > self.cache.num_free_blocks:
+                break
+            self.cache.reserve(s.seq_id, s.num_tokens + 1)
+            batch.append(s)
+            new_lens.append(n)
+            budget -= n
+            if s.num_computed + n == s.num_tokens:
+                self.waiting.popleft()
+                self.running.append(s)
+            else:
+                break  # a chunked prompt continues next step, ahead of everything else
+        return batch, new_lens
+
+    def _schedule_decode(self) -> list[Sequence]:
+        while self.running:
+            need = sum(self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) for s in self.running)
+            if need <= self.cache.num_free_blocks:
+                break
+            self._preempt(self.running.pop())
+        for s in self.running:
+            self.cache.reserve(s.seq_id, s.num_tokens + 1)
+        return list(self.running)
+
+    def _preempt(self, s: Sequence) -> None:
+        self.cache.free(s.seq_id)
+        s.num_computed = 0
+        self.waiting.appendleft(s)
+
+
+def run_to_completion(engine: LocalEngine, seqs: Iterable[Sequence], progress=None) -> None:
+    for s in seqs:
+        engine.add(s)
+    while engine.has_work():
+        done = engine.step()
+        if progress is not None and done:
+            progress.update(len(done))

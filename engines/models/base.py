@@ -1,0 +1,201 @@
+"""The layerwise model interface and checkpoint weight loading shared by every architecture.
+
+A forward is driven one layer at a time by the caller (the model runner, or the prefill engine that waits for
+each layer's KV to arrive): ``begin`` once per batch, ``forward_layer`` per layer, ``compute_logits`` at the end.
+Models hold no KV and no per-request state; the caller owns where KV comes from and where it goes.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dualpath.config import ModelConfig
+from dualpath.errors import CheckpointError
+from engines.models.loader import Checkpoint
+from kernels.attention import CachedRows
+from kernels.norm import rms_norm
+from kernels.rope import rope_cos_sin, rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors no architecture here uses: rotary caches, and DeepSeek's multi-token-prediction layers.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|(^model\.layers\.(\d+)\.)")
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward's shape: sequence i has ``cached_lens[i]`` cached tokens then ``new_lens[i]`` new ones."""
+
+    cached_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.cached_lens) != len(self.new_lens) or any(n < 1 for n in self.new_lens):
+            raise ValueError(f"bad forward batch: cached {self.cached_lens}, new {self.new_lens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_lens)
+
+    def positions(self) -> list[int]:
+        return [c + j for c, n in zip(self.cached_lens, self.new_lens) for j in range(n)]
+
+    def last_token_indices(self) -> list[int]:
+        out, end = [], 0
+        for n in self.new_lens:
+            end += n
+            out.append(end - 1)
+        return out
+
+
+@dataclass
+class ForwardContext:
+    """Per-batch values every layer shares (computed once in ``begin``)."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Our parameter ``param`` is built from checkpoint tensors ``sources`` (name, expected shape) by ``op``:
+    ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim)."""
+
+    param: str
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    op: str = "copy"
+
+
+def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """A parameter on the meta device; real storage comes with ``to_empty`` before weights load."""
+    return nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only model with a layerwise forward over externally held KV."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        inv_freq, self.rope_attention_factor = rope_inv_freq(config.rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.embed_tokens = param(config.vocab_size, config.hidden_size)
+        self.norm = param(config.hidden_size)
+        if not config.tie_word_embeddings:
+            self.lm_head = param(config.vocab_size, config.hidden_size)
+
+    # --- forward -----------------------------------------------------------------------------------------
+    def begin(self, batch: ForwardBatch) -> ForwardContext:
+        positions = torch.tensor(batch.positions(), device=self.embed_tokens.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_attention_factor, self.embed_tokens.dtype)
+        return ForwardContext(batch, cos, sin)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)
+
+    @abstractmethod
+    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
+                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run layer ``layer`` on the new tokens' hidden states ``[T, hidden]``.
+
+        ``cached_kv`` holds each sequence's cached KV rows of this layer: a list of ``[C_i, kv_elems]`` tensors
+        (C_i may be 0), or a ``PagedKV`` view of a paged cache. Returns the next hidden states and the new
+        tokens' KV rows of this layer ``[T, kv_elems]``, packed like ``hidden``.
+        """
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the given rows, in float32."""
+        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return F.linear(h, head).float()
+
+    @torch.inference_mode()
+    def forward_all(self, token_ids: torch.Tensor, batch: ForwardBatch,
+                    cached_kv: Sequence[Sequence[torch.Tensor]] | None = None, all_logits: bool = False):
+        """Every layer in one call: ``(logits, new_kv per layer)``; logits of each sequence's last token unless
+        ``all_logits``. ``cached_kv[layer][i]`` as in ``forward_layer``; None means nothing cached."""
+        ctx = self.begin(batch)
+        hidden = self.embed(token_ids)
+        empty = [hidden.new_empty(0, self.config.kv_elems_per_token)] * len(batch.new_lens)
+        new_kv = []
+        for layer in range(self.config.num_layers):
+            hidden, kv = self.forward_layer(layer, hidden, ctx, cached_kv[layer] if cached_kv else empty)
+            new_kv.append(kv)
+        rows = hidden if all_logits else hidden[batch.last_token_indices()]
+        return self.compute_logits(rows), new_kv
+
+    # --- weights -----------------------------------------------------------------------------------------
+    def weight_specs(self) -> Iterator[WeightSpec]:
+        c = self.config
+        yield WeightSpec("embed_tokens", (("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),))
+        yield WeightSpec("norm", (("model.norm.weight", (c.hidden_size,)),))
+        if not c.tie_word_embeddings:
+            yield WeightSpec("lm_head", (("lm_head.weight", (c.vocab_size, c.hidden_size)),))
+
+    def load_checkpoint(self, ckpt: Checkpoint, device: torch.device | str) -> None:
+        """Allocate real storage and fill every parameter from ``ckpt``, checking names and shapes.
+
+        Parameters keep the dtypes they were given (``cast_``) before loading. Every problem is collected first,
+        so one error lists all missing and misshapen tensors.
+        """
+        self.to_empty(device=device)
+        self.inv_freq = rope_inv_freq(self.config.rope)[0].to(device)
+        available = ckpt.tensor_files
+        used: set[str] = set()
+        problems: list[str] = []
+        for spec in self.weight_specs():
+            parts = []
+            for name, shape in spec.sources:
+                used.add(name)
+                if name not in available:
+                    problems.append(f"missing tensor {name}")
+                    continue
+                got = ckpt.tensor_shape(name)
+                if got != shape:
+                    problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+                    continue
+                parts.append(ckpt.read_tensor(name))
+            if len(parts) != len(spec.sources):
+                continue
+            value = parts[0] if spec.op == "copy" else torch.cat(parts) if spec.op == "cat" else torch.stack(parts)
+            target = self.get_parameter(spec.param)
+            with torch.no_grad():
+                target.copy_(value.to(target.dtype))
+        if problems:
+            head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")
+        self._warn_unused(set(available) - used)
+
+    def _warn_unused(self, unused: set[str]) -> None:
+        surprising = []
+        for name in unused:
+            m = _IGNORED.search(name)
+            if m and (m.group(1) or int(m.group(3)) >= self.config.num_layers):
+                continue
+            surprising.append(name)
+        if surprising:
+            log.warning("checkpoint has %d tensors the model does not use, e.g. %s", len(surprising),
+                        sorted(surprising)[:3])
+
+    def cast_(self, dtype: torch.dtype) -> "CausalLM":
+        """Cast floating parameters to ``dtype``, keeping those pinned to float32 (routers) as they are."""
+        keep = set(self.float32_params())
+        for name, p in self.named_parameters():
+            if name not in keep and p.dtype.is_floating_point:
+                p.data = p.data.to(dtype)
+        return self
+
+    def float32_params(self) -> Sequence[str]:
+        return ()

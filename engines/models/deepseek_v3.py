@@ -1,0 +1,158 @@
+"""DeepSeek-V3: multi-head latent attention over a cached latent, and MoE with dense first layers.
+
+KV row of one token in one layer: ``[c_kv (kv_lora_rank), after kv_a_layernorm | k_pe (rope dim), after RoPE]``.
+Attention runs in absorbed form (queries mapped into the latent space), so the latent is never expanded.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from dualpath.config import ModelConfig
+from dualpath.errors import CheckpointError
+from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from kernels.activation import silu_and_mul
+from kernels.attention import CachedRows, mla_attention
+from kernels.moe import grouped_topk, routed_experts
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope, softmax_scale_factor
+
+
+class MLAttention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        m, h = c.mla, c.hidden_size
+        if m.q_lora_rank:
+            self.q_a_w = param(m.q_lora_rank, h)
+            self.q_a_norm = param(m.q_lora_rank)
+            self.q_b_w = param(c.num_heads * m.qk_head_dim, m.q_lora_rank)
+        else:
+            self.q_w = param(c.num_heads * m.qk_head_dim, h)
+        self.kv_a_w = param(m.kv_lora_rank + m.qk_rope_head_dim, h)
+        self.kv_a_norm = param(m.kv_lora_rank)
+        self.kv_b_w = param(c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        self.o_w = param(h, c.num_heads * m.v_head_dim)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_w = param(2 * inter, hidden)
+        self.down_w = param(hidden, inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_w).chunk(2, dim=-1)
+        return linear(silu_and_mul(gate, up), self.down_w)
+
+
+class MoE(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        e = c.moe
+        self.router_w = param(e.num_experts, c.hidden_size, dtype=torch.float32)
+        self.router_bias = param(e.num_experts, dtype=torch.float32)
+        self.experts = nn.ModuleList(DenseMLP(c.hidden_size, e.moe_intermediate_size) for _ in range(e.num_experts))
+        self.shared = DenseMLP(c.hidden_size, e.moe_intermediate_size * e.num_shared_experts) \
+            if e.num_shared_experts else None
+
+
+class DeepseekV3Layer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.input_norm = param(c.hidden_size)
+        self.post_norm = param(c.hidden_size)
+        self.attn = MLAttention(c)
+        self.mlp = MoE(c) if c.is_moe_layer(layer) else DenseMLP(c.hidden_size, c.intermediate_size)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        m = config.mla
+        if config.moe.num_experts % config.moe.num_groups:
+            raise CheckpointError(f"n_routed_experts {config.moe.num_experts} not divisible by n_group")
+        self.layers = nn.ModuleList(DeepseekV3Layer(config, i) for i in range(config.num_layers))
+        self.scale = m.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope)
+
+    def _attention(self, w: MLAttention, x: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows):
+        c, m = self.config, self.config.mla
+        t, nh = x.shape[0], c.num_heads
+        if m.q_lora_rank:
+            q = linear(rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps), w.q_b_w)
+        else:
+            q = linear(x, w.q_w)
+        q = q.view(t, nh, m.qk_head_dim)
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+        ckv = linear(x, w.kv_a_w)
+        latent = rms_norm(ckv[:, : m.kv_lora_rank], w.kv_a_norm, c.rms_norm_eps)
+        k_pe = ckv[:, m.kv_lora_rank:].view(t, 1, m.qk_rope_head_dim)
+        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved)
+        k_pe = apply_rope(k_pe, ctx.cos, ctx.sin, c.rope.interleaved)
+        new_kv = torch.cat([latent, k_pe.view(t, -1)], dim=1)
+        w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.batch.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
+                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale)
+        return linear(out.reshape(t, -1), w.o_w), new_kv
+
+    def _moe(self, w: MoE, x: torch.Tensor) -> torch.Tensor:
+        e = self.config.moe
+        weights, ids = grouped_topk(linear(x.float(), w.router_w), w.router_bias, e.num_groups, e.topk_group,
+                                    e.num_experts_per_tok, e.norm_topk_prob, e.routed_scaling_factor)
+        out = routed_experts(x, weights, ids, w.experts)
+        return out + w.shared(x) if w.shared is not None else out
+
+    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
+                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        c, w = self.config, self.layers[layer]
+        attn, new_kv = self._attention(w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps), ctx, cached_kv)
+        hidden = hidden + attn
+        x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
+        hidden = hidden + (self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp(x))
+        return hidden, new_kv
+
+    def float32_params(self) -> Sequence[str]:
+        return [n for n, _ in self.named_parameters() if n.endswith(("router_w", "router_bias"))]
+
+    def weight_specs(self) -> Iterator[WeightSpec]:
+        yield from super().weight_specs()
+        c, m = self.config, self.config.mla
+        h, nh = c.hidden_size, c.num_heads
+        for i in range(c.num_layers):
+            p, src = f"layers.{i}.", f"model.layers.{i}."
+            a, sa = p + "attn.", src + "self_attn."
+            yield WeightSpec(p + "input_norm", ((src + "input_layernorm.weight", (h,)),))
+            yield WeightSpec(p + "post_norm", ((src + "post_attention_layernorm.weight", (h,)),))
+            if m.q_lora_rank:
+                yield WeightSpec(a + "q_a_w", ((sa + "q_a_proj.weight", (m.q_lora_rank, h)),))
+                yield WeightSpec(a + "q_a_norm", ((sa + "q_a_layernorm.weight", (m.q_lora_rank,)),))
+                yield WeightSpec(a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),))
+            else:
+                yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),))
+            yield WeightSpec(a + "kv_a_w", ((sa + "kv_a_proj_with_mqa.weight",
+                                             (m.kv_lora_rank + m.qk_rope_head_dim, h)),))
+            yield WeightSpec(a + "kv_a_norm", ((sa + "kv_a_layernorm.weight", (m.kv_lora_rank,)),))
+            yield WeightSpec(a + "kv_b_w", ((sa + "kv_b_proj.weight",
+                                             (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),))
+            yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),))
+            if c.is_moe_layer(i):
+                yield from self._moe_specs(p + "mlp.", src + "mlp.")
+            else:
+                yield from _mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size)
+
+    def _moe_specs(self, p: str, src: str) -> Iterator[WeightSpec]:
+        c, e = self.config, self.config.moe
+        yield WeightSpec(p + "router_w", ((src + "gate.weight", (e.num_experts, c.hidden_size)),))
+        yield WeightSpec(p + "router_bias", ((src + "gate.e_score_correction_bias", (e.num_experts,)),))
+        for j in range(e.num_experts):
+            yield from _mlp_specs(f"{p}experts.{j}.", f"{src}experts.{j}.", c.hidden_size, e.moe_intermediate_size)
+        if e.num_shared_experts:
+            yield from _mlp_specs(p + "shared.", src + "shared_experts.", c.hidden_size,
+                                  e.moe_intermediate_size * e.num_shared_experts)
+
+
+def _mlp_specs(p: str, src: str, hidden: int, inter: int) -> Iterator[WeightSpec]:
+    yield WeightSpec(p + "gate_up_w", ((src + "gate_proj.weight", (inter, hidden)),
+                                       (src + "up_proj.weight", (inter, hidden))), "cat")
+    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),))

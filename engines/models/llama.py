@@ -1,0 +1,87 @@
+"""Llama family (SmolLM2, Llama 2/3, Mistral without sliding window) and Qwen2/Qwen2.5 (q/k/v bias).
+
+KV row of one token in one layer: ``[K (kv_heads × head_dim) | V (kv_heads × head_dim)]``, K after RoPE.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from dualpath.config import ModelConfig
+from dualpath.errors import CheckpointError
+from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from kernels.activation import silu_and_mul
+from kernels.attention import CachedRows, gqa_split, varlen_attention
+from kernels.norm import rms_norm
+from kernels.rope import apply_rope
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_norm = param(c.hidden_size)
+        self.qkv_w = param(q + 2 * kv, c.hidden_size)
+        self.qkv_b = param(q + 2 * kv) if c.qkv_bias else None
+        self.o_w = param(c.hidden_size, q)
+        self.o_b = param(c.hidden_size) if c.o_bias else None
+        self.post_norm = param(c.hidden_size)
+        self.gate_up_w = param(2 * c.intermediate_size, c.hidden_size)
+        self.gate_up_b = param(2 * c.intermediate_size) if c.mlp_bias else None
+        self.down_w = param(c.hidden_size, c.intermediate_size)
+        self.down_b = param(c.hidden_size) if c.mlp_bias else None
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        if config.hidden_act != "silu":
+            raise CheckpointError(f"activation {config.hidden_act!r} is not supported (only silu)")
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.scale = config.head_dim ** -0.5
+        self.split = gqa_split(config.num_kv_heads, config.head_dim)
+
+    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
+                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        c, w = self.config, self.layers[layer]
+        t, hk, d = hidden.shape[0], c.num_kv_heads, c.head_dim
+        x = rms_norm(hidden, w.input_norm, c.rms_norm_eps)
+        qkv = linear(x, w.qkv_w, w.qkv_b)
+        q = qkv[:, : c.num_heads * d].view(t, c.num_heads, d)
+        k = qkv[:, c.num_heads * d: (c.num_heads + hk) * d].view(t, hk, d)
+        v = qkv[:, (c.num_heads + hk) * d:].view(t, hk, d)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        k = apply_rope(k, ctx.cos, ctx.sin)
+        new_kv = torch.cat([k.reshape(t, hk * d), v.reshape(t, hk * d)], dim=1)
+        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.batch.new_lens, self.scale)
+        hidden = hidden + linear(attn.reshape(t, -1), w.o_w, w.o_b)
+        x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
+        gate, up = linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+        hidden = hidden + linear(silu_and_mul(gate, up), w.down_w, w.down_b)
+        return hidden, new_kv
+
+    def weight_specs(self) -> Iterator[WeightSpec]:
+        yield from super().weight_specs()
+        c = self.config
+        h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        for i in range(c.num_layers):
+            p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            yield WeightSpec(p + "input_norm", ((f"model.layers.{i}.input_layernorm.weight", (h,)),))
+            yield WeightSpec(p + "post_norm", ((f"model.layers.{i}.post_attention_layernorm.weight", (h,)),))
+            yield WeightSpec(p + "qkv_w", ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
+                                           (a + "v_proj.weight", (kv, h))), "cat")
+            if c.qkv_bias:
+                yield WeightSpec(p + "qkv_b", ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)),
+                                               (a + "v_proj.bias", (kv,))), "cat")
+            yield WeightSpec(p + "o_w", ((a + "o_proj.weight", (h, q)),))
+            if c.o_bias:
+                yield WeightSpec(p + "o_b", ((a + "o_proj.bias", (h,)),))
+            yield WeightSpec(p + "gate_up_w", ((m + "gate_proj.weight", (inter, h)),
+                                               (m + "up_proj.weight", (inter, h))), "cat")
+            yield WeightSpec(p + "down_w", ((m + "down_proj.weight", (h, inter)),))
+            if c.mlp_bias:
+                yield WeightSpec(p + "gate_up_b", ((m + "gate_proj.bias", (inter,)), (m + "up_proj.bias", (inter,))),
+                                 "cat")
+                yield WeightSpec(p + "down_b", ((m + "down_proj.bias", (h,)),))

@@ -1,0 +1,99 @@
+"""Reading a Hugging Face checkpoint directory: ``config.json`` and single or sharded ``*.safetensors``."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dualpath.config import ModelConfig
+from dualpath.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+_DIGEST_SAMPLE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory, parsed but not loaded. Tensors are read lazily, one at a time."""
+
+    path: Path
+    hf_config: dict
+    config: ModelConfig
+    weight_files: tuple[Path, ...]
+
+    @cached_property
+    def tensor_files(self) -> dict[str, Path]:
+        """Tensor name -> the file holding it."""
+        out: dict[str, Path] = {}
+        for f in self.weight_files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    out[name] = f
+        return out
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(str(self.tensor_files[name]), framework="pt") as sf:
+            return tuple(sf.get_slice(name).get_shape())
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.tensor_files[name]), framework="pt") as sf:
+            return sf.get_tensor(name)
+
+    @cached_property
+    def weights_digest(self) -> str:
+        """A cheap identity of the weights: every file's header, size and sampled data bytes.
+
+        Fine-tunes of one base model share headers and sizes but not bytes, so sampled data tells them apart
+        without hashing hundreds of gigabytes.
+        """
+        h = hashlib.blake2b(digest_size=16)
+        for f in self.weight_files:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                header_len = struct.unpack("<Q", fh.read(8))[0]
+                h.update(fh.read(header_len))
+                data_start = 8 + header_len
+                for pos in (data_start, data_start + (size - data_start) // 2, size - _DIGEST_SAMPLE_BYTES):
+                    fh.seek(max(data_start, pos))
+                    h.update(fh.read(_DIGEST_SAMPLE_BYTES))
+            h.update(str(size).encode())
+        return h.hexdigest()
+
+
+def _weight_files(path: Path) -> tuple[Path, ...]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = tuple(sorted({path / f for f in weight_map.values()}))
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{path}: shards named in the index are missing: {missing}")
+        return files
+    files = tuple(sorted(path.glob("*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+    path = Path(model_dir).expanduser()
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+    return Checkpoint(path=path, hf_config=hf, config=ModelConfig.from_hf(hf), weight_files=_weight_files(path))

@@ -1,0 +1,51 @@
+"""A request's generation state inside one engine: tokens so far, sampling state and stop conditions."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from dualpath.sampling_params import SamplingParams
+from engines.sampler import TokenLogprob
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end of sequence, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: FinishReason | None = None
+    stop_text: str | None = None  # the stop string that ended it, if any
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: TokenLogprob | None, eos_ids: tuple[int, ...], max_len: int) -> None:
+        """Record a sampled token and decide whether it ends the sequence (token-level conditions only)."""
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_len:
+            self.finish_reason = FinishReason.LENGTH

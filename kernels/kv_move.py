@@ -1,0 +1,64 @@
+"""Moving KV between a paged cache, per-sequence token tensors, Layer Blocks and Full Block bytes.
+
+A paged cache layer is ``[num_blocks, block_size, kv_elems]``: block ``b`` of that layer is one Layer Block,
+contiguous. Full Block byte layout comes from ``dualpath.geometry.KVGeometry``; these functions only view it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dualpath.geometry import KVGeometry
+
+
+def gather_tokens(cache_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` tokens of a sequence whose blocks are ``block_ids``: ``[num_tokens, kv_elems]``."""
+    if num_tokens == 0:
+        return cache_layer.new_empty(0, cache_layer.shape[-1])
+    block_size = cache_layer.shape[1]
+    nb = -(-num_tokens // block_size)
+    return cache_layer[block_ids[:nb]].reshape(-1, cache_layer.shape[-1])[:num_tokens]
+
+
+def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Write token rows ``kv [T, kv_elems]`` into flat slots ``block × block_size + offset``."""
+    cache_layer.view(-1, cache_layer.shape[-1]).index_copy_(0, slots, kv.to(cache_layer.dtype))
+
+
+def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Layer Blocks of ``block_ids`` as one contiguous ``[n, block_size, kv_elems]`` tensor."""
+    return cache_layer.index_select(0, block_ids)
+
+
+def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Inverse of ``gather_blocks``."""
+    cache_layer.index_copy_(0, block_ids, blocks.to(cache_layer.dtype))
+
+
+def _torch_dtype(geom: KVGeometry) -> torch.dtype:
+    return getattr(torch, geom.dtype)
+
+
+def full_block_view(buf: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+    """View raw bytes ``[n, full_block_bytes]`` (uint8) as ``[n, layers, block_size, kv_elems]``."""
+    n = buf.numel() // geom.full_block_bytes
+    return buf.view(_torch_dtype(geom)).view(n, geom.num_layers, *geom.layer_block_shape)
+
+
+def pack_full_blocks(layer_kv: Sequence[torch.Tensor], geom: KVGeometry) -> torch.Tensor:
+    """Full Block bytes ``[n, full_block_bytes]`` (uint8) from per-layer token KV ``[n × block_size, kv_elems]``.
+
+    Only whole blocks are packed: the caller passes a multiple of ``block_size`` tokens.
+    """
+    n_tokens = layer_kv[0].shape[0]
+    if n_tokens % geom.block_size or len(layer_kv) != geom.num_layers:
+        raise ValueError(f"need {geom.num_layers} layers of whole blocks, got {len(layer_kv)} x {n_tokens} tokens")
+    n = n_tokens // geom.block_size
+    stacked = torch.stack([kv.to(_torch_dtype(geom)).reshape(n, *geom.layer_block_shape) for kv in layer_kv], 1)
+    return stacked.contiguous().view(torch.uint8).view(n, geom.full_block_bytes)
+
+
+def layer_tokens_from_full(buf: torch.Tensor, layer: int, geom: KVGeometry) -> torch.Tensor:
+    """One layer's token KV ``[n × block_size, kv_elems]`` out of Full Block bytes ``[n, full_block_bytes]``."""
+    return full_block_view(buf, geom)[:, layer].reshape(-1, geom.kv_elems_per_token)
