@@ -207,6 +207,48 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Where Full Blocks are stored and how reads are paced.
+
+    ``root`` None means the user cache directory. ``capacity_bytes`` bounds what is kept (least recently used
+    blocks are evicted past it; 0 = the disk is the bound). ``read_bandwidth_bps`` caps this node's storage
+    reads with a token bucket, to emulate a storage NIC in benchmarks (0 = no cap).
+    """
+
+    backend: str = "fs"
+    root: str | None = None
+    capacity_bytes: int = 0
+    io_threads: int = 0  # 0: twice the CPU count
+    read_bandwidth_bps: float = 0.0
+    fsync: bool = False
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """KV transfers between engines.
+
+    Low-priority (KV) segments are cut into ``chunk_bytes`` pieces that yield to high-priority work between
+    pieces. ``kv_service_level`` / ``kv_traffic_class`` put KV queue pairs on the fabric's low-priority lane
+    (InfiniBand SL mapped to a low-priority VL by the subnet manager; RoCE traffic class / DSCP).
+    """
+
+    name: str = "shm"
+    host: str = "127.0.0.1"
+    chunk_bytes: int = 1 << 20
+    op_timeout_s: float = 30.0
+    kv_service_level: int = 2
+    kv_traffic_class: int = 0
+    device_name: str | None = None  # RDMA device for `verbs`, e.g. mlx5_0
+    gid_index: int = 0
+
+    def __post_init__(self):
+        if self.chunk_bytes < 4096:
+            raise ConfigError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if not 0 <= self.kv_service_level <= 15:
+            raise ConfigError(f"kv_service_level must be in [0, 15], got {self.kv_service_level}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One engine's runtime choices. ``dtype`` is the model and KV dtype."""
 

@@ -27,3 +27,39 @@ class RequestError(DualPathError):
 
 class OutOfBlocksError(DualPathError):
     """A paged cache or buffer pool has no free block for an allocation."""
+
+
+class StorageError(DualPathError):
+    """A KV storage operation failed. ``key`` names the block (hex) where one is involved."""
+
+    def __init__(self, message: str, key: bytes | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class BlockMissingError(StorageError):
+    """The block is not in storage (never written, evicted or deleted)."""
+
+
+class BlockCorruptError(StorageError):
+    """The stored block is short, has a bad header, another model's fingerprint, or fails its checksum."""
+
+
+class StorageFullError(StorageError):
+    """Storage has no room for a write (disk full, quota, or the configured capacity with nothing to evict)."""
+
+
+class TransportError(DualPathError):
+    """A KV transfer failed."""
+
+
+class SegmentError(TransportError):
+    """A segment names an unregistered region or reaches outside one; raised when the batch is submitted."""
+
+
+class PeerDeadError(TransportError):
+    """The peer process or its endpoint is gone."""
+
+
+class TransferTimeoutError(TransportError):
+    """A transfer did not finish within its deadline."""

@@ -115,3 +115,41 @@ def block_hashes(token_ids: Sequence[int], fingerprint: BlockHash, block_size: i
         h = hashlib.blake2b(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()
         out.append(h)
     return out
+
+
+@dataclass(frozen=True)
+class FullBlockSlots:
+    """A region of Full Block slots (a DRAM buffer, a storage read target): slot ``s``, layer ``l`` starts at
+    ``s × full_block_bytes + l × layer_block_bytes``."""
+
+    geometry: KVGeometry
+    num_slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.geometry.full_block_bytes
+
+    def offset(self, slot: int, layer: int) -> int:
+        return slot * self.geometry.full_block_bytes + self.geometry.layer_offset(layer)
+
+
+@dataclass(frozen=True)
+class LayerMajorBlocks:
+    """A region laid out ``[layers, num_blocks, block_size, kv_elems]`` (a paged device cache, or a layer
+    workspace with ``num_layers = 1``): block ``b`` of layer ``l`` starts at ``(l × num_blocks + b) ×
+    layer_block_bytes``."""
+
+    geometry: KVGeometry
+    num_blocks: int
+    num_layers: int | None = None  # None: all of the geometry's layers
+
+    @property
+    def nbytes(self) -> int:
+        return (self.num_layers or self.geometry.num_layers) * self.num_blocks * self.geometry.layer_block_bytes
+
+    def offset(self, slot: int, layer: int) -> int:
+        layer_index = layer if self.num_layers is None else layer % self.num_layers
+        return (layer_index * self.num_blocks + slot) * self.geometry.layer_block_bytes
+
+
+BlockLayout = FullBlockSlots | LayerMajorBlocks

@@ -9,43 +9,9 @@ from typing import Hashable
 
 import torch
 
-from dualpath.errors import OutOfBlocksError
+from dualpath.allocator import BlockAllocator
 from dualpath.geometry import KVGeometry
 from kernels.kv_move import write_tokens
-
-
-class BlockAllocator:
-    """Free list of ``num_blocks`` ids; every id is either free or owned by exactly one holder."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        out = [self._free.pop() for _ in range(n)]
-        self._used.update(out)
-        return out
-
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b not in self._used:
-                raise ValueError(f"block {b} freed but not allocated")
-            self._used.remove(b)
-            self._free.append(b)
-
-    def check(self) -> None:
-        """Raise if any id is lost, duplicated or both free and used."""
-        free = set(self._free)
-        if len(free) != len(self._free) or free & self._used or len(free) + len(self._used) != self.num_blocks:
-            raise AssertionError(f"allocator corrupt: {len(self._free)} free, {len(self._used)} used, "
-                                 f"{self.num_blocks} total")
 
 
 class PagedKVCache:
@@ -55,8 +21,10 @@ class PagedKVCache:
         self.geometry = geometry
         self.device = torch.device(device)
         dtype = getattr(torch, geometry.dtype)
-        self.layers = [torch.zeros(num_blocks, *geometry.layer_block_shape, dtype=dtype, device=self.device)
-                       for _ in range(geometry.num_layers)]
+        # One tensor, layer-major, so the whole cache is one registrable region (``LayerMajorBlocks`` layout).
+        self.storage = torch.zeros(geometry.num_layers, num_blocks, *geometry.layer_block_shape, dtype=dtype,
+                                   device=self.device)
+        self.layers = list(self.storage.unbind(0))
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[Hashable, list[int]] = {}
 
@@ -108,5 +76,5 @@ class PagedKVCache:
         """Integrity: tables are disjoint and exactly the allocator's used set."""
         self.allocator.check()
         owned = [b for t in self._tables.values() for b in t]
-        if len(owned) != len(set(owned)) or set(owned) != self.allocator._used:
+        if len(owned) != len(set(owned)) or set(owned) != self.allocator.used:
             raise AssertionError("block tables and allocator disagree")

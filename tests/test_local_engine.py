@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from dualpath import LLM, SamplingParams
 from dualpath.errors import OutOfBlocksError, RequestError
-from engines.kv_cache import BlockAllocator
+from dualpath.allocator import BlockAllocator
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 

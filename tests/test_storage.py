@@ -1,0 +1,209 @@
+"""The fs storage backend: round trips, every corrupt-input case, atomic concurrent writes, capacity, pacing."""
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from dualpath.config import StorageConfig
+from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullError
+from dualpath.geometry import KVGeometry
+from traffic.storage import ReadAccounting, make_storage
+from traffic.storage.fs import FsStorage
+
+GEOM = KVGeometry(num_layers=4, block_size=16, kv_elems_per_token=8, dtype="float32")  # 2 KiB per layer
+FP = bytes(range(16))
+
+
+def store(tmp_path, **kw):
+    return make_storage(StorageConfig(root=str(tmp_path), **kw), GEOM, FP)
+
+
+def blocks(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (GEOM.full_block_bytes,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def keys(n, salt=0):
+    return [bytes([salt]) + i.to_bytes(15, "little") for i in range(n)]
+
+
+def empty(n, nbytes=GEOM.full_block_bytes):
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(n)]
+
+
+def test_round_trip_full_blocks_and_layer_ranges(tmp_path):
+    s = store(tmp_path)
+    ks, bs = keys(5), blocks(5)
+    assert s.write(ks, bs).result() == [None] * 5
+    out = empty(5)
+    assert s.read(ks, out).result() == [None] * 5
+    assert all(torch.equal(a, b) for a, b in zip(out, bs))
+    off, n = GEOM.layer_range(1, 3)
+    part = empty(5, n)
+    assert s.read(ks, part, layers=(1, 3)).result() == [None] * 5
+    assert all(torch.equal(p, b[off:off + n]) for p, b in zip(part, bs))
+    assert s.contains(ks + keys(2, salt=9)) == [True] * 5 + [False] * 2
+    assert sorted(s.list_keys()) == sorted(ks)
+    assert s.write(ks[:1], bs[:1]).result() == [None]  # idempotent
+
+
+def test_missing_block_is_named(tmp_path):
+    s = store(tmp_path)
+    k = keys(1)[0]
+    [err] = s.read([k], empty(1)).result()
+    assert isinstance(err, BlockMissingError) and err.key == k and k.hex() in str(err)
+
+
+def corrupt(tmp_path, mutate):
+    s = store(tmp_path)
+    k, b = keys(1)[0], blocks(1)[0]
+    s.write([k], [b]).result()
+    mutate(s.path(k), s)
+    return s, k
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("short", "short read"),
+    ("data", "checksum mismatch in layer 2"),
+    ("header", "header checksum|header does not match|not a DualPath"),
+    ("magic", "not a DualPath KV block"),
+    ("empty", "short header"),
+])
+def test_corrupt_blocks_raise_typed_errors(tmp_path, case, match):
+    def mutate(path, s):
+        if case == "short":
+            path.write_bytes(path.read_bytes()[:-100])
+        elif case == "data":
+            _flip(path, s.header_size + 2 * GEOM.layer_block_bytes + 5)
+        elif case == "header":
+            _flip(path, 40)
+        elif case == "magic":
+            _flip(path, 0)
+        elif case == "empty":
+            path.write_bytes(b"")
+
+    s, k = corrupt(tmp_path, mutate)
+    [err] = s.read([k], empty(1)).result()
+    assert isinstance(err, BlockCorruptError) and err.key == k
+    assert __import__("re").search(match, str(err))
+
+
+def test_layer_range_reads_only_its_layers(tmp_path):
+    s, k = corrupt(tmp_path, lambda path, s: _flip(path, s.header_size + 3 * GEOM.layer_block_bytes + 1))
+    assert s.read([k], empty(1, GEOM.layer_range(0, 3)[1]), layers=(0, 3)).result() == [None]
+    assert isinstance(s.read([k], empty(1)).result()[0], BlockCorruptError)
+
+
+def test_foreign_fingerprint_and_renamed_block_fail_closed(tmp_path):
+    a = store(tmp_path)
+    b = make_storage(StorageConfig(root=str(tmp_path)), GEOM, bytes(16))
+    k, blk = keys(1)[0], blocks(1)[0]
+    a.write([k], [blk]).result()
+    b.path(k).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(a.path(k), b.path(k))
+    [err] = b.read([k], empty(1)).result()
+    assert isinstance(err, BlockCorruptError) and "another model" in str(err)
+    other = keys(1, salt=5)[0]
+    a.path(other).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(a.path(k), a.path(other))
+    [err] = a.read([other], empty(1)).result()
+    assert isinstance(err, BlockCorruptError) and "does not match its name" in str(err)
+
+
+def test_concurrent_writers_of_one_block_leave_one_valid_file(tmp_path):
+    k = keys(1)[0]
+    versions = blocks(8, seed=3)
+    stores = [store(tmp_path) for _ in range(8)]
+    barrier = threading.Barrier(8)
+
+    def writer(i):
+        barrier.wait()
+        stores[i]._write_one(k, versions[i])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out = empty(1)
+    assert stores[0].read([k], out).result() == [None]
+    assert any(torch.equal(out[0], v) for v in versions)
+    leftovers = [p for p in stores[0].dir.rglob("*") if p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_contains_over_ten_thousand_keys(tmp_path):
+    s = store(tmp_path)
+    small = KVGeometry(1, 1, 1, "float32")
+    tiny = FsStorage(tmp_path / "tiny", small, FP, StorageConfig())
+    present = keys(10_000)
+    tiny.write(present, [torch.zeros(small.full_block_bytes, dtype=torch.uint8)] * 10_000).result()
+    absent = keys(500, salt=7)
+    t = time.perf_counter()
+    got = tiny.contains(present + absent)
+    assert got == [True] * 10_000 + [False] * 500
+    assert time.perf_counter() - t < 10
+    assert s.contains([]) == []
+
+
+def test_full_disk_is_reported_not_raised(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        s = store(mnt)
+        results = s.write(keys(10), blocks(10)).result()
+        full = [e for e in results if e is not None]
+        assert full and all(isinstance(e, StorageFullError) for e in full)
+        assert not [p for p in s.dir.rglob("*.tmp")]
+        ok = [k for k, e in zip(keys(10), results) if e is None]
+        assert s.read(ok, empty(len(ok))).result() == [None] * len(ok)
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    per_file = GEOM.full_block_bytes + 128
+    s = store(tmp_path, capacity_bytes=6 * per_file)
+    evicted = []
+    s.set_evict_callback(evicted.extend)
+    ks, bs = keys(7), blocks(7)
+    for k, b in zip(ks[:6], bs[:6]):
+        s.write([k], [b]).result()
+        time.sleep(0.02)
+    s.read([ks[0]], empty(1)).result()  # key 0 becomes the most recently used
+    time.sleep(0.02)
+    s.write([ks[6]], [bs[6]]).result()  # 7 blocks > 6: evict down to 90% of capacity (5 blocks)
+    assert evicted == [ks[1], ks[2]]
+    assert s.usage()["used_bytes"] == 5 * per_file
+    assert s.contains(ks) == [True, False, False, True, True, True, True]
+
+
+def test_read_accounting_and_bandwidth_cap(tmp_path):
+    acct = ReadAccounting(bandwidth_bps=200_000, tokens_per_block=GEOM.block_size)
+    s = FsStorage(tmp_path, GEOM, FP, StorageConfig(io_threads=4), acct)
+    ks = keys(12)
+    s.write(ks, blocks(12)).result()
+    t = time.perf_counter()
+    fut = s.read(ks, empty(12))
+    time.sleep(0.02)
+    assert acct.snapshot().queue_tokens > 0
+    assert fut.result() == [None] * 12
+    elapsed = time.perf_counter() - t
+    expected = 12 * GEOM.full_block_bytes / 200_000  # ~0.49 s
+    assert expected * 0.7 < elapsed < expected * 2 + 0.5
+    snap = acct.snapshot()
+    assert snap.queue_tokens == 0 and snap.completed_blocks == 12
+    assert snap.completed_bytes == 12 * GEOM.full_block_bytes

@@ -1,0 +1,181 @@
+"""Planner, buffer pool, layer pipeline and verbs work requests: invariants checked on plain data."""
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dualpath.errors import OutOfBlocksError, TransportError
+from dualpath.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
+from traffic.buffer import BufferPool
+from traffic.manager import LayerPipeline
+from traffic.memory import HostMemory
+from traffic.planner import merge_segments, plan_segments
+from traffic.transport.base import Op, Segment
+
+GEOM = KVGeometry(num_layers=3, block_size=4, kv_elems_per_token=2, dtype="float32")  # 8 B/token, 32 B/layer block
+
+
+def byte_map(segments):
+    out = {}
+    for s in segments:
+        for i in range(s.nbytes):
+            key = (s.local_region, s.local_offset + i)
+            assert key not in out, "segments overlap on the local side"
+            out[key] = (s.remote_region, s.remote_offset + i)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_planned_segments_cover_exactly_the_requested_bytes(data):
+    n = data.draw(st.integers(1, 6))
+    local_slots = data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n, unique=True))
+    remote_slots = data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n, unique=True))
+    layers = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True))
+    first = data.draw(st.integers(0, n * 4))
+    last = data.draw(st.integers(first, n * 4))
+    local = data.draw(st.sampled_from([FullBlockSlots(GEOM, 8), LayerMajorBlocks(GEOM, 8)]))
+    remote = data.draw(st.sampled_from([FullBlockSlots(GEOM, 8), LayerMajorBlocks(GEOM, 8)]))
+    segs = plan_segments(1, local, local_slots, 2, remote, remote_slots, layers, (first, last))
+    expected = {}
+    for layer in layers:
+        for tok in range(first, last):
+            j, t = divmod(tok, 4)
+            for b in range(GEOM.token_bytes):
+                lo = local.offset(local_slots[j], layer) + t * 8 + b
+                expected[(1, lo)] = (2, remote.offset(remote_slots[j], layer) + t * 8 + b)
+    assert byte_map(segs) == expected
+    assert all(s.nbytes > 0 for s in segs)
+    # merged: no two segments continue each other on both sides
+    assert merge_segments(segs) == segs
+
+
+def test_contiguous_runs_merge_into_one_segment():
+    segs = plan_segments(1, FullBlockSlots(GEOM, 8), [2, 3, 4], 2, FullBlockSlots(GEOM, 8), [5, 6, 7], range(3))
+    assert segs == [Segment(1, 2 * 96, 2, 5 * 96, 3 * 96)]
+    paged = plan_segments(1, LayerMajorBlocks(GEOM, 8), [0, 1], 2, LayerMajorBlocks(GEOM, 8), [4, 5], [1])
+    assert paged == [Segment(1, 8 * 32, 2, 12 * 32, 64)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 4)), max_size=40))
+def test_buffer_pool_never_overlaps_or_leaks(ops):
+    pool = BufferPool(GEOM, 8, HostMemory(8 * GEOM.full_block_bytes))
+    held = {}
+    for owner, n in ops:
+        if n == 0:
+            freed = pool.free_owner(owner)
+            assert freed == len(held.pop(owner, []))
+        else:
+            try:
+                held.setdefault(owner, []).extend(pool.allocate(n, owner))
+            except OutOfBlocksError:
+                assert pool.num_free < n
+        pool.check()
+        flat = [s for v in held.values() for s in v]
+        assert len(flat) == len(set(flat)) and pool.num_free + len(flat) == 8
+        assert {o: sorted(v) for o, v in pool.leaks().items()} == {o: sorted(v) for o, v in held.items() if v}
+
+
+def test_buffer_slot_views_follow_the_full_block_layout():
+    pool = BufferPool(GEOM, 4, HostMemory(4 * GEOM.full_block_bytes))
+    pool.memory.tensor.copy_(torch.arange(pool.memory.nbytes) % 251)
+    s = pool.slot_bytes(2)
+    assert s.data_ptr() - pool.memory.address == 2 * GEOM.full_block_bytes
+    rows = pool.layer_rows([3, 1], layer=2)
+    assert rows.shape == (8, 2)
+    raw = rows.view(torch.uint8).reshape(-1)
+    start = FullBlockSlots(GEOM, 4).offset(3, 2)
+    assert torch.equal(raw[:32], pool.memory.tensor[start:start + 32])
+
+
+class FakeHandle:
+    """Test double for a transfer: completes after ``delay`` seconds, or fails."""
+
+    def __init__(self, delay=0.0, fail=False):
+        self.ready = time.perf_counter() + delay
+        self.fail = fail
+
+    def wait(self, timeout=None):
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        if self.fail:
+            raise TransportError("boom")
+
+    def add_done_callback(self, fn):
+        threading.Timer(max(0.0, self.ready - time.perf_counter()), fn).start()
+
+
+def test_layer_pipeline_prefetches_ahead_and_overlaps():
+    issued, events = [], []
+    lock = threading.Lock()
+
+    def fetch(layer):
+        with lock:
+            issued.append(layer)
+        return FakeHandle(0.05)
+
+    pipe = LayerPipeline(6, fetch, lambda layer: FakeHandle(0.0), depth=1)
+    t = time.perf_counter()
+    pipe.begin()
+    assert issued == [0, 1]
+    for layer in range(6):
+        pipe.wait_layer(layer)
+        events.append(("compute", layer, list(issued)))
+        time.sleep(0.05)  # compute as long as a fetch: fetches hide behind it
+        pipe.layer_done(layer)
+    pipe.finish()
+    elapsed = time.perf_counter() - t
+    assert issued == list(range(6))
+    assert events[0][2] == [0, 1]  # layer 1 is in flight while layer 0 computes
+    assert events[1][2] == [0, 1, 2]  # layer 2 went out once layer 0 was done with its slot
+    assert elapsed < 6 * 0.05 + 0.05 + 0.1  # not 6 × (fetch + compute)
+
+
+def test_layer_pipeline_reports_failed_sends_at_finish():
+    pipe = LayerPipeline(2, lambda layer: None, lambda layer: FakeHandle(fail=layer == 1))
+    pipe.begin()
+    for layer in range(2):
+        pipe.wait_layer(layer)
+        pipe.layer_done(layer)
+    with pytest.raises(TransportError, match="boom"):
+        pipe.finish()
+
+
+def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_requests():
+    pytest.importorskip("traffic.transport.verbs")
+    from dualpath.config import TransportConfig
+    from dualpath.errors import ConfigError
+    from traffic.transport.base import Priority
+    from traffic.transport.verbs import QPInfo, import_pyverbs, qp_attr, work_requests
+
+    try:
+        pv = import_pyverbs()
+    except ConfigError:
+        pytest.skip("pyverbs is not installed (apt install python3-pyverbs)")
+    e = pv.enums
+    cfg = TransportConfig(name="verbs", kv_service_level=5, kv_traffic_class=96)
+    remote = QPInfo(qp_num=77, lid=3, gid="", psn=1234)
+    low = qp_attr(cfg, Priority.LOW, remote)
+    assert low.ah_attr.sl == 5 and low.dest_qp_num == 77 and low.rq_psn == 1234 and low.ah_attr.dlid == 3
+    assert qp_attr(cfg, Priority.HIGH, remote).ah_attr.sl == 0
+    roce = qp_attr(cfg, Priority.LOW, QPInfo(78, 0, "fe80:0000:0000:0000:0000:0000:0000:0001", 5))
+    assert roce.ah_attr.is_global == 1 and roce.ah_attr.traffic_class == 96
+    segs = [Segment(1, 0, 9, 4096, 100), Segment(2, 64, 9, 0, 50)]
+    wrs = work_requests(Op.READ, segs, {1: (1000, 11), 2: (5000, 22)}, {9: (1 << 20, 99)})
+    assert [w.opcode for w in wrs] == [e.IBV_WR_RDMA_READ] * 2
+    assert [w.num_sge for w in wrs] == [1, 1]
+    assert wrs[0].send_flags == 0 and wrs[1].send_flags == e.IBV_SEND_SIGNALED
+    assert [w.wr_id for w in wrs] == [0, 1]
+    writes = work_requests(Op.WRITE, segs[:1], {1: (1000, 11)}, {9: (1 << 20, 99)})
+    assert writes[0].opcode == e.IBV_WR_RDMA_WRITE
+
+
+def test_verbs_without_a_device_is_a_clear_error():
+    from dualpath.config import TransportConfig
+    from dualpath.errors import ConfigError
+    from traffic.transport import make_transport
+
+    with pytest.raises(ConfigError, match="RDMA|pyverbs"):
+        make_transport(TransportConfig(name="verbs"), "me")

@@ -1,0 +1,1 @@
+"""The data plane: KV storage, DRAM buffers, transports with priority classes, and the traffic manager."""

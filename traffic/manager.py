@@ -1,0 +1,208 @@
+"""The traffic manager: one per engine, it moves KV between storage, the engine's DRAM buffer, its device memory
+and peer engines' buffers, and counts every byte by path and class.
+
+Who calls it: the engine (prefill: load hit blocks, per-layer reads and writes through a ``LayerPipeline``;
+decode: load, receive, persist filled blocks). What it may not do: decide what to move (the engine and the
+scheduler do) or interpret KV beyond the block geometry.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dualpath.errors import DualPathError, TransferTimeoutError
+from dualpath.geometry import BlockHash, BlockLayout, KVGeometry
+from traffic.buffer import BufferPool
+from traffic.planner import plan_segments
+from traffic.storage.base import Results, StorageBackend
+from traffic.transport.base import Op, Priority, TransferHandle, Transport
+
+
+class Waitable(Protocol):
+    def wait(self, timeout: float | None = None) -> None: ...
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None: ...
+
+
+class FutureHandle:
+    """A storage future seen as a transfer handle: ``wait`` raises the first per-key error."""
+
+    def __init__(self, future: "Future[Results]"):
+        self.future = future
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            results = self.future.result(timeout)
+        except TimeoutError:
+            raise TransferTimeoutError(f"storage operation not done after {timeout} s") from None
+        errors = [e for e in results if e is not None]
+        if errors:
+            raise errors[0]
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self.future.add_done_callback(lambda _: fn())
+
+
+class Counted:
+    """A handle that adds its bytes to a counter once it completes."""
+
+    def __init__(self, inner: Waitable, on_done: Callable[[], None]):
+        self.inner, self._on_done, self._counted = inner, on_done, False
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.inner.wait(timeout)
+        if not self._counted:
+            self._counted = True
+            self._on_done()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self.inner.add_done_callback(fn)
+
+
+@dataclass(frozen=True)
+class PeerRegion:
+    """A peer's region and how blocks are laid out in it."""
+
+    peer: str
+    region_id: int
+    layout: BlockLayout
+
+
+class TrafficManager:
+    def __init__(self, geometry: KVGeometry, storage: StorageBackend, buffer: BufferPool, transport: Transport,
+                 buffer_region: int):
+        self.geometry, self.storage, self.buffer, self.transport = geometry, storage, buffer, transport
+        self.buffer_region = buffer_region
+        self.bytes = Counter()  # (path, class) -> bytes; paths: storage_read, storage_write, peer_read, ...
+        self._lock = threading.Lock()
+
+    def count(self, path: str, nbytes: int, klass: str = "kv") -> None:
+        with self._lock:
+            self.bytes[(path, klass)] += nbytes
+
+    # --- storage --------------------------------------------------------------------------------------------
+    def load(self, keys: Sequence[BlockHash], slots: Sequence[int], path: str = "storage_read") -> "Future[Results]":
+        """Read hit blocks from storage into buffer ``slots`` (all layers). Per-key results."""
+        dests = [self.buffer.slot_bytes(s) for s in slots]
+        fut = self.storage.read(keys, dests)
+        fb = self.geometry.full_block_bytes
+        fut.add_done_callback(lambda f: self.count(path, fb * sum(e is None for e in f.result())))
+        return fut
+
+    def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> "Future[Results]":
+        """Write Full Blocks (host uint8 tensors, e.g. buffer slots) to storage."""
+        fut = self.storage.write(keys, blocks)
+        fb = self.geometry.full_block_bytes
+        fut.add_done_callback(lambda f: self.count("storage_write", fb * sum(e is None for e in f.result())))
+        return fut
+
+    # --- local buffer -> device ------------------------------------------------------------------------------
+    def layer_to_device(self, slots: Sequence[int], layer: int, out: torch.Tensor,
+                        stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy ``layer`` of buffer ``slots`` into ``out`` (``[len(slots) × block_size, kv_elems]`` on any device);
+        on CUDA the copy is issued on ``stream`` from pinned memory and does not block the host."""
+        g, lb = self.geometry, self.geometry.layer_block_bytes
+        flat = out.view(torch.uint8).reshape(len(slots), lb)
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+        with ctx:
+            for i, s in enumerate(slots):
+                off = self.buffer.layout.offset(s, layer)
+                flat[i].copy_(self.buffer.memory.tensor[off:off + lb], non_blocking=out.is_cuda)
+        self.count("buffer_to_device", len(slots) * lb)
+
+    # --- peers ----------------------------------------------------------------------------------------------
+    def move_layers(self, op: Op, local_region: int, local_layout: BlockLayout, local_slots: Sequence[int],
+                    remote: PeerRegion, remote_slots: Sequence[int], layers: Sequence[int],
+                    tokens: tuple[int, int] | None = None, priority: Priority = Priority.LOW,
+                    path: str | None = None) -> Waitable:
+        """One-sided READ (peer -> us) or WRITE (us -> peer) of ``layers`` of the given blocks and tokens."""
+        segments = plan_segments(local_region, local_layout, local_slots, remote.region_id, remote.layout,
+                                 remote_slots, layers, tokens)
+        handle = self.transport.submit(remote.peer, op, segments, priority)
+        label = path or ("peer_read" if op is Op.READ else "peer_write")
+        klass = "kv" if priority is Priority.LOW else "control"
+        return Counted(handle, lambda: self.count(label, handle.nbytes, klass))
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f"{p}:{k}": v for (p, k), v in self.bytes.items()}
+
+
+class LayerPipeline:
+    """The per-layer contract between an engine and its traffic: ``begin``, then per layer ``wait_layer(l)``
+    before it computes and ``layer_done(l)`` after, then ``finish``.
+
+    ``fetch(l)`` starts moving layer ``l``'s KV in (or returns None when there is nothing to fetch) and
+    ``send(l)`` starts moving layer ``l``'s results out. ``depth + 1`` layers are fetched ahead, so layer l+1's KV
+    is in flight while layer l computes; a workspace of ``depth + 1`` layer slots suffices because layer
+    ``l + depth + 1`` is fetched (into layer l's slot) only once layer l's send has completed, so the engine may
+    send straight from the slot. Every wait is bounded by ``timeout``; a failed transfer raises in the engine's
+    thread at the next ``wait_layer`` or at ``finish``.
+    """
+
+    def __init__(self, num_layers: int, fetch: Callable[[int], Waitable | None],
+                 send: Callable[[int], Waitable | None], depth: int = 1, timeout: float = 60.0):
+        self.num_layers, self.fetch, self.send, self.depth, self.timeout = num_layers, fetch, send, depth, timeout
+        self._fetches: dict[int, Waitable | None] = {}
+        self._cond = threading.Condition()
+        self._sends: list[Waitable] = []
+        self._issue_error: BaseException | None = None
+        self.wait_time = 0.0  # seconds the engine spent blocked on fetches
+
+    def _issue(self, layer: int) -> None:
+        try:
+            handle = self.fetch(layer)
+        except BaseException as e:  # noqa: BLE001 - may run in a transport thread: hand it to the engine
+            handle, self._issue_error = None, e
+        with self._cond:
+            self._fetches[layer] = handle
+            self._cond.notify_all()
+
+    def begin(self) -> None:
+        for layer in range(min(self.depth + 1, self.num_layers)):
+            self._issue(layer)
+
+    def wait_layer(self, layer: int) -> None:
+        t = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: layer in self._fetches, self.timeout):
+                raise TransferTimeoutError(f"layer {layer} was never fetched within {self.timeout} s")
+            handle = self._fetches.pop(layer)
+        if self._issue_error is not None:
+            raise self._issue_error
+        if handle is not None:
+            handle.wait(self.timeout)
+        self.wait_time += time.perf_counter() - t
+
+    def layer_done(self, layer: int) -> None:
+        handle = self.send(layer)
+        nxt = layer + self.depth + 1
+        if handle is not None:
+            self._sends.append(handle)
+        if nxt >= self.num_layers:
+            return
+        if handle is None:
+            self._issue(nxt)
+        else:
+            handle.add_done_callback(lambda: self._issue(nxt))
+
+    def finish(self) -> None:
+        errors = []
+        for h in self._sends:
+            try:
+                h.wait(self.timeout)
+            except DualPathError as e:
+                errors.append(e)
+        self._sends.clear()
+        if errors:
+            raise errors[0]

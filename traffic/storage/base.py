@@ -1,0 +1,56 @@
+"""The storage contract: batched, asynchronous operations on Full Blocks named by their block hash.
+
+Who calls it: an engine's traffic manager (reads of hit blocks, writes of filled blocks) and the scheduler's
+index rebuild (``list_keys``). What an implementation may not do: return wrong bytes. A missing, short,
+foreign or corrupt block is reported per key as a typed error (``BlockMissingError``, ``BlockCorruptError``),
+so the engine recomputes those tokens instead; a full disk is reported (``StorageFullError``), never raised
+into the caller's thread.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from dualpath.errors import StorageError
+from dualpath.geometry import BlockHash
+
+# Per key: None when the operation succeeded, else the error that names the block.
+Results = list[StorageError | None]
+
+
+class StorageBackend(ABC):
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Which keys are stored (a cheap metadata check; the bytes may still fail their checksum on read)."""
+
+    @abstractmethod
+    def read(self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor],
+             layers: tuple[int, int] | None = None) -> "Future[Results]":
+        """Read each key's Full Block (or only layers ``[first, last)``) into the matching uint8 tensor, which
+        holds exactly those bytes. Resolves to per-key results; a failed key's destination bytes are undefined."""
+
+    @abstractmethod
+    def write(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> "Future[Results]":
+        """Store Full Blocks atomically and idempotently (writing an existing key is a no-op)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockHash]) -> "Future[Results]":
+        """Remove keys; removing a missing key is not an error."""
+
+    @abstractmethod
+    def list_keys(self) -> Iterator[BlockHash]:
+        """Every stored key of this model fingerprint (to rebuild an index at start)."""
+
+    @abstractmethod
+    def usage(self) -> dict:
+        """``{"used_bytes", "capacity_bytes", "num_blocks"}``."""
+
+    def set_evict_callback(self, callback: Callable[[list[BlockHash]], None]) -> None:
+        """Called with keys evicted to stay under capacity (so an index can forget them)."""
+        self._on_evict = callback
+
+    def close(self) -> None:
+        """Finish queued work and release resources."""

@@ -1,0 +1,303 @@
+"""``fs``: one file per Full Block under a root directory (local disk, or a shared mount: 3FS FUSE, Lustre,
+GPFS, NFS).
+
+File: ``<root>/<fingerprint>/<hash[:2]>/<hash>.kv`` = a header (magic, format version, header size, layer
+count, bytes per layer, model fingerprint, block hash, an xxh3-64 checksum per layer, and a checksum of the
+header itself), then the Layer Blocks, layer-major. A layer range is read with one ``preadv`` of exactly
+those bytes, straight into the caller's buffer, and verified by the per-layer checksums. Writes go to a
+temporary file that is renamed into place, so readers see a whole block or none, and concurrent writers of one
+block leave one valid file. Past ``capacity_bytes``, the least recently used blocks are evicted (reads touch
+their file's mtime, so the order holds across processes sharing the directory).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import xxhash
+
+from dualpath.config import StorageConfig
+from dualpath.errors import BlockCorruptError, BlockMissingError, StorageError, StorageFullError
+from dualpath.geometry import HASH_BYTES, BlockHash, KVGeometry
+from traffic.storage.accounting import ReadAccounting
+from traffic.storage.base import Results, StorageBackend
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DPKV"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct(f"<4sHHIQ{HASH_BYTES}s{HASH_BYTES}s")  # magic, version, header bytes, layers, layer bytes,
+# fingerprint, key; then one u64 checksum per layer, then a u64 checksum of everything before it.
+
+
+def layer_checksums(block: torch.Tensor, layer_bytes: int) -> list[int]:
+    """xxh3-64 of each consecutive ``layer_bytes`` run of a host uint8 tensor."""
+    arr = block.numpy()
+    return [xxhash.xxh3_64_intdigest(arr[i:i + layer_bytes]) for i in range(0, arr.size, layer_bytes)]
+
+
+def header_bytes(geometry: KVGeometry) -> int:
+    n = _HEAD.size + 8 * geometry.num_layers + 8
+    return -(-n // 64) * 64
+
+
+def pack_header(geometry: KVGeometry, fingerprint: BlockHash, key: BlockHash, block: torch.Tensor) -> bytes:
+    lb, size = geometry.layer_block_bytes, header_bytes(geometry)
+    sums = layer_checksums(block, lb)
+    body = _HEAD.pack(MAGIC, FORMAT_VERSION, size, geometry.num_layers, lb, fingerprint, key) + \
+        struct.pack(f"<{len(sums)}Q", *sums)
+    body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return body.ljust(size, b"\0")
+
+
+class FsStorage(StorageBackend):
+    def __init__(self, root: Path, geometry: KVGeometry, fingerprint: BlockHash, config: StorageConfig,
+                 accounting: ReadAccounting | None = None):
+        self.geometry, self.fingerprint, self.config = geometry, fingerprint, config
+        self.dir = Path(root) / fingerprint.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.accounting = accounting or ReadAccounting(config.read_bandwidth_bps, geometry.block_size)
+        self.header_size = header_bytes(geometry)
+        self.file_bytes = self.header_size + geometry.full_block_bytes
+        self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
+        self._lock = threading.Lock()
+        self._used = sum(1 for _ in self.list_keys()) * self.file_bytes
+        self._on_evict = None
+
+    # --- paths ----------------------------------------------------------------------------------------------
+    def path(self, key: BlockHash) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}.kv"
+
+    def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
+        return [self.path(k).is_file() for k in keys]
+
+    def list_keys(self) -> Iterator[BlockHash]:
+        for sub in os.scandir(self.dir):
+            if sub.is_dir() and len(sub.name) == 2:
+                for f in os.scandir(sub.path):
+                    if f.name.endswith(".kv") and len(f.name) == 2 * HASH_BYTES + 3:
+                        yield bytes.fromhex(f.name[:-3])
+
+    def usage(self) -> dict:
+        with self._lock:
+            used = self._used
+        return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
+                "num_blocks": used // self.file_bytes}
+
+    # --- reads ----------------------------------------------------------------------------------------------
+    def read(self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor],
+             layers: tuple[int, int] | None = None) -> "Future[Results]":
+        first, last = layers if layers is not None else (0, self.geometry.num_layers)
+        offset, nbytes = self.geometry.layer_range(first, last)
+        for t in into:
+            if t.numel() != nbytes or t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"read destinations must be contiguous host uint8 tensors of {nbytes} bytes")
+        self.accounting.enqueue(len(keys), nbytes * len(keys))
+        # One task per I/O thread, each reading its share of the blocks in order: per-block tasks cost more in
+        # scheduling than a page-cache read of a block takes.
+        groups = _split(list(zip(keys, into)), self._pool._max_workers)
+        futures = [self._pool.submit(lambda g: [self._read_one(k, t, first, last, offset) for k, t in g], g)
+                   for g in groups]
+        return _gather(futures, flatten=True)
+
+    def _read_one(self, key: BlockHash, dest: torch.Tensor, first: int, last: int, offset: int):
+        nbytes = dest.numel()
+        self.accounting.start(nbytes)
+        error = None
+        try:
+            self._read_block(key, dest, first, last, offset)
+        except StorageError as e:
+            error = e
+        except OSError as e:
+            error = StorageError(f"block {key.hex()}: {e}", key)
+        self.accounting.finish(nbytes, ok=error is None)
+        return error
+
+    def _read_block(self, key: BlockHash, dest: torch.Tensor, first: int, last: int, offset: int) -> None:
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise BlockMissingError(f"block {key.hex()} is not in storage", key) from None
+        try:
+            header = bytearray(self.header_size)
+            if self._pread(fd, [header], 0) != self.header_size:
+                raise BlockCorruptError(f"block {key.hex()}: short header", key)
+            sums = self._check_header(key, bytes(header))
+            got = self._pread(fd, [dest.numpy()], self.header_size + offset)
+            if got != dest.numel():
+                raise BlockCorruptError(f"block {key.hex()}: short read ({got} of {dest.numel()} bytes)", key)
+        finally:
+            os.close(fd)
+        for layer, got_sum in zip(range(first, last), layer_checksums(dest, self.geometry.layer_block_bytes)):
+            if got_sum != sums[layer]:
+                raise BlockCorruptError(f"block {key.hex()}: checksum mismatch in layer {layer}", key)
+        try:
+            os.utime(path)  # recency for LRU eviction, seen by every process sharing the directory
+        except OSError:
+            pass
+
+    @staticmethod
+    def _pread(fd: int, buffers: list, offset: int) -> int:
+        """Fill ``buffers`` from ``offset``; returns bytes read (short at end of file)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        total, want = 0, sum(v.nbytes for v in views)
+        while total < want:
+            n = os.preadv(fd, _tail(views, total), offset + total)
+            if n == 0:
+                break
+            total += n
+        return total
+
+    def _check_header(self, key: BlockHash, header: bytes) -> tuple[int, ...]:
+        g = self.geometry
+        magic, version, size, layers, lb, fp, stored_key = _HEAD.unpack_from(header)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            raise BlockCorruptError(f"block {key.hex()}: not a DualPath KV block (format {version})", key)
+        if fp != self.fingerprint:
+            raise BlockCorruptError(f"block {key.hex()}: stored by another model (fingerprint {fp.hex()})", key)
+        if stored_key != key or size != self.header_size or layers != g.num_layers or lb != g.layer_block_bytes:
+            raise BlockCorruptError(f"block {key.hex()}: header does not match its name or geometry", key)
+        end = _HEAD.size + 8 * layers
+        if struct.unpack_from("<Q", header, end)[0] != xxhash.xxh3_64_intdigest(header[:end]):
+            raise BlockCorruptError(f"block {key.hex()}: header checksum mismatch", key)
+        return struct.unpack_from(f"<{layers}Q", header, _HEAD.size)
+
+    # --- writes ---------------------------------------------------------------------------------------------
+    def write(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> "Future[Results]":
+        for b in blocks:
+            if b.numel() != self.geometry.full_block_bytes or b.dtype != torch.uint8 or b.device.type != "cpu":
+                raise ValueError(f"blocks must be host uint8 tensors of {self.geometry.full_block_bytes} bytes")
+        return _gather([self._pool.submit(self._write_one, k, b) for k, b in zip(keys, blocks)])
+
+    def _write_one(self, key: BlockHash, block: torch.Tensor) -> StorageError | None:
+        path = self.path(key)
+        if path.exists():
+            return None
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            self._write_file(tmp, pack_header(self.geometry, self.fingerprint, key, block), block)
+            os.rename(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return StorageFullError(f"block {key.hex()}: storage is full ({e.strerror})", key)
+            return StorageError(f"block {key.hex()}: write failed: {e}", key)
+        with self._lock:
+            self._used += self.file_bytes
+            over = self.config.capacity_bytes and self._used > self.config.capacity_bytes
+        if over:
+            self._evict()
+        return None
+
+    def _write_file(self, path: Path, header: bytes, block: torch.Tensor) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            data = [memoryview(header), memoryview(block.numpy())]
+            written, want = 0, len(header) + block.numel()
+            while written < want:
+                written += os.pwritev(fd, _tail(data, written), written)
+            if self.config.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _evict(self) -> None:
+        """Rescan (other processes write here too) and remove least recently used blocks to 90% of capacity."""
+        with self._lock:
+            entries = []
+            for key in self.list_keys():
+                try:
+                    entries.append((self.path(key).stat().st_mtime, key))
+                except FileNotFoundError:
+                    continue
+            self._used = len(entries) * self.file_bytes
+            target = int(self.config.capacity_bytes * 0.9)
+            evicted = []
+            for _, key in sorted(entries):
+                if self._used <= target:
+                    break
+                _unlink(self.path(key))
+                self._used -= self.file_bytes
+                evicted.append(key)
+        if evicted:
+            log.info("evicted %d blocks to stay under %d bytes", len(evicted), self.config.capacity_bytes)
+            if self._on_evict:
+                self._on_evict(evicted)
+
+    def delete(self, keys: Sequence[BlockHash]) -> "Future[Results]":
+        def one(key):
+            if _unlink(self.path(key)):
+                with self._lock:
+                    self._used -= self.file_bytes
+            return None
+
+        return _gather([self._pool.submit(one, k) for k in keys])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    out = []
+    for b in buffers:
+        if skip >= b.nbytes:
+            skip -= b.nbytes
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _split(items: list, n: int) -> list[list]:
+    """``items`` in at most ``n`` contiguous groups of near-equal size."""
+    n = max(1, min(n, len(items)))
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _gather(futures: list[Future], flatten: bool = False) -> "Future[Results]":
+    """One future resolving to every future's result, in order (concatenated when ``flatten``)."""
+    out: Future = Future()
+    if not futures:
+        out.set_result([])
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                results = [f.result() for f in futures]
+                out.set_result([r for group in results for r in group] if flatten else results)
+            except BaseException as e:  # noqa: BLE001 - an unexpected bug in a worker
+                out.set_exception(e)
+
+    for f in futures:
+        f.add_done_callback(done)
+    return out

@@ -1,0 +1,33 @@
+"""Transports by name: ``local``, ``shm``, ``ucx``, ``nixl``, ``verbs``."""
+from __future__ import annotations
+
+from dualpath.config import TransportConfig
+from dualpath.errors import ConfigError
+from traffic.transport.base import Op, Priority, RegionDesc, Segment, TransferHandle, Transport
+
+TRANSPORTS = ("local", "shm", "ucx", "nixl", "verbs")
+
+
+def make_transport(config: TransportConfig, endpoint: str, **kwargs) -> Transport:
+    """Build the transport named by ``config.name``; a backend whose library is missing raises ``ConfigError``
+    naming what to install."""
+    name = config.name
+    if name == "local":
+        from traffic.transport.local import LocalTransport
+        return LocalTransport(config, endpoint, **kwargs)
+    if name == "shm":
+        from traffic.transport.shm import ShmTransport
+        return ShmTransport(config, endpoint)
+    if name == "ucx":
+        from traffic.transport.ucx import UcxTransport
+        return UcxTransport(config, endpoint)
+    if name == "nixl":
+        from traffic.transport.nixl import NixlTransport
+        return NixlTransport(config, endpoint)
+    if name == "verbs":
+        from traffic.transport.verbs import VerbsTransport
+        return VerbsTransport(config, endpoint)
+    raise ConfigError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
+
+
+__all__ = ["Op", "Priority", "RegionDesc", "Segment", "TransferHandle", "Transport", "make_transport", "TRANSPORTS"]
