@@ -39,6 +39,41 @@ def cmd_convert_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from dualpath.config import SchedulerConfig
+    from engines.main import run_scheduler
+
+    run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
+                                  policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
+                                  max_queued_requests=args.max_queued), args.ready_file)
+    return 0
+
+
+def engine_config(args: argparse.Namespace):
+    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
+
+    cost = tuple(float(x) for x in args.cost_model.split(",")) if args.cost_model else None
+    return EngineProcessConfig(
+        role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
+        node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
+        engine=EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                            cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
+        transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
+                                  kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
+        storage=StorageConfig(backend=args.storage_backend, root=args.kv_store,
+                              capacity_bytes=args.storage_capacity, read_bandwidth_bps=args.storage_read_bps),
+        buffer_bytes=args.buffer_bytes, workspace_tokens=args.workspace_tokens,
+        compute_quota_s=args.compute_quota_ms / 1000, pull_interval_s=args.pull_interval, cost_model=cost,
+        max_model_len=args.max_model_len, torch_threads=args.torch_threads)
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from engines.main import run_engine
+
+    run_engine(engine_config(args), args.ready_file)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dualpath", description=__doc__)
     ap.add_argument("--log-level", default="INFO")
@@ -57,6 +92,49 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.set_defaults(func=cmd_generate)
+
+    sc = sub.add_parser("scheduler", help="run the central scheduler (gRPC)")
+    sc.add_argument("--host", default="0.0.0.0")
+    sc.add_argument("--port", type=int, default=50051)
+    sc.add_argument("--kv-store", help="the KV store directory engines use (to rebuild the block index)")
+    sc.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
+    sc.add_argument("--policy", default="least-loaded")
+    sc.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    sc.add_argument("--max-queued", type=int, default=4096)
+    sc.add_argument("--ready-file", help=argparse.SUPPRESS)
+    sc.set_defaults(func=cmd_scheduler)
+
+    e = sub.add_parser("engine", help="run one prefill or decode engine (one per device)")
+    e.add_argument("--role", required=True, choices=["prefill", "decode"])
+    e.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--scheduler", required=True, help="scheduler host:port")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--engine-id", default="")
+    e.add_argument("--node-id", default="", help="engines on one node share its storage NIC (default: own node)")
+    e.add_argument("--group-id", default="", help="engine group (default: a group of its own)")
+    e.add_argument("--host", default="127.0.0.1", help="address peers reach this engine at")
+    e.add_argument("--port", type=int, default=0)
+    e.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
+    e.add_argument("--kv-service-level", type=int, default=2)
+    e.add_argument("--kv-traffic-class", type=int, default=0)
+    e.add_argument("--rdma-device", default=None)
+    e.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
+    e.add_argument("--storage-backend", default="fs", choices=["fs", "hf3fs"])
+    e.add_argument("--storage-capacity", type=int, default=0, help="bytes kept before LRU eviction (0: no cap)")
+    e.add_argument("--storage-read-bps", type=float, default=0.0, help="cap this node's storage reads (bytes/s)")
+    e.add_argument("--block-size", type=int, default=64)
+    e.add_argument("--buffer-bytes", type=int, default=256 << 20)
+    e.add_argument("--cache-bytes", type=int, default=1 << 30, help="paged KV cache size (decode engines)")
+    e.add_argument("--workspace-tokens", type=int, default=16384, help="KV tokens per layer slot (prefill)")
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--compute-quota-ms", type=float, default=300.0)
+    e.add_argument("--cost-model", default=None, help="fixed,per_token,attention seconds (skips profiling)")
+    e.add_argument("--pull-interval", type=float, default=0.02)
+    e.add_argument("--max-model-len", type=int, default=0)
+    e.add_argument("--torch-threads", type=int, default=0)
+    e.add_argument("--ready-file", help=argparse.SUPPRESS)
+    e.set_defaults(func=cmd_engine)
 
     c = sub.add_parser("convert-default-model", help="convert SmolLM2-135M-Instruct from its GGUF (done once)")
     c.add_argument("--dir", help="models directory (default: the user cache directory)")

@@ -265,3 +265,52 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The central scheduler. ``mode`` picks read paths (dualpath, pe, de, basic, split); ``policy`` places
+    requests; an engine silent for ``heartbeat_timeout_s`` is declared dead and its requests re-queued."""
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    kv_store: str | None = None
+    mode: str = "dualpath"
+    policy: str = "least-loaded"
+    heartbeat_timeout_s: float = 10.0
+    max_queued_requests: int = 4096
+    max_attempts: int = 3
+
+
+@dataclass(frozen=True)
+class EngineProcessConfig:
+    """One engine process: its role, where it reports, and the sizes of what it holds.
+
+    ``buffer_bytes`` is the DRAM buffer (Full Block slots); decode engines size their paged device cache from
+    ``engine.cache``; prefill engines hold ``workspace_tokens`` of KV per layer slot (two slots: the layer computing
+    and the next one arriving). ``compute_quota_s`` bounds a prefill batch's predicted time; ``cost_model`` gives
+    the prediction's coefficients ``(fixed, per_token, attention)`` instead of profiling at start.
+    """
+
+    role: str
+    model: str
+    scheduler: str
+    engine_id: str = ""
+    node_id: str = ""
+    group_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    buffer_bytes: int = 256 << 20
+    workspace_tokens: int = 16384
+    compute_quota_s: float = 0.3
+    pull_interval_s: float = 0.02
+    cost_model: tuple[float, float, float] | None = None
+    max_model_len: int = 0
+    torch_threads: int = 0  # 0: torch's default
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role must be prefill or decode, got {self.role!r}")

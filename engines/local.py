@@ -49,7 +49,7 @@ class ModelRunner:
 class LocalEngine:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, free_finished: bool = True):
         self.runner = ModelRunner(model, cache)
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -57,6 +57,7 @@ class LocalEngine:
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.eos_ids = model.config.eos_token_ids
         self.tokenizer = tokenizer
+        self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -72,6 +73,11 @@ class LocalEngine:
         if seq.params.stop and self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         self.waiting.append(seq)
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Run a sequence whose prompt KV is already in the cache (``num_computed`` set, blocks reserved): the
+        decode engine's entry, after a prefill engine handed the prompt over."""
+        self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -109,7 +115,8 @@ class LocalEngine:
     def _release(self, s: Sequence) -> None:
         if s in self.running:
             self.running.remove(s)
-        self.cache.free(s.seq_id)
+        if self.free_finished:
+            self.cache.free(s.seq_id)
         self._detok.pop(s.seq_id, None)
 
     def _check_stop_strings(self, s: Sequence, token: int) -> None:

@@ -192,7 +192,7 @@ def test_capacity_evicts_least_recently_used(tmp_path):
 
 
 def test_read_accounting_and_bandwidth_cap(tmp_path):
-    acct = ReadAccounting(bandwidth_bps=200_000, tokens_per_block=GEOM.block_size)
+    acct = ReadAccounting(bandwidth_bps=200_000, bytes_per_token=GEOM.full_block_bytes / GEOM.block_size)
     s = FsStorage(tmp_path, GEOM, FP, StorageConfig(io_threads=4), acct)
     ks = keys(12)
     s.write(ks, blocks(12)).result()

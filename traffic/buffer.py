@@ -6,6 +6,7 @@ allocated per owner (a request id) so a leak names the request that leaked.
 """
 from __future__ import annotations
 
+import threading
 from typing import Hashable
 
 import torch
@@ -22,6 +23,7 @@ class BufferPool:
             raise ValueError(f"buffer memory of {memory.nbytes} bytes cannot hold {num_slots} Full Blocks")
         self.geometry, self.layout, self.memory = geometry, layout, memory
         self.allocator = BlockAllocator(num_slots)
+        self._lock = threading.Lock()  # request threads allocate while storage callbacks free
 
     @property
     def num_slots(self) -> int:
@@ -29,18 +31,22 @@ class BufferPool:
 
     @property
     def num_free(self) -> int:
-        return self.allocator.num_free
+        with self._lock:
+            return self.allocator.num_free
 
     def allocate(self, n: int, owner: Hashable) -> list[int]:
-        return self.allocator.allocate(n, owner)
+        with self._lock:
+            return self.allocator.allocate(n, owner)
 
     def free(self, slots: list[int]) -> None:
-        self.allocator.free(slots)
+        with self._lock:
+            self.allocator.free(slots)
 
     def free_owner(self, owner: Hashable) -> int:
-        slots = self.allocator.owned_by(owner)
-        self.allocator.free(slots)
-        return len(slots)
+        with self._lock:
+            slots = self.allocator.owned_by(owner)
+            self.allocator.free(slots)
+            return len(slots)
 
     def slot_bytes(self, slot: int) -> torch.Tensor:
         """The Full Block bytes of ``slot`` (a view)."""
@@ -58,8 +64,10 @@ class BufferPool:
         return flat.view(dtype).view(len(slots) * g.block_size, g.kv_elems_per_token)
 
     def check(self) -> None:
-        self.allocator.check()
+        with self._lock:
+            self.allocator.check()
 
     def leaks(self) -> dict[Hashable, list[int]]:
         """Owners still holding slots (call when nothing should be in flight)."""
-        return self.allocator.owners()
+        with self._lock:
+            return self.allocator.owners()

@@ -99,6 +99,18 @@ class TrafficManager:
         fut.add_done_callback(lambda f: self.count(path, fb * sum(e is None for e in f.result())))
         return fut
 
+    def load_layers(self, keys: Sequence[BlockHash], slots: Sequence[int]) -> list["Future[Results]"]:
+        """Read hit blocks layer by layer (layer 0 of every block first), so a layerwise prefill can compute
+        layer l while layer l+1 is still being read. One future of per-key results per layer."""
+        lb = self.geometry.layer_block_bytes
+        futures = []
+        for layer in range(self.geometry.num_layers):
+            dests = [self.buffer.slot_bytes(s)[layer * lb:(layer + 1) * lb] for s in slots]
+            fut = self.storage.read(keys, dests, layers=(layer, layer + 1))
+            fut.add_done_callback(lambda f: self.count("storage_read", lb * sum(e is None for e in f.result())))
+            futures.append(fut)
+        return futures
+
     def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> "Future[Results]":
         """Write Full Blocks (host uint8 tensors, e.g. buffer slots) to storage."""
         fut = self.storage.write(keys, blocks)
@@ -119,6 +131,15 @@ class TrafficManager:
                 off = self.buffer.layout.offset(s, layer)
                 flat[i].copy_(self.buffer.memory.tensor[off:off + lb], non_blocking=out.is_cuda)
         self.count("buffer_to_device", len(slots) * lb)
+
+    def layer_from_device(self, slots: Sequence[int], layer: int, rows: torch.Tensor) -> None:
+        """Inverse of ``layer_to_device``: whole blocks of token rows into ``layer`` of buffer ``slots``."""
+        lb = self.geometry.layer_block_bytes
+        flat = rows.contiguous().view(torch.uint8).reshape(len(slots), lb)
+        for i, s in enumerate(slots):
+            off = self.buffer.layout.offset(s, layer)
+            self.buffer.memory.tensor[off:off + lb].copy_(flat[i])
+        self.count("device_to_buffer", len(slots) * lb)
 
     # --- peers ----------------------------------------------------------------------------------------------
     def move_layers(self, op: Op, local_region: int, local_layout: BlockLayout, local_slots: Sequence[int],
@@ -206,3 +227,31 @@ class LayerPipeline:
         self._sends.clear()
         if errors:
             raise errors[0]
+
+
+class AllOf:
+    """Several waitables seen as one (``None`` entries are already done)."""
+
+    def __init__(self, handles: Sequence[Waitable | None]):
+        self.handles = [h for h in handles if h is not None]
+
+    def wait(self, timeout: float | None = None) -> None:
+        for h in self.handles:
+            h.wait(timeout)
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        if not self.handles:
+            fn()
+            return
+        remaining = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one():
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                fn()
+
+        for h in self.handles:
+            h.add_done_callback(one)

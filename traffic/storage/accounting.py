@@ -1,7 +1,7 @@
 """Storage read accounting for one node: what waits, what is in flight, what completed, and an optional cap.
 
-The scheduler balances nodes by their read queue in tokens (the paper's read_q): blocks waiting or being read,
-times tokens per block. The cap is a token bucket on bytes per second, used to emulate each node's storage NIC
+The scheduler balances nodes by their read queue in tokens (the paper's read_q): bytes waiting or being read,
+over the KV bytes of one token (all layers), so a layer-range read counts for its share of its tokens. The cap is a token bucket on bytes per second, used to emulate each node's storage NIC
 when several "nodes" share one machine in tests and benchmarks; it is off by default.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReadSnapshot:
-    queue_tokens: int  # tokens of blocks waiting or in flight
+    queue_tokens: int  # tokens whose KV bytes are waiting or in flight
     waiting_bytes: int
     inflight_bytes: int
     completed_bytes: int
@@ -21,9 +21,9 @@ class ReadSnapshot:
 
 
 class ReadAccounting:
-    def __init__(self, bandwidth_bps: float = 0.0, tokens_per_block: int = 64):
+    def __init__(self, bandwidth_bps: float = 0.0, bytes_per_token: float = 1.0):
         self.bandwidth_bps = float(bandwidth_bps)
-        self.tokens_per_block = tokens_per_block
+        self.bytes_per_token = float(bytes_per_token)
         self._lock = threading.Lock()
         self._waiting_blocks = self._waiting_bytes = 0
         self._inflight_blocks = self._inflight_bytes = 0
@@ -69,8 +69,9 @@ class ReadAccounting:
 
     def snapshot(self) -> ReadSnapshot:
         with self._lock:
-            return ReadSnapshot((self._waiting_blocks + self._inflight_blocks) * self.tokens_per_block,
-                                self._waiting_bytes, self._inflight_bytes, self._done_bytes, self._done_blocks)
+            pending = self._waiting_bytes + self._inflight_bytes
+            return ReadSnapshot(int(-(-pending // self.bytes_per_token)), self._waiting_bytes, self._inflight_bytes,
+                                self._done_bytes, self._done_blocks)
 
     @property
     def queue_tokens(self) -> int:

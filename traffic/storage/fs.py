@@ -63,7 +63,8 @@ class FsStorage(StorageBackend):
         self.geometry, self.fingerprint, self.config = geometry, fingerprint, config
         self.dir = Path(root) / fingerprint.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.accounting = accounting or ReadAccounting(config.read_bandwidth_bps, geometry.block_size)
+        self.accounting = accounting or ReadAccounting(config.read_bandwidth_bps,
+                                                       geometry.full_block_bytes / geometry.block_size)
         self.header_size = header_bytes(geometry)
         self.file_bytes = self.header_size + geometry.full_block_bytes
         self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
@@ -80,11 +81,7 @@ class FsStorage(StorageBackend):
         return [self.path(k).is_file() for k in keys]
 
     def list_keys(self) -> Iterator[BlockHash]:
-        for sub in os.scandir(self.dir):
-            if sub.is_dir() and len(sub.name) == 2:
-                for f in os.scandir(sub.path):
-                    if f.name.endswith(".kv") and len(f.name) == 2 * HASH_BYTES + 3:
-                        yield bytes.fromhex(f.name[:-3])
+        return list_stored_keys(self.dir)
 
     def usage(self) -> dict:
         with self._lock:
@@ -245,6 +242,17 @@ class FsStorage(StorageBackend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def list_stored_keys(model_dir: Path) -> Iterator[BlockHash]:
+    """Keys of the blocks stored under ``<root>/<fingerprint>`` (what an index is rebuilt from)."""
+    if not os.path.isdir(model_dir):
+        return
+    for sub in os.scandir(model_dir):
+        if sub.is_dir() and len(sub.name) == 2:
+            for f in os.scandir(sub.path):
+                if f.name.endswith(".kv") and len(f.name) == 2 * HASH_BYTES + 3:
+                    yield bytes.fromhex(f.name[:-3])
 
 
 def _tail(buffers: list[memoryview], skip: int) -> list[memoryview]:

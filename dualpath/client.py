@@ -1,0 +1,132 @@
+"""Talking to a running cluster: submit a request to the scheduler, stream its tokens from the decode engine.
+
+Used by the HTTP frontend, offline rollouts, benchmarks and tests. If the decode engine fails before any token
+arrived, the scheduler retries the request elsewhere and the client follows the new assignment.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from dualpath.errors import DualPathError, RequestError
+from dualpath.messages import RequestRef, SubmitEvent, SubmitRequest, TokenEvent
+from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
+from dualpath.sampling_params import SamplingParams
+
+
+class OverloadedError(RequestError):
+    """The scheduler's queue is full; retry later."""
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    path: str = ""
+    storage_bytes: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    logprobs: list = field(default_factory=list)
+
+
+class ClusterClient:
+    def __init__(self, scheduler: str, timeout: float = 3600.0):
+        self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
+        self.timeout = timeout
+        self._engines: dict[str, Client] = {}
+        self._lock = threading.Lock()
+
+    def _engine(self, address: str) -> Client:
+        with self._lock:
+            if address not in self._engines:
+                self._engines[address] = Client("Engine", ENGINE_METHODS, address)
+            return self._engines[address]
+
+    def stats(self) -> dict:
+        return self.scheduler.call("Stats", RequestRef(""), timeout=10).data
+
+    def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+               mode: str = "") -> Iterator[TokenEvent]:
+        """Token events of one request, ending with the event that carries ``finish_reason``."""
+        rid = request_id or uuid.uuid4().hex
+        submit = self.scheduler.stream("Submit", SubmitRequest(rid, list(token_ids), sampling.to_dict(), mode))
+        events: queue.Queue = queue.Queue()
+
+        def pump():
+            try:
+                for ev in submit:
+                    events.put(ev)
+            except DualPathError as e:
+                events.put(SubmitEvent("failed", rid, error=str(e)))
+            events.put(None)
+
+        threading.Thread(target=pump, daemon=True, name=f"submit-{rid}").start()
+        got_tokens = False
+        try:
+            while True:
+                assigned = self._next_assignment(events, rid)
+                stream = self._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
+                try:
+                    for tok in stream:
+                        if tok.finish_reason == "abort" and not got_tokens:
+                            break  # the attempt was dropped before producing anything: wait for a retry
+                        if tok.finish_reason == "abort":
+                            raise DualPathError(f"request {rid} aborted: {tok.error}")
+                        got_tokens = got_tokens or tok.token_id >= 0
+                        yield tok
+                        if tok.finish_reason:
+                            return
+                except RpcError as e:
+                    if got_tokens:
+                        raise DualPathError(f"request {rid}: the decode engine failed mid-generation: {e}") from None
+        finally:
+            submit.cancel()
+
+    def _next_assignment(self, events: queue.Queue, rid: str) -> SubmitEvent:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                ev = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DualPathError(f"request {rid}: not scheduled within {self.timeout} s") from None
+            if ev is None:
+                raise DualPathError(f"request {rid}: the scheduler closed the request")
+            if ev.kind == "failed":
+                if ev.error.startswith("overloaded"):
+                    raise OverloadedError(ev.error)
+                if ev.error.startswith("invalid"):
+                    raise RequestError(ev.error.split(": ", 1)[-1])
+                raise DualPathError(f"request {rid} failed: {ev.error}")
+            if ev.kind == "assigned":
+                return ev
+
+    def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                 mode: str = "") -> GenerationResult:
+        start = time.perf_counter()
+        first = last = None
+        tokens, logprobs = [], []
+        for ev in self.stream(token_ids, sampling, request_id, mode):
+            if ev.token_id >= 0:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                tokens.append(ev.token_id)
+                logprobs.append(ev.logprob)
+            if ev.finish_reason:
+                tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
+                return GenerationResult(ev.request_id, tokens, ev.finish_reason, ev.num_prompt_tokens,
+                                        ev.num_cached_tokens, ev.path, ev.storage_bytes,
+                                        (first or time.perf_counter()) - start, tpot, logprobs)
+        raise DualPathError("the token stream ended without a finish reason")
+
+    def close(self) -> None:
+        self.scheduler.close()
+        for c in self._engines.values():
+            c.close()

@@ -1,0 +1,178 @@
+"""Start a scheduler and xPyD engine processes on this host, wait until every part is ready, stop them all.
+
+Children learn the launcher's pid (``DUALPATH_PARENT_PID``) and ask the kernel to end them when it ends, so no
+process outlives the launcher, even one killed with SIGKILL. Each child logs to its own file in ``run_dir``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dualpath.errors import DualPathError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    mode: str = "dualpath"
+    policy: str = "least-loaded"
+    transport: str = "shm"
+    kv_store: str | None = None
+    device: str = "cpu"  # "cuda" gives engine i the device cuda:i
+    dtype: str = "float32"
+    block_size: int = 64
+    buffer_bytes: int = 256 << 20
+    cache_bytes: int = 1 << 30
+    workspace_tokens: int = 16384
+    storage_read_bps: float = 0.0
+    compute_quota_ms: float = 300.0
+    cost_model: str | None = None  # "fixed,per_token,attention"
+    max_model_len: int = 0
+    torch_threads: int = 1
+    heartbeat_timeout_s: float = 10.0
+    host: str = "127.0.0.1"
+    scheduler_port: int = 0
+    extra_engine_args: tuple[str, ...] = ()
+    log_level: str = "INFO"
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    ready_path: Path
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-n:])
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
+        self.spec = spec
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.scheduler_address = ""
+        self.engine_addresses: dict[str, str] = {}
+        self._stopping = False
+
+    # --- processes ------------------------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        log_path, ready = self.run_dir / f"{name}.log", self.run_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.spec.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", self.spec.log_level, *args,
+               "--ready-file", str(ready)]
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
+        child = Child(name, proc, log_path, ready)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for c in children:
+            while not c.ready_path.exists():
+                if c.proc.poll() is not None:
+                    raise DualPathError(f"{c.name} exited with {c.proc.returncode} while starting:\n{c.tail()}")
+                if time.monotonic() > deadline:
+                    raise DualPathError(f"{c.name} not ready after {timeout:.0f} s:\n{c.tail()}")
+                time.sleep(0.05)
+
+    def _engine_args(self, role: str, index: int, device_index: int) -> list[str]:
+        s = self.spec
+        device = f"cuda:{device_index}" if s.device == "cuda" else s.device
+        name = f"{role}-{index}"
+        args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
+                "--engine-id", name, "--device", device, "--dtype", s.dtype, "--transport", s.transport,
+                "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
+                "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
+                "--storage-read-bps", str(s.storage_read_bps), "--compute-quota-ms", str(s.compute_quota_ms),
+                "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
+        if s.kv_store:
+            args += ["--kv-store", s.kv_store]
+        if s.cost_model:
+            args += ["--cost-model", s.cost_model]
+        return args + list(s.extra_engine_args)
+
+    def start(self, timeout: float = 300.0) -> "LocalCluster":
+        s = self.spec
+        try:
+            sched_args = ["scheduler", "--host", s.host, "--port", str(s.scheduler_port), "--mode", s.mode,
+                          "--policy", s.policy, "--heartbeat-timeout", str(s.heartbeat_timeout_s)]
+            if s.kv_store:
+                sched_args += ["--kv-store", s.kv_store]
+            sched = self._spawn("scheduler", sched_args)
+            self._wait_ready([sched], timeout)
+            self.scheduler_address = f"{s.host}:{sched.ready_path.read_text().split()[0]}"
+            engines = [self._spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
+            engines += [self._spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
+                        for i in range(s.num_decode)]
+            self._wait_ready(engines, timeout)
+            for c in engines:
+                eid, addr = c.ready_path.read_text().split()
+                self.engine_addresses[eid] = addr
+            threading.Thread(target=self._watch, daemon=True, name="cluster-watch").start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _watch(self) -> None:
+        reported = set()
+        while not self._stopping:
+            for c in self.children:
+                if c.proc.poll() is not None and c.name not in reported:
+                    reported.add(c.name)
+                    log.error("%s exited with %s; last lines:\n%s", c.name, c.proc.returncode, c.tail(15))
+            time.sleep(0.5)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        c = self.child(name)
+        c.proc.send_signal(sig)
+        c.proc.wait(30)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child, wait, SIGKILL what remains; engines first, the scheduler last."""
+        self._stopping = True
+        order = [c for c in self.children if c.name != "scheduler"] + \
+                [c for c in self.children if c.name == "scheduler"]
+        for c in order:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in order:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(5)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["ClusterSpec", "LocalCluster"]

@@ -1,0 +1,243 @@
+"""Messages between the frontend, the scheduler and the engines: frozen dataclasses, JSON on the wire.
+
+The same types are the plain data the scheduler's policy works on, so a decision can be tested by building these
+objects by hand. ``to_wire`` / ``from_wire`` encode any of them (nested dataclasses, lists, bytes as hex).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ReadPath(str, enum.Enum):
+    PE = "pe"  # storage -> prefill engine's buffer
+    DE = "de"  # storage -> decode engine's buffer -> prefill engine
+
+
+class Mode(str, enum.Enum):
+    """How read paths are chosen for a run (``basic`` is the paper's baseline: PE path, no layerwise prefill)."""
+
+    DUALPATH = "dualpath"
+    PE = "pe"
+    DE = "de"
+    BASIC = "basic"
+    SPLIT = "split"  # beyond the paper: one request's hit blocks read on both sides
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine tells the scheduler when it joins; the scheduler hands it to peers that must reach it."""
+
+    engine_id: str
+    role: Role
+    node_id: str
+    control_address: str  # host:port of the engine's gRPC control surface
+    transport: str
+    transport_address: dict
+    regions: list[dict]  # RegionDesc.to_dict() of every registered region
+    buffer_region: int
+    buffer_slots: int
+    block_size: int
+    num_layers: int
+    fingerprint: str  # hex
+    capacity_tokens: int  # KV tokens the engine can hold (decode: paged cache; prefill: workspace)
+    model: str = ""
+    max_model_len: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    group_id: str = ""  # engines of one node and role; "" = a group of its own
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A load report: the paper's seq, tok and read_q, plus free device memory and what changed."""
+
+    engine_id: str
+    seq: int  # unfinished requests on the engine
+    tok: int  # their tokens
+    read_q_tokens: int  # the node's storage read queue, in tokens
+    free_tokens: int  # KV tokens that fit in free device memory
+    request_ids: list[str] = field(default_factory=list)  # requests the engine holds (admitted, not finished)
+    started: list[str] = field(default_factory=list)  # decode began (tokens may have streamed) since last report
+    finished: list[str] = field(default_factory=list)
+    failed: list[list[str]] = field(default_factory=list)  # [request_id, reason]
+    stored_keys: list[str] = field(default_factory=list)  # hex block hashes written since the last report
+    evicted_keys: list[str] = field(default_factory=list)
+    prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
+    storage_read_bytes: int = 0  # completed storage read bytes since the last report
+    kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    request_id: str
+    token_ids: list[int]
+    sampling: dict  # SamplingParams.to_dict()
+    mode: str = ""  # a read-path mode for this request only ("" = the scheduler's)
+
+
+@dataclass(frozen=True)
+class SubmitEvent:
+    """What the scheduler tells a submitter: ``accepted`` (with the hit length), ``assigned`` (where to stream
+    tokens from; may come again if the request is retried elsewhere), ``failed``."""
+
+    kind: str
+    request_id: str
+    num_hit_tokens: int = 0
+    decode_engine: str = ""
+    decode_address: str = ""
+    path: str = ""
+    error: str = ""
+    work_id: str = ""  # the id engines know this attempt by (stream tokens with it)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A request handed to a prefill engine, with everything it needs to run it."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: dict
+    hit_keys: list[str]  # hex hashes of the leading stored blocks
+    path: ReadPath
+    layerwise: bool
+    decode: EngineInfo
+    split_pe_blocks: int = -1  # split path: how many leading hit blocks the PE reads (-1: not split)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    group_id: str
+    loads: list[EngineLoad]
+
+
+@dataclass(frozen=True)
+class PullReply:
+    assignments: dict[str, list[Assignment]]  # engine id -> new work
+    cancelled: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """Prefill engine -> decode engine: hold buffer slots for this prompt; for the DE path, load the hit blocks."""
+
+    request_id: str
+    num_prompt_tokens: int
+    hit_keys: list[str]
+    load_keys: list[str]  # the hit blocks the decode engine reads from storage (DE and split paths)
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class PrepareReply:
+    ok: bool
+    slots: list[int] = field(default_factory=list)
+    num_loaded_blocks: int = 0  # leading load_keys that loaded intact (fewer: recompute from there)
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """Prefill engine -> decode engine: the prompt's KV is in your buffer; here is the first token."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: dict
+    first_token: int
+    first_logprob: dict | None = None
+    generator_state: str = ""  # hex of torch.Generator.get_state(), for seeded sampling
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from storage
+    path: str = ""
+    storage_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int = -1
+    logprob: dict | None = None
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    path: str = ""
+    storage_bytes: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Ack:
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    request_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Stats:
+    data: dict
+
+
+# --- wire codec -----------------------------------------------------------------------------------------------
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, bytes):
+        return obj.hex()
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def to_wire(obj: Any) -> bytes:
+    return json.dumps(_plain(obj), separators=(",", ":")).encode()
+
+
+@lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _build(tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _build(args[0], value) if len(args) == 1 else value
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return [_build(arg, v) for v in value]
+    if origin is dict:
+        _, arg = typing.get_args(tp) or (Any, Any)
+        return {k: _build(arg, v) for k, v in value.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return from_dict(tp, value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(value)
+    return value
+
+
+def from_dict(cls, d: dict):
+    hints = _hints(cls)
+    return cls(**{f.name: _build(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
+
+
+def from_wire(cls, data: bytes):
+    return from_dict(cls, json.loads(data))

@@ -1,0 +1,139 @@
+"""gRPC plumbing: services declared as method tables over ``dualpath.messages`` types, JSON on the wire.
+
+Every client call has a deadline; a peer that is gone surfaces as ``RpcError`` (a ``DualPathError``) naming the
+method and the address, never as a hang.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from dualpath.errors import DualPathError
+from dualpath.messages import from_wire, to_wire
+
+log = logging.getLogger(__name__)
+
+_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.so_reuseport", 0)]
+
+
+class RpcError(DualPathError):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Method:
+    request: type
+    response: type
+    streaming: bool = False  # server streaming
+
+
+def serve(service: str, methods: dict[str, Method], handler: Any, address: str = "0.0.0.0:0",
+          max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Serve ``handler``'s methods (same names as ``methods``; those it lacks answer UNIMPLEMENTED); returns
+    the started server and its port."""
+    table = {}
+    for name, m in methods.items():
+        fn = getattr(handler, name, None)
+        if fn is None:
+            continue
+        deser = lambda b, c=m.request: from_wire(c, b)  # noqa: E731
+        if m.streaming:
+            table[name] = grpc.unary_stream_rpc_method_handler(fn, request_deserializer=deser,
+                                                               response_serializer=to_wire)
+        else:
+            table[name] = grpc.unary_unary_rpc_method_handler(fn, request_deserializer=deser,
+                                                              response_serializer=to_wire)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
+                         options=_OPTIONS)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise DualPathError(f"cannot listen on {address}")
+    server.start()
+    return server, port
+
+
+class Client:
+    """Calls ``service`` at ``address``: ``client.call("Method", request, timeout)`` or ``client.stream(...)``."""
+
+    def __init__(self, service: str, methods: dict[str, Method], address: str):
+        self.service, self.methods, self.address = service, methods, address
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._stubs: dict[str, Callable] = {}
+        for name, m in methods.items():
+            make = self.channel.unary_stream if m.streaming else self.channel.unary_unary
+            self._stubs[name] = make(f"/dualpath.{service}/{name}", request_serializer=to_wire,
+                                     response_deserializer=lambda b, c=m.response: from_wire(c, b))
+
+    def call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
+        try:
+            return self._stubs[method](request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise RpcError(f"{self.service}.{method} at {self.address} failed: {e.code().name}: {e.details()}",
+                           e.code()) from None
+
+    def stream(self, method: str, request: Any, timeout: float | None = None) -> Iterator[Any]:
+        """Iterate a server stream; ``cancel()`` on the returned iterator stops it."""
+        return _Stream(self._stubs[method](request, timeout=timeout), f"{self.service}.{method} at {self.address}")
+
+    def wait_ready(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise RpcError(f"{self.service} at {self.address} not reachable within {timeout} s") from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class _Stream:
+    def __init__(self, call, what: str):
+        self.call, self.what = call, what
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.call)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise RpcError(f"{self.what} failed: {e.code().name}: {e.details()}", e.code()) from None
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+# --- the two services ----------------------------------------------------------------------------------------
+def _methods():
+    from dualpath import messages as m
+
+    scheduler = {
+        "Register": Method(m.EngineInfo, m.Ack),
+        "Pull": Method(m.PullRequest, m.PullReply),
+        "Report": Method(m.EngineLoad, m.Ack),
+        "Submit": Method(m.SubmitRequest, m.SubmitEvent, streaming=True),
+        "Cancel": Method(m.RequestRef, m.Ack),
+        "Stats": Method(m.RequestRef, m.Stats),
+    }
+    engine = {
+        "Health": Method(m.RequestRef, m.Ack),
+        "Assign": Method(m.PullReply, m.Ack),
+        "Prepare": Method(m.PrepareRequest, m.PrepareReply),
+        "PrefillDone": Method(m.PrefillDone, m.Ack),
+        "Release": Method(m.RequestRef, m.Ack),
+        "Stream": Method(m.RequestRef, m.TokenEvent, streaming=True),
+        "Cancel": Method(m.RequestRef, m.Ack),
+    }
+    return scheduler, engine
+
+
+SCHEDULER_METHODS, ENGINE_METHODS = _methods()

@@ -1,0 +1,315 @@
+"""The decode engine: receives prompt KV into its DRAM buffer, moves it into its paged device cache, decodes with
+continuous batching, streams tokens to the submitter, and writes every Full Block that fills to storage.
+
+Admission is memory-exact: ``Prepare`` reserves device blocks for the prompt and the whole generation budget, and
+buffer slots for the prompt, or refuses. For the DE read path it also loads the hit blocks from storage into
+those slots (the prefill engine then reads them layer by layer). ``PrefillDone`` hands the sequence to the decode
+loop, which owns the paged cache and the running batch. A request's stream ends only after its blocks are stored
+and reported, so the next turn finds them.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dualpath.errors import OutOfBlocksError
+from dualpath.geometry import BlockHash, block_hashes
+from dualpath.messages import Ack, PrefillDone, PrepareReply, PrepareRequest, RequestRef, Role, TokenEvent
+from dualpath.sampling_params import SamplingParams
+from engines.engine import Engine
+from engines.kv_cache import PagedKVCache
+from engines.local import LocalEngine
+from engines.sampler import TokenLogprob
+from engines.sequence import Sequence
+from kernels.kv_move import pack_full_blocks, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+STREAM_TTL_S = 120.0  # how long finished events wait for a submitter that never came
+
+
+@dataclass
+class Held:
+    """A request between ``Prepare`` and its end."""
+
+    work_id: str
+    num_prompt_tokens: int
+    slots: list[int]
+    seq: Sequence | None = None
+    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of the blocks persisted so far
+    persisted: int = 0  # leading blocks written (or being written) to storage
+    stores: list[Future] = field(default_factory=list)
+    cancelled: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class DecodeEngine(Engine):
+    role = Role.DECODE
+
+    def setup(self) -> None:
+        c = self.cfg.engine.cache
+        blocks = c.num_device_blocks or PagedKVCache.blocks_for_memory(self.geometry, c.device_memory_bytes)
+        self.cache = PagedKVCache(self.geometry, blocks, self.device)
+        self.local = LocalEngine(self.model, self.cache, self.cfg.engine.max_num_seqs,
+                                 self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False)
+        self.lock = threading.RLock()  # the paged cache and the held table
+        self.held_: dict[str, Held] = {}
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict[str, queue.Queue] = {}
+        self.stream_expiry: dict[str, float] = {}
+
+    def capacity_tokens(self) -> int:
+        return self.cache.allocator.num_blocks * self.geometry.block_size
+
+    def free_tokens(self) -> int:
+        with self.lock:
+            return self.cache.num_free_blocks * self.geometry.block_size
+
+    def held(self) -> dict[str, int]:
+        with self.lock:
+            return {w: h.num_prompt_tokens + (len(h.seq.output_ids) if h.seq else 0) for w, h in self.held_.items()}
+
+    # --- admission ------------------------------------------------------------------------------------------
+    def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:
+        g = self.geometry
+        total = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        with self.lock:
+            if req.request_id in self.held_:
+                return PrepareReply(False, error=f"{req.request_id} is already held")
+            if self.cache.blocks_needed(req.request_id, total) > self.cache.num_free_blocks:
+                return PrepareReply(False, error=f"no device memory for {total} tokens")
+            try:
+                slots = self.buffer.allocate(g.num_blocks(req.num_prompt_tokens), req.request_id)
+            except OutOfBlocksError as e:
+                return PrepareReply(False, error=f"buffer full: {e}")
+            self.cache.reserve(req.request_id, total)
+            self.held_[req.request_id] = Held(req.request_id, req.num_prompt_tokens, slots)
+        loaded = 0
+        if req.load_keys:
+            first = len(req.hit_keys) - len(req.load_keys)
+            keys = [bytes.fromhex(k) for k in req.load_keys]
+            results = self.traffic.load(keys, slots[first:first + len(keys)]).result(
+                self.cfg.transport.op_timeout_s * 4)
+            loaded = next((i for i, e in enumerate(results) if e is not None), len(keys))
+        return PrepareReply(True, slots, loaded)
+
+    def Release(self, ref: RequestRef, ctx) -> Ack:
+        self.inbox.put(("drop", ref.request_id, ref.reason))
+        return Ack()
+
+    def PrefillDone(self, msg: PrefillDone, ctx) -> Ack:
+        with self.lock:
+            if msg.request_id not in self.held_:
+                return Ack(False, f"{msg.request_id} is not held here")
+        self.inbox.put(("admit", msg))
+        return Ack()
+
+    def on_cancel(self, work_id: str, reason: str) -> None:
+        self.inbox.put(("drop", work_id, reason))
+
+    # --- the decode loop ------------------------------------------------------------------------------------
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            self._drain_inbox(block=not self.local.running)
+            if self.local.running:
+                self._step()
+            self._expire_streams()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item[0] == "admit":
+                self._admit(item[1])
+            else:
+                self._drop(item[1], item[2])
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, msg: PrefillDone) -> None:
+        """Prompt KV: buffer -> paged cache; persist the prompt's new full blocks; start decoding."""
+        g = self.geometry
+        with self.lock:
+            h = self.held_.get(msg.request_id)
+            if h is None or h.cancelled:
+                return
+            table = torch.tensor(self.cache.block_table(msg.request_id), device=self.device)
+            nb = len(h.slots)
+            for layer in range(g.num_layers):
+                rows = self.buffer.layer_rows(h.slots, layer).to(self.device)
+                scatter_blocks(self.cache.layers[layer], table[:nb], rows.view(nb, *g.layer_block_shape))
+        params = SamplingParams.from_dict(msg.sampling)
+        gen = None
+        if msg.generator_state:
+            gen = torch.Generator(device=self.device)
+            gen.set_state(torch.from_numpy(np.frombuffer(bytes.fromhex(msg.generator_state), dtype=np.uint8).copy()))
+        seq = Sequence(msg.request_id, list(msg.token_ids), params, gen, num_computed=len(msg.token_ids))
+        lp = TokenLogprob(msg.first_logprob["token_id"], msg.first_logprob["logprob"],
+                          tuple(tuple(x) for x in msg.first_logprob["top"])) if msg.first_logprob else None
+        seq.append(msg.first_token, lp, self.local.eos_ids, self.max_model_len)
+        h.seq = seq
+        h.info = {"num_prompt_tokens": len(msg.token_ids), "num_cached_tokens": msg.num_cached_tokens,
+                  "path": msg.path, "storage_bytes": msg.storage_bytes}
+        n_full = len(msg.token_ids) // g.block_size
+        h.hashes = block_hashes(msg.token_ids, self.fingerprint, g.block_size)
+        first_new = msg.num_cached_tokens // g.block_size
+        if n_full > first_new:
+            keys = h.hashes[first_new:n_full]
+            fut = self.traffic.store(keys, [self.buffer.slot_bytes(s) for s in h.slots[first_new:n_full]])
+            h.stores.append(_with_keys(fut, keys))
+            fut.add_done_callback(lambda _f, w=msg.request_id: self.buffer.free_owner(w))
+        else:
+            self.buffer.free_owner(msg.request_id)
+        h.persisted = n_full
+        self.outbox.add("started", msg.request_id)
+        self._emit(seq, [msg.first_token], first=True)
+        if seq.finished:
+            self._finish(h)
+        else:
+            with self.lock:
+                self.local.admit_prefilled(seq)
+
+    def _step(self) -> None:
+        with self.lock:
+            before = {s.seq_id: len(s.output_ids) for s in self.local.running}
+            running = list(self.local.running)
+            try:
+                finished = self.local.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep the engine
+                log.exception("decode step failed")
+                for s in running:
+                    self.outbox.add("failed", [s.seq_id, f"decode step failed: {e}"])
+                    self.inbox.put(("drop", s.seq_id, f"decode step failed: {e}"))
+                self.local.running.clear()
+                return
+        for s in running:
+            self._emit(s, s.output_ids[before[s.seq_id]:])
+            self._persist(self.held_[s.seq_id])
+        for s in finished:
+            self._finish(self.held_[s.seq_id])
+
+    def _persist(self, h: Held) -> None:
+        """Write every block of ``h`` whose KV is complete and not yet written."""
+        g, seq = self.geometry, h.seq
+        full = min(seq.num_computed, seq.num_tokens) // g.block_size
+        if full <= h.persisted:
+            return
+        tokens = seq.token_ids
+        parent = h.hashes[h.persisted - 1] if h.persisted else None
+        new_keys = block_hashes(tokens[h.persisted * g.block_size:full * g.block_size], self.fingerprint,
+                                g.block_size, parent=parent)
+        with self.lock:
+            table = torch.tensor(self.cache.block_table(h.work_id)[h.persisted:full], device=self.device)
+            layers = [self.cache.layers[layer].index_select(0, table).reshape(-1, g.kv_elems_per_token)
+                      for layer in range(g.num_layers)]
+        blocks = pack_full_blocks([x.cpu() for x in layers], g)
+        h.hashes.extend(new_keys)
+        h.stores.append(_with_keys(self.traffic.store(new_keys, list(blocks)), new_keys))
+        h.persisted = full
+
+    def _finish(self, h: Held) -> None:
+        """Persist the last full blocks, then report and close the stream from a helper thread, so the decode
+        loop never waits for storage."""
+        self._persist(h)
+        with self.lock:
+            if h.seq in self.local.running:
+                self.local.running.remove(h.seq)
+            self.cache.free(h.work_id)
+        threading.Thread(target=self._close, args=(h,), daemon=True, name=f"close-{h.work_id}").start()
+
+    def _close(self, h: Held) -> None:
+        error = ""
+        for fut in h.stores:
+            try:
+                keys, results = fut.result(self.cfg.transport.op_timeout_s * 4)
+                self.outbox.add("stored_keys", *[k.hex() for k, e in zip(keys, results) if e is None])
+            except Exception as e:  # noqa: BLE001 - storing is best effort; the answer still stands
+                log.warning("%s: storing blocks failed: %s", h.work_id, e)
+        with self.lock:
+            self.held_.pop(h.work_id, None)
+        self.buffer.free_owner(h.work_id)
+        self.outbox.add("finished", h.work_id)
+        self.report_now()  # stored blocks are indexed before the submitter can send the next turn
+        reason = h.seq.finish_reason.value if h.seq.finish_reason else "abort"
+        self._stream(h.work_id).put(TokenEvent(h.work_id, finish_reason=reason, error=error, **h.info))
+        self.stream_expiry[h.work_id] = time.monotonic() + STREAM_TTL_S
+
+    def _drop(self, work_id: str, reason: str) -> None:
+        with self.lock:
+            h = self.held_.pop(work_id, None)
+            if h is None:
+                return
+            h.cancelled = True
+            if h.seq is not None and h.seq in self.local.running:
+                self.local.running.remove(h.seq)
+            self.cache.free(work_id)
+        self.buffer.free_owner(work_id)
+        self._stream(work_id).put(TokenEvent(work_id, finish_reason="abort", error=reason))
+        self.stream_expiry[work_id] = time.monotonic() + STREAM_TTL_S
+        log.info("%s dropped: %s", work_id, reason)
+
+    # --- streams --------------------------------------------------------------------------------------------
+    def _stream(self, work_id: str) -> queue.Queue:
+        with self.lock:
+            q = self.streams.get(work_id)
+            if q is None:
+                q = self.streams[work_id] = queue.Queue()
+            return q
+
+    def _emit(self, seq: Sequence, tokens: list[int], first: bool = False) -> None:
+        q = self._stream(seq.seq_id)
+        lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
+        for tok, lp in zip(tokens, lps):
+            q.put(TokenEvent(seq.seq_id, tok, lp.__dict__ if lp is not None else None))
+
+    def _expire_streams(self) -> None:
+        now = time.monotonic()
+        for w, t in list(self.stream_expiry.items()):
+            if now > t:
+                self.stream_expiry.pop(w, None)
+                with self.lock:
+                    self.streams.pop(w, None)
+
+    def Stream(self, ref: RequestRef, ctx):
+        """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""
+        work_id = ref.request_id
+        q = self._stream(work_id)
+        ended = threading.Event()
+
+        def gone():
+            if not ended.is_set():
+                self.inbox.put(("drop", work_id, "client disconnected"))
+
+        ctx.add_callback(gone)
+        while ctx.is_active() and not self.stopping.is_set():
+            try:
+                ev = q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if ev.finish_reason:
+                ended.set()
+                with self.lock:
+                    self.streams.pop(work_id, None)
+                self.stream_expiry.pop(work_id, None)
+            yield ev
+            if ev.finish_reason:
+                return
+
+
+def _with_keys(fut: Future, keys: list[BlockHash]) -> Future:
+    """A future resolving to ``(keys, per-key results)``."""
+    out: Future = Future()
+    fut.add_done_callback(lambda f: out.set_result((keys, f.result())) if f.exception() is None
+                          else out.set_exception(f.exception()))
+    return out

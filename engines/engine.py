@@ -1,0 +1,224 @@
+"""What prefill and decode engines share: the model, the KV geometry and fingerprint, the DRAM buffer, storage,
+the transport and traffic manager, the gRPC control surface, registration and the pull loop.
+
+The pull loop is the engine group's side of scheduling: every ``pull_interval_s`` it sends a load report and
+takes new work. Facts the scheduler must not miss (blocks stored, requests finished or failed) wait in an outbox
+until a report carrying them was delivered.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+from dualpath.config import EngineProcessConfig
+from dualpath.errors import DualPathError
+from dualpath.geometry import KVGeometry, model_fingerprint
+from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role
+from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve
+from engines.models import load_model, open_checkpoint
+from traffic.buffer import BufferPool
+from traffic.manager import TrafficManager
+from traffic.storage import ReadAccounting, make_storage
+from traffic.transport import make_transport
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Report fields that accumulate between reports and are cleared only once a report was delivered."""
+
+    FIELDS = ("started", "finished", "failed", "stored_keys", "evicted_keys")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items = {f: [] for f in self.FIELDS}
+
+    def add(self, field: str, *items) -> None:
+        with self._lock:
+            self._items[field].extend(items)
+
+    def take(self) -> dict[str, list]:
+        with self._lock:
+            out, self._items = self._items, {f: [] for f in self.FIELDS}
+        return out
+
+    def put_back(self, items: dict[str, list]) -> None:
+        with self._lock:
+            for f, v in items.items():
+                self._items[f][:0] = v
+
+
+class Engine:
+    role: Role
+
+    def __init__(self, cfg: EngineProcessConfig):
+        self.cfg = cfg
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.engine_id = cfg.engine_id or f"{cfg.role}-{socket.gethostname()}-{os.getpid()}"
+        self.node_id = cfg.node_id or self.engine_id
+        self.device = torch.device(cfg.engine.device)
+        self.dtype = getattr(torch, cfg.engine.dtype)
+        ckpt = open_checkpoint(cfg.model)
+        self.model_config = ckpt.config
+        self.model = load_model(ckpt, self.device, self.dtype)
+        self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
+        bs = cfg.engine.cache.block_size
+        self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
+        self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)
+        self.transport = make_transport(cfg.transport, self.engine_id)
+        slots = max(1, cfg.buffer_bytes // self.geometry.full_block_bytes)
+        mem = self.transport.allocate(slots * self.geometry.full_block_bytes)
+        self.buffer_region = self.transport.register(mem).region_id
+        self.buffer = BufferPool(self.geometry, slots, mem)
+        self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
+        self.storage = make_storage(cfg.storage, self.geometry, self.fingerprint, self.accounting)
+        self.storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *[k.hex() for k in keys]))
+        self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
+        self.outbox = Outbox()
+        self.stopping = threading.Event()
+        self._read_bytes_reported = self._failures_reported = 0
+        self._busy_reported = 0.0
+        self.busy_s = 0.0  # prefill attention seconds (prefill engines)
+        self.kv_load_failures = 0  # stored blocks that failed to load and were recomputed
+        self.setup()
+        self.server, self.port = serve("Engine", ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}")
+        self.scheduler = Client("Scheduler", SCHEDULER_METHODS, cfg.scheduler)
+
+    # --- role hooks -----------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Allocate role-specific memory (paged cache, workspace) and register it."""
+
+    def capacity_tokens(self) -> int:
+        raise NotImplementedError
+
+    def held(self) -> dict[str, int]:
+        """Work ids the engine holds -> their tokens (seq and tok of the load report)."""
+        raise NotImplementedError
+
+    def free_tokens(self) -> int:
+        return self.capacity_tokens()
+
+    def on_assignment(self, a: Assignment) -> None:
+        raise DualPathError(f"{self.role.value} engines take no assignments")
+
+    def on_cancel(self, work_id: str, reason: str) -> None:
+        """Drop everything held for ``work_id``."""
+
+    def loop(self) -> None:
+        """The engine's main loop; returns when ``stopping`` is set."""
+        self.stopping.wait()
+
+    # --- registration and reports ---------------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            self.engine_id, self.role, self.node_id, f"{self.cfg.host}:{self.port}", self.cfg.transport.name,
+            self.transport.address(), [r.to_dict() for r in self.transport.regions()], self.buffer_region,
+            self.buffer.num_slots, self.geometry.block_size, self.geometry.num_layers, self.fingerprint.hex(),
+            self.capacity_tokens(), self.cfg.model, self.max_model_len, list(self.model_config.eos_token_ids),
+            self.cfg.group_id)
+
+    def register(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ack = self.scheduler.call("Register", self.info(), timeout=10)
+                break
+            except RpcError as e:
+                if time.monotonic() > deadline:
+                    raise DualPathError(f"cannot reach the scheduler at {self.cfg.scheduler}: {e}") from None
+                time.sleep(0.2)
+        if not ack.ok:
+            raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
+
+    def load(self) -> tuple[EngineLoad, dict]:
+        held = self.held()
+        snap = self.accounting.snapshot()
+        items = self.outbox.take()
+        read_delta = snap.completed_bytes - self._read_bytes_reported
+        busy_delta = self.busy_s - self._busy_reported
+        fail_delta = self.kv_load_failures - self._failures_reported
+        load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
+                          request_ids=list(held), started=items["started"], finished=items["finished"],
+                          failed=items["failed"], stored_keys=items["stored_keys"],
+                          evicted_keys=items["evicted_keys"], prefill_busy_s=busy_delta,
+                          storage_read_bytes=read_delta, kv_load_failures=fail_delta)
+        return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
+                      "failures": self.kv_load_failures}
+
+    def _delivered(self, marks: dict) -> None:
+        self._read_bytes_reported, self._busy_reported = marks["read"], marks["busy"]
+        self._failures_reported = marks["failures"]
+
+    def report_now(self) -> None:
+        load, marks = self.load()
+        try:
+            self.scheduler.call("Report", load, timeout=10)
+            self._delivered(marks)
+        except RpcError as e:
+            self.outbox.put_back(marks["items"])
+            log.warning("report failed: %s", e)
+
+    def pull_loop(self) -> None:
+        group = self.cfg.group_id or self.engine_id
+        while not self.stopping.is_set():
+            load, marks = self.load()
+            try:
+                reply = self.scheduler.call("Pull", PullRequest(group, [load]), timeout=10)
+                self._delivered(marks)
+            except RpcError as e:
+                self.outbox.put_back(marks["items"])
+                log.warning("pull failed: %s", e)
+                self.stopping.wait(0.5)
+                continue
+            self._apply(reply)
+            self.stopping.wait(self.cfg.pull_interval_s)
+
+    def _apply(self, reply: PullReply) -> None:
+        for w in reply.cancelled:
+            self.on_cancel(w, "cancelled by the scheduler")
+        for a in reply.assignments.get(self.engine_id, []):
+            self.on_assignment(a)
+
+    # --- control RPCs ---------------------------------------------------------------------------------------
+    def Health(self, ref: RequestRef, ctx) -> Ack:
+        return Ack(not self.stopping.is_set())
+
+    def Assign(self, reply: PullReply, ctx) -> Ack:
+        self._apply(reply)
+        return Ack()
+
+    def Cancel(self, ref: RequestRef, ctx) -> Ack:
+        self.on_cancel(ref.request_id, ref.reason or "cancelled")
+        return Ack()
+
+    # --- life -----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Start the pull loop and the main loop (after ``register``); return after SIGTERM/SIGINT or ``stop``."""
+        threading.Thread(target=self.pull_loop, daemon=True, name="pull").start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stopping.set())
+        log.info("%s engine %s ready on port %d (node %s, %d buffer slots, transport %s)", self.role.value,
+                 self.engine_id, self.port, self.node_id, self.buffer.num_slots, self.cfg.transport.name)
+        try:
+            self.loop()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.server.stop(grace=1)
+        self.transport.close()
+        self.storage.close()
+
+
+def new_work_id() -> str:
+    return uuid.uuid4().hex

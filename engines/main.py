@@ -1,0 +1,68 @@
+"""Entry points of the engine and scheduler processes (``dualpath engine`` / ``dualpath scheduler``)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+from dualpath.config import EngineProcessConfig, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """When started by a launcher (``DUALPATH_PARENT_PID``), end when it ends, even if it was killed."""
+    parent = os.environ.get("DUALPATH_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def write_ready(path: str | None, text: str) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
+def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
+    die_with_parent()
+    if cfg.role == "prefill":
+        from engines.prefill import PrefillEngine as cls
+    else:
+        from engines.decode import DecodeEngine as cls
+    engine = cls(cfg)
+    try:
+        engine.register()
+    except Exception:
+        engine.stop()
+        raise
+    write_ready(ready_file, f"{engine.engine_id} {cfg.host}:{engine.port}\n")
+    engine.run()
+    logging.shutdown()
+    os._exit(0)  # NIXL (if loaded) crashes in exit-time destructors
+
+
+def run_scheduler(cfg: SchedulerConfig, ready_file: str | None = None) -> None:
+    die_with_parent()
+    from scheduler.service import start_scheduler
+
+    server, port, core = start_scheduler(cfg)
+    write_ready(ready_file, f"{port}\n")
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1)

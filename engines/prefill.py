@@ -1,0 +1,422 @@
+"""The prefill engine: layerwise prefill of batches whose hit KV arrives layer by layer.
+
+For each assigned request it (1) loads its PE-side hit blocks from storage into its DRAM buffer and asks the
+decode engine to hold buffer slots (and, DE path, to load the DE-side hit blocks); then (2) prefills it in a
+FIFO batch formed under the compute quota. Per layer: the layer's cached KV is fetched into a workspace slot —
+copied from this engine's buffer (PE side) or read from the decode engine's buffer (DE side) — while the previous
+layer computes; after the layer computes, the tokens the decode engine lacks are written into its buffer (PE
+path: the whole prompt; DE path: the miss tokens only). The workspace holds two layers: only one layer's KV of the
+batch is resident while another arrives. ``basic`` mode (the paper's baseline) fetches every layer before
+computing and sends everything after.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dualpath.errors import DualPathError, StorageError
+from dualpath.geometry import FullBlockSlots, LayerMajorBlocks
+from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role
+from dualpath.rpc import ENGINE_METHODS, Client
+from dualpath.sampling_params import SamplingParams
+from engines.batcher import CostModel, Pending, form_batch
+from engines.engine import Engine
+from engines.models.base import ForwardBatch
+from engines.sampler import make_generator, sample
+from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
+from traffic.transport.base import Op, RegionDesc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    a: Assignment
+    params: SamplingParams
+    generator: torch.Generator | None
+    pe_blocks: int  # leading hit blocks this engine reads from storage
+    pe_slots: list[int] = field(default_factory=list)  # this engine's buffer slots (block j of the prompt)
+    de_slots: list[int] = field(default_factory=list)  # the decode engine's buffer slots (block j)
+    computed: int = 0  # leading prompt tokens with KV (hit, then finished chunks)
+    local_tokens: int = 0  # leading tokens whose KV is in this engine's buffer
+    head_sent: bool = False  # PE-side hit blocks written to the decode engine
+    hit_tokens: int = 0  # leading prompt tokens whose stored KV loaded intact
+    storage_bytes: int = 0
+    layer_loads: list = field(default_factory=list)  # per layer: the storage read of the PE-side hit blocks
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.a.token_ids)
+
+    @property
+    def work_id(self) -> str:
+        return self.a.request_id
+
+
+class AfterLoad:
+    """Wait for a storage read, then run a local copy (in the waiting thread): a layer of hit KV that must land
+    in this engine's buffer before it moves on to the device."""
+
+    def __init__(self, load: FutureHandle, then):
+        self.load, self.then, self._done = load, then, False
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.load.wait(timeout)  # raises the first missing or corrupt block
+        if not self._done:
+            self._done = True
+            self.then()
+
+    def add_done_callback(self, fn) -> None:
+        self.load.add_done_callback(fn)
+
+
+@dataclass
+class Workspace:
+    """Device memory for a batch's KV, ``[slots, blocks, block_size, kv_elems]``; layer l uses slot l % slots."""
+
+    tensor: torch.Tensor
+    region: int
+    layout: LayerMajorBlocks
+
+    @property
+    def slots(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def blocks(self) -> int:
+        return self.tensor.shape[1]
+
+
+class PrefillEngine(Engine):
+    role = Role.PREFILL
+
+    def setup(self) -> None:
+        g = self.geometry
+        self.workspace = self._workspace(2)
+        self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
+        self.jobs: dict[str, Job] = {}
+        self.ready: deque[str] = deque()
+        self.cond = threading.Condition()
+        self.de_clients: dict[str, Client] = {}
+        self.de_peers: dict[str, str] = {}  # decode engine -> the transport address we added it with
+        self.cost = CostModel(*self.cfg.cost_model) if self.cfg.cost_model else self.profile()
+        log.info("prefill cost model: %s (quota %.0f ms)", self.cost, 1000 * self.cfg.compute_quota_s)
+        assert g.block_size > 0
+
+    def _workspace(self, slots: int) -> Workspace:
+        g = self.geometry
+        blocks = max(1, self.cfg.workspace_tokens // g.block_size)
+        t = torch.zeros(slots, blocks, *g.layer_block_shape, dtype=self.dtype, device=self.device)
+        region = self.transport.register(t).region_id
+        return Workspace(t, region, LayerMajorBlocks(g, blocks, num_layers=slots))
+
+    def capacity_tokens(self) -> int:
+        return self.workspace.blocks * self.geometry.block_size
+
+    def held(self) -> dict[str, int]:
+        with self.cond:
+            return {w: j.n_prompt for w, j in self.jobs.items()}
+
+    # --- start-up profile -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile(self) -> CostModel:
+        """Time a few forwards of synthetic (cached, new) shapes and fit the batcher's cost model."""
+        cap = self.capacity_tokens()
+        shapes = [[(0, 32)], [(0, 128)], [(0, 256)], [(256, 64)], [(512, 128)], [(0, 64)] * 4]
+        samples = []
+        for items in shapes:
+            items = [(min(c, cap // 2), min(n, cap // 2)) for c, n in items]
+            samples.append((items, min(self._time_forward(items) for _ in range(2))))
+        return CostModel.fit(samples)
+
+    def _time_forward(self, items) -> float:
+        e = self.geometry.kv_elems_per_token
+        cached = [torch.randn(c, e, dtype=self.dtype, device=self.device) * 0.1 for c, _ in items]
+        ids = torch.randint(0, self.model_config.vocab_size, (sum(n for _, n in items),), device=self.device)
+        batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
+        t = time.perf_counter()
+        ctx = self.model.begin(batch)
+        h = self.model.embed(ids)
+        for layer in range(self.model_config.num_layers):
+            h, _ = self.model.forward_layer(layer, h, ctx, cached)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    # --- assignments ----------------------------------------------------------------------------------------
+    def on_assignment(self, a: Assignment) -> None:
+        params = SamplingParams.from_dict(a.sampling)
+        hit = len(a.hit_keys)
+        pe_blocks = hit if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
+        job = Job(a, params, make_generator(params, self.device), pe_blocks,
+                  hit_tokens=hit * self.geometry.block_size)
+        with self.cond:
+            self.jobs[a.request_id] = job
+        threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
+
+    def _de(self, a: Assignment) -> Client:
+        de = a.decode
+        if self.de_peers.get(de.engine_id) != repr(de.transport_address):
+            self.transport.add_peer(de.engine_id, de.transport_address, [RegionDesc.from_dict(r) for r in de.regions])
+            self.de_peers[de.engine_id] = repr(de.transport_address)
+            self.de_clients[de.engine_id] = Client("Engine", ENGINE_METHODS, de.control_address)
+        return self.de_clients[de.engine_id]
+
+    def _prepare(self, job: Job) -> None:
+        """Load this side's hit blocks and have the decode engine hold slots (and load its side) in parallel."""
+        a, g = job.a, self.geometry
+        try:
+            nb = g.num_blocks(job.n_prompt)
+            # PE path keeps every computed chunk locally, so the buffer holds the whole prompt
+            want = nb if a.path is ReadPath.PE else job.pe_blocks
+            job.pe_slots = self.buffer.allocate(want, a.request_id) if want else []
+            keys = [bytes.fromhex(k) for k in a.hit_keys[:job.pe_blocks]]
+            if keys:  # layer by layer: the prefill may start once layer 0 is in
+                job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
+            reply = self._de(a).call("Prepare", PrepareRequest(
+                a.request_id, job.n_prompt, a.hit_keys, a.hit_keys[job.pe_blocks:], job.params.max_tokens),
+                timeout=self.cfg.transport.op_timeout_s * 4)
+            if not reply.ok:
+                raise DualPathError(f"decode engine {a.decode.engine_id} refused: {reply.error}")
+            job.de_slots = reply.slots
+        except Exception as e:  # noqa: BLE001 - any failure here fails the request, not the engine
+            self._fail(job, f"preparing failed: {e}")
+            return
+        # PE-side blocks count as intact until one of their layer reads says otherwise (then ``_restart``)
+        self._set_hit(job, job.pe_blocks + reply.num_loaded_blocks)
+        job.storage_bytes = (job.pe_blocks + reply.num_loaded_blocks) * g.full_block_bytes
+        with self.cond:
+            if a.request_id in self.jobs:
+                self.ready.append(a.request_id)
+                self.cond.notify_all()
+
+    def _set_hit(self, job: Job, hit_blocks: int) -> None:
+        """The request's usable hit: ``hit_blocks`` leading blocks; the rest is recomputed (and counted)."""
+        g, a = self.geometry, job.a
+        lost = job.hit_tokens // g.block_size - hit_blocks
+        if lost > 0:
+            self.kv_load_failures += lost
+            log.warning("%s: %d stored blocks missing or corrupt; recomputing from block %d", a.request_id,
+                        lost, hit_blocks)
+        job.pe_blocks = min(job.pe_blocks, hit_blocks)
+        job.computed = job.hit_tokens = hit_blocks * g.block_size
+        job.local_tokens = job.computed if a.path is ReadPath.PE else job.pe_blocks * g.block_size
+
+    def _restart(self, job: Job) -> None:
+        """A PE-side block failed to load mid-prefill: shorten the hit to before it and prefill again."""
+        first_bad = job.pe_blocks
+        for fut in job.layer_loads:
+            results = fut.result(self.cfg.transport.op_timeout_s * 4)
+            first_bad = min(first_bad, next((i for i, e in enumerate(results) if e is not None), first_bad))
+        self._set_hit(job, first_bad)
+        job.layer_loads = []
+        job.head_sent = False
+
+    def _fail(self, job: Job, reason: str) -> None:
+        log.warning("%s failed: %s", job.work_id, reason)
+        with self.cond:
+            self.jobs.pop(job.work_id, None)
+            if job.work_id in self.ready:
+                self.ready.remove(job.work_id)
+        self.buffer.free_owner(job.work_id)
+        self.outbox.add("failed", [job.work_id, reason])
+        client = self.de_clients.get(job.a.decode.engine_id)
+        if client is not None:
+            try:
+                client.call("Release", RequestRef(job.work_id, reason), timeout=5)
+            except DualPathError:
+                pass
+
+    def on_cancel(self, work_id: str, reason: str) -> None:
+        with self.cond:
+            job = self.jobs.pop(work_id, None)
+            if work_id in self.ready:
+                self.ready.remove(work_id)
+        if job is not None:
+            self.buffer.free_owner(work_id)
+
+    # --- batches --------------------------------------------------------------------------------------------
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            with self.cond:
+                self.cond.wait_for(lambda: self.ready or self.stopping.is_set(), timeout=0.1)
+                if not self.ready:
+                    continue
+                queue = [Pending(w, self.jobs[w].computed, self.jobs[w].n_prompt - self.jobs[w].computed)
+                         for w in self.ready]
+                basic = not self.jobs[self.ready[0]].a.layerwise
+                ws = self._basic_workspace() if basic else self.workspace
+                batch = form_batch(queue, self.cost, self.cfg.compute_quota_s, self.geometry.block_size,
+                                   max_blocks=ws.blocks)
+                for w, _ in batch:
+                    self.ready.remove(w)
+                jobs = [(self.jobs[w], n) for w, n in batch]
+            self._run(jobs, ws, basic)
+
+    def _basic_workspace(self) -> Workspace:
+        if self.basic_workspace is None:
+            self.basic_workspace = self._workspace(self.geometry.num_layers)
+        return self.basic_workspace
+
+    def _run(self, jobs: list[tuple[Job, int]], ws: Workspace, basic: bool) -> None:
+        try:
+            finals = self._prefill(jobs, ws, basic)
+        except StorageError as e:  # a stored block failed its read mid-prefill: recompute it, redo the batch
+            log.warning("prefill batch redone: %s", e)
+            for job, _ in jobs:
+                if any(f.done() and any(r is not None for r in f.result()) for f in job.layer_loads):
+                    self._restart(job)
+            with self.cond:
+                for job, _ in reversed(jobs):
+                    if job.work_id in self.jobs:
+                        self.ready.appendleft(job.work_id)
+                self.cond.notify_all()
+            return
+        except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
+            log.exception("prefill batch failed")
+            for job, _ in jobs:
+                self._fail(job, f"prefill failed: {e}")
+            return
+        for job, n in jobs:
+            job.head_sent = True
+            job.computed += n
+            if job.a.path is ReadPath.PE:
+                job.local_tokens = job.computed
+        for job, _ in jobs:
+            if job.computed < job.n_prompt:
+                with self.cond:
+                    self.ready.appendleft(job.work_id)
+                    self.cond.notify_all()
+        self._hand_off(finals)
+
+    @torch.inference_mode()
+    def _prefill(self, jobs: list[tuple[Job, int]], ws: Workspace, basic: bool) -> list[tuple[Job, torch.Tensor]]:
+        g, model = self.geometry, self.model
+        cached = [j.computed for j, _ in jobs]
+        new = [n for _, n in jobs]
+        bases, base = [], 0
+        for c, n in zip(cached, new):
+            bases.append(base)
+            base += g.num_blocks(c + n)
+        ids = torch.tensor([t for (j, n), c in zip(jobs, cached) for t in j.a.token_ids[c:c + n]], device=self.device)
+        batch = ForwardBatch(tuple(cached), tuple(new))
+
+        def rows(i: int, layer: int) -> torch.Tensor:
+            return ws.tensor[layer % ws.slots, bases[i]:bases[i] + g.num_blocks(cached[i] + new[i])].reshape(
+                -1, g.kv_elems_per_token)
+
+        fetch = lambda layer: AllOf([self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731
+                                     for i, (j, _) in enumerate(jobs)])
+        send = lambda layer: AllOf([self._send(j, cached[i], new[i], bases[i], layer, ws)  # noqa: E731
+                                    for i, (j, _) in enumerate(jobs)])
+        timeout = self.cfg.transport.op_timeout_s * 2
+        if basic:
+            pipe = LayerPipeline(g.num_layers, fetch, lambda layer: None, depth=g.num_layers - 1, timeout=timeout)
+        else:
+            pipe = LayerPipeline(g.num_layers, fetch, send, depth=1, timeout=timeout)
+        t0 = time.perf_counter()
+        ctx = model.begin(batch)
+        hidden = model.embed(ids)
+        pipe.begin()
+        if basic:  # the baseline: the whole batch's KV is resident before the first layer computes
+            for layer in range(g.num_layers):
+                pipe.wait_layer(layer)
+        for layer in range(g.num_layers):
+            if not basic:
+                pipe.wait_layer(layer)
+            hidden, kv = model.forward_layer(layer, hidden, ctx, [rows(i, layer)[:cached[i]] for i in range(len(jobs))])
+            off = 0
+            for i, n in enumerate(new):
+                rows(i, layer)[cached[i]:cached[i] + n] = kv[off:off + n]
+                off += n
+            pipe.layer_done(layer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.busy_s += time.perf_counter() - t0 - pipe.wait_time
+        pipe.finish()
+        if basic:  # the baseline sends everything after computing everything
+            AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)
+        last = batch.last_token_indices()
+        finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
+        if not finals:
+            return []
+        logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
+        return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
+
+    def _fetch(self, job: Job, cached: int, base: int, layer: int, ws: Workspace):
+        """Bring tokens [0, cached) of ``layer`` into the workspace: the local prefix from this engine's
+        buffer, the rest from the decode engine's buffer."""
+        g = self.geometry
+        local = min(job.local_tokens, cached)
+        handles = []
+        if local:
+            k = g.num_blocks(local)
+            out = ws.tensor[layer % ws.slots, base:base + k].reshape(-1, g.kv_elems_per_token)
+            copy = lambda: self.traffic.layer_to_device(job.pe_slots[:k], layer, out)  # noqa: E731
+            if job.layer_loads and not job.head_sent:  # this layer of the hit may still be on its way from storage
+                handles.append(AfterLoad(FutureHandle(job.layer_loads[layer]), copy))
+            else:
+                copy()
+        if cached > local:
+            j0, j1 = local // g.block_size, g.num_blocks(cached)
+            handles.append(self.traffic.move_layers(
+                Op.READ, ws.region, ws.layout, list(range(base + j0, base + j1)), self._de_region(job),
+                job.de_slots[j0:j1], [layer], (local - j0 * g.block_size, cached - j0 * g.block_size),
+                path="de_read"))
+        return AllOf(handles)
+
+    def _send(self, job: Job, cached: int, n: int, base: int, layer: int, ws: Workspace):
+        """Write what the decode engine lacks of ``layer``: the PE-side hit blocks (first chunk) and this chunk."""
+        g = self.geometry
+        ranges = []
+        if not job.head_sent and job.pe_blocks:
+            ranges.append((0, job.pe_blocks * g.block_size))
+        if ranges and ranges[-1][1] == cached:
+            ranges[-1] = (ranges[-1][0], cached + n)
+        else:
+            ranges.append((cached, cached + n))
+        handles = []
+        for t0, t1 in ranges:
+            j0, j1 = t0 // g.block_size, g.num_blocks(t1)
+            handles.append(self.traffic.move_layers(
+                Op.WRITE, ws.region, ws.layout, list(range(base + j0, base + j1)), self._de_region(job),
+                job.de_slots[j0:j1], [layer], (t0 - j0 * g.block_size, t1 - j0 * g.block_size), path="p2d"))
+        if job.a.path is ReadPath.PE and cached + n < job.n_prompt:
+            # a chunk in the middle of the prompt: keep its KV here too, for the next chunk's fetch
+            j0, j1 = cached // g.block_size, (cached + n) // g.block_size
+            src = ws.tensor[layer % ws.slots, base + j0:base + j1].reshape(-1, g.kv_elems_per_token)
+            self.traffic.layer_from_device(job.pe_slots[j0:j1], layer, src)
+        return AllOf(handles)
+
+    def _de_region(self, job: Job) -> PeerRegion:
+        de = job.a.decode
+        return PeerRegion(de.engine_id, de.buffer_region, FullBlockSlots(self.geometry, de.buffer_slots))
+
+    def _hand_off(self, finals: list[tuple[Job, torch.Tensor]]) -> None:
+        """Sample each finished prompt's first token and tell its decode engine the KV is in place."""
+        if not finals:
+            return
+        jobs = [j for j, _ in finals]
+        logits = torch.stack([lg for _, lg in finals])
+        tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs])
+        for job, tok, lp in zip(jobs, tokens, logprobs):
+            state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
+            path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
+            msg = PrefillDone(job.work_id, list(job.a.token_ids), dict(job.a.sampling), tok,
+                              lp.__dict__ if lp is not None else None, state, job.hit_tokens, path,
+                              job.storage_bytes)
+            try:
+                ack = self._de(job.a).call("PrefillDone", msg, timeout=30)
+                if not ack.ok:
+                    raise DualPathError(ack.error)
+            except DualPathError as e:
+                self._fail(job, f"hand-off to {job.a.decode.engine_id} failed: {e}")
+                continue
+            with self.cond:
+                self.jobs.pop(job.work_id, None)
+            self.buffer.free_owner(job.work_id)

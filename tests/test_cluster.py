@@ -1,0 +1,230 @@
+"""The runtime in real processes: a scheduler, one prefill and two decode engines (tiny random model, CPU),
+KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
+import threading
+
+import pytest
+
+from dualpath import LLM, SamplingParams
+from dualpath.client import ClusterClient
+from dualpath.geometry import block_hashes, model_fingerprint
+from dualpath.launcher import ClusterSpec, LocalCluster
+from engines.models import open_checkpoint
+from traffic.storage.fs import list_stored_keys
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+MODES = ["pe", "de", "dualpath", "basic"]
+
+
+def spec(model, kv, **kw):
+    base = dict(model=str(model), num_prefill=1, num_decode=2, block_size=BS, kv_store=str(kv), buffer_bytes=8 << 20,
+                cache_bytes=16 << 20, workspace_tokens=2048, cost_model="0.001,0.0001,0", heartbeat_timeout_s=5.0)
+    return ClusterSpec(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dirs, tmp_path_factory):
+    kv = tmp_path_factory.mktemp("kv")
+    with LocalCluster(spec(tiny_dirs["llama"], kv), run_dir=str(tmp_path_factory.mktemp("run"))) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        yield c, client, kv
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    return LLM(str(tiny_dirs["llama"]), block_size=BS)
+
+
+def conversation(seed: int, turns: int):
+    """Turn i's prompt = everything before + the reply + a new user message (tokens)."""
+    first = [(seed * 37 + i * 11) % 250 + 3 for i in range(40 + seed % 7)]
+    appends = [[(seed * 13 + t * 7 + i) % 250 + 3 for i in range(9 + t)] for t in range(turns)]
+    return first, appends
+
+
+REFERENCE_LOCK = threading.Lock()  # the single-process reference is not thread-safe
+
+
+def run_conversation(client, reference, seed, turns, mode):
+    prompt, appends = conversation(seed, turns)
+    results = []
+    for t in range(turns):
+        got = client.generate(prompt, GREEDY, mode=mode)
+        with REFERENCE_LOCK:
+            want = reference.generate(prompt, GREEDY)[0].token_ids
+        results.append((prompt, got, want))
+        prompt = prompt + got.token_ids + appends[t]
+    return results
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_five_turns_hit_storage_and_match_the_reference(cluster, reference, mode):
+    c, client, _ = cluster
+    before = client.stats()["storage_read_bytes"]
+    results = run_conversation(client, reference, seed=MODES.index(mode), turns=5, mode=mode)
+    for turn, (prompt, got, want) in enumerate(results):
+        assert got.token_ids == want, f"{mode} turn {turn}"
+        if turn >= 1:
+            # every full block of the previous prompt and reply is stored, so the hit covers them
+            assert got.num_cached_tokens >= (len(results[turn - 1][0]) + len(results[turn - 1][1].token_ids) - 1) \
+                // BS * BS
+            assert got.storage_bytes > 0
+            assert got.path == ("pe" if mode == "basic" else mode if mode != "dualpath" else got.path)
+    after = client.stats()["storage_read_bytes"]
+    reader = {"pe": "prefill-0", "basic": "prefill-0"}.get(mode)
+    if reader:
+        assert after.get(reader, 0) > before.get(reader, 0)
+    if mode == "de":
+        grew = [n for n in after if n.startswith("decode") and after[n] > before.get(n, 0)]
+        assert grew
+
+
+def test_concurrent_conversations_on_both_paths(cluster, reference):
+    c, client, _ = cluster
+    out, errors = {}, []
+
+    def talk(seed, mode):
+        try:
+            out[seed] = run_conversation(client, reference, seed, turns=3, mode=mode)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=talk, args=(10 + i, ["pe", "de"][i % 2])) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for seed, results in out.items():
+        for prompt, got, want in results:
+            assert got.token_ids == want, seed
+    paths = {got.path for results in out.values() for _, got, _ in results[1:]}
+    assert paths == {"pe", "de"}
+
+
+def test_every_full_block_is_stored_and_only_full_ones(cluster, reference, tiny_dirs):
+    c, client, kv = cluster
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    fp = model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest)
+    before = set(list_stored_keys(kv / fp.hex()))
+    results = run_conversation(client, reference, seed=99, turns=3, mode="dualpath")
+    stored = set(list_stored_keys(kv / fp.hex()))
+    expected = set()
+    for prompt, got, _ in results:
+        with_kv = prompt + got.token_ids[:-1]  # the last generated token has no KV yet
+        hashes = block_hashes(with_kv, fp, BS)
+        assert set(hashes) <= stored
+        expected |= set(hashes)
+    assert stored - before == expected - before  # nothing else: no partial blocks
+
+
+def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference, tiny_dirs):
+    c, client, kv = cluster
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    fp = model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest)
+    for mode, damage in (("pe", "corrupt"), ("de", "missing")):
+        prompt, appends = conversation(200 + len(damage), 2)
+        first = client.generate(prompt, GREEDY, mode=mode)
+        prompt2 = prompt + first.token_ids + appends[0]
+        hashes = block_hashes(prompt2, fp, BS)
+        victim = kv / fp.hex() / hashes[1].hex()[:2] / f"{hashes[1].hex()}.kv"
+        if damage == "corrupt":
+            data = bytearray(victim.read_bytes())
+            data[-10] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        else:
+            victim.unlink()
+        failures = client.stats()["kv_load_failures"]
+        got = client.generate(prompt2, GREEDY, mode=mode)
+        assert got.token_ids == reference.generate(prompt2, GREEDY)[0].token_ids
+        assert got.num_cached_tokens == BS  # only block 0 came from storage
+        assert client.stats()["kv_load_failures"] > failures
+
+
+def test_a_killed_decode_engine_fails_or_retries_cleanly(tiny_dirs, tmp_path, reference):
+    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=2.0),
+                      run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=60)
+        long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        outcomes, streaming = [], threading.Semaphore(0)
+
+        def one(seed):
+            prompt, _ = conversation(300 + seed, 1)
+            try:
+                for i, ev in enumerate(client.stream(prompt, long)):
+                    if i == 5:
+                        streaming.release()
+                    if ev.finish_reason:
+                        outcomes.append(("ok", ev.finish_reason))
+                        return
+            except Exception as e:  # noqa: BLE001
+                outcomes.append(("error", str(e)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for _ in threads:  # every request is generating (two on each decode engine)
+            assert streaming.acquire(timeout=60)
+        c.kill("decode-0")
+        for t in threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        kinds = sorted(kind for kind, _ in outcomes)
+        assert kinds.count("error") >= 1 and kinds.count("ok") >= 1, outcomes
+        for kind, detail in outcomes:
+            assert kind == "ok" or "decode engine" in detail, detail
+        # the rest of the system keeps serving
+        prompt, _ = conversation(400, 1)
+        got = client.generate(prompt, GREEDY)
+        assert got.token_ids == reference.generate(prompt, GREEDY)[0].token_ids
+        client.close()
+
+
+def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, reference):
+    # slow storage reads on the prefill nodes keep requests in flight there when one is killed
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, heartbeat_timeout_s=2.0,
+             storage_read_bps=20_000.0)
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        prompts = []
+        for i in range(6):
+            prompt, appends = conversation(500 + i, 1)
+            first = client.generate(prompt, GREEDY, mode="pe")
+            prompts.append(prompt + first.token_ids + appends[0])
+        results, errors = {}, []
+
+        def one(i):
+            try:
+                results[i] = client.generate(prompts[i], GREEDY, mode="pe")
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        import time
+        time.sleep(0.5)
+        c.kill("prefill-0")
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        assert not errors, errors
+        for i, got in results.items():
+            assert got.token_ids == reference.generate(prompts[i], GREEDY)[0].token_ids
+        assert client.stats()["retried"] >= 1
+        client.close()
+
+
+def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path, reference):
+    # 10 ms per new token against a 300 ms quota: prompts of ~100 tokens prefill in chunks of at most 30
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, cost_model="0,0.01,0")
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        for i, mode in enumerate(["pe", "de", "split"]):
+            results = run_conversation(client, reference, seed=600 + i, turns=3, mode=mode)
+            for prompt, got, want in results:
+                assert got.token_ids == want, mode
+            if mode == "split":
+                assert "split" in {got.path for _, got, _ in results[1:]}
+        client.close()
