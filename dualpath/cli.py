@@ -64,7 +64,8 @@ def engine_config(args: argparse.Namespace):
                               capacity_bytes=args.storage_capacity, read_bandwidth_bps=args.storage_read_bps),
         buffer_bytes=args.buffer_bytes, workspace_tokens=args.workspace_tokens,
         compute_quota_s=args.compute_quota_ms / 1000, pull_interval_s=args.pull_interval, cost_model=cost,
-        max_model_len=args.max_model_len, torch_threads=args.torch_threads)
+        max_model_len=args.max_model_len, torch_threads=args.torch_threads, alpha_tokens=args.alpha_tokens,
+        beta_tokens=args.beta_tokens)
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--port", type=int, default=50051)
     sc.add_argument("--kv-store", help="the KV store directory engines use (to rebuild the block index)")
     sc.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
-    sc.add_argument("--policy", default="least-loaded")
+    sc.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
     sc.add_argument("--heartbeat-timeout", type=float, default=10.0)
     sc.add_argument("--max-queued", type=int, default=4096)
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -133,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pull-interval", type=float, default=0.02)
     e.add_argument("--max-model-len", type=int, default=0)
     e.add_argument("--torch-threads", type=int, default=0)
+    e.add_argument("--alpha-tokens", type=int, default=0, help="tokens this node reads in 3 s (0: measure)")
+    e.add_argument("--beta-tokens", type=int, default=0, help="tokens this device prefills in 5 s (0: cost model)")
     e.add_argument("--ready-file", help=argparse.SUPPRESS)
     e.set_defaults(func=cmd_engine)
 

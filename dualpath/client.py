@@ -58,11 +58,14 @@ class ClusterClient:
         rid = request_id or uuid.uuid4().hex
         submit = self.scheduler.stream("Submit", SubmitRequest(rid, list(token_ids), sampling.to_dict(), mode))
         events: queue.Queue = queue.Queue()
+        active: list = []  # the decode-engine stream being read, so news from the scheduler can interrupt it
 
         def pump():
             try:
                 for ev in submit:
                     events.put(ev)
+                    if ev.kind in ("failed", "assigned") and active:
+                        active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
             except DualPathError as e:
                 events.put(SubmitEvent("failed", rid, error=str(e)))
             events.put(None)
@@ -73,6 +76,7 @@ class ClusterClient:
             while True:
                 assigned = self._next_assignment(events, rid)
                 stream = self._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
+                active[:] = [stream]
                 try:
                     for tok in stream:
                         if tok.finish_reason == "abort" and not got_tokens:
@@ -86,6 +90,10 @@ class ClusterClient:
                 except RpcError as e:
                     if got_tokens:
                         raise DualPathError(f"request {rid}: the decode engine failed mid-generation: {e}") from None
+                finally:
+                    active.clear()
+                if got_tokens:
+                    raise DualPathError(f"request {rid}: its stream ended early (the scheduler gave up on it)")
         finally:
             submit.cancel()
 

@@ -276,7 +276,7 @@ class SchedulerConfig:
     port: int = 0
     kv_store: str | None = None
     mode: str = "dualpath"
-    policy: str = "least-loaded"
+    policy: str = "dualpath"
     heartbeat_timeout_s: float = 10.0
     max_queued_requests: int = 4096
     max_attempts: int = 3
@@ -310,6 +310,8 @@ class EngineProcessConfig:
     cost_model: tuple[float, float, float] | None = None
     max_model_len: int = 0
     torch_threads: int = 0  # 0: torch's default
+    alpha_tokens: int = 0  # tokens this node reads in 3 s (0: measure at start)
+    beta_tokens: int = 0  # prefill: tokens the device prefills in 5 s (0: from the cost model)
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):

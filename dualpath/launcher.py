@@ -27,7 +27,7 @@ class ClusterSpec:
     num_prefill: int = 1
     num_decode: int = 1
     mode: str = "dualpath"
-    policy: str = "least-loaded"
+    policy: str = "dualpath"
     transport: str = "shm"
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
@@ -44,6 +44,7 @@ class ClusterSpec:
     heartbeat_timeout_s: float = 10.0
     host: str = "127.0.0.1"
     scheduler_port: int = 0
+    engines_per_node: int = 1  # engines of a role packed per node; a node's engines form one group
     extra_engine_args: tuple[str, ...] = ()
     log_level: str = "INFO"
 
@@ -100,8 +101,10 @@ class LocalCluster:
         s = self.spec
         device = f"cuda:{device_index}" if s.device == "cuda" else s.device
         name = f"{role}-{index}"
+        node = f"{role}-node{index // s.engines_per_node}"
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
-                "--engine-id", name, "--device", device, "--dtype", s.dtype, "--transport", s.transport,
+                "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
+                "--device", device, "--dtype", s.dtype, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
                 "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
                 "--storage-read-bps", str(s.storage_read_bps), "--compute-quota-ms", str(s.compute_quota_ms),

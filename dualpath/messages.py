@@ -55,6 +55,8 @@ class EngineInfo:
     max_model_len: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
     group_id: str = ""  # engines of one node and role; "" = a group of its own
+    alpha_tokens: int = 0  # tokens this engine's node reads from storage in 3 s (0: unknown)
+    beta_tokens: int = 0  # prefill engines: tokens the device prefills in 5 s (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -118,12 +120,22 @@ class Assignment:
 class PullRequest:
     group_id: str
     loads: list[EngineLoad]
+    sender: str = ""  # the engine that pulls (the group's leader)
+    unreachable: list[str] = field(default_factory=list)  # group members that stopped answering the sender
 
 
 @dataclass(frozen=True)
 class PullReply:
     assignments: dict[str, list[Assignment]]  # engine id -> new work
     cancelled: list[str] = field(default_factory=list)
+    members: list[list[str]] = field(default_factory=list)  # the group: [engine id, control address], alive
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    ok: bool
+    error: str = ""
+    members: list[list[str]] = field(default_factory=list)  # the engine's group as the scheduler knows it
 
 
 @dataclass(frozen=True)

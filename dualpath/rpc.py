@@ -60,6 +60,27 @@ def serve(service: str, methods: dict[str, Method], handler: Any, address: str =
     return server, port
 
 
+async def serve_async(service: str, methods: dict[str, Method], handler: Any,
+                      address: str = "0.0.0.0:0") -> tuple["grpc.aio.Server", int]:
+    """``serve`` for asyncio handlers (``async def`` methods, async generators for streams): thousands of open
+    streams cost coroutines, not threads."""
+    table = {}
+    for name, m in methods.items():
+        fn = getattr(handler, name, None)
+        if fn is None:
+            continue
+        deser = lambda b, c=m.request: from_wire(c, b)  # noqa: E731
+        make = grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
+        table[name] = make(fn, request_deserializer=deser, response_serializer=to_wire)
+    server = grpc.aio.server(options=_OPTIONS)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise DualPathError(f"cannot listen on {address}")
+    await server.start()
+    return server, port
+
+
 class Client:
     """Calls ``service`` at ``address``: ``client.call("Method", request, timeout)`` or ``client.stream(...)``."""
 
@@ -117,7 +138,7 @@ def _methods():
     from dualpath import messages as m
 
     scheduler = {
-        "Register": Method(m.EngineInfo, m.Ack),
+        "Register": Method(m.EngineInfo, m.RegisterReply),
         "Pull": Method(m.PullRequest, m.PullReply),
         "Report": Method(m.EngineLoad, m.Ack),
         "Submit": Method(m.SubmitRequest, m.SubmitEvent, streaming=True),
@@ -127,6 +148,7 @@ def _methods():
     engine = {
         "Health": Method(m.RequestRef, m.Ack),
         "Assign": Method(m.PullReply, m.Ack),
+        "PushLoad": Method(m.EngineLoad, m.Ack),
         "Prepare": Method(m.PrepareRequest, m.PrepareReply),
         "PrefillDone": Method(m.PrefillDone, m.Ack),
         "Release": Method(m.RequestRef, m.Ack),

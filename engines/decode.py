@@ -173,6 +173,7 @@ class DecodeEngine(Engine):
             self.buffer.free_owner(msg.request_id)
         h.persisted = n_full
         self.outbox.add("started", msg.request_id)
+        self.report_soon()
         self._emit(seq, [msg.first_token], first=True)
         if seq.finished:
             self._finish(h)
@@ -192,6 +193,7 @@ class DecodeEngine(Engine):
                     self.outbox.add("failed", [s.seq_id, f"decode step failed: {e}"])
                     self.inbox.put(("drop", s.seq_id, f"decode step failed: {e}"))
                 self.local.running.clear()
+                self.report_soon()
                 return
         for s in running:
             self._emit(s, s.output_ids[before[s.seq_id]:])
@@ -248,7 +250,9 @@ class DecodeEngine(Engine):
     def _drop(self, work_id: str, reason: str) -> None:
         with self.lock:
             h = self.held_.pop(work_id, None)
-            if h is None:
+            if h is None:  # never prepared here; a submitter may already be waiting on its stream
+                self._stream(work_id).put(TokenEvent(work_id, finish_reason="abort", error=reason))
+                self.stream_expiry[work_id] = time.monotonic() + STREAM_TTL_S
                 return
             h.cancelled = True
             if h.seq is not None and h.seq in self.local.running:

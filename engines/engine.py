@@ -1,9 +1,12 @@
 """What prefill and decode engines share: the model, the KV geometry and fingerprint, the DRAM buffer, storage,
 the transport and traffic manager, the gRPC control surface, registration and the pull loop.
 
-The pull loop is the engine group's side of scheduling: every ``pull_interval_s`` it sends a load report and
-takes new work. Facts the scheduler must not miss (blocks stored, requests finished or failed) wait in an outbox
-until a report carrying them was delivered.
+Engines of one node and role form a group (``--group-id``); its leader — the member with the smallest id that
+answers — is the only one that pulls: every ``pull_interval_s`` it sends the group's load reports and hands the
+work it gets to the members (``Assign``); members push their reports to it (``PushLoad``). If the leader stops
+answering, the next member takes over. Facts the scheduler must not miss (a request started, finished or failed)
+are also sent straight to the scheduler as they happen (``Report``); everything waits in an outbox until a
+report carrying it was delivered.
 """
 from __future__ import annotations
 
@@ -84,11 +87,18 @@ class Engine:
         self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
         self.outbox = Outbox()
         self.stopping = threading.Event()
+        self.members: list[list[str]] = []  # the group: [engine id, control address]
+        self.member_loads: list[EngineLoad] = []  # pushed by members, waiting for the leader's next pull
+        self._peers: dict[str, Client] = {}
+        self.unreachable: set[str] = set()  # members (or the leader) that stopped answering us
+        self._report_event = threading.Event()
+        self._lock = threading.Lock()
         self._read_bytes_reported = self._failures_reported = 0
         self._busy_reported = 0.0
         self.busy_s = 0.0  # prefill attention seconds (prefill engines)
         self.kv_load_failures = 0  # stored blocks that failed to load and were recomputed
         self.setup()
+        self.alpha = self.alpha_tokens()
         self.server, self.port = serve("Engine", ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}")
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, cfg.scheduler)
 
@@ -117,13 +127,46 @@ class Engine:
         self.stopping.wait()
 
     # --- registration and reports ---------------------------------------------------------------------------
+    def beta_tokens(self) -> int:
+        return 0
+
+    def alpha_tokens(self) -> int:
+        """Tokens this node reads from storage in 3 s: from the configured cap, else measured."""
+        if self.cfg.alpha_tokens:
+            return self.cfg.alpha_tokens
+        bps = self.cfg.storage.read_bandwidth_bps or self._measure_read_bps()
+        return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
+
+    def _measure_read_bps(self, nbytes: int = 32 << 20) -> float:
+        """Write and read back a few probe blocks under their own fingerprint (never a model's), then remove them."""
+        from traffic.storage import make_storage
+
+        g = self.geometry
+        n = max(1, nbytes // g.full_block_bytes)
+        probe = make_storage(self.cfg.storage, g, b"\xff" * 8 + os.urandom(8))
+        keys = [i.to_bytes(16, "little") for i in range(n)]
+        blocks = [torch.randint(0, 256, (g.full_block_bytes,), dtype=torch.uint8) for _ in keys]
+        try:
+            probe.write(keys, blocks).result()
+            t = time.perf_counter()
+            probe.read(keys, blocks).result()
+            return n * g.full_block_bytes / max(time.perf_counter() - t, 1e-6)
+        finally:
+            probe.delete(keys).result()
+            probe.close()
+            try:
+                import shutil
+                shutil.rmtree(probe.dir)
+            except OSError:
+                pass
+
     def info(self) -> EngineInfo:
         return EngineInfo(
             self.engine_id, self.role, self.node_id, f"{self.cfg.host}:{self.port}", self.cfg.transport.name,
             self.transport.address(), [r.to_dict() for r in self.transport.regions()], self.buffer_region,
             self.buffer.num_slots, self.geometry.block_size, self.geometry.num_layers, self.fingerprint.hex(),
             self.capacity_tokens(), self.cfg.model, self.max_model_len, list(self.model_config.eos_token_ids),
-            self.cfg.group_id)
+            self.cfg.group_id, self.alpha, self.beta_tokens())
 
     def register(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -137,6 +180,7 @@ class Engine:
                 time.sleep(0.2)
         if not ack.ok:
             raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
+        self.members = ack.members
 
     def load(self) -> tuple[EngineLoad, dict]:
         held = self.held()
@@ -158,28 +202,106 @@ class Engine:
         self._failures_reported = marks["failures"]
 
     def report_now(self) -> None:
-        load, marks = self.load()
-        try:
-            self.scheduler.call("Report", load, timeout=10)
-            self._delivered(marks)
-        except RpcError as e:
-            self.outbox.put_back(marks["items"])
-            log.warning("report failed: %s", e)
-
-    def pull_loop(self) -> None:
-        group = self.cfg.group_id or self.engine_id
-        while not self.stopping.is_set():
+        """Send a load report straight to the scheduler (events that must not wait for the next pull)."""
+        with self._lock:  # one report at a time keeps the delivered marks in order
             load, marks = self.load()
             try:
-                reply = self.scheduler.call("Pull", PullRequest(group, [load]), timeout=10)
+                self.scheduler.call("Report", load, timeout=10)
                 self._delivered(marks)
             except RpcError as e:
                 self.outbox.put_back(marks["items"])
+                log.warning("report failed: %s", e)
+
+    def report_soon(self) -> None:
+        self._report_event.set()
+
+    def _reporter(self) -> None:
+        while not self.stopping.is_set():
+            if self._report_event.wait(0.5):
+                self._report_event.clear()
+                self.report_now()
+
+    # --- the group ------------------------------------------------------------------------------------------
+    @property
+    def group(self) -> str:
+        return self.cfg.group_id or self.engine_id
+
+    def leader(self) -> str:
+        return min([m[0] for m in self.members] + [self.engine_id])
+
+    def _peer(self, address: str) -> Client:
+        if address not in self._peers:
+            self._peers[address] = Client("Engine", ENGINE_METHODS, address)
+        return self._peers[address]
+
+    def pull_loop(self) -> None:
+        while not self.stopping.is_set():
+            if self.leader() == self.engine_id:
+                self._pull()
+            else:
+                self._push()
+            self.stopping.wait(self.cfg.pull_interval_s)
+
+    def _pull(self) -> None:
+        with self._lock:
+            load, marks = self.load()
+            members, self.member_loads = self.member_loads, []
+            gone = sorted(self.unreachable)
+            try:
+                reply = self.scheduler.call(
+                    "Pull", PullRequest(self.group, [load, *members], self.engine_id, gone), timeout=10)
+                self._delivered(marks)
+                self.unreachable.difference_update(gone)
+            except RpcError as e:
+                self.outbox.put_back(marks["items"])
+                self.member_loads[:0] = members
                 log.warning("pull failed: %s", e)
                 self.stopping.wait(0.5)
-                continue
-            self._apply(reply)
-            self.stopping.wait(self.cfg.pull_interval_s)
+                return
+        if reply.members:
+            self.members = reply.members
+        self._apply(reply)
+        addresses = dict((m[0], m[1]) for m in self.members)
+        for eid, work in reply.assignments.items():
+            if eid != self.engine_id:
+                self._forward(eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled))
+        if reply.cancelled:
+            for eid, addr in addresses.items():
+                if eid != self.engine_id and eid not in reply.assignments:
+                    self._forward(eid, addr, PullReply({}, reply.cancelled))
+
+    def _forward(self, eid: str, address: str | None, reply: PullReply) -> None:
+        """Hand a member its work; if it cannot take it, report the work failed so the scheduler retries it."""
+        try:
+            if address is None:
+                raise RpcError(f"{eid} is not in the group")
+            self._peer(address).call("Assign", reply, timeout=10)
+        except RpcError as e:
+            self.unreachable.add(eid)  # the scheduler learns it at our next pull
+            self.members = [m for m in self.members if m[0] != eid]
+            for a in reply.assignments.get(eid, []):
+                self.outbox.add("failed", [a.request_id, f"group member {eid} unreachable: {e}"])
+
+    def _push(self) -> None:
+        leader = self.leader()
+        address = dict((m[0], m[1]) for m in self.members).get(leader)
+        with self._lock:
+            load, marks = self.load()
+            try:
+                if address is None:
+                    raise RpcError(f"leader {leader} unknown")
+                self._peer(address).call("PushLoad", load, timeout=5)
+                self._delivered(marks)
+            except RpcError as e:
+                self.outbox.put_back(marks["items"])
+                log.warning("group leader %s unreachable (%s); the next member leads", leader, e)
+                self.members = [m for m in self.members if m[0] != leader]
+                self.unreachable.add(leader)
+
+    def PushLoad(self, load: EngineLoad, ctx) -> Ack:
+        with self._lock:
+            self.member_loads.append(load)
+        return Ack()
 
     def _apply(self, reply: PullReply) -> None:
         for w in reply.cancelled:
@@ -192,6 +314,7 @@ class Engine:
         return Ack(not self.stopping.is_set())
 
     def Assign(self, reply: PullReply, ctx) -> Ack:
+        """Work forwarded by the group leader."""
         self._apply(reply)
         return Ack()
 
@@ -203,6 +326,7 @@ class Engine:
     def run(self) -> None:
         """Start the pull loop and the main loop (after ``register``); return after SIGTERM/SIGINT or ``stop``."""
         threading.Thread(target=self.pull_loop, daemon=True, name="pull").start()
+        threading.Thread(target=self._reporter, daemon=True, name="reporter").start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stopping.set())

@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 
 from dualpath.config import EngineProcessConfig, SchedulerConfig
 
@@ -55,14 +54,17 @@ def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
 
 
 def run_scheduler(cfg: SchedulerConfig, ready_file: str | None = None) -> None:
-    die_with_parent()
-    from scheduler.service import start_scheduler
+    import asyncio
 
-    server, port, core = start_scheduler(cfg)
-    write_ready(ready_file, f"{port}\n")
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
+    from scheduler.service import run_scheduler_async
+
+    die_with_parent()
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=1)
+            loop.add_signal_handler(sig, stop.set)
+        await run_scheduler_async(cfg, lambda port: write_ready(ready_file, f"{port}\n"), stop)
+
+    asyncio.run(main())

@@ -119,8 +119,15 @@ class PrefillEngine(Engine):
         return self.workspace.blocks * self.geometry.block_size
 
     def held(self) -> dict[str, int]:
+        """Work ids -> tokens still to compute (the prefill load the scheduler balances)."""
         with self.cond:
-            return {w: j.n_prompt for w, j in self.jobs.items()}
+            return {w: j.n_prompt - max(j.computed, j.hit_tokens) for w, j in self.jobs.items()}
+
+    def beta_tokens(self) -> int:
+        """Tokens this device prefills in 5 s, by the cost model (attention over cached tokens left out)."""
+        if self.cfg.beta_tokens:
+            return self.cfg.beta_tokens
+        return int(max(0.0, 5.0 - self.cost.fixed) / self.cost.per_token) if self.cost.per_token > 0 else 0
 
     # --- start-up profile -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -225,6 +232,7 @@ class PrefillEngine(Engine):
                 self.ready.remove(job.work_id)
         self.buffer.free_owner(job.work_id)
         self.outbox.add("failed", [job.work_id, reason])
+        self.report_soon()
         client = self.de_clients.get(job.a.decode.engine_id)
         if client is not None:
             try:

@@ -1,11 +1,11 @@
 """The scheduler's bookkeeping, without sockets: engines and their loads, requests and their queues, the block
-index. The gRPC service (``scheduler.service``) calls these methods; tests call them directly.
+index, balance metrics. The gRPC service (``scheduler.service``) calls these methods; tests call them directly.
 
-A request's life: ``submit`` (hashes, hit length) -> decode queue -> a decode engine group pulls and the policy
-gives it a decode engine (memory reserved) -> prefill queue -> a prefill group pulls, the policy gives it a prefill
-engine and a read path -> the prefill engine runs it and hands it to the decode engine, which reports it finished.
-Each attempt runs under its own work id (``<request>.<attempt>``), so reports about an abandoned attempt can
-never touch a retry.
+A request's life: ``submit`` (hashes, hit length) -> the global queue -> a decode group's private queue (policy
+phase 1) -> when that group pulls, a decode engine (phase 2, memory reserved) -> the prefill queue -> when a
+prefill group pulls, a prefill engine and a read path -> the prefill engine runs it and hands it to the decode
+engine, which reports it finished. Each attempt runs under its own work id (``<request>.<attempt>``), so reports
+about an abandoned attempt can never touch a retry.
 """
 from __future__ import annotations
 
@@ -13,21 +13,82 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 from pathlib import Path
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import (Ack, Assignment, EngineInfo, EngineLoad, Mode, PullReply, ReadPath, Role,
+from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, ReadPath, RegisterReply, Role,
                                SubmitEvent, SubmitRequest)
 from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
+from scheduler.balance import WindowedSums, max_over_avg
 from scheduler.index import BlockIndex
-from scheduler.policy import EngineState, Policy, QueuedRequest
+from scheduler.policy import EngineState, NodeState, Policy, QueuedRequest
 
 log = logging.getLogger(__name__)
+
+
+class Fifo:
+    """An ordered set of request ids: O(1) append, push-front, remove and membership; FIFO iteration."""
+
+    def __init__(self):
+        self._d: OrderedDict[str, None] = OrderedDict()
+
+    def append(self, rid: str) -> None:
+        self._d[rid] = None
+
+    def appendleft(self, rid: str) -> None:
+        self._d[rid] = None
+        self._d.move_to_end(rid, last=False)
+
+    def remove(self, rid: str) -> None:
+        del self._d[rid]
+
+    def discard(self, rid: str) -> None:
+        self._d.pop(rid, None)
+
+    def popleft(self) -> str:
+        return self._d.popitem(last=False)[0]
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._d
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._d))
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+    def first(self) -> str:
+        return next(iter(self._d))
+
+
+class Lazy:
+    """A sequence built on demand from an iterator (policies walk a queue's head and stop early; re-iteration
+    reuses what was built)."""
+
+    def __init__(self, source):
+        self._it, self._items = iter(source), []
+
+    def __iter__(self):
+        i = 0
+        while True:
+            if i < len(self._items):
+                yield self._items[i]
+            else:
+                try:
+                    self._items.append(next(self._it))
+                except StopIteration:
+                    return
+                yield self._items[i]
+            i += 1
 
 
 @dataclass
@@ -47,10 +108,12 @@ class EngineRecord:
 class RequestRecord:
     spec: SubmitRequest
     params: SamplingParams
+    mode: Mode
     hashes: list[bytes]
     hit_blocks: int
-    events: "queue.Queue[SubmitEvent]"
+    notify: Callable[[SubmitEvent], None]  # where events about the request go
     attempt: int = 0
+    group: str | None = None  # the decode group whose private queue holds it
     de: str | None = None
     pe: str | None = None
     path: str = ""
@@ -61,54 +124,71 @@ class RequestRecord:
     def work_id(self) -> str:
         return f"{self.spec.request_id}.{self.attempt}"
 
-    def queued(self, block_size: int) -> QueuedRequest:
-        n = len(self.spec.token_ids)
-        return QueuedRequest(self.work_id, n, self.hit_blocks * block_size, n + self.params.max_tokens)
-
 
 class SchedulerCore:
-    def __init__(self, config: SchedulerConfig, policy: Policy, clock=time.monotonic):
+    def __init__(self, config: SchedulerConfig, policy: Policy, clock=time.monotonic, balance_window_s: float = 30.0):
         self.config, self.policy, self.clock = config, policy, clock
         self.mode = Mode(config.mode)
         self.index = BlockIndex()
         self.engines: dict[str, EngineRecord] = {}
+        self.by_node: dict[str, list[EngineRecord]] = {}
         self.requests: dict[str, RequestRecord] = {}  # by request id
         self.by_work: dict[str, str] = {}  # work id -> request id
-        self.decode_queue: deque[str] = deque()
-        self.prefill_queue: deque[str] = deque()
+        self.global_queue = Fifo()
+        self.private: dict[str, Fifo] = {}  # decode group -> its private queue
+        self.prefill_queue = Fifo()
         self.cancelled_for: dict[str, list[str]] = {}  # engine -> work ids it must drop
         self.fingerprint: bytes | None = None
         self.block_size = 0
         self.max_model_len = 0
-        self.eos: list[int] = []
         self.lock = threading.RLock()
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "prompt_tokens": 0,
                          "kv_load_failures": 0}
-        self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes
-        self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds
+        self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
+        self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
+        self.pulls_by_sender: dict[str, int] = {}
+        self._totals: dict[str, int] | None = None
+        self._totals_at = 0.0
+        self.read_window = WindowedSums(balance_window_s, clock)
+        self.busy_window = WindowedSums(balance_window_s, clock)
 
     # --- engines --------------------------------------------------------------------------------------------
-    def register(self, info: EngineInfo) -> Ack:
+    def register(self, info: EngineInfo) -> RegisterReply:
         fp = bytes.fromhex(info.fingerprint)
         with self.lock:
             if self.fingerprint is not None and (fp != self.fingerprint or info.block_size != self.block_size):
-                return Ack(False, f"engine {info.engine_id} serves another model or block size than the cluster")
+                return RegisterReply(False, f"engine {info.engine_id} serves another model or block size than "
+                                            "the cluster")
             first = self.fingerprint is None
-            self.fingerprint, self.block_size = fp, info.block_size
-            self.max_model_len, self.eos = info.max_model_len, list(info.eos_token_ids)
+            self.fingerprint, self.block_size, self.max_model_len = fp, info.block_size, info.max_model_len
             old = self.engines.get(info.engine_id)
             if old is not None and old.alive:
                 self._engine_gone(info.engine_id, "re-registered")
-            self.engines[info.engine_id] = EngineRecord(info, last_seen=self.clock())
+            rec = self.engines[info.engine_id] = EngineRecord(info, last_seen=self.clock())
+            self._totals = None
+            self.by_node.setdefault(info.node_id, []).append(rec)
+            if old is not None:
+                self.by_node[info.node_id] = [x for x in self.by_node[info.node_id] if x is not old]
+            if info.role is Role.DECODE:
+                self.private.setdefault(rec.group, Fifo())
+            else:
+                self.busy_window.track(info.engine_id)
+            self.read_window.track(info.node_id)
+            members = self.members(rec.group)
         if first:
             root = Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
             try:
                 self.index.rebuild(root, fp)
             except OSError as e:
                 log.warning("cannot rebuild the block index from %s: %s", root, e)
-        log.info("engine %s joined (%s, node %s)", info.engine_id, info.role.value, info.node_id)
-        return Ack()
+        log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id,
+                 rec.group)
+        return RegisterReply(True, members=members)
+
+    def members(self, group: str) -> list[list[str]]:
+        return sorted([e.info.engine_id, e.info.control_address] for e in self.engines.values()
+                      if e.alive and e.group == group)
 
     def alive(self, role: Role) -> list[EngineRecord]:
         return [e for e in self.engines.values() if e.alive and e.info.role is role]
@@ -127,6 +207,7 @@ class SchedulerCore:
     def _engine_gone(self, eid: str, why: str) -> None:
         e = self.engines[eid]
         e.alive = False
+        self._totals = None
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
             if r.pe == eid or r.de == eid:
@@ -134,13 +215,26 @@ class SchedulerCore:
                     self._fail(rid, f"decode engine {eid} died while generating ({why})")
                 else:
                     self._retry(rid, f"engine {eid} is gone")
+        if e.info.role is Role.DECODE and not any(x.alive and x.group == e.group for x in self.engines.values()):
+            orphans = self.private.pop(e.group, Fifo())  # the whole group left: back to the global queue
+            for rid in reversed(list(orphans)):
+                self.requests[rid].group = None
+                self.global_queue.appendleft(rid)
+        if e.info.role is Role.PREFILL:
+            self.busy_window.forget(eid)
+        if not any(x.alive and x.info.node_id == e.info.node_id for x in self.engines.values()):
+            self.read_window.forget(e.info.node_id)
 
     # --- requests -------------------------------------------------------------------------------------------
-    def submit(self, spec: SubmitRequest) -> "queue.Queue[SubmitEvent]":
-        """Accept a request (or raise ``RequestError``); events about it arrive on the returned queue."""
+    def submit(self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None):
+        """Accept a request (or raise ``RequestError``). Events about it go to ``notify``; without one they go to a
+        ``queue.Queue``, which is returned."""
+        events: queue.Queue | None = None
+        if notify is None:
+            events = queue.Queue()
+            notify = events.put
         params = SamplingParams.from_dict(spec.sampling)
-        if spec.mode:
-            Mode(spec.mode)  # raises on an unknown mode
+        mode = Mode(spec.mode) if spec.mode else self.mode
         with self.lock:
             if not self.ready():
                 raise RequestError("no prefill and decode engines are registered yet")
@@ -156,15 +250,20 @@ class SchedulerCore:
             hashes = block_hashes(spec.token_ids, self.fingerprint, self.block_size)
             # at least one prompt token is always computed: its logits give the first output token
             hit = min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
-            r = RequestRecord(spec, params, hashes, hit, queue.Queue(), submitted_at=self.clock())
+            r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock())
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
-            self.decode_queue.append(spec.request_id)
+            self.global_queue.append(spec.request_id)
             self.counters["submitted"] += 1
             self.counters["prompt_tokens"] += n
             self.counters["hit_tokens"] += hit * self.block_size
-            r.events.put(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size))
-            return r.events
+            notify(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size))
+            return events
+
+    def queued(self, r: RequestRecord) -> QueuedRequest:
+        n = len(r.spec.token_ids)
+        de_node = self.engines[r.de].info.node_id if r.de else ""
+        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, n + r.params.max_tokens, de_node)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         with self.lock:
@@ -176,17 +275,23 @@ class SchedulerCore:
                     self.cancelled_for.setdefault(eid, []).append(r.work_id)
             self._drop(request_id, SubmitEvent("failed", request_id, error=reason))
 
+    def _unqueue(self, rid: str) -> None:
+        r = self.requests[rid]
+        self.global_queue.discard(rid)
+        self.prefill_queue.discard(rid)
+        if r.group in self.private:
+            self.private[r.group].discard(rid)
+        r.group = None
+
     def _drop(self, rid: str, event: SubmitEvent | None) -> None:
+        self._unqueue(rid)
         r = self.requests.pop(rid)
         self.by_work.pop(r.work_id, None)
-        for q in (self.decode_queue, self.prefill_queue):
-            if rid in q:
-                q.remove(rid)
         for eid in (r.pe, r.de):
             if eid in self.engines:
                 self.engines[eid].outstanding.pop(r.work_id, None)
         if event is not None:
-            r.events.put(event)
+            r.notify(event)
 
     def _fail(self, rid: str, error: str) -> None:
         self.counters["failed"] += 1
@@ -203,14 +308,12 @@ class SchedulerCore:
                 self.engines[eid].outstanding.pop(r.work_id, None)
                 if self.engines[eid].alive:
                     self.cancelled_for.setdefault(eid, []).append(r.work_id)
+        self._unqueue(rid)
         self.by_work.pop(r.work_id, None)
-        for q in (self.decode_queue, self.prefill_queue):
-            if rid in q:
-                q.remove(rid)
         r.attempt += 1
         r.pe = r.de = None
         self.by_work[r.work_id] = rid
-        self.decode_queue.appendleft(rid)
+        self.global_queue.appendleft(rid)
         self.counters["retried"] += 1
         log.info("request %s retried (%s)", rid, why)
 
@@ -221,8 +324,14 @@ class SchedulerCore:
         with self.lock:
             self._absorb(load)
 
-    def pull(self, group_id: str, loads: list[EngineLoad]) -> PullReply:
+    def pull(self, group_id: str, loads: list[EngineLoad], sender: str = "",
+             unreachable: list[str] = ()) -> PullReply:
         with self.lock:
+            self.pulls_by_sender[sender] = self.pulls_by_sender.get(sender, 0) + 1
+            for eid in unreachable:  # a group's own members are the first to know one of them is gone
+                e = self.engines.get(eid)
+                if e is not None and e.alive and e.group == group_id and eid != sender:
+                    self._engine_gone(eid, f"unreachable from {sender}")
             for load in loads:
                 self._absorb(load)
             group = [e for e in self.engines.values() if e.alive and e.group == group_id]
@@ -230,10 +339,12 @@ class SchedulerCore:
                 return PullReply({})
             cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])]
             pulling = {e.info.engine_id for e in group}
+            members = self.members(group_id)
+            self._route()
             if group[0].info.role is Role.DECODE:
-                self._assign_decode(pulling)
-                return PullReply({}, cancelled)
-            return PullReply(self._assign_prefill(pulling), cancelled)
+                self._assign_decode(group_id, pulling)
+                return PullReply({}, cancelled, members)
+            return PullReply(self._assign_prefill(pulling), cancelled, members)
 
     def _absorb(self, load: EngineLoad) -> None:
         e = self.engines.get(load.engine_id)
@@ -248,8 +359,10 @@ class SchedulerCore:
             self.index.remove(bytes.fromhex(k) for k in load.evicted_keys)
         node = e.info.node_id
         self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
+        self.read_window.add(node, load.storage_read_bytes)
         if e.info.role is Role.PREFILL:
             self.prefill_busy_s[load.engine_id] = self.prefill_busy_s.get(load.engine_id, 0.0) + load.prefill_busy_s
+            self.busy_window.add(load.engine_id, load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
         for w in load.started:
             rid = self.by_work.get(w)
@@ -264,8 +377,7 @@ class SchedulerCore:
             rid = self.by_work.get(w)
             if rid is None:
                 continue
-            r = self.requests[rid]
-            if e.info.role is Role.DECODE and r.streaming:
+            if e.info.role is Role.DECODE and self.requests[rid].streaming:
                 self._fail(rid, reason)
             else:
                 self._retry(rid, reason)
@@ -277,65 +389,137 @@ class SchedulerCore:
         return EngineState(e.info.engine_id, e.info.node_id, e.group,
                            seq=(load.seq if load else 0) + len(e.outstanding),
                            tok=(load.tok if load else 0) + extra_tok,
-                           free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - extra_reserve)
+                           free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - extra_reserve,
+                           beta=e.info.beta_tokens)
 
-    def _assign_decode(self, pulling: set[str]) -> None:
-        waiting = [self.requests[rid].queued(self.block_size) for rid in self.decode_queue]
-        states = [self._state(e) for e in self.alive(Role.DECODE)]
+    def _group_totals(self) -> dict[str, int]:
+        """Each decode group's tokens (engines' load plus its private queue), recomputed at most every 50 ms: at
+        a thousand engines a full pass per pull would dominate the scheduler's time."""
+        now = self.clock()
+        if self._totals is None or now - self._totals_at > 0.05:
+            totals: dict[str, int] = {}
+            for e in self.alive(Role.DECODE):
+                totals[e.group] = totals.get(e.group, 0) + self._state(e).tok
+            for g in totals:
+                totals[g] += sum(len(self.requests[rid].spec.token_ids) for rid in self.private.get(g, ()))
+            self._totals, self._totals_at = totals, now
+        return self._totals
+
+    def _route(self) -> None:
+        """Phase 1: drain the global queue into decode groups' private queues."""
+        if not self.global_queue:
+            return
+        totals = self._group_totals()
+        while self.global_queue and totals:
+            rid = self.global_queue.first()
+            r = self.requests[rid]
+            g = self.policy.route_decode_group(self.queued(r), totals)
+            if g is None:
+                break
+            self.global_queue.popleft()
+            r.group = g
+            self.private.setdefault(g, Fifo()).append(rid)
+            totals[g] += len(r.spec.token_ids)
+
+    def _assign_decode(self, group: str, pulling: set[str]) -> None:
+        private = self.private.get(group, Fifo())
+        waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
+        states = [self._state(e) for e in self.alive(Role.DECODE) if e.group == group]  # phase 1 chose the group
         for work_id, eid in self.policy.assign_decode(waiting, states, pulling):
             rid = self.by_work[work_id]
             r = self.requests[rid]
             r.de = eid
-            q = r.queued(self.block_size)
+            q = self.queued(r)
             self.engines[eid].outstanding[work_id] = (q.num_tokens, q.reserve_tokens)
-            self.decode_queue.remove(rid)
+            private.remove(rid)
+            r.group = None
             self.prefill_queue.append(rid)
 
-    def node_read_q(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self.engines.values():
-            if e.alive and e.load is not None:
-                out[e.info.node_id] = out.get(e.info.node_id, 0) + e.load.read_q_tokens
-        return out
+    def _node_states(self) -> "_Nodes":
+        return _Nodes(self)
 
     def _assign_prefill(self, pulling: set[str]) -> dict[str, list[Assignment]]:
-        ready = [rid for rid in self.prefill_queue if self.engines[self.requests[rid].de].alive]
-        waiting = [self.requests[rid].queued(self.block_size) for rid in ready]
-        node_q = self.node_read_q()
+        # policies with a per-group view (the paper's) see only the pulling group: pulls stay O(group)
+        candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else \
+            [self.engines[e] for e in pulling]
+        pe_nodes = {e.info.engine_id: e.info.node_id for e in candidates}
+        waiting = Lazy(self._with_mode(self.requests[rid]) for rid in self.prefill_queue
+                       if self.engines[self.requests[rid].de].alive)
         out: dict[str, list[Assignment]] = {}
-        states = [self._state(e) for e in self.alive(Role.PREFILL)]
-        for work_id, pe in self.policy.assign_prefill(waiting, states, pulling):
-            rid = self.by_work[work_id]
+        decisions = self.policy.assign_prefill(waiting, [self._state(e) for e in candidates], pulling,
+                                               self._node_states(), pe_nodes, self.block_size)
+        for d in decisions:
+            rid = self.by_work[d.request_id]
             r = self.requests[rid]
-            q = r.queued(self.block_size)
-            pe_node, de_node = self.engines[pe].info.node_id, self.engines[r.de].info.node_id
-            mode = Mode(r.spec.mode) if r.spec.mode else self.mode
-            choice = self.policy.choose_path(q, node_q.get(pe_node, 0), node_q.get(de_node, 0), mode,
-                                             self.block_size)
-            pe_share = q.num_hit_tokens if choice.path is ReadPath.PE else max(0, choice.pe_blocks) * self.block_size
-            node_q[pe_node] = node_q.get(pe_node, 0) + pe_share
-            node_q[de_node] = node_q.get(de_node, 0) + q.num_hit_tokens - pe_share
-            r.pe, r.path = pe, ("split" if choice.pe_blocks > 0 else choice.path.value)
+            q = self.queued(r)
+            r.pe, r.path = d.engine_id, ("split" if d.path.pe_blocks > 0 else d.path.path.value)
             self.counters[f"path_{r.path}"] += 1
-            self.engines[pe].outstanding[work_id] = (q.num_tokens, 0)
+            self.engines[d.engine_id].outstanding[d.request_id] = (q.num_miss_tokens, 0)
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
-            out.setdefault(pe, []).append(Assignment(
-                work_id, list(r.spec.token_ids), dict(r.spec.sampling), [h.hex() for h in r.hashes[:r.hit_blocks]],
-                choice.path, mode is not Mode.BASIC, de, choice.pe_blocks))
-            r.events.put(SubmitEvent("assigned", rid, num_hit_tokens=q.num_hit_tokens, decode_engine=de.engine_id,
-                                     decode_address=de.control_address, path=r.path, work_id=work_id))
+            out.setdefault(d.engine_id, []).append(Assignment(
+                d.request_id, list(r.spec.token_ids), dict(r.spec.sampling),
+                [h.hex() for h in r.hashes[:r.hit_blocks]], d.path.path, r.mode is not Mode.BASIC, de,
+                d.path.pe_blocks))
+            r.notify(SubmitEvent("assigned", rid, num_hit_tokens=q.num_hit_tokens, decode_engine=de.engine_id,
+                                     decode_address=de.control_address, path=r.path, work_id=d.request_id))
         return out
 
+    def node_state(self, node: str) -> NodeState:
+        n = NodeState()
+        for e in self.by_node.get(node, ()):
+            if e.alive:
+                n.read_q += e.load.read_q_tokens if e.load else 0
+                n.alpha = max(n.alpha, e.info.alpha_tokens)
+        return n
+
+    def _with_mode(self, r: RequestRecord) -> QueuedRequest:
+        q = self.queued(r)
+        return QueuedRequest(q.request_id, q.num_tokens, q.num_hit_tokens, q.reserve_tokens, q.decode_node, r.mode)
+
     # --- metrics --------------------------------------------------------------------------------------------
+    def balance(self) -> dict:
+        """max/avg over the sliding window: storage reads across nodes, attention time across each PE group."""
+        reads = self.read_window.sums()
+        busy = self.busy_window.sums()
+        groups: dict[str, list[float]] = {}
+        for eid, s in busy.items():
+            e = self.engines.get(eid)
+            if e is not None:
+                groups.setdefault(e.group, []).append(s)
+        return {"storage_read_max_over_avg": max_over_avg(reads.values()),
+                "storage_read_window_bytes": reads,
+                "prefill_busy_max_over_avg": {g: max_over_avg(v) for g, v in groups.items()}}
+
     def stats(self) -> dict:
         with self.lock:
             return {
                 **self.counters,
-                "decode_queue": len(self.decode_queue), "prefill_queue": len(self.prefill_queue),
-                "in_flight": len(self.requests), "index_blocks": len(self.index),
+                "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
+                "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
+                "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
-                "node_read_q_tokens": self.node_read_q(),
+                "node_read_q_tokens": {n: self.node_state(n).read_q for n in self.by_node},
                 "storage_read_bytes": dict(self.storage_read_bytes),
                 "prefill_busy_s": dict(self.prefill_busy_s),
+                "pulls_by_sender": dict(self.pulls_by_sender),
+                **self.balance(),
             }
+
+
+class _Nodes(dict):
+    """Node states computed when a policy first asks for a node (a pull touches few of them)."""
+
+    def __init__(self, core: SchedulerCore):
+        super().__init__()
+        self.core = core
+
+    def __missing__(self, node: str) -> NodeState:
+        n = self[node] = self.core.node_state(node)
+        return n
+
+    def get(self, node, default=None):
+        return self[node]
+
+    def setdefault(self, node, default=None):
+        return self[node]

@@ -1,13 +1,16 @@
 """Scheduling policy as pure code: plain data in, decisions out. No sockets, no torch, no processes.
 
-A request first gets a decode engine (admission: its prompt and generation must fit in that engine's free device
-memory), then a prefill engine, then a read path. Engine groups pull work: a policy sees every engine of the role
-(``EngineState`` copies it may update as it assigns) and the ids of the pulling group's engines, and returns
-(request, engine) pairs naming only pulling engines.
+A request is placed in three steps, each a method of ``Policy``:
+1. ``route_decode_group`` (phase 1 of the paper's decode choice): from the global queue into one decode group's
+   private queue;
+2. ``assign_decode`` (phase 2), when that group pulls: a decode engine whose free device memory holds the
+   request's prompt and generation budget;
+3. ``assign_prefill``, when a prefill group pulls: a prefill engine and the read path.
+Policies see every engine of the role as an ``EngineState`` copy they may update as they assign, and the ids of
+the pulling group's engines; they return decisions naming only pulling engines.
 """
 from __future__ import annotations
 
-import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -17,14 +20,21 @@ from dualpath.messages import Mode, ReadPath
 
 @dataclass
 class EngineState:
-    """One engine's load as the policy sees it (a copy: policies update it as they assign)."""
+    """One engine's load as a policy sees it (a copy: policies update it as they assign)."""
 
     engine_id: str
     node_id: str
     group_id: str
     seq: int = 0  # unfinished requests
-    tok: int = 0  # their tokens
+    tok: int = 0  # their tokens: decode: prompt + generated; prefill: tokens still to compute
     free_tokens: int = 0  # KV tokens that fit in free device memory (decode engines)
+    beta: int = 0  # prefill engines: tokens the device prefills in 5 s (0: unknown)
+
+
+@dataclass
+class NodeState:
+    read_q: int = 0  # the node's storage read queue, in tokens
+    alpha: int = 0  # tokens the node reads in 3 s (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,8 @@ class QueuedRequest:
     num_tokens: int  # prompt tokens
     num_hit_tokens: int  # leading prompt tokens stored
     reserve_tokens: int  # device memory a decode engine needs: prompt + generation budget
+    decode_node: str = ""  # set once a decode engine holds it
+    mode: Mode = Mode.DUALPATH  # how its read path is chosen
 
     @property
     def num_miss_tokens(self) -> int:
@@ -45,43 +57,38 @@ class PathChoice:
     pe_blocks: int = -1  # split: leading hit blocks read on the PE side; -1 = the whole read on ``path``
 
 
-class Policy(ABC):
-    """Decides placements. Called by the scheduler service when an engine group pulls work."""
-
-    name = "policy"
-
-    @abstractmethod
-    def assign_decode(self, queue: Sequence[QueuedRequest], engines: list[EngineState],
-                      pulling: set[str]) -> list[tuple[str, str]]:
-        """(request, decode engine) pairs for a FIFO prefix of ``queue``; every pair must fit the engine's free
-        memory, and name a pulling engine."""
-
-    @abstractmethod
-    def assign_prefill(self, queue: Sequence[QueuedRequest], engines: list[EngineState],
-                       pulling: set[str]) -> list[tuple[str, str]]:
-        """(request, prefill engine) pairs for a FIFO prefix of ``queue``, naming pulling engines."""
-
-    def choose_path(self, request: QueuedRequest, pe_read_q: int, de_read_q: int, mode: Mode,
-                    block_size: int) -> PathChoice:
-        """Where the request's hit blocks are read. ``*_read_q``: the two nodes' storage read queues, in tokens."""
-        if mode in (Mode.PE, Mode.BASIC):
-            return PathChoice(ReadPath.PE)
-        if mode is Mode.DE:
-            return PathChoice(ReadPath.DE)
-        if mode is Mode.SPLIT:
-            return split_path(request, pe_read_q, de_read_q, block_size)
-        return PathChoice(ReadPath.PE if pe_read_q <= de_read_q else ReadPath.DE)
+@dataclass(frozen=True)
+class PrefillDecision:
+    request_id: str
+    engine_id: str
+    path: PathChoice
 
 
-def split_path(request: QueuedRequest, pe_read_q: int, de_read_q: int, block_size: int) -> PathChoice:
-    """Divide the hit blocks so both sides' queues (with their share added) drain at the same time.
+def take_decode(e: EngineState, r: QueuedRequest) -> None:
+    e.seq += 1
+    e.tok += r.num_tokens
+    e.free_tokens -= r.reserve_tokens
+
+
+def take_prefill(e: EngineState, r: QueuedRequest) -> None:
+    e.seq += 1
+    e.tok += r.num_miss_tokens
+
+
+def shorter_queue(r: QueuedRequest, pe_node: NodeState, de_node: NodeState) -> PathChoice:
+    """The paper's rule: read on the side whose node has the shorter storage read queue."""
+    return PathChoice(ReadPath.PE if pe_node.read_q <= de_node.read_q else ReadPath.DE)
+
+
+def split_path(r: QueuedRequest, pe_read_q: int, de_read_q: int, block_size: int) -> PathChoice:
+    """Beyond the paper: divide the hit blocks so both sides' queues, with their share added, drain together.
 
     With equal read bandwidth per node, the PE side takes ``(hit + de_q - pe_q) / 2`` tokens, clamped to the hit.
     """
-    hit_blocks = request.num_hit_tokens // block_size
+    hit_blocks = r.num_hit_tokens // block_size
     if hit_blocks == 0:
         return PathChoice(ReadPath.PE)
-    pe_tokens = (request.num_hit_tokens + de_read_q - pe_read_q) / 2
+    pe_tokens = (r.num_hit_tokens + de_read_q - pe_read_q) / 2
     pe_blocks = max(0, min(hit_blocks, round(pe_tokens / block_size)))
     if pe_blocks == hit_blocks:
         return PathChoice(ReadPath.PE)
@@ -90,134 +97,65 @@ def split_path(request: QueuedRequest, pe_read_q: int, de_read_q: int, block_siz
     return PathChoice(ReadPath.DE, pe_blocks)
 
 
-def _take(engine: EngineState, request: QueuedRequest, reserve: bool) -> None:
-    engine.seq += 1
-    engine.tok += request.num_tokens
-    if reserve:
-        engine.free_tokens -= request.reserve_tokens
+def add_read(choice: PathChoice, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, block_size: int) -> None:
+    """Charge the request's hit tokens to the node(s) that will read them."""
+    pe_share = r.num_hit_tokens if choice.path is ReadPath.PE else max(0, choice.pe_blocks) * block_size
+    pe_node.read_q += pe_share
+    de_node.read_q += r.num_hit_tokens - pe_share
 
 
-def _fifo(queue, engines, pulling, pick, reserve: bool) -> list[tuple[str, str]]:
-    """Walk the queue in order; ``pick(request, engines)`` chooses among all engines (None: nothing fits). Stop at
-    the first request whose choice is not a pulling engine: it waits for that engine's own pull."""
-    out = []
-    for r in queue:
-        e = pick(r, engines)
-        if e is None or e.engine_id not in pulling:
-            break
-        _take(e, r, reserve)
-        out.append((r.request_id, e.engine_id))
-    return out
+class Policy(ABC):
+    """Decides placements. Called by the scheduler when requests arrive and when engine groups pull."""
 
+    name = "policy"
 
-class LeastLoadedPolicy(Policy):
-    """The simple policy: least tokens for both roles (among decode engines with room), shorter read queue for
-    the path."""
+    def route_decode_group(self, r: QueuedRequest, groups: dict[str, int]) -> str | None:
+        """Phase 1: the decode group whose private queue takes ``r`` (``groups``: group -> its total tokens, queued
+        included). Default: the least loaded."""
+        return min(groups, key=lambda g: (groups[g], g)) if groups else None
 
-    name = "least-loaded"
+    @abstractmethod
+    def assign_decode(self, queue: Sequence[QueuedRequest], engines: list[EngineState],
+                      pulling: set[str]) -> list[tuple[str, str]]:
+        """Phase 2: (request, decode engine) pairs for a FIFO prefix of the group's private ``queue`` over the
+        group's ``engines``; each must fit its engine's free memory and name a pulling engine."""
 
-    def assign_decode(self, queue, engines, pulling):
-        def pick(r, es):
-            fits = [e for e in es if e.free_tokens >= r.reserve_tokens]
-            return min(fits, key=lambda e: (e.tok, e.engine_id)) if fits else None
+    @abstractmethod
+    def assign_prefill(self, queue: Sequence[QueuedRequest], engines: list[EngineState], pulling: set[str],
+                       nodes: dict[str, NodeState], pe_nodes: dict[str, str],
+                       block_size: int) -> list[PrefillDecision]:
+        """Prefill engines and read paths for a FIFO prefix of ``queue`` (requests that hold a decode engine),
+        naming pulling engines. ``pe_nodes``: prefill engine -> its node; ``nodes`` may be updated."""
 
-        return _fifo(queue, engines, pulling, pick, reserve=True)
+    def choose_path(self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, mode: Mode,
+                    block_size: int) -> PathChoice:
+        if mode in (Mode.PE, Mode.BASIC):
+            return PathChoice(ReadPath.PE)
+        if mode is Mode.DE:
+            return PathChoice(ReadPath.DE)
+        if mode is Mode.SPLIT:
+            return split_path(r, pe_node.read_q, de_node.read_q, block_size)
+        return self.dualpath_path(r, pe_node, de_node)
 
-    def assign_prefill(self, queue, engines, pulling):
-        return _fifo(queue, engines, pulling,
-                     lambda r, es: min(es, key=lambda e: (e.tok, e.engine_id)) if es else None, reserve=False)
+    def dualpath_path(self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState) -> PathChoice:
+        return shorter_queue(r, pe_node, de_node)
 
-
-class RoundRobinPolicy(Policy):
-    """Baseline: engines in turn (skipping decode engines without room); paths alternate."""
-
-    name = "round-robin"
-
-    def __init__(self):
-        self._next = {"decode": 0, "prefill": 0, "path": 0}
-
-    def _peek(self, kind: str, engines: list[EngineState], ok) -> EngineState | None:
-        """The next engine in turn that ``ok`` accepts (the turn does not move)."""
-        order = sorted(engines, key=lambda e: e.engine_id)
-        for i in range(len(order)):
-            e = order[(self._next[kind] + i) % len(order)]
-            if ok(e):
-                return e
-        return None
-
-    def _advance(self, kind: str, engines: list[EngineState], chosen: EngineState) -> None:
-        order = sorted(e.engine_id for e in engines)
-        self._next[kind] = (order.index(chosen.engine_id) + 1) % len(order)
-
-    def _pick(self, kind: str, pulling: set[str], ok):
-        def pick(r, es):
-            e = self._peek(kind, es, lambda e: ok(r, e))
-            if e is not None and e.engine_id in pulling:
-                self._advance(kind, es, e)
-            return e
-
-        return pick
-
-    def assign_decode(self, queue, engines, pulling):
-        return _fifo(queue, engines, pulling,
-                     self._pick("decode", pulling, lambda r, e: e.free_tokens >= r.reserve_tokens), reserve=True)
-
-    def assign_prefill(self, queue, engines, pulling):
-        return _fifo(queue, engines, pulling, self._pick("prefill", pulling, lambda r, e: True), reserve=False)
-
-    def choose_path(self, request, pe_read_q, de_read_q, mode, block_size):
-        if mode is not Mode.DUALPATH:
-            return super().choose_path(request, pe_read_q, de_read_q, mode, block_size)
-        self._next["path"] ^= 1
-        return PathChoice(ReadPath.PE if self._next["path"] else ReadPath.DE)
-
-
-class RandomPolicy(Policy):
-    """Baseline: uniformly random engines and paths (seeded)."""
-
-    name = "random"
-
-    def __init__(self, seed: int = 0):
-        self.rng = random.Random(seed)
-        self._drawn: dict[str, str] = {}
-
-    def _pick(self, ok):
-        """Draw once per request and keep the draw until its engine pulls (so waiting does not re-roll)."""
-        drawn: dict[str, str] = self._drawn
-
-        def pick(r, es):
-            fits = sorted((e for e in es if ok(r, e)), key=lambda e: e.engine_id)
-            if not fits:
-                return None
-            eid = drawn.get(r.request_id)
-            if eid not in {e.engine_id for e in fits}:
-                eid = drawn[r.request_id] = self.rng.choice(fits).engine_id
-            return next(e for e in fits if e.engine_id == eid)
-
-        return pick
-
-    def assign_decode(self, queue, engines, pulling):
-        out = _fifo(queue, engines, pulling, self._pick(lambda r, e: e.free_tokens >= r.reserve_tokens), True)
-        for rid, _ in out:
-            self._drawn.pop(rid, None)
-        return out
-
-    def assign_prefill(self, queue, engines, pulling):
-        out = _fifo(queue, engines, pulling, self._pick(lambda r, e: True), False)
-        for rid, _ in out:
-            self._drawn.pop(rid, None)
-        return out
-
-    def choose_path(self, request, pe_read_q, de_read_q, mode, block_size):
-        if mode is not Mode.DUALPATH:
-            return super().choose_path(request, pe_read_q, de_read_q, mode, block_size)
-        return PathChoice(self.rng.choice([ReadPath.PE, ReadPath.DE]))
-
-
-POLICIES = {"least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy, "random": RandomPolicy}
+    def place_prefill(self, r: QueuedRequest, e: EngineState, nodes: dict[str, NodeState], pe_node: str,
+                      block_size: int) -> PrefillDecision:
+        """Commit ``r`` to prefill engine ``e``: pick the path, charge the engine and the reading node(s)."""
+        pn, dn = nodes.setdefault(pe_node, NodeState()), nodes.setdefault(r.decode_node, NodeState())
+        choice = self.choose_path(r, pn, dn, r.mode, block_size)
+        take_prefill(e, r)
+        add_read(choice, r, pn, dn, block_size)
+        return PrefillDecision(r.request_id, e.engine_id, choice)
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](**kwargs)
+    from scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+    from scheduler.paper import DualPathPolicy
+
+    policies = {"dualpath": DualPathPolicy, "least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy,
+                "random": RandomPolicy}
+    if name not in policies:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(policies)}")
+    return policies[name](**kwargs)

@@ -72,7 +72,7 @@ def test_five_turns_hit_storage_and_match_the_reference(cluster, reference, mode
             assert got.storage_bytes > 0
             assert got.path == ("pe" if mode == "basic" else mode if mode != "dualpath" else got.path)
     after = client.stats()["storage_read_bytes"]
-    reader = {"pe": "prefill-0", "basic": "prefill-0"}.get(mode)
+    reader = {"pe": "prefill-node0", "basic": "prefill-node0"}.get(mode)
     if reader:
         assert after.get(reader, 0) > before.get(reader, 0)
     if mode == "de":
@@ -183,8 +183,9 @@ def test_a_killed_decode_engine_fails_or_retries_cleanly(tiny_dirs, tmp_path, re
 
 def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, reference):
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
+    # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, heartbeat_timeout_s=2.0,
-             storage_read_bps=20_000.0)
+             storage_read_bps=20_000.0, policy="least-loaded")
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = []
@@ -227,4 +228,25 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
                 assert got.token_ids == want, mode
             if mode == "split":
                 assert "split" in {got.path for _, got, _ in results[1:]}
+        client.close()
+
+
+def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_path, reference):
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=2, engines_per_node=2,
+             heartbeat_timeout_s=2.0)
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        import time
+        time.sleep(0.5)  # members that registered first led alone until they learned of the others
+        before = client.stats()["pulls_by_sender"]
+        for mode in ("pe", "de"):
+            for prompt, got, want in run_conversation(client, reference, seed=700, turns=2, mode=mode):
+                assert got.token_ids == want
+        after = client.stats()["pulls_by_sender"]
+        pulled = {e for e in after if after[e] > before.get(e, 0)}
+        assert pulled == {"prefill-0", "decode-0"}  # only the leaders pull
+        c.kill("prefill-0")  # the prefill group's leader
+        for prompt, got, want in run_conversation(client, reference, seed=701, turns=2, mode="pe"):
+            assert got.token_ids == want
+        assert client.stats()["pulls_by_sender"].get("prefill-1", 0) > 0  # the next member leads
         client.close()

@@ -1,0 +1,153 @@
+"""The scheduler's bookkeeping driven directly (no sockets): random workloads against simulated engines."""
+import itertools
+
+from hypothesis import given, settings, strategies as st
+
+from dualpath.config import SchedulerConfig
+from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest
+from dualpath.sampling_params import SamplingParams
+from scheduler.core import SchedulerCore
+from scheduler.policy import make_policy
+
+BS = 16
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def info(eid, role, node, group="", capacity=2000, alpha=0, beta=0):
+    return EngineInfo(eid, role, node, f"{eid}:1", "shm", {}, [], 1, 64, BS, 2, "ab" * 16, capacity,
+                      max_model_len=4096, group_id=group, alpha_tokens=alpha, beta_tokens=beta)
+
+
+class SimEngine:
+    """What an engine would report: held work ids (with their tokens and reserves) and finished ones."""
+
+    def __init__(self, inf: EngineInfo):
+        self.info, self.held, self.finished = inf, {}, []
+
+    def load(self):
+        used = sum(r for _, r in self.held.values())
+        decode = self.info.role is Role.DECODE
+        return EngineLoad(self.info.engine_id, len(self.held), sum(t for t, _ in self.held.values()), 0,
+                          self.info.capacity_tokens - used, request_ids=list(self.held),
+                          finished=self.finished, started=list(self.held) if decode else [])
+
+
+def make_core(policy, clock, groups=False):
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", policy=policy, heartbeat_timeout_s=1e9),
+                         make_policy(policy), clock)
+    engines = {}
+    for i in range(2):
+        inf = info(f"p{i}", Role.PREFILL, f"n{i}", "pg" if groups else "", beta=3000)
+        engines[inf.engine_id] = SimEngine(inf)
+    for i in range(3):
+        inf = info(f"d{i}", Role.DECODE, f"n{i + 2}", "dg" if groups else "", capacity=1500)
+        engines[inf.engine_id] = SimEngine(inf)
+    for e in engines.values():
+        assert core.register(e.info).ok
+    return core, engines
+
+
+def pull(core, engines, group):
+    members = [e for e in engines.values() if (e.info.group_id or e.info.engine_id) == group]
+    reply = core.pull(group, [e.load() for e in members])
+    for e in members:
+        e.finished = []
+    for eid, work in reply.assignments.items():
+        for a in work:
+            engines[eid].held[a.request_id] = (len(a.token_ids), 0)
+            de = engines[a.decode.engine_id]
+            n = len(a.token_ids)
+            de.held[a.request_id] = (n, n + 8)  # the decode engine holds it from prefill on
+    return reply
+
+
+def check(core, engines):
+    seen = itertools.chain(core.global_queue, core.prefill_queue, *core.private.values())
+    ids = list(seen)
+    assert len(ids) == len(set(ids)), "a request is queued twice"
+    for rid, r in core.requests.items():
+        assert (rid in ids) != (r.pe is not None), "queued and assigned at once (or neither)"
+    for e in engines.values():
+        if e.info.role is Role.DECODE:
+            reserved = sum(len(r.spec.token_ids) + r.params.max_tokens for r in core.requests.values()
+                           if r.de == e.info.engine_id)
+            assert reserved <= e.info.capacity_tokens, f"{e.info.engine_id} over-committed"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["submit", "pull", "finish"]), st.integers(0, 10 ** 6)), max_size=60),
+       st.sampled_from(["dualpath", "least-loaded", "round-robin", "random"]), st.booleans())
+def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
+    clock = Clock()
+    core, engines = make_core(policy, clock, groups)
+    group_ids = sorted({e.info.group_id or e.info.engine_id for e in engines.values()})
+    submitted = 0
+    for op, x in ops:
+        clock.t += 0.01
+        if op == "submit":
+            n = 20 + x % 400
+            core.submit(SubmitRequest(f"r{submitted}", list(range(n)), SamplingParams(max_tokens=8).to_dict()))
+            submitted += 1
+        elif op == "pull":
+            pull(core, engines, group_ids[x % len(group_ids)])
+        else:
+            decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
+            if decoders:
+                e = decoders[x % len(decoders)]
+                w = sorted(e.held)[x % len(e.held)]
+                e.held.pop(w)
+                e.finished.append(w)
+                for p in engines.values():  # the prefill engine handed it over long ago
+                    if p.info.role is Role.PREFILL:
+                        p.held.pop(w, None)
+        check(core, engines)
+    # drain: engines keep pulling and finishing until nothing is left
+    for _ in range(400):
+        if not core.requests:
+            break
+        clock.t += 0.01
+        for g in group_ids:
+            pull(core, engines, g)
+        for e in engines.values():
+            if e.held:
+                w = sorted(e.held)[0]
+                e.held.pop(w)
+                if e.info.role is Role.DECODE:
+                    e.finished.append(w)
+        check(core, engines)
+    for g in group_ids:
+        pull(core, engines, g)
+    assert not core.requests and not core.global_queue and not core.prefill_queue
+    assert all(not q for q in core.private.values())
+    assert all(not rec.outstanding for rec in core.engines.values()), "leaked accounting"
+    assert core.counters["finished"] == submitted
+
+
+def test_a_dead_decode_group_returns_its_private_queue_and_requests_are_retried():
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    for i in range(6):
+        core.submit(SubmitRequest(f"r{i}", list(range(100)), SamplingParams(max_tokens=8).to_dict()))
+    pull(core, engines, "d0")
+    pull(core, engines, "p0")
+    assert any(r.de == "d0" for r in core.requests.values())
+    # d0 stops reporting (before it ever started generating); the others keep reporting
+    core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0)
+    clock.t += 0.5
+    for g in ["p0", "p1", "d1", "d2"]:
+        pull(core, engines, g)
+    clock.t += 0.8
+    core.expire()
+    assert not core.engines["d0"].alive
+    assert all(r.de != "d0" for r in core.requests.values())
+    assert "d0" not in core.private and core.counters["retried"] >= 1
+    for _ in range(20):
+        for g in ["p0", "p1", "d1", "d2"]:
+            pull(core, engines, g)
+    assert all(r.pe is not None for r in core.requests.values())
