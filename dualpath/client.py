@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from dualpath.errors import DualPathError, RequestError
-from dualpath.messages import RequestRef, SubmitEvent, SubmitRequest, TokenEvent
+from dualpath.geometry import block_hashes
+from dualpath.messages import RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
@@ -36,12 +37,89 @@ class GenerationResult:
     logprobs: list = field(default_factory=list)
 
 
+def _size(item) -> int:
+    return len(item.tokens) + len(item.block_hashes) if isinstance(item, SubmitRequest) else 64
+
+
+class _Session:
+    """One long-lived ``Session`` stream to the scheduler carrying every request of this client, in batches."""
+
+    def __init__(self, scheduler: Client):
+        self.outgoing: queue.Queue = queue.Queue()
+        self.listeners: dict[str, object] = {}
+        self.lock = threading.Lock()
+        self.alive = True
+        self.call = scheduler.stream("Session", self._batches())
+        threading.Thread(target=self._receive, daemon=True, name="session").start()
+
+    def _batches(self):
+        while True:
+            item = self.outgoing.get()
+            if item is None:
+                return
+            batch, size = [item], _size(item)
+            while len(batch) < 256 and size < 32 << 20:  # what else is waiting goes in the same message
+                try:
+                    nxt = self.outgoing.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.outgoing.put(None)
+                    break
+                batch.append(nxt)
+                size += _size(nxt)
+            yield SessionIn([x for x in batch if isinstance(x, SubmitRequest)],
+                            [x for x in batch if isinstance(x, str)])
+
+    def _receive(self) -> None:
+        error = "the scheduler session ended"
+        try:
+            for out in self.call:
+                for ev in out.events:
+                    with self.lock:
+                        listener = self.listeners.get(ev.request_id)
+                        if ev.kind in ("finished", "failed"):
+                            self.listeners.pop(ev.request_id, None)
+                    if listener is not None:
+                        listener(ev)
+        except DualPathError as e:
+            error = str(e)
+        self.alive = False
+        with self.lock:
+            orphans, self.listeners = self.listeners, {}
+        for rid, listener in orphans.items():
+            listener(SubmitEvent("failed", rid, error=error))
+
+    def submit(self, req: SubmitRequest, listener) -> None:
+        with self.lock:
+            self.listeners[req.request_id] = listener
+        self.outgoing.put(req)
+
+    def cancel(self, request_id: str) -> None:
+        with self.lock:
+            known = self.listeners.pop(request_id, None) is not None
+        if known and self.alive:
+            self.outgoing.put(request_id)
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+        self.call.cancel()
+
+
 class ClusterClient:
     def __init__(self, scheduler: str, timeout: float = 3600.0):
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
         self.timeout = timeout
         self._engines: dict[str, Client] = {}
         self._lock = threading.Lock()
+        self._model: tuple[bytes, int] | None = None  # (fingerprint, block size), to hash prompts here
+        self._session: _Session | None = None
+
+    def session(self) -> _Session:
+        with self._lock:
+            if self._session is None or not self._session.alive:
+                self._session = _Session(self.scheduler)
+            return self._session
 
     def _engine(self, address: str) -> Client:
         with self._lock:
@@ -52,25 +130,31 @@ class ClusterClient:
     def stats(self) -> dict:
         return self.scheduler.call("Stats", RequestRef(""), timeout=10).data
 
+    def _hashes(self, token_ids: list[int]) -> bytes:
+        """The prompt's block hashes, computed here so the scheduler spends no time on them."""
+        if self._model is None:
+            data = self.stats()
+            if not data.get("fingerprint"):
+                return b""
+            self._model = (bytes.fromhex(data["fingerprint"]), data["block_size"])
+        fp, bs = self._model
+        return pack_keys(block_hashes(token_ids, fp, bs))
+
     def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                mode: str = "") -> Iterator[TokenEvent]:
         """Token events of one request, ending with the event that carries ``finish_reason``."""
         rid = request_id or uuid.uuid4().hex
-        submit = self.scheduler.stream("Submit", SubmitRequest(rid, list(token_ids), sampling.to_dict(), mode))
         events: queue.Queue = queue.Queue()
         active: list = []  # the decode-engine stream being read, so news from the scheduler can interrupt it
 
-        def pump():
-            try:
-                for ev in submit:
-                    events.put(ev)
-                    if ev.kind in ("failed", "assigned") and active:
-                        active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
-            except DualPathError as e:
-                events.put(SubmitEvent("failed", rid, error=str(e)))
-            events.put(None)
+        def listen(ev: SubmitEvent) -> None:
+            events.put(ev)
+            if ev.kind in ("failed", "assigned") and active:
+                active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
 
-        threading.Thread(target=pump, daemon=True, name=f"submit-{rid}").start()
+        session = self.session()
+        session.submit(SubmitRequest(rid, pack_tokens(token_ids), sampling.to_dict(), mode, self._hashes(token_ids)),
+                       listen)
         got_tokens = False
         try:
             while True:
@@ -95,7 +179,7 @@ class ClusterClient:
                 if got_tokens:
                     raise DualPathError(f"request {rid}: its stream ended early (the scheduler gave up on it)")
         finally:
-            submit.cancel()
+            session.cancel(rid)
 
     def _next_assignment(self, events: queue.Queue, rid: str) -> SubmitEvent:
         deadline = time.monotonic() + self.timeout
@@ -104,8 +188,6 @@ class ClusterClient:
                 ev = events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise DualPathError(f"request {rid}: not scheduled within {self.timeout} s") from None
-            if ev is None:
-                raise DualPathError(f"request {rid}: the scheduler closed the request")
             if ev.kind == "failed":
                 if ev.error.startswith("overloaded"):
                     raise OverloadedError(ev.error)
@@ -135,6 +217,8 @@ class ClusterClient:
         raise DualPathError("the token stream ended without a finish reason")
 
     def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
         self.scheduler.close()
         for c in self._engines.values():
             c.close()

@@ -280,6 +280,7 @@ class SchedulerConfig:
     heartbeat_timeout_s: float = 10.0
     max_queued_requests: int = 4096
     max_attempts: int = 3
+    max_assignments_per_pull: int = 256  # bounds a pull's reply (assignments carry their prompts)
 
 
 @dataclass(frozen=True)

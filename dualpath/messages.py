@@ -1,17 +1,25 @@
-"""Messages between the frontend, the scheduler and the engines: frozen dataclasses, JSON on the wire.
+"""Messages between the frontend, the scheduler and the engines: frozen dataclasses on the wire.
 
 The same types are the plain data the scheduler's policy works on, so a decision can be tested by building these
-objects by hand. ``to_wire`` / ``from_wire`` encode any of them (nested dataclasses, lists, bytes as hex).
+objects by hand. ``to_wire`` / ``from_wire`` encode any of them (nested dataclasses, lists, enums) as a JSON header
+followed by raw binary segments: bulk data — token ids, block hashes — are ``bytes`` fields (little-endian uint32
+tokens, concatenated 16-byte hashes) that travel as raw segments, so a 30K-token prompt costs a memory copy, not
+30K JSON numbers or a base64 pass.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import json
+import struct
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
+
+from dualpath.geometry import HASH_BYTES
 
 
 class Role(str, enum.Enum):
@@ -72,8 +80,8 @@ class EngineLoad:
     started: list[str] = field(default_factory=list)  # decode began (tokens may have streamed) since last report
     finished: list[str] = field(default_factory=list)
     failed: list[list[str]] = field(default_factory=list)  # [request_id, reason]
-    stored_keys: list[str] = field(default_factory=list)  # hex block hashes written since the last report
-    evicted_keys: list[str] = field(default_factory=list)
+    stored_keys: bytes = b""  # block hashes written since the last report (packed)
+    evicted_keys: bytes = b""
     prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
@@ -82,9 +90,14 @@ class EngineLoad:
 @dataclass(frozen=True)
 class SubmitRequest:
     request_id: str
-    token_ids: list[int]
+    tokens: bytes  # pack_tokens(prompt)
     sampling: dict  # SamplingParams.to_dict()
     mode: str = ""  # a read-path mode for this request only ("" = the scheduler's)
+    block_hashes: bytes = b""  # the prompt's chained block hashes, if the submitter computed them (packed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
 
 
 @dataclass(frozen=True)
@@ -107,13 +120,17 @@ class Assignment:
     """A request handed to a prefill engine, with everything it needs to run it."""
 
     request_id: str
-    token_ids: list[int]
+    tokens: bytes  # packed prompt
     sampling: dict
-    hit_keys: list[str]  # hex hashes of the leading stored blocks
+    hit_keys: bytes  # packed hashes of the leading stored blocks
     path: ReadPath
     layerwise: bool
     decode: EngineInfo
     split_pe_blocks: int = -1  # split path: how many leading hit blocks the PE reads (-1: not split)
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return len(self.hit_keys) // HASH_BYTES
 
 
 @dataclass(frozen=True)
@@ -144,8 +161,8 @@ class PrepareRequest:
 
     request_id: str
     num_prompt_tokens: int
-    hit_keys: list[str]
-    load_keys: list[str]  # the hit blocks the decode engine reads from storage (DE and split paths)
+    first_load_block: int  # the first block index of load_keys in the prompt
+    load_keys: bytes  # packed: the hit blocks the decode engine reads from storage (DE and split paths)
     max_tokens: int
 
 
@@ -162,7 +179,7 @@ class PrefillDone:
     """Prefill engine -> decode engine: the prompt's KV is in your buffer; here is the first token."""
 
     request_id: str
-    token_ids: list[int]
+    tokens: bytes  # packed prompt
     sampling: dict
     first_token: int
     first_logprob: dict | None = None
@@ -202,54 +219,123 @@ class Stats:
     data: dict
 
 
-# --- wire codec -----------------------------------------------------------------------------------------------
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+@dataclass(frozen=True)
+class SessionIn:
+    """A submitter's batch on its session stream: new requests and cancellations."""
+
+    submits: list[SubmitRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SessionOut:
+    """The scheduler's batch on a session stream: every event since the last batch, for any of its requests."""
+
+    events: list[SubmitEvent] = field(default_factory=list)
+
+
+# --- bulk payloads --------------------------------------------------------------------------------------------
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    return b"".join(keys)
+
+
+def unpack_keys(data: bytes) -> list[bytes]:
+    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+# --- wire codec: [u32 header length][JSON header][u64 length][bytes]... ------------------------------------------
+@lru_cache(maxsize=None)
+def _names(cls) -> tuple[str, ...] | None:
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
+def _plain(obj: Any, blobs: list[bytes]) -> Any:
+    names = _names(type(obj))
+    if names is not None:
+        if type(obj) is EngineInfo:  # sent with every assignment: convert once per engine, not per message
+            cached = obj.__dict__.get("_wire")
+            if cached is None:  # (EngineInfo has no bytes fields, so the cached form holds no blob references)
+                cached = {n: _plain(getattr(obj, n), blobs) for n in names}
+                object.__setattr__(obj, "_wire", cached)
+            return cached
+        return {n: _plain(getattr(obj, n), blobs) for n in names}
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
     if isinstance(obj, enum.Enum):
         return obj.value
-    if isinstance(obj, bytes):
-        return obj.hex()
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        blobs.append(obj)
+        return {"$b": len(blobs) - 1}
     if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
+        return [_plain(x, blobs) for x in obj]
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: _plain(v, blobs) for k, v in obj.items()}
     return obj
 
 
 def to_wire(obj: Any) -> bytes:
-    return json.dumps(_plain(obj), separators=(",", ":")).encode()
+    blobs: list = []
+    header = json.dumps(_plain(obj, blobs), separators=(",", ":")).encode()
+    parts = [struct.pack("<I", len(header)), header]
+    for b in blobs:
+        parts += [struct.pack("<Q", len(b)), b]
+    return b"".join(parts)
 
 
 @lru_cache(maxsize=None)
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
+def _hints(cls) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def _build(tp: Any, value: Any) -> Any:
-    if value is None:
-        return None
+_SCALARS = (str, int, float, bool, Any)
+
+
+def _build(tp: Any, value: Any, blobs: list[bytes]) -> Any:
+    if value is None or tp in _SCALARS:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(args[0], value) if len(args) == 1 else value
+        return _build(args[0], value, blobs) if len(args) == 1 else value
     if origin is list:
         (arg,) = typing.get_args(tp) or (Any,)
-        return [_build(arg, v) for v in value]
+        return [_build(arg, v, blobs) for v in value]
     if origin is dict:
         _, arg = typing.get_args(tp) or (Any, Any)
-        return {k: _build(arg, v) for k, v in value.items()}
+        return {k: _build(arg, v, blobs) for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return from_dict(tp, value)
+        return _from_dict(tp, value, blobs)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(value)
+    if tp is bytes:
+        return blobs[value["$b"]]
     return value
 
 
+def _from_dict(cls, d: dict, blobs: list[bytes]):
+    return cls(**{name: _build(tp, d[name], blobs) for name, tp in _hints(cls) if name in d})
+
+
 def from_dict(cls, d: dict):
-    hints = _hints(cls)
-    return cls(**{f.name: _build(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
+    """A message from its plain form (no binary segments)."""
+    return _from_dict(cls, d, [])
 
 
 def from_wire(cls, data: bytes):
-    return from_dict(cls, json.loads(data))
+    (hlen,) = struct.unpack_from("<I", data, 0)
+    header = json.loads(data[4:4 + hlen])
+    blobs, pos = [], 4 + hlen
+    while pos < len(data):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        blobs.append(bytes(data[pos + 8:pos + 8 + n]))
+        pos += 8 + n
+    return _from_dict(cls, header, blobs)

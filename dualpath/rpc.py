@@ -32,6 +32,7 @@ class Method:
     request: type
     response: type
     streaming: bool = False  # server streaming
+    bidi: bool = False  # a stream each way
 
 
 def serve(service: str, methods: dict[str, Method], handler: Any, address: str = "0.0.0.0:0",
@@ -70,7 +71,8 @@ async def serve_async(service: str, methods: dict[str, Method], handler: Any,
         if fn is None:
             continue
         deser = lambda b, c=m.request: from_wire(c, b)  # noqa: E731
-        make = grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
+        make = grpc.stream_stream_rpc_method_handler if m.bidi else \
+            grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
         table[name] = make(fn, request_deserializer=deser, response_serializer=to_wire)
     server = grpc.aio.server(options=_OPTIONS)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
@@ -89,7 +91,8 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=_OPTIONS)
         self._stubs: dict[str, Callable] = {}
         for name, m in methods.items():
-            make = self.channel.unary_stream if m.streaming else self.channel.unary_unary
+            make = self.channel.stream_stream if m.bidi else \
+                self.channel.unary_stream if m.streaming else self.channel.unary_unary
             self._stubs[name] = make(f"/dualpath.{service}/{name}", request_serializer=to_wire,
                                      response_deserializer=lambda b, c=m.response: from_wire(c, b))
 
@@ -101,7 +104,8 @@ class Client:
                            e.code()) from None
 
     def stream(self, method: str, request: Any, timeout: float | None = None) -> Iterator[Any]:
-        """Iterate a server stream; ``cancel()`` on the returned iterator stops it."""
+        """Iterate a server stream (or, for a bidi method, pass an iterator of requests); ``cancel()`` on the
+        returned iterator stops it."""
         return _Stream(self._stubs[method](request, timeout=timeout), f"{self.service}.{method} at {self.address}")
 
     def wait_ready(self, timeout: float) -> None:
@@ -142,6 +146,7 @@ def _methods():
         "Pull": Method(m.PullRequest, m.PullReply),
         "Report": Method(m.EngineLoad, m.Ack),
         "Submit": Method(m.SubmitRequest, m.SubmitEvent, streaming=True),
+        "Session": Method(m.SessionIn, m.SessionOut, bidi=True),
         "Cancel": Method(m.RequestRef, m.Ack),
         "Stats": Method(m.RequestRef, m.Stats),
     }

@@ -21,7 +21,8 @@ import torch
 
 from dualpath.errors import OutOfBlocksError
 from dualpath.geometry import BlockHash, block_hashes
-from dualpath.messages import Ack, PrefillDone, PrepareReply, PrepareRequest, RequestRef, Role, TokenEvent
+from dualpath.messages import Ack, PrefillDone, PrepareReply, PrepareRequest, RequestRef, Role, TokenEvent, \
+    unpack_keys, unpack_tokens
 from dualpath.sampling_params import SamplingParams
 from engines.engine import Engine
 from engines.kv_cache import PagedKVCache
@@ -93,8 +94,8 @@ class DecodeEngine(Engine):
             self.held_[req.request_id] = Held(req.request_id, req.num_prompt_tokens, slots)
         loaded = 0
         if req.load_keys:
-            first = len(req.hit_keys) - len(req.load_keys)
-            keys = [bytes.fromhex(k) for k in req.load_keys]
+            first = req.first_load_block
+            keys = unpack_keys(req.load_keys)
             results = self.traffic.load(keys, slots[first:first + len(keys)]).result(
                 self.cfg.transport.op_timeout_s * 4)
             loaded = next((i for i, e in enumerate(results) if e is not None), len(keys))
@@ -154,15 +155,16 @@ class DecodeEngine(Engine):
         if msg.generator_state:
             gen = torch.Generator(device=self.device)
             gen.set_state(torch.from_numpy(np.frombuffer(bytes.fromhex(msg.generator_state), dtype=np.uint8).copy()))
-        seq = Sequence(msg.request_id, list(msg.token_ids), params, gen, num_computed=len(msg.token_ids))
+        prompt = unpack_tokens(msg.tokens)
+        seq = Sequence(msg.request_id, prompt, params, gen, num_computed=len(prompt))
         lp = TokenLogprob(msg.first_logprob["token_id"], msg.first_logprob["logprob"],
                           tuple(tuple(x) for x in msg.first_logprob["top"])) if msg.first_logprob else None
         seq.append(msg.first_token, lp, self.local.eos_ids, self.max_model_len)
         h.seq = seq
-        h.info = {"num_prompt_tokens": len(msg.token_ids), "num_cached_tokens": msg.num_cached_tokens,
+        h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
                   "path": msg.path, "storage_bytes": msg.storage_bytes}
-        n_full = len(msg.token_ids) // g.block_size
-        h.hashes = block_hashes(msg.token_ids, self.fingerprint, g.block_size)
+        n_full = len(prompt) // g.block_size
+        h.hashes = block_hashes(prompt, self.fingerprint, g.block_size)
         first_new = msg.num_cached_tokens // g.block_size
         if n_full > first_new:
             keys = h.hashes[first_new:n_full]
@@ -235,7 +237,7 @@ class DecodeEngine(Engine):
         for fut in h.stores:
             try:
                 keys, results = fut.result(self.cfg.transport.op_timeout_s * 4)
-                self.outbox.add("stored_keys", *[k.hex() for k, e in zip(keys, results) if e is None])
+                self.outbox.add("stored_keys", *[k for k, e in zip(keys, results) if e is None])
             except Exception as e:  # noqa: BLE001 - storing is best effort; the answer still stands
                 log.warning("%s: storing blocks failed: %s", h.work_id, e)
         with self.lock:

@@ -23,7 +23,8 @@ import torch
 from dualpath.config import EngineProcessConfig
 from dualpath.errors import DualPathError
 from dualpath.geometry import KVGeometry, model_fingerprint
-from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role
+from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
+    pack_keys
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve
 from engines.models import load_model, open_checkpoint
 from traffic.buffer import BufferPool
@@ -83,7 +84,7 @@ class Engine:
         self.buffer = BufferPool(self.geometry, slots, mem)
         self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
         self.storage = make_storage(cfg.storage, self.geometry, self.fingerprint, self.accounting)
-        self.storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *[k.hex() for k in keys]))
+        self.storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *keys))
         self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
         self.outbox = Outbox()
         self.stopping = threading.Event()
@@ -191,8 +192,8 @@ class Engine:
         fail_delta = self.kv_load_failures - self._failures_reported
         load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
                           request_ids=list(held), started=items["started"], finished=items["finished"],
-                          failed=items["failed"], stored_keys=items["stored_keys"],
-                          evicted_keys=items["evicted_keys"], prefill_busy_s=busy_delta,
+                          failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
+                          evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta)
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "failures": self.kv_load_failures}

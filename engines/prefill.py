@@ -21,7 +21,8 @@ import torch
 
 from dualpath.errors import DualPathError, StorageError
 from dualpath.geometry import FullBlockSlots, LayerMajorBlocks
-from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role
+from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
+    unpack_tokens
 from dualpath.rpc import ENGINE_METHODS, Client
 from dualpath.sampling_params import SamplingParams
 from engines.batcher import CostModel, Pending, form_batch
@@ -40,6 +41,8 @@ class Job:
     params: SamplingParams
     generator: torch.Generator | None
     pe_blocks: int  # leading hit blocks this engine reads from storage
+    token_ids: list[int] = field(default_factory=list)
+    hit_keys: list[bytes] = field(default_factory=list)
     pe_slots: list[int] = field(default_factory=list)  # this engine's buffer slots (block j of the prompt)
     de_slots: list[int] = field(default_factory=list)  # the decode engine's buffer slots (block j)
     computed: int = 0  # leading prompt tokens with KV (hit, then finished chunks)
@@ -51,7 +54,7 @@ class Job:
 
     @property
     def n_prompt(self) -> int:
-        return len(self.a.token_ids)
+        return len(self.token_ids)
 
     @property
     def work_id(self) -> str:
@@ -158,10 +161,10 @@ class PrefillEngine(Engine):
     # --- assignments ----------------------------------------------------------------------------------------
     def on_assignment(self, a: Assignment) -> None:
         params = SamplingParams.from_dict(a.sampling)
-        hit = len(a.hit_keys)
-        pe_blocks = hit if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
-        job = Job(a, params, make_generator(params, self.device), pe_blocks,
-                  hit_tokens=hit * self.geometry.block_size)
+        keys = unpack_keys(a.hit_keys)
+        pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
+        job = Job(a, params, make_generator(params, self.device), pe_blocks, unpack_tokens(a.tokens), keys,
+                  hit_tokens=len(keys) * self.geometry.block_size)
         with self.cond:
             self.jobs[a.request_id] = job
         threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
@@ -182,12 +185,12 @@ class PrefillEngine(Engine):
             # PE path keeps every computed chunk locally, so the buffer holds the whole prompt
             want = nb if a.path is ReadPath.PE else job.pe_blocks
             job.pe_slots = self.buffer.allocate(want, a.request_id) if want else []
-            keys = [bytes.fromhex(k) for k in a.hit_keys[:job.pe_blocks]]
+            keys = job.hit_keys[:job.pe_blocks]
             if keys:  # layer by layer: the prefill may start once layer 0 is in
                 job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
             reply = self._de(a).call("Prepare", PrepareRequest(
-                a.request_id, job.n_prompt, a.hit_keys, a.hit_keys[job.pe_blocks:], job.params.max_tokens),
-                timeout=self.cfg.transport.op_timeout_s * 4)
+                a.request_id, job.n_prompt, job.pe_blocks, b"".join(job.hit_keys[job.pe_blocks:]),
+                job.params.max_tokens), timeout=self.cfg.transport.op_timeout_s * 4)
             if not reply.ok:
                 raise DualPathError(f"decode engine {a.decode.engine_id} refused: {reply.error}")
             job.de_slots = reply.slots
@@ -311,7 +314,7 @@ class PrefillEngine(Engine):
         for c, n in zip(cached, new):
             bases.append(base)
             base += g.num_blocks(c + n)
-        ids = torch.tensor([t for (j, n), c in zip(jobs, cached) for t in j.a.token_ids[c:c + n]], device=self.device)
+        ids = torch.tensor([t for (j, n), c in zip(jobs, cached) for t in j.token_ids[c:c + n]], device=self.device)
         batch = ForwardBatch(tuple(cached), tuple(new))
 
         def rows(i: int, layer: int) -> torch.Tensor:
@@ -415,7 +418,7 @@ class PrefillEngine(Engine):
         for job, tok, lp in zip(jobs, tokens, logprobs):
             state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
             path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
-            msg = PrefillDone(job.work_id, list(job.a.token_ids), dict(job.a.sampling), tok,
+            msg = PrefillDone(job.work_id, job.a.tokens, dict(job.a.sampling), tok,
                               lp.__dict__ if lp is not None else None, state, job.hit_tokens, path,
                               job.storage_bytes)
             try:

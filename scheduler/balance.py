@@ -41,6 +41,11 @@ class WindowedSums:
             _, key, amount = self._events.popleft()
             self._sums[key] -= amount
 
+    def sum(self, key: str) -> float:
+        with self._lock:
+            self._expire()
+            return max(0.0, self._sums.get(key, 0.0))
+
     def sums(self, keys: set[str] | None = None) -> dict[str, float]:
         with self._lock:
             self._expire()

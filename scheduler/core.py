@@ -9,6 +9,7 @@ about an abandoned attempt can never touch a retry.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -20,9 +21,9 @@ from pathlib import Path
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
-from dualpath.geometry import block_hashes
-from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, ReadPath, RegisterReply, Role,
-                               SubmitEvent, SubmitRequest)
+from dualpath.geometry import HASH_BYTES, block_hashes
+from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
+                               SubmitEvent, SubmitRequest, pack_keys, unpack_keys, unpack_tokens)
 from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
 from scheduler.balance import WindowedSums, max_over_avg
@@ -109,7 +110,7 @@ class RequestRecord:
     spec: SubmitRequest
     params: SamplingParams
     mode: Mode
-    hashes: list[bytes]
+    hashes: bytes  # the prompt's chained block hashes, packed
     hit_blocks: int
     notify: Callable[[SubmitEvent], None]  # where events about the request go
     attempt: int = 0
@@ -132,6 +133,8 @@ class SchedulerCore:
         self.index = BlockIndex()
         self.engines: dict[str, EngineRecord] = {}
         self.by_node: dict[str, list[EngineRecord]] = {}
+        self.by_group: dict[str, list[EngineRecord]] = {}
+        self.alive_ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
         self.requests: dict[str, RequestRecord] = {}  # by request id
         self.by_work: dict[str, str] = {}  # work id -> request id
         self.global_queue = Fifo()
@@ -167,9 +170,9 @@ class SchedulerCore:
                 self._engine_gone(info.engine_id, "re-registered")
             rec = self.engines[info.engine_id] = EngineRecord(info, last_seen=self.clock())
             self._totals = None
-            self.by_node.setdefault(info.node_id, []).append(rec)
-            if old is not None:
-                self.by_node[info.node_id] = [x for x in self.by_node[info.node_id] if x is not old]
+            for index, key in ((self.by_node, info.node_id), (self.by_group, rec.group)):
+                index[key] = [x for x in index.get(key, []) if x.info.engine_id != info.engine_id] + [rec]
+            self.alive_ids[info.role].add(info.engine_id)
             if info.role is Role.DECODE:
                 self.private.setdefault(rec.group, Fifo())
             else:
@@ -187,14 +190,13 @@ class SchedulerCore:
         return RegisterReply(True, members=members)
 
     def members(self, group: str) -> list[list[str]]:
-        return sorted([e.info.engine_id, e.info.control_address] for e in self.engines.values()
-                      if e.alive and e.group == group)
+        return sorted([e.info.engine_id, e.info.control_address] for e in self.by_group.get(group, ()) if e.alive)
 
     def alive(self, role: Role) -> list[EngineRecord]:
-        return [e for e in self.engines.values() if e.alive and e.info.role is role]
+        return [self.engines[eid] for eid in sorted(self.alive_ids[role])]
 
     def ready(self) -> bool:
-        return bool(self.alive(Role.PREFILL) and self.alive(Role.DECODE))
+        return bool(self.alive_ids[Role.PREFILL] and self.alive_ids[Role.DECODE])
 
     def expire(self) -> None:
         """Declare engines silent for longer than the heartbeat timeout dead."""
@@ -208,6 +210,7 @@ class SchedulerCore:
         e = self.engines[eid]
         e.alive = False
         self._totals = None
+        self.alive_ids[e.info.role].discard(eid)
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
             if r.pe == eid or r.de == eid:
@@ -215,14 +218,14 @@ class SchedulerCore:
                     self._fail(rid, f"decode engine {eid} died while generating ({why})")
                 else:
                     self._retry(rid, f"engine {eid} is gone")
-        if e.info.role is Role.DECODE and not any(x.alive and x.group == e.group for x in self.engines.values()):
+        if e.info.role is Role.DECODE and not any(x.alive for x in self.by_group.get(e.group, ())):
             orphans = self.private.pop(e.group, Fifo())  # the whole group left: back to the global queue
             for rid in reversed(list(orphans)):
                 self.requests[rid].group = None
                 self.global_queue.appendleft(rid)
         if e.info.role is Role.PREFILL:
             self.busy_window.forget(eid)
-        if not any(x.alive and x.info.node_id == e.info.node_id for x in self.engines.values()):
+        if not any(x.alive for x in self.by_node.get(e.info.node_id, ())):
             self.read_window.forget(e.info.node_id)
 
     # --- requests -------------------------------------------------------------------------------------------
@@ -243,11 +246,14 @@ class SchedulerCore:
                 raise RequestError(f"scheduler overloaded: {len(self.requests)} requests in flight")
             if spec.request_id in self.requests:
                 raise RequestError(f"duplicate request id {spec.request_id}")
-            n = len(spec.token_ids)
+            n = spec.num_tokens
             if n == 0 or n + params.max_tokens > self.max_model_len:
                 raise RequestError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                                    f"model's context of {self.max_model_len}", field="max_tokens")
-            hashes = block_hashes(spec.token_ids, self.fingerprint, self.block_size)
+            hashes = spec.block_hashes or pack_keys(block_hashes(unpack_tokens(spec.tokens), self.fingerprint,
+                                                                 self.block_size))
+            if len(hashes) != n // self.block_size * HASH_BYTES:
+                raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             # at least one prompt token is always computed: its logits give the first output token
             hit = min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
             r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock())
@@ -261,7 +267,7 @@ class SchedulerCore:
             return events
 
     def queued(self, r: RequestRecord) -> QueuedRequest:
-        n = len(r.spec.token_ids)
+        n = r.spec.num_tokens
         de_node = self.engines[r.de].info.node_id if r.de else ""
         return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, n + r.params.max_tokens, de_node)
 
@@ -334,7 +340,7 @@ class SchedulerCore:
                     self._engine_gone(eid, f"unreachable from {sender}")
             for load in loads:
                 self._absorb(load)
-            group = [e for e in self.engines.values() if e.alive and e.group == group_id]
+            group = [e for e in self.by_group.get(group_id, ()) if e.alive]
             if not group:
                 return PullReply({})
             cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])]
@@ -354,9 +360,9 @@ class SchedulerCore:
         for w in load.request_ids:
             e.outstanding.pop(w, None)  # the engine's own numbers now include it
         if load.stored_keys:
-            self.index.add(bytes.fromhex(k) for k in load.stored_keys)
+            self.index.add(unpack_keys(load.stored_keys))
         if load.evicted_keys:
-            self.index.remove(bytes.fromhex(k) for k in load.evicted_keys)
+            self.index.remove(unpack_keys(load.evicted_keys))
         node = e.info.node_id
         self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
         self.read_window.add(node, load.storage_read_bytes)
@@ -401,7 +407,7 @@ class SchedulerCore:
             for e in self.alive(Role.DECODE):
                 totals[e.group] = totals.get(e.group, 0) + self._state(e).tok
             for g in totals:
-                totals[g] += sum(len(self.requests[rid].spec.token_ids) for rid in self.private.get(g, ()))
+                totals[g] += sum(self.requests[rid].spec.num_tokens for rid in self.private.get(g, ()))
             self._totals, self._totals_at = totals, now
         return self._totals
 
@@ -419,12 +425,12 @@ class SchedulerCore:
             self.global_queue.popleft()
             r.group = g
             self.private.setdefault(g, Fifo()).append(rid)
-            totals[g] += len(r.spec.token_ids)
+            totals[g] += r.spec.num_tokens
 
     def _assign_decode(self, group: str, pulling: set[str]) -> None:
         private = self.private.get(group, Fifo())
         waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
-        states = [self._state(e) for e in self.alive(Role.DECODE) if e.group == group]  # phase 1 chose the group
+        states = [self._state(e) for e in self.by_group.get(group, ()) if e.alive]  # phase 1 chose the group
         for work_id, eid in self.policy.assign_decode(waiting, states, pulling):
             rid = self.by_work[work_id]
             r = self.requests[rid]
@@ -443,8 +449,9 @@ class SchedulerCore:
         candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else \
             [self.engines[e] for e in pulling]
         pe_nodes = {e.info.engine_id: e.info.node_id for e in candidates}
-        waiting = Lazy(self._with_mode(self.requests[rid]) for rid in self.prefill_queue
-                       if self.engines[self.requests[rid].de].alive)
+        waiting = Lazy(itertools.islice((self._with_mode(self.requests[rid]) for rid in self.prefill_queue
+                                         if self.engines[self.requests[rid].de].alive),
+                                        self.config.max_assignments_per_pull))
         out: dict[str, list[Assignment]] = {}
         decisions = self.policy.assign_prefill(waiting, [self._state(e) for e in candidates], pulling,
                                                self._node_states(), pe_nodes, self.block_size)
@@ -458,15 +465,15 @@ class SchedulerCore:
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
             out.setdefault(d.engine_id, []).append(Assignment(
-                d.request_id, list(r.spec.token_ids), dict(r.spec.sampling),
-                [h.hex() for h in r.hashes[:r.hit_blocks]], d.path.path, r.mode is not Mode.BASIC, de,
+                d.request_id, r.spec.tokens, dict(r.spec.sampling),
+                r.hashes[:r.hit_blocks * HASH_BYTES], d.path.path, r.mode is not Mode.BASIC, de,
                 d.path.pe_blocks))
             r.notify(SubmitEvent("assigned", rid, num_hit_tokens=q.num_hit_tokens, decode_engine=de.engine_id,
                                      decode_address=de.control_address, path=r.path, work_id=d.request_id))
         return out
 
     def node_state(self, node: str) -> NodeState:
-        n = NodeState()
+        n = NodeState(recent_read=self.read_window.sum(node))
         for e in self.by_node.get(node, ()):
             if e.alive:
                 n.read_q += e.load.read_q_tokens if e.load else 0
@@ -495,6 +502,7 @@ class SchedulerCore:
         with self.lock:
             return {
                 **self.counters,
+                "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "index_blocks": len(self.index),

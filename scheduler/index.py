@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from dualpath.geometry import BlockHash
+from dualpath.geometry import HASH_BYTES, BlockHash
 from traffic.storage.fs import list_stored_keys
 
 log = logging.getLogger(__name__)
@@ -34,17 +34,17 @@ class BlockIndex:
         with self._lock:
             self._keys.difference_update(keys)
 
-    def hit_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of a prompt are stored."""
-        n = 0
+    def hit_blocks(self, packed: bytes) -> int:
+        """How many leading blocks of a prompt are stored (``packed``: its chained hashes, concatenated)."""
+        keys, n, total = self._keys, 0, len(packed) // HASH_BYTES
         with self._lock:
-            for h in hashes:
-                if h not in self._keys:
+            for i in range(0, total * HASH_BYTES, HASH_BYTES):
+                if packed[i:i + HASH_BYTES] not in keys:
                     break
                 n += 1
             self.lookups += 1
             self.hit_blocks_total += n
-            self.blocks_total += len(hashes)
+            self.blocks_total += total
         return n
 
     def __len__(self) -> int:

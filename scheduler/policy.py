@@ -35,6 +35,7 @@ class EngineState:
 class NodeState:
     read_q: int = 0  # the node's storage read queue, in tokens
     alpha: int = 0  # tokens the node reads in 3 s (0: unknown)
+    recent_read: float = 0.0  # bytes the node read from storage lately (the balance window)
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,11 @@ def take_prefill(e: EngineState, r: QueuedRequest) -> None:
 
 
 def shorter_queue(r: QueuedRequest, pe_node: NodeState, de_node: NodeState) -> PathChoice:
-    """The paper's rule: read on the side whose node has the shorter storage read queue."""
-    return PathChoice(ReadPath.PE if pe_node.read_q <= de_node.read_q else ReadPath.DE)
+    """The paper's rule: read on the side whose node has the shorter storage read queue. Equal queues (both
+    empty, under light load) go to the node that read less lately, so read volume balances even when no queue
+    builds."""
+    pe_key, de_key = (pe_node.read_q, pe_node.recent_read), (de_node.read_q, de_node.recent_read)
+    return PathChoice(ReadPath.PE if pe_key <= de_key else ReadPath.DE)
 
 
 def split_path(r: QueuedRequest, pe_read_q: int, de_read_q: int, block_size: int) -> PathChoice:
@@ -102,6 +106,8 @@ def add_read(choice: PathChoice, r: QueuedRequest, pe_node: NodeState, de_node: 
     pe_share = r.num_hit_tokens if choice.path is ReadPath.PE else max(0, choice.pe_blocks) * block_size
     pe_node.read_q += pe_share
     de_node.read_q += r.num_hit_tokens - pe_share
+    pe_node.recent_read += pe_share
+    de_node.recent_read += r.num_hit_tokens - pe_share
 
 
 class Policy(ABC):

@@ -1,7 +1,9 @@
 """The scheduler process: ``SchedulerCore`` behind an asyncio gRPC server (``dualpath scheduler --port ...``).
 
-It takes requests (``Submit``: a stream of events about the request, open until it ends), lets engine groups pull
-work and push load reports, and stays off the data path: tokens stream from the decode engine to the submitter.
+It takes requests — ``Submit`` opens a stream of events for one request; a ``Session`` carries many requests each
+way in batches, which is how busy frontends submit (one gRPC message per batch, not per event) — lets engine
+groups pull work and push load reports, and stays off the data path: tokens stream from the decode engine to the
+submitter.
 Every handler runs on one event loop thread, so the core is never contended and thousands of open submit
 streams cost coroutines, not threads.
 """
@@ -12,8 +14,8 @@ import logging
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
-from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, Stats, \
-    SubmitEvent, SubmitRequest
+from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
+    SessionIn, SessionOut, Stats, SubmitEvent, SubmitRequest
 from dualpath.rpc import SCHEDULER_METHODS, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
@@ -43,6 +45,44 @@ class SchedulerService:
 
     async def Stats(self, ref: RequestRef, ctx) -> Stats:
         return Stats({**self.core.stats(), "ready": self.core.ready()})
+
+    async def Session(self, requests, ctx):
+        """Batches in, batches out. Requests still open when the session ends are cancelled."""
+        outbox: list[SubmitEvent] = []
+        wake = asyncio.Event()
+        mine: set[str] = set()
+
+        def notify(ev: SubmitEvent) -> None:
+            outbox.append(ev)
+            if ev.kind in _TERMINAL:
+                mine.discard(ev.request_id)
+            wake.set()
+
+        async def read():
+            async for batch in requests:
+                for req in batch.submits:
+                    try:
+                        self.core.submit(req, notify)
+                        mine.add(req.request_id)
+                    except RequestError as e:
+                        code = "overloaded" if "overloaded" in str(e) else "invalid"
+                        notify(SubmitEvent("failed", req.request_id, error=f"{code}: {e}"))
+                for rid in batch.cancels:
+                    self.core.cancel(rid, "cancelled by the submitter")
+            wake.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            while not (reader.done() and not outbox and not mine):
+                await wake.wait()
+                wake.clear()
+                if outbox:
+                    batch, outbox[:] = list(outbox), []
+                    yield SessionOut(batch)
+        finally:
+            reader.cancel()
+            for rid in list(mine):
+                self.core.cancel(rid, "session closed")
 
     async def Submit(self, req: SubmitRequest, ctx):
         events: asyncio.Queue = asyncio.Queue()

@@ -4,7 +4,7 @@ import itertools
 from hypothesis import given, settings, strategies as st
 
 from dualpath.config import SchedulerConfig
-from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest
+from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
 from dualpath.sampling_params import SamplingParams
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
@@ -60,9 +60,9 @@ def pull(core, engines, group):
         e.finished = []
     for eid, work in reply.assignments.items():
         for a in work:
-            engines[eid].held[a.request_id] = (len(a.token_ids), 0)
+            n = len(a.tokens) // 4
+            engines[eid].held[a.request_id] = (n, 0)
             de = engines[a.decode.engine_id]
-            n = len(a.token_ids)
             de.held[a.request_id] = (n, n + 8)  # the decode engine holds it from prefill on
     return reply
 
@@ -75,7 +75,7 @@ def check(core, engines):
         assert (rid in ids) != (r.pe is not None), "queued and assigned at once (or neither)"
     for e in engines.values():
         if e.info.role is Role.DECODE:
-            reserved = sum(len(r.spec.token_ids) + r.params.max_tokens for r in core.requests.values()
+            reserved = sum(r.spec.num_tokens + r.params.max_tokens for r in core.requests.values()
                            if r.de == e.info.engine_id)
             assert reserved <= e.info.capacity_tokens, f"{e.info.engine_id} over-committed"
 
@@ -92,7 +92,7 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
         clock.t += 0.01
         if op == "submit":
             n = 20 + x % 400
-            core.submit(SubmitRequest(f"r{submitted}", list(range(n)), SamplingParams(max_tokens=8).to_dict()))
+            core.submit(SubmitRequest(f"r{submitted}", pack_tokens(range(n)), SamplingParams(max_tokens=8).to_dict()))
             submitted += 1
         elif op == "pull":
             pull(core, engines, group_ids[x % len(group_ids)])
@@ -133,7 +133,7 @@ def test_a_dead_decode_group_returns_its_private_queue_and_requests_are_retried(
     clock = Clock()
     core, engines = make_core("dualpath", clock)
     for i in range(6):
-        core.submit(SubmitRequest(f"r{i}", list(range(100)), SamplingParams(max_tokens=8).to_dict()))
+        core.submit(SubmitRequest(f"r{i}", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
     pull(core, engines, "d0")
     pull(core, engines, "p0")
     assert any(r.de == "d0" for r in core.requests.values())

@@ -1,0 +1,175 @@
+"""The scheduler process under the paper's largest offline rate: 2,400 requests/s (48K agents x 157 turns in
+3,201 s) at 48P96D (1,152 engines in 144 groups), measured through gRPC with its CPU use.
+
+A load generator in this process registers the engines, runs one pull loop per engine group (decode groups
+report the requests they were given as finished on their next pull) and submits requests at the target rate
+through one Session stream, as a frontend does, each ~33K tokens with ~99% of its blocks stored. Reported: completed requests/s and the scheduler's CPU
+seconds per wall second (cores), from /proc.
+
+    python bench/scheduler_service.py [--rate 2400] [--seconds 10] [--out bench/results/scheduler_service.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, write_result  # noqa: E402
+
+PE_NODES, DE_NODES, PER_NODE, BS = 48, 96, 8, 64
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def main_async(args) -> dict:
+    import grpc
+
+    from dualpath.geometry import block_hashes
+    from dualpath.messages import (EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, Role, SessionIn,
+                                   SessionOut, SubmitRequest, from_wire, pack_keys, pack_tokens, to_wire)
+    from dualpath.sampling_params import SamplingParams
+
+    ready = Path(tempfile.mkdtemp()) / "ready"
+    kv = tempfile.mkdtemp()
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "scheduler", "--port", "0",
+                             "--kv-store", kv, "--heartbeat-timeout", "1000", "--max-queued", "100000",
+                             "--ready-file", str(ready)], env={**os.environ, "DUALPATH_PARENT_PID": str(os.getpid())})
+    while not ready.exists():
+        await asyncio.sleep(0.05)
+    address = f"127.0.0.1:{ready.read_text().split()[0]}"
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20),
+                                                           ("grpc.max_receive_message_length", 256 << 20)])
+    call = lambda m, resp: channel.unary_unary(f"/dualpath.Scheduler/{m}", request_serializer=to_wire,  # noqa
+                                               response_deserializer=lambda b: from_wire(resp, b))
+    register, pull = call("Register", RegisterReply), call("Pull", PullReply)
+    session = channel.stream_stream("/dualpath.Scheduler/Session", request_serializer=to_wire,
+                                    response_deserializer=lambda b: from_wire(SessionOut, b))
+    fp = b"\x02" * 16
+
+    def info(eid, role, node, cap):
+        return EngineInfo(eid, role, node, "x:1", "shm", {}, [], 1, 64, BS, 61, fp.hex(), cap, max_model_len=200_000,
+                          group_id=node, alpha_tokens=10 ** 9, beta_tokens=10 ** 9)
+
+    engines = [info(f"p{n}-{i}", Role.PREFILL, f"pn{n}", 64_000) for n in range(PE_NODES) for i in range(PER_NODE)]
+    engines += [info(f"d{n}-{i}", Role.DECODE, f"dn{n}", 10 ** 9) for n in range(DE_NODES) for i in range(PER_NODE)]
+    for e in engines:
+        await register(e)
+    groups: dict[str, list] = {}
+    for e in engines:
+        groups.setdefault(e.group_id, []).append(e)
+
+    # distinct prompts, hashed once, reused under new request ids; their leading blocks count as stored
+    prompts = []
+    for i in range(64):
+        toks = np.random.default_rng(i).integers(0, 50_000, args.context).tolist()
+        hashes = block_hashes(toks, fp, BS)
+        prompts.append((pack_tokens(toks), pack_keys(hashes)))
+    # make the hits real: a decode group reports them stored before the run
+    stored = b"".join(h[:-7 * 16] for _, h in prompts)
+    await pull(PullRequest("dn0", [EngineLoad("d0-0", 0, 0, 0, 10 ** 9, stored_keys=stored)], "d0-0"))
+
+    finished: dict[str, list[str]] = {g: [] for g in groups}
+    stop = asyncio.Event()
+    stats = {"done": 0, "failed": 0, "pulls": 0}
+
+    async def group_loop(g):
+        es = groups[g]
+        while not stop.is_set():
+            done, finished[g] = finished[g], []
+            loads = [EngineLoad(e.engine_id, 0, 0, 0, e.capacity_tokens, finished=done if e is es[0] else [])
+                     for e in es]
+            reply = await pull(PullRequest(g, loads, es[0].engine_id))
+            stats["pulls"] += 1
+            for work in reply.assignments.values():
+                for a in work:
+                    finished[a.decode.group_id].append(a.request_id)  # decoding takes no time here
+            await asyncio.sleep(args.pull_interval)
+
+    sampling = SamplingParams(max_tokens=176).to_dict()
+    outgoing: asyncio.Queue = asyncio.Queue()
+
+    async def batches():  # what a frontend does: everything submitted since its last message, in one message
+        while True:
+            first = await outgoing.get()
+            if first is None:
+                return
+            batch = [first]
+            while not outgoing.empty() and len(batch) < 128:
+                nxt = outgoing.get_nowait()
+                if nxt is None:
+                    outgoing.put_nowait(None)
+                    break
+                batch.append(nxt)
+            yield SessionIn(batch)
+
+    async def receive(call):
+        async for out in call:
+            for ev in out.events:
+                if ev.kind == "finished":
+                    stats["done"] += 1
+                elif ev.kind == "failed":
+                    stats["failed"] += 1
+                    stats.setdefault("error", ev.error)
+
+    call = session(batches())
+    receiver = asyncio.create_task(receive(call))
+    loops = [asyncio.create_task(group_loop(g)) for g in groups]
+    await asyncio.sleep(1.0)  # pull loops running
+    t0, c0, g0 = time.perf_counter(), cpu_seconds(proc.pid), time.process_time()
+    sent = 0
+    while time.perf_counter() - t0 < args.seconds:
+        target = int((time.perf_counter() - t0) * args.rate)
+        while sent < target:
+            tokens, hashes = prompts[sent % len(prompts)]
+            outgoing.put_nowait(SubmitRequest(f"q{sent}", tokens, sampling, block_hashes=hashes))
+            sent += 1
+        await asyncio.sleep(0.005)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(proc.pid) - c0
+    gen_cpu = time.process_time() - g0
+    done_in_window = stats["done"]
+    outgoing.put_nowait(None)
+    await asyncio.wait_for(receiver, timeout=30)
+    stop.set()
+    await asyncio.gather(*loops, return_exceptions=True)
+    await channel.close()
+    proc.terminate()
+    proc.wait(10)
+    return {"target_rate": args.rate, "offered_rate": sent / wall, "completed_rate": done_in_window / wall,
+            "failed": stats["failed"], "scheduler_cores": cpu / wall, "generator_cores": gen_cpu / wall,
+            "pulls_per_s": stats["pulls"] / (wall + 1), "context_tokens": args.context, "engines": len(engines),
+            "first_error": stats.get("error", "")}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, nargs="+", default=[1200, 2400])
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--context", type=int, default=32_721)
+    ap.add_argument("--pull-interval", type=float, default=0.2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for rate in args.rate:
+        rows.append(asyncio.run(main_async(argparse.Namespace(**{**vars(args), "rate": rate}))))
+    print_table(rows, ["target_rate", "offered_rate", "completed_rate", "failed", "scheduler_cores",
+                       "generator_cores", "pulls_per_s"])
+    result = {"rows": rows, "target": "scheduler under one core at 2,400 requests/s (the paper: under 10 cores)"}
+    print("wrote", write_result("scheduler_service", result, args.out))
+    return result
+
+
+if __name__ == "__main__":
+    main()
