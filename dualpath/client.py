@@ -106,6 +106,63 @@ class _Session:
         self.call.cancel()
 
 
+class RequestHandle:
+    """One submitted request: its token events, and a way to cancel it from any thread."""
+
+    def __init__(self, client: "ClusterClient", request_id: str):
+        self.client, self.request_id = client, request_id
+        self.queue: queue.Queue = queue.Queue()
+        self.active: list = []  # the decode-engine stream being read, so news from the scheduler can interrupt it
+        self.session: _Session | None = None
+        self.cancelled = False
+
+    def _listen(self, ev: SubmitEvent) -> None:
+        self.queue.put(ev)
+        if ev.kind in ("failed", "assigned") and self.active:
+            self.active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.session is not None:
+            self.session.cancel(self.request_id)
+        if self.active:
+            self.active[0].cancel()
+        self.queue.put(SubmitEvent("failed", self.request_id, error="cancelled"))
+
+    def events(self) -> Iterator[TokenEvent]:
+        rid, got_tokens = self.request_id, False
+        try:
+            while not self.cancelled:
+                try:
+                    assigned = self.client._next_assignment(self.queue, rid)
+                except DualPathError:
+                    if self.cancelled:
+                        return
+                    raise
+                stream = self.client._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
+                self.active[:] = [stream]
+                try:
+                    for tok in stream:
+                        if tok.finish_reason == "abort" and not got_tokens:
+                            break  # the attempt was dropped before producing anything: wait for a retry
+                        if tok.finish_reason == "abort":
+                            raise DualPathError(f"request {rid} aborted: {tok.error}")
+                        got_tokens = got_tokens or tok.token_id >= 0
+                        yield tok
+                        if tok.finish_reason:
+                            return
+                except RpcError as e:
+                    if got_tokens:
+                        raise DualPathError(f"request {rid}: the decode engine failed mid-generation: {e}") from None
+                finally:
+                    self.active.clear()
+                if got_tokens and not self.cancelled:
+                    raise DualPathError(f"request {rid}: its stream ended early (the scheduler gave up on it)")
+        finally:
+            if self.session is not None:
+                self.session.cancel(rid)
+
+
 class ClusterClient:
     def __init__(self, scheduler: str, timeout: float = 3600.0):
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
@@ -140,46 +197,20 @@ class ClusterClient:
         fp, bs = self._model
         return pack_keys(block_hashes(token_ids, fp, bs))
 
+    def start(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+              mode: str = "") -> "RequestHandle":
+        """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it."""
+        handle = RequestHandle(self, request_id or uuid.uuid4().hex)
+        session = self.session()
+        handle.session = session
+        session.submit(SubmitRequest(handle.request_id, pack_tokens(token_ids), sampling.to_dict(), mode,
+                                     self._hashes(token_ids)), handle._listen)
+        return handle
+
     def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                mode: str = "") -> Iterator[TokenEvent]:
         """Token events of one request, ending with the event that carries ``finish_reason``."""
-        rid = request_id or uuid.uuid4().hex
-        events: queue.Queue = queue.Queue()
-        active: list = []  # the decode-engine stream being read, so news from the scheduler can interrupt it
-
-        def listen(ev: SubmitEvent) -> None:
-            events.put(ev)
-            if ev.kind in ("failed", "assigned") and active:
-                active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
-
-        session = self.session()
-        session.submit(SubmitRequest(rid, pack_tokens(token_ids), sampling.to_dict(), mode, self._hashes(token_ids)),
-                       listen)
-        got_tokens = False
-        try:
-            while True:
-                assigned = self._next_assignment(events, rid)
-                stream = self._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
-                active[:] = [stream]
-                try:
-                    for tok in stream:
-                        if tok.finish_reason == "abort" and not got_tokens:
-                            break  # the attempt was dropped before producing anything: wait for a retry
-                        if tok.finish_reason == "abort":
-                            raise DualPathError(f"request {rid} aborted: {tok.error}")
-                        got_tokens = got_tokens or tok.token_id >= 0
-                        yield tok
-                        if tok.finish_reason:
-                            return
-                except RpcError as e:
-                    if got_tokens:
-                        raise DualPathError(f"request {rid}: the decode engine failed mid-generation: {e}") from None
-                finally:
-                    active.clear()
-                if got_tokens:
-                    raise DualPathError(f"request {rid}: its stream ended early (the scheduler gave up on it)")
-        finally:
-            session.cancel(rid)
+        return self.start(token_ids, sampling, request_id, mode).events()
 
     def _next_assignment(self, events: queue.Queue, rid: str) -> SubmitEvent:
         deadline = time.monotonic() + self.timeout

@@ -281,6 +281,7 @@ class SchedulerConfig:
     max_queued_requests: int = 4096
     max_attempts: int = 3
     max_assignments_per_pull: int = 256  # bounds a pull's reply (assignments carry their prompts)
+    http_port: int = -1  # /health and /metrics (-1: none, 0: any free port)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class ClusterSpec:
     max_model_len: int = 0
     torch_threads: int = 1
     heartbeat_timeout_s: float = 10.0
+    scheduler_http_port: int = -1  # the scheduler's /metrics (-1: none, 0: any free port)
     host: str = "127.0.0.1"
     scheduler_port: int = 0
     engines_per_node: int = 1  # engines of a role packed per node; a node's engines form one group
@@ -70,6 +71,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.scheduler_address = ""
+        self.scheduler_http = ""
         self.engine_addresses: dict[str, str] = {}
         self._stopping = False
 
@@ -119,12 +121,15 @@ class LocalCluster:
         s = self.spec
         try:
             sched_args = ["scheduler", "--host", s.host, "--port", str(s.scheduler_port), "--mode", s.mode,
-                          "--policy", s.policy, "--heartbeat-timeout", str(s.heartbeat_timeout_s)]
+                          "--policy", s.policy, "--heartbeat-timeout", str(s.heartbeat_timeout_s),
+                          "--http-port", str(s.scheduler_http_port)]
             if s.kv_store:
                 sched_args += ["--kv-store", s.kv_store]
             sched = self._spawn("scheduler", sched_args)
             self._wait_ready([sched], timeout)
-            self.scheduler_address = f"{s.host}:{sched.ready_path.read_text().split()[0]}"
+            port, http = sched.ready_path.read_text().split()
+            self.scheduler_address = f"{s.host}:{port}"
+            self.scheduler_http = f"http://{s.host}:{http}" if int(http) >= 0 else ""
             engines = [self._spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
             engines += [self._spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
                         for i in range(s.num_decode)]

@@ -85,6 +85,7 @@ class EngineLoad:
     prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
+    traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
 
 
 @dataclass(frozen=True)

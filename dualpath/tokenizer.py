@@ -114,9 +114,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end is emitted as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

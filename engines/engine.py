@@ -194,7 +194,8 @@ class Engine:
                           request_ids=list(held), started=items["started"], finished=items["finished"],
                           failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
-                          storage_read_bytes=read_delta, kv_load_failures=fail_delta)
+                          storage_read_bytes=read_delta, kv_load_failures=fail_delta,
+                          traffic=self.traffic.snapshot())
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "failures": self.kv_load_failures}
 

@@ -65,6 +65,6 @@ def run_scheduler(cfg: SchedulerConfig, ready_file: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_scheduler_async(cfg, lambda port: write_ready(ready_file, f"{port}\n"), stop)
+        await run_scheduler_async(cfg, lambda port, http: write_ready(ready_file, f"{port} {http}\n"), stop)
 
     asyncio.run(main())

@@ -151,6 +151,7 @@ class SchedulerCore:
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
+        self.traffic: dict[str, dict[str, int]] = {}  # engine -> cumulative "path:class" -> bytes
         self._totals: dict[str, int] | None = None
         self._totals_at = 0.0
         self.read_window = WindowedSums(balance_window_s, clock)
@@ -370,6 +371,8 @@ class SchedulerCore:
             self.prefill_busy_s[load.engine_id] = self.prefill_busy_s.get(load.engine_id, 0.0) + load.prefill_busy_s
             self.busy_window.add(load.engine_id, load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
+        if load.traffic:
+            self.traffic[load.engine_id] = dict(load.traffic)
         for w in load.started:
             rid = self.by_work.get(w)
             if rid is not None:
@@ -511,6 +514,7 @@ class SchedulerCore:
                 "storage_read_bytes": dict(self.storage_read_bytes),
                 "prefill_busy_s": dict(self.prefill_busy_s),
                 "pulls_by_sender": dict(self.pulls_by_sender),
+                "traffic_bytes": {e: dict(t) for e, t in self.traffic.items()},
                 **self.balance(),
             }
 

@@ -109,9 +109,21 @@ async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio
     core = SchedulerCore(config, make_policy(config.policy))
     server, port = await serve_async("Scheduler", SCHEDULER_METHODS, SchedulerService(core),
                                      f"{config.host}:{config.port}")
+    http = None
+    if config.http_port >= 0:
+        import socket
+
+        import uvicorn
+
+        from scheduler.http import build_app
+
+        sock = socket.create_server((config.host, config.http_port))
+        http = uvicorn.Server(uvicorn.Config(build_app(core), log_level="warning", lifespan="off"))
+        http_task = asyncio.create_task(http.serve(sockets=[sock]))
+        log.info("scheduler metrics on http://%s:%d/metrics", config.host, sock.getsockname()[1])
     log.info("scheduler listening on %s:%d (mode %s, policy %s)", config.host, port, config.mode, config.policy)
     if ready is not None:
-        ready(port)
+        ready(port, sock.getsockname()[1] if http else -1)
     stop = stop or asyncio.Event()
 
     async def reap():
@@ -122,4 +134,7 @@ async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio
     reaper = asyncio.create_task(reap())
     await stop.wait()
     reaper.cancel()
+    if http is not None:
+        http.should_exit = True
+        await http_task
     await server.stop(grace=1)

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP frontend and ``dualpath serve``."""

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP frontend (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health`` and Prometheus ``/metrics``.
+
+A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
+``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally,
+stop strings are matched here (the request is cancelled at the first match), and a client that disconnects
+cancels its request. Errors use OpenAI's JSON error format.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dualpath.client import ClusterClient, OverloadedError
+from dualpath.errors import DualPathError, RequestError
+from dualpath.metrics import CONTENT_TYPE, Registry
+from dualpath.sampling_params import SamplingParams
+from dualpath.serving.protocol import ChatRequest, CompletionRequest, error_body, parse
+from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    model_name: str
+    model_dir: str
+    scheduler: str
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 16 << 20
+    max_concurrent_requests: int = 512
+    default_max_tokens: int = 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code, self.headers = status, type_, param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
+
+
+@dataclass
+class Outcome:
+    """What a finished generation reports for the response and the usage."""
+
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    path: str = ""
+    storage_bytes: int = 0
+
+
+class Frontend:
+    def __init__(self, cfg: FrontendConfig, client: ClusterClient | None = None, tokenizer: Tokenizer | None = None):
+        self.cfg = cfg
+        self.client = client or ClusterClient(cfg.scheduler)
+        self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
+        self.created = int(time.time())
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        m = self.metrics = Registry()
+        self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
+                                    ["endpoint", "status"])
+        self.m_prompt = m.counter("prompt_tokens_total", "Prompt tokens of finished requests")
+        self.m_completion = m.counter("completion_tokens_total", "Generated tokens")
+        self.m_cached = m.counter("cached_tokens_total", "Prompt tokens whose KV came from storage, by read path",
+                                  ["path"])
+        self.m_kv_bytes = m.counter("kv_bytes_loaded_total", "KV bytes read from storage for requests, by read path",
+                                    ["path"])
+        self.m_ttft = m.histogram("time_to_first_token_seconds", "Time to first token")
+        self.m_tpot = m.histogram("time_per_output_token_seconds", "Time per output token after the first",
+                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
+        self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
+        self.m_inflight.set(0)
+        self.app = self._build()
+
+    # --- app ------------------------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="DualPath", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException):
+            return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, None), exc.status_code)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, exc: ApiError):
+            return exc.response()
+
+        @app.get("/health")
+        async def health():
+            try:
+                ready = (await asyncio.to_thread(self.client.stats)).get("ready", False)
+            except DualPathError:
+                ready = False
+            return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            self.m_inflight.set(self.in_flight)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            self._auth(request)
+            return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model",
+                                                "created": self.created, "owned_by": "dualpath"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self._endpoint(request, "chat")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._endpoint(request, "completions")
+
+        return app
+
+    def _auth(self, request: Request) -> None:
+        if not self.cfg.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.cfg.api_key}":
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    async def _endpoint(self, request: Request, kind: str):
+        status = 200
+        try:
+            self._auth(request)
+            body = await request.body()
+            if len(body) > self.cfg.max_body_bytes:
+                raise ApiError(413, f"request body of {len(body)} bytes exceeds {self.cfg.max_body_bytes}")
+            try:
+                req = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
+            except RequestError as e:
+                raise ApiError(400, str(e), param=e.field) from None
+            if req.model != self.cfg.model_name:
+                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                                    f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+            prompt = self._prompt(req, kind)
+            sampling = self._sampling(req, kind, len(prompt))
+            with self._lock:
+                if self.in_flight >= self.cfg.max_concurrent_requests:
+                    raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
+                                   headers={"Retry-After": "1"})
+                self.in_flight += 1
+            try:
+                handle = await asyncio.to_thread(self.client.start, prompt, sampling, None,
+                                                 (req.dualpath.mode or "") if req.dualpath else "")
+            except BaseException:
+                self._done()
+                raise
+            gen = self._generate(handle, prompt, sampling)
+            if req.stream:
+                return StreamingResponse(self._sse(gen, req, kind, len(prompt)), media_type="text/event-stream")
+            return await self._collect(request, gen, req, kind, len(prompt))
+        except ApiError as e:
+            status = e.status
+            return e.response()
+        finally:
+            self.m_requests.inc(endpoint=kind, status=status)
+
+    def _done(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+    # --- request -> tokens and sampling ---------------------------------------------------------------------
+    def _prompt(self, req, kind: str) -> list[int]:
+        try:
+            if kind == "chat":
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                return self.tokenizer.apply_chat_template(messages)
+            if isinstance(req.prompt, str):
+                return self.tokenizer.encode(req.prompt)
+            ids = list(req.prompt)
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return ids
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+
+    def _sampling(self, req, kind: str, n_prompt: int) -> SamplingParams:
+        room = self.cfg.max_model_len - n_prompt
+        if room < 1:
+            raise ApiError(400, f"the prompt has {n_prompt} tokens; the model's context is {self.cfg.max_model_len}",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        wanted = req.max_new() if kind == "chat" else req.max_tokens
+        if wanted is not None and wanted > room:
+            raise ApiError(400, f"prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the model's context "
+                                f"of {self.cfg.max_model_len}", param="max_tokens", code="context_length_exceeded")
+        max_tokens = wanted or min(room, self.cfg.default_max_tokens)
+        if kind == "chat":
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+
+    # --- generation -----------------------------------------------------------------------------------------
+    async def _generate(self, handle, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Any]:
+        """Yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing it cancels."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def pump():
+            try:
+                for ev in handle.events():
+                    loop.call_soon_threadsafe(events.put_nowait, ev)
+            except BaseException as e:  # noqa: BLE001 - delivered to the request's coroutine
+                loop.call_soon_threadsafe(events.put_nowait, e)
+            loop.call_soon_threadsafe(events.put_nowait, None)
+
+        threading.Thread(target=pump, daemon=True, name=f"http-{handle.request_id}").start()
+        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        stops, hold = sampling.stop, max((len(s) for s in sampling.stop), default=1) - 1
+        text, emitted, outcome, finished = "", 0, Outcome(), False
+        start, first, last = time.perf_counter(), None, None
+        try:
+            while True:
+                ev = await events.get()
+                if ev is None:
+                    break
+                if isinstance(ev, BaseException):
+                    if isinstance(ev, OverloadedError):
+                        raise ApiError(503, str(ev), "server_error", headers={"Retry-After": "1"})
+                    if isinstance(ev, RequestError):
+                        raise ApiError(400, str(ev), param=ev.field)
+                    raise ApiError(500, f"generation failed: {ev}", "server_error")
+                lp = None
+                if ev.token_id >= 0:
+                    now = time.perf_counter()
+                    first, last = first or now, now
+                    outcome.completion_tokens += 1
+                    text += detok.add(ev.token_id)
+                    lp = ev.logprob
+                if ev.finish_reason:
+                    text += detok.flush()
+                cut = _find_stop(text, stops, emitted)
+                if cut >= 0:  # a stop string: emit what precedes it, then cancel the rest
+                    yield text[emitted:cut], [ev.token_id], lp
+                    outcome.finish_reason, finished = "stop", True
+                    handle.cancel()
+                    break
+                safe = len(text) if ev.finish_reason else max(emitted, len(text) - hold)
+                if ev.token_id >= 0 or safe > emitted:
+                    yield text[emitted:safe], [ev.token_id] if ev.token_id >= 0 else [], lp
+                    emitted = safe
+                if ev.finish_reason:
+                    outcome.finish_reason = "length" if ev.finish_reason == "length" else "stop"
+                    outcome.cached_tokens, outcome.path = ev.num_cached_tokens, ev.path
+                    outcome.storage_bytes, finished = ev.storage_bytes, True
+                    break
+            if not finished:
+                raise ApiError(500, "generation ended without a finish reason", "server_error")
+            self._observe(outcome, len(prompt), start, first, last)
+            yield outcome
+        finally:
+            if not finished:
+                handle.cancel()
+                self.m_cancelled.inc()
+            self._done()
+
+    def _observe(self, o: Outcome, n_prompt: int, start: float, first, last) -> None:
+        self.m_prompt.inc(n_prompt)
+        self.m_completion.inc(o.completion_tokens)
+        self.m_cached.inc(o.cached_tokens, path=o.path or "none")
+        self.m_kv_bytes.inc(o.storage_bytes, path=o.path or "none")
+        if first is not None:
+            self.m_ttft.observe(first - start)
+            if o.completion_tokens > 1:
+                self.m_tpot.observe((last - first) / (o.completion_tokens - 1))
+
+    # --- responses ------------------------------------------------------------------------------------------
+    def _usage(self, req, n_prompt: int, o: Outcome) -> dict:
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": o.completion_tokens,
+                 "total_tokens": n_prompt + o.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+        if req.dualpath and req.dualpath.usage:
+            usage["dualpath"] = {"read_path": o.path, "kv_bytes_loaded": o.storage_bytes,
+                                 "cached_tokens": o.cached_tokens}
+        return usage
+
+    def _chat_logprobs(self, lps: list) -> dict:
+        def entry(tid, lp):
+            tok = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+        content = [{**entry(lp["token_id"], lp["logprob"]), "top_logprobs": [entry(t, v) for t, v in lp["top"]]}
+                   for lp in lps if lp]
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, lps: list, offset0: int = 0) -> dict:
+        tokens, token_lps, tops, offsets, pos = [], [], [], [], offset0
+        for lp in lps:
+            if not lp:
+                continue
+            tok = self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False)
+            tokens.append(tok)
+            token_lps.append(lp["logprob"])
+            tops.append({self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp["top"]})
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _collect(self, request: Request, gen, req, kind: str, n_prompt: int) -> JSONResponse:
+        text, lps, outcome = [], [], None
+        consumer = asyncio.ensure_future(_drain(gen, text, lps))
+        while not consumer.done():  # a client that hangs up cancels its request
+            await asyncio.wait([consumer], timeout=0.5)
+            if not consumer.done() and await request.is_disconnected():
+                consumer.cancel()
+                await gen.aclose()
+                return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+        outcome = consumer.result()
+        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        content = "".join(text)
+        want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
+                      "finish_reason": outcome.finish_reason,
+                      "logprobs": self._chat_logprobs(lps) if want_lps else None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": outcome.finish_reason,
+                      "logprobs": self._completion_logprobs(lps) if want_lps else None}
+            obj = "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
+                             "choices": [choice], "usage": self._usage(req, n_prompt, outcome)})
+
+    async def _sse(self, gen, req, kind: str, n_prompt: int):
+        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
+
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
+                    "choices": [choice] if choice else []}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        def choice(delta_text: str, lps: list, finish=None) -> dict:
+            if kind == "chat":
+                c = {"index": 0, "delta": {"content": delta_text} if delta_text or finish is None else {},
+                     "finish_reason": finish, "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
+            else:
+                c = {"index": 0, "text": delta_text, "finish_reason": finish,
+                     "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
+            return c
+
+        try:
+            if kind == "chat":
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None})
+            async for item in gen:
+                if isinstance(item, Outcome):
+                    yield chunk(choice("", [], item.finish_reason))
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield chunk(None, self._usage(req, n_prompt, item))
+                    break
+                delta, _, lp = item
+                if delta or lp:
+                    yield chunk(choice(delta, [lp] if lp else []))
+        except ApiError as e:
+            yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
+        finally:
+            await gen.aclose()
+        yield "data: [DONE]\n\n"
+
+
+async def _drain(gen, text: list, lps: list):
+    async for item in gen:
+        if isinstance(item, Outcome):
+            return item
+        delta, _, lp = item
+        text.append(delta)
+        if lp:
+            lps.append(lp)
+    raise ApiError(500, "generation ended without a result", "server_error")
+
+
+def _find_stop(text: str, stops, start: int) -> int:
+    """Where the first stop string begins, searching from where one could still begin given that ``start``
+    characters were emitted; -1 if none."""
+    if not stops:
+        return -1
+    longest = max(len(s) for s in stops)
+    return find_stop(text, stops, max(0, start - longest + 1))

@@ -1,0 +1,120 @@
+"""``dualpath serve``: a scheduler, x prefill and y decode engines, and the OpenAI-compatible frontend on this host,
+ready when it says so, stopped together on Ctrl-C or SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def model_name(model_dir: str) -> str:
+    return Path(model_dir).resolve().name
+
+
+def frontend_server(frontend_app, host: str, port: int):
+    """A uvicorn server on a socket we bound (so port 0 works and the real port is known before it starts)."""
+    import uvicorn
+
+    sock = socket.create_server((host, port), reuse_port=False)
+    server = uvicorn.Server(uvicorn.Config(frontend_app, log_level="warning", lifespan="off"))
+    return server, sock
+
+
+async def _run(server, sock, on_ready, stop_event: asyncio.Event) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        on_ready()
+    await stop_event.wait()
+    server.should_exit = True
+    await task
+
+
+def run_frontend(frontend, host: str, port: int, on_ready=lambda port: None, stop: asyncio.Event | None = None):
+    """Serve ``frontend.app`` until SIGINT/SIGTERM (or ``stop``); ``on_ready(port)`` once it accepts."""
+    server, sock = frontend_server(frontend.app, host, port)
+    actual = sock.getsockname()[1]
+
+    async def main():
+        stop_event = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_event.set)
+        await _run(server, sock, lambda: on_ready(actual), stop_event)
+
+    asyncio.run(main())
+
+
+def serve(args) -> int:
+    from dualpath.cli import _model_dir
+    from dualpath.launcher import ClusterSpec, LocalCluster
+    from dualpath.serving.openai_api import Frontend, FrontendConfig
+    from engines.models import open_checkpoint
+
+    model_dir = _model_dir(args.model)
+    ckpt = open_checkpoint(model_dir)
+    max_len = args.max_model_len or ckpt.config.max_position_embeddings
+    engines = args.prefill + args.decode
+    threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // engines) if args.device == "cpu" else 0)
+    spec = ClusterSpec(
+        model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
+        transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype,
+        block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
+        workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
+        compute_quota_ms=args.compute_quota_ms, max_model_len=max_len, torch_threads=threads,
+        host="127.0.0.1", scheduler_port=args.scheduler_port, scheduler_http_port=args.scheduler_http_port,
+        log_level=args.log_level.upper())
+    print(f"starting {args.prefill} prefill and {args.decode} decode engine(s) of {model_name(model_dir)} on "
+          f"{args.device} (logs in the run directory below)", flush=True)
+    cluster = LocalCluster(spec, run_dir=args.run_dir)
+    print(f"run directory: {cluster.run_dir}", flush=True)
+    cluster.start(timeout=args.start_timeout)
+    try:
+        api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
+        frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir,
+                                           cluster.scheduler_address, max_len, api_key,
+                                           max_body_bytes=args.max_body_bytes,
+                                           max_concurrent_requests=args.max_concurrent_requests,
+                                           default_max_tokens=args.default_max_tokens))
+
+        def ready(port: int) -> None:
+            url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
+            metrics = f"; scheduler metrics at {cluster.scheduler_http}/metrics" if cluster.scheduler_http else ""
+            print(f"DualPath is serving {frontend.cfg.model_name} at {url} (metrics at {url[:-3]}/metrics{metrics})",
+                  flush=True)
+            if args.ready_file:
+                Path(args.ready_file).write_text(f"{port}\n")
+
+        run_frontend(frontend, args.host, args.port, ready)
+    finally:
+        print("stopping", flush=True)
+        cluster.stop()
+    return 0
+
+
+def frontend_main(args) -> int:
+    from dualpath.cli import _model_dir
+    from dualpath.serving.openai_api import Frontend, FrontendConfig
+    from engines.models import open_checkpoint
+
+    model_dir = _model_dir(args.model)
+    max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
+    frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, args.scheduler,
+                                       max_len, args.api_key or os.environ.get("DUALPATH_API_KEY"),
+                                       max_body_bytes=args.max_body_bytes,
+                                       max_concurrent_requests=args.max_concurrent_requests,
+                                       default_max_tokens=args.default_max_tokens))
+
+    def ready(port: int) -> None:
+        print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
+        if args.ready_file:
+            Path(args.ready_file).write_text(f"{port}\n")
+
+    run_frontend(frontend, args.host, args.port, ready)
+    return 0

@@ -1,0 +1,60 @@
+"""The scheduler's HTTP side: ``/health`` and Prometheus ``/metrics``, served from the scheduler's event loop."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from dualpath.metrics import CONTENT_TYPE, Registry
+from scheduler.core import SchedulerCore
+
+_COUNTERS = ("submitted", "finished", "failed", "retried", "rejected", "hit_tokens", "prompt_tokens",
+             "kv_load_failures")
+
+
+def render(stats: dict) -> str:
+    """Prometheus text of one stats snapshot (built fresh each scrape: the core owns the numbers)."""
+    r = Registry()
+    for name in _COUNTERS:
+        r.counter(f"scheduler_{name}_total", f"Requests/tokens: {name.replace('_', ' ')}").inc(stats.get(name, 0))
+    paths = r.counter("scheduler_read_path_total", "Requests by read path", ["path"])
+    for p in ("pe", "de", "split"):
+        paths.inc(stats.get(f"path_{p}", 0), path=p)
+    q = r.gauge("scheduler_queue_length", "Requests waiting", ["queue"])
+    for name in ("global_queue", "decode_queue", "prefill_queue", "in_flight"):
+        q.set(stats.get(name, 0), queue=name)
+    r.gauge("scheduler_engines_alive", "Engines reporting").set(stats.get("engines_alive", 0))
+    r.gauge("scheduler_index_blocks", "Blocks in the stored-KV index").set(stats.get("index_blocks", 0))
+    rq = r.gauge("node_read_queue_tokens", "Storage read queue per node, in tokens", ["node"])
+    for node, v in stats.get("node_read_q_tokens", {}).items():
+        rq.set(v, node=node)
+    rb = r.counter("node_storage_read_bytes_total", "Storage bytes read per node", ["node"])
+    for node, v in stats.get("storage_read_bytes", {}).items():
+        rb.inc(v, node=node)
+    tb = r.counter("engine_kv_bytes_total", "KV bytes moved by each engine, by path and class",
+                   ["engine", "path", "class"])
+    for engine, traffic in stats.get("traffic_bytes", {}).items():
+        for key, v in traffic.items():
+            path, _, klass = key.partition(":")
+            tb.inc(v, engine=engine, path=path, **{"class": klass})
+    r.gauge("storage_read_balance", "Storage reads max/avg across nodes (sliding window)").set(
+        stats.get("storage_read_max_over_avg", 1.0))
+    pb = r.gauge("prefill_time_balance", "Prefill time max/avg across the engines of a group (sliding window)",
+                 ["group"])
+    for group, v in stats.get("prefill_busy_max_over_avg", {}).items():
+        pb.set(v, group=group)
+    return r.render()
+
+
+def build_app(core: SchedulerCore) -> FastAPI:
+    app = FastAPI(title="DualPath scheduler", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health():
+        ready = core.ready()
+        return JSONResponse({"status": "ok" if ready else "waiting for engines"}, 200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(core.stats()), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,260 @@
+"""``dualpath serve`` end to end, through the real ``openai`` client and raw HTTP: answers, caching across turns,
+streaming, equality with the single-process reference in every read-path mode, errors, schema conformance, and
+client disconnects."""
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+from dualpath import LLM, SamplingParams
+from serve_process import ServeProcess, alive
+
+KEY = "test-key"
+BS = 16
+MODES = ["pe", "de", "dualpath", "basic"]
+def _openapi_nullable(node):
+    """OpenAPI 3.0's ``nullable: true`` (still used in places in the published description) as JSON Schema."""
+    if isinstance(node, dict):
+        node = {k: _openapi_nullable(v) for k, v in node.items()}
+        if node.pop("nullable", False):
+            if "type" in node:
+                node["type"] = [node["type"], "null"] if isinstance(node["type"], str) else node["type"] + ["null"]
+            if "enum" in node:
+                node["enum"] = node["enum"] + [None]
+            if "$ref" in node:
+                node = {"anyOf": [node, {"type": "null"}]}
+        return node
+    if isinstance(node, list):
+        return [_openapi_nullable(v) for v in node]
+    return node
+
+
+SCHEMAS = _openapi_nullable(json.loads((Path(__file__).parent / "data" / "openai_schemas.json").read_text()))
+REGISTRY = Registry().with_resource("urn:openai", Resource.opaque(SCHEMAS))
+
+
+def validate(name: str, body) -> None:
+    """Validate against the OpenAI API's published component schema ``name`` (raises on mismatch)."""
+    Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{name}"}, registry=REGISTRY).validate(body)
+
+
+def validate_completion_chunk(body) -> None:
+    """Streamed completions share ``CreateCompletionResponse``, whose ``finish_reason`` the description does not
+    let be null — but the API (and the ``openai`` client) send null until the last chunk. Check the chunk with
+    exactly that one allowance."""
+    if body["choices"] and body["choices"][0]["finish_reason"] is None:
+        body = {**body, "choices": [{**body["choices"][0], "finish_reason": "length"}]}
+    validate("CreateCompletionResponse", body)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs, tmp_path_factory):
+    kv = tmp_path_factory.mktemp("kv")
+    server = ServeProcess("--model", str(tiny_dirs["llama"]), "--block-size", str(BS), "--buffer-bytes", str(8 << 20),
+                          "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048", "--kv-store", str(kv),
+                          "--api-key", KEY, "--max-concurrent-requests", "3", "--max-body-bytes", str(1 << 20),
+                          "--max-model-len", "512", "--torch-threads", "1")
+    yield server
+    children = server.children()
+    assert server.stop() == 0, server.log_tail()
+    time.sleep(0.5)
+    assert not [p for p in children if alive(p)], "serve left processes behind"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    return LLM(str(tiny_dirs["llama"]), block_size=BS)
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def headers():
+    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiny_replies_equal_the_reference_in_every_mode(tiny, reference, mode):
+    c = client(tiny)
+    messages = [{"role": "user", "content": "hello there, how is the weather? " * 2}]
+    for turn in range(2):
+        r = c.chat.completions.create(model="llama", messages=messages, max_tokens=10, temperature=0,
+                                      extra_body={"dualpath": {"mode": mode, "usage": True}})
+        ids = reference.tokenizer.apply_chat_template(messages)
+        want = reference.generate(ids, SamplingParams(temperature=0, max_tokens=10))[0]
+        assert r.choices[0].message.content == want.text
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.model_extra["dualpath"]["read_path"] in ("pe", "de")
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"tell me more, part {turn}"}]
+    prompt = f"The quick brown fox ({mode}) jumps over the lazy dog " * 3
+    want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    for attempt in range(2):  # the second time, the prompt's blocks come from storage
+        r = c.completions.create(model="llama", prompt=prompt, max_tokens=12, temperature=0,
+                                 extra_body={"dualpath": {"mode": mode}})
+        assert r.choices[0].text == want.text
+    assert r.usage.prompt_tokens_details.cached_tokens >= (len(reference.tokenizer.encode(prompt)) // BS - 1) * BS
+
+
+def test_streaming_equals_non_streaming(tiny):
+    c = client(tiny)
+    messages = [{"role": "user", "content": "stream me something"}]
+    full = c.chat.completions.create(model="llama", messages=messages, max_tokens=20, temperature=0)
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="llama", messages=messages, max_tokens=20, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == full.choices[0].message.content
+    text = c.completions.create(model="llama", prompt="abc", max_tokens=15, temperature=0).choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="llama", prompt="abc", max_tokens=15, temperature=0, stream=True))
+    assert streamed == text
+
+
+def test_stop_strings_seed_and_logprobs(tiny, reference):
+    c = client(tiny)
+    base = c.completions.create(model="llama", prompt="0123456789", max_tokens=12, temperature=0).choices[0].text
+    stop = base[4:6]
+    r = c.completions.create(model="llama", prompt="0123456789", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == base[:base.index(stop)] and r.choices[0].finish_reason == "stop"
+    a = c.completions.create(model="llama", prompt="seeded", max_tokens=8, temperature=1.0, seed=42).choices[0].text
+    b = c.completions.create(model="llama", prompt="seeded", max_tokens=8, temperature=1.0, seed=42).choices[0].text
+    assert a == b
+    r = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                  temperature=0, logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == 4 and all(len(t.top_logprobs) == 3 for t in lps)
+    assert all(t.logprob <= 0 and abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in lps)  # greedy
+
+
+def raw(server, path, body=None, method="POST", hdrs=None):
+    h = headers() if hdrs is None else hdrs
+    with httpx.Client(timeout=60) as h_:
+        if method == "GET":
+            return h_.get(server.url + path, headers=h)
+        return h_.post(server.url + path, headers=h, content=body if isinstance(body, (bytes, str)) else json.dumps(body))
+
+
+def test_error_cases_return_openai_errors_and_the_server_keeps_serving(tiny):
+    cases = [
+        (dict(body=b"{not json"), 400, None),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}], "temperature": 5}), 400,
+         "temperature"),
+        (dict(body={"model": "llama"}), 400, "messages"),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400,
+         "max_tokens"),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x" * 600}]}), 400, "messages"),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 600}), 400,
+         "max_tokens"),
+        (dict(body={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]}, hdrs={}), 401, None),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]},
+              hdrs={"Authorization": "Bearer wrong"}), 401, None),
+        (dict(body=b"{" + b" " * (2 << 20) + b"}"), 413, None),
+        (dict(body={"model": "llama", "prompt": ["a", "b"]}, path="/v1/completions"), 400, "prompt"),
+    ]
+    for kw, status, param in cases:
+        r = raw(tiny, kw.pop("path", "/v1/chat/completions"), kw["body"], hdrs=kw.get("hdrs"))
+        assert r.status_code == status, (kw, r.text)
+        body = r.json()
+        validate("ErrorResponse", body)
+        if param:
+            assert body["error"]["param"] == param, body
+    r = raw(tiny, "/v1/nowhere", {})
+    assert r.status_code == 404 and "error" in r.json()
+    ok = client(tiny).chat.completions.create(model="llama", messages=[{"role": "user", "content": "still there?"}],
+                                              max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(tiny):
+    results = []
+
+    def long_request():
+        r = raw(tiny, "/v1/completions", {"model": "llama", "prompt": "go", "max_tokens": 400, "temperature": 0})
+        results.append((r.status_code, r.headers.get("retry-after")))
+
+    threads = [threading.Thread(target=long_request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = [c for c, _ in results]
+    assert codes.count(200) >= 1 and 429 in codes, codes
+    assert all(ra == "1" for c, ra in results if c == 429)
+
+
+def test_responses_conform_to_the_openai_schemas(tiny):
+    validate("ListModelsResponse", raw(tiny, "/v1/models", method="GET").json())
+    chat = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "dualpath": {"usage": True}}
+    validate("CreateChatCompletionResponse", raw(tiny, "/v1/chat/completions", chat).json())
+    comp = {"model": "llama", "prompt": "hi", "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    validate("CreateCompletionResponse", raw(tiny, "/v1/completions", comp).json())
+    for path, body, check in (("/v1/chat/completions", chat,
+                                lambda b: validate("CreateChatCompletionStreamResponse", b)),
+                               ("/v1/completions", comp, validate_completion_chunk)):
+        lines = raw(tiny, path, {**body, "stream": True, "stream_options": {"include_usage": True}}).text.splitlines()
+        data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert data[-1] == "[DONE]" and len(data) > 2
+        for d in data[:-1]:
+            check(json.loads(d))
+
+
+def metric(server, name, path="/metrics") -> float:
+    for line in raw(server, path, method="GET").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{}"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(tiny):
+    before = metric(tiny, "dualpath_requests_cancelled_total")
+    body = {"model": "llama", "prompt": "go on", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", tiny.url + "/v1/completions", headers=headers(), json=body) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if metric(tiny, "dualpath_requests_cancelled_total") > before and \
+                metric(tiny, "dualpath_requests_in_flight") == 0:
+            break
+        time.sleep(0.2)
+    assert metric(tiny, "dualpath_requests_cancelled_total") > before
+    assert metric(tiny, "dualpath_requests_in_flight") == 0
+    health = raw(tiny, "/health", method="GET")
+    assert health.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def default_model(smollm2_dir, tmp_path_factory):
+    server = ServeProcess("--kv-store", str(tmp_path_factory.mktemp("kv")))
+    yield server
+    assert server.stop() == 0, server.log_tail()
+
+
+def test_default_model_answers_and_caches_across_turns(default_model):
+    c = openai.OpenAI(base_url=f"{default_model.url}/v1", api_key="none", max_retries=0, timeout=300)
+    model = c.models.list().data[0].id
+    system = ("You are a concise geography assistant. Answer in one short sentence. "
+              "Never add commentary, lists or follow-up questions. ") * 4
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "What is the capital of France?"}]
+    r1 = c.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+    assert "Paris" in r1.choices[0].message.content
+    full_blocks = r1.usage.prompt_tokens // 64 * 64
+    assert full_blocks >= 64
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "And the capital of Germany?"}]
+    r2 = c.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= full_blocks
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=model, messages=messages, max_tokens=32, temperature=0, stream=True) if ch.choices)
+    assert streamed == r2.choices[0].message.content
