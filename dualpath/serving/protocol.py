@@ -96,18 +96,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: Optional[str] = None
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _no_echo(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
     @field_validator("prompt")
