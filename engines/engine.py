@@ -25,7 +25,7 @@ from dualpath.errors import DualPathError
 from dualpath.geometry import KVGeometry, model_fingerprint
 from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
     pack_keys
-from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve
+from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from engines.models import load_model, open_checkpoint
 from traffic.buffer import BufferPool
 from traffic.manager import TrafficManager
@@ -98,9 +98,10 @@ class Engine:
         self._busy_reported = 0.0
         self.busy_s = 0.0  # prefill attention seconds (prefill engines)
         self.kv_load_failures = 0  # stored blocks that failed to load and were recomputed
+        self.server = ThreadedServer("Engine")
         self.setup()
         self.alpha = self.alpha_tokens()
-        self.server, self.port = serve("Engine", ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}")
+        self.port = self.server.start(ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}")
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, cfg.scheduler)
 
     # --- role hooks -----------------------------------------------------------------------------------------

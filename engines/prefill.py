@@ -60,6 +60,11 @@ class Job:
     def work_id(self) -> str:
         return self.a.request_id
 
+    @property
+    def loaded(self) -> bool:
+        """Its PE-side hit is in this engine's buffer (a batch with it will not wait on storage)."""
+        return self.head_sent or all(f.done() for f in self.layer_loads)
+
 
 class AfterLoad:
     """Wait for a storage read, then run a local copy (in the waiting thread): a layer of hit KV that must land
@@ -259,7 +264,7 @@ class PrefillEngine(Engine):
                 if not self.ready:
                     continue
                 queue = [Pending(w, self.jobs[w].computed, self.jobs[w].n_prompt - self.jobs[w].computed)
-                         for w in self.ready]
+                         for w in self._batchable()]
                 basic = not self.jobs[self.ready[0]].a.layerwise
                 ws = self._basic_workspace() if basic else self.workspace
                 batch = form_batch(queue, self.cost, self.cfg.compute_quota_s, self.geometry.block_size,
@@ -268,6 +273,12 @@ class PrefillEngine(Engine):
                     self.ready.remove(w)
                 jobs = [(self.jobs[w], n) for w, n in batch]
             self._run(jobs, ws, basic)
+
+    def _batchable(self) -> list[str]:
+        """Ready work whose hit is loaded, so storage never stalls the compute of loaded work; when none is
+        loaded, the head alone, so an idle engine starts it layer by layer as its hit arrives."""
+        loaded = [w for w in self.ready if self.jobs[w].loaded]
+        return loaded or [self.ready[0]]
 
     def _basic_workspace(self) -> Workspace:
         if self.basic_workspace is None:

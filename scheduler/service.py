@@ -15,7 +15,7 @@ import logging
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
 from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
-    SessionIn, SessionOut, Stats, SubmitEvent, SubmitRequest
+    SessionOut, Stats, SubmitEvent, SubmitRequest
 from dualpath.rpc import SCHEDULER_METHODS, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy

@@ -22,7 +22,7 @@ from dualpath.geometry import BlockHash, BlockLayout, KVGeometry
 from traffic.buffer import BufferPool
 from traffic.planner import plan_segments
 from traffic.storage.base import Results, StorageBackend
-from traffic.transport.base import Op, Priority, TransferHandle, Transport
+from traffic.transport.base import Op, Priority, Transport
 
 
 class Waitable(Protocol):
@@ -123,7 +123,7 @@ class TrafficManager:
                         stream: "torch.cuda.Stream | None" = None) -> None:
         """Copy ``layer`` of buffer ``slots`` into ``out`` (``[len(slots) × block_size, kv_elems]`` on any device);
         on CUDA the copy is issued on ``stream`` from pinned memory and does not block the host."""
-        g, lb = self.geometry, self.geometry.layer_block_bytes
+        lb = self.geometry.layer_block_bytes
         flat = out.view(torch.uint8).reshape(len(slots), lb)
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with ctx:

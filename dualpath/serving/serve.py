@@ -51,15 +51,14 @@ def run_frontend(frontend, host: str, port: int, on_ready=lambda port: None, sto
     asyncio.run(main())
 
 
-def serve(args) -> int:
+def cluster_from_args(args):
+    """The single-host cluster the command-line options describe (``serve``, ``rollout``), started."""
     from dualpath.cli import _model_dir
     from dualpath.launcher import ClusterSpec, LocalCluster
-    from dualpath.serving.openai_api import Frontend, FrontendConfig
     from engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
-    ckpt = open_checkpoint(model_dir)
-    max_len = args.max_model_len or ckpt.config.max_position_embeddings
+    max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
     engines = args.prefill + args.decode
     threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // engines) if args.device == "cpu" else 0)
     spec = ClusterSpec(
@@ -75,6 +74,13 @@ def serve(args) -> int:
     cluster = LocalCluster(spec, run_dir=args.run_dir)
     print(f"run directory: {cluster.run_dir}", flush=True)
     cluster.start(timeout=args.start_timeout)
+    return cluster, model_dir, max_len
+
+
+def serve(args) -> int:
+    from dualpath.serving.openai_api import Frontend, FrontendConfig
+
+    cluster, model_dir, max_len = cluster_from_args(args)
     try:
         api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
         frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir,

@@ -1,0 +1,58 @@
+"""``dualpath rollout`` and ``dualpath trace``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def rollout_main(args) -> int:
+    from dualpath.client import ClusterClient
+    from dualpath.rollout.runner import Rollout, RolloutConfig
+    from dualpath.rollout.trajectory import read_trajectories
+    from dualpath.tokenizer import Tokenizer
+
+    trajectories = list(read_trajectories(args.trajectories, skip_invalid=args.skip_invalid))
+    if not trajectories:
+        print("no trajectories to run")
+        return 1
+    cluster = None
+    try:
+        if args.scheduler:
+            scheduler, model_dir, max_len = args.scheduler, args.model, args.max_model_len
+        else:
+            from dualpath.serving.serve import cluster_from_args
+
+            cluster, model_dir, max_len = cluster_from_args(args)
+            scheduler = cluster.scheduler_address
+        tokenizer = Tokenizer(model_dir) if model_dir else None
+        cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
+                            agents=args.agents, max_concurrency=args.max_concurrency, max_model_len=max_len or 0)
+        client = ClusterClient(scheduler)
+        summary = Rollout(client, cfg, tokenizer).run(trajectories, args.out, progress=not args.no_progress)
+        client.close()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    path = Path(args.summary or f"{args.out}.summary.json")
+    path.write_text(json.dumps(summary, indent=1))
+    keys = ("agents", "rounds", "job_completion_time_s", "generated_tokens_per_s", "hit_rate", "ttft_p50_s",
+            "tpot_p50_s", "storage_read_max_over_avg")
+    print("  ".join(f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
+    print(f"results: {args.out}; summary: {path}")
+    return 1 if summary.get("agents_failed") else 0
+
+
+def trace_main(args) -> int:
+    from dualpath.rollout.tracegen import PRESETS, generate_trace, measure
+    from dualpath.rollout.trajectory import write_trajectories
+
+    lo, hi = (int(x) for x in args.vocab.split(","))
+    trajectories, target = generate_trace(args.preset, args.agents, args.scale, args.turns_scale, (lo, hi), args.seed)
+    write_trajectories(args.out, trajectories)
+    got = measure(trajectories)
+    print(f"{len(trajectories)} trajectories -> {args.out}")
+    print(f"{'':10}{'turns':>10}{'append':>10}{'gen':>10}{'context':>12}{'total':>12}")
+    for name, st in (("target", target), ("generated", got), ("paper", PRESETS[args.preset])):
+        print(f"{name:10}{st.turns:10.1f}{st.append:10.1f}{st.gen:10.1f}{st.context:12.0f}{st.total:12.0f}")
+    print("(total is reported, not matched: see dualpath/rollout/tracegen.py)")
+    return 0

@@ -1,0 +1,129 @@
+"""Offline rollouts: the trajectory format, forced lengths, resuming after a kill, and the trace generator."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dualpath.client import ClusterClient
+from dualpath.launcher import ClusterSpec, LocalCluster
+from dualpath.rollout.runner import Rollout, RolloutConfig, make_agents
+from dualpath.rollout.tracegen import PRESETS, generate_trace, measure
+from dualpath.rollout.trajectory import TrajectoryError, read_trajectories, write_trajectories
+
+GOOD = [
+    {"id": "a", "rounds": [{"append": [5, 6, 7], "generate": 4}, {"append": "more text", "max_tokens": 3}]},
+    {"id": 7, "rounds": [{"append": [1], "generate": 1}]},
+]
+BAD = [
+    ("{not json", "not valid JSON"),
+    ('["a"]', "not a JSON object"),
+    ('{"id": "", "rounds": [{"append": [1], "generate": 1}]}', "id must be"),
+    ('{"id": "x", "rounds": []}', "rounds must be a non-empty list"),
+    ('{"id": "x", "rounds": [{"append": [1, -2], "generate": 1}]}', "non-negative token ids"),
+    ('{"id": "x", "rounds": [{"append": [1], "generate": 1, "max_tokens": 2}]}', "exactly one of"),
+    ('{"id": "x", "rounds": [{"append": [1], "generate": 0}]}', "positive integer"),
+    ('{"id": "x", "rounds": [{"append": 5, "generate": 1}]}', "list of token ids or a string"),
+    ('{"id": "x", "rounds": [{"append": [1], "generate": 1, "color": 1}]}', "unknown fields"),
+    ('{"id": "a", "rounds": [{"append": [1], "generate": 1}]}', "duplicate id"),
+]
+
+
+def test_parser_reads_good_lines_and_names_the_bad_ones(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in GOOD) + "\n\n")
+    ts = list(read_trajectories(path))
+    assert [t.id for t in ts] == ["a", "7"] and ts[0].rounds[0].forced and not ts[0].rounds[1].forced
+    assert ts[0].rounds[1].append == "more text"
+    for text, message in BAD:
+        path.write_text(json.dumps(GOOD[0]) + "\n" + text + "\n" + json.dumps(GOOD[1]) + "\n")
+        with pytest.raises(TrajectoryError, match=f"line 2: .*{message}"):
+            list(read_trajectories(path))
+        kept = list(read_trajectories(path, skip_invalid=True))
+        assert [t.id for t in kept] == ["a", "7"]  # nothing valid is lost
+
+
+def test_replicated_agents_start_with_distinct_random_rounds(tmp_path):
+    ts, _ = generate_trace("32k", 3, scale=0.01, turns_scale=0.1, vocab=(3, 250))
+    agents = make_agents(ts, RolloutConfig(agents=7, first_round_tokens=16, vocab=(3, 250)))
+    assert len(agents) == 7 and len({a.rounds[0].append for a in agents}) == 7
+    assert all(a.rounds[0].generate == 1 and a.rounds[1:] == ts[i % 3].rounds for i, a in enumerate(agents))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_generated_traces_match_their_targets_within_ten_percent(preset):
+    ts, target = generate_trace(preset, 300, scale=0.05, turns_scale=0.25, seed=3)
+    got = measure(ts)
+    for field in ("turns", "append", "gen", "context"):
+        assert abs(getattr(got, field) / getattr(target, field) - 1) < 0.10, (field, got, target)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dirs, tmp_path_factory):
+    spec = ClusterSpec(model=str(tiny_dirs["llama"]), block_size=16, kv_store=str(tmp_path_factory.mktemp("kv")),
+                       buffer_bytes=8 << 20, cache_bytes=32 << 20, workspace_tokens=2048,
+                       cost_model="0.001,0.0001,0")
+    with LocalCluster(spec, run_dir=str(tmp_path_factory.mktemp("run"))) as c:
+        yield c
+
+
+def test_forced_generation_lengths_are_exact(cluster, tmp_path):
+    ts, _ = generate_trace("64k", 6, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=1)
+    client = ClusterClient(cluster.scheduler_address)
+    summary = Rollout(client, RolloutConfig()).run(ts, tmp_path / "out.jsonl", progress=False)
+    client.close()
+    recs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    want = {(t.id, i): r.generate for t in ts for i, r in enumerate(t.rounds)}
+    assert len(recs) == len(want) == summary["rounds"]
+    for rec in recs:
+        assert rec["completion_tokens"] == len(rec["output"]) == want[(rec["agent"], rec["round"])]
+        assert rec["finish_reason"] == "length"
+    later = [r for r in recs if r["round"] > 0]
+    assert sum(r["cached_tokens"] for r in later) > 0 and summary["hit_rate"] > 0
+
+
+def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
+    ts, _ = generate_trace("64k", 8, scale=0.02, turns_scale=0.1, vocab=(3, 250), seed=2)
+    traj = tmp_path / "t.jsonl"
+    write_trajectories(traj, ts)
+    cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "rollout", str(traj),
+           "--scheduler", cluster.scheduler_address, "--no-progress"]
+    subprocess.run(cmd + ["--out", str(tmp_path / "clean.jsonl")], check=True, timeout=300)
+    out = tmp_path / "resumed.jsonl"
+    proc = subprocess.Popen(cmd + ["--out", str(out)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 30):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    partial = len(out.read_text().splitlines())
+    assert 0 < partial < sum(len(t.rounds) for t in ts)  # it really was interrupted
+    subprocess.run(cmd + ["--out", str(out)], check=True, timeout=300)
+
+    def per_agent(path):
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        return {(r["agent"], r["round"]): r["output"] for r in recs}
+
+    assert per_agent(out) == per_agent(tmp_path / "clean.jsonl")
+
+
+def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):
+    """The harness, small: every system replays the same rounds with the same outputs (greedy, forced lengths),
+    only the capped systems are capped, and the JSON and figures are written."""
+    from dualpath.rollout.agentic import AgenticConfig, run
+
+    cfg = AgenticConfig(model=str(tiny_dirs["llama"]), agents=3, scale=0.03, turns_scale=0.05, block_size=16,
+                        systems=("basic", "dualpath", "oracle"))
+    result = run(cfg, tmp_path)
+    rows = {r["system"]: r for r in result["systems"]}
+    assert set(rows) == {"basic", "dualpath", "oracle"} and result["cap_bps"] > 0
+    assert rows["oracle"]["storage_read_bps_cap"] == 0 and rows["basic"]["storage_read_bps_cap"] == result["cap_bps"]
+    assert rows["basic"]["paths"].keys() == {"pe"} and rows["basic"]["hit_rate"] > 0
+    outputs = {s: sorted((json.loads(l)["agent"], json.loads(l)["round"], tuple(json.loads(l)["output"]))
+                         for l in open(tmp_path / f"rounds-{s}.jsonl")) for s in rows}
+    assert outputs["basic"] == outputs["dualpath"] == outputs["oracle"]
+    saved = json.loads((tmp_path / "agentic.json").read_text())
+    assert [r["system"] for r in saved["systems"]] == ["basic", "dualpath", "oracle"]
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("agentic_jct.png", "agentic_storage.png"))

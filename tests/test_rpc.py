@@ -1,0 +1,85 @@
+"""The engine RPC server: open token streams never starve control calls; the stream hub delivers in order."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from dualpath.messages import Ack, RequestRef, TokenEvent
+from dualpath.rpc import ENGINE_METHODS, Client, ThreadedServer
+from engines.streams import StreamHub
+
+
+class _Handler:
+    """A test double for an engine: ``Health`` answers, ``Stream`` waits on the hub."""
+
+    def __init__(self, hub_loop):
+        self.hub = StreamHub(hub_loop, ttl_s=0.2)
+
+    def Health(self, ref: RequestRef, ctx) -> Ack:
+        return Ack(True, ref.request_id)
+
+    async def Stream(self, ref: RequestRef, ctx):
+        async for ev in self.hub.events(ref.request_id):
+            yield ev
+
+
+@pytest.fixture()
+def served():
+    server = ThreadedServer("Engine", max_workers=4)
+    handler = _Handler(server.loop)
+    server.start(ENGINE_METHODS, handler, "127.0.0.1:0")
+    client = Client("Engine", ENGINE_METHODS, f"127.0.0.1:{server.port}")
+    yield server, handler, client
+    client.close()
+    server.stop(grace=0)
+
+
+def test_open_streams_do_not_starve_unary_calls(served):
+    server, handler, client = served
+    streams = [client.stream("Stream", RequestRef(f"w{i}"), timeout=30) for i in range(64)]  # 16x the pool
+    got: dict[int, list[int]] = {}
+
+    def drain(i):
+        got[i] = [ev.token_id for ev in streams[i] if not ev.finish_reason]
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    assert client.call("Health", RequestRef("ping"), timeout=5).error == "ping"
+    for i in range(64):
+        for tok in (1, 2, 3):
+            handler.hub.put(f"w{i}", TokenEvent(f"w{i}", tok))
+        handler.hub.put(f"w{i}", TokenEvent(f"w{i}", finish_reason="length"))
+    for t in threads:
+        t.join(10)
+    assert got == {i: [1, 2, 3] for i in range(64)}
+
+
+def test_events_before_the_submitter_arrives_wait_then_expire(served):
+    server, handler, client = served
+    handler.hub.put("early", TokenEvent("early", 7))
+    handler.hub.put("early", TokenEvent("early", finish_reason="stop"))
+    assert [ev.token_id for ev in client.stream("Stream", RequestRef("early"), timeout=5)][:1] == [7]
+    handler.hub.put("late", TokenEvent("late", finish_reason="stop"))
+    deadline = asyncio.run_coroutine_threadsafe(asyncio.sleep(1.0), server.loop)  # past the TTL and a sweep
+    deadline.result(10)
+    assert asyncio.run_coroutine_threadsafe(_count(handler.hub), server.loop).result(5) == 0
+
+
+async def _count(hub: StreamHub) -> int:
+    return hub.open_streams()
+
+
+def test_a_sync_streaming_handler_is_refused():
+    class Bad:
+        def Stream(self, ref, ctx):
+            yield TokenEvent(ref.request_id)
+
+    server = ThreadedServer("Engine", max_workers=1)
+    try:
+        with pytest.raises(TypeError, match="async generator"):
+            server.start(ENGINE_METHODS, Bad(), "127.0.0.1:0")
+    finally:
+        server.stop(grace=0)
