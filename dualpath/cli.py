@@ -68,6 +68,62 @@ def engine_config(args: argparse.Namespace):
         beta_tokens=args.beta_tokens)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the scheduler's view; with ``--wait-prefill/--wait-decode``, first wait for that many live engines
+    (deployment scripts use it to know the cluster is up)."""
+    import json
+    import time
+
+    from dualpath.errors import DualPathError
+    from dualpath.messages import RequestRef
+    from dualpath.rpc import SCHEDULER_METHODS, Client
+
+    client, deadline, data = Client("Scheduler", SCHEDULER_METHODS, args.scheduler), time.monotonic() + args.timeout, {}
+    while True:
+        try:
+            data = client.call("Stats", RequestRef(""), timeout=5).data
+            alive = data.get("engines_alive_by_role", {})
+            if alive.get("prefill", 0) >= args.wait_prefill and alive.get("decode", 0) >= args.wait_decode:
+                break
+        except DualPathError as e:
+            data = {"error": str(e)}
+        if time.monotonic() > deadline:
+            print(json.dumps(data) if args.json else f"timed out: {data.get('error') or data.get('engines_alive_by_role')}")
+            return 1
+        time.sleep(1.0)
+    keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes")
+    print(json.dumps(data) if args.json else "\n".join(f"{k}: {data.get(k)}" for k in keys))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """One node's engines of one role against a running scheduler; SIGTERM stops them all."""
+    import contextlib
+    import os
+    import signal
+    import sys
+
+    from dualpath.launcher import NodeEngines, NodeSpec
+
+    extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    node = NodeEngines(NodeSpec(args.role, args.scheduler, args.engines, args.device, args.node_id, args.host,
+                                args.base_port, args.torch_threads, tuple(extra), args.log_level), args.run_dir)
+    signal.signal(signal.SIGTERM, lambda *_: node.stop())
+    node.start(args.start_timeout)
+    print(f"{args.engines} {args.role} engines ready on {args.node_id or 'this host'} (logs: {node.run_dir})",
+          file=sys.stderr, flush=True)
+    if args.ready_file:  # a readiness probe's file; gone again once the node stops
+        from engines.main import write_ready
+
+        write_ready(args.ready_file, "ready\n")
+    try:
+        return node.wait()
+    finally:
+        if args.ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.ready_file)
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from engines.main import run_engine
 
@@ -171,6 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--http-port", type=int, default=-1, help="serve /health and /metrics here (0: any port)")
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
     sc.set_defaults(func=cmd_scheduler)
+
+    nd = sub.add_parser("node", help="this node's engines of one role (one per device), for multi-node clusters")
+    nd.add_argument("--role", required=True, choices=["prefill", "decode"])
+    nd.add_argument("--scheduler", required=True, help="scheduler host:port")
+    nd.add_argument("--engines", type=int, default=1, help="engines on this node (one per device)")
+    nd.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
+    nd.add_argument("--node-id", default="", help="this node's name (default: the host name)")
+    nd.add_argument("--host", default="127.0.0.1", help="address peers reach these engines at")
+    nd.add_argument("--base-port", type=int, default=0, help="engine i listens on BASE_PORT + i (0: any)")
+    nd.add_argument("--torch-threads", type=int, default=0)
+    nd.add_argument("--run-dir", default=None, help="engine logs (default: a temporary directory)")
+    nd.add_argument("--start-timeout", type=float, default=600.0)
+    nd.add_argument("--ready-file", default=None, help="written once every engine is ready (readiness probes)")
+    nd.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then options for every `dualpath engine`")
+    nd.set_defaults(func=cmd_node)
+
+    st = sub.add_parser("status", help="a running cluster as its scheduler sees it")
+    st.add_argument("--scheduler", required=True, help="scheduler host:port")
+    st.add_argument("--wait-prefill", type=int, default=0, help="first wait for this many live prefill engines")
+    st.add_argument("--wait-decode", type=int, default=0, help="first wait for this many live decode engines")
+    st.add_argument("--timeout", type=float, default=0.0, help="seconds to wait (0: ask once)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
 
     e = sub.add_parser("engine", help="run one prefill or decode engine (one per device)")
     e.add_argument("--role", required=True, choices=["prefill", "decode"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,24 +65,22 @@ class Child:
             return ""
 
 
-class LocalCluster:
-    def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
-        self.spec = spec
+class Supervisor:
+    """Child processes of this host: spawned with their own log and ready file, watched, stopped together."""
+
+    def __init__(self, run_dir: str | None, torch_threads: int, log_level: str):
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.torch_threads, self.log_level = torch_threads, log_level
         self.children: list[Child] = []
-        self.scheduler_address = ""
-        self.scheduler_http = ""
-        self.engine_addresses: dict[str, str] = {}
         self._stopping = False
 
-    # --- processes ------------------------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str]) -> Child:
         log_path, ready = self.run_dir / f"{name}.log", self.run_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.spec.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", self.spec.log_level, *args,
+               "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *args,
                "--ready-file", str(ready)]
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
@@ -98,6 +97,50 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise DualPathError(f"{c.name} not ready after {timeout:.0f} s:\n{c.tail()}")
                 time.sleep(0.05)
+
+    def _watch(self) -> None:
+        reported = set()
+        while not self._stopping:
+            for c in self.children:
+                if c.proc.poll() is not None and c.name not in reported:
+                    reported.add(c.name)
+                    log.error("%s exited with %s; last lines:\n%s", c.name, c.proc.returncode, c.tail(15))
+            time.sleep(0.5)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        c = self.child(name)
+        c.proc.send_signal(sig)
+        c.proc.wait(30)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM every child, wait, SIGKILL what remains; engines first, the scheduler last."""
+        self._stopping = True
+        order = [c for c in self.children if c.name != "scheduler"] + \
+                [c for c in self.children if c.name == "scheduler"]
+        for c in order:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in order:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(5)
+
+
+class LocalCluster(Supervisor):
+    """A scheduler and xPyD engines on this host."""
+
+    def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
+        super().__init__(run_dir, spec.torch_threads, spec.log_level)
+        self.spec = spec
+        self.scheduler_address = ""
+        self.scheduler_http = ""
+        self.engine_addresses: dict[str, str] = {}
 
     def _engine_args(self, role: str, index: int, device_index: int) -> list[str]:
         s = self.spec
@@ -143,39 +186,6 @@ class LocalCluster:
             raise
         return self
 
-    def _watch(self) -> None:
-        reported = set()
-        while not self._stopping:
-            for c in self.children:
-                if c.proc.poll() is not None and c.name not in reported:
-                    reported.add(c.name)
-                    log.error("%s exited with %s; last lines:\n%s", c.name, c.proc.returncode, c.tail(15))
-            time.sleep(0.5)
-
-    def child(self, name: str) -> Child:
-        return next(c for c in self.children if c.name == name)
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        c = self.child(name)
-        c.proc.send_signal(sig)
-        c.proc.wait(30)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM every child, wait, SIGKILL what remains; engines first, the scheduler last."""
-        self._stopping = True
-        order = [c for c in self.children if c.name != "scheduler"] + \
-                [c for c in self.children if c.name == "scheduler"]
-        for c in order:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for c in order:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(5)
-
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
@@ -183,4 +193,61 @@ class LocalCluster:
         self.stop()
 
 
-__all__ = ["ClusterSpec", "LocalCluster"]
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """This host's engines of one role, for a cluster whose scheduler runs elsewhere (a Kubernetes pod per node,
+    a hand-started cluster). The node's engines form one engine group and share the node's storage NIC."""
+
+    role: str
+    scheduler: str
+    engines: int = 1
+    device: str = "cpu"  # "cuda" gives engine i the device cuda:i
+    node_id: str = ""  # default: the host name
+    host: str = "127.0.0.1"  # the address peers reach these engines at
+    base_port: int = 0  # engine i listens on base_port + i (0: any free port)
+    torch_threads: int = 0  # per engine (0: the cores shared out)
+    engine_args: tuple[str, ...] = ()  # for every ``dualpath engine``: --model, --transport, --kv-store, ...
+    log_level: str = "INFO"
+
+
+class NodeEngines(Supervisor):
+    """Start a node's engines, wait for them, and end them all when one ends (the pod or job step restarts)."""
+
+    def __init__(self, spec: NodeSpec, run_dir: str | None = None):
+        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // max(1, spec.engines))
+        super().__init__(run_dir, threads, spec.log_level)
+        self.spec = spec
+
+    def engine_args(self, index: int) -> list[str]:
+        s = self.spec
+        node = s.node_id or socket.gethostname()
+        device = f"cuda:{index}" if s.device == "cuda" else s.device
+        return ["engine", "--role", s.role, "--scheduler", s.scheduler, "--engine-id", f"{s.role}-{node}-{index}",
+                "--node-id", node, "--group-id", f"{s.role}-{node}", "--device", device, "--host", s.host,
+                "--port", str(s.base_port + index if s.base_port else 0), "--torch-threads", str(self.torch_threads),
+                *s.engine_args]
+
+    def start(self, timeout: float = 600.0) -> "NodeEngines":
+        try:
+            children = [self._spawn(f"{self.spec.role}-{i}", self.engine_args(i)) for i in range(self.spec.engines)]
+            self._wait_ready(children, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait(self) -> int:
+        """Block until an engine exits (then stop the others) or ``stop`` is called; the exit code to report."""
+        while not self._stopping:
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    log.error("%s exited with %s; stopping this node's engines:\n%s", c.name, c.proc.returncode,
+                              c.tail(15))
+                    self.stop()
+                    return c.proc.returncode or 1
+            time.sleep(0.5)
+        return 0
+
+
+__all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec"]

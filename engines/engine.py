@@ -345,6 +345,7 @@ class Engine:
         self.server.stop(grace=1)
         self.transport.close()
         self.storage.close()
+        log.info("%s engine %s stopped", self.role.value, self.engine_id)
 
 
 def new_work_id() -> str:

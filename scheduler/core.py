@@ -510,6 +510,7 @@ class SchedulerCore:
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
+                "engines_alive_by_role": {r.value: len(ids) for r, ids in self.alive_ids.items()},
                 "node_read_q_tokens": {n: self.node_state(n).read_q for n in self.by_node},
                 "storage_read_bytes": dict(self.storage_read_bytes),
                 "prefill_busy_s": dict(self.prefill_busy_s),

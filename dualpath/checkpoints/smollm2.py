@@ -145,6 +145,8 @@ def default_model_dir(models_dir: Path | None = None, progress: bool = True) -> 
     try:
         convert(src, tmp, progress)
         (tmp / _DONE).write_text(str(src))
+        if (target / _DONE).exists():  # another process converted it meanwhile: use theirs, never pull it away
+            return target
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

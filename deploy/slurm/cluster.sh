@@ -1,0 +1,165 @@
+# DualPath on a Slurm allocation: sourced by dualpath.sbatch and rollout.sbatch from inside the batch shell.
+#
+# Layout (roles assigned by node): the first DUALPATH_PREFILL_NODES nodes of the allocation run prefill engines,
+# the rest decode engines, one engine per GPU (one `srun` task per GPU, Slurm sets its CUDA_VISIBLE_DEVICES).
+# The scheduler and the OpenAI frontend run in the batch shell on the first node; engines find the scheduler
+# through DUALPATH_SCHEDULER, exported into their job steps. Every setting below may be overridden from the
+# environment at sbatch time (sbatch exports the submitting shell's environment).
+#
+# Shutdown: on SIGTERM (scancel --batch --signal=TERM, or --signal=B:TERM@120 before the time limit) the frontend
+# stops first (no new requests), then the engines (each drains and deregisters), then the scheduler; the batch
+# shell exits 0. A part that dies on its own takes the job down with a non-zero exit.
+
+: "${DUALPATH_PREFILL_NODES:=1}"                   # nodes running prefill engines; the others run decode
+: "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # engines per node (one per GPU)
+: "${DUALPATH_DEVICE:=cuda}"                      # cpu: engines on CPU (trials, CI)
+: "${DUALPATH_GPUS_PER_TASK:=1}"                  # GPUs (gres) each engine task gets; 0 on nodes without GPUs
+: "${DUALPATH_DTYPE:=bfloat16}"
+: "${DUALPATH_SHARED_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/dualpath-shared}"  # a mount every node sees (3FS, Lustre, NFS)
+: "${DUALPATH_KV_STORE:=$DUALPATH_SHARED_DIR/kv}" # the KV store: must be the same files on every node
+: "${DUALPATH_MODEL:=}"                           # checkpoint directory on the shared mount (default: SmolLM2)
+: "${DUALPATH_TRANSPORT:=ucx}"                    # ucx, nixl or verbs across nodes
+: "${DUALPATH_KV_SL:=2}"                          # InfiniBand service level of KV traffic (deploy/qos)
+: "${DUALPATH_KV_TC:=0}"                          # RoCE traffic class of KV traffic (DSCP << 2)
+: "${DUALPATH_NCCL_SL:=0}"                        # NCCL's own service level: never the KV lane
+: "${DUALPATH_PORT:=8000}"                        # the OpenAI endpoint, on the first node
+: "${DUALPATH_SCHEDULER_PORT:=50051}"
+: "${DUALPATH_SCHEDULER_HTTP_PORT:=9400}"         # the scheduler's /metrics
+: "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
+: "${DUALPATH_START_TIMEOUT:=900}"
+: "${DUALPATH_RUN_DIR:=$DUALPATH_SHARED_DIR/run-${SLURM_JOB_ID:-local}}"  # logs, and the endpoint file
+: "${DUALPATH:=dualpath}"                         # the command (a venv's bin/dualpath, or a container wrapper)
+
+export NCCL_IB_SL="$DUALPATH_NCCL_SL" UCX_IB_SL="$DUALPATH_KV_SL" UCX_IB_TRAFFIC_CLASS="$DUALPATH_KV_TC"
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+unset DUALPATH_PARENT_PID
+
+DP_PIDS=()       # scheduler, frontend, engine steps: the job lives while all of them do
+DP_STEPS=()      # the engine srun steps (stopped before the scheduler)
+DP_STOPPING=0
+
+dp_log() { echo "[dualpath $(date +%H:%M:%S)] $*" >&2; }
+
+# The address other nodes reach NODE at: Slurm's NodeAddr (the host name when none is configured).
+dp_node_addr() {
+  local addr
+  addr=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  echo "${addr:-$1}"
+}
+
+dp_model_args() {
+  if [ -z "$DUALPATH_MODEL" ]; then  # convert the default model once, onto the shared mount every node reads
+    DUALPATH_MODEL=$("$DUALPATH" convert-default-model --dir "$DUALPATH_SHARED_DIR/models" | tail -n 1)
+  fi
+  echo "--model $DUALPATH_MODEL"
+}
+
+# One srun step per role: NODES (comma list), one task per GPU; each task is one engine named role-node-index.
+dp_start_engines() {
+  local role=$1 nodes=$2 count=$3
+  dp_log "starting $role engines on $nodes ($DUALPATH_GPUS_PER_NODE per node)"
+  srun --nodes="$count" --nodelist="$nodes" --ntasks-per-node="$DUALPATH_GPUS_PER_NODE" \
+    $([ "$DUALPATH_GPUS_PER_TASK" -gt 0 ] && echo "--gpus-per-task=$DUALPATH_GPUS_PER_TASK") \
+    --cpus-per-task=1 --kill-on-bad-exit=1 --job-name="dualpath-$role" \
+    bash -c 'exec >"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
+      echo "engine task $SLURM_LOCALID on $SLURMD_NODENAME: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
+      exec "$DUALPATH" --log-level INFO engine --role "$0" --scheduler "$DUALPATH_SCHEDULER" \
+      --engine-id "$0-$SLURMD_NODENAME-$SLURM_LOCALID" --node-id "$SLURMD_NODENAME" --group-id "$0-$SLURMD_NODENAME" \
+      --host "$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)" \
+      --device "$DUALPATH_ENGINE_DEVICE" --dtype "$DUALPATH_DTYPE" --transport "$DUALPATH_TRANSPORT" \
+      --kv-store "$DUALPATH_KV_STORE" --kv-service-level "$DUALPATH_KV_SL" --kv-traffic-class "$DUALPATH_KV_TC" \
+      --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" &
+  DP_PIDS+=($!)
+  DP_STEPS+=($!)
+}
+
+# Start scheduler, engines and frontend; return once every engine has registered and the frontend is up.
+dualpath_cluster_up() {
+  mkdir -p "$DUALPATH_RUN_DIR" "$DUALPATH_KV_STORE"
+  rm -f "$DUALPATH_RUN_DIR/endpoint"
+  trap dualpath_cluster_down TERM INT
+  mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  local np=$DUALPATH_PREFILL_NODES nd=$((${#nodes[@]} - DUALPATH_PREFILL_NODES))
+  if [ "$np" -lt 1 ] || [ "$nd" -lt 1 ]; then
+    dp_log "need at least one prefill and one decode node: ${#nodes[@]} nodes, DUALPATH_PREFILL_NODES=$np"
+    return 2
+  fi
+  local head; head=$(dp_node_addr "${nodes[0]}")
+  export DUALPATH_SCHEDULER="$head:$DUALPATH_SCHEDULER_PORT" DUALPATH_MODEL_ARGS
+  export DUALPATH_ENGINE_DEVICE=$([ "$DUALPATH_DEVICE" = cuda ] && echo cuda:0 || echo "$DUALPATH_DEVICE")
+  export DUALPATH DUALPATH_DTYPE DUALPATH_TRANSPORT DUALPATH_KV_STORE DUALPATH_KV_SL DUALPATH_KV_TC DUALPATH_ENGINE_ARGS DUALPATH_RUN_DIR
+  DUALPATH_MODEL_ARGS=$(dp_model_args) || return 1
+  dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
+
+  "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
+    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" >"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
+  DP_SCHEDULER=$!; DP_PIDS+=($!)
+  dp_start_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np"
+  dp_start_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd"
+  "$DUALPATH" status --scheduler "$DUALPATH_SCHEDULER" --timeout "$DUALPATH_START_TIMEOUT" \
+    --wait-prefill $((np * DUALPATH_GPUS_PER_NODE)) --wait-decode $((nd * DUALPATH_GPUS_PER_NODE)) >&2 || {
+      dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
+
+  "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
+    $DUALPATH_MODEL_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
+  DP_FRONTEND=$!; DP_PIDS+=($!)
+  local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))
+  until curl -sf "$url/health" >/dev/null 2>&1 || python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1])" "$url/health" 2>/dev/null; do
+    if ! kill -0 "$DP_FRONTEND" 2>/dev/null || [ $SECONDS -gt $deadline ]; then
+      dp_log "frontend did not come up:"; tail -n 20 "$DUALPATH_RUN_DIR/frontend.log" >&2
+      dualpath_cluster_down; return 1
+    fi
+    sleep 1
+  done
+  echo "$url" >"$DUALPATH_RUN_DIR/endpoint"
+  dp_log "serving at $url/v1 (scheduler metrics at http://$head:$DUALPATH_SCHEDULER_HTTP_PORT/metrics)"
+}
+
+# Block until a part exits on its own (exit 1) or a shutdown signal arrives (exit 0).
+dualpath_cluster_wait() {
+  while [ "$DP_STOPPING" = 0 ]; do
+    wait -n "${DP_PIDS[@]}" 2>/dev/null
+    [ "$DP_STOPPING" = 0 ] || break
+    for p in "${DP_PIDS[@]}"; do
+      if ! kill -0 "$p" 2>/dev/null; then
+        dp_log "process $p exited on its own; stopping the job"
+        dualpath_cluster_down; return 1
+      fi
+    done
+  done
+  return 0
+}
+
+dp_stop() {  # SIGTERM the PIDS, wait up to 60 s, then SIGKILL what is left
+  [ $# -gt 0 ] || return 0
+  kill -TERM "$@" 2>/dev/null
+  local deadline=$((SECONDS + 60))
+  while kill -0 "$@" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  kill -KILL "$@" 2>/dev/null
+  wait "$@" 2>/dev/null || true
+}
+
+# SIGTERM every engine task directly (srun itself answers SIGTERM by killing its step), wait for the steps to end.
+dp_stop_engines() {
+  [ ${#DP_STEPS[@]} -gt 0 ] || return 0
+  local step
+  for step in $(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk '$2 ~ /^dualpath-(prefill|decode)$/ {print $1}'); do
+    scancel --signal=TERM "$step" 2>/dev/null
+  done
+  local deadline=$((SECONDS + 60))
+  while kill -0 "${DP_STEPS[@]}" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  dp_stop "${DP_STEPS[@]}"
+}
+
+# Ordered shutdown: frontend (no new requests), engines (each finishes its loop and closes its transport), scheduler.
+dualpath_cluster_down() {
+  [ "$DP_STOPPING" = 1 ] && return 0
+  DP_STOPPING=1
+  trap - TERM INT
+  dp_log "shutting down"
+  rm -f "$DUALPATH_RUN_DIR/endpoint"
+  dp_stop ${DP_FRONTEND:-}
+  dp_stop_engines
+  dp_stop ${DP_SCHEDULER:-}
+  dp_log "stopped"
+}

@@ -1,0 +1,169 @@
+"""deploy/slurm/dualpath.sbatch under a real two-node Slurm on this host: roles by node, one engine per (fake) GPU
+with its own CUDA_VISIBLE_DEVICES, a chat request served end to end, and an ordered shutdown that ends the job
+COMPLETED with no process left behind."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from dualpath import LLM, SamplingParams
+from slurm_cluster import SlurmCluster, slurm_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 16
+needs_slurm = pytest.mark.skipif(slurm_missing() is not None, reason=str(slurm_missing()))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    cluster = SlurmCluster(nodes=2, cpus=2, gpus=2).start()
+    yield cluster
+    cluster.stop()
+
+
+def dualpath_command(tmp: Path) -> str:
+    """This interpreter's dualpath, as one executable path (what DUALPATH names in the job)."""
+    wrapper = tmp / "dualpath"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m dualpath.cli "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return str(wrapper)
+
+
+def wait_for(predicate, timeout: float, what: str, diagnose=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what} not within {timeout:.0f} s\n{diagnose()}")
+
+
+def leftovers(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def job_env(slurm, tmp_path: Path, model: Path, sched_port: int) -> dict[str, str]:
+    """The environment of a small CPU job: two engines per node, a tiny model, the shared dir under tmp_path."""
+    return {**slurm.env, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
+            "DUALPATH_DTYPE": "float32", "DUALPATH_SHARED_DIR": str(tmp_path / "shared"), "DUALPATH_MODEL": str(model),
+            "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
+            "DUALPATH_SCHEDULER_HTTP_PORT": str(_port()), "DUALPATH_START_TIMEOUT": "240",
+            "DUALPATH_ENGINE_ARGS": f"--block-size {BS} --buffer-bytes {8 << 20} --cache-bytes {32 << 20} "
+                                    "--workspace-tokens 2048 --cost-model 0.002,0.00001,0",
+            "DUALPATH_GPUS_PER_NODE": "2", "PYTHONPATH": str(ROOT)}
+
+
+def submit(slurm, script: str, env: dict[str, str], tmp_path: Path) -> str:
+    return subprocess.run(["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=2", "--time=20",
+                           f"--output={tmp_path}/job.out", str(ROOT / "deploy/slurm" / script)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def job_diagnosis(slurm, job: str, tmp_path: Path):
+    def diagnose() -> str:
+        run_dir = tmp_path / "shared" / f"run-{job}"
+        logs = [p for p in [tmp_path / "job.out", *sorted(run_dir.glob("*.log"))] if p.exists()]
+        return f"job: {slurm.job(job)}\n" + "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in logs)
+    return diagnose
+
+
+def wait_job_end(slurm, job: str, diagnose, timeout: float = 180) -> dict[str, str]:
+    wait_for(lambda: slurm.job(job).get("JobState") not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING",
+                                                            None, ""), timeout, "the job's end", diagnose)
+    return slurm.job(job)
+
+
+def assert_clean_end(run_dir: Path, tmp_path: Path, markers: list[str], diagnose) -> None:
+    assert "shutting down" in (tmp_path / "job.out").read_text()
+    assert not (run_dir / "endpoint").exists()
+    logs = list(run_dir.glob("*-node*-*.log"))
+    assert len(logs) == 4, diagnose()
+    for log in logs:  # every engine stopped on SIGTERM, none was killed
+        assert "stopped" in log.read_text().splitlines()[-1], diagnose()
+    time.sleep(1)
+    left = [line for m in markers for line in leftovers(m)]
+    assert not left, left
+
+
+@needs_slurm
+def test_sbatch_serves_a_chat_and_shuts_down_cleanly_on_scancel(slurm, tiny_dirs, tmp_path):
+    sched_port = _port()
+    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
+    run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
+
+    def endpoint():
+        state = slurm.job(job).get("JobState", "")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {state}\n{diagnose()}"
+        p = run_dir / "endpoint"
+        return p.read_text().strip() if p.exists() else None
+
+    try:
+        url = wait_for(endpoint, 300, "the endpoint", diagnose)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
+        messages = [{"role": "user", "content": "hello from a slurm job, how are the engines? " * 3}]
+        for turn in range(2):  # the second turn's prefix comes back from the KV store on the shared mount
+            r = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"dualpath": {"usage": True}})
+            want = reference.generate(reference.tokenizer.apply_chat_template(messages),
+                                      SamplingParams(temperature=0, max_tokens=8))[0]
+            assert r.choices[0].message.content == want.text
+            messages += [{"role": "assistant", "content": want.text}, {"role": "user", "content": "and then?"}]
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+        # Roles by node, one engine per GPU: each task of a node got a different GPU.
+        for role, node in (("prefill", "node1"), ("decode", "node2")):
+            seen = {(run_dir / f"{role}-{node}-{t}.log").read_text().split("CUDA_VISIBLE_DEVICES=")[1].split()[0]
+                    for t in range(2)}
+            assert seen == {"0", "1"}, (role, seen)
+    finally:
+        slurm.run("scancel", "--batch", "--signal=TERM", job, check=False)
+    info = wait_job_end(slurm, job, diagnose)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", diagnose()
+    assert_clean_end(run_dir, tmp_path, [str(tmp_path / "shared"), f":{sched_port}"], diagnose)
+
+
+@needs_slurm
+def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
+    from dualpath.rollout.trajectory import read_trajectories
+
+    traj, out = tmp_path / "traj.jsonl", tmp_path / "out.jsonl"
+    traj.write_text("".join(json.dumps({"id": f"agent-{a}", "rounds": [
+        {"append": f"agent {a} starts a task with a long enough prompt " * 4, "generate": 4},
+        {"append": "tool output " * 8, "generate": 3}]}) + "\n" for a in range(3)))
+    sched_port = _port()
+    env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), "DUALPATH_TRAJECTORIES": str(traj),
+           "DUALPATH_ROLLOUT_OUT": str(out)}
+    job = submit(slurm, "rollout.sbatch", env, tmp_path)
+    diagnose = job_diagnosis(slurm, job, tmp_path)
+    info = wait_job_end(slurm, job, diagnose, timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", diagnose()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 6 and len(list(read_trajectories(traj))) == 3
+    assert sorted(r["completion_tokens"] for r in records) == [3, 3, 3, 4, 4, 4], records[0]
+    assert_clean_end(tmp_path / "shared" / f"run-{job}", tmp_path, [str(tmp_path / "shared"), f":{sched_port}"],
+                     diagnose)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slurm_scripts_parse():
+    for script in ("cluster.sh", "dualpath.sbatch", "rollout.sbatch"):
+        subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm" / script)], check=True)
+    assert os.access(ROOT / "deploy/slurm/dualpath.sbatch", os.X_OK)
