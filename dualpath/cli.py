@@ -166,6 +166,36 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The P/D ratios that add no bottleneck (paper §4.2) for the given node, and the link loads of one split."""
+    import json
+
+    from dualpath.sim.hardware import GBPS, Hardware
+    from dualpath.sim.plan import as_fraction, bottleneck_free_range, describe, node_counts
+
+    hw = Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
+                  dram_bps=args.dram_gbs * 1e9)
+    r = bottleneck_free_range(hw)
+    splits = node_counts(r, args.nodes) if args.nodes else []
+    if args.json:
+        print(json.dumps({"storage_ratio": hw.storage_ratio, "low": r.low, "high": r.high, "binding_high": r.binding_high,
+                          "feasible": r.feasible, "splits": splits}))
+        return 0
+    print(f"node: {hw.gpus} GPUs, CNIC {args.cnic_gbps:g} Gbps each, SNIC {args.snic_gbps:g} Gbps (s = "
+          f"{hw.storage_ratio:.3g}), DRAM {args.dram_gbs:g} GB/s")
+    if not r.feasible:
+        print("no P/D ratio is bottleneck-free: " + ("s > g/2 saturates the prefill CNICs" if not r.pe_read_ok
+                                                     else "the low bound exceeds the high bound"))
+    else:
+        print(f"bottleneck-free P/D: {as_fraction(r.low)} ({r.low:.3f}) .. {as_fraction(r.high)} ({r.high:.3f}),"
+              f" upper bound set by the {r.binding_high}")
+    if args.nodes:
+        print(f"splits of {args.nodes} nodes inside it: " + (", ".join(f"{p}P{d}D" for p, d in splits) or "none"))
+    if args.prefill and args.decode:
+        print(describe(hw, args.prefill, args.decode))
+    return 0
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from dualpath.rollout.cli import rollout_main
 
@@ -337,6 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--seed", type=int, default=0)
     ag.add_argument("--out", default="bench/results/agentic")
     ag.set_defaults(func=cmd_bench_agentic)
+
+    pl = sub.add_parser("plan", help="P/D ratios that add no link bottleneck, and link loads of a P/D split")
+    pl.add_argument("--gpus", type=int, default=8, help="GPUs per node (one compute NIC each)")
+    pl.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC bandwidth per GPU")
+    pl.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC bandwidth per node")
+    pl.add_argument("--dram-gbs", type=float, default=500.0, help="node DRAM bandwidth, GB/s")
+    pl.add_argument("--nodes", type=int, default=0, help="list the P/D splits of this many nodes in range")
+    pl.add_argument("--prefill", type=int, default=0, help="with --decode: per-link loads of this split")
+    pl.add_argument("--decode", type=int, default=0)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     fe = sub.add_parser("frontend", help="the OpenAI-compatible HTTP server for a running scheduler")
     _frontend_args(fe)

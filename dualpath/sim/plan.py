@@ -1,0 +1,56 @@
+"""The P/D planner's analytic part: the range of prefill/decode node ratios in which DualPath, with every storage
+NIC saturated, adds no bottleneck on any compute NIC or DRAM (paper §4.2)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from dualpath.sim.hardware import Hardware
+from dualpath.sim.links import link_load
+
+
+@dataclass(frozen=True)
+class RatioRange:
+    low: float  # P/D must be at least this (prefill CNIC write)
+    high: float  # ... and at most this (decode CNIC read/write, decode DRAM)
+    binding_high: str  # which constraint sets ``high``
+    pe_read_ok: bool  # the prefill CNIC read constraint (s <= g/2), independent of P/D
+
+    @property
+    def feasible(self) -> bool:
+        return self.pe_read_ok and self.low <= self.high
+
+    def contains(self, ratio: float, tol: float = 1e-9) -> bool:
+        return self.feasible and self.low - tol <= ratio <= self.high + tol
+
+
+def bottleneck_free_range(hw: Hardware) -> RatioRange:
+    """s/(g-s) <= P/D <= min{(g-2s)/s, (g-s)/(2s), (M/(Bs)-3)/2}, with s = storage_ratio, B the CNIC bandwidth."""
+    g, s = hw.gpus, hw.storage_ratio
+    low = s / (g - s) if g > s else float("inf")
+    highs = {"decode CNIC read": (g - 2 * s) / s, "decode CNIC write": (g - s) / (2 * s),
+             "decode DRAM": (hw.dram_bps / hw.snic_bps - 3) / 2}
+    binding = min(highs, key=highs.get)
+    return RatioRange(low, highs[binding], binding, 2 * s <= g)
+
+
+def node_counts(ratio_range: RatioRange, total_nodes: int) -> list[tuple[int, int]]:
+    """Every (P, D) split of ``total_nodes`` inside the range."""
+    return [(p, total_nodes - p) for p in range(1, total_nodes)
+            if ratio_range.contains(p / (total_nodes - p))]
+
+
+def describe(hw: Hardware, prefill_nodes: int, decode_nodes: int) -> str:
+    """A table of per-node link utilizations with storage saturated, for ``dualpath plan``."""
+    load = link_load(hw, prefill_nodes, decode_nodes)
+    rows = [f"{'side':8} {'link':11} {'GB/s':>9} {'util':>6}"]
+    for side, links in load.load.items():
+        for link, v in links.items():
+            rows.append(f"{side:8} {link:11} {v / 1e9:9.1f} {load.utilization[side][link]:6.2f}")
+    side, link, u = load.bottleneck()
+    rows.append(f"busiest: {side} {link} at {u:.2f}" + ("  (saturated)" if u > 1 + 1e-9 else ""))
+    return "\n".join(rows)
+
+
+def as_fraction(x: float) -> str:
+    return str(Fraction(x).limit_denominator(64)) if x != float("inf") else "inf"

@@ -1,0 +1,80 @@
+"""The simulator's bandwidth sharing: completion times computed by hand for small scenarios."""
+from __future__ import annotations
+
+import pytest
+
+from dualpath.sim.hardware import PAPER_NODE
+from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
+from dualpath.sim.network import FlowNetwork
+
+GB = 1e9
+
+
+def run(net: FlowNetwork) -> dict[str, float]:
+    finished = {}
+    while net.flows:
+        t, _ = net.next_completion()
+        for fid in net.advance(t):
+            finished[fid] = t
+    return finished
+
+
+def test_two_flows_share_a_link_then_one_has_it_alone():
+    net = FlowNetwork({"a": 100.0})
+    net.add("x", 100, (("a", 1),))
+    net.add("y", 300, (("a", 1),))
+    assert run(net) == {"x": pytest.approx(2.0), "y": pytest.approx(4.0)}  # 50/s each, then y alone at 100/s
+
+
+def test_max_min_fairness_gives_the_unconstrained_flow_the_rest():
+    net = FlowNetwork({"a": 100.0, "b": 10.0})
+    net.add("long", 90, (("a", 1),))
+    net.add("narrow", 10, (("a", 1), ("b", 1)))  # held to 10/s by b; long gets the other 90/s of a
+    assert run(net) == {"long": pytest.approx(1.0), "narrow": pytest.approx(1.0)}
+    assert net.carried["a"] == pytest.approx(100) and net.carried["b"] == pytest.approx(10)
+
+
+def test_a_flow_that_arrives_later_slows_the_first():
+    net = FlowNetwork({"a": 10.0})
+    net.add("first", 30, (("a", 1),))
+    net.advance(1.0)  # 10 moved, 20 left
+    net.add("second", 10, (("a", 1),))  # now 5/s each: second ends at t=3, first has 10 left, ends at t=4
+    assert run(net) == {"second": pytest.approx(3.0), "first": pytest.approx(4.0)}
+
+
+def test_one_pe_path_read_is_held_by_its_gpu_cnic_read_side():
+    """Idle paper node: the prefill GPU's CNIC reads each byte twice (loopback into HBM, then out to decode), and
+    the decode GPU's CNIC writes it twice (into the buffer, then into HBM): 50 GB/s / 2 = 25 GB/s; 1 GB in 40 ms."""
+    net = FlowNetwork(cluster_links(PAPER_NODE, ["p0", "d0"]))
+    net.add("r", 1 * GB, path_route(PE_PATH, ("p0", 0), ("d0", 0)))
+    assert run(net)["r"] == pytest.approx(0.04)
+
+
+def test_eight_pe_reads_on_one_node_share_its_storage_nic():
+    """Eight GPUs each loading 1 GB: the node's 50 GB/s SNIC gives each 6.25 GB/s, below the CNIC's 25: 160 ms."""
+    net = FlowNetwork(cluster_links(PAPER_NODE, ["p0", "d0"]))
+    for g in range(8):
+        net.add(f"r{g}", 1 * GB, path_route(PE_PATH, ("p0", g), ("d0", g)))
+    assert list(run(net).values()) == [pytest.approx(0.16)] * 8
+    assert net.carried["p0/snic"] == pytest.approx(8 * GB) and net.carried["d0/dram"] == pytest.approx(16 * GB)
+
+
+def test_both_paths_at_once_use_both_storage_nics():
+    """A PE read into p0 and a DE read into d0 on different GPUs, 1 GB each: disjoint bottlenecks, 40 ms each;
+    the same two reads on one path would share one SNIC and one CNIC."""
+    net = FlowNetwork(cluster_links(PAPER_NODE, ["p0", "d0"]))
+    net.add("pe", 1 * GB, path_route(PE_PATH, ("p0", 0), ("d0", 0)))
+    net.add("de", 1 * GB, path_route(DE_PATH, ("p0", 1), ("d0", 1)))
+    assert run(net) == {"pe": pytest.approx(0.04), "de": pytest.approx(0.04)}
+    assert net.carried["p0/snic"] == pytest.approx(GB) and net.carried["d0/snic"] == pytest.approx(GB)
+
+
+def test_bad_flows_are_rejected():
+    net = FlowNetwork({"a": 1.0})
+    with pytest.raises(ValueError):
+        net.add("x", 1, (("nope", 1),))
+    net.add("x", 1, (("a", 1),))
+    with pytest.raises(ValueError):
+        net.add("x", 1, (("a", 1),))
+    with pytest.raises(ValueError):
+        net.advance(-1)
