@@ -167,3 +167,20 @@ def test_slurm_scripts_parse():
     for script in ("cluster.sh", "dualpath.sbatch", "rollout.sbatch"):
         subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm" / script)], check=True)
     assert os.access(ROOT / "deploy/slurm/dualpath.sbatch", os.X_OK)
+
+
+@needs_slurm
+def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
+    sched_port = _port()
+    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
+    run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
+    wait_for(lambda: (run_dir / "endpoint").exists(), 300, "the endpoint", diagnose)
+    victim = [line.split()[0] for line in leftovers("decode-node2-1")]
+    assert victim, diagnose()
+    os.kill(int(victim[0]), 9)
+    info = wait_job_end(slurm, job, diagnose)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", diagnose()
+    assert "exited on its own" in (tmp_path / "job.out").read_text()
+    time.sleep(1)
+    left = leftovers(str(tmp_path / "shared")) + leftovers(f":{sched_port}")
+    assert not left, left
