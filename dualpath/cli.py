@@ -170,8 +170,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The P/D ratios that add no bottleneck (paper §4.2) for the given node, and the link loads of one split."""
     import json
 
-    from dualpath.sim.hardware import GBPS, Hardware
-    from dualpath.sim.plan import as_fraction, bottleneck_free_range, describe, node_counts
+    from dualpath.sim.hardware import GBPS, MODELS, Hardware
+    from dualpath.sim.plan import (as_fraction, bottleneck_free_range, describe, node_counts,
+                                   storage_bound_turns_per_s)
 
     hw = Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
                   dram_bps=args.dram_gbs * 1e9)
@@ -193,6 +194,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"splits of {args.nodes} nodes inside it: " + (", ".join(f"{p}P{d}D" for p, d in splits) or "none"))
     if args.prefill and args.decode:
         print(describe(hw, args.prefill, args.decode))
+        if args.hit_tokens:
+            m = MODELS[args.model]
+            dual = storage_bound_turns_per_s(hw, args.prefill + args.decode, m.kv_bytes_per_token, args.hit_tokens)
+            basic = storage_bound_turns_per_s(hw, args.prefill, m.kv_bytes_per_token, args.hit_tokens)
+            print(f"{m.name}, {args.hit_tokens} stored tokens per turn ({m.kv_bytes_per_token / 1024:.0f} KiB each): "
+                  f"storage-bound {dual:.1f} turns/s with both paths, {basic:.1f} through prefill nodes only")
     return 0
 
 
@@ -376,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=0, help="list the P/D splits of this many nodes in range")
     pl.add_argument("--prefill", type=int, default=0, help="with --decode: per-link loads of this split")
     pl.add_argument("--decode", type=int, default=0)
+    pl.add_argument("--model", default="ds660b", choices=["ds660b", "ds27b", "qwen32b"], help="KV bytes per token")
+    pl.add_argument("--hit-tokens", type=int, default=0, help="with --prefill/--decode: stored tokens loaded per turn")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

@@ -76,6 +76,18 @@ def test_node_splits_and_the_plan_command():
     assert "no P/D ratio is bottleneck-free" in text
 
 
+def test_storage_bound_turn_rate_counts_every_nodes_storage_nic():
+    from dualpath.sim.hardware import MODELS
+    from dualpath.sim.plan import storage_bound_turns_per_s
+
+    kv = MODELS["ds660b"].kv_bytes_per_token
+    assert kv == 40 * 1024 and MODELS["qwen32b"].kv_bytes_per_token == 256 * 1024
+    assert storage_bound_turns_per_s(PAPER_NODE, 6, kv, 64000) == pytest.approx(6 * 50e9 / (kv * 64000))
+    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--prefill", "2", "--decode", "4",
+                          "--hit-tokens", "64000"], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert "114.4 turns/s with both paths, 38.1 through prefill nodes only" in out
+
+
 def test_bad_hardware_is_rejected():
     with pytest.raises(ValueError):
         Hardware(gpus=0)

@@ -40,6 +40,13 @@ def node_counts(ratio_range: RatioRange, total_nodes: int) -> list[tuple[int, in
             if ratio_range.contains(p / (total_nodes - p))]
 
 
+def storage_bound_turns_per_s(hw: Hardware, nodes: int, kv_bytes_per_token: int, hit_tokens: int) -> float:
+    """The most agent turns per second a cluster of ``nodes`` can serve when every turn loads ``hit_tokens`` of
+    stored KV and all storage NICs are busy (DualPath reads through every node's SNIC; Basic only through the
+    prefill nodes')."""
+    return nodes * hw.snic_bps / (kv_bytes_per_token * hit_tokens)
+
+
 def describe(hw: Hardware, prefill_nodes: int, decode_nodes: int) -> str:
     """A table of per-node link utilizations with storage saturated, for ``dualpath plan``."""
     load = link_load(hw, prefill_nodes, decode_nodes)
