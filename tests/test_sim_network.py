@@ -78,3 +78,38 @@ def test_bad_flows_are_rejected():
         net.add("x", 1, (("a", 1),))
     with pytest.raises(ValueError):
         net.advance(-1)
+
+
+def test_event_loop_orders_timers_and_transfers():
+    """A request loads 1 GB on the PE path (40 ms on an idle paper node), then prefills for 10 ms; a second one
+    starts at 20 ms on another GPU pair and shares nothing but the SNIC, which the first's 25 GB/s leaves room on:
+    it ends its load at 60 ms and its prefill at 70 ms."""
+    from dualpath.sim.events import EventLoop
+
+    loop, log = EventLoop(FlowNetwork(cluster_links(PAPER_NODE, ["p0", "d0"]))), []
+
+    def request(name, gpu):
+        def loaded():
+            log.append((name, "loaded", loop.now))
+            loop.after(0.010, lambda: log.append((name, "prefilled", loop.now)))
+        loop.transfer(name, 1 * GB, path_route(PE_PATH, ("p0", gpu), ("d0", gpu)), loaded)
+
+    request("a", 0)
+    loop.at(0.020, lambda: request("b", 1))
+    assert loop.run() == pytest.approx(0.070)
+    assert [(n, e) for n, e, _ in log] == [("a", "loaded"), ("a", "prefilled"), ("b", "loaded"), ("b", "prefilled")]
+    assert [t for _, _, t in log] == [pytest.approx(x) for x in (0.040, 0.050, 0.060, 0.070)]
+    with pytest.raises(ValueError):
+        loop.at(0.0, lambda: None)
+
+
+def test_event_loop_stops_at_until_with_flows_partly_moved():
+    from dualpath.sim.events import EventLoop
+
+    loop = EventLoop(FlowNetwork({"a": 10.0}))
+    done = []
+    loop.transfer("x", 100, (("a", 1),), lambda: done.append(loop.now))
+    assert loop.run(until=4.0) == pytest.approx(4.0) and not done
+    assert loop.net.flows["x"].remaining == pytest.approx(60)
+    loop.run()
+    assert done == [pytest.approx(10.0)]
