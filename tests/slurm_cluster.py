@@ -74,6 +74,14 @@ class SlurmCluster:
         (d / "gres.conf").write_text("\n".join(gres) + "\n")
 
     def start(self, timeout: float = 60.0) -> "SlurmCluster":
+        """Start the daemons and wait for idle nodes; on failure nothing is left running."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> "SlurmCluster":
         self._write_config()
         d, conf = self.dir, str(self.dir / "slurm.conf")
         subprocess.run([_binary("munged"), f"--socket={d}/munge.sock", f"--key-file={d}/munge.key",
