@@ -74,26 +74,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
     import time
 
+    from dualpath.client import ClusterClient
     from dualpath.errors import DualPathError
-    from dualpath.messages import RequestRef
-    from dualpath.rpc import SCHEDULER_METHODS, Client
 
-    client, deadline, data = Client("Scheduler", SCHEDULER_METHODS, args.scheduler), time.monotonic() + args.timeout, {}
-    while True:
-        try:
-            data = client.call("Stats", RequestRef(""), timeout=5).data
-            alive = data.get("engines_alive_by_role", {})
-            if alive.get("prefill", 0) >= args.wait_prefill and alive.get("decode", 0) >= args.wait_decode:
+    client, deadline, data, up = ClusterClient(args.scheduler), time.monotonic() + args.timeout, {}, False
+    try:
+        while not up:
+            try:
+                data = client.stats()
+                alive = data.get("engines_alive_by_role", {})
+                up = alive.get("prefill", 0) >= args.wait_prefill and alive.get("decode", 0) >= args.wait_decode
+            except DualPathError as e:
+                data = {"error": str(e)}
+            if not up and time.monotonic() > deadline:
                 break
-        except DualPathError as e:
-            data = {"error": str(e)}
-        if time.monotonic() > deadline:
-            print(json.dumps(data) if args.json else f"timed out: {data.get('error') or data.get('engines_alive_by_role')}")
-            return 1
-        time.sleep(1.0)
+            time.sleep(0 if up else 1.0)
+    finally:
+        client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes")
-    print(json.dumps(data) if args.json else "\n".join(f"{k}: {data.get(k)}" for k in keys))
-    return 0
+    text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
+    print(json.dumps(data) if args.json else text)
+    return 0 if up else 1
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -179,8 +180,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     r = bottleneck_free_range(hw)
     splits = node_counts(r, args.nodes) if args.nodes else []
     if args.json:
-        print(json.dumps({"storage_ratio": hw.storage_ratio, "low": r.low, "high": r.high, "binding_high": r.binding_high,
-                          "feasible": r.feasible, "splits": splits}))
+        print(json.dumps({"storage_ratio": hw.storage_ratio, "low": r.low, "high": r.high,
+                          "binding_high": r.binding_high, "feasible": r.feasible, "splits": splits}))
         return 0
     print(f"node: {hw.gpus} GPUs, CNIC {args.cnic_gbps:g} Gbps each, SNIC {args.snic_gbps:g} Gbps (s = "
           f"{hw.storage_ratio:.3g}), DRAM {args.dram_gbs:g} GB/s")
@@ -235,6 +236,8 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dualpath.sim.hardware import MODELS  # plain data, no heavy imports
+
     ap = argparse.ArgumentParser(prog="dualpath", description=__doc__)
     ap.add_argument("--log-level", default="INFO")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -383,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=0, help="list the P/D splits of this many nodes in range")
     pl.add_argument("--prefill", type=int, default=0, help="with --decode: per-link loads of this split")
     pl.add_argument("--decode", type=int, default=0)
-    pl.add_argument("--model", default="ds660b", choices=["ds660b", "ds27b", "qwen32b"], help="KV bytes per token")
+    pl.add_argument("--model", default="ds660b", choices=sorted(MODELS), help="KV bytes per token of this preset")
     pl.add_argument("--hit-tokens", type=int, default=0, help="with --prefill/--decode: stored tokens loaded per turn")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)

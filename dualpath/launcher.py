@@ -75,20 +75,23 @@ class Supervisor:
         self.children: list[Child] = []
         self._stopping = False
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, args: list[str], prefix: tuple[str, ...] = ()) -> Child:
+        """Start ``dualpath ARGS --ready-file F`` (F before a ``--``: options after it belong to the engines of
+        ``dualpath node``), behind ``prefix`` (e.g. ``ip netns exec NS``, which execs, so the parent stays us)."""
         log_path, ready = self.run_dir / f"{name}.log", self.run_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *args,
-               "--ready-file", str(ready)]
+        own = args[:args.index("--")] if "--" in args else args
+        cmd = [*prefix, sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *own,
+               "--ready-file", str(ready), *args[len(own):]]
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
         child = Child(name, proc, log_path, ready)
         self.children.append(child)
         return child
 
-    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+    def wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for c in children:
             while not c.ready_path.exists():
@@ -168,15 +171,15 @@ class LocalCluster(Supervisor):
                           "--http-port", str(s.scheduler_http_port)]
             if s.kv_store:
                 sched_args += ["--kv-store", s.kv_store]
-            sched = self._spawn("scheduler", sched_args)
-            self._wait_ready([sched], timeout)
+            sched = self.spawn("scheduler", sched_args)
+            self.wait_ready([sched], timeout)
             port, http = sched.ready_path.read_text().split()
             self.scheduler_address = f"{s.host}:{port}"
             self.scheduler_http = f"http://{s.host}:{http}" if int(http) >= 0 else ""
-            engines = [self._spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
-            engines += [self._spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
+            engines = [self.spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
+            engines += [self.spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
                         for i in range(s.num_decode)]
-            self._wait_ready(engines, timeout)
+            self.wait_ready(engines, timeout)
             for c in engines:
                 eid, addr = c.ready_path.read_text().split()
                 self.engine_addresses[eid] = addr
@@ -230,8 +233,8 @@ class NodeEngines(Supervisor):
 
     def start(self, timeout: float = 600.0) -> "NodeEngines":
         try:
-            children = [self._spawn(f"{self.spec.role}-{i}", self.engine_args(i)) for i in range(self.spec.engines)]
-            self._wait_ready(children, timeout)
+            children = [self.spawn(f"{self.spec.role}-{i}", self.engine_args(i)) for i in range(self.spec.engines)]
+            self.wait_ready(children, timeout)
         except BaseException:
             self.stop()
             raise
@@ -250,4 +253,4 @@ class NodeEngines(Supervisor):
         return 0
 
 
-__all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec"]
+__all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec", "Supervisor"]

@@ -24,7 +24,7 @@ def slurm_missing() -> str | None:
     return f"Slurm not installed ({', '.join(missing)}); apt-get install slurm-wlm munge" if missing else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +52,7 @@ class SlurmCluster:
         key.chmod(0o400)
         for g in range(self.nodes * self.gpus):
             subprocess.run(["mknod", str(d / f"gpu{g}"), "c", "1", "3"], check=True)
-        ctl, slurmd = _free_port(), _free_port()
+        ctl, slurmd = free_port(), free_port()
         conf = [f"ClusterName=dptest{os.getpid()}", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ctl}",
                 f"SlurmdPort={slurmd}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
                 f"AuthInfo=socket={d}/munge.sock", "CredType=cred/munge", f"StateSaveLocation={d}/state",
@@ -64,7 +64,7 @@ class SlurmCluster:
                 "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none", "KillWait=10", "MinJobAge=600"]
         gres = []
         for i in range(1, self.nodes + 1):
-            conf.append(f"NodeName=node{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+            conf.append(f"NodeName=node{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                         f"CPUs={self.cpus} RealMemory=8000 Gres=gpu:{self.gpus} State=UNKNOWN")
             first = (i - 1) * self.gpus
             gres.append(f"NodeName=node{i} Name=gpu File={d}/gpu[{first}-{first + self.gpus - 1}]")

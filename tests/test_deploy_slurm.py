@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dualpath import LLM, SamplingParams
-from slurm_cluster import SlurmCluster, slurm_missing
+from slurm_cluster import SlurmCluster, free_port, slurm_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -56,8 +56,8 @@ def job_env(slurm, tmp_path: Path, model: Path, sched_port: int) -> dict[str, st
     """The environment of a small CPU job: two engines per node, a tiny model, the shared dir under tmp_path."""
     return {**slurm.env, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
             "DUALPATH_DTYPE": "float32", "DUALPATH_SHARED_DIR": str(tmp_path / "shared"), "DUALPATH_MODEL": str(model),
-            "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
-            "DUALPATH_SCHEDULER_HTTP_PORT": str(_port()), "DUALPATH_START_TIMEOUT": "240",
+            "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(free_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
+            "DUALPATH_SCHEDULER_HTTP_PORT": str(free_port()), "DUALPATH_START_TIMEOUT": "240",
             "DUALPATH_ENGINE_ARGS": f"--block-size {BS} --buffer-bytes {8 << 20} --cache-bytes {32 << 20} "
                                     "--workspace-tokens 2048 --cost-model 0.002,0.00001,0",
             "DUALPATH_GPUS_PER_NODE": "2", "PYTHONPATH": str(ROOT)}
@@ -97,7 +97,7 @@ def assert_clean_end(run_dir: Path, tmp_path: Path, markers: list[str], diagnose
 
 @needs_slurm
 def test_sbatch_serves_a_chat_and_shuts_down_cleanly_on_scancel(slurm, tiny_dirs, tmp_path):
-    sched_port = _port()
+    sched_port = free_port()
     job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
     run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
 
@@ -141,7 +141,7 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
     traj.write_text("".join(json.dumps({"id": f"agent-{a}", "rounds": [
         {"append": f"agent {a} starts a task with a long enough prompt " * 4, "generate": 4},
         {"append": "tool output " * 8, "generate": 3}]}) + "\n" for a in range(3)))
-    sched_port = _port()
+    sched_port = free_port()
     env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), "DUALPATH_TRAJECTORIES": str(traj),
            "DUALPATH_ROLLOUT_OUT": str(out)}
     job = submit(slurm, "rollout.sbatch", env, tmp_path)
@@ -155,14 +155,6 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
                      diagnose)
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_slurm_scripts_parse():
     for script in ("cluster.sh", "dualpath.sbatch", "rollout.sbatch"):
         subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm" / script)], check=True)
@@ -171,7 +163,7 @@ def test_slurm_scripts_parse():
 
 @needs_slurm
 def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
-    sched_port = _port()
+    sched_port = free_port()
     job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
     run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
     wait_for(lambda: (run_dir / "endpoint").exists(), 300, "the endpoint", diagnose)

@@ -5,95 +5,49 @@ the single-process reference token for token, and its KV bytes must have crossed
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import openai
 import pytest
 
 from dualpath import LLM, SamplingParams
+from dualpath.launcher import Supervisor
 from netns_hosts import Hosts, netns_missing
 
-ROOT = Path(__file__).resolve().parents[1]
 BS = 16
 RATE = "200mbit"
 pytestmark = pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))
 pytest.importorskip("ucxx")
 
 
-class Procs:
-    def __init__(self, run_dir: Path):
-        self.run_dir, self.procs = run_dir, {}
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "NO_PROXY": "*", "no_proxy": "*"}
-        self.env.pop("DUALPATH_PARENT_PID", None)
-
-    def start(self, name: str, host, *args: str) -> Path:
-        ready = self.run_dir / f"{name}.ready"
-        log = open(self.run_dir / f"{name}.log", "w")
-        own = list(args[:args.index("--")] if "--" in args else args)
-        argv = [*own, "--ready-file", str(ready), *args[len(own):]]  # before "--": the node's, not its engines'
-        self.procs[name] = subprocess.Popen([*host.exec_prefix(), sys.executable, "-m", "dualpath.cli", *argv],
-                                            stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        return ready
-
-    def wait_ready(self, name: str, ready: Path, timeout: float = 180) -> str:
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            assert self.procs[name].poll() is None, f"{name} exited:\n{self.log(name)}"
-            assert time.monotonic() < deadline, f"{name} not ready:\n{self.log(name)}"
-            time.sleep(0.2)
-        return ready.read_text()
-
-    def log(self, name: str) -> str:
-        return (self.run_dir / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> dict[str, int]:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes[name] = p.wait(5)
-        return codes
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, tmp_path_factory):
     run, kv = tmp_path_factory.mktemp("mh-run"), tmp_path_factory.mktemp("mh-kv")
     hosts = Hosts(["head", "p0", "d0"], rates={"p0": RATE, "d0": RATE}).up()
-    procs = Procs(run)
+    procs = Supervisor(str(run), torch_threads=1, log_level="INFO")
     head, model = hosts["head"], str(tiny_dirs["llama"])
     sched = f"{head.ip}:50051"
     try:
-        r = procs.start("scheduler", head, "scheduler", "--host", head.ip, "--port", "50051", "--kv-store", str(kv),
-                        "--heartbeat-timeout", "10")
-        procs.wait_ready("scheduler", r)
+        s = procs.spawn("scheduler", ["scheduler", "--host", head.ip, "--port", "50051", "--kv-store", str(kv),
+                                      "--heartbeat-timeout", "10"], prefix=head.exec_prefix())
+        procs.wait_ready([s], 120)
         engine = ["--", "--model", model, "--transport", "ucx", "--kv-store", str(kv), "--block-size", str(BS),
                   "--buffer-bytes", str(8 << 20), "--cache-bytes", str(16 << 20), "--workspace-tokens", "2048",
                   "--cost-model", "0.001,0.0001,0", "--storage-read-bps", str(50e6)]
-        readies = {role: procs.start(role, hosts[h], "node", "--role", role, "--scheduler", sched, "--engines", "1",
-                                     "--node-id", h, "--host", hosts[h].ip, "--torch-threads", "1",
-                                     "--run-dir", str(run / h), *engine)
-                   for role, h in (("prefill", "p0"), ("decode", "d0"))}
-        fe = procs.start("frontend", head, "frontend", "--scheduler", sched, "--host", head.ip, "--port", "8000",
-                         "--model", model)
-        for role, ready in readies.items():
-            procs.wait_ready(role, ready, timeout=300)
-        procs.wait_ready("frontend", fe)
+        nodes = [procs.spawn(role, ["node", "--role", role, "--scheduler", sched, "--engines", "1", "--node-id", h,
+                                    "--host", hosts[h].ip, "--torch-threads", "1", "--run-dir", str(run / h), *engine],
+                             prefix=hosts[h].exec_prefix())
+                 for role, h in (("prefill", "p0"), ("decode", "d0"))]
+        fe = procs.spawn("frontend", ["frontend", "--scheduler", sched, "--host", head.ip, "--port", "8000",
+                                      "--model", model], prefix=head.exec_prefix())
+        procs.wait_ready([*nodes, fe], 300)
         yield hosts, procs, f"http://{head.ip}:8000", sched
     finally:
-        codes = procs.stop()
+        procs.stop(timeout=30)
         hosts.down()
+    codes = {c.name: c.proc.returncode for c in procs.children}
     assert all(c == 0 for c in codes.values()), codes
 
 
@@ -116,8 +70,7 @@ def test_a_conversation_across_hosts_over_ucx_equals_the_reference(cluster, tiny
             messages += [{"role": "assistant", "content": want.text}, {"role": "user", "content": f"next {turn}"}]
 
     stats = json.loads(subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", sched,
-                                       "--json"], capture_output=True, text=True, check=True, timeout=60,
-                                      env=procs.env).stdout)
+                                       "--json"], capture_output=True, text=True, check=True, timeout=60).stdout)
     reads = stats["storage_read_bytes"]
     assert reads["p0"] > 0 and reads["d0"] > 0, reads  # each node's storage served its own read path
     # KV crossed the shaped links: the decode node sent its loads (DE path) to the prefill node, the prefill node

@@ -134,7 +134,7 @@ dp_stop() {  # SIGTERM the PIDS, wait up to 60 s, then SIGKILL what is left
   [ $# -gt 0 ] || return 0
   kill -TERM "$@" 2>/dev/null
   local deadline=$((SECONDS + 60))
-  while kill -0 "$@" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  while kill -0 "$@" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.5; done  # true while any lives
   kill -KILL "$@" 2>/dev/null
   wait "$@" 2>/dev/null || true
 }

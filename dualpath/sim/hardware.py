@@ -18,8 +18,6 @@ class Hardware:
     cnic_bps: float = 400 * GBPS  # per GPU, per direction (the paper's B)
     snic_bps: float = 400 * GBPS  # per node (s·B)
     dram_bps: float = 500e9  # per node, reads + writes (M)
-    pcie_bps: float = 64e9  # per GPU, per direction (PCIe 5.0 x16)
-    hbm_bytes: float = 80e9  # per GPU
 
     @property
     def storage_ratio(self) -> float:
@@ -27,7 +25,7 @@ class Hardware:
         return self.snic_bps / self.cnic_bps
 
     def __post_init__(self):
-        if self.gpus < 1 or min(self.cnic_bps, self.snic_bps, self.dram_bps, self.pcie_bps) <= 0:
+        if self.gpus < 1 or min(self.cnic_bps, self.snic_bps, self.dram_bps) <= 0:
             raise ValueError(f"hardware needs >= 1 GPU and positive bandwidths: {self}")
 
 
@@ -37,19 +35,18 @@ PAPER_NODE = Hardware()
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """What the cluster model needs of a model: KV bytes per token (all layers), layers, prefill FLOPs per token."""
+    """What the link model needs of a model: KV bytes per token, all layers. (Compute per token and layer counts
+    join when the engine models do.)"""
 
     name: str
     kv_bytes_per_token: int
-    layers: int
-    flops_per_token: float  # prefill, dense-equivalent (2 x active parameters)
 
 
 # Calibration: KV bytes as the paper states them (660B: ~40 KB/token in FP8, estimated; Qwen2.5-32B FP16:
 # 64 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes = 256 KiB). The 27B model's KV is estimated from its
-# shape (30 layers, MLA-style latent of 576 values in BF16). FLOPs are 2 x active parameters per token.
+# shape (30 layers, an MLA latent of 576 values in BF16).
 MODELS = {
-    "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024, 61, 2 * 37e9),
-    "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2, 30, 2 * 4.5e9),
-    "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2, 64, 2 * 32e9),
+    "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024),
+    "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2),
+    "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2),
 }
