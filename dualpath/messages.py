@@ -12,10 +12,11 @@ import dataclasses
 import enum
 import json
 import struct
+import types
 import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -253,12 +254,17 @@ def unpack_keys(data: bytes) -> list[bytes]:
 
 
 # --- wire codec: [u32 header length][JSON header][u64 length][bytes]... ------------------------------------------
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+
+
 @lru_cache(maxsize=None)
 def _names(cls) -> tuple[str, ...] | None:
     return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
 
 
 def _plain(obj: Any, blobs: list[bytes]) -> Any:
+    if type(obj) in _PLAIN:  # most values: checked before anything costlier
+        return obj
     names = _names(type(obj))
     if names is not None:
         if type(obj) is EngineInfo:  # sent with every assignment: convert once per engine, not per message
@@ -268,8 +274,6 @@ def _plain(obj: Any, blobs: list[bytes]) -> Any:
                 object.__setattr__(obj, "_wire", cached)
             return cached
         return {n: _plain(getattr(obj, n), blobs) for n in names}
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -291,44 +295,49 @@ def to_wire(obj: Any) -> bytes:
     return b"".join(parts)
 
 
-@lru_cache(maxsize=None)
-def _hints(cls) -> tuple[tuple[str, Any], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-
-
 _SCALARS = (str, int, float, bool, Any)
 
 
-def _build(tp: Any, value: Any, blobs: list[bytes]) -> Any:
-    if value is None or tp in _SCALARS:
-        return value
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(args[0], value, blobs) if len(args) == 1 else value
-    if origin is list:
-        (arg,) = typing.get_args(tp) or (Any,)
-        return [_build(arg, v, blobs) for v in value]
-    if origin is dict:
-        _, arg = typing.get_args(tp) or (Any, Any)
-        return {k: _build(arg, v, blobs) for k, v in value.items()}
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, blobs)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp(value)
-    if tp is bytes:
-        return blobs[value["$b"]]
+def _keep(value: Any, blobs: list[bytes]) -> Any:
     return value
 
 
-def _from_dict(cls, d: dict, blobs: list[bytes]):
-    return cls(**{name: _build(tp, d[name], blobs) for name, tp in _hints(cls) if name in d})
+@lru_cache(maxsize=None)
+def _decoder(tp: Any) -> Callable[[Any, list[bytes]], Any]:
+    """How to turn the plain form of a ``tp`` back into one, worked out once per type (messages are decoded
+    thousands of times a second by the scheduler)."""
+    if tp in _SCALARS:
+        return _keep
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decoder(args[0]) if len(args) == 1 else _keep
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        item = _decoder(arg)
+        return _keep if item is _keep else _none_passes(lambda v, b: [item(x, b) for x in v])
+    if origin is dict:
+        _, arg = typing.get_args(tp) or (Any, Any)
+        item = _decoder(arg)
+        return _keep if item is _keep else _none_passes(lambda v, b: {k: item(x, b) for k, x in v.items()})
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        fields = tuple((f.name, _decoder(hints[f.name])) for f in dataclasses.fields(tp))
+        return _none_passes(lambda d, b: tp(**{n: conv(d[n], b) for n, conv in fields if n in d}))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _none_passes(lambda v, b: tp(v))
+    if tp is bytes:
+        return _none_passes(lambda v, b: b[v["$b"]])
+    return _keep
+
+
+def _none_passes(conv: Callable[[Any, list[bytes]], Any]) -> Callable[[Any, list[bytes]], Any]:
+    return lambda v, b: None if v is None else conv(v, b)
 
 
 def from_dict(cls, d: dict):
     """A message from its plain form (no binary segments)."""
-    return _from_dict(cls, d, [])
+    return _decoder(cls)(d, [])
 
 
 def from_wire(cls, data: bytes):
@@ -339,4 +348,4 @@ def from_wire(cls, data: bytes):
         (n,) = struct.unpack_from("<Q", data, pos)
         blobs.append(bytes(data[pos + 8:pos + 8 + n]))
         pos += 8 + n
-    return _from_dict(cls, header, blobs)
+    return _decoder(cls)(header, blobs)

@@ -23,7 +23,7 @@ from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
 from dualpath.geometry import HASH_BYTES, block_hashes
 from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
-                               SubmitEvent, SubmitRequest, pack_keys, unpack_keys, unpack_tokens)
+                               SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
 from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
 from scheduler.balance import WindowedSums, max_over_avg
@@ -329,6 +329,7 @@ class SchedulerCore:
         """A load report outside a pull (engines send one when a request finishes, so stored blocks are indexed
         before the submitter can send the next turn)."""
         with self.lock:
+            self._index_reports([load])
             self._absorb(load)
 
     def pull(self, group_id: str, loads: list[EngineLoad], sender: str = "",
@@ -339,6 +340,7 @@ class SchedulerCore:
                 e = self.engines.get(eid)
                 if e is not None and e.alive and e.group == group_id and eid != sender:
                     self._engine_gone(eid, f"unreachable from {sender}")
+            self._index_reports(loads)
             for load in loads:
                 self._absorb(load)
             group = [e for e in self.by_group.get(group_id, ()) if e.alive]
@@ -353,6 +355,20 @@ class SchedulerCore:
                 return PullReply({}, cancelled, members)
             return PullReply(self._assign_prefill(pulling), cancelled, members)
 
+    def _index_reports(self, loads: list[EngineLoad]) -> None:
+        """Blocks written and evicted since the last reports, one index update per pull (not per engine). Runs
+        before the reports' finished requests are announced, so a submitter's next turn finds its blocks."""
+        stored = b"".join(load.stored_keys for load in loads if self._alive(load.engine_id))
+        evicted = b"".join(load.evicted_keys for load in loads if self._alive(load.engine_id))
+        if stored:
+            self.index.add_packed(stored)
+        if evicted:
+            self.index.remove_packed(evicted)
+
+    def _alive(self, eid: str) -> bool:
+        e = self.engines.get(eid)
+        return e is not None and e.alive
+
     def _absorb(self, load: EngineLoad) -> None:
         e = self.engines.get(load.engine_id)
         if e is None or not e.alive:
@@ -360,10 +376,6 @@ class SchedulerCore:
         e.load, e.last_seen = load, self.clock()
         for w in load.request_ids:
             e.outstanding.pop(w, None)  # the engine's own numbers now include it
-        if load.stored_keys:
-            self.index.add(unpack_keys(load.stored_keys))
-        if load.evicted_keys:
-            self.index.remove(unpack_keys(load.evicted_keys))
         node = e.info.node_id
         self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
         self.read_window.add(node, load.storage_read_bytes)
