@@ -18,7 +18,7 @@ def _model_dir(arg: str | None) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
-    llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype)
+    llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     if args.chat:
@@ -56,7 +56,8 @@ def engine_config(args: argparse.Namespace):
     return EngineProcessConfig(
         role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
-        engine=EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        engine=EngineConfig(device=args.device, dtype=args.dtype, kernels=args.kernels,
+                            max_num_seqs=args.max_num_seqs,
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
@@ -144,12 +145,18 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     return frontend_main(args)
 
 
+def _kernels_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention and KV-move kernels: auto (triton on CUDA, torch on CPU), torch (the reference)")
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _kernels_arg(p)
     p.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
     p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
@@ -254,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _kernels_arg(g)
     g.set_defaults(func=cmd_generate)
 
     sc = sub.add_parser("scheduler", help="run the central scheduler (gRPC)")
@@ -297,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduler", required=True, help="scheduler host:port")
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _kernels_arg(e)
     e.add_argument("--engine-id", default="")
     e.add_argument("--node-id", default="", help="engines on one node share its storage NIC (default: own node)")
     e.add_argument("--group-id", default="", help="engine group (default: a group of its own)")

@@ -254,6 +254,7 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str = "float32"
+    kernels: str = "auto"  # auto: triton kernels on CUDA, the torch reference on CPU; torch forces the reference
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -261,6 +262,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
 
     @property
     def dtype_bytes(self) -> int:

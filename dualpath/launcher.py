@@ -33,6 +33,7 @@ class ClusterSpec:
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
     dtype: str = "float32"
+    kernels: str = "auto"  # see EngineConfig.kernels
     block_size: int = 64
     buffer_bytes: int = 256 << 20
     cache_bytes: int = 1 << 30
@@ -152,7 +153,7 @@ class LocalCluster(Supervisor):
         node = f"{role}-node{index // s.engines_per_node}"
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
                 "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
-                "--device", device, "--dtype", s.dtype, "--transport", s.transport,
+                "--device", device, "--dtype", s.dtype, "--kernels", s.kernels, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
                 "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
                 "--storage-read-bps", str(s.storage_read_bps), "--compute-quota-ms", str(s.compute_quota_ms),

@@ -40,14 +40,14 @@ class LLM:
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None):
-        self.config = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto"):
+        self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes))
         ckpt = open_checkpoint(model)
         self.model_config = ckpt.config
-        self.model = load_model(ckpt, device, dtype)
+        self.model = load_model(ckpt, device, dtype, kernels)
         self.tokenizer = Tokenizer(model)
         self.geometry = KVGeometry.for_model(ckpt.config, dtype, block_size)
         num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)

@@ -154,7 +154,8 @@ class DecodeEngine(Engine):
             nb = len(h.slots)
             for layer in range(g.num_layers):
                 rows = self.buffer.layer_rows(h.slots, layer).to(self.device)
-                scatter_blocks(self.cache.layers[layer], table[:nb], rows.view(nb, *g.layer_block_shape))
+                scatter_blocks(self.cache.layers[layer], table[:nb], rows.view(nb, *g.layer_block_shape),
+                               self.model.kernels)
         params = SamplingParams.from_dict(msg.sampling)
         gen = None
         if msg.generator_state:

@@ -72,7 +72,7 @@ class Engine:
         self.dtype = getattr(torch, cfg.engine.dtype)
         ckpt = open_checkpoint(cfg.model)
         self.model_config = ckpt.config
-        self.model = load_model(ckpt, self.device, self.dtype)
+        self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)

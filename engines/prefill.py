@@ -27,8 +27,10 @@ from dualpath.rpc import ENGINE_METHODS, Client
 from dualpath.sampling_params import SamplingParams
 from engines.batcher import CostModel, Pending, form_batch
 from engines.engine import Engine
+from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
 from engines.sampler import make_generator, sample
+from kernels.attention import PagedKV, consecutive_tables
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
 from traffic.transport.base import Op, RegionDesc
 
@@ -106,6 +108,7 @@ class PrefillEngine(Engine):
     def setup(self) -> None:
         g = self.geometry
         self.workspace = self._workspace(2)
+        self.copies = LayerCopies(self.device)  # hit KV host -> device on its own stream (CUDA)
         self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
         self.jobs: dict[str, Job] = {}
         self.ready: deque[str] = deque()
@@ -150,8 +153,11 @@ class PrefillEngine(Engine):
         return CostModel.fit(samples)
 
     def _time_forward(self, items) -> float:
-        e = self.geometry.kv_elems_per_token
-        cached = [torch.randn(c, e, dtype=self.dtype, device=self.device) * 0.1 for c, _ in items]
+        g = self.geometry
+        counts = [g.num_blocks(c) for c, _ in items]
+        firsts = [sum(counts[:i]) for i in range(len(items))]
+        layer_kv = torch.randn(max(sum(counts), 1), *g.layer_block_shape, dtype=self.dtype, device=self.device)
+        cached = PagedKV(layer_kv * 0.1, consecutive_tables(firsts, counts, self.device), [c for c, _ in items])
         ids = torch.randint(0, self.model_config.vocab_size, (sum(n for _, n in items),), device=self.device)
         batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
         t = time.perf_counter()
@@ -327,6 +333,7 @@ class PrefillEngine(Engine):
             base += g.num_blocks(c + n)
         ids = torch.tensor([t for (j, n), c in zip(jobs, cached) for t in j.token_ids[c:c + n]], device=self.device)
         batch = ForwardBatch(tuple(cached), tuple(new))
+        tables = consecutive_tables(bases, [g.num_blocks(c + n) for c, n in zip(cached, new)], self.device)
 
         def rows(i: int, layer: int) -> torch.Tensor:
             return ws.tensor[layer % ws.slots, bases[i]:bases[i] + g.num_blocks(cached[i] + new[i])].reshape(
@@ -351,11 +358,14 @@ class PrefillEngine(Engine):
         for layer in range(g.num_layers):
             if not basic:
                 pipe.wait_layer(layer)
-            hidden, kv = model.forward_layer(layer, hidden, ctx, [rows(i, layer)[:cached[i]] for i in range(len(jobs))])
+            self.copies.before_compute(layer)
+            paged = PagedKV(ws.tensor[layer % ws.slots], tables, cached)
+            hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
             off = 0
             for i, n in enumerate(new):
                 rows(i, layer)[cached[i]:cached[i] + n] = kv[off:off + n]
                 off += n
+            self.copies.after_compute(layer % ws.slots)
             pipe.layer_done(layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -379,7 +389,9 @@ class PrefillEngine(Engine):
         if local:
             k = g.num_blocks(local)
             out = ws.tensor[layer % ws.slots, base:base + k].reshape(-1, g.kv_elems_per_token)
-            copy = lambda: self.traffic.layer_to_device(job.pe_slots[:k], layer, out)  # noqa: E731
+            copy = lambda: self.copies.issue(  # noqa: E731
+                layer, layer % ws.slots, lambda stream: self.traffic.layer_to_device(job.pe_slots[:k], layer, out,
+                                                                                    stream))
             if job.layer_loads and not job.head_sent:  # this layer of the hit may still be on its way from storage
                 handles.append(AfterLoad(FutureHandle(job.layer_loads[layer]), copy))
             else:

@@ -1,22 +1,57 @@
-"""Reference attention over (cached KV + new tokens) for a batch of sequences of varying lengths.
+"""Attention over (cached KV + new tokens) for a batch of sequences of varying lengths: the torch reference, and
+the choice of kernels by device.
 
 Sequence i contributes ``new_lens[i]`` query tokens (packed along dim 0 of ``q``) that attend causally to all
 of its cached tokens and to its own new tokens up to and including their own position. Cached parts may be
 empty. Cached KV arrives as *rows* (one row per token, ``[.., kv_elems]``, the Layer Block layout) either as a
-list of per-sequence tensors or as a ``PagedKV`` view of a paged cache; a ``split`` function turns rows into
-K ``[.., Hk, D]`` and V ``[.., Hk, Dv]`` views, so GQA/MHA and MLA's shared latent use the same code.
+list of per-sequence tensors or as a ``PagedKV`` view of a paged cache; a ``RowLayout`` says where each KV head's
+key and value lie in a row (and splits rows into K ``[.., Hk, D]`` and V ``[.., Hk, Dv]`` views), so GQA/MHA and
+MLA's shared latent use the same code.
+
+Backends: ``torch`` (this module; CPU, and the reference everywhere) and ``triton`` (``kernels.triton_attention``,
+reading the paged cache in place; CUDA). ``choose_backend("auto", device)`` picks triton on CUDA when it is
+installed; ``torch`` forces the reference for debugging.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+import importlib.util
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
+from dualpath.errors import ConfigError
 from kernels.kv_move import gather_tokens
 
-SplitFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+BACKENDS = ("auto", "torch", "triton")
+
+
+def choose_backend(name: str, device: torch.device | str) -> str:
+    """The kernels an engine on ``device`` runs: ``auto`` is triton on CUDA (when installed), else torch."""
+    if name not in BACKENDS:
+        raise ConfigError(f"kernels must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        cuda = torch.device(device).type == "cuda"
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
+    return name
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where KV head h's key (``k_dim`` wide at ``h × k_dim``) and value (``v_dim`` wide at ``v_offset + h ×
+    v_dim``) lie in a cached row. Calling it splits rows into K ``[.., Hk, D]`` and V ``[.., Hk, Dv]`` views."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_offset: int
+    v_dim: int
+
+    def __call__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.num_kv_heads
+        k = rows[..., : h * self.k_dim].view(rows.shape[:-1] + (h, self.k_dim))
+        v = rows[..., self.v_offset: self.v_offset + h * self.v_dim].view(rows.shape[:-1] + (h, self.v_dim))
+        return k, v
 
 
 @dataclass(frozen=True)
@@ -35,6 +70,14 @@ class PagedKV:
         """All sequences' rows in one gather: ``[B, max_blocks × block_size, kv_elems]``."""
         b, m = self.block_tables.shape
         return self.cache[self.block_tables].reshape(b, m * self.cache.shape[1], self.cache.shape[-1])
+
+
+def consecutive_tables(first_blocks: Sequence[int], num_blocks: Sequence[int], device) -> torch.Tensor:
+    """Block tables of sequences stored in consecutive blocks (sequence i in ``first_blocks[i]`` onwards), padded
+    with each row's first block."""
+    width = max(max(num_blocks, default=0), 1)
+    rows = [[f + min(j, max(n - 1, 0)) for j in range(width)] for f, n in zip(first_blocks, num_blocks)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 CachedRows = Union[Sequence[torch.Tensor], PagedKV]
@@ -77,7 +120,7 @@ def _attend_one(q, k, v, n_cached: int, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def _decode(q, new_rows, cached: CachedRows, split: SplitFn, scale: float) -> torch.Tensor:
+def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float) -> torch.Tensor:
     # One query per sequence: each new row goes in the slot after its sequence's cached rows, then one masked
     # attention over the padded batch.
     rows, lens = _padded_rows(cached, new_rows)
@@ -91,13 +134,15 @@ def _decode(q, new_rows, cached: CachedRows, split: SplitFn, scale: float) -> to
     return out[:, :, 0, :]
 
 
-def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: SplitFn,
-                     new_lens: Sequence[int], scale: float) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
+                     new_lens: Sequence[int], scale: float, backend: str = "torch") -> torch.Tensor:
     """Attention for packed new tokens over per-sequence cached rows.
 
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
-    Returns ``[T, Hq, Dv]``.
+    Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged.
     """
+    if backend == "triton":
+        return _triton(q, new_rows, cached, split, new_lens, scale)
     if len(new_lens) > 1 and all(n == 1 for n in new_lens):
         return _decode(q, new_rows, cached, split, scale)
     outs, start = [], 0
@@ -111,30 +156,29 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def gqa_split(num_kv_heads: int, head_dim: int) -> SplitFn:
-    """Rows ``[K heads | V heads]`` -> K and V views ``[.., Hk, D]``."""
-    width = num_kv_heads * head_dim
+def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float):
+    from kernels import triton_attention as ta
 
-    def split(rows: torch.Tensor):
-        shape = rows.shape[:-1] + (num_kv_heads, head_dim)
-        return rows[..., :width].view(shape), rows[..., width:].view(shape)
+    if not isinstance(cached, PagedKV):
+        raise ValueError("the triton kernels read a paged cache: pass cached KV as PagedKV")
+    if all(n == 1 for n in new_lens):
+        return ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, layout, scale)
+    return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale)
 
-    return split
+
+def gqa_split(num_kv_heads: int, head_dim: int) -> RowLayout:
+    """Rows ``[K heads | V heads]``."""
+    return RowLayout(num_kv_heads, head_dim, num_kv_heads * head_dim, head_dim)
 
 
-def mla_split(kv_lora_rank: int) -> SplitFn:
-    """Rows ``[latent | rope key]`` -> the single shared key (the whole row) and value (the latent)."""
-
-    def split(rows: torch.Tensor):
-        k = rows.unsqueeze(-2)
-        return k, k[..., :kv_lora_rank]
-
-    return split
+def mla_split(kv_lora_rank: int, row_width: int) -> RowLayout:
+    """Rows ``[latent | rope key]``: one shared key (the whole row) whose value is the latent."""
+    return RowLayout(1, row_width, 0, kv_lora_rank)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows,
                   new_lens: Sequence[int], w_uk: torch.Tensor, w_uv: torch.Tensor, kv_lora_rank: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, backend: str = "torch") -> torch.Tensor:
     """Multi-head latent attention in absorbed form over the cached latent.
 
     A row ``[c_kv (kv_lora_rank) | k_pe (rope dim)]`` is the single shared key (queries are
@@ -143,5 +187,6 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tens
     Returns ``[T, H, dv]``.
     """
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
-    out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank), new_lens, scale)
+    out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, new_rows.shape[-1]), new_lens, scale,
+                               backend)
     return torch.einsum("thr,hvr->thv", out_lat, w_uv)

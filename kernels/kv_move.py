@@ -26,13 +26,22 @@ def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tenso
     cache_layer.view(-1, cache_layer.shape[-1]).index_copy_(0, slots, kv.to(cache_layer.dtype))
 
 
-def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """Layer Blocks of ``block_ids`` as one contiguous ``[n, block_size, kv_elems]`` tensor."""
+    if backend == "triton":
+        from kernels import triton_kv
+
+        return triton_kv.gather_blocks(cache_layer, block_ids)
     return cache_layer.index_select(0, block_ids)
 
 
-def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor,
+                   backend: str = "torch") -> None:
     """Inverse of ``gather_blocks``."""
+    if backend == "triton":
+        from kernels import triton_kv
+
+        return triton_kv.scatter_blocks(cache_layer, block_ids, blocks)
     cache_layer.index_copy_(0, block_ids, blocks.to(cache_layer.dtype))
 
 

@@ -4,6 +4,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its interpreter (numpy) on CPU tensors; it must be chosen before any
+# kernel is defined, so here, before test modules import them.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 ARCHS = ("llama", "qwen2", "deepseek_v3")
 
 

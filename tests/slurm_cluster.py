@@ -7,6 +7,7 @@ import os
 import secrets
 import shutil
 import signal
+import random
 import socket
 import subprocess
 import tempfile
@@ -25,9 +26,18 @@ def slurm_missing() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range (32768+): srun, slurmd and gRPC clients take ephemeral
+    ports all the time, and one of them taking ours between this check and the real bind failed a job once."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _binary(name: str) -> str:

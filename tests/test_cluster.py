@@ -231,6 +231,19 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
         client.close()
 
 
+def test_engines_on_the_triton_kernels_match_the_reference(tiny_dirs, tmp_path, reference):
+    """Prefill attention over the workspace, decode over the paged cache and the KV scatter on admission all run
+    as Triton kernels (the interpreter on CPU); chunked prefill makes prefill batches with cached parts."""
+    pytest.importorskip("triton")
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, cost_model="0,0.01,0", kernels="triton")
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        for i, mode in enumerate(["pe", "de"]):
+            for prompt, got, want in run_conversation(client, reference, seed=700 + i, turns=2, mode=mode):
+                assert got.token_ids == want, mode
+        client.close()
+
+
 def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_path, reference):
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=2, engines_per_node=2,
              heartbeat_timeout_s=2.0)

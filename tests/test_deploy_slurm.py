@@ -176,3 +176,22 @@ def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_
     time.sleep(1)
     left = leftovers(str(tmp_path / "shared")) + leftovers(f":{sched_port}")
     assert not left, left
+
+
+@needs_slurm
+def test_a_part_dying_during_start_up_fails_the_job_at_once(slurm, tiny_dirs, tmp_path):
+    """The scheduler cannot bind its port: the job fails within seconds, not after DUALPATH_START_TIMEOUT."""
+    import socket
+
+    sched_port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", sched_port))
+        taken.listen()
+        env = job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port)
+        job = submit(slurm, "dualpath.sbatch", env, tmp_path)
+        diagnose = job_diagnosis(slurm, job, tmp_path)
+        info = wait_job_end(slurm, job, diagnose, timeout=120)  # START_TIMEOUT is 240 s
+    assert info["JobState"] == "FAILED", diagnose()
+    assert "exited during start-up" in (tmp_path / "job.out").read_text(), diagnose()
+    time.sleep(1)
+    assert not leftovers(str(tmp_path / "shared"))

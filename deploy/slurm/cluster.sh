@@ -96,8 +96,7 @@ dualpath_cluster_up() {
   DP_SCHEDULER=$!; DP_PIDS+=($!)
   dp_start_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np"
   dp_start_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd"
-  "$DUALPATH" status --scheduler "$DUALPATH_SCHEDULER" --timeout "$DUALPATH_START_TIMEOUT" \
-    --wait-prefill $((np * DUALPATH_GPUS_PER_NODE)) --wait-decode $((nd * DUALPATH_GPUS_PER_NODE)) >&2 || {
+  dp_wait_registered $((np * DUALPATH_GPUS_PER_NODE)) $((nd * DUALPATH_GPUS_PER_NODE)) || {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
   "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
@@ -113,6 +112,24 @@ dualpath_cluster_up() {
   done
   echo "$url" >"$DUALPATH_RUN_DIR/endpoint"
   dp_log "serving at $url/v1 (scheduler metrics at http://$head:$DUALPATH_SCHEDULER_HTTP_PORT/metrics)"
+}
+
+# Wait until P prefill and D decode engines registered; fail at once when a part (scheduler, engine step) dies
+# first, instead of waiting out DUALPATH_START_TIMEOUT.
+dp_wait_registered() {
+  "$DUALPATH" status --scheduler "$DUALPATH_SCHEDULER" --timeout "$DUALPATH_START_TIMEOUT" \
+    --wait-prefill "$1" --wait-decode "$2" >&2 &
+  local waiter=$! p
+  while kill -0 "$waiter" 2>/dev/null; do
+    for p in "${DP_PIDS[@]}"; do  # one at a time: `kill -0 a b` succeeds while any of them lives
+      if ! kill -0 "$p" 2>/dev/null; then
+        kill "$waiter" 2>/dev/null; wait "$waiter" 2>/dev/null
+        dp_log "process $p exited during start-up"; return 1
+      fi
+    done
+    sleep 1
+  done
+  wait "$waiter"
 }
 
 # Block until a part exits on its own (exit 1) or a shutdown signal arrives (exit 0).

@@ -74,8 +74,9 @@ def _hf_config(arch: str, **overrides):
 
 
 def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_size: str | None = None,
-                          **overrides) -> Path:
-    """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed."""
+                          dtype: str = "float32", **overrides) -> Path:
+    """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed.
+    ``overrides`` change the Hugging Face config (benchmarks build ~1B-parameter ones this way)."""
     import torch
     import transformers
 
@@ -83,7 +84,7 @@ def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_
     path.mkdir(parents=True, exist_ok=True)
     config = _hf_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if arch == "deepseek_v3":  # random correction biases with enough spread that routing
         # exercises them and bfloat16 rounding does not flip expert choices
         for name, buf in model.named_buffers():

@@ -9,6 +9,7 @@ from engines.models.base import CausalLM, ForwardBatch, ForwardContext
 from engines.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.loader import Checkpoint, open_checkpoint
+from kernels.attention import choose_backend
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -18,13 +19,14 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 
 
 def load_model(ckpt: Checkpoint | str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.float32) -> CausalLM:
-    """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights."""
+               dtype: torch.dtype | str = torch.float32, kernels: str = "auto") -> CausalLM:
+    """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights; ``kernels`` as in
+    ``kernels.attention.choose_backend``."""
     if not isinstance(ckpt, Checkpoint):
         ckpt = open_checkpoint(ckpt)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = MODEL_CLASSES[ckpt.config.architecture](ckpt.config)
+    model = MODEL_CLASSES[ckpt.config.architecture](ckpt.config, choose_backend(kernels, device))
     model.cast_(dtype)
     model.load_checkpoint(ckpt, device)
     return model.eval()

@@ -86,9 +86,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 class CausalLM(nn.Module, ABC):
     """A decoder-only model with a layerwise forward over externally held KV."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: str = "torch"):
         super().__init__()
         self.config = config
+        self.kernels = kernels  # "torch" or "triton": the backend every layer's attention runs on
         inv_freq, self.rope_attention_factor = rope_inv_freq(config.rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.embed_tokens = param(config.vocab_size, config.hidden_size)

@@ -68,8 +68,8 @@ class DeepseekV3Layer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, kernels: str = "torch"):
+        super().__init__(config, kernels)
         m = config.mla
         if config.moe.num_experts % config.moe.num_groups:
             raise CheckpointError(f"n_routed_experts {config.moe.num_experts} not divisible by n_group")
@@ -93,7 +93,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         new_kv = torch.cat([latent, k_pe.view(t, -1)], dim=1)
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.batch.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
-                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale)
+                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels)
         return linear(out.reshape(t, -1), w.o_w), new_kv
 
     def _moe(self, w: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,8 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, kernels: str = "torch"):
+        super().__init__(config, kernels)
         if config.hidden_act != "silu":
             raise CheckpointError(f"activation {config.hidden_act!r} is not supported (only silu)")
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
@@ -55,7 +55,7 @@ class LlamaForCausalLM(CausalLM):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         new_kv = torch.cat([k.reshape(t, hk * d), v.reshape(t, hk * d)], dim=1)
-        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.batch.new_lens, self.scale)
+        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.batch.new_lens, self.scale, self.kernels)
         hidden = hidden + linear(attn.reshape(t, -1), w.o_w, w.o_b)
         x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
         gate, up = linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)

@@ -1,0 +1,215 @@
+"""Triton kernels for attention over a paged KV cache plus new tokens: varlen causal prefill and split-sequence
+decode, for GQA/MHA rows and MLA's shared latent alike. CUDA devices use them (``kernels.attention`` dispatches);
+tests run them on CPU under ``TRITON_INTERPRET=1`` against a float64 reference.
+
+Every kernel reads KV where it lies: cached tokens of sequence b are token slots of the blocks
+``block_tables[b]`` of one cache layer ``[num_blocks, block_size, kv_elems]``; the batch's new tokens are rows of
+``new_rows [T, kv_elems]``. A ``RowLayout`` says where in a row a KV head's key and value start, so the same kernels
+serve ``[K heads | V heads]`` rows and MLA's ``[latent | rope key]`` rows (one shared head, value = the latent).
+Softmax is computed online in float32; inputs stay in their dtype (bfloat16 products accumulate in float32).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention import RowLayout
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``IEEE``: multiply in float32 exactly (float32 inputs: not TF32, the reference is float64; and in Triton's
+    interpreter, whose bfloat16 dot is wrong). Otherwise natively, accumulating in float32."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_new_ptr, out_ptr, scale,
+                    stride_qt, stride_qh, stride_nt, stride_cb, stride_cs, stride_tb, stride_ot, stride_oh,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                    V_OFF: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One program: BLOCK_M new tokens of one sequence, one query head. Keys: the cached tokens, then the
+    sequence's own new tokens up to each query's position."""
+    mb, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = tl.load(cu_new_ptr + b), tl.load(cu_new_ptr + b + 1)
+    n_new, n_cached = end - start, tl.load(cached_lens_ptr + b)
+    if mb * BLOCK_M >= n_new:
+        return
+    kh = h // GROUP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d, offs_v, offs_n = tl.arange(0, D_PAD), tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
+    m_ok = offs_m < n_new
+    q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
+    k_col, v_col = kh * D + offs_d, V_OFF + kh * DV + offs_v
+    for n0 in range(0, n_cached, BLOCK_N):  # cached keys: every query sees all of them
+        pos = n0 + offs_n
+        ok = pos < n_cached
+        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0)
+        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        k = tl.load(row[:, None] + k_col[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(row[:, None] + v_col[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+    for n0 in range(0, (mb + 1) * BLOCK_M, BLOCK_N):  # own new keys, causal
+        pos = n0 + offs_n
+        ok = pos < n_new
+        row = new_ptr + (start + pos).to(tl.int64) * stride_nt
+        k = tl.load(row[:, None] + k_col[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(row[:, None] + v_col[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        s = tl.where(ok[None, :] & (pos[None, :] <= offs_m[:, None]), s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < DV))
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold a tile of scores ``s [M, N]`` and values ``v [N, DV]`` into the running max, sum and output.
+    Rows whose keys are all masked so far keep m = -inf and contribute nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, scale,
+                         stride_qb, stride_qh, stride_nb, stride_cb, stride_cs, stride_tb,
+                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                         DV: tl.constexpr, V_OFF: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One program: one sequence, one KV head with all its query heads, keys [s × SPLIT, (s + 1) × SPLIT).
+    Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the partial output and
+    its log-sum-exp; a split past the sequence's end writes lse = -inf."""
+    b, kh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_cached = tl.load(cached_lens_ptr + b)
+    total = n_cached + 1
+    offs_g, offs_d, offs_v = tl.arange(0, G_PAD), tl.arange(0, D_PAD), tl.arange(0, DV_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < GROUP
+    heads = kh * GROUP + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    k_col, v_col = kh * D + offs_d, V_OFF + kh * DV + offs_v
+    new_row = new_ptr + b.to(tl.int64) * stride_nb
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, total)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        in_cache, is_new = pos < n_cached, pos == n_cached
+        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=in_cache, other=0)
+        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        k = tl.load(row[:, None] + k_col[None, :], mask=in_cache[:, None] & (offs_d[None, :] < D), other=0.0)
+        k += tl.load(new_row + k_col[None, :] + 0 * pos[:, None], mask=is_new[:, None] & (offs_d[None, :] < D),
+                     other=0.0)
+        v = tl.load(row[:, None] + v_col[None, :], mask=in_cache[:, None] & (offs_v[None, :] < DV), other=0.0)
+        v += tl.load(new_row + v_col[None, :] + 0 * pos[:, None], mask=is_new[:, None] & (offs_v[None, :] < DV),
+                     other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_v[None, :], out,
+             mask=g_ok[:, None] & (offs_v[None, :] < DV))
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                          stride_ob, stride_oh, SPLITS: tl.constexpr, S_PAD: tl.constexpr, DV: tl.constexpr,
+                          DV_PAD: tl.constexpr):
+    """One program per (sequence, head): the splits' outputs weighted by exp(lse - max)."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_s, offs_v = tl.arange(0, S_PAD), tl.arange(0, DV_PAD)
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_v[None, :],
+                   mask=(offs_s[:, None] < SPLITS) & (offs_v[None, :] < DV), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=offs_v < DV)
+
+
+def _pad(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor) -> dict:
+    return dict(BLOCK_SIZE=cache.shape[1], D=layout.k_dim, DV=layout.v_dim, V_OFF=layout.v_offset,
+                D_PAD=_pad(layout.k_dim), DV_PAD=_pad(layout.v_dim),
+                IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                      cached_lens: Sequence[int], new_lens: Sequence[int], layout: RowLayout, scale: float,
+                      block_m: int = 32, block_n: int = 32, out: torch.Tensor | None = None,
+                      **launch) -> torch.Tensor:
+    """Causal attention of packed new tokens ``q [T, Hq, D]`` over each sequence's cached tokens (paged) and its
+    own new rows. Returns ``[T, Hq, Dv]`` in q's dtype (into ``out`` if given). ``launch``: Triton launch options
+    (``num_warps``, ``num_stages``)."""
+    t, hq, _ = q.shape
+    dev = q.device
+    out = q.new_empty(t, hq, layout.v_dim) if out is None else out
+    if t == 0:
+        return out
+    cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev)
+    lens = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
+    q, new_rows = q.contiguous(), new_rows.contiguous()
+    grid = (triton.cdiv(max(new_lens), block_m), len(new_lens), hq)
+    _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale,
+                          q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1),
+                          block_tables.stride(0), out.stride(0), out.stride(1),
+                          GROUP=hq // layout.num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q),
+                          **launch)
+    return out
+
+
+def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                     cached_lens: Sequence[int], layout: RowLayout, scale: float, split_tokens: int = 1024,
+                     block_n: int = 32, out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself, split along the
+    sequence in ``split_tokens`` pieces run in parallel and then reduced. Returns ``[B, Hq, Dv]``."""
+    b, hq, _ = q.shape
+    dev = q.device
+    out = q.new_empty(b, hq, layout.v_dim) if out is None else out
+    if b == 0:
+        return out
+    split_tokens = max(block_n, split_tokens // block_n * block_n)
+    splits = triton.cdiv(max(cached_lens) + 1, split_tokens)
+    part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
+    lens = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
+    q, new_rows = q.contiguous(), new_rows.contiguous()
+    group = hq // layout.num_kv_heads
+    common = _common(cache, layout, q)
+    _decode_split_kernel[(b, layout.num_kv_heads, splits)](
+        q, new_rows, cache, block_tables, lens, part, lse, scale,
+        q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, G_PAD=_pad(group), SPLIT=split_tokens, BLOCK_N=block_n, **common, **launch)
+    _decode_reduce_kernel[(b, hq)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+                                   lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits,
+                                   S_PAD=triton.next_power_of_2(splits), DV=layout.v_dim, DV_PAD=common["DV_PAD"])
+    return out

@@ -1,0 +1,32 @@
+"""Prefill's host-to-device copy stream: inline on CPU; on CUDA ordered with compute by events only (run by
+bench/gpu/run.sh on a GPU machine)."""
+import pytest
+import torch
+
+from engines.layer_copies import LayerCopies
+
+
+def test_cpu_copies_run_inline_and_ordering_is_a_no_op():
+    copies, slot, seen = LayerCopies(torch.device("cpu")), torch.zeros(4), []
+    copies.issue(0, 0, lambda stream: (seen.append(stream), slot.fill_(3)))
+    assert seen == [None] and slot.tolist() == [3.0] * 4
+    copies.before_compute(0)
+    copies.after_compute(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copy_into_a_slot_waits_for_the_compute_reading_it():
+    dev = torch.device("cuda")
+    copies = LayerCopies(dev)
+    n = 1 << 24
+    slot = torch.zeros(n, device=dev)
+    ones, twos = torch.ones(n).pin_memory(), torch.full((n,), 2.0).pin_memory()
+    copies.issue(0, 0, lambda s: slot.copy_(ones, non_blocking=True))
+    copies.before_compute(0)
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while before it reads the slot
+    first = slot.sum()
+    copies.after_compute(0)
+    copies.issue(2, 0, lambda s: slot.copy_(twos, non_blocking=True))  # must not land before `first` is read
+    copies.before_compute(2)
+    second = slot.sum()
+    assert (first.item(), second.item()) == (n, 2 * n)
