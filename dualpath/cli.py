@@ -174,16 +174,47 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0)
 
 
+def _hardware_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (one compute NIC each)")
+    p.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC bandwidth per GPU")
+    p.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC bandwidth per node")
+    p.add_argument("--dram-gbs", type=float, default=500.0, help="node DRAM bandwidth, GB/s")
+
+
+def _hardware(args: argparse.Namespace):
+    from dualpath.sim.hardware import GBPS, Hardware
+
+    return Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
+                    dram_bps=args.dram_gbs * 1e9)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Each system on the same trace and simulated cluster; a table (or JSON) of job completion times."""
+    import json
+
+    from dualpath.sim.cluster import simulate_systems
+
+    logging.getLogger("scheduler").setLevel(logging.WARNING)  # thousands of simulated engines join
+    rows = simulate_systems(args, _hardware(args))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'system':<12} {'JCT s':>9} {'turns/s':>9} {'TTFT p50 ms':>12} {'reads max/avg':>14}  busiest link")
+    for r in rows:
+        print(f"{r['system']:<12} {r['jct_s']:>9.1f} {r['turns_per_s']:>9.1f} {r['ttft_p50_s'] * 1e3:>12.0f} "
+              f"{r['storage_read_max_over_avg']:>14.2f}  {r['busiest_link']} {r['busiest_utilization']:.0%}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """The P/D ratios that add no bottleneck (paper §4.2) for the given node, and the link loads of one split."""
     import json
 
-    from dualpath.sim.hardware import GBPS, MODELS, Hardware
+    from dualpath.sim.hardware import MODELS
     from dualpath.sim.plan import (as_fraction, bottleneck_free_range, describe, node_counts,
                                    storage_bound_turns_per_s)
 
-    hw = Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
-                  dram_bps=args.dram_gbs * 1e9)
+    hw = _hardware(args)
     r = bottleneck_free_range(hw)
     splits = node_counts(r, args.nodes) if args.nodes else []
     if args.json:
@@ -388,10 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.set_defaults(func=cmd_bench_agentic)
 
     pl = sub.add_parser("plan", help="P/D ratios that add no link bottleneck, and link loads of a P/D split")
-    pl.add_argument("--gpus", type=int, default=8, help="GPUs per node (one compute NIC each)")
-    pl.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC bandwidth per GPU")
-    pl.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC bandwidth per node")
-    pl.add_argument("--dram-gbs", type=float, default=500.0, help="node DRAM bandwidth, GB/s")
+    _hardware_args(pl)
     pl.add_argument("--nodes", type=int, default=0, help="list the P/D splits of this many nodes in range")
     pl.add_argument("--prefill", type=int, default=0, help="with --decode: per-link loads of this split")
     pl.add_argument("--decode", type=int, default=0)
@@ -399,6 +427,27 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hit-tokens", type=int, default=0, help="with --prefill/--decode: stored tokens loaded per turn")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
+
+    sm = sub.add_parser("simulate", help="an agentic trace on a simulated P/D cluster placed by the real scheduler")
+    _hardware_args(sm)
+    sm.add_argument("--prefill", type=int, default=2, help="prefill nodes")
+    sm.add_argument("--decode", type=int, default=4, help="decode nodes")
+    sm.add_argument("--model", default="ds660b", choices=sorted(MODELS), help="KV bytes per token of this preset")
+    sm.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"], help="trace statistics (Table 2)")
+    sm.add_argument("--agents", type=int, default=64)
+    sm.add_argument("--scale", type=float, default=1.0, help="scale tokens per round")
+    sm.add_argument("--turns-scale", type=float, default=1.0, help="scale rounds per agent")
+    sm.add_argument("--systems", default="basic,layerwise,dualpath-rr,dualpath,oracle")
+    sm.add_argument("--storage-gbps", type=float, default=0.0, help="storage system read bandwidth (0: unlimited; "
+                                                                     "each node's SNIC still applies)")
+    sm.add_argument("--prefill-tps", type=float, default=20_000.0,
+                    help="prefill tokens/s of one GPU (a placeholder, not calibrated to the paper's hardware)")
+    sm.add_argument("--decode-step-ms", type=float, default=30.0, help="decode step time of one GPU")
+    sm.add_argument("--decode-kv-tokens", type=int, default=1_000_000, help="KV tokens a decode GPU holds")
+    sm.add_argument("--layers", type=int, default=61)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--json", action="store_true")
+    sm.set_defaults(func=cmd_simulate)
 
     fe = sub.add_parser("frontend", help="the OpenAI-compatible HTTP server for a running scheduler")
     _frontend_args(fe)
