@@ -73,10 +73,10 @@ class PagedKV:
 
 
 def consecutive_tables(first_blocks: Sequence[int], num_blocks: Sequence[int], device) -> torch.Tensor:
-    """Block tables of sequences stored in consecutive blocks (sequence i in ``first_blocks[i]`` onwards), padded
-    with each row's first block."""
+    """Block tables of sequences stored in consecutive blocks (sequence i in ``first_blocks[i]`` onwards). Rows are
+    padded by repeating their last block, and a sequence with no blocks gets block 0: every id stays valid."""
     width = max(max(num_blocks, default=0), 1)
-    rows = [[f + min(j, max(n - 1, 0)) for j in range(width)] for f, n in zip(first_blocks, num_blocks)]
+    rows = [[f + min(j, n - 1) if n else 0 for j in range(width)] for f, n in zip(first_blocks, num_blocks)]
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
