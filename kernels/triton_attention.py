@@ -37,18 +37,19 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                     V_OFF: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One program: BLOCK_M new tokens of one sequence, one query head. Keys: the cached tokens, then the
-    sequence's own new tokens up to each query's position."""
-    mb, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program: one sequence, one KV head, BLOCK_M rows of (new token, query head of the group) pairs — the
+    group's heads share every K/V tile loaded (GQA packing). Keys: the cached tokens, then the sequence's own new
+    tokens up to each query's position."""
+    mb, b, kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = tl.load(cu_new_ptr + b), tl.load(cu_new_ptr + b + 1)
     n_new, n_cached = end - start, tl.load(cached_lens_ptr + b)
-    if mb * BLOCK_M >= n_new:
+    if mb * BLOCK_M // GROUP >= n_new:
         return
-    kh = h // GROUP
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok, head = rows // GROUP, kh * GROUP + rows % GROUP
     offs_d, offs_v, offs_n = tl.arange(0, D_PAD), tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
-    m_ok = offs_m < n_new
-    q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    m_ok = tok < n_new
+    q = tl.load(q_ptr + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -64,17 +65,17 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
         s = _dot(q, tl.trans(k), IEEE) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
-    for n0 in range(0, (mb + 1) * BLOCK_M, BLOCK_N):  # own new keys, causal
+    for n0 in range(0, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # own new keys, causal
         pos = n0 + offs_n
         ok = pos < n_new
         row = new_ptr + (start + pos).to(tl.int64) * stride_nt
         k = tl.load(row[:, None] + k_col[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(row[:, None] + v_col[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale
-        s = tl.where(ok[None, :] & (pos[None, :] <= offs_m[:, None]), s, float("-inf"))
+        s = tl.where(ok[None, :] & (pos[None, :] <= tok[:, None]), s, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
+    tl.store(out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < DV))
 
 
@@ -177,11 +178,12 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
     cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev)
     lens = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
-    grid = (triton.cdiv(max(new_lens), block_m), len(new_lens), hq)
+    group = hq // layout.num_kv_heads
+    grid = (triton.cdiv(max(new_lens) * group, block_m), len(new_lens), layout.num_kv_heads)
     _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale,
                           q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1),
                           block_tables.stride(0), out.stride(0), out.stride(1),
-                          GROUP=hq // layout.num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q),
+                          GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q),
                           **launch)
     return out
 

@@ -63,7 +63,8 @@ CASES = [  # (cached lens, new lens): empty cached, single token, odd lengths, e
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 2, 16), (3, 3, 24), (8, 1, 32)])  # GQA, MHA with D not a power of 2, MQA
+# GQA, MHA with D not a power of 2, MQA, and a group wider than a row block (32 heads, block_m 16)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (3, 3, 24), (8, 1, 32), (32, 1, 16)])
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_kernel_against_float64(dtype, heads, case):
     cached_lens, new_lens = case
