@@ -58,3 +58,18 @@ def test_unknown_system_is_refused():
     with pytest.raises(ValueError, match="system"):
         SimConfig(FAST, MODEL, ENGINE, 1, 1, "magic")
     assert math.isinf(SimConfig(FAST, MODEL, ENGINE, 1, 1).storage_bps)
+
+
+def test_online_capacity_of_one_prefill_gpu():
+    """One-round agents, 0.1 s of prefill each on one prefill GPU, nothing stored: the GPU saturates at 10
+    agents/s, beyond which TTFT grows with time: over a finite run of T seconds the mean TTFT at load rho is about
+    (rho - 1) T / 2, so a 4 s objective over 100 s admits rho up to ~1.08: the capacity found lies just above 10."""
+    from dualpath.sim.cluster import Slo, online_capacity
+
+    engine = EngineModel(CostModel(0.1, 0.0, 0.0), decode_fixed_s=0.001, decode_per_seq_s=0.0,
+                         decode_per_token_s=0.0, decode_kv_tokens=10 ** 7, num_layers=2)
+    cfg = SimConfig(FAST, MODEL, engine, 1, 1, "dualpath", pull_interval_s=0.05)
+    found = online_capacity(cfg, [[(64, 2)]], duration_s=100.0, slo=Slo(4.0, 0.05), iters=5)
+    assert 9.5 <= found["agents_per_s"] <= 11.5, found
+    rates = dict(found["tried"])
+    assert rates[1.0] and not rates[16.0]

@@ -83,6 +83,7 @@ class Agent:
     context: int = 0  # tokens before the next round's append
     next_round: int = 0
     finished_at: float = 0.0
+    start: float = 0.0  # when its first round is submitted (online runs: the arrival time)
 
 
 @dataclass
@@ -125,10 +126,12 @@ class SimResult:
     storage_read_bytes: dict[str, float]
     ttft_s: list[float]
     link_bytes: dict[str, float]
+    tpot_s: list[float] = field(default_factory=list)  # per request: decode time per token after the first
 
 
 class ClusterSim:
-    def __init__(self, cfg: SimConfig, rounds_per_agent: list[list[tuple[int, int]]]):
+    def __init__(self, cfg: SimConfig, rounds_per_agent: list[list[tuple[int, int]]],
+                 starts: list[float] | None = None):
         self.cfg = cfg
         mode, policy, self.layerwise, self.reads = SYSTEMS[cfg.system]
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
@@ -142,10 +145,11 @@ class ClusterSim:
         for node in nodes:
             for g in range(cfg.hardware.gpus):
                 self._register(node, g)
-        self.agents = [Agent(i, r) for i, r in enumerate(rounds_per_agent)]
+        self.agents = [Agent(i, r, start=starts[i] if starts else 0.0) for i, r in enumerate(rounds_per_agent)]
         self.requests: dict[str, SimRequest] = {}  # by work id
         self.by_id: dict[str, SimRequest] = {}  # by request id
         self.ttft: list[float] = []
+        self.tpot: list[float] = []
         self.read_bytes: dict[str, float] = {}
         self.reading: dict[str, set[str]] = {}  # node -> its storage reads in flight (flow ids)
         self.turns = 0
@@ -282,6 +286,7 @@ class ClusterSim:
                 del de.running[work]
                 del de.held[work]
                 de.finished.append(work)
+                self.tpot.append((self.loop.now - req.prefill_done) / max(req.gen - 1, 1))
                 first, last = req.hit_tokens // bs, (req.prompt + req.gen) // bs  # what storage lacks
                 de.stored.extend(block_key(req.agent.index, b) for b in range(first, last))
         self._step(de)
@@ -290,13 +295,51 @@ class ClusterSim:
     def run(self, until: float = math.inf) -> SimResult:
         for agent in self.agents:
             if agent.rounds:
-                self._submit(agent)
+                self.loop.at(agent.start, lambda a=agent: self._submit(a))
         groups = sorted({e.info.group_id for e in self.engines.values()})
         for i, group in enumerate(groups):  # real groups' pull timers are not aligned: spread their phases
             self.loop.at(self.cfg.pull_interval_s * i / len(groups), lambda g=group: self._pull(g))
         self.loop.run(until)
         jct = max((a.finished_at for a in self.agents), default=0.0)
-        return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried))
+        return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The paper's online service objective. It states thresholds, not the statistic: means are used here."""
+
+    ttft_s: float = 4.0
+    tpot_s: float = 0.05
+
+    def holds(self, r: SimResult) -> bool:
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return mean(r.ttft_s) <= self.ttft_s and mean(r.tpot_s) <= self.tpot_s
+
+
+def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_s: float, slo: Slo = Slo(),
+                    iters: int = 8, seed: int = 0) -> dict:
+    """The highest agent arrival rate (agents/s, Poisson over ``duration_s``) at which ``slo`` holds: doubling to
+    find a rate that fails, then bisection. Agent i replays ``pool[i % len(pool)]``."""
+    import numpy as np
+
+    tried: dict[float, bool] = {}
+
+    def ok(aps: float) -> bool:
+        gaps = np.random.default_rng(seed).exponential(1.0 / aps, size=int(aps * duration_s * 2) + 1)
+        starts = [float(t) for t in np.cumsum(gaps) if t < duration_s]
+        r = ClusterSim(cfg, [pool[i % len(pool)] for i in range(len(starts))], starts).run()
+        tried[aps] = slo.holds(r)
+        return tried[aps]
+
+    lo, hi = 0.0, 1.0
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            raise ValueError("the SLO holds at any arrival rate: the workload is too small")
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return {"agents_per_s": lo, "tried": sorted(tried.items())}
 
 
 def simulate_systems(args, hw: Hardware) -> list[dict]:
@@ -328,4 +371,6 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
                      "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in nodes])
                      if system != "oracle" else 0.0,
                      "busiest_link": busiest, "busiest_utilization": util.get(busiest, 0.0)})
+        if args.online_seconds > 0:
+            rows[-1]["online_agents_per_s"] = online_capacity(cfg, rounds, args.online_seconds)["agents_per_s"]
     return rows
