@@ -142,10 +142,12 @@ class ClusterSim:
                                                   heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9),
                                   make_policy(policy), clock=lambda: self.loop.now)
         self.engines: dict[str, SimEngine] = {}
+        self.groups: dict[str, list[SimEngine]] = {}  # node -> its engines (a group pulls for all of them)
         for node in nodes:
             for g in range(cfg.hardware.gpus):
                 self._register(node, g)
         self.agents = [Agent(i, r, start=starts[i] if starts else 0.0) for i, r in enumerate(rounds_per_agent)]
+        self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
         self.requests: dict[str, SimRequest] = {}  # by work id
         self.by_id: dict[str, SimRequest] = {}  # by request id
         self.ttft: list[float] = []
@@ -166,6 +168,7 @@ class ClusterSim:
                           beta_tokens=beta if role is Role.PREFILL else 0)
         self.core.register(info)
         self.engines[info.engine_id] = SimEngine(info, (node, g))
+        self.groups.setdefault(node, []).append(self.engines[info.engine_id])
 
     # --- agents -----------------------------------------------------------------------------------------------
     def _submit(self, agent: Agent) -> None:
@@ -190,17 +193,18 @@ class ClusterSim:
                 self._submit(agent)
             else:
                 agent.finished_at = self.loop.now
+                self.unfinished -= 1
         elif ev.kind == "failed":
             raise RuntimeError(f"simulated request {ev.request_id} failed: {ev.error}")
 
     # --- pulls ------------------------------------------------------------------------------------------------
     def _pull(self, group: str) -> None:
-        members = [e for e in self.engines.values() if e.info.group_id == group]
+        members = self.groups[group]
         reply = self.core.pull(group, [self._load(e) for e in members], members[0].info.engine_id)
         for eid, work in reply.assignments.items():
             for a in work:
                 self._start_prefill(self.engines[eid], a)
-        if any(a.next_round < len(a.rounds) for a in self.agents):
+        if self.unfinished:
             self.loop.after(self.cfg.pull_interval_s, lambda: self._pull(group))
 
     def _load(self, e: SimEngine) -> EngineLoad:
@@ -296,7 +300,7 @@ class ClusterSim:
         for agent in self.agents:
             if agent.rounds:
                 self.loop.at(agent.start, lambda a=agent: self._submit(a))
-        groups = sorted({e.info.group_id for e in self.engines.values()})
+        groups = sorted(self.groups)
         for i, group in enumerate(groups):  # real groups' pull timers are not aligned: spread their phases
             self.loop.at(self.cfg.pull_interval_s * i / len(groups), lambda g=group: self._pull(g))
         self.loop.run(until)
