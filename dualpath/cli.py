@@ -146,7 +146,9 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def _kernels_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+    from dualpath.config import KERNEL_BACKENDS  # plain data, no heavy imports
+
+    p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
                    help="attention and KV-move kernels: auto (triton on CUDA, torch on CPU), torch (the reference)")
 
 

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KERNEL_BACKENDS = ("auto", "torch", "triton")  # see kernels.attention.choose_backend
 
 
 @dataclass(frozen=True)
@@ -262,8 +263,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ConfigError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
 
     @property
     def dtype_bytes(self) -> int:

@@ -21,16 +21,15 @@ from typing import Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from dualpath.config import KERNEL_BACKENDS
 from dualpath.errors import ConfigError
 from kernels.kv_move import gather_tokens
-
-BACKENDS = ("auto", "torch", "triton")
 
 
 def choose_backend(name: str, device: torch.device | str) -> str:
     """The kernels an engine on ``device`` runs: ``auto`` is triton on CUDA (when installed), else torch."""
-    if name not in BACKENDS:
-        raise ConfigError(f"kernels must be one of {BACKENDS}, got {name!r}")
+    if name not in KERNEL_BACKENDS:
+        raise ConfigError(f"kernels must be one of {KERNEL_BACKENDS}, got {name!r}")
     if name == "auto":
         cuda = torch.device(device).type == "cuda"
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"

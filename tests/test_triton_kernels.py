@@ -11,7 +11,8 @@ pytest.importorskip("triton")
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_kv  # noqa: E402
-from kernels.attention import PagedKV, choose_backend, gqa_split, mla_attention, mla_split, varlen_attention  # noqa: E402
+from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention, mla_split,  # noqa: E402
+                               varlen_attention)
 from kernels.kv_move import gather_blocks, scatter_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,8 +3,9 @@ place every request; engines, storage and links are models on one event clock.
 
 What is modelled (and what is not):
 * Engines: one per GPU, grouped by node; each group pulls from the scheduler every ``pull_interval_s`` (group i
-  of n first at i/n of the interval: pulls are not aligned in a real cluster either) with load reports built like the real engines' (seq, tok, the node's storage read queue in tokens, free KV tokens, held
-  requests, finished ones and the blocks they stored).
+  of n first at i/n of the interval: pulls are not aligned in a real cluster either) with load reports built like
+  the real engines' (seq, tok, the node's storage read queue in tokens, free KV tokens, held requests, finished
+  ones and the blocks they stored).
 * A prefill GPU runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
   the form the real engines fit at start-up. Layerwise prefill starts computing when the request's read starts and
   ends no earlier than one layer's compute after the read ends; whole-KV (``basic``) prefill starts after the read.
@@ -93,7 +94,6 @@ class SimRequest:
     gen: int
     submitted: float
     hit_tokens: int = 0
-    pe: str = ""
     de: str = ""
     prefill_done: float = 0.0
     generated: int = 0
@@ -103,7 +103,6 @@ class SimRequest:
 class SimEngine:
     info: EngineInfo
     gpu: tuple[str, int]  # (node, index) for link routes
-    queue: list[str] = field(default_factory=list)  # prefill: work ids waiting for the GPU
     running: dict[str, SimRequest] = field(default_factory=dict)  # decode: generating
     held: dict[str, SimRequest] = field(default_factory=dict)  # admitted, not finished
     busy_until: float = 0.0
@@ -224,7 +223,7 @@ class ClusterSim:
     def _start_prefill(self, pe: SimEngine, a) -> None:
         rid = a.request_id.rsplit(".", 1)[0]
         req = self.by_id[rid]
-        req.pe, req.de = pe.info.engine_id, a.decode.engine_id
+        req.de = a.decode.engine_id
         req.hit_tokens = a.num_hit_blocks * self.cfg.block_size
         self.requests[a.request_id] = req
         pe.held[a.request_id] = req
@@ -364,7 +363,6 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
         cfg = SimConfig(hw, MODELS[args.model], engine, args.prefill, args.decode, system, storage)
         sim = ClusterSim(cfg, rounds)
         r = sim.run()
-        nodes = [f"p{i}" for i in range(args.prefill)] + [f"d{i}" for i in range(args.decode)]
         caps = sim.loop.net.capacity
         util = {k: v / (caps[k] * r.jct_s) for k, v in r.link_bytes.items() if r.jct_s > 0 and k != "storage"}
         busiest = max(util, key=util.get) if util else ""
@@ -372,7 +370,7 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
                      "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
                      "ttft_p50_s": float(np.median(r.ttft_s)) if r.ttft_s else 0.0,
                      "storage_read_bytes": r.storage_read_bytes,
-                     "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in nodes])
+                     "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in sim.groups])
                      if system != "oracle" else 0.0,
                      "busiest_link": busiest, "busiest_utilization": util.get(busiest, 0.0)})
         if args.online_seconds > 0:
