@@ -187,7 +187,7 @@ def _hardware(args: argparse.Namespace):
     from dualpath.sim.hardware import GBPS, Hardware
 
     return Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
-                    dram_bps=args.dram_gbs * 1e9)
+                    dram_bps=args.dram_gbs * 1e9, storage_read_bps=getattr(args, "storage_read_gbs", 0.0) * 1e9)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -234,6 +234,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f" upper bound set by the {r.binding_high}")
     if args.nodes:
         print(f"splits of {args.nodes} nodes inside it: " + (", ".join(f"{p}P{d}D" for p, d in splits) or "none"))
+    if args.simulate:
+        _plan_by_simulation(args, hw, splits)
     if args.prefill and args.decode:
         print(describe(hw, args.prefill, args.decode))
         if args.hit_tokens:
@@ -243,6 +245,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"{m.name}, {args.hit_tokens} stored tokens per turn ({m.kv_bytes_per_token / 1024:.0f} KiB each): "
                   f"storage-bound {dual:.1f} turns/s with both paths, {basic:.1f} through prefill nodes only")
     return 0
+
+
+def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, int]]) -> None:
+    """Every P/D split of ``--nodes`` (or, past 16 nodes, those in the bottleneck-free range) simulated under a
+    closed loop of agents; the best, and the nodes a target rate needs at that ratio (throughput scales with
+    nodes at a fixed ratio: see the scale part of bench/sim_reproduction.py)."""
+    import math
+
+    from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.sim.hardware import MODELS
+    from dualpath.sim.plan import best_split, simulate_split
+
+    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    if not args.nodes:
+        raise SystemExit("plan --simulate needs --nodes")
+    splits = [(p, args.nodes - p) for p in range(1, args.nodes)] if args.nodes <= 16 else in_range
+    rounds, _ = trace_shapes(args.preset, args.agents_per_node * args.nodes)
+    print(f"simulating {len(splits)} splits of {args.nodes} nodes, {MODELS[args.model].name}, {args.preset} trace, "
+          f"{len(rounds)} agents, {args.seconds:g} s each (turns/s over the second half)")
+    print(f"{'split':>7} {'in range':>8} {'turns/s':>8} {'prefill busy':>12} {'TTFT s':>7}  busiest link")
+    rows = []
+    for p, d in splits:
+        rows.append(simulate_split(hw, MODELS[args.model], p, d, rounds, args.seconds,
+                                   storage_gbps=args.storage_gbps))
+        r = rows[-1]
+        print(f"{p:>3}P{d}D {'yes' if (p, d) in in_range else 'no':>8} {r['turns_per_s']:>8.1f} "
+              f"{r['prefill_busy']:>12.0%} {r['ttft_mean_s']:>7.2f}  {r['busiest']} {r['busiest_utilization']:.0%}",
+              flush=True)
+    best = best_split(rows)
+    print(f"best: {best['prefill']}P{best['decode']}D at {best['turns_per_s']:.1f} turns/s (prefill GPUs "
+          f"{best['prefill_busy']:.0%} busy; busiest link {best['busiest']} at {best['busiest_utilization']:.0%})")
+    if args.target_turns_per_s:
+        scale = args.target_turns_per_s / best["turns_per_s"]
+        p, d = math.ceil(scale * best["prefill"]), math.ceil(scale * best["decode"])
+        print(f"{args.target_turns_per_s:g} turns/s at P/D {best['prefill']}:{best['decode']} needs about {p + d} "
+              f"nodes ({p}P{d}D)")
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -429,28 +467,46 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="ds660b", choices=sorted(MODELS), help="KV bytes per token of this preset")
     pl.add_argument("--hit-tokens", type=int, default=0, help="with --prefill/--decode: stored tokens loaded per turn")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--simulate", action="store_true",
+                    help="also simulate every split of --nodes under the model preset and trace; report the best")
+    pl.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"], help="with --simulate: the trace")
+    pl.add_argument("--agents-per-node", type=int, default=170, help="with --simulate: agents (enough to saturate)")
+    pl.add_argument("--seconds", type=float, default=900.0, help="with --simulate: simulated seconds per split")
+    pl.add_argument("--storage-read-gbs", type=float, default=22.0,
+                    help="with --simulate: what one node's storage client reads, GB/s (0: the SNIC's line rate)")
+    pl.add_argument("--storage-gbps", type=float, default=None,
+                    help="with --simulate: the storage system's aggregate read bandwidth, Gbps (default: the "
+                         "paper's calibration; 0: unlimited)")
+    pl.add_argument("--target-turns-per-s", type=float, default=0.0,
+                    help="with --simulate: the nodes this rate needs at the best ratio")
     pl.set_defaults(func=cmd_plan)
 
     sm = sub.add_parser("simulate", help="an agentic trace on a simulated P/D cluster placed by the real scheduler")
     _hardware_args(sm)
     sm.add_argument("--prefill", type=int, default=2, help="prefill nodes")
     sm.add_argument("--decode", type=int, default=4, help="decode nodes")
-    sm.add_argument("--model", default="ds660b", choices=sorted(MODELS), help="KV bytes per token of this preset")
+    sm.add_argument("--model", default="ds660b", choices=sorted(MODELS),
+                    help="model preset: KV bytes per token and calibrated engine timings (dualpath/sim/hardware.py)")
     sm.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"], help="trace statistics (Table 2)")
     sm.add_argument("--agents", type=int, default=64)
     sm.add_argument("--scale", type=float, default=1.0, help="scale tokens per round")
     sm.add_argument("--turns-scale", type=float, default=1.0, help="scale rounds per agent")
     sm.add_argument("--systems", default="basic,layerwise,dualpath-rr,dualpath,oracle")
-    sm.add_argument("--storage-gbps", type=float, default=0.0, help="storage system read bandwidth (0: unlimited; "
-                                                                     "each node's SNIC still applies)")
-    sm.add_argument("--prefill-tps", type=float, default=20_000.0,
-                    help="prefill tokens/s of one GPU (a placeholder, not calibrated to the paper's hardware)")
-    sm.add_argument("--decode-step-ms", type=float, default=30.0, help="decode step time of one GPU")
-    sm.add_argument("--decode-kv-tokens", type=int, default=1_000_000, help="KV tokens a decode GPU holds")
-    sm.add_argument("--layers", type=int, default=61)
+    sm.add_argument("--storage-gbps", type=float, default=None,
+                    help="the storage system's aggregate read bandwidth, Gbps (default: the paper's calibration, "
+                         "82 GB/s up to 6 nodes and in proportion beyond; 0: unlimited; each node's rate applies)")
+    sm.add_argument("--storage-read-gbs", type=float, default=22.0,
+                    help="what one node's storage client reads, GB/s (default: the paper's, calibrated from its "
+                         "Basic runs; 0: the SNIC's line rate)")
+    sm.add_argument("--prefill-tps", type=float, default=0.0,
+                    help="override the model preset: prefill tokens/s of one GPU, flat in context")
+    sm.add_argument("--decode-step-ms", type=float, default=0.0, help="override the preset: a flat decode step time")
+    sm.add_argument("--decode-kv-tokens", type=int, default=0, help="override the preset: KV tokens a decode GPU holds")
+    sm.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    sm.add_argument("--pull-interval", type=float, default=0.1, help="seconds between an engine group's pulls")
     sm.add_argument("--online-seconds", type=float, default=0.0,
                     help="also find each system's highest Poisson agent arrival rate holding the paper's SLO (mean "
-                         "TTFT <= 4 s, TPOT <= 50 ms) over runs of this many seconds")
+                         "TTFT <= 4 s, TPOT <= 50 ms) over the second half of runs of this many seconds")
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--json", action="store_true")
     sm.set_defaults(func=cmd_simulate)

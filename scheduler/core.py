@@ -358,8 +358,8 @@ class SchedulerCore:
     def _index_reports(self, loads: list[EngineLoad]) -> None:
         """Blocks written and evicted since the last reports, one index update per pull (not per engine). Runs
         before the reports' finished requests are announced, so a submitter's next turn finds its blocks."""
-        stored = b"".join(load.stored_keys for load in loads if self._alive(load.engine_id))
-        evicted = b"".join(load.evicted_keys for load in loads if self._alive(load.engine_id))
+        stored = b"".join(load.stored_keys for load in loads if load.stored_keys and self._alive(load.engine_id))
+        evicted = b"".join(load.evicted_keys for load in loads if load.evicted_keys and self._alive(load.engine_id))
         if stored:
             self.index.add_packed(stored)
         if evicted:
@@ -444,6 +444,8 @@ class SchedulerCore:
 
     def _assign_decode(self, group: str, pulling: set[str]) -> None:
         private = self.private.get(group, Fifo())
+        if not private:  # nothing to place: skip building the group's states
+            return
         waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
         states = [self._state(e) for e in self.by_group.get(group, ()) if e.alive]  # phase 1 chose the group
         for work_id, eid in self.policy.assign_decode(waiting, states, pulling):
@@ -460,6 +462,8 @@ class SchedulerCore:
         return _Nodes(self)
 
     def _assign_prefill(self, pulling: set[str]) -> dict[str, list[Assignment]]:
+        if not self.prefill_queue:
+            return {}
         # policies with a per-group view (the paper's) see only the pulling group: pulls stay O(group)
         candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else \
             [self.engines[e] for e in pulling]

@@ -2,6 +2,8 @@
 KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
 import threading
 
+import time
+
 import pytest
 
 from dualpath import LLM, SamplingParams
@@ -139,6 +141,9 @@ def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference
         got = client.generate(prompt2, GREEDY, mode=mode)
         assert got.token_ids == reference.generate(prompt2, GREEDY)[0].token_ids
         assert got.num_cached_tokens == BS  # only block 0 came from storage
+        deadline = time.monotonic() + 5  # the prefill engine counts it in its next pull's report (20 ms)
+        while client.stats()["kv_load_failures"] <= failures and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert client.stats()["kv_load_failures"] > failures
 
 

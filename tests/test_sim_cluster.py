@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from dualpath.sim.cluster import ClusterSim, EngineModel, SimConfig, block_key
-from dualpath.sim.hardware import Hardware, ModelPreset
+from dualpath.sim.cluster import ClusterSim, SimConfig, block_key
+from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset
 from engines.batcher import CostModel
 
 FAST = Hardware(gpus=1, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12)
@@ -73,3 +73,89 @@ def test_online_capacity_of_one_prefill_gpu():
     assert 9.5 <= found["agents_per_s"] <= 11.5, found
     rates = dict(found["tried"])
     assert rates[1.0] and not rates[16.0]
+
+
+def _decode_by_steps(arrivals, e: EngineModel) -> list[float]:
+    """Reference: one decode GPU stepping one step at a time; a request arriving during a step joins at its end,
+    one arriving at an idle GPU starts a step at once. Returns each request's finish time."""
+    done, running, pending, t = {}, {}, sorted(range(len(arrivals)), key=lambda i: arrivals[i][0]), 0.0
+    while pending or running:
+        if not running:
+            t = max(t, arrivals[pending[0]][0])
+        while pending and arrivals[pending[0]][0] <= t:
+            running[pending.pop(0)] = 1  # the first token came from prefill
+        t += e.decode_step(len(running), sum(arrivals[i][1] + g for i, g in running.items()))
+        for i in list(running):
+            running[i] += 1
+            if running[i] >= arrivals[i][2]:
+                done[i] = t
+                del running[i]
+    return [done[i] for i in range(len(arrivals))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_segments_match_stepping_one_step_at_a_time(seed):
+    """The simulator advances a decode GPU in segments (many steps per event, cut when a request joins); the finish
+    times must equal stepping one step at a time, with step times growing with the batch's context."""
+    import numpy as np
+
+    from dualpath.sim.cluster import Agent, SimRequest
+
+    rng = np.random.default_rng(seed)
+    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=0.01, decode_per_seq_s=0.002, decode_per_token_s=1e-6,
+                    decode_kv_tokens=10 ** 7, num_layers=2)
+    arrivals = [(float(t), int(p), int(g)) for t, p, g in zip(np.sort(rng.uniform(0, 2.0, 12)),
+                                                               rng.integers(10, 5000, 12), rng.integers(1, 60, 12))]
+    sim = ClusterSim(SimConfig(FAST, MODEL, e, 1, 1), [])
+    pe, de = sim.engines["p0-0"], sim.engines["d0-0"]
+    reqs = []
+
+    def arrive(i, t, prompt, gen):
+        req = SimRequest(Agent(i, []), prompt, gen, t, de=de.info.engine_id)
+        reqs.append(req)
+        pe.admit(f"w{i}", req)
+        de.admit(f"w{i}", req)
+        sim._hand_off(pe, f"w{i}")
+
+    for i, (t, prompt, gen) in enumerate(arrivals):
+        sim.loop.at(t, lambda i=i, a=(t, prompt, gen): arrive(i, *a))
+    sim.loop.run()
+    got = [r.done for r in sorted(reqs, key=lambda r: r.agent.index)]
+    assert got == pytest.approx(_decode_by_steps(arrivals, e), rel=1e-9, abs=1e-9)
+    assert de.held_tokens == 0 and de.reserved == 0 and not de.held
+
+
+def test_storage_bound_throughput_follows_the_storage_nics_in_use():
+    """Storage-bound (0.5 GB/s per node, fast GPUs): Basic reads through the one prefill node's storage, so its
+    turn rate is at most that bandwidth over the KV a turn loads; DualPath also reads through the decode node's
+    and gets about twice as many turns per second."""
+    hw = Hardware(gpus=2, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12, storage_read_bps=0.5e9)
+    rounds = [[(640, 8)] * 10 for _ in range(40)]
+    heavy = ModelPreset("heavy KV", 200_000)  # ~0.6 GB per turn: about a second of one node's storage
+    rate = {}
+    for system in ("basic", "dualpath"):
+        sim = ClusterSim(SimConfig(hw, heavy, ENGINE, 1, 1, system, pull_interval_s=0.02), rounds)
+        r = sim.run()
+        loaded = sum(r.storage_read_bytes.values())
+        assert loaded == 40 * sum(k * 648 // 64 * 64 for k in range(1, 10)) * 200_000  # each turn: the full blocks before
+        rate[system] = loaded / r.jct_s
+    assert 0.75 * 0.5e9 <= rate["basic"] <= 0.5e9 * 1.001
+    assert rate["dualpath"] >= 1.6 * rate["basic"]
+
+
+def test_simulate_and_plan_commands(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "simulate", "--prefill", "1", "--decode", "1",
+                          "--gpus", "2", "--agents", "6", "--scale", "0.1", "--turns-scale", "0.1",
+                          "--systems", "basic,dualpath", "--json"], capture_output=True, text=True, check=True,
+                         timeout=120).stdout
+    rows = json.loads(out)
+    assert [r["system"] for r in rows] == ["basic", "dualpath"] and all(r["turns"] > 0 for r in rows)
+    text = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--nodes", "3", "--gpus", "2", "--simulate",
+                           "--agents-per-node", "4", "--seconds", "60", "--model", "ds27b",
+                           "--target-turns-per-s", "50"], capture_output=True, text=True, check=True,
+                          timeout=120).stdout
+    assert "1P2D" in text and "2P1D" in text and "best: " in text and "needs about" in text

@@ -150,3 +150,48 @@ def test_heap_filling_equals_the_plain_algorithm(routes, caps):
         assert f.rate == pytest.approx(want[fid], rel=1e-6)
     for link, u in net.utilization().items():
         assert u <= 1 + 1e-9
+
+
+@given(st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([1.0, 2.0])), min_size=1,
+                                   max_size=4, unique_by=lambda t: t[0]),
+                          st.floats(1.0, 50.0), st.floats(0.0, 0.5)), min_size=1, max_size=16),
+       st.lists(st.floats(1.0, 100.0), min_size=6, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_rates_stay_max_min_fair_as_flows_come_and_go(flows, caps):
+    """Flows start at random times and end as their bytes arrive; after every change (fast path or full filling)
+    each flow's rate equals the reference's for the flows then in flight, and completions happen in time order."""
+    capacity = {f"l{i}": c for i, c in enumerate(caps)}
+    net = FlowNetwork(dict(capacity))
+    routes = {}
+
+    def check():
+        want = reference_rates(capacity, {fid: routes[fid] for fid in net.flows})
+        for fid, f in net.flows.items():
+            assert f.rate == pytest.approx(want[fid], rel=1e-6)
+
+    for i, (route, size, gap) in enumerate(flows):
+        t = net.now + gap
+        while (nxt := net.next_completion()) is not None and nxt[0] <= t:
+            assert nxt[1] in net.advance(nxt[0])
+            check()
+        net.advance(t)
+        routes[f"f{i}"] = [(f"l{link}", factor) for link, factor in route]
+        net.add(f"f{i}", size, tuple(routes[f"f{i}"]))
+        check()
+    run(net)
+    assert not net.flows
+
+
+def test_a_change_refills_only_the_flows_it_affects():
+    """Reads held by their node's storage link (two prefill nodes, eight reads each, to separate decode nodes):
+    starting or finishing one re-fills that node's reads, never the other node's."""
+    net = FlowNetwork(cluster_links(PAPER_NODE, ["p0", "p1", "d0", "d1"]) | {"p0/storage_read": 20e9,
+                                                                            "p1/storage_read": 20e9})
+    for g in range(8):
+        for p, d in (("p0", "d0"), ("p1", "d1")):
+            net.add(f"{p}.{g}", (g + 1) * GB, path_route(PE_PATH, (p, g), (d, g)) + ((f"{p}/storage_read", 1.0),))
+    assert all(f.rate == pytest.approx(20e9 / 8) for f in net.flows.values())
+    done = run(net)
+    assert done["p0.0"] == pytest.approx(8 / 20)  # 8 GB moved through the link when the first (1 GB) is done
+    assert done["p0.7"] == pytest.approx(36 / 20)
+    assert net.refilled <= 2 * (36 + 28)  # each change: the node's reads then in flight (everything: ~4x more)

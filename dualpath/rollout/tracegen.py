@@ -87,13 +87,13 @@ def _mean_context(shapes, target: TraceStats, p: float) -> float:
     return total / count
 
 
-def generate_trace(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
-                   vocab: tuple[int, int] = (1000, 32000), seed: int = 0) -> tuple[list[Trajectory], TraceStats]:
-    """``agents`` trajectories matching ``preset`` (a Table 2 name or explicit stats); returns them and the
-    (scaled) target."""
+def trace_shapes(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
+                 rng: np.random.Generator | int = 0) -> tuple[list[list[tuple[int, int]]], TraceStats]:
+    """Per agent, its rounds as (appended tokens, generated tokens), matching ``preset`` (a Table 2 name or explicit
+    stats); and the (scaled) target. Lengths only: what a simulator needs, at any number of agents."""
     base = PRESETS[preset] if isinstance(preset, str) else preset
     target = base.scaled(scale, turns_scale)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
     shapes = _shape(target, agents, rng)
     lo, hi = 0.0, 8.0  # mean context falls as p grows
     for _ in range(40):
@@ -103,10 +103,19 @@ def generate_trace(preset: str | TraceStats, agents: int, scale: float = 1.0, tu
         else:
             hi = mid
     p = (lo + hi) / 2
+    return [list(zip(_appends(rounds, noise, target.append, p).tolist(), gens.tolist()))
+            for rounds, gens, noise in shapes], target
+
+
+def generate_trace(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
+                   vocab: tuple[int, int] = (1000, 32000), seed: int = 0) -> tuple[list[Trajectory], TraceStats]:
+    """``agents`` trajectories matching ``preset`` (a Table 2 name or explicit stats), token ids drawn at random;
+    returns them and the (scaled) target."""
+    rng = np.random.default_rng(seed)
+    shapes, target = trace_shapes(preset, agents, scale, turns_scale, rng)
     trajectories = []
-    for i, (rounds, gens, noise) in enumerate(shapes):
-        a = _appends(rounds, noise, target.append, p)
+    for i, rounds in enumerate(shapes):
         rs = tuple(Round(tuple(rng.integers(vocab[0], vocab[1], int(k)).tolist()), generate=int(g))
-                   for k, g in zip(a, gens))
+                   for k, g in rounds)
         trajectories.append(Trajectory(f"agent-{i}", rs))
     return trajectories, target

@@ -11,7 +11,8 @@ What is modelled (and what is not):
   ends no earlier than one layer's compute after the read ends; whole-KV (``basic``) prefill starts after the read.
 * A request's hit KV is one flow over every link its read path crosses (``links.PE_PATH`` / ``DE_PATH``, storage
   included), sharing links max-min fairly with all other flows: the fluid view of a layer-pipelined transfer.
-  Miss-token KV (1-2% of a turn) is not moved, as in the paper's §4.2.
+  The reading node's storage client serves its read queue FIFO, ``reads_per_node`` requests at a time (the
+  queue's bytes are the node's read_q). Miss-token KV (1-2% of a turn) is not moved, as in the paper's §4.2.
 * A decode GPU steps its running requests together: a step takes ``fixed + per_seq × batch + per_token × Σ
   context`` seconds and gives every running request one token; a request holds prompt + generation KV tokens.
 * ``oracle`` reads no storage: hit KV is already in place (the paper's Oracle, an upper bound).
@@ -19,14 +20,16 @@ What is modelled (and what is not):
 from __future__ import annotations
 
 import math
-import struct
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from dualpath.config import SchedulerConfig
 from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
 from dualpath.sampling_params import SamplingParams
 from dualpath.sim.events import EventLoop
-from dualpath.sim.hardware import Hardware, ModelPreset
+from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
 from engines.batcher import CostModel
@@ -44,21 +47,6 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it is a bijection of 64-bit int
 
 
 @dataclass(frozen=True)
-class EngineModel:
-    """A GPU's timing: prefill by the engines' cost model, decode steps, and KV token capacities."""
-
-    prefill: CostModel
-    decode_fixed_s: float
-    decode_per_seq_s: float
-    decode_per_token_s: float  # per cached token attended, per step
-    decode_kv_tokens: int  # KV tokens a decode GPU holds
-    num_layers: int
-
-    def decode_step(self, batch: int, context_tokens: int) -> float:
-        return self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_token_s * context_tokens
-
-
-@dataclass(frozen=True)
 class SimConfig:
     hardware: Hardware
     model: ModelPreset
@@ -68,7 +56,8 @@ class SimConfig:
     system: str = "dualpath"
     storage_bps: float = math.inf  # the storage system's aggregate read bandwidth (each node also has its SNIC)
     block_size: int = 64
-    pull_interval_s: float = 0.05
+    pull_interval_s: float = 0.1  # real engines pull every 20 ms; coarser here for speed (~1% of a turn)
+    reads_per_node: int = 16  # a node's storage client keeps this many requests' reads in flight (FIFO queue)
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -97,25 +86,60 @@ class SimRequest:
     de: str = ""
     prefill_done: float = 0.0
     generated: int = 0
+    done: float = 0.0
 
 
 @dataclass
 class SimEngine:
     info: EngineInfo
     gpu: tuple[str, int]  # (node, index) for link routes
-    running: dict[str, SimRequest] = field(default_factory=dict)  # decode: generating
+    running: dict[str, SimRequest] = field(default_factory=dict)  # decode: generating, as of ``seg_start``
+    joining: list[tuple[str, SimRequest]] = field(default_factory=list)  # decode: join at the next step boundary
     held: dict[str, SimRequest] = field(default_factory=dict)  # admitted, not finished
+    held_tokens: int = 0  # Σ tokens(held request) (decode: generation counted as it is settled)
+    reserved: int = 0  # Σ prompt + gen over ``held``: the KV the engine has promised
     busy_until: float = 0.0
-    stepping: bool = False
+    # Decode runs in segments of steps with a fixed membership: ``seg_steps`` steps from ``seg_start`` with
+    # ``running`` as it was then, ending at the first finish (or earlier, at a step boundary, when a request joins).
+    seg_start: float = 0.0
+    seg_steps: int = 0
+    seg_context: int = 0  # Σ prompt + generated over running at seg_start
+    seg_version: int = 0  # a segment's end event is stale when the segment was cut short since
     finished: list[str] = field(default_factory=list)
     stored: list[bytes] = field(default_factory=list)
     read_bytes: float = 0.0  # storage bytes completed since the last report
 
+    def tokens(self, req: SimRequest) -> int:
+        """A request's part of the engine's reported load, as the real engines count it: a prefill engine the
+        tokens it has still to compute (the misses), a decode engine the request's KV."""
+        if self.info.role is Role.PREFILL:
+            return req.prompt - req.hit_tokens
+        return req.prompt + req.generated
+
+    def admit(self, work: str, req: SimRequest) -> None:
+        self.held[work] = req
+        self.held_tokens += self.tokens(req)
+        self.reserved += req.prompt + req.gen
+
+    def release(self, work: str) -> SimRequest:
+        req = self.held.pop(work)
+        self.held_tokens -= self.tokens(req)
+        self.reserved -= req.prompt + req.gen
+        return req
+
+
+def block_keys(agent: int, first: int, last: int) -> bytes:
+    """Stored blocks' hashes, packed, for blocks ``first`` to ``last`` (exclusive) of an agent's context: unique
+    per (agent, position), so an agent's turns share their prefix blocks."""
+    blocks = np.arange(first, max(first, last), dtype=np.uint64)
+    out = np.empty((len(blocks), 2), dtype="<u8")
+    out[:, 0] = ((np.uint64(agent + 1) << np.uint64(32)) | blocks) * np.uint64(_MIX)  # wraps: a bijection
+    out[:, 1] = agent
+    return out.tobytes()
+
 
 def block_key(agent: int, block: int) -> bytes:
-    """A stored block's hash: unique per (agent, position), so an agent's turns share their prefix blocks."""
-    mixed = (((agent + 1) << 32 | block) * _MIX) & (2 ** 64 - 1)
-    return struct.pack("<QQ", mixed, agent)
+    return block_keys(agent, block, block + 1)
 
 
 @dataclass
@@ -126,6 +150,8 @@ class SimResult:
     ttft_s: list[float]
     link_bytes: dict[str, float]
     tpot_s: list[float] = field(default_factory=list)  # per request: decode time per token after the first
+    ttft_at: list[float] = field(default_factory=list)  # when each ttft_s entry's first token came
+    tpot_at: list[float] = field(default_factory=list)  # when each tpot_s entry's request finished
 
 
 class ClusterSim:
@@ -136,10 +162,11 @@ class ClusterSim:
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
         caps = cluster_links(cfg.hardware, nodes)
         caps["storage"] = cfg.storage_bps if math.isfinite(cfg.storage_bps) else 1e30
+        caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
         self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", mode=mode, policy=policy,
                                                   heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9),
-                                  make_policy(policy), clock=lambda: self.loop.now)
+                                  make_policy(policy), clock=lambda net=self.loop.net: net.now)
         self.engines: dict[str, SimEngine] = {}
         self.groups: dict[str, list[SimEngine]] = {}  # node -> its engines (a group pulls for all of them)
         for node in nodes:
@@ -151,19 +178,24 @@ class ClusterSim:
         self.by_id: dict[str, SimRequest] = {}  # by request id
         self.ttft: list[float] = []
         self.tpot: list[float] = []
+        self.ttft_at: list[float] = []
+        self.tpot_at: list[float] = []
+        self.prefill_busy_s = 0.0  # GPU seconds of prefill compute, all prefill GPUs
         self.read_bytes: dict[str, float] = {}
         self.reading: dict[str, set[str]] = {}  # node -> its storage reads in flight (flow ids)
+        self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
+        self.queued_bytes: dict[str, float] = {}
         self.turns = 0
 
     # --- set-up -----------------------------------------------------------------------------------------------
     def _register(self, node: str, g: int) -> None:
         cfg, e = self.cfg, self.cfg.engine
         role = Role.PREFILL if node.startswith("p") else Role.DECODE
-        snic_tokens = cfg.hardware.snic_bps / cfg.model.kv_bytes_per_token
+        read_tokens = cfg.hardware.read_bps / cfg.model.kv_bytes_per_token
         beta = int(5.0 / max(e.prefill.per_token, 1e-12))  # tokens prefilled in 5 s
         info = EngineInfo(f"{node}-{g}", role, node, "sim", "sim", {}, [], 0, 0, cfg.block_size, e.num_layers,
                           "00" * 16, e.decode_kv_tokens if role is Role.DECODE else 10 ** 9,
-                          max_model_len=10 ** 8, group_id=node, alpha_tokens=int(3.0 * snic_tokens),
+                          max_model_len=10 ** 8, group_id=node, alpha_tokens=int(3.0 * read_tokens),
                           beta_tokens=beta if role is Role.PREFILL else 0)
         self.core.register(info)
         self.engines[info.engine_id] = SimEngine(info, (node, g))
@@ -174,7 +206,7 @@ class ClusterSim:
         append, gen = agent.rounds[agent.next_round]
         prompt = agent.context + append
         bs = self.cfg.block_size
-        keys = b"".join(block_key(agent.index, b) for b in range(prompt // bs))
+        keys = block_keys(agent.index, 0, prompt // bs)
         rid = f"a{agent.index}.r{agent.next_round}"
         req = SimRequest(agent, prompt, gen, self.loop.now)
         self.by_id[rid] = req
@@ -207,17 +239,16 @@ class ClusterSim:
             self.loop.after(self.cfg.pull_interval_s, lambda: self._pull(group))
 
     def _load(self, e: SimEngine) -> EngineLoad:
-        tok = sum(r.prompt + r.generated for r in e.held.values())
-        free = e.info.capacity_tokens - sum(r.prompt + r.gen for r in e.held.values())
         node = e.info.node_id
         net = self.loop.net
-        read_q = sum(net.remaining(f) for f in self.reading.get(node, ()) if f in net.flows)
+        read_q = self.queued_bytes.get(node, 0.0) + sum(net.remaining(f) for f in self.reading.get(node, ())
+                                                          if f in net.flows)
         finished, e.finished = e.finished, []
         stored, e.stored = b"".join(e.stored), []
         read, e.read_bytes = e.read_bytes, 0.0
-        return EngineLoad(e.info.engine_id, len(e.held), tok, int(read_q / self.cfg.model.kv_bytes_per_token),
-                          free, request_ids=list(e.held), finished=finished, stored_keys=stored,
-                          storage_read_bytes=int(read))
+        read_tokens = int(read_q / self.cfg.model.kv_bytes_per_token)
+        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_tokens, e.info.capacity_tokens - e.reserved, request_ids=list(e.held), finished=finished,
+                          stored_keys=stored, storage_read_bytes=int(read))
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def _start_prefill(self, pe: SimEngine, a) -> None:
@@ -226,27 +257,41 @@ class ClusterSim:
         req.de = a.decode.engine_id
         req.hit_tokens = a.num_hit_blocks * self.cfg.block_size
         self.requests[a.request_id] = req
-        pe.held[a.request_id] = req
         de = self.engines[req.de]
-        de.held[a.request_id] = req
+        pe.admit(a.request_id, req)
+        de.admit(a.request_id, req)
         hit_bytes = a.num_hit_blocks * self.cfg.block_size * self.cfg.model.kv_bytes_per_token
-        reader = pe if a.path.value == "pe" else de
-        route = path_route(PE_PATH if reader is pe else DE_PATH, pe.gpu, de.gpu) + (("storage", 1.0),)
-        start = self.loop.now
         if not self.reads or hit_bytes == 0:
-            self._compute(pe, a.request_id, start, start)
+            self._compute(pe, a.request_id, self.loop.now, self.loop.now)
             return
+        reader = pe if a.path.value == "pe" else de
+        node = reader.info.node_id
+        route = path_route(PE_PATH if reader is pe else DE_PATH, pe.gpu, de.gpu) + (
+            (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
 
-        node, flow = reader.info.node_id, f"read:{a.request_id}"
-
-        def loaded():
-            self.reading[node].discard(flow)
+        def loaded(start: float):
             reader.read_bytes += hit_bytes
-            self.read_bytes[reader.info.node_id] = self.read_bytes.get(reader.info.node_id, 0.0) + hit_bytes
+            self.read_bytes[node] = self.read_bytes.get(node, 0.0) + hit_bytes
             self._compute(pe, a.request_id, start, self.loop.now)
 
-        self.reading.setdefault(node, set()).add(flow)
-        self.loop.transfer(flow, hit_bytes, route, loaded)
+        self.read_queue.setdefault(node, deque()).append((f"read:{a.request_id}", hit_bytes, route, loaded))
+        self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + hit_bytes
+        self._issue_reads(node)
+
+    def _issue_reads(self, node: str) -> None:
+        """A node's storage client reads its queue FIFO, ``reads_per_node`` requests at a time."""
+        queue, reading = self.read_queue.get(node), self.reading.setdefault(node, set())
+        while queue and len(reading) < self.cfg.reads_per_node:
+            flow, size, route, loaded = queue.popleft()
+            self.queued_bytes[node] -= size
+            reading.add(flow)
+
+            def done(flow=flow, loaded=loaded, start=self.loop.now):
+                reading.discard(flow)
+                self._issue_reads(node)
+                loaded(start)
+
+            self.loop.transfer(flow, size, route, done)
 
     def _compute(self, pe: SimEngine, work: str, read_start: float, read_end: float) -> None:
         """Queue the request's prefill on its GPU (FIFO); when it may start depends on the prefill kind."""
@@ -259,40 +304,68 @@ class ClusterSim:
             begin = max(pe.busy_until, read_end)
             end = begin + t
         pe.busy_until = max(end, self.loop.now)
+        self.prefill_busy_s += t
         self.loop.at(pe.busy_until, lambda: self._hand_off(pe, work))
 
     def _hand_off(self, pe: SimEngine, work: str) -> None:
-        req = pe.held.pop(work)
+        req = pe.release(work)
         req.prefill_done = self.loop.now
         self.ttft.append(self.loop.now - req.submitted)
+        self.ttft_at.append(self.loop.now)
         de = self.engines[req.de]
-        de.running[work] = req
         req.generated = 1
-        if not de.stepping:
-            de.stepping = True
-            self._step(de)
+        de.held_tokens += 1
+        de.joining.append((work, req))
+        if not de.running and len(de.joining) == 1:  # idle: a segment starts now
+            self._segment_end(de, de.seg_version)
+        else:
+            self._cut_segment(de)
 
     # --- decode -----------------------------------------------------------------------------------------------
-    def _step(self, de: SimEngine) -> None:
-        if not de.running:
-            de.stepping = False
-            return
-        context = sum(r.prompt + r.generated for r in de.running.values())
-        dt = self.cfg.engine.decode_step(len(de.running), context)
-        self.loop.after(dt, lambda: self._stepped(de))
+    def _step_times(self, de: SimEngine):
+        """Durations of the current segment's steps, in order (context grows by the batch each step)."""
+        e, batch = self.cfg.engine, len(de.running)
+        step0 = e.decode_step(batch, de.seg_context)
+        return (step0 + e.decode_per_token_s * batch * j for j in range(de.seg_steps))
 
-    def _stepped(self, de: SimEngine) -> None:
+    def _cut_segment(self, de: SimEngine) -> None:
+        """A request waits to join: end the segment at the boundary of the step in progress."""
+        t = de.seg_start
+        for n, dt in enumerate(self._step_times(de), 1):
+            t += dt
+            if t > self.loop.now + 1e-12:
+                break
+        if n < de.seg_steps:  # else the segment ends at that boundary anyway
+            de.seg_steps, de.seg_version = n, de.seg_version + 1
+            self.loop.at(t, lambda v=de.seg_version: self._segment_end(de, v))
+
+    def _segment_end(self, de: SimEngine, version: int) -> None:
+        """At a step boundary: settle the segment's tokens, finish what is done, admit joiners, plan the next."""
+        if version != de.seg_version:
+            return
         bs = self.cfg.block_size
         for work, req in list(de.running.items()):
-            req.generated += 1
+            req.generated += de.seg_steps
+            de.held_tokens += de.seg_steps
             if req.generated >= req.gen:
                 del de.running[work]
-                del de.held[work]
+                de.release(work)
                 de.finished.append(work)
+                req.done = self.loop.now
                 self.tpot.append((self.loop.now - req.prefill_done) / max(req.gen - 1, 1))
-                first, last = req.hit_tokens // bs, (req.prompt + req.gen) // bs  # what storage lacks
-                de.stored.extend(block_key(req.agent.index, b) for b in range(first, last))
-        self._step(de)
+                self.tpot_at.append(self.loop.now)
+                # what storage lacks: blocks after the hit part, up to the last full one
+                de.stored.append(block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
+        de.running.update(de.joining)
+        de.joining.clear()
+        de.seg_version += 1
+        if not de.running:
+            de.seg_steps = 0
+            return
+        de.seg_start, de.seg_context = self.loop.now, sum(r.prompt + r.generated for r in de.running.values())
+        de.seg_steps = max(1, min(r.gen - r.generated for r in de.running.values()))
+        end = self.loop.now + sum(self._step_times(de))
+        self.loop.at(end, lambda v=de.seg_version: self._segment_end(de, v))
 
     # --- run --------------------------------------------------------------------------------------------------
     def run(self, until: float = math.inf) -> SimResult:
@@ -304,7 +377,8 @@ class ClusterSim:
             self.loop.at(self.cfg.pull_interval_s * i / len(groups), lambda g=group: self._pull(g))
         self.loop.run(until)
         jct = max((a.finished_at for a in self.agents), default=0.0)
-        return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot)
+        return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot,
+                         self.ttft_at, self.tpot_at)
 
 
 @dataclass(frozen=True)
@@ -314,15 +388,21 @@ class Slo:
     ttft_s: float = 4.0
     tpot_s: float = 0.05
 
-    def holds(self, r: SimResult) -> bool:
+    def holds(self, r: SimResult, since: float = 0.0) -> bool:
+        """Whether the means over requests whose first token (TTFT) or last token (TPOT) came at ``since`` or
+        later meet the objective."""
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
-        return mean(r.ttft_s) <= self.ttft_s and mean(r.tpot_s) <= self.tpot_s
+        ttft = [x for x, t in zip(r.ttft_s, r.ttft_at) if t >= since]
+        tpot = [x for x, t in zip(r.tpot_s, r.tpot_at) if t >= since]
+        return mean(ttft) <= self.ttft_s and mean(tpot) <= self.tpot_s
 
 
 def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_s: float, slo: Slo = Slo(),
-                    iters: int = 8, seed: int = 0) -> dict:
-    """The highest agent arrival rate (agents/s, Poisson over ``duration_s``) at which ``slo`` holds: doubling to
-    find a rate that fails, then bisection. Agent i replays ``pool[i % len(pool)]``."""
+                    iters: int = 8, seed: int = 0, start: float = 1.0, warmup_s: float = 0.0) -> dict:
+    """The highest agent arrival rate (agents/s, Poisson over ``duration_s``) at which ``slo`` holds over the
+    requests served from ``warmup_s`` to ``duration_s`` (the run stops there: requests still waiting are what an
+    overloaded rate leaves behind, and a finite window admits a little more than the sustainable rate): doubling
+    from ``start`` to find a rate that fails, then bisection. Agent i replays ``pool[i % len(pool)]``."""
     import numpy as np
 
     tried: dict[float, bool] = {}
@@ -330,11 +410,11 @@ def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_
     def ok(aps: float) -> bool:
         gaps = np.random.default_rng(seed).exponential(1.0 / aps, size=int(aps * duration_s * 2) + 1)
         starts = [float(t) for t in np.cumsum(gaps) if t < duration_s]
-        r = ClusterSim(cfg, [pool[i % len(pool)] for i in range(len(starts))], starts).run()
-        tried[aps] = slo.holds(r)
+        r = ClusterSim(cfg, [pool[i % len(pool)] for i in range(len(starts))], starts).run(until=duration_s)
+        tried[aps] = slo.holds(r, since=warmup_s)
         return tried[aps]
 
-    lo, hi = 0.0, 1.0
+    lo, hi = 0.0, start
     while ok(hi):
         lo, hi = hi, hi * 2
         if hi > 1e6:
@@ -345,34 +425,71 @@ def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_
     return {"agents_per_s": lo, "tried": sorted(tried.items())}
 
 
-def simulate_systems(args, hw: Hardware) -> list[dict]:
-    """``dualpath simulate``: the trace the options describe, run once per system; one summary row each."""
+def summarize(sim: ClusterSim, r: SimResult) -> dict:
+    """One run's summary row: JCT, throughput, TTFT/TPOT, storage reads per node and their balance, busiest link."""
     import numpy as np
 
-    from dualpath.rollout.tracegen import generate_trace
-    from dualpath.sim.hardware import MODELS
     from scheduler.balance import max_over_avg
 
-    trajectories, _ = generate_trace(args.preset, args.agents, args.scale, args.turns_scale, seed=args.seed)
-    rounds = [[(len(r.append), r.generate or r.max_tokens or 1) for r in t.rounds] for t in trajectories]
-    engine = EngineModel(CostModel(0.0, 1.0 / args.prefill_tps, 0.0), args.decode_step_ms / 1e3, 0.0, 0.0,
-                         args.decode_kv_tokens, args.layers)
-    storage = args.storage_gbps * 1e9 / 8 if args.storage_gbps > 0 else math.inf
+    caps = sim.loop.net.capacity
+    util = {k: v / (caps[k] * r.jct_s) for k, v in r.link_bytes.items() if r.jct_s > 0 and k != "storage"}
+    busiest = max(util, key=util.get) if util else ""
+    ends = sorted(a.finished_at for a in sim.agents if a.rounds and a.finished_at > 0)
+    half = ends[len(ends) // 2] if ends else 0.0  # till half the agents are done the cluster is still full
+    return {"system": sim.cfg.system, "prefill_nodes": sim.cfg.prefill_nodes, "decode_nodes": sim.cfg.decode_nodes,
+            "agents": len(sim.agents), "jct_s": r.jct_s, "turns": r.turns,
+            "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
+            "busy_turns_per_s": sum(1 for t in r.tpot_at if t <= half) / half if half else 0.0,
+            "ttft_p50_s": float(np.median(r.ttft_s)) if r.ttft_s else 0.0,
+            "ttft_mean_s": float(np.mean(r.ttft_s)) if r.ttft_s else 0.0,
+            "tpot_mean_s": float(np.mean(r.tpot_s)) if r.tpot_s else 0.0,
+            "storage_read_bytes": {n: r.storage_read_bytes.get(n, 0.0) for n in sim.groups},
+            "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in sim.groups])
+            if sim.reads else 0.0,
+            "busiest_link": busiest, "busiest_utilization": util.get(busiest, 0.0)}
+
+
+def engine_for(args) -> EngineModel:
+    """The model preset's calibrated engine timings, with any of them overridden by the options."""
+    from dataclasses import replace
+
+    from dualpath.sim.hardware import MODELS
+
+    e = MODELS[args.model].engine
+    if args.prefill_tps:
+        e = replace(e, prefill=CostModel(0.0, 1.0 / args.prefill_tps, 0.0))
+    if args.decode_step_ms:
+        e = replace(e, decode_fixed_s=args.decode_step_ms / 1e3, decode_per_seq_s=0.0, decode_per_token_s=0.0)
+    if args.decode_kv_tokens:
+        e = replace(e, decode_kv_tokens=args.decode_kv_tokens)
+    return replace(e, num_layers=args.layers) if args.layers else e
+
+
+def storage_bps(gbps: float | None, nodes: int) -> float:
+    """The storage system's aggregate read rate from an option: None, the paper's calibration; 0, unlimited."""
+    from dualpath.sim.hardware import paper_storage_bps
+
+    if gbps is None:
+        return paper_storage_bps(nodes)
+    return gbps * 1e9 / 8 if gbps > 0 else math.inf
+
+
+def simulate_systems(args, hw: Hardware, progress=None) -> list[dict]:
+    """``dualpath simulate``: the trace the options describe, run once per system; one summary row each."""
+    from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.sim.hardware import MODELS
+
+    rounds, _ = trace_shapes(args.preset, args.agents, args.scale, args.turns_scale, args.seed)
+    storage = storage_bps(args.storage_gbps, args.prefill + args.decode)
     rows = []
     for system in args.systems.split(","):
-        cfg = SimConfig(hw, MODELS[args.model], engine, args.prefill, args.decode, system, storage)
+        cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,
+                        pull_interval_s=args.pull_interval)
         sim = ClusterSim(cfg, rounds)
-        r = sim.run()
-        caps = sim.loop.net.capacity
-        util = {k: v / (caps[k] * r.jct_s) for k, v in r.link_bytes.items() if r.jct_s > 0 and k != "storage"}
-        busiest = max(util, key=util.get) if util else ""
-        rows.append({"system": system, "jct_s": r.jct_s, "turns": r.turns,
-                     "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
-                     "ttft_p50_s": float(np.median(r.ttft_s)) if r.ttft_s else 0.0,
-                     "storage_read_bytes": r.storage_read_bytes,
-                     "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in sim.groups])
-                     if system != "oracle" else 0.0,
-                     "busiest_link": busiest, "busiest_utilization": util.get(busiest, 0.0)})
+        rows.append(summarize(sim, sim.run()))
         if args.online_seconds > 0:
-            rows[-1]["online_agents_per_s"] = online_capacity(cfg, rounds, args.online_seconds)["agents_per_s"]
+            found = online_capacity(cfg, rounds, args.online_seconds, warmup_s=args.online_seconds / 2)
+            rows[-1]["online_agents_per_s"] = found["agents_per_s"]
+        if progress:
+            progress(rows[-1])
     return rows

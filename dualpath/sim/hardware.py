@@ -7,46 +7,104 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engines.batcher import CostModel
+
 GBPS = 1e9 / 8  # one gigabit per second, in bytes per second
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One node type: ``gpus`` devices, each paired with one compute NIC; one storage NIC per node."""
+    """One node type: ``gpus`` devices, each paired with one compute NIC; one storage NIC per node.
+
+    ``storage_read_bps`` is what one node's storage client actually reads (file system and SSDs included), at
+    most the SNIC's line rate; 0 means the line rate. The §4.2 link formulas use the line rate."""
 
     gpus: int = 8
     cnic_bps: float = 400 * GBPS  # per GPU, per direction (the paper's B)
     snic_bps: float = 400 * GBPS  # per node (s·B)
     dram_bps: float = 500e9  # per node, reads + writes (M)
+    storage_read_bps: float = 0.0
 
     @property
     def storage_ratio(self) -> float:
         """The paper's s: a node's storage bandwidth in units of one compute NIC."""
         return self.snic_bps / self.cnic_bps
 
+    @property
+    def read_bps(self) -> float:
+        """A node's effective storage read bandwidth."""
+        return min(self.snic_bps, self.storage_read_bps) if self.storage_read_bps > 0 else self.snic_bps
+
     def __post_init__(self):
-        if self.gpus < 1 or min(self.cnic_bps, self.snic_bps, self.dram_bps) <= 0:
+        if self.gpus < 1 or min(self.cnic_bps, self.snic_bps, self.dram_bps) <= 0 or self.storage_read_bps < 0:
             raise ValueError(f"hardware needs >= 1 GPU and positive bandwidths: {self}")
 
 
 # The paper's node (§6): 8 Hopper GPUs, 8 x 400 Gbps compute NICs, one 400 Gbps storage NIC, ~500 GB/s DRAM.
 PAPER_NODE = Hardware()
 
+# Calibration of the storage read rate: Basic is storage-bound through its prefill nodes' SNICs only. The paper's
+# DS 660B 2P4D 64K Basic runs (1,024 / 2,048 / 4,096 agents: 5,365 / 10,052 / 19,309 s) move ~1.32 GB of stored KV
+# per turn (32.3K hit tokens x 40 KiB) x 157 turns per agent; the most saturated run (4,096 agents) gives 44 GB/s
+# through two SNICs: 22 GB/s per node, 44% of the 400 Gbps line (3FS, no DRAM cache, 64-token blocks).
+PAPER_STORAGE_READ_BPS = 22e9
+PAPER_CLUSTER_NODE = Hardware(storage_read_bps=PAPER_STORAGE_READ_BPS)
+# ... and of the storage system as a whole: full DualPath at 4,096 agents (10,312 s, 62.4 turns/s) reads ~82 GB/s
+# through all six SNICs, well under 6 x 22; with the paper's append trend (the speedup holds at 3x appends, so
+# DualPath stays I/O-bound) that is the 3FS cluster's aggregate rate. Clusters larger than 2P4D get storage in
+# proportion (the paper's 48P96D run had its own): 13.7 GB/s per P/D node.
+PAPER_STORAGE_SYSTEM_BPS = 82e9
+
+
+def paper_storage_bps(nodes: int) -> float:
+    """The storage system's aggregate read rate for a P/D cluster of ``nodes`` nodes, as calibrated above."""
+    return PAPER_STORAGE_SYSTEM_BPS * max(1.0, nodes / 6)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """A GPU's timing: prefill by the engines' cost model (per request on one GPU of a prefill node), decode steps
+    (all running requests of one decode GPU advance one token), and the KV tokens a decode GPU holds."""
+
+    prefill: CostModel
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    decode_per_token_s: float  # per cached token attended, per step
+    decode_kv_tokens: int
+    num_layers: int
+
+    def decode_step(self, batch: int, context_tokens: int) -> float:
+        return self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_token_s * context_tokens
+
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """What the link model needs of a model: KV bytes per token, all layers. (Compute per token and layer counts
-    join when the engine models do.)"""
+    """What the cluster model needs of a model: KV bytes per token (all layers), and its engines' timings on the
+    paper's GPU (None: give them explicitly)."""
 
     name: str
     kv_bytes_per_token: int
+    engine: EngineModel | None = None
 
 
-# Calibration: KV bytes as the paper states them (660B: ~40 KB/token in FP8, estimated; Qwen2.5-32B FP16:
-# 64 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes = 256 KiB). The 27B model's KV is estimated from its
-# shape (30 layers, an MLA latent of 576 values in BF16).
+# Calibration of the engines (one Hopper GPU each; a "GPU" of the simulator is 1/g of an expert-parallel node):
+# * DeepSeek 660B (V3.2; 61 layers; sparse attention, so compute per new token barely grows with context; ~40 KiB
+#   of KV per token in FP8, as the paper estimates). Prefill: the paper's DualPath is I/O-bound (82 GB/s at
+#   4,096 agents, 62.4 turns/s) yet "close to Oracle", so the 16 prefill GPUs are set ~25% faster than that:
+#   0.205 s per turn (429 new over ~32.3K cached tokens), 80% per-token work, 20% the lightning indexer's pass
+#   over the context; ~290 TFLOP/s per GPU at the paper's ~22 GB of KV per PFLOP. Decode: ~25 ms steps (EP
+#   decode), HBM after weights holds ~1.2M tokens.
+# * DeepSeek 27B (30 layers, MLA latent of 576 values in BF16: 34.6 KB/token). Fitted to the P/D sweep: with
+#   DualPath at 1P1D Oracle is 1.85x faster, so one turn takes ~0.11 s on a prefill GPU (2 SNICs at 22 GB/s feed
+#   ~39 turns/s; 8 GPUs at 0.11 s serve ~73). Decode ~12 ms steps, ~1.7M tokens per GPU.
+# * Qwen2.5-32B (dense GQA, 64 layers, 8 KV heads x 128, FP16: 256 KiB/token). Not evaluated offline in the paper:
+#   from FLOPs at 45% of the H800's BF16 peak (65 GFLOP per token: 1.44e-4 s; attention 1.31 MFLOP per (new,
+#   cached) pair: 2.9e-9 s). Decode: TP8 weight reads ~20 ms per step, KV reads 1e-8 s per token; ~270K tokens.
 MODELS = {
-    "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024),
-    "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2),
-    "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2),
+    "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024, EngineModel(
+        CostModel(0.0, 3.82e-4, 2.94e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)),
+    "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2, EngineModel(
+        CostModel(0.0, 1.8e-4, 2.4e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)),
+    "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2, EngineModel(
+        CostModel(0.0, 1.44e-4, 2.9e-9), 0.02, 1e-4, 1e-8, 270_000, 64)),
 }

@@ -9,7 +9,6 @@ or ends, so completion times are exact piecewise-linear solutions, not time step
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
 Route = tuple[tuple[str, float], ...]  # (link name, bytes on the link per byte moved)
@@ -23,13 +22,26 @@ class Flow:
     route: Route
     rate: float = 0.0
     since: float = 0.0
+    bottleneck: str = ""  # a full link on which no flow is faster: what holds its rate
+    version: int = 0  # completion-heap entries of older versions are stale
+
+    def factor(self, link: str) -> float:
+        return next(f for l, f in self.route if l == link)
 
 
 class FlowNetwork:
     """Links with capacities (bytes/s); flows added and finished as simulated time advances.
 
-    Progress is settled lazily: a flow's bytes are brought up to date only when rates change (a flow starts or
-    ends) or when asked, so timer events in between cost nothing here, however many flows are in flight.
+    Progress is settled lazily: a flow's bytes are brought up to date only when its rate changes or when asked,
+    so timer events in between cost nothing here, however many flows are in flight.
+
+    Rates are the exact max-min fair shares: every flow has a bottleneck, a full link on which no flow is
+    faster. A change re-fills only the flows it can affect: a set S seeded with the new flow (or the flows held by
+    the links an ending flow crossed) is filled progressively over what the other flows leave of each link, then
+    grown by every outside flow whose bottleneck link's load changed or now carries a faster S flow, or that is
+    faster than an S flow on that flow's new bottleneck, until none is: then every flow has a valid bottleneck
+    and the allocation is the max-min one. In storage-bound clusters S stays about one node's reads, where filling
+    everything cost O(flows x route x log links) per change.
     """
 
     def __init__(self, capacity: dict[str, float]):
@@ -37,12 +49,17 @@ class FlowNetwork:
         self.now = 0.0
         self.flows: dict[str, Flow] = {}
         self._carried: dict[str, float] = {}
-        self._next: tuple[float, str] | None = None
+        self._on_link: dict[str, dict[str, Flow]] = {}  # link -> its flows
+        self._load: dict[str, float] = {}  # link -> Σ rate x factor of its flows
+        self._heap: list[tuple[float, int, str]] = []  # (completion time, version, flow id)
+        self._held: dict[str, dict[str, Flow]] = {}  # link -> the flows it is the bottleneck of
+        self.refilled = 0  # flows re-filled, over all changes (for tests and tuning)
 
     @property
     def carried(self) -> dict[str, float]:
         """Bytes each link has carried so far."""
-        self._settle()
+        for f in self.flows.values():
+            self._settle(f)
         return self._carried
 
     def remaining(self, flow_id: str) -> float:
@@ -56,13 +73,19 @@ class FlowNetwork:
         unknown = [link for link, _ in route if link not in self.capacity]
         if unknown or not route:
             raise ValueError(f"flow {flow_id}: unknown links {unknown}" if unknown else f"flow {flow_id}: no route")
-        self._settle()
-        self.flows[flow_id] = Flow(flow_id, float(size), float(size), route, since=self.now)
-        self._share()
+        tightest = min(route, key=lambda lf: self.capacity[lf[0]] / lf[1])[0]
+        f = self.flows[flow_id] = Flow(flow_id, float(size), float(size), route, since=self.now)
+        for link, _ in route:
+            self._on_link.setdefault(link, {})[flow_id] = f
+        self._hold(f, tightest)
+        self._refill({f.id: f})
 
     def next_completion(self) -> tuple[float, str] | None:
         """(time, flow id) of the flow that finishes first at the current rates, or None when idle."""
-        return self._next
+        heap = self._heap
+        while heap and (heap[0][2] not in self.flows or self.flows[heap[0][2]].version != heap[0][1]):
+            heapq.heappop(heap)
+        return (heap[0][0], heap[0][2]) if heap else None
 
     def advance(self, to: float) -> list[str]:
         """Move time to ``to`` (not past the next completion); return the flows that finished, removed."""
@@ -70,26 +93,28 @@ class FlowNetwork:
             raise ValueError(f"time runs forward: {to} < {self.now}")
         self.now = max(self.now, to)
         eps = 1e-12 * max(1.0, self.now)
-        if self._next is None or self._next[0] > self.now + eps:
-            return []
-        done = [f for f in self.flows.values() if f.rate > 0 and f.since + f.remaining / f.rate <= self.now + eps]
-        self._settle()
+        done: list[Flow] = []
+        while (nxt := self.next_completion()) is not None and nxt[0] <= self.now + eps:
+            done.append(self.flows[heapq.heappop(self._heap)[2]])
         for f in done:  # due now: whatever rounding left of them arrives too
             for link, factor in f.route:
                 self._carried[link] = self._carried.get(link, 0.0) + f.remaining * factor
+                self._load[link] -= f.rate * factor
+                del self._on_link[link][f.id]
+            del self._held[f.bottleneck][f.id]
             del self.flows[f.id]
-        self._share()
+        if done:  # the links they crossed have room now: the flows those links hold may speed up
+            self._refill({g.id: g for f in done for link, _ in f.route for g in self._held.get(link, {}).values()})
         return [f.id for f in done]
 
-    def _settle(self) -> None:
-        """Bring every flow's remaining bytes and every link's carried bytes up to now."""
-        for f in self.flows.values():
-            moved = min(f.remaining, f.rate * (self.now - f.since))
-            if moved > 0:
-                f.remaining -= moved
-                for link, factor in f.route:
-                    self._carried[link] = self._carried.get(link, 0.0) + moved * factor
-            f.since = self.now
+    def _settle(self, f: Flow) -> None:
+        """Bring a flow's remaining bytes, and its links' carried bytes, up to now."""
+        moved = min(f.remaining, f.rate * (self.now - f.since))
+        if moved > 0:
+            f.remaining -= moved
+            for link, factor in f.route:
+                self._carried[link] = self._carried.get(link, 0.0) + moved * factor
+        f.since = self.now
 
     def utilization(self) -> dict[str, float]:
         """Each link's current load over its capacity."""
@@ -99,45 +124,81 @@ class FlowNetwork:
                 load[link] = load.get(link, 0.0) + f.rate * factor
         return {link: v / self.capacity[link] for link, v in load.items()}
 
-    def _share(self) -> None:
-        """New rates for the flows in flight (settled to now), and the next completion at those rates."""
-        self._fill()
-        self._next = min(((self.now + (f.remaining / f.rate if f.rate > 0 else math.inf), f.id)
-                          for f in self.flows.values()), default=None)
-        if self._next is not None and math.isinf(self._next[0]):
-            self._next = None
+    def _set_rate(self, f: Flow, rate: float) -> None:
+        self._settle(f)
+        for link, factor in f.route:
+            self._load[link] = self._load.get(link, 0.0) + (rate - f.rate) * factor
+        f.rate, f.version = rate, f.version + 1
+        heapq.heappush(self._heap, (self.now + f.remaining / rate, f.version, f.id))
 
-    def _fill(self) -> None:
-        """Progressive filling: all unfrozen flows share one rising rate; a link fills when its frozen load plus
-        that rate times its unfrozen weight reaches capacity, which freezes its flows at the rate. A heap of fill
-        levels, updated only for the links of newly frozen flows: O(flows x route x log links) per call, where
-        recomputing every link's share per step cost O(links x flows x route)."""
-        users: dict[str, list[tuple[Flow, float]]] = {}
+    def _hold(self, f: Flow, link: str) -> None:
+        if f.bottleneck:
+            del self._held[f.bottleneck][f.id]
+        f.bottleneck = link
+        self._held.setdefault(link, {})[f.id] = f
+
+    def _refill(self, seed: dict[str, Flow]) -> None:
+        """Max-min rates again after a change, re-filling the seed flows and whatever they turn out to affect."""
+        group = dict(seed)
+        while group:
+            rates = self._fill(group)
+            grow: dict[str, Flow] = {}
+            changed: dict[str, float] = {}
+            fastest: dict[str, float] = {}
+            for fid, (rate, _) in rates.items():
+                for link, factor in group[fid].route:
+                    changed[link] = changed.get(link, 0.0) + (rate - group[fid].rate) * factor
+                    fastest[link] = max(fastest.get(link, 0.0), rate)
+            for link, delta in changed.items():  # an outside flow held by a link whose load moved, or held where
+                moved = abs(delta) > 1e-9 * self.capacity[link]  # one of ours is now faster than it
+                grow.update((g.id, g) for g in self._held.get(link, {}).values()
+                            if g.id not in group and (moved or fastest[link] > g.rate * (1 + 1e-9)))
+            for fid, (rate, link) in rates.items():  # an outside flow faster than ours where ours is held
+                grow.update((g.id, g) for g in self._on_link[link].values()
+                            if g.id not in group and g.rate > rate * (1 + 1e-9))
+            if not grow:
+                self.refilled += len(group)
+                for fid, (rate, link) in rates.items():
+                    self._set_rate(group[fid], rate)
+                    self._hold(group[fid], link)
+                return
+            group.update(grow)
+
+    def _fill(self, group: dict[str, Flow]) -> dict[str, tuple[float, str]]:
+        """Progressive filling of ``group``'s flows over what the other flows' current rates leave of each link:
+        all unfrozen flows share one rising rate; a link fills when its frozen load plus that rate times its
+        unfrozen weight reaches its capacity, which freezes its flows at the rate. A heap of fill levels, updated
+        only for the links of newly frozen flows: O(flows x route x log links). Returns each flow's rate and the
+        link that froze it (its bottleneck)."""
+        users: dict[str, list[Flow]] = {}
         weight: dict[str, float] = {}
-        for f in self.flows.values():
-            f.rate = 0.0
+        room: dict[str, float] = {}
+        for f in group.values():
             for link, factor in f.route:
-                users.setdefault(link, []).append((f, factor))
+                users.setdefault(link, []).append(f)
                 weight[link] = weight.get(link, 0.0) + factor
-        frozen_load = dict.fromkeys(weight, 0.0)
-        heap = [(self.capacity[link] / w, link) for link, w in weight.items()]
+                if link not in room:
+                    room[link] = self.capacity[link] - self._load.get(link, 0.0)
+                room[link] += f.rate * factor
+        heap = [(max(room[link], 0.0) / w, link) for link, w in weight.items()]  # float slop: room >= 0
         heapq.heapify(heap)
-        done: set[str] = set()
+        rate: dict[str, tuple[float, str]] = {}
         while heap:
             level, link = heapq.heappop(heap)
-            if link in done or weight[link] <= 1e-12:
+            if weight[link] <= 1e-12:
                 continue
-            current = (self.capacity[link] - frozen_load[link]) / weight[link]
+            current = max(room[link], 0.0) / weight[link]
             if current > level * (1 + 1e-12) + 1e-300:  # a stale entry: this link fills later now
                 heapq.heappush(heap, (current, link))
                 continue
-            done.add(link)
-            for f, _ in users[link]:
-                if f.rate:  # frozen already (through another link)
+            level = max(level, 1e-300)
+            for f in users[link]:
+                if f.id in rate:  # frozen already (through another link)
                     continue
-                f.rate = max(level, 1e-300)
+                rate[f.id] = (level, link)
                 for other, factor in f.route:
-                    frozen_load[other] += f.rate * factor
+                    room[other] -= level * factor
                     weight[other] -= factor
-                    if other not in done and weight[other] > 1e-12:
-                        heapq.heappush(heap, ((self.capacity[other] - frozen_load[other]) / weight[other], other))
+                    if weight[other] > 1e-12:
+                        heapq.heappush(heap, (max(room[other], 0.0) / weight[other], other))
+        return rate

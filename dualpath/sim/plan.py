@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from dualpath.sim.hardware import Hardware
-from dualpath.sim.links import link_load
+from dualpath.sim.links import DECODE, PREFILL, link_load
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,39 @@ def describe(hw: Hardware, prefill_nodes: int, decode_nodes: int) -> str:
 
 def as_fraction(x: float) -> str:
     return str(Fraction(x).limit_denominator(64)) if x != float("inf") else "inf"
+
+
+def link_utilization(caps: dict[str, float], carried: dict[str, float], seconds: float) -> dict[str, float]:
+    """Mean utilization of each kind of link on each side (``prefill snic``, ``decode cnic_write``, ...) over
+    ``seconds``, from the bytes each simulated link carried."""
+    used: dict[str, list[float]] = {}
+    for link, cap in caps.items():
+        if "/" not in link:
+            continue
+        side = PREFILL if link.startswith("p") else DECODE
+        used.setdefault(f"{side} {link.rsplit('/', 1)[1]}", []).append(carried.get(link, 0.0) / (cap * seconds))
+    return {k: sum(v) / len(v) for k, v in used.items()}
+
+
+def simulate_split(hw: Hardware, model, prefill: int, decode: int, rounds, seconds: float,
+                   system: str = "dualpath", storage_gbps: float | None = None) -> dict:
+    """One P/D split under a closed loop of agents (``rounds``) for ``seconds`` of simulated time: turns/s over
+    the second half, prefill GPU busy fraction and link utilizations (the whole run). ``storage_gbps``: the
+    storage system's aggregate read rate (None: the paper's calibration; 0: unlimited)."""
+    from dualpath.sim.cluster import ClusterSim, SimConfig, storage_bps
+
+    storage = storage_bps(storage_gbps, prefill + decode)
+    sim = ClusterSim(SimConfig(hw, model, model.engine, prefill, decode, system, storage), rounds)
+    r = sim.run(until=seconds)
+    done = sum(1 for t in r.tpot_at if t >= seconds / 2)
+    util = link_utilization(sim.loop.net.capacity, r.link_bytes, seconds)
+    busiest = max(util, key=util.get)
+    return {"prefill": prefill, "decode": decode, "turns_per_s": done / (seconds / 2),
+            "prefill_busy": sim.prefill_busy_s / (prefill * hw.gpus * seconds),
+            "ttft_mean_s": sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else 0.0,
+            "busiest": busiest, "busiest_utilization": util[busiest], "utilization": util}
+
+
+def best_split(rows: list[dict]) -> dict:
+    """The split with the most turns per second (ties: fewer prefill nodes)."""
+    return max(rows, key=lambda r: (round(r["turns_per_s"], 6), -r["prefill"]))

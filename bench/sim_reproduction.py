@@ -1,0 +1,256 @@
+"""The paper's cluster-scale results (arXiv 2602.21548 §7; ``shared/paper-notes.md`` §7) reproduced by the
+simulator, which places every request with the project's own scheduler, on the calibrated presets of
+``dualpath/sim/hardware.py`` (the paper's node, storage read at 22 GB/s per node and 82 GB/s for the storage
+system as a whole up to 6 nodes, in proportion beyond; DeepSeek 660B and 27B timings).
+
+Parts (each a set of simulator runs, spread over ``--jobs`` processes):
+* offline: DS 660B, 2P4D, 64K trace, every system: the DualPath/Basic speedup, the ablation steps, the storage
+  read balance of round-robin vs the scheduler, and JCTs against the paper's (at 1,024 agents).
+* pd: DS 27B at 1P1D, 2P1D and 1P2D, Basic and DualPath: Figure 8's equivalences and speedups.
+* append: DS 660B 2P4D with the appended tokens per turn x1, x2, x3: the speedup trend.
+* online: DS 660B 2P4D, Poisson agent arrivals: the highest rate holding the SLO (mean TTFT <= 4 s, TPOT <= 50
+  ms over the second half of each 1,800 s probe: agents live ~1,000 s, so the first half is the ramp), Basic vs
+  DualPath.
+* scale: DualPath at 2P4D with N agents vs 8P16D with 4N agents (the paper: 2P4D/2K agents vs 48P96D/48K).
+
+    PYTHONPATH=. python bench/sim_reproduction.py [--agents 1024] [--jobs 2] [--parts offline,pd,append,online,scale]
+
+Writes ``bench/results/sim_reproduction.json`` and figures under ``bench/results/sim_reproduction/``; prints the
+table of each paper figure beside the simulated one.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from common import RESULTS, print_table, write_result  # noqa: E402
+
+SYSTEMS = ("basic", "layerwise", "dualpath-rr", "dualpath", "oracle")
+
+
+def rounds_for(task: dict) -> list[list[tuple[int, int]]]:
+    """The task's trace: Table 2's preset, appends scaled by ``append`` (contexts grow with them)."""
+    from dualpath.rollout.tracegen import PRESETS, trace_shapes
+
+    base = PRESETS[task.get("preset", "64k")]
+    k = task.get("append", 1.0)
+    if k != 1.0:  # a turn adds append + gen tokens to the context: contexts scale with that sum
+        grow = (k * base.append + base.gen) / (base.append + base.gen)
+        base = replace(base, append=base.append * k, context=base.context * grow, total=base.total * grow)
+    rounds, _ = trace_shapes(base, task["agents"], 1.0, task.get("turns_scale", 1.0), task.get("seed", 0))
+    return rounds
+
+
+def run_task(task: dict) -> dict:
+    """One simulator run (or one online capacity search), as a summary row tagged with the task."""
+    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    from dualpath.sim.cluster import ClusterSim, SimConfig, online_capacity, summarize
+    from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE, paper_storage_bps
+
+    model = MODELS[task["model"]]
+    storage = paper_storage_bps(task["p"] + task["d"])
+    cfg = SimConfig(PAPER_CLUSTER_NODE, model, model.engine, task["p"], task["d"], task["system"], storage)
+    rounds = rounds_for(task)
+    t0 = time.perf_counter()
+    if task.get("online_s"):
+        found = online_capacity(cfg, rounds, task["online_s"], iters=task.get("iters", 4), start=task["start"],
+                                warmup_s=task["online_s"] / 2)
+        row = {"system": task["system"], "online_agents_per_s": found["agents_per_s"], "tried": found["tried"]}
+    else:
+        sim = ClusterSim(cfg, rounds)
+        row = summarize(sim, sim.run())
+    row.update(task=task, wall_s=time.perf_counter() - t0)
+    print(f"  done {task['part']:8} {task['model']} {task['p']}P{task['d']}D {task['system']:<12} "
+          f"x{task.get('append', 1.0):g} in {row['wall_s']:.0f} s", flush=True)
+    return row
+
+
+def tasks_for(parts: list[str], agents: int, online_s: float) -> list[dict]:
+    t: list[dict] = []
+    base = {"model": "ds660b", "p": 2, "d": 4, "agents": agents}
+    if "offline" in parts or "append" in parts or "scale" in parts:
+        t += [{**base, "part": "offline", "system": s} for s in SYSTEMS]
+    if "pd" in parts:
+        t += [{"part": "pd", "model": "ds27b", "p": p, "d": d, "agents": agents // 2, "system": s}
+              for p, d in ((1, 1), (2, 1), (1, 2)) for s in ("basic", "dualpath", "oracle")]
+    if "append" in parts:
+        t += [{**base, "part": "append", "system": s, "append": k} for k in (2.0, 3.0)
+              for s in ("basic", "dualpath", "oracle")]
+    if "online" in parts:
+        t += [{**base, "part": "online", "system": s, "online_s": online_s, "start": 0.25, "agents": 400}
+              for s in ("basic", "dualpath")]
+    if "scale" in parts:
+        t += [{**base, "part": "scale", "system": "dualpath", "p": 8, "d": 16, "agents": 4 * agents}]
+    return t
+
+
+def pick(rows: list[dict], **match) -> dict:
+    for r in rows:
+        task = r["task"]
+        if all(task.get(k, {"append": 1.0}.get(k)) == v for k, v in match.items()):
+            return r
+    raise KeyError(match)
+
+
+def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
+    """Each of the paper's figures beside the simulated one: (metric, paper, sim, note)."""
+    out = []
+
+    def add(metric, paper, sim, note=""):
+        out.append({"metric": metric, "paper": paper, "sim": sim,
+                    "sim/paper": sim / paper if paper else None, "note": note})
+
+    jct = lambda part, system, **kw: pick(rows, part=part, system=system, **kw)["jct_s"]  # noqa: E731
+    if "offline" in parts:
+        basic = jct("offline", "basic")
+        add("660B 2P4D 64K offline: DualPath speedup over Basic", 5365 / 2917, basic / jct("offline", "dualpath"),
+            "JCT; paper at 1,024 agents (up to 1.87x)")
+        busy = lambda s: pick(rows, part="offline", system=s)["busy_turns_per_s"]  # noqa: E731
+        add("same, turns/s while the cluster is full", 19309 / 10312, busy("dualpath") / busy("basic"),
+            "until half the agents are done; paper: JCT at 4,096")
+        for system, paper in (("layerwise", -17.21), ("dualpath-rr", -38.19), ("dualpath", -45.62)):
+            add(f"ablation: JCT change vs Basic, {system} (%)", paper, 100 * (jct("offline", system) / basic - 1))
+            add(f"ablation: time per turn while full vs Basic, {system} (%)", paper,
+                100 * (busy("basic") / busy(system) - 1))
+        add("DualPath JCT / Oracle JCT", 1.0, jct("offline", "dualpath") / jct("offline", "oracle"),
+            "paper: 'close to Oracle' (no number)")
+        rr = pick(rows, part="offline", system="dualpath-rr")["storage_read_max_over_avg"]
+        dp = pick(rows, part="offline", system="dualpath")["storage_read_max_over_avg"]
+        add("storage read max/avg over nodes, round-robin", 1.53, rr)
+        add("storage read max/avg over nodes, DualPath scheduler", 1.18, dp)
+        if agents == 1024:
+            add("Basic JCT at 1,024 agents (s)", 5365, basic, "storage rate calibrated from Basic at 4,096")
+            add("DualPath JCT at 1,024 agents (s)", 2917, jct("offline", "dualpath"),
+                "prefill calibrated from DualPath at 4,096")
+    if "pd" in parts:
+        pd = {(p, d, s): jct("pd", s, p=p, d=d) for p, d in ((1, 1), (2, 1), (1, 2)) for s in ("basic", "dualpath")}
+        speedups = [pd[(p, d, "basic")] / pd[(p, d, "dualpath")] for p, d in ((1, 1), (2, 1), (1, 2))]
+        add("27B P/D sweep: mean DualPath speedup", 1.64, sum(speedups) / 3)
+        add("27B P/D sweep: max DualPath speedup", 2.46, max(speedups))
+        add("Basic 1P1D JCT / Basic 1P2D JCT", 1.0, pd[(1, 1, "basic")] / pd[(1, 2, "basic")], "one usable SNIC each")
+        add("DualPath 1P1D JCT / Basic 2P1D JCT", 1.0, pd[(1, 1, "dualpath")] / pd[(2, 1, "basic")], "two SNICs each")
+        add("DualPath 2P1D JCT / DualPath 1P2D JCT", 1.0, pd[(2, 1, "dualpath")] / pd[(1, 2, "dualpath")],
+            "three SNICs each")
+    if "append" in parts:
+        for k in (1.0, 2.0, 3.0):
+            part = "offline" if k == 1.0 else "append"
+            add(f"append x{k:g}: DualPath speedup over Basic", 1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
+                jct(part, "basic", append=k) / jct(part, "dualpath", append=k), "JCT; paper: 1.82-1.99 over x1-x3")
+            add(f"append x{k:g}: speedup in turns/s while full", 1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
+                pick(rows, part=part, system="dualpath", append=k)["busy_turns_per_s"]
+                / pick(rows, part=part, system="basic", append=k)["busy_turns_per_s"])
+    if "online" in parts:
+        b = pick(rows, part="online", system="basic")["online_agents_per_s"]
+        d = pick(rows, part="online", system="dualpath")["online_agents_per_s"]
+        add("online capacity at SLO, DualPath / Basic", 2.25, d / b if b else float("inf"))
+        add("online capacity at SLO, DualPath 2P4D (agents/s)", 0.4, d)
+    if "scale" in parts:
+        add("scale: JCT 8P16D 4N agents / 2P4D N agents", 3201 / 3167,
+            jct("scale", "dualpath", p=8, d=16) / jct("offline", "dualpath"), "paper: 48P96D 48K vs 2P4D 2K")
+    return out
+
+
+def figures(rows: list[dict], parts: list[str], out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    if "offline" in parts:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        sim = [pick(rows, part="offline", system=s)["jct_s"] for s in SYSTEMS]
+        a.bar(SYSTEMS, sim, color="tab:blue", label="simulated")
+        paper = {"basic": 5365, "layerwise": 5365 * (1 - .1721), "dualpath-rr": 5365 * (1 - .3819), "dualpath": 2917}
+        a.scatter([s for s in SYSTEMS if s in paper], [paper[s] for s in SYSTEMS if s in paper], color="tab:red",
+                  zorder=3, label="paper (1,024 agents)")
+        a.set_ylabel("job completion time (s)")
+        a.set_title("DS 660B, 2P4D, 64K trace, offline")
+        a.legend()
+        nodes = sorted({n for r in rows if r["task"]["part"] == "offline" for n in r["storage_read_bytes"]},
+                       key=lambda n: (n[0] != "p", int(n[1:])))
+        for i, s in enumerate(("basic", "dualpath-rr", "dualpath")):
+            r = pick(rows, part="offline", system=s)
+            b.bar([j + 0.27 * (i - 1) for j in range(len(nodes))],
+                  [r["storage_read_bytes"].get(n, 0) / 1e12 for n in nodes], width=0.27, label=s)
+        b.set_xticks(range(len(nodes)), nodes)
+        b.set_ylabel("storage bytes read (TB)")
+        b.set_title("storage reads per node")
+        b.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "offline.png", dpi=110)
+        made.append("offline.png")
+    if "pd" in parts:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        splits = ((1, 1), (2, 1), (1, 2))
+        for i, s in enumerate(("basic", "dualpath", "oracle")):
+            ax.bar([j + 0.27 * (i - 1) for j in range(3)],
+                   [pick(rows, part="pd", system=s, p=p, d=d)["turns_per_s"] for p, d in splits], width=0.27, label=s)
+        ax.set_xticks(range(3), [f"{p}P{d}D" for p, d in splits])
+        ax.set_ylabel("turns per second")
+        ax.set_title("DS 27B, P/D sweep (64K trace)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "pd_sweep.png", dpi=110)
+        made.append("pd_sweep.png")
+    plt.close("all")
+    return made
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=1024, help="agents of the 2P4D runs (the paper: 1,024)")
+    ap.add_argument("--parts", default="offline,pd,append,online,scale")
+    ap.add_argument("--online-seconds", type=float, default=1800.0,
+                    help="each online probe's run; the SLO is judged over its second half")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", action="store_true", help="table and figures again from the JSON at --out")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    t0 = time.perf_counter()
+    if args.replot:
+        import json
+
+        saved = json.loads(Path(args.out or RESULTS / "sim_reproduction.json").read_text())
+        rows, parts, args.agents, t0 = saved["runs"], saved["parts"], saved["agents"], t0 - saved["wall_s"]
+    else:
+        tasks = tasks_for(parts, args.agents, args.online_seconds)
+        print(f"{len(tasks)} simulator runs on {args.jobs} processes", flush=True)
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            rows = pool.map(run_task, sorted(tasks, key=lambda t: -t["agents"] * t["p"]), chunksize=1)
+    table = compare(rows, parts, args.agents)
+    figs = figures(rows, parts, Path(args.out).parent / "sim_reproduction" if args.out else
+                   RESULTS / "sim_reproduction")
+    wall = time.perf_counter() - t0
+    turns = sum(r.get("turns", 0) for r in rows)
+    path = write_result("sim_reproduction", {"agents": args.agents, "parts": parts, "wall_s": wall,
+                                             "simulated_turns": turns, "comparison": table, "runs": rows,
+                                             "figures": figs}, args.out)
+    print_table(rows and [{"part": r["task"]["part"], "model": r["task"]["model"],
+                           "P/D": f"{r['task']['p']}P{r['task']['d']}D", "system": r["system"],
+                           "append": r["task"].get("append", 1.0), "agents": r["task"]["agents"],
+                           "jct_s": r.get("jct_s"), "turns/s": r.get("turns_per_s"),
+                           "turns/s full": r.get("busy_turns_per_s"),
+                           "reads max/avg": r.get("storage_read_max_over_avg"),
+                           "online agents/s": r.get("online_agents_per_s"), "wall_s": r["wall_s"]} for r in rows],
+                ["part", "model", "P/D", "system", "append", "agents", "jct_s", "turns/s", "turns/s full", "reads max/avg",
+                 "online agents/s", "wall_s"])
+    print()
+    print_table(table, ["metric", "paper", "sim", "sim/paper", "note"])
+    print(f"\n{turns:,} simulated turns in {wall:.0f} s; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
