@@ -92,9 +92,10 @@ def tasks_for(parts: list[str], agents: int, online_s: float) -> list[dict]:
 
 
 def pick(rows: list[dict], **match) -> dict:
+    """The run whose task has every ``match`` value (a task without ``append`` has appends x1)."""
     for r in rows:
-        task = r["task"]
-        if all(task.get(k, {"append": 1.0}.get(k)) == v for k, v in match.items()):
+        task = {"append": 1.0, **r["task"]}
+        if all(task.get(k) == v for k, v in match.items()):
             return r
     raise KeyError(match)
 
@@ -237,7 +238,7 @@ def main() -> int:
     path = write_result("sim_reproduction", {"agents": args.agents, "parts": parts, "wall_s": wall,
                                              "simulated_turns": turns, "comparison": table, "runs": rows,
                                              "figures": figs}, args.out)
-    print_table(rows and [{"part": r["task"]["part"], "model": r["task"]["model"],
+    print_table([{"part": r["task"]["part"], "model": r["task"]["model"],
                            "P/D": f"{r['task']['p']}P{r['task']['d']}D", "system": r["system"],
                            "append": r["task"].get("append", 1.0), "agents": r["task"]["agents"],
                            "jct_s": r.get("jct_s"), "turns/s": r.get("turns_per_s"),

@@ -181,13 +181,19 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC bandwidth per GPU")
     p.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC bandwidth per node")
     p.add_argument("--dram-gbs", type=float, default=500.0, help="node DRAM bandwidth, GB/s")
+    p.add_argument("--storage-read-gbs", type=float, default=22.0,
+                   help="what one node's storage client reads, GB/s (default: the paper's, calibrated from its "
+                        "Basic runs; 0: the SNIC's line rate); the §4.2 bounds use the SNIC line rate")
+    p.add_argument("--storage-gbps", type=float, default=None,
+                   help="simulations: the storage system's aggregate read bandwidth, Gbps (default: the paper's "
+                        "calibration, 82 GB/s up to 6 nodes and in proportion beyond; 0: unlimited)")
 
 
 def _hardware(args: argparse.Namespace):
     from dualpath.sim.hardware import GBPS, Hardware
 
     return Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
-                    dram_bps=args.dram_gbs * 1e9, storage_read_bps=getattr(args, "storage_read_gbs", 0.0) * 1e9)
+                    dram_bps=args.dram_gbs * 1e9, storage_read_bps=args.storage_read_gbs * 1e9)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -472,11 +478,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"], help="with --simulate: the trace")
     pl.add_argument("--agents-per-node", type=int, default=170, help="with --simulate: agents (enough to saturate)")
     pl.add_argument("--seconds", type=float, default=900.0, help="with --simulate: simulated seconds per split")
-    pl.add_argument("--storage-read-gbs", type=float, default=22.0,
-                    help="with --simulate: what one node's storage client reads, GB/s (0: the SNIC's line rate)")
-    pl.add_argument("--storage-gbps", type=float, default=None,
-                    help="with --simulate: the storage system's aggregate read bandwidth, Gbps (default: the "
-                         "paper's calibration; 0: unlimited)")
     pl.add_argument("--target-turns-per-s", type=float, default=0.0,
                     help="with --simulate: the nodes this rate needs at the best ratio")
     pl.set_defaults(func=cmd_plan)
@@ -492,12 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--scale", type=float, default=1.0, help="scale tokens per round")
     sm.add_argument("--turns-scale", type=float, default=1.0, help="scale rounds per agent")
     sm.add_argument("--systems", default="basic,layerwise,dualpath-rr,dualpath,oracle")
-    sm.add_argument("--storage-gbps", type=float, default=None,
-                    help="the storage system's aggregate read bandwidth, Gbps (default: the paper's calibration, "
-                         "82 GB/s up to 6 nodes and in proportion beyond; 0: unlimited; each node's rate applies)")
-    sm.add_argument("--storage-read-gbs", type=float, default=22.0,
-                    help="what one node's storage client reads, GB/s (default: the paper's, calibrated from its "
-                         "Basic runs; 0: the SNIC's line rate)")
     sm.add_argument("--prefill-tps", type=float, default=0.0,
                     help="override the model preset: prefill tokens/s of one GPU, flat in context")
     sm.add_argument("--decode-step-ms", type=float, default=0.0, help="override the preset: a flat decode step time")

@@ -32,6 +32,11 @@ class CostModel:
         attn = sum(n * (c + n / 2) for c, n in items)
         return self.fixed + self.per_token * new + self.attention * attn
 
+    def tokens_in(self, seconds: float) -> int:
+        """New tokens one batch prefills in ``seconds`` by the per-token term (attention over cached tokens left
+        out): the scheduler's beta for 5 s."""
+        return int(max(0.0, seconds - self.fixed) / self.per_token) if self.per_token > 0 else 0
+
     @classmethod
     def fit(cls, samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> "CostModel":
         """Non-negative least squares over (batch items, measured seconds) samples."""

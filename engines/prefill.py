@@ -138,7 +138,7 @@ class PrefillEngine(Engine):
         """Tokens this device prefills in 5 s, by the cost model (attention over cached tokens left out)."""
         if self.cfg.beta_tokens:
             return self.cfg.beta_tokens
-        return int(max(0.0, 5.0 - self.cost.fixed) / self.cost.per_token) if self.cost.per_token > 0 else 0
+        return self.cost.tokens_in(5.0)
 
     # --- start-up profile -----------------------------------------------------------------------------------
     @torch.inference_mode()

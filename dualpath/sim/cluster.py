@@ -161,7 +161,8 @@ class ClusterSim:
         mode, policy, self.layerwise, self.reads = SYSTEMS[cfg.system]
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
         caps = cluster_links(cfg.hardware, nodes)
-        caps["storage"] = cfg.storage_bps if math.isfinite(cfg.storage_bps) else 1e30
+        if math.isfinite(cfg.storage_bps):  # else reads do not cross it
+            caps["storage"] = cfg.storage_bps
         caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
         self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", mode=mode, policy=policy,
@@ -192,7 +193,7 @@ class ClusterSim:
         cfg, e = self.cfg, self.cfg.engine
         role = Role.PREFILL if node.startswith("p") else Role.DECODE
         read_tokens = cfg.hardware.read_bps / cfg.model.kv_bytes_per_token
-        beta = int(5.0 / max(e.prefill.per_token, 1e-12))  # tokens prefilled in 5 s
+        beta = e.prefill.tokens_in(5.0)  # as the real prefill engines report it
         info = EngineInfo(f"{node}-{g}", role, node, "sim", "sim", {}, [], 0, 0, cfg.block_size, e.num_layers,
                           "00" * 16, e.decode_kv_tokens if role is Role.DECODE else 10 ** 9,
                           max_model_len=10 ** 8, group_id=node, alpha_tokens=int(3.0 * read_tokens),
@@ -247,7 +248,8 @@ class ClusterSim:
         stored, e.stored = b"".join(e.stored), []
         read, e.read_bytes = e.read_bytes, 0.0
         read_tokens = int(read_q / self.cfg.model.kv_bytes_per_token)
-        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_tokens, e.info.capacity_tokens - e.reserved, request_ids=list(e.held), finished=finished,
+        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_tokens,
+                          e.info.capacity_tokens - e.reserved, request_ids=list(e.held), finished=finished,
                           stored_keys=stored, storage_read_bytes=int(read))
 
     # --- prefill ----------------------------------------------------------------------------------------------
@@ -403,8 +405,6 @@ def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_
     requests served from ``warmup_s`` to ``duration_s`` (the run stops there: requests still waiting are what an
     overloaded rate leaves behind, and a finite window admits a little more than the sustainable rate): doubling
     from ``start`` to find a rate that fails, then bisection. Agent i replays ``pool[i % len(pool)]``."""
-    import numpy as np
-
     tried: dict[float, bool] = {}
 
     def ok(aps: float) -> bool:
@@ -427,8 +427,6 @@ def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_
 
 def summarize(sim: ClusterSim, r: SimResult) -> dict:
     """One run's summary row: JCT, throughput, TTFT/TPOT, storage reads per node and their balance, busiest link."""
-    import numpy as np
-
     from scheduler.balance import max_over_avg
 
     caps = sim.loop.net.capacity
@@ -474,7 +472,7 @@ def storage_bps(gbps: float | None, nodes: int) -> float:
     return gbps * 1e9 / 8 if gbps > 0 else math.inf
 
 
-def simulate_systems(args, hw: Hardware, progress=None) -> list[dict]:
+def simulate_systems(args, hw: Hardware) -> list[dict]:
     """``dualpath simulate``: the trace the options describe, run once per system; one summary row each."""
     from dualpath.rollout.tracegen import trace_shapes
     from dualpath.sim.hardware import MODELS
@@ -490,6 +488,4 @@ def simulate_systems(args, hw: Hardware, progress=None) -> list[dict]:
         if args.online_seconds > 0:
             found = online_capacity(cfg, rounds, args.online_seconds, warmup_s=args.online_seconds / 2)
             rows[-1]["online_agents_per_s"] = found["agents_per_s"]
-        if progress:
-            progress(rows[-1])
     return rows
