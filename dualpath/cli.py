@@ -181,19 +181,20 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cnic-gbps", type=float, default=400.0, help="compute NIC bandwidth per GPU")
     p.add_argument("--snic-gbps", type=float, default=400.0, help="storage NIC bandwidth per node")
     p.add_argument("--dram-gbs", type=float, default=500.0, help="node DRAM bandwidth, GB/s")
-    p.add_argument("--storage-read-gbs", type=float, default=22.0,
-                   help="what one node's storage client reads, GB/s (default: the paper's, calibrated from its "
+    p.add_argument("--storage-read-gbs", type=float, default=None,
+                   help="what one node's storage client reads, GB/s (default: the paper's, 14.6, calibrated from its "
                         "Basic runs; 0: the SNIC's line rate); the §4.2 bounds use the SNIC line rate")
     p.add_argument("--storage-gbps", type=float, default=None,
-                   help="simulations: the storage system's aggregate read bandwidth, Gbps (default: the paper's "
-                        "calibration, 82 GB/s up to 6 nodes and in proportion beyond; 0: unlimited)")
+                   help="simulations: cap the storage system's aggregate read bandwidth, Gbps (default or 0: no "
+                        "cap beyond each node's --storage-read-gbs)")
 
 
 def _hardware(args: argparse.Namespace):
-    from dualpath.sim.hardware import GBPS, Hardware
+    from dualpath.sim.hardware import GBPS, PAPER_STORAGE_READ_BPS, Hardware
 
+    read = PAPER_STORAGE_READ_BPS if args.storage_read_gbs is None else args.storage_read_gbs * 1e9
     return Hardware(gpus=args.gpus, cnic_bps=args.cnic_gbps * GBPS, snic_bps=args.snic_gbps * GBPS,
-                    dram_bps=args.dram_gbs * 1e9, storage_read_bps=args.storage_read_gbs * 1e9)
+                    dram_bps=args.dram_gbs * 1e9, storage_read_bps=read)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

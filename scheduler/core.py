@@ -59,7 +59,7 @@ class Fifo:
         return rid in self._d
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._d))
+        return iter(self._d)  # live: callers finish iterating before they add or remove
 
     def __len__(self) -> int:
         return len(self._d)
@@ -92,13 +92,39 @@ class Lazy:
             i += 1
 
 
+class Outstanding:
+    """Work given to an engine that its reports do not count yet: work id -> (tokens, reserve), with the sums kept
+    (engine states are built on every pull; summing the entries each time dominated the scheduler at scale)."""
+
+    __slots__ = ("_d", "tokens", "reserve")
+
+    def __init__(self):
+        self._d: dict[str, tuple[int, int]] = {}
+        self.tokens = self.reserve = 0
+
+    def add(self, work: str, tokens: int, reserve: int) -> None:
+        self.discard(work)
+        self._d[work] = (tokens, reserve)
+        self.tokens += tokens
+        self.reserve += reserve
+
+    def discard(self, work: str) -> None:
+        v = self._d.pop(work, None)
+        if v is not None:
+            self.tokens -= v[0]
+            self.reserve -= v[1]
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 @dataclass
 class EngineRecord:
     info: EngineInfo
     load: EngineLoad | None = None
     last_seen: float = 0.0
     alive: bool = True
-    outstanding: dict[str, tuple[int, int]] = field(default_factory=dict)  # work id -> (tokens, reserve)
+    outstanding: Outstanding = field(default_factory=Outstanding)
 
     @property
     def group(self) -> str:
@@ -135,6 +161,7 @@ class SchedulerCore:
         self.by_node: dict[str, list[EngineRecord]] = {}
         self.by_group: dict[str, list[EngineRecord]] = {}
         self.alive_ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        self._alive_sorted: dict[Role, list[EngineRecord]] = {}  # cache of alive(); dropped when alive_ids change
         self.requests: dict[str, RequestRecord] = {}  # by request id
         self.by_work: dict[str, str] = {}  # work id -> request id
         self.global_queue = Fifo()
@@ -174,6 +201,7 @@ class SchedulerCore:
             for index, key in ((self.by_node, info.node_id), (self.by_group, rec.group)):
                 index[key] = [x for x in index.get(key, []) if x.info.engine_id != info.engine_id] + [rec]
             self.alive_ids[info.role].add(info.engine_id)
+            self._alive_sorted.pop(info.role, None)
             if info.role is Role.DECODE:
                 self.private.setdefault(rec.group, Fifo())
             else:
@@ -194,7 +222,9 @@ class SchedulerCore:
         return sorted([e.info.engine_id, e.info.control_address] for e in self.by_group.get(group, ()) if e.alive)
 
     def alive(self, role: Role) -> list[EngineRecord]:
-        return [self.engines[eid] for eid in sorted(self.alive_ids[role])]
+        if role not in self._alive_sorted:
+            self._alive_sorted[role] = [self.engines[eid] for eid in sorted(self.alive_ids[role])]
+        return self._alive_sorted[role]
 
     def ready(self) -> bool:
         return bool(self.alive_ids[Role.PREFILL] and self.alive_ids[Role.DECODE])
@@ -212,6 +242,7 @@ class SchedulerCore:
         e.alive = False
         self._totals = None
         self.alive_ids[e.info.role].discard(eid)
+        self._alive_sorted.pop(e.info.role, None)
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
             if r.pe == eid or r.de == eid:
@@ -296,7 +327,7 @@ class SchedulerCore:
         self.by_work.pop(r.work_id, None)
         for eid in (r.pe, r.de):
             if eid in self.engines:
-                self.engines[eid].outstanding.pop(r.work_id, None)
+                self.engines[eid].outstanding.discard(r.work_id)
         if event is not None:
             r.notify(event)
 
@@ -312,7 +343,7 @@ class SchedulerCore:
             return
         for eid in (r.pe, r.de):
             if eid in self.engines:
-                self.engines[eid].outstanding.pop(r.work_id, None)
+                self.engines[eid].outstanding.discard(r.work_id)
                 if self.engines[eid].alive:
                     self.cancelled_for.setdefault(eid, []).append(r.work_id)
         self._unqueue(rid)
@@ -374,8 +405,9 @@ class SchedulerCore:
         if e is None or not e.alive:
             return
         e.load, e.last_seen = load, self.clock()
-        for w in load.request_ids:
-            e.outstanding.pop(w, None)  # the engine's own numbers now include it
+        if e.outstanding:
+            for w in load.request_ids:
+                e.outstanding.discard(w)  # the engine's own numbers now include it
         node = e.info.node_id
         self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
         self.read_window.add(node, load.storage_read_bytes)
@@ -405,12 +437,11 @@ class SchedulerCore:
 
     def _state(self, e: EngineRecord) -> EngineState:
         load = e.load
-        extra_tok = sum(t for t, _ in e.outstanding.values())
-        extra_reserve = sum(r for _, r in e.outstanding.values())
+        out = e.outstanding
         return EngineState(e.info.engine_id, e.info.node_id, e.group,
-                           seq=(load.seq if load else 0) + len(e.outstanding),
-                           tok=(load.tok if load else 0) + extra_tok,
-                           free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - extra_reserve,
+                           seq=(load.seq if load else 0) + len(out),
+                           tok=(load.tok if load else 0) + out.tokens,
+                           free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - out.reserve,
                            beta=e.info.beta_tokens)
 
     def _group_totals(self) -> dict[str, int]:
@@ -419,8 +450,8 @@ class SchedulerCore:
         now = self.clock()
         if self._totals is None or now - self._totals_at > 0.05:
             totals: dict[str, int] = {}
-            for e in self.alive(Role.DECODE):
-                totals[e.group] = totals.get(e.group, 0) + self._state(e).tok
+            for e in self.alive(Role.DECODE):  # the tok of _state(e), without building the state
+                totals[e.group] = totals.get(e.group, 0) + (e.load.tok if e.load else 0) + e.outstanding.tokens
             for g in totals:
                 totals[g] += sum(self.requests[rid].spec.num_tokens for rid in self.private.get(g, ()))
             self._totals, self._totals_at = totals, now
@@ -453,7 +484,7 @@ class SchedulerCore:
             r = self.requests[rid]
             r.de = eid
             q = self.queued(r)
-            self.engines[eid].outstanding[work_id] = (q.num_tokens, q.reserve_tokens)
+            self.engines[eid].outstanding.add(work_id, q.num_tokens, q.reserve_tokens)
             private.remove(rid)
             r.group = None
             self.prefill_queue.append(rid)
@@ -480,7 +511,7 @@ class SchedulerCore:
             q = self.queued(r)
             r.pe, r.path = d.engine_id, ("split" if d.path.pe_blocks > 0 else d.path.path.value)
             self.counters[f"path_{r.path}"] += 1
-            self.engines[d.engine_id].outstanding[d.request_id] = (q.num_miss_tokens, 0)
+            self.engines[d.engine_id].outstanding.add(d.request_id, q.num_miss_tokens, 0)
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
             out.setdefault(d.engine_id, []).append(Assignment(

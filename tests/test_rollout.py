@@ -5,12 +5,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from dualpath.client import ClusterClient
 from dualpath.launcher import ClusterSpec, LocalCluster
-from dualpath.rollout.runner import Rollout, RolloutConfig, make_agents
-from dualpath.rollout.tracegen import PRESETS, generate_trace, measure
+from dualpath.errors import DualPathError
+from dualpath.rollout.runner import Rollout, RolloutConfig, agent_digest, completed_agents, make_agents
+from dualpath.rollout.tracegen import PRESETS, generate_trace, measure, trace_shapes
 from dualpath.rollout.trajectory import TrajectoryError, read_trajectories, write_trajectories
 
 GOOD = [
@@ -56,8 +58,19 @@ def test_replicated_agents_start_with_distinct_random_rounds(tmp_path):
 def test_generated_traces_match_their_targets_within_ten_percent(preset):
     ts, target = generate_trace(preset, 300, scale=0.05, turns_scale=0.25, seed=3)
     got = measure(ts)
-    for field in ("turns", "append", "gen", "context"):
+    for field in ("turns", "append", "gen", "context", "total"):
         assert abs(getattr(got, field) / getattr(target, field) - 1) < 0.10, (field, got, target)
+    assert got.max_len <= target.limit  # no trajectory grows past MaxLen: the paper's traces end there
+
+
+def test_generated_trajectories_end_near_max_len_with_front_loaded_growth():
+    shapes, target = trace_shapes("64k", 2000)
+    finals = np.array([sum(a + g for a, g in rs) for rs in shapes])
+    assert finals.max() <= 65_536 and np.quantile(finals, 0.05) > 0.65 * 65_536
+    rounds = np.array([len(rs) for rs in shapes])
+    assert 85 < rounds.mean() < 100 and rounds.max() > 3 * rounds.mean()  # widely spread: size-biased mean 157
+    first = np.mean([rs[0][0] for rs in shapes])
+    assert first > 3 * target.append  # the system prompt and task come first
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +120,24 @@ def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
         return {(r["agent"], r["round"]): r["output"] for r in recs}
 
     assert per_agent(out) == per_agent(tmp_path / "clean.jsonl")
+
+
+def test_resume_refuses_results_of_other_trajectories(tmp_path):
+    ts, _ = generate_trace("64k", 3, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=1)
+    other, _ = generate_trace("64k", 3, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=2)
+    agents = make_agents(ts, RolloutConfig())
+    digests = {a.id: agent_digest(a) for a in agents}
+    out = tmp_path / "out.jsonl"
+    lines = [{"agent": a.id, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
+             for a in agents for i in range(len(a.rounds))]
+    out.write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]) + '{"agent": "cut sh')
+    done, kept = completed_agents(out, digests)
+    assert done == {a.id for a in agents[:-1]} and len(kept) == len(lines) - len(agents[-1].rounds)
+    stale = {a.id: agent_digest(a) for a in make_agents(other, RolloutConfig())}  # same ids, other rounds
+    with pytest.raises(DualPathError, match="out.jsonl:1: results of agent agent-0 come from other rounds"):
+        completed_agents(out, stale)
+    assert agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=1))[0]) != \
+        agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=2))[0])
 
 
 def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):

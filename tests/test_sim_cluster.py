@@ -4,7 +4,7 @@ import math
 import pytest
 
 from dualpath.sim.cluster import ClusterSim, SimConfig, block_key
-from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset
+from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
 from engines.batcher import CostModel
 
 FAST = Hardware(gpus=1, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12)
@@ -14,7 +14,7 @@ ENGINE = EngineModel(CostModel(0.01, 0.001, 0.0), decode_fixed_s=0.016, decode_p
 
 
 def two_rounds(system: str, storage_bps: float = 1e6):
-    cfg = SimConfig(FAST, MODEL, ENGINE, 1, 1, system, storage_bps=storage_bps, pull_interval_s=0.05)
+    cfg = SimConfig(FAST, MODEL, ENGINE, 1, 1, system, storage_bps=storage_bps, pull_interval_s=0.05, pull_jitter=0.0)
     return ClusterSim(cfg, [[(128, 4), (60, 4)]]).run()
 
 
@@ -42,7 +42,7 @@ def test_storage_bandwidth_is_shared_by_concurrent_reads():
     """Two agents on two prefill GPUs: their second rounds read 128 KB each from 0.275, sharing 1 MB/s, so both
     reads end at 0.531 (alone: 0.403); prefill to 0.605, decode to 0.653, reported at 0.7."""
     hw = Hardware(gpus=2, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12)
-    cfg = SimConfig(hw, MODEL, ENGINE, 1, 1, "basic", storage_bps=1e6, pull_interval_s=0.05)
+    cfg = SimConfig(hw, MODEL, ENGINE, 1, 1, "basic", storage_bps=1e6, pull_interval_s=0.05, pull_jitter=0.0)
     r = ClusterSim(cfg, [[(128, 4), (60, 4)], [(128, 4), (60, 4)]]).run()
     assert r.turns == 4
     assert r.link_bytes["storage"] == pytest.approx(2 * 128 * 1000)
@@ -159,3 +159,32 @@ def test_simulate_and_plan_commands(tmp_path):
                            "--target-turns-per-s", "50"], capture_output=True, text=True, check=True,
                           timeout=120).stdout
     assert "1P2D" in text and "2P1D" in text and "best: " in text and "needs about" in text
+
+
+def test_prefill_groups_share_the_queue_when_pulls_drift():
+    """2P1D Basic (DS 27B timings, 4 GPUs a node): the one decode group refills the prefill queue once per
+    interval. With phase-locked pulls the same prefill group always pulls next and takes everything (Algorithm 1
+    looks at the pulling group only, and beta is 5 s of prefill); real pulls drift (each waits after its reply),
+    modelled by the jitter, and both prefill nodes then read about half."""
+    from dualpath.rollout.tracegen import trace_shapes
+
+    rounds, _ = trace_shapes("64k", 32, 1.0, 0.1, 0)
+    hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
+    share = {}
+    for jitter in (0.0, 0.2):
+        r = ClusterSim(SimConfig(hw, model, model.engine, 2, 1, "basic", pull_jitter=jitter), rounds).run()
+        share[jitter] = {n: b / sum(r.storage_read_bytes.values()) for n, b in r.storage_read_bytes.items()}
+    assert share[0.0] == {"p0": 1.0}
+    assert set(share[0.2]) == {"p0", "p1"} and min(share[0.2].values()) > 0.35, share
+
+
+def test_leaving_unchanged_reports_out_of_pulls_changes_no_decision():
+    from dualpath.rollout.tracegen import trace_shapes
+
+    rounds, _ = trace_shapes("64k", 24, 1.0, 0.1, 1)
+    hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
+    runs = [ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, report_unchanged=every),
+                       rounds).run() for every in (True, False)]
+    assert runs[0].turns == runs[1].turns == sum(map(len, rounds))
+    assert runs[0].jct_s == runs[1].jct_s and runs[0].ttft_s == runs[1].ttft_s
+    assert runs[0].storage_read_bytes == runs[1].storage_read_bytes

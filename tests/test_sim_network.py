@@ -195,3 +195,20 @@ def test_a_change_refills_only_the_flows_it_affects():
     assert done["p0.0"] == pytest.approx(8 / 20)  # 8 GB moved through the link when the first (1 GB) is done
     assert done["p0.7"] == pytest.approx(36 / 20)
     assert net.refilled <= 2 * (36 + 28)  # each change: the node's reads then in flight (everything: ~4x more)
+
+
+def test_a_storage_system_shared_by_every_nodes_reads_is_processor_shared():
+    """Twelve reads on three nodes, each node's link faster than its share of the storage system: the storage
+    link holds them all, so they share its 6 GB/s equally (processor sharing) and each change re-rates that
+    group once (the one-pass path), with exact completion times; the last read alone is held by its node."""
+    caps = {"storage": 6 * GB} | {f"n{i}": 4 * GB for i in range(3)}
+    net = FlowNetwork(caps)
+    sizes = {f"r{k}": (k + 1) * GB for k in range(12)}
+    for k, (fid, size) in enumerate(sizes.items()):
+        net.add(fid, size, ((f"n{k % 3}", 1.0), ("storage", 1.0)))
+    assert all(f.bottleneck == "storage" and f.rate == pytest.approx(0.5 * GB) for f in net.flows.values())
+    done, t = run(net), 0.0
+    for k in range(12):  # sizes 1..12 GB: each next one has 1 GB more to move, shared by the 12 - k left;
+        t += (12 - k) * GB / min(6 * GB, 4 * GB * (12 - k))  # the last alone is held by its node's 4 GB/s
+        assert done[f"r{k}"] == pytest.approx(t)
+    assert net.refilled <= sum(range(1, 13)) * 2

@@ -68,8 +68,9 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
     try:
         with LocalCluster(spec, run_dir=str(out_dir / f"run-{name}")) as cluster:
             client = ClusterClient(cluster.scheduler_address)
-            summary = Rollout(client, RolloutConfig(sample_interval_s=0.25)).run(
-                trajectories, out_dir / f"rounds-{name}.jsonl", progress=False)
+            rounds = out_dir / f"rounds-{name}.jsonl"
+            rounds.unlink(missing_ok=True)  # a benchmark measures whole runs: never resume an earlier one
+            summary = Rollout(client, RolloutConfig(sample_interval_s=0.25)).run(trajectories, rounds, progress=False)
             client.close()
     finally:
         shutil.rmtree(kv, ignore_errors=True)

@@ -2,12 +2,14 @@
 (plus an optional think time), results stream to a JSONL file one round per line, and an interrupted job resumes
 from that file without redoing the agents it finished.
 
-A result line: ``{"agent", "trajectory", "round", "rounds", "prompt_tokens", "cached_tokens", "completion_tokens",
-"output", "finish_reason", "ttft", "tpot", "path", "kv_bytes", "start", "end"}`` (times in seconds since the job
-started; ``output`` the generated token ids, which RL rollouts need).
+A result line: ``{"agent", "trajectory", "round", "rounds", "digest", "prompt_tokens", "cached_tokens",
+"completion_tokens", "output", "finish_reason", "ttft", "tpot", "path", "kv_bytes", "start", "end"}`` (times in
+seconds since the job started; ``output`` the generated token ids, which RL rollouts need; ``digest`` a fingerprint
+of the agent's rounds, so that a resume never mixes in results of other trajectories).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -63,18 +65,30 @@ def make_agents(trajectories: list[Trajectory], cfg: RolloutConfig) -> list[Agen
     return out
 
 
-def completed_agents(path: Path) -> tuple[set[str], list[str]]:
-    """Agents whose every round is in ``path``, and the result lines that belong to them."""
+def agent_digest(agent: Agent) -> str:
+    """A fingerprint of what the agent sends: resuming checks that earlier results came from the same rounds."""
+    rounds = [[list(r.append) if not isinstance(r.append, str) else r.append, r.generate, r.max_tokens]
+              for r in agent.rounds]
+    return hashlib.blake2b(json.dumps(rounds).encode(), digest_size=8).hexdigest()
+
+
+def completed_agents(path: Path, digests: dict[str, str]) -> tuple[set[str], list[str]]:
+    """Agents whose every round is in ``path``, and the result lines that belong to them. ``digests``: each agent's
+    :func:`agent_digest`; a line of the same agent with another digest (results of other trajectories, or of
+    another ``--agents``/``--seed``) is an error, not something to resume from."""
     if not path.exists():
         return set(), []
     lines, rounds_done, rounds_total = [], {}, {}
-    for text in path.read_text().splitlines():
+    for number, text in enumerate(path.read_text().splitlines(), 1):
         if not text.strip():
             continue
         try:
             rec = json.loads(text)
         except ValueError:
             continue  # a line cut short by the interruption
+        if rec["agent"] in digests and rec.get("digest") != digests[rec["agent"]]:
+            raise DualPathError(f"{path}:{number}: results of agent {rec['agent']} come from other rounds than "
+                                f"these trajectories (another file, --agents or --seed); use a new --out")
         lines.append((rec["agent"], text))
         rounds_done[rec["agent"]] = rounds_done.get(rec["agent"], 0) + 1
         rounds_total[rec["agent"]] = rec["rounds"] if not rec.get("stopped") else rounds_done[rec["agent"]]
@@ -89,6 +103,7 @@ class Rollout:
         self.t0 = 0.0
         self.records: list[dict] = []
         self.timeline: list[dict] = []
+        self.digests: dict[str, str] = {}
 
     def _tokens(self, append) -> list[int]:
         if isinstance(append, str):
@@ -112,13 +127,15 @@ class Rollout:
                 log.warning("agent %s stops at round %d: the context would exceed %d tokens", agent.id, i,
                             self.cfg.max_model_len)
                 self._write(out, {"agent": agent.id, "trajectory": agent.trajectory, "round": i,
-                                  "rounds": len(agent.rounds), "stopped": "context limit"})
+                                  "rounds": len(agent.rounds), "digest": self.digests[agent.id],
+                                  "stopped": "context limit"})
                 return
             start = time.perf_counter() - self.t0
             res = self.client.generate(context, sampling, mode=self.cfg.mode)
             end = time.perf_counter() - self.t0
             rec = {"agent": agent.id, "trajectory": agent.trajectory, "round": i, "rounds": len(agent.rounds),
-                   "prompt_tokens": len(context), "cached_tokens": res.num_cached_tokens,
+                   "digest": self.digests[agent.id], "prompt_tokens": len(context),
+                   "cached_tokens": res.num_cached_tokens,
                    "completion_tokens": len(res.token_ids), "output": res.token_ids,
                    "finish_reason": res.finish_reason, "ttft": res.ttft_s, "tpot": res.tpot_s, "path": res.path,
                    "kv_bytes": res.storage_bytes, "start": start, "end": end}
@@ -148,7 +165,8 @@ class Rollout:
     def run(self, trajectories: list[Trajectory], out_path: str | Path, progress: bool = True) -> dict:
         out_path = Path(out_path)
         agents = make_agents(trajectories, self.cfg)
-        done, kept = completed_agents(out_path)
+        self.digests = {a.id: agent_digest(a) for a in agents}
+        done, kept = completed_agents(out_path, self.digests)
         if done:
             log.info("resuming: %d of %d agents already finished", len(done & {a.id for a in agents}), len(agents))
         out_path.write_text("".join(line + "\n" for line in kept))  # drop partial agents: they run again

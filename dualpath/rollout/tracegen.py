@@ -1,15 +1,18 @@
 """Synthetic agentic traces shaped like the paper's coding-agent traces (Table 2, ``shared/paper-notes.md`` §6).
 
-Matched statistics (means): rounds per trajectory (*turns*), appended tokens per round (*append*), generated
-tokens per round (*gen*) and prompt length per round (*context*). ``scale`` multiplies the token counts and
-``turns_scale`` the number of rounds, for machines smaller than the paper's. Rounds are forced-length replays.
+Table 2's columns are per-turn averages (each turn weighs the same): *turns* is the round count of the trajectory a
+turn belongs to, *append*/*gen* the tokens a round appends/generates, *context* a round's prompt length and *total*
+the final length of the turn's trajectory. Read that way the table is consistent: trajectories end near MaxLen
+(64K: total 55,958 = 0.85 x 65,536), a trajectory's rounds number total / (append + gen) on average (64K: 92) and
+the size-biased mean of 157 says how widely they spread (a gamma of shape ~1.4), and a context of 0.58 x total says
+growth is front-loaded (a large first round: the system prompt and task). Matching all five together, with no
+trajectory past MaxLen, keeps a trace's tail as the paper's: a long trajectory grows slowly, not past the limit.
 
-How: rounds per trajectory are gamma-distributed around the target; generation and append sizes are log-normal
-around theirs; appends grow along a trajectory as ``(p + 1) x^p`` of the trajectory's progress x, and ``p`` is
-solved for so that the mean context matches (agents' contexts grow slowly at first — small edits — then fast,
-as tool outputs pile up). The paper's *Total* column is reported beside what is generated but not matched: with
-every turn extending the previous one, no trace can show its turns, append, gen and context together with that
-total (e.g. 64K: 157 turns × 605 tokens per turn already exceed the 64K limit).
+How: per trajectory a final length uniform on [MaxLen x (1 - w), MaxLen] (mean = total), a gamma number of rounds
+with the mean and size-biased mean above, log-normal generation sizes (shrunk where many rounds would not leave
+room for appends), and appends that fill the rest with weights ``(p + 1) x^p`` of the trajectory's progress x
+(p < 0 front-loads), ``p`` solved for so that the mean context matches. ``scale`` multiplies the token counts and
+``turns_scale`` the number of rounds, for machines smaller than the paper's.
 """
 from __future__ import annotations
 
@@ -19,72 +22,114 @@ import numpy as np
 
 from dualpath.rollout.trajectory import Round, Trajectory
 
+#: Table 2: total / MaxLen for its three sets (0.87, 0.87, 0.85); MaxLen for explicit stats that name none.
+TOTAL_OVER_MAXLEN = 0.86
+#: Generated tokens take at most this share of a trajectory (rounds of very long trajectories generate less).
+MAX_GEN_SHARE = 0.6
+
 
 @dataclass(frozen=True)
 class TraceStats:
+    """Per-turn averages (see the module docstring); ``max_len`` bounds every trajectory's final length."""
     turns: float
     append: float
     gen: float
     context: float
     total: float
+    max_len: float | None = None
 
     def scaled(self, scale: float, turns_scale: float = 1.0) -> "TraceStats":
-        return TraceStats(self.turns * turns_scale, self.append * scale, self.gen * scale,
-                          self.context * scale * turns_scale, self.total * scale * turns_scale)
+        tokens = scale * turns_scale  # a trajectory's length: tokens per round x rounds
+        return TraceStats(self.turns * turns_scale, self.append * scale, self.gen * scale, self.context * tokens,
+                          self.total * tokens, self.limit * tokens)
+
+    @property
+    def limit(self) -> float:
+        return self.max_len if self.max_len else self.total / TOTAL_OVER_MAXLEN
 
 
 PRESETS = {  # the paper's Table 2
-    "32k": TraceStats(turns=60, append=608, gen=148, context=17_183, total=28_639),
-    "48k": TraceStats(turns=106, append=474, gen=172, context=25_120, total=42_607),
-    "64k": TraceStats(turns=157, append=429, gen=176, context=32_721, total=55_958),
+    "32k": TraceStats(turns=60, append=608, gen=148, context=17_183, total=28_639, max_len=32_768),
+    "48k": TraceStats(turns=106, append=474, gen=172, context=25_120, total=42_607, max_len=49_152),
+    "64k": TraceStats(turns=157, append=429, gen=176, context=32_721, total=55_958, max_len=65_536),
 }
 
 
 def measure(trajectories: list[Trajectory]) -> TraceStats:
-    """The statistics of a trace (appends given as token ids)."""
+    """The statistics of a trace (appends given as token ids), per-turn averages as Table 2's."""
+    return measure_shapes([[(len(r.append), r.generate or r.max_tokens) for r in t.rounds] for t in trajectories])
+
+
+def measure_shapes(shapes: list[list[tuple[int, int]]]) -> TraceStats:
+    """:func:`measure` over lengths only: per trajectory, its rounds as (appended, generated) tokens."""
     rounds = turns = append = gen = context = total = 0
-    for t in trajectories:
-        ctx = 0
-        for r in t.rounds:
-            ctx += len(r.append)
-            context += ctx
-            append += len(r.append)
-            g = r.generate or r.max_tokens
-            gen += g
-            ctx += g
-            rounds += 1
-        total += ctx
-        turns += len(t.rounds)
-    n = max(1, len(trajectories))
-    return TraceStats(turns / n, append / max(1, rounds), gen / max(1, rounds), context / max(1, rounds), total / n)
+    longest = 0
+    for rs in shapes:
+        a = np.array([x for x, _ in rs], dtype=np.int64)
+        g = np.array([y for _, y in rs], dtype=np.int64)
+        prompt = np.cumsum(a) + np.concatenate([[0], np.cumsum(g)[:-1]])
+        n, final = len(rs), int(a.sum() + g.sum())
+        rounds, turns, append, gen = rounds + n, turns + n * n, append + a.sum(), gen + g.sum()
+        context, total, longest = context + prompt.sum(), total + n * final, max(longest, final)
+    k = max(1, rounds)
+    return TraceStats(turns / k, append / k, gen / k, context / k, total / k, longest)
 
 
-def _shape(target: TraceStats, n: int, rng: np.random.Generator):
-    """Per trajectory: number of rounds, generation sizes and the unshaped append noise."""
-    out = []
-    for _ in range(n):
-        rounds = max(2, int(round(rng.gamma(4.0, target.turns / 4.0))))
-        gens = np.maximum(1, np.round(rng.lognormal(np.log(target.gen) - 0.08, 0.4, rounds))).astype(int)
-        noise = rng.lognormal(-0.18, 0.6, rounds)
-        out.append((rounds, gens, noise))
-    return out
+@dataclass(frozen=True)
+class _Draws:
+    """A trace's random draws, flat over every round of every trajectory (``start[i]`` = trajectory i's first)."""
+    rounds: np.ndarray  # per trajectory
+    final: np.ndarray  # per trajectory: the length it should end at
+    unit: np.ndarray  # per round: generation size / the mean
+    noise: np.ndarray  # per round: append weight noise
+    start: np.ndarray  # per trajectory
+
+    @property
+    def owner(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.rounds)), self.rounds)
 
 
-def _appends(rounds: int, noise: np.ndarray, mean: float, p: float) -> np.ndarray:
-    x = (np.arange(rounds) + 0.5) / rounds
-    weight = (p + 1) * x ** p
-    raw = weight * noise
-    return np.maximum(1, np.round(raw * mean * rounds / raw.sum())).astype(int)
+def _draw(target: TraceStats, n: int, rng: np.random.Generator) -> tuple[_Draws, np.ndarray]:
+    """The draws and the generation sizes."""
+    limit = target.limit
+    w = min(1.0, max(0.0, 2 * (1 - target.total / limit)))  # final ~ U[limit(1 - w), limit]: mean = total
+    final = np.floor(limit * (1 - w * rng.random(n)))
+    mean = target.total / (target.append + target.gen)  # rounds per trajectory; turns is its size-biased mean
+    shape = mean / (target.turns - mean) if target.turns > mean * 1.001 else 1e3
+    spread, most, want = rng.gamma(shape, 1 / shape, n), np.maximum(2, final // 2).astype(np.int64), mean
+    for _ in range(6):  # rounding and the bounds move the mean: keep it at total / (append + gen)
+        rounds = np.clip(np.round(spread * mean), 2, most).astype(np.int64)
+        mean *= want / rounds.mean()
+    start = np.concatenate([[0], np.cumsum(rounds)[:-1]])
+    unit = rng.lognormal(-0.08, 0.4, int(rounds.sum()))  # x the mean generation size
+    noise = rng.lognormal(-0.18, 0.6, int(rounds.sum()))
+    d, size = _Draws(rounds, final, unit, noise, start), target.gen
+    for _ in range(4):  # shrinking crowded trajectories lowers the mean: raise the others' to compensate
+        size *= target.gen / max(1e-9, _gens(d, size).mean())
+    return d, _gens(d, size)
 
 
-def _mean_context(shapes, target: TraceStats, p: float) -> float:
-    total = count = 0
-    for rounds, gens, noise in shapes:
-        a = _appends(rounds, noise, target.append, p)
-        prompt = np.cumsum(a) + np.concatenate([[0], np.cumsum(gens)[:-1]])
-        total += prompt.sum()
-        count += rounds
-    return total / count
+def _gens(d: _Draws, size: float) -> np.ndarray:
+    gens = d.unit * size
+    room = MAX_GEN_SHARE * d.final / np.maximum(1e-9, np.add.reduceat(gens, d.start))
+    return np.maximum(1, np.round(gens * np.minimum(1.0, room)[d.owner])).astype(np.int64)
+
+
+def _appends(d: _Draws, gens: np.ndarray, p: float) -> np.ndarray:
+    owner = d.owner
+    x = (np.arange(len(owner)) - d.start[owner] + 0.5) / d.rounds[owner]
+    raw = (p + 1) * x ** p * d.noise
+    budget = np.maximum(d.rounds, d.final - np.add.reduceat(gens, d.start))
+    a = np.maximum(1, np.round(raw * (budget / np.add.reduceat(raw, d.start))[owner])).astype(np.int64)
+    over = np.add.reduceat(a, d.start) + np.add.reduceat(gens, d.start) - np.maximum(d.final, 2 * d.rounds)
+    a[d.start] = np.maximum(1, a[d.start] - np.maximum(0, over))  # rounded past the limit: the first round gives back
+    return a
+
+
+def _mean_context(d: _Draws, gens: np.ndarray, appends: np.ndarray) -> float:
+    grown = np.cumsum(appends) + np.cumsum(gens) - gens  # before each round's generation
+    base = (grown - appends)[d.start]  # what earlier trajectories left in the running sums
+    return float((grown - base[d.owner]).mean())
 
 
 def trace_shapes(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
@@ -94,17 +139,16 @@ def trace_shapes(preset: str | TraceStats, agents: int, scale: float = 1.0, turn
     base = PRESETS[preset] if isinstance(preset, str) else preset
     target = base.scaled(scale, turns_scale)
     rng = np.random.default_rng(rng) if isinstance(rng, int) else rng
-    shapes = _shape(target, agents, rng)
-    lo, hi = 0.0, 8.0  # mean context falls as p grows
+    d, gens = _draw(target, agents, rng)
+    lo, hi = -0.95, 8.0  # mean context falls as p grows
     for _ in range(40):
         mid = (lo + hi) / 2
-        if _mean_context(shapes, target, mid) > target.context:
+        if _mean_context(d, gens, _appends(d, gens, mid)) > target.context:
             lo = mid
         else:
             hi = mid
-    p = (lo + hi) / 2
-    return [list(zip(_appends(rounds, noise, target.append, p).tolist(), gens.tolist()))
-            for rounds, gens, noise in shapes], target
+    a, g = _appends(d, gens, (lo + hi) / 2).tolist(), gens.tolist()
+    return [list(zip(a[s:s + n], g[s:s + n])) for s, n in zip(d.start.tolist(), d.rounds.tolist())], target
 
 
 def generate_trace(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,

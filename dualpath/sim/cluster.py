@@ -2,8 +2,9 @@
 place every request; engines, storage and links are models on one event clock.
 
 What is modelled (and what is not):
-* Engines: one per GPU, grouped by node; each group pulls from the scheduler every ``pull_interval_s`` (group i
-  of n first at i/n of the interval: pulls are not aligned in a real cluster either) with load reports built like
+* Engines: one per GPU, grouped by node; each group pulls from the scheduler about every ``pull_interval_s``
+  (group i of n first at i/n of the interval, each wait jittered by ``pull_jitter``: real groups' pulls are
+  neither aligned nor phase-locked, they wait a fixed time after each reply) with load reports built like
   the real engines' (seq, tok, the node's storage read queue in tokens, free KV tokens, held requests, finished
   ones and the blocks they stored).
 * A prefill GPU runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
@@ -20,6 +21,7 @@ What is modelled (and what is not):
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,6 +60,12 @@ class SimConfig:
     block_size: int = 64
     pull_interval_s: float = 0.1  # real engines pull every 20 ms; coarser here for speed (~1% of a turn)
     reads_per_node: int = 16  # a node's storage client keeps this many requests' reads in flight (FIFO queue)
+    # A real engine waits the interval after each pull's reply, so its phase against other groups drifts with RPC
+    # times: each wait here is the interval x U[1 - j, 1 + j]. Without drift one prefill group would always pull
+    # first after the decode groups refill the queue, and take all of it (Algorithm 1 looks at the pulling group).
+    pull_jitter: float = 0.2
+    seed: int = 0
+    report_unchanged: bool = False  # send every engine's report on each pull (same decisions, slower)
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -108,6 +116,7 @@ class SimEngine:
     finished: list[str] = field(default_factory=list)
     stored: list[bytes] = field(default_factory=list)
     read_bytes: float = 0.0  # storage bytes completed since the last report
+    reported: tuple = ()  # (seq, tok, reserved) as last reported
 
     def tokens(self, req: SimRequest) -> int:
         """A request's part of the engine's reported load, as the real engines count it: a prefill engine the
@@ -187,6 +196,7 @@ class ClusterSim:
         self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
         self.queued_bytes: dict[str, float] = {}
         self.turns = 0
+        self.rng = random.Random(cfg.seed)
 
     # --- set-up -----------------------------------------------------------------------------------------------
     def _register(self, node: str, g: int) -> None:
@@ -232,23 +242,36 @@ class ClusterSim:
     # --- pulls ------------------------------------------------------------------------------------------------
     def _pull(self, group: str) -> None:
         members = self.groups[group]
-        reply = self.core.pull(group, [self._load(e) for e in members], members[0].info.engine_id)
+        loads = [self._load(e, self._read_q_tokens(e.info.node_id) if i == 0 else 0)
+                 for i, e in enumerate(members) if i == 0 or self.cfg.report_unchanged or self._changed(e)]
+        reply = self.core.pull(group, loads, members[0].info.engine_id)
         for eid, work in reply.assignments.items():
             for a in work:
                 self._start_prefill(self.engines[eid], a)
         if self.unfinished:
-            self.loop.after(self.cfg.pull_interval_s, lambda: self._pull(group))
+            wait = self.cfg.pull_interval_s * (1 + self.cfg.pull_jitter * (2 * self.rng.random() - 1))
+            self.loop.after(wait, lambda: self._pull(group))
 
-    def _load(self, e: SimEngine) -> EngineLoad:
-        node = e.info.node_id
+    def _read_q_tokens(self, node: str) -> int:
+        """The node's storage read queue (waiting and in flight). The scheduler sums its engines' reports per
+        node, so one engine of the group reports it and the others 0."""
         net = self.loop.net
-        read_q = self.queued_bytes.get(node, 0.0) + sum(net.remaining(f) for f in self.reading.get(node, ())
-                                                          if f in net.flows)
+        left = self.queued_bytes.get(node, 0.0) + sum(net.remaining(f) for f in self.reading.get(node, ())
+                                                      if f in net.flows)
+        return int(left / self.cfg.model.kv_bytes_per_token)
+
+    @staticmethod
+    def _changed(e: SimEngine) -> bool:
+        """Whether the engine's report would differ from its last one (an unchanged one may be left out of a
+        pull: the scheduler keeps the last report, so its decisions are the same)."""
+        return bool(e.finished or e.stored or e.read_bytes) or e.reported != (len(e.held), e.held_tokens, e.reserved)
+
+    def _load(self, e: SimEngine, read_q_tokens: int) -> EngineLoad:
         finished, e.finished = e.finished, []
         stored, e.stored = b"".join(e.stored), []
         read, e.read_bytes = e.read_bytes, 0.0
-        read_tokens = int(read_q / self.cfg.model.kv_bytes_per_token)
-        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_tokens,
+        e.reported = (len(e.held), e.held_tokens, e.reserved)
+        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_q_tokens,
                           e.info.capacity_tokens - e.reserved, request_ids=list(e.held), finished=finished,
                           stored_keys=stored, storage_read_bytes=int(read))
 
@@ -324,22 +347,25 @@ class ClusterSim:
             self._cut_segment(de)
 
     # --- decode -----------------------------------------------------------------------------------------------
-    def _step_times(self, de: SimEngine):
-        """Durations of the current segment's steps, in order (context grows by the batch each step)."""
+    def _steps_end(self, de: SimEngine, n: int) -> float:
+        """When the current segment's first ``n`` steps are done: step j takes s0 + c·j (the context grows by the
+        batch each step), so n steps take n·s0 + c·n(n-1)/2."""
         e, batch = self.cfg.engine, len(de.running)
-        step0 = e.decode_step(batch, de.seg_context)
-        return (step0 + e.decode_per_token_s * batch * j for j in range(de.seg_steps))
+        s0, c = e.decode_step(batch, de.seg_context), e.decode_per_token_s * batch
+        return de.seg_start + n * s0 + c * n * (n - 1) / 2
 
     def _cut_segment(self, de: SimEngine) -> None:
         """A request waits to join: end the segment at the boundary of the step in progress."""
-        t = de.seg_start
-        for n, dt in enumerate(self._step_times(de), 1):
-            t += dt
-            if t > self.loop.now + 1e-12:
-                break
-        if n < de.seg_steps:  # else the segment ends at that boundary anyway
-            de.seg_steps, de.seg_version = n, de.seg_version + 1
-            self.loop.at(t, lambda v=de.seg_version: self._segment_end(de, v))
+        lo, hi = 1, de.seg_steps  # the first boundary after now: steps_end is increasing in n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._steps_end(de, mid) > self.loop.now + 1e-12:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < de.seg_steps:  # else the segment ends at that boundary anyway
+            de.seg_steps, de.seg_version = lo, de.seg_version + 1
+            self.loop.at(self._steps_end(de, lo), lambda v=de.seg_version: self._segment_end(de, v))
 
     def _segment_end(self, de: SimEngine, version: int) -> None:
         """At a step boundary: settle the segment's tokens, finish what is done, admit joiners, plan the next."""
@@ -366,8 +392,7 @@ class ClusterSim:
             return
         de.seg_start, de.seg_context = self.loop.now, sum(r.prompt + r.generated for r in de.running.values())
         de.seg_steps = max(1, min(r.gen - r.generated for r in de.running.values()))
-        end = self.loop.now + sum(self._step_times(de))
-        self.loop.at(end, lambda v=de.seg_version: self._segment_end(de, v))
+        self.loop.at(self._steps_end(de, de.seg_steps), lambda v=de.seg_version: self._segment_end(de, v))
 
     # --- run --------------------------------------------------------------------------------------------------
     def run(self, until: float = math.inf) -> SimResult:
@@ -463,13 +488,10 @@ def engine_for(args) -> EngineModel:
     return replace(e, num_layers=args.layers) if args.layers else e
 
 
-def storage_bps(gbps: float | None, nodes: int) -> float:
-    """The storage system's aggregate read rate from an option: None, the paper's calibration; 0, unlimited."""
-    from dualpath.sim.hardware import paper_storage_bps
-
-    if gbps is None:
-        return paper_storage_bps(nodes)
-    return gbps * 1e9 / 8 if gbps > 0 else math.inf
+def storage_bps(gbps: float | None) -> float:
+    """The storage system's aggregate read rate from an option: None or 0, unlimited (each node's storage client
+    still reads at most its own rate)."""
+    return gbps * 1e9 / 8 if gbps else math.inf
 
 
 def simulate_systems(args, hw: Hardware) -> list[dict]:
@@ -478,7 +500,7 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
     from dualpath.sim.hardware import MODELS
 
     rounds, _ = trace_shapes(args.preset, args.agents, args.scale, args.turns_scale, args.seed)
-    storage = storage_bps(args.storage_gbps, args.prefill + args.decode)
+    storage = storage_bps(args.storage_gbps)
     rows = []
     for system in args.systems.split(","):
         cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,

@@ -45,20 +45,13 @@ PAPER_NODE = Hardware()
 
 # Calibration of the storage read rate: Basic is storage-bound through its prefill nodes' SNICs only. The paper's
 # DS 660B 2P4D 64K Basic runs (1,024 / 2,048 / 4,096 agents: 5,365 / 10,052 / 19,309 s) move ~1.32 GB of stored KV
-# per turn (32.3K hit tokens x 40 KiB) x 157 turns per agent; the most saturated run (4,096 agents) gives 44 GB/s
-# through two SNICs: 22 GB/s per node, 44% of the 400 Gbps line (3FS, no DRAM cache, 64-token blocks).
-PAPER_STORAGE_READ_BPS = 22e9
+# per turn (32.3K hit tokens x 40 KiB) x 92.5 turns per agent (Table 2: total / (append + gen); its 157 is the
+# per-turn average, see dualpath/rollout/tracegen.py): ~13 GB/s per node on average; fitted by simulating the
+# 1,024-agent run (Basic 5,365 s) it is 14.6 GB/s per node, 29% of the 400 Gbps line (3FS, no DRAM cache, 64-token
+# blocks). With it DualPath simulates at 2,976 s (the paper: 2,917) with no cap on the storage system as a whole:
+# an earlier aggregate cap (fitted when traces ran 157 turns per agent) is gone.
+PAPER_STORAGE_READ_BPS = 14.6e9
 PAPER_CLUSTER_NODE = Hardware(storage_read_bps=PAPER_STORAGE_READ_BPS)
-# ... and of the storage system as a whole: full DualPath at 4,096 agents (10,312 s, 62.4 turns/s) reads ~82 GB/s
-# through all six SNICs, well under 6 x 22; with the paper's append trend (the speedup holds at 3x appends, so
-# DualPath stays I/O-bound) that is the 3FS cluster's aggregate rate. Clusters larger than 2P4D get storage in
-# proportion (the paper's 48P96D run had its own): 13.7 GB/s per P/D node.
-PAPER_STORAGE_SYSTEM_BPS = 82e9
-
-
-def paper_storage_bps(nodes: int) -> float:
-    """The storage system's aggregate read rate for a P/D cluster of ``nodes`` nodes, as calibrated above."""
-    return PAPER_STORAGE_SYSTEM_BPS * max(1.0, nodes / 6)
 
 
 @dataclass(frozen=True)
@@ -89,22 +82,22 @@ class ModelPreset:
 
 # Calibration of the engines (one Hopper GPU each; a "GPU" of the simulator is 1/g of an expert-parallel node):
 # * DeepSeek 660B (V3.2; 61 layers; sparse attention, so compute per new token barely grows with context; ~40 KiB
-#   of KV per token in FP8, as the paper estimates). Prefill: the paper's DualPath is I/O-bound (82 GB/s at
-#   4,096 agents, 62.4 turns/s) yet "close to Oracle", so the 16 prefill GPUs are set ~25% faster than that:
-#   0.205 s per turn (429 new over ~32.3K cached tokens), 80% per-token work, 20% the lightning indexer's pass
-#   over the context; ~290 TFLOP/s per GPU at the paper's ~22 GB of KV per PFLOP. Decode: ~25 ms steps (EP
-#   decode), HBM after weights holds ~1.2M tokens.
+#   of KV per token in FP8, as the paper estimates). Prefill: the paper's DualPath reads ~48 GB/s at 4,096 agents
+#   (36.7 turns/s) and is "close to Oracle", so the 16 prefill GPUs are set ~25% faster than that:
+#   0.348 s per turn (429 new over ~32.3K cached tokens), 80% per-token work, 20% the lightning indexer's pass
+#   over the context (an expert-parallel prefill of a few hundred tokens per request is far from peak FLOPs).
+#   Decode: ~25 ms steps (EP decode), HBM after weights holds ~1.2M tokens.
 # * DeepSeek 27B (30 layers, MLA latent of 576 values in BF16: 34.6 KB/token). Fitted to the P/D sweep: with
-#   DualPath at 1P1D Oracle is 1.85x faster, so one turn takes ~0.11 s on a prefill GPU (2 SNICs at 22 GB/s feed
-#   ~39 turns/s; 8 GPUs at 0.11 s serve ~73). Decode ~12 ms steps, ~1.7M tokens per GPU.
+#   DualPath at 1P1D Oracle is 1.85x faster, so one turn takes ~0.17 s on a prefill GPU (2 SNICs at 14.6 GB/s
+#   feed ~26 turns/s; 8 GPUs at 0.17 s serve ~48). Decode ~12 ms steps, ~1.7M tokens per GPU.
 # * Qwen2.5-32B (dense GQA, 64 layers, 8 KV heads x 128, FP16: 256 KiB/token). Not evaluated offline in the paper:
 #   from FLOPs at 45% of the H800's BF16 peak (65 GFLOP per token: 1.44e-4 s; attention 1.31 MFLOP per (new,
 #   cached) pair: 2.9e-9 s). Decode: TP8 weight reads ~20 ms per step, KV reads 1e-8 s per token; ~270K tokens.
 MODELS = {
     "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024, EngineModel(
-        CostModel(0.0, 3.82e-4, 2.94e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)),
+        CostModel(0.0, 6.49e-4, 5.0e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)),
     "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2, EngineModel(
-        CostModel(0.0, 1.8e-4, 2.4e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)),
+        CostModel(0.0, 2.72e-4, 3.63e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)),
     "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2, EngineModel(
         CostModel(0.0, 1.44e-4, 2.9e-9), 0.02, 1e-4, 1e-8, 270_000, 64)),
 }

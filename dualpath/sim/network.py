@@ -78,7 +78,9 @@ class FlowNetwork:
         for link, _ in route:
             self._on_link.setdefault(link, {})[flow_id] = f
         self._hold(f, tightest)
-        self._refill({f.id: f})
+        holding = [link for link, _ in route if len(self._held.get(link, ())) > (link == tightest)]
+        if not (len(holding) == 1 and self._uniform(holding[0], f)):
+            self._refill({f.id: f})
 
     def next_completion(self) -> tuple[float, str] | None:
         """(time, flow id) of the flow that finishes first at the current rates, or None when idle."""
@@ -104,7 +106,10 @@ class FlowNetwork:
             del self._held[f.bottleneck][f.id]
             del self.flows[f.id]
         if done:  # the links they crossed have room now: the flows those links hold may speed up
-            self._refill({g.id: g for f in done for link, _ in f.route for g in self._held.get(link, {}).values()})
+            links = {link for f in done for link, _ in f.route if self._held.get(link)}
+            if not (len(links) == 1 and self._uniform(links.pop())):
+                self._refill({g.id: g for f in done for link, _ in f.route
+                              for g in self._held.get(link, {}).values()})
         return [f.id for f in done]
 
     def _settle(self, f: Flow) -> None:
@@ -136,6 +141,40 @@ class FlowNetwork:
             del self._held[f.bottleneck][f.id]
         f.bottleneck = link
         self._held.setdefault(link, {})[f.id] = f
+
+    def _uniform(self, link: str, new: Flow | None = None) -> bool:
+        """The common change, in one pass: the flows ``link`` holds (and ``new``) take one new common rate that
+        fills the link again, every other flow keeping its rate. That is the max-min allocation when no other flow
+        on the link is faster, no other link the group crosses overflows, and none that holds flows loses load
+        (its flows could then speed up): else nothing is changed and False says to re-fill. (A storage system
+        shared by every node's reads holds them all: re-filling them costs O(flows x route) per change.)"""
+        group = list(self._held.get(link, {}).values())
+        if new is not None and new.bottleneck != link:
+            group.append(new)
+        cap = self.capacity[link]
+        weight = sum(f.factor(link) for f in group)
+        others = self._load.get(link, 0.0) - sum(f.rate * f.factor(link) for f in group)
+        rate = (cap - others) / weight if weight > 0 else 0.0
+        if rate <= 0:
+            return False
+        members = {f.id for f in group}
+        if any(g.rate > rate * (1 + 1e-9) for g in self._on_link[link].values() if g.id not in members):
+            return False
+        delta: dict[str, float] = {}
+        for f in group:
+            for other, factor in f.route:
+                if other != link:
+                    delta[other] = delta.get(other, 0.0) + (rate - f.rate) * factor
+        for other, d in delta.items():
+            c = self.capacity[other]
+            if (d > 0 and self._load.get(other, 0.0) + d > c * (1 + 1e-9)) or (d < -1e-9 * c and self._held.get(other)):
+                return False
+        self.refilled += len(group)
+        for f in group:
+            self._set_rate(f, rate)
+            if f.bottleneck != link:
+                self._hold(f, link)
+        return True
 
     def _refill(self, seed: dict[str, Flow]) -> None:
         """Max-min rates again after a change, re-filling the seed flows and whatever they turn out to affect."""

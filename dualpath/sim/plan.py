@@ -79,10 +79,10 @@ def simulate_split(hw: Hardware, model, prefill: int, decode: int, rounds, secon
                    system: str = "dualpath", storage_gbps: float | None = None) -> dict:
     """One P/D split under a closed loop of agents (``rounds``) for ``seconds`` of simulated time: turns/s over
     the second half, prefill GPU busy fraction and link utilizations (the whole run). ``storage_gbps``: the
-    storage system's aggregate read rate (None: the paper's calibration; 0: unlimited)."""
+    storage system's aggregate read rate (None or 0: unlimited)."""
     from dualpath.sim.cluster import ClusterSim, SimConfig, storage_bps
 
-    storage = storage_bps(storage_gbps, prefill + decode)
+    storage = storage_bps(storage_gbps)
     sim = ClusterSim(SimConfig(hw, model, model.engine, prefill, decode, system, storage), rounds)
     r = sim.run(until=seconds)
     done = sum(1 for t in r.tpot_at if t >= seconds / 2)
