@@ -118,6 +118,7 @@ class Supervisor:
         c = self.child(name)
         c.proc.send_signal(sig)
         c.proc.wait(30)
+        _release(c)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child, wait, SIGKILL what remains; engines first, the scheduler last."""
@@ -134,6 +135,16 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(5)
+            _release(c)
+
+
+def _release(c: "Child") -> None:
+    """What a stopped child could not clean up itself: its shared-memory segments."""
+    from traffic.memory import remove_segments
+
+    n = remove_segments(c.proc.pid)
+    if n:
+        log.info("removed %d shared-memory segments left by %s", n, c.name)
 
 
 class LocalCluster(Supervisor):

@@ -1,5 +1,6 @@
 """The runtime in real processes: a scheduler, one prefill and two decode engines (tiny random model, CPU),
 KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
+import os
 import threading
 
 import time
@@ -11,6 +12,7 @@ from dualpath.client import ClusterClient
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from engines.models import open_checkpoint
+from traffic.memory import SEGMENT_PREFIX, SHM_DIR
 from traffic.storage.fs import list_stored_keys
 
 BS = 16
@@ -172,6 +174,8 @@ def test_a_killed_decode_engine_fails_or_retries_cleanly(tiny_dirs, tmp_path, re
         for _ in threads:  # every request is generating (two on each decode engine)
             assert streaming.acquire(timeout=60)
         c.kill("decode-0")
+        pid = c.child("decode-0").proc.pid  # what it could not unlink itself went with it
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{pid}-")]
         for t in threads:
             t.join(180)
         assert not any(t.is_alive() for t in threads), "a request hung"

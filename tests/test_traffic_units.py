@@ -179,3 +179,24 @@ def test_verbs_without_a_device_is_a_clear_error():
 
     with pytest.raises(ConfigError, match="RDMA|pyverbs"):
         make_transport(TransportConfig(name="verbs"), "me")
+
+
+def test_segments_of_a_killed_process_are_removed_by_pid():
+    """A SIGKILLed process cannot unlink its shared memory; whoever knows it is gone removes it by its pid."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
+
+    code = ("import time; from traffic.memory import HostMemory; m = HostMemory(1 << 16, shared=True); "
+            "print(m.name, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    name = proc.stdout.readline().strip()
+    assert name.startswith(f"{SEGMENT_PREFIX}{proc.pid}-") and os.path.exists(os.path.join(SHM_DIR, name))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert os.path.exists(os.path.join(SHM_DIR, name))  # leaked: nothing ran in the process
+    assert remove_segments(proc.pid) == 1 and not os.path.exists(os.path.join(SHM_DIR, name))
+    assert remove_segments(proc.pid) == 0

@@ -14,6 +14,22 @@ import secrets
 import torch
 
 SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "dualpath-"  # + "<creator pid>-<12 hex digits>"
+
+
+def remove_segments(pid: int) -> int:
+    """Unlink the shared segments a process created, once it is gone: a killed engine cannot unlink its own, and
+    each leaked one keeps its bytes in RAM until reboot. Its supervisor, which knows the pid is dead, calls this.
+    Returns how many were removed."""
+    removed = 0
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(f"{SEGMENT_PREFIX}{pid}-"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 class HostMemory:
@@ -26,7 +42,7 @@ class HostMemory:
         self.owner = True
         self.name: str | None = None
         if shared:
-            self.name = name or f"dualpath-{os.getpid()}-{secrets.token_hex(6)}"
+            self.name = name or f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(os.path.join(SHM_DIR, self.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
