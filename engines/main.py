@@ -55,7 +55,21 @@ def write_ready(path: str | None, text: str) -> None:
         os.replace(tmp, path)
 
 
+def unlink_shared_memory_on_term() -> None:
+    """SIGTERM (a supervisor stopping us, or the parent-death signal when it died) ends the process at once, as
+    the default action would, but first unlinks the shared-memory segments it created: else, with the supervisor
+    itself killed, nobody could, and each keeps its bytes in RAM until reboot."""
+    from traffic.memory import remove_segments
+
+    def handler(signum, frame):
+        remove_segments(os.getpid())
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
+    unlink_shared_memory_on_term()
     die_with_parent()
     if cfg.role == "prefill":
         from engines.prefill import PrefillEngine as cls
