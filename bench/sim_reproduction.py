@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import multiprocessing
 import sys
 import time
@@ -60,8 +59,8 @@ def run_task(task: dict) -> dict:
     from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
 
     model = MODELS[task["model"]]
-    storage = math.inf  # each node's storage client reads at most its own rate; no cap on the system as a whole
-    cfg = SimConfig(PAPER_CLUSTER_NODE, model, model.engine, task["p"], task["d"], task["system"], storage)
+    # no cap on the storage system as a whole: each node's client reads at most its own rate
+    cfg = SimConfig(PAPER_CLUSTER_NODE, model, model.engine, task["p"], task["d"], task["system"])
     rounds = rounds_for(task)
     t0 = time.perf_counter()
     if task.get("online_s"):

@@ -479,7 +479,7 @@ class SchedulerCore:
             return
         waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
         states = [self._state(e) for e in self.by_group.get(group, ()) if e.alive]  # phase 1 chose the group
-        for work_id, eid in self.policy.assign_decode(waiting, states, pulling):
+        for work_id, eid in list(self.policy.assign_decode(waiting, states, pulling)):  # done reading private
             rid = self.by_work[work_id]
             r = self.requests[rid]
             r.de = eid
@@ -503,8 +503,8 @@ class SchedulerCore:
                                          if self.engines[self.requests[rid].de].alive),
                                         self.config.max_assignments_per_pull))
         out: dict[str, list[Assignment]] = {}
-        decisions = self.policy.assign_prefill(waiting, [self._state(e) for e in candidates], pulling,
-                                               self._node_states(), pe_nodes, self.block_size)
+        decisions = list(self.policy.assign_prefill(waiting, [self._state(e) for e in candidates], pulling,
+                                                    self._node_states(), pe_nodes, self.block_size))  # then remove
         for d in decisions:
             rid = self.by_work[d.request_id]
             r = self.requests[rid]

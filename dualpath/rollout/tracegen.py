@@ -83,10 +83,7 @@ class _Draws:
     unit: np.ndarray  # per round: generation size / the mean
     noise: np.ndarray  # per round: append weight noise
     start: np.ndarray  # per trajectory
-
-    @property
-    def owner(self) -> np.ndarray:
-        return np.repeat(np.arange(len(self.rounds)), self.rounds)
+    owner: np.ndarray  # per round: its trajectory
 
 
 def _draw(target: TraceStats, n: int, rng: np.random.Generator) -> tuple[_Draws, np.ndarray]:
@@ -103,7 +100,7 @@ def _draw(target: TraceStats, n: int, rng: np.random.Generator) -> tuple[_Draws,
     start = np.concatenate([[0], np.cumsum(rounds)[:-1]])
     unit = rng.lognormal(-0.08, 0.4, int(rounds.sum()))  # x the mean generation size
     noise = rng.lognormal(-0.18, 0.6, int(rounds.sum()))
-    d, size = _Draws(rounds, final, unit, noise, start), target.gen
+    d, size = _Draws(rounds, final, unit, noise, start, np.repeat(np.arange(n), rounds)), target.gen
     for _ in range(4):  # shrinking crowded trajectories lowers the mean: raise the others' to compensate
         size *= target.gen / max(1e-9, _gens(d, size).mean())
     return d, _gens(d, size)

@@ -78,6 +78,7 @@ class FlowNetwork:
         for link, _ in route:
             self._on_link.setdefault(link, {})[flow_id] = f
         self._hold(f, tightest)
+        # links of the route that hold flows other than this one (it is held by ``tightest`` for now)
         holding = [link for link, _ in route if len(self._held.get(link, ())) > (link == tightest)]
         if not (len(holding) == 1 and self._uniform(holding[0], f)):
             self._refill({f.id: f})
