@@ -9,8 +9,9 @@ Parts (each a set of simulator runs, spread over ``--jobs`` processes):
 * pd: DS 27B at 1P1D, 2P1D and 1P2D, Basic and DualPath: Figure 8's equivalences and speedups.
 * append: DS 660B 2P4D with the appended tokens per turn x1, x2, x3: the speedup trend.
 * online: DS 660B 2P4D, Poisson agent arrivals: the highest rate holding the SLO (mean TTFT <= 4 s, TPOT <= 50
-  ms over the second half of each 1,800 s probe: agents live ~1,000 s, so the first half is the ramp), Basic vs
-  DualPath.
+  ms over the second half of each 6,000 s probe: an agent lives 2,000-3,000 s, so the first half is the ramp and
+  the second sees agents at every stage; 9,000 s probes give the same rates, 1,800 s ones ~1.5x too high: early
+  rounds with short contexts dominated), Basic vs DualPath.
 * scale: DualPath at 2P4D with N agents vs 8P16D with 4N agents (the paper: 2P4D/2K agents vs 48P96D/48K).
 * paperscale (not run by default): the paper's own pair, 2P4D with 2,048 agents and 48P96D with 49,152, and
   the large run's wall time (the issue's speed target):
@@ -55,7 +56,7 @@ def rounds_for(task: dict) -> list[list[tuple[int, int]]]:
 def run_task(task: dict) -> dict:
     """One simulator run (or one online capacity search), as a summary row tagged with the task."""
     logging.getLogger("scheduler").setLevel(logging.WARNING)
-    from dualpath.sim.cluster import ClusterSim, SimConfig, online_capacity, summarize
+    from dualpath.sim.cluster import ClusterSim, SimConfig, online_capacity, progress_printer, summarize
     from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
 
     model = MODELS[task["model"]]
@@ -69,7 +70,8 @@ def run_task(task: dict) -> dict:
         row = {"system": task["system"], "online_agents_per_s": found["agents_per_s"], "tried": found["tried"]}
     else:
         sim = ClusterSim(cfg, rounds)
-        row = summarize(sim, sim.run())
+        label = f"{task['part']} {task['p']}P{task['d']}D {task['system']}"
+        row = summarize(sim, sim.run(progress=progress_printer(label, 60.0, sys.stdout), every_s=50.0))
     row.update(task=task, wall_s=time.perf_counter() - t0)
     print(f"  done {task['part']:8} {task['model']} {task['p']}P{task['d']}D {task['system']:<12} "
           f"x{task.get('append', 1.0):g} in {row['wall_s']:.0f} s", flush=True)
@@ -226,8 +228,9 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=1024, help="agents of the 2P4D runs (the paper: 1,024)")
     ap.add_argument("--parts", default="offline,pd,append,online,scale",
                     help="comma-separated; also paperscale: 2P4D/2K vs 48P96D/48K agents (the paper's pair; long)")
-    ap.add_argument("--online-seconds", type=float, default=1800.0,
-                    help="each online probe's run; the SLO is judged over its second half")
+    ap.add_argument("--online-seconds", type=float, default=6000.0,
+                    help="each online probe's run; the SLO is judged over its second half (make it several agent "
+                         "lifetimes: see the docstring)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", action="store_true", help="table and figures again from the JSON at --out")

@@ -79,9 +79,9 @@ class Engine:
         self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)
         self.transport = make_transport(cfg.transport, self.engine_id)
         slots = max(1, cfg.buffer_bytes // self.geometry.full_block_bytes)
-        mem = self.transport.allocate(slots * self.geometry.full_block_bytes)
-        self.buffer_region = self.transport.register(mem).region_id
-        self.buffer = BufferPool(self.geometry, slots, mem)
+        self.buffer_memory = self.transport.allocate(slots * self.geometry.full_block_bytes)
+        self.buffer_region = self.transport.register(self.buffer_memory).region_id
+        self.buffer = BufferPool(self.geometry, slots, self.buffer_memory)
         self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
         self.storage = make_storage(cfg.storage, self.geometry, self.fingerprint, self.accounting)
         self.storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *keys))
@@ -345,6 +345,7 @@ class Engine:
         self.server.stop(grace=1)
         self.transport.close()
         self.storage.close()
+        self.buffer_memory.close()  # a shared segment outlives the process unless unlinked (no supervisor may be left)
         log.info("%s engine %s stopped", self.role.value, self.engine_id)
 
 

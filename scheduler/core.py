@@ -34,26 +34,31 @@ log = logging.getLogger(__name__)
 
 
 class Fifo:
-    """An ordered set of request ids: O(1) append, push-front, remove and membership; FIFO iteration."""
+    """An ordered set of request ids: O(1) append, push-front, remove and membership; FIFO iteration. Each id may
+    carry a weight (a private queue's tokens), summed in ``weight``."""
 
     def __init__(self):
-        self._d: OrderedDict[str, None] = OrderedDict()
+        self._d: OrderedDict[str, int] = OrderedDict()
+        self.weight = 0
 
-    def append(self, rid: str) -> None:
-        self._d[rid] = None
+    def append(self, rid: str, weight: int = 0) -> None:
+        self.weight += weight - self._d.get(rid, 0)
+        self._d[rid] = weight  # an id already queued keeps its place
 
-    def appendleft(self, rid: str) -> None:
-        self._d[rid] = None
+    def appendleft(self, rid: str, weight: int = 0) -> None:
+        self.append(rid, weight)
         self._d.move_to_end(rid, last=False)
 
     def remove(self, rid: str) -> None:
-        del self._d[rid]
+        self.weight -= self._d.pop(rid)
 
     def discard(self, rid: str) -> None:
-        self._d.pop(rid, None)
+        self.weight -= self._d.pop(rid, 0)
 
     def popleft(self) -> str:
-        return self._d.popitem(last=False)[0]
+        rid, weight = self._d.popitem(last=False)
+        self.weight -= weight
+        return rid
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._d
@@ -114,6 +119,12 @@ class Outstanding:
             self.tokens -= v[0]
             self.reserve -= v[1]
 
+    def discard_all(self, works: list[str]) -> None:
+        """Discard each of ``works`` (a report's held requests: often many more than are outstanding)."""
+        few = len(self._d) <= 4  # the usual case: scanning the list beats building a set of it
+        for w in [w for w in self._d if w in works] if few else self._d.keys() & set(works):
+            self.discard(w)
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -125,10 +136,10 @@ class EngineRecord:
     last_seen: float = 0.0
     alive: bool = True
     outstanding: Outstanding = field(default_factory=Outstanding)
+    group: str = field(init=False)  # the engine group it pulls with (itself when it has none)
 
-    @property
-    def group(self) -> str:
-        return self.info.group_id or self.info.engine_id
+    def __post_init__(self):
+        self.group = self.info.group_id or self.info.engine_id
 
 
 @dataclass
@@ -206,7 +217,9 @@ class SchedulerCore:
                 self.private.setdefault(rec.group, Fifo())
             else:
                 self.busy_window.track(info.engine_id)
+                self.prefill_busy_s.setdefault(info.engine_id, 0.0)
             self.read_window.track(info.node_id)
+            self.storage_read_bytes.setdefault(info.node_id, 0)
             members = self.members(rec.group)
         if first:
             root = Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
@@ -386,6 +399,18 @@ class SchedulerCore:
                 return PullReply({}, cancelled, members)
             return PullReply(self._assign_prefill(pulling), cancelled, members)
 
+    def idle_for(self, group_id: str) -> bool:
+        """Whether a pull from ``group_id`` that brings no new reports would change nothing: no request is queued
+        where the group could take it, and no cancellation waits for its engines. (Only the simulator asks:
+        it leaves such pulls out.)"""
+        with self.lock:
+            group = self.by_group.get(group_id, ())
+            if self.global_queue or any(e.info.engine_id in self.cancelled_for for e in group):
+                return False
+            if group and group[0].info.role is Role.DECODE:
+                return not self.private.get(group_id)
+            return not self.prefill_queue
+
     def _index_reports(self, loads: list[EngineLoad]) -> None:
         """Blocks written and evicted since the last reports, one index update per pull (not per engine). Runs
         before the reports' finished requests are announced, so a submitter's next turn finds its blocks."""
@@ -406,12 +431,12 @@ class SchedulerCore:
             return
         e.load, e.last_seen = load, self.clock()
         if e.outstanding:
-            for w in load.request_ids:
-                e.outstanding.discard(w)  # the engine's own numbers now include it
+            e.outstanding.discard_all(load.request_ids)  # the engine's own numbers now include them
         node = e.info.node_id
-        self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
-        self.read_window.add(node, load.storage_read_bytes)
-        if e.info.role is Role.PREFILL:
+        if load.storage_read_bytes:  # the windows track every node and prefill engine from registration
+            self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
+            self.read_window.add(node, load.storage_read_bytes)
+        if e.info.role is Role.PREFILL and load.prefill_busy_s:
             self.prefill_busy_s[load.engine_id] = self.prefill_busy_s.get(load.engine_id, 0.0) + load.prefill_busy_s
             self.busy_window.add(load.engine_id, load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
@@ -451,9 +476,10 @@ class SchedulerCore:
         if self._totals is None or now - self._totals_at > 0.05:
             totals: dict[str, int] = {}
             for e in self.alive(Role.DECODE):  # the tok of _state(e), without building the state
-                totals[e.group] = totals.get(e.group, 0) + (e.load.tok if e.load else 0) + e.outstanding.tokens
+                load = e.load
+                totals[e.group] = totals.get(e.group, 0) + (load.tok if load else 0) + e.outstanding.tokens
             for g in totals:
-                totals[g] += sum(self.requests[rid].spec.num_tokens for rid in self.private.get(g, ()))
+                totals[g] += self.private[g].weight if g in self.private else 0
             self._totals, self._totals_at = totals, now
         return self._totals
 
@@ -470,7 +496,7 @@ class SchedulerCore:
                 break
             self.global_queue.popleft()
             r.group = g
-            self.private.setdefault(g, Fifo()).append(rid)
+            self.private.setdefault(g, Fifo()).append(rid, r.spec.num_tokens)
             totals[g] += r.spec.num_tokens
 
     def _assign_decode(self, group: str, pulling: set[str]) -> None:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 _EMPTY, _DELETED = np.uint64(0), np.uint64(2)
 _MAX_LOAD = 0.25  # used slots (keys + deleted) per slot: a lookup costs as many numpy rounds as its longest probe
+_FEW = 48  # up to this many ids, a Python loop beats numpy's per-call overhead (a turn stores ~10 new blocks)
 
 
 def key_ids(packed: bytes) -> np.ndarray:
@@ -55,7 +56,8 @@ class BlockIndex:
         self.remove_packed(b"".join(keys))
 
     def add_packed(self, packed: bytes) -> None:
-        ids = np.unique(key_ids(packed))
+        ids = key_ids(packed)
+        ids = np.unique(ids) if len(ids) > _FEW else np.array(list(dict.fromkeys(ids.tolist())), np.uint64)
         with self._lock:
             ids = ids[self._find(ids) < 0]
             if self._keys + self._deleted + len(ids) > _MAX_LOAD * len(self._slots):
@@ -92,6 +94,8 @@ class BlockIndex:
     def _find(self, ids: np.ndarray) -> np.ndarray:
         """The slot holding each id, or -1. Probes every id one step per round, so rounds = the longest probe."""
         slots, mask = self._slots, len(self._slots) - 1
+        if len(ids) <= _FEW:
+            return np.array([self._find_one(i, slots, mask) for i in ids.tolist()], np.int64)
         where = np.full(len(ids), -1, np.int64)
         todo, pos = np.arange(len(ids)), self._home(ids)
         while len(todo):
@@ -102,10 +106,25 @@ class BlockIndex:
             todo, pos = todo[go], (pos[go] + 1) & mask
         return where
 
+    def _find_one(self, i: int, slots: np.ndarray, mask: int) -> int:
+        pos = i >> (64 - self._bits)
+        while (seen := int(slots[pos])) != i:
+            if seen == 0:
+                return -1
+            pos = (pos + 1) & mask
+        return pos
+
     def _place(self, ids: np.ndarray) -> None:
         """Insert ids known to be absent and distinct: each walks from its home to the first empty slot; when
         several reach the same empty slot in a round, the first takes it and the others walk on."""
         slots, mask = self._slots, len(self._slots) - 1
+        if len(ids) <= _FEW:
+            for i in ids.tolist():
+                pos = i >> (64 - self._bits)
+                while slots[pos]:
+                    pos = (pos + 1) & mask
+                slots[pos] = i
+            return
         todo, pos = ids, self._home(ids)
         while len(todo):
             free = np.flatnonzero(slots[pos] == _EMPTY)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from scheduler.policy import EngineState, NodeState, Policy, take_decode
 
 INF = float("inf")
+_UNKNOWN_NODE = NodeState()  # read only: what classify assumes of a node with no report
 
 
 def classify(engines: list[EngineState], nodes: dict[str, NodeState], pe_nodes: dict[str, str]):
@@ -25,7 +26,7 @@ def classify(engines: list[EngineState], nodes: dict[str, NodeState], pe_nodes: 
     c1, c2, c3 = [], [], []
     for e in engines:
         beta = e.beta or INF
-        node = nodes.get(pe_nodes[e.engine_id], NodeState())
+        node = nodes.get(pe_nodes[e.engine_id]) or _UNKNOWN_NODE
         alpha = node.alpha or INF
         if e.tok > beta:
             c1.append(e)

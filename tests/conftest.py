@@ -41,6 +41,9 @@ def pytest_unconfigure(config):
     if any(name.startswith("nixl") for name in sys.modules):
         # NIXL's bundled libraries crash in their exit-time destructors (libnl's rtnl_tc_unregister), so a
         # process that loaded NIXL leaves without running them, keeping pytest's exit status.
+        from traffic.memory import remove_segments
+
+        remove_segments(os.getpid())  # what this process shared: no finalizer runs after os._exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(getattr(config, "_dualpath_exitstatus", 0))

@@ -16,6 +16,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from slurm_cluster import SlurmCluster, free_port, slurm_missing
+from traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -93,6 +94,21 @@ def assert_clean_end(run_dir: Path, tmp_path: Path, markers: list[str], diagnose
     time.sleep(1)
     left = [line for m in markers for line in leftovers(m)]
     assert not left, left
+    assert not orphan_segments(since=tmp_path.stat().st_ctime), "engines left shared memory behind"
+
+
+def orphan_segments(since: float) -> list[str]:
+    """Shared-memory segments created after ``since`` by processes that are gone (names carry the pid)."""
+    out = []
+    for name in os.listdir(SHM_DIR):
+        pid = name[len(SEGMENT_PREFIX):].split("-")[0]
+        if name.startswith(SEGMENT_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            try:
+                if os.stat(os.path.join(SHM_DIR, name)).st_ctime >= since:
+                    out.append(name)
+            except FileNotFoundError:
+                pass
+    return out
 
 
 @needs_slurm
@@ -176,6 +192,8 @@ def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_
     time.sleep(1)
     left = leftovers(str(tmp_path / "shared")) + leftovers(f":{sched_port}")
     assert not left, left
+    remove_segments(int(victim[0]))  # killed outright, it could not unlink its buffer (a job epilog's work)
+    assert not orphan_segments(since=tmp_path.stat().st_ctime), "the engines stopped in order left shared memory"
 
 
 @needs_slurm

@@ -73,6 +73,8 @@ def check(core, engines):
     assert len(ids) == len(set(ids)), "a request is queued twice"
     for rid, r in core.requests.items():
         assert (rid in ids) != (r.pe is not None), "queued and assigned at once (or neither)"
+    for g, q in core.private.items():  # the weight _group_totals reads: the queue's prompt tokens
+        assert q.weight == sum(core.requests[rid].spec.num_tokens for rid in q), g
     for e in engines.values():
         if e.info.role is Role.DECODE:
             reserved = sum(r.spec.num_tokens + r.params.max_tokens for r in core.requests.values()
@@ -95,7 +97,14 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
             core.submit(SubmitRequest(f"r{submitted}", pack_tokens(range(n)), SamplingParams(max_tokens=8).to_dict()))
             submitted += 1
         elif op == "pull":
-            pull(core, engines, group_ids[x % len(group_ids)])
+            g = group_ids[x % len(group_ids)]
+            if core.idle_for(g):  # then a pull without new reports changes nothing
+                before = (list(core.global_queue), list(core.prefill_queue), {k: list(q) for k, q in core.private.items()})
+                reply = core.pull(g, [])
+                assert not reply.assignments and not reply.cancelled
+                assert before == (list(core.global_queue), list(core.prefill_queue),
+                                  {k: list(q) for k, q in core.private.items()})
+            pull(core, engines, g)
         else:
             decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
             if decoders:
@@ -151,3 +160,17 @@ def test_a_dead_decode_group_returns_its_private_queue_and_requests_are_retried(
         for g in ["p0", "p1", "d1", "d2"]:
             pull(core, engines, g)
     assert all(r.pe is not None for r in core.requests.values())
+
+
+def test_idle_for_says_when_a_pull_could_take_work():
+    clock = Clock()
+    core, engines = make_core("dualpath", clock, groups=True)
+    assert core.idle_for("pg") and core.idle_for("dg")
+    core.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
+    assert not core.idle_for("pg") and not core.idle_for("dg")  # the global queue: any pull routes it
+    pull(core, engines, "pg")  # routed to the decode group's private queue; nothing for prefill yet
+    assert core.idle_for("pg") and not core.idle_for("dg")
+    pull(core, engines, "dg")  # a decode engine takes it: it waits for a prefill engine
+    assert not core.idle_for("pg") and core.idle_for("dg")
+    assert pull(core, engines, "pg").assignments
+    assert core.idle_for("pg") and core.idle_for("dg")

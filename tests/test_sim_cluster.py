@@ -178,13 +178,27 @@ def test_prefill_groups_share_the_queue_when_pulls_drift():
     assert set(share[0.2]) == {"p0", "p1"} and min(share[0.2].values()) > 0.35, share
 
 
-def test_leaving_unchanged_reports_out_of_pulls_changes_no_decision():
+def test_leaving_unchanged_reports_and_idle_pulls_out_changes_no_decision():
     from dualpath.rollout.tracegen import trace_shapes
 
     rounds, _ = trace_shapes("64k", 24, 1.0, 0.1, 1)
     hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
-    runs = [ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, report_unchanged=every),
+    runs = [ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, every_pull=every),
                        rounds).run() for every in (True, False)]
     assert runs[0].turns == runs[1].turns == sum(map(len, rounds))
     assert runs[0].jct_s == runs[1].jct_s and runs[0].ttft_s == runs[1].ttft_s
     assert runs[0].storage_read_bytes == runs[1].storage_read_bytes
+
+
+def test_progress_reports_along_the_run_without_changing_it():
+    from dualpath.rollout.tracegen import trace_shapes
+
+    rounds, _ = trace_shapes("64k", 16, 1.0, 0.1, 2)
+    hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
+    cfg = SimConfig(hw, model, model.engine, 1, 1, "dualpath")
+    plain = ClusterSim(cfg, rounds).run()
+    seen = []
+    watched = ClusterSim(cfg, rounds).run(progress=lambda t, turns: seen.append((t, turns)), every_s=10.0)
+    assert (watched.jct_s, watched.turns, watched.ttft_s) == (plain.jct_s, plain.turns, plain.ttft_s)
+    assert len(seen) >= plain.jct_s // 10 and [t for t, _ in seen] == sorted(t for t, _ in seen)
+    assert [n for _, n in seen] == sorted(n for _, n in seen) and seen[-1][1] <= plain.turns

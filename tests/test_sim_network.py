@@ -117,6 +117,17 @@ def test_event_loop_stops_at_until_with_flows_partly_moved():
     assert done == [pytest.approx(10.0)]
 
 
+def test_a_transfer_ending_within_rounding_of_until_is_delivered_not_lost():
+    from dualpath.sim.events import EventLoop
+
+    loop = EventLoop(FlowNetwork({"a": 10.0}))
+    done = []
+    loop.transfer("x", 100, (("a", 1),), lambda: done.append(loop.now))
+    loop.run(until=10.0 - 1e-13)  # the network counts the flow done; its callback must run
+    assert done and not loop.net.flows
+    assert loop.idle
+
+
 def reference_rates(capacity: dict[str, float], routes: dict[str, list[tuple[str, float]]]) -> dict[str, float]:
     """Max-min fair rates the slow, obvious way: raise every unfrozen rate by the smallest step that fills a
     link, freeze that link's flows, repeat."""

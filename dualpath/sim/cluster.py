@@ -20,10 +20,12 @@ What is modelled (and what is not):
 """
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -65,7 +67,7 @@ class SimConfig:
     # first after the decode groups refill the queue, and take all of it (Algorithm 1 looks at the pulling group).
     pull_jitter: float = 0.2
     seed: int = 0
-    report_unchanged: bool = False  # send every engine's report on each pull (same decisions, slower)
+    every_pull: bool = False  # send every pull with every engine's report (same decisions, slower: for tests)
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -117,6 +119,7 @@ class SimEngine:
     stored: list[bytes] = field(default_factory=list)
     read_bytes: float = 0.0  # storage bytes completed since the last report
     reported: tuple = ()  # (seq, tok, reserved) as last reported
+    dirty: bool = False  # touched since the last report (a cheap first test of ``ClusterSim._changed``)
 
     def tokens(self, req: SimRequest) -> int:
         """A request's part of the engine's reported load, as the real engines count it: a prefill engine the
@@ -126,11 +129,13 @@ class SimEngine:
         return req.prompt + req.generated
 
     def admit(self, work: str, req: SimRequest) -> None:
+        self.dirty = True
         self.held[work] = req
         self.held_tokens += self.tokens(req)
         self.reserved += req.prompt + req.gen
 
     def release(self, work: str) -> SimRequest:
+        self.dirty = True
         req = self.held.pop(work)
         self.held_tokens -= self.tokens(req)
         self.reserved -= req.prompt + req.gen
@@ -184,8 +189,7 @@ class ClusterSim:
                 self._register(node, g)
         self.agents = [Agent(i, r, start=starts[i] if starts else 0.0) for i, r in enumerate(rounds_per_agent)]
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
-        self.requests: dict[str, SimRequest] = {}  # by work id
-        self.by_id: dict[str, SimRequest] = {}  # by request id
+        self.by_id: dict[str, SimRequest] = {}  # submitted, not yet assigned: by request id (a run keeps no history)
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.ttft_at: list[float] = []
@@ -195,6 +199,9 @@ class ClusterSim:
         self.reading: dict[str, set[str]] = {}  # node -> its storage reads in flight (flow ids)
         self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
         self.queued_bytes: dict[str, float] = {}
+        self.reported_q: dict[str, int] = {}  # group -> the read queue its last report gave
+        self._sampling: dict[int, dict] = {}  # generation length -> sampling parameters
+        self._routes: dict[tuple, tuple] = {}  # (path, prefill GPU, decode GPU) -> the links a read crosses
         self.turns = 0
         self.rng = random.Random(cfg.seed)
 
@@ -221,7 +228,9 @@ class ClusterSim:
         rid = f"a{agent.index}.r{agent.next_round}"
         req = SimRequest(agent, prompt, gen, self.loop.now)
         self.by_id[rid] = req
-        sampling = SamplingParams(max_tokens=gen, ignore_eos=True).to_dict()
+        sampling = self._sampling.get(gen)
+        if sampling is None:  # one per generation length: building and checking them per turn cost ~10 us
+            sampling = self._sampling[gen] = SamplingParams(max_tokens=gen, ignore_eos=True).to_dict()
         self.core.submit(SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
                          lambda ev, r=req: self._on_event(ev, r))
 
@@ -241,13 +250,20 @@ class ClusterSim:
 
     # --- pulls ------------------------------------------------------------------------------------------------
     def _pull(self, group: str) -> None:
-        members = self.groups[group]
-        loads = [self._load(e, self._read_q_tokens(e.info.node_id) if i == 0 else 0)
-                 for i, e in enumerate(members) if i == 0 or self.cfg.report_unchanged or self._changed(e)]
-        reply = self.core.pull(group, loads, members[0].info.engine_id)
-        for eid, work in reply.assignments.items():
-            for a in work:
-                self._start_prefill(self.engines[eid], a)
+        """A group's pull. Left out, with the same decisions (a test compares): the reports of engines unchanged
+        since their last one (the scheduler keeps the last), and the whole pull when no report is left and the
+        scheduler has nothing queued the group could take."""
+        members, every = self.groups[group], self.cfg.every_pull
+        read_q = self._read_q_tokens(group)  # a group is a node: one engine reports the node's queue
+        loads = [self._load(e, read_q if i == 0 else 0) for i, e in enumerate(members)
+                 if every or (e.dirty and self._changed(e)) or (i == 0 and read_q != self.reported_q.get(group))]
+        if loads and loads[0].engine_id == members[0].info.engine_id:
+            self.reported_q[group] = read_q
+        if every or loads or not self.core.idle_for(group):
+            reply = self.core.pull(group, loads, members[0].info.engine_id)
+            for eid, work in reply.assignments.items():
+                for a in work:
+                    self._start_prefill(self.engines[eid], a)
         if self.unfinished:
             wait = self.cfg.pull_interval_s * (1 + self.cfg.pull_jitter * (2 * self.rng.random() - 1))
             self.loop.after(wait, lambda: self._pull(group))
@@ -267,6 +283,7 @@ class ClusterSim:
         return bool(e.finished or e.stored or e.read_bytes) or e.reported != (len(e.held), e.held_tokens, e.reserved)
 
     def _load(self, e: SimEngine, read_q_tokens: int) -> EngineLoad:
+        e.dirty = False
         finished, e.finished = e.finished, []
         stored, e.stored = b"".join(e.stored), []
         read, e.read_bytes = e.read_bytes, 0.0
@@ -278,30 +295,36 @@ class ClusterSim:
     # --- prefill ----------------------------------------------------------------------------------------------
     def _start_prefill(self, pe: SimEngine, a) -> None:
         rid = a.request_id.rsplit(".", 1)[0]
-        req = self.by_id[rid]
+        req = self.by_id.pop(rid)
         req.de = a.decode.engine_id
         req.hit_tokens = a.num_hit_blocks * self.cfg.block_size
-        self.requests[a.request_id] = req
         de = self.engines[req.de]
         pe.admit(a.request_id, req)
         de.admit(a.request_id, req)
         hit_bytes = a.num_hit_blocks * self.cfg.block_size * self.cfg.model.kv_bytes_per_token
         if not self.reads or hit_bytes == 0:
-            self._compute(pe, a.request_id, self.loop.now, self.loop.now)
+            self._compute(pe, a.request_id, req, self.loop.now, self.loop.now)
             return
         reader = pe if a.path.value == "pe" else de
         node = reader.info.node_id
-        route = path_route(PE_PATH if reader is pe else DE_PATH, pe.gpu, de.gpu) + (
-            (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
+        route = self._route(reader is pe, pe.gpu, de.gpu, node)
 
         def loaded(start: float):
             reader.read_bytes += hit_bytes
+            reader.dirty = True
             self.read_bytes[node] = self.read_bytes.get(node, 0.0) + hit_bytes
-            self._compute(pe, a.request_id, start, self.loop.now)
+            self._compute(pe, a.request_id, req, start, self.loop.now)
 
         self.read_queue.setdefault(node, deque()).append((f"read:{a.request_id}", hit_bytes, route, loaded))
         self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + hit_bytes
         self._issue_reads(node)
+
+    def _route(self, on_pe: bool, pe_gpu: tuple[str, int], de_gpu: tuple[str, int], node: str) -> tuple:
+        key = (on_pe, pe_gpu, de_gpu)
+        if key not in self._routes:
+            self._routes[key] = path_route(PE_PATH if on_pe else DE_PATH, pe_gpu, de_gpu) + (
+                (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
+        return self._routes[key]
 
     def _issue_reads(self, node: str) -> None:
         """A node's storage client reads its queue FIFO, ``reads_per_node`` requests at a time."""
@@ -318,9 +341,8 @@ class ClusterSim:
 
             self.loop.transfer(flow, size, route, done)
 
-    def _compute(self, pe: SimEngine, work: str, read_start: float, read_end: float) -> None:
+    def _compute(self, pe: SimEngine, work: str, req: SimRequest, read_start: float, read_end: float) -> None:
         """Queue the request's prefill on its GPU (FIFO); when it may start depends on the prefill kind."""
-        req = self.requests[work]
         t = self.cfg.engine.prefill.predict([(req.hit_tokens, req.prompt - req.hit_tokens)])
         if self.layerwise:  # layers compute as they arrive: done one layer after the read at the earliest
             begin = max(pe.busy_until, read_start)
@@ -340,6 +362,7 @@ class ClusterSim:
         de = self.engines[req.de]
         req.generated = 1
         de.held_tokens += 1
+        de.dirty = True
         de.joining.append((work, req))
         if not de.running and len(de.joining) == 1:  # idle: a segment starts now
             self._segment_end(de, de.seg_version)
@@ -372,6 +395,7 @@ class ClusterSim:
         if version != de.seg_version:
             return
         bs = self.cfg.block_size
+        de.dirty = de.dirty or bool(de.running)
         for work, req in list(de.running.items()):
             req.generated += de.seg_steps
             de.held_tokens += de.seg_steps
@@ -395,14 +419,30 @@ class ClusterSim:
         self.loop.at(self._steps_end(de, de.seg_steps), lambda v=de.seg_version: self._segment_end(de, v))
 
     # --- run --------------------------------------------------------------------------------------------------
-    def run(self, until: float = math.inf) -> SimResult:
+    def run(self, until: float = math.inf, progress: Callable[[float, int], None] | None = None,
+            every_s: float = 250.0) -> SimResult:
+        """Simulate to the end (or to ``until``); ``progress(simulated time, turns done)`` is called every ``every_s``
+        simulated seconds."""
         for agent in self.agents:
             if agent.rounds:
                 self.loop.at(agent.start, lambda a=agent: self._submit(a))
         groups = sorted(self.groups)
         for i, group in enumerate(groups):  # real groups' pull timers are not aligned: spread their phases
             self.loop.at(self.cfg.pull_interval_s * i / len(groups), lambda g=group: self._pull(g))
-        self.loop.run(until)
+        thresholds = gc.get_threshold()
+        # A large cluster keeps ~10^6 objects in flight (requests, timers' closures); the default thresholds run a
+        # full collection over them every few thousand turns: 15-25% of the run at 48P96D. The sim makes little
+        # cyclic garbage, so collecting rarely costs only a little memory.
+        gc.set_threshold(50_000, 20, 20)
+        try:
+            t = 0.0
+            while progress is not None and t + every_s < until and not self.loop.idle:
+                t += every_s
+                self.loop.run(t)
+                progress(self.loop.now, self.turns)
+            self.loop.run(until)
+        finally:
+            gc.set_threshold(*thresholds)
         jct = max((a.finished_at for a in self.agents), default=0.0)
         return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot,
                          self.ttft_at, self.tpot_at)
@@ -488,6 +528,25 @@ def engine_for(args) -> EngineModel:
     return replace(e, num_layers=args.layers) if args.layers else e
 
 
+def progress_printer(label: str, wall_every_s: float = 10.0, out=None) -> Callable[[float, int], None]:
+    """A ``ClusterSim.run(progress=...)`` callback: one line (to stderr) at most every ``wall_every_s`` seconds of
+    wall time, so a long run shows where it is and a short one stays quiet."""
+    import sys
+    import time
+
+    start = last = time.perf_counter()
+
+    def report(t: float, turns: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= wall_every_s:
+            last = now
+            print(f"  ... {label}: {t:,.0f} simulated s, {turns:,} turns, {now - start:,.0f} s", file=out or sys.stderr,
+                  flush=True)
+
+    return report
+
+
 def storage_bps(gbps: float | None) -> float:
     """The storage system's aggregate read rate from an option: None or 0, unlimited (each node's storage client
     still reads at most its own rate)."""
@@ -506,7 +565,7 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
         cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,
                         pull_interval_s=args.pull_interval)
         sim = ClusterSim(cfg, rounds)
-        rows.append(summarize(sim, sim.run()))
+        rows.append(summarize(sim, sim.run(progress=progress_printer(system), every_s=50.0)))
         if args.online_seconds > 0:
             found = online_capacity(cfg, rounds, args.online_seconds, warmup_s=args.online_seconds / 2)
             rows[-1]["online_agents_per_s"] = found["agents_per_s"]

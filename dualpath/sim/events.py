@@ -39,6 +39,11 @@ class EventLoop:
         self.net.add(flow_id, size, route)
         self._on_done[flow_id] = on_done
 
+    @property
+    def idle(self) -> bool:
+        """Nothing left to run: no timer and no transfer in flight."""
+        return not self._timers and self.net.next_completion() is None
+
     def run(self, until: float = float("inf")) -> float:
         """Process events until none are left (or time ``until``); returns the time reached."""
         while True:
@@ -46,8 +51,9 @@ class EventLoop:
             flow = self.net.next_completion()
             t = min(timer, flow[0] if flow else float("inf"))
             if t == float("inf") or t > until:
-                if until != float("inf"):
-                    self.net.advance(until)
+                if until != float("inf"):  # what finishes within rounding of ``until`` is delivered now
+                    for fid in self.net.advance(until):
+                        self._on_done.pop(fid)()
                 return self.now
             for fid in self.net.advance(t):
                 self._on_done.pop(fid)()

@@ -9,7 +9,7 @@ or ends, so completion times are exact piecewise-linear solutions, not time step
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Route = tuple[tuple[str, float], ...]  # (link name, bytes on the link per byte moved)
 
@@ -24,9 +24,10 @@ class Flow:
     since: float = 0.0
     bottleneck: str = ""  # a full link on which no flow is faster: what holds its rate
     version: int = 0  # completion-heap entries of older versions are stale
+    factor: dict[str, float] = field(init=False)  # link -> bytes on it per byte moved
 
-    def factor(self, link: str) -> float:
-        return next(f for l, f in self.route if l == link)
+    def __post_init__(self):
+        self.factor = dict(self.route)
 
 
 class FlowNetwork:
@@ -153,8 +154,8 @@ class FlowNetwork:
         if new is not None and new.bottleneck != link:
             group.append(new)
         cap = self.capacity[link]
-        weight = sum(f.factor(link) for f in group)
-        others = self._load.get(link, 0.0) - sum(f.rate * f.factor(link) for f in group)
+        weight = sum(f.factor[link] for f in group)
+        others = self._load.get(link, 0.0) - sum(f.rate * f.factor[link] for f in group)
         rate = (cap - others) / weight if weight > 0 else 0.0
         if rate <= 0:
             return False
@@ -210,6 +211,13 @@ class FlowNetwork:
         unfrozen weight reaches its capacity, which freezes its flows at the rate. A heap of fill levels, updated
         only for the links of newly frozen flows: O(flows x route x log links). Returns each flow's rate and the
         link that froze it (its bottleneck)."""
+        if len(group) == 1:  # the common case (a read starting where no other flow is held): the tightest link
+            (f,) = group.values()
+            if len(f.factor) == len(f.route):  # each link once: the loop below gives exactly this
+                cap, load = self.capacity, self._load
+                level, link = min((max(cap[link] - load.get(link, 0.0) + f.rate * factor, 0.0) / factor, link)
+                                  for link, factor in f.route)
+                return {f.id: (max(level, 1e-300), link)}
         users: dict[str, list[Flow]] = {}
         weight: dict[str, float] = {}
         room: dict[str, float] = {}

@@ -10,6 +10,7 @@ import signal
 import torch
 
 from dualpath.config import TransportConfig
+from traffic.memory import remove_segments
 from traffic.transport.base import RegionDesc
 
 
@@ -36,6 +37,8 @@ def serve(conn, config: TransportConfig, endpoint: str, nbytes: int) -> None:
             lo, hi = arg
             conn.send(digest(mem.tensor[lo:hi]))
         elif cmd == "exit":
+            t.close()
+            mem.close()  # unlinks its shared segment: os._exit runs no finalizer
             conn.send("bye")
             os._exit(0)  # NIXL crashes at interpreter exit otherwise
 
@@ -63,6 +66,7 @@ class PeerProcess:
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
+        remove_segments(self.proc.pid)  # it could not unlink its own
 
     def stop(self) -> None:
         if self.proc.is_alive():
@@ -73,3 +77,5 @@ class PeerProcess:
             self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+            self.proc.join(10)
+            remove_segments(self.proc.pid)
