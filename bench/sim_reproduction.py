@@ -71,7 +71,7 @@ def run_task(task: dict) -> dict:
     else:
         sim = ClusterSim(cfg, rounds)
         label = f"{task['part']} {task['p']}P{task['d']}D {task['system']}"
-        row = summarize(sim, sim.run(progress=progress_printer(label, 60.0, sys.stdout), every_s=50.0))
+        row = summarize(sim, sim.run(progress=progress_printer(label, 60.0, sys.stdout)))
     row.update(task=task, wall_s=time.perf_counter() - t0)
     print(f"  done {task['part']:8} {task['model']} {task['p']}P{task['d']}D {task['system']:<12} "
           f"x{task.get('append', 1.0):g} in {row['wall_s']:.0f} s", flush=True)

@@ -58,7 +58,8 @@ def write_ready(path: str | None, text: str) -> None:
 def unlink_shared_memory_on_term() -> None:
     """SIGTERM (a supervisor stopping us, or the parent-death signal when it died) ends the process at once, as
     the default action would, but first unlinks the shared-memory segments it created: else, with the supervisor
-    itself killed, nobody could, and each keeps its bytes in RAM until reboot."""
+    itself killed, nobody could, and each keeps its bytes in RAM until reboot. Covers start-up: once running, the
+    engine's loop takes SIGTERM over for a graceful stop, whose ``Engine.stop`` closes the buffer itself."""
     from traffic.memory import remove_segments
 
     def handler(signum, frame):

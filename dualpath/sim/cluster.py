@@ -23,6 +23,8 @@ from __future__ import annotations
 import gc
 import math
 import random
+import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -307,7 +309,7 @@ class ClusterSim:
             return
         reader = pe if a.path.value == "pe" else de
         node = reader.info.node_id
-        route = self._route(reader is pe, pe.gpu, de.gpu, node)
+        route = self._route(reader is pe, pe.gpu, de.gpu)
 
         def loaded(start: float):
             reader.read_bytes += hit_bytes
@@ -319,9 +321,11 @@ class ClusterSim:
         self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + hit_bytes
         self._issue_reads(node)
 
-    def _route(self, on_pe: bool, pe_gpu: tuple[str, int], de_gpu: tuple[str, int], node: str) -> tuple:
+    def _route(self, on_pe: bool, pe_gpu: tuple[str, int], de_gpu: tuple[str, int]) -> tuple:
+        """The links a read crosses: its path's, and the reading node's storage client (and storage system)."""
         key = (on_pe, pe_gpu, de_gpu)
         if key not in self._routes:
+            node = (pe_gpu if on_pe else de_gpu)[0]
             self._routes[key] = path_route(PE_PATH if on_pe else DE_PATH, pe_gpu, de_gpu) + (
                 (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
         return self._routes[key]
@@ -395,7 +399,8 @@ class ClusterSim:
         if version != de.seg_version:
             return
         bs = self.cfg.block_size
-        de.dirty = de.dirty or bool(de.running)
+        if de.running:
+            de.dirty = True
         for work, req in list(de.running.items()):
             req.generated += de.seg_steps
             de.held_tokens += de.seg_steps
@@ -420,7 +425,7 @@ class ClusterSim:
 
     # --- run --------------------------------------------------------------------------------------------------
     def run(self, until: float = math.inf, progress: Callable[[float, int], None] | None = None,
-            every_s: float = 250.0) -> SimResult:
+            every_s: float = 50.0) -> SimResult:
         """Simulate to the end (or to ``until``); ``progress(simulated time, turns done)`` is called every ``every_s``
         simulated seconds."""
         for agent in self.agents:
@@ -531,9 +536,6 @@ def engine_for(args) -> EngineModel:
 def progress_printer(label: str, wall_every_s: float = 10.0, out=None) -> Callable[[float, int], None]:
     """A ``ClusterSim.run(progress=...)`` callback: one line (to stderr) at most every ``wall_every_s`` seconds of
     wall time, so a long run shows where it is and a short one stays quiet."""
-    import sys
-    import time
-
     start = last = time.perf_counter()
 
     def report(t: float, turns: int) -> None:
@@ -565,7 +567,7 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
         cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,
                         pull_interval_s=args.pull_interval)
         sim = ClusterSim(cfg, rounds)
-        rows.append(summarize(sim, sim.run(progress=progress_printer(system), every_s=50.0)))
+        rows.append(summarize(sim, sim.run(progress=progress_printer(system))))
         if args.online_seconds > 0:
             found = online_capacity(cfg, rounds, args.online_seconds, warmup_s=args.online_seconds / 2)
             rows[-1]["online_agents_per_s"] = found["agents_per_s"]
