@@ -173,6 +173,7 @@ class SchedulerCore:
         self.by_group: dict[str, list[EngineRecord]] = {}
         self.alive_ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
         self._alive_sorted: dict[Role, list[EngineRecord]] = {}  # cache of alive(); dropped when alive_ids change
+        self._views: dict[str, tuple] = {}  # group -> (alive members, their ids, members()); dropped likewise
         self.requests: dict[str, RequestRecord] = {}  # by request id
         self.by_work: dict[str, str] = {}  # work id -> request id
         self.global_queue = Fifo()
@@ -213,6 +214,7 @@ class SchedulerCore:
                 index[key] = [x for x in index.get(key, []) if x.info.engine_id != info.engine_id] + [rec]
             self.alive_ids[info.role].add(info.engine_id)
             self._alive_sorted.pop(info.role, None)
+            self._views.clear()
             if info.role is Role.DECODE:
                 self.private.setdefault(rec.group, Fifo())
             else:
@@ -256,6 +258,7 @@ class SchedulerCore:
         self._totals = None
         self.alive_ids[e.info.role].discard(eid)
         self._alive_sorted.pop(e.info.role, None)
+        self._views.clear()
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
             if r.pe == eid or r.de == eid:
@@ -314,7 +317,7 @@ class SchedulerCore:
     def queued(self, r: RequestRecord) -> QueuedRequest:
         n = r.spec.num_tokens
         de_node = self.engines[r.de].info.node_id if r.de else ""
-        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, n + r.params.max_tokens, de_node)
+        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, n + r.params.max_tokens, de_node, r.mode)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         with self.lock:
@@ -384,20 +387,29 @@ class SchedulerCore:
                 e = self.engines.get(eid)
                 if e is not None and e.alive and e.group == group_id and eid != sender:
                     self._engine_gone(eid, f"unreachable from {sender}")
-            self._index_reports(loads)
-            for load in loads:
-                self._absorb(load)
-            group = [e for e in self.by_group.get(group_id, ()) if e.alive]
+            if loads:
+                self._index_reports(loads)
+                for load in loads:
+                    self._absorb(load)
+            group, pulling, members = self._view(group_id)
             if not group:
                 return PullReply({})
-            cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])]
-            pulling = {e.info.engine_id for e in group}
-            members = self.members(group_id)
+            cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] \
+                if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
-                self._assign_decode(group_id, pulling)
-                return PullReply({}, cancelled, members)
-            return PullReply(self._assign_prefill(pulling), cancelled, members)
+                self._assign_decode(group_id, group, pulling)
+                return PullReply({}, cancelled, list(members))
+            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members))
+
+    def _view(self, group_id: str) -> tuple[list[EngineRecord], set[str], list[list[str]]]:
+        """A group's alive engines, their ids and ``members()``, cached until an engine joins or leaves (every
+        pull needs them; callers do not modify them)."""
+        view = self._views.get(group_id)
+        if view is None:
+            group = [e for e in self.by_group.get(group_id, ()) if e.alive]
+            view = self._views[group_id] = (group, {e.info.engine_id for e in group}, self.members(group_id))
+        return view
 
     def idle_for(self, group_id: str) -> bool:
         """Whether a pull from ``group_id`` that brings no new reports would change nothing: no request is queued
@@ -499,18 +511,19 @@ class SchedulerCore:
             self.private.setdefault(g, Fifo()).append(rid, r.spec.num_tokens)
             totals[g] += r.spec.num_tokens
 
-    def _assign_decode(self, group: str, pulling: set[str]) -> None:
-        private = self.private.get(group, Fifo())
+    def _assign_decode(self, group_id: str, group: list[EngineRecord], pulling: set[str]) -> None:
+        """Phase 2 for a pulling decode group (``group``: its alive engines, ``pulling``: their ids)."""
+        private = self.private.get(group_id, Fifo())
         if not private:  # nothing to place: skip building the group's states
             return
         waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
-        states = [self._state(e) for e in self.by_group.get(group, ()) if e.alive]  # phase 1 chose the group
+        states = [self._state(e) for e in group]  # phase 1 chose the group
         for work_id, eid in list(self.policy.assign_decode(waiting, states, pulling)):  # done reading private
             rid = self.by_work[work_id]
             r = self.requests[rid]
             r.de = eid
-            q = self.queued(r)
-            self.engines[eid].outstanding.add(work_id, q.num_tokens, q.reserve_tokens)
+            n = r.spec.num_tokens
+            self.engines[eid].outstanding.add(work_id, n, n + r.params.max_tokens)
             private.remove(rid)
             r.group = None
             self.prefill_queue.append(rid)
@@ -518,14 +531,14 @@ class SchedulerCore:
     def _node_states(self) -> "_Nodes":
         return _Nodes(self)
 
-    def _assign_prefill(self, pulling: set[str]) -> dict[str, list[Assignment]]:
+    def _assign_prefill(self, group: list[EngineRecord], pulling: set[str]) -> dict[str, list[Assignment]]:
+        """Prefill engines and read paths for the queue's head (``group``: the pulling group's alive engines)."""
         if not self.prefill_queue:
             return {}
         # policies with a per-group view (the paper's) see only the pulling group: pulls stay O(group)
-        candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else \
-            [self.engines[e] for e in pulling]
+        candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else group
         pe_nodes = {e.info.engine_id: e.info.node_id for e in candidates}
-        waiting = Lazy(itertools.islice((self._with_mode(self.requests[rid]) for rid in self.prefill_queue
+        waiting = Lazy(itertools.islice((self.queued(self.requests[rid]) for rid in self.prefill_queue
                                          if self.engines[self.requests[rid].de].alive),
                                         self.config.max_assignments_per_pull))
         out: dict[str, list[Assignment]] = {}
@@ -534,17 +547,17 @@ class SchedulerCore:
         for d in decisions:
             rid = self.by_work[d.request_id]
             r = self.requests[rid]
-            q = self.queued(r)
+            hit = r.hit_blocks * self.block_size
             r.pe, r.path = d.engine_id, ("split" if d.path.pe_blocks > 0 else d.path.path.value)
             self.counters[f"path_{r.path}"] += 1
-            self.engines[d.engine_id].outstanding.add(d.request_id, q.num_miss_tokens, 0)
+            self.engines[d.engine_id].outstanding.add(d.request_id, r.spec.num_tokens - hit, 0)
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
             out.setdefault(d.engine_id, []).append(Assignment(
                 d.request_id, r.spec.tokens, dict(r.spec.sampling),
                 r.hashes[:r.hit_blocks * HASH_BYTES], d.path.path, r.mode is not Mode.BASIC, de,
                 d.path.pe_blocks))
-            r.notify(SubmitEvent("assigned", rid, num_hit_tokens=q.num_hit_tokens, decode_engine=de.engine_id,
+            r.notify(SubmitEvent("assigned", rid, num_hit_tokens=hit, decode_engine=de.engine_id,
                                      decode_address=de.control_address, path=r.path, work_id=d.request_id))
         return out
 
@@ -555,10 +568,6 @@ class SchedulerCore:
                 n.read_q += e.load.read_q_tokens if e.load else 0
                 n.alpha = max(n.alpha, e.info.alpha_tokens)
         return n
-
-    def _with_mode(self, r: RequestRecord) -> QueuedRequest:
-        q = self.queued(r)
-        return QueuedRequest(q.request_id, q.num_tokens, q.num_hit_tokens, q.reserve_tokens, q.decode_node, r.mode)
 
     # --- metrics --------------------------------------------------------------------------------------------
     def balance(self) -> dict:

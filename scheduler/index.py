@@ -13,6 +13,7 @@ engine find the block missing when it loads it, which it already handles by reco
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -20,7 +21,6 @@ from typing import Iterable
 import numpy as np
 
 from dualpath.geometry import HASH_BYTES, BlockHash
-from traffic.storage.fs import list_stored_keys
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ def key_ids(packed: bytes) -> np.ndarray:
     return words[::HASH_BYTES // 8] | np.uint64(1)
 
 
+_ID = struct.Struct(f"<Q{HASH_BYTES - 8}x")
+
+
+def few_key_ids(packed: bytes) -> list[int]:
+    """``key_ids`` as Python ints, distinct, first occurrence first (for a few hashes: no numpy calls)."""
+    return list(dict.fromkeys(w | 1 for (w,) in _ID.iter_unpack(packed)))
+
+
 class BlockIndex:
     def __init__(self, capacity: int = 1 << 16):
         self._bits = max(4, (capacity - 1).bit_length())
@@ -44,7 +52,13 @@ class BlockIndex:
         self.lookups = self.hit_blocks_total = self.blocks_total = 0
 
     def rebuild(self, root: Path, fingerprint: BlockHash) -> int:
-        keys = list(list_stored_keys(Path(root) / fingerprint.hex()))
+        model_dir = Path(root) / fingerprint.hex()
+        if not model_dir.is_dir():  # nothing stored yet (a scheduler that never rebuilds needs no torch)
+            log.info("block index: nothing stored in %s yet", root)
+            return 0
+        from traffic.storage.fs import list_stored_keys  # imports torch
+
+        keys = list(list_stored_keys(model_dir))
         self.add(keys)
         log.info("block index: %d blocks found in %s", len(keys), root)
         return len(keys)
@@ -56,14 +70,28 @@ class BlockIndex:
         self.remove_packed(b"".join(keys))
 
     def add_packed(self, packed: bytes) -> None:
-        ids = key_ids(packed)
-        ids = np.unique(ids) if len(ids) > _FEW else np.array(list(dict.fromkeys(ids.tolist())), np.uint64)
+        if len(packed) <= _FEW * HASH_BYTES:
+            self._add_few(few_key_ids(packed))
+            return
+        ids = np.unique(key_ids(packed))
         with self._lock:
             ids = ids[self._find(ids) < 0]
             if self._keys + self._deleted + len(ids) > _MAX_LOAD * len(self._slots):
                 self._resize(self._keys + len(ids))
             self._place(ids)
             self._keys += len(ids)
+
+    def _add_few(self, ids: list[int]) -> None:
+        """``add_packed`` for a few distinct ids, probed and placed one by one in Python."""
+        with self._lock:
+            slots, mask = self._slots, len(self._slots) - 1
+            new = [i for i in ids if self._find_one(i, slots, mask) < 0]
+            if self._keys + self._deleted + len(new) > _MAX_LOAD * len(self._slots):
+                self._resize(self._keys + len(new))
+            slots, mask = self._slots, len(self._slots) - 1
+            for i in new:
+                self._place_one(i, slots, mask)
+            self._keys += len(new)
 
     def remove_packed(self, packed: bytes) -> None:
         ids = np.unique(key_ids(packed))
@@ -114,16 +142,19 @@ class BlockIndex:
             pos = (pos + 1) & mask
         return pos
 
+    def _place_one(self, i: int, slots: np.ndarray, mask: int) -> None:
+        pos = i >> (64 - self._bits)
+        while slots[pos]:
+            pos = (pos + 1) & mask
+        slots[pos] = i
+
     def _place(self, ids: np.ndarray) -> None:
         """Insert ids known to be absent and distinct: each walks from its home to the first empty slot; when
         several reach the same empty slot in a round, the first takes it and the others walk on."""
         slots, mask = self._slots, len(self._slots) - 1
         if len(ids) <= _FEW:
             for i in ids.tolist():
-                pos = i >> (64 - self._bits)
-                while slots[pos]:
-                    pos = (pos + 1) & mask
-                slots[pos] = i
+                self._place_one(i, slots, mask)
             return
         todo, pos = ids, self._home(ids)
         while len(todo):

@@ -118,7 +118,7 @@ class Policy(ABC):
     def route_decode_group(self, r: QueuedRequest, groups: dict[str, int]) -> str | None:
         """Phase 1: the decode group whose private queue takes ``r`` (``groups``: group -> its total tokens, queued
         included). Default: the least loaded."""
-        return min(groups, key=lambda g: (groups[g], g)) if groups else None
+        return min(zip(groups.values(), groups))[1] if groups else None  # ties: the first name
 
     @abstractmethod
     def assign_decode(self, queue: Sequence[QueuedRequest], engines: list[EngineState],

@@ -93,17 +93,18 @@ def _decode_by_steps(arrivals, e: EngineModel) -> list[float]:
     return [done[i] for i in range(len(arrivals))]
 
 
+@pytest.mark.parametrize("per_token_s", [1e-6, 0.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_decode_segments_match_stepping_one_step_at_a_time(seed):
+def test_decode_segments_match_stepping_one_step_at_a_time(seed, per_token_s):
     """The simulator advances a decode GPU in segments (many steps per event, cut when a request joins); the finish
-    times must equal stepping one step at a time, with step times growing with the batch's context."""
+    times must equal stepping one step at a time, with step times growing with the batch's context (or not)."""
     import numpy as np
 
     from dualpath.sim.cluster import Agent, SimRequest
 
     rng = np.random.default_rng(seed)
-    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=0.01, decode_per_seq_s=0.002, decode_per_token_s=1e-6,
-                    decode_kv_tokens=10 ** 7, num_layers=2)
+    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=0.01, decode_per_seq_s=0.002,
+                    decode_per_token_s=per_token_s, decode_kv_tokens=10 ** 7, num_layers=2)
     arrivals = [(float(t), int(p), int(g)) for t, p, g in zip(np.sort(rng.uniform(0, 2.0, 12)),
                                                                rng.integers(10, 5000, 12), rng.integers(1, 60, 12))]
     sim = ClusterSim(SimConfig(FAST, MODEL, e, 1, 1), [])
@@ -123,6 +124,34 @@ def test_decode_segments_match_stepping_one_step_at_a_time(seed):
     got = [r.done for r in sorted(reqs, key=lambda r: r.agent.index)]
     assert got == pytest.approx(_decode_by_steps(arrivals, e), rel=1e-9, abs=1e-9)
     assert de.held_tokens == 0 and de.reserved == 0 and not de.held
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_joining_request_cuts_the_segment_at_the_first_boundary_after_now(seed):
+    """The cut is solved in closed form and then corrected; it must equal the first step boundary strictly after
+    now found by scanning every step, for times on, just before and just after boundaries."""
+    import random
+
+    from dualpath.sim.cluster import Agent, SimRequest
+
+    rng = random.Random(seed)
+    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=rng.uniform(0.005, 0.05), decode_per_seq_s=1e-4,
+                    decode_per_token_s=rng.choice([0.0, 1e-7, 3e-6]), decode_kv_tokens=10 ** 8, num_layers=2)
+    sim = ClusterSim(SimConfig(FAST, MODEL, e, 1, 1), [])
+    de = sim.engines["d0-0"]
+    for _ in range(200):
+        batch = rng.randint(1, 64)
+        de.running = {f"w{i}": SimRequest(Agent(i, []), 100, 10, 0.0) for i in range(batch)}
+        de.seg_start, de.seg_context = rng.uniform(0, 100), rng.randint(batch, 10 ** 6)
+        de.seg_steps = rng.randint(1, 400)
+        de.joining = [("new", SimRequest(Agent(-1, []), 10, 10, 0.0))]
+        boundaries = [sim._steps_end(de, n) for n in range(1, de.seg_steps + 1)]
+        k = rng.randrange(len(boundaries))
+        sim.loop.net.now = max(de.seg_start, boundaries[k] + rng.choice([0.0, -1e-9, 1e-9, -1e-13, 1e-13]))
+        want = next((n for n, t in enumerate(boundaries, 1) if t > sim.loop.net.now + 1e-12), de.seg_steps)
+        steps = de.seg_steps
+        sim._cut_segment(de)
+        assert de.seg_steps == min(want, steps)
 
 
 def test_storage_bound_throughput_follows_the_storage_nics_in_use():

@@ -113,8 +113,9 @@ def test_event_loop_stops_at_until_with_flows_partly_moved():
     loop.transfer("x", 100, (("a", 1),), lambda: done.append(loop.now))
     assert loop.run(until=4.0) == pytest.approx(4.0) and not done
     assert loop.net.remaining("x") == pytest.approx(60)
+    assert loop.net.carried["a"] == pytest.approx(40)  # a flow in flight counts what it has moved so far
     loop.run()
-    assert done == [pytest.approx(10.0)]
+    assert done == [pytest.approx(10.0)] and loop.net.carried["a"] == pytest.approx(100)
 
 
 def test_a_transfer_ending_within_rounding_of_until_is_delivered_not_lost():
@@ -223,3 +224,24 @@ def test_a_storage_system_shared_by_every_nodes_reads_is_processor_shared():
         t += (12 - k) * GB / min(6 * GB, 4 * GB * (12 - k))  # the last alone is held by its node's 4 GB/s
         assert done[f"r{k}"] == pytest.approx(t)
     assert net.refilled <= sum(range(1, 13)) * 2
+
+
+def test_completions_stay_exact_when_stale_heap_entries_are_dropped_in_bulk():
+    """Forty flows share one link (every start re-rates all of them, leaving ~800 stale completion entries: the
+    heap is rebuilt from the live flows); they finish as processor sharing says, in size order."""
+    from dualpath.sim.events import EventLoop
+
+    loop = EventLoop(FlowNetwork({"a": 1.0}))
+    done = {}
+    sizes = [float(k) for k in range(1, 41)]
+    for k, size in enumerate(sizes):
+        loop.transfer(f"f{k}", size, (("a", 1),), lambda k=k: done.setdefault(k, loop.now))
+    assert len(loop.net._heap) > 4 * len(sizes) + 256  # many stale entries before the first completion
+    loop.run()
+    want, t, prev = [], 0.0, 0.0
+    for k, size in enumerate(sizes):  # the k-th smallest ends after the rest shared the link for its extra bytes
+        t += (size - prev) * (len(sizes) - k)
+        prev = size
+        want.append(t)
+    assert [done[k] for k in range(len(sizes))] == pytest.approx(want, rel=1e-9)
+    assert len(loop.net._heap) <= 4 * len(loop.net.flows) + 256

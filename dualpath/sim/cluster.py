@@ -21,6 +21,7 @@ What is modelled (and what is not):
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import random
 import sys
@@ -97,8 +98,9 @@ class SimRequest:
     hit_tokens: int = 0
     de: str = ""
     prefill_done: float = 0.0
-    generated: int = 0
+    generated: int = 0  # decode: settled at hand-off and at finish (while running: ``base`` + the engine's steps)
     done: float = 0.0
+    base: int = 0  # decode: generated - the engine's steps, fixed while it runs
 
 
 @dataclass
@@ -117,6 +119,12 @@ class SimEngine:
     seg_steps: int = 0
     seg_context: int = 0  # Σ prompt + generated over running at seg_start
     seg_version: int = 0  # a segment's end event is stale when the segment was cut short since
+    # Settling a segment touches only what finishes: a running request has generated ``base + steps`` tokens and
+    # finishes at ``steps == gen - base`` (the heap's key, then its join order), so Σ prompt + generated over
+    # ``running`` is ``run_base + len(running) x steps``.
+    steps: int = 0  # decode steps run so far, as of ``seg_start``
+    run_base: int = 0  # Σ prompt + base over running
+    finish: list = field(default_factory=list)  # heap of (step it finishes at, join order, work) over running
     finished: list[str] = field(default_factory=list)
     stored: list[bytes] = field(default_factory=list)
     read_bytes: float = 0.0  # storage bytes completed since the last report
@@ -205,6 +213,7 @@ class ClusterSim:
         self._sampling: dict[int, dict] = {}  # generation length -> sampling parameters
         self._routes: dict[tuple, tuple] = {}  # (path, prefill GPU, decode GPU) -> the links a read crosses
         self.turns = 0
+        self._joined = 0  # requests that joined a decode batch (their join order)
         self.rng = random.Random(cfg.seed)
 
     # --- set-up -----------------------------------------------------------------------------------------------
@@ -273,9 +282,12 @@ class ClusterSim:
     def _read_q_tokens(self, node: str) -> int:
         """The node's storage read queue (waiting and in flight). The scheduler sums its engines' reports per
         node, so one engine of the group reports it and the others 0."""
-        net = self.loop.net
-        left = self.queued_bytes.get(node, 0.0) + sum(net.remaining(f) for f in self.reading.get(node, ())
-                                                      if f in net.flows)
+        reading = self.reading.get(node)
+        left = self.queued_bytes.get(node, 0.0)
+        if reading:
+            flows, now = self.loop.net.flows, self.loop.net.now
+            left += sum(max(0.0, f.remaining - f.rate * (now - f.since))  # FlowNetwork.remaining, inlined (hot)
+                        for f in map(flows.get, reading) if f is not None)
         return int(left / self.cfg.model.kv_bytes_per_token)
 
     @staticmethod
@@ -382,46 +394,66 @@ class ClusterSim:
         return de.seg_start + n * s0 + c * n * (n - 1) / 2
 
     def _cut_segment(self, de: SimEngine) -> None:
-        """A request waits to join: end the segment at the boundary of the step in progress."""
-        lo, hi = 1, de.seg_steps  # the first boundary after now: steps_end is increasing in n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._steps_end(de, mid) > self.loop.now + 1e-12:
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo < de.seg_steps:  # else the segment ends at that boundary anyway
-            de.seg_steps, de.seg_version = lo, de.seg_version + 1
-            self.loop.at(self._steps_end(de, lo), lambda v=de.seg_version: self._segment_end(de, v))
+        """A request waits to join: end the segment at the boundary of the step in progress (the first n in
+        [1, seg_steps] with steps_end(n) > now; a waiting joiner has made that cut already)."""
+        if len(de.joining) > 1 or de.seg_steps <= 1:
+            return
+        e, batch, x = self.cfg.engine, len(de.running), self.loop.now + 1e-12 - de.seg_start
+        s0, c = e.decode_step(batch, de.seg_context), e.decode_per_token_s * batch
+        # n·s0 + c·n(n-1)/2 = x solved for n, then stepped to the exact boundary (steps_end is increasing in n)
+        if c > 0:
+            root = ((s0 - c / 2) ** 2 + 2 * c * x) ** 0.5 / c - (s0 - c / 2) / c
+        else:
+            root = x / s0 if s0 > 0 else de.seg_steps  # steps that take no time: the segment ends now anyway
+        n = min(max(1, math.ceil(root)), de.seg_steps)
+        while n > 1 and self._steps_end(de, n - 1) > self.loop.now + 1e-12:
+            n -= 1
+        while n < de.seg_steps and self._steps_end(de, n) <= self.loop.now + 1e-12:
+            n += 1
+        if n < de.seg_steps:  # else the segment ends at that boundary anyway
+            de.seg_steps, de.seg_version = n, de.seg_version + 1
+            self.loop.at(self._steps_end(de, n), lambda v=de.seg_version: self._segment_end(de, v))
 
     def _segment_end(self, de: SimEngine, version: int) -> None:
         """At a step boundary: settle the segment's tokens, finish what is done, admit joiners, plan the next."""
         if version != de.seg_version:
             return
-        bs = self.cfg.block_size
         if de.running:
             de.dirty = True
-        for work, req in list(de.running.items()):
-            req.generated += de.seg_steps
-            de.held_tokens += de.seg_steps
-            if req.generated >= req.gen:
-                del de.running[work]
-                de.release(work)
-                de.finished.append(work)
-                req.done = self.loop.now
-                self.tpot.append((self.loop.now - req.prefill_done) / max(req.gen - 1, 1))
-                self.tpot_at.append(self.loop.now)
-                # what storage lacks: blocks after the hit part, up to the last full one
-                de.stored.append(block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
-        de.running.update(de.joining)
+            de.steps += de.seg_steps
+            de.held_tokens += de.seg_steps * len(de.running)
+            self._finish_due(de)
+        for work, req in de.joining:
+            self._joined += 1
+            de.running[work] = req
+            req.base = req.generated - de.steps
+            de.run_base += req.prompt + req.base
+            heapq.heappush(de.finish, (req.gen - req.base, self._joined, work))
         de.joining.clear()
         de.seg_version += 1
         if not de.running:
             de.seg_steps = 0
             return
-        de.seg_start, de.seg_context = self.loop.now, sum(r.prompt + r.generated for r in de.running.values())
-        de.seg_steps = max(1, min(r.gen - r.generated for r in de.running.values()))
+        de.seg_start, de.seg_context = self.loop.now, de.run_base + len(de.running) * de.steps
+        de.seg_steps = max(1, de.finish[0][0] - de.steps)
         self.loop.at(self._steps_end(de, de.seg_steps), lambda v=de.seg_version: self._segment_end(de, v))
+
+    def _finish_due(self, de: SimEngine) -> None:
+        """Release the running requests whose last token the settled steps produced, in join order."""
+        bs, due = self.cfg.block_size, []
+        while de.finish and de.finish[0][0] <= de.steps:
+            due.append(heapq.heappop(de.finish))
+        for _, _, work in sorted(due, key=lambda d: d[1]) if len(due) > 1 else due:
+            req = de.running.pop(work)
+            req.generated = req.base + de.steps
+            de.run_base -= req.prompt + req.base
+            de.release(work)
+            de.finished.append(work)
+            req.done = self.loop.now
+            self.tpot.append((self.loop.now - req.prefill_done) / max(req.gen - 1, 1))
+            self.tpot_at.append(self.loop.now)
+            # what storage lacks: blocks after the hit part, up to the last full one
+            de.stored.append(block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
 
     # --- run --------------------------------------------------------------------------------------------------
     def run(self, until: float = math.inf, progress: Callable[[float, int], None] | None = None,

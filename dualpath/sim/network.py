@@ -24,10 +24,8 @@ class Flow:
     since: float = 0.0
     bottleneck: str = ""  # a full link on which no flow is faster: what holds its rate
     version: int = 0  # completion-heap entries of older versions are stale
-    factor: dict[str, float] = field(init=False)  # link -> bytes on it per byte moved
-
-    def __post_init__(self):
-        self.factor = dict(self.route)
+    done_at: float = 0.0  # completion time at the current rate: its heap entry is (done_at, version, id)
+    factor: dict[str, float] = field(default_factory=dict)  # link -> bytes on it per byte moved (read only)
 
 
 class FlowNetwork:
@@ -49,19 +47,24 @@ class FlowNetwork:
         self.capacity = capacity
         self.now = 0.0
         self.flows: dict[str, Flow] = {}
-        self._carried: dict[str, float] = {}
+        self._carried: dict[str, float] = {}  # bytes finished flows moved over each link
         self._on_link: dict[str, dict[str, Flow]] = {}  # link -> its flows
         self._load: dict[str, float] = {}  # link -> Σ rate x factor of its flows
         self._heap: list[tuple[float, int, str]] = []  # (completion time, version, flow id)
         self._held: dict[str, dict[str, Flow]] = {}  # link -> the flows it is the bottleneck of
         self.refilled = 0  # flows re-filled, over all changes (for tests and tuning)
+        self._routes: dict[Route, tuple[str, dict[str, float]]] = {}  # checked routes: (tightest link, factors)
 
     @property
     def carried(self) -> dict[str, float]:
-        """Bytes each link has carried so far."""
+        """Bytes each link has carried so far (a flow's bytes are added to its links when it ends: settling every
+        rate change on every link of the route cost more than the rest of a change)."""
+        out = dict(self._carried)
         for f in self.flows.values():
-            self._settle(f)
-        return self._carried
+            moved = f.size - self.remaining(f.id)
+            for link, factor in f.route:
+                out[link] = out.get(link, 0.0) + moved * factor
+        return out
 
     def remaining(self, flow_id: str) -> float:
         f = self.flows[flow_id]
@@ -71,25 +74,55 @@ class FlowNetwork:
         """Start moving ``size`` bytes along ``route`` at the current time (call ``advance`` first)."""
         if flow_id in self.flows:
             raise ValueError(f"flow {flow_id} already in flight")
+        tightest, factor = self._routes.get(route) or self._check(flow_id, route)
+        f = self.flows[flow_id] = Flow(flow_id, float(size), float(size), route, since=self.now, factor=factor)
+        on_link, held = self._on_link, self._held
+        for link, _ in route:
+            on_link[link][flow_id] = f
+        self._hold(f, tightest)
+        # links of the route that hold flows other than this one (it is held by ``tightest`` for now)
+        holding = [link for link, _ in route if len(held[link]) > (link == tightest)]
+        if not holding:  # it is the only flow held on its route: it takes the room its tightest link leaves
+            self._alone(f)
+        elif not (len(holding) == 1 and self._uniform(holding[0], f)):
+            self._refill({f.id: f})
+
+    def _check(self, flow_id: str, route: Route) -> tuple[str, dict[str, float]]:
+        """A new route's tightest link and factors, once its links are known to exist."""
         unknown = [link for link, _ in route if link not in self.capacity]
         if unknown or not route:
             raise ValueError(f"flow {flow_id}: unknown links {unknown}" if unknown else f"flow {flow_id}: no route")
-        tightest = min(route, key=lambda lf: self.capacity[lf[0]] / lf[1])[0]
-        f = self.flows[flow_id] = Flow(flow_id, float(size), float(size), route, since=self.now)
         for link, _ in route:
-            self._on_link.setdefault(link, {})[flow_id] = f
-        self._hold(f, tightest)
-        # links of the route that hold flows other than this one (it is held by ``tightest`` for now)
-        holding = [link for link, _ in route if len(self._held.get(link, ())) > (link == tightest)]
-        if not (len(holding) == 1 and self._uniform(holding[0], f)):
+            self._on_link.setdefault(link, {})
+            self._held.setdefault(link, {})
+            self._load.setdefault(link, 0.0)
+        info = self._routes[route] = (min(route, key=lambda lf: self.capacity[lf[0]] / lf[1])[0], dict(route))
+        return info
+
+    def _alone(self, f: Flow) -> None:
+        """Rates for a new flow no link of whose route holds another flow: its fill; the others keep theirs
+        (what ``_refill`` finds, without its search) unless a faster flow shares its new bottleneck."""
+        (rate, link), = self._fill({f.id: f}).values()
+        if any(g.rate > rate * (1 + 1e-9) for g in self._on_link[link].values() if g is not f):
             self._refill({f.id: f})
+            return
+        self.refilled += 1
+        self._set_rate(f, rate)
+        self._hold(f, link)
 
     def next_completion(self) -> tuple[float, str] | None:
         """(time, flow id) of the flow that finishes first at the current rates, or None when idle."""
-        heap = self._heap
-        while heap and (heap[0][2] not in self.flows or self.flows[heap[0][2]].version != heap[0][1]):
+        heap, flows = self._heap, self.flows
+        if len(heap) > 4 * len(flows) + 256:  # mostly stale entries (every rate change adds one): drop them at
+            heap[:] = [(f.done_at, f.version, f.id) for f in flows.values()]  # once, not one O(log n) pop each
+            heapq.heapify(heap)
+        while heap:
+            t, version, fid = heap[0]
+            f = flows.get(fid)
+            if f is not None and f.version == version:
+                return t, fid
             heapq.heappop(heap)
-        return (heap[0][0], heap[0][2]) if heap else None
+        return None
 
     def advance(self, to: float) -> list[str]:
         """Move time to ``to`` (not past the next completion); return the flows that finished, removed."""
@@ -102,26 +135,17 @@ class FlowNetwork:
             done.append(self.flows[heapq.heappop(self._heap)[2]])
         for f in done:  # due now: whatever rounding left of them arrives too
             for link, factor in f.route:
-                self._carried[link] = self._carried.get(link, 0.0) + f.remaining * factor
+                self._carried[link] = self._carried.get(link, 0.0) + f.size * factor
                 self._load[link] -= f.rate * factor
                 del self._on_link[link][f.id]
             del self._held[f.bottleneck][f.id]
             del self.flows[f.id]
         if done:  # the links they crossed have room now: the flows those links hold may speed up
             links = {link for f in done for link, _ in f.route if self._held.get(link)}
-            if not (len(links) == 1 and self._uniform(links.pop())):
+            if links and not (len(links) == 1 and self._uniform(links.pop())):
                 self._refill({g.id: g for f in done for link, _ in f.route
                               for g in self._held.get(link, {}).values()})
         return [f.id for f in done]
-
-    def _settle(self, f: Flow) -> None:
-        """Bring a flow's remaining bytes, and its links' carried bytes, up to now."""
-        moved = min(f.remaining, f.rate * (self.now - f.since))
-        if moved > 0:
-            f.remaining -= moved
-            for link, factor in f.route:
-                self._carried[link] = self._carried.get(link, 0.0) + moved * factor
-        f.since = self.now
 
     def utilization(self) -> dict[str, float]:
         """Each link's current load over its capacity."""
@@ -132,11 +156,16 @@ class FlowNetwork:
         return {link: v / self.capacity[link] for link, v in load.items()}
 
     def _set_rate(self, f: Flow, rate: float) -> None:
-        self._settle(f)
+        """Settle the flow's bytes at its old rate up to now, then move it (and its links' load) to ``rate``."""
+        moved = min(f.remaining, f.rate * (self.now - f.since))
+        if moved > 0:
+            f.remaining -= moved
+        f.since = self.now
+        load, change = self._load, rate - f.rate
         for link, factor in f.route:
-            self._load[link] = self._load.get(link, 0.0) + (rate - f.rate) * factor
-        f.rate, f.version = rate, f.version + 1
-        heapq.heappush(self._heap, (self.now + f.remaining / rate, f.version, f.id))
+            load[link] += change * factor  # every route's links have entries (``_check``)
+        f.rate, f.version, f.done_at = rate, f.version + 1, self.now + f.remaining / rate
+        heapq.heappush(self._heap, (f.done_at, f.version, f.id))
 
     def _hold(self, f: Flow, link: str) -> None:
         if f.bottleneck:
@@ -159,17 +188,21 @@ class FlowNetwork:
         rate = (cap - others) / weight if weight > 0 else 0.0
         if rate <= 0:
             return False
-        members = {f.id for f in group}
-        if any(g.rate > rate * (1 + 1e-9) for g in self._on_link[link].values() if g.id not in members):
-            return False
+        on_link = self._on_link[link]
+        if len(on_link) > len(group):  # (a storage client's link carries only the reads it holds)
+            members = {f.id for f in group}
+            if any(g.rate > rate * (1 + 1e-9) for g in on_link.values() if g.id not in members):
+                return False
         delta: dict[str, float] = {}
         for f in group:
+            change = rate - f.rate
             for other, factor in f.route:
                 if other != link:
-                    delta[other] = delta.get(other, 0.0) + (rate - f.rate) * factor
+                    delta[other] = delta.get(other, 0.0) + change * factor
+        load, held, caps = self._load, self._held, self.capacity
         for other, d in delta.items():
-            c = self.capacity[other]
-            if (d > 0 and self._load.get(other, 0.0) + d > c * (1 + 1e-9)) or (d < -1e-9 * c and self._held.get(other)):
+            c = caps[other]
+            if (d > 0 and load[other] + d > c * (1 + 1e-9)) or (d < -1e-9 * c and held[other]):
                 return False
         self.refilled += len(group)
         for f in group:
