@@ -209,12 +209,10 @@ class SchedulerCore:
             if old is not None and old.alive:
                 self._engine_gone(info.engine_id, "re-registered")
             rec = self.engines[info.engine_id] = EngineRecord(info, last_seen=self.clock())
-            self._totals = None
             for index, key in ((self.by_node, info.node_id), (self.by_group, rec.group)):
                 index[key] = [x for x in index.get(key, []) if x.info.engine_id != info.engine_id] + [rec]
             self.alive_ids[info.role].add(info.engine_id)
-            self._alive_sorted.pop(info.role, None)
-            self._views.clear()
+            self._roster_changed(info.role)
             if info.role is Role.DECODE:
                 self.private.setdefault(rec.group, Fifo())
             else:
@@ -252,13 +250,17 @@ class SchedulerCore:
                 if e.alive and now - e.last_seen > self.config.heartbeat_timeout_s:
                     self._engine_gone(eid, f"no load report for {now - e.last_seen:.1f} s")
 
+    def _roster_changed(self, role: Role) -> None:
+        """An engine of ``role`` joined or left: drop what is derived from who is alive."""
+        self._totals = None
+        self._alive_sorted.pop(role, None)
+        self._views.clear()
+
     def _engine_gone(self, eid: str, why: str) -> None:
         e = self.engines[eid]
         e.alive = False
-        self._totals = None
         self.alive_ids[e.info.role].discard(eid)
-        self._alive_sorted.pop(e.info.role, None)
-        self._views.clear()
+        self._roster_changed(e.info.role)
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
             if r.pe == eid or r.de == eid:

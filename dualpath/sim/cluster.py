@@ -283,11 +283,7 @@ class ClusterSim:
         """The node's storage read queue (waiting and in flight). The scheduler sums its engines' reports per
         node, so one engine of the group reports it and the others 0."""
         reading = self.reading.get(node)
-        left = self.queued_bytes.get(node, 0.0)
-        if reading:
-            flows, now = self.loop.net.flows, self.loop.net.now
-            left += sum(max(0.0, f.remaining - f.rate * (now - f.since))  # FlowNetwork.remaining, inlined (hot)
-                        for f in map(flows.get, reading) if f is not None)
+        left = self.queued_bytes.get(node, 0.0) + (self.loop.net.remaining_total(reading) if reading else 0)
         return int(left / self.cfg.model.kv_bytes_per_token)
 
     @staticmethod

@@ -9,7 +9,7 @@ import heapq
 import itertools
 from typing import Callable
 
-from dualpath.sim.network import FlowNetwork, Route
+from dualpath.sim.network import FlowNetwork, Route, rounding
 
 
 class EventLoop:
@@ -57,7 +57,7 @@ class EventLoop:
                         self._on_done.pop(fid)()
                 return self.now
             t = max(net.now, t)
-            if flow is None or flow[0] > t + 1e-12 * max(1.0, t):  # no flow is due (as ``advance`` judges)
+            if flow is None or flow[0] > t + rounding(t):  # no flow is due: only the clock moves
                 net.now = t
             else:
                 for fid in net.advance(t):

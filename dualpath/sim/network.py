@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 Route = tuple[tuple[str, float], ...]  # (link name, bytes on the link per byte moved)
 
 
+def rounding(t: float) -> float:
+    """How close to time ``t`` a completion counts as due at ``t`` (float error in rates and sizes)."""
+    return 1e-12 * max(1.0, t)
+
+
 @dataclass
 class Flow:
     id: str
@@ -61,14 +66,20 @@ class FlowNetwork:
         rate change on every link of the route cost more than the rest of a change)."""
         out = dict(self._carried)
         for f in self.flows.values():
-            moved = f.size - self.remaining(f.id)
+            moved = f.size - self.remaining_total((f.id,))
             for link, factor in f.route:
                 out[link] = out.get(link, 0.0) + moved * factor
         return out
 
     def remaining(self, flow_id: str) -> float:
-        f = self.flows[flow_id]
-        return max(0.0, f.remaining - f.rate * (self.now - f.since))
+        if flow_id not in self.flows:
+            raise KeyError(f"flow {flow_id} is not in flight")
+        return self.remaining_total((flow_id,))
+
+    def remaining_total(self, flow_ids) -> float:
+        """Bytes still to move, summed over those of ``flow_ids`` in flight (the others have arrived)."""
+        flows, now = self.flows, self.now
+        return sum(max(0.0, f.remaining - f.rate * (now - f.since)) for f in map(flows.get, flow_ids) if f is not None)
 
     def add(self, flow_id: str, size: float, route: Route) -> None:
         """Start moving ``size`` bytes along ``route`` at the current time (call ``advance`` first)."""
@@ -129,7 +140,7 @@ class FlowNetwork:
         if to < self.now - 1e-12:
             raise ValueError(f"time runs forward: {to} < {self.now}")
         self.now = max(self.now, to)
-        eps = 1e-12 * max(1.0, self.now)
+        eps = rounding(self.now)
         done: list[Flow] = []
         while (nxt := self.next_completion()) is not None and nxt[0] <= self.now + eps:
             done.append(self.flows[heapq.heappop(self._heap)[2]])
