@@ -18,7 +18,8 @@ def _model_dir(arg: str | None) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
-    llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels)
+    llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     if args.chat:
@@ -57,7 +58,7 @@ def engine_config(args: argparse.Namespace):
         role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
         engine=EngineConfig(device=args.device, dtype=args.dtype, kernels=args.kernels,
-                            max_num_seqs=args.max_num_seqs,
+                            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
@@ -150,6 +151,8 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
                    help="attention and KV-move kernels: auto (triton on CUDA, torch on CPU), torch (the reference)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (by default they replay CUDA graphs on CUDA with triton kernels)")
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

@@ -256,6 +256,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     kernels: str = "auto"  # auto: triton kernels on CUDA, the torch reference on CPU; torch forces the reference
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA with triton)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     cache: CacheConfig = field(default_factory=CacheConfig)

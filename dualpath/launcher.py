@@ -34,6 +34,7 @@ class ClusterSpec:
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
     dtype: str = "float32"
     kernels: str = "auto"  # see EngineConfig.kernels
+    enforce_eager: bool = False  # see EngineConfig.enforce_eager
     block_size: int = 64
     buffer_bytes: int = 256 << 20
     cache_bytes: int = 1 << 30
@@ -169,6 +170,8 @@ class LocalCluster(Supervisor):
                 "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
                 "--storage-read-bps", str(s.storage_read_bps), "--compute-quota-ms", str(s.compute_quota_ms),
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
+        if s.enforce_eager:
+            args.append("--enforce-eager")
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.cost_model:

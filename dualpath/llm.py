@@ -35,13 +35,16 @@ class LLM:
     """A model and a paged KV cache in this process.
 
     ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; ``block_size`` is the KV block geometry shared
-    with storage.
+    with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
+    batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto"):
-        self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, max_num_seqs=max_num_seqs,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
+                 enforce_eager: bool = False):
+        self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
+                                   max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes))
@@ -53,7 +56,7 @@ class LLM:
         num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)
         self.cache = PagedKVCache(self.geometry, num_blocks, device)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                  self.tokenizer)
+                                  self.tokenizer, enforce_eager=enforce_eager)
         self._ids = itertools.count()
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:

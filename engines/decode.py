@@ -58,7 +58,8 @@ class DecodeEngine(Engine):
         blocks = c.num_device_blocks or PagedKVCache.blocks_for_memory(self.geometry, c.device_memory_bytes)
         self.cache = PagedKVCache(self.geometry, blocks, self.device)
         self.local = LocalEngine(self.model, self.cache, self.cfg.engine.max_num_seqs,
-                                 self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False)
+                                 self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False,
+                                 enforce_eager=self.cfg.engine.enforce_eager)
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
         self.inbox: queue.Queue = queue.Queue()

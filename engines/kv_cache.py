@@ -63,6 +63,11 @@ class PagedKVCache:
         pos = torch.arange(start, start + n)
         return (table[pos // bs] * bs + pos % bs).to(self.device)
 
+    def slot(self, seq: Hashable, pos: int) -> int:
+        """The flat slot of one token position, computed on the host."""
+        bs = self.geometry.block_size
+        return self._tables[seq][pos // bs] * bs + pos % bs
+
     def block_tables(self, seqs: list[Hashable]) -> torch.Tensor:
         """Block tables of ``seqs`` as one ``[B, max_blocks]`` tensor, short rows padded with block 0."""
         tables = [self._tables[s] for s in seqs]

@@ -14,6 +14,7 @@ import torch
 
 from dualpath.errors import RequestError
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
 from engines.sampler import sample
@@ -22,14 +23,19 @@ from kernels.attention import PagedKV
 
 
 class ModelRunner:
-    """Runs a forward over sequences whose earlier KV is in a paged cache, writing the new KV back into it."""
+    """Runs a forward over sequences whose earlier KV is in a paged cache, writing the new KV back into it.
+    Decode steps replay ``graphs`` when given and the batch fits them."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
+        self.model, self.cache, self.graphs = model, cache, graphs
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
         """Feed each sequence its next ``new_lens[i]`` tokens; returns logits of each one's last fed token."""
+        if self.graphs is not None and all(n == 1 for n in new_lens):
+            tables = [self.cache.block_table(s.seq_id) for s in seqs]
+            if self.graphs.fits(len(seqs), max(map(len, tables))):
+                return self._decode_graph(seqs, tables)
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
         device = self.cache.device
         ids = [t for s, n in zip(seqs, new_lens) for t in s.token_ids[s.num_computed:s.num_computed + n]]
@@ -45,16 +51,26 @@ class ModelRunner:
             s.num_computed += n
         return self.model.compute_logits(hidden[batch.last_token_indices()])
 
+    def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
+        positions = [s.num_computed for s in seqs]
+        tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
+        slots = [self.cache.slot(s.seq_id, p) for s, p in zip(seqs, positions)]
+        logits = self.graphs.run(tokens, positions, slots, tables)
+        for s in seqs:
+            s.num_computed += 1
+        return logits
+
 
 class LocalEngine:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 tokenizer: Tokenizer | None = None, free_finished: bool = True):
-        self.runner = ModelRunner(model, cache)
+                 tokenizer: Tokenizer | None = None, free_finished: bool = True, enforce_eager: bool = False):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or model.config.max_position_embeddings
+        graphs = make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
+        self.runner = ModelRunner(model, cache, graphs)
         self.eos_ids = model.config.eos_token_ids
         self.tokenizer = tokenizer
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)

@@ -56,11 +56,18 @@ class RowLayout:
 @dataclass(frozen=True)
 class PagedKV:
     """Cached rows read in place from one paged cache layer ``[num_blocks, block_size, kv_elems]``: sequence i's
-    rows are the first ``lens[i]`` token slots of the blocks ``block_tables[i]`` (padded with any valid id)."""
+    rows are the first ``lens[i]`` token slots of the blocks ``block_tables[i]`` (padded with any valid id).
+    ``lens`` is a list, or a device tensor where no host work may depend on it (a CUDA graph's decode step)."""
 
     cache: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks], long
-    lens: list[int]
+    lens: Sequence[int] | torch.Tensor
+
+    def on_host(self) -> "PagedKV":
+        """The same view with ``lens`` as a list (the torch reference indexes with them)."""
+        if isinstance(self.lens, torch.Tensor):
+            return PagedKV(self.cache, self.block_tables, self.lens.tolist())
+        return self
 
     def rows(self, i: int) -> torch.Tensor:
         return gather_tokens(self.cache, self.block_tables[i], self.lens[i])
@@ -142,6 +149,8 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     """
     if backend == "triton":
         return _triton(q, new_rows, cached, split, new_lens, scale)
+    if isinstance(cached, PagedKV):
+        cached = cached.on_host()
     if len(new_lens) > 1 and all(n == 1 for n in new_lens):
         return _decode(q, new_rows, cached, split, scale)
     outs, start = [], 0
@@ -162,6 +171,7 @@ def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequen
         raise ValueError("the triton kernels read a paged cache: pass cached KV as PagedKV")
     if all(n == 1 for n in new_lens):
         return ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, layout, scale)
+    cached = cached.on_host()
     return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale)
 
 

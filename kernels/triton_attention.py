@@ -139,17 +139,30 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                          stride_ob, stride_oh, SPLITS: tl.constexpr, S_PAD: tl.constexpr, DV: tl.constexpr,
-                          DV_PAD: tl.constexpr):
-    """One program per (sequence, head): the splits' outputs weighted by exp(lse - max)."""
+def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
+                          stride_lh, stride_ob, stride_oh, SPLIT: tl.constexpr, S_BLOCK: tl.constexpr,
+                          DV: tl.constexpr, DV_PAD: tl.constexpr):
+    """One program per (sequence, head): the splits that hold its keys, weighted by exp(lse - max). Splits past the
+    sequence's end are never read, so a grid sized for the longest possible sequence (a CUDA graph's) costs the
+    reduce nothing; split 0 always holds the new token, so the max is finite."""
     b, h = tl.program_id(0), tl.program_id(1)
-    offs_s, offs_v = tl.arange(0, S_PAD), tl.arange(0, DV_PAD)
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_v[None, :],
-                   mask=(offs_s[:, None] < SPLITS) & (offs_v[None, :] < DV), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    n_splits = (tl.load(cached_lens_ptr + b) + SPLIT) // SPLIT  # cdiv(cached + 1, SPLIT)
+    offs_s, offs_v = tl.arange(0, S_BLOCK), tl.arange(0, DV_PAD)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    m_s = tl.full([S_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, S_BLOCK):
+        m_s = tl.maximum(m_s, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < n_splits, other=float("-inf")))
+    m = tl.max(m_s, 0)
+    w_s = tl.zeros([S_BLOCK], tl.float32)
+    acc = tl.zeros([DV_PAD], tl.float32)
+    for s0 in range(0, n_splits, S_BLOCK):
+        ok = s0 + offs_s < n_splits
+        w = tl.exp(tl.load(lse_row + s0 + offs_s, mask=ok, other=float("-inf")) - m)
+        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
+                       + offs_v[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+        w_s += w
+    out = acc / tl.sum(w_s, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=offs_v < DV)
 
 
@@ -189,20 +202,28 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
 
 
 def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     cached_lens: Sequence[int], layout: RowLayout, scale: float, split_tokens: int = 1024,
-                     block_n: int = 32, out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+                     cached_lens: Sequence[int] | torch.Tensor, layout: RowLayout, scale: float,
+                     split_tokens: int = 1024, block_n: int = 32, out: torch.Tensor | None = None,
+                     **launch) -> torch.Tensor:
     """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself, split along the
-    sequence in ``split_tokens`` pieces run in parallel and then reduced. Returns ``[B, Hq, Dv]``."""
+    sequence in ``split_tokens`` pieces run in parallel and then reduced. Returns ``[B, Hq, Dv]``.
+
+    ``cached_lens`` as a device tensor (int32) makes the call free of host work that depends on the lengths, as a
+    CUDA graph needs: the splits then cover the block tables' capacity, and splits past a sequence's end exit at
+    once."""
     b, hq, _ = q.shape
     dev = q.device
     out = q.new_empty(b, hq, layout.v_dim) if out is None else out
     if b == 0:
         return out
     split_tokens = max(block_n, split_tokens // block_n * block_n)
-    splits = triton.cdiv(max(cached_lens) + 1, split_tokens)
+    if isinstance(cached_lens, torch.Tensor):
+        lens, longest = cached_lens.to(torch.int32), block_tables.shape[1] * cache.shape[1]
+    else:
+        lens, longest = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev), max(cached_lens)
+    splits = triton.cdiv(longest + 1, split_tokens)
     part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
-    lens = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
     common = _common(cache, layout, q)
@@ -211,7 +232,8 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
         q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, G_PAD=_pad(group), SPLIT=split_tokens, BLOCK_N=block_n, **common, **launch)
-    _decode_reduce_kernel[(b, hq)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-                                   lse.stride(1), out.stride(0), out.stride(1), SPLITS=splits,
-                                   S_PAD=triton.next_power_of_2(splits), DV=layout.v_dim, DV_PAD=common["DV_PAD"])
+    _decode_reduce_kernel[(b, hq)](part, lse, lens, out, part.stride(0), part.stride(1), part.stride(2),
+                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), SPLIT=split_tokens,
+                                   S_BLOCK=min(16, triton.next_power_of_2(splits)), DV=layout.v_dim,
+                                   DV_PAD=common["DV_PAD"])
     return out

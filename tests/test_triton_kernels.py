@@ -87,6 +87,26 @@ def test_decode_kernel_splits_long_and_short_sequences(dtype, heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_with_device_lengths_over_wide_tables(dtype):
+    """A CUDA graph's call: lengths as a device tensor, tables 30 blocks wide whose unused columns hold other
+    sequences' blocks, 31 splits sized by that capacity (the reduce reads each sequence's own splits in two
+    chunks of 16; the longest sequence spans 19)."""
+    cached_lens = [0, 15, 16, 17, 300, 47]
+    b, width = len(cached_lens), 30
+    layout, cached, q, new_rows, out = gqa_inputs((4, 2, 16), cached_lens, b, dtype)
+    stale = torch.randint(0, cached.cache.shape[0], (b, width), device=DEVICE)
+    used = cached.block_tables.shape[1]
+    wide = torch.cat([cached.block_tables, stale[:, used:]], 1)
+    lens = torch.tensor(cached_lens, dtype=torch.int32, device=DEVICE)
+    ta.decode_attention(q, new_rows, cached.cache, wide, lens, layout, 0.3, split_tokens=16, block_n=16, out=out)
+    assert rel_err(out, reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
+    # the torch reference takes device lengths too (it reads them on the host)
+    ref_dev = varlen_attention(q.double(), new_rows.double(), PagedKV(cached.cache.double(), wide, lens), layout,
+                               [1] * b, 0.3)
+    assert rel_err(ref_dev.to(dtype), reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_lens", [[3, 1, 5], [1, 1, 1]])  # prefill and decode kernels
 def test_mla_absorbed_kernels_against_float64(dtype, new_lens):
     h, dn, dr, dv, r = 4, 8, 8, 6, 24  # row = latent 24 + rope 8 = 32; K 32 wide, V the latent

@@ -64,6 +64,7 @@ def cluster_from_args(args):
     spec = ClusterSpec(
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        enforce_eager=args.enforce_eager,
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
         compute_quota_ms=args.compute_quota_ms, max_model_len=max_len, torch_threads=threads,

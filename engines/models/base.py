@@ -57,9 +57,10 @@ class ForwardBatch:
 
 @dataclass
 class ForwardContext:
-    """Per-batch values every layer shares (computed once in ``begin``)."""
+    """Per-batch values every layer shares (computed once in ``begin``): each sequence's number of new tokens and
+    the rotary cos/sin of every new token."""
 
-    batch: ForwardBatch
+    new_lens: tuple[int, ...]
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -99,9 +100,17 @@ class CausalLM(nn.Module, ABC):
 
     # --- forward -----------------------------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> ForwardContext:
-        positions = torch.tensor(batch.positions(), device=self.embed_tokens.device)
+        return self.begin_at(torch.tensor(batch.positions(), device=self.embed_tokens.device), batch.new_lens)
+
+    def begin_at(self, positions: torch.Tensor, new_lens: tuple[int, ...]) -> ForwardContext:
+        """``begin`` for positions already on the device (a CUDA graph's static input): no host work."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_attention_factor, self.embed_tokens.dtype)
-        return ForwardContext(batch, cos, sin)
+        return ForwardContext(new_lens, cos, sin)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step has no data-dependent host work, so it can be captured as a CUDA graph."""
+        return True
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

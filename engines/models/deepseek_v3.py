@@ -92,7 +92,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         k_pe = apply_rope(k_pe, ctx.cos, ctx.sin, c.rope.interleaved)
         new_kv = torch.cat([latent, k_pe.view(t, -1)], dim=1)
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.batch.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
+        out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels)
         return linear(out.reshape(t, -1), w.o_w), new_kv
 
@@ -111,6 +111,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
         hidden = hidden + (self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp(x))
         return hidden, new_kv
+
+    @property
+    def graph_safe(self) -> bool:
+        """MoE dispatch runs only the chosen experts, which the host learns from the router: not capturable."""
+        return not any(isinstance(layer.mlp, MoE) for layer in self.layers)
 
     def float32_params(self) -> Sequence[str]:
         return [n for n, _ in self.named_parameters() if n.endswith(("router_w", "router_bias"))]

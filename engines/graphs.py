@@ -1,0 +1,122 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step launches the same few kernels per layer whatever the batch holds; launched one by one from Python
+they cost more than the GPU work of a small batch. ``DecodeGraphs`` captures the whole step (embedding, every
+layer with its KV write, the logits) once per padded batch size when the engine starts, and replays it: per step
+the host only fills two static input buffers. Prefill is never captured: its per-layer transfer hooks wait on
+KV arriving from storage or peers.
+
+Invariants the captured step relies on:
+- no host work depends on the batch: cached lengths are a device tensor (a decode token's position is its
+  sequence's cached length), and attention splits cover the static block table's capacity;
+- the model has none either (``CausalLM.graph_safe``: MoE dispatch asks the host which experts to run);
+- padding rows repeat row 0 (token, position, block table, slot) and write row 0's own KV row to row 0's slot,
+  so they change nothing that row 0 does not;
+- the cache tensors never move and hold nothing while graphs are captured (the warm-up writes slot 0).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engines.kv_cache import PagedKVCache
+from engines.models.base import CausalLM
+from kernels.attention import PagedKV
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then every 16 up to ``max_batch`` (itself included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def use_decode_graphs(model: CausalLM, device: torch.device, enforce_eager: bool) -> bool:
+    """Capture decode steps on CUDA with the Triton kernels (the torch reference syncs with the host), unless
+    asked not to or the model cannot be captured."""
+    return not enforce_eager and device.type == "cuda" and model.kernels == "triton" and model.graph_safe
+
+
+def make_decode_graphs(model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,
+                       enforce_eager: bool) -> DecodeGraphs | None:
+    """An engine's decode graphs, or None where they do not apply or fail to capture (then decode runs eagerly,
+    slower but right, and the log says why)."""
+    if not use_decode_graphs(model, cache.device, enforce_eager):
+        return None
+    try:
+        return DecodeGraphs(model, cache, max_batch, max_model_len)
+    except Exception as e:  # noqa: BLE001 - a capture failure costs speed, never the engine
+        log.warning("decode steps run eagerly: capturing CUDA graphs failed: %s: %s", type(e).__name__, e)
+        return None
+
+
+class DecodeGraphs:
+    """One decode step per padded batch size, captured (``capture``: on CUDA) or run eagerly on the same static
+    buffers (CPU tests of everything but the capture). The owner calls ``run`` from one thread."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,
+                 capture: bool = True):
+        self.model, self.cache, self.capture = model, cache, capture
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_blocks = -(-(max_model_len + 1) // cache.geometry.block_size)
+        n, dev = self.sizes[-1], cache.device
+        self.inputs = torch.zeros(4, n, dtype=torch.long, device=dev)  # token, position, slot, KV source row
+        self.tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(n, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:
+            self._capture_all()
+
+    def fits(self, num_seqs: int, longest_table: int) -> bool:
+        return num_seqs <= self.sizes[-1] and longest_table <= self.max_blocks
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of one decode step (valid until the next ``run``); the caller checked ``fits``."""
+        n = len(tokens)
+        size = next(s for s in self.sizes if s >= n)
+        pad = size - n
+        rows = [tokens + tokens[:1] * pad, positions + positions[:1] * pad, slots + slots[:1] * pad,
+                list(range(n)) + [0] * pad]
+        self.inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        self.tables[:size, :width].copy_(torch.tensor(padded + padded[:1] * pad), non_blocking=True)
+        if self.capture:
+            self.graphs[size].replay()
+        else:
+            self._step(size)
+        return self.logits[:n]
+
+    def _step(self, size: int) -> None:
+        """The captured step: reads only the static buffers, writes the KV and ``self.logits``."""
+        m, cache = self.model, self.cache
+        tokens, positions, slots, source = self.inputs[:, :size]
+        ctx = m.begin_at(positions, (1,) * size)
+        lens = positions.to(torch.int32)
+        hidden = m.embed(tokens)
+        for layer in range(m.config.num_layers):
+            hidden, kv = m.forward_layer(layer, hidden, ctx, PagedKV(cache.layers[layer], self.tables[:size], lens))
+            cache.write(layer, slots, kv.index_select(0, source))
+        self.logits[:size].copy_(m.compute_logits(hidden))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        if self.cache.num_free_blocks != self.cache.allocator.num_blocks:
+            raise RuntimeError("decode graphs are captured before the KV cache holds anything")
+        start, pool = time.perf_counter(), None
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            self._step(size)  # warm-up: compiles the kernels, sets up cuBLAS
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(size)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes),
+                 ",".join(map(str, self.sizes)), time.perf_counter() - start)

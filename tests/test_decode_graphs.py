@@ -1,0 +1,186 @@
+"""Decode steps on CUDA graphs' static buffers (``engines/graphs.py``). On CPU the captured step runs eagerly on
+the same buffers (``capture=False``): padding, device-side lengths, wide block tables and the mirrored KV writes
+of padding rows are all checked against the plain eager step; only the capture itself needs a GPU (the last test).
+
+Tolerance: logits within 1e-4 of the eager step's (max abs, float32), greedy tokens identical.
+"""
+import pytest
+import torch
+
+from dualpath.geometry import KVGeometry
+from dualpath.sampling_params import SamplingParams
+from engines.graphs import DecodeGraphs, graph_batch_sizes, use_decode_graphs
+from engines.kv_cache import PagedKVCache
+from engines.local import LocalEngine, ModelRunner
+from engines.models import load_model
+from engines.sequence import Sequence
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BS = 16
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_graphs_only_where_they_can_be_captured(tiny_dirs):
+    llama = load_model(tiny_dirs["llama"], "cpu", kernels="triton")
+    assert not use_decode_graphs(llama, torch.device("cpu"), False)  # CPU: nothing to capture
+    assert use_decode_graphs(llama, torch.device("cuda"), False)
+    assert not use_decode_graphs(llama, torch.device("cuda"), True)  # enforce_eager
+    assert not use_decode_graphs(load_model(tiny_dirs["llama"], "cpu", kernels="torch"), torch.device("cuda"), False)
+    ds = load_model(tiny_dirs["deepseek_v3"], "cpu", kernels="triton")
+    assert not ds.graph_safe  # MoE dispatch asks the host which experts run
+
+
+@pytest.mark.parametrize("kernels,reads_host", [("triton", False), ("torch", True)])
+def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, kernels, reads_host):
+    """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value inside the step (the
+    torch reference does, which is why graphs need the Triton kernels)."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    model = load_model(tiny_dirs["llama"], "cpu", kernels=kernels)
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, "cpu")
+    graphs = DecodeGraphs(model, cache, 8, 100, capture=False)
+    reads = []
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        def spy(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(root) and "/tests/" not in caller:
+                reads.append((_name, caller, sys._getframe(1).f_lineno))
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    with torch.inference_mode():
+        graphs._step(4)
+    monkeypatch.undo()
+    assert bool(reads) == reads_host, reads
+
+
+def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
+    import engines.graphs as graphs_mod
+
+    model = load_model(tiny_dirs["llama"], "cpu", kernels="triton")
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, "cpu")
+    monkeypatch.setattr(graphs_mod, "use_decode_graphs", lambda *a: True)
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")  # what an uncapturable op raises
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture_all", fail)
+    with caplog.at_level("WARNING", logger="engines.graphs"):
+        engine = LocalEngine(model, cache, max_num_seqs=4, max_model_len=64)
+    assert engine.runner.graphs is None
+    assert "decode steps run eagerly: capturing CUDA graphs failed" in caplog.text
+    seq = Sequence("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert len(seq.output_ids) == 3
+
+
+def _prefilled(model, prompts: list[list[int]], graphs_max_len: int = 0, capture: bool = False):
+    """A paged cache holding each prompt's KV (blocks shuffled by freeing a spacer), sequences ready to decode
+    their last prompt token next, and decode graphs of up to 8 sequences made before anything was cached (as an
+    engine makes them), or None."""
+    geom = KVGeometry.for_model(model.config, "float32", BS)
+    cache = PagedKVCache(geom, 64, DEVICE)
+    graphs = DecodeGraphs(model, cache, 8, graphs_max_len, capture) if graphs_max_len else None
+    cache.reserve("spacer", 40)
+    runner = ModelRunner(model, cache)
+    seqs = []
+    for i, p in enumerate(prompts):
+        s = Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        cache.reserve(s.seq_id, len(p) + 1)
+        if len(p) > 1:
+            runner.forward([s], [len(p) - 1])
+        seqs.append(s)
+    cache.free("spacer")
+    return cache, seqs, graphs
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("n", [1, 3, 5])  # exact bucket, and 1 and 3 padding rows
+def test_graph_step_matches_the_eager_step(tiny_dirs, kernels, n):
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels=kernels)
+    prompts = [list(range(3, 3 + k)) for k in (1, 16, 17, 33, 40)[:n]]  # empty cache, block boundaries
+    capture = DEVICE == "cuda" and kernels == "triton"  # the torch reference reads lengths on the host
+    cache, seqs, graphs = _prefilled(model, prompts, graphs_max_len=200, capture=capture)
+    before = cache.storage.clone()
+    eager = ModelRunner(model, cache).forward(seqs, [1] * n)
+    eager_kv = cache.storage.clone()
+    cache.storage.copy_(before)
+    for s in seqs:
+        s.num_computed -= 1
+    got = ModelRunner(model, cache, graphs).forward(seqs, [1] * n)
+    assert [s.num_computed for s in seqs] == [len(p) for p in prompts]
+    assert (got - eager).abs().max() < 1e-4
+    written = cache.storage != before
+    assert torch.equal(written, eager_kv != before)  # the same slots, no others (padding rows change nothing)
+    assert (cache.storage - eager_kv).abs().max() < 1e-5
+
+
+def test_graphs_fall_back_to_eager_beyond_their_sizes(tiny_dirs, monkeypatch):
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels="torch")
+    cache, seqs, _ = _prefilled(model, [[5, 6], [7, 8, 9], list(range(3, 53))])
+    graphs = DecodeGraphs(model, cache, max_batch=2, max_model_len=40, capture=False)
+    assert graphs.max_blocks == 3 and graphs.fits(2, 3) and not graphs.fits(3, 1) and not graphs.fits(1, 4)
+    calls = []
+    monkeypatch.setattr(graphs, "run", lambda *a: calls.append(a))
+    runner = ModelRunner(model, cache, graphs)
+
+    def step(batch):
+        runner.forward(batch, [1] * len(batch))
+        for s in batch:
+            s.num_computed -= 1  # the same token again next time
+
+    step(seqs[:2])
+    assert len(calls) == 1
+    step(seqs)  # three sequences: over the largest graph
+    step(seqs[2:])  # a table of 4 blocks: over the graphs' capacity
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_generation_on_graph_buffers_matches_eager(tiny_dirs, kernels):
+    """Continuous batching whose decode batch shrinks through the sizes (5 -> 1 sequences, buckets 8, 4, 2, 1)."""
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels=kernels)
+    geom = KVGeometry.for_model(model.config, "float32", BS)
+    prompts = [list(range(3, 3 + k)) for k in (5, 16, 23, 1, 40)]
+    outs = {}
+    for graphed in (False, True):
+        cache = PagedKVCache(geom, 64, DEVICE)
+        engine = LocalEngine(model, cache, max_num_seqs=8, max_model_len=128, enforce_eager=True)
+        if graphed:
+            capture = DEVICE == "cuda" and kernels == "triton"
+            engine.runner.graphs = DecodeGraphs(model, cache, 8, 128, capture=capture)
+        seqs = [Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True,
+                                                    logprobs=1)) for i, p in enumerate(prompts)]
+        for s in seqs:
+            engine.add(s)
+        while engine.has_work():
+            engine.step()
+        outs[graphed] = seqs
+        cache.check()
+        assert cache.num_free_blocks == 64
+    for a, b in zip(outs[False], outs[True]):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
+    from dualpath.llm import LLM
+
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(100, 121))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
+                  enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[False] == outs[True]
