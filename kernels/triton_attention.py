@@ -32,11 +32,36 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr):
+    """A tile of keys and values at row pointers ``row [N]``: the key's first ``DA`` columns ``ka``, the rest ``kb``
+    (``ka`` again, unused, without a rest: a jit function returns no None) and the values ``v`` (``ka`` itself when
+    the value is the key's leading part, as MLA's latent is: loaded once)."""
+    ka = tl.load(row[:, None] + col_a[None, :], mask=ok[:, None] & mask_a[None, :], other=0.0)
+    kb = ka
+    if HAS_B:
+        kb = tl.load(row[:, None] + col_b[None, :], mask=ok[:, None] & mask_b[None, :], other=0.0)
+    if V_IS_KA:
+        v = ka
+    else:
+        v = tl.load(row[:, None] + col_v[None, :], mask=ok[:, None] & mask_v[None, :], other=0.0)
+    return ka, kb, v
+
+
+@triton.jit
+def _scores(qa, qb, ka, kb, scale, HAS_B: tl.constexpr, IEEE: tl.constexpr):
+    s = _dot(qa, tl.trans(ka), IEEE)
+    if HAS_B:
+        s += _dot(qb, tl.trans(kb), IEEE)
+    return s * scale
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_new_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_nt, stride_cb, stride_cs, stride_tb, stride_ot, stride_oh,
-                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                    V_OFF: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
+                    DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr, V_OFF: tl.constexpr,
+                    DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    IEEE: tl.constexpr):
     """One program: one sequence, one KV head, BLOCK_M rows of (new token, query head of the group) pairs — the
     group's heads share every K/V tile loaded (GQA packing). Keys: the cached tokens, then the sequence's own new
     tokens up to each query's position."""
@@ -47,36 +72,38 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
         return
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     tok, head = rows // GROUP, kh * GROUP + rows % GROUP
-    offs_d, offs_v, offs_n = tl.arange(0, D_PAD), tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
+    offs_a, offs_b = tl.arange(0, DA), DA + tl.arange(0, DB_PAD)
+    offs_v, offs_n = tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
     m_ok = tok < n_new
-    q = tl.load(q_ptr + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_row = q_ptr + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+    qa = tl.load(q_row + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < D), other=0.0)
+    qb = qa  # unused without HAS_B
+    if HAS_B:
+        qb = tl.load(q_row + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < D), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
-    k_col, v_col = kh * D + offs_d, V_OFF + kh * DV + offs_v
+    col_a, col_b, col_v = kh * D + offs_a, kh * D + offs_b, V_OFF + kh * DV + offs_v
+    mask_a, mask_b, mask_v = offs_a < D, offs_b < D, offs_v < DV
     for n0 in range(0, n_cached, BLOCK_N):  # cached keys: every query sees all of them
         pos = n0 + offs_n
         ok = pos < n_cached
         blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0)
         row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-        k = tl.load(row[:, None] + k_col[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(row[:, None] + v_col[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
+        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     for n0 in range(0, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # own new keys, causal
         pos = n0 + offs_n
         ok = pos < n_new
         row = new_ptr + (start + pos).to(tl.int64) * stride_nt
-        k = tl.load(row[:, None] + k_col[None, :], mask=ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(row[:, None] + v_col[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale
+        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        s = _scores(qa, qb, ka, kb, scale, HAS_B, IEEE)
         s = tl.where(ok[None, :] & (pos[None, :] <= tok[:, None]), s, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_v[None, :] < DV))
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & mask_v[None, :])
 
 
 @triton.jit
@@ -95,46 +122,60 @@ def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, scale,
                          stride_qb, stride_qh, stride_nb, stride_cb, stride_cs, stride_tb,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                         DV: tl.constexpr, V_OFF: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One program: one sequence, one KV head with all its query heads, keys [s × SPLIT, (s + 1) × SPLIT).
+                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
+                         HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
+                         DA: tl.constexpr, DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr,
+                         V_OFF: tl.constexpr, DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One program: one sequence, ``G_BLOCK`` query heads of one KV head (all of a GQA group; MLA's 128 heads
+    in blocks, whose programs run side by side and share the tiles through L2), keys [s × SPLIT, (s + 1) × SPLIT).
     Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the partial output and
-    its log-sum-exp; a split past the sequence's end writes lse = -inf."""
-    b, kh, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    its log-sum-exp; a split past the sequence's end writes nothing (the reduce never reads it)."""
+    hg, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_cached = tl.load(cached_lens_ptr + b)
     total = n_cached + 1
-    offs_g, offs_d, offs_v = tl.arange(0, G_PAD), tl.arange(0, D_PAD), tl.arange(0, DV_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
+    lo = sp * SPLIT
+    if lo >= total:
+        return
+    kh = hg // HEAD_BLOCKS
+    offs_g = (hg % HEAD_BLOCKS) * G_BLOCK + tl.arange(0, G_BLOCK)
+    offs_a, offs_b = tl.arange(0, DA), DA + tl.arange(0, DB_PAD)
+    offs_v, offs_n = tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
     g_ok = offs_g < GROUP
     heads = kh * GROUP + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    k_col, v_col = kh * D + offs_d, V_OFF + kh * DV + offs_v
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    qa = tl.load(q_row + offs_a[None, :], mask=g_ok[:, None] & (offs_a[None, :] < D), other=0.0)
+    qb = qa  # unused without HAS_B
+    if HAS_B:
+        qb = tl.load(q_row + offs_b[None, :], mask=g_ok[:, None] & (offs_b[None, :] < D), other=0.0)
+    m_i = tl.full([G_BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_BLOCK], tl.float32)
+    acc = tl.zeros([G_BLOCK, DV_PAD], tl.float32)
+    col_a, col_b, col_v = kh * D + offs_a, kh * D + offs_b, V_OFF + kh * DV + offs_v
+    mask_a, mask_b, mask_v = offs_a < D, offs_b < D, offs_v < DV
     new_row = new_ptr + b.to(tl.int64) * stride_nb
-    lo = sp * SPLIT
     hi = tl.minimum(lo + SPLIT, total)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         in_cache, is_new = pos < n_cached, pos == n_cached
         blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=in_cache, other=0)
         row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-        k = tl.load(row[:, None] + k_col[None, :], mask=in_cache[:, None] & (offs_d[None, :] < D), other=0.0)
-        k += tl.load(new_row + k_col[None, :] + 0 * pos[:, None], mask=is_new[:, None] & (offs_d[None, :] < D),
-                     other=0.0)
-        v = tl.load(row[:, None] + v_col[None, :], mask=in_cache[:, None] & (offs_v[None, :] < DV), other=0.0)
-        v += tl.load(new_row + v_col[None, :] + 0 * pos[:, None], mask=is_new[:, None] & (offs_v[None, :] < DV),
-                     other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        s = tl.where((pos < hi)[None, :], s, float("-inf"))
+        ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
+        na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        ka += na
+        if HAS_B:
+            kb += nb
+        if not V_IS_KA:
+            v += nv
+        else:
+            v = ka
+        s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_v[None, :], out,
-             mask=g_ok[:, None] & (offs_v[None, :] < DV))
+             mask=g_ok[:, None] & mask_v[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
 
 
@@ -170,10 +211,18 @@ def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
-def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor) -> dict:
-    return dict(BLOCK_SIZE=cache.shape[1], D=layout.k_dim, DV=layout.v_dim, V_OFF=layout.v_offset,
-                D_PAD=_pad(layout.k_dim), DV_PAD=_pad(layout.v_dim),
-                IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1")
+def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dict) -> dict:
+    """Constexprs every attention kernel takes. A key of D columns is multiplied in two tiles, the largest power
+    of two ``DA`` <= D and the rest (MLA's 576 = 512 + 64, not one 1024-wide tile); a value that is the key's
+    leading ``DA`` columns (MLA's latent) is not loaded twice. Wide values get 8 warps (``launch`` may say)."""
+    d = layout.k_dim
+    da = 1 << (d.bit_length() - 1) if d >= 16 else 16
+    dv_pad = _pad(layout.v_dim)
+    launch.setdefault("num_warps", 8 if dv_pad >= 256 else 4)
+    return dict(BLOCK_SIZE=cache.shape[1], D=d, DA=da, DB_PAD=_pad(d - da), HAS_B=d > da, DV=layout.v_dim,
+                V_OFF=layout.v_offset, DV_PAD=dv_pad,
+                V_IS_KA=layout.num_kv_heads == 1 and layout.v_offset == 0 and layout.v_dim == da,
+                IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **launch)
 
 
 def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -196,17 +245,17 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
     _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale,
                           q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1),
                           block_tables.stride(0), out.stride(0), out.stride(1),
-                          GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q),
-                          **launch)
+                          GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q, launch))
     return out
 
 
 def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      cached_lens: Sequence[int] | torch.Tensor, layout: RowLayout, scale: float,
-                     split_tokens: int = 1024, block_n: int = 32, out: torch.Tensor | None = None,
-                     **launch) -> torch.Tensor:
+                     split_tokens: int = 1024, block_n: int = 32, head_block: int = 16,
+                     out: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself, split along the
-    sequence in ``split_tokens`` pieces run in parallel and then reduced. Returns ``[B, Hq, Dv]``.
+    sequence in ``split_tokens`` pieces run in parallel and then reduced; a program takes up to ``head_block``
+    query heads of one KV head. Returns ``[B, Hq, Dv]``.
 
     ``cached_lens`` as a device tensor (int32) makes the call free of host work that depends on the lengths, as a
     CUDA graph needs: the splits then cover the block tables' capacity, and splits past a sequence's end exit at
@@ -226,14 +275,16 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
-    common = _common(cache, layout, q)
-    _decode_split_kernel[(b, layout.num_kv_heads, splits)](
+    g_block = min(_pad(group), max(16, head_block))
+    head_blocks = triton.cdiv(group, g_block)
+    common = _common(cache, layout, q, launch)
+    _decode_split_kernel[(layout.num_kv_heads * head_blocks, b, splits)](
         q, new_rows, cache, block_tables, lens, part, lse, scale,
         q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, G_PAD=_pad(group), SPLIT=split_tokens, BLOCK_N=block_n, **common, **launch)
+        GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, SPLIT=split_tokens, BLOCK_N=block_n, **common)
     _decode_reduce_kernel[(b, hq)](part, lse, lens, out, part.stride(0), part.stride(1), part.stride(2),
                                    lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), SPLIT=split_tokens,
                                    S_BLOCK=min(16, triton.next_power_of_2(splits)), DV=layout.v_dim,
-                                   DV_PAD=common["DV_PAD"])
+                                   DV_PAD=common["DV_PAD"], num_warps=4)
     return out

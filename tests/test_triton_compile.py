@@ -1,0 +1,27 @@
+"""Every Triton kernel compiles to a cubin for the GPUs the runtime targets (H100/H200: sm_90; A100: sm_80) at the
+engines' shapes and launch options, and fits the device's shared memory: what the interpreter-run kernel tests
+cannot see (``tests/triton_compile.py`` does the work, in a process without ``TRITON_INTERPRET``)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("target", ["cuda:90", "cuda:80"])
+def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_compile.py"), "--target", target],
+                         capture_output=True, text=True, timeout=300, env=env)
+    launches = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert launches, res.stderr[-3000:]
+    failed = [x for x in launches if not x["fits"]]
+    assert not failed and res.returncode == 0, failed
+    kernels = {x["kernel"] for x in launches}
+    assert kernels == {"_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_move_kernel"}
+    assert {x["case"] for x in launches} >= {"gqa 32/8x128 bf16", "mla 128 heads 512+64 bf16"}

@@ -1,0 +1,149 @@
+"""Compile every Triton kernel for a GPU without one: Triton ships ``ptxas``, so a kernel goes all the way to a
+cubin for a named target (default ``cuda:90``, the H200). The real wrappers (``decode_attention``,
+``prefill_attention``, block moves) are called on CPU tensors of the engines' and the GPU bench's shapes and
+launch options; each kernel's ``run`` is replaced by a recorder, and each recorded launch is compiled ahead of
+time with the specializations a real launch gets (16-byte-aligned pointers, integers divisible by 16). This
+catches what the interpreter cannot: type errors the compiler rejects, and shared memory over the device limit.
+
+    python tests/triton_compile.py [--target cuda:90] [--all]      (prints one JSON line per launch)
+
+``--all`` adds the GPU bench's tuning configurations to the engines' defaults.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: compile, do not interpret
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import triton_attention as ta, triton_kv  # noqa: E402
+from kernels.attention import gqa_split, mla_split  # noqa: E402
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+         torch.int64: "i64"}
+SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}  # bytes of shared memory a block may use, by compute capability
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    return "fp32"
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, target: GPUTarget) -> dict:
+    """Compile one recorded launch; returns its name, options and the cubin's shared memory."""
+    launch = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    signature, constants, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = values[p.name]
+        if p.is_constexpr:
+            signature[p.name], constants[p.name] = "constexpr", v
+            continue
+        signature[p.name] = _arg_type(v)
+        aligned = v.data_ptr() % 16 == 0 if isinstance(v, torch.Tensor) else \
+            (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    backend = triton.compiler.make_backend(target)
+    cc = triton.compile(src, target=target, options=backend.parse_options(launch).__dict__)
+    return {"kernel": fn.__name__, "launch": launch, "shared_bytes": cc.metadata.shared,
+            "constexprs": {k: v for k, v in constants.items() if not isinstance(v, bool)},
+            **ptxas_usage(cc.asm["ptx"])}
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers per thread and bytes spilled, from Triton's own ``ptxas -v`` (a speed signal, not a failure)."""
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
+    try:  # the ptxas Triton itself used for this architecture (Triton >= 3.4 keeps two)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
+    except (ImportError, AttributeError):
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        res = subprocess.run([str(ptxas), f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=120)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spills.group(1)) if spills else None}
+
+
+def recorded_launches(all_configs: bool) -> list[tuple]:
+    """(kernel, args, kwargs, what) of every launch the wrappers make for the shapes below."""
+    launches = []
+    kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel)
+    for k in kernels:
+        k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
+    bf16, f32 = torch.bfloat16, torch.float32
+    cases = [  # (what, Hq, RowLayout, dtype): Llama-3-8B, TinyLlama (the bench), an fp32 engine, DeepSeek-V3 MLA
+        ("gqa 32/8x128 bf16", 32, gqa_split(8, 128), bf16),
+        ("gqa 32/4x64 bf16", 32, gqa_split(4, 64), bf16),
+        ("gqa 4/2x64 fp32", 4, gqa_split(2, 64), f32),
+        ("mla 128 heads 512+64 bf16", 128, mla_split(512, 576), bf16),
+    ]
+    prefill_cfgs = [dict()] + ([dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s) for bm, bn, w, s in
+                                ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 4, 3))]
+                               if all_configs else [])
+    decode_cfgs = [dict()] + ([dict(split_tokens=sp, block_n=bn, num_warps=w) for sp, bn, w in
+                               ((512, 32, 4), (1024, 64, 4), (2048, 64, 8), (1024, 128, 8))] if all_configs else [])
+    for what, hq, layout, dtype in cases:
+        row = layout.v_offset + layout.num_kv_heads * layout.v_dim if layout.v_offset else layout.k_dim
+        cache = torch.zeros(8, 64, row, dtype=dtype)
+        tables = torch.zeros(2, 4, dtype=torch.long)
+        q = torch.zeros(3, hq, layout.k_dim, dtype=dtype)
+        new = torch.zeros(3, row, dtype=dtype)
+        tuned = what.startswith("gqa")  # the bench tunes the GQA kernels; MLA runs the defaults
+        for cfg in prefill_cfgs if tuned else prefill_cfgs[:1]:
+            ta.prefill_attention(q, new, cache, tables[:1], [100], [3], layout, 0.1, **cfg)
+        for cfg in decode_cfgs if tuned else decode_cfgs[:1]:
+            ta.decode_attention(q[:2], new[:2], cache, tables, torch.tensor([5, 200], dtype=torch.int32), layout,
+                                0.1, **cfg)
+    what = "block moves bf16"
+    triton_kv.gather_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]))
+    triton_kv.scatter_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]),
+                             torch.zeros(2, 64, 2048, dtype=bf16))
+    return launches
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="cuda:90", help="backend:capability, e.g. cuda:90 (H100/H200), cuda:80")
+    ap.add_argument("--all", action="store_true", help="also the GPU bench's tuning configurations")
+    args = ap.parse_args(argv)
+    backend, cap = args.target.split(":")
+    target = GPUTarget(backend, int(cap), 32)
+    failed = 0
+    for fn, a, kw, what in recorded_launches(args.all):
+        try:
+            out = compile_launch(fn, a, dict(kw), target)
+            out["fits"] = out["shared_bytes"] <= SHARED_LIMIT.get(int(cap), 232448)
+        except Exception as e:  # noqa: BLE001 - report every launch, then fail
+            out = {"kernel": fn.__name__, "error": f"{type(e).__name__}: {str(e)[:300]}", "fits": False}
+        out["case"] = what
+        failed += not out["fits"]
+        print(json.dumps(out), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
