@@ -48,6 +48,17 @@ def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.con
 
 
 @triton.jit
+def _load_q(q_row, ok, offs_a, offs_b, D: tl.constexpr, HAS_B: tl.constexpr):
+    """Query rows ``q_row [M, 1]`` split like the keys: the first ``DA`` columns and the rest (``qa`` again,
+    unused, without a rest)."""
+    qa = tl.load(q_row + offs_a[None, :], mask=ok[:, None] & (offs_a[None, :] < D), other=0.0)
+    qb = qa
+    if HAS_B:
+        qb = tl.load(q_row + offs_b[None, :], mask=ok[:, None] & (offs_b[None, :] < D), other=0.0)
+    return qa, qb
+
+
+@triton.jit
 def _scores(qa, qb, ka, kb, scale, HAS_B: tl.constexpr, IEEE: tl.constexpr):
     s = _dot(qa, tl.trans(ka), IEEE)
     if HAS_B:
@@ -76,10 +87,7 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     offs_v, offs_n = tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
     m_ok = tok < n_new
     q_row = q_ptr + (start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-    qa = tl.load(q_row + offs_a[None, :], mask=m_ok[:, None] & (offs_a[None, :] < D), other=0.0)
-    qb = qa  # unused without HAS_B
-    if HAS_B:
-        qb = tl.load(q_row + offs_b[None, :], mask=m_ok[:, None] & (offs_b[None, :] < D), other=0.0)
+    qa, qb = _load_q(q_row, m_ok, offs_a, offs_b, D, HAS_B)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
@@ -144,10 +152,7 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     g_ok = offs_g < GROUP
     heads = kh * GROUP + offs_g
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    qa = tl.load(q_row + offs_a[None, :], mask=g_ok[:, None] & (offs_a[None, :] < D), other=0.0)
-    qb = qa  # unused without HAS_B
-    if HAS_B:
-        qb = tl.load(q_row + offs_b[None, :], mask=g_ok[:, None] & (offs_b[None, :] < D), other=0.0)
+    qa, qb = _load_q(q_row, g_ok, offs_a, offs_b, D, HAS_B)
     m_i = tl.full([G_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([G_BLOCK], tl.float32)
     acc = tl.zeros([G_BLOCK, DV_PAD], tl.float32)
