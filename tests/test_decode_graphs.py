@@ -38,8 +38,9 @@ def test_graphs_only_where_they_can_be_captured(tiny_dirs):
 
 @pytest.mark.parametrize("kernels,reads_host", [("triton", False), ("torch", True)])
 def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, kernels, reads_host):
-    """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value inside the step (the
-    torch reference does, which is why graphs need the Triton kernels)."""
+    """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value, or host values into a
+    tensor (a copy to the GPU), inside the step (the torch reference does, which is why graphs need the Triton
+    kernels)."""
     import sys
     from pathlib import Path
 
@@ -55,6 +56,13 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, ker
                 reads.append((_name, caller, sys._getframe(1).f_lineno))
             return _orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, spy)
+    for name in ("tensor", "as_tensor"):
+        def make(*a, _orig=getattr(torch, name), _name=name, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(root) and "/tests/" not in caller:
+                reads.append((_name, caller, sys._getframe(1).f_lineno))
+            return _orig(*a, **k)
+        monkeypatch.setattr(torch, name, make)
     with torch.inference_mode():
         graphs._step(4)
     monkeypatch.undo()
@@ -184,3 +192,22 @@ def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[False] == outs[True]
+
+
+def test_enforce_eager_reaches_every_engine():
+    """``--enforce-eager`` on ``engine``, ``serve`` and ``rollout`` ends in the engine's config and in the command
+    line the launcher gives each engine process."""
+    from dualpath.cli import build_parser, engine_config
+    from dualpath.launcher import ClusterSpec, LocalCluster
+
+    p = build_parser()
+    args = p.parse_args(["engine", "--role", "decode", "--model", "m", "--scheduler", "h:1", "--enforce-eager"])
+    assert engine_config(args).engine.enforce_eager
+    assert not engine_config(p.parse_args(["engine", "--role", "decode", "--model", "m", "--scheduler", "h:1"])
+                             ).engine.enforce_eager
+    for cmd in ("serve", "rollout"):
+        assert "--enforce-eager" in p._subparsers._group_actions[0].choices[cmd].format_help()
+    for eager in (True, False):
+        cluster = LocalCluster.__new__(LocalCluster)
+        cluster.spec, cluster.scheduler_address = ClusterSpec(model="m", enforce_eager=eager), "h:1"
+        assert ("--enforce-eager" in cluster._engine_args("decode", 0, 0)) == eager
