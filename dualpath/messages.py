@@ -148,6 +148,9 @@ class PullReply:
     assignments: dict[str, list[Assignment]]  # engine id -> new work
     cancelled: list[str] = field(default_factory=list)
     members: list[list[str]] = field(default_factory=list)  # the group: [engine id, control address], alive
+    # engines whose loads came in but which the scheduler does not count as alive (declared gone after a silence,
+    # or never registered with this scheduler): their work was re-queued or failed; they drop it and register
+    rejoin: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

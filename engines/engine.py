@@ -33,6 +33,7 @@ from traffic.storage import ReadAccounting, make_storage
 from traffic.transport import make_transport
 
 log = logging.getLogger(__name__)
+REJOIN = "rejoin: the scheduler counts this engine as gone"  # PushLoad's refusal that makes a member register again
 
 
 class Outbox:
@@ -92,6 +93,7 @@ class Engine:
         self.member_loads: list[EngineLoad] = []  # pushed by members, waiting for the leader's next pull
         self._peers: dict[str, Client] = {}
         self.unreachable: set[str] = set()  # members (or the leader) that stopped answering us
+        self._rejoin_members: set[str] = set()  # members the scheduler said must register again (leader only)
         self._report_event = threading.Event()
         self._lock = threading.Lock()
         self._read_bytes_reported = self._failures_reported = 0
@@ -263,6 +265,9 @@ class Engine:
                 return
         if reply.members:
             self.members = reply.members
+        self._rejoin_members.update(m for m in reply.rejoin if m != self.engine_id)
+        if self.engine_id in reply.rejoin:
+            self._rejoin()
         self._apply(reply)
         addresses = dict((m[0], m[1]) for m in self.members)
         for eid, work in reply.assignments.items():
@@ -293,18 +298,41 @@ class Engine:
             try:
                 if address is None:
                     raise RpcError(f"leader {leader} unknown")
-                self._peer(address).call("PushLoad", load, timeout=5)
-                self._delivered(marks)
+                ack = self._peer(address).call("PushLoad", load, timeout=5)
             except RpcError as e:
                 self.outbox.put_back(marks["items"])
                 log.warning("group leader %s unreachable (%s); the next member leads", leader, e)
                 self.members = [m for m in self.members if m[0] != leader]
                 self.unreachable.add(leader)
+                return
+            if ack.ok:
+                self._delivered(marks)
+            else:  # refused: the report goes again after registering
+                self.outbox.put_back(marks["items"])
+        if ack.error == REJOIN:
+            self._rejoin()
 
     def PushLoad(self, load: EngineLoad, ctx) -> Ack:
+        """A member's load for the leader's next pull; a member the scheduler no longer counts is told to rejoin."""
         with self._lock:
+            if load.engine_id in self._rejoin_members:
+                self._rejoin_members.discard(load.engine_id)
+                return Ack(False, REJOIN)
             self.member_loads.append(load)
         return Ack()
+
+    def _rejoin(self) -> None:
+        """The scheduler declared this engine gone (silent past its heartbeat timeout) and already re-queued or
+        failed its work: drop that work and register again, rather than idle forever."""
+        held = list(self.held())
+        log.warning("the scheduler counts engine %s as gone: dropping %d requests and registering again",
+                    self.engine_id, len(held))
+        for work_id in held:
+            self.on_cancel(work_id, "the scheduler declared this engine gone")
+        try:
+            self.register(timeout=10)
+        except DualPathError as e:  # the next pull asks again
+            log.error("registering again failed: %s", e)
 
     def _apply(self, reply: PullReply) -> None:
         for w in reply.cancelled:

@@ -7,8 +7,8 @@ the host only fills two static input buffers. Prefill is never captured: its per
 KV arriving from storage or peers.
 
 Invariants the captured step relies on:
-- no host work depends on the batch: cached lengths are a device tensor (a decode token's position is its
-  sequence's cached length), and attention splits cover the static block table's capacity;
+- no host work depends on the batch: cached lengths are a device tensor (``CausalLM.begin_decode``), and
+  attention splits cover the static block table's capacity;
 - the model has none either (``CausalLM.graph_safe``: MoE dispatch asks the host which experts to run);
 - padding rows repeat row 0 (token, position, block table, slot) and write row 0's own KV row to row 0's slot,
   so they change nothing that row 0 does not;
@@ -96,11 +96,11 @@ class DecodeGraphs:
         """The captured step: reads only the static buffers, writes the KV and ``self.logits``."""
         m, cache = self.model, self.cache
         tokens, positions, slots, source = self.inputs[:, :size]
-        ctx = m.begin_at(positions, (1,) * size)
-        lens = positions.to(torch.int32)
+        ctx = m.begin_decode(positions)
         hidden = m.embed(tokens)
         for layer in range(m.config.num_layers):
-            hidden, kv = m.forward_layer(layer, hidden, ctx, PagedKV(cache.layers[layer], self.tables[:size], lens))
+            paged = PagedKV(cache.layers[layer], self.tables[:size], ctx.cached_lens)
+            hidden, kv = m.forward_layer(layer, hidden, ctx, paged)
             cache.write(layer, slots, kv.index_select(0, source))
         self.logits[:size].copy_(m.compute_logits(hidden))
 

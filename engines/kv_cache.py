@@ -56,17 +56,18 @@ class PagedKVCache:
     def block_table(self, seq: Hashable) -> list[int]:
         return self._tables[seq]
 
-    def slots(self, seq: Hashable, start: int, n: int) -> torch.Tensor:
-        """Flat slot indices (``block × block_size + offset``) of token positions ``[start, start + n)``."""
-        bs = self.geometry.block_size
-        table = torch.tensor(self._tables[seq], dtype=torch.long)
-        pos = torch.arange(start, start + n)
-        return (table[pos // bs] * bs + pos % bs).to(self.device)
-
-    def slot(self, seq: Hashable, pos: int) -> int:
-        """The flat slot of one token position, computed on the host."""
-        bs = self.geometry.block_size
-        return self._tables[seq][pos // bs] * bs + pos % bs
+    def slots(self, seq: Hashable, start: int, n: int) -> list[int]:
+        """Flat slot indices (``block × block_size + offset``) of token positions ``[start, start + n)``, on the
+        host: callers gather a batch's slots and copy them to the device once."""
+        bs, table, out = self.geometry.block_size, self._tables[seq], []
+        pos, end = start, start + n
+        while pos < end:
+            block, offset = divmod(pos, bs)
+            take = min(bs - offset, end - pos)
+            first = table[block] * bs + offset
+            out.extend(range(first, first + take))
+            pos += take
+        return out
 
     def block_tables(self, seqs: list[Hashable]) -> torch.Tensor:
         """Block tables of ``seqs`` as one ``[B, max_blocks]`` tensor, short rows padded with block 0."""

@@ -37,14 +37,16 @@ class ModelRunner:
             if self.graphs.fits(len(seqs), max(map(len, tables))):
                 return self._decode_graph(seqs, tables)
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
-        device = self.cache.device
-        ids = [t for s, n in zip(seqs, new_lens) for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        slots = torch.cat([self.cache.slots(s.seq_id, s.num_computed, n) for s, n in zip(seqs, new_lens)])
+        ids, slots = [], []
+        for s, n in zip(seqs, new_lens):
+            ids += s.token_ids[s.num_computed:s.num_computed + n]
+            slots += self.cache.slots(s.seq_id, s.num_computed, n)
+        ids, slots = torch.tensor([ids, slots]).to(self.cache.device)  # one copy; none in the layer loop
         tables = self.cache.block_tables([s.seq_id for s in seqs])
         ctx = self.model.begin(batch)
-        hidden = self.model.embed(torch.tensor(ids, device=device))
+        hidden = self.model.embed(ids)
         for layer in range(self.model.config.num_layers):
-            cached = PagedKV(self.cache.layers[layer], tables, list(batch.cached_lens))
+            cached = PagedKV(self.cache.layers[layer], tables, ctx.cached_lens)
             hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
             self.cache.write(layer, slots, kv)
         for s, n in zip(seqs, new_lens):
@@ -54,7 +56,7 @@ class ModelRunner:
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
         positions = [s.num_computed for s in seqs]
         tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
-        slots = [self.cache.slot(s.seq_id, p) for s, p in zip(seqs, positions)]
+        slots = [self.cache.slots(s.seq_id, p, 1)[0] for s, p in zip(seqs, positions)]
         logits = self.graphs.run(tokens, positions, slots, tables)
         for s in seqs:
             s.num_computed += 1

@@ -157,11 +157,12 @@ class PrefillEngine(Engine):
         counts = [g.num_blocks(c) for c, _ in items]
         firsts = [sum(counts[:i]) for i in range(len(items))]
         layer_kv = torch.randn(max(sum(counts), 1), *g.layer_block_shape, dtype=self.dtype, device=self.device)
-        cached = PagedKV(layer_kv * 0.1, consecutive_tables(firsts, counts, self.device), [c for c, _ in items])
+        tables = consecutive_tables(firsts, counts, self.device)
         ids = torch.randint(0, self.model_config.vocab_size, (sum(n for _, n in items),), device=self.device)
         batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
         t = time.perf_counter()
         ctx = self.model.begin(batch)
+        cached = PagedKV(layer_kv * 0.1, tables, ctx.cached_lens)
         h = self.model.embed(ids)
         for layer in range(self.model_config.num_layers):
             h, _ = self.model.forward_layer(layer, h, ctx, cached)
@@ -359,7 +360,7 @@ class PrefillEngine(Engine):
             if not basic:
                 pipe.wait_layer(layer)
             self.copies.before_compute(layer)
-            paged = PagedKV(ws.tensor[layer % ws.slots], tables, cached)
+            paged = PagedKV(ws.tensor[layer % ws.slots], tables, ctx.cached_lens)
             hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
             off = 0
             for i, n in enumerate(new):

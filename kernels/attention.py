@@ -141,14 +141,17 @@ def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float) -> 
 
 
 def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
-                     new_lens: Sequence[int], scale: float, backend: str = "torch") -> torch.Tensor:
+                     new_lens: Sequence[int], scale: float, backend: str = "torch",
+                     cu_new: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for packed new tokens over per-sequence cached rows.
 
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
-    Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged.
+    Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged, and with
+    ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
+    nothing between host and device.
     """
     if backend == "triton":
-        return _triton(q, new_rows, cached, split, new_lens, scale)
+        return _triton(q, new_rows, cached, split, new_lens, scale, cu_new)
     if isinstance(cached, PagedKV):
         cached = cached.on_host()
     if len(new_lens) > 1 and all(n == 1 for n in new_lens):
@@ -164,15 +167,15 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float):
+def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float, cu_new):
     from kernels import triton_attention as ta
 
     if not isinstance(cached, PagedKV):
         raise ValueError("the triton kernels read a paged cache: pass cached KV as PagedKV")
     if all(n == 1 for n in new_lens):
         return ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, layout, scale)
-    cached = cached.on_host()
-    return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale)
+    return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,
+                                cu_new=cu_new)
 
 
 def gqa_split(num_kv_heads: int, head_dim: int) -> RowLayout:
@@ -187,15 +190,15 @@ def mla_split(kv_lora_rank: int, row_width: int) -> RowLayout:
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows,
                   new_lens: Sequence[int], w_uk: torch.Tensor, w_uv: torch.Tensor, kv_lora_rank: int,
-                  scale: float, backend: str = "torch") -> torch.Tensor:
+                  scale: float, backend: str = "torch", cu_new: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head latent attention in absorbed form over the cached latent.
 
     A row ``[c_kv (kv_lora_rank) | k_pe (rope dim)]`` is the single shared key (queries are
     ``[q_nope · W_UK | q_pe]``) and its latent the shared value, mapped back per head by ``W_UV``.
     q_nope ``[T, H, dn]``, q_pe ``[T, H, dr]``, new_rows ``[T, R + dr]``, w_uk ``[H, dn, R]``, w_uv ``[H, dv, R]``.
-    Returns ``[T, H, dv]``.
+    Returns ``[T, H, dv]``. ``backend`` and ``cu_new`` as in ``varlen_attention``.
     """
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
     out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, new_rows.shape[-1]), new_lens, scale,
-                               backend)
+                               backend, cu_new)
     return torch.einsum("thr,hvr->thv", out_lat, w_uv)

@@ -216,6 +216,12 @@ def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+def _device_lens(cached_lens: Sequence[int] | torch.Tensor, dev: torch.device) -> torch.Tensor:
+    if isinstance(cached_lens, torch.Tensor):
+        return cached_lens.to(torch.int32)
+    return torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
+
+
 def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dict) -> dict:
     """Constexprs every attention kernel takes. A key of D columns is multiplied in two tiles, the largest power
     of two ``DA`` <= D and the rest (MLA's 576 = 512 + 64, not one 1024-wide tile); a value that is the key's
@@ -231,19 +237,21 @@ def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dic
 
 
 def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                      cached_lens: Sequence[int], new_lens: Sequence[int], layout: RowLayout, scale: float,
-                      block_m: int = 32, block_n: int = 32, out: torch.Tensor | None = None,
-                      **launch) -> torch.Tensor:
+                      cached_lens: Sequence[int] | torch.Tensor, new_lens: Sequence[int], layout: RowLayout,
+                      scale: float, block_m: int = 32, block_n: int = 32, out: torch.Tensor | None = None,
+                      cu_new: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """Causal attention of packed new tokens ``q [T, Hq, D]`` over each sequence's cached tokens (paged) and its
     own new rows. Returns ``[T, Hq, Dv]`` in q's dtype (into ``out`` if given). ``launch``: Triton launch options
-    (``num_warps``, ``num_stages``)."""
+    (``num_warps``, ``num_stages``). ``cached_lens`` as a device tensor and ``cu_new`` (the new lengths' prefix
+    sums, int32 on q's device) spare the host-to-device copies a layer loop should not make."""
     t, hq, _ = q.shape
     dev = q.device
     out = q.new_empty(t, hq, layout.v_dim) if out is None else out
     if t == 0:
         return out
-    cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev)
-    lens = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev) if cu_new is None \
+        else cu_new
+    lens = _device_lens(cached_lens, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
     grid = (triton.cdiv(max(new_lens) * group, block_m), len(new_lens), layout.num_kv_heads)
@@ -271,10 +279,8 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     if b == 0:
         return out
     split_tokens = max(block_n, split_tokens // block_n * block_n)
-    if isinstance(cached_lens, torch.Tensor):
-        lens, longest = cached_lens.to(torch.int32), block_tables.shape[1] * cache.shape[1]
-    else:
-        lens, longest = torch.as_tensor(list(cached_lens), dtype=torch.int32, device=dev), max(cached_lens)
+    lens = _device_lens(cached_lens, dev)
+    longest = block_tables.shape[1] * cache.shape[1] if isinstance(cached_lens, torch.Tensor) else max(cached_lens)
     splits = triton.cdiv(longest + 1, split_tokens)
     part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)

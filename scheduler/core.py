@@ -227,6 +227,8 @@ class SchedulerCore:
                 self.index.rebuild(root, fp)
             except OSError as e:
                 log.warning("cannot rebuild the block index from %s: %s", root, e)
+            with self.lock:  # the engine cannot report before it has this reply: its silence starts now
+                rec.last_seen = self.clock()
         log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id,
                  rec.group)
         return RegisterReply(True, members=members)
@@ -389,20 +391,22 @@ class SchedulerCore:
                 e = self.engines.get(eid)
                 if e is not None and e.alive and e.group == group_id and eid != sender:
                     self._engine_gone(eid, f"unreachable from {sender}")
+            rejoin = []
             if loads:
                 self._index_reports(loads)
                 for load in loads:
                     self._absorb(load)
+                rejoin = [load.engine_id for load in loads if not self._alive(load.engine_id)]
             group, pulling, members = self._view(group_id)
             if not group:
-                return PullReply({})
+                return PullReply({}, rejoin=rejoin)
             cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] \
                 if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
                 self._assign_decode(group_id, group, pulling)
-                return PullReply({}, cancelled, list(members))
-            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members))
+                return PullReply({}, cancelled, list(members), rejoin)
+            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin)
 
     def _view(self, group_id: str) -> tuple[list[EngineRecord], set[str], list[list[str]]]:
         """A group's alive engines, their ids and ``members()``, cached until an engine joins or leaves (every

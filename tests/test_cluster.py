@@ -272,3 +272,32 @@ def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_p
             assert got.token_ids == want
         assert client.stats()["pulls_by_sender"].get("prefill-1", 0) > 0  # the next member leads
         client.close()
+
+
+def test_engines_declared_gone_after_a_pause_rejoin_and_serve(tiny_dirs, tmp_path, reference):
+    """A paused process (SIGSTOP; in production a swap storm or a long GC) misses its heartbeats and is declared
+    gone; when it resumes it registers again instead of idling unseen. Both ways back: a group member, told by
+    its leader, and the leader, told by the scheduler."""
+    import signal
+
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, engines_per_node=2,
+             heartbeat_timeout_s=2.0)
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        for name, seed in (("prefill-1", 710), ("prefill-0", 720)):
+            proc = c.child(name).proc
+            proc.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 30
+            while client.stats()["engines_alive_by_role"].get("prefill") == 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            # (with the leader paused its member goes quiet too: its pushes wait out their timeout)
+            assert client.stats()["engines_alive_by_role"]["prefill"] < 2, f"{name} was never declared gone"
+            proc.send_signal(signal.SIGCONT)
+            while client.stats()["engines_alive_by_role"]["prefill"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.stats()["engines_alive_by_role"]["prefill"] == 2, f"{name} did not rejoin"
+            for prompt, got, want in run_conversation(client, reference, seed=seed, turns=2, mode="pe"):
+                assert got.token_ids == want
+        logs = {n: (tmp_path / "run" / f"{n}.log").read_text() for n in ("prefill-0", "prefill-1")}
+        assert all("registering again" in text for text in logs.values())
+        client.close()

@@ -14,6 +14,7 @@ from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine, ModelRunner
 from engines.models import load_model
 from engines.sequence import Sequence
+from host_transfers import host_transfers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 16
@@ -41,31 +42,11 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, ker
     """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value, or host values into a
     tensor (a copy to the GPU), inside the step (the torch reference does, which is why graphs need the Triton
     kernels)."""
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[1])
     model = load_model(tiny_dirs["llama"], "cpu", kernels=kernels)
     cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, "cpu")
     graphs = DecodeGraphs(model, cache, 8, 100, capture=False)
-    reads = []
-    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-        def spy(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(root) and "/tests/" not in caller:
-                reads.append((_name, caller, sys._getframe(1).f_lineno))
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, spy)
-    for name in ("tensor", "as_tensor"):
-        def make(*a, _orig=getattr(torch, name), _name=name, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(root) and "/tests/" not in caller:
-                reads.append((_name, caller, sys._getframe(1).f_lineno))
-            return _orig(*a, **k)
-        monkeypatch.setattr(torch, name, make)
-    with torch.inference_mode():
+    with torch.inference_mode(), host_transfers() as reads:
         graphs._step(4)
-    monkeypatch.undo()
     assert bool(reads) == reads_host, reads
 
 

@@ -174,3 +174,35 @@ def test_idle_for_says_when_a_pull_could_take_work():
     assert not core.idle_for("pg") and core.idle_for("dg")
     assert pull(core, engines, "pg").assignments
     assert core.idle_for("pg") and core.idle_for("dg")
+
+
+def test_an_engine_declared_gone_is_told_to_rejoin_and_serves_again():
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0)
+    core.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
+    clock.t += 0.5
+    for g in ["p1", "d0", "d1", "d2"]:  # p0 is silent (a long pause: a stopped process, a swap storm)
+        assert pull(core, engines, g).rejoin == []
+    clock.t += 0.8
+    core.expire()
+    assert not core.engines["p0"].alive
+    reply = pull(core, engines, "p0")  # it wakes up and pulls as if nothing happened
+    assert reply.rejoin == ["p0"] and reply.assignments == {}
+    assert core.register(engines["p0"].info).ok
+    assert core.engines["p0"].alive and pull(core, engines, "p0").rejoin == []
+
+
+def test_an_index_rebuild_at_first_registration_does_not_count_as_silence():
+    """The first registration rebuilds the block index from storage (seconds on a large store): the engine waits
+    for its reply meanwhile, so its heartbeat clock starts when the reply goes out."""
+    clock = Clock()
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=2.0), make_policy("dualpath"),
+                         clock)
+
+    def slow_rebuild(*a):
+        clock.t += 5.0
+    core.index.rebuild = slow_rebuild
+    assert core.register(info("p0", Role.PREFILL, "n0")).ok
+    core.expire()
+    assert core.engines["p0"].alive

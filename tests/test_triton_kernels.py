@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_kv  # noqa: E402
-from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention, mla_split,  # noqa: E402
+from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
                                varlen_attention)
 from kernels.kv_move import gather_blocks, scatter_blocks  # noqa: E402
 
@@ -170,3 +170,39 @@ def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
         assert llm.model.kernels == kernels
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkeypatch, arch):
+    """On the Triton kernels a layer reads its batch's lengths from the forward context (one copy per forward),
+    so the host never waits for the device inside the layer loop: checked for a chunked prefill over a cached
+    part and for a decode step. DeepSeek-V3's MoE dispatch is the one exception (it asks which experts run)."""
+    from dualpath.geometry import KVGeometry
+    from dualpath.sampling_params import SamplingParams
+    from engines.kv_cache import PagedKVCache
+    from engines.local import ModelRunner
+    from engines.models import load_model
+    from engines.sequence import Sequence
+    from host_transfers import host_transfers
+
+    model = load_model(tiny_dirs[arch], DEVICE, kernels="triton")
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
+    seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for i, n in enumerate((20, 7))]
+    for s in seqs:
+        cache.reserve(s.seq_id, s.num_tokens + 1)
+    runner = ModelRunner(model, cache)
+    runner.forward(seqs, [5, 3])  # cached parts for the next forward
+    layers = model.forward_layer
+    inside = []
+
+    def layer(*a, **k):
+        with host_transfers() as seen:
+            out = layers(*a, **k)
+        inside.extend(seen)
+        return out
+
+    monkeypatch.setattr(model, "forward_layer", layer)
+    runner.forward(seqs, [15, 3])  # prefill over cached tokens
+    runner.forward(seqs[1:], [1])  # decode
+    expected = [] if arch == "llama" else [x for x in inside if x[1].endswith("kernels/moe.py")]
+    assert inside == expected and (arch == "llama" or expected), inside

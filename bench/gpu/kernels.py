@@ -232,7 +232,7 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
             h = model.embed(ids)
             for layer in range(c.num_layers):
                 before(layer)
-                h, _ = model.forward_layer(layer, h, ctx_, PagedKV(kv_of_layer(layer), table, [ctx]))
+                h, _ = model.forward_layer(layer, h, ctx_, PagedKV(kv_of_layer(layer), table, ctx_.cached_lens))
                 after(layer)
             return model.compute_logits(h[-1:])
 

@@ -6,6 +6,7 @@ Models hold no KV and no per-request state; the caller owns where KV comes from 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from abc import ABC, abstractmethod
@@ -57,12 +58,15 @@ class ForwardBatch:
 
 @dataclass
 class ForwardContext:
-    """Per-batch values every layer shares (computed once in ``begin``): each sequence's number of new tokens and
-    the rotary cos/sin of every new token."""
+    """Per-batch values every layer shares, computed once in ``begin`` so that no layer copies anything between
+    host and device: each sequence's number of new tokens, the rotary cos/sin of every new token, and on the
+    device each sequence's cached length and the prefix sums of the new lengths (where its new tokens start)."""
 
     new_lens: tuple[int, ...]
     cos: torch.Tensor
     sin: torch.Tensor
+    cached_lens: torch.Tensor  # [B] int32
+    cu_new: torch.Tensor  # [B + 1] int32
 
 
 @dataclass(frozen=True)
@@ -100,12 +104,22 @@ class CausalLM(nn.Module, ABC):
 
     # --- forward -----------------------------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> ForwardContext:
-        return self.begin_at(torch.tensor(batch.positions(), device=self.embed_tokens.device), batch.new_lens)
+        """The batch's shared values; its integers reach the device in one copy."""
+        t, b = batch.num_tokens, len(batch.new_lens)
+        ints = batch.positions() + list(batch.cached_lens) + [0, *itertools.accumulate(batch.new_lens)]
+        dev = torch.tensor(ints, dtype=torch.int32).to(self.embed_tokens.device)
+        return self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:])
 
-    def begin_at(self, positions: torch.Tensor, new_lens: tuple[int, ...]) -> ForwardContext:
-        """``begin`` for positions already on the device (a CUDA graph's static input): no host work."""
+    def begin_decode(self, positions: torch.Tensor) -> ForwardContext:
+        """``begin`` for one new token per sequence at ``positions`` already on the device (a CUDA graph's static
+        input): no host work. A decode token's position is its sequence's cached length."""
+        n = positions.shape[0]
+        cu = torch.arange(n + 1, dtype=torch.int32, device=positions.device)
+        return self._context(positions, (1,) * n, positions.to(torch.int32), cu)
+
+    def _context(self, positions, new_lens, cached_lens, cu_new) -> ForwardContext:
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_attention_factor, self.embed_tokens.dtype)
-        return ForwardContext(new_lens, cos, sin)
+        return ForwardContext(tuple(new_lens), cos, sin, cached_lens, cu_new)
 
     @property
     def graph_safe(self) -> bool:

@@ -93,7 +93,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         new_kv = torch.cat([latent, k_pe.view(t, -1)], dim=1)
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
-                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels)
+                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new)
         return linear(out.reshape(t, -1), w.o_w), new_kv
 
     def _moe(self, w: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ class LlamaForCausalLM(CausalLM):
         q = apply_rope(q, ctx.cos, ctx.sin)
         k = apply_rope(k, ctx.cos, ctx.sin)
         new_kv = torch.cat([k.reshape(t, hk * d), v.reshape(t, hk * d)], dim=1)
-        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, self.kernels)
+        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, self.kernels, ctx.cu_new)
         hidden = hidden + linear(attn.reshape(t, -1), w.o_w, w.o_b)
         x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
         gate, up = linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
