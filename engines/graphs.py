@@ -7,8 +7,8 @@ the host only fills two static input buffers. Prefill is never captured: its per
 KV arriving from storage or peers.
 
 Invariants the captured step relies on:
-- no host work depends on the batch: cached lengths are a device tensor (``CausalLM.begin_decode``), and
-  attention splits cover the static block table's capacity;
+- no host work depends on the batch: cached lengths are a device tensor (``CausalLM.begin_decode``), and decode
+  attention sizes its splits on the device (its grid depends on the batch size only);
 - the model has none either (``CausalLM.graph_safe``: MoE dispatch asks the host which experts to run);
 - padding rows repeat row 0 (token, position, block table, slot) and write row 0's own KV row to row 0's slot,
   so they change nothing that row 0 does not;

@@ -10,6 +10,7 @@ Softmax is computed online in float32; inputs stay in their dtype (bfloat16 prod
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Sequence
@@ -127,22 +128,34 @@ def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _chunk(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a sequence of ``total`` keys: an equal share of ``NUM_SPLITS`` splits, at least
+    ``MIN_CHUNK`` (short sequences use fewer splits, whose partial outputs cost more than they save), a whole
+    number of ``BLOCK_N`` tiles. Known only on the device, so one grid serves every length (a CUDA graph's)."""
+    share = tl.maximum((total + NUM_SPLITS - 1) // NUM_SPLITS, MIN_CHUNK)
+    return (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, scale,
                          stride_qb, stride_qh, stride_nb, stride_cb, stride_cs, stride_tb,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
                          HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
                          DA: tl.constexpr, DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr,
-                         V_OFF: tl.constexpr, DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr, SPLIT: tl.constexpr,
+                         V_OFF: tl.constexpr, DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One program: one sequence, ``G_BLOCK`` query heads of one KV head (all of a GQA group; MLA's 128 heads
-    in blocks, whose programs run side by side and share the tiles through L2), keys [s × SPLIT, (s + 1) × SPLIT).
-    Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the partial output and
-    its log-sum-exp; a split past the sequence's end writes nothing (the reduce never reads it)."""
+    in blocks, whose programs run side by side and share the tiles through L2), and split ``sp`` of the sequence's
+    keys (``_chunk``). Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the
+    partial output and its log-sum-exp; a split past the sequence's end writes nothing (the reduce never reads
+    it)."""
     hg, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_cached = tl.load(cached_lens_ptr + b)
     total = n_cached + 1
-    lo = sp * SPLIT
+    chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    lo = sp * chunk
     if lo >= total:
         return
     kh = hg // HEAD_BLOCKS
@@ -159,7 +172,7 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     col_a, col_b, col_v = kh * D + offs_a, kh * D + offs_b, V_OFF + kh * DV + offs_v
     mask_a, mask_b, mask_v = offs_a < D, offs_b < D, offs_v < DV
     new_row = new_ptr + b.to(tl.int64) * stride_nb
-    hi = tl.minimum(lo + SPLIT, total)
+    hi = tl.minimum(lo + chunk, total)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         in_cache, is_new = pos < n_cached, pos == n_cached
@@ -186,13 +199,16 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
 
 @triton.jit
 def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
-                          stride_lh, stride_ob, stride_oh, SPLIT: tl.constexpr, S_BLOCK: tl.constexpr,
+                          stride_lh, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                          BLOCK_N: tl.constexpr, S_BLOCK: tl.constexpr,
                           DV: tl.constexpr, DV_PAD: tl.constexpr):
     """One program per (sequence, head): the splits that hold its keys, weighted by exp(lse - max). Splits past the
     sequence's end are never read, so a grid sized for the longest possible sequence (a CUDA graph's) costs the
     reduce nothing; split 0 always holds the new token, so the max is finite."""
     b, h = tl.program_id(0), tl.program_id(1)
-    n_splits = (tl.load(cached_lens_ptr + b) + SPLIT) // SPLIT  # cdiv(cached + 1, SPLIT)
+    total = tl.load(cached_lens_ptr + b) + 1
+    chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    n_splits = (total + chunk - 1) // chunk
     offs_s, offs_v = tl.arange(0, S_BLOCK), tl.arange(0, DV_PAD)
     lse_row = lse_ptr + b * stride_lb + h * stride_lh
     m_s = tl.full([S_BLOCK], float("-inf"), tl.float32)
@@ -264,38 +280,46 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
 
 def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      cached_lens: Sequence[int] | torch.Tensor, layout: RowLayout, scale: float,
-                     split_tokens: int = 1024, block_n: int = 32, head_block: int = 16,
+                     num_splits: int | None = None, min_chunk: int = 256, block_n: int = 32, head_block: int = 16,
                      out: torch.Tensor | None = None, **launch) -> torch.Tensor:
-    """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself, split along the
-    sequence in ``split_tokens`` pieces run in parallel and then reduced; a program takes up to ``head_block``
-    query heads of one KV head. Returns ``[B, Hq, Dv]``.
+    """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself. Each sequence's
+    keys are cut into up to ``num_splits`` pieces of at least ``min_chunk`` keys, run in parallel, then reduced; a
+    program takes up to ``head_block`` query heads of one KV head. Returns ``[B, Hq, Dv]``.
 
-    ``cached_lens`` as a device tensor (int32) makes the call free of host work that depends on the lengths, as a
-    CUDA graph needs: the splits then cover the block tables' capacity, and splits past a sequence's end exit at
-    once."""
+    The grid does not depend on the lengths (a split's range is worked out on the device), so with
+    ``cached_lens`` as a device tensor (int32) the call has no host work that depends on them, as a CUDA graph
+    needs. ``num_splits`` None: enough programs for ~32 per streaming multiprocessor, at most 64 splits."""
     b, hq, _ = q.shape
     dev = q.device
     out = q.new_empty(b, hq, layout.v_dim) if out is None else out
     if b == 0:
         return out
-    split_tokens = max(block_n, split_tokens // block_n * block_n)
     lens = _device_lens(cached_lens, dev)
-    longest = block_tables.shape[1] * cache.shape[1] if isinstance(cached_lens, torch.Tensor) else max(cached_lens)
-    splits = triton.cdiv(longest + 1, split_tokens)
-    part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
-    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
-    q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
     g_block = min(_pad(group), max(16, head_block))
     head_blocks = triton.cdiv(group, g_block)
+    per_split = b * layout.num_kv_heads * head_blocks
+    splits = num_splits or min(64, triton.next_power_of_2(triton.cdiv(32 * _multiprocessors(dev), per_split)))
+    part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
+    q, new_rows = q.contiguous(), new_rows.contiguous()
     common = _common(cache, layout, q, launch)
+    chunking = dict(NUM_SPLITS=splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n)
     _decode_split_kernel[(layout.num_kv_heads * head_blocks, b, splits)](
         q, new_rows, cache, block_tables, lens, part, lse, scale,
         q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, SPLIT=split_tokens, BLOCK_N=block_n, **common)
+        GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, **chunking, **common)
     _decode_reduce_kernel[(b, hq)](part, lse, lens, out, part.stride(0), part.stride(1), part.stride(2),
-                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), SPLIT=split_tokens,
+                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), **chunking,
                                    S_BLOCK=min(16, triton.next_power_of_2(splits)), DV=layout.v_dim,
                                    DV_PAD=common["DV_PAD"], num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(dev: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (an H100/H200's 132 elsewhere, so CPU runs size like one)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 132

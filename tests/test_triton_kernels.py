@@ -78,19 +78,19 @@ def test_prefill_kernel_against_float64(dtype, heads, case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2, 16), (6, 6, 24)])
 def test_decode_kernel_splits_long_and_short_sequences(dtype, heads):
-    cached_lens = [0, 1, 15, 16, 17, 100]  # split 32 tokens: sequences of 1 to 4 splits in one batch
+    cached_lens = [0, 1, 15, 16, 17, 100]  # 4 splits of at least 16 keys: sequences of 1 to 4 splits in one batch
     b = len(cached_lens)
     layout, cached, q, new_rows, out = gqa_inputs(heads, cached_lens, b, dtype)
     ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, layout, 0.3,
-                        split_tokens=32, block_n=16, out=out)
+                        num_splits=4, min_chunk=16, block_n=16, out=out)
     assert rel_err(out, reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_with_device_lengths_over_wide_tables(dtype):
     """A CUDA graph's call: lengths as a device tensor, tables 30 blocks wide whose unused columns hold other
-    sequences' blocks, 31 splits sized by that capacity (the reduce reads each sequence's own splits in two
-    chunks of 16; the longest sequence spans 19)."""
+    sequences' blocks, 32 splits of at least one 16-key tile (the longest sequence spans 19: the reduce reads
+    them in two chunks of 16; the empty one uses one split, the others exit)."""
     cached_lens = [0, 15, 16, 17, 300, 47]
     b, width = len(cached_lens), 30
     layout, cached, q, new_rows, out = gqa_inputs((4, 2, 16), cached_lens, b, dtype)
@@ -98,7 +98,8 @@ def test_decode_kernel_with_device_lengths_over_wide_tables(dtype):
     used = cached.block_tables.shape[1]
     wide = torch.cat([cached.block_tables, stale[:, used:]], 1)
     lens = torch.tensor(cached_lens, dtype=torch.int32, device=DEVICE)
-    ta.decode_attention(q, new_rows, cached.cache, wide, lens, layout, 0.3, split_tokens=16, block_n=16, out=out)
+    ta.decode_attention(q, new_rows, cached.cache, wide, lens, layout, 0.3, num_splits=32, min_chunk=1, block_n=16,
+                        out=out)
     assert rel_err(out, reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
     # the torch reference takes device lengths too (it reads them on the host)
     ref_dev = varlen_attention(q.double(), new_rows.double(), PagedKV(cached.cache.double(), wide, lens), layout,

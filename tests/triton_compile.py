@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import triton_attention as ta, triton_kv  # noqa: E402
 from kernels.attention import gqa_split, mla_split  # noqa: E402
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402  (the GPU bench's tuning sweep)
+
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
          torch.int64: "i64"}
 SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}  # bytes of shared memory a block may use, by compute capability
@@ -102,17 +105,16 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
         ("mla 128 heads 512+64 bf16", 128, mla_split(512, 576), bf16),
     ]
     prefill_cfgs = [dict()] + ([dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s) for bm, bn, w, s in
-                                ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 4, 3))]
-                               if all_configs else [])
-    decode_cfgs = [dict()] + ([dict(split_tokens=sp, block_n=bn, num_warps=w) for sp, bn, w in
-                               ((512, 32, 4), (1024, 64, 4), (2048, 64, 8), (1024, 128, 8))] if all_configs else [])
+                                PREFILL_CONFIGS] if all_configs else [])
+    decode_cfgs = [dict()] + ([dict(num_splits=sp, block_n=bn, num_warps=w) for sp, bn, w in DECODE_CONFIGS]
+                              if all_configs else [])
     for what, hq, layout, dtype in cases:
         row = layout.v_offset + layout.num_kv_heads * layout.v_dim if layout.v_offset else layout.k_dim
         cache = torch.zeros(8, 64, row, dtype=dtype)
         tables = torch.zeros(2, 4, dtype=torch.long)
         q = torch.zeros(3, hq, layout.k_dim, dtype=dtype)
         new = torch.zeros(3, row, dtype=dtype)
-        tuned = what.startswith("gqa")  # the bench tunes the GQA kernels; MLA runs the defaults
+        tuned = what.startswith("gqa") and dtype == bf16  # the bench tunes bfloat16 GQA; the rest run the defaults
         for cfg in prefill_cfgs if tuned else prefill_cfgs[:1]:
             ta.prefill_attention(q, new, cache, tables[:1], [100], [3], layout, 0.1, **cfg)
         for cfg in decode_cfgs if tuned else decode_cfgs[:1]:

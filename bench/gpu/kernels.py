@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(Path(__file__).resolve().parent)]
 from common import machine, print_table  # noqa: E402
+from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels.attention import PagedKV, gqa_split, varlen_attention  # noqa: E402
@@ -91,21 +92,21 @@ def bench_decode(p, dev, copy_bw: float) -> dict:
     new = torch.randn(b, 2 * hk * d, dtype=torch.bfloat16, device=dev)
     kv_bytes = b * ctx * 2 * hk * d * 2
     rows = []
-    for split, block_n, warps in ((512, 32, 4), (1024, 64, 4), (2048, 64, 8), (1024, 128, 8)):
-        split = min(split, max(32, ctx // 2))
-        run = lambda: ta.decode_attention(q, new, cached.cache, cached.block_tables, cached.lens, layout,  # noqa
-                                          0.088, split_tokens=split, block_n=block_n, num_warps=warps)
+    lens = torch.tensor(cached.lens, dtype=torch.int32, device=dev)  # on the device, as the engines pass them
+    for splits, block_n, warps in DECODE_CONFIGS:
+        run = lambda: ta.decode_attention(q, new, cached.cache, cached.block_tables, lens, layout,  # noqa
+                                          0.088, num_splits=splits, block_n=block_n, num_warps=warps)
         try:
             t = timed(run, dev, iters=10)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
-            rows.append({"split": split, "block_n": block_n, "warps": warps, "error": str(e)[:200]})
+            rows.append({"splits": splits, "block_n": block_n, "warps": warps, "error": str(e)[:200]})
             continue
-        rows.append({"split": split, "block_n": block_n, "warps": warps, "seconds": t,
+        rows.append({"splits": splits, "block_n": block_n, "warps": warps, "seconds": t,
                      "kv_bytes_per_s": kv_bytes / t, "vs_copy": kv_bytes / t / copy_bw})
     best = max((r for r in rows if "seconds" in r), key=lambda r: r["vs_copy"])
     two = PagedKV(cached.cache, cached.block_tables[:2], cached.lens[:2])
     out = ta.decode_attention(q[:2], new[:2], two.cache, two.block_tables, two.lens, layout, 0.088,
-                              split_tokens=best["split"], block_n=best["block_n"], num_warps=best["warps"])
+                              num_splits=best["splits"], block_n=best["block_n"], num_warps=best["warps"])
     ref = varlen_attention(q[:2].double(), new[:2].double(), PagedKV(two.cache.double(), two.block_tables,
                                                                      two.lens), layout, [1, 1], 0.088)
     return {"configs": rows, "best": best, "rel_err_vs_float64": rel_err(out, ref), "target_vs_copy": 0.70}
@@ -126,7 +127,7 @@ def bench_prefill(p, dev) -> dict:
                                                                     enable_gqa=True)
     t_sdpa = timed(sdpa, dev, iters=10)
     configs = []
-    for bm, bn, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 32, 4, 3)):
+    for bm, bn, warps, stages in PREFILL_CONFIGS:
         run = lambda: ta.prefill_attention(q, new, cached.cache, cached.block_tables, cached.lens, [n], layout,  # noqa
                                            0.088, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         try:
