@@ -113,7 +113,8 @@ class DecodeGraphs:
             self._step(size)  # warm-up: compiles the kernels, sets up cuBLAS
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: engine threads that touch CUDA meanwhile (transports, storage) do not void the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._step(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
