@@ -168,6 +168,7 @@ class SchedulerCore:
         self.config, self.policy, self.clock = config, policy, clock
         self.mode = Mode(config.mode)
         self.index = BlockIndex()
+        self.index_rebuild: threading.Thread | None = None  # lists storage after the first registration
         self.engines: dict[str, EngineRecord] = {}
         self.by_node: dict[str, list[EngineRecord]] = {}
         self.by_group: dict[str, list[EngineRecord]] = {}
@@ -222,16 +223,24 @@ class SchedulerCore:
             self.storage_read_bytes.setdefault(info.node_id, 0)
             members = self.members(rec.group)
         if first:
-            root = Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
-            try:
-                self.index.rebuild(root, fp)
-            except OSError as e:
-                log.warning("cannot rebuild the block index from %s: %s", root, e)
-            with self.lock:  # the engine cannot report before it has this reply: its silence starts now
-                rec.last_seen = self.clock()
+            self._rebuild_index(fp)
         log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id,
                  rec.group)
         return RegisterReply(True, members=members)
+
+    def _rebuild_index(self, fingerprint: bytes) -> None:
+        """List what storage holds for the cluster's model, on a thread of its own: the first engine's registration
+        (and every request) must not wait for minutes of directory listing on a large store. A block evicted while
+        the listing runs may come back as a stale entry; its load then fails and is recomputed, as any miss is."""
+        root = Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
+
+        def run():
+            try:
+                self.index.rebuild(root, fingerprint)
+            except OSError as e:
+                log.warning("cannot rebuild the block index from %s: %s", root, e)
+        self.index_rebuild = threading.Thread(target=run, name="index-rebuild", daemon=True)
+        self.index_rebuild.start()
 
     def members(self, group: str) -> list[list[str]]:
         return sorted([e.info.engine_id, e.info.control_address] for e in self.by_group.get(group, ()) if e.alive)

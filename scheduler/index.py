@@ -1,5 +1,6 @@
 """The scheduler's index of stored KV blocks: which block hashes storage holds, so a prompt's hit length is a
-lookup. Rebuilt from storage at start; kept current by engines' reports of what they store and evict.
+lookup. Rebuilt from storage at start (in the background: a large store takes minutes to list); kept current by
+engines' reports of what they store and evict.
 
 At the paper's scale it holds tens of millions of blocks (48K agents x ~500 blocks), and every submission asks
 about ~500 of them. A Python set pays one serialized cache miss per block (~0.1 ms per prompt at a million
@@ -51,17 +52,27 @@ class BlockIndex:
         self._lock = threading.Lock()
         self.lookups = self.hit_blocks_total = self.blocks_total = 0
 
-    def rebuild(self, root: Path, fingerprint: BlockHash) -> int:
+    def rebuild(self, root: Path, fingerprint: BlockHash, batch: int = 1 << 16) -> int:
+        """Add every block stored under ``root`` for the model ``fingerprint``, ``batch`` keys at a time (lookups
+        meanwhile see the ones added so far: fewer hits, never wrong ones), logging progress on large stores."""
         model_dir = Path(root) / fingerprint.hex()
         if not model_dir.is_dir():  # nothing stored yet (a scheduler that never rebuilds needs no torch)
             log.info("block index: nothing stored in %s yet", root)
             return 0
         from traffic.storage.fs import list_stored_keys  # imports torch
 
-        keys = list(list_stored_keys(model_dir))
-        self.add(keys)
-        log.info("block index: %d blocks found in %s", len(keys), root)
-        return len(keys)
+        found, pending = 0, []
+        for key in list_stored_keys(model_dir):
+            pending.append(key)
+            if len(pending) == batch:
+                self.add(pending)
+                found, pending = found + batch, []
+                if found % (16 * batch) == 0:
+                    log.info("block index: %d blocks so far from %s", found, root)
+        self.add(pending)
+        found += len(pending)
+        log.info("block index: %d blocks found in %s", found, root)
+        return found
 
     def add(self, keys: Iterable[BlockHash]) -> None:
         self.add_packed(b"".join(keys))

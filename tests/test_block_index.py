@@ -66,3 +66,20 @@ def test_many_deletions_do_not_fill_the_table():
         assert index.hit_blocks(b"".join(keys)) == 20
         index.remove(keys)
     assert len(index) == 0 and len(index._slots) <= 256  # deleted slots are reclaimed by a same-size rebuild
+
+
+def test_rebuild_lists_a_store_in_batches(tmp_path):
+    """Blocks stored as ``<root>/<fingerprint>/<hash[:2]>/<hash>.kv`` (other files ignored), added a batch at a
+    time."""
+    fp = bytes(range(16))
+    keys = chain(7, 3)
+    for k in keys:
+        d = tmp_path / fp.hex() / k.hex()[:2]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{k.hex()}.kv").write_bytes(b"x")
+    (tmp_path / fp.hex() / keys[0].hex()[:2] / "partial.tmp").write_bytes(b"")
+    index, added = BlockIndex(), []
+    index.add = lambda batch, _add=index.add: (added.append(len(list(batch))), _add(batch))
+    assert index.rebuild(tmp_path, fp, batch=3) == 7
+    assert added == [3, 3, 1] and index.hit_blocks(b"".join(keys)) == 7
+    assert BlockIndex().rebuild(tmp_path, bytes(16)) == 0  # another model: nothing
