@@ -1,9 +1,10 @@
 """DeepSeek-V3 mixture-of-experts routing and the routed-expert forward."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul
 
 
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int, topk_group: int,
@@ -28,13 +29,20 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num
     return weights * routed_scaling_factor, ids
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
-    """Sum over each token's chosen experts of ``weight × expert(x)``; only experts that were chosen run."""
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """Sum over each token's chosen experts of ``weight × expert(x)``, an expert being ``down(silu(gate(x)) × up(x))``
+    with stacked weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``. The torch
+    reference runs only the experts chosen (the host learns which); ``triton`` runs the fused kernels
+    (``kernels.triton_moe``), which never ask."""
+    if backend == "triton":
+        from kernels.triton_moe import fused_moe
+
+        return fused_moe(x, weights, ids, gate_up, down)
     out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    for expert in torch.unique(flat_ids).tolist():
+    for expert in torch.unique(ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(ids == expert)
-        y = experts[expert](x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
+        gate, up = F.linear(x[token_idx], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(silu_and_mul(gate, up), down[expert]) * weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import triton_attention as ta, triton_kv  # noqa: E402
+from kernels import triton_attention as ta, triton_kv, triton_moe  # noqa: E402
 from kernels.attention import gqa_split, mla_split  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
@@ -94,7 +94,8 @@ def ptxas_usage(ptx: str) -> dict:
 def recorded_launches(all_configs: bool) -> list[tuple]:
     """(kernel, args, kwargs, what) of every launch the wrappers make for the shapes below."""
     launches = []
-    kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel)
+    kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
+               triton_moe._moe_up_kernel, triton_moe._moe_down_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32 = torch.bfloat16, torch.float32
@@ -120,6 +121,11 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
         for cfg in decode_cfgs if tuned else decode_cfgs[:1]:
             ta.decode_attention(q[:2], new[:2], cache, tables, torch.tensor([5, 200], dtype=torch.int32), layout,
                                 0.1, **cfg)
+    what = "moe 7168/2048 top-8 bf16"  # DeepSeek-V3's expert shapes (8 of its 256 experts: the same kernels)
+    gate_up, down = torch.empty(8, 4096, 7168, dtype=bf16), torch.empty(8, 7168, 2048, dtype=bf16)
+    for t in (4, 512):  # a decode batch (16-row blocks) and a prefill chunk (64-row blocks)
+        ids = torch.arange(t * 8).reshape(t, 8) % 8
+        triton_moe.fused_moe(torch.zeros(t, 7168, dtype=bf16), torch.rand(t, 8), ids, gate_up, down)
     what = "block moves bf16"
     triton_kv.gather_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]))
     triton_kv.scatter_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]),

@@ -10,6 +10,7 @@
              >= 2x), and against ``LLM`` with eager decode steps and on the torch reference
   pipeline   prefill of 512 new tokens over 32K cached whose KV streams layer by layer from pinned host memory
              (LayerCopies, the engine's copy stream) against the same prefill with all KV on the device (<= 1.10x)
+  moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference (report only)
 
     python bench/gpu/kernels.py --out OUT.json [--only decode prefill] [--smoke]
 
@@ -263,7 +264,28 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
             "logits_rel_err_streamed_vs_resident": same, "target_ratio": 1.10}
 
 
-PARTS = ("copy", "decode", "prefill", "model", "pipeline")
+def bench_moe(p, dev, smoke: bool) -> dict:
+    """DeepSeek-V3's routed experts (hidden 7168, intermediate 2048, top-8; 64 of its 256 experts to bound memory):
+    the fused kernels against the torch reference's loop over chosen experts, a decode batch and a prefill chunk."""
+    from kernels.moe import routed_experts
+
+    h, inter, e, k = (64, 32, 8, 2) if smoke else (7168, 2048, 64, 8)
+    gate_up = torch.randn(e, 2 * inter, h, dtype=torch.bfloat16, device=dev) * 0.02
+    down = torch.randn(e, h, inter, dtype=torch.bfloat16, device=dev) * 0.02
+    rows = []
+    for t in (4, 16) if smoke else (64, 2048):
+        x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
+        ids = torch.rand(t, e, device=dev).topk(k, dim=1).indices
+        w = torch.rand(t, k, device=dev)
+        fused = lambda: routed_experts(x, w, ids, gate_up, down, backend="triton")  # noqa: E731
+        ref = lambda: routed_experts(x, w, ids, gate_up, down)  # noqa: E731
+        t_fused, t_ref = timed(fused, dev, iters=5), timed(ref, dev, iters=5)
+        rows.append({"tokens": t, "fused_seconds": t_fused, "reference_seconds": t_ref, "speedup": t_ref / t_fused,
+                     "rel_err_vs_reference": rel_err(fused(), ref().double())})
+    return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows}
+
+
+PARTS = ("copy", "decode", "prefill", "model", "pipeline", "moe")
 
 
 def main(argv=None) -> dict:
@@ -290,6 +312,8 @@ def main(argv=None) -> dict:
                 result[part] = bench_prefill(p, dev)
             elif part == "model":
                 result[part] = bench_model(p, dev, args.smoke, work)
+            elif part == "moe":
+                result[part] = bench_moe(p, dev, args.smoke)
             else:
                 result[part] = bench_pipeline(p, dev, args.smoke, work)
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
@@ -310,6 +334,8 @@ def main(argv=None) -> dict:
          "target": ">= 2.0"},
         {"what": "decode graphs ÷ eager", "value": result.get("model", {}).get("decode_graphs_vs_eager"),
          "target": "(report)"},
+        {"what": "MoE fused ÷ reference speed (decode)",
+         "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
         {"what": "streamed ÷ resident prefill", "value": result.get("pipeline", {}).get("ratio"),
          "target": "<= 1.10"},
     ]

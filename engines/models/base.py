@@ -72,11 +72,24 @@ class ForwardContext:
 @dataclass(frozen=True)
 class WeightSpec:
     """Our parameter ``param`` is built from checkpoint tensors ``sources`` (name, expected shape) by ``op``:
-    ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim)."""
+    ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim; item i is the
+    concatenation of sources ``i × per_item`` onwards, e.g. an expert's gate and up projections)."""
 
     param: str
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     op: str = "copy"
+    per_item: int = 1
+
+
+@torch.no_grad()
+def _assemble(spec: WeightSpec, parts: list[torch.Tensor], target: torch.Tensor) -> None:
+    """Fill ``target`` from checkpoint tensors; a stack is filled item by item (no second copy of all experts)."""
+    if spec.op == "stack":
+        for i in range(0, len(parts), spec.per_item):
+            item = parts[i:i + spec.per_item]
+            target[i // spec.per_item].copy_(item[0] if len(item) == 1 else torch.cat(item))
+        return
+    target.copy_(parts[0] if spec.op == "copy" else torch.cat(parts))
 
 
 def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -193,10 +206,7 @@ class CausalLM(nn.Module, ABC):
                 parts.append(ckpt.read_tensor(name))
             if len(parts) != len(spec.sources):
                 continue
-            value = parts[0] if spec.op == "copy" else torch.cat(parts) if spec.op == "cat" else torch.stack(parts)
-            target = self.get_parameter(spec.param)
-            with torch.no_grad():
-                target.copy_(value.to(target.dtype))
+            _assemble(spec, parts, self.get_parameter(spec.param))
         if problems:
             head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")

@@ -53,7 +53,9 @@ class MoE(nn.Module):
         e = c.moe
         self.router_w = param(e.num_experts, c.hidden_size, dtype=torch.float32)
         self.router_bias = param(e.num_experts, dtype=torch.float32)
-        self.experts = nn.ModuleList(DenseMLP(c.hidden_size, e.moe_intermediate_size) for _ in range(e.num_experts))
+        # routed experts stacked, so a fused kernel can index them by expert id: [E, 2I, H] (gate | up), [E, H, I]
+        self.experts_gate_up = param(e.num_experts, 2 * e.moe_intermediate_size, c.hidden_size)
+        self.experts_down = param(e.num_experts, c.hidden_size, e.moe_intermediate_size)
         self.shared = DenseMLP(c.hidden_size, e.moe_intermediate_size * e.num_shared_experts) \
             if e.num_shared_experts else None
 
@@ -100,7 +102,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         e = self.config.moe
         weights, ids = grouped_topk(linear(x.float(), w.router_w), w.router_bias, e.num_groups, e.topk_group,
                                     e.num_experts_per_tok, e.norm_topk_prob, e.routed_scaling_factor)
-        out = routed_experts(x, weights, ids, w.experts)
+        out = routed_experts(x, weights, ids, w.experts_gate_up, w.experts_down, self.kernels)
         return out + w.shared(x) if w.shared is not None else out
 
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
@@ -114,8 +116,9 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @property
     def graph_safe(self) -> bool:
-        """MoE dispatch runs only the chosen experts, which the host learns from the router: not capturable."""
-        return not any(isinstance(layer.mlp, MoE) for layer in self.layers)
+        """The torch reference's MoE dispatch runs only the chosen experts, which the host learns from the router:
+        not capturable; the fused Triton MoE kernels never ask."""
+        return self.kernels == "triton" or not any(isinstance(layer.mlp, MoE) for layer in self.layers)
 
     def float32_params(self) -> Sequence[str]:
         return [n for n, _ in self.named_parameters() if n.endswith(("router_w", "router_bias"))]
@@ -150,8 +153,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         c, e = self.config, self.config.moe
         yield WeightSpec(p + "router_w", ((src + "gate.weight", (e.num_experts, c.hidden_size)),))
         yield WeightSpec(p + "router_bias", ((src + "gate.e_score_correction_bias", (e.num_experts,)),))
-        for j in range(e.num_experts):
-            yield from _mlp_specs(f"{p}experts.{j}.", f"{src}experts.{j}.", c.hidden_size, e.moe_intermediate_size)
+        h, inter, ex = c.hidden_size, e.moe_intermediate_size, range(e.num_experts)
+        yield WeightSpec(p + "experts_gate_up", tuple((f"{src}experts.{j}.{w}_proj.weight", (inter, h))
+                                                      for j in ex for w in ("gate", "up")), "stack", per_item=2)
+        yield WeightSpec(p + "experts_down", tuple((f"{src}experts.{j}.down_proj.weight", (h, inter)) for j in ex),
+                         "stack")
         if e.num_shared_experts:
             yield from _mlp_specs(p + "shared.", src + "shared_experts.", c.hidden_size,
                                   e.moe_intermediate_size * e.num_shared_experts)
