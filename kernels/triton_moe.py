@@ -39,17 +39,23 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 @triton.jit
+def _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M: tl.constexpr):
+    """This program's row block: its expert (-1: past the used rows), rows, pairs and which rows hold one."""
+    mb = tl.program_id(0)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + rows)
+    return tl.load(expert_ptr + mb), rows, pair, pair < n_pairs
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_we, stride_wn,
                    stride_ar, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One program: a row block (one expert's pairs) by BLOCK_N intermediate columns: silu(gate) × up."""
-    mb, nb = tl.program_id(0), tl.program_id(1)
-    e = tl.load(expert_ptr + mb)
+    e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    ok = pair < n_pairs
+    nb = tl.program_id(1)
     tok = (pair // K_TOP).to(tl.int64)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
@@ -76,13 +82,10 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n
                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One program: a row block by BLOCK_N hidden columns: (act @ down^T) × the pair's routing weight, into the
     pair's output row."""
-    mb, nb = tl.program_id(0), tl.program_id(1)
-    e = tl.load(expert_ptr + mb)
+    e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    ok = pair < n_pairs
+    nb = tl.program_id(1)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     w_e = w_ptr + e.to(tl.int64) * stride_we
