@@ -31,6 +31,7 @@ from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
 from engines.sampler import make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
+from kernels.kv_move import write_tokens
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
 from traffic.transport.base import Op, RegionDesc
 
@@ -332,13 +333,12 @@ class PrefillEngine(Engine):
         for c, n in zip(cached, new):
             bases.append(base)
             base += g.num_blocks(c + n)
-        ids = torch.tensor([t for (j, n), c in zip(jobs, cached) for t in j.token_ids[c:c + n]], device=self.device)
+        ids = [t for (j, n), c in zip(jobs, cached) for t in j.token_ids[c:c + n]]
+        # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
+        slots = [b * g.block_size + pos for b, c, n in zip(bases, cached, new) for pos in range(c, c + n)]
+        ids, slots = torch.tensor([ids, slots]).to(self.device)  # one copy; none in the layer loop
         batch = ForwardBatch(tuple(cached), tuple(new))
         tables = consecutive_tables(bases, [g.num_blocks(c + n) for c, n in zip(cached, new)], self.device)
-
-        def rows(i: int, layer: int) -> torch.Tensor:
-            return ws.tensor[layer % ws.slots, bases[i]:bases[i] + g.num_blocks(cached[i] + new[i])].reshape(
-                -1, g.kv_elems_per_token)
 
         fetch = lambda layer: AllOf([self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731
                                      for i, (j, _) in enumerate(jobs)])
@@ -362,10 +362,7 @@ class PrefillEngine(Engine):
             self.copies.before_compute(layer)
             paged = PagedKV(ws.tensor[layer % ws.slots], tables, ctx.cached_lens)
             hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
-            off = 0
-            for i, n in enumerate(new):
-                rows(i, layer)[cached[i]:cached[i] + n] = kv[off:off + n]
-                off += n
+            write_tokens(ws.tensor[layer % ws.slots], slots, kv)  # one write for the batch, not one per sequence
             self.copies.after_compute(layer % ws.slots)
             pipe.layer_done(layer)
         if self.device.type == "cuda":
