@@ -17,8 +17,9 @@ import torch
 
 class LayerCopies:
     """Callers: the prefill engine. ``issue`` may run in any thread (a transfer's completion callback);
-    ``before_compute`` and ``after_compute`` run in the thread that launches compute, around each layer. Nothing
-    here may block the host on the device."""
+    ``before_compute``, ``after_compute`` and ``wait_compute`` run in the thread that launches compute, around
+    each layer. Only ``wait_compute`` blocks the host on the device, and only where a transport is about to read
+    a slot's device memory."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -61,3 +62,13 @@ class LayerCopies:
         done.record(torch.cuda.current_stream(self.device))
         with self._lock:
             self._slot_free[slot] = done
+
+    def wait_compute(self, slot: int) -> None:
+        """Block until the compute recorded by the last ``after_compute(slot)`` has finished: a transport reads the
+        slot's device memory directly (a one-sided write to a peer), and only the host can tell it when."""
+        if self.stream is None:
+            return
+        with self._lock:
+            done = self._slot_free.get(slot)
+        if done is not None:
+            done.synchronize()

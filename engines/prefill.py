@@ -364,6 +364,8 @@ class PrefillEngine(Engine):
             hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
             write_tokens(ws.tensor[layer % ws.slots], slots, kv)  # one write for the batch, not one per sequence
             self.copies.after_compute(layer % ws.slots)
+            if not basic:  # the send reads this layer's KV from device memory: its kernels must have run
+                self.copies.wait_compute(layer % ws.slots)
             pipe.layer_done(layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

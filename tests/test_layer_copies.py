@@ -12,6 +12,7 @@ def test_cpu_copies_run_inline_and_ordering_is_a_no_op():
     assert seen == [None] and slot.tolist() == [3.0] * 4
     copies.before_compute(0)
     copies.after_compute(0)
+    copies.wait_compute(0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,3 +31,17 @@ def test_cuda_copy_into_a_slot_waits_for_the_compute_reading_it():
     copies.before_compute(2)
     second = slot.sum()
     assert (first.item(), second.item()) == (n, 2 * n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_wait_compute_returns_once_the_layer_has_run():
+    """What the prefill engine does before a transport reads a slot: the slot's compute has finished."""
+    dev = torch.device("cuda")
+    copies = LayerCopies(dev)
+    slot = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(200_000_000)  # a long layer
+    slot.fill_(7.0)
+    copies.after_compute(0)
+    copies.wait_compute(0)
+    assert copies._slot_free[0].query()
+    assert float(slot.cpu()[0]) == 7.0
