@@ -9,7 +9,7 @@ KV arriving from storage or peers.
 Invariants the captured step relies on:
 - no host work depends on the batch: cached lengths are a device tensor (``CausalLM.begin_decode``), and decode
   attention sizes its splits on the device (its grid depends on the batch size only);
-- the model has none either (``CausalLM.graph_safe``: MoE dispatch asks the host which experts to run);
+- the model has none either (``CausalLM.graph_safe``: on the Triton kernels, including fused MoE);
 - padding rows repeat row 0 (token, position, block table, slot) and write row 0's own KV row to row 0's slot,
   so they change nothing that row 0 does not;
 - the cache tensors never move and hold nothing while graphs are captured (the warm-up writes slot 0).
@@ -35,9 +35,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def use_decode_graphs(model: CausalLM, device: torch.device, enforce_eager: bool) -> bool:
-    """Capture decode steps on CUDA with the Triton kernels (the torch reference syncs with the host), unless
-    asked not to or the model cannot be captured."""
-    return not enforce_eager and device.type == "cuda" and model.kernels == "triton" and model.graph_safe
+    """Capture decode steps on CUDA when the model's step can be captured (``graph_safe``), unless asked not to."""
+    return not enforce_eager and device.type == "cuda" and model.graph_safe
 
 
 def make_decode_graphs(model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,

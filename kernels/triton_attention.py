@@ -228,6 +228,12 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_v, out.to(out_ptr.dtype.element_ty), mask=offs_v < DV)
 
 
+def exact_products(dtype: torch.dtype) -> bool:
+    """``_dot``'s ``IEEE`` switch: float32 inputs (the reference is float64, so no TF32), and everything under
+    Triton's interpreter (its bfloat16 dot is wrong)."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _pad(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
@@ -249,7 +255,7 @@ def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dic
     return dict(BLOCK_SIZE=cache.shape[1], D=d, DA=da, DB_PAD=_pad(d - da), HAS_B=d > da, DV=layout.v_dim,
                 V_OFF=layout.v_offset, DV_PAD=dv_pad,
                 V_IS_KA=layout.num_kv_heads == 1 and layout.v_offset == 0 and layout.v_dim == da,
-                IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", **launch)
+                IEEE=exact_products(q.dtype), **launch)
 
 
 def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

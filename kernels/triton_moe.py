@@ -10,13 +10,11 @@ routing weight into the pair's own output row; a token's k rows are then summed 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import _dot
+from kernels.triton_attention import _dot, exact_products
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +114,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     rows = pair_of_row.shape[0]
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     route = weights.reshape(-1).float().contiguous()
-    ieee = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = exact_products(x.dtype)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
         x, gate_up, pair_of_row, expert_of_block, act, n, h, inter, x.stride(0), gate_up.stride(0),

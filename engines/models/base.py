@@ -136,8 +136,9 @@ class CausalLM(nn.Module, ABC):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a decode step has no data-dependent host work, so it can be captured as a CUDA graph."""
-        return True
+        """Whether a decode step has no data-dependent host work, so it can be captured as a CUDA graph: on the
+        Triton kernels (the torch reference reads lengths on the host, and its MoE asks which experts run)."""
+        return self.kernels == "triton"
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

@@ -114,12 +114,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         hidden = hidden + (self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp(x))
         return hidden, new_kv
 
-    @property
-    def graph_safe(self) -> bool:
-        """The torch reference's MoE dispatch runs only the chosen experts, which the host learns from the router:
-        not capturable; the fused Triton MoE kernels never ask."""
-        return self.kernels == "triton" or not any(isinstance(layer.mlp, MoE) for layer in self.layers)
-
     def float32_params(self) -> Sequence[str]:
         return [n for n, _ in self.named_parameters() if n.endswith(("router_w", "router_bias"))]
 
