@@ -42,7 +42,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     out = torch.zeros_like(x)
     for expert in torch.unique(ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token_idx], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(silu_and_mul(gate, up), down[expert]) * weights[token_idx, slot, None].to(x.dtype)
+        y = F.linear(silu_and_mul(F.linear(x[token_idx], gate_up[expert])), down[expert])
+        y = y * weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out

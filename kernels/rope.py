@@ -98,3 +98,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x1, x2 = rot[..., :half], rot[..., half:]
     out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused QKV projection ``[T, (Hq + 2 Hk) * D]`` -> (queries ``[T, Hq, D]`` and the layer's KV row
+    ``[T, 2 Hk D]`` = [keys | values]), queries and keys rotated (not interleaved). ``backend`` "triton": one
+    kernel (``kernels.triton_elementwise``) instead of the views, rotations and concatenation."""
+    if backend == "triton":
+        from kernels.triton_elementwise import rope_qkv as fused
+
+        return fused(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    t, q_cols, k_cols = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q = apply_rope(qkv[:, :q_cols].view(t, num_heads, head_dim), cos, sin)
+    k = apply_rope(qkv[:, q_cols: q_cols + k_cols].view(t, num_kv_heads, head_dim), cos, sin)
+    return q, torch.cat([k.reshape(t, k_cols), qkv[:, q_cols + k_cols:]], dim=1)

@@ -21,6 +21,8 @@ import triton.language as tl
 
 from kernels.attention import RowLayout
 
+LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2: scores are scaled by scale * log2(e)
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -33,19 +35,30 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr):
+def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr,
+             MASKED: tl.constexpr = True):
     """A tile of keys and values at row pointers ``row [N]``: the key's first ``DA`` columns ``ka``, the rest ``kb``
     (``ka`` again, unused, without a rest: a jit function returns no None) and the values ``v`` (``ka`` itself when
-    the value is the key's leading part, as MLA's latent is: loaded once)."""
-    ka = tl.load(row[:, None] + col_a[None, :], mask=ok[:, None] & mask_a[None, :], other=0.0)
+    the value is the key's leading part, as MLA's latent is: loaded once). Rows where ``ok`` is false load zeros;
+    ``MASKED`` false: every row is valid (a whole tile), only the padded columns are masked."""
+    ka = _load_tile(row, col_a, ok, mask_a, MASKED)
     kb = ka
     if HAS_B:
-        kb = tl.load(row[:, None] + col_b[None, :], mask=ok[:, None] & mask_b[None, :], other=0.0)
+        kb = _load_tile(row, col_b, ok, mask_b, MASKED)
     if V_IS_KA:
         v = ka
     else:
-        v = tl.load(row[:, None] + col_v[None, :], mask=ok[:, None] & mask_v[None, :], other=0.0)
+        v = _load_tile(row, col_v, ok, mask_v, MASKED)
     return ka, kb, v
+
+
+@triton.jit
+def _load_tile(row, col, ok, col_ok, MASKED: tl.constexpr):
+    ptrs = row[:, None] + col[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0)
+    else:  # the column mask alone (broadcast over rows): constant along each row's vectors, so loads stay wide
+        return tl.load(ptrs, mask=col_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -68,7 +81,7 @@ def _scores(qa, qb, ka, kb, scale, HAS_B: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_new_ptr, out_ptr, scale,
+def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_new_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_nt, stride_cb, stride_cs, stride_tb, stride_ot, stride_oh,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
                     DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr, V_OFF: tl.constexpr,
@@ -94,37 +107,68 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     col_a, col_b, col_v = kh * D + offs_a, kh * D + offs_b, V_OFF + kh * DV + offs_v
     mask_a, mask_b, mask_v = offs_a < D, offs_b < D, offs_v < DV
-    for n0 in range(0, n_cached, BLOCK_N):  # cached keys: every query sees all of them
-        pos = n0 + offs_n
-        ok = pos < n_cached
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0)
-        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+    table_row = tables_ptr + b * stride_tb
+    whole = n_cached - n_cached % BLOCK_N
+    for n0 in range(0, whole, BLOCK_N):  # whole tiles of cached keys: every query sees all of them, no masks
+        row = _cached_rows(table_row, cache_ptr, n0, offs_n, offs_n < BLOCK_N, stride_cb, stride_cs, BLOCK_SIZE,
+                           BLOCK_N)
+        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, False)
+        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
+                                        IEEE)
+    for n0 in range(whole, n_cached, BLOCK_N):  # the last, partial tile
+        ok = n0 + offs_n < n_cached
+        row = _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)
         ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
-        s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, scale, HAS_B, IEEE), float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
-    for n0 in range(0, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # own new keys, causal
+        s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
+    first = mb * BLOCK_M // GROUP  # the program's first token: its own new keys before it are seen by every row
+    seen = first - first % BLOCK_N
+    for n0 in range(0, seen, BLOCK_N):
+        row = new_ptr + (start + n0 + offs_n).to(tl.int64) * stride_nt
+        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, False)
+        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
+                                        IEEE)
+    for n0 in range(seen, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # the diagonal: causal masks
         pos = n0 + offs_n
         ok = pos < n_new
         row = new_ptr + (start + pos).to(tl.int64) * stride_nt
         ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
-        s = _scores(qa, qb, ka, kb, scale, HAS_B, IEEE)
+        s = _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE)
         s = tl.where(ok[None, :] & (pos[None, :] <= tok[:, None]), s, float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & mask_v[None, :])
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
-    """Fold a tile of scores ``s [M, N]`` and values ``v [N, DV]`` into the running max, sum and output.
-    Rows whose keys are all masked so far keep m = -inf and contribute nothing."""
+def _online_softmax(s, v, m_i, l_i, acc, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """Fold a tile of scores ``s [M, N]`` (already times ``scale * log2(e)``: base-2 exponentials, one multiply-add
+    and one ``ex2`` per score) and values ``v [N, DV]`` into the running max, sum and output. ``MASKED``: rows whose
+    keys are all masked so far keep m = -inf and contribute nothing (an unmasked tile has no -inf score)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
+    m_safe = m_new
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Pointers to the cached rows of key positions ``n0 + offs_n`` of one sequence (its block table row
+    ``table_row``). A tile inside one block (tiles start at multiples of ``BLOCK_N``, which divides the block size)
+    reads one table entry; otherwise each row looks its block up (``ok``: positions that exist)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        blk = tl.load(table_row + n0 // BLOCK_SIZE).to(tl.int64)
+        return cache_ptr + blk * stride_cb + (n0 % BLOCK_SIZE + offs_n) * stride_cs
+    else:
+        pos = n0 + offs_n
+        blk = tl.load(table_row + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        return cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs
 
 
 @triton.jit
@@ -137,7 +181,7 @@ def _chunk(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, scale,
+def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, qk_scale,
                          stride_qb, stride_qh, stride_nb, stride_cb, stride_cs, stride_tb,
                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
@@ -176,8 +220,8 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         in_cache, is_new = pos < n_cached, pos == n_cached
-        blk = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=in_cache, other=0)
-        row = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        row = _cached_rows(tables_ptr + b * stride_tb, cache_ptr, n0, offs_n, in_cache, stride_cb, stride_cs,
+                           BLOCK_SIZE, BLOCK_N)
         ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
         # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
         na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
@@ -188,9 +232,9 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
             v += nv
         else:
             v = ka
-        s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, scale, HAS_B, IEEE), float("-inf"))
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # base 2, as the scores
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_v[None, :], out,
              mask=g_ok[:, None] & mask_v[None, :])
@@ -202,9 +246,10 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb
                           stride_lh, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                           BLOCK_N: tl.constexpr, S_BLOCK: tl.constexpr,
                           DV: tl.constexpr, DV_PAD: tl.constexpr):
-    """One program per (sequence, head): the splits that hold its keys, weighted by exp(lse - max). Splits past the
-    sequence's end are never read, so a grid sized for the longest possible sequence (a CUDA graph's) costs the
-    reduce nothing; split 0 always holds the new token, so the max is finite."""
+    """One program per (sequence, head): the splits that hold its keys, weighted by 2^(lse - max) (the splits'
+    log-sum-exps are base 2, as their scores). Splits past the sequence's end are never read, so a grid sized for
+    the longest possible sequence (a CUDA graph's) costs the reduce nothing; split 0 always holds the new token, so
+    the max is finite."""
     b, h = tl.program_id(0), tl.program_id(1)
     total = tl.load(cached_lens_ptr + b) + 1
     chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
@@ -219,7 +264,7 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb
     acc = tl.zeros([DV_PAD], tl.float32)
     for s0 in range(0, n_splits, S_BLOCK):
         ok = s0 + offs_s < n_splits
-        w = tl.exp(tl.load(lse_row + s0 + offs_s, mask=ok, other=float("-inf")) - m)
+        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=ok, other=float("-inf")) - m)
         part = tl.load(part_ptr + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
                        + offs_v[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
         acc += tl.sum(part * w[:, None], 0)
@@ -232,6 +277,20 @@ def exact_products(dtype: torch.dtype) -> bool:
     """``_dot``'s ``IEEE`` switch: float32 inputs (the reference is float64, so no TF32), and everything under
     Triton's interpreter (its bfloat16 dot is wrong)."""
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _narrow(layout: RowLayout, dtype: torch.dtype) -> bool:
+    """Heads of at most 128 columns in a 2-byte dtype: tiles of 64 keys fit (shared memory, registers)."""
+    return _pad(layout.k_dim) <= 128 and _pad(layout.v_dim) <= 128 and dtype.itemsize == 2
+
+
+def _prefill_tiles(layout: RowLayout, dtype: torch.dtype, launch: dict) -> tuple[int, int]:
+    """Default (block_m, block_n): 64 x 64 with two pipeline stages for narrow heads (the H200 sweep's best at
+    32/8 x 128, bench/results/gpu); 32 x 32 for MLA's 576-wide keys and float32."""
+    if _narrow(layout, dtype):
+        launch.setdefault("num_stages", 2)
+        return 64, 64
+    return 32, 32
 
 
 def _pad(n: int, least: int = 16) -> int:
@@ -260,7 +319,7 @@ def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dic
 
 def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       cached_lens: Sequence[int] | torch.Tensor, new_lens: Sequence[int], layout: RowLayout,
-                      scale: float, block_m: int = 32, block_n: int = 32, out: torch.Tensor | None = None,
+                      scale: float, block_m: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
                       cu_new: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """Causal attention of packed new tokens ``q [T, Hq, D]`` over each sequence's cached tokens (paged) and its
     own new rows. Returns ``[T, Hq, Dv]`` in q's dtype (into ``out`` if given). ``launch``: Triton launch options
@@ -276,8 +335,10 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
     lens = _device_lens(cached_lens, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
+    if block_m is None or block_n is None:
+        block_m, block_n = _prefill_tiles(layout, q.dtype, launch)
     grid = (triton.cdiv(max(new_lens) * group, block_m), len(new_lens), layout.num_kv_heads)
-    _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale,
+    _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale * LOG2E,
                           q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1),
                           block_tables.stride(0), out.stride(0), out.stride(1),
                           GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q, launch))
@@ -312,7 +373,7 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     common = _common(cache, layout, q, launch)
     chunking = dict(NUM_SPLITS=splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n)
     _decode_split_kernel[(layout.num_kv_heads * head_blocks, b, splits)](
-        q, new_rows, cache, block_tables, lens, part, lse, scale,
+        q, new_rows, cache, block_tables, lens, part, lse, scale * LOG2E,
         q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, **chunking, **common)

@@ -42,8 +42,8 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, ker
     """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value, or host values into a
     tensor (a copy to the GPU), inside the step (the torch reference does, which is why graphs need the Triton
     kernels)."""
-    model = load_model(tiny_dirs["llama"], "cpu", kernels=kernels)
-    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, "cpu")
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels=kernels)
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
     graphs = DecodeGraphs(model, cache, 8, 100, capture=False)
     with torch.inference_mode(), host_transfers() as reads:
         graphs._step(4)
@@ -53,8 +53,8 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, ker
 def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
     import engines.graphs as graphs_mod
 
-    model = load_model(tiny_dirs["llama"], "cpu", kernels="triton")
-    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, "cpu")
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels="triton")
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
     monkeypatch.setattr(graphs_mod, "use_decode_graphs", lambda *a: True)
 
     def fail(self):

@@ -25,10 +25,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
-def paged(lens: list[int], width: int, dtype, blocks_extra: int = 3) -> PagedKV:
-    """Random rows of each sequence in a shuffled paged cache (tables padded with block 0)."""
-    need = [-(-n // BS) for n in lens]
-    cache = torch.randn(sum(need) + blocks_extra, BS, width, dtype=dtype, device=DEVICE)
+def paged(lens: list[int], width: int, dtype, blocks_extra: int = 3, bs: int = BS) -> PagedKV:
+    """Random rows of each sequence in a shuffled paged cache of ``bs``-token blocks (tables padded with block 0)."""
+    need = [-(-n // bs) for n in lens]
+    cache = torch.randn(sum(need) + blocks_extra, bs, width, dtype=dtype, device=DEVICE)
     order = torch.randperm(cache.shape[0]).tolist()
     tables, at = [], 0
     for n in need:
@@ -48,12 +48,13 @@ def reference(q, new_rows, cached: PagedKV, layout, new_lens, scale):
     return varlen_attention(q.double(), new_rows.double(), c64, layout, new_lens, scale)
 
 
-def gqa_inputs(heads, cached_lens, t, dtype):
+def gqa_inputs(heads, cached_lens, t, dtype, bs: int = BS):
     """Layout, paged cache, queries and new rows of ``t`` new tokens, and a poisoned output."""
     hq, hk, d = heads
     q = torch.randn(t, hq, d, dtype=dtype, device=DEVICE)
     new_rows = torch.randn(t, 2 * hk * d, dtype=dtype, device=DEVICE)
-    return gqa_split(hk, d), paged(cached_lens, 2 * hk * d, dtype), q, new_rows, poisoned((t, hq, d), dtype)
+    cached = paged(cached_lens, 2 * hk * d, dtype, bs=bs)
+    return gqa_split(hk, d), cached, q, new_rows, poisoned((t, hq, d), dtype)
 
 
 CASES = [  # (cached lens, new lens): empty cached, single token, odd lengths, exactly one and two blocks
@@ -73,6 +74,22 @@ def test_prefill_kernel_against_float64(dtype, heads, case):
     ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, new_lens, layout, 0.3,
                          block_m=16, block_n=16, out=out)
     assert rel_err(out, reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# tiles of keys: two per cache block (one table entry each), and spanning two blocks (a table entry per row)
+@pytest.mark.parametrize("bs,block_n", [(32, 16), (16, 32)])
+def test_kernels_with_tiles_smaller_and_larger_than_a_block(dtype, bs, block_n):
+    cached_lens, new_lens = [0, 5, 16, 33, 71], [1, 7, 16, 20, 9]
+    layout, cached, q, new_rows, out = gqa_inputs((4, 2, 16), cached_lens, sum(new_lens), dtype, bs)
+    ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, new_lens, layout, 0.3,
+                         block_m=16, block_n=block_n, out=out)
+    assert rel_err(out, reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
+    b = len(cached_lens)
+    out = poisoned((b, 4, 16), dtype)
+    ta.decode_attention(q[:b], new_rows[:b], cached.cache, cached.block_tables, cached_lens, layout, 0.3,
+                        num_splits=3, min_chunk=1, block_n=block_n, out=out)
+    assert rel_err(out, reference(q[:b], new_rows[:b], cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import triton_attention as ta, triton_kv, triton_moe  # noqa: E402
+from kernels import triton_attention as ta, triton_elementwise as te, triton_kv, triton_moe  # noqa: E402
 from kernels.attention import gqa_split, mla_split  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
@@ -95,7 +95,8 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
     """(kernel, args, kwargs, what) of every launch the wrappers make for the shapes below."""
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
-               triton_moe._moe_up_kernel, triton_moe._moe_down_kernel)
+               triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
+               te._silu_mul_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32 = torch.bfloat16, torch.float32
@@ -126,6 +127,14 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
     for t in (4, 512):  # a decode batch (16-row blocks) and a prefill chunk (64-row blocks)
         ids = torch.arange(t * 8).reshape(t, 8) % 8
         triton_moe.fused_moe(torch.zeros(t, 7168, dtype=bf16), torch.rand(t, 8), ids, gate_up, down)
+    for hidden, inter, hq, hk, d in ((4096, 14336, 32, 8, 128), (2048, 5632, 32, 4, 64), (7168, 18432, 128, 1, 64)):
+        what = f"layer element-wise {hidden}/{inter} {hq}/{hk}x{d} bf16"  # Llama-3-8B, TinyLlama, DeepSeek-V3
+        x = torch.zeros(3, hidden, dtype=bf16)
+        te.rms_norm(x, x[0], 1e-6)
+        te.rms_norm(x, x[0], 1e-6, residual=x)
+        te.rope_qkv(torch.zeros(3, (hq + 2 * hk) * d, dtype=bf16), torch.zeros(3, d // 2, dtype=bf16),
+                    torch.zeros(3, d // 2, dtype=bf16), hq, hk, d)
+        te.silu_and_mul(torch.zeros(3, 2 * inter, dtype=bf16))
     what = "block moves bf16"
     triton_kv.gather_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]))
     triton_kv.scatter_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the kernels issue, on one CUDA machine (its own python3 with torch, triton, transformers,
-# pytest): the kernel tests on CUDA, then the benchmarks of bench/gpu/kernels.py. About 5 minutes on an H200.
+# pytest): the kernel tests on CUDA, then the benchmarks of bench/gpu/kernels.py. At most ~8.5 minutes (each stage has
+# its own time limit; the benchmarks write their JSON after every part, so a limit loses only the part it cut).
 #   OUT=/some/dir bash bench/gpu/run.sh      (default OUT: bench/results/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -9,7 +10,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.txt" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_layer_copies.py \
-    tests/test_decode_graphs.py tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.log"
-timeout 420 python3 bench/gpu/kernels.py --out "$OUT/gpu_kernels.json" 2>&1 | tail -60 | tee "$OUT/bench.log"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+timing=(); python3 -c "import pytest_timeout" 2>/dev/null && timing=(--timeout 60)  # a hung test costs 60 s, not all
+timeout "${TESTS_LIMIT_S:-180}" python3 -m pytest -q -p no:cacheprovider "${timing[@]}" tests/test_triton_kernels.py \
+    tests/test_triton_elementwise.py tests/test_layer_copies.py tests/test_decode_graphs.py tests/test_kernels.py 2>&1 | tail -40 | tee "$OUT/tests.log"
+echo "tests: ${SECONDS} s"
+timeout "${BENCH_LIMIT_S:-330}" python3 bench/gpu/kernels.py --out "$OUT/gpu_kernels.json" "$@" 2>&1 | tail -60 \
+    | tee "$OUT/bench.log"
+echo "run.sh: ${SECONDS} s in all" | tee -a "$OUT/bench.log"

@@ -155,7 +155,7 @@ class CausalLM(nn.Module, ABC):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the given rows, in float32."""
-        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps, self.kernels)
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         return F.linear(h, head).float()
 

@@ -16,7 +16,7 @@ from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, pa
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, mla_attention
 from kernels.moe import grouped_topk, routed_experts
-from kernels.norm import rms_norm
+from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, softmax_scale_factor
 
 
@@ -43,8 +43,7 @@ class DenseMLP(nn.Module):
         self.down_w = param(hidden, inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_w).chunk(2, dim=-1)
-        return linear(silu_and_mul(gate, up), self.down_w)
+        return linear(silu_and_mul(linear(x, self.gate_up_w)), self.down_w)
 
 
 class MoE(nn.Module):
@@ -82,13 +81,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         c, m = self.config, self.config.mla
         t, nh = x.shape[0], c.num_heads
         if m.q_lora_rank:
-            q = linear(rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps), w.q_b_w)
+            q = linear(rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps, self.kernels), w.q_b_w)
         else:
             q = linear(x, w.q_w)
         q = q.view(t, nh, m.qk_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv = linear(x, w.kv_a_w)
-        latent = rms_norm(ckv[:, : m.kv_lora_rank], w.kv_a_norm, c.rms_norm_eps)
+        latent = rms_norm(ckv[:, : m.kv_lora_rank], w.kv_a_norm, c.rms_norm_eps, self.kernels)
         k_pe = ckv[:, m.kv_lora_rank:].view(t, 1, m.qk_rope_head_dim)
         q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved)
         k_pe = apply_rope(k_pe, ctx.cos, ctx.sin, c.rope.interleaved)
@@ -108,9 +107,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
         c, w = self.config, self.layers[layer]
-        attn, new_kv = self._attention(w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps), ctx, cached_kv)
-        hidden = hidden + attn
-        x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
+        attn, new_kv = self._attention(w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps, self.kernels), ctx,
+                                       cached_kv)
+        x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
         hidden = hidden + (self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp(x))
         return hidden, new_kv
 

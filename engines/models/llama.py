@@ -14,8 +14,8 @@ from dualpath.errors import CheckpointError
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, gqa_split, varlen_attention
-from kernels.norm import rms_norm
-from kernels.rope import apply_rope
+from kernels.norm import add_rms_norm, rms_norm
+from kernels.rope import rope_qkv
 
 
 class LlamaLayer(nn.Module):
@@ -46,20 +46,13 @@ class LlamaForCausalLM(CausalLM):
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
         c, w = self.config, self.layers[layer]
-        t, hk, d = hidden.shape[0], c.num_kv_heads, c.head_dim
-        x = rms_norm(hidden, w.input_norm, c.rms_norm_eps)
-        qkv = linear(x, w.qkv_w, w.qkv_b)
-        q = qkv[:, : c.num_heads * d].view(t, c.num_heads, d)
-        k = qkv[:, c.num_heads * d: (c.num_heads + hk) * d].view(t, hk, d)
-        v = qkv[:, (c.num_heads + hk) * d:].view(t, hk, d)
-        q = apply_rope(q, ctx.cos, ctx.sin)
-        k = apply_rope(k, ctx.cos, ctx.sin)
-        new_kv = torch.cat([k.reshape(t, hk * d), v.reshape(t, hk * d)], dim=1)
-        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, self.kernels, ctx.cu_new)
-        hidden = hidden + linear(attn.reshape(t, -1), w.o_w, w.o_b)
-        x = rms_norm(hidden, w.post_norm, c.rms_norm_eps)
-        gate, up = linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
-        hidden = hidden + linear(silu_and_mul(gate, up), w.down_w, w.down_b)
+        t, backend = hidden.shape[0], self.kernels
+        qkv = linear(rms_norm(hidden, w.input_norm, c.rms_norm_eps, backend), w.qkv_w, w.qkv_b)
+        q, new_kv = rope_qkv(qkv, ctx.cos, ctx.sin, c.num_heads, c.num_kv_heads, c.head_dim, backend)
+        attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, backend, ctx.cu_new)
+        x, hidden = add_rms_norm(linear(attn.reshape(t, -1), w.o_w, w.o_b), hidden, w.post_norm, c.rms_norm_eps,
+                                 backend)
+        hidden = hidden + linear(silu_and_mul(linear(x, w.gate_up_w, w.gate_up_b), backend), w.down_w, w.down_b)
         return hidden, new_kv
 
     def weight_specs(self) -> Iterator[WeightSpec]:

@@ -1,0 +1,89 @@
+"""The fused element-wise kernels (RMSNorm with and without the residual add, rotary embedding of a QKV
+projection into queries and the KV row, SwiGLU) against a float64 computation and against the torch reference
+they replace. On CPU they run in Triton's interpreter (conftest sets ``TRITON_INTERPRET=1``); on a GPU on CUDA.
+
+Tolerances: against float64, max |out - ref| / max |ref| under 1e-5 for float32 and 2e-2 for bfloat16 (the
+attention kernels' bound: two roundings, which Triton's interpreter truncates where a GPU rounds to nearest);
+against the torch reference, which rounds at the same places, within one bfloat16 step of the largest value per
+rounding (the order of RMSNorm's sum and the exponential's last bit may differ too).
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.activation import silu_and_mul  # noqa: E402
+from kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv  # noqa: E402
+from dualpath.config import RopeConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def same_as_torch(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    step = 2.0 ** -6 if out.dtype == torch.bfloat16 else 1e-6  # two bfloat16 steps: an intermediate and the output
+    return out.dtype == ref.dtype and out.shape == ref.shape and rel_err(out, ref) <= step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,n", [(1, 64), (7, 48), (3, 1500)])  # a token, a row not a power of two, a wide row
+def test_rms_norm_against_float64_and_torch(dtype, t, n):
+    x = torch.randn(t, n + 5, dtype=dtype, device=DEVICE)[:, 2:n + 2]  # a strided view, as a slice of a projection
+    res = torch.randn(t, n, dtype=dtype, device=DEVICE)
+    w = (torch.rand(n, device=DEVICE) + 0.5).to(dtype)
+    out = rms_norm(x, w, 1e-6, "triton")
+    x64 = x.double()
+    assert rel_err(out, w.double() * x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()) < TOL[dtype]
+    assert same_as_torch(out, rms_norm(x, w, 1e-6))
+    normed, h = add_rms_norm(x, res, w, 1e-6, "triton")
+    ref_normed, ref_h = add_rms_norm(x, res, w, 1e-6)
+    assert same_as_torch(h, ref_h)
+    assert same_as_torch(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# (query heads, KV heads, head dim, rotary dims): GQA, MHA with a head dim not a power of two, partial rotary
+@pytest.mark.parametrize("hq,hk,d,rot", [(4, 2, 16, 16), (3, 3, 24, 24), (8, 1, 32, 16), (20, 2, 16, 16)])
+def test_rope_qkv_against_float64_and_torch(dtype, hq, hk, d, rot):
+    t = 9
+    rope = RopeConfig(theta=10000.0, rotary_dim=rot)
+    inv, factor = rope_inv_freq(rope)
+    pos = torch.tensor([0, 1, 2, 7, 8, 100, 511, 512, 4000], device=DEVICE)
+    cos, sin = rope_cos_sin(inv, pos, factor, dtype)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype, device=DEVICE)
+    q, kv = rope_qkv(qkv, cos, sin, hq, hk, d, "triton")
+    assert q.shape == (t, hq, d) and kv.shape == (t, 2 * hk * d)
+    q64, kv64 = rope_qkv(qkv.double(), cos.double(), sin.double(), hq, hk, d)  # the rotation of these angles
+    assert rel_err(q, q64) < TOL[dtype] and rel_err(kv, kv64) < TOL[dtype]
+    assert torch.equal(kv[:, hk * d:], qkv[:, (hq + hk) * d:])  # values copied as they are
+    q_ref, kv_ref = rope_qkv(qkv, cos, sin, hq, hk, d)
+    assert same_as_torch(q, q_ref) and same_as_torch(kv, kv_ref)
+    # the torch form is the model's old composition: views, apply_rope, concatenation
+    k = apply_rope(qkv[:, hq * d:(hq + hk) * d].view(t, hk, d), cos, sin)
+    assert torch.equal(kv_ref[:, :hk * d], k.reshape(t, -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,i", [(1, 40), (5, 1500)])  # one column block, two (the second partial)
+def test_silu_and_mul_against_float64_and_torch(dtype, t, i):
+    gate_up = torch.randn(t, 2 * i, dtype=dtype, device=DEVICE) * 3
+    out = silu_and_mul(gate_up, "triton")
+    g, u = gate_up.double().chunk(2, dim=-1)
+    assert rel_err(out, torch.nn.functional.silu(g) * u) < TOL[dtype]
+    assert same_as_torch(out, silu_and_mul(gate_up))
+
+
+def test_empty_batches():
+    x = torch.randn(0, 16, device=DEVICE)
+    assert rms_norm(x, torch.ones(16, device=DEVICE), 1e-6, "triton").shape == (0, 16)
+    assert silu_and_mul(torch.randn(0, 32, device=DEVICE), "triton").shape == (0, 16)
+    q, kv = rope_qkv(torch.randn(0, 64, device=DEVICE), torch.randn(0, 8, device=DEVICE),
+                     torch.randn(0, 8, device=DEVICE), 2, 1, 16, "triton")
+    assert q.shape == (0, 2, 16) and kv.shape == (0, 32)
