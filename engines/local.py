@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from dualpath.errors import RequestError
@@ -37,11 +38,10 @@ class ModelRunner:
             if self.graphs.fits(len(seqs), max(map(len, tables))):
                 return self._decode_graph(seqs, tables)
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
-        ids, slots = [], []
-        for s, n in zip(seqs, new_lens):
-            ids += s.token_ids[s.num_computed:s.num_computed + n]
-            slots += self.cache.slots(s.seq_id, s.num_computed, n)
-        ids, slots = torch.tensor([ids, slots]).to(self.cache.device)  # one copy; none in the layer loop
+        ids = np.concatenate([np.asarray(s.token_ids[s.num_computed:s.num_computed + n], dtype=np.int64)
+                              for s, n in zip(seqs, new_lens)])
+        slots = np.concatenate([self.cache.slots(s.seq_id, s.num_computed, n) for s, n in zip(seqs, new_lens)])
+        ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.cache.device)  # one copy; none in the layers
         tables = self.cache.block_tables([s.seq_id for s in seqs])
         ctx = self.model.begin(batch)
         hidden = self.model.embed(ids)
@@ -56,7 +56,7 @@ class ModelRunner:
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
         positions = [s.num_computed for s in seqs]
         tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
-        slots = [self.cache.slots(s.seq_id, p, 1)[0] for s, p in zip(seqs, positions)]
+        slots = [int(self.cache.slots(s.seq_id, p, 1)[0]) for s, p in zip(seqs, positions)]
         logits = self.graphs.run(tokens, positions, slots, tables)
         for s in seqs:
             s.num_computed += 1

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dualpath.errors import DualPathError, StorageError
@@ -333,10 +334,11 @@ class PrefillEngine(Engine):
         for c, n in zip(cached, new):
             bases.append(base)
             base += g.num_blocks(c + n)
-        ids = [t for (j, n), c in zip(jobs, cached) for t in j.token_ids[c:c + n]]
+        ids = np.concatenate([np.asarray(j.token_ids[c:c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
         # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
-        slots = [b * g.block_size + pos for b, c, n in zip(bases, cached, new) for pos in range(c, c + n)]
-        ids, slots = torch.tensor([ids, slots]).to(self.device)  # one copy; none in the layer loop
+        slots = np.concatenate([np.arange(b * g.block_size + c, b * g.block_size + c + n)
+                                for b, c, n in zip(bases, cached, new)])
+        ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.device)  # one copy; none in the layer loop
         batch = ForwardBatch(tuple(cached), tuple(new))
         tables = consecutive_tables(bases, [g.num_blocks(c + n) for c, n in zip(cached, new)], self.device)
 

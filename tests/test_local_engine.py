@@ -76,3 +76,18 @@ def test_allocator_never_loses_or_duplicates_blocks(ops):
         alloc.check()
         flat = [b for h in held for b in h]
         assert len(flat) == len(set(flat)) and alloc.num_free + len(flat) == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 70), st.integers(1, 40), st.integers(0, 6))
+def test_cache_slots_follow_the_block_table(start, n, spacer):
+    """A token's slot is its block's id times the block size plus its offset, across block boundaries and for
+    tables whose blocks are not consecutive."""
+    from dualpath.geometry import KVGeometry
+    from engines.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(KVGeometry(num_layers=1, kv_elems_per_token=4, dtype="float32", block_size=8), 40)
+    cache.reserve("spacer", 8 * spacer + 1)
+    cache.reserve("s", start + n)
+    table = cache.block_table("s")
+    assert cache.slots("s", start, n).tolist() == [table[p // 8] * 8 + p % 8 for p in range(start, start + n)]

@@ -6,13 +6,13 @@ Models hold no KV and no per-request state; the caller owns where KV comes from 
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,8 +45,9 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return sum(self.new_lens)
 
-    def positions(self) -> list[int]:
-        return [c + j for c, n in zip(self.cached_lens, self.new_lens) for j in range(n)]
+    def positions(self) -> np.ndarray:
+        """Every new token's position (int32): a prefill of 16K tokens builds it in well under a millisecond."""
+        return np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in zip(self.cached_lens, self.new_lens)])
 
     def last_token_indices(self) -> list[int]:
         out, end = [], 0
@@ -119,8 +120,9 @@ class CausalLM(nn.Module, ABC):
     def begin(self, batch: ForwardBatch) -> ForwardContext:
         """The batch's shared values; its integers reach the device in one copy."""
         t, b = batch.num_tokens, len(batch.new_lens)
-        ints = batch.positions() + list(batch.cached_lens) + [0, *itertools.accumulate(batch.new_lens)]
-        dev = torch.tensor(ints, dtype=torch.int32).to(self.embed_tokens.device)
+        ints = np.concatenate([batch.positions(), np.array(batch.cached_lens, dtype=np.int32),
+                               np.cumsum([0, *batch.new_lens], dtype=np.int32)])
+        dev = torch.from_numpy(ints).to(self.embed_tokens.device)
         return self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:])
 
     def begin_decode(self, positions: torch.Tensor) -> ForwardContext:
