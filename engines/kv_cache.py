@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Hashable
 
-import numpy as np
 import torch
 
 from dualpath.allocator import BlockAllocator
@@ -57,13 +56,19 @@ class PagedKVCache:
     def block_table(self, seq: Hashable) -> list[int]:
         return self._tables[seq]
 
-    def slots(self, seq: Hashable, start: int, n: int) -> np.ndarray:
-        """Flat slot indices (``block × block_size + offset``, int64) of token positions ``[start, start + n)``, on
-        the host: callers gather a batch's slots and copy them to the device once."""
-        bs = self.geometry.block_size
-        pos = np.arange(start, start + n)
-        blocks = np.asarray(self._tables[seq][start // bs: (start + n - 1) // bs + 1], dtype=np.int64)
-        return blocks[pos // bs - start // bs] * bs + pos % bs
+    def slots(self, seq: Hashable, start: int, n: int) -> list[int]:
+        """Flat slot indices (``block × block_size + offset``) of token positions ``[start, start + n)``, on the
+        host: callers gather a batch's slots and copy them to the device once. Plain Python: a decode step asks for
+        one slot per sequence, where array set-up would cost more than the answer."""
+        bs, table, out = self.geometry.block_size, self._tables[seq], []
+        pos, end = start, start + n
+        while pos < end:
+            block, offset = divmod(pos, bs)
+            take = min(bs - offset, end - pos)
+            first = table[block] * bs + offset
+            out.extend(range(first, first + take))
+            pos += take
+        return out
 
     def block_tables(self, seqs: list[Hashable]) -> torch.Tensor:
         """Block tables of ``seqs`` as one ``[B, max_blocks]`` tensor, short rows padded with block 0."""

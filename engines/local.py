@@ -40,7 +40,8 @@ class ModelRunner:
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
         ids = np.concatenate([np.asarray(s.token_ids[s.num_computed:s.num_computed + n], dtype=np.int64)
                               for s, n in zip(seqs, new_lens)])
-        slots = np.concatenate([self.cache.slots(s.seq_id, s.num_computed, n) for s, n in zip(seqs, new_lens)])
+        slots = np.concatenate([np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64)
+                                for s, n in zip(seqs, new_lens)])
         ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.cache.device)  # one copy; none in the layers
         tables = self.cache.block_tables([s.seq_id for s in seqs])
         ctx = self.model.begin(batch)
@@ -56,7 +57,7 @@ class ModelRunner:
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
         positions = [s.num_computed for s in seqs]
         tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
-        slots = [int(self.cache.slots(s.seq_id, p, 1)[0]) for s, p in zip(seqs, positions)]
+        slots = [self.cache.slots(s.seq_id, p, 1)[0] for s, p in zip(seqs, positions)]
         logits = self.graphs.run(tokens, positions, slots, tables)
         for s in seqs:
             s.num_computed += 1

@@ -334,12 +334,11 @@ class PrefillEngine(Engine):
         for c, n in zip(cached, new):
             bases.append(base)
             base += g.num_blocks(c + n)
+        batch = ForwardBatch(tuple(cached), tuple(new))
         ids = np.concatenate([np.asarray(j.token_ids[c:c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
         # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
-        slots = np.concatenate([np.arange(b * g.block_size + c, b * g.block_size + c + n)
-                                for b, c, n in zip(bases, cached, new)])
+        slots = np.repeat(np.asarray(bases) * g.block_size, new) + batch.positions()
         ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.device)  # one copy; none in the layer loop
-        batch = ForwardBatch(tuple(cached), tuple(new))
         tables = consecutive_tables(bases, [g.num_blocks(c + n) for c, n in zip(cached, new)], self.device)
 
         fetch = lambda layer: AllOf([self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731

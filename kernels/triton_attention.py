@@ -279,15 +279,11 @@ def exact_products(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _narrow(layout: RowLayout, dtype: torch.dtype) -> bool:
-    """Heads of at most 128 columns in a 2-byte dtype: tiles of 64 keys fit (shared memory, registers)."""
-    return _pad(layout.k_dim) <= 128 and _pad(layout.v_dim) <= 128 and dtype.itemsize == 2
-
-
 def _prefill_tiles(layout: RowLayout, dtype: torch.dtype, launch: dict) -> tuple[int, int]:
-    """Default (block_m, block_n): 64 x 64 with two pipeline stages for narrow heads (the H200 sweep's best at
-    32/8 x 128, bench/results/gpu); 32 x 32 for MLA's 576-wide keys and float32."""
-    if _narrow(layout, dtype):
+    """Default (block_m, block_n): 64 x 64 with two pipeline stages for heads of at most 128 columns in a 2-byte
+    dtype (the H200 sweep's best at 32/8 x 128, bench/results/gpu); 32 x 32 for MLA's 576-wide keys and float32,
+    whose larger tiles would not fit shared memory and registers."""
+    if _pad(layout.k_dim) <= 128 and _pad(layout.v_dim) <= 128 and dtype.itemsize == 2:
         launch.setdefault("num_stages", 2)
         return 64, 64
     return 32, 32

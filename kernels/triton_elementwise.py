@@ -40,6 +40,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the rows of ``x [T, N]`` (of ``x + residual`` when given). Returns (normed, the summed rows:
     ``x`` itself without a residual)."""
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm takes rows [T, N], got shape {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)

@@ -90,4 +90,4 @@ def test_cache_slots_follow_the_block_table(start, n, spacer):
     cache.reserve("spacer", 8 * spacer + 1)
     cache.reserve("s", start + n)
     table = cache.block_table("s")
-    assert cache.slots("s", start, n).tolist() == [table[p // 8] * 8 + p % 8 for p in range(start, start + n)]
+    assert cache.slots("s", start, n) == [table[p // 8] * 8 + p % 8 for p in range(start, start + n)]

@@ -28,6 +28,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -183,61 +184,84 @@ def llama_1b(root: Path, smoke: bool) -> Path:
                                  max_position_embeddings=40960, **shape)
 
 
-def bench_model(p, dev, smoke: bool, work: Path, first: bool = True, first_decode: float | None = None) -> dict:
-    """``first``: ``LLM`` on the Triton kernels with decode graphs against transformers (the targets); else the
-    same ``LLM`` with eager decode steps and on the torch reference (a part of its own, run last: reports only)."""
-    import transformers
+@dataclass(frozen=True)
+class ModelWork:
+    """The model parts' prompts: a prefill batch, and a decode batch that then generates ``gen`` tokens each."""
+    pre: torch.Tensor
+    dec: torch.Tensor
+    gen: int
 
+    @classmethod
+    def make(cls, smoke: bool) -> "ModelWork":
+        pre_b, pre_len, dec_b, dec_len, gen = (2, 24, 3, 16, 4) if smoke else (16, 1024, 64, 512, 128)
+        g, vocab = torch.Generator().manual_seed(0), 250 if smoke else 32000
+        return cls(torch.randint(3, vocab, (pre_b, pre_len), generator=g),
+                   torch.randint(3, vocab, (dec_b, dec_len), generator=g), gen)
+
+    def decode_tokens_per_s(self, t_dec: float, t_dec_prefill: float) -> float:
+        """Tokens after the first over the time past the decode batch's prefill (and first token)."""
+        return self.dec.shape[0] * (self.gen - 1) / max(t_dec - t_dec_prefill, 1e-9)
+
+
+def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool) -> dict:
+    """Prefill and decode tokens/s of ``LLM`` for each (name, kernels, enforce_eager) in ``systems``, one at a time
+    (each one's KV cache freed before the next is made); ``profile``: also where one prefill's GPU time goes."""
     from dualpath import LLM, SamplingParams
 
-    path = llama_1b(work, smoke)
-    pre_b, pre_len, dec_b, dec_len, gen = (2, 24, 3, 16, 4) if smoke else (16, 1024, 64, 512, 128)
-    g = torch.Generator().manual_seed(0)
-    vocab = 250 if smoke else 32000
-    pre = torch.randint(3, vocab, (pre_b, pre_len), generator=g)
-    dec = torch.randint(3, vocab, (dec_b, dec_len), generator=g)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
     rows = {}
-    systems = (("triton", "triton", False),) if first else (("triton_eager", "triton", True), ("torch", "torch", True))
     for name, kernels, eager in systems:
         llm = LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
-                  block_size=p["bs"],
-                  kv_cache_bytes=(64 << 20) if smoke else (40 << 30), max_num_seqs=max(pre_b, dec_b),
-                  max_num_batched_tokens=pre_b * pre_len)
-        t_pre = timed(lambda: llm.generate(pre.tolist(), one), dev, iters=3, warmup=1)
-        t_dec_pre = timed(lambda: llm.generate(dec.tolist(), one), dev, iters=1, warmup=0)
-        t_dec = timed(lambda: llm.generate(dec.tolist(), many), dev, iters=1, warmup=0)
-        rows[f"dualpath_{name}"] = {"prefill_tokens_per_s": pre.numel() / t_pre,
-                                    "decode_tokens_per_s": dec_b * (gen - 1) / max(t_dec - t_dec_pre, 1e-9),
+                  block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
+                  max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel())
+        t_pre = timed(lambda: llm.generate(w.pre.tolist(), one), dev, iters=3, warmup=1)
+        t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one), dev, iters=1, warmup=0)
+        t_dec = timed(lambda: llm.generate(w.dec.tolist(), many), dev, iters=1, warmup=0)
+        rows[f"dualpath_{name}"] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
+                                    "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre),
                                     "decode_graphs": llm.engine.runner.graphs is not None}
-        if first:
-            rows[f"dualpath_{name}"]["prefill_profile"] = top_kernels(lambda: llm.generate(pre.tolist(), one), dev)
-        llm = None  # its KV cache goes before the next system's is made
+        if profile:
+            rows[f"dualpath_{name}"]["prefill_profile"] = top_kernels(lambda: llm.generate(w.pre.tolist(), one), dev)
+        llm = None
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if not first:
-        eager = rows["dualpath_triton_eager"]["decode_tokens_per_s"]
-        return {"systems": rows, "decode_graphs_vs_eager": first_decode / eager if first_decode else None}
+    return rows
+
+
+def bench_model(p, dev, smoke: bool, work: Path) -> dict:
+    """``LLM`` on the Triton kernels with decode on CUDA graphs against transformers (the targets)."""
+    import transformers
+
+    path, w = llama_1b(work, smoke), ModelWork.make(smoke)
+    rows = llm_rows(p, dev, smoke, path, w, (("triton", "triton", False),), profile=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
     with torch.inference_mode():
-        t_pre = timed(lambda: hf(pre.to(dev)), dev, iters=3, warmup=1)
-        ids = dec.to(dev)
+        t_pre = timed(lambda: hf(w.pre.to(dev)), dev, iters=3, warmup=1)
+        ids = w.dec.to(dev)
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         t_dec_pre = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), dev, iters=1,
                           warmup=0)
-        t_dec = timed(lambda: hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kw), dev, iters=1,
+        t_dec = timed(lambda: hf.generate(ids, max_new_tokens=w.gen, min_new_tokens=w.gen, **kw), dev, iters=1,
                       warmup=0)
-        profile = top_kernels(lambda: hf(pre.to(dev)), dev)
-    rows["transformers"] = {"prefill_tokens_per_s": pre.numel() / t_pre,
-                            "decode_tokens_per_s": dec_b * (gen - 1) / max(t_dec - t_dec_pre, 1e-9),
-                            "prefill_profile": profile}
+        profile = top_kernels(lambda: hf(w.pre.to(dev)), dev)
+    rows["transformers"] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
+                            "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre), "prefill_profile": profile}
     ours, base = rows["dualpath_triton"], rows["transformers"]
     return {"systems": rows, "prefill_vs_transformers": ours["prefill_tokens_per_s"] / base["prefill_tokens_per_s"],
             "decode_vs_transformers": ours["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-            "shapes": {"prefill": [pre_b, pre_len], "decode": [dec_b, dec_len, gen]},
+            "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]},
             "targets": {"prefill": 1.0, "decode": 2.0}}
+
+
+def bench_model_eager(p, dev, smoke: bool, work: Path, graphs_decode: float | None) -> dict:
+    """The same ``LLM`` with eager decode steps and on the torch reference (reports only); ``graphs_decode``: the
+    model part's decode tokens/s on graphs, for the graphs-over-eager ratio."""
+    rows = llm_rows(p, dev, smoke, llama_1b(work, smoke), ModelWork.make(smoke),
+                    (("triton_eager", "triton", True), ("torch", "torch", True)), profile=False)
+    eager = rows["dualpath_triton_eager"]["decode_tokens_per_s"]
+    return {"systems": rows, "decode_graphs_vs_eager": graphs_decode / eager if graphs_decode else None}
 
 
 def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
@@ -346,7 +370,7 @@ def main(argv=None) -> dict:
                 result[part] = bench_model(p, dev, args.smoke, work)
             elif part == "model_eager":
                 ours = result.get("model", {}).get("systems", {}).get("dualpath_triton", {})
-                result[part] = bench_model(p, dev, args.smoke, work, False, ours.get("decode_tokens_per_s"))
+                result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
             elif part == "moe":
                 result[part] = bench_moe(p, dev, args.smoke)
             else:

@@ -46,8 +46,11 @@ class ForwardBatch:
         return sum(self.new_lens)
 
     def positions(self) -> np.ndarray:
-        """Every new token's position (int32): a prefill of 16K tokens builds it in well under a millisecond."""
-        return np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in zip(self.cached_lens, self.new_lens)])
+        """Every new token's position (int32), in a fixed number of array operations whatever the batch: a prefill
+        of 16K tokens and a decode step of 64 sequences each take microseconds."""
+        lens = np.asarray(self.new_lens)
+        starts = np.cumsum(lens) - lens  # where each sequence's tokens begin in the batch
+        return (np.arange(lens.sum()) + np.repeat(np.asarray(self.cached_lens) - starts, lens)).astype(np.int32)
 
     def last_token_indices(self) -> list[int]:
         out, end = [], 0
