@@ -100,7 +100,7 @@ class DecodeGraphs:
         for layer in range(m.config.num_layers):
             paged = PagedKV(cache.layers[layer], self.tables[:size], ctx.cached_lens)
             hidden, kv = m.forward_layer(layer, hidden, ctx, paged)
-            cache.write(layer, slots, kv.index_select(0, source))
+            cache.write(layer, slots, kv.index_select(0, source), m.kernels)
         self.logits[:size].copy_(m.compute_logits(hidden))
 
     @torch.inference_mode()

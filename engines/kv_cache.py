@@ -76,8 +76,9 @@ class PagedKVCache:
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
 
-    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        write_tokens(self.layers[layer], slots, kv)
+    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, backend: str = "torch") -> None:
+        """New token rows ``kv`` into their ``slots`` of ``layer``; ``backend``: the model's kernels."""
+        write_tokens(self.layers[layer], slots, kv, backend)
 
     def check(self) -> None:
         """Integrity: tables are disjoint and exactly the allocator's used set."""

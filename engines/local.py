@@ -49,7 +49,7 @@ class ModelRunner:
         for layer in range(self.model.config.num_layers):
             cached = PagedKV(self.cache.layers[layer], tables, ctx.cached_lens)
             hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
-            self.cache.write(layer, slots, kv)
+            self.cache.write(layer, slots, kv, self.model.kernels)
         for s, n in zip(seqs, new_lens):
             s.num_computed += n
         return self.model.compute_logits(hidden[batch.last_token_indices()])

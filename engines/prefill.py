@@ -363,7 +363,7 @@ class PrefillEngine(Engine):
             self.copies.before_compute(layer)
             paged = PagedKV(ws.tensor[layer % ws.slots], tables, ctx.cached_lens)
             hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
-            write_tokens(ws.tensor[layer % ws.slots], slots, kv)  # one write for the batch, not one per sequence
+            write_tokens(ws.tensor[layer % ws.slots], slots, kv, model.kernels)  # the batch at once, not per sequence
             self.copies.after_compute(layer % ws.slots)
             if not basic:  # the send reads this layer's KV from device memory: its kernels must have run
                 self.copies.wait_compute(layer % ws.slots)

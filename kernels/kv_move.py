@@ -21,8 +21,12 @@ def gather_tokens(cache_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens
     return cache_layer[block_ids[:nb]].reshape(-1, cache_layer.shape[-1])[:num_tokens]
 
 
-def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, backend: str = "torch") -> None:
     """Write token rows ``kv [T, kv_elems]`` into flat slots ``block × block_size + offset``."""
+    if backend == "triton":
+        from kernels import triton_kv
+
+        return triton_kv.scatter_blocks(cache_layer.view(-1, cache_layer.shape[-1]), slots, kv)  # rows as pieces
     cache_layer.view(-1, cache_layer.shape[-1]).index_copy_(0, slots, kv.to(cache_layer.dtype))
 
 

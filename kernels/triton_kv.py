@@ -1,10 +1,15 @@
-"""Triton kernels that move Layer Blocks between a paged cache layer and a contiguous buffer, for any block list:
-transfers and storage writes then move one large contiguous piece instead of one piece per block.
+"""A Triton kernel that moves pieces of a paged cache layer ``[num_blocks, block_size, kv_elems]`` by index:
 
-A paged cache layer is ``[num_blocks, block_size, kv_elems]``, each block contiguous; the buffer is
-``[n, block_size, kv_elems]``. One program copies ``CHUNK`` elements of one block.
+- Layer Blocks between the cache and a contiguous buffer ``[n, block_size, kv_elems]``, for any block list, so
+  transfers and storage writes move one large contiguous piece instead of one piece per block;
+- a forward's new token rows into their cache slots, every layer (a row is a piece of the layer viewed as
+  ``[slots, kv_elems]``: whole-row copies, where ``index_copy_`` computes an offset per element).
+
+One program copies up to ``CHUNK`` elements of one piece.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -15,6 +20,7 @@ CHUNK = 4096
 
 @triton.jit
 def _move_kernel(src_ptr, dst_ptr, ids_ptr, block_elems, GATHER: tl.constexpr, CHUNK: tl.constexpr):
+    """Piece ``i`` of the buffer from (``GATHER``) or to piece ``ids[i]`` of the cache, chunk ``c``."""
     i, c = tl.program_id(0), tl.program_id(1)
     block = tl.load(ids_ptr + i).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -27,12 +33,15 @@ def _move_kernel(src_ptr, dst_ptr, ids_ptr, block_elems, GATHER: tl.constexpr, C
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gather: bool) -> None:
-    block_elems = src[0].numel()
-    if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype:
-        raise ValueError("block moves need contiguous tensors of one dtype")
+    block_elems = math.prod(src.shape[1:])
+    if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype \
+            or src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"cannot move pieces {tuple(src.shape)} -> {tuple(dst.shape)} ({src.dtype} -> {dst.dtype}):"
+                         " moves need contiguous tensors of one dtype and piece shape")
     if len(block_ids):
-        _move_kernel[(len(block_ids), triton.cdiv(block_elems, CHUNK))](src, dst, block_ids, block_elems,
-                                                                        GATHER=gather, CHUNK=CHUNK)
+        chunk = min(CHUNK, triton.next_power_of_2(block_elems))  # a 512-element row: 512, not 4096 mostly masked
+        _move_kernel[(len(block_ids), triton.cdiv(block_elems, chunk))](src, dst, block_ids, block_elems,
+                                                                        GATHER=gather, CHUNK=chunk)
 
 
 def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,3 +55,4 @@ def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch
 def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``: ``blocks[i]`` into block ``block_ids[i]`` (ids distinct)."""
     _launch(blocks.to(cache_layer.dtype).contiguous(), cache_layer, block_ids, gather=False)
+

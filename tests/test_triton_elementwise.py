@@ -87,3 +87,22 @@ def test_empty_batches():
     q, kv = rope_qkv(torch.randn(0, 64, device=DEVICE), torch.randn(0, 8, device=DEVICE),
                      torch.randn(0, 8, device=DEVICE), 2, 1, 16, "triton")
     assert q.shape == (0, 2, 16) and kv.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_add_in_the_down_projection(dtype):
+    """The fused path adds the MLP's output to the residual stream in the GEMM (in place); with a bias, or on the
+    torch reference, it is the separate add transformers makes."""
+    from engines.models.base import add_linear
+
+    res, x = torch.randn(9, 48, dtype=dtype, device=DEVICE), torch.randn(9, 80, dtype=dtype, device=DEVICE)
+    w, b = torch.randn(48, 80, dtype=dtype, device=DEVICE) / 9, torch.randn(48, dtype=dtype, device=DEVICE)
+    ref = res.double() + x.double() @ w.double().t()
+    torch_out = add_linear(res, x, w, None, "torch")
+    assert torch.equal(torch_out, res + torch.nn.functional.linear(x, w))
+    held = res.clone()
+    fused = add_linear(held, x, w, None, "triton")
+    assert fused.data_ptr() == held.data_ptr() and rel_err(fused, ref) < TOL[dtype]
+    assert same_as_torch(fused, torch_out)
+    biased = add_linear(res.clone(), x, w, b, "triton")
+    assert torch.equal(biased, res + torch.nn.functional.linear(x, w, b))

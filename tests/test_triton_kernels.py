@@ -13,7 +13,7 @@ from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_kv  # noqa: E402
 from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
                                varlen_attention)
-from kernels.kv_move import gather_blocks, scatter_blocks  # noqa: E402
+from kernels.kv_move import gather_blocks, scatter_blocks, write_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
@@ -172,6 +172,32 @@ def test_block_gather_and_scatter_any_block_list(dtype):
     untouched = [i for i in range(12) if i not in ids.tolist()]
     assert torch.equal(mine[untouched], cache[untouched])
     assert gather_blocks(cache, ids[:0], backend="triton").shape == (0, BS, 40)
+
+
+@pytest.mark.parametrize("width", [40, 576, 5000])  # under a power of two, MLA's row, more than one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_writes_into_cache_slots_match_index_copy(width, dtype):
+    """A forward's new KV rows into scattered slots of a cache layer, other slots untouched. Rows come from a
+    strided view, as a layer's KV slice of a wider tensor would."""
+    cache = torch.randn(6, BS, width, dtype=dtype, device=DEVICE)
+    slots = torch.randperm(6 * BS, device=DEVICE)[:37]
+    rows = torch.randn(37, width + 3, dtype=dtype, device=DEVICE)[:, 1:width + 1]
+    mine, theirs = cache.clone(), cache.clone()
+    write_tokens(mine, slots, rows, backend="triton")
+    write_tokens(theirs, slots, rows)
+    assert torch.equal(mine, theirs) and torch.equal(mine.view(-1, width)[slots], rows)
+    write_tokens(mine, slots[:0], rows[:0], backend="triton")
+    assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="cannot move pieces"):
+        write_tokens(mine, slots, rows[:, :-1], backend="triton")
+
+
+def test_row_writes_cast_to_the_cache_dtype():
+    cache = torch.zeros(4, BS, 48, dtype=torch.bfloat16, device=DEVICE)
+    slots, rows = torch.tensor([5, 63, 17], device=DEVICE), torch.randn(3, 48, device=DEVICE)
+    write_tokens(cache, slots, rows, backend="triton")
+    assert torch.equal(cache.view(-1, 48)[slots], rows.to(torch.bfloat16))
+    assert cache.view(-1, 48)[[0, 1, 2, 3, 4, 6]].abs().sum() == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])

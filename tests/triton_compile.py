@@ -139,6 +139,9 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
     triton_kv.gather_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]))
     triton_kv.scatter_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]),
                              torch.zeros(2, 64, 2048, dtype=bf16))
+    for row in (2048, 512, 576):  # a forward's KV rows into cache slots: Llama-3-8B, TinyLlama, DeepSeek-V3's latent
+        what = f"cache row writes {row} bf16"
+        triton_kv.scatter_blocks(torch.zeros(8 * 64, row, dtype=bf16), torch.tensor([3, 70]), torch.zeros(2, row))
     return launches
 
 

@@ -105,6 +105,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
+def add_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               backend: str) -> torch.Tensor:
+    """``residual + linear(x, w, b)``. On the fused path ("triton") without a bias the sum is the GEMM's own
+    epilogue (``addmm_``, beta = 1: one rounding, no add kernel), written over ``residual``: callers pass a
+    residual stream no one else holds. The torch reference rounds the product, then the sum, as transformers."""
+    if backend == "triton" and b is None:
+        return residual.addmm_(x, w.t())
+    return residual + linear(x, w, b)
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only model with a layerwise forward over externally held KV."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
-from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, gqa_split, varlen_attention
 from kernels.norm import add_rms_norm, rms_norm
@@ -52,7 +52,9 @@ class LlamaForCausalLM(CausalLM):
         attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, backend, ctx.cu_new)
         x, hidden = add_rms_norm(linear(attn.reshape(t, -1), w.o_w, w.o_b), hidden, w.post_norm, c.rms_norm_eps,
                                  backend)
-        hidden = hidden + linear(silu_and_mul(linear(x, w.gate_up_w, w.gate_up_b), backend), w.down_w, w.down_b)
+        # ``hidden`` is add_rms_norm's fresh sum, this layer's own: add_linear may write the MLP's output into it
+        hidden = add_linear(hidden, silu_and_mul(linear(x, w.gate_up_w, w.gate_up_b), backend), w.down_w, w.down_b,
+                            backend)
         return hidden, new_kv
 
     def weight_specs(self) -> Iterator[WeightSpec]:
