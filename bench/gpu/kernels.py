@@ -72,8 +72,9 @@ CALL = "bench_call"  # the profiled call's annotation
 
 
 def top_kernels(fn, dev: torch.device, n: int = 12) -> dict:
-    """Where one call's time goes on the GPU: wall seconds, device seconds of all kernels, and the ``n`` kernels
-    that took the most (name, calls, seconds), from torch's profiler. Empty off CUDA."""
+    """Where one call's time goes on the GPU: wall seconds, device seconds of all kernels, the ``n`` kernels that
+    took the most (name, calls, seconds), and ``idle``: when the GPU waited (``timeline``: before the first kernel,
+    between kernels, after the last), from torch's profiler. Empty off CUDA."""
     if dev.type != "cuda":
         return {}
     from torch.profiler import ProfilerActivity, profile, record_function
