@@ -9,7 +9,7 @@
              against SDPA (is_causal, padded batch) as transformers runs it (report: which tiles win)
   model      a ~1.1B random Llama (TinyLlama's shape) in bfloat16: prefill and decode tokens/s of ``LLM`` on the
              Triton kernels with decode on CUDA graphs against transformers (targets: prefill >= 1.0x, decode
-             >= 2x)
+             >= 2x); and the prefill again with the prefill_causal sweep's best tiles, if not the default (report)
   model_eager  the same ``LLM`` with eager decode steps and on the torch reference (report only)
   pipeline   prefill of 512 new tokens over 32K cached whose KV streams layer by layer from pinned host memory
              (LayerCopies, the engine's copy stream) against the same prefill with all KV on the device (<= 1.10x)
@@ -24,6 +24,7 @@ The parts run in the order pipeline and moe before the model parts (slowest last
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -32,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -261,15 +263,13 @@ class ModelWork:
 def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool) -> dict:
     """Prefill and decode tokens/s of ``LLM`` for each (name, kernels, enforce_eager) in ``systems``, one at a time
     (each one's KV cache freed before the next is made); ``profile``: also where one prefill's GPU time goes."""
-    from dualpath import LLM, SamplingParams
+    from dualpath import SamplingParams
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
     rows = {}
     for name, kernels, eager in systems:
-        llm = LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
-                  block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
-                  max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel())
+        llm = make_llm(p, dev, smoke, path, w, kernels, eager)
         t_pre = timed(lambda: llm.generate(w.pre.tolist(), one), dev, iters=3, warmup=1)
         t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one), dev, iters=1, warmup=0)
         t_dec = timed(lambda: llm.generate(w.dec.tolist(), many), dev, iters=1, warmup=0)
@@ -279,18 +279,60 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
         if profile:
             rows[f"dualpath_{name}"]["prefill_profile"] = top_kernels(lambda: llm.generate(w.pre.tolist(), one), dev)
         llm = None
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        release(dev)
     return rows
 
 
-def bench_model(p, dev, smoke: bool, work: Path) -> dict:
-    """``LLM`` on the Triton kernels with decode on CUDA graphs against transformers (the targets)."""
+def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool):
+    from dualpath import LLM
+
+    return LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
+               block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
+               max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel())
+
+
+def release(dev: torch.device) -> None:
+    """Give back what a dropped engine held (its KV cache), so the next one has the memory."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def prefill_tiles(tiles: dict):
+    """Inside the block the prefill kernel's default tiles are ``tiles`` (a sweep row's: block_m, block_n,
+    num_warps, num_stages): what changing the default would give the whole model, measured before making it."""
+    def fixed(layout, dtype, launch):
+        launch.update({k: tiles[k] for k in ("num_warps", "num_stages") if k in tiles})
+        return tiles["block_m"], tiles["block_n"]
+
+    with mock.patch.object(ta, "_prefill_tiles", fixed):
+        yield
+
+
+def prefill_with_tiles(p, dev, smoke: bool, path: Path, w: "ModelWork", tiles: dict) -> dict:
+    """Prefill tokens/s of ``LLM`` on the Triton kernels with the prefill kernel's tiles set to ``tiles``."""
+    from dualpath import SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm = make_llm(p, dev, smoke, path, w, "triton", True)
+    with prefill_tiles(tiles):
+        t_pre = timed(lambda: llm.generate(w.pre.tolist(), one), dev, iters=3, warmup=1)
+    llm = None
+    release(dev)
+    return {"tiles": tiles, "prefill_tokens_per_s": w.pre.numel() / t_pre}
+
+
+def bench_model(p, dev, smoke: bool, work: Path, causal_best: dict | None = None) -> dict:
+    """``LLM`` on the Triton kernels with decode on CUDA graphs against transformers (the targets).
+    ``causal_best``: the ``prefill_causal`` sweep's fastest row; when it is not the kernel's default, the prefill is
+    measured again with its tiles (``dualpath_triton_causal_best``, report only)."""
     import transformers
 
     path, w = llama_1b(work, smoke), ModelWork.make(smoke)
     rows = llm_rows(p, dev, smoke, path, w, (("triton", "triton", False),), profile=True)
+    if causal_best and not causal_best.get("default"):
+        rows["dualpath_triton_causal_best"] = prefill_with_tiles(p, dev, smoke, path, w, causal_best["tiles"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
     with torch.inference_mode():
         t_pre = timed(lambda: hf(w.pre.to(dev)), dev, iters=3, warmup=1)
@@ -304,7 +346,9 @@ def bench_model(p, dev, smoke: bool, work: Path) -> dict:
     rows["transformers"] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
                             "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre), "prefill_profile": profile}
     ours, base = rows["dualpath_triton"], rows["transformers"]
-    return {"systems": rows, "prefill_vs_transformers": ours["prefill_tokens_per_s"] / base["prefill_tokens_per_s"],
+    for row in rows.values():
+        row["prefill_vs_transformers"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+    return {"systems": rows, "prefill_vs_transformers": ours["prefill_vs_transformers"],
             "decode_vs_transformers": ours["decode_tokens_per_s"] / base["decode_tokens_per_s"],
             "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]},
             "targets": {"prefill": 1.0, "decode": 2.0}}
@@ -424,7 +468,7 @@ def main(argv=None) -> dict:
             elif part == "prefill_causal":
                 result[part] = bench_prefill_causal(p, dev)
             elif part == "model":
-                result[part] = bench_model(p, dev, args.smoke, work)
+                result[part] = bench_model(p, dev, args.smoke, work, result.get("prefill_causal", {}).get("best"))
             elif part == "model_eager":
                 ours = result.get("model", {}).get("systems", {}).get("dualpath_triton", {})
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
@@ -448,6 +492,9 @@ def main(argv=None) -> dict:
          "value": result.get("prefill_causal", {}).get("best", {}).get("speed_vs_baseline"), "target": "(report)"},
         {"what": "model prefill ÷ transformers", "value": result.get("model", {}).get("prefill_vs_transformers"),
          "target": ">= 1.0"},
+        {"what": "  with the causal sweep's best tiles", "target": "(report)",
+         "value": result.get("model", {}).get("systems", {}).get("dualpath_triton_causal_best", {})
+         .get("prefill_vs_transformers")},
         {"what": "model decode ÷ transformers", "value": result.get("model", {}).get("decode_vs_transformers"),
          "target": ">= 2.0"},
         {"what": "decode graphs ÷ eager", "value": result.get("model_eager", {}).get("decode_graphs_vs_eager"),
