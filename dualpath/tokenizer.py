@@ -90,7 +90,8 @@ class Tokenizer:
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            # a template is code run over the request's messages: whatever it trips on is the request's error
             raise RequestError(f"chat template rejected the messages: {e}", field="messages") from None
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:

@@ -3,8 +3,9 @@
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally,
-stop strings are matched here (the request is cancelled at the first match), and a client that disconnects
-cancels its request. Errors use OpenAI's JSON error format.
+stop strings are matched here (the request is cancelled at the first match), tool calls are parsed from chat
+replies here (``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors use OpenAI's
+JSON error format.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dualpath.errors import DualPathError, RequestError
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
 from dualpath.serving.protocol import ChatRequest, CompletionRequest, error_body, parse
+from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class Frontend:
         self.cfg = cfg
         self.client = client or ClusterClient(cfg.scheduler)
         self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
+        self.tool_markup = tool_markup(self.tokenizer.chat_template)
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -183,8 +186,8 @@ class Frontend:
     def _prompt(self, req, kind: str) -> list[int]:
         try:
             if kind == "chat":
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                return self.tokenizer.apply_chat_template(messages)
+                return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                          **self._tools(req))
             if isinstance(req.prompt, str):
                 return self.tokenizer.encode(req.prompt)
             ids = list(req.prompt)
@@ -194,6 +197,21 @@ class Frontend:
             return ids
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+
+    def _tools(self, req: ChatRequest) -> dict:
+        """The chat template's ``tools`` argument: the request's tools when the model may call them."""
+        if not req.calls_tools():
+            return {}
+        if self.tool_markup is None:
+            raise ApiError(400, "this model's chat template does not render tools, so its answers cannot be parsed "
+                                "for tool calls; send no tools, or tool_choice 'none'", param="tools")
+        return {"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+
+    def _splitter(self, req, kind: str) -> ToolCallSplitter | None:
+        """The tool-call parser of a chat request that offers tools (None otherwise)."""
+        if kind != "chat" or not req.calls_tools():
+            return None
+        return ToolCallSplitter(req.tool_names(), req.parallel_tool_calls)
 
     def _sampling(self, req, kind: str, n_prompt: int) -> SamplingParams:
         room = self.cfg.max_model_len - n_prompt
@@ -335,8 +353,14 @@ class Frontend:
         content = "".join(text)
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
-                      "finish_reason": outcome.finish_reason,
+            message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
+            splitter = self._splitter(req, kind)
+            if splitter is not None:
+                content = splitter.feed(content) + splitter.finish()
+                if splitter.calls:
+                    message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
+                    finish = "tool_calls"
+            choice = {"index": 0, "message": message, "finish_reason": finish,
                       "logprobs": self._chat_logprobs(lps) if want_lps else None}
             obj = "chat.completion"
         else:
@@ -367,17 +391,29 @@ class Frontend:
                      "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
             return c
 
+        splitter = self._splitter(req, kind)
         try:
             if kind == "chat":
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                              "logprobs": None})
             async for item in gen:
                 if isinstance(item, Outcome):
-                    yield chunk(choice("", [], item.finish_reason))
+                    finish = item.finish_reason
+                    if splitter is not None:
+                        if tail := splitter.finish():
+                            yield chunk(choice(tail, []))
+                        if splitter.calls:  # each call whole, in one delta (clients join deltas by index)
+                            calls = [{"index": i, **c} for i, c in enumerate(splitter.calls)]
+                            yield chunk({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None,
+                                         "logprobs": None})
+                            finish = "tool_calls"
+                    yield chunk(choice("", [], finish))
                     if req.stream_options and req.stream_options.include_usage:
                         yield chunk(None, self._usage(req, n_prompt, item))
                     break
                 delta, _, lp = item
+                if splitter is not None:
+                    delta = splitter.feed(delta)
                 if delta or lp:
                     yield chunk(choice(delta, [lp] if lp else []))
         except ApiError as e:

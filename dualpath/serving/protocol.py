@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dualpath.errors import RequestError
+from dualpath.serving.tools import template_arguments
 
 
 class Extension(BaseModel):
@@ -67,15 +68,71 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        return v
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention): text content, and a call's
+        arguments as an object."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatRequest(_Common):
@@ -84,9 +141,37 @@ class ChatRequest(_Common):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    response_format: Optional[ResponseFormat] = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, v, info):
+        if v is not None and not info.data.get("tools"):
+            raise ValueError("tool_choice needs tools")
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("forcing a tool call ('required' or a named function) is not supported: this server "
+                             "has no constrained decoding; use 'auto' or 'none'")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"{v.type!r} is not supported: this server has no constrained decoding")
+        return v
 
     def max_new(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def calls_tools(self) -> bool:
+        """Whether the model is offered the tools (``tool_choice`` "none" withholds them)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_names(self) -> frozenset[str]:
+        return frozenset(t.function.name for t in self.tools or ())
 
 
 class CompletionRequest(_Common):
@@ -119,17 +204,40 @@ def parse(model_cls, body: bytes):
     """Parse and validate a request body; raise ``RequestError`` naming the offending field."""
     try:
         data = json.loads(body)
+        if not isinstance(data, dict):
+            raise RequestError("the body must be a JSON object")
+        _check_unicode(data, ())
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise RequestError("the body must be a JSON object")
+    except RecursionError:
+        raise RequestError("the body nests too deeply") from None
     try:
         return model_cls.model_validate(data)
+    except RecursionError:
+        raise RequestError("the body nests too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         field = str(err["loc"][0]) if err["loc"] else None
         raise RequestError(f"{loc or 'body'}: {err['msg']}", field=field) from None
+
+
+def _check_unicode(node, where: tuple) -> None:
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode: name where it is."""
+    if isinstance(node, str):
+        try:
+            node.encode("utf-8")
+        except UnicodeEncodeError:
+            loc = ".".join(map(str, where)) or "body"
+            raise RequestError(f"{loc}: invalid Unicode (a lone surrogate)", field=str(where[0]) if where else None) \
+                from None
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            _check_unicode(k, where)
+            _check_unicode(v, where + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_unicode(v, where + (i,))
 
 
 def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""Random request bodies against the HTTP frontend (a scripted test double in place of the cluster): whatever the
+fields hold, the answer is a completion or an OpenAI error with a 4xx status, never a 500."""
+import json
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from test_tools import HERMES_TEMPLATE, WEATHER, serve
+
+FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed",
+          "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+          "response_format", "dualpath", "echo", "suffix", "presence_penalty"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                    st.text(max_size=8))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                      max_leaves=8)
+plausible = st.sampled_from([
+    [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]}],
+    "hello", [1, 2, 3], [WEATHER], "auto", "none", 4, 0.5, {"type": "text"}])
+texts = st.one_of(st.text(max_size=8), st.sampled_from(["bad \ud800", "\udfffx"]))  # lone surrogates too
+said = st.one_of(texts, texts.map(lambda t: [{"role": "user", "content": t}]))  # a prompt or a chat turn
+# a valid request of either kind with one or two fields replaced, so most bodies get past the first check
+valid = st.sampled_from([{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "hello"}])
+bodies = st.builds(lambda base, changed: {**base, **changed}, valid,
+                   st.dictionaries(st.sampled_from(FIELDS), st.one_of(said, values, plausible), max_size=2))
+
+
+def test_random_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+    fake.reply = 'ok <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+
+    @settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(bodies, st.sampled_from(["chat/completions", "completions"]))
+    def check(body, endpoint):
+        r = http.post(f"/v1/{endpoint}", content=json.dumps({"model": "m", **body}),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"]
+
+    check()

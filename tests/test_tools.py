@@ -1,0 +1,276 @@
+"""OpenAI tool calling on the chat endpoint: the Hermes-markup splitter (pure), and the HTTP frontend with a
+scripted test double in place of the cluster: tools and past calls reach the chat template, the model's calls come
+back as ``tool_calls`` (streamed and not, through the real ``openai`` client), a call that does not parse stays
+content, and what cannot be honoured (forced calls, JSON modes, templates without tools, non-text parts, broken
+Unicode) is a 400 naming the field."""
+import json
+import shutil
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from dualpath.messages import TokenEvent
+from dualpath.serving.openai_api import Frontend, FrontendConfig
+from dualpath.serving.tools import ToolCallSplitter, tool_markup
+from dualpath.tokenizer import Tokenizer
+from test_serving import validate
+
+# A Hermes-style template written for these tests: tools listed in the system turn, past calls as <tool_call>
+# blocks with their arguments as JSON objects, tool results as <tool_response>.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'tool' %}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls', []) %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+NAMES = frozenset({"get_weather"})
+
+
+class ScriptedClient:
+    """Test double of ``ClusterClient``: every request is answered with the tokens of ``reply`` (the last one
+    finishing it); the prompts it was sent are kept."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.reply, self.prompts = tokenizer, "", []
+
+    def start(self, prompt, sampling, request_id=None, mode=""):
+        self.prompts.append(list(prompt))
+        return ScriptedHandle(self.tokenizer.encode(self.reply, add_special_tokens=False))
+
+    def stats(self):
+        return {"ready": True}
+
+
+class ScriptedHandle:
+    request_id = "scripted"
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def events(self):
+        for i, t in enumerate(self.ids):
+            yield TokenEvent(self.request_id, t, finish_reason="stop" if i == len(self.ids) - 1 else "")
+
+    def cancel(self):
+        pass
+
+
+def serve(tiny_dirs, tmp_path, template):
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(tiny_dirs["llama"] / "tokenizer.json", d)
+    cfg = json.loads((tiny_dirs["llama"] / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    tok = Tokenizer(d)
+    fake = ScriptedClient(tok)
+    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096), client=fake, tokenizer=tok)
+    return TestClient(front.app), fake, tok
+
+
+@pytest.fixture
+def hermes(tiny_dirs, tmp_path):
+    return serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+
+
+def chat(http, **body):
+    return http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 64, **body})
+
+
+def ask(**extra):
+    return dict(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER], **extra)
+
+
+# --- the splitter -----------------------------------------------------------------------------------------------
+def split_whole(text, names=NAMES, parallel=True):
+    s = ToolCallSplitter(names, parallel)
+    return s.feed(text) + s.finish(), s.calls
+
+
+def test_the_markup_is_recognised_from_the_template():
+    assert tool_markup(HERMES_TEMPLATE) == "hermes"
+    assert tool_markup("{{ messages }}") is None and tool_markup(None) is None
+
+
+def test_plain_text_has_no_calls():
+    assert split_whole("Sunny, 21 C.") == ("Sunny, 21 C.", [])
+
+
+def test_calls_are_parsed_with_text_before_them_kept():
+    content, calls = split_whole("Checking." + CALL + "\n" + CALL.replace("Paris", "Oslo"))
+    assert content == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert all(c["type"] == "function" and c["function"]["name"] == "get_weather" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_parallel_false_keeps_the_first_call():
+    _, calls = split_whole(CALL + CALL.replace("Paris", "Oslo"), parallel=False)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+
+
+@pytest.mark.parametrize("bad", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+    '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not one of the request's tools
+    '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',  # arguments not an object
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut off (max_tokens)
+])
+def test_text_that_is_not_a_valid_call_stays_content(bad):
+    assert split_whole("ok " + bad) == ("ok " + bad, [])
+
+
+def test_streamed_in_any_pieces_the_result_is_the_same():
+    text = "Let me look <tool_ that up. " + CALL + " done"
+    whole = split_whole(text)
+    for cut in range(len(text) + 1):
+        s = ToolCallSplitter(NAMES)
+        shown = [s.feed(text[:cut]), s.feed(text[cut:])]
+        assert "<tool_call>" not in shown[0] + shown[1]  # nothing from the tag on is shown before the end
+        shown.append(s.finish())
+        assert "".join(shown) == whole[0] and [c["function"] for c in s.calls] == [c["function"] for c in whole[1]]
+
+
+def test_a_partial_tag_is_held_back_then_shown_if_no_call_follows():
+    s = ToolCallSplitter(NAMES)
+    assert s.feed("see <tool") == "see "
+    assert s.feed("box>") == "<toolbox>"
+    assert s.finish() == "" and s.calls == []
+
+
+# --- through the HTTP frontend ----------------------------------------------------------------------------------
+def test_a_call_comes_back_as_tool_calls(hermes):
+    http, fake, _ = hermes
+    fake.reply = "Let me check." + CALL
+    r = chat(http, **ask())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("CreateChatCompletionResponse", body)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_the_openai_client_reads_calls_streamed_and_not(hermes):
+    http, fake, _ = hermes
+    fake.reply = CALL
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    msg = client.chat.completions.create(model="m", **ask()).choices[0]
+    assert msg.finish_reason == "tool_calls" and msg.message.content is None
+    assert msg.message.tool_calls[0].function.name == "get_weather"
+    chunks = list(client.chat.completions.create(model="m", stream=True, **ask()))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_streamed_chunks_conform_and_text_before_the_call_streams(hermes):
+    http, fake, _ = hermes
+    fake.reply = "One moment." + CALL
+    with http.stream("POST", "/v1/chat/completions", json={"model": "m", "stream": True, **ask()}) as r:
+        lines = [x for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    chunks = [json.loads(x[6:]) for x in lines]
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == "One moment."
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+
+
+def test_history_with_calls_and_results_reaches_the_template(hermes):
+    http, fake, tok = hermes
+    fake.reply = "Sunny."
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
+    r = chat(http, messages=history, tools=[WEATHER])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Sunny.", "refusal": None}
+    prompt = tok.decode(fake.prompts[-1], skip_special_tokens=False)
+    assert '"name": "get_weather"' in prompt and '"description": "Weather of a city"' in prompt  # the tool
+    assert CALL in prompt  # the past call, arguments as an object (not a quoted string)
+    assert "<tool_response>21 C, sunny</tool_response>" in prompt
+
+
+def test_tool_choice_none_withholds_the_tools_and_parses_nothing(hermes):
+    http, fake, tok = hermes
+    fake.reply = CALL
+    r = chat(http, **ask(tool_choice="none"))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == CALL and choice["finish_reason"] == "stop"
+    assert "<tools>" not in tok.decode(fake.prompts[-1], skip_special_tokens=False)
+
+
+def test_a_call_that_does_not_parse_is_returned_as_text(hermes):
+    http, fake, _ = hermes
+    fake.reply = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    choice = chat(http, **ask()).json()["choices"][0]
+    assert choice["message"]["content"] == fake.reply and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    (ask(tool_choice="required"), "tool_choice", "not supported"),
+    (ask(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice", "not supported"),
+    (dict(messages=[{"role": "user", "content": "x"}], tool_choice="auto"), "tool_choice", "needs tools"),
+    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}), "response_format",
+     "not supported"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
+     "'image_url' are not supported"),
+    (dict(messages=[{"role": "user", "content": "bad \ud800 char"}]), "messages", "lone surrogate"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(hermes, extra, param, words):
+    http, fake, _ = hermes
+    body = json.dumps({"model": "m", **extra})  # json.dumps escapes the lone surrogate, as a client would
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert not fake.prompts  # nothing was submitted
+
+
+def test_deep_nesting_is_a_400(hermes):
+    http, _, _ = hermes
+    r = http.post("/v1/chat/completions", content="[" * 100_000, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "deep" in r.json()["error"]["message"] or "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_tools_for_a_template_without_them_is_a_400(tiny_dirs, tmp_path):
+    from dualpath.checkpoints.chatml import CHATML_TEMPLATE
+
+    http, fake, _ = serve(tiny_dirs, tmp_path, CHATML_TEMPLATE)
+    r = chat(http, **ask())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    fake.reply = "fine"
+    assert chat(http, **ask(tool_choice="none")).status_code == 200  # withheld tools need no markup
+
+
+def test_offline_chat_passes_tools_to_the_template(tiny_dirs, tmp_path):
+    from dualpath import LLM, SamplingParams
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dirs["llama"], ckpt)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": HERMES_TEMPLATE}))
+    llm = LLM(str(ckpt), block_size=16)
+    msgs = ask()["messages"]
+    with_tools, = llm.chat(msgs, SamplingParams(max_tokens=1), tools=[WEATHER])
+    without, = llm.chat(msgs, SamplingParams(max_tokens=1))
+    assert '"name": "get_weather"' in llm.tokenizer.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
+    assert "<tools>" not in llm.tokenizer.decode(without.prompt_token_ids, skip_special_tokens=False)
