@@ -1,17 +1,20 @@
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch") -> torch.Tensor:
-    """RMSNorm computed in float32, scaled by ``weight`` in the input dtype (as Hugging Face models do).
-    ``backend`` "triton": one fused kernel (``kernels.triton_elementwise``)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "torch",
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm computed in float32, scaled by ``weight`` in the input dtype (as Hugging Face models do), into
+    ``out`` when given (rows with unit column stride, e.g. the latent part of MLA's KV row). ``backend`` "triton":
+    one fused kernel (``kernels.triton_elementwise``)."""
     if backend == "triton":
         from kernels.triton_elementwise import rms_norm as fused
 
-        return fused(x, weight, eps)[0]
+        return fused(x, weight, eps, out=out)[0]
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    y = weight * xf.to(dtype)
+    return y if out is None else out.copy_(y)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -82,13 +82,24 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, attention_fact
     return (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first ``2 × cos.shape[-1]`` dims of ``x`` (``[T, heads, dim]``).
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+               backend: str = "torch", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate the first ``2 × cos.shape[-1]`` dims of ``x`` (``[T, heads, dim]``), into ``out`` when given (a view
+    with unit column stride, e.g. the rope part of MLA's KV row).
 
     Non-interleaved (GPT-NeoX / Llama) pairs dim i with i + d/2. Interleaved (DeepSeek) pairs 2i with 2i + 1 and
     writes the result de-interleaved (evens then odds), exactly as Hugging Face's DeepSeek-V3 does, so queries
-    and cached keys always share one layout.
+    and cached keys always share one layout. ``backend`` "triton": one kernel (``kernels.triton_elementwise``).
     """
+    if backend == "triton":
+        from kernels.triton_elementwise import apply_rope as fused
+
+        return fused(x, cos, sin, interleaved, out)
+    y = _rotate(x, cos, sin, interleaved)
+    return y if out is None else out.copy_(y)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     half = cos.shape[-1]
     rot, rest = x[..., : 2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]

@@ -71,6 +71,38 @@ def test_rope_qkv_against_float64_and_torch(dtype, hq, hk, d, rot):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("h,d,rot", [(3, 8, 8), (20, 24, 16)])  # MLA's rope part; a head with unrotated columns
+def test_apply_rope_of_strided_views_into_a_row(dtype, interleaved, h, d, rot):
+    """DeepSeek's use: the rope part of each query head (a strided view of the projection) into a new tensor, and
+    the shared key's rope part of the KV-A projection straight into its place in the KV row."""
+    t = 6
+    inv, factor = rope_inv_freq(RopeConfig(theta=10000.0, rotary_dim=rot))
+    cos, sin = rope_cos_sin(inv, torch.tensor([0, 1, 9, 64, 65, 3000], device=DEVICE), factor, dtype)
+    q = torch.randn(t, h, 16 + d, dtype=dtype, device=DEVICE)[..., 16:]  # [T, H, d] inside [T, H, 16 + d]
+    out = apply_rope(q, cos, sin, interleaved, "triton")
+    ref = apply_rope(q, cos, sin, interleaved)
+    assert rel_err(out, apply_rope(q.double(), cos.double(), sin.double(), interleaved)) < TOL[dtype]
+    assert same_as_torch(out, ref)
+    ckv = torch.randn(t, 32 + d, dtype=dtype, device=DEVICE)
+    row = torch.full((t, 32 + d), float("nan"), dtype=dtype, device=DEVICE)
+    apply_rope(ckv[:, 32:].view(t, 1, d), cos, sin, interleaved, "triton", out=row[:, 32:].view(t, 1, d))
+    assert same_as_torch(row[:, 32:], apply_rope(ckv[:, 32:].view(t, 1, d), cos, sin, interleaved).view(t, d))
+    assert row[:, :32].isnan().all()  # nothing written outside the view
+    with pytest.raises(ValueError, match="unit column stride"):
+        apply_rope(q, cos, sin, interleaved, "triton", out=torch.empty(t, d, h, dtype=dtype).transpose(1, 2))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rms_norm_into_part_of_a_row(backend):
+    x, w = torch.randn(5, 40, device=DEVICE), torch.rand(32, device=DEVICE) + 0.5
+    row = torch.full((5, 40), float("nan"), device=DEVICE)
+    rms_norm(x[:, :32], w, 1e-6, backend, out=row[:, :32])
+    assert same_as_torch(row[:, :32], rms_norm(x[:, :32].contiguous(), w, 1e-6))
+    assert row[:, 32:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,i", [(1, 40), (5, 1500)])  # one column block, two (the second partial)
 def test_silu_and_mul_against_float64_and_torch(dtype, t, i):
     gate_up = torch.randn(t, 2 * i, dtype=dtype, device=DEVICE) * 3

@@ -96,7 +96,7 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
                triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
-               te._silu_mul_kernel)
+               te._rope_kernel, te._silu_mul_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32 = torch.bfloat16, torch.float32
@@ -135,6 +135,13 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
         te.rope_qkv(torch.zeros(3, (hq + 2 * hk) * d, dtype=bf16), torch.zeros(3, d // 2, dtype=bf16),
                     torch.zeros(3, d // 2, dtype=bf16), hq, hk, d)
         te.silu_and_mul(torch.zeros(3, 2 * inter, dtype=bf16))
+    what = "mla rope and latent norm into the KV row bf16"  # DeepSeek-V3: 128 heads x (128 + 64), row 512 + 64
+    q, ckv, row = (torch.zeros(3, 128, 192, dtype=bf16), torch.zeros(3, 576, dtype=bf16),
+                   torch.zeros(3, 576, dtype=bf16))
+    angles = torch.zeros(3, 32, dtype=bf16)
+    te.apply_rope(q[..., 128:], angles, angles, True)
+    te.apply_rope(ckv[:, 512:].view(3, 1, 64), angles, angles, True, out=row[:, 512:].view(3, 1, 64))
+    te.rms_norm(ckv[:, :512], ckv[0, :512], 1e-6, out=row[:, :512])
     what = "block moves bf16"
     triton_kv.gather_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]))
     triton_kv.scatter_blocks(torch.zeros(8, 64, 2048, dtype=bf16), torch.tensor([3, 1]),

@@ -12,7 +12,7 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
-from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, mla_attention
 from kernels.moe import grouped_topk, routed_experts
@@ -42,8 +42,10 @@ class DenseMLP(nn.Module):
         self.gate_up_w = param(2 * inter, hidden)
         self.down_w = param(hidden, inter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up_w)), self.down_w)
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """``residual + mlp(x)`` (``add_linear``: on the fused path the sum is the down projection's epilogue,
+        written over ``residual``, which the caller owns)."""
+        return add_linear(residual, silu_and_mul(linear(x, self.gate_up_w), backend), self.down_w, None, backend)
 
 
 class MoE(nn.Module):
@@ -86,12 +88,12 @@ class DeepseekV3ForCausalLM(CausalLM):
             q = linear(x, w.q_w)
         q = q.view(t, nh, m.qk_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-        ckv = linear(x, w.kv_a_w)
-        latent = rms_norm(ckv[:, : m.kv_lora_rank], w.kv_a_norm, c.rms_norm_eps, self.kernels)
-        k_pe = ckv[:, m.kv_lora_rank:].view(t, 1, m.qk_rope_head_dim)
-        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved)
-        k_pe = apply_rope(k_pe, ctx.cos, ctx.sin, c.rope.interleaved)
-        new_kv = torch.cat([latent, k_pe.view(t, -1)], dim=1)
+        ckv, r, dr = linear(x, w.kv_a_w), m.kv_lora_rank, m.qk_rope_head_dim
+        new_kv = torch.empty_like(ckv)  # the KV row [normed latent | rotated k_pe], each part written in place
+        rms_norm(ckv[:, :r], w.kv_a_norm, c.rms_norm_eps, self.kernels, out=new_kv[:, :r])
+        apply_rope(ckv[:, r:].view(t, 1, dr), ctx.cos, ctx.sin, c.rope.interleaved, self.kernels,
+                   out=new_kv[:, r:].view(t, 1, dr))
+        q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved, self.kernels)
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new)
@@ -101,8 +103,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         e = self.config.moe
         weights, ids = grouped_topk(linear(x.float(), w.router_w), w.router_bias, e.num_groups, e.topk_group,
                                     e.num_experts_per_tok, e.norm_topk_prob, e.routed_scaling_factor)
-        out = routed_experts(x, weights, ids, w.experts_gate_up, w.experts_down, self.kernels)
-        return out + w.shared(x) if w.shared is not None else out
+        out = routed_experts(x, weights, ids, w.experts_gate_up, w.experts_down, self.kernels)  # a fresh sum
+        return w.shared.add_to(out, x, self.kernels) if w.shared is not None else out
 
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +112,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         attn, new_kv = self._attention(w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps, self.kernels), ctx,
                                        cached_kv)
         x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
-        hidden = hidden + (self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp(x))
+        # ``hidden`` is add_rms_norm's fresh sum, this layer's own: the dense MLP may write its output into it
+        hidden = hidden + self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp.add_to(hidden, x, self.kernels)
         return hidden, new_kv
 
     def float32_params(self) -> Sequence[str]:
