@@ -37,13 +37,14 @@ NAMES = frozenset({"get_weather"})
 
 class ScriptedClient:
     """Test double of ``ClusterClient``: every request is answered with the tokens of ``reply`` (the last one
-    finishing it); the prompts it was sent are kept."""
+    finishing it); the prompts and sampling parameters it was sent are kept."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.reply, self.prompts = tokenizer, "", []
+        self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
 
     def start(self, prompt, sampling, request_id=None, mode=""):
         self.prompts.append(list(prompt))
+        self.samplings.append(sampling)
         return ScriptedHandle(self.tokenizer.encode(self.reply, add_special_tokens=False))
 
     def stats(self):
@@ -64,7 +65,7 @@ class ScriptedHandle:
         pass
 
 
-def serve(tiny_dirs, tmp_path, template):
+def serve(tiny_dirs, tmp_path, template, api_key=None):
     d = tmp_path / "tok"
     d.mkdir()
     shutil.copy(tiny_dirs["llama"] / "tokenizer.json", d)
@@ -72,7 +73,8 @@ def serve(tiny_dirs, tmp_path, template):
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     tok = Tokenizer(d)
     fake = ScriptedClient(tok)
-    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096), client=fake, tokenizer=tok)
+    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key), client=fake,
+                     tokenizer=tok)
     return TestClient(front.app), fake, tok
 
 

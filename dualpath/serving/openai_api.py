@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP frontend (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/health`` and Prometheus ``/metrics``.
+vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` and Prometheus ``/metrics``.
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally,
@@ -26,7 +26,8 @@ from dualpath.client import ClusterClient, OverloadedError
 from dualpath.errors import DualPathError, RequestError
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
-from dualpath.serving.protocol import ChatRequest, CompletionRequest, error_body, parse
+from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
+                                       parse)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -131,7 +132,47 @@ class Frontend:
         async def completions(request: Request):
             return await self._endpoint(request, "completions")
 
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            return await self._utility(request, "tokenize", TokenizeRequest, self._tokenize)
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            return await self._utility(request, "detokenize", DetokenizeRequest, self._detokenize)
+
         return app
+
+    async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
+        """A request answered here, without the cluster (vLLM's /tokenize and /detokenize)."""
+        status = 200
+        try:
+            self._auth(request)
+            try:
+                req = parse(model_cls, await request.body())
+            except RequestError as e:
+                raise ApiError(400, str(e), param=e.field) from None
+            if req.model is not None and req.model != self.cfg.model_name:
+                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                                    f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+            return JSONResponse(answer(req))
+        except ApiError as e:
+            status = e.status
+            return e.response()
+        finally:
+            self.m_requests.inc(endpoint=name, status=status)
+
+    def _tokenize(self, req: TokenizeRequest) -> dict:
+        try:
+            if req.messages is not None:
+                ids = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **self._tools(req))
+            else:
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        return {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids}
+
+    def _detokenize(self, req: DetokenizeRequest) -> dict:
+        return {"prompt": self.tokenizer.decode(self._known_ids(req.tokens, "tokens"))}
 
     def _auth(self, request: Request) -> None:
         if not self.cfg.api_key:
@@ -190,15 +231,17 @@ class Frontend:
                                                           **self._tools(req))
             if isinstance(req.prompt, str):
                 return self.tokenizer.encode(req.prompt)
-            ids = list(req.prompt)
-            vocab = self.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            return ids
+            return self._known_ids(req.prompt, "prompt")
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
-    def _tools(self, req: ChatRequest) -> dict:
+    def _known_ids(self, ids, field: str) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
+        return list(ids)
+
+    def _tools(self, req: ChatRequest | TokenizeRequest) -> dict:
         """The chat template's ``tools`` argument: the request's tools when the model may call them."""
         if not req.calls_tools():
             return {}
@@ -229,7 +272,9 @@ class Frontend:
             logprobs = req.logprobs
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs)
+                                  top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs,
+                                  stop_token_ids=tuple(self._known_ids(req.stop_token_ids or (), "stop_token_ids")),
+                                  ignore_eos=req.ignore_eos)
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 

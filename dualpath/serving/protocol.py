@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
 from dualpath.serving.tools import template_arguments
@@ -35,6 +35,9 @@ class _Common(BaseModel):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    stop_token_ids: Optional[list[int]] = None  # vLLM's extra: token ids that end the reply
+    ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     dualpath: Optional[Extension] = None
 
     @field_validator("n")
@@ -57,6 +60,13 @@ class _Common(BaseModel):
     def _no_penalties(cls, v):
         if v != 0.0:
             raise ValueError("presence and frequency penalties are not supported")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -180,12 +190,20 @@ class CompletionRequest(_Common):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[int] = None
 
     @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
             raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_of_one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
         return v
 
     @field_validator("prompt")
@@ -198,6 +216,32 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and not v or v == "":
             raise ValueError("the prompt is empty")
         return v
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize`` (vLLM's): the ids of a prompt, or of a chat as the completions endpoint would render it."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[Message]] = None
+    tools: Optional[list[Tool]] = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def calls_tools(self) -> bool:
+        return bool(self.tools)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 def parse(model_cls, body: bytes):

@@ -1,0 +1,80 @@
+"""The HTTP frontend's smaller surface, with a scripted test double in place of the cluster: vLLM's extra sampling
+fields (``stop_token_ids``, ``ignore_eos``) reach the engines' sampling parameters, fields that would change the
+answer but are not implemented (``logit_bias``, ``best_of``) are a 400 rather than silently ignored, and vLLM's
+``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
+import pytest
+
+from test_tools import HERMES_TEMPLATE, WEATHER, ask, serve
+
+
+@pytest.fixture
+def front(tiny_dirs, tmp_path):
+    return serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+
+
+def post(http, path, **body):
+    return http.post(path, json=body)
+
+
+def test_stop_token_ids_and_ignore_eos_reach_the_sampling_parameters(front):
+    http, fake, _ = front
+    fake.reply = "ok"
+    r = post(http, "/v1/completions", model="m", prompt="hi", stop_token_ids=[7, 258], ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert fake.samplings[-1].stop_token_ids == (7, 258) and fake.samplings[-1].ignore_eos
+    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}])
+    assert fake.samplings[-1].stop_token_ids == () and not fake.samplings[-1].ignore_eos
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"50": 5}), "logit_bias"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"50": -100}),
+     "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", best_of=3), "best_of"),
+])
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path, body, param):
+    http, fake, _ = front
+    r = post(http, path, model="m", **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not fake.prompts
+
+
+def test_neutral_values_of_those_fields_are_accepted(front):
+    http, fake, _ = front
+    fake.reply = "ok"
+    assert post(http, "/v1/completions", model="m", prompt="hi", best_of=1, logit_bias={}).status_code == 200
+
+
+def test_tokenize_agrees_with_the_tokenizer_and_the_chat_endpoint(front):
+    http, fake, tok = front
+    r = post(http, "/tokenize", model="m", prompt="Hello there")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(tok.encode("Hello there")), "max_model_len": 4096,
+                        "tokens": tok.encode("Hello there")}
+    fake.reply = "ok"
+    post(http, "/v1/chat/completions", model="m", **ask())
+    r = post(http, "/tokenize", **ask())  # the model field is optional, as in vLLM
+    assert r.json()["tokens"] == fake.prompts[-1]  # exactly what the chat request was submitted as
+    r = post(http, "/detokenize", tokens=tok.encode("Hello there"))
+    assert r.json() == {"prompt": "Hello there"}
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/tokenize", dict(), 400),
+    ("/tokenize", dict(prompt="a", messages=[{"role": "user", "content": "b"}]), 400),
+    ("/tokenize", dict(model="other", prompt="a"), 404),
+    ("/detokenize", dict(tokens=[-1]), 400),
+    ("/detokenize", dict(tokens="abc"), 400),
+])
+def test_utility_endpoints_answer_bad_requests_with_openai_errors(front, path, body, status):
+    http, _, _ = front
+    r = post(http, path, **body)
+    assert r.status_code == status and r.json()["error"]["message"], r.text
+
+
+def test_utility_endpoints_need_the_key(tiny_dirs, tmp_path):
+    http, _, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, api_key="k")
+    assert post(http, "/tokenize", prompt="a").status_code == 401
+    r = http.post("/tokenize", json={"prompt": "a", "tools": [WEATHER]}, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200
