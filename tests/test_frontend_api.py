@@ -32,6 +32,10 @@ def test_stop_token_ids_and_ignore_eos_reach_the_sampling_parameters(front):
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"50": -100}),
      "logit_bias"),
     ("/v1/completions", dict(prompt="hi", best_of=3), "best_of"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]]),
+     "functions"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], modalities=["text", "audio"]),
+     "modalities"),
 ])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path, body, param):
     http, fake, _ = front

@@ -155,6 +155,23 @@ class ChatRequest(_Common):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     response_format: Optional[ResponseFormat] = None
+    functions: Optional[list[Any]] = None  # the deprecated form of tools
+    function_call: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy(cls, v, info):
+        if v:
+            raise ValueError(f"the deprecated '{info.field_name}' is not supported; send tools and tool_choice")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, v):
+        if v and set(v) != {"text"}:
+            raise ValueError("only text output is supported")
+        return v
 
     @field_validator("tool_choice")
     @classmethod
