@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from dualpath.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
-from dualpath.serving.tools import ToolCallSplitter, tool_markup
+from dualpath.serving.tools import Hermes, Llama3Json, ToolCallSplitter, tool_markup
 from dualpath.tokenizer import Tokenizer
 from test_serving import validate
 
@@ -26,6 +26,18 @@ HERMES_TEMPLATE = (
     "{% else %}{{ message['content'] }}{% endif %}"
     "{% for call in message.get('tool_calls', []) %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
     "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A Llama-3.1-style template written for these tests: the JSON tool-calling instruction (whose wording names the
+# markup), past calls as {"name", "parameters"} objects, tool results in "ipython" turns.
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>user\nGiven the following functions, respond with a JSON for a function call. "
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+    "\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "<|im_start|>{{ 'ipython' if message['role'] == 'tool' else message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"parameters\": {{ call['function']['arguments'] | tojson }}}{% endfor %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -92,13 +104,14 @@ def ask(**extra):
 
 
 # --- the splitter -----------------------------------------------------------------------------------------------
-def split_whole(text, names=NAMES, parallel=True):
-    s = ToolCallSplitter(names, parallel)
+def split_whole(text, names=NAMES, parallel=True, markup=Hermes()):
+    s = ToolCallSplitter(markup, names, parallel)
     return s.feed(text) + s.finish(), s.calls
 
 
 def test_the_markup_is_recognised_from_the_template():
-    assert tool_markup(HERMES_TEMPLATE) == "hermes"
+    assert isinstance(tool_markup(HERMES_TEMPLATE), Hermes)
+    assert isinstance(tool_markup(LLAMA3_TEMPLATE), Llama3Json)
     assert tool_markup("{{ messages }}") is None and tool_markup(None) is None
 
 
@@ -129,19 +142,56 @@ def test_text_that_is_not_a_valid_call_stays_content(bad):
     assert split_whole("ok " + bad) == ("ok " + bad, [])
 
 
-def test_streamed_in_any_pieces_the_result_is_the_same():
-    text = "Let me look <tool_ that up. " + CALL + " done"
-    whole = split_whole(text)
+@pytest.mark.parametrize("markup, text, secret", [
+    (Hermes(), "Let me look <tool_ that up. " + CALL + " done", "<tool_call>"),
+    (Llama3Json(), " <|python_tag|>" + '{"name": "get_weather", "parameters": {"city": "Paris"}}', "{"),
+    (Llama3Json(), " <|python_tug|> {}", "never held: not a call"),
+])
+def test_streamed_in_any_pieces_the_result_is_the_same(markup, text, secret):
+    whole = split_whole(text, markup=markup)
     for cut in range(len(text) + 1):
-        s = ToolCallSplitter(NAMES)
+        s = ToolCallSplitter(markup, NAMES)
         shown = [s.feed(text[:cut]), s.feed(text[cut:])]
-        assert "<tool_call>" not in shown[0] + shown[1]  # nothing from the tag on is shown before the end
+        assert secret not in shown[0] + shown[1]  # nothing from where calls begin is shown before the end
         shown.append(s.finish())
         assert "".join(shown) == whole[0] and [c["function"] for c in s.calls] == [c["function"] for c in whole[1]]
 
 
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("text, calls", [
+    (LLAMA_CALL, [{"city": "Paris"}]),
+    (" \n" + LLAMA_CALL, [{"city": "Paris"}]),
+    ("<|python_tag|>" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Paris", "Oslo"), [{"city": "Paris"}, {"city": "Oslo"}]),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [{"city": "Paris"}]),
+])
+def test_llama3_json_calls(text, calls):
+    content, got = split_whole(text, markup=Llama3Json())
+    assert content == "" and [json.loads(c["function"]["arguments"]) for c in got] == calls
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny.",  # prose
+    "Sure: " + LLAMA_CALL,  # a call not at the start is text
+    '{"name": "launch_rockets", "parameters": {}}',  # not one of the request's tools
+    '{"weather": "sunny"}',  # JSON the user may have asked for
+    LLAMA_CALL + " and more",  # calls then prose
+])
+def test_llama3_json_text_that_is_not_calls_stays_content(text):
+    assert split_whole(text, markup=Llama3Json()) == (text, [])
+
+
+def test_llama3_json_prose_streams_at_once_and_a_call_is_held():
+    s = ToolCallSplitter(Llama3Json(), NAMES)
+    assert s.feed("  ") == "" and s.feed("It") == "  It" and s.feed(" is") == " is"
+    s = ToolCallSplitter(Llama3Json(), NAMES)
+    assert s.feed("<|pyth") == "" and s.feed("on_tag|>" + LLAMA_CALL[:10]) == "" and s.feed(LLAMA_CALL[10:]) == ""
+    assert s.finish() == "" and len(s.calls) == 1
+
+
 def test_a_partial_tag_is_held_back_then_shown_if_no_call_follows():
-    s = ToolCallSplitter(NAMES)
+    s = ToolCallSplitter(Hermes(), NAMES)
     assert s.feed("see <tool") == "see "
     assert s.feed("box>") == "<toolbox>"
     assert s.finish() == "" and s.calls == []
@@ -276,3 +326,19 @@ def test_offline_chat_passes_tools_to_the_template(tiny_dirs, tmp_path):
     without, = llm.chat(msgs, SamplingParams(max_tokens=1))
     assert '"name": "get_weather"' in llm.tokenizer.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
     assert "<tools>" not in llm.tokenizer.decode(without.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_llama3_template_calls_through_the_frontend(tiny_dirs, tmp_path):
+    http, fake, tok = serve(tiny_dirs, tmp_path, LLAMA3_TEMPLATE)
+    fake.reply = LLAMA_CALL
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    choice = client.chat.completions.create(model="m", **ask()).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    history = [*ask()["messages"], choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"}]
+    fake.reply = "It is 21 C."
+    again = client.chat.completions.create(model="m", messages=history, tools=[WEATHER]).choices[0]
+    assert again.message.content == "It is 21 C." and again.finish_reason == "stop"
+    prompt = tok.decode(fake.prompts[-1], skip_special_tokens=False)
+    assert LLAMA_CALL in prompt and "ipython\n21 C" in prompt  # the call as the model wrote it, and its result

@@ -254,7 +254,7 @@ class Frontend:
         """The tool-call parser of a chat request that offers tools (None otherwise)."""
         if kind != "chat" or not req.calls_tools():
             return None
-        return ToolCallSplitter(req.tool_names(), req.parallel_tool_calls)
+        return ToolCallSplitter(self.tool_markup, req.tool_names(), req.parallel_tool_calls)
 
     def _sampling(self, req, kind: str, n_prompt: int) -> SamplingParams:
         room = self.cfg.max_model_len - n_prompt

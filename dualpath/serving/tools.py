@@ -1,28 +1,103 @@
 """Tool calls in a chat completion's text, for OpenAI's ``tools`` (function calling).
 
-The model sees the request's tools through its chat template and answers with calls in the template's own markup;
-this module finds them. One markup is known: Hermes-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-blocks (Qwen2/Qwen2.5 and the many templates that copied them), recognised by the template mentioning the tag.
+The model sees the request's tools through its chat template and answers with calls in the markup the template
+taught it; this module finds them. Two markups are known, each recognised from the template's text:
 
-``ToolCallSplitter`` is fed the completion's text as it streams and returns the content that can be shown at once:
-everything before the first ``<tool_call>`` (holding back a tail that may be the tag's start); from the tag on, the
-text is held until the end, when ``finish`` parses it. A block that is not valid JSON naming one of the request's
-tools makes the held text content again: nothing the model wrote is lost, and no call is invented.
+- ``Hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the reply (Qwen2 and
+  Qwen2.5 and the many templates that copied theirs);
+- ``Llama3Json``: a reply that *is* the calls, JSON objects ``{"name": ..., "parameters": {...}}`` separated by
+  ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3's JSON tool calling).
+
+``ToolCallSplitter`` is fed the completion's text as it streams and returns the content that can be shown at once;
+from where calls may begin the text is held until the end, when ``finish`` parses it. Held text that is not valid
+calls to the request's tools becomes content again: nothing the model wrote is lost, and no call is invented.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+
+class ToolMarkup(ABC):
+    """How one family of chat templates writes tool calls. ``ToolCallSplitter`` calls these with the whole reply so
+    far; they keep no state."""
+
+    @abstractmethod
+    def start(self, text: str) -> int:
+        """Where calls begin in ``text``, or -1 while none has begun."""
+
+    @abstractmethod
+    def undecided(self, text: str) -> int:
+        """How many trailing characters of ``text`` (with no call begun) may yet turn out to begin one."""
+
+    @abstractmethod
+    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
+        """The calls in ``held`` (the text from ``start`` on) and the text around them; None if it is not calls to
+        ``names`` throughout."""
 
 
-def tool_markup(template: str | None) -> str | None:
-    """The tool-call markup a chat template teaches its model ("hermes"), or None where it renders no tools."""
-    return "hermes" if template and OPEN in template else None
+class Hermes(ToolMarkup):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+
+    def start(self, text: str) -> int:
+        return text.find(self.OPEN)
+
+    def undecided(self, text: str) -> int:
+        return next((n for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1)
+                     if self.OPEN.startswith(text[-n:])), 0)
+
+    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
+        calls, rest, pos = [], [], 0
+        for m in self.BLOCK.finditer(held):
+            call = _call(m.group(1), names, "arguments")
+            if call is None:
+                return None
+            calls.append(call)
+            rest.append(held[pos:m.start()])
+            pos = m.end()
+        return (calls, "".join(rest) + held[pos:]) if calls else None
+
+
+class Llama3Json(ToolMarkup):
+    TAG = "<|python_tag|>"
+
+    def start(self, text: str) -> int:
+        return 0 if text.lstrip().startswith(("{", self.TAG)) else -1  # the calls are the whole reply
+
+    def undecided(self, text: str) -> int:
+        body = text.lstrip()
+        return len(text) if self.TAG.startswith(body) else 0  # blank so far, or the tag's start
+
+    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
+        body = held.strip().removeprefix(self.TAG)
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            pos = len(body) - len(body[pos:].lstrip(" \n\t;"))
+            if pos == len(body):
+                return (calls, "") if calls else None
+            try:
+                obj, pos = decoder.raw_decode(body, pos)
+            except ValueError:
+                return None
+            call = _call(obj, names, "parameters")
+            if call is None:
+                return None
+            calls.append(call)
+
+
+def tool_markup(template: str | None) -> ToolMarkup | None:
+    """The tool-call markup a chat template teaches its model, or None where it renders no tools we can parse."""
+    if not template:
+        return None
+    if Hermes.OPEN in template:
+        return Hermes()
+    if '"parameters": dictionary of argument name and its value' in template:  # Llama 3.1-3.3's instruction
+        return Llama3Json()
+    return None
 
 
 def template_arguments(arguments: str):
@@ -37,35 +112,34 @@ def template_arguments(arguments: str):
 
 @dataclass
 class ToolCallSplitter:
-    """Content and tool calls of one completion. ``names``: the request's tool names (a call to any other is not
-    one); ``parallel``: False keeps only the first call (the OpenAI field ``parallel_tool_calls``)."""
+    """Content and tool calls of one completion in ``markup``. ``names``: the request's tool names (a call to any
+    other is not one); ``parallel``: False keeps only the first call (the OpenAI field ``parallel_tool_calls``)."""
 
+    markup: ToolMarkup
     names: frozenset[str]
     parallel: bool = True
     _text: str = ""
     _shown: int = 0
-    _held_from: int = -1  # where the first tag begins, once seen
+    _held_from: int = -1  # where calls begin, once seen
     calls: list[dict] = field(default_factory=list)
 
     def feed(self, delta: str) -> str:
         """Add ``delta``; return the content that can be shown now."""
         self._text += delta
         if self._held_from < 0:
-            at = self._text.find(OPEN, max(0, self._shown - len(OPEN) + 1))
-            if at >= 0:
-                self._held_from = at
-        end = self._held_from if self._held_from >= 0 else len(self._text) - _partial_tag(self._text)
+            self._held_from = self.markup.start(self._text)
+        end = self._held_from if self._held_from >= 0 else len(self._text) - self.markup.undecided(self._text)
         return self._show(end)
 
     def finish(self) -> str:
         """The completion ended: parse what was held; return the content not shown yet (all of it if the held text
         holds no valid call). ``calls`` then holds the OpenAI tool calls."""
-        if self._held_from >= 0:
-            calls, rest = _parse(self._text[self._held_from:], self.names)
-            if calls:
-                self.calls = calls if self.parallel else calls[:1]
-                return self._show(self._held_from) + (rest if rest.strip() else "")
-        return self._show(len(self._text))
+        found = self.markup.parse(self._text[self._held_from:], self.names) if self._held_from >= 0 else None
+        if found is None:
+            return self._show(len(self._text))
+        calls, rest = found
+        self.calls = calls if self.parallel else calls[:1]
+        return self._show(self._held_from) + (rest if rest.strip() else "")
 
     def _show(self, end: int) -> str:
         out = self._text[self._shown:end] if end > self._shown else ""
@@ -73,39 +147,19 @@ class ToolCallSplitter:
         return out
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _parse(held: str, names: frozenset[str]) -> tuple[list[dict], str]:
-    """The calls in ``held`` (text from the first tag on) and the text around them; no calls if any block is not a
-    call to one of ``names``."""
-    calls, rest, pos = [], [], 0
-    for m in _BLOCK.finditer(held):
-        call = _call(m.group(1), names)
-        if call is None:
-            return [], held
-        calls.append(call)
-        rest.append(held[pos:m.start()])
-        pos = m.end()
-    rest.append(held[pos:])
-    return calls, "".join(rest)
-
-
-def _call(body: str, names: frozenset[str]) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
+def _call(body: str | dict, names: frozenset[str], args_key: str) -> dict | None:
+    """An OpenAI tool call from a call object (or its JSON text) naming one of ``names``; its arguments under
+    ``args_key`` (or the other of "arguments" and "parameters"), an object or a JSON string."""
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(body, dict) or body.get("name") not in names:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = body.get(args_key, body.get("parameters" if args_key == "arguments" else "arguments", {}))
     if not isinstance(args, (dict, str)):
         return None
     text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": text}}
+            "function": {"name": body["name"], "arguments": text}}
