@@ -84,19 +84,35 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, continue_final: bool = False,
+                    **kwargs) -> str:
+        """The chat as the template renders it. ``continue_final``: cut right after the last message's content, so
+        the model continues it (Hugging Face's ``continue_final_message``); ``kwargs``: more template variables."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; use the completions API", field="messages")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             # a template is code run over the request's messages: whatever it trips on is the request's error
             raise RequestError(f"chat template rejected the messages: {e}", field="messages") from None
+        return _open_final(text, messages) if continue_final else text
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            continue_final: bool = False, **kwargs) -> list[int]:
         """Token ids of the rendered chat; the template supplies special tokens itself."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final, **kwargs),
+                           add_special_tokens=False)
+
+
+def _open_final(text: str, messages: Sequence[dict]) -> str:
+    """``text`` cut after the last occurrence of the final message's content (what follows closes the message)."""
+    final = str(messages[-1].get("content") or "").strip() if messages else ""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise RequestError("continue_final_message needs a final message with text the template renders",
+                           field="messages")
+    return text[:at + len(final)]
 
 
 class IncrementalDetokenizer:

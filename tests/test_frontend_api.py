@@ -82,3 +82,45 @@ def test_utility_endpoints_need_the_key(tiny_dirs, tmp_path):
     assert post(http, "/tokenize", prompt="a").status_code == 401
     r = http.post("/tokenize", json={"prompt": "a", "tools": [WEATHER]}, headers={"Authorization": "Bearer k"})
     assert r.status_code == 200
+
+
+def test_chat_rendering_options(front):
+    """vLLM's add_generation_prompt, continue_final_message (the model continues a started reply) and
+    chat_template_kwargs, on the chat endpoint and /tokenize alike."""
+    http, fake, tok = front
+    fake.reply = "ok"
+    started = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}]
+
+    def submitted(**extra):
+        assert post(http, "/v1/chat/completions", model="m", **extra).status_code == 200
+        ids = post(http, "/tokenize", **extra).json()["tokens"]
+        assert ids == fake.prompts[-1]  # /tokenize renders as the chat endpoint does
+        return tok.decode(ids, skip_special_tokens=False)
+
+    assert submitted(messages=started).endswith("The capital is<|im_end|>\n<|im_start|>assistant\n")
+    assert submitted(messages=started, add_generation_prompt=False).endswith("The capital is<|im_end|>\n")
+    assert submitted(messages=started, continue_final_message=True).endswith("The capital is")
+    assert submitted(messages=started, continue_final_message=True, add_generation_prompt=False).endswith(
+        "The capital is")
+
+
+@pytest.mark.parametrize("extra, words", [
+    (dict(continue_final_message=True, add_generation_prompt=True), "cannot both be true"),
+    (dict(chat_template_kwargs={"messages": []}), "messages cannot be set here"),
+    (dict(continue_final_message=True, messages=[{"role": "user", "content": ""}]), "needs a final message"),
+])
+def test_chat_rendering_options_that_contradict_are_a_400(front, extra, words):
+    http, fake, _ = front
+    r = post(http, "/v1/chat/completions", model="m", **{"messages": [{"role": "user", "content": "x"}], **extra})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert not fake.prompts
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_dirs, tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    http, fake, tok = serve(tiny_dirs, tmp_path, template)
+    fake.reply = "ok"
+    for kwargs, end in ((None, "hi"), ({"shout": True}, "hi!")):
+        r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}],
+                 chat_template_kwargs=kwargs)
+        assert r.status_code == 200 and tok.decode(fake.prompts[-1]) == end

@@ -164,7 +164,7 @@ class Frontend:
     def _tokenize(self, req: TokenizeRequest) -> dict:
         try:
             if req.messages is not None:
-                ids = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **self._tools(req))
+                ids = self._chat_ids(req)
             else:
                 ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         except RequestError as e:
@@ -227,13 +227,16 @@ class Frontend:
     def _prompt(self, req, kind: str) -> list[int]:
         try:
             if kind == "chat":
-                return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                          **self._tools(req))
+                return self._chat_ids(req)
             if isinstance(req.prompt, str):
                 return self.tokenizer.encode(req.prompt)
             return self._known_ids(req.prompt, "prompt")
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+
+    def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
+        return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
+                                                  **self._tools(req))
 
     def _known_ids(self, ids, field: str) -> list[int]:
         vocab = self.tokenizer.vocab_size

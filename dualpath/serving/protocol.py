@@ -145,7 +145,38 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatRequest(_Common):
+class ChatRendering(BaseModel):
+    """How a chat is rendered into a prompt (vLLM's extras): ``continue_final_message`` leaves the last message open
+    for the model to continue (an assistant reply's start, say), which implies no generation prompt;
+    ``chat_template_kwargs`` are extra variables for the template (e.g. Qwen3's ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, v):
+        taken = sorted(set(v or ()) & {"messages", "tools", "add_generation_prompt", "continue_final", "bos_token",
+                                             "eos_token"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here")
+        return v
+
+    @model_validator(mode="after")
+    def _open_or_prompted(self):
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def render_options(self) -> dict[str, Any]:
+        """``Tokenizer.apply_chat_template``'s keyword arguments for this chat."""
+        return {"add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+                "continue_final": self.continue_final_message, **(self.chat_template_kwargs or {})}
+
+
+class ChatRequest(_Common, ChatRendering):
     messages: list[Message] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -235,7 +266,7 @@ class CompletionRequest(_Common):
         return v
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatRendering):
     """``/tokenize`` (vLLM's): the ids of a prompt, or of a chat as the completions endpoint would render it."""
 
     model_config = ConfigDict(extra="ignore")
