@@ -17,9 +17,9 @@ import torch
 
 class LayerCopies:
     """Callers: the prefill engine. ``issue`` may run in any thread (a transfer's completion callback);
-    ``before_compute``, ``after_compute`` and ``wait_compute`` run in the thread that launches compute, around
-    each layer. Only ``wait_compute`` blocks the host on the device, and only where a transport is about to read
-    a slot's device memory."""
+    ``before_compute`` and ``after_compute`` run in the thread that launches compute, around each layer, and never
+    block it; only the wait ``after_compute`` returns blocks, and it is called elsewhere (``LayerPipeline``'s
+    sender thread)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -54,21 +54,19 @@ class LayerCopies:
         for e in events:
             compute.wait_event(e)
 
-    def after_compute(self, slot: int) -> None:
-        """Everything launched so far on the compute stream is what reads ``slot``: later copies into it wait."""
+    def after_compute(self, slot: int) -> Callable[[], None]:
+        """Everything launched so far on the compute stream is what reads ``slot``: later copies into it wait.
+        Returns what blocks until that compute has finished (nothing to wait for on CPU): a transport reads the
+        slot's device memory directly (a one-sided write to a peer), and only the host can tell it when, so the
+        pipeline calls it from its sender thread, not from the thread launching compute."""
         if self.stream is None:
-            return
+            return _nothing
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         with self._lock:
             self._slot_free[slot] = done
+        return done.synchronize
 
-    def wait_compute(self, slot: int) -> None:
-        """Block until the compute recorded by the last ``after_compute(slot)`` has finished: a transport reads the
-        slot's device memory directly (a one-sided write to a peer), and only the host can tell it when."""
-        if self.stream is None:
-            return
-        with self._lock:
-            done = self._slot_free.get(slot)
-        if done is not None:
-            done.synchronize()
+
+def _nothing() -> None:
+    pass

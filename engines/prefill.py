@@ -351,6 +351,28 @@ class PrefillEngine(Engine):
         else:
             pipe = LayerPipeline(g.num_layers, fetch, send, depth=1, timeout=timeout)
         t0 = time.perf_counter()
+        try:
+            hidden = self._layers(batch, ids, slots, tables, ws, pipe, basic)
+        except BaseException:
+            pipe.abandon()
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.busy_s += time.perf_counter() - t0 - pipe.wait_time
+        pipe.finish()
+        if basic:  # the baseline sends everything after computing everything
+            AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)
+        last = batch.last_token_indices()
+        finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
+        if not finals:
+            return []
+        logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
+        return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
+
+    def _layers(self, batch: ForwardBatch, ids, slots, tables, ws: Workspace, pipe: LayerPipeline,
+                basic: bool) -> torch.Tensor:
+        """Launch every layer of the batch, each after its KV is in; returns the last hidden states."""
+        g, model = self.geometry, self.model
         ctx = model.begin(batch)
         hidden = model.embed(ids)
         pipe.begin()
@@ -364,22 +386,11 @@ class PrefillEngine(Engine):
             paged = PagedKV(ws.tensor[layer % ws.slots], tables, ctx.cached_lens)
             hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
             write_tokens(ws.tensor[layer % ws.slots], slots, kv, model.kernels)  # the batch at once, not per sequence
-            self.copies.after_compute(layer % ws.slots)
-            if not basic:  # the send reads this layer's KV from device memory: its kernels must have run
-                self.copies.wait_compute(layer % ws.slots)
-            pipe.layer_done(layer)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.busy_s += time.perf_counter() - t0 - pipe.wait_time
-        pipe.finish()
-        if basic:  # the baseline sends everything after computing everything
-            AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)
-        last = batch.last_token_indices()
-        finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
-        if not finals:
-            return []
-        logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
-        return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
+            computed = self.copies.after_compute(layer % ws.slots)
+            # the send reads this layer's KV from device memory once its kernels have run: the pipeline's sender
+            # thread waits for that, this thread goes on launching the next layer
+            pipe.layer_done(layer, None if basic else computed)
+        return hidden
 
     def _fetch(self, job: Job, cached: int, base: int, layer: int, ws: Workspace):
         """Bring tokens [0, cached) of ``layer`` into the workspace: the local prefix from this engine's

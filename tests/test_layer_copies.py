@@ -11,8 +11,7 @@ def test_cpu_copies_run_inline_and_ordering_is_a_no_op():
     copies.issue(0, 0, lambda stream: (seen.append(stream), slot.fill_(3)))
     assert seen == [None] and slot.tolist() == [3.0] * 4
     copies.before_compute(0)
-    copies.after_compute(0)
-    copies.wait_compute(0)
+    copies.after_compute(0)()  # nothing to wait for on CPU
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -34,14 +33,16 @@ def test_cuda_copy_into_a_slot_waits_for_the_compute_reading_it():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_wait_compute_returns_once_the_layer_has_run():
-    """What the prefill engine does before a transport reads a slot: the slot's compute has finished."""
+def test_cuda_wait_for_the_compute_returns_once_the_layer_has_run():
+    """What the pipeline's sender thread does before a transport reads a slot: the slot's compute has finished;
+    recording it does not block the thread that launches compute."""
     dev = torch.device("cuda")
     copies = LayerCopies(dev)
     slot = torch.zeros(1 << 20, device=dev)
     torch.cuda._sleep(200_000_000)  # a long layer
     slot.fill_(7.0)
-    copies.after_compute(0)
-    copies.wait_compute(0)
+    computed = copies.after_compute(0)
+    assert not copies._slot_free[0].query()  # still running: after_compute did not wait
+    computed()
     assert copies._slot_free[0].query()
     assert float(slot.cpu()[0]) == 7.0

@@ -143,6 +143,65 @@ def test_layer_pipeline_reports_failed_sends_at_finish():
         pipe.finish()
 
 
+def test_deferred_sends_start_in_order_once_computed_and_never_block_the_engine():
+    """``layer_done(l, computed)`` returns at once; the sender thread starts layer l's send only after
+    ``computed()`` returns (the device has run the layer), layer after layer."""
+    done = [threading.Event() for _ in range(4)]
+    sent, lock = [], threading.Lock()
+
+    def send(layer):
+        with lock:
+            sent.append((layer, done[layer].is_set()))
+        return FakeHandle(0.0)
+
+    pipe = LayerPipeline(4, lambda layer: None, send, depth=1, timeout=5)
+    pipe.begin()
+    t = time.perf_counter()
+    for layer in range(2):
+        pipe.wait_layer(layer)
+        pipe.layer_done(layer, done[layer].wait)
+    assert time.perf_counter() - t < 0.5 and sent == []  # nothing computed yet: nothing sent, nobody blocked
+    done[1].set()
+    time.sleep(0.1)
+    assert sent == []  # layer 1 is computed, but layer 0's send comes first
+    done[0].set()
+    for layer in range(2, 4):
+        pipe.wait_layer(layer)  # fetched once the send of layer - 2 was out
+        done[layer].set()
+        pipe.layer_done(layer, done[layer].wait)
+    pipe.finish()
+    assert sent == [(0, True), (1, True), (2, True), (3, True)]
+    assert pipe._sender is None  # the thread has ended
+
+
+def test_a_send_failing_in_the_sender_thread_raises_in_the_engine_thread():
+    def send(layer):
+        if layer == 0:
+            raise TransportError("peer gone")
+        return FakeHandle(0.0)
+
+    pipe = LayerPipeline(4, lambda layer: None, send, depth=1, timeout=5)
+    pipe.begin()
+    with pytest.raises(TransportError, match="peer gone"):  # at the latest at layer 2's wait: it is never fetched
+        for layer in range(4):
+            pipe.wait_layer(layer)
+            pipe.layer_done(layer, lambda: None)
+    assert layer <= 2
+    pipe.abandon()
+    assert pipe._sender is None
+
+
+def test_abandoning_starts_no_more_sends():
+    gate, sent = threading.Event(), []
+    pipe = LayerPipeline(3, lambda layer: None, lambda layer: sent.append(layer), depth=1, timeout=5)
+    pipe.begin()
+    pipe.wait_layer(0)
+    pipe.layer_done(0, gate.wait)
+    threading.Timer(0.1, gate.set).start()  # the device finishes layer 0 while the engine gives up
+    pipe.abandon()
+    assert sent == [] and pipe._sender is None
+
+
 def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_requests():
     pytest.importorskip("traffic.transport.verbs")
     from dualpath.config import TransportConfig

@@ -167,8 +167,10 @@ class LayerPipeline:
     ``send(l)`` starts moving layer ``l``'s results out. ``depth + 1`` layers are fetched ahead, so layer l+1's KV
     is in flight while layer l computes; a workspace of ``depth + 1`` layer slots suffices because layer
     ``l + depth + 1`` is fetched (into layer l's slot) only once layer l's send has completed, so the engine may
-    send straight from the slot. Every wait is bounded by ``timeout``; a failed transfer raises in the engine's
-    thread at the next ``wait_layer`` or at ``finish``.
+    send straight from the slot. A send that must wait for the device (``layer_done``'s ``computed``) is started
+    from the pipeline's sender thread, in layer order, so the engine's thread never waits on the device inside
+    the layer loop. Every wait is bounded by ``timeout``; a failed transfer raises in the engine's thread at the
+    next ``wait_layer`` or at ``finish``.
     """
 
     def __init__(self, num_layers: int, fetch: Callable[[int], Waitable | None],
@@ -177,16 +179,24 @@ class LayerPipeline:
         self._fetches: dict[int, Waitable | None] = {}
         self._cond = threading.Condition()
         self._sends: list[Waitable] = []
-        self._issue_error: BaseException | None = None
+        self._error: BaseException | None = None  # from a fetch or send started outside the engine's thread
+        self._pending: list[tuple[int, Callable[[], None]]] = []  # sends waiting for their layer's compute
+        self._sender: threading.Thread | None = None
         self.wait_time = 0.0  # seconds the engine spent blocked on fetches
 
     def _issue(self, layer: int) -> None:
         try:
             handle = self.fetch(layer)
         except BaseException as e:  # noqa: BLE001 - may run in a transport thread: hand it to the engine
-            handle, self._issue_error = None, e
+            handle = None
+            self._fail(e)
         with self._cond:
             self._fetches[layer] = handle
+            self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or e
             self._cond.notify_all()
 
     def begin(self) -> None:
@@ -196,20 +206,51 @@ class LayerPipeline:
     def wait_layer(self, layer: int) -> None:
         t = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: layer in self._fetches, self.timeout):
+            if not self._cond.wait_for(lambda: layer in self._fetches or self._error is not None, self.timeout):
                 raise TransferTimeoutError(f"layer {layer} was never fetched within {self.timeout} s")
+            if self._error is not None:
+                raise self._error
             handle = self._fetches.pop(layer)
-        if self._issue_error is not None:
-            raise self._issue_error
         if handle is not None:
             handle.wait(self.timeout)
         self.wait_time += time.perf_counter() - t
 
-    def layer_done(self, layer: int) -> None:
-        handle = self.send(layer)
+    def layer_done(self, layer: int, computed: Callable[[], None] | None = None) -> None:
+        """Layer ``layer`` has been computed, or, with ``computed``, launched: ``computed()`` blocks until its
+        results may be read (a CUDA event's ``synchronize``), and the send starts from the sender thread after it."""
+        if computed is None:
+            self._sent(layer, self.send(layer))
+            return
+        with self._cond:
+            self._pending.append((layer, computed))
+            self._cond.notify_all()
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_in_order, daemon=True, name="layer-sends")
+                self._sender.start()
+
+    def _send_in_order(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending)
+                layer, computed = self._pending.pop(0)
+            if layer < 0:
+                return
+            try:
+                if self._error is None:
+                    computed()
+                if self._error is not None:
+                    continue  # the batch has failed: start nothing more
+                handle = self.send(layer)
+            except BaseException as e:  # noqa: BLE001 - the engine's thread raises it
+                self._fail(e)
+                continue
+            self._sent(layer, handle)
+
+    def _sent(self, layer: int, handle: Waitable | None) -> None:
         nxt = layer + self.depth + 1
         if handle is not None:
-            self._sends.append(handle)
+            with self._cond:
+                self._sends.append(handle)
         if nxt >= self.num_layers:
             return
         if handle is None:
@@ -218,7 +259,9 @@ class LayerPipeline:
             handle.add_done_callback(lambda: self._issue(nxt))
 
     def finish(self) -> None:
-        errors = []
+        if not self._stop_sender():
+            raise TransferTimeoutError(f"layer sends were not started within {self.timeout} s")
+        errors = [self._error] if self._error is not None else []
         for h in self._sends:
             try:
                 h.wait(self.timeout)
@@ -227,6 +270,23 @@ class LayerPipeline:
         self._sends.clear()
         if errors:
             raise errors[0]
+
+    def abandon(self) -> None:
+        """The engine gave up on the batch (an error in its thread, which it is raising): no more sends start and
+        the sender thread ends; raises nothing of its own."""
+        self._fail(DualPathError("the layer loop was abandoned"))
+        self._stop_sender()
+
+    def _stop_sender(self) -> bool:
+        """Let the sender thread start what is queued, then end; False if it is still busy after ``timeout``."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return True
+        with self._cond:
+            self._pending.append((-1, lambda: None))
+            self._cond.notify_all()
+        sender.join(self.timeout)
+        return not sender.is_alive()
 
 
 class AllOf:
