@@ -30,7 +30,7 @@ from engines.local import LocalEngine
 from engines.sampler import TokenLogprob
 from engines.sequence import Sequence
 from engines.streams import StreamHub
-from kernels.kv_move import pack_full_blocks, scatter_blocks
+from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +151,8 @@ class DecodeEngine(Engine):
             h = self.held_.get(msg.request_id)
             if h is None or h.cancelled:
                 return
-            table = torch.tensor(self.cache.block_table(msg.request_id), device=self.device)
-            nb = len(h.slots)
-            for layer in range(g.num_layers):
-                rows = self.buffer.layer_rows(h.slots, layer).to(self.device)
-                scatter_blocks(self.cache.layers[layer], table[:nb], rows.view(nb, *g.layer_block_shape),
-                               self.model.kernels)
+            table = torch.tensor(self.cache.block_table(msg.request_id)[:len(h.slots)], device=self.device)
+            full_blocks_to_cache(self.cache.storage, table, self.buffer.full_blocks(h.slots), g, self.model.kernels)
         params = SamplingParams.from_dict(msg.sampling)
         gen = None
         if msg.generator_state:
@@ -222,9 +218,8 @@ class DecodeEngine(Engine):
                                 g.block_size, parent=parent)
         with self.lock:
             table = torch.tensor(self.cache.block_table(h.work_id)[h.persisted:full], device=self.device)
-            layers = [self.cache.layers[layer].index_select(0, table).reshape(-1, g.kv_elems_per_token)
-                      for layer in range(g.num_layers)]
-        blocks = pack_full_blocks([x.cpu() for x in layers], g)
+            blocks = cache_to_full_blocks(self.cache.storage, table, g)
+        blocks = blocks.cpu()  # one copy of every layer, outside the lock
         h.hashes.extend(new_keys)
         h.stores.append(_with_keys(self.traffic.store(new_keys, list(blocks)), new_keys))
         h.persisted = full

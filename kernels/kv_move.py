@@ -75,3 +75,21 @@ def pack_full_blocks(layer_kv: Sequence[torch.Tensor], geom: KVGeometry) -> torc
 def layer_tokens_from_full(buf: torch.Tensor, layer: int, geom: KVGeometry) -> torch.Tensor:
     """One layer's token KV ``[n × block_size, kv_elems]`` out of Full Block bytes ``[n, full_block_bytes]``."""
     return full_block_view(buf, geom)[:, layer].reshape(-1, geom.kv_elems_per_token)
+
+
+def cache_to_full_blocks(storage: torch.Tensor, block_ids: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
+    """Full Block bytes ``[n, full_block_bytes]`` (uint8, on the cache's device) of blocks ``block_ids`` of a
+    layer-major paged cache ``storage [layers, num_blocks, block_size, kv_elems]``: one gather over every layer,
+    then each block's layers side by side (not a gather and a host copy per layer)."""
+    n = block_ids.numel()
+    return storage.index_select(1, block_ids).transpose(0, 1).contiguous().view(torch.uint8).view(
+        n, geom.full_block_bytes)
+
+
+def full_blocks_to_cache(storage: torch.Tensor, block_ids: torch.Tensor, full: torch.Tensor, geom: KVGeometry,
+                         backend: str = "torch") -> None:
+    """Inverse of ``cache_to_full_blocks``: Full Block bytes ``[n, full_block_bytes]`` (host or device) into blocks
+    ``block_ids`` of every layer, in one copy to the cache's device."""
+    layers = full_block_view(full.to(storage.device), geom).transpose(0, 1).contiguous()
+    for layer in range(geom.num_layers):
+        scatter_blocks(storage[layer], block_ids, layers[layer], backend)

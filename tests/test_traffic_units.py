@@ -89,6 +89,8 @@ def test_buffer_slot_views_follow_the_full_block_layout():
     raw = rows.view(torch.uint8).reshape(-1)
     start = FullBlockSlots(GEOM, 4).offset(3, 2)
     assert torch.equal(raw[:32], pool.memory.tensor[start:start + 32])
+    full = pool.full_blocks([3, 1])  # whole slots, in the given order
+    assert torch.equal(full[0], pool.slot_bytes(3)) and torch.equal(full[1], pool.slot_bytes(1))
 
 
 class FakeHandle:

@@ -174,6 +174,28 @@ def test_block_gather_and_scatter_any_block_list(dtype):
     assert gather_blocks(cache, ids[:0], backend="triton").shape == (0, BS, 40)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend):
+    """The decode engine's moves: a sequence's blocks of every layer as Full Block bytes (one gather, one host copy),
+    the same bytes the per-layer packing makes, and back into other blocks of the cache."""
+    from dualpath.geometry import KVGeometry
+    from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache, pack_full_blocks
+
+    geom = KVGeometry(num_layers=3, block_size=BS, kv_elems_per_token=40, dtype="bfloat16")
+    storage = torch.randn(3, 10, BS, 40, device=DEVICE).to(torch.bfloat16)
+    ids = torch.tensor([7, 2, 5], device=DEVICE)
+    full = cache_to_full_blocks(storage, ids, geom)
+    assert full.dtype == torch.uint8 and full.shape == (3, geom.full_block_bytes)
+    per_layer = [storage[layer, ids].reshape(-1, 40).cpu() for layer in range(3)]
+    assert torch.equal(full.cpu(), pack_full_blocks(per_layer, geom))
+    other = torch.tensor([0, 9, 4], device=DEVICE)
+    before = storage.clone()
+    full_blocks_to_cache(storage, other, full.cpu(), geom, backend)  # from host bytes, as the buffer's
+    assert torch.equal(storage[:, other], before[:, ids])
+    untouched = [b for b in range(10) if b not in (0, 9, 4)]
+    assert torch.equal(storage[:, untouched], before[:, untouched])
+
+
 @pytest.mark.parametrize("width", [40, 576, 5000])  # under a power of two, MLA's row, more than one chunk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_writes_into_cache_slots_match_index_copy(width, dtype):

@@ -53,6 +53,13 @@ class BufferPool:
         fb = self.geometry.full_block_bytes
         return self.memory.tensor[slot * fb:(slot + 1) * fb]
 
+    def full_blocks(self, slots: list[int]) -> torch.Tensor:
+        """The Full Block bytes of ``slots`` ``[len(slots), full_block_bytes]``, gathered in the given order into a
+        fresh tensor."""
+        fb = self.geometry.full_block_bytes
+        whole = self.memory.tensor[:self.layout.nbytes].view(self.num_slots, fb)
+        return whole.index_select(0, torch.as_tensor(slots, dtype=torch.long))
+
     def layer_rows(self, slots: list[int], layer: int) -> torch.Tensor:
         """Token rows ``[len(slots) × block_size, kv_elems]`` of ``layer`` in ``slots``, gathered in the given order
         into a fresh tensor."""
