@@ -29,9 +29,10 @@ class BlockAllocator:
         return out
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if b not in self._owner:
+        for i, b in enumerate(blocks):
+            if b not in self._owner or b in blocks[:i]:
                 raise ValueError(f"block {b} freed but not allocated")
+        for b in reversed(blocks):  # the next allocation gets them back in this order: runs stay runs
             del self._owner[b]
             self._free.append(b)
 

@@ -78,6 +78,19 @@ def test_allocator_never_loses_or_duplicates_blocks(ops):
         assert len(flat) == len(set(flat)) and alloc.num_free + len(flat) == 16
 
 
+def test_freed_blocks_come_back_in_the_order_they_were_held():
+    """Runs of consecutive ids survive reuse: a buffer's layer of a run of slots is one DMA, not one per slot."""
+    alloc = BlockAllocator(16)
+    first = alloc.allocate(6)
+    assert first == [0, 1, 2, 3, 4, 5]
+    alloc.free(first)
+    assert alloc.allocate(4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([2, 2])
+    assert alloc.num_free == 12  # the refused free changed nothing
+    alloc.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 70), st.integers(1, 40), st.integers(0, 6))
 def test_cache_slots_follow_the_block_table(start, n, spacer):

@@ -14,6 +14,7 @@ import torch
 from dualpath.allocator import BlockAllocator
 from dualpath.geometry import FullBlockSlots, KVGeometry
 from traffic.memory import HostMemory
+from traffic.strided_copy import copy_rows, slot_runs
 
 
 class BufferPool:
@@ -59,6 +60,28 @@ class BufferPool:
         fb = self.geometry.full_block_bytes
         whole = self.memory.tensor[:self.layout.nbytes].view(self.num_slots, fb)
         return whole.index_select(0, torch.as_tensor(slots, dtype=torch.long))
+
+    def layer_to_device(self, slots: list[int], layer: int, out: torch.Tensor,
+                        stream: "torch.cuda.Stream | None" = None) -> None:
+        """Copy ``layer`` of ``slots`` into ``out`` (contiguous ``[len(slots) × block_size, kv_elems]``, any device),
+        one strided copy per run of consecutive slots (``traffic.strided_copy``); on CUDA issued on ``stream``
+        from pinned memory, without blocking the host."""
+        self._move_layer(slots, layer, out, to_host=False, stream=stream)
+
+    def layer_from_device(self, slots: list[int], layer: int, rows: torch.Tensor) -> None:
+        """Inverse of ``layer_to_device``: whole blocks of token rows into ``layer`` of ``slots``; done on return."""
+        self._move_layer(slots, layer, rows.contiguous(), to_host=True)
+
+    def _move_layer(self, slots: list[int], layer: int, tensor: torch.Tensor, to_host: bool,
+                    stream: "torch.cuda.Stream | None" = None) -> None:
+        g = self.geometry
+        if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != len(slots) * g.layer_block_bytes:
+            raise ValueError(f"{len(slots)} Layer Blocks need a contiguous tensor of {len(slots) * g.layer_block_bytes}"
+                             f" bytes, got {tuple(tensor.shape)} {tensor.dtype}")
+        flat = tensor.view(torch.uint8).reshape(len(slots), g.layer_block_bytes)
+        for i, first, n in slot_runs(slots):
+            copy_rows(self.memory, self.layout.offset(first, layer), g.full_block_bytes, flat[i:i + n], to_host,
+                      stream)
 
     def layer_rows(self, slots: list[int], layer: int) -> torch.Tensor:
         """Token rows ``[len(slots) × block_size, kv_elems]`` of ``layer`` in ``slots``, gathered in the given order

@@ -11,7 +11,6 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -121,25 +120,14 @@ class TrafficManager:
     # --- local buffer -> device ------------------------------------------------------------------------------
     def layer_to_device(self, slots: Sequence[int], layer: int, out: torch.Tensor,
                         stream: "torch.cuda.Stream | None" = None) -> None:
-        """Copy ``layer`` of buffer ``slots`` into ``out`` (``[len(slots) × block_size, kv_elems]`` on any device);
-        on CUDA the copy is issued on ``stream`` from pinned memory and does not block the host."""
-        lb = self.geometry.layer_block_bytes
-        flat = out.view(torch.uint8).reshape(len(slots), lb)
-        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-        with ctx:
-            for i, s in enumerate(slots):
-                off = self.buffer.layout.offset(s, layer)
-                flat[i].copy_(self.buffer.memory.tensor[off:off + lb], non_blocking=out.is_cuda)
-        self.count("buffer_to_device", len(slots) * lb)
+        """``BufferPool.layer_to_device``, counted."""
+        self.buffer.layer_to_device(list(slots), layer, out, stream)
+        self.count("buffer_to_device", len(slots) * self.geometry.layer_block_bytes)
 
     def layer_from_device(self, slots: Sequence[int], layer: int, rows: torch.Tensor) -> None:
-        """Inverse of ``layer_to_device``: whole blocks of token rows into ``layer`` of buffer ``slots``."""
-        lb = self.geometry.layer_block_bytes
-        flat = rows.contiguous().view(torch.uint8).reshape(len(slots), lb)
-        for i, s in enumerate(slots):
-            off = self.buffer.layout.offset(s, layer)
-            self.buffer.memory.tensor[off:off + lb].copy_(flat[i])
-        self.count("device_to_buffer", len(slots) * lb)
+        """``BufferPool.layer_from_device``, counted."""
+        self.buffer.layer_from_device(list(slots), layer, rows)
+        self.count("device_to_buffer", len(slots) * self.geometry.layer_block_bytes)
 
     # --- peers ----------------------------------------------------------------------------------------------
     def move_layers(self, op: Op, local_region: int, local_layout: BlockLayout, local_slots: Sequence[int],
