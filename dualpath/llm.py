@@ -69,7 +69,7 @@ class LLM:
             prompts = [prompts]
         sampling = sampling or SamplingParams()
         seqs = [Sequence(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling,
-                         make_generator(sampling, self.config.device)) for p in prompts]
+                         make_generator(sampling)) for p in prompts]
         for s in seqs:
             self.engine.add(s)
         with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:

@@ -156,7 +156,7 @@ class DecodeEngine(Engine):
         params = SamplingParams.from_dict(msg.sampling)
         gen = None
         if msg.generator_state:
-            gen = torch.Generator(device=self.device)
+            gen = torch.Generator()  # requests' generators live on the host (engines.sampler)
             gen.set_state(torch.from_numpy(np.frombuffer(bytes.fromhex(msg.generator_state), dtype=np.uint8).copy()))
         prompt = unpack_tokens(msg.tokens)
         seq = Sequence(msg.request_id, prompt, params, gen, num_computed=len(prompt))

@@ -177,7 +177,7 @@ class PrefillEngine(Engine):
         params = SamplingParams.from_dict(a.sampling)
         keys = unpack_keys(a.hit_keys)
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
-        job = Job(a, params, make_generator(params, self.device), pe_blocks, unpack_tokens(a.tokens), keys,
+        job = Job(a, params, make_generator(params), pe_blocks, unpack_tokens(a.tokens), keys,
                   hit_tokens=len(keys) * self.geometry.block_size)
         with self.cond:
             self.jobs[a.request_id] = job

@@ -15,6 +15,7 @@
              buffer of Full Block slots (BufferPool.layer_to_device on LayerCopies' copy stream) against the same
              prefill with all KV on the device (<= 1.10x); and with the buffer's slots scattered (report)
   moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference (report only)
+  sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
 
 The parts run in the order pipeline and moe before the model parts (slowest last), each writing the JSON when done.
 
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(Path(__file__).resolve().parent)]
 from common import machine, print_table  # noqa: E402
 from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402
+from sampling import run as sampling_rows  # noqa: E402
 from timeline import timeline  # noqa: E402
 
 from kernels import triton_attention as ta  # noqa: E402
@@ -459,7 +461,7 @@ def bench_moe(p, dev, smoke: bool) -> dict:
 
 
 # the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
-PARTS = ("copy", "decode", "prefill", "prefill_causal", "pipeline", "moe", "model", "model_eager")
+PARTS = ("copy", "decode", "prefill", "prefill_causal", "pipeline", "moe", "sampling", "model", "model_eager")
 
 
 def main(argv=None) -> dict:
@@ -493,6 +495,9 @@ def main(argv=None) -> dict:
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
             elif part == "moe":
                 result[part] = bench_moe(p, dev, args.smoke)
+            elif part == "sampling":
+                result[part] = {"rows": sampling_rows(8 if args.smoke else 64, 500 if args.smoke else 32000,
+                                                      str(dev))}
             else:
                 result[part] = bench_pipeline(p, dev, args.smoke, work)
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
@@ -520,6 +525,9 @@ def main(argv=None) -> dict:
          "target": "(report)"},
         {"what": "MoE fused ÷ reference speed (decode)",
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
+        {"what": "sampler, top-p/top-k batch ÷ row by row",
+         "value": next((r["speedup"] for r in result.get("sampling", {}).get("rows", []) if r["mix"] == "top_p_top_k"),
+                       None), "target": "(report)"},
         {"what": "streamed ÷ resident prefill", "value": result.get("pipeline", {}).get("ratio"),
          "target": "<= 1.10"},
         {"what": "  with the buffer's slots scattered", "value": result.get("pipeline", {}).get("scattered_ratio"),
