@@ -112,7 +112,9 @@ class LocalEngine:
         logits = self.runner.forward(batch, new_lens)
         done_rows = [i for i, s in enumerate(batch) if s.num_computed == s.num_tokens]
         seqs = [batch[i] for i in done_rows]
-        tokens, logprobs = sample(logits[done_rows], [s.params for s in seqs], [s.generator for s in seqs])
+        if len(done_rows) < len(batch):  # a chunked prompt's rows have nothing to sample (indexing copies the list)
+            logits = logits[done_rows]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         finished = []
         for s, tok, lp in zip(seqs, tokens, logprobs):
             s.append(tok, lp, self.eos_ids, self.max_model_len)
