@@ -124,3 +124,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_dirs, tmp_path):
         r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}],
                  chat_template_kwargs=kwargs)
         assert r.status_code == 200 and tok.decode(fake.prompts[-1]) == end
+
+
+def test_models_list_carries_the_context_length(front):
+    """vLLM's extra field, which clients read to size prompts."""
+    http, _, _ = front
+    (model,) = http.get("/v1/models").json()["data"]
+    assert model["id"] == "m" and model["max_model_len"] == 4096

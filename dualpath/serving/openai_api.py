@@ -121,8 +121,8 @@ class Frontend:
         @app.get("/v1/models")
         async def models(request: Request):
             self._auth(request)
-            return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model",
-                                                "created": self.created, "owned_by": "dualpath"}]}
+            return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "dualpath", "max_model_len": self.cfg.max_model_len}]}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
