@@ -130,12 +130,16 @@ def test_params_round_trip_through_dict():
     assert SamplingParams.from_dict(p.to_dict()) == p
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA on the GPU machine (bench/gpu/run.sh)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(15))
-def test_a_seeded_row_samples_the_same_whatever_its_batch(seed):
+def test_a_seeded_row_samples_the_same_whatever_its_batch(seed, device):
     """Batch independence, exactly: the filters a batch runs for its other rows leave a row's distribution as it
-    would be alone."""
+    would be alone (on a GPU too, where the kernels must not depend on the batch's size)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(5, 300, generator=g) * 2
+    logits = (torch.randn(5, 32000 if device == "cuda" else 300, generator=g) * 2).to(device)
     choices = [dict(temperature=0.9), dict(temperature=0.7, top_k=20), dict(temperature=1.1, top_p=0.85),
                dict(temperature=0.6, top_k=5, top_p=0.5), dict(temperature=0)]
     params = [SamplingParams(seed=100 + i, **choices[(seed + i) % 5]) for i in range(5)]
