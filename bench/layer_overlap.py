@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     pe, de_t, de_pool, de_info = build(args)
     g = pe.geometry
     pe.transport.add_peer("bench-de", de_t.address(), de_t.regions())
-    tokens = torch.randint(100, 20000, (args.cached + args.new,)).tolist()
+    tokens = torch.randint(3, min(20000, pe.model.config.vocab_size), (args.cached + args.new,)).tolist()
     keys = block_hashes(tokens[:args.cached], pe.fingerprint, g.block_size)
     dt = getattr(torch, args.dtype)
     blocks = [torch.randn(g.full_block_bytes // g.dtype_bytes).to(dt).view(torch.uint8) for _ in keys]
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
 
     def job(layerwise: bool):
         a = Assignment("r", tokens, params.to_dict(), [k.hex() for k in keys], ReadPath.PE, layerwise, de_info)
-        j = Job(a, params, make_generator(params), len(keys), hit_tokens=len(keys) * g.block_size)
+        j = Job(a, params, make_generator(params), len(keys), tokens, keys, hit_tokens=len(keys) * g.block_size)
         j.pe_slots = pe.buffer.allocate(n_blocks, "r")
         j.de_slots = de_slots
         j.computed = j.local_tokens = args.cached

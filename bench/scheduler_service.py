@@ -174,6 +174,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--pull-interval", type=float, default=0.2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.seconds <= 2:
+        ap.error("--seconds must exceed the 2 s warm-up whose completions are not counted")
     rows = []
     for rate in args.rate:
         rows.append(asyncio.run(main_async(argparse.Namespace(**{**vars(args), "rate": rate}))))
