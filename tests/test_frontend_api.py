@@ -2,9 +2,14 @@
 fields (``stop_token_ids``, ``ignore_eos``) reach the engines' sampling parameters, fields that would change the
 answer but are not implemented (``logit_bias``, ``best_of``) are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
+import json
+
+import openai
 import pytest
 
-from test_tools import HERMES_TEMPLATE, WEATHER, ask, serve
+from dualpath.errors import DualPathError
+from test_serving import validate
+from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ask, serve
 
 
 @pytest.fixture
@@ -131,3 +136,59 @@ def test_models_list_carries_the_context_length(front):
     http, _, _ = front
     (model,) = http.get("/v1/models").json()["data"]
     assert model["id"] == "m" and model["max_model_len"] == 4096
+
+
+def by_seed(sampling):
+    return f"seed {sampling.seed}"
+
+
+def test_n_choices_are_generations_of_their_own(front):
+    """n > 1: one generation per choice (a seeded request's i-th with seed + i), choices in order, the prompt counted
+    once in the usage and every choice's tokens."""
+    http, fake, tok = front
+    fake.reply = by_seed
+    r = post(http, "/v1/completions", model="m", prompt="hi", n=3, seed=5)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("CreateCompletionResponse", body)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "seed 5"), (1, "seed 6"), (2, "seed 7")]
+    assert len(fake.prompts) == 3 and fake.prompts[0] == fake.prompts[2]
+    assert body["usage"]["prompt_tokens"] == len(fake.prompts[0])
+    assert body["usage"]["completion_tokens"] == 3 * len(tok.encode("seed 5", add_special_tokens=False))
+    assert http.front.in_flight == 0
+
+
+def test_n_choices_stream_interleaved_and_the_openai_client_reads_them(front):
+    http, fake, _ = front
+    fake.reply = lambda sampling: CALL if sampling.seed == 1 else "plain"
+    with http.stream("POST", "/v1/chat/completions", json={"model": "m", "stream": True, "n": 2, "seed": 0,
+                                                           "stream_options": {"include_usage": True}, **ask()}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    for c in chunks:
+        validate("CreateChatCompletionStreamResponse", c)
+    text = {0: "", 1: ""}
+    finish = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            text[ch["index"]] += ch["delta"].get("content") or ""
+            finish[ch["index"]] = ch["finish_reason"] or finish.get(ch["index"])
+    assert text == {0: "plain", 1: ""} and finish == {0: "stop", 1: "tool_calls"}  # each choice its own
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and http.front.in_flight == 0
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    reply = client.chat.completions.create(model="m", n=2, seed=0, **ask())
+    assert [c.finish_reason for c in reply.choices] == ["stop", "tool_calls"]
+    assert reply.choices[1].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_a_choice_that_cannot_start_fails_the_request_and_frees_every_slot(front):
+    http, fake, _ = front
+    fake.reply = lambda sampling: DualPathError("scheduler gone") if sampling.seed == 2 else "fine"
+    r = post(http, "/v1/completions", model="m", prompt="hi", n=3, seed=0)
+    assert r.status_code == 503 and "scheduler gone" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "1" and http.front.in_flight == 0
+
+
+def test_n_is_bounded(front):
+    http, fake, _ = front
+    r = post(http, "/v1/completions", model="m", prompt="hi", n=17)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and not fake.prompts

@@ -57,7 +57,10 @@ class ScriptedClient:
     def start(self, prompt, sampling, request_id=None, mode=""):
         self.prompts.append(list(prompt))
         self.samplings.append(sampling)
-        return ScriptedHandle(self.tokenizer.encode(self.reply, add_special_tokens=False))
+        reply = self.reply(sampling) if callable(self.reply) else self.reply  # a str, or one made per request
+        if isinstance(reply, Exception):
+            raise reply
+        return ScriptedHandle(self.tokenizer.encode(reply, add_special_tokens=False))
 
     def stats(self):
         return {"ready": True}
@@ -87,7 +90,9 @@ def serve(tiny_dirs, tmp_path, template, api_key=None):
     fake = ScriptedClient(tok)
     front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key), client=fake,
                      tokenizer=tok)
-    return TestClient(front.app), fake, tok
+    http = TestClient(front.app)
+    http.front = front  # for checks of its admission count
+    return http, fake, tok
 
 
 @pytest.fixture

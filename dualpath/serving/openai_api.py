@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -198,26 +198,41 @@ class Frontend:
                                     f"{self.cfg.model_name!r}", param="model", code="model_not_found")
             prompt = self._prompt(req, kind)
             sampling = self._sampling(req, kind, len(prompt))
-            with self._lock:
-                if self.in_flight >= self.cfg.max_concurrent_requests:
-                    raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
-                                   headers={"Retry-After": "1"})
-                self.in_flight += 1
-            try:
-                handle = await asyncio.to_thread(self.client.start, prompt, sampling, None,
-                                                 (req.dualpath.mode or "") if req.dualpath else "")
-            except BaseException:
-                self._done()
-                raise
-            gen = self._generate(handle, prompt, sampling)
+            gens = await self._start(req, prompt, sampling)
             if req.stream:
-                return StreamingResponse(self._sse(gen, req, kind, len(prompt)), media_type="text/event-stream")
-            return await self._collect(request, gen, req, kind, len(prompt))
+                return StreamingResponse(self._sse(gens, req, kind, len(prompt)), media_type="text/event-stream")
+            return await self._collect(request, gens, req, kind, len(prompt))
         except ApiError as e:
             status = e.status
             return e.response()
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
+
+    async def _start(self, req, prompt: list[int], sampling: SamplingParams) -> list:
+        """Submit the request's ``n`` generations (a seeded request's i-th with seed + i, so its choices differ
+        and each is reproducible); one generator each (``_generate``). Admission counts every one."""
+        with self._lock:
+            if self.in_flight + req.n > self.cfg.max_concurrent_requests:
+                raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            self.in_flight += req.n
+        mode = (req.dualpath.mode or "") if req.dualpath else ""
+        gens = []
+        try:
+            for i in range(req.n):
+                one = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
+                handle = await asyncio.to_thread(self.client.start, prompt, one, None, mode)
+                gens.append(_Generation(self._generate(handle, prompt, one), handle, self._done))
+        except BaseException as e:
+            for g in gens:
+                await g.aclose()
+            for _ in range(req.n - len(gens)):
+                self._done()
+            if isinstance(e, DualPathError):  # the scheduler is unreachable or refused the submission
+                raise ApiError(503, f"the request could not be submitted: {e}", "server_error",
+                               headers={"Retry-After": "1"}) from None
+            raise
+        return gens
 
     def _done(self) -> None:
         with self._lock:
@@ -356,13 +371,15 @@ class Frontend:
                 self.m_tpot.observe((last - first) / (o.completion_tokens - 1))
 
     # --- responses ------------------------------------------------------------------------------------------
-    def _usage(self, req, n_prompt: int, o: Outcome) -> dict:
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": o.completion_tokens,
-                 "total_tokens": n_prompt + o.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+    def _usage(self, req, n_prompt: int, outcomes: list[Outcome]) -> dict:
+        """The prompt counted once, every choice's completion tokens; the read path and cache hit of the first
+        choice, the KV bytes loaded for all of them."""
+        done, first = sum(o.completion_tokens for o in outcomes), outcomes[0]
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
+                 "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
         if req.dualpath and req.dualpath.usage:
-            usage["dualpath"] = {"read_path": o.path, "kv_bytes_loaded": o.storage_bytes,
-                                 "cached_tokens": o.cached_tokens}
+            usage["dualpath"] = {"read_path": first.path, "kv_bytes_loaded": sum(o.storage_bytes for o in outcomes),
+                                 "cached_tokens": first.cached_tokens}
         return usage
 
     def _chat_logprobs(self, lps: list) -> dict:
@@ -387,38 +404,49 @@ class Frontend:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _collect(self, request: Request, gen, req, kind: str, n_prompt: int) -> JSONResponse:
-        text, lps, outcome = [], [], None
-        consumer = asyncio.ensure_future(_drain(gen, text, lps))
-        while not consumer.done():  # a client that hangs up cancels its request
-            await asyncio.wait([consumer], timeout=0.5)
-            if not consumer.done() and await request.is_disconnected():
-                consumer.cancel()
-                await gen.aclose()
+    async def _collect(self, request: Request, gens: list, req, kind: str, n_prompt: int) -> JSONResponse:
+        texts, lps = [[] for _ in gens], [[] for _ in gens]
+        consumers = [asyncio.ensure_future(_drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
+        while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
+            await asyncio.wait(consumers, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((c for c in consumers if c.done() and c.exception() is not None), None)
+            gone = failed is None and not all(c.done() for c in consumers) and await request.is_disconnected()
+            if failed is not None or gone:
+                for c, g in zip(consumers, gens):
+                    c.cancel()
+                    await g.aclose()
+                if failed is not None:
+                    raise failed.exception()
                 return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
-        outcome = consumer.result()
+        outcomes = [c.result() for c in consumers]
+        for g in gens:
+            await g.aclose()
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        content = "".join(text)
-        want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
-        if kind == "chat":
-            message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
-            splitter = self._splitter(req, kind)
-            if splitter is not None:
-                content = splitter.feed(content) + splitter.finish()
-                if splitter.calls:
-                    message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
-                    finish = "tool_calls"
-            choice = {"index": 0, "message": message, "finish_reason": finish,
-                      "logprobs": self._chat_logprobs(lps) if want_lps else None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": outcome.finish_reason,
-                      "logprobs": self._completion_logprobs(lps) if want_lps else None}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
-                             "choices": [choice], "usage": self._usage(req, n_prompt, outcome)})
+        choices = [self._choice(req, kind, i, "".join(t), lp, o)
+                   for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
+        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": created, "model": self.cfg.model_name, "choices": choices,
+                             "usage": self._usage(req, n_prompt, outcomes)})
 
-    async def _sse(self, gen, req, kind: str, n_prompt: int):
+    def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome) -> dict:
+        """One finished choice of a non-streamed response."""
+        want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
+        if kind != "chat":
+            return {"index": index, "text": content, "finish_reason": outcome.finish_reason,
+                    "logprobs": self._completion_logprobs(lps) if want_lps else None}
+        message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
+        splitter = self._splitter(req, kind)
+        if splitter is not None:
+            content = splitter.feed(content) + splitter.finish()
+            if splitter.calls:
+                message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
+                finish = "tool_calls"
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": self._chat_logprobs(lps) if want_lps else None}
+
+    async def _sse(self, gens: list, req, kind: str, n_prompt: int):
+        """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
+        usage, when asked, once at the end."""
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
@@ -430,45 +458,103 @@ class Frontend:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        def choice(delta_text: str, lps: list, finish=None) -> dict:
+        def choice(i: int, delta_text: str, lps: list, finish=None) -> dict:
             if kind == "chat":
-                c = {"index": 0, "delta": {"content": delta_text} if delta_text or finish is None else {},
-                     "finish_reason": finish, "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
-            else:
-                c = {"index": 0, "text": delta_text, "finish_reason": finish,
-                     "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
-            return c
+                return {"index": i, "delta": {"content": delta_text} if delta_text or finish is None else {},
+                        "finish_reason": finish, "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
+            return {"index": i, "text": delta_text, "finish_reason": finish,
+                    "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
 
-        splitter = self._splitter(req, kind)
+        splitters = [self._splitter(req, kind) for _ in gens]
+        outcomes: list[Outcome] = []
         try:
             if kind == "chat":
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                             "logprobs": None})
-            async for item in gen:
+                for i in range(len(gens)):
+                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                 "logprobs": None})
+            async for i, item in _merge(gens):
+                splitter = splitters[i]
                 if isinstance(item, Outcome):
+                    outcomes.append(item)
                     finish = item.finish_reason
                     if splitter is not None:
                         if tail := splitter.finish():
-                            yield chunk(choice(tail, []))
+                            yield chunk(choice(i, tail, []))
                         if splitter.calls:  # each call whole, in one delta (clients join deltas by index)
-                            calls = [{"index": i, **c} for i, c in enumerate(splitter.calls)]
-                            yield chunk({"index": 0, "delta": {"tool_calls": calls}, "finish_reason": None,
+                            calls = [{"index": k, **c} for k, c in enumerate(splitter.calls)]
+                            yield chunk({"index": i, "delta": {"tool_calls": calls}, "finish_reason": None,
                                          "logprobs": None})
                             finish = "tool_calls"
-                    yield chunk(choice("", [], finish))
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield chunk(None, self._usage(req, n_prompt, item))
-                    break
+                    yield chunk(choice(i, "", [], finish))
+                    continue
                 delta, _, lp = item
                 if splitter is not None:
                     delta = splitter.feed(delta)
                 if delta or lp:
-                    yield chunk(choice(delta, [lp] if lp else []))
+                    yield chunk(choice(i, delta, [lp] if lp else []))
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk(None, self._usage(req, n_prompt, outcomes))
         except ApiError as e:
             yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
         finally:
-            await gen.aclose()
+            for g in gens:
+                await g.aclose()
         yield "data: [DONE]\n\n"
+
+
+async def _merge(gens: list):
+    """``(index, item)`` from every generation as items arrive, each generation in its own order, until every one
+    has yielded its ``Outcome``. A generation's error is raised here (the others are closed by the caller)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+                if isinstance(item, Outcome):
+                    return
+            await queue.put((i, ApiError(500, "generation ended without a result", "server_error")))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            left -= isinstance(item, Outcome)
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # no generation is mid-step when the caller closes it
+
+
+class _Generation:
+    """One submitted generation (``Frontend._generate``) whose ``aclose`` always ends it: it cancels the request and
+    frees its admission slot even where iteration never began (an async generator's own cleanup runs only once it
+    has started)."""
+
+    def __init__(self, gen, handle, done):
+        self._gen, self._handle, self._done = gen, handle, done
+        self._started = self._closed = False
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        self._started = True
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        if self._started:
+            await self._gen.aclose()
+        elif not self._closed:
+            self._handle.cancel()
+            self._done()
+        self._closed = True
 
 
 async def _drain(gen, text: list, lps: list):

@@ -10,6 +10,9 @@ from dualpath.errors import RequestError
 from dualpath.serving.tools import template_arguments
 
 
+MAX_CHOICES = 16  # n: each choice is a generation of its own
+
+
 class Extension(BaseModel):
     """The ``dualpath`` request field: opt-in usage details and a per-request read-path mode."""
 
@@ -42,9 +45,9 @@ class _Common(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices(cls, v):
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be from 1 to {MAX_CHOICES}")
         return v
 
     @field_validator("stop")
