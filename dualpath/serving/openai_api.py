@@ -514,7 +514,7 @@ async def _merge(gens: list):
                 if isinstance(item, Outcome):
                     return
             await queue.put((i, ApiError(500, "generation ended without a result", "server_error")))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:  # noqa: BLE001 - handed to the consumer (a cancellation is not: it ends the pump)
             await queue.put((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
