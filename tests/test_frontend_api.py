@@ -2,12 +2,17 @@
 fields (``stop_token_ids``, ``ignore_eos``) reach the engines' sampling parameters, fields that would change the
 answer but are not implemented (``logit_bias``, ``best_of``) are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
+import asyncio
 import json
+import threading
 
 import openai
 import pytest
 
 from dualpath.errors import DualPathError
+from dualpath.messages import TokenEvent
+from dualpath.sampling_params import SamplingParams
+from dualpath.serving.protocol import CompletionRequest
 from test_serving import validate
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ask, serve
 
@@ -192,3 +197,39 @@ def test_n_is_bounded(front):
     http, fake, _ = front
     r = post(http, "/v1/completions", model="m", prompt="hi", n=17)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n" and not fake.prompts
+
+
+class EndlessHandle:
+    """Test double of a request handle: a token every few milliseconds until it is cancelled."""
+
+    request_id = "endless"
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def events(self):
+        while not self.cancelled.wait(0.005):
+            yield TokenEvent(self.request_id, 104)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_a_non_streamed_request_whose_client_left_is_cancelled_choice_by_choice(front):
+    http, fake, _ = front
+    handles = []
+    fake.reply = lambda sampling: handles.append(EndlessHandle()) or handles[-1]
+    frontend = http.front
+
+    class Gone:  # the request of a client that has hung up
+        async def is_disconnected(self):
+            return True
+
+    async def collect():
+        req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": 2})
+        gens = await frontend._start(req, [1, 2], SamplingParams(max_tokens=10_000))
+        return await frontend._collect(Gone(), gens, req, "completions", 2)
+
+    assert asyncio.run(collect()).status_code == 499
+    assert len(handles) == 2 and all(h.cancelled.is_set() for h in handles)
+    assert frontend.in_flight == 0

@@ -412,8 +412,12 @@ class Frontend:
             failed = next((c for c in consumers if c.done() and c.exception() is not None), None)
             gone = failed is None and not all(c.done() for c in consumers) and await request.is_disconnected()
             if failed is not None or gone:
-                for c, g in zip(consumers, gens):
+                for c in consumers:
                     c.cancel()
+                # a cancelled drain ends inside its generation, whose cleanup then runs; only after that can a
+                # generation be closed (closing one still mid-step raises)
+                await asyncio.gather(*consumers, return_exceptions=True)
+                for g in gens:
                     await g.aclose()
                 if failed is not None:
                     raise failed.exception()
