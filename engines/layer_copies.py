@@ -69,4 +69,4 @@ class LayerCopies:
 
 
 def _nothing() -> None:
-    pass
+    """The wait for a CPU layer's compute: it finished before ``after_compute`` was called."""

@@ -35,7 +35,10 @@ def pool(pin=False):
 
 
 def reference(p, slots, layer):
-    return torch.cat([p.layer_rows([s], layer) for s in slots])
+    """``layer`` of ``slots`` cut from the raw bytes block by block, as token rows."""
+    lb = GEOM.layer_block_bytes
+    parts = [p.memory.tensor[p.layout.offset(s, layer):][:lb] for s in slots]
+    return torch.cat(parts).view(torch.bfloat16).view(-1, GEOM.kv_elems_per_token)
 
 
 @pytest.mark.parametrize("layer", [0, 2])

@@ -84,8 +84,8 @@ def test_buffer_slot_views_follow_the_full_block_layout():
     pool.memory.tensor.copy_(torch.arange(pool.memory.nbytes) % 251)
     s = pool.slot_bytes(2)
     assert s.data_ptr() - pool.memory.address == 2 * GEOM.full_block_bytes
-    rows = pool.layer_rows([3, 1], layer=2)
-    assert rows.shape == (8, 2)
+    rows = torch.empty(8, 2)
+    pool.layer_to_device([3, 1], 2, rows)  # one layer of two slots, in the given order
     raw = rows.view(torch.uint8).reshape(-1)
     start = FullBlockSlots(GEOM, 4).offset(3, 2)
     assert torch.equal(raw[:32], pool.memory.tensor[start:start + 32])

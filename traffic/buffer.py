@@ -83,16 +83,6 @@ class BufferPool:
             copy_rows(self.memory, self.layout.offset(first, layer), g.full_block_bytes, flat[i:i + n], to_host,
                       stream)
 
-    def layer_rows(self, slots: list[int], layer: int) -> torch.Tensor:
-        """Token rows ``[len(slots) × block_size, kv_elems]`` of ``layer`` in ``slots``, gathered in the given order
-        into a fresh tensor."""
-        g = self.geometry
-        lb = g.layer_block_bytes
-        dtype = getattr(torch, g.dtype)
-        parts = [self.memory.tensor[self.layout.offset(s, layer):self.layout.offset(s, layer) + lb] for s in slots]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        return flat.view(dtype).view(len(slots) * g.block_size, g.kv_elems_per_token)
-
     def check(self) -> None:
         with self._lock:
             self.allocator.check()

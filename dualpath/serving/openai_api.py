@@ -151,9 +151,8 @@ class Frontend:
                 req = parse(model_cls, await request.body())
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
-            if req.model is not None and req.model != self.cfg.model_name:
-                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                    f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+            if req.model is not None:
+                self._check_model(req.model)
             return JSONResponse(answer(req))
         except ApiError as e:
             status = e.status
@@ -174,6 +173,11 @@ class Frontend:
     def _detokenize(self, req: DetokenizeRequest) -> dict:
         return {"prompt": self.tokenizer.decode(self._known_ids(req.tokens, "tokens"))}
 
+    def _check_model(self, name: str) -> None:
+        if name != self.cfg.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
+                           param="model", code="model_not_found")
+
     def _auth(self, request: Request) -> None:
         if not self.cfg.api_key:
             return
@@ -193,9 +197,7 @@ class Frontend:
                 req = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
-            if req.model != self.cfg.model_name:
-                raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                    f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+            self._check_model(req.model)
             prompt = self._prompt(req, kind)
             sampling = self._sampling(req, kind, len(prompt))
             gens = await self._start(req, prompt, sampling)

@@ -65,11 +65,13 @@ class _Common(BaseModel):
             raise ValueError("presence and frequency penalties are not supported")
         return v
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", "echo", "suffix", "functions", "function_call", check_fields=False)
     @classmethod
-    def _no_bias(cls, v):
+    def _unsupported(cls, v, info):
+        """Fields that would change the answer, refused when set rather than ignored."""
         if v:
-            raise ValueError("logit_bias is not supported")
+            hint = "; send tools and tool_choice" if info.field_name.startswith("function") else ""
+            raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -193,13 +195,6 @@ class ChatRequest(_Common, ChatRendering):
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None
 
-    @field_validator("functions", "function_call")
-    @classmethod
-    def _legacy(cls, v, info):
-        if v:
-            raise ValueError(f"the deprecated '{info.field_name}' is not supported; send tools and tool_choice")
-        return v
-
     @field_validator("modalities")
     @classmethod
     def _text_out(cls, v):
@@ -242,13 +237,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-
-    @field_validator("echo", "suffix")
-    @classmethod
-    def _unsupported(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported")
-        return v
 
     @field_validator("best_of")
     @classmethod
