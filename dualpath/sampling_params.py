@@ -13,7 +13,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 or -1 and top_p 1.0 disable those filters. A seed makes sampling
     reproducible per request, whatever else runs in the same batch. ``ignore_eos`` forces exactly
     ``max_tokens`` tokens (used by rollout replays). ``logprobs`` asks for the chosen token's log-probability
-    and that many top alternatives.
+    and that many top alternatives. ``json_object`` constrains the output to one JSON object (OpenAI's JSON mode),
+    ``json_schema`` (a schema as JSON text) to one valid against that schema (``dualpath.grammar`` says which
+    keywords): it ends as the object closes, or at ``max_tokens`` unfinished. ``json_prefix`` / ``json_suffix``:
+    fixed text the constrained output starts / ends with around the object (a forced tool call's markup).
     """
 
     max_tokens: int = 16
@@ -25,6 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    json_object: bool = False
+    json_schema: str | None = None
+    json_prefix: str = ""
+    json_suffix: str = ""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,8 +48,17 @@ class SamplingParams:
             raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", field="top_k")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", field="logprobs")
+        if self.json_object and self.json_schema is not None:
+            raise RequestError("json_object and json_schema exclude each other", field="response_format")
+        if (self.json_prefix or self.json_suffix) and not self.structured:
+            raise RequestError("json_prefix and json_suffix need json_object or json_schema", field="response_format")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
+
+    @property
+    def structured(self) -> bool:
+        """Whether the output is constrained (JSON mode or a schema)."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:

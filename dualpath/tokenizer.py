@@ -3,6 +3,7 @@ sandboxed Jinja environment (as Hugging Face renders them), and incremental deto
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import cached_property
@@ -76,6 +77,26 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     @cached_property
+    def token_bytes(self) -> tuple[bytes | None, ...]:
+        """The bytes each token id adds to the output (None: a special token, which adds no text), for masks over
+        the vocabulary (structured output). Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) and SentencePiece with
+        byte fallback (Llama 2, Mistral) are understood; other tokenizers raise CheckpointError."""
+        kind = _decoder_kind(json.loads(self._tok.to_str()).get("decoder"))
+        if kind is None:
+            raise CheckpointError("structured output needs a byte-level BPE or SentencePiece (byte fallback) "
+                                  "tokenizer; this checkpoint's tokenizer is neither")
+        added = self._tok.get_added_tokens_decoder()
+        out: list[bytes | None] = []
+        for i in range(self.vocab_size):
+            tok = added.get(i)
+            if tok is not None:
+                out.append(None if tok.special else tok.content.encode())
+                continue
+            piece = self._tok.id_to_token(i)
+            out.append(None if piece is None else _piece_bytes(piece, kind))
+        return tuple(out)
+
+    @cached_property
     def _template(self) -> jinja2.Template:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
@@ -103,6 +124,42 @@ class Tokenizer:
         """Token ids of the rendered chat; the template supplies special tokens itself."""
         return self.encode(self.render_chat(messages, add_generation_prompt, continue_final, **kwargs),
                            add_special_tokens=False)
+
+
+def _decoder_kind(decoder: dict | None) -> str | None:
+    """The tokenizer's kind: "byte_level", "sentencepiece" (U+2581 for spaces, ``<0xNN>`` byte tokens) or None."""
+    if not decoder:
+        return None
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    types = {d.get("type") for d in parts}
+    if "ByteLevel" in types:
+        return "byte_level"
+    if types & {"ByteFallback", "Metaspace"}:
+        return "sentencepiece"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-ins for the 256 byte values, inverted (character -> byte)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _piece_bytes(piece: str, kind: str) -> bytes | None:
+    if kind == "byte_level":
+        alphabet = _byte_level_alphabet()
+        return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()
 
 
 def _open_final(text: str, messages: Sequence[dict]) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dualpath.errors import OutOfBlocksError
+from dualpath.errors import DualPathError, OutOfBlocksError
 from dualpath.geometry import BlockHash, block_hashes
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
@@ -162,7 +162,13 @@ class DecodeEngine(Engine):
         seq = Sequence(msg.request_id, prompt, params, gen, num_computed=len(prompt))
         lp = TokenLogprob(msg.first_logprob["token_id"], msg.first_logprob["logprob"],
                           tuple(tuple(x) for x in msg.first_logprob["top"])) if msg.first_logprob else None
-        seq.append(msg.first_token, lp, self.local.eos_ids, self.max_model_len)
+        try:
+            seq.guide = self.guides.guide_for(params)  # the prefill engine's first token replays through it
+            seq.append(msg.first_token, lp, self.local.eos_ids, self.max_model_len)
+        except DualPathError as e:
+            self.outbox.add("failed", [msg.request_id, f"structured output: {e}"])
+            self._drop(msg.request_id, f"structured output: {e}")
+            return
         h.seq = seq
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
                   "path": msg.path, "storage_bytes": msg.storage_bytes}

@@ -26,6 +26,8 @@ from dualpath.geometry import KVGeometry, model_fingerprint
 from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
     pack_keys
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
+from dualpath.tokenizer import Tokenizer
+from engines.guided import GuideSource
 from engines.models import load_model, open_checkpoint
 from traffic.buffer import BufferPool
 from traffic.manager import TrafficManager
@@ -75,6 +77,8 @@ class Engine:
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
+        model_dir = ckpt.path
+        self.guides = GuideSource(lambda: Tokenizer(model_dir), ckpt.config.vocab_size, self.device)
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
         self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)

@@ -16,6 +16,7 @@ import torch
 from dualpath.errors import RequestError
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from engines.graphs import DecodeGraphs, make_decode_graphs
+from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
 from engines.sampler import sample
@@ -76,6 +77,7 @@ class LocalEngine:
         self.runner = ModelRunner(model, cache, graphs)
         self.eos_ids = model.config.eos_token_ids
         self.tokenizer = tokenizer
+        self.guides = GuideSource(lambda: tokenizer, model.config.vocab_size, cache.device) if tokenizer else None
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -89,6 +91,10 @@ class LocalEngine:
                                f"{self.max_model_len}", field="prompt")
         if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) > self.cache.allocator.num_blocks:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
+        if seq.params.structured and seq.guide is None:
+            if self.guides is None:
+                raise RequestError("structured output needs the engine's tokenizer", field="response_format")
+            seq.guide = self.guides.guide_for(seq.params)
         if seq.params.stop and self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         self.waiting.append(seq)
@@ -114,7 +120,8 @@ class LocalEngine:
         seqs = [batch[i] for i in done_rows]
         if len(done_rows) < len(batch):  # a chunked prompt's rows have nothing to sample (indexing copies the list)
             logits = logits[done_rows]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                  [s.mask() for s in seqs])
         finished = []
         for s, tok, lp in zip(seqs, tokens, logprobs):
             s.append(tok, lp, self.eos_ids, self.max_model_len)

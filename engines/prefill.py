@@ -30,6 +30,7 @@ from engines.batcher import CostModel, Pending, form_batch
 from engines.engine import Engine
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
+from engines.guided import Guide
 from engines.sampler import make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import write_tokens
@@ -55,6 +56,7 @@ class Job:
     hit_tokens: int = 0  # leading prompt tokens whose stored KV loaded intact
     storage_bytes: int = 0
     layer_loads: list = field(default_factory=list)  # per layer: the storage read of the PE-side hit blocks
+    guide: Guide | None = None  # structured output: which first tokens are allowed
 
     @property
     def n_prompt(self) -> int:
@@ -179,6 +181,11 @@ class PrefillEngine(Engine):
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
         job = Job(a, params, make_generator(params), pe_blocks, unpack_tokens(a.tokens), keys,
                   hit_tokens=len(keys) * self.geometry.block_size)
+        try:
+            job.guide = self.guides.guide_for(params)
+        except DualPathError as e:  # this checkpoint's tokenizer cannot be masked: the request fails, clearly
+            self._fail(job, f"structured output: {e}")
+            return
         with self.cond:
             self.jobs[a.request_id] = job
         threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
@@ -449,7 +456,8 @@ class PrefillEngine(Engine):
             return
         jobs = [j for j, _ in finals]
         logits = torch.stack([lg for _, lg in finals])
-        tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs])
+        tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
+                                  [j.guide.mask() if j.guide else None for j in jobs])
         for job, tok, lp in zip(jobs, tokens, logprobs):
             state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
             path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value

@@ -30,16 +30,18 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           masks: Sequence[torch.Tensor | None] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
-    distribution before temperature and filtering (as OpenAI-compatible servers report them).
+    distribution before temperature, filtering and masks (as OpenAI-compatible servers report them). ``masks``:
+    per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all False).
 
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
     a dozen kernels and a wait per sampled row: on a GPU, longer than the decode step). A sampled row draws one
     uniform number from its own generator and takes the token where it falls in the row's filtered distribution
     (inverse CDF), so a seeded request samples the same tokens whatever it is batched with."""
     b, dev = logits.shape[0], logits.device
+    raw, logits = logits, _masked(logits, masks)
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -55,7 +57,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not asked:
         return tokens.tolist(), [None] * b
-    return _with_logprobs(logits, tokens, params, asked)
+    return _with_logprobs(raw, tokens, params, asked)
+
+
+def _masked(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+    """``logits`` with the tokens a row may not take at -inf (a new tensor; the rows without a mask unchanged)."""
+    some = next((m for m in masks or () if m is not None), None)
+    if some is None:
+        return logits
+    every = some.new_ones(()).expand_as(some)
+    allowed = torch.stack([every if m is None else m for m in masks])
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dualpath.sampling_params import SamplingParams
+from engines.guided import Guide
 from engines.sampler import TokenLogprob
 
 
@@ -27,6 +28,10 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: FinishReason | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
+    guide: Guide | None = None  # structured output: which tokens may come next
+
+    def mask(self) -> torch.Tensor | None:
+        return self.guide.mask() if self.guide is not None else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -41,11 +46,15 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token: int, logprob: TokenLogprob | None, eos_ids: tuple[int, ...], max_len: int) -> None:
-        """Record a sampled token and decide whether it ends the sequence (token-level conditions only)."""
+        """Record a sampled token and decide whether it ends the sequence (token-level conditions only; a guided
+        sequence ends as its JSON completes)."""
+        if self.guide is not None:
+            self.guide.advance(token)
         self.output_ids.append(token)
         self.logprobs.append(logprob)
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids) or \
+                (self.guide is not None and self.guide.complete):
             self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_len:
             self.finish_reason = FinishReason.LENGTH

@@ -33,3 +33,9 @@ def test_layer_overlap_bench_runs(tiny_dirs, tmp_path):
 def test_small_benches_run(script, args, tmp_path):
     result = run_bench(script, *args, "--out", str(tmp_path / "r.json"))
     assert result["benchmark"]
+
+
+def test_guided_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
+                       "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))
+    assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "step", "generate"]

@@ -36,6 +36,26 @@ def test_stop_token_ids_and_ignore_eos_reach_the_sampling_parameters(front):
     assert fake.samplings[-1].stop_token_ids == () and not fake.samplings[-1].ignore_eos
 
 
+def test_json_mode_reaches_the_sampling_parameters(front):
+    http, fake, _ = front
+    fake.reply = "{}"
+    for path, body in (("/v1/completions", dict(prompt="hi")),
+                       ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+        assert post(http, path, model="m", response_format={"type": "json_object"}, **body).status_code == 200
+        assert fake.samplings[-1].json_object
+        assert post(http, path, model="m", response_format={"type": "text"}, **body).status_code == 200
+        assert not fake.samplings[-1].json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    r = post(http, "/v1/chat/completions", model="m", response_format=fmt, messages=[{"role": "user", "content": "hi"}])
+    assert r.status_code == 200, r.text
+    assert json.loads(fake.samplings[-1].json_schema) == schema and not fake.samplings[-1].json_object
+    # tools withheld by tool_choice "none": JSON mode is fine
+    r = post(http, "/v1/chat/completions", model="m", response_format={"type": "json_object"}, tool_choice="none",
+             **ask())
+    assert r.status_code == 200 and fake.samplings[-1].json_object
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
     ("/v1/completions", dict(prompt="hi", logit_bias={"50": 5}), "logit_bias"),

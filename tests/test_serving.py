@@ -1,6 +1,7 @@
 """``dualpath serve`` end to end, through the real ``openai`` client and raw HTTP: answers, caching across turns,
 streaming, equality with the single-process reference in every read-path mode, errors, schema conformance, and
 client disconnects."""
+import itertools
 import json
 import threading
 import time
@@ -132,6 +133,34 @@ def test_stop_strings_seed_and_logprobs(tiny, reference):
     assert all(t.logprob <= 0 and abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in lps)  # greedy
 
 
+@pytest.mark.parametrize("mode", ["pe", "de"])
+def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mode):
+    """The prefill engine masks the first token, the decode engine replays it into its guide and masks the rest:
+    the same tokens as one process, a JSON object when the reply stops (the tiny model: one token per byte)."""
+    c = client(tiny)
+    messages = [{"role": "user", "content": f"answer in JSON ({mode})"}]
+    ids = reference.tokenizer.apply_chat_template(messages)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    formats = ({"type": "json_object"}, dict(json_object=True)), \
+        ({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}, dict(json_schema=json.dumps(schema)))
+    for (fmt, structured), (temperature, seed) in itertools.product(formats, ((0, None), (1.0, 7))):
+        want = reference.generate(ids, SamplingParams(temperature=temperature, seed=seed, max_tokens=120,
+                                                      **structured))[0]
+        r = c.chat.completions.create(model="llama", messages=messages, max_tokens=120, temperature=temperature,
+                                      seed=seed, response_format=fmt, extra_body={"dualpath": {"mode": mode}})
+        got = r.choices[0]
+        assert got.message.content == want.text and got.finish_reason == want.finish_reason
+        assert want.text.lstrip().startswith("{")
+        if got.finish_reason == "stop":
+            reply = json.loads(got.message.content)
+            assert isinstance(reply, dict) and (fmt["type"] == "json_object" or set(reply) == {"n", "ok"})
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="llama", messages=messages, max_tokens=120, temperature=0, response_format={"type": "json_object"},
+        stream=True) if ch.choices)
+    assert streamed == reference.generate(ids, SamplingParams(temperature=0, max_tokens=120, json_object=True))[0].text
+
+
 def raw(server, path, body=None, method="POST", hdrs=None):
     h = headers() if hdrs is None else hdrs
     with httpx.Client(timeout=60) as h_:
@@ -258,3 +287,14 @@ def test_default_model_answers_and_caches_across_turns(default_model):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=model, messages=messages, max_tokens=32, temperature=0, stream=True) if ch.choices)
     assert streamed == r2.choices[0].message.content
+
+
+def test_default_model_json_mode(default_model):
+    c = openai.OpenAI(base_url=f"{default_model.url}/v1", api_key="none", max_retries=0, timeout=300)
+    model = c.models.list().data[0].id
+    messages = [{"role": "system", "content": "Reply in JSON."},
+                {"role": "user", "content": "Give a person with name and age as JSON."}]
+    r = c.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)

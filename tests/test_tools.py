@@ -283,12 +283,42 @@ def test_a_call_that_does_not_parse_is_returned_as_text(hermes):
     assert choice["finish_reason"] == "stop"
 
 
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("choice, names", [("required", ["get_weather", "get_time"]),
+                                           ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])])
+def test_a_forced_call_is_constrained_to_the_markup_and_the_tools_schemas(hermes, choice, names):
+    """tool_choice "required" or named: the engines get the call's schema (the chosen functions' names and
+    parameters) with the template's markup around it; the reply comes back as a tool call."""
+    http, fake, _ = hermes
+    fake.reply = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], tool_choice=choice)
+    assert r.status_code == 200, r.text
+    s = fake.samplings[-1]
+    assert (s.json_prefix, s.json_suffix) == ("<tool_call>\n", "\n</tool_call>")
+    schema = json.loads(s.json_schema)
+    alts = schema.get("anyOf", [schema])
+    assert [a["properties"]["name"]["const"] for a in alts] == names
+    assert alts[-1]["properties"]["arguments"] == CLOCK["function"]["parameters"]
+    choice0 = r.json()["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls"
+    assert json.loads(choice0["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
+
+
 @pytest.mark.parametrize("extra, param, words", [
-    (ask(tool_choice="required"), "tool_choice", "not supported"),
-    (ask(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice", "not supported"),
+    (ask(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "one of the request's tools"),
+    (dict(messages=[{"role": "user", "content": "x"}], tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}}}}]),
+     "tools", "minLength cannot be enforced"),
     (dict(messages=[{"role": "user", "content": "x"}], tool_choice="auto"), "tool_choice", "needs tools"),
-    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}), "response_format",
-     "not supported"),
+    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}), "response_format",
+     "needs a json_schema"),
+    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}}}),
+     "response_format", "pattern cannot be enforced"),
+    (ask(response_format={"type": "json_object"}), "response_format", "not supported"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
      "'image_url' are not supported"),
     (dict(messages=[{"role": "user", "content": "bad \ud800 char"}]), "messages", "lone surrogate"),

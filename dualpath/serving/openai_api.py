@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dualpath.client import ClusterClient, OverloadedError
-from dualpath.errors import DualPathError, RequestError
+from dualpath.errors import CheckpointError, DualPathError, RequestError
+from dualpath.grammar import Grammar
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
@@ -294,9 +295,45 @@ class Frontend:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs,
                                   stop_token_ids=tuple(self._known_ids(req.stop_token_ids or (), "stop_token_ids")),
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos, **self._structured(req, kind))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+
+    def _structured(self, req, kind: str) -> dict:
+        """The sampling fields of a JSON-mode or schema request, checked here (so an unsupported schema or
+        checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens' bytes are known."""
+        mode = req.json_mode()
+        if mode is None:
+            return self._forced_call(req) if kind == "chat" else {}
+        if kind == "chat" and req.calls_tools():
+            raise ApiError(400, f"response_format {mode} with tools is not supported: a tool call's markup is not a "
+                                "JSON object; send one or the other (or tool_choice 'none')", param="response_format")
+        try:
+            self.tokenizer.token_bytes
+            if mode == "json_object":
+                return {"json_object": True}
+            schema = req.response_format.json_schema.schema_ or {"type": "object"}
+            Grammar.compile(schema)  # what the engines will compile: its errors are the request's
+            return {"json_schema": json.dumps(schema)}
+        except (CheckpointError, RequestError) as e:
+            raise ApiError(400, str(e), param="response_format") from None
+
+    def _forced_call(self, req: ChatRequest) -> dict:
+        """Sampling fields that make the reply one call to a tool (``tool_choice`` "required" or named): the
+        template's call markup around a JSON object whose schema is the function's name and parameters."""
+        functions = req.forced_functions()
+        if not functions:
+            return {}
+        if self.tool_markup is None:
+            return {}  # _tools refuses the request (no markup to write the call in)
+        prefix, schema, suffix = self.tool_markup.forced(functions)
+        try:
+            self.tokenizer.token_bytes
+            Grammar.compile(schema)
+        except (CheckpointError, RequestError) as e:
+            raise ApiError(400, f"tool_choice {'required' if req.tool_choice == 'required' else 'named'}: {e}",
+                           param="tools") from None
+        return {"json_schema": json.dumps(schema), "json_prefix": prefix, "json_suffix": suffix}
 
     # --- generation -----------------------------------------------------------------------------------------
     async def _generate(self, handle, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Any]:

@@ -25,6 +25,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``json_object`` constrains the reply to one JSON object (JSON mode),
+    ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs; ``dualpath.grammar`` lists the
+    keywords enforced, others are a 400). Enforced whatever ``strict`` says."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object (name, schema)")
+        return self
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -42,6 +66,7 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[int]] = None  # vLLM's extra: token ids that end the reply
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     dualpath: Optional[Extension] = None
+    response_format: Optional[ResponseFormat] = None
 
     @field_validator("n")
     @classmethod
@@ -76,6 +101,11 @@ class _Common(BaseModel):
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def json_mode(self) -> Optional[str]:
+        """"json_object", "json_schema" or None (free text)."""
+        fmt = self.response_format
+        return fmt.type if fmt is not None and fmt.type != "text" else None
 
 
 class ContentPart(BaseModel):
@@ -145,11 +175,6 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatRendering(BaseModel):
     """How a chat is rendered into a prompt (vLLM's extras): ``continue_final_message`` leaves the last message open
     for the model to continue (an assistant reply's start, say), which implies no generation prompt;
@@ -190,7 +215,6 @@ class ChatRequest(_Common, ChatRendering):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
-    response_format: Optional[ResponseFormat] = None
     functions: Optional[list[Any]] = None  # the deprecated form of tools
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None
@@ -205,18 +229,14 @@ class ChatRequest(_Common, ChatRendering):
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, v, info):
-        if v is not None and not info.data.get("tools"):
+        tools = info.data.get("tools")
+        if v is not None and not tools:
             raise ValueError("tool_choice needs tools")
-        if v == "required" or isinstance(v, dict):
-            raise ValueError("forcing a tool call ('required' or a named function) is not supported: this server "
-                             "has no constrained decoding; use 'auto' or 'none'")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.type != "text":
-            raise ValueError(f"{v.type!r} is not supported: this server has no constrained decoding")
+        if isinstance(v, dict):
+            name = (v.get("function") or {}).get("name") if v.get("type") == "function" else None
+            if name not in {t.function.name for t in tools}:
+                raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}} with the "
+                                 "name of one of the request's tools")
         return v
 
     def max_new(self) -> Optional[int]:
@@ -228,6 +248,16 @@ class ChatRequest(_Common, ChatRendering):
 
     def tool_names(self) -> frozenset[str]:
         return frozenset(t.function.name for t in self.tools or ())
+
+    def forced_functions(self) -> list[dict]:
+        """The functions one of which the reply must call (``tool_choice`` "required" or named), else []."""
+        if self.tool_choice == "required":
+            chosen = self.tools
+        elif isinstance(self.tool_choice, dict):
+            chosen = [t for t in self.tools if t.function.name == self.tool_choice["function"]["name"]]
+        else:
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in chosen]
 
 
 class CompletionRequest(_Common):

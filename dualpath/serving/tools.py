@@ -38,6 +38,12 @@ class ToolMarkup(ABC):
         """The calls in ``held`` (the text from ``start`` on) and the text around them; None if it is not calls to
         ``names`` throughout."""
 
+    @abstractmethod
+    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
+        """One call to one of ``functions`` (OpenAI function objects: name, parameters) as structured output: the
+        text before the call's JSON object, the object's schema, the text after (``tool_choice`` "required" or
+        named)."""
+
 
 class Hermes(ToolMarkup):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -60,6 +66,9 @@ class Hermes(ToolMarkup):
             rest.append(held[pos:m.start()])
             pos = m.end()
         return (calls, "".join(rest) + held[pos:]) if calls else None
+
+    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
+        return self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE
 
 
 class Llama3Json(ToolMarkup):
@@ -87,6 +96,18 @@ class Llama3Json(ToolMarkup):
             if call is None:
                 return None
             calls.append(call)
+
+    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
+        return "", _call_schema(functions, "parameters"), ""
+
+
+def _call_schema(functions: list[dict], arguments: str) -> dict:
+    """A call object's schema: the function's name and its arguments under ``arguments`` (the markup's key)."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments],
+              "properties": {"name": {"const": f["name"]},
+                             arguments: f.get("parameters") or {"type": "object", "properties": {}}}}
+             for f in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def tool_markup(template: str | None) -> ToolMarkup | None:

@@ -1,0 +1,509 @@
+"""What structured output may emit: JSON objects, optionally valid against a JSON schema, read one byte at a time.
+
+A ``Grammar`` is a compiled schema: a table of nodes (any value, object, array, string, number, integer, boolean,
+null, a set of literal values, a choice of nodes). Its automaton reads bytes: a *configuration* is
+``(mode, node, stack, ws)`` — what the next byte may be, the schema node of the value being read (for modes that
+start or spell a value), the open containers (frames, innermost last) and the whitespace bytes just read. A choice
+(``anyOf``) is followed down every branch at once, so a *state* is a frozenset of configurations; a byte no
+configuration accepts is refused. JSON's syntax is deterministic, so every configuration of a state has open
+containers of the same shape: the state closes its top-level object (``DONE``) in all of them at once.
+
+The accepted texts are strict JSON (no NaN, no raw control characters in strings, whole UTF-8 characters, at most
+``MAX_WS`` whitespace bytes in a row) with one object at the top level, ending at its closing brace; a grammar may
+also fix text before and after the object (a forced tool call's markup).
+
+Schema subset (OpenAI's structured outputs and what pydantic emits): ``type`` (one or a list), ``properties``,
+``required``, ``additionalProperties`` (false, true or a schema; true by default), ``items``, ``enum``, ``const``,
+``anyOf``, ``allOf`` of one schema, ``$ref`` into ``$defs``/``definitions`` (recursion allowed), and annotations
+(``title``, ``description``, ``default``, ``examples``, ``format`` — an annotation in JSON Schema 2020-12). A keyword
+that would constrain what cannot be enforced here (``pattern``, ``minLength``, ``minimum``, ``oneOf``, ...) is a
+``SchemaError``, never silently dropped. Properties may come in any order; integers are written without a fraction
+or exponent; a value of an ``enum`` is written as ``json.dumps`` writes it (``ensure_ascii=False``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from dualpath.errors import RequestError
+
+MAX_WS = 32  # whitespace bytes in a row between structural tokens: a model that loops on newlines stops there
+WS = frozenset(b" \t\n\r")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+DIGITS = frozenset(b"0123456789")
+ESCAPES = frozenset(b'"\\/bfnrt')
+
+# modes (ints); LIT's node slot holds the literal suffixes still possible
+(VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
+ NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
+ PREFIX, SUFFIX) = range(26)  # PREFIX / SUFFIX: the fixed text around the object, the bytes still due in node
+U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
+UTF8_STR, UTF8_KEY = 300, 400  # + 10 x continuation bytes due + which range the next one must be in
+NEXT_RANGE = ((0x80, 0xBF), (0xA0, 0xBF), (0x80, 0x9F), (0x90, 0xBF), (0x80, 0x8F))  # no overlong or surrogate
+SPACED = frozenset({VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER})  # whitespace may come here
+NUM_MAY_END = frozenset({NUM_ZERO, NUM_INT, NUM_FRAC, NUM_EXP, INT_ZERO, INT_DIGITS})
+PLAIN_MODES = frozenset({STR, KEY_STR})  # a string with no constraint on its content
+
+# node ids every grammar has
+ANY, ANY_OBJECT, ANY_ARRAY = 0, 1, 2
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
+                         "deprecated", "readOnly", "writeOnly", "$defs", "definitions"})
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+Config = tuple  # (mode, node, stack: tuple of frames, whitespace run)
+State = frozenset  # of configurations
+# frames: ("o", object node, names given: frozenset, the key being read as written: bytes, or None where the object
+# needs no names kept) or ("a", items node)
+
+
+class SchemaError(RequestError):
+    """A schema this grammar cannot enforce (or that no value satisfies)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"json_schema: {message}", field="response_format")
+
+
+@dataclass(frozen=True, eq=False)
+class ObjectNode:
+    """An object's schema: its properties' nodes, the names it requires, what other keys may hold."""
+
+    props: dict  # property name -> node
+    required: frozenset  # of names
+    extra: int | None  # node of other keys' values; None: no other keys
+    spelled: dict = field(default_factory=dict)  # name -> as json.dumps writes it between the quotes (bytes)
+
+    def __post_init__(self):
+        self.spelled.update({k: _key_bytes(k) for k in self.props})
+
+    @property
+    def tracked(self) -> bool:
+        """Whether keys must be remembered (to look up their values' nodes, or to know the required are there)."""
+        return bool(self.props or self.required)
+
+    def remaining(self, done: frozenset) -> list[bytes]:
+        """The properties not given yet, each as ``json.dumps`` writes it between the quotes."""
+        return [w for k, w in self.spelled.items() if k not in done]
+
+
+class Grammar:
+    """A compiled schema (``compile``) or JSON mode's any-object (``json_object``), optionally with fixed text
+    before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON)."""
+
+    def __init__(self, prefix: bytes = b"", suffix: bytes = b""):
+        self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY)]
+        self.root = ANY_OBJECT
+        self.prefix, self.suffix = prefix, suffix
+
+    @classmethod
+    def json_object(cls) -> "Grammar":
+        return cls()
+
+    @classmethod
+    def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"") -> "Grammar":
+        g = cls(prefix, suffix)
+        g.root = _Compiler(g, schema).node(schema, "#")
+        for n in range(len(g.nodes)):
+            g.alternatives(n)  # refuses $ref cycles now, not mid-generation
+        if not all(g.nodes[n][0] == "object" for n in g.alternatives(g.root)):
+            raise SchemaError("the top level must be an object")
+        return g
+
+    @property
+    def start(self) -> State:
+        return frozenset({(PREFIX, self.prefix, (), 0) if self.prefix else (VALUE, self.root, (), 0)})
+
+    def alternatives(self, node: int, seen: frozenset = frozenset()) -> list[int]:
+        """The concrete nodes a node may be (a choice expands, recursively)."""
+        kind = self.nodes[node]
+        if kind[0] != "anyof":
+            return [node]
+        if node in seen:
+            raise SchemaError("a $ref cycle that never reaches a value")
+        return [n for alt in kind[1] for n in self.alternatives(alt, seen | {node})]
+
+    # --- the automaton ----------------------------------------------------------------------------------------
+    def step(self, state: State, b: int) -> State | None:
+        out = set()
+        for config in state:
+            out.update(self._step(config, b))
+        return frozenset(out) if out else None
+
+    def run(self, state: State | None, data: bytes) -> State | None:
+        for b in data:
+            if state is None:
+                return None
+            state = self.step(state, b)
+        return state
+
+    @staticmethod
+    def complete(state: State) -> bool:
+        return any(c[0] == DONE for c in state)
+
+    def _step(self, config: Config, b: int) -> list[Config]:
+        mode, node, stack, ws = config
+        if b in WS and mode in SPACED:
+            return [(mode, node, stack, ws + 1)] if ws < MAX_WS else []
+        if mode >= UTF8_STR:
+            return _continuation(mode, stack, b)
+        if mode >= U_STR:
+            return _hex(mode, stack, b)
+        if mode <= DONE:
+            return self._structure(mode, node, stack, b)
+        if mode == STR or mode == KEY_STR:
+            return self._string(mode, stack, b)
+        if mode == STR_ESC or mode == KEY_ESC:
+            string = STR if mode == STR_ESC else KEY_STR
+            key = string == KEY_STR
+            if b in ESCAPES:
+                return [(string, 0, _keyed(stack, b, key), 0)]
+            return [((U_KEY if key else U_STR) + 4, 0, _keyed(stack, b, key), 0)] if b == 0x75 else []
+        if mode == KEY_NAME:
+            return self._spell_key(stack, b)
+        if mode == LIT:
+            return self._literal(node, stack, b)
+        if mode >= PREFIX:
+            if b != node[0]:
+                return []
+            if len(node) > 1:
+                return [(mode, node[1:], stack, 0)]
+            return [(VALUE, self.root, stack, 0) if mode == PREFIX else (DONE, 0, stack, 0)]
+        return self._number(mode, stack, b)
+
+    def _structure(self, mode: int, node: int, stack: tuple, b: int) -> list[Config]:
+        if mode == VALUE:
+            return self._value(node, stack, b)
+        if mode == VALUE_OR_CLOSE:
+            return self._close(stack, b) if b == 0x5D else self._value(node, stack, b)
+        if mode == KEY_OR_CLOSE or mode == KEY:
+            if b == 0x22:
+                return self._open_key(stack)
+            return self._close(stack, b) if b == 0x7D and mode == KEY_OR_CLOSE else []
+        if mode == COLON:
+            return self._colon(stack) if b == 0x3A else []
+        if mode == AFTER:
+            if b != 0x2C:
+                return self._close(stack, b)
+            top = stack[-1]
+            if top[0] == "a":
+                return [(VALUE, top[1], stack, 0)]
+            obj = self.nodes[top[1]][1]
+            return [(KEY, 0, stack, 0)] if obj.extra is not None or obj.remaining(top[2]) else []
+        return []  # DONE: nothing follows the object
+
+    def _value(self, node: int, stack: tuple, b: int) -> list[Config]:
+        out = []
+        for n in self.alternatives(node):
+            out += self._start(n, stack, b)
+        return out
+
+    def _start(self, node: int, stack: tuple, b: int) -> list[Config]:
+        kind = self.nodes[node]
+        name = kind[0]
+        if name == "any":
+            if b == 0x7B or b == 0x5B:
+                return self._start(ANY_OBJECT if b == 0x7B else ANY_ARRAY, stack, b)
+            if b == 0x22:
+                return [(STR, 0, stack, 0)]
+            if b in DIGITS or b == 0x2D:
+                return _number_start(NUM_MINUS, b, stack)
+            lit = {0x74: b"rue", 0x66: b"alse", 0x6E: b"ull"}.get(b)
+            return [(LIT, frozenset({lit}), stack, 0)] if lit else []
+        if name == "object":
+            if b != 0x7B:
+                return []
+            return [(KEY_OR_CLOSE, 0, stack + (("o", node, frozenset(), _no_key(kind[1])),), 0)]
+        if name == "array":
+            return [(VALUE_OR_CLOSE, kind[1], stack + (("a", kind[1]),), 0)] if b == 0x5B else []
+        if name == "string":
+            return [(STR, 0, stack, 0)] if b == 0x22 else []
+        if name == "number":
+            return _number_start(NUM_MINUS, b, stack)
+        if name == "integer":
+            return _number_start(INT_MINUS, b, stack)
+        if name == "literals":
+            rest = frozenset(v[1:] for v in kind[1] if v[0] == b)
+            return _literal_config(rest, stack) if rest else []
+        raise AssertionError(kind)
+
+    def _close(self, stack: tuple, b: int) -> list[Config]:
+        if not stack:
+            return []
+        top = stack[-1]
+        if top[0] == "a":
+            if b != 0x5D:
+                return []
+        elif b != 0x7D or not self.nodes[top[1]][1].required <= top[2]:
+            return []
+        rest = stack[:-1]
+        if rest:
+            return [(AFTER, 0, rest, 0)]
+        return [(SUFFIX, self.suffix, rest, 0) if self.suffix else (DONE, 0, rest, 0)]
+
+    def _open_key(self, stack: tuple) -> list[Config]:
+        top = stack[-1]
+        obj = self.nodes[top[1]][1]
+        if obj.extra is None:
+            return [(KEY_NAME, 0, stack, 0)] if obj.remaining(top[2]) else []
+        return [(KEY_STR, 0, stack, 0)]
+
+    def _spell_key(self, stack: tuple, b: int) -> list[Config]:
+        """A key of an object without other keys: only what spells a property not yet given."""
+        top = stack[-1]
+        names = self.nodes[top[1]][1].remaining(top[2])
+        if b == 0x22:
+            return [(COLON, 0, stack, 0)] if top[3] in names else []
+        key = top[3] + bytes([b])
+        if not any(n.startswith(key) for n in names):
+            return []
+        return [(KEY_NAME, 0, stack[:-1] + (top[:3] + (key,),), 0)]
+
+    def _string(self, mode: int, stack: tuple, b: int) -> list[Config]:
+        if b == 0x22:  # the closing quote
+            if mode == STR:
+                return [(AFTER, 0, stack, 0)]
+            top = stack[-1]
+            if top[3] is not None and _key_name(top[3]) in top[2]:
+                return []  # a key given twice is refused
+            return [(COLON, 0, stack, 0)]
+        key = mode == KEY_STR
+        if b == 0x5C:
+            return [(STR_ESC if mode == STR else KEY_ESC, 0, _keyed(stack, b, key), 0)]
+        if b >= 0x80:
+            return _lead(mode, stack, b)
+        return [] if b < 0x20 else [(mode, 0, _keyed(stack, b, key), 0)]
+
+    def _colon(self, stack: tuple) -> list[Config]:
+        top = stack[-1]
+        obj = self.nodes[top[1]][1]
+        name = _key_name(top[3]) if obj.tracked else None  # escapes decoded: "\\u0061" is property "a"
+        value = obj.props.get(name, obj.extra) if obj.tracked else obj.extra
+        done = top[2] | {name} if obj.tracked else top[2]
+        return [(VALUE, value, stack[:-1] + (("o", top[1], done, _no_key(obj)),), 0)]
+
+    def _literal(self, rest: frozenset, stack: tuple, b: int) -> list[Config]:
+        out = []
+        nxt = frozenset(s[1:] for s in rest if s and s[0] == b)
+        if nxt:
+            out += _literal_config(nxt, stack)
+        if b"" in rest:  # the literal may have ended (a number among longer ones): this byte follows it
+            out += self._step((AFTER, 0, stack, 0), b)
+        return out
+
+    def _number(self, mode: int, stack: tuple, b: int) -> list[Config]:
+        digit = b in DIGITS
+        if mode in (NUM_MINUS, INT_MINUS):
+            return _number_start(mode, b, stack) if digit else []
+        if mode == NUM_DOT:
+            return [(NUM_FRAC, 0, stack, 0)] if digit else []
+        if mode == NUM_E:
+            return [(NUM_EXP if digit else NUM_SIGN, 0, stack, 0)] if digit or b in (0x2B, 0x2D) else []
+        if mode == NUM_SIGN:
+            return [(NUM_EXP, 0, stack, 0)] if digit else []
+        if digit and mode not in (NUM_ZERO, INT_ZERO):
+            return [(mode, 0, stack, 0)]
+        if b == 0x2E and mode in (NUM_ZERO, NUM_INT):
+            return [(NUM_DOT, 0, stack, 0)]
+        if b in (0x65, 0x45) and mode in (NUM_ZERO, NUM_INT, NUM_FRAC):
+            return [(NUM_E, 0, stack, 0)]
+        if mode not in NUM_MAY_END:
+            return []
+        # the number ended; this byte is what follows it (the top level is an object, so a container is open)
+        return self._step((AFTER, 0, stack, 0), b)
+
+
+def _number_start(minus_mode: int, b: int, stack: tuple) -> list[Config]:
+    """The first byte of a number (``minus_mode`` NUM_MINUS or INT_MINUS) or the first digit after its minus."""
+    integer = minus_mode == INT_MINUS
+    if b == 0x2D:
+        return [(minus_mode, 0, stack, 0)]
+    if b == 0x30:
+        return [(INT_ZERO if integer else NUM_ZERO, 0, stack, 0)]
+    return [(INT_DIGITS if integer else NUM_INT, 0, stack, 0)] if b in DIGITS else []
+
+
+def _literal_config(rest: frozenset, stack: tuple) -> list[Config]:
+    # a literal spelled out to its end is a finished value: AFTER, so that equal states compare equal
+    return [(AFTER, 0, stack, 0)] if rest == {b""} else [(LIT, rest, stack, 0)]
+
+
+def _no_key(obj: ObjectNode) -> bytes | None:
+    """The key slot of a fresh object frame: empty bytes to read a key into, None when keys need not be kept."""
+    return b"" if obj.tracked else None
+
+
+def _key_name(written: bytes) -> str:
+    return json.loads(b'"' + written + b'"')
+
+
+def _keyed(stack: tuple, b: int, key: bool) -> tuple:
+    """``stack`` with ``b`` added to the key being read (``key``: the byte is part of a key), if its object keeps
+    keys."""
+    if not key or stack[-1][3] is None:
+        return stack
+    top = stack[-1]
+    return stack[:-1] + (top[:3] + (top[3] + bytes([b]),),)
+
+
+def _lead(string: int, stack: tuple, b: int) -> list[Config]:
+    """The first byte of a multi-byte UTF-8 character in a string (RFC 3629: what Python's decoder accepts)."""
+    if 0xC2 <= b <= 0xDF:
+        due, first = 1, 0
+    elif 0xE0 <= b <= 0xEF:
+        due, first = 2, 1 if b == 0xE0 else 2 if b == 0xED else 0
+    elif 0xF0 <= b <= 0xF4:
+        due, first = 3, 3 if b == 0xF0 else 4 if b == 0xF4 else 0
+    else:
+        return []
+    base = UTF8_STR if string == STR else UTF8_KEY
+    return [(base + 10 * due + first, 0, _keyed(stack, b, base == UTF8_KEY), 0)]
+
+
+def _continuation(mode: int, stack: tuple, b: int) -> list[Config]:
+    base = UTF8_KEY if mode >= UTF8_KEY else UTF8_STR
+    due, first = divmod(mode - base, 10)
+    lo, hi = NEXT_RANGE[first]
+    if not lo <= b <= hi:
+        return []
+    stack = _keyed(stack, b, base == UTF8_KEY)
+    if due > 1:
+        return [(base + 10 * (due - 1), 0, stack, 0)]
+    return [(KEY_STR if base == UTF8_KEY else STR, 0, stack, 0)]
+
+
+def _hex(mode: int, stack: tuple, b: int) -> list[Config]:
+    if b not in HEX:
+        return []
+    base = U_KEY if mode >= U_KEY else U_STR
+    left = mode - base
+    stack = _keyed(stack, b, base == U_KEY)
+    if left > 1:
+        return [(base + left - 1, 0, stack, 0)]
+    return [(KEY_STR if base == U_KEY else STR, 0, stack, 0)]
+
+
+KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+                      "allOf", "$ref"})
+_PYTHON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
+                 "boolean": bool, "null": type(None)}
+
+
+def _key_bytes(name: str) -> bytes:
+    """A property name as written between its quotes."""
+    return json.dumps(name, ensure_ascii=False)[1:-1].encode()
+
+
+def _literal_bytes(value, where: str) -> bytes:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise SchemaError(f"{where}: enum/const values must be finite JSON") from None
+
+
+def _is_type(value, t: str) -> bool:
+    if isinstance(value, bool) and t not in ("boolean",):
+        return False
+    return isinstance(value, _PYTHON_TYPES[t])
+
+
+class _Compiler:
+    """Schema -> nodes. ``$ref`` targets are compiled once (a placeholder choice first, so recursion ends)."""
+
+    def __init__(self, grammar: Grammar, root):
+        self.g, self.root, self.refs = grammar, root, {}
+
+    def add(self, node) -> int:
+        self.g.nodes.append(node)
+        return len(self.g.nodes) - 1
+
+    def node(self, s, where: str) -> int:
+        if s is True:
+            return ANY
+        if not isinstance(s, dict):
+            raise SchemaError(f"{where}: a schema must be an object or true")
+        unknown = set(s) - KEYWORDS - ANNOTATIONS
+        if unknown:
+            raise SchemaError(f"{where}: {', '.join(sorted(unknown))} cannot be enforced by this server")
+        constraints = set(s) & KEYWORDS
+        if "$ref" in s or "allOf" in s or "anyOf" in s:
+            if len(constraints) > 1:
+                raise SchemaError(f"{where}: combine $ref, allOf or anyOf with no other keyword")
+            return self._combined(s, where)
+        if "const" in s or "enum" in s:
+            return self._literals(s, where)
+        types = s.get("type")
+        if types is None:
+            types = "object" if constraints & {"properties", "required", "additionalProperties"} else \
+                "array" if "items" in s else None
+        if types is None:
+            return ANY
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types or any(t not in TYPES for t in types):
+            raise SchemaError(f"{where}: type must be one or a list of {', '.join(TYPES)}")
+        nodes = [self._typed(t, s, where) for t in dict.fromkeys(types)]
+        return nodes[0] if len(nodes) == 1 else self.add(("anyof", tuple(nodes)))
+
+    def _combined(self, s: dict, where: str) -> int:
+        if "$ref" in s:
+            return self._ref(s["$ref"], where)
+        if "allOf" in s:
+            if not isinstance(s["allOf"], list) or len(s["allOf"]) != 1:
+                raise SchemaError(f"{where}: allOf of more than one schema cannot be enforced")
+            return self.node(s["allOf"][0], f"{where}/allOf/0")
+        alts = s["anyOf"]
+        if not isinstance(alts, list) or not alts:
+            raise SchemaError(f"{where}: anyOf needs a list of schemas")
+        return self.add(("anyof", tuple(self.node(a, f"{where}/anyOf/{i}") for i, a in enumerate(alts))))
+
+    def _ref(self, ref, where: str) -> int:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise SchemaError(f"{where}: only local $refs ('#/$defs/...') are supported, got {ref!r}")
+        if ref in self.refs:
+            return self.refs[ref]
+        target = self.root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise SchemaError(f"{where}: $ref {ref!r} points nowhere")
+            target = target[part]
+        slot = self.refs[ref] = self.add(("anyof", ()))
+        self.g.nodes[slot] = ("anyof", (self.node(target, ref),))
+        return slot
+
+    def _literals(self, s: dict, where: str) -> int:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(values, list):
+            raise SchemaError(f"{where}: enum must be a list")
+        types = s.get("type")
+        if types is not None:
+            types = [types] if isinstance(types, str) else types
+            values = [v for v in values if any(_is_type(v, t) for t in types if t in _PYTHON_TYPES)]
+        if not values:
+            raise SchemaError(f"{where}: no value satisfies this enum/const")
+        return self.add(("literals", frozenset(_literal_bytes(v, where) for v in values)))
+
+    def _typed(self, t: str, s: dict, where: str) -> int:
+        if t == "object":
+            return self._object(s, where)
+        if t == "array":
+            return self.add(("array", self.node(s.get("items", True), f"{where}/items")))
+        if t == "boolean":
+            return self.add(("literals", frozenset({b"true", b"false"})))
+        if t == "null":
+            return self.add(("literals", frozenset({b"null"})))
+        return self.add((t,))
+
+    def _object(self, s: dict, where: str) -> int:
+        props, required = s.get("properties", {}), s.get("required", [])
+        if not isinstance(props, dict) or not isinstance(required, list) or \
+                not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}: properties must be an object and required a list of names")
+        slot = self.add(None)  # an object's own id before its properties (which may refer back to it)
+        nodes = {k: self.node(v, f"{where}/properties/{k}") for k, v in props.items()}
+        extra = s.get("additionalProperties", True)
+        extra = None if extra is False else self.node(extra, f"{where}/additionalProperties")
+        req = frozenset(required)
+        if extra is None and not req <= nodes.keys():
+            raise SchemaError(f"{where}: required {sorted(req - nodes.keys())} not in "
+                              f"properties, and no other properties are allowed")
+        self.g.nodes[slot] = ("object", ObjectNode(nodes, req, extra))
+        return slot
