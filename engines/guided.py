@@ -70,14 +70,39 @@ def _plain(t: bytes) -> bool:
     return True
 
 
-class GrammarMasks:
-    """One grammar's masks over a vocabulary: boolean tensors on ``device``, the ``cache_size`` most recent kept."""
+class MaskCache:
+    """The ``size`` most recently used masks of an engine, whatever their grammar: a mask is a vocabulary's width of
+    bytes on the device (49 KB for SmolLM2, 152 KB for Qwen2.5), so the budget is one for all grammars."""
 
-    def __init__(self, grammar: Grammar, vocab: Vocabulary, device: torch.device | str, cache_size: int = 1024):
-        self.grammar, self.vocab = grammar, vocab
-        self.device, self.cache_size = torch.device(device), cache_size
-        self._masks: OrderedDict[frozenset, torch.Tensor] = OrderedDict()
+    def __init__(self, size: int = 512):
+        self.size = size
+        self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def get(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with self._lock:
+            found = self._masks.get(key)
+            if found is None:
+                found = self._masks[key] = build()
+                if len(self._masks) > self.size:
+                    self._masks.popitem(last=False)
+            else:
+                self._masks.move_to_end(key)
+            return found
+
+
+class GrammarMasks:
+    """One grammar's masks over a vocabulary: boolean tensors on ``device``, kept in ``cache`` (shared by an engine's
+    grammars, each under its own ``name``: the schema and text around it; by default an identity of its own)."""
+
+    def __init__(self, grammar: Grammar, vocab: Vocabulary, device: torch.device | str, cache: MaskCache | None = None,
+                 name=None):
+        self.grammar, self.vocab, self.device = grammar, vocab, torch.device(device)
+        self.cache = cache if cache is not None else MaskCache()
+        self.name = name if name is not None else object()  # an object() equals only itself
 
     def guide(self) -> "Guide":
         return Guide(self)
@@ -86,17 +111,8 @@ class GrammarMasks:
         """Which tokens may come next in ``state``: a ``[width]`` boolean tensor (shared; do not modify)."""
         d = self.vocab.depth
         key = frozenset((m, n, s[-d:], len(s) > d, w) for m, n, s, w in state)
-        with self._lock:
-            found = self._masks.get(key)
-            if found is None:
-                cut = frozenset((m, n, s[-d:], w) for m, n, s, w in state)
-                found = torch.from_numpy(self._allowed(cut)).to(self.device)
-                self._masks[key] = found
-                if len(self._masks) > self.cache_size:
-                    self._masks.popitem(last=False)
-            else:
-                self._masks.move_to_end(key)
-            return found
+        cut = frozenset((m, n, s[-d:], w) for m, n, s, w in state)
+        return self.cache.get((self.name, key), lambda: torch.from_numpy(self._allowed(cut)).to(self.device))
 
     def _allowed(self, state: State) -> np.ndarray:
         g, v = self.grammar, self.vocab
@@ -154,13 +170,15 @@ class Guide:
 class GuideSource:
     """An engine's guides. The vocabulary is indexed on the first constrained request (a tokenizer load and a pass
     over it, ~0.4 s for 49K tokens), so engines that never see one pay nothing; compiled schemas and their masks
-    are kept for the ``schemas`` most recent schemas (agents send the same few again and again)."""
+    are kept for the ``schemas`` most recent schemas (agents send the same few again and again), their masks in one
+    cache for all."""
 
     def __init__(self, tokenizer: Callable[[], "Tokenizer"], width: int, device: torch.device | str,
                  schemas: int = 32):
         self._tokenizer, self._width, self._device, self._schemas = tokenizer, width, device, schemas
         self._vocab: Vocabulary | None = None
         self._compiled: OrderedDict[tuple, GrammarMasks] = OrderedDict()  # JSON mode's is the schema None
+        self._cache = MaskCache()
         self._lock = threading.Lock()
 
     def guide_for(self, params: "SamplingParams") -> Guide | None:
@@ -177,7 +195,7 @@ class GuideSource:
         if found is None:
             grammar = Grammar.compile(json.loads(schema), prefix, suffix) if schema is not None else \
                 Grammar(prefix, suffix)
-            found = self._compiled[key] = GrammarMasks(grammar, self._vocab, self._device)
+            found = self._compiled[key] = GrammarMasks(grammar, self._vocab, self._device, self._cache, key)
             if len(self._compiled) > self._schemas:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)

@@ -240,6 +240,7 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
         client.close()
 
 
+@pytest.mark.slow  # ~40 s of engines in the Triton interpreter; the kernels' own tests run by default
 def test_engines_on_the_triton_kernels_match_the_reference(tiny_dirs, tmp_path, reference):
     """Prefill attention over the workspace, decode over the paged cache and the KV scatter on admission all run
     as Triton kernels (the interpreter on CPU); chunked prefill makes prefill batches with cached parts."""

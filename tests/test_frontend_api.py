@@ -50,10 +50,33 @@ def test_json_mode_reaches_the_sampling_parameters(front):
     r = post(http, "/v1/chat/completions", model="m", response_format=fmt, messages=[{"role": "user", "content": "hi"}])
     assert r.status_code == 200, r.text
     assert json.loads(fake.samplings[-1].json_schema) == schema and not fake.samplings[-1].json_object
+    # vLLM's extras for the same
+    for extra, want in ((dict(guided_json=schema), schema), (dict(guided_json=json.dumps(schema)), schema),
+                        (dict(structured_outputs={"json": schema}), schema),
+                        (dict(structured_outputs={"json_object": True}), None)):
+        r = post(http, "/v1/completions", model="m", prompt="hi", **extra)
+        assert r.status_code == 200, r.text
+        s = fake.samplings[-1]
+        assert (json.loads(s.json_schema) if s.json_schema else None) == want and s.json_object == (want is None)
     # tools withheld by tool_choice "none": JSON mode is fine
     r = post(http, "/v1/chat/completions", model="m", response_format={"type": "json_object"}, tool_choice="none",
              **ask())
     assert r.status_code == 200 and fake.samplings[-1].json_object
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(guided_regex="a+"), "guided_regex"), (dict(guided_choice=["a", "b"]), "guided_choice"),
+    (dict(guided_grammar="root ::= x"), "guided_grammar"),
+    (dict(structured_outputs={"regex": "a"}), "structured_outputs"),
+    (dict(guided_json="not json"), "guided_json"), (dict(guided_json={"type": "string"}), "guided_json"),
+    (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), None),
+])
+def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body, param):
+    http, fake, _ = front
+    r = post(http, "/v1/completions", model="m", prompt="hi", **body)
+    assert r.status_code == 400, r.text
+    assert param is None or r.json()["error"]["param"] == param, r.json()
+    assert not fake.samplings
 
 
 @pytest.mark.parametrize("path, body, param", [

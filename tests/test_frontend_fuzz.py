@@ -8,7 +8,8 @@ from test_tools import HERMES_TEMPLATE, WEATHER, serve
 
 FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop", "seed",
           "n", "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-          "response_format", "dualpath", "echo", "suffix", "presence_penalty"]
+          "response_format", "dualpath", "echo", "suffix", "presence_penalty", "guided_json", "structured_outputs",
+          "guided_choice"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
                     st.text(max_size=8))
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
@@ -17,13 +18,26 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
 plausible = st.sampled_from([
     [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]}],
-    "hello", [1, 2, 3], [WEATHER], "auto", "none", 4, 0.5, {"type": "text"}])
+    "hello", [1, 2, 3], [WEATHER], "auto", "none", "required", 4, 0.5, {"type": "text"}, {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {}}}}},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, {"json": {"type": "object"}},
+    {"type": "function", "function": {"name": "get_weather"}}])
+# schema-shaped dicts, for the schema compiler
+schemas = st.recursive(st.fixed_dictionaries({}, optional={"type": st.sampled_from(["object", "string", "integer",
+                                                                                     ["null", "array"], "x"])}),
+                       lambda inner: st.fixed_dictionaries({}, optional={
+                           "type": st.just("object"), "properties": st.dictionaries(st.text(max_size=3), inner,
+                                                                                    max_size=2),
+                           "required": st.lists(st.text(max_size=3), max_size=2), "items": inner,
+                           "anyOf": st.lists(inner, max_size=2), "additionalProperties": st.booleans() | inner,
+                           "enum": st.lists(scalars, max_size=2), "$ref": st.sampled_from(["#", "#/properties", "#/x"]),
+                           "minLength": st.integers(0, 3)}), max_leaves=6)
 texts = st.one_of(st.text(max_size=8), st.sampled_from(["bad \ud800", "\udfffx"]))  # lone surrogates too
 said = st.one_of(texts, texts.map(lambda t: [{"role": "user", "content": t}]))  # a prompt or a chat turn
 # a valid request of either kind with one or two fields replaced, so most bodies get past the first check
 valid = st.sampled_from([{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "hello"}])
 bodies = st.builds(lambda base, changed: {**base, **changed}, valid,
-                   st.dictionaries(st.sampled_from(FIELDS), st.one_of(said, values, plausible), max_size=2))
+                   st.dictionaries(st.sampled_from(FIELDS), st.one_of(said, values, plausible, schemas), max_size=2))
 
 
 def test_random_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):

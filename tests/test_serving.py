@@ -288,13 +288,3 @@ def test_default_model_answers_and_caches_across_turns(default_model):
         model=model, messages=messages, max_tokens=32, temperature=0, stream=True) if ch.choices)
     assert streamed == r2.choices[0].message.content
 
-
-def test_default_model_json_mode(default_model):
-    c = openai.OpenAI(base_url=f"{default_model.url}/v1", api_key="none", max_retries=0, timeout=300)
-    model = c.models.list().data[0].id
-    messages = [{"role": "system", "content": "Reply in JSON."},
-                {"role": "user", "content": "Give a person with name and age as JSON."}]
-    r = c.chat.completions.create(model=model, messages=messages, max_tokens=120, temperature=0,
-                                  response_format={"type": "json_object"})
-    assert r.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(r.choices[0].message.content), dict)

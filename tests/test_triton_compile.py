@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("target", ["cuda:90", "cuda:80"])
+# sm_90 (the H200) in the default run; sm_80 adds 25 s for a device we are not measured on
+@pytest.mark.parametrize("target", ["cuda:90", pytest.param("cuda:80", marks=pytest.mark.slow)])
 def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_compile.py"), "--target", target],

@@ -14,8 +14,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 timing=(); python3 -c "import pytest_timeout" 2>/dev/null && timing=(--timeout 60)  # a hung test costs 60 s, not all
-timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -p no:cacheprovider "${timing[@]}" tests/test_triton_kernels.py \
-    tests/test_triton_elementwise.py tests/test_layer_copies.py tests/test_strided_copy.py tests/test_decode_graphs.py \
+# -m: the slow tests too (slow in the CPU interpreter, not on a GPU)
+timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" "${timing[@]}" \
+    tests/test_triton_kernels.py tests/test_triton_elementwise.py tests/test_layer_copies.py tests/test_strided_copy.py tests/test_decode_graphs.py \
     tests/test_kernels.py tests/test_sampling.py \
     2>&1 | tail -40 | tee "$OUT/tests.log"
 echo "tests: ${SECONDS} s"

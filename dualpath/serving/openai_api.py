@@ -302,21 +302,21 @@ class Frontend:
     def _structured(self, req, kind: str) -> dict:
         """The sampling fields of a JSON-mode or schema request, checked here (so an unsupported schema or
         checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens' bytes are known."""
-        mode = req.json_mode()
-        if mode is None:
+        asked = req.structured()
+        if asked is None:
             return self._forced_call(req) if kind == "chat" else {}
+        field, mode, schema = asked
         if kind == "chat" and req.calls_tools():
-            raise ApiError(400, f"response_format {mode} with tools is not supported: a tool call's markup is not a "
-                                "JSON object; send one or the other (or tool_choice 'none')", param="response_format")
+            raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not a "
+                                "JSON object; send one or the other (or tool_choice 'none')", param=field)
         try:
             self.tokenizer.token_bytes
             if mode == "json_object":
                 return {"json_object": True}
-            schema = req.response_format.json_schema.schema_ or {"type": "object"}
             Grammar.compile(schema)  # what the engines will compile: its errors are the request's
             return {"json_schema": json.dumps(schema)}
         except (CheckpointError, RequestError) as e:
-            raise ApiError(400, str(e), param="response_format") from None
+            raise ApiError(400, str(e), param=field) from None
 
     def _forced_call(self, req: ChatRequest) -> dict:
         """Sampling fields that make the reply one call to a tool (``tool_choice`` "required" or named): the

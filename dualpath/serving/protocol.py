@@ -67,6 +67,12 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
+    # vLLM's structured-output extras: JSON ones are honoured, the others refused (never ignored)
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     @field_validator("n")
     @classmethod
@@ -90,22 +96,66 @@ class _Common(BaseModel):
             raise ValueError("presence and frequency penalties are not supported")
         return v
 
-    @field_validator("logit_bias", "echo", "suffix", "functions", "function_call", check_fields=False)
+    @field_validator("logit_bias", "echo", "suffix", "functions", "function_call", "guided_regex", "guided_choice",
+                     "guided_grammar", check_fields=False)
     @classmethod
     def _unsupported(cls, v, info):
         """Fields that would change the answer, refused when set rather than ignored."""
         if v:
-            hint = "; send tools and tool_choice" if info.field_name.startswith("function") else ""
+            hint = "; send tools and tool_choice" if info.field_name.startswith("function") else \
+                "; only JSON is (response_format, guided_json)" if info.field_name.startswith("guided") else ""
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
+
+    @field_validator("guided_json")
+    @classmethod
+    def _schema_object(cls, v):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise ValueError("guided_json must be a JSON schema (an object, or its JSON text)") from None
+        if v is not None and not isinstance(v, dict):
+            raise ValueError("guided_json must be a JSON schema object")
+        return v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _json_only(cls, v):
+        other = sorted(k for k, x in (v or {}).items() if x not in (None, False) and k not in ("json", "json_object"))
+        if other:
+            raise ValueError(f"structured_outputs {', '.join(other)} is not supported; only JSON is (json, "
+                             f"json_object)")
+        if v and isinstance(v.get("json"), str):
+            v = {**v, "json": cls._schema_object(v["json"])}
+        return v
+
+    @model_validator(mode="after")
+    def _one_format(self):
+        if len(self._formats()) > 1:
+            raise ValueError("give one of response_format, guided_json and structured_outputs")
+        return self
+
+    def _formats(self) -> list[tuple[str, str, Optional[dict]]]:
+        """Every structured-output ask in the body: (field, "json_object" or "json_schema", schema or None)."""
+        out, fmt, so = [], self.response_format, self.structured_outputs or {}
+        if fmt is not None and fmt.type != "text":
+            schema = (fmt.json_schema.schema_ or {"type": "object"}) if fmt.json_schema else None
+            out.append(("response_format", fmt.type, schema))
+        if self.guided_json is not None:
+            out.append(("guided_json", "json_schema", self.guided_json))
+        if so.get("json") is not None:
+            out.append(("structured_outputs", "json_schema", so["json"]))
+        elif so.get("json_object"):
+            out.append(("structured_outputs", "json_object", None))
+        return out
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def json_mode(self) -> Optional[str]:
-        """"json_object", "json_schema" or None (free text)."""
-        fmt = self.response_format
-        return fmt.type if fmt is not None and fmt.type != "text" else None
+    def structured(self) -> Optional[tuple[str, str, Optional[dict]]]:
+        """(the field that asked, "json_object" or "json_schema", the schema or None), or None (free text)."""
+        return next(iter(self._formats()), None)
 
 
 class ContentPart(BaseModel):
