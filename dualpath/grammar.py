@@ -13,7 +13,8 @@ The accepted texts are strict JSON (no NaN, no raw control characters in strings
 also fix text before and after the object (a forced tool call's markup).
 
 Schema subset (OpenAI's structured outputs and what pydantic emits): ``type`` (one or a list), ``properties``,
-``required``, ``additionalProperties`` (false, true or a schema; true by default), ``items``, ``enum``, ``const``,
+``required``, ``additionalProperties`` (false, true or a schema; true by default), ``items``, ``minItems``,
+``maxItems``, ``enum``, ``const``,
 ``anyOf``, ``allOf`` of one schema, ``$ref`` into ``$defs``/``definitions`` (recursion allowed), and annotations
 (``title``, ``description``, ``default``, ``examples``, ``format`` — an annotation in JSON Schema 2020-12). A keyword
 that would constrain what cannot be enforced here (``pattern``, ``minLength``, ``minimum``, ``oneOf``, ...) is a
@@ -53,7 +54,7 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 Config = tuple  # (mode, node, stack: tuple of frames, whitespace run)
 State = frozenset  # of configurations
 # frames: ("o", object node, names given: frozenset, the key being read as written: bytes, or None where the object
-# needs no names kept) or ("a", items node)
+# needs no names kept) or ("a", array node, items begun: counted only as far as the node's bounds need)
 
 
 class SchemaError(RequestError):
@@ -90,7 +91,7 @@ class Grammar:
     before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON)."""
 
     def __init__(self, prefix: bytes = b"", suffix: bytes = b""):
-        self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY)]
+        self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY, 0, None)]
         self.root = ANY_OBJECT
         self.prefix, self.suffix = prefix, suffix
 
@@ -172,8 +173,10 @@ class Grammar:
     def _structure(self, mode: int, node: int, stack: tuple, b: int) -> list[Config]:
         if mode == VALUE:
             return self._value(node, stack, b)
-        if mode == VALUE_OR_CLOSE:
-            return self._close(stack, b) if b == 0x5D else self._value(node, stack, b)
+        if mode == VALUE_OR_CLOSE:  # just after "[": the first item or the end
+            if b == 0x5D:
+                return self._close(stack, b)
+            return self._value(node, self._counted(stack), b) if self._room(stack[-1]) else []
         if mode == KEY_OR_CLOSE or mode == KEY:
             if b == 0x22:
                 return self._open_key(stack)
@@ -185,7 +188,7 @@ class Grammar:
                 return self._close(stack, b)
             top = stack[-1]
             if top[0] == "a":
-                return [(VALUE, top[1], stack, 0)]
+                return [(VALUE, self.nodes[top[1]][1], self._counted(stack), 0)] if self._room(top) else []
             obj = self.nodes[top[1]][1]
             return [(KEY, 0, stack, 0)] if obj.extra is not None or obj.remaining(top[2]) else []
         return []  # DONE: nothing follows the object
@@ -213,7 +216,7 @@ class Grammar:
                 return []
             return [(KEY_OR_CLOSE, 0, stack + (("o", node, frozenset(), _no_key(kind[1])),), 0)]
         if name == "array":
-            return [(VALUE_OR_CLOSE, kind[1], stack + (("a", kind[1]),), 0)] if b == 0x5B else []
+            return [(VALUE_OR_CLOSE, kind[1], stack + (("a", node, 0),), 0)] if b == 0x5B else []
         if name == "string":
             return [(STR, 0, stack, 0)] if b == 0x22 else []
         if name == "number":
@@ -230,7 +233,7 @@ class Grammar:
             return []
         top = stack[-1]
         if top[0] == "a":
-            if b != 0x5D:
+            if b != 0x5D or top[2] < self.nodes[top[1]][2]:  # fewer items than minItems
                 return []
         elif b != 0x7D or not self.nodes[top[1]][1].required <= top[2]:
             return []
@@ -238,6 +241,18 @@ class Grammar:
         if rest:
             return [(AFTER, 0, rest, 0)]
         return [(SUFFIX, self.suffix, rest, 0) if self.suffix else (DONE, 0, rest, 0)]
+
+    def _room(self, frame: tuple) -> bool:
+        """Whether an array may take another item (maxItems)."""
+        most = self.nodes[frame[1]][3]
+        return most is None or frame[2] < most
+
+    def _counted(self, stack: tuple) -> tuple:
+        """``stack`` with one more item begun in its innermost array, counted up to what the bounds distinguish
+        (an array without bounds always counts 0, so its states stay shared)."""
+        _, node, n = stack[-1]
+        _, _, least, most = self.nodes[node]
+        return stack[:-1] + (("a", node, min(n + 1, most if most is not None else least)),)
 
     def _open_key(self, stack: tuple) -> list[Config]:
         top = stack[-1]
@@ -381,8 +396,8 @@ def _hex(mode: int, stack: tuple, b: int) -> list[Config]:
     return [(KEY_STR if base == U_KEY else STR, 0, stack, 0)]
 
 
-KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "allOf", "$ref"})
+KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                      "enum", "const", "anyOf", "allOf", "$ref"})
 _PYTHON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
                  "boolean": bool, "null": type(None)}
 
@@ -397,6 +412,10 @@ def _literal_bytes(value, where: str) -> bytes:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
     except ValueError:
         raise SchemaError(f"{where}: enum/const values must be finite JSON") from None
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _is_type(value, t: str) -> bool:
@@ -485,7 +504,10 @@ class _Compiler:
         if t == "object":
             return self._object(s, where)
         if t == "array":
-            return self.add(("array", self.node(s.get("items", True), f"{where}/items")))
+            least, most = s.get("minItems", 0), s.get("maxItems")
+            if not _count(least) or not (most is None or _count(most) and most >= least):
+                raise SchemaError(f"{where}: minItems and maxItems must be counts, minItems <= maxItems")
+            return self.add(("array", self.node(s.get("items", True), f"{where}/items"), least, most))
         if t == "boolean":
             return self.add(("literals", frozenset({b"true", b"false"})))
         if t == "null":

@@ -166,6 +166,10 @@ SCHEMAS = {
     "closed": {"type": "object", "properties": {"id": {"type": "integer"}, "kind": {"enum": ["a", "b", 3, None]},
                                                  "xs": {"type": "array", "items": {"type": ["number", "null"]}}},
                "required": ["id", "kind"], "additionalProperties": False},
+    "bounded": {"type": "object", "additionalProperties": False, "required": ["xs", "tags"], "properties": {
+        "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2},
+        "none": {"type": "array", "maxItems": 0}}},
     "open": {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n", "m"],
              "additionalProperties": {"type": "string"}},
     "choice": {"anyOf": [{"type": "object", "properties": {"t": {"const": "x"}, "v": {"type": "integer"}},
@@ -206,7 +210,9 @@ def instances(schema, root=None, depth=0):
                                instances(extra, root, depth + 1), max_size=2)
         return st.tuples(base, more).map(lambda p: {**p[1], **p[0]})
     if t == "array":
-        return st.lists(instances(schema.get("items", True), root, depth + 1), max_size=3 if depth < 3 else 0)
+        least, most = schema.get("minItems", 0), schema.get("maxItems", 3 if depth < 3 else 0)
+        return st.lists(instances(schema.get("items", True), root, depth + 1), min_size=least,
+                        max_size=max(least, most))
     return {"string": st.text(max_size=6), "integer": st.integers(-10**9, 10**9), "boolean": st.booleans(),
             "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(), "null": st.none()}[t]
 
@@ -242,6 +248,9 @@ def test_schema_instances_are_accepted_and_mutations_that_complete_are_valid(nam
     ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "cycle"),
     ({"type": "object", "properties": {"a": {"type": "date"}}}, "type must be"),
     ({"allOf": [{"type": "object"}, {"type": "object"}]}, "allOf of more than one"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 2}}}, "minItems <= maxItems"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": -1}}}, "must be counts"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "uniqueItems cannot be"),
 ])
 def test_schemas_that_cannot_be_enforced_are_refused(schema, words):
     with pytest.raises(SchemaError, match=words):
@@ -275,6 +284,14 @@ def test_schema_rules():
     open_ = Grammar.compile(SCHEMAS["open"])
     assert completes(open_, b'{"m": "x", "n": 1e5, "zz": "y"}') and not completes(open_, b'{"n": 1}')
     assert not completes(open_, b'{"n": 1, "m": 2}') and not completes(open_, b'{"m": "x", "n": 1, "\\u006e": 2}')
+    bounded = Grammar.compile(SCHEMAS["bounded"])
+    assert completes(bounded, b'{"xs": [1], "tags": ["a", "a"]}')
+    assert completes(bounded, b'{"tags":["b","a","b"],"xs":[1,2,3],"none":[]}')
+    for bad in (b'{"xs": [], "tags": ["a", "a"]}', b'{"xs": [1, 2, 3, 4], "tags": ["a", "b"]}',
+                b'{"xs": [1], "tags": ["a"]}', b'{"xs": [1], "tags": ["a", "b"], "none": [1]}'):
+        assert not completes(bounded, bad), bad
+    # past minItems an unbounded array counts no further: its states (and masks) are shared
+    assert run(bounded, b'{"tags": ["a", "b", "a"') == run(bounded, b'{"tags": ["a", "b", "a", "b", "a"')
     choice = Grammar.compile(SCHEMAS["choice"])
     assert completes(choice, b'{"v": 3, "t": "x"}') and completes(choice, b'{"t": "y", "v": "3"}')
     assert not completes(choice, b'{"t": "x", "v": "3"}')
@@ -305,7 +322,7 @@ def brute_mask(g: Grammar, vocab: list, state, width: int) -> torch.Tensor:
     return torch.tensor([t is not None and g.run(state, t) is not None for t in vocab] + [False] * (width - len(vocab)))
 
 
-@pytest.mark.parametrize("name", ["json", "pydantic", "choice"])
+@pytest.mark.parametrize("name", ["json", "pydantic", "choice", "bounded"])
 def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
     vocab = toy_vocab()
     v = Vocabulary(vocab, len(vocab) + 3)
@@ -322,9 +339,12 @@ def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
                   "address": {"street": "s", "city": "c", "zip": None},
                   "friends": [{**kid, "friends": [{**kid, "friends": [kid]}]}], "note": "n"}
         docs = [json.dumps(person).encode(), json.dumps(person, indent=1).encode()]
-    else:
+    elif name == "choice":
         g = Grammar.compile(SCHEMAS["choice"])
         docs = [b'{"v": 3, "t": "x"}', b'{ "v" : "3" , "t" : "y" }']
+    else:
+        g = Grammar.compile(SCHEMAS["bounded"])
+        docs = [b'{"xs": [1, 22, 333], "tags": ["a", "b", "a", "a"], "none": []}', b'{"tags":["b","b"],"xs":[7]}']
     masks = GrammarMasks(g, v, "cpu")
     seen = 0
     for doc in docs:
@@ -371,7 +391,7 @@ def test_random_walks_over_masks_end_valid():
     v = Vocabulary(vocab, len(vocab))
     closing = torch.tensor([t is not None and any(c in t for c in b'"}]') for t in vocab])
     ended = 0
-    for name in ("json", "pydantic", "closed", "open", "choice"):
+    for name in ("json", "pydantic", "closed", "open", "choice", "bounded"):
         g = JSON_MODE if name == "json" else Grammar.compile(SCHEMAS[name])
         validator = jsonschema.Draft202012Validator({"type": "object"} if name == "json" else SCHEMAS[name])
         masks = GrammarMasks(g, v, "cpu")
