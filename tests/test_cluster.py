@@ -1,5 +1,6 @@
 """The runtime in real processes: a scheduler, one prefill and two decode engines (tiny random model, CPU),
 KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
+import json
 import os
 import threading
 
@@ -9,6 +10,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
+from dualpath.errors import DualPathError
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from engines.models import open_checkpoint
@@ -105,6 +107,23 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
             assert got.token_ids == want, seed
     paths = {got.path for results in out.values() for _, got, _ in results[1:]}
     assert paths == {"pe", "de"}
+
+
+@pytest.mark.parametrize("mode", ["pe", "de"])
+def test_a_schema_the_engines_cannot_enforce_fails_its_request_clearly(cluster, reference, mode):
+    """A client that skips the frontend's checks: the prefill engine refuses the grammar, the request fails with the
+    reason, and the engines go on serving (a schema they can enforce included)."""
+    c, client, _ = cluster
+    prompt, _ = conversation(500, 1)
+    bad = SamplingParams(temperature=0, max_tokens=8, json_schema=json.dumps({"type": "string"}))
+    with pytest.raises(DualPathError, match="top level must be an object"):
+        client.generate(prompt, bad, mode=mode)
+    good = SamplingParams(temperature=0, max_tokens=60, json_schema=json.dumps(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}))
+    got = client.generate(prompt, good, mode=mode)
+    with REFERENCE_LOCK:
+        assert got.token_ids == reference.generate(prompt, good)[0].token_ids
+        assert client.generate(prompt, GREEDY, mode=mode).token_ids == reference.generate(prompt, GREEDY)[0].token_ids
 
 
 def test_every_full_block_is_stored_and_only_full_ones(cluster, reference, tiny_dirs):
