@@ -71,10 +71,10 @@ class ObjectNode:
     props: dict  # property name -> node
     required: frozenset  # of names
     extra: int | None  # node of other keys' values; None: no other keys
-    spelled: dict = field(default_factory=dict)  # name -> as json.dumps writes it between the quotes (bytes)
+    spelled: dict = field(init=False)  # name -> as json.dumps writes it between the quotes (bytes)
 
     def __post_init__(self):
-        self.spelled.update({k: _key_bytes(k) for k in self.props})
+        object.__setattr__(self, "spelled", {k: _key_bytes(k) for k in self.props})
 
     @property
     def tracked(self) -> bool:

@@ -39,12 +39,11 @@ class Vocabulary:
 
     def __init__(self, token_bytes: Sequence[bytes | None], width: int):
         self.token_bytes, self.width = token_bytes, width
-        singles = {t[0] for t in token_bytes if t is not None and len(t) == 1}
-        missing = sorted(set(range(0x20, 0x7F)) - singles)
+        tokens = [(i, t) for i, t in enumerate(token_bytes[:width]) if t]  # ids past the logits are never sampled
+        missing = sorted(set(range(0x20, 0x7F)) - {t[0] for _, t in tokens if len(t) == 1})
         if missing:
             raise CheckpointError(f"structured output needs a one-byte token for every printable ASCII character; "
                                   f"this vocabulary lacks {bytes(missing)[:20]!r}")
-        tokens = [(i, t) for i, t in enumerate(token_bytes[:width]) if t]
         # a token of whole characters, none a quote, backslash or control, leaves a free string as it was: allowed
         # in one without reading it
         plain = [_plain(t) for _, t in tokens]
@@ -70,27 +69,28 @@ def _plain(t: bytes) -> bool:
     return True
 
 
-class MaskCache:
-    """The ``size`` most recently used masks of an engine, whatever their grammar: a mask is a vocabulary's width of
-    bytes on the device (49 KB for SmolLM2, 152 KB for Qwen2.5), so the budget is one for all grammars."""
+class Recent:
+    """The ``size`` most recently used values, each built on first use (thread-safe). An engine keeps its masks in
+    one (512, whatever their grammar: a mask is a vocabulary's width of bytes on the device, 49 KB for SmolLM2,
+    152 KB for Qwen2.5, so the budget is one for all grammars) and its compiled grammars in another."""
 
     def __init__(self, size: int = 512):
         self.size = size
-        self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._items: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._masks)
+        return len(self._items)
 
-    def get(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, key, build: Callable[[], object]):
         with self._lock:
-            found = self._masks.get(key)
+            found = self._items.get(key)
             if found is None:
-                found = self._masks[key] = build()
-                if len(self._masks) > self.size:
-                    self._masks.popitem(last=False)
+                found = self._items[key] = build()
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
             else:
-                self._masks.move_to_end(key)
+                self._items.move_to_end(key)
             return found
 
 
@@ -98,10 +98,10 @@ class GrammarMasks:
     """One grammar's masks over a vocabulary: boolean tensors on ``device``, kept in ``cache`` (shared by an engine's
     grammars, each under its own ``name``: the schema and text around it; by default an identity of its own)."""
 
-    def __init__(self, grammar: Grammar, vocab: Vocabulary, device: torch.device | str, cache: MaskCache | None = None,
+    def __init__(self, grammar: Grammar, vocab: Vocabulary, device: torch.device | str, cache: Recent | None = None,
                  name=None):
         self.grammar, self.vocab, self.device = grammar, vocab, torch.device(device)
-        self.cache = cache if cache is not None else MaskCache()
+        self.cache = cache if cache is not None else Recent()
         self.name = name if name is not None else object()  # an object() equals only itself
 
     def guide(self) -> "Guide":
@@ -175,10 +175,10 @@ class GuideSource:
 
     def __init__(self, tokenizer: Callable[[], "Tokenizer"], width: int, device: torch.device | str,
                  schemas: int = 32):
-        self._tokenizer, self._width, self._device, self._schemas = tokenizer, width, device, schemas
+        self._tokenizer, self._width, self._device = tokenizer, width, device
         self._vocab: Vocabulary | None = None
-        self._compiled: OrderedDict[tuple, GrammarMasks] = OrderedDict()  # JSON mode's is the schema None
-        self._cache = MaskCache()
+        self._compiled = Recent(schemas)  # by (schema, prefix, suffix); JSON mode's schema is None
+        self._masks = Recent()
         self._lock = threading.Lock()
 
     def guide_for(self, params: "SamplingParams") -> Guide | None:
@@ -187,17 +187,11 @@ class GuideSource:
         with self._lock:
             if self._vocab is None:
                 self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width)
-            return self._masks(params.json_schema, params.json_prefix.encode(), params.json_suffix.encode()).guide()
+            key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode())
+        return self._compiled.get(key, lambda: GrammarMasks(_grammar(*key), self._vocab, self._device, self._masks,
+                                                            key)).guide()
 
-    def _masks(self, schema: str | None, prefix: bytes, suffix: bytes) -> GrammarMasks:
-        key = (schema, prefix, suffix)
-        found = self._compiled.get(key)
-        if found is None:
-            grammar = Grammar.compile(json.loads(schema), prefix, suffix) if schema is not None else \
-                Grammar(prefix, suffix)
-            found = self._compiled[key] = GrammarMasks(grammar, self._vocab, self._device, self._cache, key)
-            if len(self._compiled) > self._schemas:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return found
+
+def _grammar(schema: str | None, prefix: bytes, suffix: bytes) -> Grammar:
+    return Grammar.compile(json.loads(schema), prefix, suffix) if schema is not None else Grammar(prefix, suffix)
 

@@ -28,9 +28,9 @@ from dualpath.rpc import ENGINE_METHODS, Client
 from dualpath.sampling_params import SamplingParams
 from engines.batcher import CostModel, Pending, form_batch
 from engines.engine import Engine
+from engines.guided import Guide
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
-from engines.guided import Guide
 from engines.sampler import make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import write_tokens

@@ -17,7 +17,7 @@ from dualpath import grammar as gr
 from dualpath.errors import CheckpointError
 from dualpath.grammar import MAX_WS, Grammar, SchemaError
 from dualpath.tokenizer import Tokenizer
-from engines.guided import GrammarMasks, GuideError, MaskCache, Vocabulary
+from engines.guided import GrammarMasks, GuideError, Recent, Vocabulary
 from engines.sampler import sample
 
 JSON_MODE = Grammar.json_object()
@@ -356,7 +356,7 @@ def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
 
 def test_grammars_share_one_bounded_mask_cache_without_mixing_their_masks():
     vocab = toy_vocab()
-    v, cache = Vocabulary(vocab, len(vocab)), MaskCache(size=3)
+    v, cache = Vocabulary(vocab, len(vocab)), Recent(size=3)
     free, closed = JSON_MODE, Grammar.compile(SCHEMAS["closed"])
     a, b = GrammarMasks(free, v, "cpu", cache, "free"), GrammarMasks(closed, v, "cpu", cache, "closed")
     after_brace = free.run(free.start, b"{")

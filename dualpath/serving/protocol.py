@@ -49,6 +49,18 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def _schema(v, field: str) -> dict:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise ValueError(f"{field} must be a JSON schema (an object, or its JSON text)") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{field} must be a JSON schema object")
+    return v
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -110,14 +122,7 @@ class _Common(BaseModel):
     @field_validator("guided_json")
     @classmethod
     def _schema_object(cls, v):
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except ValueError:
-                raise ValueError("guided_json must be a JSON schema (an object, or its JSON text)") from None
-        if v is not None and not isinstance(v, dict):
-            raise ValueError("guided_json must be a JSON schema object")
-        return v
+        return None if v is None else _schema(v, "guided_json")
 
     @field_validator("structured_outputs")
     @classmethod
@@ -126,8 +131,8 @@ class _Common(BaseModel):
         if other:
             raise ValueError(f"structured_outputs {', '.join(other)} is not supported; only JSON is (json, "
                              f"json_object)")
-        if v and isinstance(v.get("json"), str):
-            v = {**v, "json": cls._schema_object(v["json"])}
+        if v and v.get("json") is not None:
+            v = {**v, "json": _schema(v["json"], "structured_outputs json")}
         return v
 
     @model_validator(mode="after")
