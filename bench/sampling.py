@@ -6,7 +6,12 @@ in the same run, is what the engine did before: per row, filter (top-k, then sor
 ``torch.multinomial`` and ``.item()`` (on a GPU, a dozen kernels and a wait per row). Reports seconds per batch and
 the speed-up.
 
-    python bench/sampling.py [--batch 64 --vocab 49152] [--device cpu] [--out bench/results/sampling.json]
+Then penalties (repetition 1.1, frequency 0.3, presence 0.2, min_p 0.05) with each row ``--prompt`` prompt tokens
+and ``--output`` generated tokens: the sampler's sparse form (the rows' distinct tokens, kept as they grow) against
+dense bin counts rebuilt from the token lists every step (vLLM's form), and against the same batch without them.
+
+    python bench/sampling.py [--batch 64 --vocab 49152 --prompt 2048 --output 256] [--device cpu]
+                             [--out bench/results/sampling.json]
 """
 from __future__ import annotations
 
@@ -69,10 +74,63 @@ def run(batch: int, vocab: int, device: str, repeats: int = 5) -> list[dict]:
     return rows
 
 
+def dense_penalties(logits: torch.Tensor, p, prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """The baseline: per-step bin counts over the whole vocabulary, from padded token lists (one value of each
+    penalty for the batch, which only flatters it)."""
+    b, v = logits.shape
+    dev = logits.device
+
+    def padded(lists):
+        width = max(len(x) for x in lists)
+        return torch.tensor([x + [v] * (width - len(x)) for x in lists], device=dev)
+    counts = torch.zeros(b, v + 1, device=dev).scatter_add_(1, padded(outputs), torch.ones(b, max(map(len, outputs)),
+                                                                                          device=dev))[:, :v]
+    seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev).scatter_(1, padded(prompts), True)[:, :v] | (counts > 0)
+    r = p.repetition_penalty
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - counts * p.frequency_penalty - (counts > 0) * p.presence_penalty
+
+
+def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str, repeats: int = 5) -> dict:
+    from dualpath.sampling_params import SamplingParams
+    from engines.sampler import TokenHistory, make_generator, sample
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(batch, vocab, generator=g).mul_(3).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
+    outputs = [torch.randint(0, vocab, (output,), generator=g).tolist() for _ in range(batch)]
+    knobs = dict(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2)
+    params = [SamplingParams(seed=i, min_p=0.05, **knobs) for i in range(batch)]
+    plain = [SamplingParams(seed=i, temperature=0.8) for i in range(batch)]
+    gens = [make_generator(p) for p in params]
+    histories = [TokenHistory(pr, p, out) for pr, p, out in zip(prompts, params, outputs)]
+    no_pen = [SamplingParams(seed=i, min_p=0.05, temperature=0.8) for i in range(batch)]
+
+    def ours():
+        sample(logits, params, gens, histories=histories)
+        sync()
+
+    def dense():
+        sample(dense_penalties(logits, params[0], prompts, outputs), no_pen, gens)
+        sync()
+
+    def without():
+        sample(logits, plain, gens)
+        sync()
+
+    t_ours, t_dense, t_plain = best_of(ours, repeats), best_of(dense, repeats), best_of(without, repeats)
+    return {"batch": batch, "vocab": vocab, "prompt": prompt, "output": output, "sparse_s": t_ours, "dense_s": t_dense,
+            "without_s": t_plain, "speedup_vs_dense": t_dense / t_ours, "cost_vs_without": t_ours / t_plain}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -80,9 +138,12 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     rows = run(args.batch, args.vocab, args.device)
     print_table(rows, ["mix", "batch", "vocab", "batched_s", "row_by_row_s", "speedup"])
-    path = write_result("sampling", {"device": args.device, "rows": rows}, args.out)
+    pen = run_penalties(args.batch, args.vocab, args.prompt, args.output, args.device)
+    print_table([pen], ["batch", "prompt", "output", "sparse_s", "dense_s", "without_s", "speedup_vs_dense",
+                        "cost_vs_without"])
+    path = write_result("sampling", {"device": args.device, "rows": rows, "penalties": pen}, args.out)
     print(f"wrote {path}")
-    return {"rows": rows}
+    return {"rows": rows, "penalties": pen}
 
 
 if __name__ == "__main__":

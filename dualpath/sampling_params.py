@@ -1,9 +1,12 @@
 """Per-request sampling parameters: plain, frozen, validated data that crosses process boundaries."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dualpath.errors import RequestError
+
+MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,14 @@ class SamplingParams:
     ``json_schema`` (a schema as JSON text) to one valid against that schema (``dualpath.grammar`` says which
     keywords): it ends as the object closes, or at ``max_tokens`` unfinished. ``json_prefix`` / ``json_suffix``:
     fixed text the constrained output starts / ends with around the object (a forced tool call's markup).
+
+    Logit adjustments, in the order they apply (vLLM's): ``logit_bias`` ((token id, bias in [-100, 100]) pairs)
+    is added; before ``min_tokens`` tokens, EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled and
+    stop strings do not end the reply (a structured reply is exempt: its grammar decides where it ends);
+    ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every token in the prompt
+    or the output so far; ``frequency_penalty`` × the token's count in the output plus ``presence_penalty`` if it
+    occurs there is subtracted (OpenAI's definition). Greedy decoding sees them too. After temperature, top-k and
+    top-p (transformers' order), ``min_p`` drops tokens less likely than ``min_p`` × the most likely one.
     """
 
     max_tokens: int = 16
@@ -32,6 +43,12 @@ class SamplingParams:
     json_schema: str | None = None
     json_prefix: str = ""
     json_suffix: str = ""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,6 +71,25 @@ class SamplingParams:
             raise RequestError("json_prefix and json_suffix need json_object or json_schema", field="response_format")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
+        self._check_adjustments()
+
+    def _check_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", field=name)
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise RequestError(f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                               field="repetition_penalty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", field="min_tokens")
+        bias = tuple(sorted((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        if len(bias) != len(self.logit_bias) or len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias takes up to {MAX_LOGIT_BIAS} distinct token ids", field="logit_bias")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise RequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100]", field="logit_bias")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def structured(self) -> bool:
@@ -61,11 +97,17 @@ class SamplingParams:
         return self.json_object or self.json_schema is not None
 
     @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (penalties, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}  # JSON-ready
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":

@@ -19,7 +19,7 @@ from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
-from engines.sampler import sample
+from engines.sampler import check_token_ids, sample
 from engines.sequence import FinishReason, Sequence
 from kernels.attention import PagedKV
 
@@ -76,6 +76,7 @@ class LocalEngine:
         graphs = make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
         self.runner = ModelRunner(model, cache, graphs)
         self.eos_ids = model.config.eos_token_ids
+        self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer
         self.guides = GuideSource(lambda: tokenizer, model.config.vocab_size, cache.device) if tokenizer else None
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
@@ -91,6 +92,7 @@ class LocalEngine:
                                f"{self.max_model_len}", field="prompt")
         if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) > self.cache.allocator.num_blocks:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
+        check_token_ids(seq.params, self.vocab_size)
         if seq.params.structured and seq.guide is None:
             if self.guides is None:
                 raise RequestError("structured output needs the engine's tokenizer", field="response_format")
@@ -121,7 +123,7 @@ class LocalEngine:
         if len(done_rows) < len(batch):  # a chunked prompt's rows have nothing to sample (indexing copies the list)
             logits = logits[done_rows]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.mask() for s in seqs])
+                                  [s.mask() for s in seqs], [s.history for s in seqs], self.eos_ids)
         finished = []
         for s, tok, lp in zip(seqs, tokens, logprobs):
             s.append(tok, lp, self.eos_ids, self.max_model_len)
@@ -153,6 +155,8 @@ class LocalEngine:
             return  # a stop string in the token that also hit max_tokens still counts
         before = len(detok.text)
         detok.add(token)
+        if len(s.output_ids) < s.params.min_tokens:
+            return  # min_tokens: stop strings do not end the reply yet
         longest = max(len(x) for x in s.params.stop)
         idx = find_stop(detok.text, s.params.stop, max(0, before - longest + 1))
         if idx >= 0:

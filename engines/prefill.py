@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dualpath.errors import DualPathError, StorageError
+from dualpath.errors import DualPathError, RequestError, StorageError
 from dualpath.geometry import FullBlockSlots, LayerMajorBlocks
 from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
     unpack_tokens
@@ -31,7 +31,7 @@ from engines.engine import Engine
 from engines.guided import Guide
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
-from engines.sampler import make_generator, sample
+from engines.sampler import TokenHistory, check_token_ids, make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import write_tokens
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
@@ -181,6 +181,11 @@ class PrefillEngine(Engine):
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
         job = Job(a, params, make_generator(params), pe_blocks, unpack_tokens(a.tokens), keys,
                   hit_tokens=len(keys) * self.geometry.block_size)
+        try:
+            check_token_ids(params, self.model_config.vocab_size)
+        except RequestError as e:
+            self._fail(job, str(e))
+            return
         try:
             job.guide = self.guides.guide_for(params)
         except DualPathError as e:  # this checkpoint's tokenizer cannot be masked: the request fails, clearly
@@ -457,7 +462,9 @@ class PrefillEngine(Engine):
         jobs = [j for j, _ in finals]
         logits = torch.stack([lg for _, lg in finals])
         tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
-                                  [j.guide.mask() if j.guide else None for j in jobs])
+                                  [j.guide.mask() if j.guide else None for j in jobs],
+                                  [TokenHistory(j.token_ids, j.params) if j.params.needs_history else None
+                                   for j in jobs], self.model_config.eos_token_ids)
         for job, tok, lp in zip(jobs, tokens, logprobs):
             state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
             path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from dualpath.errors import RequestError
 from dualpath.sampling_params import SamplingParams
 
 
@@ -14,6 +16,48 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the ``logprobs`` most likely tokens and their log-probabilities
+
+
+class TokenHistory:
+    """What the penalties and ``min_tokens`` read of one request: its prompt's distinct token ids (kept only for
+    ``repetition_penalty``) and how often each id has been generated. Built once and grown a token at a time (O(1):
+    a step never rescans a long prompt or converts the output again). Its owner (a sequence, or the prefill engine
+    for a first token) calls ``add`` for every token the request generates, in order."""
+
+    __slots__ = ("prompt", "n", "_slot", "_ids", "_counts")
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = ()):
+        self.prompt = torch.tensor(sorted(set(prompt_ids)), dtype=torch.long) \
+            if params.repetition_penalty != 1.0 else None
+        self.n = 0
+        self._slot: dict[int, int] = {}  # token id -> its index in _ids / _counts
+        self._ids = np.zeros(16, dtype=np.int64)
+        self._counts = np.zeros(16, dtype=np.float32)
+        for t in output_ids:
+            self.add(t)
+
+    def add(self, token: int) -> None:
+        k = self._slot.setdefault(token, len(self._slot))
+        if k == len(self._ids):
+            self._ids, self._counts = np.resize(self._ids, 2 * k), np.resize(self._counts, 2 * k)
+            self._counts[k:] = 0
+        self._ids[k] = token
+        self._counts[k] += 1
+        self.n += 1
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct generated ids and how often each came (int64, float32): views, valid until the next
+        ``add``."""
+        k = len(self._slot)
+        return torch.from_numpy(self._ids[:k]), torch.from_numpy(self._counts[:k])
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids a request names that the model's logits do not have (the engines call it on admission)."""
+    for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        if any(t >= vocab_size for t in ids):
+            raise RequestError(f"{field}: token ids must be below the model's vocabulary size {vocab_size}",
+                               field=field)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -31,33 +75,108 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           masks: Sequence[torch.Tensor | None] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+           masks: Sequence[torch.Tensor | None] | None = None,
+           histories: Sequence[TokenHistory | None] | None = None,
+           eos_ids: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
-    distribution before temperature, filtering and masks (as OpenAI-compatible servers report them). ``masks``:
-    per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all False).
+    distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
+    ``masks``: per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all
+    False). ``histories``: per row the request's ``TokenHistory`` (needed where ``params.needs_history``);
+    ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.
 
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
     a dozen kernels and a wait per sampled row: on a GPU, longer than the decode step). A sampled row draws one
     uniform number from its own generator and takes the token where it falls in the row's filtered distribution
     (inverse CDF), so a seeded request samples the same tokens whatever it is batched with."""
     b, dev = logits.shape[0], logits.device
-    raw, logits = logits, _masked(logits, masks)
+    raw = logits
+    logits = _masked(adjusted(logits, params, histories, eos_ids, masks), masks)
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = torch.tensor(drawn).to(dev, non_blocking=True) if len(drawn) < b else None
         sub = logits if rows is None else logits.index_select(0, rows)
-        knobs = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p,
+        knobs = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p,
                                float(torch.rand(1, generator=generators[i]))] for i in drawn],
                              dtype=torch.float64).to(dev, non_blocking=True)  # one copy; float64 keeps the draw
         k_max = min(max([params[i].top_k for i in drawn] + [0]), logits.shape[-1])  # top_k <= 0: off
         top_p = knobs[:, 2].float() if any(params[i].top_p < 1.0 for i in drawn) else None
-        picked = _draw(filtered_probs(sub / knobs[:, :1].float(), knobs[:, 1], top_p, k_max), knobs[:, 3].float())
+        min_p = knobs[:, 3].float() if any(params[i].min_p > 0.0 for i in drawn) else None
+        probs = filtered_probs(sub / knobs[:, :1].float(), knobs[:, 1], top_p, k_max, min_p)
+        picked = _draw(probs, knobs[:, 4].float())
         tokens = picked if rows is None else tokens.index_copy(0, rows, picked)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not asked:
         return tokens.tolist(), [None] * b
     return _with_logprobs(raw, tokens, params, asked)
+
+
+def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None] | None,
+             eos_ids: Sequence[int] = (), masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """``logits`` after each row's logit bias, ``min_tokens`` ban, repetition penalty, then frequency and presence
+    penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself. Each is
+    one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the vocabulary.
+    A row with a mask (structured output) is not banned from its end tokens: its grammar ends it."""
+    add_, rep, pen = _Entries(), _Entries(), _Entries()
+    for i, p in enumerate(params):
+        h = histories[i] if histories is not None else None
+        if p.needs_history and h is None:
+            raise ValueError("penalties and min_tokens need the row's TokenHistory")
+        if p.logit_bias:
+            add_.add(i, torch.tensor([t for t, _ in p.logit_bias]), torch.tensor([b for _, b in p.logit_bias]))
+        if p.min_tokens and h.n < p.min_tokens and (masks is None or masks[i] is None):
+            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
+            add_.add(i, torch.tensor(banned, dtype=torch.long), float("-inf"))
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            ids, counts = h.tensors()
+            if p.repetition_penalty != 1.0:
+                rep.add(i, torch.cat([h.prompt, ids]), p.repetition_penalty)
+            if p.frequency_penalty or p.presence_penalty:
+                pen.add(i, ids, counts, p.frequency_penalty, p.presence_penalty)
+    if not (add_ or rep or pen):
+        return logits
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    flat, width = logits.view(-1), logits.shape[-1]  # flat indices: index_select / index_add_ beat 2-D indexing
+    if add_:
+        at, (v,) = add_.on(logits.device, width)
+        flat.index_add_(0, at, v)
+    if rep:  # a token may be listed twice (prompt and output): both copies carry the same value
+        at, (f,) = rep.on(logits.device, width)
+        old = flat.index_select(0, at)
+        flat.index_copy_(0, at, torch.where(old > 0, old / f, old * f))
+    if pen:  # the output's distinct tokens, each listed once: value = -(count * frequency + presence)
+        at, (c, f, pr) = pen.on(logits.device, width)
+        flat.index_add_(0, at, -(c * f + pr))
+    return logits
+
+
+class _Entries:
+    """Per-row token lists with one number per token or per row (each given as a tensor of the tokens' values or as
+    one float), gathered on the host, expanded and moved to the device in one copy."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.toks: list[torch.Tensor] = []
+        self.values: list[tuple] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def add(self, row: int, tokens: torch.Tensor, *values: float | torch.Tensor) -> None:
+        self.rows.append(row)
+        self.toks.append(tokens)
+        self.values.append(values)
+
+    def on(self, device: torch.device, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(row * width + token for each listed token, [each value column])."""
+        lens = torch.tensor([len(t) for t in self.toks])
+        cols = [torch.cat([v if torch.is_tensor(v) else torch.full((n,), v) for v, n in zip(col, lens.tolist())])
+                if any(torch.is_tensor(v) for v in col) else
+                torch.tensor(col, dtype=torch.float64).repeat_interleave(lens) for col in zip(*self.values)]
+        at = torch.tensor(self.rows).repeat_interleave(lens) * width + torch.cat(self.toks)
+        n = len(at)
+        flat = torch.cat([at.double()] + [c.double() for c in cols]).to(device, non_blocking=True)  # exact < 2**53
+        return flat[:n].long(), [flat[(1 + j) * n:(2 + j) * n].float() for j in range(len(cols))]
 
 
 def _masked(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
@@ -71,11 +190,12 @@ def _masked(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -
 
 
 def filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
-                   k_max: int) -> torch.Tensor:
-    """Probabilities of rows of temperature-scaled logits with top-k then top-p applied: dropped tokens 0, the rest
-    renormalized, in vocabulary order. Top-k (rows with ``top_k`` > 0; ``k_max``: the largest, 0 if none) keeps
-    every token at least as likely as the k-th, ties included; top-p (``None``: no row uses it) then drops a token
-    when the tokens strictly more likely already cover ``top_p`` of the top-k distribution. A row's answer does not
+                   k_max: int, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities of rows of temperature-scaled logits with top-k, top-p then min-p applied: dropped tokens 0,
+    the rest renormalized, in vocabulary order. Top-k (rows with ``top_k`` > 0; ``k_max``: the largest, 0 if none)
+    keeps every token at least as likely as the k-th, ties included; top-p (``None``: no row uses it) then drops a
+    token when the tokens strictly more likely already cover ``top_p`` of the top-k distribution; min-p (``None``:
+    no row uses it) drops tokens less likely than ``min_p`` times the most likely one. A row's answer does not
     depend on the other rows (the batch decides only which steps run, and a step a row does not use leaves it
     exactly as it was)."""
     if k_max:
@@ -88,6 +208,9 @@ def filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
         probs = ordered.softmax(-1)
         drop = (probs.cumsum(-1) - probs) > top_p[:, None]
         scaled = scaled.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    if min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p); log(0) = -inf keeps all
+        floor = scaled.amax(-1, keepdim=True) + min_p[:, None].log()
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return scaled.softmax(-1)
 
 

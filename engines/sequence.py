@@ -8,7 +8,7 @@ import torch
 
 from dualpath.sampling_params import SamplingParams
 from engines.guided import Guide
-from engines.sampler import TokenLogprob
+from engines.sampler import TokenHistory, TokenLogprob
 
 
 class FinishReason(str, enum.Enum):
@@ -29,6 +29,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_text: str | None = None  # the stop string that ended it, if any
     guide: Guide | None = None  # structured output: which tokens may come next
+    history: TokenHistory | None = None  # what penalties and min_tokens read (built here when they are asked)
+
+    def __post_init__(self):
+        if self.params.needs_history and self.history is None:
+            self.history = TokenHistory(self.prompt_ids, self.params, self.output_ids)
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None
@@ -52,6 +57,8 @@ class Sequence:
             self.guide.advance(token)
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        if self.history is not None:
+            self.history.add(token)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids) or \
                 (self.guide is not None and self.guide.complete):

@@ -27,7 +27,7 @@ def test_layer_overlap_bench_runs(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("script, args", [
-    ("sampling.py", ["--batch", "4", "--vocab", "300"]),
+    ("sampling.py", ["--batch", "4", "--vocab", "300", "--prompt", "32", "--output", "8"]),
     ("storage_read.py", ["--blocks", "8"]),
 ])
 def test_small_benches_run(script, args, tmp_path):

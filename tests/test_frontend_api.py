@@ -1,6 +1,7 @@
-"""The HTTP frontend's smaller surface, with a scripted test double in place of the cluster: vLLM's extra sampling
-fields (``stop_token_ids``, ``ignore_eos``) reach the engines' sampling parameters, fields that would change the
-answer but are not implemented (``logit_bias``, ``best_of``) are a 400 rather than silently ignored, and vLLM's
+"""The HTTP frontend's smaller surface, with a scripted test double in place of the cluster: OpenAI's penalties and
+logit bias and vLLM's extra sampling fields (``stop_token_ids``, ``ignore_eos``, ``repetition_penalty``, ``min_p``,
+``min_tokens``) reach the engines' sampling parameters, out-of-range values are a 400, fields that would change the
+answer but are not implemented (``best_of``) are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
 import asyncio
 import json
@@ -34,6 +35,35 @@ def test_stop_token_ids_and_ignore_eos_reach_the_sampling_parameters(front):
     assert fake.samplings[-1].stop_token_ids == (7, 258) and fake.samplings[-1].ignore_eos
     post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}])
     assert fake.samplings[-1].stop_token_ids == () and not fake.samplings[-1].ignore_eos
+
+
+def test_penalties_bias_min_p_and_min_tokens_reach_the_sampling_parameters(front):
+    http, fake, _ = front
+    fake.reply = "ok"
+    knobs = dict(presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.3, min_p=0.05, min_tokens=2,
+                 logit_bias={"258": -100, "7": 2.5})
+    for path, body in (("/v1/completions", dict(prompt="hi")),
+                       ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+        r = post(http, path, model="m", max_tokens=8, **knobs, **body)
+        assert r.status_code == 200, r.text
+        s = fake.samplings[-1]
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == \
+            (0.5, -1.5, 1.3, 0.05, 2)
+        assert s.logit_bias == ((7, 2.5), (258, -100.0)) and s.needs_history
+    post(http, "/v1/completions", model="m", prompt="hi")
+    s = fake.samplings[-1]
+    assert s.logit_bias == () and not s.needs_history and s.min_p == 0.0
+
+
+def test_min_tokens_holds_back_stop_strings(front):
+    """A stop string inside the first ``min_tokens`` tokens does not end the reply; one after them does."""
+    http, fake, tok = front
+    fake.reply = "ab. cd. ef. gh"
+    n_first = len(tok.encode("ab.", add_special_tokens=False))
+    r = post(http, "/v1/completions", model="m", prompt="hi", stop=["."])
+    assert r.json()["choices"][0]["text"] == "ab"
+    r = post(http, "/v1/completions", model="m", prompt="hi", stop=["."], min_tokens=n_first + 1)
+    assert r.json()["choices"][0]["text"] == "ab. cd", r.text
 
 
 def test_json_mode_reaches_the_sampling_parameters(front):
@@ -81,9 +111,6 @@ def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
-    ("/v1/completions", dict(prompt="hi", logit_bias={"50": 5}), "logit_bias"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"50": -100}),
-     "logit_bias"),
     ("/v1/completions", dict(prompt="hi", best_of=3), "best_of"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]]),
      "functions"),
@@ -91,6 +118,27 @@ def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body
      "modalities"),
 ])
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path, body, param):
+    http, fake, _ = front
+    r = post(http, path, model="m", **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not fake.prompts
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", dict(prompt="hi", logit_bias={str(10**6): 5}), "logit_bias"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"a": 1}), "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"5": 101}), "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"5": 1, "05": 2}), "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"-5": 1}), "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", presence_penalty=2.5), "presence_penalty"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], frequency_penalty=-3),
+     "frequency_penalty"),
+    ("/v1/completions", dict(prompt="hi", repetition_penalty=0), "repetition_penalty"),
+    ("/v1/completions", dict(prompt="hi", min_p=1.5), "min_p"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens"),
+    ("/v1/completions", dict(prompt="hi", min_tokens=-1), "min_tokens"),
+])
+def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     http, fake, _ = front
     r = post(http, path, model="m", **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -161,6 +161,25 @@ def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mod
     assert streamed == reference.generate(ids, SamplingParams(temperature=0, max_tokens=120, json_object=True))[0].text
 
 
+@pytest.mark.parametrize("mode", ["pe", "de"])
+def test_penalties_through_the_cluster_equal_the_reference(tiny, reference, mode):
+    """The prefill engine's first token sees the prompt's repetition penalty and min_tokens; the decode engine
+    continues with the first token counted: the same tokens as one process, greedy and seeded with min_p."""
+    c = client(tiny)
+    prompt = f"again and again and again ({mode}) " * 3
+    ids = reference.tokenizer.encode(prompt)
+    eos = reference.model_config.eos_token_ids
+    knobs = dict(presence_penalty=0.6, frequency_penalty=0.3, logit_bias={str(eos[0]): 5.0} if eos else {"1": 5.0})
+    extra = dict(repetition_penalty=1.4, min_tokens=5)
+    for temperature, seed, min_p in ((0, None, 0.0), (1.0, 11, 0.05)):
+        want = reference.generate(ids, SamplingParams(
+            temperature=temperature, seed=seed, max_tokens=16, min_p=min_p, **extra, presence_penalty=0.6,
+            frequency_penalty=0.3, logit_bias=tuple((int(k), v) for k, v in knobs["logit_bias"].items())))[0]
+        r = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=temperature, seed=seed,
+                                 **knobs, extra_body={"dualpath": {"mode": mode}, "min_p": min_p, **extra})
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids) >= 5
+
+
 def raw(server, path, body=None, method="POST", hdrs=None):
     h = headers() if hdrs is None else hdrs
     with httpx.Client(timeout=60) as h_:

@@ -262,6 +262,10 @@ class Frontend:
             raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
         return list(ids)
 
+    def _known_bias(self, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        self._known_ids([t for t, _ in pairs], "logit_bias")
+        return pairs
+
     def _tools(self, req: ChatRequest | TokenizeRequest) -> dict:
         """The chat template's ``tools`` argument: the request's tools when the model may call them."""
         if not req.calls_tools():
@@ -295,7 +299,10 @@ class Frontend:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs,
                                   stop_token_ids=tuple(self._known_ids(req.stop_token_ids or (), "stop_token_ids")),
-                                  ignore_eos=req.ignore_eos, **self._structured(req, kind))
+                                  ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                                  logit_bias=self._known_bias(req.bias_pairs()), min_p=req.min_p,
+                                  min_tokens=req.min_tokens, **self._structured(req, kind))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
@@ -374,7 +381,8 @@ class Frontend:
                     lp = ev.logprob
                 if ev.finish_reason:
                     text += detok.flush()
-                cut = _find_stop(text, stops, emitted)
+                # min_tokens: stop strings do not end the reply before that many tokens
+                cut = _find_stop(text, stops, emitted) if outcome.completion_tokens >= sampling.min_tokens else -1
                 if cut >= 0:  # a stop string: emit what precedes it, then cancel the rest
                     yield text[emitted:cut], [ev.token_id], lp
                     outcome.finish_reason, finished = "stop", True

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
+from dualpath.sampling_params import MAX_LOGIT_BIAS
 from dualpath.serving.tools import template_arguments
 
 
@@ -72,9 +73,12 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None  # token id (as text) -> bias in [-100, 100]
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # vLLM's extra (over prompt and output tokens)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extra
+    min_tokens: int = Field(0, ge=0)  # vLLM's extra: end tokens and stop strings wait this many tokens
     stop_token_ids: Optional[list[int]] = None  # vLLM's extra: token ids that end the reply
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     dualpath: Optional[Extension] = None
@@ -101,14 +105,27 @@ class _Common(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v):
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported")
+    def _bias(cls, v):
+        if not v:
+            return None
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes up to {MAX_LOGIT_BIAS} tokens")
+        try:
+            bias = {int(k): b for k, b in v.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as text)") from None
+        if len(bias) != len(v) or any(t < 0 for t in bias):
+            raise ValueError("logit_bias keys must be distinct token ids (>= 0)")
+        if any(not -100.0 <= b <= 100.0 for b in bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         return v
 
-    @field_validator("logit_bias", "echo", "suffix", "functions", "function_call", "guided_regex", "guided_choice",
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
+
+    @field_validator("echo", "suffix", "functions", "function_call", "guided_regex", "guided_choice",
                      "guided_grammar", check_fields=False)
     @classmethod
     def _unsupported(cls, v, info):
