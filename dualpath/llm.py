@@ -87,7 +87,8 @@ class LLM:
         return self.generate([self.tokenizer.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm)
 
     def _output(self, s: Sequence) -> RequestOutput:
-        text = s.stop_text if s.stop_text is not None else self.tokenizer.decode(s.output_ids)
+        text = s.stop_text if s.stop_text is not None else \
+            self.tokenizer.decode(s.output_ids, s.params.skip_special_tokens)
         lps = s.logprobs if s.params.logprobs is not None else None
         return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps)
 

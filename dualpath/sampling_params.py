@@ -28,6 +28,11 @@ class SamplingParams:
     or the output so far; ``frequency_penalty`` × the token's count in the output plus ``presence_penalty`` if it
     occurs there is subtracted (OpenAI's definition). Greedy decoding sees them too. After temperature, top-k and
     top-p (transformers' order), ``min_p`` drops tokens less likely than ``min_p`` × the most likely one.
+    ``allowed_token_ids`` (empty: all) restricts every sampled token to that set, like a mask (not with JSON
+    output; ``min_tokens`` then holds back only end tokens the set does not consist of).
+
+    Text: ``skip_special_tokens`` leaves special tokens out of the text (their ids stay in the output);
+    ``include_stop_str_in_output`` keeps the stop string that ended the reply at the end of its text.
     """
 
     max_tokens: int = 16
@@ -49,6 +54,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -90,6 +98,12 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise RequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100]", field="logit_bias")
         object.__setattr__(self, "logit_bias", bias)
+        allowed = tuple(int(t) for t in self.allowed_token_ids)
+        if len(set(allowed)) != len(allowed) or any(t < 0 for t in allowed):
+            raise RequestError("allowed_token_ids must be distinct token ids (>= 0)", field="allowed_token_ids")
+        if allowed and self.structured:
+            raise RequestError("allowed_token_ids and JSON output exclude each other", field="allowed_token_ids")
+        object.__setattr__(self, "allowed_token_ids", allowed)
 
     @property
     def structured(self) -> bool:

@@ -176,11 +176,13 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding from the start each time.
 
     A delta is held back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD), so multi-byte
-    characters split across tokens are never emitted broken.
+    characters split across tokens are never emitted broken. ``skip_special_tokens`` False writes special tokens'
+    text too.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_tail[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -195,8 +197,8 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix):]
@@ -209,3 +211,9 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
     """Index in ``text`` where the earliest stop string begins, searching from ``start``; -1 if none."""
     hits = [i for s in stops if (i := text.find(s, start)) >= 0]
     return min(hits) if hits else -1
+
+
+def stop_cut(text: str, stops: Sequence[str], at: int, include: bool) -> int:
+    """Where a reply whose earliest stop string begins at ``at`` ends: there, or after that stop string when it is
+    kept (``include_stop_str_in_output``; the longest of the stops that begin there)."""
+    return at + max(len(s) for s in stops if text.startswith(s, at)) if include else at

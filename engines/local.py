@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import RequestError
-from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
@@ -98,7 +98,8 @@ class LocalEngine:
                 raise RequestError("structured output needs the engine's tokenizer", field="response_format")
             seq.guide = self.guides.guide_for(seq.params)
         if seq.params.stop and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
+                                                             seq.params.skip_special_tokens)
         self.waiting.append(seq)
 
     def admit_prefilled(self, seq: Sequence) -> None:
@@ -160,7 +161,8 @@ class LocalEngine:
         longest = max(len(x) for x in s.params.stop)
         idx = find_stop(detok.text, s.params.stop, max(0, before - longest + 1))
         if idx >= 0:
-            s.finish_reason, s.stop_text = FinishReason.STOP, detok.text[:idx]
+            cut = stop_cut(detok.text, s.params.stop, idx, s.params.include_stop_str_in_output)
+            s.finish_reason, s.stop_text = FinishReason.STOP, detok.text[:cut]
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
         batch, new_lens, budget = [], [], self.max_num_batched_tokens

@@ -54,7 +54,8 @@ class TokenHistory:
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Refuse token ids a request names that the model's logits do not have (the engines call it on admission)."""
-    for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+    for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                       ("allowed_token_ids", params.allowed_token_ids)):
         if any(t >= vocab_size for t in ids):
             raise RequestError(f"{field}: token ids must be below the model's vocabulary size {vocab_size}",
                                field=field)
@@ -81,7 +82,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
     distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
     ``masks``: per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all
-    False). ``histories``: per row the request's ``TokenHistory`` (needed where ``params.needs_history``);
+    False); ``allowed_token_ids`` rows get theirs here. ``histories``: per row the request's ``TokenHistory`` (needed where ``params.needs_history``);
     ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.
 
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
@@ -90,7 +91,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     (inverse CDF), so a seeded request samples the same tokens whatever it is batched with."""
     b, dev = logits.shape[0], logits.device
     raw = logits
-    logits = _masked(adjusted(logits, params, histories, eos_ids, masks), masks)
+    logits = _masked(adjusted(logits, params, histories, eos_ids, masks), _restricted(masks, params, logits))
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -116,7 +117,8 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
     """``logits`` after each row's logit bias, ``min_tokens`` ban, repetition penalty, then frequency and presence
     penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself. Each is
     one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the vocabulary.
-    A row with a mask (structured output) is not banned from its end tokens: its grammar ends it."""
+    A row with a mask (structured output) is not banned from its end tokens: its grammar ends it; nor is a row whose
+    ``allowed_token_ids`` are all end tokens (it would have nothing left)."""
     add_, rep, pen = _Entries(), _Entries(), _Entries()
     for i, p in enumerate(params):
         h = histories[i] if histories is not None else None
@@ -125,8 +127,9 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
         if p.logit_bias:
             add_.add(i, torch.tensor([t for t, _ in p.logit_bias]), torch.tensor([b for _, b in p.logit_bias]))
         if p.min_tokens and h.n < p.min_tokens and (masks is None or masks[i] is None):
-            banned = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
-            add_.add(i, torch.tensor(banned, dtype=torch.long), float("-inf"))
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            if not p.allowed_token_ids or set(p.allowed_token_ids) - banned:
+                add_.add(i, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             ids, counts = h.tensors()
             if p.repetition_penalty != 1.0:
@@ -177,6 +180,25 @@ class _Entries:
         n = len(at)
         flat = torch.cat([at.double()] + [c.double() for c in cols]).to(device, non_blocking=True)  # exact < 2**53
         return flat[:n].long(), [flat[(1 + j) * n:(2 + j) * n].float() for j in range(len(cols))]
+
+
+def _restricted(masks: Sequence[torch.Tensor | None] | None, params: Sequence[SamplingParams],
+                logits: torch.Tensor) -> Sequence[torch.Tensor | None] | None:
+    """``masks`` with each ``allowed_token_ids`` row's set as its mask (those rows have no other: SamplingParams
+    refuses the pair), built in one copy for all of them."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return masks
+    entries = _Entries()
+    for j, i in enumerate(rows):
+        entries.add(j, torch.tensor(params[i].allowed_token_ids, dtype=torch.long))
+    at, _ = entries.on(logits.device, logits.shape[-1])
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    allowed.view(-1)[at] = True
+    out = list(masks) if masks is not None else [None] * len(params)
+    for j, i in enumerate(rows):
+        out[i] = allowed[j]
+    return out
 
 
 def _masked(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -> torch.Tensor:

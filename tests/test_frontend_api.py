@@ -66,6 +66,34 @@ def test_min_tokens_holds_back_stop_strings(front):
     assert r.json()["choices"][0]["text"] == "ab. cd", r.text
 
 
+def test_vllm_text_and_token_options(front):
+    """allowed_token_ids, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens and
+    add_special_tokens do what vLLM's do."""
+    http, fake, tok = front
+    fake.reply = "ab. cd"
+    r = post(http, "/v1/completions", model="m", prompt="hi", stop=["."], include_stop_str_in_output=True,
+             allowed_token_ids=[97, 98, 46], skip_special_tokens=False)
+    assert r.json()["choices"][0]["text"] == "ab.", r.text
+    s = fake.samplings[-1]
+    assert s.allowed_token_ids == (97, 98, 46) and s.include_stop_str_in_output and not s.skip_special_tokens
+    streamed = [json.loads(line[6:]) for line in post(http, "/v1/completions", model="m", prompt="hi", stop=["."],
+                                                      include_stop_str_in_output=True, stream=True).text.splitlines()
+                if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in streamed) == "ab."
+    fake.reply = "x<|im_end|>"  # a special token's text in the reply
+    assert post(http, "/v1/completions", model="m", prompt="hi").json()["choices"][0]["text"] == "x"
+    r = post(http, "/v1/completions", model="m", prompt="hi", skip_special_tokens=False)
+    assert r.json()["choices"][0]["text"] == "x<|im_end|>"
+    fake.reply = "ok"
+    long = "the quick brown fox " * 4
+    r = post(http, "/v1/completions", model="m", prompt=long, truncate_prompt_tokens=5)
+    assert fake.prompts[-1] == tok.encode(long)[-5:] and r.json()["usage"]["prompt_tokens"] == 5
+    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": long}], truncate_prompt_tokens=7)
+    assert len(fake.prompts[-1]) == 7
+    post(http, "/v1/completions", model="m", prompt=long, add_special_tokens=False)
+    assert fake.prompts[-1] == tok.encode(long, add_special_tokens=False)
+
+
 def test_json_mode_reaches_the_sampling_parameters(front):
     http, fake, _ = front
     fake.reply = "{}"
@@ -122,6 +150,28 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
     r = post(http, path, model="m", **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not fake.prompts
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(use_beam_search=True), "use_beam_search"), (dict(length_penalty=0.5), "length_penalty"),
+    (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(bad_words=["x"]), "bad_words"),
+    (dict(logits_processors=["a.b"]), "logits_processors"),
+    (dict(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"), (dict(echo=True), "echo"),
+    (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
+    (dict(chat_template="{{ messages }}"), "chat_template"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1], response_format={"type": "json_object"}), "allowed_token_ids"),
+])
+def test_vllm_extras_that_are_not_implemented_or_out_of_range_are_400s(front, body, param):
+    http, fake, _ = front
+    r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}], **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not fake.prompts
+    neutral = dict(use_beam_search=False, length_penalty=1.0, prompt_logprobs=None, bad_words=[], echo=False,
+                   add_special_tokens=False, spaces_between_special_tokens=False, allowed_token_ids=[])
+    fake.reply = "ok"
+    assert post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}],
+                **neutral).status_code == 200
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -1,7 +1,8 @@
 """Logit adjustments: ``logit_bias``, ``min_tokens``, repetition / frequency / presence penalties and ``min_p``.
 The sampler's batched form against a plain float64 computation row by row (fresh random inputs each run) and
 against transformers' own logits processors; whole greedy generations against transformers' ``generate`` and a
-float64 reference loop over the transformers model."""
+float64 reference loop over the transformers model. Then ``allowed_token_ids`` and the text options
+(``include_stop_str_in_output``, ``skip_special_tokens``)."""
 from collections import Counter
 
 import pytest
@@ -237,3 +238,47 @@ def test_min_tokens_holds_back_stop_strings_in_the_engine(llm):
                                                min_tokens=4))[0]
     assert len(held.token_ids) >= 4 and held.token_ids == free.token_ids[:len(held.token_ids)]
     assert held.finish_reason == "stop" and held.text.startswith(stop * 3)
+
+
+# --- token restrictions and text options --------------------------------------------------------------------------
+
+
+def test_allowed_token_ids_restrict_greedy_and_sampled_rows(llm, hf):
+    prompt = list(range(70, 90))
+    allowed = (65, 66, 67, 32)
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                 allowed_token_ids=allowed))[0].token_ids
+    out = []
+    with torch.no_grad():  # the reference: transformers' logits, argmax over the allowed ids
+        for _ in range(10):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            out.append(allowed[int(logits[list(allowed)].argmax())])
+    assert greedy == out
+    sampled = llm.generate([prompt] * 4, SamplingParams(temperature=1.5, seed=1, max_tokens=12, ignore_eos=True,
+                                                        allowed_token_ids=allowed))
+    assert all(set(o.token_ids) <= set(allowed) for o in sampled)
+    assert len({t for o in sampled for t in o.token_ids}) > 1  # sampled, not stuck on one
+
+
+def test_allowed_token_ids_and_min_tokens_never_leave_a_row_empty():
+    logits = torch.randn(2, V)
+    only_end = SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=EOS)
+    mixed = SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=(EOS[0], 40))
+    toks, _ = sample(logits, [only_end, mixed], [None, None], histories=[TokenHistory([1], only_end),
+                                                                          TokenHistory([1], mixed)], eos_ids=EOS)
+    assert toks[0] in EOS and toks[1] == 40
+
+
+def test_include_stop_str_and_skip_special_tokens_in_the_text(llm):
+    prompt = list(range(40, 60))
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    stop = llm.tokenizer.decode(free.token_ids[1:2])
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[stop]))[0].text
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True))[0].text
+    assert kept == cut + stop and free.text.startswith(kept)
+    eos = llm.model_config.eos_token_ids[0]
+    forced = dict(temperature=0, max_tokens=1, logit_bias=((eos, 100.0),))
+    assert llm.generate(prompt, SamplingParams(**forced))[0].text == ""
+    special = llm.generate(prompt, SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert special.token_ids == [eos] and special.text == llm.tokenizer.decode([eos], skip_special_tokens=False) != ""

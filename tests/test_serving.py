@@ -164,7 +164,8 @@ def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mod
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_penalties_through_the_cluster_equal_the_reference(tiny, reference, mode):
     """The prefill engine's first token sees the prompt's repetition penalty and min_tokens; the decode engine
-    continues with the first token counted: the same tokens as one process, greedy and seeded with min_p."""
+    continues with the first token counted: the same tokens as one process, greedy and seeded with min_p; and
+    allowed_token_ids on both engines."""
     c = client(tiny)
     prompt = f"again and again and again ({mode}) " * 3
     ids = reference.tokenizer.encode(prompt)
@@ -178,6 +179,11 @@ def test_penalties_through_the_cluster_equal_the_reference(tiny, reference, mode
         r = c.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=temperature, seed=seed,
                                  **knobs, extra_body={"dualpath": {"mode": mode}, "min_p": min_p, **extra})
         assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids) >= 5
+    allowed = tuple(reference.tokenizer.encode("abc xyz"))
+    want = reference.generate(ids, SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=allowed))[0]
+    r = c.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0,
+                             extra_body={"dualpath": {"mode": mode}, "allowed_token_ids": list(allowed)})
+    assert r.choices[0].text == want.text and set(want.token_ids) <= set(allowed)
 
 
 def raw(server, path, body=None, method="POST", hdrs=None):

@@ -30,7 +30,7 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                                        parse)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
-from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,15 @@ class Frontend:
     def _prompt(self, req, kind: str) -> list[int]:
         try:
             if kind == "chat":
-                return self._chat_ids(req)
-            if isinstance(req.prompt, str):
-                return self.tokenizer.encode(req.prompt)
-            return self._known_ids(req.prompt, "prompt")
+                ids = self._chat_ids(req)
+            elif isinstance(req.prompt, str):
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            else:
+                ids = self._known_ids(req.prompt, "prompt")
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+        keep = req.truncate_prompt_tokens
+        return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
@@ -296,13 +299,11 @@ class Frontend:
         else:
             logprobs = req.logprobs
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=req.stop_list(), logprobs=logprobs,
-                                  stop_token_ids=tuple(self._known_ids(req.stop_token_ids or (), "stop_token_ids")),
-                                  ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                                  logit_bias=self._known_bias(req.bias_pairs()), min_p=req.min_p,
-                                  min_tokens=req.min_tokens, **self._structured(req, kind))
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **req.sampling_fields(),
+                                  stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
+                                  logit_bias=self._known_bias(req.bias_pairs()),
+                                  allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
+                                  **self._structured(req, kind))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
@@ -357,7 +358,7 @@ class Frontend:
             loop.call_soon_threadsafe(events.put_nowait, None)
 
         threading.Thread(target=pump, daemon=True, name=f"http-{handle.request_id}").start()
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.skip_special_tokens)
         stops, hold = sampling.stop, max((len(s) for s in sampling.stop), default=1) - 1
         text, emitted, outcome, finished = "", 0, Outcome(), False
         start, first, last = time.perf_counter(), None, None
@@ -383,8 +384,9 @@ class Frontend:
                     text += detok.flush()
                 # min_tokens: stop strings do not end the reply before that many tokens
                 cut = _find_stop(text, stops, emitted) if outcome.completion_tokens >= sampling.min_tokens else -1
-                if cut >= 0:  # a stop string: emit what precedes it, then cancel the rest
-                    yield text[emitted:cut], [ev.token_id], lp
+                if cut >= 0:  # a stop string: emit what precedes it (and it, if asked), then cancel the rest
+                    yield text[emitted:stop_cut(text, stops, cut, sampling.include_stop_str_in_output)], \
+                        [ev.token_id], lp
                     outcome.finish_reason, finished = "stop", True
                     handle.cancel()
                     break

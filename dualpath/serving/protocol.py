@@ -12,6 +12,10 @@ from dualpath.serving.tools import template_arguments
 
 
 MAX_CHOICES = 16  # n: each choice is a generation of its own
+# vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
+NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,), "bad_words": (None, []),
+           "logits_processors": (None, []), "return_tokens_as_token_ids": (False,), "documents": (None, []),
+           "chat_template": (None,)}
 
 
 class Extension(BaseModel):
@@ -81,6 +85,19 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's extra: end tokens and stop strings wait this many tokens
     stop_token_ids: Optional[list[int]] = None  # vLLM's extra: token ids that end the reply
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
+    # vLLM's other extras that change the answer: these are honoured...
+    allowed_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
+    # ...these refused unless neutral (never ignored); spaces_between_special_tokens is ignored as vLLM does for
+    # fast tokenizers (the only kind loaded here)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: Optional[int] = None
+    bad_words: Optional[list[str]] = None
+    logits_processors: Optional[list[Any]] = None
+    return_tokens_as_token_ids: bool = False
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
     # vLLM's structured-output extras: JSON ones are honoured, the others refused (never ignored)
@@ -136,6 +153,21 @@ class _Common(BaseModel):
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
+    @field_validator("use_beam_search", "length_penalty", "prompt_logprobs", "bad_words", "logits_processors",
+                     "return_tokens_as_token_ids", "documents", "chat_template", check_fields=False)
+    @classmethod
+    def _not_implemented(cls, v, info):
+        if v not in NEUTRAL[info.field_name]:
+            raise ValueError(f"{info.field_name} is not supported (only {NEUTRAL[info.field_name][0]!r})")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep(cls, v):
+        if v is not None and not (v == -1 or v >= 1):
+            raise ValueError("truncate_prompt_tokens is -1 (the model's context) or a count >= 1")
+        return v
+
     @field_validator("guided_json")
     @classmethod
     def _schema_object(cls, v):
@@ -171,6 +203,15 @@ class _Common(BaseModel):
         elif so.get("json_object"):
             out.append(("structured_outputs", "json_object", None))
         return out
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields this body sets as they are (token ids, lengths and JSON output are checked
+        by the frontend against the tokenizer and the context)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                    stop=self.stop_list(), ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output)
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -290,6 +331,10 @@ class ChatRequest(_Common, ChatRendering):
     functions: Optional[list[Any]] = None  # the deprecated form of tools
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None
+    echo: bool = False  # vLLM's chat extras, refused when set: the last message echoed, ...
+    add_special_tokens: Literal[False] = False  # ... special tokens added to the rendered chat, ...
+    documents: Optional[list[Any]] = None  # ... a RAG template's documents ...
+    chat_template: Optional[str] = None  # ... and a template of the request's own
 
     @field_validator("modalities")
     @classmethod
@@ -339,6 +384,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. around a text prompt (honoured)
 
     @field_validator("best_of")
     @classmethod
