@@ -29,6 +29,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # asked for: None for the first token, then one each
 
 
 class LLM:
@@ -90,7 +91,8 @@ class LLM:
         text = s.stop_text if s.stop_text is not None else \
             self.tokenizer.decode(s.output_ids, s.params.skip_special_tokens)
         lps = s.logprobs if s.params.logprobs is not None else None
-        return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps)
+        plps = [None, *s.prompt_logprobs] if s.params.prompt_logprobs is not None else None
+        return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps, plps)
 
     @torch.inference_mode()
     def logits(self, prompt: str | Seq[int]) -> torch.Tensor:

@@ -192,6 +192,7 @@ class PrefillDone:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from storage
     path: str = ""
     storage_bytes: int = 0
+    prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., when asked
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,7 @@ class TokenEvent:
     path: str = ""
     storage_bytes: int = 0
     error: str = ""
+    prompt_logprobs: list[dict] | None = None  # on the final event, when asked
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ class SamplingParams:
     ``allowed_token_ids`` (empty: all) restricts every sampled token to that set, like a mask (not with JSON
     output; ``min_tokens`` then holds back only end tokens the set does not consist of).
 
+    ``prompt_logprobs`` asks for each prompt token's log-probability given the tokens before it, its rank and that
+    many top alternatives: the whole prompt is computed (no cached KV is used for it).
+
     Text: ``skip_special_tokens`` leaves special tokens out of the text (their ids stay in the output);
     ``include_stop_str_in_output`` keeps the stop string that ended the reply at the end of its text.
     """
@@ -57,6 +60,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -71,8 +75,9 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 or positive, got {self.top_k}", field="top_k")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError(f"logprobs must be in [0, 20], got {self.logprobs}", field="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise RequestError(f"{name} must be in [0, 20], got {getattr(self, name)}", field=name)
         if self.json_object and self.json_schema is not None:
             raise RequestError("json_object and json_schema exclude each other", field="response_format")
         if (self.json_prefix or self.json_suffix) and not self.structured:

@@ -171,7 +171,7 @@ class DecodeEngine(Engine):
             return
         h.seq = seq
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
-                  "path": msg.path, "storage_bytes": msg.storage_bytes}
+                  "path": msg.path, "storage_bytes": msg.storage_bytes, "prompt_logprobs": msg.prompt_logprobs}
         n_full = len(prompt) // g.block_size
         h.hashes = block_hashes(prompt, self.fingerprint, g.block_size)
         first_new = msg.num_cached_tokens // g.block_size

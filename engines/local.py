@@ -19,7 +19,7 @@ from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
-from engines.sampler import check_token_ids, sample
+from engines.sampler import check_token_ids, prompt_logprobs, sample
 from engines.sequence import FinishReason, Sequence
 from kernels.attention import PagedKV
 
@@ -51,9 +51,23 @@ class ModelRunner:
             cached = PagedKV(self.cache.layers[layer], tables, ctx.cached_lens)
             hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
             self.cache.write(layer, slots, kv, self.model.kernels)
+        self._prompt_logprobs(seqs, new_lens, hidden)
         for s, n in zip(seqs, new_lens):
             s.num_computed += n
         return self.model.compute_logits(hidden[batch.last_token_indices()])
+
+    def _prompt_logprobs(self, seqs: list[Sequence], new_lens: list[int], hidden: torch.Tensor) -> None:
+        """Extend each asking sequence's prompt logprobs with this chunk's positions (those a recompute after
+        preemption already covered are skipped)."""
+        start = 0
+        for s, n in zip(seqs, new_lens):
+            k = s.params.prompt_logprobs
+            p0 = max(s.num_computed, len(s.prompt_logprobs))  # position p gives token p + 1's logprob
+            p1 = min(s.num_computed + n, len(s.prompt_ids) - 1)
+            if k is not None and p0 < p1:
+                rows = hidden[start + p0 - s.num_computed:start + p1 - s.num_computed]
+                s.prompt_logprobs += prompt_logprobs(self.model.compute_logits, rows, s.prompt_ids[p0 + 1:p1 + 1], k)
+            start += n
 
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
         positions = [s.num_computed for s in seqs]

@@ -31,7 +31,7 @@ from engines.engine import Engine
 from engines.guided import Guide
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
-from engines.sampler import TokenHistory, check_token_ids, make_generator, sample
+from engines.sampler import TokenHistory, check_token_ids, make_generator, prompt_logprobs, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import write_tokens
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
@@ -57,6 +57,7 @@ class Job:
     storage_bytes: int = 0
     layer_loads: list = field(default_factory=list)  # per layer: the storage read of the PE-side hit blocks
     guide: Guide | None = None  # structured output: which first tokens are allowed
+    prompt_lps: list = field(default_factory=list)  # prompt logprobs so far (asked for: of tokens 1..)
 
     @property
     def n_prompt(self) -> int:
@@ -183,6 +184,8 @@ class PrefillEngine(Engine):
                   hit_tokens=len(keys) * self.geometry.block_size)
         try:
             check_token_ids(params, self.model_config.vocab_size)
+            if params.prompt_logprobs is not None and a.num_hit_blocks:
+                raise RequestError("prompt_logprobs needs the whole prompt computed, not loaded")
         except RequestError as e:
             self._fail(job, str(e))
             return
@@ -375,11 +378,23 @@ class PrefillEngine(Engine):
         if basic:  # the baseline sends everything after computing everything
             AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)
         last = batch.last_token_indices()
+        for i, (j, n) in enumerate(jobs):
+            if j.params.prompt_logprobs is not None:
+                self._prompt_logprobs(j, cached[i], n, hidden[last[i] - n + 1:last[i] + 1])
         finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
         if not finals:
             return []
         logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
         return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
+
+    def _prompt_logprobs(self, job: Job, cached: int, n: int, hidden: torch.Tensor) -> None:
+        """This chunk's prompt logprobs (position p gives token p + 1's); the scheduler gives such a request no
+        hit, so chunks arrive from position 0 in order."""
+        p1 = min(cached + n, job.n_prompt - 1)
+        if cached != len(job.prompt_lps):
+            raise RuntimeError(f"prompt logprobs from position {cached}, after {len(job.prompt_lps)}")
+        job.prompt_lps += prompt_logprobs(self.model.compute_logits, hidden[:max(0, p1 - cached)],
+                                          job.token_ids[cached + 1:p1 + 1], job.params.prompt_logprobs)
 
     def _layers(self, batch: ForwardBatch, ids, slots, tables, ws: Workspace, pipe: LayerPipeline,
                 basic: bool) -> torch.Tensor:
@@ -470,7 +485,8 @@ class PrefillEngine(Engine):
             path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
             msg = PrefillDone(job.work_id, job.a.tokens, dict(job.a.sampling), tok,
                               lp.__dict__ if lp is not None else None, state, job.hit_tokens, path,
-                              job.storage_bytes)
+                              job.storage_bytes, [x.__dict__ for x in job.prompt_lps]
+                              if job.params.prompt_logprobs is not None else None)
             try:
                 ack = self._de(job.a).call("PrefillDone", msg, timeout=30)
                 if not ack.ok:

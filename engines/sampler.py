@@ -16,6 +16,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the ``logprobs`` most likely tokens and their log-probabilities
+    rank: int = 0  # 1 + the tokens more likely than this one (prompt logprobs; 0: not computed)
 
 
 class TokenHistory:
@@ -252,20 +253,48 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[
     """Tokens and, for the ``asked`` rows, the chosen token's log-probability and the top alternatives: one copy
     to the host for all of it."""
     rows = torch.tensor(asked).to(logits.device, non_blocking=True)
-    lp = logits.index_select(0, rows).log_softmax(-1)
-    chosen = lp.gather(1, tokens.index_select(0, rows)[:, None])[:, 0]
     k = max(params[i].logprobs for i in asked)
-    top = lp.topk(k, dim=-1) if k else None
-    parts = [tokens.double(), chosen.double()]
-    if top is not None:
-        parts += [top.indices.double().reshape(-1), top.values.double().reshape(-1)]
-    flat = torch.cat(parts).tolist()  # token ids are exact in float64
-    b, r = len(params), len(asked)
+    parts = _logprob_parts(logits.index_select(0, rows), tokens.index_select(0, rows), k, rank=False)
+    flat = torch.cat([tokens.double()] + parts).tolist()  # token ids are exact in float64
+    b = len(params)
     ids = [int(t) for t in flat[:b]]
     out: list[TokenLogprob | None] = [None] * b
-    for j, i in enumerate(asked):
-        n = params[i].logprobs
-        idx = flat[b + r + j * k: b + r + j * k + n]
-        vals = flat[b + r + r * k + j * k: b + r + r * k + j * k + n]
-        out[i] = TokenLogprob(ids[i], flat[b + j], tuple((int(t), v) for t, v in zip(idx, vals)))
+    read = _read_logprobs(flat[b:], [ids[i] for i in asked], k, [params[i].logprobs for i in asked], rank=False)
+    for i, lp in zip(asked, read):
+        out[i] = lp
     return ids, out
+
+
+def prompt_logprobs(logits_of, hidden: torch.Tensor, next_ids: Sequence[int], k: int,
+                    rows_per_pass: int = 256) -> list[TokenLogprob]:
+    """Each prompt position's log-probability of the token that follows it, its rank and the ``k`` most likely
+    tokens, from the final hidden states ``[n, hidden]`` (``logits_of``: the model's ``compute_logits``). A few
+    hundred rows at a time: a whole prompt's logits would be prompt length x vocabulary floats."""
+    out: list[TokenLogprob] = []
+    for r0 in range(0, len(next_ids), rows_per_pass):
+        ids = list(next_ids[r0:r0 + rows_per_pass])
+        chosen = torch.tensor(ids, dtype=torch.long).to(hidden.device, non_blocking=True)
+        parts = _logprob_parts(logits_of(hidden[r0:r0 + len(ids)]), chosen, k, rank=True)
+        out += _read_logprobs(torch.cat(parts).tolist(), ids, k, [k] * len(ids), rank=True)
+    return out
+
+
+def _logprob_parts(logits: torch.Tensor, chosen: torch.Tensor, k: int, rank: bool) -> list[torch.Tensor]:
+    """float64 pieces for one copy to the host: each row's chosen log-probability, [its rank: 1 + the tokens
+    strictly more likely], then the ``k`` top ids and log-probabilities (row-major)."""
+    lp = logits.log_softmax(-1)
+    at = lp.gather(1, chosen[:, None])
+    parts = [at[:, 0]] + ([(lp > at).sum(-1) + 1] if rank else [])
+    if k:
+        top = lp.topk(k, dim=-1)
+        parts += [top.indices.reshape(-1), top.values.reshape(-1)]
+    return [x.double() for x in parts]
+
+
+def _read_logprobs(flat: list[float], ids: list[int], k: int, ns: list[int], rank: bool) -> list[TokenLogprob]:
+    """``TokenLogprob`` per row from ``_logprob_parts``' numbers; row j keeps its ``ns[j]`` top entries."""
+    r = len(ids)
+    tops = flat[r * (2 if rank else 1):]
+    return [TokenLogprob(ids[j], flat[j], tuple((int(t), v) for t, v in zip(tops[j * k:j * k + ns[j]],
+                                                                           tops[r * k + j * k:r * k + j * k + ns[j]])),
+                         int(flat[r + j]) if rank else 0) for j in range(r)]

@@ -30,6 +30,7 @@ class Sequence:
     stop_text: str | None = None  # the stop string that ended it, if any
     guide: Guide | None = None  # structured output: which tokens may come next
     history: TokenHistory | None = None  # what penalties and min_tokens read (built here when they are asked)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (when asked)
 
     def __post_init__(self):
         if self.params.needs_history and self.history is None:

@@ -315,8 +315,10 @@ class SchedulerCore:
                                                                  self.block_size))
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
-            # at least one prompt token is always computed: its logits give the first output token
-            hit = min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
+            # at least one prompt token is always computed: its logits give the first output token; prompt
+            # logprobs need every prompt token computed
+            hit = 0 if params.prompt_logprobs is not None else \
+                min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
             r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock())
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id

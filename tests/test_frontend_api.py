@@ -154,7 +154,8 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
 
 @pytest.mark.parametrize("body, param", [
     (dict(use_beam_search=True), "use_beam_search"), (dict(length_penalty=0.5), "length_penalty"),
-    (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(bad_words=["x"]), "bad_words"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=1, stream=True), None),
+    (dict(bad_words=["x"]), "bad_words"),
     (dict(logits_processors=["a.b"]), "logits_processors"),
     (dict(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"), (dict(echo=True), "echo"),
     (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
@@ -165,7 +166,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
 def test_vllm_extras_that_are_not_implemented_or_out_of_range_are_400s(front, body, param):
     http, fake, _ = front
     r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}], **body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), r.text
     assert not fake.prompts
     neutral = dict(use_beam_search=False, length_penalty=1.0, prompt_logprobs=None, bad_words=[], echo=False,
                    add_special_tokens=False, spaces_between_special_tokens=False, allowed_token_ids=[])
@@ -193,6 +194,17 @@ def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     r = post(http, path, model="m", **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not fake.prompts
+
+
+def test_completions_echo_without_logprobs_and_not_streamed(front):
+    http, fake, tok = front
+    fake.reply = " there"
+    r = post(http, "/v1/completions", model="m", prompt="hello", echo=True)
+    assert r.json()["choices"][0]["text"] == "hello there" and fake.samplings[-1].prompt_logprobs is None
+    post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=3, prompt_logprobs=1)
+    assert fake.samplings[-1].prompt_logprobs == 3  # echo's logprobs need the prompt's
+    r = post(http, "/v1/completions", model="m", prompt="hello", echo=True, stream=True)
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
 
 
 def test_neutral_values_of_those_fields_are_accepted(front):

@@ -282,3 +282,31 @@ def test_include_stop_str_and_skip_special_tokens_in_the_text(llm):
     assert llm.generate(prompt, SamplingParams(**forced))[0].text == ""
     special = llm.generate(prompt, SamplingParams(**forced, skip_special_tokens=False))[0]
     assert special.token_ids == [eos] and special.text == llm.tokenizer.decode([eos], skip_special_tokens=False) != ""
+
+
+# --- prompt logprobs ----------------------------------------------------------------------------------------------
+
+
+def check_prompt_logprobs(got, prompt, hf, k):
+    """Each prompt token's logprob, rank and top-k against transformers' logits of the whole prompt (float64)."""
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    assert got[0] is None and len(got) == len(prompt)
+    for p, lp in enumerate(got[1:]):
+        want = ref[p, prompt[p + 1]].item()
+        assert lp.token_id == prompt[p + 1] and abs(lp.logprob - want) < 1e-4
+        assert lp.rank == int((ref[p] > want + 1e-6).sum()) + 1 or lp.rank == int((ref[p] > want - 1e-6).sum()) + 1
+        top = ref[p].topk(k)
+        assert [t for t, _ in lp.top] == top.indices.tolist() or k == 0
+        assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, top.values.tolist()))
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks(tiny_dirs, hf):
+    from dualpath import LLM
+
+    chunked = LLM(str(tiny_dirs["llama"]), block_size=16, max_num_batched_tokens=24)  # prompts split in chunks
+    prompts = [list(range(30, 100)), [5, 6, 7, 8] * 9, [42, 43]]
+    outs = chunked.generate(prompts, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        check_prompt_logprobs(out.prompt_logprobs, prompt, hf, 3)
+    assert chunked.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].prompt_logprobs is None

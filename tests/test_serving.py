@@ -186,6 +186,32 @@ def test_penalties_through_the_cluster_equal_the_reference(tiny, reference, mode
     assert r.choices[0].text == want.text and set(want.token_ids) <= set(allowed)
 
 
+def test_prompt_logprobs_and_echo_through_the_cluster_equal_the_reference(tiny, reference):
+    """A prompt whose blocks are stored is computed whole when its logprobs are asked (no hit), on the prefill
+    engine, chunk by chunk; the numbers reach the response in vLLM's form and in echo's (OpenAI's legacy form)."""
+    prompt = "the same words, stored once already, then scored " * 3
+    ids = reference.tokenizer.encode(prompt)
+    c = client(tiny)
+    c.completions.create(model="llama", prompt=prompt, max_tokens=2, temperature=0)  # its blocks stored
+    want = reference.generate(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    r = raw(tiny, "/v1/completions", {"model": "llama", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                      "prompt_logprobs": 2, "dualpath": {"usage": True}}).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids) and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for tid, entry, lp in zip(ids[1:], got[1:], want.prompt_logprobs[1:]):
+        assert abs(entry[str(tid)]["logprob"] - lp.logprob) < 1e-4 and entry[str(tid)]["rank"] == lp.rank
+        assert {int(t) for t in entry} == {tid, *[t for t, _ in lp.top]}
+    r = raw(tiny, "/v1/completions", {"model": "llama", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                      "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert r["text"] == prompt + want.text
+    lps = r["logprobs"]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None and len(lps["tokens"]) == len(ids) + 2
+    assert all(abs(a - b.logprob) < 1e-4 for a, b in zip(lps["token_logprobs"][1:len(ids)], want.prompt_logprobs[1:]))
+    chat = raw(tiny, "/v1/chat/completions", {"model": "llama", "messages": [{"role": "user", "content": prompt}],
+                                              "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def raw(server, path, body=None, method="POST", hdrs=None):
     h = headers() if hdrs is None else hdrs
     with httpx.Client(timeout=60) as h_:

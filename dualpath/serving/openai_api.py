@@ -66,6 +66,7 @@ class Outcome:
     cached_tokens: int = 0
     path: str = ""
     storage_bytes: int = 0
+    prompt_logprobs: list | None = None  # TokenLogprob fields of prompt tokens 1.., when asked
 
 
 class Frontend:
@@ -204,7 +205,7 @@ class Frontend:
             gens = await self._start(req, prompt, sampling)
             if req.stream:
                 return StreamingResponse(self._sse(gens, req, kind, len(prompt)), media_type="text/event-stream")
-            return await self._collect(request, gens, req, kind, len(prompt))
+            return await self._collect(request, gens, req, kind, prompt)
         except ApiError as e:
             status = e.status
             return e.response()
@@ -397,7 +398,8 @@ class Frontend:
                 if ev.finish_reason:
                     outcome.finish_reason = "length" if ev.finish_reason == "length" else "stop"
                     outcome.cached_tokens, outcome.path = ev.num_cached_tokens, ev.path
-                    outcome.storage_bytes, finished = ev.storage_bytes, True
+                    outcome.storage_bytes, outcome.prompt_logprobs = ev.storage_bytes, ev.prompt_logprobs
+                    finished = True
                     break
             if not finished:
                 raise ApiError(500, "generation ended without a finish reason", "server_error")
@@ -453,7 +455,7 @@ class Frontend:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, n_prompt: int) -> JSONResponse:
+    async def _collect(self, request: Request, gens: list, req, kind: str, prompt: list[int]) -> JSONResponse:
         texts, lps = [[] for _ in gens], [[] for _ in gens]
         consumers = [asyncio.ensure_future(_drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
@@ -475,18 +477,35 @@ class Frontend:
         for g in gens:
             await g.aclose()
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        choices = [self._choice(req, kind, i, "".join(t), lp, o)
+        choices = [self._choice(req, kind, i, "".join(t), lp, o, prompt)
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
-        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": created, "model": self.cfg.model_name, "choices": choices,
-                             "usage": self._usage(req, n_prompt, outcomes)})
+        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created, "model": self.cfg.model_name, "choices": choices,
+                "usage": self._usage(req, len(prompt), outcomes)}
+        if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt, outcomes[0].prompt_logprobs, req.prompt_logprobs)
+        return JSONResponse(body)
 
-    def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome) -> dict:
+    def _prompt_logprobs(self, prompt: list[int], lps: list | None, k: int) -> list:
+        """vLLM's form: None for the first token, then per token {id: {logprob, rank, decoded_token}} for the token
+        itself and its ``k`` most likely alternatives (ranked 1..k)."""
+        _check_prompt_logprobs(prompt, lps)
+
+        def entry(t, v, rank):
+            return {"logprob": v, "rank": rank, "decoded_token": self.tokenizer.decode([t], skip_special_tokens=False)}
+        out = [None]
+        for lp in lps:
+            d = {str(t): entry(t, v, r + 1) for r, (t, v) in enumerate(lp["top"][:k])}
+            d[str(lp["token_id"])] = entry(lp["token_id"], lp["logprob"], lp["rank"])
+            out.append(d)
+        return out
+
+    def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome,
+                prompt: list[int]) -> dict:
         """One finished choice of a non-streamed response."""
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
         if kind != "chat":
-            return {"index": index, "text": content, "finish_reason": outcome.finish_reason,
-                    "logprobs": self._completion_logprobs(lps) if want_lps else None}
+            return self._completion_choice(req, index, content, lps if want_lps else None, outcome, prompt)
         message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
         splitter = self._splitter(req, kind)
         if splitter is not None:
@@ -496,6 +515,28 @@ class Frontend:
                 finish = "tool_calls"
         return {"index": index, "message": message, "finish_reason": finish,
                 "logprobs": self._chat_logprobs(lps) if want_lps else None}
+
+    def _completion_choice(self, req, index: int, content: str, lps: list | None, outcome: Outcome,
+                           prompt: list[int]) -> dict:
+        """A completions choice; with ``echo`` the prompt's text comes first (and, with logprobs, its tokens: the
+        first without a logprob, as OpenAI's legacy form has it)."""
+        choice = {"index": index, "text": content, "finish_reason": outcome.finish_reason, "logprobs": None}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt, outcome.prompt_logprobs, req.prompt_logprobs)
+        if not req.echo:
+            choice["logprobs"] = self._completion_logprobs(lps) if lps is not None else None
+            return choice
+        head = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt)
+        choice["text"] = head + content
+        if lps is not None:
+            _check_prompt_logprobs(prompt, outcome.prompt_logprobs)
+            first = {"token_id": prompt[0], "logprob": None, "top": ()}
+            echoed = [first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in outcome.prompt_logprobs]
+            body = self._completion_logprobs(echoed)
+            tail = self._completion_logprobs(lps, offset0=len(head))
+            body["top_logprobs"][0] = None
+            choice["logprobs"] = {key: body[key] + tail[key] for key in body}
+        return choice
 
     async def _sse(self, gens: list, req, kind: str, n_prompt: int):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
@@ -619,6 +660,11 @@ async def _drain(gen, text: list, lps: list):
         if lp:
             lps.append(lp)
     raise ApiError(500, "generation ended without a result", "server_error")
+
+
+def _check_prompt_logprobs(prompt: list[int], lps: list | None) -> None:
+    if lps is None or len(lps) != len(prompt) - 1:
+        raise ApiError(500, "the engines returned no prompt logprobs for the whole prompt", "server_error")
 
 
 def _find_stop(text: str, stops, start: int) -> int:

@@ -13,7 +13,7 @@ from dualpath.serving.tools import template_arguments
 
 MAX_CHOICES = 16  # n: each choice is a generation of its own
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
-NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (None,), "bad_words": (None, []),
+NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": (None, []),
            "logits_processors": (None, []), "return_tokens_as_token_ids": (False,), "documents": (None, []),
            "chat_template": (None,)}
 
@@ -90,11 +90,11 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # each prompt token's logprob and top-k (no stream)
     # ...these refused unless neutral (never ignored); spaces_between_special_tokens is ignored as vLLM does for
     # fast tokenizers (the only kind loaded here)
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    prompt_logprobs: Optional[int] = None
     bad_words: Optional[list[str]] = None
     logits_processors: Optional[list[Any]] = None
     return_tokens_as_token_ids: bool = False
@@ -142,7 +142,7 @@ class _Common(BaseModel):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
-    @field_validator("echo", "suffix", "functions", "function_call", "guided_regex", "guided_choice",
+    @field_validator("suffix", "functions", "function_call", "guided_regex", "guided_choice",
                      "guided_grammar", check_fields=False)
     @classmethod
     def _unsupported(cls, v, info):
@@ -153,7 +153,7 @@ class _Common(BaseModel):
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
-    @field_validator("use_beam_search", "length_penalty", "prompt_logprobs", "bad_words", "logits_processors",
+    @field_validator("use_beam_search", "length_penalty", "bad_words", "logits_processors",
                      "return_tokens_as_token_ids", "documents", "chat_template", check_fields=False)
     @classmethod
     def _not_implemented(cls, v, info):
@@ -185,6 +185,12 @@ class _Common(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _whole(self):
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs stream false")
+        return self
+
+    @model_validator(mode="after")
     def _one_format(self):
         if len(self._formats()) > 1:
             raise ValueError("give one of response_format, guided_json and structured_outputs")
@@ -211,7 +217,10 @@ class _Common(BaseModel):
                     stop=self.stop_list(), ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output)
+                    include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps())
+
+    def asked_prompt_lps(self) -> Optional[int]:
+        return self.prompt_logprobs
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -331,7 +340,7 @@ class ChatRequest(_Common, ChatRendering):
     functions: Optional[list[Any]] = None  # the deprecated form of tools
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None
-    echo: bool = False  # vLLM's chat extras, refused when set: the last message echoed, ...
+    echo: Literal[False] = False  # vLLM's chat extras, refused when set: the last message echoed, ...
     add_special_tokens: Literal[False] = False  # ... special tokens added to the rendered chat, ...
     documents: Optional[list[Any]] = None  # ... a RAG template's documents ...
     chat_template: Optional[str] = None  # ... and a template of the request's own
@@ -381,10 +390,21 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (and, with logprobs, its tokens' logprobs); no stream
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. around a text prompt (honoured)
+
+    @model_validator(mode="after")
+    def _echo_whole(self):
+        if self.echo and self.stream:
+            raise ValueError("echo needs stream false")
+        return self
+
+    def asked_prompt_lps(self) -> Optional[int]:
+        """The prompt's logprobs: vLLM's prompt_logprobs, or echo's (as many alternatives as logprobs)."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        return max((k for k in (self.prompt_logprobs, echoed) if k is not None), default=None)
 
     @field_validator("best_of")
     @classmethod
