@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from dualpath.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
-from dualpath.serving.tools import Hermes, Llama3Json, ToolCallSplitter, tool_markup
+from dualpath.serving.tools import DeepSeekV3, Hermes, Llama3Json, ToolCallSplitter, tool_markup
 from dualpath.tokenizer import Tokenizer
 from test_serving import validate
 
@@ -379,3 +379,89 @@ def test_llama3_template_calls_through_the_frontend(tiny_dirs, tmp_path):
     assert again.message.content == "It is 21 C." and again.finish_reason == "stop"
     prompt = tok.decode(fake.prompts[-1], skip_special_tokens=False)
     assert LLAMA_CALL in prompt and "ipython\n21 C" in prompt  # the call as the model wrote it, and its result
+
+
+# --- DeepSeek-V3 (the paper's model) and V3.1 -------------------------------------------------------------------
+B, E, C, S, CE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
+    "<｜tool▁call▁end｜>"
+# DeepSeek-V3-style templates written for these tests: tools in the system turn, past calls in the model's markup
+DEEPSEEK_TEMPLATE = (
+    "{%- if tools %}<｜System｜>Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}{% endif %}"
+    "{%- for message in messages %}{% if message['role'] == 'user' %}<｜User｜>{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ message['content'] }}<｜tool▁output▁end｜>"
+    "{% else %}<｜Assistant｜>{{ message['content'] or '' }}{% if message.get('tool_calls') %}" + B +
+    "{% for call in message['tool_calls'] %}" + C + "function" + S + "{{ call['function']['name'] }}\n```json\n"
+    "{{ call['function']['arguments'] | tojson }}\n```" + CE + "{% endfor %}" + E + "{% endif %}{% endif %}"
+    "{% endfor %}{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+DEEPSEEK31_TEMPLATE = DEEPSEEK_TEMPLATE.replace(C + "function" + S + "{{ call['function']['name'] }}\n```json\n",
+                                                C + "{{ call['function']['name'] }}" + S).replace("\n```" + CE, CE)
+V3_CALL = B + C + "function" + S + 'get_weather\n```json\n{"city": "Paris"}\n```' + CE + E
+V31_CALL = B + C + 'get_weather' + S + '{"city": "Paris"}' + CE + E
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    (V3_CALL, [{"city": "Paris"}], ""),
+    ("Let me check. " + V3_CALL, [{"city": "Paris"}], "Let me check. "),
+    (V31_CALL, [{"city": "Paris"}], ""),
+    (B + C + "function" + S + 'get_weather\n```json\n{"city": "Paris"}\n```' + CE + "\n" + C + "function" + S +
+     'get_weather\n```json\n{"city": "Oslo"}\n```' + CE + E, [{"city": "Paris"}, {"city": "Oslo"}], ""),
+])
+def test_deepseek_calls(text, calls, content):
+    got_content, got = split_whole(text, markup=DeepSeekV3())
+    assert got_content == content and [json.loads(c["function"]["arguments"]) for c in got] == calls
+    assert all(c["function"]["name"] == "get_weather" for c in got)
+
+
+@pytest.mark.parametrize("bad", [
+    B + C + "function" + S + 'launch_rockets\n```json\n{}\n```' + CE + E,  # not one of the request's tools
+    B + C + "function" + S + 'get_weather\n```json\n{"city": \n```' + CE + E,  # not JSON
+    B + C + 'get_weather' + S + '[1]' + CE + E,  # arguments not an object
+    B + C + "function" + S + 'get_weather\n```json\n{"city": "Pa',  # cut off
+])
+def test_deepseek_text_that_is_not_a_valid_call_stays_content(bad):
+    assert split_whole("ok " + bad, markup=DeepSeekV3()) == ("ok " + bad, [])
+
+
+def test_deepseek_streamed_in_any_pieces_the_result_is_the_same():
+    text = "Looking <｜tool▁ it up. " + V3_CALL
+    whole = split_whole(text, markup=DeepSeekV3())
+    for cut in range(len(text) + 1):
+        s = ToolCallSplitter(DeepSeekV3(), NAMES)
+        shown = [s.feed(text[:cut]), s.feed(text[cut:])]
+        assert B not in shown[0] + shown[1]
+        shown.append(s.finish())
+        assert "".join(shown) == whole[0] and len(s.calls) == 1
+
+
+@pytest.mark.parametrize("template, reply, prefix, suffix", [
+    (DEEPSEEK_TEMPLATE, V3_CALL, B + C + "function" + S + "get_time\n```json\n", "\n```" + CE + E),
+    (DEEPSEEK31_TEMPLATE, V31_CALL, B + C + "get_time" + S, CE + E),
+])
+def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, reply, prefix, suffix):
+    """The markup is recognised from each template's form; calls come back as tool_calls and go back into the
+    template; a named (forced) call's prefix names the function, its schema is the parameters; "required" with
+    several tools cannot be written (the name precedes the arguments) and is a 400."""
+    http, fake, tok = serve(tiny_dirs, tmp_path, template)
+    assert isinstance(tool_markup(template), DeepSeekV3)
+    fake.reply = reply
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    choice = client.chat.completions.create(model="m", **ask()).choices[0]
+    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == \
+        {"city": "Paris"}
+    history = [*ask()["messages"], choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"}]
+    fake.reply = "It is 21 C."
+    client.chat.completions.create(model="m", messages=history, tools=[WEATHER])
+    assert S in tok.decode(fake.prompts[-1], skip_special_tokens=False)
+    fake.reply = prefix + '{"zone": "UTC"}' + suffix
+    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
+             tool_choice={"type": "function", "function": {"name": "get_time"}})
+    s = fake.samplings[-1]
+    assert (s.json_prefix, s.json_suffix) == (prefix, suffix) and json.loads(s.json_schema) == \
+        CLOCK["function"]["parameters"]
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[CLOCK], tool_choice="required")
+    assert r.status_code == 200 and fake.samplings[-1].json_prefix == prefix

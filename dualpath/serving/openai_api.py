@@ -335,7 +335,10 @@ class Frontend:
             return {}
         if self.tool_markup is None:
             return {}  # _tools refuses the request (no markup to write the call in)
-        prefix, schema, suffix = self.tool_markup.forced(functions)
+        try:
+            prefix, schema, suffix = self.tool_markup.forced(functions)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         try:
             self.tokenizer.token_bytes
             Grammar.compile(schema)

@@ -1,12 +1,16 @@
 """Tool calls in a chat completion's text, for OpenAI's ``tools`` (function calling).
 
 The model sees the request's tools through its chat template and answers with calls in the markup the template
-taught it; this module finds them. Two markups are known, each recognised from the template's text:
+taught it; this module finds them. Three markups are known, each recognised from the template's text:
 
 - ``Hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the reply (Qwen2 and
   Qwen2.5 and the many templates that copied theirs);
 - ``Llama3Json``: a reply that *is* the calls, JSON objects ``{"name": ..., "parameters": {...}}`` separated by
-  ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3's JSON tool calling).
+  ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3's JSON tool calling);
+- ``DeepSeekV3``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name``, the
+  arguments in a json code block, ``<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>`` (DeepSeek-V3, the paper's
+  model); DeepSeek-V3.1 writes ``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>``. Both parse;
+  a forced call is written in the template's own form.
 
 ``ToolCallSplitter`` is fed the completion's text as it streams and returns the content that can be shown at once;
 from where calls may begin the text is held until the end, when ``finish`` parses it. Held text that is not valid
@@ -19,6 +23,8 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+
+from dualpath.errors import RequestError
 
 
 class ToolMarkup(ABC):
@@ -101,6 +107,55 @@ class Llama3Json(ToolMarkup):
         return "", _call_schema(functions, "parameters"), ""
 
 
+class DeepSeekV3(ToolMarkup):
+    CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    # V3: type SEP name, a json code block; V3.1: name SEP the arguments' JSON
+    BLOCK = re.compile(re.escape(CALL) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.S)
+    V3_BODY = re.compile(r"(\S+)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*$", re.S)
+
+    def __init__(self, code_block: bool = True):
+        self.code_block = code_block  # the template's form: V3 (a json code block) or V3.1
+
+    def start(self, text: str) -> int:
+        hits = [i for i in (text.find(self.CALLS), text.find(self.CALL)) if i >= 0]
+        return min(hits) if hits else -1
+
+    def undecided(self, text: str) -> int:
+        return next((n for n in range(min(len(self.CALLS) - 1, len(text)), 0, -1)
+                     if self.CALLS.startswith(text[-n:]) or self.CALL.startswith(text[-n:])), 0)
+
+    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
+        calls, rest, pos = [], [], 0
+        for m in self.BLOCK.finditer(held):
+            head, body = m.group(1).strip(), m.group(2)
+            v3 = self.V3_BODY.match(body.strip()) if head == "function" else None
+            name, args = (v3.group(1), v3.group(2)) if v3 else (head, body.strip())
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+            call = _call({"name": name, "arguments": args}, names, "arguments") if isinstance(args, dict) else None
+            if call is None:
+                return None
+            calls.append(call)
+            rest.append(held[pos:m.start()])
+            pos = m.end()
+        text = ("".join(rest) + held[pos:]).replace(self.CALLS, "").replace(self.CALLS_END, "")
+        return (calls, text) if calls else None
+
+    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
+        if len(functions) != 1:  # the name precedes the JSON here: a grammar of one object cannot choose it
+            raise RequestError("tool_choice 'required' with several tools is not supported for DeepSeek's call "
+                               "markup (the name comes before the arguments); name one function", field="tool_choice")
+        f = functions[0]
+        schema = f.get("parameters") or {"type": "object", "properties": {}}
+        if self.code_block:
+            return (f"{self.CALLS}{self.CALL}function{self.SEP}{f['name']}\n```json\n", schema,
+                    f"\n```{self.CALL_END}{self.CALLS_END}")
+        return f"{self.CALLS}{self.CALL}{f['name']}{self.SEP}", schema, f"{self.CALL_END}{self.CALLS_END}"
+
+
 def _call_schema(functions: list[dict], arguments: str) -> dict:
     """A call object's schema: the function's name and its arguments under ``arguments`` (the markup's key)."""
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments],
@@ -118,6 +173,8 @@ def tool_markup(template: str | None) -> ToolMarkup | None:
         return Hermes()
     if '"parameters": dictionary of argument name and its value' in template:  # Llama 3.1-3.3's instruction
         return Llama3Json()
+    if DeepSeekV3.SEP in template:
+        return DeepSeekV3(code_block="```json" in template)
     return None
 
 
