@@ -1,5 +1,7 @@
 """Prefill and decode throughput of SmolLM2-135M: this project's engine against transformers' eager model,
-measured in the same run on the same device.
+measured in the same run on the same device. Then scoring a prompt (``prompt_logprobs=5``: every position's logprob,
+rank and top 5) against the same prefill without it, and against transformers' logits for every position with a
+log-softmax and top-5 (how one scores a prompt with it).
 
     python bench/model_cpu.py [--device cpu] [--dtype float32] [--out bench/results/model_cpu.json]
 """
@@ -80,11 +82,35 @@ def main(argv=None) -> dict:
         rows.append(row)
     print_table(rows, ["batch", "prefill_tok_s_ours", "prefill_tok_s_hf", "prefill_ratio", "decode_tok_s_ours",
                        "decode_tok_s_hf", "decode_ratio"])
+    scoring = score_prompt(llm, hf, torch.randint(100, 40000, (args.prefill_tokens,), generator=g), sync, args.device)
+    print_table([scoring], list(scoring))
     result = {"model": Path(model_dir).name, "device": args.device, "dtype": args.dtype,
               "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "rows": rows,
+              "prompt_logprobs": scoring,
               "target": "ours >= transformers (ratio >= 1) for prefill and decode"}
     print("wrote", write_result("model_cpu" if args.device == "cpu" else "model_gpu", result, args.out))
     return result
+
+
+def score_prompt(llm, hf, prompt: torch.Tensor, sync, device: str) -> dict:
+    """Seconds to score one prompt: ours with prompt_logprobs=5, ours without (the prefill alone), transformers'."""
+    from dualpath import SamplingParams
+
+    ids = prompt.tolist()
+
+    def ours(k):
+        llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k))
+        sync()
+
+    def hf_scores():
+        with torch.no_grad():
+            lp = hf(prompt[None].to(device)).logits[0, :-1].float().log_softmax(-1)
+            lp.gather(1, prompt[1:, None].to(device)), lp.topk(5, dim=-1)
+        sync()
+
+    t_with, t_without, t_hf = best_of(lambda: ours(5)), best_of(lambda: ours(None)), best_of(hf_scores)
+    return {"tokens": len(ids), "scored_s": t_with, "prefill_only_s": t_without, "hf_scored_s": t_hf,
+            "cost_vs_prefill": t_with / t_without, "speedup_vs_hf": t_hf / t_with}
 
 
 if __name__ == "__main__":
