@@ -206,7 +206,7 @@ class TokenEvent:
     path: str = ""
     storage_bytes: int = 0
     error: str = ""
-    prompt_logprobs: list[dict] | None = None  # on the final event, when asked
+    prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., on the final event
 
 
 @dataclass(frozen=True)

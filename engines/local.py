@@ -19,7 +19,7 @@ from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
-from engines.sampler import check_token_ids, prompt_logprobs, sample
+from engines.sampler import check_token_ids, extend_prompt_logprobs, sample
 from engines.sequence import FinishReason, Sequence
 from kernels.attention import PagedKV
 
@@ -57,16 +57,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.last_token_indices()])
 
     def _prompt_logprobs(self, seqs: list[Sequence], new_lens: list[int], hidden: torch.Tensor) -> None:
-        """Extend each asking sequence's prompt logprobs with this chunk's positions (those a recompute after
-        preemption already covered are skipped)."""
+        """Each asking sequence's prompt logprobs from this chunk's rows (``hidden`` packs the sequences' new
+        tokens in order)."""
         start = 0
         for s, n in zip(seqs, new_lens):
-            k = s.params.prompt_logprobs
-            p0 = max(s.num_computed, len(s.prompt_logprobs))  # position p gives token p + 1's logprob
-            p1 = min(s.num_computed + n, len(s.prompt_ids) - 1)
-            if k is not None and p0 < p1:
-                rows = hidden[start + p0 - s.num_computed:start + p1 - s.num_computed]
-                s.prompt_logprobs += prompt_logprobs(self.model.compute_logits, rows, s.prompt_ids[p0 + 1:p1 + 1], k)
+            if s.params.prompt_logprobs is not None:
+                extend_prompt_logprobs(s.prompt_logprobs, s.prompt_ids, s.num_computed, hidden[start:start + n],
+                                       self.model.compute_logits, s.params.prompt_logprobs)
             start += n
 
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from engines.engine import Engine
 from engines.guided import Guide
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
-from engines.sampler import TokenHistory, check_token_ids, make_generator, prompt_logprobs, sample
+from engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import write_tokens
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
@@ -378,23 +378,15 @@ class PrefillEngine(Engine):
         if basic:  # the baseline sends everything after computing everything
             AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)
         last = batch.last_token_indices()
-        for i, (j, n) in enumerate(jobs):
+        for i, (j, n) in enumerate(jobs):  # the scheduler gives these no hit: chunks come from position 0
             if j.params.prompt_logprobs is not None:
-                self._prompt_logprobs(j, cached[i], n, hidden[last[i] - n + 1:last[i] + 1])
+                extend_prompt_logprobs(j.prompt_lps, j.token_ids, cached[i], hidden[last[i] - n + 1:last[i] + 1],
+                                       model.compute_logits, j.params.prompt_logprobs)
         finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
         if not finals:
             return []
         logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
         return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
-
-    def _prompt_logprobs(self, job: Job, cached: int, n: int, hidden: torch.Tensor) -> None:
-        """This chunk's prompt logprobs (position p gives token p + 1's); the scheduler gives such a request no
-        hit, so chunks arrive from position 0 in order."""
-        p1 = min(cached + n, job.n_prompt - 1)
-        if cached != len(job.prompt_lps):
-            raise RuntimeError(f"prompt logprobs from position {cached}, after {len(job.prompt_lps)}")
-        job.prompt_lps += prompt_logprobs(self.model.compute_logits, hidden[:max(0, p1 - cached)],
-                                          job.token_ids[cached + 1:p1 + 1], job.params.prompt_logprobs)
 
     def _layers(self, batch: ForwardBatch, ids, slots, tables, ws: Workspace, pipe: LayerPipeline,
                 basic: bool) -> torch.Tensor:

@@ -279,6 +279,21 @@ def prompt_logprobs(logits_of, hidden: torch.Tensor, next_ids: Sequence[int], k:
     return out
 
 
+def extend_prompt_logprobs(done: list[TokenLogprob], prompt_ids: Sequence[int], start: int, hidden: torch.Tensor,
+                           logits_of, k: int) -> None:
+    """Append to ``done`` (the logprobs of prompt tokens 1..len(done)) what one forward chunk adds: ``hidden`` holds
+    the final hidden states of positions ``start``, ``start + 1``, ... (position p gives token p + 1's logprob).
+    Positions already covered (a recompute after preemption) are skipped; a chunk past a gap (positions never
+    computed here, e.g. KV loaded from storage) is an error, never a list with holes."""
+    p1 = min(start + len(hidden), len(prompt_ids) - 1)
+    if len(done) >= p1:
+        return
+    if start > len(done):
+        raise RuntimeError(f"prompt logprobs from position {start}, but only {len(done)} computed before it")
+    p0 = len(done)
+    done += prompt_logprobs(logits_of, hidden[p0 - start:p1 - start], prompt_ids[p0 + 1:p1 + 1], k)
+
+
 def _logprob_parts(logits: torch.Tensor, chosen: torch.Tensor, k: int, rank: bool) -> list[torch.Tensor]:
     """float64 pieces for one copy to the host: each row's chosen log-probability, [its rank: 1 + the tokens
     strictly more likely], then the ``k`` top ids and log-probabilities (row-major)."""

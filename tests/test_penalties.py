@@ -310,3 +310,22 @@ def test_prompt_logprobs_equal_transformers_in_chunks(tiny_dirs, hf):
     for prompt, out in zip(prompts, outs):
         check_prompt_logprobs(out.prompt_logprobs, prompt, hf, 3)
     assert chunked.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_across_chunks_recomputes_and_gaps():
+    """Chunks in order give the whole-prompt answer; a chunk computed again (preemption) adds nothing; a chunk past
+    positions never computed (KV loaded from storage) is an error, not a list with holes."""
+    from engines.sampler import extend_prompt_logprobs
+
+    head = torch.randn(8, V)
+    hidden, prompt = torch.randn(10, 8), torch.randint(0, V, (10,)).tolist()
+    whole: list = []
+    extend_prompt_logprobs(whole, prompt, 0, hidden, lambda h: h @ head, 2)
+    done: list = []
+    for start, end in ((0, 4), (0, 4), (4, 7), (2, 9), (9, 10)):
+        extend_prompt_logprobs(done, prompt, start, hidden[start:end], lambda h: h @ head, 2)
+    assert len(whole) == 9 and [(x.token_id, x.rank, [t for t, _ in x.top]) for x in done] == \
+        [(x.token_id, x.rank, [t for t, _ in x.top]) for x in whole]
+    assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(done, whole))
+    with pytest.raises(RuntimeError, match="position 5"):
+        extend_prompt_logprobs([], prompt, 5, hidden[5:8], lambda h: h @ head, 2)
