@@ -284,9 +284,10 @@ def extend_prompt_logprobs(done: list[TokenLogprob], prompt_ids: Sequence[int], 
     """Append to ``done`` (the logprobs of prompt tokens 1..len(done)) what one forward chunk adds: ``hidden`` holds
     the final hidden states of positions ``start``, ``start + 1``, ... (position p gives token p + 1's logprob).
     Positions already covered (a recompute after preemption) are skipped; a chunk past a gap (positions never
-    computed here, e.g. KV loaded from storage) is an error, never a list with holes."""
+    computed here, e.g. KV loaded from storage) is an error, never a list with holes; a chunk past the prompt (a
+    decode step) adds nothing."""
     p1 = min(start + len(hidden), len(prompt_ids) - 1)
-    if len(done) >= p1:
+    if start >= p1 or len(done) >= p1:
         return
     if start > len(done):
         raise RuntimeError(f"prompt logprobs from position {start}, but only {len(done)} computed before it")

@@ -327,5 +327,8 @@ def test_prompt_logprobs_across_chunks_recomputes_and_gaps():
     assert len(whole) == 9 and [(x.token_id, x.rank, [t for t, _ in x.top]) for x in done] == \
         [(x.token_id, x.rank, [t for t, _ in x.top]) for x in whole]
     assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(done, whole))
+    extend_prompt_logprobs(done, prompt, 10, hidden[:1], lambda h: h @ head, 2)  # a decode step: nothing
+    extend_prompt_logprobs(fresh := [], prompt, 9, hidden[:1], lambda h: h @ head, 2)  # the last prompt position
+    assert len(done) == 9 and fresh == []
     with pytest.raises(RuntimeError, match="position 5"):
         extend_prompt_logprobs([], prompt, 5, hidden[5:8], lambda h: h @ head, 2)
