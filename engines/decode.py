@@ -147,13 +147,15 @@ class DecodeEngine(Engine):
     def _admit(self, msg: PrefillDoneMsg) -> None:
         """Prompt KV: buffer -> paged cache; persist the prompt's new full blocks; start decoding."""
         g = self.geometry
+        params = SamplingParams.from_dict(msg.sampling)
+        if not self.guides_ready(params, lambda: self.inbox.put(("admit", msg))):
+            return
         with self.lock:
             h = self.held_.get(msg.request_id)
             if h is None or h.cancelled:
                 return
             table = torch.tensor(self.cache.block_table(msg.request_id)[:len(h.slots)], device=self.device)
             full_blocks_to_cache(self.cache.storage, table, self.buffer.full_blocks(h.slots), g, self.model.kernels)
-        params = SamplingParams.from_dict(msg.sampling)
         gen = None
         if msg.generator_state:
             gen = torch.Generator()  # requests' generators live on the host (engines.sampler)

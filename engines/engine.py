@@ -26,6 +26,7 @@ from dualpath.geometry import KVGeometry, model_fingerprint
 from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
     pack_keys
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
+from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
 from engines.models import load_model, open_checkpoint
@@ -133,6 +134,22 @@ class Engine:
     def loop(self) -> None:
         """The engine's main loop; returns when ``stopping`` is set."""
         self.stopping.wait()
+
+    def guides_ready(self, params: SamplingParams, then) -> bool:
+        """Whether ``params``' guide can be built at once. If not (the first structured request: the vocabulary's
+        ~0.4 s pass), the pass runs on a helper thread, which calls ``then`` after it, and False is returned: the
+        caller stops and ``then`` redoes its work, so an engine loop never stalls the requests it runs."""
+        if self.guides.ready(params):
+            return True
+
+        def warm():
+            try:
+                self.guides.warm()
+            except Exception as e:  # noqa: BLE001 - logged; guide_for raises it again, failing the request
+                log.warning("indexing the vocabulary for structured output failed: %s", e)
+            then()
+        threading.Thread(target=warm, daemon=True, name="guides-warm").start()
+        return False
 
     # --- registration and reports ---------------------------------------------------------------------------
     def beta_tokens(self) -> int:

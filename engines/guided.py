@@ -169,9 +169,10 @@ class Guide:
 
 class GuideSource:
     """An engine's guides. The vocabulary is indexed on the first constrained request (a tokenizer load and a pass
-    over it, ~0.4 s for 49K tokens), so engines that never see one pay nothing; compiled schemas and their masks
-    are kept for the ``schemas`` most recent schemas (agents send the same few again and again), their masks in one
-    cache for all."""
+    over it, ~0.4 s for 49K tokens), so engines that never see one pay nothing; an engine loop checks ``ready`` and
+    has ``warm`` run on a helper thread first, so that pass never stalls the requests it is running. Compiled
+    schemas and their masks are kept for the ``schemas`` most recent schemas (agents send the same few again and
+    again), their masks in one cache for all."""
 
     def __init__(self, tokenizer: Callable[[], "Tokenizer"], width: int, device: torch.device | str,
                  schemas: int = 32):
@@ -181,13 +182,21 @@ class GuideSource:
         self._masks = Recent()
         self._lock = threading.Lock()
 
-    def guide_for(self, params: "SamplingParams") -> Guide | None:
-        if not params.structured:
-            return None
+    def ready(self, params: "SamplingParams") -> bool:
+        """Whether ``guide_for(params)`` needs no vocabulary pass first."""
+        return not params.structured or self._vocab is not None
+
+    def warm(self) -> None:
+        """Index the vocabulary (once; callers wait for a pass in progress). Raises what ``guide_for`` would."""
         with self._lock:
             if self._vocab is None:
                 self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width)
-            key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode())
+
+    def guide_for(self, params: "SamplingParams") -> Guide | None:
+        if not params.structured:
+            return None
+        self.warm()
+        key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode())
         return self._compiled.get(key, lambda: GrammarMasks(_grammar(*key), self._vocab, self._device, self._masks,
                                                             key)).guide()
 

@@ -178,6 +178,8 @@ class PrefillEngine(Engine):
     # --- assignments ----------------------------------------------------------------------------------------
     def on_assignment(self, a: Assignment) -> None:
         params = SamplingParams.from_dict(a.sampling)
+        if not self.guides_ready(params, lambda: self.on_assignment(a)):
+            return
         keys = unpack_keys(a.hit_keys)
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
         job = Job(a, params, make_generator(params), pe_blocks, unpack_tokens(a.tokens), keys,

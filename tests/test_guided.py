@@ -565,3 +565,37 @@ def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers(tiny_dirs, tmp_p
     wp.decoder = decoders.WordPiece()
     with pytest.raises(CheckpointError, match="byte-level"):
         _write(wp, tmp_path / "wp").token_bytes
+
+
+def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
+    """The first structured request: ``guides_ready`` returns at once and the ~0.4 s vocabulary pass runs on a
+    helper thread, which then hands the work back; later requests (and unconstrained ones) go straight through. A
+    pass that fails still hands the work back, and the request then fails with the reason."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from engines.engine import Engine
+    from engines.guided import GuideSource
+
+    tok = Tokenizer(tiny_dirs["llama"])
+
+    def slow():
+        time.sleep(0.5)
+        return tok
+    engine = SimpleNamespace(guides=GuideSource(slow, 320, "cpu"))
+    json_mode, free = SamplingParams(json_object=True), SamplingParams()
+    back = threading.Event()
+    t0 = time.perf_counter()
+    assert not Engine.guides_ready(engine, json_mode, back.set)
+    assert time.perf_counter() - t0 < 0.2 and Engine.guides_ready(engine, free, None)
+    assert back.wait(10) and Engine.guides_ready(engine, json_mode, None)
+    assert engine.guides.guide_for(json_mode) is not None
+
+    def broken():
+        raise CheckpointError("no token bytes")
+    engine = SimpleNamespace(guides=GuideSource(broken, 320, "cpu"))
+    back.clear()
+    assert not Engine.guides_ready(engine, json_mode, back.set) and back.wait(10)
+    with pytest.raises(CheckpointError, match="no token bytes"):
+        engine.guides.guide_for(json_mode)
