@@ -407,6 +407,14 @@ def _key_bytes(name: str) -> bytes:
     return json.dumps(name, ensure_ascii=False)[1:-1].encode()
 
 
+def _type_names(types, where: str) -> list[str]:
+    """A schema's ``type`` (a name or a list of names) as a list of known names; anything else is a SchemaError."""
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or any(not isinstance(t, str) or t not in TYPES for t in types):
+        raise SchemaError(f"{where}: type must be one or a list of {', '.join(TYPES)}")
+    return types
+
+
 def _literal_bytes(value, where: str) -> bytes:
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
@@ -455,10 +463,7 @@ class _Compiler:
                 "array" if "items" in s else None
         if types is None:
             return ANY
-        types = [types] if isinstance(types, str) else types
-        if not isinstance(types, list) or not types or any(t not in TYPES for t in types):
-            raise SchemaError(f"{where}: type must be one or a list of {', '.join(TYPES)}")
-        nodes = [self._typed(t, s, where) for t in dict.fromkeys(types)]
+        nodes = [self._typed(t, s, where) for t in dict.fromkeys(_type_names(types, where))]
         return nodes[0] if len(nodes) == 1 else self.add(("anyof", tuple(nodes)))
 
     def _combined(self, s: dict, where: str) -> int:
@@ -492,9 +497,8 @@ class _Compiler:
         values = [s["const"]] if "const" in s else s["enum"]
         if not isinstance(values, list):
             raise SchemaError(f"{where}: enum must be a list")
-        types = s.get("type")
-        if types is not None:
-            types = [types] if isinstance(types, str) else types
+        if s.get("type") is not None:
+            types = _type_names(s["type"], where)
             values = [v for v in values if any(_is_type(v, t) for t in types if t in _PYTHON_TYPES)]
         if not values:
             raise SchemaError(f"{where}: no value satisfies this enum/const")

@@ -7,7 +7,7 @@ import random
 import jsonschema
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 from typing import Literal, Optional
@@ -267,6 +267,8 @@ SCHEMA_LIKE = st.recursive(
 
 @settings(max_examples=500, deadline=None)
 @given(SCHEMA_LIKE)
+@example({"type": [[]], "enum": [None]})  # found by this test: an unhashable type name was a TypeError (a 500)
+@example({"type": [{}], "properties": {}})
 def test_any_schema_compiles_or_is_refused_with_a_schema_error(schema):
     try:
         g = Grammar.compile(schema)
