@@ -116,10 +116,14 @@ class SamplingParams:
         return self.json_object or self.json_schema is not None
 
     @property
+    def penalized(self) -> bool:
+        """Whether a repetition, frequency or presence penalty applies."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def needs_history(self) -> bool:
         """Whether sampling reads the request's earlier tokens (penalties, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens)
+        return self.penalized or bool(self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -472,8 +472,8 @@ class PrefillEngine(Engine):
         logits = torch.stack([lg for _, lg in finals])
         tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
                                   [j.guide.mask() if j.guide else None for j in jobs],
-                                  [TokenHistory(j.token_ids, j.params) if j.params.needs_history else None
-                                   for j in jobs], self.model_config.eos_token_ids)
+                                  [TokenHistory.of(j.token_ids, j.params) for j in jobs],
+                                  self.model_config.eos_token_ids)
         for job, tok, lp in zip(jobs, tokens, logprobs):
             state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
             path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value

@@ -37,6 +37,12 @@ class TokenHistory:
         for t in output_ids:
             self.add(t)
 
+    @classmethod
+    def of(cls, prompt_ids: Sequence[int], params: SamplingParams,
+           output_ids: Sequence[int] = ()) -> "TokenHistory | None":
+        """A request's history, or None when its sampling reads none."""
+        return cls(prompt_ids, params, output_ids) if params.needs_history else None
+
     def add(self, token: int) -> None:
         k = self._slot.setdefault(token, len(self._slot))
         if k == len(self._ids):
@@ -83,8 +89,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
     distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
     ``masks``: per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all
-    False); ``allowed_token_ids`` rows get theirs here. ``histories``: per row the request's ``TokenHistory`` (needed where ``params.needs_history``);
-    ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.
+    False); ``allowed_token_ids`` rows get theirs here. ``histories``: per row the request's ``TokenHistory``
+    (needed where ``params.needs_history``); ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.
 
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
     a dozen kernels and a wait per sampled row: on a GPU, longer than the decode step). A sampled row draws one
@@ -131,7 +137,7 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
             if not p.allowed_token_ids or set(p.allowed_token_ids) - banned:
                 add_.add(i, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        if p.penalized:
             ids, counts = h.tensors()
             if p.repetition_penalty != 1.0:
                 rep.add(i, torch.cat([h.prompt, ids]), p.repetition_penalty)

@@ -33,8 +33,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (when asked)
 
     def __post_init__(self):
-        if self.params.needs_history and self.history is None:
-            self.history = TokenHistory(self.prompt_ids, self.params, self.output_ids)
+        if self.history is None:
+            self.history = TokenHistory.of(self.prompt_ids, self.params, self.output_ids)
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None

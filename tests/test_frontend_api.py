@@ -88,7 +88,8 @@ def test_vllm_text_and_token_options(front):
     long = "the quick brown fox " * 4
     r = post(http, "/v1/completions", model="m", prompt=long, truncate_prompt_tokens=5)
     assert fake.prompts[-1] == tok.encode(long)[-5:] and r.json()["usage"]["prompt_tokens"] == 5
-    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": long}], truncate_prompt_tokens=7)
+    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": long}],
+         truncate_prompt_tokens=7)
     assert len(fake.prompts[-1]) == 7
     post(http, "/v1/completions", model="m", prompt=long, add_special_tokens=False)
     assert fake.prompts[-1] == tok.encode(long, add_special_tokens=False)

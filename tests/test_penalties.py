@@ -146,7 +146,8 @@ def test_a_row_that_needs_its_history_without_one_is_an_error():
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(min_p=-0.1), "min_p"), (dict(max_tokens=3, min_tokens=4), "min_tokens"),
     (dict(logit_bias=((1, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
-    (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"), (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+    (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
 ])
 def test_invalid_values_are_request_errors(kwargs, field):
     with pytest.raises(RequestError) as e:

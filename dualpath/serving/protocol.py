@@ -186,8 +186,11 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _whole(self):
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs needs stream false")
+        """The prompt's logprobs (and completions' echo) come with the whole reply, not streamed."""
+        asked = [k for k, on in (("prompt_logprobs", self.prompt_logprobs is not None),
+                                 ("echo", getattr(self, "echo", False))) if on]
+        if self.stream and asked:
+            raise ValueError(f"{' and '.join(asked)} need stream false")
         return self
 
     @model_validator(mode="after")
@@ -220,6 +223,7 @@ class _Common(BaseModel):
                     include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps())
 
     def asked_prompt_lps(self) -> Optional[int]:
+        """How many alternatives the prompt's logprobs carry (None: not asked)."""
         return self.prompt_logprobs
 
     def stop_list(self) -> tuple[str, ...]:
@@ -394,12 +398,6 @@ class CompletionRequest(_Common):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. around a text prompt (honoured)
-
-    @model_validator(mode="after")
-    def _echo_whole(self):
-        if self.echo and self.stream:
-            raise ValueError("echo needs stream false")
-        return self
 
     def asked_prompt_lps(self) -> Optional[int]:
         """The prompt's logprobs: vLLM's prompt_logprobs, or echo's (as many alternatives as logprobs)."""

@@ -59,19 +59,10 @@ class Hermes(ToolMarkup):
         return text.find(self.OPEN)
 
     def undecided(self, text: str) -> int:
-        return next((n for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1)
-                     if self.OPEN.startswith(text[-n:])), 0)
+        return _partial_tag(text, self.OPEN)
 
     def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        calls, rest, pos = [], [], 0
-        for m in self.BLOCK.finditer(held):
-            call = _call(m.group(1), names, "arguments")
-            if call is None:
-                return None
-            calls.append(call)
-            rest.append(held[pos:m.start()])
-            pos = m.end()
-        return (calls, "".join(rest) + held[pos:]) if calls else None
+        return _block_calls(held, self.BLOCK, lambda m: _call(m.group(1), names, "arguments"))
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         return self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE
@@ -122,27 +113,24 @@ class DeepSeekV3(ToolMarkup):
         return min(hits) if hits else -1
 
     def undecided(self, text: str) -> int:
-        return next((n for n in range(min(len(self.CALLS) - 1, len(text)), 0, -1)
-                     if self.CALLS.startswith(text[-n:]) or self.CALL.startswith(text[-n:])), 0)
+        return _partial_tag(text, self.CALLS, self.CALL)
 
     def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        calls, rest, pos = [], [], 0
-        for m in self.BLOCK.finditer(held):
-            head, body = m.group(1).strip(), m.group(2)
-            v3 = self.V3_BODY.match(body.strip()) if head == "function" else None
-            name, args = (v3.group(1), v3.group(2)) if v3 else (head, body.strip())
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-            call = _call({"name": name, "arguments": args}, names, "arguments") if isinstance(args, dict) else None
-            if call is None:
-                return None
-            calls.append(call)
-            rest.append(held[pos:m.start()])
-            pos = m.end()
-        text = ("".join(rest) + held[pos:]).replace(self.CALLS, "").replace(self.CALLS_END, "")
-        return (calls, text) if calls else None
+        found = _block_calls(held, self.BLOCK, lambda m: self._one(m, names))
+        if found is None:
+            return None
+        calls, text = found
+        return calls, text.replace(self.CALLS, "").replace(self.CALLS_END, "")
+
+    def _one(self, m: re.Match, names: frozenset[str]) -> dict | None:
+        head, body = m.group(1).strip(), m.group(2).strip()
+        v3 = self.V3_BODY.match(body) if head == "function" else None
+        name, args = (v3.group(1), v3.group(2)) if v3 else (head, body)
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+        return _call({"name": name, "arguments": args}, names, "arguments") if isinstance(args, dict) else None
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         if len(functions) != 1:  # the name precedes the JSON here: a grammar of one object cannot choose it
@@ -154,6 +142,26 @@ class DeepSeekV3(ToolMarkup):
             return (f"{self.CALLS}{self.CALL}function{self.SEP}{f['name']}\n```json\n", schema,
                     f"\n```{self.CALL_END}{self.CALLS_END}")
         return f"{self.CALLS}{self.CALL}{f['name']}{self.SEP}", schema, f"{self.CALL_END}{self.CALLS_END}"
+
+
+def _partial_tag(text: str, *tags: str) -> int:
+    """How many trailing characters of ``text`` are the start of one of ``tags`` (0: none)."""
+    return next((n for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1)
+                 if any(t.startswith(text[-n:]) for t in tags)), 0)
+
+
+def _block_calls(held: str, block: re.Pattern, call_of) -> tuple[list[dict], str] | None:
+    """The calls in ``held``'s ``block`` matches (``call_of``: a match's call, None if it is not one) and the text
+    between them; None if any match is not a call, or none is found."""
+    calls, rest, pos = [], [], 0
+    for m in block.finditer(held):
+        call = call_of(m)
+        if call is None:
+            return None
+        calls.append(call)
+        rest.append(held[pos:m.start()])
+        pos = m.end()
+    return (calls, "".join(rest) + held[pos:]) if calls else None
 
 
 def _call_schema(functions: list[dict], arguments: str) -> dict:
