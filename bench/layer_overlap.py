@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
 
     def job(layerwise: bool):
         a = Assignment("r", tokens, params.to_dict(), [k.hex() for k in keys], ReadPath.PE, layerwise, de_info)
-        j = Job(a, params, make_generator(params), len(keys), tokens, keys, hit_tokens=len(keys) * g.block_size)
+        j = Job(a, params, [make_generator(params)], len(keys), tokens, keys, hit_tokens=len(keys) * g.block_size)
         j.pe_slots = pe.buffer.allocate(n_blocks, "r")
         j.de_slots = de_slots
         j.computed = j.local_tokens = args.cached

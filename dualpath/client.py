@@ -35,6 +35,7 @@ class GenerationResult:
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     logprobs: list = field(default_factory=list)
+    index: int = 0  # the choice (``SamplingParams.n``)
 
 
 def _size(item) -> int:
@@ -149,7 +150,7 @@ class RequestHandle:
                             raise DualPathError(f"request {rid} aborted: {tok.error}")
                         got_tokens = got_tokens or tok.token_id >= 0
                         yield tok
-                        if tok.finish_reason:
+                        if tok.finish_reason and tok.final:
                             return
                 except RpcError as e:
                     if got_tokens:
@@ -230,22 +231,33 @@ class ClusterClient:
 
     def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                  mode: str = "") -> GenerationResult:
+        """One choice's tokens (``sampling.n`` 1; ``generate_choices`` returns all of them)."""
+        if sampling.n != 1:
+            raise RequestError(f"generate returns one choice; use generate_choices for n = {sampling.n}", field="n")
+        return self.generate_choices(token_ids, sampling, request_id, mode)[0]
+
+    def generate_choices(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                         mode: str = "") -> list[GenerationResult]:
+        """Every choice of one request (``sampling.n``), in choice order."""
         start = time.perf_counter()
-        first = last = None
-        tokens, logprobs = [], []
+        times: list[list[float]] = [[] for _ in range(sampling.n)]
+        tokens, logprobs = [[] for _ in range(sampling.n)], [[] for _ in range(sampling.n)]
+        out: list[GenerationResult | None] = [None] * sampling.n
         for ev in self.stream(token_ids, sampling, request_id, mode):
+            i = ev.index
             if ev.token_id >= 0:
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                tokens.append(ev.token_id)
-                logprobs.append(ev.logprob)
+                times[i].append(time.perf_counter())
+                tokens[i].append(ev.token_id)
+                logprobs[i].append(ev.logprob)
             if ev.finish_reason:
-                tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
-                return GenerationResult(ev.request_id, tokens, ev.finish_reason, ev.num_prompt_tokens,
-                                        ev.num_cached_tokens, ev.path, ev.storage_bytes,
-                                        (first or time.perf_counter()) - start, tpot, logprobs)
-        raise DualPathError("the token stream ended without a finish reason")
+                t = times[i]
+                tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+                out[i] = GenerationResult(ev.request_id, tokens[i], ev.finish_reason, ev.num_prompt_tokens,
+                                          ev.num_cached_tokens, ev.path, ev.storage_bytes,
+                                          (t[0] if t else time.perf_counter()) - start, tpot, logprobs[i], i)
+        if any(r is None for r in out):
+            raise DualPathError("the token stream ended without every choice's finish reason")
+        return out
 
     def close(self) -> None:
         if self._session is not None:

@@ -86,6 +86,13 @@ class KVGeometry:
         return -(-num_tokens // self.block_size)
 
 
+def choice_blocks(block_size: int, num_prompt_tokens: int, num_tokens: int, n: int) -> int:
+    """Blocks ``n`` choices of one prompt hold at ``num_tokens`` tokens each (prompt included): the prompt's full
+    blocks once (the choices share them), the rest (its partial block copied) once per choice."""
+    shared = num_prompt_tokens // block_size
+    return shared + n * (-(-num_tokens // block_size) - shared)
+
+
 def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_digest: str) -> BlockHash:
     """Identity of everything that changes KV bytes: architecture, weights, dtype, block size, layout.
 

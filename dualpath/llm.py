@@ -30,6 +30,7 @@ class RequestOutput:
     finish_reason: str
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # asked for: None for the first token, then one each
+    index: int = 0  # which of the prompt's ``n`` choices
 
 
 class LLM:
@@ -65,13 +66,15 @@ class LLM:
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]], sampling: SamplingParams | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs are in prompt order."""
+        """Generate for each prompt (a string or a list of token ids); outputs are in prompt order, a prompt's
+        ``sampling.n`` choices one after another (``RequestOutput.index``), its KV computed once for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling = sampling or SamplingParams()
-        seqs = [Sequence(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling,
-                         make_generator(sampling)) for p in prompts]
-        for s in seqs:
+        gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
+        firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling, gens()) for p in prompts]
+        seqs = [c for s in firsts for c in (s, *s.forks)]  # the engine empties ``forks`` as it forks them
+        for s in firsts:
             self.engine.add(s)
         with tqdm(total=len(seqs), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_work():
@@ -92,7 +95,7 @@ class LLM:
             self.tokenizer.decode(s.output_ids, s.params.skip_special_tokens)
         lps = s.logprobs if s.params.logprobs is not None else None
         plps = [None, *s.prompt_logprobs] if s.params.prompt_logprobs is not None else None
-        return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps, plps)
+        return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps, plps, s.index)
 
     @torch.inference_mode()
     def logits(self, prompt: str | Seq[int]) -> torch.Tensor:

@@ -169,6 +169,7 @@ class PrepareRequest:
     first_load_block: int  # the first block index of load_keys in the prompt
     load_keys: bytes  # packed: the hit blocks the decode engine reads from storage (DE and split paths)
     max_tokens: int
+    n: int = 1  # choices: each decodes up to max_tokens, sharing the prompt's blocks
 
 
 @dataclass(frozen=True)
@@ -181,14 +182,14 @@ class PrepareReply:
 
 @dataclass(frozen=True)
 class PrefillDone:
-    """Prefill engine -> decode engine: the prompt's KV is in your buffer; here is the first token."""
+    """Prefill engine -> decode engine: the prompt's KV is in your buffer; here is each choice's first token."""
 
     request_id: str
     tokens: bytes  # packed prompt
     sampling: dict
-    first_token: int
-    first_logprob: dict | None = None
-    generator_state: str = ""  # hex of torch.Generator.get_state(), for seeded sampling
+    first_tokens: list[int]  # choice i's first token (``n`` of them)
+    first_logprobs: list[dict | None] = field(default_factory=list)  # choice i's, when asked
+    generator_states: list[str] = field(default_factory=list)  # hex of choice i's torch.Generator state (sampled)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from storage
     path: str = ""
     storage_bytes: int = 0
@@ -207,6 +208,8 @@ class TokenEvent:
     storage_bytes: int = 0
     error: str = ""
     prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., on the final event
+    index: int = 0  # the choice (``SamplingParams.n``) the token or finish belongs to
+    final: bool = True  # with finish_reason: the request's last event (False: only this choice finished)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dualpath.errors import RequestError
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
+MAX_CHOICES = 16  # n: every choice is a row of the decode batch
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class SamplingParams:
     top-p (transformers' order), ``min_p`` drops tokens less likely than ``min_p`` × the most likely one.
     ``allowed_token_ids`` (empty: all) restricts every sampled token to that set, like a mask (not with JSON
     output; ``min_tokens`` then holds back only end tokens the set does not consist of).
+
+    ``n`` choices are sampled from one prompt (parallel sampling): its KV is loaded or computed once, the choices
+    share its full blocks and each samples with its own generator (a seeded request's choice i with ``seed + i``,
+    so choice 0 is what the same request with ``n`` = 1 gives).
 
     ``prompt_logprobs`` asks for each prompt token's log-probability given the tokens before it, its rank and that
     many top alternatives: the whole prompt is computed (no cached KV is used for it).
@@ -61,12 +66,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError(f"n must be from 1 to {MAX_CHOICES}, got {self.n}", field="n")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", field="max_tokens")
         if not 0.0 <= self.temperature <= 100.0:

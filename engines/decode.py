@@ -4,8 +4,11 @@ continuous batching, streams tokens to the submitter, and writes every Full Bloc
 Admission is memory-exact: ``Prepare`` reserves device blocks for the prompt and the whole generation budget, and
 buffer slots for the prompt, or refuses. For the DE read path it also loads the hit blocks from storage into
 those slots (the prefill engine then reads them layer by layer). ``PrefillDone`` hands the sequence to the decode
-loop, which owns the paged cache and the running batch. A request's stream ends only after its blocks are stored
-and reported, so the next turn finds them.
+loop, which owns the paged cache and the running batch. A request of ``n`` choices (parallel sampling) arrives
+once: its prompt's KV lands in choice 0's blocks, choices 1.. fork them (sharing the full blocks, copying the
+partial one into blocks they reserved at ``Prepare``) and decode as sequences of their own; each choice's end is
+streamed as it comes. A request's stream ends only after its blocks are stored and reported, so the next turn
+finds them.
 """
 from __future__ import annotations
 
@@ -28,11 +31,21 @@ from engines.engine import Engine
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
 from engines.sampler import TokenLogprob
-from engines.sequence import Sequence
+from engines.sequence import Sequence, choice_id
 from engines.streams import StreamHub
 from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` sequences and what of it is stored."""
+
+    seq: Sequence
+    hashes: list[BlockHash]  # chained hashes of the blocks persisted so far (the prompt's shared by all)
+    persisted: int  # leading blocks written (or being written) to storage
+    done: bool = False  # finished and its blocks freed
 
 
 @dataclass
@@ -42,12 +55,19 @@ class Held:
     work_id: str
     num_prompt_tokens: int
     slots: list[int]
-    seq: Sequence | None = None
-    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of the blocks persisted so far
-    persisted: int = 0  # leading blocks written (or being written) to storage
+    n: int = 1
+    choices: list[Choice] = field(default_factory=list)
     stores: list[Future] = field(default_factory=list)
     cancelled: bool = False
     info: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.num_prompt_tokens + sum(len(c.seq.output_ids) for c in self.choices)
+
+    @property
+    def unfinished(self) -> int:
+        return sum(not c.done for c in self.choices)
 
 
 class DecodeEngine(Engine):
@@ -74,35 +94,48 @@ class DecodeEngine(Engine):
 
     def held(self) -> dict[str, int]:
         with self.lock:
-            return {w: h.num_prompt_tokens + (len(h.seq.output_ids) if h.seq else 0) for w, h in self.held_.items()}
+            return {w: h.tokens for w, h in self.held_.items()}
 
     # --- admission ------------------------------------------------------------------------------------------
     async def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:
         """Reserve (on the RPC pool: it takes the cache lock), then await the DE-side load on the loop, so
-        requests waiting for storage hold no thread and never delay ``PrefillDone`` of others."""
+        requests waiting for storage hold no thread and never delay ``PrefillDone`` of others. A full buffer is
+        waited out on the loop (up to the transport's op timeout): under load, prompts queue here rather than
+        fail."""
         loop = asyncio.get_running_loop()
-        reply, load = await loop.run_in_executor(self.server.pool, self._reserve, req)
+        deadline = loop.time() + self.cfg.transport.op_timeout_s  # well inside the caller's timeout
+        while True:
+            try:
+                reply, load = await loop.run_in_executor(self.server.pool, self._reserve, req)
+                break
+            except OutOfBlocksError as e:  # buffer slots free as held prompts move on to the cache and storage
+                if loop.time() > deadline or self.geometry.num_blocks(req.num_prompt_tokens) > self.buffer.num_slots:
+                    return PrepareReply(False, error=f"buffer full: {e}")
+                await asyncio.sleep(0.02)
         if load is None:
             return reply
         results = await asyncio.wait_for(asyncio.wrap_future(load), self.cfg.transport.op_timeout_s * 4)
         return replace(reply, num_loaded_blocks=next((i for i, e in enumerate(results) if e is not None), len(results)))
 
     def _reserve(self, req: PrepareRequest) -> tuple[PrepareReply, Future | None]:
-        """Device blocks for the prompt and the generation budget, buffer slots for the prompt, and the storage
-        read of the DE-side hit blocks started: ``(the reply, the load or None)``."""
-        g = self.geometry
-        total = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        """Device blocks for the prompt and every choice's generation budget (choices 1.. will share the prompt's
+        full blocks: they reserve the rest), buffer slots for the prompt, and the storage read of the DE-side hit
+        blocks started: ``(the reply, the load or None)``."""
+        g, rid, n_prompt = self.geometry, req.request_id, req.num_prompt_tokens
+        total = min(n_prompt + req.max_tokens, self.max_model_len)
+        forks = [choice_id(rid, i) for i in range(1, req.n)]
         with self.lock:
-            if req.request_id in self.held_:
-                return PrepareReply(False, error=f"{req.request_id} is already held"), None
-            if self.cache.blocks_needed(req.request_id, total) > self.cache.num_free_blocks:
-                return PrepareReply(False, error=f"no device memory for {total} tokens"), None
-            try:
-                slots = self.buffer.allocate(g.num_blocks(req.num_prompt_tokens), req.request_id)
-            except OutOfBlocksError as e:
-                return PrepareReply(False, error=f"buffer full: {e}"), None
-            self.cache.reserve(req.request_id, total)
-            self.held_[req.request_id] = Held(req.request_id, req.num_prompt_tokens, slots)
+            if rid in self.held_:
+                return PrepareReply(False, error=f"{rid} is already held"), None
+            need = self.cache.blocks_needed(rid, total) + sum(
+                self.cache.fork_blocks_needed(f, n_prompt, total) for f in forks)
+            if need > self.cache.num_free_blocks:
+                return PrepareReply(False, error=f"no device memory for {req.n} x {total} tokens"), None
+            slots = self.buffer.allocate(g.num_blocks(n_prompt), rid)  # full: Prepare waits and asks again
+            self.cache.reserve(rid, total)
+            for f in forks:
+                self.cache.reserve_fork(f, n_prompt, total)
+            self.held_[rid] = Held(rid, n_prompt, slots, req.n)
         if not req.load_keys:
             return PrepareReply(True, slots, 0), None
         first, keys = req.first_load_block, unpack_keys(req.load_keys)
@@ -145,54 +178,68 @@ class DecodeEngine(Engine):
                 return
 
     def _admit(self, msg: PrefillDoneMsg) -> None:
-        """Prompt KV: buffer -> paged cache; persist the prompt's new full blocks; start decoding."""
-        g = self.geometry
+        """Prompt KV: buffer -> paged cache, shared by every choice; persist the prompt's new full blocks; start
+        decoding each choice from its first token."""
+        g, rid = self.geometry, msg.request_id
         params = SamplingParams.from_dict(msg.sampling)
         if not self.guides_ready(params, lambda: self.inbox.put(("admit", msg))):
             return
+        prompt = unpack_tokens(msg.tokens)
         with self.lock:
-            h = self.held_.get(msg.request_id)
+            h = self.held_.get(rid)
             if h is None or h.cancelled:
                 return
-            table = torch.tensor(self.cache.block_table(msg.request_id)[:len(h.slots)], device=self.device)
-            full_blocks_to_cache(self.cache.storage, table, self.buffer.full_blocks(h.slots), g, self.model.kernels)
-        gen = None
-        if msg.generator_state:
-            gen = torch.Generator()  # requests' generators live on the host (engines.sampler)
-            gen.set_state(torch.from_numpy(np.frombuffer(bytes.fromhex(msg.generator_state), dtype=np.uint8).copy()))
-        prompt = unpack_tokens(msg.tokens)
-        seq = Sequence(msg.request_id, prompt, params, gen, num_computed=len(prompt))
-        lp = TokenLogprob(msg.first_logprob["token_id"], msg.first_logprob["logprob"],
-                          tuple(tuple(x) for x in msg.first_logprob["top"])) if msg.first_logprob else None
+            seqs = self._prompt_to_cache(h, msg, prompt, params)
         try:
-            seq.guide = self.guides.guide_for(params)  # the prefill engine's first token replays through it
-            seq.append(msg.first_token, lp, self.local.eos_ids, self.max_model_len)
+            for s, tok, lp in zip(seqs, msg.first_tokens, msg.first_logprobs):
+                s.guide = self.guides.guide_for(params)  # the prefill engine's first token replays through it
+                s.append(tok, _logprob(lp), self.local.eos_ids, self.max_model_len)
         except DualPathError as e:
-            self.outbox.add("failed", [msg.request_id, f"structured output: {e}"])
-            self._drop(msg.request_id, f"structured output: {e}")
+            self.outbox.add("failed", [rid, f"structured output: {e}"])
+            self._drop(rid, f"structured output: {e}")
             return
-        h.seq = seq
+        hashes = block_hashes(prompt, self.fingerprint, g.block_size)
+        h.choices = [Choice(s, list(hashes), len(prompt) // g.block_size) for s in seqs]
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
                   "path": msg.path, "storage_bytes": msg.storage_bytes, "prompt_logprobs": msg.prompt_logprobs}
-        n_full = len(prompt) // g.block_size
-        h.hashes = block_hashes(prompt, self.fingerprint, g.block_size)
-        first_new = msg.num_cached_tokens // g.block_size
+        self._store_prompt(h, hashes, msg.num_cached_tokens // g.block_size)
+        self.outbox.add("started", rid)
+        self.report_soon()
+        for c in h.choices:
+            self._emit(c.seq, c.seq.output_ids)
+        for c in h.choices:
+            if c.seq.finished:
+                self._finish(h, c)
+            else:
+                with self.lock:
+                    self.local.admit_prefilled(c.seq)
+
+    def _prompt_to_cache(self, h: Held, msg: PrefillDoneMsg, prompt: list[int],
+                         params: SamplingParams) -> list[Sequence]:
+        """The prompt's KV from the buffer into choice 0's blocks, the other choices forked off them (under the
+        lock): every choice's sequence, its prompt computed."""
+        table = torch.tensor(self.cache.block_table(h.work_id)[:len(h.slots)], device=self.device)
+        full_blocks_to_cache(self.cache.storage, table, self.buffer.full_blocks(h.slots), self.geometry,
+                             self.model.kernels)
+        first = Sequence.choices(h.work_id, prompt, params, _generators(msg, params.n))
+        seqs, first.forks = [first, *first.forks], []
+        for s in seqs:
+            if s.index:
+                self.cache.fork(h.work_id, s.seq_id, len(prompt))
+            s.num_computed = len(prompt)
+        return seqs
+
+    def _store_prompt(self, h: Held, hashes: list[BlockHash], first_new: int) -> None:
+        """Write the prompt's full blocks from ``first_new`` on (those not loaded from storage) from the buffer;
+        its slots are free once written."""
+        n_full = h.choices[0].persisted
         if n_full > first_new:
-            keys = h.hashes[first_new:n_full]
+            keys = hashes[first_new:n_full]
             fut = self.traffic.store(keys, [self.buffer.slot_bytes(s) for s in h.slots[first_new:n_full]])
             h.stores.append(_with_keys(fut, keys))
-            fut.add_done_callback(lambda _f, w=msg.request_id: self.buffer.free_owner(w))
+            fut.add_done_callback(lambda _f, w=h.work_id: self.buffer.free_owner(w))
         else:
-            self.buffer.free_owner(msg.request_id)
-        h.persisted = n_full
-        self.outbox.add("started", msg.request_id)
-        self.report_soon()
-        self._emit(seq, [msg.first_token])
-        if seq.finished:
-            self._finish(h)
-        else:
-            with self.lock:
-                self.local.admit_prefilled(seq)
+            self.buffer.free_owner(h.work_id)
 
     def _step(self) -> None:
         with self.lock:
@@ -202,48 +249,58 @@ class DecodeEngine(Engine):
                 finished = self.local.step()
             except Exception as e:  # noqa: BLE001 - fail the batch, keep the engine
                 log.exception("decode step failed")
-                for s in running:
-                    self.outbox.add("failed", [s.seq_id, f"decode step failed: {e}"])
-                    self.inbox.put(("drop", s.seq_id, f"decode step failed: {e}"))
+                for w in dict.fromkeys(s.group for s in running):
+                    self.outbox.add("failed", [w, f"decode step failed: {e}"])
+                    self.inbox.put(("drop", w, f"decode step failed: {e}"))
                 self.local.running.clear()
                 self.report_soon()
                 return
         for s in running:
             self._emit(s, s.output_ids[before[s.seq_id]:])
-            self._persist(self.held_[s.seq_id])
+            h = self.held_[s.group]
+            self._persist(h, h.choices[s.index])
         for s in finished:
-            self._finish(self.held_[s.seq_id])
+            h = self.held_[s.group]
+            self._finish(h, h.choices[s.index])
 
-    def _persist(self, h: Held) -> None:
-        """Write every block of ``h`` whose KV is complete and not yet written."""
-        g, seq = self.geometry, h.seq
+    def _persist(self, h: Held, c: Choice) -> None:
+        """Write every block of choice ``c`` whose KV is complete and not yet written."""
+        g, seq = self.geometry, c.seq
         full = min(seq.num_computed, seq.num_tokens) // g.block_size
-        if full <= h.persisted:
+        if full <= c.persisted:
             return
         tokens = seq.token_ids
-        parent = h.hashes[h.persisted - 1] if h.persisted else None
-        new_keys = block_hashes(tokens[h.persisted * g.block_size:full * g.block_size], self.fingerprint,
+        parent = c.hashes[c.persisted - 1] if c.persisted else None
+        new_keys = block_hashes(tokens[c.persisted * g.block_size:full * g.block_size], self.fingerprint,
                                 g.block_size, parent=parent)
         with self.lock:
-            table = torch.tensor(self.cache.block_table(h.work_id)[h.persisted:full], device=self.device)
+            table = torch.tensor(self.cache.block_table(seq.seq_id)[c.persisted:full], device=self.device)
             blocks = cache_to_full_blocks(self.cache.storage, table, g)
         blocks = blocks.cpu()  # one copy of every layer, outside the lock
-        h.hashes.extend(new_keys)
+        c.hashes.extend(new_keys)
         h.stores.append(_with_keys(self.traffic.store(new_keys, list(blocks)), new_keys))
-        h.persisted = full
+        c.persisted = full
 
-    def _finish(self, h: Held) -> None:
-        """Persist the last full blocks, then report and close the stream from a helper thread, so the decode
-        loop never waits for storage."""
-        self._persist(h)
+    def _finish(self, h: Held, c: Choice) -> None:
+        """Persist the choice's last full blocks and free its own (shared ones go with the last holder). The
+        request's last choice is reported and its stream closed from a helper thread, so the decode loop never
+        waits for storage; an earlier one's end is streamed at once."""
+        self._persist(h, c)
+        c.done = True
         with self.lock:
-            if h.seq in self.local.running:
-                self.local.running.remove(h.seq)
-            self.cache.free(h.work_id)
-        threading.Thread(target=self._close, args=(h,), daemon=True, name=f"close-{h.work_id}").start()
+            if c.seq in self.local.running:
+                self.local.running.remove(c.seq)
+            self.cache.free(c.seq.seq_id)
+        if h.unfinished:
+            self.streams.put(h.work_id, self._finish_event(h, c, final=False))
+            return
+        threading.Thread(target=self._close, args=(h, c), daemon=True, name=f"close-{h.work_id}").start()
 
-    def _close(self, h: Held) -> None:
-        error = ""
+    def _finish_event(self, h: Held, c: Choice, final: bool) -> TokenEvent:
+        reason = c.seq.finish_reason.value if c.seq.finish_reason else "abort"
+        return TokenEvent(h.work_id, finish_reason=reason, index=c.seq.index, final=final, **h.info)
+
+    def _close(self, h: Held, last: Choice) -> None:
         for fut in h.stores:
             try:
                 keys, results = fut.result(self.cfg.transport.op_timeout_s * 4)
@@ -255,8 +312,7 @@ class DecodeEngine(Engine):
         self.buffer.free_owner(h.work_id)
         self.outbox.add("finished", h.work_id)
         self.report_now()  # stored blocks are indexed before the submitter can send the next turn
-        reason = h.seq.finish_reason.value if h.seq.finish_reason else "abort"
-        self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason=reason, error=error, **h.info))
+        self.streams.put(h.work_id, self._finish_event(h, last, final=True))
 
     def _drop(self, work_id: str, reason: str) -> None:
         with self.lock:
@@ -265,9 +321,11 @@ class DecodeEngine(Engine):
                 self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
                 return
             h.cancelled = True
-            if h.seq is not None and h.seq in self.local.running:
-                self.local.running.remove(h.seq)
-            self.cache.free(work_id)
+            for c in h.choices:
+                if c.seq in self.local.running:
+                    self.local.running.remove(c.seq)
+            for i in range(h.n):
+                self.cache.free(choice_id(work_id, i))
         self.buffer.free_owner(work_id)
         self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
         log.info("%s dropped: %s", work_id, reason)
@@ -276,7 +334,8 @@ class DecodeEngine(Engine):
     def _emit(self, seq: Sequence, tokens: list[int]) -> None:
         lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
         for tok, lp in zip(tokens, lps):
-            self.streams.put(seq.seq_id, TokenEvent(seq.seq_id, tok, lp.__dict__ if lp is not None else None))
+            self.streams.put(seq.group, TokenEvent(seq.group, tok, lp.__dict__ if lp is not None else None,
+                                                   index=seq.index))
 
     async def Stream(self, ref: RequestRef, ctx):
         """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""
@@ -288,6 +347,22 @@ class DecodeEngine(Engine):
         finally:
             if not ended and not self.stopping.is_set():
                 self.inbox.put(("drop", ref.request_id, "client disconnected"))
+
+
+def _generators(msg: PrefillDoneMsg, n: int) -> list[torch.Generator | None]:
+    """Each choice's generator, where the prefill engine's left off (on the host, as in ``engines.sampler``)."""
+    if not msg.generator_states:
+        return [None] * n
+    out = []
+    for state in msg.generator_states:
+        gen = torch.Generator()
+        gen.set_state(torch.from_numpy(np.frombuffer(bytes.fromhex(state), dtype=np.uint8).copy()))
+        out.append(gen)
+    return out
+
+
+def _logprob(d: dict | None) -> TokenLogprob | None:
+    return TokenLogprob(d["token_id"], d["logprob"], tuple(tuple(x) for x in d["top"]), d.get("rank", 0)) if d else None
 
 
 def _with_keys(fut: Future, keys: list[BlockHash]) -> Future:

@@ -5,6 +5,7 @@ Block never needs a layout change. The allocator and the tables are the only own
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Hashable
 
 import torch
@@ -50,6 +51,32 @@ class PagedKVCache:
         if need:
             table.extend(self.allocator.allocate(need))
 
+    def fork_blocks_needed(self, child: Hashable, shared_tokens: int, num_tokens: int) -> int:
+        """More blocks of its own a fork at ``shared_tokens`` needs to hold ``num_tokens`` tokens in total."""
+        return self.blocks_needed(child, self._own_tokens(shared_tokens, num_tokens))
+
+    def reserve_fork(self, child: Hashable, shared_tokens: int, num_tokens: int) -> None:
+        """Reserve ``child``'s own blocks before it forks (``fork``): all it needs for ``num_tokens`` tokens but
+        the full blocks it will share."""
+        self.reserve(child, self._own_tokens(shared_tokens, num_tokens))
+
+    def _own_tokens(self, shared_tokens: int, num_tokens: int) -> int:
+        return num_tokens - shared_tokens // self.geometry.block_size * self.geometry.block_size
+
+    def fork(self, parent: Hashable, child: Hashable, shared_tokens: int) -> None:
+        """``child`` continues ``parent``'s first ``shared_tokens`` tokens (their KV written): it shares the full
+        blocks holding them and gets a copy of the partial one in its first own block (reserved by ``reserve_fork``,
+        else allocated here). Raises ``OutOfBlocksError`` if that block is needed and none is free."""
+        full, partial = divmod(shared_tokens, self.geometry.block_size)
+        table = self._tables[parent]
+        own = self._tables.get(child) or []
+        if partial and not own:
+            own = self.allocator.allocate(1)
+        if partial:  # every layer at once: the cache is one layer-major tensor
+            self.storage[:, own[0]].copy_(self.storage[:, table[full]])
+        self.allocator.share(table[:full])
+        self._tables[child] = table[:full] + own
+
     def free(self, seq: Hashable) -> None:
         self.allocator.free(self._tables.pop(seq, []))
 
@@ -81,8 +108,8 @@ class PagedKVCache:
         write_tokens(self.layers[layer], slots, kv, backend)
 
     def check(self) -> None:
-        """Integrity: tables are disjoint and exactly the allocator's used set."""
+        """Integrity: every used block is in as many tables as it has holders, and no free block is in one."""
         self.allocator.check()
-        owned = [b for t in self._tables.values() for b in t]
-        if len(owned) != len(set(owned)) or set(owned) != self.allocator.used:
+        held = Counter(b for t in self._tables.values() for b in t)
+        if set(held) != self.allocator.used or any(self.allocator.holders(b) != k for b, k in held.items()):
             raise AssertionError("block tables and allocator disagree")

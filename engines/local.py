@@ -101,17 +101,23 @@ class LocalEngine:
         if len(seq.prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(seq.prompt_ids)} tokens; the model's context is "
                                f"{self.max_model_len}", field="prompt")
-        if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) > self.cache.allocator.num_blocks:
+        if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) + len(seq.forks) > self.cache.allocator.num_blocks:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
+        if 1 + len(seq.forks) > self.max_num_seqs:
+            raise RequestError(f"n ({1 + len(seq.forks)}) exceeds max_num_seqs ({self.max_num_seqs})", field="n")
         check_token_ids(seq.params, self.vocab_size)
-        if seq.params.structured and seq.guide is None:
-            if self.guides is None:
-                raise RequestError("structured output needs the engine's tokenizer", field="response_format")
-            seq.guide = self.guides.guide_for(seq.params)
-        if seq.params.stop and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
-                                                             seq.params.skip_special_tokens)
+        if seq.params.structured and self.guides is None:
+            raise RequestError("structured output needs the engine's tokenizer", field="response_format")
+        for s in (seq, *seq.forks):
+            self._prepare(s)
         self.waiting.append(seq)
+
+    def _prepare(self, s: Sequence) -> None:
+        """Its guide and stop-string detokenizer (each choice has its own)."""
+        if s.params.structured and s.guide is None:
+            s.guide = self.guides.guide_for(s.params)
+        if s.params.stop and self.tokenizer is not None:
+            self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, s.prompt_ids, s.params.skip_special_tokens)
 
     def admit_prefilled(self, seq: Sequence) -> None:
         """Run a sequence whose prompt KV is already in the cache (``num_computed`` set, blocks reserved): the
@@ -130,9 +136,13 @@ class LocalEngine:
         if not batch:
             return []
         logits = self.runner.forward(batch, new_lens)
-        done_rows = [i for i, s in enumerate(batch) if s.num_computed == s.num_tokens]
-        seqs = [batch[i] for i in done_rows]
-        if len(done_rows) < len(batch):  # a chunked prompt's rows have nothing to sample (indexing copies the list)
+        done_rows, seqs = [], []
+        for i, s in enumerate(batch):
+            if s.num_computed == s.num_tokens:  # a fork samples its first token from its prompt's row
+                choices = self._fork(s)
+                done_rows += [i] * len(choices)
+                seqs += choices
+        if done_rows != list(range(len(batch))):  # a chunked prompt's rows have nothing to sample (indexing copies)
             logits = logits[done_rows]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                   [s.mask() for s in seqs], [s.history for s in seqs], self.eos_ids)
@@ -154,11 +164,24 @@ class LocalEngine:
                     self.waiting.remove(s)
                 self._release(s)
 
+    def _fork(self, s: Sequence) -> list[Sequence]:
+        """``s`` and the choices that were waiting for its prompt, now sharing its prompt's blocks and running."""
+        for f in s.forks:
+            self.cache.fork(s.seq_id, f.seq_id, s.num_computed)
+            f.num_computed, f.prompt_logprobs = s.num_computed, s.prompt_logprobs
+            self.running.append(f)
+        out, s.forks = [s, *s.forks], []
+        return out
+
     def _release(self, s: Sequence) -> None:
         if s in self.running:
             self.running.remove(s)
         if self.free_finished:
             self.cache.free(s.seq_id)
+        for f in s.forks:  # aborted before its prompt was computed: the choices never start
+            f.finish_reason = FinishReason.ABORT
+            self.cache.free(f.seq_id)
+            self._detok.pop(f.seq_id, None)
         self._detok.pop(s.seq_id, None)
 
     def _check_stop_strings(self, s: Sequence, token: int) -> None:
@@ -177,13 +200,18 @@ class LocalEngine:
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
         batch, new_lens, budget = [], [], self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
             s = self.waiting[0]
             n = min(s.num_tokens - s.num_computed, budget)
-            # Admit only if the whole sequence (and its next token) fits, so an admitted prefill never stalls.
-            if self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) > self.cache.num_free_blocks:
+            # Admit only if the whole sequence (and its next token) fits, with a block of its own for each of its
+            # forks (the copy of the partial last block, or the next token's), so an admitted prefill never stalls.
+            need = self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) + sum(
+                self.cache.fork_blocks_needed(f.seq_id, s.num_tokens, s.num_tokens + 1) for f in s.forks)
+            if need > self.cache.num_free_blocks:
                 break
             self.cache.reserve(s.seq_id, s.num_tokens + 1)
+            for f in s.forks:
+                self.cache.reserve_fork(f.seq_id, s.num_tokens, s.num_tokens + 1)
             batch.append(s)
             new_lens.append(n)
             budget -= n

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class Job:
     a: Assignment
     params: SamplingParams
-    generator: torch.Generator | None
+    generators: list[torch.Generator | None]  # one per choice
     pe_blocks: int  # leading hit blocks this engine reads from storage
     token_ids: list[int] = field(default_factory=list)
     hit_keys: list[bytes] = field(default_factory=list)
@@ -182,7 +182,8 @@ class PrefillEngine(Engine):
             return
         keys = unpack_keys(a.hit_keys)
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
-        job = Job(a, params, make_generator(params), pe_blocks, unpack_tokens(a.tokens), keys,
+        gens = [make_generator(params, i) for i in range(params.n)]
+        job = Job(a, params, gens, pe_blocks, unpack_tokens(a.tokens), keys,
                   hit_tokens=len(keys) * self.geometry.block_size)
         try:
             check_token_ids(params, self.model_config.vocab_size)
@@ -215,13 +216,13 @@ class PrefillEngine(Engine):
             nb = g.num_blocks(job.n_prompt)
             # PE path keeps every computed chunk locally, so the buffer holds the whole prompt
             want = nb if a.path is ReadPath.PE else job.pe_blocks
-            job.pe_slots = self.buffer.allocate(want, a.request_id) if want else []
+            job.pe_slots = self.buffer.allocate(want, a.request_id, self.cfg.transport.op_timeout_s) if want else []
             keys = job.hit_keys[:job.pe_blocks]
             if keys:  # layer by layer: the prefill may start once layer 0 is in
                 job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
             reply = self._de(a).call("Prepare", PrepareRequest(
                 a.request_id, job.n_prompt, job.pe_blocks, b"".join(job.hit_keys[job.pe_blocks:]),
-                job.params.max_tokens), timeout=self.cfg.transport.op_timeout_s * 4)
+                job.params.max_tokens, job.params.n), timeout=self.cfg.transport.op_timeout_s * 4)
             if not reply.ok:
                 raise DualPathError(f"decode engine {a.decode.engine_id} refused: {reply.error}")
             job.de_slots = reply.slots
@@ -465,29 +466,39 @@ class PrefillEngine(Engine):
         return PeerRegion(de.engine_id, de.buffer_region, FullBlockSlots(self.geometry, de.buffer_slots))
 
     def _hand_off(self, finals: list[tuple[Job, torch.Tensor]]) -> None:
-        """Sample each finished prompt's first token and tell its decode engine the KV is in place."""
+        """Sample each finished prompt's first tokens (one per choice, from its one row of logits) and tell its
+        decode engine the KV is in place."""
         if not finals:
             return
-        jobs = [j for j, _ in finals]
-        logits = torch.stack([lg for _, lg in finals])
-        tokens, logprobs = sample(logits, [j.params for j in jobs], [j.generator for j in jobs],
-                                  [j.guide.mask() if j.guide else None for j in jobs],
-                                  [TokenHistory.of(j.token_ids, j.params) for j in jobs],
+        rows = [(j, lg) for j, lg in finals for _ in range(j.params.n)]
+        jobs = [j for j, _ in rows]
+        gens = [g for j, _ in finals for g in j.generators]
+        masks = {j.work_id: j.guide.mask() if j.guide else None for j, _ in finals}
+        history = {j.work_id: TokenHistory.of(j.token_ids, j.params) for j, _ in finals}  # read, never grown here
+        tokens, logprobs = sample(torch.stack([lg for _, lg in rows]), [j.params for j in jobs], gens,
+                                  [masks[j.work_id] for j in jobs], [history[j.work_id] for j in jobs],
                                   self.model_config.eos_token_ids)
-        for job, tok, lp in zip(jobs, tokens, logprobs):
-            state = job.generator.get_state().numpy().tobytes().hex() if job.generator is not None else ""
-            path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
-            msg = PrefillDone(job.work_id, job.a.tokens, dict(job.a.sampling), tok,
-                              lp.__dict__ if lp is not None else None, state, job.hit_tokens, path,
-                              job.storage_bytes, [x.__dict__ for x in job.prompt_lps]
-                              if job.params.prompt_logprobs is not None else None)
-            try:
-                ack = self._de(job.a).call("PrefillDone", msg, timeout=30)
-                if not ack.ok:
-                    raise DualPathError(ack.error)
-            except DualPathError as e:
-                self._fail(job, f"hand-off to {job.a.decode.engine_id} failed: {e}")
-                continue
-            with self.cond:
-                self.jobs.pop(job.work_id, None)
-            self.buffer.free_owner(job.work_id)
+        start = 0
+        for job, _ in finals:
+            n = job.params.n
+            self._send_done(job, tokens[start:start + n], logprobs[start:start + n])
+            start += n
+
+    def _send_done(self, job: Job, tokens: list[int], logprobs: list) -> None:
+        states = [g.get_state().numpy().tobytes().hex() for g in job.generators] \
+            if not job.params.greedy else []
+        path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
+        msg = PrefillDone(job.work_id, job.a.tokens, dict(job.a.sampling), list(tokens),
+                          [lp.__dict__ if lp is not None else None for lp in logprobs], states, job.hit_tokens,
+                          path, job.storage_bytes, [x.__dict__ for x in job.prompt_lps]
+                          if job.params.prompt_logprobs is not None else None)
+        try:
+            ack = self._de(job.a).call("PrefillDone", msg, timeout=30)
+            if not ack.ok:
+                raise DualPathError(ack.error)
+        except DualPathError as e:
+            self._fail(job, f"hand-off to {job.a.decode.engine_id} failed: {e}")
+            return
+        with self.cond:
+            self.jobs.pop(job.work_id, None)
+        self.buffer.free_owner(job.work_id)

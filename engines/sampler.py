@@ -68,15 +68,15 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
                                field=field)
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request generator, so a seeded request samples the same tokens whatever it is batched with. On the
-    host whatever the engine's device: a token costs one number from it, drawn without touching the device, and a
-    seed gives the same tokens on every device (for the same logits)."""
+def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
+    """A per-choice generator, so a seeded request samples the same tokens whatever it is batched with (choice
+    ``i`` from ``seed + i``). On the host whatever the engine's device: a token costs one number from it, drawn
+    without touching the device, and a seed gives the same tokens on every device (for the same logits)."""
     if params.greedy:
         return None
     g = torch.Generator()
     if params.seed is not None:
-        g.manual_seed(params.seed)
+        g.manual_seed(params.seed + choice)
     else:
         g.seed()
     return g

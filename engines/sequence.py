@@ -11,6 +11,11 @@ from engines.guided import Guide
 from engines.sampler import TokenHistory, TokenLogprob
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The seq_id of a request's choice ``index`` (choice 0 is the request itself)."""
+    return f"{request_id}#{index}" if index else request_id
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # end of sequence, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
@@ -31,10 +36,23 @@ class Sequence:
     guide: Guide | None = None  # structured output: which tokens may come next
     history: TokenHistory | None = None  # what penalties and min_tokens read (built here when they are asked)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.. (when asked)
+    index: int = 0  # which of the request's choices (``params.n``) this is
+    group: str = ""  # the request's id (its choice 0's seq_id)
+    forks: list[Sequence] = field(default_factory=list)  # choices 1.. waiting for this one's prompt KV
 
     def __post_init__(self):
+        self.group = self.group or self.seq_id
         if self.history is None:
             self.history = TokenHistory.of(self.prompt_ids, self.params, self.output_ids)
+
+    @classmethod
+    def choices(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, generators: list) -> "Sequence":
+        """Choice 0 of a request, carrying choices 1.. as ``forks``: an engine computes the prompt once, then
+        forks them (``generators[i]``: choice i's)."""
+        first = cls(seq_id, prompt_ids, params, generators[0])
+        first.forks = [cls(choice_id(seq_id, i), prompt_ids, params, generators[i], index=i, group=seq_id)
+                       for i in range(1, len(generators))]
+        return first
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None

@@ -30,14 +30,14 @@ class StreamHub:
             self.loop.call_soon_threadsafe(self._put, work_id, event)
 
     async def events(self, work_id: str) -> AsyncIterator[TokenEvent]:
-        """The events of ``work_id`` as they come, through the one that finishes it."""
+        """The events of ``work_id`` as they come, through the one that finishes it (its last choice's)."""
         q = self._queue(work_id)
         self._expiry.pop(work_id, None)
         try:
             while True:
                 ev = await q.get()
                 yield ev
-                if ev.finish_reason:
+                if ev.finish_reason and ev.final:
                     return
         finally:
             self._queues.pop(work_id, None)
@@ -53,7 +53,7 @@ class StreamHub:
 
     def _put(self, work_id: str, event: TokenEvent) -> None:
         self._queue(work_id).put_nowait(event)
-        if event.finish_reason:
+        if event.finish_reason and event.final:
             self._expiry.setdefault(work_id, time.monotonic() + self.ttl_s)
 
     def _expire(self) -> None:

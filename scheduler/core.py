@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
-from dualpath.geometry import HASH_BYTES, block_hashes
+from dualpath.geometry import HASH_BYTES, block_hashes, choice_blocks
 from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
                                SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
 from dualpath.paths import default_kv_store
@@ -311,6 +311,10 @@ class SchedulerCore:
             if n == 0 or n + params.max_tokens > self.max_model_len:
                 raise RequestError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                                    f"model's context of {self.max_model_len}", field="max_tokens")
+            room = max(self.engines[e].info.capacity_tokens for e in self.alive_ids[Role.DECODE])
+            if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
+                raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
+                                   f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
             hashes = spec.block_hashes or pack_keys(block_hashes(unpack_tokens(spec.tokens), self.fingerprint,
                                                                  self.block_size))
             if len(hashes) != n // self.block_size * HASH_BYTES:
@@ -332,7 +336,17 @@ class SchedulerCore:
     def queued(self, r: RequestRecord) -> QueuedRequest:
         n = r.spec.num_tokens
         de_node = self.engines[r.de].info.node_id if r.de else ""
-        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, n + r.params.max_tokens, de_node, r.mode)
+        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, self._decode_tokens(r), de_node,
+                             r.mode)
+
+    def _decode_tokens(self, r: "RequestRecord") -> int:
+        """The most KV a decode engine holds for ``r`` (in tokens of whole blocks): the prompt once, every choice's
+        generation budget."""
+        return self._choice_tokens(r.spec.num_tokens, r.params)
+
+    def _choice_tokens(self, n_prompt: int, params: SamplingParams) -> int:
+        total = min(n_prompt + params.max_tokens, self.max_model_len)
+        return choice_blocks(self.block_size, n_prompt, total, params.n) * self.block_size
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         with self.lock:
@@ -540,7 +554,7 @@ class SchedulerCore:
             r = self.requests[rid]
             r.de = eid
             n = r.spec.num_tokens
-            self.engines[eid].outstanding.add(work_id, n, n + r.params.max_tokens)
+            self.engines[eid].outstanding.add(work_id, n, self._decode_tokens(r))
             private.remove(rid)
             r.group = None
             self.prefill_queue.append(rid)

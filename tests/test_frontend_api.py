@@ -301,9 +301,10 @@ def by_seed(sampling):
     return f"seed {sampling.seed}"
 
 
-def test_n_choices_are_generations_of_their_own(front):
-    """n > 1: one generation per choice (a seeded request's i-th with seed + i), choices in order, the prompt counted
-    once in the usage and every choice's tokens."""
+def test_n_choices_are_one_request_routed_by_choice(front):
+    """n > 1: one submission carrying n (the engines sample choice i with seed + i from one prefill); its events
+    are routed to their choices, choices in order, the prompt counted once in the usage and every choice's
+    tokens."""
     http, fake, tok = front
     fake.reply = by_seed
     r = post(http, "/v1/completions", model="m", prompt="hi", n=3, seed=5)
@@ -311,7 +312,7 @@ def test_n_choices_are_generations_of_their_own(front):
     body = r.json()
     validate("CreateCompletionResponse", body)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "seed 5"), (1, "seed 6"), (2, "seed 7")]
-    assert len(fake.prompts) == 3 and fake.prompts[0] == fake.prompts[2]
+    assert len(fake.prompts) == 1 and fake.samplings[0].n == 3 and fake.samplings[0].seed == 5
     assert body["usage"]["prompt_tokens"] == len(fake.prompts[0])
     assert body["usage"]["completion_tokens"] == 3 * len(tok.encode("seed 5", add_special_tokens=False))
     assert http.front.in_flight == 0
@@ -339,7 +340,7 @@ def test_n_choices_stream_interleaved_and_the_openai_client_reads_them(front):
     assert reply.choices[1].message.tool_calls[0].function.name == "get_weather"
 
 
-def test_a_choice_that_cannot_start_fails_the_request_and_frees_every_slot(front):
+def test_a_request_that_cannot_start_fails_and_frees_every_choice_slot(front):
     http, fake, _ = front
     fake.reply = lambda sampling: DualPathError("scheduler gone") if sampling.seed == 2 else "fine"
     r = post(http, "/v1/completions", model="m", prompt="hi", n=3, seed=0)
@@ -354,25 +355,27 @@ def test_n_is_bounded(front):
 
 
 class EndlessHandle:
-    """Test double of a request handle: a token every few milliseconds until it is cancelled."""
+    """Test double of a request handle: a token for each of ``n`` choices every few milliseconds until it is
+    cancelled."""
 
     request_id = "endless"
 
-    def __init__(self):
-        self.cancelled = threading.Event()
+    def __init__(self, n: int = 1):
+        self.cancelled, self.n = threading.Event(), n
 
     def events(self):
         while not self.cancelled.wait(0.005):
-            yield TokenEvent(self.request_id, 104)
+            for i in range(self.n):
+                yield TokenEvent(self.request_id, 104, index=i)
 
     def cancel(self):
         self.cancelled.set()
 
 
-def test_a_non_streamed_request_whose_client_left_is_cancelled_choice_by_choice(front):
+def test_a_non_streamed_request_whose_client_left_is_cancelled(front):
     http, fake, _ = front
     handles = []
-    fake.reply = lambda sampling: handles.append(EndlessHandle()) or handles[-1]
+    fake.reply = lambda sampling: handles.append(EndlessHandle(2)) or handles[-1]
     frontend = http.front
 
     class Gone:  # the request of a client that has hung up
@@ -381,9 +384,57 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled_choice_by_choice(
 
     async def collect():
         req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": 2})
-        gens = await frontend._start(req, [1, 2], SamplingParams(max_tokens=10_000))
+        gens = await frontend._start(req, [1, 2], SamplingParams(max_tokens=10_000, n=2))
         return await frontend._collect(Gone(), gens, req, "completions", 2)
 
     assert asyncio.run(collect()).status_code == 499
-    assert len(handles) == 2 and all(h.cancelled.is_set() for h in handles)
+    assert len(handles) == 1 and handles[0].cancelled.is_set()
     assert frontend.in_flight == 0
+
+
+class PacedHandle:
+    """Test double of a request handle: the choices' tokens interleaved, one every few milliseconds, each choice's
+    last finishing it; nothing more once cancelled."""
+
+    request_id = "paced"
+
+    def __init__(self, choices: list[list[int]]):
+        self.choices, self.cancels = choices, 0
+
+    def events(self):
+        left = len(self.choices)
+        for step in range(max(map(len, self.choices))):
+            for i, ids in enumerate(self.choices):
+                if step >= len(ids):
+                    continue
+                if self.cancels or threading.Event().wait(0.005):
+                    return
+                end = step == len(ids) - 1
+                left -= end
+                yield TokenEvent(self.request_id, ids[step], finish_reason="length" if end else "", index=i,
+                                 final=end and not left)
+
+    def cancel(self):
+        self.cancels += 1
+
+
+def test_a_choice_that_meets_its_stop_string_leaves_the_others_running(front):
+    """A stop string ends its own choice only: the request is cancelled once, after the last choice is done."""
+    http, fake, tok = front
+    for stream in (False, True):
+        handle = PacedHandle([tok.encode(t, add_special_tokens=False) for t in ("ab. cd", "efgh ij kl mn")])
+        fake.reply = lambda sampling: handle
+        r = post(http, "/v1/completions", model="m", prompt="hi", n=2, stop=["."], stream=stream)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            texts, finish = ["", ""], [None, None]
+            for c in chunks:
+                for ch in c["choices"]:
+                    texts[ch["index"]] += ch["text"]
+                    finish[ch["index"]] = ch["finish_reason"] or finish[ch["index"]]
+        else:
+            texts = [c["text"] for c in r.json()["choices"]]
+            finish = [c["finish_reason"] for c in r.json()["choices"]]
+        assert texts == ["ab", "efgh ij kl mn"] and finish == ["stop", "length"]
+        assert handle.cancels == 1 and http.front.in_flight == 0

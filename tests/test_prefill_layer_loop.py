@@ -39,7 +39,7 @@ def test_sends_wait_for_compute_off_the_launching_thread(tiny_dirs, tmp_path):
         tokens = list(range(3, 3 + 3 * BS + 5))  # a prompt with nothing stored: every token computed here
         params = SamplingParams(temperature=0, max_tokens=1)
         a = Assignment("r", tokens, params.to_dict(), [], ReadPath.PE, True, de)
-        job = Job(a, params, make_generator(params), 0, tokens)
+        job = Job(a, params, [make_generator(params)], 0, tokens)
         job.pe_slots = pe.buffer.allocate(g.num_blocks(len(tokens)), "r")
         job.de_slots = de_pool.allocate(g.num_blocks(len(tokens)), "r")
 

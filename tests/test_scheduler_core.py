@@ -1,9 +1,12 @@
 """The scheduler's bookkeeping driven directly (no sockets): random workloads against simulated engines."""
 import itertools
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from dualpath.config import SchedulerConfig
+from dualpath.errors import RequestError
+from dualpath.geometry import choice_blocks
 from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
 from dualpath.sampling_params import SamplingParams
 from scheduler.core import SchedulerCore
@@ -63,7 +66,8 @@ def pull(core, engines, group):
             n = len(a.tokens) // 4
             engines[eid].held[a.request_id] = (n, 0)
             de = engines[a.decode.engine_id]
-            de.held[a.request_id] = (n, n + 8)  # the decode engine holds it from prefill on
+            p = SamplingParams.from_dict(a.sampling)  # the decode engine holds it from prefill on, every choice
+            de.held[a.request_id] = (n, choice_blocks(BS, n, n + p.max_tokens, p.n) * BS)
     return reply
 
 
@@ -77,8 +81,8 @@ def check(core, engines):
         assert q.weight == sum(core.requests[rid].spec.num_tokens for rid in q), g
     for e in engines.values():
         if e.info.role is Role.DECODE:
-            reserved = sum(r.spec.num_tokens + r.params.max_tokens for r in core.requests.values()
-                           if r.de == e.info.engine_id)
+            reserved = sum(choice_blocks(BS, r.spec.num_tokens, r.spec.num_tokens + r.params.max_tokens,
+                                         r.params.n) * BS for r in core.requests.values() if r.de == e.info.engine_id)
             assert reserved <= e.info.capacity_tokens, f"{e.info.engine_id} over-committed"
 
 
@@ -93,8 +97,9 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
     for op, x in ops:
         clock.t += 0.01
         if op == "submit":
-            n = 20 + x % 400
-            core.submit(SubmitRequest(f"r{submitted}", pack_tokens(range(n)), SamplingParams(max_tokens=8).to_dict()))
+            n, choices = 20 + x % 400, 1 + x % 3  # parallel sampling: the prompt held once, n choices' budgets
+            core.submit(SubmitRequest(f"r{submitted}", pack_tokens(range(n)),
+                                      SamplingParams(max_tokens=8, n=choices).to_dict()))
             submitted += 1
         elif op == "pull":
             g = group_ids[x % len(group_ids)]
@@ -160,6 +165,33 @@ def test_a_dead_decode_group_returns_its_private_queue_and_requests_are_retried(
         for g in ["p0", "p1", "d1", "d2"]:
             pull(core, engines, g)
     assert all(r.pe is not None for r in core.requests.values())
+
+
+def test_choices_that_no_decode_engine_could_hold_are_refused_at_submission():
+    """Parallel sampling multiplies the generation budget: a request larger than every decode engine's KV memory
+    would wait at the head of its queue forever, so it is refused with the reason."""
+    core, _ = make_core("dualpath", Clock())
+    prompt = pack_tokens(range(100))  # 6 full blocks + 4 tokens: 112 tokens of blocks for one choice
+    core.submit(SubmitRequest("fits", prompt, SamplingParams(max_tokens=200, n=6).to_dict()))  # 96 + 6 x 208
+    with pytest.raises(RequestError, match="more KV memory than a decode engine has"):
+        core.submit(SubmitRequest("too-big", prompt, SamplingParams(max_tokens=240, n=6).to_dict()))
+    assert list(core.requests) == ["fits"]
+    assert choice_blocks(BS, 100, 300, 6) * BS == 96 + 6 * 208
+
+
+def test_decode_engines_are_charged_every_choice_in_whole_blocks():
+    """3 choices of 8 tokens after a 100-token prompt hold 96 + 3 x 16 tokens of blocks (not 100 + 8): charging
+    less would put more requests on an engine than its memory holds."""
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    for i in range(40):
+        core.submit(SubmitRequest(f"r{i}", pack_tokens(range(100)), SamplingParams(max_tokens=8, n=3).to_dict()))
+    for _ in range(6):
+        clock.t += 0.01
+        for g in sorted({e.info.group_id or e.info.engine_id for e in engines.values()}):
+            pull(core, engines, g)
+        check(core, engines)
+    assert sum(r.de is not None for r in core.requests.values()) == 3 * (1500 // 144)
 
 
 def test_idle_for_says_when_a_pull_could_take_work():

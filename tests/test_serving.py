@@ -213,6 +213,37 @@ def test_prompt_logprobs_and_echo_through_the_cluster_equal_the_reference(tiny, 
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("mode", ["pe", "de"])
+def test_n_choices_share_one_prompt_load_and_equal_the_reference(tiny, reference, mode):
+    """n choices are one request: the prompt's stored KV is loaded once (the bytes of one choice), the decode
+    engine forks the choices off its blocks, and choice i gives what one process gives with seed + i — also when
+    choices end at different steps (an early one's end is streamed before the others')."""
+    c = client(tiny)
+    prompt = f"Parallel sampling ({mode}) shares the prompt's blocks between choices " * 3
+    ids = reference.tokenizer.encode(prompt)
+    body = dict(model="llama", prompt=prompt, max_tokens=10, temperature=1.0, seed=11)
+    extra = {"dualpath": {"mode": mode, "usage": True}}
+    for _ in range(2):  # the second time its blocks come from storage
+        one = c.completions.create(**body, extra_body=extra)
+    want = [reference.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i))[0] for i in range(3)]
+    r = c.completions.create(**body, n=3, extra_body=extra)
+    assert [ch.text for ch in r.choices] == [w.text for w in want]
+    loaded = one.usage.model_extra["dualpath"]["kv_bytes_loaded"]
+    assert loaded > 0 and r.usage.model_extra["dualpath"]["kv_bytes_loaded"] == loaded
+    assert r.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens_details.cached_tokens > 0
+    vocab = reference.tokenizer.vocab_size  # the tiny model's logits are wider than its tokenizer
+    stop = [next(t for t in want[0].token_ids[1:] if t < vocab)]  # choice 0 ends early, the others later or not
+    want = [reference.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i,
+                                                   stop_token_ids=stop))[0] for i in range(3)]
+    chunks = list(c.completions.create(**body, n=3, stream=True, extra_body={**extra, "stop_token_ids": stop}))
+    texts, finish = ["", "", ""], [None] * 3
+    for ch in chunks:
+        for x in ch.choices:
+            texts[x.index] += x.text
+            finish[x.index] = x.finish_reason or finish[x.index]
+    assert texts == [w.text for w in want] and finish == [w.finish_reason for w in want]
+
+
 def raw(server, path, body=None, method="POST", hdrs=None):
     h = headers() if hdrs is None else hdrs
     with httpx.Client(timeout=60) as h_:

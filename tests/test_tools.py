@@ -5,6 +5,7 @@ content, and what cannot be honoured (forced calls, JSON modes, templates withou
 Unicode) is a 400 naming the field."""
 import json
 import shutil
+from dataclasses import replace
 
 import openai
 import pytest
@@ -48,8 +49,10 @@ NAMES = frozenset({"get_weather"})
 
 
 class ScriptedClient:
-    """Test double of ``ClusterClient``: every request is answered with the tokens of ``reply`` (the last one
-    finishing it); the prompts and sampling parameters it was sent are kept."""
+    """Test double of ``ClusterClient``: every choice of a request is answered with the tokens of ``reply`` (a str,
+    or one made per choice from its sampling parameters: choice i's with seed + i, as the engines seed it), the
+    choices' tokens interleaved and each one's last finishing it; the prompts and sampling parameters it was sent
+    are kept."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
@@ -57,12 +60,16 @@ class ScriptedClient:
     def start(self, prompt, sampling, request_id=None, mode=""):
         self.prompts.append(list(prompt))
         self.samplings.append(sampling)
-        reply = self.reply(sampling) if callable(self.reply) else self.reply  # a str, or one made per request
-        if isinstance(reply, Exception):
-            raise reply
-        if hasattr(reply, "events"):  # a handle of the test's own
-            return reply
-        return ScriptedHandle(self.tokenizer.encode(reply, add_special_tokens=False))
+        replies = []
+        for i in range(sampling.n):
+            one = replace(sampling, n=1, seed=None if sampling.seed is None else sampling.seed + i)
+            reply = self.reply(one) if callable(self.reply) else self.reply
+            if isinstance(reply, Exception):
+                raise reply
+            if hasattr(reply, "events"):  # a handle of the test's own
+                return reply
+            replies.append(self.tokenizer.encode(reply, add_special_tokens=False))
+        return ScriptedHandle(replies)
 
     def stats(self):
         return {"ready": True}
@@ -71,12 +78,20 @@ class ScriptedClient:
 class ScriptedHandle:
     request_id = "scripted"
 
-    def __init__(self, ids):
-        self.ids = ids
+    def __init__(self, choices: list[list[int]]):
+        self.choices = choices
 
     def events(self):
-        for i, t in enumerate(self.ids):
-            yield TokenEvent(self.request_id, t, finish_reason="stop" if i == len(self.ids) - 1 else "")
+        out = []
+        for step in range(max(map(len, self.choices))):
+            for i, ids in enumerate(self.choices):
+                if step < len(ids):
+                    end = step == len(ids) - 1
+                    out.append(TokenEvent(self.request_id, ids[step], finish_reason="stop" if end else "", index=i,
+                                          final=False))
+        if out:
+            out[-1] = replace(out[-1], final=True)
+        yield from out
 
     def cancel(self):
         pass

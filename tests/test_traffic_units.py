@@ -261,3 +261,20 @@ def test_segments_of_a_killed_process_are_removed_by_pid():
     assert os.path.exists(os.path.join(SHM_DIR, name))  # leaked: nothing ran in the process
     assert remove_segments(proc.pid) == 1 and not os.path.exists(os.path.join(SHM_DIR, name))
     assert remove_segments(proc.pid) == 0
+
+
+def test_a_full_buffer_is_waited_out_up_to_a_limit():
+    """Slots freed by another thread (a request's KV moving on) satisfy a waiting allocation; a wait that ends
+    unsatisfied, and a request larger than the arena (at once), raise."""
+    pool = BufferPool(GEOM, 6, HostMemory(6 * GEOM.full_block_bytes))
+    held = pool.allocate(5, "a")
+    threading.Timer(0.2, pool.free_owner, args=("a",)).start()
+    t = time.perf_counter()
+    assert len(pool.allocate(4, "b", wait_s=10)) == 4
+    assert 0.15 < time.perf_counter() - t < 5
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(3, "c", wait_s=0.1)
+    t = time.perf_counter()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(7, "d", wait_s=10)
+    assert time.perf_counter() - t < 1 and pool.num_free == 2 and held

@@ -24,7 +24,7 @@ class BufferPool:
             raise ValueError(f"buffer memory of {memory.nbytes} bytes cannot hold {num_slots} Full Blocks")
         self.geometry, self.layout, self.memory = geometry, layout, memory
         self.allocator = BlockAllocator(num_slots)
-        self._lock = threading.Lock()  # request threads allocate while storage callbacks free
+        self._lock = threading.Condition()  # request threads allocate (and wait) while storage callbacks free
 
     @property
     def num_slots(self) -> int:
@@ -35,18 +35,24 @@ class BufferPool:
         with self._lock:
             return self.allocator.num_free
 
-    def allocate(self, n: int, owner: Hashable) -> list[int]:
+    def allocate(self, n: int, owner: Hashable, wait_s: float = 0.0) -> list[int]:
+        """``n`` slots for ``owner``; waits up to ``wait_s`` for others to free them (requests in flight free
+        theirs as their KV moves on), then raises ``OutOfBlocksError`` — at once if the arena is smaller."""
         with self._lock:
+            if n <= self.num_slots:
+                self._lock.wait_for(lambda: self.allocator.num_free >= n, timeout=wait_s)
             return self.allocator.allocate(n, owner)
 
     def free(self, slots: list[int]) -> None:
         with self._lock:
             self.allocator.free(slots)
+            self._lock.notify_all()
 
     def free_owner(self, owner: Hashable) -> int:
         with self._lock:
             slots = self.allocator.owned_by(owner)
             self.allocator.free(slots)
+            self._lock.notify_all()
             return len(slots)
 
     def slot_bytes(self, slot: int) -> torch.Tensor:

@@ -2,10 +2,10 @@
 vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` and Prometheus ``/metrics``.
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
-``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally,
-stop strings are matched here (the request is cancelled at the first match), tool calls are parsed from chat
-replies here (``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors use OpenAI's
-JSON error format.
+``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
+strings are matched here (a choice ends at its first match; the request is cancelled once none runs), tool calls are
+parsed from chat replies here (``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors
+use OpenAI's JSON error format.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -213,30 +213,25 @@ class Frontend:
             self.m_requests.inc(endpoint=kind, status=status)
 
     async def _start(self, req, prompt: list[int], sampling: SamplingParams) -> list:
-        """Submit the request's ``n`` generations (a seeded request's i-th with seed + i, so its choices differ
-        and each is reproducible); one generator each (``_generate``). Admission counts every one."""
+        """Submit the request (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
+        one generator per choice (``_generate``). Admission counts every choice."""
         with self._lock:
             if self.in_flight + req.n > self.cfg.max_concurrent_requests:
                 raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             self.in_flight += req.n
         mode = (req.dualpath.mode or "") if req.dualpath else ""
-        gens = []
         try:
-            for i in range(req.n):
-                one = sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i)
-                handle = await asyncio.to_thread(self.client.start, prompt, one, None, mode)
-                gens.append(_Generation(self._generate(handle, prompt, one), handle, self._done))
+            handle = await asyncio.to_thread(self.client.start, prompt, sampling, None, mode)
         except BaseException as e:
-            for g in gens:
-                await g.aclose()
-            for _ in range(req.n - len(gens)):
+            for _ in range(req.n):
                 self._done()
             if isinstance(e, DualPathError):  # the scheduler is unreachable or refused the submission
                 raise ApiError(503, f"the request could not be submitted: {e}", "server_error",
                                headers={"Retry-After": "1"}) from None
             raise
-        return gens
+        fan = _Fanout(handle, req.n, asyncio.get_running_loop())
+        return [_Generation(self._generate(fan, i, prompt, sampling), fan, self._done) for i in range(req.n)]
 
     def _done(self) -> None:
         with self._lock:
@@ -348,20 +343,11 @@ class Frontend:
         return {"json_schema": json.dumps(schema), "json_prefix": prefix, "json_suffix": suffix}
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def _generate(self, handle, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Any]:
-        """Yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing it cancels."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def pump():
-            try:
-                for ev in handle.events():
-                    loop.call_soon_threadsafe(events.put_nowait, ev)
-            except BaseException as e:  # noqa: BLE001 - delivered to the request's coroutine
-                loop.call_soon_threadsafe(events.put_nowait, e)
-            loop.call_soon_threadsafe(events.put_nowait, None)
-
-        threading.Thread(target=pump, daemon=True, name=f"http-{handle.request_id}").start()
+    async def _generate(self, fan: "_Fanout", index: int, prompt: list[int],
+                        sampling: SamplingParams) -> AsyncIterator[Any]:
+        """Choice ``index``: yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing
+        it before its end lets go of the request (cancelled once no choice wants it)."""
+        events = fan.queues[index]
         detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.skip_special_tokens)
         stops, hold = sampling.stop, max((len(s) for s in sampling.stop), default=1) - 1
         text, emitted, outcome, finished = "", 0, Outcome(), False
@@ -392,7 +378,7 @@ class Frontend:
                     yield text[emitted:stop_cut(text, stops, cut, sampling.include_stop_str_in_output)], \
                         [ev.token_id], lp
                     outcome.finish_reason, finished = "stop", True
-                    handle.cancel()
+                    fan.release(early=True)
                     break
                 safe = len(text) if ev.finish_reason else max(emitted, len(text) - hold)
                 if ev.token_id >= 0 or safe > emitted:
@@ -403,14 +389,15 @@ class Frontend:
                     outcome.cached_tokens, outcome.path = ev.num_cached_tokens, ev.path
                     outcome.storage_bytes, outcome.prompt_logprobs = ev.storage_bytes, ev.prompt_logprobs
                     finished = True
+                    fan.release(early=False)
                     break
             if not finished:
                 raise ApiError(500, "generation ended without a finish reason", "server_error")
-            self._observe(outcome, len(prompt), start, first, last)
+            self._observe(outcome, len(prompt) if index == 0 else 0, start, first, last)  # the prompt ran once
             yield outcome
         finally:
             if not finished:
-                handle.cancel()
+                fan.release(early=True)
                 self.m_cancelled.inc()
             self._done()
 
@@ -426,13 +413,13 @@ class Frontend:
 
     # --- responses ------------------------------------------------------------------------------------------
     def _usage(self, req, n_prompt: int, outcomes: list[Outcome]) -> dict:
-        """The prompt counted once, every choice's completion tokens; the read path and cache hit of the first
-        choice, the KV bytes loaded for all of them."""
+        """The prompt counted once, every choice's completion tokens; the read path, cache hit and KV bytes loaded
+        of the prompt (once for all choices)."""
         done, first = sum(o.completion_tokens for o in outcomes), outcomes[0]
         usage = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
                  "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
         if req.dualpath and req.dualpath.usage:
-            usage["dualpath"] = {"read_path": first.path, "kv_bytes_loaded": sum(o.storage_bytes for o in outcomes),
+            usage["dualpath"] = {"read_path": first.path, "kv_bytes_loaded": first.storage_bytes,
                                  "cached_tokens": first.cached_tokens}
         return usage
 
@@ -629,13 +616,42 @@ async def _merge(gens: list):
         await asyncio.gather(*tasks, return_exceptions=True)  # no generation is mid-step when the caller closes it
 
 
-class _Generation:
-    """One submitted generation (``Frontend._generate``) whose ``aclose`` always ends it: it cancels the request and
-    frees its admission slot even where iteration never began (an async generator's own cleanup runs only once it
-    has started)."""
+class _Fanout:
+    """One request's token events, routed by choice to a queue each (a pump thread reads the decode engine's
+    stream). Each choice lets go of it once (``release``); the request is cancelled when the last one does, if any
+    let go early (a stop string, an error, a client gone): only the engines' own finishes need no cancel."""
 
-    def __init__(self, gen, handle, done):
-        self._gen, self._handle, self._done = gen, handle, done
+    def __init__(self, handle, n: int, loop: asyncio.AbstractEventLoop):
+        self.handle, self.queues = handle, [asyncio.Queue() for _ in range(n)]
+        self._open, self._early, self._lock = n, False, threading.Lock()
+        threading.Thread(target=self._pump, args=(loop,), daemon=True, name=f"http-{handle.request_id}").start()
+
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            for ev in self.handle.events():
+                loop.call_soon_threadsafe(self.queues[ev.index].put_nowait, ev)
+        except BaseException as e:  # noqa: BLE001 - delivered to every choice's coroutine
+            for q in self.queues:
+                loop.call_soon_threadsafe(q.put_nowait, e)
+        for q in self.queues:
+            loop.call_soon_threadsafe(q.put_nowait, None)
+
+    def release(self, early: bool) -> None:
+        with self._lock:
+            self._open -= 1
+            self._early = self._early or early
+            cancel = self._open == 0 and self._early
+        if cancel:
+            self.handle.cancel()
+
+
+class _Generation:
+    """One choice's generation (``Frontend._generate``) whose ``aclose`` always ends it: it lets go of the request
+    and frees its admission slot even where iteration never began (an async generator's own cleanup runs only once
+    it has started)."""
+
+    def __init__(self, gen, fan: _Fanout, done):
+        self._gen, self._fan, self._done = gen, fan, done
         self._started = self._closed = False
 
     def __aiter__(self):
@@ -649,7 +665,7 @@ class _Generation:
         if self._started:
             await self._gen.aclose()
         elif not self._closed:
-            self._handle.cancel()
+            self._fan.release(early=True)
             self._done()
         self._closed = True
 

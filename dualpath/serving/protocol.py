@@ -7,11 +7,10 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
-from dualpath.sampling_params import MAX_LOGIT_BIAS
+from dualpath.sampling_params import MAX_CHOICES, MAX_LOGIT_BIAS
 from dualpath.serving.tools import template_arguments
 
 
-MAX_CHOICES = 16  # n: each choice is a generation of its own
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
 NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": (None, []),
            "logits_processors": (None, []), "return_tokens_as_token_ids": (False,), "documents": (None, []),
@@ -220,7 +219,8 @@ class _Common(BaseModel):
                     stop=self.stop_list(), ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps())
+                    include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps(),
+                    n=self.n)
 
     def asked_prompt_lps(self) -> Optional[int]:
         """How many alternatives the prompt's logprobs carry (None: not asked)."""
