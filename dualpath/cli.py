@@ -21,15 +21,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
               enforce_eager=args.enforce_eager)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, n=args.n)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params)
         prompts = args.chat
     else:
         outs = llm.generate(args.prompt, params)
         prompts = args.prompt
-    for p, o in zip(prompts, outs):
-        print(f"> {p}\n{o.text}\n[{len(o.token_ids)} tokens, {o.finish_reason}]")
+    for k, o in enumerate(outs):  # a prompt's n choices one after another
+        head = f"> {prompts[k // args.n]}\n" if o.index == 0 else ""
+        label = f"choice {o.index}, " if args.n > 1 else ""
+        print(f"{head}{o.text}\n[{label}{len(o.token_ids)} tokens, {o.finish_reason}]")
     return 0
 
 
@@ -93,7 +95,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             time.sleep(0 if up else 1.0)
     finally:
         client.close()
-    keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes")
+    keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes",
+            "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
@@ -341,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
+    g.add_argument("-n", "--n", type=int, default=1, help="choices per prompt, sampled from one prefill")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     _kernels_arg(g)

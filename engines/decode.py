@@ -7,7 +7,8 @@ those slots (the prefill engine then reads them layer by layer). ``PrefillDone``
 loop, which owns the paged cache and the running batch. A request of ``n`` choices (parallel sampling) arrives
 once: its prompt's KV lands in choice 0's blocks, choices 1.. fork them (sharing the full blocks, copying the
 partial one into blocks they reserved at ``Prepare``) and decode as sequences of their own; each choice's end is
-streamed as it comes. A request's stream ends only after its blocks are stored and reported, so the next turn
+streamed as it comes. Stop strings end a choice here too (the tokenizer loads on the first request that has them),
+so a choice that met one stops taking decode steps while the others go on. A request's stream ends only after its blocks are stored and reported, so the next turn
 finds them.
 """
 from __future__ import annotations
@@ -182,8 +183,10 @@ class DecodeEngine(Engine):
         decoding each choice from its first token."""
         g, rid = self.geometry, msg.request_id
         params = SamplingParams.from_dict(msg.sampling)
-        if not self.guides_ready(params, lambda: self.inbox.put(("admit", msg))):
+        if not self.guides_ready(params, lambda: self.inbox.put(("admit", msg)), stop_strings=True):
             return
+        if params.stop and self.local.tokenizer is None:  # stop strings end a choice here (None: the load failed,
+            self.local.tokenizer = self._tokenizer  # and the frontend's match cancels the request as before)
         prompt = unpack_tokens(msg.tokens)
         with self.lock:
             h = self.held_.get(rid)
@@ -208,11 +211,10 @@ class DecodeEngine(Engine):
         for c in h.choices:
             self._emit(c.seq, c.seq.output_ids)
         for c in h.choices:
-            if c.seq.finished:
+            with self.lock:
+                running = not c.seq.finished and self.local.admit_prefilled(c.seq)
+            if not running:
                 self._finish(h, c)
-            else:
-                with self.lock:
-                    self.local.admit_prefilled(c.seq)
 
     def _prompt_to_cache(self, h: Held, msg: PrefillDoneMsg, prompt: list[int],
                          params: SamplingParams) -> list[Sequence]:
@@ -288,8 +290,7 @@ class DecodeEngine(Engine):
         self._persist(h, c)
         c.done = True
         with self.lock:
-            if c.seq in self.local.running:
-                self.local.running.remove(c.seq)
+            self.local.release(c.seq)
             self.cache.free(c.seq.seq_id)
         if h.unfinished:
             self.streams.put(h.work_id, self._finish_event(h, c, final=False))
@@ -322,8 +323,7 @@ class DecodeEngine(Engine):
                 return
             h.cancelled = True
             for c in h.choices:
-                if c.seq in self.local.running:
-                    self.local.running.remove(c.seq)
+                self.local.release(c.seq)
             for i in range(h.n):
                 self.cache.free(choice_id(work_id, i))
         self.buffer.free_owner(work_id)

@@ -79,7 +79,11 @@ class Engine:
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
         model_dir = ckpt.path
-        self.guides = GuideSource(lambda: Tokenizer(model_dir), ckpt.config.vocab_size, self.device)
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error: Exception | None = None  # a failed load is not retried
+        self._tokenizer_lock = threading.Lock()
+        self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device)
+        self.model_dir = model_dir
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
         self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)
@@ -135,18 +139,35 @@ class Engine:
         """The engine's main loop; returns when ``stopping`` is set."""
         self.stopping.wait()
 
-    def guides_ready(self, params: SamplingParams, then) -> bool:
-        """Whether ``params``' guide can be built at once. If not (the first structured request: the vocabulary's
-        ~0.4 s pass), the pass runs on a helper thread, which calls ``then`` after it, and False is returned: the
-        caller stops and ``then`` redoes its work, so an engine loop never stalls the requests it runs."""
-        if self.guides.ready(params):
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer, loaded on first use (engines that never need one pay nothing)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                if self._tokenizer_error is not None:
+                    raise self._tokenizer_error
+                try:
+                    self._tokenizer = Tokenizer(self.model_dir)
+                except Exception as e:
+                    self._tokenizer_error = e
+                    raise
+            return self._tokenizer
+
+    def guides_ready(self, params: SamplingParams, then, stop_strings: bool = False) -> bool:
+        """Whether ``params``' guide (and, with ``stop_strings``, the tokenizer its stop strings are matched with)
+        can be had at once. If not (the first structured request: the vocabulary's ~0.4 s pass; the first with
+        stop strings: the tokenizer's load), that runs on a helper thread, which calls ``then`` after it, and False
+        is returned: the caller stops and ``then`` redoes its work, so an engine loop never stalls the requests it
+        runs."""
+        want_tokenizer = stop_strings and bool(params.stop) and self._tokenizer is None and \
+            self._tokenizer_error is None
+        if self.guides.ready(params) and not want_tokenizer:
             return True
 
         def warm():
             try:
-                self.guides.warm()
+                self.guides.warm() if params.structured else self.tokenizer()
             except Exception as e:  # noqa: BLE001 - logged; guide_for raises it again, failing the request
-                log.warning("indexing the vocabulary for structured output failed: %s", e)
+                log.warning("loading the tokenizer (or indexing its vocabulary) failed: %s", e)
             then()
         threading.Thread(target=warm, daemon=True, name="guides-warm").start()
         return False

@@ -178,19 +178,28 @@ class GuideSource:
                  schemas: int = 32):
         self._tokenizer, self._width, self._device = tokenizer, width, device
         self._vocab: Vocabulary | None = None
+        self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
         self._compiled = Recent(schemas)  # by (schema, prefix, suffix); JSON mode's schema is None
         self._masks = Recent()
         self._lock = threading.Lock()
 
     def ready(self, params: "SamplingParams") -> bool:
-        """Whether ``guide_for(params)`` needs no vocabulary pass first."""
-        return not params.structured or self._vocab is not None
+        """Whether ``guide_for(params)`` needs no vocabulary pass first (it answers at once, or raises why the
+        pass failed)."""
+        return not params.structured or self._vocab is not None or self._error is not None
 
     def warm(self) -> None:
-        """Index the vocabulary (once; callers wait for a pass in progress). Raises what ``guide_for`` would."""
+        """Index the vocabulary (once; callers wait for a pass in progress). Raises what ``guide_for`` would; a
+        failed pass is not tried again."""
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._vocab is None:
-                self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width)
+                try:
+                    self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width)
+                except Exception as e:
+                    self._error = e
+                    raise
 
     def guide_for(self, params: "SamplingParams") -> Guide | None:
         if not params.structured:

@@ -119,10 +119,18 @@ class LocalEngine:
         if s.params.stop and self.tokenizer is not None:
             self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, s.prompt_ids, s.params.skip_special_tokens)
 
-    def admit_prefilled(self, seq: Sequence) -> None:
-        """Run a sequence whose prompt KV is already in the cache (``num_computed`` set, blocks reserved): the
-        decode engine's entry, after a prefill engine handed the prompt over."""
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Run a sequence whose prompt KV is already in the cache (``num_computed`` set, blocks reserved, its
+        first tokens appended): the decode engine's entry, after a prefill engine handed the prompt over. False if
+        those tokens already end it at a stop string: it does not run."""
+        self._prepare(seq)
+        for tok in seq.output_ids:
+            self._check_stop_strings(seq, tok)
+        if seq.finished:
+            self._detok.pop(seq.seq_id, None)
+            return False
         self.running.append(seq)
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,7 +161,7 @@ class LocalEngine:
             if s.finished:
                 finished.append(s)
         for s in finished:
-            self._release(s)
+            self.release(s)
         return finished
 
     def abort(self, seq_id: str) -> None:
@@ -162,7 +170,7 @@ class LocalEngine:
                 s.finish_reason = FinishReason.ABORT
                 if s in self.waiting:
                     self.waiting.remove(s)
-                self._release(s)
+                self.release(s)
 
     def _fork(self, s: Sequence) -> list[Sequence]:
         """``s`` and the choices that were waiting for its prompt, now sharing its prompt's blocks and running."""
@@ -173,7 +181,8 @@ class LocalEngine:
         out, s.forks = [s, *s.forks], []
         return out
 
-    def _release(self, s: Sequence) -> None:
+    def release(self, s: Sequence) -> None:
+        """``s`` stops running (finished or dropped); its blocks are freed unless the caller frees them."""
         if s in self.running:
             self.running.remove(s)
         if self.free_finished:

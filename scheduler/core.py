@@ -629,8 +629,18 @@ class SchedulerCore:
                 "prefill_busy_s": dict(self.prefill_busy_s),
                 "pulls_by_sender": dict(self.pulls_by_sender),
                 "traffic_bytes": {e: dict(t) for e, t in self.traffic.items()},
+                "engines": {eid: self._engine_view(e) for eid, e in self.engines.items() if e.alive},
                 **self.balance(),
             }
+
+    @staticmethod
+    def _engine_view(e: EngineRecord) -> dict:
+        """An engine's last report: requests held, their tokens, free KV tokens (a decode engine's device cache,
+        a prefill engine's workspace) and its capacity."""
+        load = e.load
+        return {"role": e.info.role.value, "node": e.info.node_id, "requests": load.seq if load else 0,
+                "tokens": load.tok if load else 0, "capacity_tokens": e.info.capacity_tokens,
+                "free_tokens": load.free_tokens if load else e.info.capacity_tokens}
 
 
 class _Nodes(dict):

@@ -3,6 +3,7 @@ KV through real files and the shm transport. Outputs must equal the single-proce
 import json
 import os
 import threading
+from dataclasses import replace
 
 import time
 
@@ -288,6 +289,23 @@ def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tm
         want = [reference.generate(prompts[0][:37], SamplingParams(temperature=1.0, max_tokens=8, seed=3 + i))[0]
                 for i in range(3)]
         assert [r.token_ids for r in choices] == [w.token_ids for w in want] and [r.index for r in choices] == [0, 1, 2]
+        stop = want[1].text[2:4]  # stop strings end a choice on the decode engine, the others run on
+        stopping = SamplingParams(temperature=1.0, max_tokens=8, seed=3, n=3, stop=(stop,))
+        want = [reference.generate(prompts[0][:37], replace(stopping, n=1, seed=3 + i))[0] for i in range(3)]
+        choices = client.generate_choices(prompts[0][:37], stopping)
+        assert [(r.token_ids, r.finish_reason) for r in choices] == [(w.token_ids, w.finish_reason) for w in want]
+        assert want[1].finish_reason == "stop" and len(want[1].token_ids) < 8
+        handle = client.start(prompts[1], SamplingParams(temperature=1.0, max_tokens=300, n=3, ignore_eos=True))
+        events = handle.events()
+        assert {next(events).index for _ in range(9)} == {0, 1, 2}
+        handle.cancel()  # every choice's blocks (and the shared prompt's) come back
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            (de,) = [e for e in client.stats()["engines"].values() if e["role"] == "decode"]
+            if de["requests"] == 0 and de["free_tokens"] == de["capacity_tokens"]:
+                break
+            time.sleep(0.2)
+        assert de["requests"] == 0 and de["free_tokens"] == de["capacity_tokens"], de
         client.close()
 
 

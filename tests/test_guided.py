@@ -599,5 +599,6 @@ def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
     engine = SimpleNamespace(guides=GuideSource(broken, 320, "cpu"))
     back.clear()
     assert not Engine.guides_ready(engine, json_mode, back.set) and back.wait(10)
+    assert Engine.guides_ready(engine, json_mode, None)  # the work goes on, to fail (no pass retried in a loop)
     with pytest.raises(CheckpointError, match="no token bytes"):
         engine.guides.guide_for(json_mode)

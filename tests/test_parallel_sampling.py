@@ -147,3 +147,14 @@ def test_aborting_a_request_before_its_prompt_ran_frees_its_choices(llm):
     assert all(f.finish_reason.value == "abort" for f in forks) and not llm.engine.has_work()
     llm.cache.check()
     assert llm.cache.num_free_blocks == llm.cache.allocator.num_blocks
+
+
+def test_the_generate_command_prints_every_choice(tiny_dirs, capsys):
+    from dualpath.cli import main
+
+    args = ["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "ab", "cd", "-n", "3", "--temperature", "1",
+            "--seed", "4", "--max-tokens", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("> ab\n") == 1 and out.count("> cd\n") == 1
+    assert [out.count(f"[choice {i}, 3 tokens") for i in range(3)] == [2, 2, 2]

@@ -3,9 +3,10 @@ vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` and Prometheus ``/metrics`
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
-strings are matched here (a choice ends at its first match; the request is cancelled once none runs), tool calls are
-parsed from chat replies here (``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors
-use OpenAI's JSON error format.
+strings are matched here (where the text is cut; a choice ends at its first match, as it does on the decode engine,
+and the request is cancelled once none runs), tool calls are parsed from chat replies here
+(``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors use OpenAI's JSON error
+format.
 """
 from __future__ import annotations
 
