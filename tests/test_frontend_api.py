@@ -1,7 +1,7 @@
 """The HTTP frontend's smaller surface, with a scripted test double in place of the cluster: OpenAI's penalties and
 logit bias and vLLM's extra sampling fields (``stop_token_ids``, ``ignore_eos``, ``repetition_penalty``, ``min_p``,
 ``min_tokens``) reach the engines' sampling parameters, out-of-range values are a 400, fields that would change the
-answer but are not implemented (``best_of``) are a 400 rather than silently ignored, and vLLM's
+answer but are not implemented are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
 import asyncio
 import json
@@ -140,7 +140,9 @@ def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
-    ("/v1/completions", dict(prompt="hi", best_of=3), "best_of"),
+    ("/v1/completions", dict(prompt="hi", best_of=1, n=2), "best_of"),
+    ("/v1/completions", dict(prompt="hi", best_of=17), "best_of"),
+    ("/v1/completions", dict(prompt="hi", best_of=3, stream=True), "best_of"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]]),
      "functions"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], modalities=["text", "audio"]),
@@ -383,12 +385,13 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled(front):
             return True
 
     async def collect():
-        req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": 2})
-        gens = await frontend._start(req, [1, 2], SamplingParams(max_tokens=10_000, n=2))
-        return await frontend._collect(Gone(), gens, req, "completions", 2)
+        req = CompletionRequest.model_validate({"model": "m", "prompt": ["hi", "ho"], "n": 2})
+        prompts = frontend._prompts(req, "completions")
+        gens = await frontend._start(req, prompts, [SamplingParams(max_tokens=10_000, n=2)] * 2)
+        return await frontend._collect(Gone(), gens, req, "completions", prompts)
 
     assert asyncio.run(collect()).status_code == 499
-    assert len(handles) == 1 and handles[0].cancelled.is_set()
+    assert len(handles) == 2 and all(h.cancelled.is_set() for h in handles)  # both prompts' requests
     assert frontend.in_flight == 0
 
 
@@ -438,3 +441,69 @@ def test_a_choice_that_meets_its_stop_string_leaves_the_others_running(front):
             finish = [c["finish_reason"] for c in r.json()["choices"]]
         assert texts == ["ab", "efgh ij kl mn"] and finish == ["stop", "length"]
         assert handle.cancels == 1 and http.front.in_flight == 0
+
+
+def test_a_batch_of_prompts_is_one_request_each_with_choices_numbered_prompt_by_prompt(front):
+    """OpenAI's batch form: choice ``p * n + i`` is prompt p's choice i; the usage counts every prompt once."""
+    http, fake, tok = front
+    fake.reply = by_seed
+    r = post(http, "/v1/completions", model="m", prompt=["ab", "cd"], n=2, seed=5, echo=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("CreateCompletionResponse", body)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "abseed 5"), (1, "abseed 6"), (2, "cdseed 5"), (3, "cdseed 6")]
+    assert fake.prompts == [tok.encode("ab"), tok.encode("cd")] and all(s.n == 2 for s in fake.samplings)
+    assert body["usage"]["prompt_tokens"] == len(tok.encode("ab")) + len(tok.encode("cd"))
+    assert body["usage"]["completion_tokens"] == 4 * len(tok.encode("seed 5", add_special_tokens=False))
+    streamed = [json.loads(x[6:]) for x in post(http, "/v1/completions", model="m", prompt=[[5, 6], [7]], n=2, seed=1,
+                                                stream=True, stream_options={"include_usage": True}).text.splitlines()
+                if x.startswith("data: {")]
+    texts = {}
+    for c in streamed:
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+    assert texts == {0: "seed 1", 1: "seed 2", 2: "seed 1", 3: "seed 2"} and streamed[-1]["usage"]["prompt_tokens"] == 3
+    for bad, n, param in ((["ok", ""], 1, "prompt"), (["x"] * 257, 1, "prompt"), (["x"] * 40, 16, "prompt")):
+        r = post(http, "/v1/completions", model="m", prompt=bad, n=n)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert http.front.in_flight == 0
+
+
+class RankedHandle:
+    """Test double of a request handle: choice i's tokens each with log-probability ``means[i]``."""
+
+    request_id = "ranked"
+
+    def __init__(self, choices: list[list[int]], means: list[float]):
+        self.choices, self.means = choices, means
+
+    def events(self):
+        for i, (ids, mean) in enumerate(zip(self.choices, self.means)):
+            for k, t in enumerate(ids):
+                end = k == len(ids) - 1
+                yield TokenEvent(self.request_id, t, {"token_id": t, "logprob": mean, "top": []}, index=i,
+                                 finish_reason="length" if end else "", final=end and i == len(self.choices) - 1)
+
+    def cancel(self):
+        pass
+
+
+def test_best_of_returns_the_n_candidates_with_the_best_mean_logprob(front):
+    """best_of candidates are sampled (with their tokens' logprobs, asked or not), the n with the highest mean
+    logprob per token come back best first; the usage counts every candidate's tokens."""
+    http, fake, tok = front
+    texts = ["one one", "two", "three three three"]
+    fake.reply = lambda sampling: RankedHandle([tok.encode(t, add_special_tokens=False) for t in texts],
+                                               [-1.0, -0.2, -0.5])
+    r = post(http, "/v1/completions", model="m", prompt="hi", n=2, best_of=3)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("CreateCompletionResponse", body)
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "two", None),
+                                                                                (1, "three three three", None)]
+    assert fake.samplings[-1].n == 3 and fake.samplings[-1].logprobs == 0
+    assert body["usage"]["completion_tokens"] == sum(len(tok.encode(t, add_special_tokens=False)) for t in texts)
+    r = post(http, "/v1/completions", model="m", prompt="hi", best_of=3, logprobs=2)
+    assert [c["text"] for c in r.json()["choices"]] == ["two"] and r.json()["choices"][0]["logprobs"]["tokens"]
+    assert fake.samplings[-1].logprobs == 2 and http.front.in_flight == 0

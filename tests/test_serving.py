@@ -242,6 +242,31 @@ def test_n_choices_share_one_prompt_load_and_equal_the_reference(tiny, reference
             texts[x.index] += x.text
             finish[x.index] = x.finish_reason or finish[x.index]
     assert texts == [w.text for w in want] and finish == [w.finish_reason for w in want]
+    cands = [reference.generate(ids, SamplingParams(temperature=1.0, max_tokens=10, seed=11 + i, logprobs=0))[0]
+             for i in range(3)]
+    best = max(cands, key=lambda o: sum(lp.logprob for lp in o.logprobs) / len(o.logprobs))
+    r = c.completions.create(**body, best_of=3, extra_body=extra)  # the best of 3 by mean logprob
+    assert [ch.text for ch in r.choices] == [best.text] and r.usage.completion_tokens == 30
+
+
+def test_a_batch_of_prompts_is_scored_and_sampled_prompt_by_prompt(tiny, reference):
+    """Completions' batch form, as evaluation harnesses send it: echo with logprobs over several prompts at once
+    (each prompt's tokens scored), and seeded replies to each prompt equal to the single-process reference (this
+    server admits 3 generations at once: n x prompts beyond that is a 400)."""
+    prompts = ["the first prompt of a batch", "and a second, longer prompt of the same batch " * 2]
+    r = raw(tiny, "/v1/completions", {"model": "llama", "prompt": prompts, "max_tokens": 1, "temperature": 0,
+                                      "echo": True, "logprobs": 1}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    for p, choice in zip(prompts, r["choices"]):
+        ids = reference.tokenizer.encode(p)
+        want = reference.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+        got = choice["logprobs"]["token_logprobs"]
+        assert choice["text"] == p + want.text and len(got) == len(ids) + 1 and got[0] is None
+        assert all(abs(a - b.logprob) < 1e-4 for a, b in zip(got[1:len(ids)], want.prompt_logprobs[1:]))
+    r = client(tiny).completions.create(model="llama", prompt=prompts, max_tokens=6, temperature=1.0, seed=9)
+    want = [reference.generate(p, SamplingParams(temperature=1.0, max_tokens=6, seed=9))[0].text for p in prompts]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert r.usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in prompts)
 
 
 def raw(server, path, body=None, method="POST", hdrs=None):
@@ -268,7 +293,8 @@ def test_error_cases_return_openai_errors_and_the_server_keeps_serving(tiny):
         (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]},
               hdrs={"Authorization": "Bearer wrong"}), 401, None),
         (dict(body=b"{" + b" " * (2 << 20) + b"}"), 413, None),
-        (dict(body={"model": "llama", "prompt": ["a", "b"]}, path="/v1/completions"), 400, "prompt"),
+        (dict(body={"model": "llama", "prompt": ["a", "b", "c", "d"]}, path="/v1/completions"), 400, "prompt"),
+        (dict(body={"model": "llama", "prompt": "a", "n": 4}, path="/v1/completions"), 400, "n"),
     ]
     for kw, status, param in cases:
         r = raw(tiny, kw.pop("path", "/v1/chat/completions"), kw["body"], hdrs=kw.get("hdrs"))

@@ -201,54 +201,71 @@ class Frontend:
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             self._check_model(req.model)
-            prompt = self._prompt(req, kind)
-            sampling = self._sampling(req, kind, len(prompt))
-            gens = await self._start(req, prompt, sampling)
+            prompts = self._prompts(req, kind)
+            samplings = [self._sampling(req, kind, len(p.ids)) for p in prompts]
+            gens = await self._start(req, prompts, samplings)
             if req.stream:
-                return StreamingResponse(self._sse(gens, req, kind, len(prompt)), media_type="text/event-stream")
-            return await self._collect(request, gens, req, kind, prompt)
+                return StreamingResponse(self._sse(gens, req, kind, prompts), media_type="text/event-stream")
+            return await self._collect(request, gens, req, kind, prompts)
         except ApiError as e:
             status = e.status
             return e.response()
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
 
-    async def _start(self, req, prompt: list[int], sampling: SamplingParams) -> list:
-        """Submit the request (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
-        one generator per choice (``_generate``). Admission counts every choice."""
+    async def _start(self, req, prompts: list["_Prompt"], samplings: list[SamplingParams]) -> list:
+        """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
+        one generator per choice (``_generate``), prompt after prompt. Admission counts every choice."""
+        k = req.samples()
+        total = k * len(prompts)
+        if total > self.cfg.max_concurrent_requests:
+            raise ApiError(400, f"{len(prompts)} prompt(s) x {k} choices exceed the server's "
+                                f"{self.cfg.max_concurrent_requests} concurrent generations",
+                           param="prompt" if len(prompts) > 1 else "n")
         with self._lock:
-            if self.in_flight + req.n > self.cfg.max_concurrent_requests:
+            if self.in_flight + total > self.cfg.max_concurrent_requests:
                 raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
                                headers={"Retry-After": "1"})
-            self.in_flight += req.n
+            self.in_flight += total
         mode = (req.dualpath.mode or "") if req.dualpath else ""
+        gens, loop = [], asyncio.get_running_loop()
         try:
-            handle = await asyncio.to_thread(self.client.start, prompt, sampling, None, mode)
+            for p, sampling in zip(prompts, samplings):
+                handle = await asyncio.to_thread(self.client.start, p.ids, sampling, None, mode)
+                fan = _Fanout(handle, k, loop)
+                gens += [_Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
         except BaseException as e:
-            for _ in range(req.n):
+            for g in gens:  # the prompts already submitted are cancelled
+                await g.aclose()
+            for _ in range(total - len(gens)):
                 self._done()
             if isinstance(e, DualPathError):  # the scheduler is unreachable or refused the submission
                 raise ApiError(503, f"the request could not be submitted: {e}", "server_error",
                                headers={"Retry-After": "1"}) from None
             raise
-        fan = _Fanout(handle, req.n, asyncio.get_running_loop())
-        return [_Generation(self._generate(fan, i, prompt, sampling), fan, self._done) for i in range(req.n)]
+        return gens
 
     def _done(self) -> None:
         with self._lock:
             self.in_flight -= 1
 
     # --- request -> tokens and sampling ---------------------------------------------------------------------
-    def _prompt(self, req, kind: str) -> list[int]:
+    def _prompts(self, req, kind: str) -> list["_Prompt"]:
+        """The request's prompts as token ids (a chat's one, rendered; a completion's one or batch)."""
         try:
             if kind == "chat":
-                ids = self._chat_ids(req)
-            elif isinstance(req.prompt, str):
-                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            else:
-                ids = self._known_ids(req.prompt, "prompt")
+                return [_Prompt(self._truncated(req, self._chat_ids(req)), None)]
+            return [_Prompt(self._truncated(req, self._prompt_ids(req, p)), p if isinstance(p, str) else None)
+                    for p in req.prompts()]
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+
+    def _prompt_ids(self, req: CompletionRequest, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        return self._known_ids(prompt, "prompt")
+
+    def _truncated(self, req, ids: list[int]) -> list[int]:
         keep = req.truncate_prompt_tokens
         return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
 
@@ -293,8 +310,8 @@ class Frontend:
         max_tokens = wanted or min(room, self.cfg.default_max_tokens)
         if kind == "chat":
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            logprobs = req.logprobs
+        else:  # best_of ranks its candidates by their tokens' logprobs
+            logprobs = req.logprobs if req.logprobs is not None or req.samples() == req.n else 0
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **req.sampling_fields(),
                                   stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
@@ -413,15 +430,18 @@ class Frontend:
                 self.m_tpot.observe((last - first) / (o.completion_tokens - 1))
 
     # --- responses ------------------------------------------------------------------------------------------
-    def _usage(self, req, n_prompt: int, outcomes: list[Outcome]) -> dict:
-        """The prompt counted once, every choice's completion tokens; the read path, cache hit and KV bytes loaded
-        of the prompt (once for all choices)."""
-        done, first = sum(o.completion_tokens for o in outcomes), outcomes[0]
+    def _usage(self, req, prompts: list["_Prompt"], outcomes: list[Outcome]) -> dict:
+        """Each prompt counted once, every sampled choice's completion tokens (``best_of``'s unreturned ones too);
+        the cache hit and KV bytes loaded of each prompt (once for its choices: ``outcomes`` are in choice order, a
+        prompt's together), the read path of the first."""
+        firsts = outcomes[::req.samples()]
+        n_prompt, done = sum(len(p.ids) for p in prompts), sum(o.completion_tokens for o in outcomes)
+        cached = sum(o.cached_tokens for o in firsts)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
-                 "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         if req.dualpath and req.dualpath.usage:
-            usage["dualpath"] = {"read_path": first.path, "kv_bytes_loaded": first.storage_bytes,
-                                 "cached_tokens": first.cached_tokens}
+            usage["dualpath"] = {"read_path": firsts[0].path, "kv_bytes_loaded": sum(o.storage_bytes for o in firsts),
+                                 "cached_tokens": cached}
         return usage
 
     def _chat_logprobs(self, lps: list) -> dict:
@@ -446,7 +466,7 @@ class Frontend:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, prompt: list[int]) -> JSONResponse:
+    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list["_Prompt"]) -> JSONResponse:
         texts, lps = [[] for _ in gens], [[] for _ in gens]
         consumers = [asyncio.ensure_future(_drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
@@ -467,14 +487,17 @@ class Frontend:
         outcomes = [c.result() for c in consumers]
         for g in gens:
             await g.aclose()
+        usage = self._usage(req, prompts, outcomes)
+        texts, lps, outcomes = _best(req.n, req.samples(), texts, lps, outcomes)
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        choices = [self._choice(req, kind, i, "".join(t), lp, o, prompt)
+        choices = [self._choice(req, kind, i, "".join(t), lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created, "model": self.cfg.model_name, "choices": choices,
-                "usage": self._usage(req, len(prompt), outcomes)}
+                "usage": usage}
         if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
-            body["prompt_logprobs"] = self._prompt_logprobs(prompt, outcomes[0].prompt_logprobs, req.prompt_logprobs)
+            body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
+                                                            req.prompt_logprobs)
         return JSONResponse(body)
 
     def _prompt_logprobs(self, prompt: list[int], lps: list | None, k: int) -> list:
@@ -492,7 +515,7 @@ class Frontend:
         return out
 
     def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome,
-                prompt: list[int]) -> dict:
+                prompt: "_Prompt") -> dict:
         """One finished choice of a non-streamed response."""
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
         if kind != "chat":
@@ -508,20 +531,21 @@ class Frontend:
                 "logprobs": self._chat_logprobs(lps) if want_lps else None}
 
     def _completion_choice(self, req, index: int, content: str, lps: list | None, outcome: Outcome,
-                           prompt: list[int]) -> dict:
+                           prompt: "_Prompt") -> dict:
         """A completions choice; with ``echo`` the prompt's text comes first (and, with logprobs, its tokens: the
         first without a logprob, as OpenAI's legacy form has it)."""
         choice = {"index": index, "text": content, "finish_reason": outcome.finish_reason, "logprobs": None}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(prompt, outcome.prompt_logprobs, req.prompt_logprobs)
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt.ids, outcome.prompt_logprobs,
+                                                              req.prompt_logprobs)
         if not req.echo:
             choice["logprobs"] = self._completion_logprobs(lps) if lps is not None else None
             return choice
-        head = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt)
+        head = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
         choice["text"] = head + content
         if lps is not None:
-            _check_prompt_logprobs(prompt, outcome.prompt_logprobs)
-            first = {"token_id": prompt[0], "logprob": None, "top": ()}
+            _check_prompt_logprobs(prompt.ids, outcome.prompt_logprobs)
+            first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
             echoed = [first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in outcome.prompt_logprobs]
             body = self._completion_logprobs(echoed)
             tail = self._completion_logprobs(lps, offset0=len(head))
@@ -529,7 +553,7 @@ class Frontend:
             choice["logprobs"] = {key: body[key] + tail[key] for key in body}
         return choice
 
-    async def _sse(self, gens: list, req, kind: str, n_prompt: int):
+    async def _sse(self, gens: list, req, kind: str, prompts: list["_Prompt"]):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
         usage, when asked, once at the end."""
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
@@ -551,7 +575,7 @@ class Frontend:
                     "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
 
         splitters = [self._splitter(req, kind) for _ in gens]
-        outcomes: list[Outcome] = []
+        outcomes: dict[int, Outcome] = {}
         try:
             if kind == "chat":
                 for i in range(len(gens)):
@@ -560,7 +584,7 @@ class Frontend:
             async for i, item in _merge(gens):
                 splitter = splitters[i]
                 if isinstance(item, Outcome):
-                    outcomes.append(item)
+                    outcomes[i] = item
                     finish = item.finish_reason
                     if splitter is not None:
                         if tail := splitter.finish():
@@ -578,7 +602,7 @@ class Frontend:
                 if delta or lp:
                     yield chunk(choice(i, delta, [lp] if lp else []))
             if req.stream_options and req.stream_options.include_usage:
-                yield chunk(None, self._usage(req, n_prompt, outcomes))
+                yield chunk(None, self._usage(req, prompts, [outcomes[i] for i in range(len(gens))]))
         except ApiError as e:
             yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
         finally:
@@ -615,6 +639,14 @@ async def _merge(gens: list):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # no generation is mid-step when the caller closes it
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a request: its token ids, and its text when the client sent text (echo repeats it)."""
+
+    ids: list[int]
+    text: str | None
 
 
 class _Fanout:
@@ -669,6 +701,19 @@ class _Generation:
             self._fan.release(early=True)
             self._done()
         self._closed = True
+
+
+def _best(n: int, k: int, *per_choice: list) -> tuple[list, ...]:
+    """Of each prompt's ``k`` sampled choices the ``n`` whose tokens have the highest mean logprob (``best_of``,
+    OpenAI's rule), best first; ``per_choice``: texts, logprobs, outcomes, in choice order."""
+    if k == n:
+        return per_choice
+    lps = per_choice[1]
+    keep = []
+    for start in range(0, len(lps), k):
+        mean = [sum(x["logprob"] for x in lps[i]) / max(1, len(lps[i])) for i in range(start, start + k)]
+        keep += [start + j for j in sorted(range(k), key=lambda j: -mean[j])[:n]]
+    return tuple([xs[i] for i in keep] for xs in per_choice)
 
 
 async def _drain(gen, text: list, lps: list):

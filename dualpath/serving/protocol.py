@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dualpath.errors import RequestError
 from dualpath.sampling_params import MAX_CHOICES, MAX_LOGIT_BIAS
+
+MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 from dualpath.serving.tools import template_arguments
 
 
@@ -220,7 +222,11 @@ class _Common(BaseModel):
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps(),
-                    n=self.n)
+                    n=self.samples())
+
+    def samples(self) -> int:
+        """Choices sampled per prompt."""
+        return self.n
 
     def asked_prompt_lps(self) -> Optional[int]:
         """How many alternatives the prompt's logprobs carry (None: not asked)."""
@@ -406,21 +412,34 @@ class CompletionRequest(_Common):
 
     @field_validator("best_of")
     @classmethod
-    def _one_of_one(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _candidates(cls, v, info):
+        if v is None:
+            return v
+        n = info.data.get("n", 1)
+        if not n <= v <= MAX_CHOICES:
+            raise ValueError(f"best_of must be from n ({n}) to {MAX_CHOICES}")
+        if v > n and info.data.get("stream"):
+            raise ValueError("best_of > n needs stream false (the best are chosen once every candidate is done)")
         return v
+
+    def samples(self) -> int:
+        """Choices sampled per prompt: ``best_of`` candidates, of which the ``n`` best are returned."""
+        return self.best_of or self.n
 
     @field_validator("prompt")
     @classmethod
-    def _single(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("one prompt per request")
-            v = v[0]
-        if isinstance(v, list) and not v or v == "":
+    def _non_empty(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if any(not p for p in batch):
             raise ValueError("the prompt is empty")
         return v
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts (OpenAI's batch form: a list of texts or of token lists; else one)."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
 
 class TokenizeRequest(ChatRendering):
