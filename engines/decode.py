@@ -159,8 +159,8 @@ class DecodeEngine(Engine):
     # --- the decode loop ------------------------------------------------------------------------------------
     def loop(self) -> None:
         while not self.stopping.is_set():
-            self._drain_inbox(block=not self.local.running)
-            if self.local.running:
+            self._drain_inbox(block=not self.local.has_work())
+            if self.local.has_work():
                 self._step()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -245,6 +245,7 @@ class DecodeEngine(Engine):
 
     def _step(self) -> None:
         with self.lock:
+            self.local.promote()  # the rows this step decodes, so their tokens are emitted below
             before = {s.seq_id: len(s.output_ids) for s in self.local.running}
             running = list(self.local.running)
             try:

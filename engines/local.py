@@ -93,6 +93,7 @@ class LocalEngine:
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilled: deque[Sequence] = deque()  # prompt KV in place, waiting for one of max_num_seqs rows
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -129,11 +130,18 @@ class LocalEngine:
         if seq.finished:
             self._detok.pop(seq.seq_id, None)
             return False
-        self.running.append(seq)
+        self.prefilled.append(seq)
+        self.promote()
         return True
 
+    def promote(self) -> None:
+        """Prefilled sequences join the decode batch while it has fewer than ``max_num_seqs`` rows (CUDA graphs
+        are captured up to that size; a larger batch would run eagerly)."""
+        while self.prefilled and len(self.running) < self.max_num_seqs:
+            self.running.append(self.prefilled.popleft())
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     def step(self) -> list[Sequence]:
         """One forward. Returns the sequences that finished in it (their blocks already freed)."""
@@ -185,6 +193,8 @@ class LocalEngine:
         """``s`` stops running (finished or dropped); its blocks are freed unless the caller frees them."""
         if s in self.running:
             self.running.remove(s)
+        if s in self.prefilled:
+            self.prefilled.remove(s)
         if self.free_finished:
             self.cache.free(s.seq_id)
         for f in s.forks:  # aborted before its prompt was computed: the choices never start
@@ -232,6 +242,7 @@ class LocalEngine:
         return batch, new_lens
 
     def _schedule_decode(self) -> list[Sequence]:
+        self.promote()
         while self.running:
             need = sum(self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) for s in self.running)
             if need <= self.cache.num_free_blocks:

@@ -262,10 +262,12 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
 
 def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tmp_path, reference):
     """Engines whose DRAM buffers hold 40 blocks, four concurrent 16-block prompts on each path: requests wait for
-    buffer room (they used to fail after three refused attempts); a request's three choices fork on the decode
-    engine and equal three seeded requests of the single-process reference."""
+    buffer room (they used to fail after three refused attempts), and for one of the decode batch's 2 rows; a
+    request's three choices fork on the decode engine and equal three seeded requests of the single-process
+    reference."""
     g_bytes = 40 * 12288  # the tiny Llama's Full Block at block size 16 is 12,288 bytes
-    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, buffer_bytes=g_bytes)
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, buffer_bytes=g_bytes,
+             extra_engine_args=("--max-num-seqs", "2"))  # and a decode batch of 2 rows: the rest wait for one
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(250)] for i in range(8)]

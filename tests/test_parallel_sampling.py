@@ -158,3 +158,27 @@ def test_the_generate_command_prints_every_choice(tiny_dirs, capsys):
     out = capsys.readouterr().out
     assert out.count("> ab\n") == 1 and out.count("> cd\n") == 1
     assert [out.count(f"[choice {i}, 3 tokens") for i in range(3)] == [2, 2, 2]
+
+
+def test_prefilled_sequences_wait_for_a_decode_row(tiny_dirs, llm):
+    """The decode engine's entry: sequences handed over with their prompt's KV in place join the batch only while
+    it has fewer than ``max_num_seqs`` rows (CUDA graphs are captured up to that size); the rest wait their turn
+    and generate what they would have."""
+    from engines.local import LocalEngine
+
+    prompts = [list(range(3, 3 + k)) for k in (20, 9, 33, 4, 17)]
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]
+    seqs = [Sequence(f"handed-{i}", p, SamplingParams(temperature=0, max_tokens=6)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        llm.engine.add(s)
+    llm.engine.step()  # every prompt prefilled, first tokens sampled: as a prefill engine hands them over
+    llm.engine.running.clear()
+    decode = LocalEngine(llm.model, llm.cache, max_num_seqs=2)
+    assert all(decode.admit_prefilled(s) for s in seqs)
+    rows, forward = [], decode.runner.forward
+    decode.runner.forward = lambda batch, lens: rows.append(len(batch)) or forward(batch, lens)
+    while decode.has_work():
+        decode.step()
+    assert max(rows) == 2 and [s.output_ids for s in seqs] == want
+    llm.cache.check()
+    assert llm.cache.num_free_blocks == llm.cache.allocator.num_blocks
