@@ -255,8 +255,12 @@ class Frontend:
         try:
             if kind == "chat":
                 return [_Prompt(self._truncated(req, self._chat_ids(req)), None)]
-            return [_Prompt(self._truncated(req, self._prompt_ids(req, p)), p if isinstance(p, str) else None)
-                    for p in req.prompts()]
+            out = []
+            for p in req.prompts():
+                ids = self._prompt_ids(req, p)
+                kept = self._truncated(req, ids)  # echo repeats a text prompt as sent, unless it was cut
+                out.append(_Prompt(kept, p if isinstance(p, str) and len(kept) == len(ids) else None))
+            return out
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
