@@ -207,7 +207,7 @@ class TokenEvent:
     path: str = ""
     storage_bytes: int = 0
     error: str = ""
-    prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., on the final event
+    prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., on a choice's first event
     index: int = 0  # the choice (``SamplingParams.n``) the token or finish belongs to
     final: bool = True  # with finish_reason: the request's last event (False: only this choice finished)
 

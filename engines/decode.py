@@ -2,14 +2,14 @@
 continuous batching, streams tokens to the submitter, and writes every Full Block that fills to storage.
 
 Admission is memory-exact: ``Prepare`` reserves device blocks for the prompt and the whole generation budget, and
-buffer slots for the prompt, or refuses. For the DE read path it also loads the hit blocks from storage into
-those slots (the prefill engine then reads them layer by layer). ``PrefillDone`` hands the sequence to the decode
-loop, which owns the paged cache and the running batch. A request of ``n`` choices (parallel sampling) arrives
-once: its prompt's KV lands in choice 0's blocks, choices 1.. fork them (sharing the full blocks, copying the
-partial one into blocks they reserved at ``Prepare``) and decode as sequences of their own; each choice's end is
-streamed as it comes. Stop strings end a choice here too (the tokenizer loads on the first request that has them),
-so a choice that met one stops taking decode steps while the others go on. A request's stream ends only after its blocks are stored and reported, so the next turn
-finds them.
+buffer slots for the prompt, or refuses. For the DE read path it also loads the hit blocks from storage into those
+slots (the prefill engine then reads them layer by layer). ``PrefillDone`` hands the sequence to the decode loop,
+which owns the paged cache and the running batch. A request of ``n`` choices (parallel sampling) arrives once: its
+prompt's KV lands in choice 0's blocks, choices 1.. fork them (sharing the full blocks, copying the partial one into
+blocks they reserved at ``Prepare``) and decode as sequences of their own; each choice's end is streamed as it
+comes. Stop strings end a choice here too (the tokenizer loads on the first request that has them), so a choice that
+met one stops taking decode steps while the others go on. A request's stream ends only after its blocks are stored
+and reported, so the next turn finds them.
 """
 from __future__ import annotations
 
@@ -204,12 +204,12 @@ class DecodeEngine(Engine):
         hashes = block_hashes(prompt, self.fingerprint, g.block_size)
         h.choices = [Choice(s, list(hashes), len(prompt) // g.block_size) for s in seqs]
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
-                  "path": msg.path, "storage_bytes": msg.storage_bytes, "prompt_logprobs": msg.prompt_logprobs}
+                  "path": msg.path, "storage_bytes": msg.storage_bytes}
         self._store_prompt(h, hashes, msg.num_cached_tokens // g.block_size)
         self.outbox.add("started", rid)
         self.report_soon()
-        for c in h.choices:
-            self._emit(c.seq, c.seq.output_ids)
+        for c in h.choices:  # the prompt's logprobs (when asked) on each choice's first event
+            self._emit(c.seq, c.seq.output_ids, msg.prompt_logprobs)
         for c in h.choices:
             with self.lock:
                 running = not c.seq.finished and self.local.admit_prefilled(c.seq)
@@ -332,11 +332,11 @@ class DecodeEngine(Engine):
         log.info("%s dropped: %s", work_id, reason)
 
     # --- streams --------------------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None) -> None:
         lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
-        for tok, lp in zip(tokens, lps):
+        for k, (tok, lp) in enumerate(zip(tokens, lps)):
             self.streams.put(seq.group, TokenEvent(seq.group, tok, lp.__dict__ if lp is not None else None,
-                                                   index=seq.index))
+                                                   index=seq.index, prompt_logprobs=None if k else prompt_logprobs))
 
     async def Stream(self, ref: RequestRef, ctx):
         """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""

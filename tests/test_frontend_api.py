@@ -199,14 +199,56 @@ def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     assert not fake.prompts
 
 
-def test_completions_echo_without_logprobs_and_not_streamed(front):
+class EchoHandle:
+    """Test double of a request handle: the prompt's logprobs on the first event, then the reply's tokens."""
+
+    request_id = "echo"
+
+    def __init__(self, prompt: list[int], reply: list[int]):
+        self.plps = [{"token_id": t, "logprob": -1.0 - k, "top": [[t, -1.0 - k]], "rank": 1}
+                     for k, t in enumerate(prompt[1:])]
+        self.reply = reply
+
+    def events(self):
+        for k, t in enumerate(self.reply):
+            end = k == len(self.reply) - 1
+            yield TokenEvent(self.request_id, t, {"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]},
+                             prompt_logprobs=None if k else self.plps, finish_reason="length" if end else "")
+
+    def cancel(self):
+        pass
+
+
+def streamed_choices(r) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for ch in json.loads(line[6:])["choices"]:
+                out.setdefault(ch["index"], []).append(ch)
+    return out
+
+
+def test_completions_echo_with_and_without_logprobs_streamed_or_not(front):
     http, fake, tok = front
     fake.reply = " there"
     r = post(http, "/v1/completions", model="m", prompt="hello", echo=True)
     assert r.json()["choices"][0]["text"] == "hello there" and fake.samplings[-1].prompt_logprobs is None
     post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=3, prompt_logprobs=1)
     assert fake.samplings[-1].prompt_logprobs == 3  # echo's logprobs need the prompt's
-    r = post(http, "/v1/completions", model="m", prompt="hello", echo=True, stream=True)
+    got = streamed_choices(post(http, "/v1/completions", model="m", prompt="hello", echo=True, stream=True, n=2))
+    assert {i: "".join(c["text"] for c in chs) for i, chs in got.items()} == {0: "hello there", 1: "hello there"}
+    assert all(chs[0]["text"] == "hello" for chs in got.values())  # the prompt first
+    ids, reply = tok.encode("hello"), tok.encode(" there", add_special_tokens=False)
+    fake.reply = lambda sampling: EchoHandle(ids, reply)
+    whole = post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=1).json()["choices"][0]
+    (chs,) = streamed_choices(post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=1,
+                                   stream=True)).values()
+    assert chs[0]["text"] == "hello" and chs[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chs) == whole["text"] == "hello there"
+    for key in ("tokens", "token_logprobs"):
+        assert [x for c in chs if c["logprobs"] for x in c["logprobs"][key]] == whole["logprobs"][key]
+    assert len(whole["logprobs"]["tokens"]) == len(ids) + len(reply)
+    r = post(http, "/v1/completions", model="m", prompt="hello", prompt_logprobs=1, stream=True)
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
 
 

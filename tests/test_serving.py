@@ -208,6 +208,13 @@ def test_prompt_logprobs_and_echo_through_the_cluster_equal_the_reference(tiny, 
     lps = r["logprobs"]
     assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None and len(lps["tokens"]) == len(ids) + 2
     assert all(abs(a - b.logprob) < 1e-4 for a, b in zip(lps["token_logprobs"][1:len(ids)], want.prompt_logprobs[1:]))
+    with httpx.Client(timeout=60) as h:  # streamed: the prompt's chunk (with its logprobs) first, then the reply's
+        body = {"model": "llama", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1,
+                "stream": True}
+        lines = h.post(tiny.url + "/v1/completions", headers=headers(), json=body).text.splitlines()
+    chunks = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+    assert chunks[0]["text"] == prompt and "".join(c["text"] for c in chunks) == r["text"]
+    assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]] == lps["token_logprobs"]
     chat = raw(tiny, "/v1/chat/completions", {"model": "llama", "messages": [{"role": "user", "content": prompt}],
                                               "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

@@ -392,6 +392,9 @@ class Frontend:
                     outcome.completion_tokens += 1
                     text += detok.add(ev.token_id)
                     lp = ev.logprob
+                if ev.prompt_logprobs is not None:  # on a choice's first event
+                    outcome.prompt_logprobs = ev.prompt_logprobs
+                    yield _PromptLogprobs(ev.prompt_logprobs)
                 if ev.finish_reason:
                     text += detok.flush()
                 # min_tokens: stop strings do not end the reply before that many tokens
@@ -409,7 +412,7 @@ class Frontend:
                 if ev.finish_reason:
                     outcome.finish_reason = "length" if ev.finish_reason == "length" else "stop"
                     outcome.cached_tokens, outcome.path = ev.num_cached_tokens, ev.path
-                    outcome.storage_bytes, outcome.prompt_logprobs = ev.storage_bytes, ev.prompt_logprobs
+                    outcome.storage_bytes = ev.storage_bytes
                     finished = True
                     fan.release(early=False)
                     break
@@ -545,17 +548,24 @@ class Frontend:
         if not req.echo:
             choice["logprobs"] = self._completion_logprobs(lps) if lps is not None else None
             return choice
-        head = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
+        head, body = self._echoed(req, prompt, outcome.prompt_logprobs)
         choice["text"] = head + content
         if lps is not None:
-            _check_prompt_logprobs(prompt.ids, outcome.prompt_logprobs)
-            first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
-            echoed = [first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in outcome.prompt_logprobs]
-            body = self._completion_logprobs(echoed)
             tail = self._completion_logprobs(lps, offset0=len(head))
-            body["top_logprobs"][0] = None
             choice["logprobs"] = {key: body[key] + tail[key] for key in body}
         return choice
+
+    def _echoed(self, req, prompt: "_Prompt", prompt_lps: list | None) -> tuple[str, dict | None]:
+        """``echo``'s head: the prompt's text and, with ``logprobs``, its tokens' logprobs in the legacy form (the
+        first token without one)."""
+        head = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
+        if req.logprobs is None:
+            return head, None
+        _check_prompt_logprobs(prompt.ids, prompt_lps)
+        first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
+        body = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps])
+        body["top_logprobs"][0] = None
+        return head, body
 
     async def _sse(self, gens: list, req, kind: str, prompts: list["_Prompt"]):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
@@ -585,8 +595,16 @@ class Frontend:
                 for i in range(len(gens)):
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                                  "logprobs": None})
+            elif req.echo and req.logprobs is None:  # the prompt's text first (with logprobs: once they come)
+                for i in range(len(gens)):
+                    yield chunk(choice(i, self._echoed(req, prompts[i // req.n], None)[0], []))
             async for i, item in _merge(gens):
                 splitter = splitters[i]
+                if isinstance(item, _PromptLogprobs):
+                    if kind != "chat" and req.echo and req.logprobs is not None:
+                        head, body = self._echoed(req, prompts[i // req.n], item.lps)
+                        yield chunk({"index": i, "text": head, "finish_reason": None, "logprobs": body})
+                    continue
                 if isinstance(item, Outcome):
                     outcomes[i] = item
                     finish = item.finish_reason
@@ -643,6 +661,13 @@ async def _merge(gens: list):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # no generation is mid-step when the caller closes it
+
+
+@dataclass(frozen=True)
+class _PromptLogprobs:
+    """What a choice's generation yields when its prompt's logprobs arrive (before its first token)."""
+
+    lps: list
 
 
 @dataclass(frozen=True)
@@ -724,6 +749,8 @@ async def _drain(gen, text: list, lps: list):
     async for item in gen:
         if isinstance(item, Outcome):
             return item
+        if isinstance(item, _PromptLogprobs):
+            continue
         delta, _, lp = item
         text.append(delta)
         if lp:

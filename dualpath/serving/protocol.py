@@ -187,11 +187,9 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _whole(self):
-        """The prompt's logprobs (and completions' echo) come with the whole reply, not streamed."""
-        asked = [k for k, on in (("prompt_logprobs", self.prompt_logprobs is not None),
-                                 ("echo", getattr(self, "echo", False))) if on]
-        if self.stream and asked:
-            raise ValueError(f"{' and '.join(asked)} need stream false")
+        """vLLM's prompt_logprobs come with the whole reply, not streamed (completions' echo streams)."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need stream false")
         return self
 
     @model_validator(mode="after")
@@ -400,7 +398,7 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False  # the prompt before the completion (and, with logprobs, its tokens' logprobs); no stream
+    echo: bool = False  # the prompt before the completion (and, with logprobs, its tokens' logprobs)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. around a text prompt (honoured)
