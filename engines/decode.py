@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import DualPathError, OutOfBlocksError
-from dualpath.geometry import BlockHash, block_hashes
+from dualpath.geometry import BlockHash, block_hashes, choice_blocks
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
 from dualpath.sampling_params import SamplingParams
@@ -128,9 +128,7 @@ class DecodeEngine(Engine):
         with self.lock:
             if rid in self.held_:
                 return PrepareReply(False, error=f"{rid} is already held"), None
-            need = self.cache.blocks_needed(rid, total) + sum(
-                self.cache.fork_blocks_needed(f, n_prompt, total) for f in forks)
-            if need > self.cache.num_free_blocks:
+            if choice_blocks(g.block_size, n_prompt, total, req.n) > self.cache.num_free_blocks:  # holds none yet
                 return PrepareReply(False, error=f"no device memory for {req.n} x {total} tokens"), None
             slots = self.buffer.allocate(g.num_blocks(n_prompt), rid)  # full: Prepare waits and asks again
             self.cache.reserve(rid, total)

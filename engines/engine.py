@@ -78,12 +78,11 @@ class Engine:
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
-        model_dir = ckpt.path
+        self.model_dir = ckpt.path
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: Exception | None = None  # a failed load is not retried
         self._tokenizer_lock = threading.Lock()
         self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device)
-        self.model_dir = model_dir
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
         self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)

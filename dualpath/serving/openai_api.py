@@ -28,6 +28,8 @@ from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
+from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
+                                      merge)
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                                        parse)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
@@ -46,28 +48,6 @@ class FrontendConfig:
     max_body_bytes: int = 16 << 20
     max_concurrent_requests: int = 512
     default_max_tokens: int = 1024
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code, self.headers = status, type_, param, code, headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.type, self.param, self.code), self.status, headers=self.headers)
-
-
-@dataclass
-class Outcome:
-    """What a finished generation reports for the response and the usage."""
-
-    finish_reason: str = "stop"
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    path: str = ""
-    storage_bytes: int = 0
-    prompt_logprobs: list | None = None  # TokenLogprob fields of prompt tokens 1.., when asked
 
 
 class Frontend:
@@ -213,7 +193,7 @@ class Frontend:
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
 
-    async def _start(self, req, prompts: list["_Prompt"], samplings: list[SamplingParams]) -> list:
+    async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams]) -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
         one generator per choice (``_generate``), prompt after prompt. Admission counts every choice."""
         k = req.samples()
@@ -232,8 +212,8 @@ class Frontend:
         try:
             for p, sampling in zip(prompts, samplings):
                 handle = await asyncio.to_thread(self.client.start, p.ids, sampling, None, mode)
-                fan = _Fanout(handle, k, loop)
-                gens += [_Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
+                fan = Fanout(handle, k, loop)
+                gens += [Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
         except BaseException as e:
             for g in gens:  # the prompts already submitted are cancelled
                 await g.aclose()
@@ -250,16 +230,16 @@ class Frontend:
             self.in_flight -= 1
 
     # --- request -> tokens and sampling ---------------------------------------------------------------------
-    def _prompts(self, req, kind: str) -> list["_Prompt"]:
+    def _prompts(self, req, kind: str) -> list[Prompt]:
         """The request's prompts as token ids (a chat's one, rendered; a completion's one or batch)."""
         try:
             if kind == "chat":
-                return [_Prompt(self._truncated(req, self._chat_ids(req)), None)]
+                return [Prompt(self._truncated(req, self._chat_ids(req)), None)]
             out = []
             for p in req.prompts():
                 ids = self._prompt_ids(req, p)
                 kept = self._truncated(req, ids)  # echo repeats a text prompt as sent, unless it was cut
-                out.append(_Prompt(kept, p if isinstance(p, str) and len(kept) == len(ids) else None))
+                out.append(Prompt(kept, p if isinstance(p, str) and len(kept) == len(ids) else None))
             return out
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
@@ -365,7 +345,7 @@ class Frontend:
         return {"json_schema": json.dumps(schema), "json_prefix": prefix, "json_suffix": suffix}
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def _generate(self, fan: "_Fanout", index: int, prompt: list[int],
+    async def _generate(self, fan: Fanout, index: int, prompt: list[int],
                         sampling: SamplingParams) -> AsyncIterator[Any]:
         """Choice ``index``: yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing
         it before its end lets go of the request (cancelled once no choice wants it)."""
@@ -394,7 +374,7 @@ class Frontend:
                     lp = ev.logprob
                 if ev.prompt_logprobs is not None:  # on a choice's first event
                     outcome.prompt_logprobs = ev.prompt_logprobs
-                    yield _PromptLogprobs(ev.prompt_logprobs)
+                    yield PromptLogprobs(ev.prompt_logprobs)
                 if ev.finish_reason:
                     text += detok.flush()
                 # min_tokens: stop strings do not end the reply before that many tokens
@@ -437,7 +417,7 @@ class Frontend:
                 self.m_tpot.observe((last - first) / (o.completion_tokens - 1))
 
     # --- responses ------------------------------------------------------------------------------------------
-    def _usage(self, req, prompts: list["_Prompt"], outcomes: list[Outcome]) -> dict:
+    def _usage(self, req, prompts: list[Prompt], outcomes: list[Outcome]) -> dict:
         """Each prompt counted once, every sampled choice's completion tokens (``best_of``'s unreturned ones too);
         the cache hit and KV bytes loaded of each prompt (once for its choices: ``outcomes`` are in choice order, a
         prompt's together), the read path of the first."""
@@ -473,9 +453,9 @@ class Frontend:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list["_Prompt"]) -> JSONResponse:
+    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> JSONResponse:
         texts, lps = [[] for _ in gens], [[] for _ in gens]
-        consumers = [asyncio.ensure_future(_drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
+        consumers = [asyncio.ensure_future(drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
             await asyncio.wait(consumers, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((c for c in consumers if c.done() and c.exception() is not None), None)
@@ -495,7 +475,7 @@ class Frontend:
         for g in gens:
             await g.aclose()
         usage = self._usage(req, prompts, outcomes)
-        texts, lps, outcomes = _best(req.n, req.samples(), texts, lps, outcomes)
+        texts, lps, outcomes = best(req.n, req.samples(), texts, lps, outcomes)
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         choices = [self._choice(req, kind, i, "".join(t), lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
@@ -522,7 +502,7 @@ class Frontend:
         return out
 
     def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome,
-                prompt: "_Prompt") -> dict:
+                prompt: Prompt) -> dict:
         """One finished choice of a non-streamed response."""
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
         if kind != "chat":
@@ -538,7 +518,7 @@ class Frontend:
                 "logprobs": self._chat_logprobs(lps) if want_lps else None}
 
     def _completion_choice(self, req, index: int, content: str, lps: list | None, outcome: Outcome,
-                           prompt: "_Prompt") -> dict:
+                           prompt: Prompt) -> dict:
         """A completions choice; with ``echo`` the prompt's text comes first (and, with logprobs, its tokens: the
         first without a logprob, as OpenAI's legacy form has it)."""
         choice = {"index": index, "text": content, "finish_reason": outcome.finish_reason, "logprobs": None}
@@ -555,7 +535,7 @@ class Frontend:
             choice["logprobs"] = {key: body[key] + tail[key] for key in body}
         return choice
 
-    def _echoed(self, req, prompt: "_Prompt", prompt_lps: list | None) -> tuple[str, dict | None]:
+    def _echoed(self, req, prompt: Prompt, prompt_lps: list | None) -> tuple[str, dict | None]:
         """``echo``'s head: the prompt's text and, with ``logprobs``, its tokens' logprobs in the legacy form (the
         first token without one)."""
         head = prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.ids)
@@ -567,7 +547,7 @@ class Frontend:
         body["top_logprobs"][0] = None
         return head, body
 
-    async def _sse(self, gens: list, req, kind: str, prompts: list["_Prompt"]):
+    async def _sse(self, gens: list, req, kind: str, prompts: list[Prompt]):
         """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
         usage, when asked, once at the end."""
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
@@ -598,9 +578,9 @@ class Frontend:
             elif req.echo and req.logprobs is None:  # the prompt's text first (with logprobs: once they come)
                 for i in range(len(gens)):
                     yield chunk(choice(i, self._echoed(req, prompts[i // req.n], None)[0], []))
-            async for i, item in _merge(gens):
+            async for i, item in merge(gens):
                 splitter = splitters[i]
-                if isinstance(item, _PromptLogprobs):
+                if isinstance(item, PromptLogprobs):
                     if kind != "chat" and req.echo and req.logprobs is not None:
                         head, body = self._echoed(req, prompts[i // req.n], item.lps)
                         yield chunk({"index": i, "text": head, "finish_reason": None, "logprobs": body})
@@ -631,131 +611,6 @@ class Frontend:
             for g in gens:
                 await g.aclose()
         yield "data: [DONE]\n\n"
-
-
-async def _merge(gens: list):
-    """``(index, item)`` from every generation as items arrive, each generation in its own order, until every one
-    has yielded its ``Outcome``. A generation's error is raised here (the others are closed by the caller)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen) -> None:
-        try:
-            async for item in gen:
-                await queue.put((i, item))
-                if isinstance(item, Outcome):
-                    return
-            await queue.put((i, ApiError(500, "generation ended without a result", "server_error")))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer (a cancellation is not: it ends the pump)
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            left -= isinstance(item, Outcome)
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # no generation is mid-step when the caller closes it
-
-
-@dataclass(frozen=True)
-class _PromptLogprobs:
-    """What a choice's generation yields when its prompt's logprobs arrive (before its first token)."""
-
-    lps: list
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    """One prompt of a request: its token ids, and its text when the client sent text (echo repeats it)."""
-
-    ids: list[int]
-    text: str | None
-
-
-class _Fanout:
-    """One request's token events, routed by choice to a queue each (a pump thread reads the decode engine's
-    stream). Each choice lets go of it once (``release``); the request is cancelled when the last one does, if any
-    let go early (a stop string, an error, a client gone): only the engines' own finishes need no cancel."""
-
-    def __init__(self, handle, n: int, loop: asyncio.AbstractEventLoop):
-        self.handle, self.queues = handle, [asyncio.Queue() for _ in range(n)]
-        self._open, self._early, self._lock = n, False, threading.Lock()
-        threading.Thread(target=self._pump, args=(loop,), daemon=True, name=f"http-{handle.request_id}").start()
-
-    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            for ev in self.handle.events():
-                loop.call_soon_threadsafe(self.queues[ev.index].put_nowait, ev)
-        except BaseException as e:  # noqa: BLE001 - delivered to every choice's coroutine
-            for q in self.queues:
-                loop.call_soon_threadsafe(q.put_nowait, e)
-        for q in self.queues:
-            loop.call_soon_threadsafe(q.put_nowait, None)
-
-    def release(self, early: bool) -> None:
-        with self._lock:
-            self._open -= 1
-            self._early = self._early or early
-            cancel = self._open == 0 and self._early
-        if cancel:
-            self.handle.cancel()
-
-
-class _Generation:
-    """One choice's generation (``Frontend._generate``) whose ``aclose`` always ends it: it lets go of the request
-    and frees its admission slot even where iteration never began (an async generator's own cleanup runs only once
-    it has started)."""
-
-    def __init__(self, gen, fan: _Fanout, done):
-        self._gen, self._fan, self._done = gen, fan, done
-        self._started = self._closed = False
-
-    def __aiter__(self):
-        return self
-
-    def __anext__(self):
-        self._started = True
-        return self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        if self._started:
-            await self._gen.aclose()
-        elif not self._closed:
-            self._fan.release(early=True)
-            self._done()
-        self._closed = True
-
-
-def _best(n: int, k: int, *per_choice: list) -> tuple[list, ...]:
-    """Of each prompt's ``k`` sampled choices the ``n`` whose tokens have the highest mean logprob (``best_of``,
-    OpenAI's rule), best first; ``per_choice``: texts, logprobs, outcomes, in choice order."""
-    if k == n:
-        return per_choice
-    lps = per_choice[1]
-    keep = []
-    for start in range(0, len(lps), k):
-        mean = [sum(x["logprob"] for x in lps[i]) / max(1, len(lps[i])) for i in range(start, start + k)]
-        keep += [start + j for j in sorted(range(k), key=lambda j: -mean[j])[:n]]
-    return tuple([xs[i] for i in keep] for xs in per_choice)
-
-
-async def _drain(gen, text: list, lps: list):
-    async for item in gen:
-        if isinstance(item, Outcome):
-            return item
-        if isinstance(item, _PromptLogprobs):
-            continue
-        delta, _, lp = item
-        text.append(delta)
-        if lp:
-            lps.append(lp)
-    raise ApiError(500, "generation ended without a result", "server_error")
 
 
 def _check_prompt_logprobs(prompt: list[int], lps: list | None) -> None:

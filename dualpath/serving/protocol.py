@@ -427,7 +427,7 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        batch = _prompt_batch(v)
         if len(batch) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         if any(not p for p in batch):
@@ -436,8 +436,12 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The request's prompts (OpenAI's batch form: a list of texts or of token lists; else one)."""
-        v = self.prompt
-        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        return _prompt_batch(self.prompt)
+
+
+def _prompt_batch(v) -> list:
+    """A completions prompt as a list of prompts: a list of texts or of token lists is a batch, anything else one."""
+    return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
 
 class TokenizeRequest(ChatRendering):
