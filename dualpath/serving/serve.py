@@ -9,6 +9,8 @@ import signal
 import socket
 from pathlib import Path
 
+from engines.main import write_ready
+
 log = logging.getLogger(__name__)
 
 
@@ -95,8 +97,7 @@ def serve(args) -> int:
             metrics = f"; scheduler metrics at {cluster.scheduler_http}/metrics" if cluster.scheduler_http else ""
             print(f"DualPath is serving {frontend.cfg.model_name} at {url} (metrics at {url[:-3]}/metrics{metrics})",
                   flush=True)
-            if args.ready_file:
-                Path(args.ready_file).write_text(f"{port}\n")
+            write_ready(args.ready_file, f"{port}\n")  # atomically: a reader never sees it empty
 
         run_frontend(frontend, args.host, args.port, ready)
     finally:
@@ -120,8 +121,7 @@ def frontend_main(args) -> int:
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
-        if args.ready_file:
-            Path(args.ready_file).write_text(f"{port}\n")
+        write_ready(args.ready_file, f"{port}\n")
 
     run_frontend(frontend, args.host, args.port, ready)
     return 0
