@@ -437,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--think-time", type=float, default=0.0, help="seconds between an agent's rounds")
     ro.add_argument("--temperature", type=float, default=0.0)
     ro.add_argument("--seed", type=int, default=0)
-    ro.add_argument("--max-concurrency", type=int, default=None)
+    ro.add_argument("--group-size", type=int, default=1,
+                    help="samples per agent (GRPO's groups): the first round one request with n choices, "
+                         "each continuing on its own; needs --temperature > 0")
+    ro.add_argument("--max-concurrency", type=int, default=None, help="agents (groups) in flight at once")
     ro.add_argument("--skip-invalid", action="store_true", help="skip malformed lines instead of failing")
     ro.add_argument("--no-progress", action="store_true")
     _cluster_args(ro)

@@ -11,7 +11,8 @@ import pytest
 from dualpath.client import ClusterClient
 from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.errors import DualPathError
-from dualpath.rollout.runner import Rollout, RolloutConfig, agent_digest, completed_agents, make_agents
+from dualpath.rollout.runner import Rollout, RolloutConfig, agent_digest, completed_agents, make_agents, round_seed
+from dualpath.sampling_params import SamplingParams
 from dualpath.rollout.tracegen import PRESETS, generate_trace, measure, trace_shapes
 from dualpath.rollout.trajectory import TrajectoryError, read_trajectories, write_trajectories
 
@@ -98,11 +99,12 @@ def test_forced_generation_lengths_are_exact(cluster, tmp_path):
 
 
 def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
+    """Sampled (temperature 0.8): each run is its own interpreter, so the rounds' seeds must not depend on one."""
     ts, _ = generate_trace("64k", 8, scale=0.02, turns_scale=0.1, vocab=(3, 250), seed=2)
     traj = tmp_path / "t.jsonl"
     write_trajectories(traj, ts)
     cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "rollout", str(traj),
-           "--scheduler", cluster.scheduler_address, "--no-progress"]
+           "--scheduler", cluster.scheduler_address, "--no-progress", "--temperature", "0.8"]
     subprocess.run(cmd + ["--out", str(tmp_path / "clean.jsonl")], check=True, timeout=300)
     out = tmp_path / "resumed.jsonl"
     proc = subprocess.Popen(cmd + ["--out", str(out)])
@@ -138,6 +140,51 @@ def test_resume_refuses_results_of_other_trajectories(tmp_path):
         completed_agents(out, stale)
     assert agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=1))[0]) != \
         agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=2))[0])
+
+
+def test_a_group_samples_its_first_round_in_one_request_and_each_sample_goes_on(cluster, tmp_path):
+    """GRPO's groups: sample s's first round is choice s of one request (what a request of its own with seed + s
+    samples), the later rounds are the sample's own, and every sample's second round finds the shared prompt's
+    blocks stored."""
+    ts, _ = generate_trace("64k", 2, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=4)
+    cfg = RolloutConfig(temperature=0.9, group_size=3)
+    client = ClusterClient(cluster.scheduler_address)
+    before = client.stats()["submitted"]
+    summary = Rollout(client, cfg).run(ts, tmp_path / "out.jsonl", progress=False)
+    assert client.stats()["submitted"] - before == sum(1 + 3 * (len(t.rounds) - 1) for t in ts)
+    recs = {(r["agent"], r["sample"], r["round"]): r
+            for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert len(recs) == summary["rounds"] == 3 * sum(len(t.rounds) for t in ts)
+    for t in ts:
+        first = [recs[(t.id, s, 0)]["output"] for s in range(3)]
+        assert len({tuple(o) for o in first}) > 1  # the samples differ
+        seed = round_seed(cfg, t.id, 0, 0)
+        for s in range(3):
+            alone = client.generate(list(t.rounds[0].append), SamplingParams(
+                max_tokens=t.rounds[0].generate, ignore_eos=True, temperature=0.9, seed=seed + s))
+            assert first[s] == alone.token_ids
+            second = recs[(t.id, s, 1)]
+            assert second["prompt_tokens"] == len(t.rounds[0].append) + len(first[s]) + len(t.rounds[1].append)
+            assert second["cached_tokens"] >= len(t.rounds[0].append) // 16 * 16
+            assert all(len(recs[(t.id, s, i)]["output"]) == r.generate for i, r in enumerate(t.rounds))
+    client.close()
+
+
+def test_a_group_resumes_only_whole_and_bad_groups_are_refused(tmp_path):
+    ts, _ = generate_trace("64k", 2, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=1)
+    cfg = RolloutConfig(temperature=1.0, group_size=2)
+    agents = make_agents(ts, cfg)
+    digests = {a.id: agent_digest(a, cfg) for a in agents}
+    assert digests != {a.id: agent_digest(a) for a in agents}  # greedy single-sample results are not resumed from
+    lines = [{"agent": a.id, "sample": s, "samples": 2, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
+             for a in agents for s in range(2) for i in range(len(a.rounds))]
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]))  # the last sample lacks its last round
+    done, kept = completed_agents(out, digests)
+    assert done == {agents[0].id} and len(kept) == 2 * len(agents[0].rounds)
+    for bad, message in ((dict(group_size=2), "temperature > 0"), (dict(temperature=1.0, group_size=17), "1..16")):
+        with pytest.raises(DualPathError, match=message):
+            RolloutConfig(**bad)
 
 
 def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):

@@ -1,6 +1,7 @@
 """``dualpath rollout`` and ``dualpath trace``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ def rollout_main(args) -> int:
     if not trajectories:
         print("no trajectories to run")
         return 1
+    cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
+                        agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size)
     cluster = None
     try:
         if args.scheduler:
@@ -25,8 +28,7 @@ def rollout_main(args) -> int:
             cluster, model_dir, max_len = cluster_from_args(args)
             scheduler = cluster.scheduler_address
         tokenizer = Tokenizer(model_dir) if model_dir else None
-        cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
-                            agents=args.agents, max_concurrency=args.max_concurrency, max_model_len=max_len or 0)
+        cfg = dataclasses.replace(cfg, max_model_len=max_len or 0)
         client = ClusterClient(scheduler)
         summary = Rollout(client, cfg, tokenizer).run(trajectories, args.out, progress=not args.no_progress)
         client.close()

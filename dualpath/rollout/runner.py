@@ -2,10 +2,13 @@
 (plus an optional think time), results stream to a JSONL file one round per line, and an interrupted job resumes
 from that file without redoing the agents it finished.
 
-A result line: ``{"agent", "trajectory", "round", "rounds", "digest", "prompt_tokens", "cached_tokens",
-"completion_tokens", "output", "finish_reason", "ttft", "tpot", "path", "kv_bytes", "start", "end"}`` (times in
-seconds since the job started; ``output`` the generated token ids, which RL rollouts need; ``digest`` a fingerprint
-of the agent's rounds, so that a resume never mixes in results of other trajectories).
+A result line: ``{"agent", "trajectory", "sample", "samples", "round", "rounds", "digest", "prompt_tokens",
+"cached_tokens", "completion_tokens", "output", "finish_reason", "ttft", "tpot", "path", "kv_bytes", "start",
+"end"}`` (times in seconds since the job started; ``output`` the generated token ids, which RL rollouts need;
+``digest`` a fingerprint of the agent's rounds and sampling, so that a resume never mixes in results of other
+trajectories). With ``group_size`` G > 1 every agent is sampled G times (GRPO's groups): its first round is one
+request with n = G, so the prompt is loaded or computed once, and each sample continues on its own from there
+(``sample`` 0..G-1); the first round's ``kv_bytes`` are on sample 0's line.
 """
 from __future__ import annotations
 
@@ -22,10 +25,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dualpath.client import ClusterClient
+from dualpath.client import ClusterClient, GenerationResult
 from dualpath.errors import DualPathError
 from dualpath.rollout.trajectory import Round, Trajectory
-from dualpath.sampling_params import SamplingParams
+from dualpath.sampling_params import MAX_CHOICES, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,13 @@ class RolloutConfig:
     mode: str = ""  # read-path mode for every request ("" = the scheduler's)
     max_model_len: int = 0  # rounds that would overflow it end their agent early (0: no check here)
     sample_interval_s: float = 0.5  # scheduler statistics sampling (storage reads per node over time)
+    group_size: int = 1  # samples per agent: one first-round request with n = group_size, then each on its own
+
+    def __post_init__(self):
+        if not 1 <= self.group_size <= MAX_CHOICES:
+            raise DualPathError(f"group size must be 1..{MAX_CHOICES}, got {self.group_size}")
+        if self.group_size > 1 and self.temperature == 0:
+            raise DualPathError("a group of samples needs a temperature > 0 (greedy samples are all the same)")
 
 
 @dataclass(frozen=True)
@@ -65,20 +75,33 @@ def make_agents(trajectories: list[Trajectory], cfg: RolloutConfig) -> list[Agen
     return out
 
 
-def agent_digest(agent: Agent) -> str:
-    """A fingerprint of what the agent sends: resuming checks that earlier results came from the same rounds."""
+def agent_digest(agent: Agent, cfg: RolloutConfig = RolloutConfig()) -> str:
+    """A fingerprint of what the agent sends and how it samples: resuming checks that earlier results came from the
+    same rounds, temperature, seed and group size."""
     rounds = [[list(r.append) if not isinstance(r.append, str) else r.append, r.generate, r.max_tokens]
               for r in agent.rounds]
+    if cfg.temperature or cfg.group_size > 1:  # greedy single samples keep the digest they always had
+        rounds.append([cfg.temperature, cfg.seed, cfg.group_size])
     return hashlib.blake2b(json.dumps(rounds).encode(), digest_size=8).hexdigest()
 
 
+def round_seed(cfg: RolloutConfig, agent: str, sample: int, i: int) -> int | None:
+    """The seed of an agent's sample's round i: the same in every process (``hash()`` of a str is salted per
+    interpreter, so a resumed job would have sampled other tokens). Below 2**30: a group's choices add their index."""
+    if cfg.temperature == 0:
+        return None
+    key = json.dumps([cfg.seed, agent, sample, i]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 2
+
+
 def completed_agents(path: Path, digests: dict[str, str]) -> tuple[set[str], list[str]]:
-    """Agents whose every round is in ``path``, and the result lines that belong to them. ``digests``: each agent's
-    :func:`agent_digest`; a line of the same agent with another digest (results of other trajectories, or of
-    another ``--agents``/``--seed``) is an error, not something to resume from."""
+    """Agents whose every sample's every round is in ``path``, and the result lines that belong to them.
+    ``digests``: each agent's :func:`agent_digest`; a line of the same agent with another digest (results of other
+    trajectories, or of another ``--agents``/``--seed``/...) is an error, not something to resume from. A group is
+    done only whole: its samples share their first round, so a partial group runs again from there."""
     if not path.exists():
         return set(), []
-    lines, rounds_done, rounds_total = [], {}, {}
+    lines, rounds_done, rounds_total, samples = [], {}, {}, {}
     for number, text in enumerate(path.read_text().splitlines(), 1):
         if not text.strip():
             continue
@@ -86,13 +109,17 @@ def completed_agents(path: Path, digests: dict[str, str]) -> tuple[set[str], lis
             rec = json.loads(text)
         except ValueError:
             continue  # a line cut short by the interruption
-        if rec["agent"] in digests and rec.get("digest") != digests[rec["agent"]]:
-            raise DualPathError(f"{path}:{number}: results of agent {rec['agent']} come from other rounds than "
-                                f"these trajectories (another file, --agents or --seed); use a new --out")
-        lines.append((rec["agent"], text))
-        rounds_done[rec["agent"]] = rounds_done.get(rec["agent"], 0) + 1
-        rounds_total[rec["agent"]] = rec["rounds"] if not rec.get("stopped") else rounds_done[rec["agent"]]
-    done = {a for a, n in rounds_done.items() if n >= rounds_total[a]}
+        agent, key = rec["agent"], (rec["agent"], rec.get("sample", 0))
+        if agent in digests and rec.get("digest") != digests[agent]:
+            raise DualPathError(f"{path}:{number}: results of agent {agent} come from other rounds or sampling than "
+                                f"these (another file, --agents, --seed, --temperature or --group-size); use a new "
+                                f"--out")
+        lines.append((agent, text))
+        samples[agent] = rec.get("samples", 1)
+        rounds_done[key] = rounds_done.get(key, 0) + 1
+        rounds_total[key] = rec["rounds"] if not rec.get("stopped") else rounds_done[key]
+    done = {a for a, g in samples.items()
+            if all(rounds_done.get((a, s), 0) >= rounds_total.get((a, s), 1) for s in range(g))}
     return done, [t for a, t in lines if a in done]
 
 
@@ -112,38 +139,60 @@ class Rollout:
             return self.tokenizer.encode(append, add_special_tokens=False)
         return list(append)
 
-    def _sampling(self, agent: Agent, i: int, r: Round) -> SamplingParams:
-        seed = None if self.cfg.temperature == 0 else hash((self.cfg.seed, agent.id, i)) % (2 ** 31)
+    def _sampling(self, agent: Agent, sample: int, i: int, r: Round, n: int) -> SamplingParams:
+        seed = round_seed(self.cfg, agent.id, sample, i)
         if r.forced:
-            return SamplingParams(max_tokens=r.generate, ignore_eos=True, temperature=self.cfg.temperature, seed=seed)
-        return SamplingParams(max_tokens=r.max_tokens, temperature=self.cfg.temperature, seed=seed)
+            return SamplingParams(max_tokens=r.generate, ignore_eos=True, temperature=self.cfg.temperature, seed=seed,
+                                  n=n)
+        return SamplingParams(max_tokens=r.max_tokens, temperature=self.cfg.temperature, seed=seed, n=n)
 
     def _agent(self, agent: Agent, out, bar) -> None:
-        context: list[int] = []
-        for i, r in enumerate(agent.rounds):
-            context += self._tokens(r.append)
-            sampling = self._sampling(agent, i, r)
-            if self.cfg.max_model_len and len(context) + sampling.max_tokens > self.cfg.max_model_len:
-                log.warning("agent %s stops at round %d: the context would exceed %d tokens", agent.id, i,
-                            self.cfg.max_model_len)
-                self._write(out, {"agent": agent.id, "trajectory": agent.trajectory, "round": i,
-                                  "rounds": len(agent.rounds), "digest": self.digests[agent.id],
-                                  "stopped": "context limit"})
-                return
-            start = time.perf_counter() - self.t0
-            res = self.client.generate(context, sampling, mode=self.cfg.mode)
-            end = time.perf_counter() - self.t0
-            rec = {"agent": agent.id, "trajectory": agent.trajectory, "round": i, "rounds": len(agent.rounds),
-                   "digest": self.digests[agent.id], "prompt_tokens": len(context),
-                   "cached_tokens": res.num_cached_tokens,
-                   "completion_tokens": len(res.token_ids), "output": res.token_ids,
-                   "finish_reason": res.finish_reason, "ttft": res.ttft_s, "tpot": res.tpot_s, "path": res.path,
-                   "kv_bytes": res.storage_bytes, "start": start, "end": end}
-            self._write(out, rec)
-            bar.update(1)
-            context += res.token_ids
+        """The first round for every sample of the group at once, then each sample's other rounds on its own."""
+        context = self._tokens(agent.rounds[0].append)
+        firsts = self._round(agent, 0, context, list(range(self.cfg.group_size)), out, bar)
+        if firsts is None:
+            return
+        branches = [context + res.token_ids for res in firsts]
+        if len(branches) == 1:
+            return self._continue(agent, 0, branches[0], out, bar)
+        with ThreadPoolExecutor(len(branches), thread_name_prefix=f"{agent.id}-sample") as pool:
+            for f in [pool.submit(self._continue, agent, s, b, out, bar) for s, b in enumerate(branches)]:
+                f.result()
+
+    def _continue(self, agent: Agent, sample: int, context: list[int], out, bar) -> None:
+        for i in range(1, len(agent.rounds)):
             if self.cfg.think_time_s:
                 time.sleep(self.cfg.think_time_s)
+            context = context + self._tokens(agent.rounds[i].append)
+            results = self._round(agent, i, context, [sample], out, bar)
+            if results is None:
+                return
+            context += results[0].token_ids
+
+    def _round(self, agent: Agent, i: int, context: list[int], samples: list[int], out,
+               bar) -> list[GenerationResult] | None:
+        """Round i of ``samples`` (several only in a group's first round: one request, one choice each); None when
+        the context would overflow ``max_model_len`` (those samples stop here)."""
+        sampling = self._sampling(agent, samples[0], i, agent.rounds[i], len(samples))
+        base = {"agent": agent.id, "trajectory": agent.trajectory, "round": i, "rounds": len(agent.rounds),
+                "samples": self.cfg.group_size, "digest": self.digests[agent.id]}
+        if self.cfg.max_model_len and len(context) + sampling.max_tokens > self.cfg.max_model_len:
+            log.warning("agent %s stops at round %d: the context would exceed %d tokens", agent.id, i,
+                        self.cfg.max_model_len)
+            for s in samples:
+                self._write(out, {**base, "sample": s, "stopped": "context limit"})
+            return None
+        start = time.perf_counter() - self.t0
+        results = self.client.generate_choices(context, sampling, mode=self.cfg.mode)
+        end = time.perf_counter() - self.t0
+        for s, res in zip(samples, results):
+            self._write(out, {**base, "sample": s, "prompt_tokens": len(context),
+                              "cached_tokens": res.num_cached_tokens, "completion_tokens": len(res.token_ids),
+                              "output": res.token_ids, "finish_reason": res.finish_reason, "ttft": res.ttft_s,
+                              "tpot": res.tpot_s, "path": res.path,
+                              "kv_bytes": res.storage_bytes if s == samples[0] else 0, "start": start, "end": end})
+            bar.update(1)
+        return results
 
     def _write(self, out, rec: dict) -> None:
         with self._lock:
@@ -165,13 +214,13 @@ class Rollout:
     def run(self, trajectories: list[Trajectory], out_path: str | Path, progress: bool = True) -> dict:
         out_path = Path(out_path)
         agents = make_agents(trajectories, self.cfg)
-        self.digests = {a.id: agent_digest(a) for a in agents}
+        self.digests = {a.id: agent_digest(a, self.cfg) for a in agents}
         done, kept = completed_agents(out_path, self.digests)
         if done:
             log.info("resuming: %d of %d agents already finished", len(done & {a.id for a in agents}), len(agents))
         out_path.write_text("".join(line + "\n" for line in kept))  # drop partial agents: they run again
         todo = [a for a in agents if a.id not in done]
-        total_rounds = sum(len(a.rounds) for a in todo)
+        total_rounds = sum(len(a.rounds) for a in todo) * self.cfg.group_size
         stop = threading.Event()
         self.t0 = time.perf_counter()
         before = self._safe_stats()
@@ -201,7 +250,7 @@ class Rollout:
             elapsed = max(1e-9, time.perf_counter() - self.t0)
             toks = sum(r["completion_tokens"] for r in recs)
             prompt = sum(r["prompt_tokens"] for r in recs) or 1
-            agents_done = len({r["agent"] for r in recs if r["round"] == r["rounds"] - 1})
+            agents_done = len({(r["agent"], r["sample"]) for r in recs if r["round"] == r["rounds"] - 1})
             bar.set_postfix(agents=agents_done, tok_s=f"{toks / elapsed:.0f}",
                             hit=f"{sum(r['cached_tokens'] for r in recs) / prompt:.2f}", refresh=False)
 
@@ -220,7 +269,7 @@ class Rollout:
                  for n in nodes}
         from scheduler.balance import max_over_avg
 
-        return {"agents": n_agents, "agents_run": ran, "rounds": len(recs), "job_completion_time_s": jct,
+        return {"agents": n_agents, "agents_run": ran, "group_size": self.cfg.group_size, "rounds": len(recs), "job_completion_time_s": jct,
                 "generated_tokens": gen, "prompt_tokens": prompt,
                 "throughput_tokens_per_s": (gen + prompt - sum(r["cached_tokens"] for r in recs)) / jct if jct else 0,
                 "generated_tokens_per_s": gen / jct if jct else 0.0, "rounds_per_s": len(recs) / jct if jct else 0.0,
