@@ -324,6 +324,8 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=512)
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id (0: none)")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 

@@ -198,6 +198,10 @@ class ClusterClient:
         fp, bs = self._model
         return pack_keys(block_hashes(token_ids, fp, bs))
 
+    def block_size(self) -> int:
+        """The model's KV block size in tokens, known once a request was submitted (0 before)."""
+        return self._model[1] if self._model else 0
+
     def start(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
               mode: str = "") -> "RequestHandle":
         """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it."""

@@ -56,3 +56,35 @@ def test_random_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):
             assert r.json()["error"]["message"]
 
     check()
+
+
+RESPONSE_FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "include", "max_output_tokens",
+                   "temperature", "top_p", "stream", "store", "previous_response_id", "reasoning", "truncation",
+                   "top_logprobs", "parallel_tool_calls", "metadata", "seed", "background"]
+TOOL = {"type": "function", **WEATHER["function"]}
+response_values = st.sampled_from([
+    "hi", [{"role": "user", "content": "hi"}], [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}],
+    [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+     {"type": "function_call_output", "call_id": "c", "output": "sunny"}], [{"type": "function_call", "name": 3}],
+    [{"role": "user", "content": [{"type": "input_image"}]}], [{"content": "no role"}], [], [TOOL], [TOOL, TOOL],
+    [{"type": "web_search"}], {"type": "function", "name": "get_weather"}, {"type": "function"}, "required",
+    {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, {"format": "text"},
+    {"format": {"type": "json_object"}}, ["message.output_text.logprobs"], {"effort": None}, "disabled", 8])
+
+
+def test_random_responses_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+    fake.reply = 'ok <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+
+    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.dictionaries(st.sampled_from(RESPONSE_FIELDS), st.one_of(values, response_values, response_values,
+                                                                       st.dictionaries(st.just("format"), values)),
+                           max_size=2))
+    def check(changed):
+        r = http.post("/v1/responses", content=json.dumps({"model": "m", "input": "hi", **changed}),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code in (200, 400), (changed, r.status_code, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"]
+
+    check()

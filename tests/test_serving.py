@@ -133,6 +133,30 @@ def test_stop_strings_seed_and_logprobs(tiny, reference):
     assert all(t.logprob <= 0 and abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in lps)  # greedy
 
 
+def test_a_responses_conversation_equals_the_reference_and_its_second_turn_loads_the_first(tiny, reference):
+    """/v1/responses through the cluster: each turn's text is the reference's for the chat the items describe, the
+    logprobs are the tokens', and a turn continued by previous_response_id finds the first turn's KV stored."""
+    c = client(tiny)
+    first_input = "hello there, what do you know about the weather today? " * 2
+    r1 = c.responses.create(model="llama", input=first_input, max_output_tokens=8, temperature=0,
+                            include=["message.output_text.logprobs"], top_logprobs=2)
+    messages = [{"role": "user", "content": first_input}]
+    want = reference.generate(reference.tokenizer.apply_chat_template(messages),
+                              SamplingParams(temperature=0, max_tokens=8))[0]
+    assert r1.output_text == want.text and r1.usage.output_tokens == len(want.token_ids)
+    lps = r1.output[0].content[0].logprobs
+    assert len(lps) == len(want.token_ids) and all(len(t.top_logprobs) == 2 for t in lps)
+    r2 = c.responses.create(model="llama", input="and tomorrow?", previous_response_id=r1.id, max_output_tokens=8,
+                            temperature=0)
+    messages += [{"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "and tomorrow?"}]
+    ids = reference.tokenizer.apply_chat_template(messages)
+    assert r2.output_text == reference.generate(ids, SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert r2.usage.input_tokens == len(ids) and r2.usage.input_tokens_details.cached_tokens >= BS
+    details = r2.usage.input_tokens_details
+    assert details.cache_write_tokens == len(ids) // BS * BS - details.cached_tokens  # the full blocks not loaded
+    validate("Response", r2.model_dump(mode="json", exclude_unset=True))
+
+
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mode):
     """The prefill engine masks the first token, the decode engine replays it into its guide and masks the rest:

@@ -74,6 +74,9 @@ class ScriptedClient:
     def stats(self):
         return {"ready": True}
 
+    def block_size(self):
+        return 16
+
 
 class ScriptedHandle:
     request_id = "scripted"

@@ -269,7 +269,8 @@ class Rollout:
                  for n in nodes}
         from scheduler.balance import max_over_avg
 
-        return {"agents": n_agents, "agents_run": ran, "group_size": self.cfg.group_size, "rounds": len(recs), "job_completion_time_s": jct,
+        return {"agents": n_agents, "agents_run": ran, "group_size": self.cfg.group_size, "rounds": len(recs),
+                "job_completion_time_s": jct,
                 "generated_tokens": gen, "prompt_tokens": prompt,
                 "throughput_tokens_per_s": (gen + prompt - sum(r["cached_tokens"] for r in recs)) / jct if jct else 0,
                 "generated_tokens_per_s": gen / jct if jct else 0.0, "rounds_per_s": len(recs) / jct if jct else 0.0,

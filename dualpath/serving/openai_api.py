@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP frontend (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` and Prometheus ``/metrics``.
+``/v1/responses`` (``dualpath.serving.responses``: a chat underneath), vLLM's ``/tokenize`` and ``/detokenize``,
+``/health`` and Prometheus ``/metrics``.
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
@@ -32,6 +33,8 @@ from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Pro
                                       merge)
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                                        parse)
+from dualpath.serving.responses import (ResponseCall, ResponseEvents, ResponsesRequest, ResponseStore, remap_param,
+                                        to_chat)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
@@ -48,6 +51,7 @@ class FrontendConfig:
     max_body_bytes: int = 16 << 20
     max_concurrent_requests: int = 512
     default_max_tokens: int = 1024
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (in memory)
 
 
 class Frontend:
@@ -74,6 +78,7 @@ class Frontend:
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
         self.m_inflight.set(0)
+        self.responses = ResponseStore(cfg.max_stored_responses)
         self.app = self._build()
 
     # --- app ------------------------------------------------------------------------------------------------
@@ -114,6 +119,22 @@ class Frontend:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await self._endpoint(request, "completions")
+
+        @app.post("/v1/responses")
+        async def responses(request: Request):
+            return await self._endpoint(request, "responses")
+
+        @app.get("/v1/responses/{rid}")
+        async def get_response(rid: str, request: Request):
+            self._auth(request)
+            return JSONResponse(self._stored(rid)[0])
+
+        @app.delete("/v1/responses/{rid}")
+        async def delete_response(rid: str, request: Request):
+            self._auth(request)
+            self._stored(rid)
+            self.responses.delete(rid)
+            return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
@@ -170,28 +191,64 @@ class Frontend:
                            "invalid_request_error", None, "invalid_api_key")
 
     async def _endpoint(self, request: Request, kind: str):
-        status = 200
+        """Chat and completions requests, and the Responses API's (``kind`` "responses": answered as a chat)."""
+        status, call = 200, None
         try:
             self._auth(request)
             body = await request.body()
             if len(body) > self.cfg.max_body_bytes:
                 raise ApiError(413, f"request body of {len(body)} bytes exceeds {self.cfg.max_body_bytes}")
             try:
-                req = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
+                req = parse({"chat": ChatRequest, "completions": CompletionRequest,
+                             "responses": ResponsesRequest}[kind], body)
+                self._check_model(req.model)
+                if kind == "responses":
+                    call = ResponseCall(req, self.cfg.model_name, self._history(req.previous_response_id))
+                    req = to_chat(call.req, call.history)
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
-            self._check_model(req.model)
-            prompts = self._prompts(req, kind)
-            samplings = [self._sampling(req, kind, len(p.ids)) for p in prompts]
+            chat_kind = "completions" if kind == "completions" else "chat"
+            prompts = self._prompts(req, chat_kind)
+            samplings = [self._sampling(req, chat_kind, len(p.ids)) for p in prompts]
             gens = await self._start(req, prompts, samplings)
             if req.stream:
-                return StreamingResponse(self._sse(gens, req, kind, prompts), media_type="text/event-stream")
-            return await self._collect(request, gens, req, kind, prompts)
+                chunks = self._chunks(gens, req, chat_kind, prompts)
+                events = self._sse(chunks) if call is None else self._response_sse(call, chunks)
+                return StreamingResponse(events, media_type="text/event-stream")
+            answer = await self._collect(request, gens, req, chat_kind, prompts)
+            if answer is None:
+                return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+            if call is not None:
+                answer = self._respond(call, call.from_chat(answer, self.client.block_size()))
+            return JSONResponse(answer)
         except ApiError as e:
             status = e.status
+            if call is not None:
+                e.param = remap_param(e.param)
             return e.response()
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
+
+    def _stored(self, rid: str) -> tuple[dict, list[dict]]:
+        entry = self.responses.get(rid)
+        if entry is None:
+            raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in this frontend's memory: "
+                                f"the last {self.cfg.max_stored_responses} with store true)", code="not_found")
+        return entry
+
+    def _history(self, previous: str | None) -> list[dict]:
+        """The conversation a ``previous_response_id`` ended (none without one)."""
+        if previous is None:
+            return []
+        try:
+            return self._stored(previous)[1]
+        except ApiError as e:
+            raise ApiError(400, str(e), param="previous_response_id", code="previous_response_not_found") from None
+
+    def _respond(self, call: ResponseCall, response: dict) -> dict:
+        if call.req.store:
+            self.responses.put(response, call.conversation(response))
+        return response
 
     async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams]) -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
@@ -453,7 +510,9 @@ class Frontend:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> JSONResponse:
+    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
+        """The whole response's body once every choice is done; None if the client left first (its request is
+        cancelled)."""
         texts, lps = [[] for _ in gens], [[] for _ in gens]
         consumers = [asyncio.ensure_future(drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
@@ -470,7 +529,7 @@ class Frontend:
                     await g.aclose()
                 if failed is not None:
                     raise failed.exception()
-                return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+                return None
         outcomes = [c.result() for c in consumers]
         for g in gens:
             await g.aclose()
@@ -485,7 +544,7 @@ class Frontend:
         if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
             body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
                                                             req.prompt_logprobs)
-        return JSONResponse(body)
+        return body
 
     def _prompt_logprobs(self, prompt: list[int], lps: list | None, k: int) -> list:
         """vLLM's form: None for the first token, then per token {id: {logprob, rank, decoded_token}} for the token
@@ -547,19 +606,50 @@ class Frontend:
         body["top_logprobs"][0] = None
         return head, body
 
-    async def _sse(self, gens: list, req, kind: str, prompts: list[Prompt]):
-        """Server-sent events of every choice, interleaved as their tokens come (each chunk names its choice);
-        usage, when asked, once at the end."""
+    async def _sse(self, chunks):
+        """Server-sent events of the chunks, an error in OpenAI's form if one ends them early, then ``[DONE]``."""
+        try:
+            async for body in chunks:
+                yield f"data: {json.dumps(body)}\n\n"
+        except ApiError as e:
+            yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
+        finally:
+            await chunks.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def _response_sse(self, call: ResponseCall, chunks):
+        """The Responses API's events (``event:`` lines with typed data), made from the chat's chunks; a stored
+        response is kept once it is complete."""
+        events = ResponseEvents(call, self.client.block_size())
+
+        def sse(evs: list[dict]) -> str:
+            return "".join(f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" for ev in evs)
+        try:
+            yield sse(events.start())
+            async for body in chunks:
+                if evs := events.feed(body):
+                    yield sse(evs)
+            response, evs = events.end()
+            self._respond(call, response)
+            yield sse(evs)
+        except ApiError as e:
+            yield sse(events.fail(str(e), e.code))
+        finally:
+            await chunks.aclose()
+
+    async def _chunks(self, gens: list, req, kind: str, prompts: list[Prompt]):
+        """Chunk bodies of every choice, interleaved as their tokens come (each chunk names its choice); usage, when
+        asked, once at the end. A generation's error is raised (``ApiError``)."""
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
 
-        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+        def chunk(choice: dict | None, usage: dict | None = None) -> dict:
             body = {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
                     "choices": [choice] if choice else []}
             if usage is not None:
                 body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
+            return body
 
         def choice(i: int, delta_text: str, lps: list, finish=None) -> dict:
             if kind == "chat":
@@ -605,12 +695,9 @@ class Frontend:
                     yield chunk(choice(i, delta, [lp] if lp else []))
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk(None, self._usage(req, prompts, [outcomes[i] for i in range(len(gens))]))
-        except ApiError as e:
-            yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
         finally:
             for g in gens:
                 await g.aclose()
-        yield "data: [DONE]\n\n"
 
 
 def _check_prompt_logprobs(prompt: list[int], lps: list | None) -> None:

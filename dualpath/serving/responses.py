@@ -1,0 +1,387 @@
+"""OpenAI's Responses API (``/v1/responses``) on the chat endpoint's machinery.
+
+A request's ``instructions`` and ``input`` items (messages, ``function_call`` items and their
+``function_call_output``) become a chat, rendered by the model's own template; the chat's answer becomes output
+items (a ``message`` with ``output_text``, then one ``function_call`` item per call), streamed as the API's typed
+events. ``previous_response_id`` continues a stored response: the frontend keeps the conversations of its last
+``capacity`` stored responses in memory (least recently used out first; lost on restart). Only the items live here:
+the conversation's KV is in storage, as for any chat, so a continued conversation loads its prefix like a chat turn.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dualpath.errors import RequestError
+from dualpath.serving.protocol import ChatRequest
+
+# Sampling fields the chat endpoint takes that the Responses API lacks (vLLM's Responses endpoint takes them too)
+PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+               "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "dualpath")
+# A chat field's name as the Responses API calls it (errors name what the client sent)
+FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+LOGPROBS = "message.output_text.logprobs"
+NOTHING_TO_INCLUDE = {"reasoning.encrypted_content"}  # no reasoning items are ever produced
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    metadata: Optional[dict[str, str]] = None
+    truncation: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    background: Optional[bool] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, v):
+        if v not in (None, "disabled"):
+            raise ValueError("only 'disabled' is supported: an input over the model's context is a 400")
+        return v
+
+    @field_validator("reasoning")
+    @classmethod
+    def _no_reasoning(cls, v):
+        if v and any(x is not None for x in v.values()):
+            raise ValueError("reasoning options are not supported by this model")
+        return v
+
+    @field_validator("background", "conversation", "prompt")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported")
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _includable(cls, v):
+        other = sorted(set(v or ()) - {LOGPROBS} - NOTHING_TO_INCLUDE)
+        if other:
+            raise ValueError(f"{', '.join(other)} cannot be included (only {LOGPROBS})")
+        return v
+
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
+
+
+def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
+    """The chat that answers ``req`` after ``history`` (the earlier turns' messages); errors name the Responses
+    field."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
+    body: dict[str, Any] = {k: v for k, v in (req.model_extra or {}).items() if k in PASSTHROUGH}
+    body.update(model=req.model, messages=messages + input_messages(req.input), stream=req.stream)
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    optional = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req.text)}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    if req.tools:
+        body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    if req.wants_logprobs():
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [FIELD_NAMES.get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(err["loc"])]
+        raise RequestError(f"{'.'.join(loc) or 'body'}: {err['msg']}", field=loc[0] if loc else None) from None
+
+
+def input_messages(items: Union[str, list[dict]]) -> list[dict]:
+    """``input`` as chat messages: a function call joins the assistant message before it (a reply's text and its
+    calls are one turn), its output is a tool message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": _field(item, "call_id", where), "type": "function",
+                    "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": None})
+            out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
+                        "content": _text(item.get("output"), where)})
+        else:
+            raise RequestError(f"{where}: items of type {kind!r} are not supported (messages, function_call, "
+                               f"function_call_output)", field="input")
+    return out
+
+
+def _field(item: dict, name: str, where: str) -> str:
+    v = item.get(name)
+    if not isinstance(v, str):
+        raise RequestError(f"{where}.{name}: a string is required", field="input")
+    return v
+
+
+def _text(content, where: str) -> str:
+    """A message's (or a call output's) text: a string, or text parts (input_text / output_text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}.content: a string or a list of text parts is required", field="input")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.content[{j}]: parts of type {kind!r} are not supported (text only)",
+                               field="input")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _tool(i: int, tool: dict) -> dict:
+    if tool.get("type") != "function":
+        raise RequestError(f"tools[{i}]: tools of type {tool.get('type')!r} are not supported (function tools only)",
+                           field="tools")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _echoed_tool(tool: dict) -> dict:
+    """A function tool as the response object lists it (every field present)."""
+    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": bool(tool.get("strict"))}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise RequestError("tool_choice: 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                       field="tool_choice")
+
+
+def _format(text: Optional[dict]) -> Optional[dict]:
+    fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise RequestError("text.format: an object ({'type': 'text' | 'json_object' | 'json_schema', ...})",
+                           field="text")
+    if not fmt or fmt.get("type") in ("text", "json_object"):
+        return fmt and {"type": fmt["type"]}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    raise RequestError(f"text.format: type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                       field="text")
+
+
+def remap_param(param: Optional[str]) -> Optional[str]:
+    return FIELD_NAMES.get(param, param) if param else param
+
+
+@dataclass
+class ResponseCall:
+    """One ``/v1/responses`` request on its way: what the response object echoes, and the conversation it
+    continues (``history``: the earlier turns' messages, without their instructions, as OpenAI's API keeps them)."""
+
+    req: ResponsesRequest
+    model: str
+    history: list[dict]
+    id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, status: str, output: list[dict], usage: Optional[dict], error: Optional[dict] = None) -> dict:
+        r = self.req
+        fmt = (r.text or {}).get("format") or {"type": "text"}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
+                "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
+                "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
+                "tools": [_echoed_tool(t) for t in r.tools or ()],
+                "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
+                "truncation": "disabled", "metadata": r.metadata or {},
+                **({"usage": usage} if usage is not None else {})}  # none until the end (the schema has no null)
+
+    def from_chat(self, body: dict, block_size: int) -> dict:
+        """The response object of a finished chat completion."""
+        choice = body["choices"][0]
+        message, done = choice["message"], choice["finish_reason"] != "length"
+        lps = (choice.get("logprobs") or {}).get("content") or []
+        calls = message.get("tool_calls") or []
+        output = [message_item(message["content"] or "", lps, done)] if message["content"] or not calls else []
+        output += [call_item(c) for c in calls]
+        return self.envelope("completed" if done else "incomplete", output, usage(body["usage"], block_size))
+
+    def conversation(self, response: dict) -> list[dict]:
+        """The messages a later turn continues: the history, this input and this response's output."""
+        reply: dict[str, Any] = {"role": "assistant", "content": None}
+        for item in response["output"]:
+            if item["type"] == "message":
+                reply["content"] = "".join(p["text"] for p in item["content"])
+            else:
+                reply.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                    "name": item["name"], "arguments": item["arguments"]}})
+        return self.history + input_messages(self.req.input) + [reply]
+
+
+def message_item(text: str, lps: list, done: bool, item_id: Optional[str] = None) -> dict:
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed" if done else
+            "incomplete", "role": "assistant", "content": [text_part(text, lps)]}
+
+
+def text_part(text: str, lps: list) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": lps}
+
+
+def call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def usage(chat: dict, block_size: int) -> dict:
+    """The chat's usage in the Responses API's form. The prompt's full blocks not found in storage were computed and
+    written to it (a partial last block is not stored)."""
+    cached, n = chat["prompt_tokens_details"]["cached_tokens"], chat["prompt_tokens"]
+    written = max(0, n // block_size * block_size - cached) if block_size else 0
+    out = {"input_tokens": n, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+           "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+           "total_tokens": chat["total_tokens"]}
+    if "dualpath" in chat:
+        out["dualpath"] = chat["dualpath"]
+    return out
+
+
+class ResponseEvents:
+    """A streamed chat's chunks in, the Responses API's events out (each numbered): ``start``, ``feed`` per
+    chunk, then ``end`` (or ``fail``). Text streams into one message item; calls (whole, at the reply's end) each
+    become a function_call item after it."""
+
+    def __init__(self, call: ResponseCall, block_size: int):
+        self.call, self.block_size, self.seq, self.output = call, block_size, 0, []
+        self.text: Optional[dict] = None  # the message item being streamed
+        self.lps: list = []
+        self.finish, self.usage = None, None
+
+    def _event(self, type_: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": type_, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        shell = self.call.envelope("in_progress", [], None)
+        return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
+
+    def feed(self, chunk: dict) -> list[dict]:
+        if chunk.get("usage"):
+            self.usage = usage(chunk["usage"], self.block_size)
+        out = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            lps = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("content") or lps:
+                out += self._text(delta.get("content") or "", lps)
+            for call in delta.get("tool_calls") or ():
+                out += self._close_text() + self._call(call)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def _text(self, delta: str, lps: list) -> list[dict]:
+        out = self._open_text() if self.text is None else []
+        self.text["_text"] += delta
+        self.lps += lps
+        return out + [self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=lps)]
+
+    def _open_text(self) -> list[dict]:
+        self.text = {**message_item("", [], True), "status": "in_progress", "content": [], "_text": ""}
+        shown = {k: v for k, v in self.text.items() if k != "_text"}
+        return [self._event("response.output_item.added", output_index=len(self.output), item=shown),
+                self._event("response.content_part.added", **self._where(), part=text_part("", []))]
+
+    def _where(self) -> dict:
+        return {"item_id": self.text["id"], "output_index": len(self.output), "content_index": 0}
+
+    def _close_text(self) -> list[dict]:
+        if self.text is None:
+            return []
+        text, where = self.text["_text"], self._where()
+        item = message_item(text, self.lps, self.finish != "length", self.text["id"])
+        part = item["content"][0]
+        self.output.append(item)
+        self.text = None
+        return [self._event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
+                self._event("response.content_part.done", **where, part=part),
+                self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def _call(self, call: dict) -> list[dict]:
+        item, i = call_item(call), len(self.output)
+        args = item["arguments"]
+        self.output.append(item)
+        return [self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
+                                                                                 "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=args),
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                            name=item["name"], arguments=args),
+                self._event("response.output_item.done", output_index=i, item=item)]
+
+    def end(self) -> tuple[dict, list[dict]]:
+        """The final response object and the events that end the stream."""
+        out = self._open_text() if self.text is None and not self.output else []  # an empty reply: one empty message
+        out += self._close_text()
+        status = "incomplete" if self.finish == "length" else "completed"
+        response = self.call.envelope(status, self.output, self.usage)
+        return response, out + [self._event(f"response.{status}", response=response)]
+
+    def fail(self, message: str, code: Optional[str]) -> list[dict]:
+        response = self.call.envelope("failed", self.output, self.usage, {"code": code or "server_error",
+                                                                           "message": message})
+        return [self._event("response.failed", response=response)]
+
+
+class ResponseStore:
+    """Stored responses and the conversations they end, at most ``capacity`` (least recently used out first)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        if self.capacity <= 0:
+            return
+        self.items[response["id"]] = (response, conversation)
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+    def get(self, rid: str) -> Optional[tuple[dict, list[dict]]]:
+        entry = self.items.get(rid)
+        if entry is not None:
+            self.items.move_to_end(rid)
+        return entry
+
+    def delete(self, rid: str) -> bool:
+        return self.items.pop(rid, None) is not None

@@ -1,0 +1,208 @@
+"""OpenAI's Responses API (``/v1/responses``) with a scripted test double in place of the cluster: the prompt is the
+chat the items describe (rendered by the model's template), replies become output items (text, function calls),
+``previous_response_id`` continues a stored conversation, the stream's events build the same response (through the
+``openai`` client's own stream helper) and match the published schemas, and what is not supported is a 400 naming
+the field."""
+import json
+
+from dataclasses import replace
+
+import openai
+import pytest
+
+from dualpath.messages import TokenEvent
+from dualpath.serving.responses import ResponseStore
+from test_serving import validate
+from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ScriptedHandle, serve
+
+TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat form
+
+
+@pytest.fixture
+def front(tiny_dirs, tmp_path):
+    return serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+
+
+class Cut(ScriptedHandle):
+    """A reply cut at max_tokens."""
+
+    def events(self):
+        for ev in super().events():
+            yield replace(ev, finish_reason="length") if ev.finish_reason else ev
+
+
+class Empty(ScriptedHandle):
+    """A reply whose first event ends it (an end-of-sequence token, not shown)."""
+
+    def events(self):
+        yield TokenEvent(self.request_id, -1, finish_reason="stop", final=True)
+
+
+def sdk(http) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def chat_prompt(http, fake, messages, **extra) -> list[int]:
+    """The prompt the chat endpoint submits for ``messages``: what a Responses request must submit too."""
+    r = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    return fake.prompts[-1]
+
+
+def test_a_reply_is_one_message_item_and_the_prompt_is_the_chat(front):
+    http, fake, tok = front
+    fake.reply = "Hello there."
+    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "instructions": "Be brief.",
+                                         "max_output_tokens": 20, "temperature": 0.5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("Response", body)
+    prompt = fake.prompts[-1]
+    assert prompt == chat_prompt(http, fake, [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hi"}])
+    assert fake.samplings[-2].max_tokens == 20 and fake.samplings[-2].temperature == 0.5
+    assert body["status"] == "completed" and body["id"].startswith("resp_")
+    [item] = body["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == "Hello there."
+    assert body["usage"]["input_tokens"] == len(prompt) and body["usage"]["output_tokens"] == \
+        len(tok.encode("Hello there.", add_special_tokens=False))
+    assert body["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": len(prompt) // 16 * 16}
+    assert sdk(http).responses.create(model="m", input="hi").output_text == "Hello there."
+
+
+def test_calls_come_back_as_items_and_a_continued_turn_sends_the_whole_conversation(front):
+    """A reply's text and call, then the call's output sent with previous_response_id: the second prompt is the
+    chat of the whole conversation (the first turn's instructions are not carried over, as OpenAI's are not)."""
+    http, fake, _ = front
+    client = sdk(http)
+    fake.reply = "Let me check. " + CALL
+    first = client.responses.create(model="m", input="Weather in Paris?", tools=[TOOL], instructions="Be brief.")
+    message, call = first.output
+    assert message.type == "message" and message.content[0].text.strip() == "Let me check."
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == \
+        {"city": "Paris"}
+    fake.reply = "It is sunny."
+    second = client.responses.create(model="m", previous_response_id=first.id, tools=[TOOL], input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}])
+    assert second.output_text == "It is sunny." and second.previous_response_id == first.id
+    continued = fake.prompts[-1]
+    assert continued == chat_prompt(http, fake, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": message.content[0].text, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C, sunny"}], tools=[WEATHER])
+    # the same conversation sent whole, as items, renders the same prompt
+    client.responses.create(model="m", tools=[TOOL], input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                              "text": message.content[0].text}]},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}])
+    assert fake.prompts[-1] == continued
+
+
+def test_the_stream_builds_the_same_response_and_its_events_follow_the_schemas(front):
+    http, fake, _ = front
+    fake.reply = "Let me check. " + CALL
+    r = http.post("/v1/responses", json={"model": "m", "input": "Weather in Paris?", "tools": [TOOL],
+                                         "stream": True})
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert names == [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    schema = {"response.created": "ResponseCreatedEvent", "response.in_progress": "ResponseInProgressEvent",
+              "response.output_item.added": "ResponseOutputItemAddedEvent",
+              "response.output_item.done": "ResponseOutputItemDoneEvent",
+              "response.content_part.added": "ResponseContentPartAddedEvent",
+              "response.content_part.done": "ResponseContentPartDoneEvent",
+              "response.output_text.delta": "ResponseTextDeltaEvent",
+              "response.output_text.done": "ResponseTextDoneEvent",
+              "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+              "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+              "response.completed": "ResponseCompletedEvent"}
+    for e in events:
+        validate(schema[e["type"]], e)
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == text and text.strip() == "Let me check."
+    assert final["output"][1]["type"] == "function_call" and final["usage"]["output_tokens"] > 0
+    with sdk(http).responses.stream(model="m", input="Weather in Paris?", tools=[TOOL]) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        streamed = stream.get_final_response()
+    whole = sdk(http).responses.create(model="m", input="Weather in Paris?", tools=[TOOL])
+    assert "".join(deltas) == streamed.output_text == whole.output_text
+    assert [(o.type, getattr(o, "arguments", None)) for o in streamed.output] == \
+        [(o.type, getattr(o, "arguments", None)) for o in whole.output]
+    stored = http.get(f"/v1/responses/{streamed.id}").json()  # a streamed response is stored once complete
+    assert stored["id"] == streamed.id and stored["status"] == "completed"
+
+
+def test_a_cut_reply_is_incomplete_and_stored_responses_can_be_read_and_deleted(front):
+    http, fake, tok = front
+    fake.reply = lambda s: Cut([tok.encode("one two three", add_special_tokens=False)])
+    body = http.post("/v1/responses", json={"model": "m", "input": "count", "max_output_tokens": 3}).json()
+    validate("Response", body)
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == "one two three"
+    r = http.post("/v1/responses", json={"model": "m", "input": "count", "max_output_tokens": 3, "stream": True})
+    last = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"]["reason"] == \
+        "max_output_tokens"
+    validate("ResponseIncompleteEvent", last)
+    fake.reply = "ok"
+    rid = body["id"]
+    assert http.get(f"/v1/responses/{rid}").json() == body
+    assert http.delete(f"/v1/responses/{rid}").json() == {"id": rid, "object": "response", "deleted": True}
+    assert http.get(f"/v1/responses/{rid}").status_code == 404
+    unstored = http.post("/v1/responses", json={"model": "m", "input": "hi", "store": False}).json()
+    assert http.get(f"/v1/responses/{unstored['id']}").status_code == 404
+
+
+def test_an_empty_reply_is_one_empty_message(front):
+    http, fake, _ = front
+    fake.reply = lambda s: Empty([])
+    body = http.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
+    assert [o["type"] for o in body["output"]] == ["message"] and body["output"][0]["content"][0]["text"] == ""
+    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "stream": True})
+    final = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])["response"]
+    assert [o["type"] for o in final["output"]] == ["message"]
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "not supported"),
+    ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"truncation": "auto"}, "truncation", "disabled"),
+    ({"background": True}, "background", "not supported"),
+    ({"include": ["file_search_call.results"]}, "include", "cannot be included"),
+    ({"text": {"format": {"type": "grammar"}}}, "text", "not supported"),
+    ({"text": {"format": "json_object"}}, "text", "an object"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": 3, "arguments": "{}"}]}, "input", "a string"),
+    ({"input": []}, "input", "at least 1"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice", "tool_choice"),
+    ({"temperature": 3}, "temperature", "less than or equal"),
+])
+def test_unsupported_or_bad_fields_are_a_400_naming_them(front, extra, param, message):
+    http, fake, _ = front
+    fake.reply = "ok"
+    r = http.post("/v1/responses", json={"model": "m", "input": "hi", **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+
+
+def test_the_store_keeps_the_most_recently_used():
+    store = ResponseStore(2)
+    for rid in ("a", "b"):
+        store.put({"id": rid}, [])
+    assert store.get("a") is not None
+    store.put({"id": "c"}, [])
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")
+    ResponseStore(0).put({"id": "x"}, [])  # capacity 0: nothing kept, nothing fails
