@@ -173,7 +173,7 @@ def test_a_killed_decode_engine_fails_or_retries_cleanly(tiny_dirs, tmp_path, re
     with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=2.0),
                       run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=60)
-        long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        long = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)  # still going when one is killed
         outcomes, streaming = [], threading.Semaphore(0)
 
         def one(seed):

@@ -193,15 +193,15 @@ def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):
     from dualpath.rollout.agentic import AgenticConfig, run
 
     cfg = AgenticConfig(model=str(tiny_dirs["llama"]), agents=3, scale=0.03, turns_scale=0.05, block_size=16,
-                        systems=("basic", "dualpath", "oracle"))
+                        systems=("basic", "oracle"))  # a capped and an uncapped system (dualpath: test_cluster)
     result = run(cfg, tmp_path)
     rows = {r["system"]: r for r in result["systems"]}
-    assert set(rows) == {"basic", "dualpath", "oracle"} and result["cap_bps"] > 0
+    assert set(rows) == {"basic", "oracle"} and result["cap_bps"] > 0
     assert rows["oracle"]["storage_read_bps_cap"] == 0 and rows["basic"]["storage_read_bps_cap"] == result["cap_bps"]
     assert rows["basic"]["paths"].keys() == {"pe"} and rows["basic"]["hit_rate"] > 0
     outputs = {s: sorted((json.loads(l)["agent"], json.loads(l)["round"], tuple(json.loads(l)["output"]))
                          for l in open(tmp_path / f"rounds-{s}.jsonl")) for s in rows}
-    assert outputs["basic"] == outputs["dualpath"] == outputs["oracle"]
+    assert outputs["basic"] == outputs["oracle"]
     saved = json.loads((tmp_path / "agentic.json").read_text())
-    assert [r["system"] for r in saved["systems"]] == ["basic", "dualpath", "oracle"]
+    assert [r["system"] for r in saved["systems"]] == ["basic", "oracle"]
     assert all((tmp_path / f).stat().st_size > 0 for f in ("agentic_jct.png", "agentic_storage.png"))
