@@ -302,6 +302,12 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return rollout_main(args)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from dualpath.serving.batch import batch_main
+
+    return batch_main(args)
+
+
 def cmd_bench_agentic(args: argparse.Namespace) -> int:
     from dualpath.rollout.agentic import bench_main
 
@@ -447,6 +453,20 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--no-progress", action="store_true")
     _cluster_args(ro)
     ro.set_defaults(func=cmd_rollout)
+
+    rb = sub.add_parser("run-batch", help="run requests in OpenAI's batch format (JSONL) through the server's "
+                                          "endpoints, results to JSONL")
+    rb.add_argument("input", help="JSON Lines: custom_id, method, url, body per line (see the README)")
+    rb.add_argument("-o", "--output", required=True, help="results (JSONL); an interrupted job resumes from it")
+    rb.add_argument("--scheduler", default=None, help="use a running cluster instead of starting one")
+    rb.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    rb.add_argument("--served-model-name", default=None, help="the model id the bodies name (default: the directory)")
+    rb.add_argument("--max-model-len", type=int, default=0)
+    rb.add_argument("--default-max-tokens", type=int, default=1024)
+    rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
+    rb.add_argument("--no-progress", action="store_true")
+    _cluster_args(rb)
+    rb.set_defaults(func=cmd_run_batch)
 
     tr = sub.add_parser("trace", help="generate a synthetic agentic trace like the paper's (Table 2)")
     tr.add_argument("--preset", default="64k", choices=["32k", "48k", "64k"])
