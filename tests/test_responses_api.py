@@ -175,7 +175,7 @@ def test_an_empty_reply_is_one_empty_message(front):
     ({"previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
     ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "not supported"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "not supported"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"truncation": "auto"}, "truncation", "disabled"),

@@ -100,7 +100,7 @@ class ScriptedHandle:
         pass
 
 
-def serve(tiny_dirs, tmp_path, template, api_key=None):
+def serve(tiny_dirs, tmp_path, template, api_key=None, **config):
     d = tmp_path / "tok"
     d.mkdir()
     shutil.copy(tiny_dirs["llama"] / "tokenizer.json", d)
@@ -108,8 +108,8 @@ def serve(tiny_dirs, tmp_path, template, api_key=None):
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     tok = Tokenizer(d)
     fake = ScriptedClient(tok)
-    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key), client=fake,
-                     tokenizer=tok)
+    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key, **config),
+                     client=fake, tokenizer=tok)
     http = TestClient(front.app)
     http.front = front  # for checks of its admission count
     return http, fake, tok

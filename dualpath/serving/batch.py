@@ -209,7 +209,7 @@ def batch_main(args) -> int:
             scheduler = cluster.scheduler_address
         frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, scheduler,
                                            max_len, default_max_tokens=args.default_max_tokens,
-                                           max_stored_responses=0))
+                                           max_stored_responses=0, reasoning_parser=args.reasoning_parser))
         summary = run_batch(frontend.app, args.input, args.output, BatchConfig(max_concurrency=args.max_concurrency),
                             progress=not args.no_progress)
         frontend.client.close()

@@ -33,6 +33,7 @@ from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Pro
                                       merge)
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                                        parse)
+from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.responses import (ResponseCall, ResponseEvents, ResponsesRequest, ResponseStore, remap_param,
                                         to_chat)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
@@ -52,6 +53,7 @@ class FrontendConfig:
     max_concurrent_requests: int = 512
     default_max_tokens: int = 1024
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (in memory)
+    reasoning_parser: str = "auto"  # "think": split <think> blocks from chat replies; "auto": if the template has them
 
 
 class Frontend:
@@ -60,6 +62,8 @@ class Frontend:
         self.client = client or ClusterClient(cfg.scheduler)
         self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
         self.tool_markup = tool_markup(self.tokenizer.chat_template)
+        self.reasons = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and
+                                                           knows_thinking(self.tokenizer.chat_template))
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -339,6 +343,14 @@ class Frontend:
             return None
         return ToolCallSplitter(self.tool_markup, req.tool_names(), req.parallel_tool_calls)
 
+    def _reasoner(self, req, kind: str, prompt: Prompt) -> ReasoningSplitter | None:
+        """The splitter of a reasoning model's chat reply into thinking and answer (None for other models, and for
+        constrained replies: JSON output and forced calls are the answer whole)."""
+        if kind != "chat" or not self.reasons or req.structured() or req.forced_functions():
+            return None
+        tail = self.tokenizer.decode(prompt.ids[-16:], skip_special_tokens=False)  # the generation prompt
+        return ReasoningSplitter(prompt_opens_thinking(tail))
+
     def _sampling(self, req, kind: str, n_prompt: int) -> SamplingParams:
         room = self.cfg.max_model_len - n_prompt
         if room < 1:
@@ -567,6 +579,10 @@ class Frontend:
         if kind != "chat":
             return self._completion_choice(req, index, content, lps if want_lps else None, outcome, prompt)
         message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
+        reasoner = self._reasoner(req, kind, prompt)
+        if reasoner is not None:
+            (r1, a1), (r2, a2) = reasoner.feed(content), reasoner.finish()
+            content, message["content"], message["reasoning_content"] = a1 + a2, a1 + a2, (r1 + r2) or None
         splitter = self._splitter(req, kind)
         if splitter is not None:
             content = splitter.feed(content) + splitter.finish()
@@ -651,14 +667,18 @@ class Frontend:
                 body["usage"] = usage
             return body
 
-        def choice(i: int, delta_text: str, lps: list, finish=None) -> dict:
+        def choice(i: int, delta_text: str, lps: list, finish=None, thought: str = "") -> dict:
             if kind == "chat":
-                return {"index": i, "delta": {"content": delta_text} if delta_text or finish is None else {},
-                        "finish_reason": finish, "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
+                delta = {"reasoning_content": thought} if thought else {}
+                if delta_text or (finish is None and not thought):
+                    delta["content"] = delta_text
+                return {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
             return {"index": i, "text": delta_text, "finish_reason": finish,
                     "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
 
         splitters = [self._splitter(req, kind) for _ in gens]
+        reasoners = [self._reasoner(req, kind, prompts[i // req.n]) for i in range(len(gens))]
         outcomes: dict[int, Outcome] = {}
         try:
             if kind == "chat":
@@ -678,6 +698,11 @@ class Frontend:
                 if isinstance(item, Outcome):
                     outcomes[i] = item
                     finish = item.finish_reason
+                    if reasoners[i] is not None:
+                        thought, tail = reasoners[i].finish()
+                        tail = splitter.feed(tail) if splitter is not None else tail
+                        if thought or tail:
+                            yield chunk(choice(i, tail, [], thought=thought))
                     if splitter is not None:
                         if tail := splitter.finish():
                             yield chunk(choice(i, tail, []))
@@ -689,10 +714,13 @@ class Frontend:
                     yield chunk(choice(i, "", [], finish))
                     continue
                 delta, _, lp = item
+                thought = ""
+                if reasoners[i] is not None:
+                    thought, delta = reasoners[i].feed(delta)
                 if splitter is not None:
                     delta = splitter.feed(delta)
-                if delta or lp:
-                    yield chunk(choice(i, delta, [lp] if lp else []))
+                if delta or thought or lp:
+                    yield chunk(choice(i, delta, [lp] if lp else [], thought=thought))
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk(None, self._usage(req, prompts, [outcomes[i] for i in range(len(gens))]))
         finally:

@@ -128,12 +128,14 @@ def input_messages(items: Union[str, list[dict]]) -> list[dict]:
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "reasoning":
+            continue  # an earlier turn's thinking: reasoning models' templates leave it out of the prompt
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
                         "content": _text(item.get("output"), where)})
         else:
             raise RequestError(f"{where}: items of type {kind!r} are not supported (messages, function_call, "
-                               f"function_call_output)", field="input")
+                               f"function_call_output, reasoning)", field="input")
     return out
 
 
@@ -233,8 +235,9 @@ class ResponseCall:
         choice = body["choices"][0]
         message, done = choice["message"], choice["finish_reason"] != "length"
         lps = (choice.get("logprobs") or {}).get("content") or []
-        calls = message.get("tool_calls") or []
-        output = [message_item(message["content"] or "", lps, done)] if message["content"] or not calls else []
+        calls, thought = message.get("tool_calls") or [], message.get("reasoning_content")
+        output = [reasoning_item(thought, done)] if thought else []
+        output += [message_item(message["content"] or "", lps, done)] if message["content"] or not calls else []
         output += [call_item(c) for c in calls]
         return self.envelope("completed" if done else "incomplete", output, usage(body["usage"], block_size))
 
@@ -242,6 +245,8 @@ class ResponseCall:
         """The messages a later turn continues: the history, this input and this response's output."""
         reply: dict[str, Any] = {"role": "assistant", "content": None}
         for item in response["output"]:
+            if item["type"] == "reasoning":
+                continue
             if item["type"] == "message":
                 reply["content"] = "".join(p["text"] for p in item["content"])
             else:
@@ -253,6 +258,11 @@ class ResponseCall:
 def message_item(text: str, lps: list, done: bool, item_id: Optional[str] = None) -> dict:
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed" if done else
             "incomplete", "role": "assistant", "content": [text_part(text, lps)]}
+
+
+def reasoning_item(text: str, done: bool, item_id: Optional[str] = None) -> dict:
+    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed" if done else "incomplete"}
 
 
 def text_part(text: str, lps: list) -> dict:
@@ -285,6 +295,7 @@ class ResponseEvents:
     def __init__(self, call: ResponseCall, block_size: int):
         self.call, self.block_size, self.seq, self.output = call, block_size, 0, []
         self.text: Optional[dict] = None  # the message item being streamed
+        self.thought: Optional[dict] = None  # the reasoning item being streamed (it comes first)
         self.lps: list = []
         self.finish, self.usage = None, None
 
@@ -303,16 +314,38 @@ class ResponseEvents:
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
             lps = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("reasoning_content"):
+                out += self._thought(delta["reasoning_content"])
             if delta.get("content") or lps:
                 out += self._text(delta.get("content") or "", lps)
             for call in delta.get("tool_calls") or ():
-                out += self._close_text() + self._call(call)
+                out += self._close_thought() + self._close_text() + self._call(call)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
 
+    def _thought(self, delta: str) -> list[dict]:
+        out = []
+        if self.thought is None:
+            self.thought = {**reasoning_item("", True), "status": "in_progress", "content": [], "_text": ""}
+            shown = {k: v for k, v in self.thought.items() if k != "_text"}
+            out.append(self._event("response.output_item.added", output_index=len(self.output), item=shown))
+        self.thought["_text"] += delta
+        return out + [self._event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                  output_index=len(self.output), content_index=0, delta=delta)]
+
+    def _close_thought(self) -> list[dict]:
+        if self.thought is None:
+            return []
+        item, i = reasoning_item(self.thought["_text"], self.finish != "length", self.thought["id"]), len(self.output)
+        self.output.append(item)
+        self.thought = None
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                            text=item["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=i, item=item)]
+
     def _text(self, delta: str, lps: list) -> list[dict]:
-        out = self._open_text() if self.text is None else []
+        out = self._close_thought() + self._open_text() if self.text is None else []
         self.text["_text"] += delta
         self.lps += lps
         return out + [self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=lps)]
@@ -351,7 +384,9 @@ class ResponseEvents:
 
     def end(self) -> tuple[dict, list[dict]]:
         """The final response object and the events that end the stream."""
-        out = self._open_text() if self.text is None and not self.output else []  # an empty reply: one empty message
+        out = self._close_thought()
+        answered = self.text is not None or any(o["type"] != "reasoning" for o in self.output)
+        out += [] if answered else self._open_text()  # no answer and no call: one empty message
         out += self._close_text()
         status = "incomplete" if self.finish == "length" else "completed"
         response = self.call.envelope(status, self.output, self.usage)

@@ -91,7 +91,8 @@ def serve(args) -> int:
                                            max_body_bytes=args.max_body_bytes,
                                            max_concurrent_requests=args.max_concurrent_requests,
                                            default_max_tokens=args.default_max_tokens,
-                                           max_stored_responses=args.max_stored_responses))
+                                           max_stored_responses=args.max_stored_responses,
+                                           reasoning_parser=args.reasoning_parser))
 
         def ready(port: int) -> None:
             url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
@@ -119,7 +120,8 @@ def frontend_main(args) -> int:
                                        max_body_bytes=args.max_body_bytes,
                                        max_concurrent_requests=args.max_concurrent_requests,
                                        default_max_tokens=args.default_max_tokens,
-                                       max_stored_responses=args.max_stored_responses))
+                                       max_stored_responses=args.max_stored_responses,
+                                       reasoning_parser=args.reasoning_parser))
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
