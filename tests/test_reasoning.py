@@ -8,13 +8,17 @@ WORDS = ["<think>", "</think>", "<", "</", "</thi", "\n\n", "hmm, ", "so x = 2",
 
 
 def split(text: str, thinking: bool, cuts: list[int]) -> tuple[str, str]:
+    return splitter(text, thinking, cuts)[:2]
+
+
+def splitter(text: str, thinking: bool, cuts: list[int]) -> tuple[str, str, ReasoningSplitter]:
     s = ReasoningSplitter(thinking)
     reasoning, answer, last = "", "", 0
     for cut in sorted(set(c % (len(text) + 1) for c in cuts)) + [len(text)]:
         r, a = s.feed(text[last:cut])
         reasoning, answer, last = reasoning + r, answer + a, cut
     r, a = s.finish()
-    return reasoning + r, answer + a
+    return reasoning + r, answer + a, s
 
 
 def test_known_shapes():
@@ -26,6 +30,11 @@ def test_known_shapes():
     assert split("cut off while thinking </thi", True, [5]) == ("cut off while thinking </thi", "")
     assert split("<thin", False, []) == ("", "<thin")  # the end: not a block after all
     assert split("", True, []) == ("", "")
+    pieces = ["so", " x", " = 2", "</th", "ink>", "\n\nTwo", "."]  # one delta per token
+    cuts = [sum(map(len, pieces[:k])) for k in range(1, len(pieces))]
+    assert splitter("".join(pieces), True, cuts)[2].tokens == 5  # through the closing tag's tokens
+    assert splitter("".join(pieces), False, cuts)[2].tokens == 0
+    assert splitter("<think>never closed", False, [3, 7, 12])[2].tokens == 4
 
 
 @given(st.lists(st.sampled_from(WORDS), max_size=12).map("".join), st.booleans(),
@@ -80,12 +89,22 @@ def stream(http, path, **body):
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
 
+def thinking_tokens(tok, reply: str) -> int:
+    """The reply's tokens through the one that completes </think>."""
+    ids = tok.encode(reply, add_special_tokens=False)
+    return next(k for k in range(1, len(ids) + 1) if "</think>" in tok.decode(ids[:k]))
+
+
 def test_a_call_considered_while_thinking_is_not_made_and_the_real_one_is(r1):
-    http, fake, _ = r1
+    http, fake, tok = r1
     fake.reply = THOUGHT + "</think>\n\nIt is sunny in Paris."
-    message = chat(http, tools=[WEATHER]).json()["choices"][0]["message"]
+    body = chat(http, tools=[WEATHER]).json()
+    message = body["choices"][0]["message"]
     assert message["reasoning_content"] == THOUGHT and message["content"] == "It is sunny in Paris."
     assert "tool_calls" not in message
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking_tokens(tok, fake.reply)
+    streamed = stream(http, "/v1/chat/completions", messages=ASK, stream_options={"include_usage": True})
+    assert streamed[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == thinking_tokens(tok, fake.reply)
     fake.reply = THOUGHT + "</think>" + CALL
     choice = chat(http, tools=[WEATHER]).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == THOUGHT
@@ -140,6 +159,7 @@ def test_responses_put_the_thinking_in_a_reasoning_item(r1):
     validate("Response", body)
     assert [o["type"] for o in body["output"]] == ["reasoning", "message"]
     assert body["output"][0]["content"][0]["text"] == THOUGHT
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking_tokens(fake.tokenizer, fake.reply)
     events = stream(http, "/v1/responses", input="Weather in Paris?")
     schema = {"response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
               "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",

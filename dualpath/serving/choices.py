@@ -34,6 +34,7 @@ class Outcome:
     path: str = ""
     storage_bytes: int = 0
     prompt_logprobs: list | None = None  # TokenLogprob fields of prompt tokens 1.., when asked
+    reasoning_tokens: int = 0  # a reasoning model's tokens before its answer (set where the reply is split)
 
 
 async def merge(gens: list):

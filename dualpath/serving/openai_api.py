@@ -495,6 +495,8 @@ class Frontend:
         cached = sum(o.cached_tokens for o in firsts)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if thinking := sum(o.reasoning_tokens for o in outcomes):
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
         if req.dualpath and req.dualpath.usage:
             usage["dualpath"] = {"read_path": firsts[0].path, "kv_bytes_loaded": sum(o.storage_bytes for o in firsts),
                                  "cached_tokens": cached}
@@ -545,14 +547,14 @@ class Frontend:
         outcomes = [c.result() for c in consumers]
         for g in gens:
             await g.aclose()
-        usage = self._usage(req, prompts, outcomes)
+        every = outcomes  # usage counts best_of's unreturned candidates too
         texts, lps, outcomes = best(req.n, req.samples(), texts, lps, outcomes)
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        choices = [self._choice(req, kind, i, "".join(t), lp, o, prompts[i // req.n])
+        choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created, "model": self.cfg.model_name, "choices": choices,
-                "usage": usage}
+                "usage": self._usage(req, prompts, every)}
         if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
             body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
                                                             req.prompt_logprobs)
@@ -572,17 +574,20 @@ class Frontend:
             out.append(d)
         return out
 
-    def _choice(self, req, kind: str, index: int, content: str, lps: list, outcome: Outcome,
+    def _choice(self, req, kind: str, index: int, pieces: list[str], lps: list, outcome: Outcome,
                 prompt: Prompt) -> dict:
-        """One finished choice of a non-streamed response."""
+        """One finished choice of a non-streamed response (``pieces``: its text, a piece per token)."""
+        content = "".join(pieces)
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
         if kind != "chat":
             return self._completion_choice(req, index, content, lps if want_lps else None, outcome, prompt)
         message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
         reasoner = self._reasoner(req, kind, prompt)
         if reasoner is not None:
-            (r1, a1), (r2, a2) = reasoner.feed(content), reasoner.finish()
-            content, message["content"], message["reasoning_content"] = a1 + a2, a1 + a2, (r1 + r2) or None
+            split = [reasoner.feed(piece) for piece in pieces] + [reasoner.finish()]
+            thought, content = "".join(r for r, _ in split), "".join(a for _, a in split)
+            message["content"], message["reasoning_content"] = content, thought or None
+            outcome.reasoning_tokens = reasoner.tokens
         splitter = self._splitter(req, kind)
         if splitter is not None:
             content = splitter.feed(content) + splitter.finish()
@@ -700,6 +705,7 @@ class Frontend:
                     finish = item.finish_reason
                     if reasoners[i] is not None:
                         thought, tail = reasoners[i].finish()
+                        item.reasoning_tokens = reasoners[i].tokens
                         tail = splitter.feed(tail) if splitter is not None else tail
                         if thought or tail:
                             yield chunk(choice(i, tail, [], thought=thought))

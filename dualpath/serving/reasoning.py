@@ -36,10 +36,22 @@ class ReasoningSplitter:
     _done: int = 0  # characters of _text already returned
     _decided: bool = False  # whether the reply's start (a <think> of its own, or not) is known
     _after_close: bool = False  # </think> was read and the answer's first visible character not yet returned
+    _fed: int = 0  # deltas fed (a generation feeds one per token)
+    _fed_at_close: int = -1  # deltas fed when </think> was read
+    _thought: bool = False  # whether the reply was ever thinking
 
     def feed(self, delta: str) -> tuple[str, str]:
         self._text += delta
+        self._fed += 1
         return self._split(final=False)
+
+    @property
+    def tokens(self) -> int:
+        """Deltas fed before the answer began (the thinking's tokens and its closing tag's): usage's
+        ``reasoning_tokens``."""
+        if not self._thought:
+            return 0
+        return self._fed_at_close if self._fed_at_close >= 0 else self._fed
 
     def finish(self) -> tuple[str, str]:
         return self._split(final=True)
@@ -54,13 +66,14 @@ class ReasoningSplitter:
             if head.startswith(OPEN):
                 self.thinking, self._done = True, len(self._text) - len(head) + len(OPEN)
         if self.thinking:
+            self._thought = True
             end = self._text.find(CLOSE, self._done)
             if end < 0:
                 keep = len(self._text) if final else len(self._text) - _partial(self._text, CLOSE)
                 reasoning, self._done = self._text[self._done:max(keep, self._done)], max(keep, self._done)
                 return reasoning, ""
             reasoning, self._done, self.thinking = self._text[self._done:end], end + len(CLOSE), False
-            self._after_close = True
+            self._after_close, self._fed_at_close = True, self._fed
         answer, self._done = self._text[self._done:], len(self._text)
         if self._after_close:  # the blank lines after </think> are not the answer's
             answer = answer.lstrip()

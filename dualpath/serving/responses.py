@@ -280,7 +280,9 @@ def usage(chat: dict, block_size: int) -> dict:
     cached, n = chat["prompt_tokens_details"]["cached_tokens"], chat["prompt_tokens"]
     written = max(0, n // block_size * block_size - cached) if block_size else 0
     out = {"input_tokens": n, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
-           "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+           "output_tokens": chat["completion_tokens"],
+           "output_tokens_details": {"reasoning_tokens": chat.get("completion_tokens_details", {}).get(
+               "reasoning_tokens", 0)},
            "total_tokens": chat["total_tokens"]}
     if "dualpath" in chat:
         out["dualpath"] = chat["dualpath"]
