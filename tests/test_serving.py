@@ -382,11 +382,15 @@ def metric(server, name, path="/metrics") -> float:
     return 0.0
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_request(tiny):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "go on", "max_tokens": 400}),
+    ("/v1/responses", {"input": "go on", "max_output_tokens": 400}),
+])
+def test_a_client_that_disconnects_mid_stream_frees_its_request(tiny, path, body):
     before = metric(tiny, "dualpath_requests_cancelled_total")
-    body = {"model": "llama", "prompt": "go on", "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": "llama", "temperature": 0, "stream": True, **body}
     with httpx.Client(timeout=60) as h:
-        with h.stream("POST", tiny.url + "/v1/completions", headers=headers(), json=body) as r:
+        with h.stream("POST", tiny.url + path, headers=headers(), json=body) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 3:
                     break
