@@ -337,7 +337,10 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     p.add_argument("--max-stored-responses", type=int, default=1024,
-                   help="/v1/responses kept in memory for previous_response_id (0: none)")
+                   help="/v1/responses kept for GET and previous_response_id (0: none)")
+    p.add_argument("--responses-dir", default=None,
+                   help="where stored /v1/responses live, one file each, shared by every frontend (serve's default: "
+                        "beside the KV store; frontend's: this process's memory)")
     _reasoning_arg(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 

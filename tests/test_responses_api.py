@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from dualpath.messages import TokenEvent
-from dualpath.serving.responses import ResponseStore
+from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from test_serving import validate
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ScriptedHandle, serve
 
@@ -197,12 +197,47 @@ def test_unsupported_or_bad_fields_are_a_400_naming_them(front, extra, param, me
     assert err["param"] == param and message in err["message"], err
 
 
-def test_the_store_keeps_the_most_recently_used():
-    store = ResponseStore(2)
+def test_the_memory_store_keeps_the_most_recently_used():
+    store = MemoryResponses(2)
     for rid in ("a", "b"):
         store.put({"id": rid}, [])
     assert store.get("a") is not None
     store.put({"id": "c"}, [])
     assert store.get("b") is None and store.get("a") and store.get("c")
     assert store.delete("a") and not store.delete("a")
-    ResponseStore(0).put({"id": "x"}, [])  # capacity 0: nothing kept, nothing fails
+    MemoryResponses(0).put({"id": "x"}, [])  # capacity 0: nothing kept, nothing fails
+
+
+def test_the_directory_store_is_shared_bounded_and_never_raises(tmp_path, caplog):
+    a, b = DirectoryResponses(tmp_path / "r", 20), DirectoryResponses(tmp_path / "r", 20)  # two frontends
+    ids = [f"resp_{i:032x}" for i in range(25)]
+    for rid in ids:
+        a.put({"id": rid}, [{"role": "user", "content": rid}])
+    assert b.get(ids[-1]) == ({"id": ids[-1]}, [{"role": "user", "content": ids[-1]}])
+    assert len(list((tmp_path / "r").glob("*.json"))) <= 22 and b.get(ids[0]) is None  # the oldest went
+    assert b.delete(ids[-1]) and not a.delete(ids[-1]) and a.get(ids[-1]) is None
+    assert a.get("../../etc/passwd") is None and not a.delete("resp_../x")  # only ids the frontend makes
+    (tmp_path / "r" / f"{ids[-2]}.json").write_text("{not json")
+    assert a.get(ids[-2]) is None
+    (tmp_path / "r" / f"resp_{'f' * 32}.json").mkdir()  # a path that cannot be written: logged, not raised
+    a.put({"id": f"resp_{'f' * 32}"}, [])
+    assert "not stored" in caplog.text and not list((tmp_path / "r").glob("*.tmp*"))
+
+
+def test_any_frontend_continues_a_conversation_another_stored(tiny_dirs, tmp_path):
+    """Two frontend replicas over one responses directory (the KV store's filesystem): a turn answered by one is
+    continued through the other, and read and deleted there."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    shared = str(tmp_path / "responses")
+    http_a, fake_a, _ = serve(tiny_dirs, tmp_path / "a", HERMES_TEMPLATE, responses_dir=shared)
+    http_b, fake_b, _ = serve(tiny_dirs, tmp_path / "b", HERMES_TEMPLATE, responses_dir=shared)
+    fake_a.reply = fake_b.reply = "Paris."
+    first = sdk(http_a).responses.create(model="m", input="Capital of France?")
+    second = sdk(http_b).responses.create(model="m", input="And of Italy?", previous_response_id=first.id)
+    assert second.output_text == "Paris."
+    assert fake_b.prompts[-1] == chat_prompt(http_b, fake_b, [
+        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"}])
+    assert http_b.get(f"/v1/responses/{first.id}").json()["id"] == first.id
+    assert http_b.delete(f"/v1/responses/{first.id}").status_code == 200
+    assert http_a.get(f"/v1/responses/{first.id}").status_code == 404

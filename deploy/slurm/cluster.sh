@@ -100,6 +100,7 @@ dualpath_cluster_up() {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
   "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
+    --responses-dir "$DUALPATH_KV_STORE/responses" \
     $DUALPATH_MODEL_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
   DP_FRONTEND=$!; DP_PIDS+=($!)
   local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))

@@ -34,8 +34,8 @@ from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Pro
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
                                        parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
-from dualpath.serving.responses import (ResponseCall, ResponseEvents, ResponsesRequest, ResponseStore, remap_param,
-                                        to_chat)
+from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
+from dualpath.serving.responses import ResponseCall, ResponseEvents, ResponsesRequest, remap_param, to_chat
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
@@ -52,7 +52,8 @@ class FrontendConfig:
     max_body_bytes: int = 16 << 20
     max_concurrent_requests: int = 512
     default_max_tokens: int = 1024
-    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (in memory)
+    max_stored_responses: int = 1024  # /v1/responses kept for GET and previous_response_id
+    responses_dir: str | None = None  # where they are kept (shared by every frontend); None: this process's memory
     reasoning_parser: str = "auto"  # "think": split <think> blocks from chat replies; "auto": if the template has them
 
 
@@ -82,7 +83,8 @@ class Frontend:
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
         self.m_inflight.set(0)
-        self.responses = ResponseStore(cfg.max_stored_responses)
+        self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
+            else MemoryResponses(cfg.max_stored_responses)
         self.app = self._build()
 
     # --- app ------------------------------------------------------------------------------------------------
@@ -131,13 +133,13 @@ class Frontend:
         @app.get("/v1/responses/{rid}")
         async def get_response(rid: str, request: Request):
             self._auth(request)
-            return JSONResponse(self._stored(rid)[0])
+            return JSONResponse((await self._stored(rid))[0])
 
         @app.delete("/v1/responses/{rid}")
         async def delete_response(rid: str, request: Request):
             self._auth(request)
-            self._stored(rid)
-            self.responses.delete(rid)
+            if not await asyncio.to_thread(self.responses.delete, rid):
+                await self._stored(rid)  # the 404
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
         @app.post("/tokenize")
@@ -207,7 +209,7 @@ class Frontend:
                              "responses": ResponsesRequest}[kind], body)
                 self._check_model(req.model)
                 if kind == "responses":
-                    call = ResponseCall(req, self.cfg.model_name, self._history(req.previous_response_id))
+                    call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id))
                     req = to_chat(call.req, call.history)
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
@@ -223,7 +225,7 @@ class Frontend:
             if answer is None:
                 return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
             if call is not None:
-                answer = self._respond(call, call.from_chat(answer, self.client.block_size()))
+                answer = await self._respond(call, call.from_chat(answer, self.client.block_size()))
             return JSONResponse(answer)
         except ApiError as e:
             status = e.status
@@ -233,25 +235,26 @@ class Frontend:
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
 
-    def _stored(self, rid: str) -> tuple[dict, list[dict]]:
-        entry = self.responses.get(rid)
+    async def _stored(self, rid: str) -> tuple[dict, list[dict]]:
+        entry = await asyncio.to_thread(self.responses.get, rid)  # a file, maybe on a network filesystem
         if entry is None:
-            raise ApiError(404, f"no stored response with id {rid!r} (responses are kept in this frontend's memory: "
-                                f"the last {self.cfg.max_stored_responses} with store true)", code="not_found")
+            where = self.cfg.responses_dir or "this frontend's memory"
+            raise ApiError(404, f"no stored response with id {rid!r} (kept: the last {self.cfg.max_stored_responses} "
+                                f"with store true, in {where})", code="not_found")
         return entry
 
-    def _history(self, previous: str | None) -> list[dict]:
+    async def _history(self, previous: str | None) -> list[dict]:
         """The conversation a ``previous_response_id`` ended (none without one)."""
         if previous is None:
             return []
         try:
-            return self._stored(previous)[1]
+            return (await self._stored(previous))[1]
         except ApiError as e:
             raise ApiError(400, str(e), param="previous_response_id", code="previous_response_not_found") from None
 
-    def _respond(self, call: ResponseCall, response: dict) -> dict:
+    async def _respond(self, call: ResponseCall, response: dict) -> dict:
         if call.req.store:
-            self.responses.put(response, call.conversation(response))
+            await asyncio.to_thread(self.responses.put, response, call.conversation(response))
         return response
 
     async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams]) -> list:
@@ -651,7 +654,7 @@ class Frontend:
                 if evs := events.feed(body):
                     yield sse(evs)
             response, evs = events.end()
-            self._respond(call, response)
+            await self._respond(call, response)
             yield sse(evs)
         except ApiError as e:
             yield sse(events.fail(str(e), e.code))

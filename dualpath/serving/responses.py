@@ -4,14 +4,14 @@ A request's ``instructions`` and ``input`` items (messages, ``function_call`` it
 ``function_call_output``) become a chat, rendered by the model's own template; the chat's answer becomes output
 items (a ``message`` with ``output_text``, then one ``function_call`` item per call), streamed as the API's typed
 events. ``previous_response_id`` continues a stored response: the frontend keeps the conversations of its last
-``capacity`` stored responses in memory (least recently used out first; lost on restart). Only the items live here:
-the conversation's KV is in storage, as for any chat, so a continued conversation loads its prefix like a chat turn.
+``capacity`` stored responses (``dualpath.serving.response_store``: a directory every frontend mounts, or memory).
+Only the items live there: the conversation's KV is in storage, as for any chat, so a continued conversation loads its
+prefix like a chat turn.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -398,27 +398,3 @@ class ResponseEvents:
         response = self.call.envelope("failed", self.output, self.usage, {"code": code or "server_error",
                                                                            "message": message})
         return [self._event("response.failed", response=response)]
-
-
-class ResponseStore:
-    """Stored responses and the conversations they end, at most ``capacity`` (least recently used out first)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        if self.capacity <= 0:
-            return
-        self.items[response["id"]] = (response, conversation)
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
-
-    def get(self, rid: str) -> Optional[tuple[dict, list[dict]]]:
-        entry = self.items.get(rid)
-        if entry is not None:
-            self.items.move_to_end(rid)
-        return entry
-
-    def delete(self, rid: str) -> bool:
-        return self.items.pop(rid, None) is not None

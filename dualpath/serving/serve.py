@@ -14,6 +14,13 @@ from engines.main import write_ready
 log = logging.getLogger(__name__)
 
 
+def responses_beside(kv_store: str | None) -> str:
+    """The stored responses' directory beside a KV store (its block files live under fingerprint directories)."""
+    from dualpath.paths import default_kv_store
+
+    return str(Path(kv_store or default_kv_store()) / "responses")
+
+
 def model_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
@@ -92,6 +99,7 @@ def serve(args) -> int:
                                            max_concurrent_requests=args.max_concurrent_requests,
                                            default_max_tokens=args.default_max_tokens,
                                            max_stored_responses=args.max_stored_responses,
+                                           responses_dir=args.responses_dir or responses_beside(args.kv_store),
                                            reasoning_parser=args.reasoning_parser))
 
         def ready(port: int) -> None:
@@ -121,7 +129,7 @@ def frontend_main(args) -> int:
                                        max_concurrent_requests=args.max_concurrent_requests,
                                        default_max_tokens=args.default_max_tokens,
                                        max_stored_responses=args.max_stored_responses,
-                                       reasoning_parser=args.reasoning_parser))
+                                       responses_dir=args.responses_dir, reasoning_parser=args.reasoning_parser))
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
