@@ -35,7 +35,7 @@ from dualpath.serving.protocol import (ChatRequest, CompletionRequest, Detokeniz
                                        parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
-from dualpath.serving.responses import ResponseCall, ResponseEvents, ResponsesRequest, remap_param, to_chat
+from dualpath.serving.responses import ResponseCall, ResponsesRequest, event_stream, remap_param, to_chat
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
@@ -219,7 +219,8 @@ class Frontend:
             gens = await self._start(req, prompts, samplings)
             if req.stream:
                 chunks = self._chunks(gens, req, chat_kind, prompts)
-                events = self._sse(chunks) if call is None else self._response_sse(call, chunks)
+                events = self._sse(chunks) if call is None else \
+                    event_stream(call, chunks, self.client.block_size(), self._respond)
                 return StreamingResponse(events, media_type="text/event-stream")
             answer = await self._collect(request, gens, req, chat_kind, prompts)
             if answer is None:
@@ -640,26 +641,6 @@ class Frontend:
         finally:
             await chunks.aclose()
         yield "data: [DONE]\n\n"
-
-    async def _response_sse(self, call: ResponseCall, chunks):
-        """The Responses API's events (``event:`` lines with typed data), made from the chat's chunks; a stored
-        response is kept once it is complete."""
-        events = ResponseEvents(call, self.client.block_size())
-
-        def sse(evs: list[dict]) -> str:
-            return "".join(f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" for ev in evs)
-        try:
-            yield sse(events.start())
-            async for body in chunks:
-                if evs := events.feed(body):
-                    yield sse(evs)
-            response, evs = events.end()
-            await self._respond(call, response)
-            yield sse(evs)
-        except ApiError as e:
-            yield sse(events.fail(str(e), e.code))
-        finally:
-            await chunks.aclose()
 
     async def _chunks(self, gens: list, req, kind: str, prompts: list[Prompt]):
         """Chunk bodies of every choice, interleaved as their tokens come (each chunk names its choice); usage, when

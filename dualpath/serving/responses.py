@@ -10,6 +10,7 @@ prefix like a chat turn.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dualpath.errors import RequestError
+from dualpath.serving.choices import ApiError
 from dualpath.serving.protocol import ChatRequest
 
 # Sampling fields the chat endpoint takes that the Responses API lacks (vLLM's Responses endpoint takes them too)
@@ -398,3 +400,25 @@ class ResponseEvents:
         response = self.call.envelope("failed", self.output, self.usage, {"code": code or "server_error",
                                                                            "message": message})
         return [self._event("response.failed", response=response)]
+
+
+async def event_stream(call: ResponseCall, chunks, block_size: int, keep):
+    """The Responses API's server-sent events (``event:`` lines with typed data) of a streamed chat's chunks;
+    ``keep(call, response)`` (async) once the response is complete; a failure ends the stream with
+    ``response.failed``."""
+    events = ResponseEvents(call, block_size)
+
+    def sse(evs: list[dict]) -> str:
+        return "".join(f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" for ev in evs)
+    try:
+        yield sse(events.start())
+        async for body in chunks:
+            if evs := events.feed(body):
+                yield sse(evs)
+        response, evs = events.end()
+        await keep(call, response)
+        yield sse(evs)
+    except ApiError as e:
+        yield sse(events.fail(str(e), e.code))
+    finally:
+        await chunks.aclose()
