@@ -68,6 +68,10 @@ def test_a_reply_is_one_message_item_and_the_prompt_is_the_chat(front):
         len(tok.encode("Hello there.", add_special_tokens=False))
     assert body["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": len(prompt) // 16 * 16}
     assert sdk(http).responses.create(model="m", input="hi").output_text == "Hello there."
+    # OpenAI's developer role is the system role for a template that does not know it
+    http.post("/v1/responses", json={"model": "m", "input": [{"role": "developer", "content": "Be brief."},
+                                                             {"role": "user", "content": "hi"}]})
+    assert fake.prompts[-1] == prompt
 
 
 def test_calls_come_back_as_items_and_a_continued_turn_sends_the_whole_conversation(front):
