@@ -208,7 +208,7 @@ class Rollout:
                 self.timeline.append({"t": time.perf_counter() - self.t0,
                                       "storage_read_bytes": stats.get("storage_read_bytes", {})})
             except DualPathError:
-                pass
+                pass  # a missed sample is a gap in the timeline, not a failed job
             stop.wait(self.cfg.sample_interval_s)
 
     def run(self, trajectories: list[Trajectory], out_path: str | Path, progress: bool = True) -> dict:
