@@ -111,6 +111,8 @@ class Tokenizer:
         the model continues it (Hugging Face's ``continue_final_message``); ``kwargs``: more template variables."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; use the completions API", field="messages")
+        if "developer" not in self.chat_template:  # OpenAI's newer name for the system role, unknown to the template
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)

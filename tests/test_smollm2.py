@@ -42,3 +42,13 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(llm):
     for t in texts:
         assert llm.tokenizer.encode(t) == ref.encode(t, add_special_tokens=False)
         assert llm.tokenizer.decode(llm.tokenizer.encode(t), skip_special_tokens=False) == t
+
+
+def test_a_developer_message_is_the_system_message_for_this_template(llm):
+    """SmolLM2's template knows no "developer" role: it would write one as a turn of its own after its default
+    system prompt. OpenAI's newer name for the system role renders as the system message."""
+    tok = llm.tokenizer
+    as_system = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert tok.apply_chat_template([{"role": "developer", "content": "Be brief."},
+                                    {"role": "user", "content": "hi"}]) == as_system
+    assert "developer" not in tok.decode(as_system)

@@ -319,10 +319,8 @@ class Frontend:
         return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
-        messages = [m.for_template() for m in req.messages]
-        if "developer" not in (self.tokenizer.chat_template or ""):  # OpenAI's newer name for the system role
-            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        return self.tokenizer.apply_chat_template(messages, **req.render_options(), **self._tools(req))
+        return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
+                                                  **self._tools(req))
 
     def _known_ids(self, ids, field: str) -> list[int]:
         vocab = self.tokenizer.vocab_size
