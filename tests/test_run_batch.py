@@ -2,6 +2,7 @@
 equal the single-process reference, every input line gets exactly one output line (bad lines an error, server
 errors their OpenAI answer), and a resumed job sends only what it had not answered."""
 import json
+import time
 
 import pytest
 
@@ -87,3 +88,17 @@ def test_a_resumed_batch_sends_only_what_was_not_answered(frontend, tmp_path):
     foreign.write_text(json.dumps({"custom_id": "zzz", "line": 1, "response": {"status_code": 200, "body": {}}}))
     with pytest.raises(DualPathError, match="another batch"):
         run_batch(frontend.app, src, foreign, progress=False)
+
+
+def test_a_cluster_that_stays_down_ends_the_job_with_an_error(tiny_dirs, tmp_path):
+    """Its requests are not each retried for retry_s: once /health has failed for down_s the job ends, saying why."""
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), "127.0.0.1:1", max_model_len=512))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "url": "/v1/completions",
+                                       "body": {"model": "llama", "prompt": "hi", "max_tokens": 2}}) + "\n"
+                           for i in range(4)))
+    start = time.monotonic()
+    with pytest.raises(DualPathError, match="unavailable for 1 s.*running the job again resumes"):
+        run_batch(front.app, src, tmp_path / "out.jsonl", BatchConfig(max_concurrency=2, down_s=1.0),
+                  progress=False)
+    assert time.monotonic() - start < 30  # not 4 x retry_s (600 s)

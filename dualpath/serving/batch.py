@@ -14,7 +14,8 @@ Output, one line per input line, in the order they finish::
 A request the server answers with an error keeps that answer (its status and OpenAI error body). A line that cannot
 be sent (not JSON, no ``custom_id``, a duplicate one, another method or url, ``stream``) has ``response`` null and
 ``error`` {code, message}: every input line gets exactly one output line. Overloaded answers (429, 503) are retried
-until ``retry_s`` has passed.
+until ``retry_s`` has passed; a cluster whose ``/health`` stays unavailable for ``down_s`` ends the job with an error
+(what finished is in the output, and a rerun resumes) rather than each request waiting out its retries.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 class BatchConfig:
     max_concurrency: int = 64  # requests in flight (each of a request's n choices counts at the server)
     retry_s: float = 600.0  # how long an overloaded request (429, 503) is retried before its answer is kept
+    down_s: float = 60.0  # how long the cluster may stay unavailable (503 and /health failing) before the job ends
     request_timeout_s: float = 3600.0
 
 
@@ -113,6 +115,7 @@ class BatchRun:
 
     def __init__(self, app, cfg: BatchConfig):
         self.app, self.cfg, self.start = app, cfg, time.perf_counter()
+        self.down_since: float | None = None  # when the cluster was first found unavailable (None: it is up)
         self.counts = {"succeeded": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
     async def run(self, lines: list[BatchLine], out, progress: bool = True) -> None:
@@ -127,7 +130,12 @@ class BatchRun:
             with tqdm(total=len(lines), disable=not progress, unit="req", desc="batch", smoothing=0.1) as bar:
                 workers = [asyncio.create_task(self._worker(client, queue, out, bar))
                            for _ in range(min(self.cfg.max_concurrency, len(lines)) or 1)]
-                await asyncio.gather(*workers)
+                try:
+                    await asyncio.gather(*workers)
+                finally:  # one worker's error ends the others (their requests are cancelled as clients that left)
+                    for w in workers:
+                        w.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
 
     async def _worker(self, client, queue: asyncio.Queue, out, bar) -> None:
         while not queue.empty():
@@ -151,6 +159,8 @@ class BatchRun:
             r = await client.post(line.url, json=line.body)
             if r.status_code not in (429, 503) or time.monotonic() >= deadline:
                 break
+            if r.status_code == 503:
+                await self._check_up(client, r)
             await asyncio.sleep(min(float(r.headers.get("retry-after", 1)), max(0.0, deadline - time.monotonic())))
         try:
             body = r.json()
@@ -160,6 +170,18 @@ class BatchRun:
         return {"id": rid, "custom_id": line.custom_id, "line": line.number,
                 "response": {"status_code": r.status_code, "request_id": body.get("id", rid), "body": body},
                 "error": None}
+
+    async def _check_up(self, client, refused) -> None:
+        """Raise once the cluster has been unavailable for ``down_s`` (an overloaded one is up: its /health is ok)."""
+        if (await client.get("/health")).status_code == 200:
+            self.down_since = None
+            return
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        if now - self.down_since >= self.cfg.down_s:
+            raise DualPathError(f"the cluster has been unavailable for {now - self.down_since:.0f} s (last answer: "
+                                f"{refused.text[:200]}); the results so far are in the output, and running the job "
+                                f"again resumes")
 
     def _count(self, status: int, body: dict) -> None:
         self.counts["succeeded" if status == 200 else "failed"] += 1
