@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.serving.tools import partial_tag
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -69,7 +71,7 @@ class ReasoningSplitter:
             self._thought = True
             end = self._text.find(CLOSE, self._done)
             if end < 0:
-                keep = len(self._text) if final else len(self._text) - _partial(self._text, CLOSE)
+                keep = len(self._text) if final else len(self._text) - partial_tag(self._text, CLOSE)
                 reasoning, self._done = self._text[self._done:max(keep, self._done)], max(keep, self._done)
                 return reasoning, ""
             reasoning, self._done, self.thinking = self._text[self._done:end], end + len(CLOSE), False
@@ -79,11 +81,3 @@ class ReasoningSplitter:
             answer = answer.lstrip()
             self._after_close = not answer
         return reasoning, answer
-
-
-def _partial(text: str, mark: str) -> int:
-    """How many trailing characters of ``text`` are a proper prefix of ``mark``."""
-    for n in range(min(len(mark) - 1, len(text)), 0, -1):
-        if mark.startswith(text[-n:]):
-            return n
-    return 0

@@ -59,7 +59,7 @@ class Hermes(ToolMarkup):
         return text.find(self.OPEN)
 
     def undecided(self, text: str) -> int:
-        return _partial_tag(text, self.OPEN)
+        return partial_tag(text, self.OPEN)
 
     def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
         return _block_calls(held, self.BLOCK, lambda m: _call(m.group(1), names, "arguments"))
@@ -113,7 +113,7 @@ class DeepSeekV3(ToolMarkup):
         return min(hits) if hits else -1
 
     def undecided(self, text: str) -> int:
-        return _partial_tag(text, self.CALLS, self.CALL)
+        return partial_tag(text, self.CALLS, self.CALL)
 
     def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
         found = _block_calls(held, self.BLOCK, lambda m: self._one(m, names))
@@ -144,7 +144,7 @@ class DeepSeekV3(ToolMarkup):
         return f"{self.CALLS}{self.CALL}{f['name']}{self.SEP}", schema, f"{self.CALL_END}{self.CALLS_END}"
 
 
-def _partial_tag(text: str, *tags: str) -> int:
+def partial_tag(text: str, *tags: str) -> int:
     """How many trailing characters of ``text`` are the start of one of ``tags`` (0: none)."""
     return next((n for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1)
                  if any(t.startswith(text[-n:]) for t in tags)), 0)
