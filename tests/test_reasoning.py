@@ -128,7 +128,7 @@ def test_the_model_may_open_the_block_itself_and_other_replies_are_all_answer(ti
     http, fake, _ = serve(tiny_dirs, tmp_path, QWEN3_TEMPLATE)
     fake.reply = "<think>hmm</think>Yes."
     assert chat(http).json()["choices"][0]["message"] == {"role": "assistant", "content": "Yes.",
-                                                               "refusal": None, "reasoning_content": "hmm"}
+                                                          "refusal": None, "reasoning_content": "hmm"}
     fake.reply = "  Yes, </think> is a tag."
     message = chat(http).json()["choices"][0]["message"]
     assert message["content"] == "  Yes, </think> is a tag." and message["reasoning_content"] is None
