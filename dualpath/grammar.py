@@ -10,7 +10,9 @@ containers of the same shape: the state closes its top-level object (``DONE``) i
 
 The accepted texts are strict JSON (no NaN, no raw control characters in strings, whole UTF-8 characters, at most
 ``MAX_WS`` whitespace bytes in a row) with one object at the top level, ending at its closing brace; a grammar may
-also fix text before and after the object (a forced tool call's markup).
+also fix text before and after the object (a forced tool call's markup), and let a reasoning model think first:
+free text up to ``</think>`` ("open": the prompt opened the block) or an optional ``<think> ... </think>`` block the
+reply opens itself ("optional"), then whitespace, then the output (vLLM constrains only after the reasoning ends).
 
 Schema subset (OpenAI's structured outputs and what pydantic emits): ``type`` (one or a list), ``properties``,
 ``required``, ``additionalProperties`` (false, true or a schema; true by default), ``items``, ``minItems``,
@@ -37,13 +39,19 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX) = range(26)  # PREFIX / SUFFIX: the fixed text around the object, the bytes still due in node
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD) = range(29)
+# PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
+# THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
 UTF8_STR, UTF8_KEY = 300, 400  # + 10 x continuation bytes due + which range the next one must be in
 NEXT_RANGE = ((0x80, 0xBF), (0xA0, 0xBF), (0x80, 0x9F), (0x90, 0xBF), (0x80, 0x8F))  # no overlong or surrogate
 SPACED = frozenset({VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER})  # whitespace may come here
 NUM_MAY_END = frozenset({NUM_ZERO, NUM_INT, NUM_FRAC, NUM_EXP, INT_ZERO, INT_DIGITS})
 PLAIN_MODES = frozenset({STR, KEY_STR})  # a string with no constraint on its content
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reasoning model's thinking (dualpath.serving.reasoning)
+THINKING_MODES = ("", "optional", "open")
+_CLOSE = THINK_CLOSE.encode()
+assert _CLOSE.count(_CLOSE[0]) == 1  # a mismatch restarts the match at this byte or at none (no border)
 
 # node ids every grammar has
 ANY, ANY_OBJECT, ANY_ARRAY = 0, 1, 2
@@ -88,20 +96,23 @@ class ObjectNode:
 
 class Grammar:
     """A compiled schema (``compile``) or JSON mode's any-object (``json_object``), optionally with fixed text
-    before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON)."""
+    before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON) and thinking
+    before all of it (``thinking``, one of ``THINKING_MODES``)."""
 
-    def __init__(self, prefix: bytes = b"", suffix: bytes = b""):
+    def __init__(self, prefix: bytes = b"", suffix: bytes = b"", thinking: str = ""):
+        if thinking not in THINKING_MODES:
+            raise ValueError(f"thinking must be one of {THINKING_MODES}, got {thinking!r}")
         self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY, 0, None)]
         self.root = ANY_OBJECT
-        self.prefix, self.suffix = prefix, suffix
+        self.prefix, self.suffix, self.thinking = prefix, suffix, thinking
 
     @classmethod
-    def json_object(cls) -> "Grammar":
-        return cls()
+    def json_object(cls, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
+        return cls(prefix, suffix, thinking)
 
     @classmethod
-    def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"") -> "Grammar":
-        g = cls(prefix, suffix)
+    def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
+        g = cls(prefix, suffix, thinking)
         g.root = _Compiler(g, schema).node(schema, "#")
         for n in range(len(g.nodes)):
             g.alternatives(n)  # refuses $ref cycles now, not mid-generation
@@ -111,6 +122,15 @@ class Grammar:
 
     @property
     def start(self) -> State:
+        if self.thinking == "open":
+            return frozenset({(THINKING, 0, (), 0)})
+        if self.thinking == "optional":
+            return frozenset({(OPENING, THINK_OPEN.encode(), (), 0), (LEAD, 0, (), 0)})
+        return self._output
+
+    @property
+    def _output(self) -> State:
+        """Where the output (prefix, object, suffix) starts."""
         return frozenset({(PREFIX, self.prefix, (), 0) if self.prefix else (VALUE, self.root, (), 0)})
 
     def alternatives(self, node: int, seen: frozenset = frozenset()) -> list[int]:
@@ -162,6 +182,8 @@ class Grammar:
             return self._spell_key(stack, b)
         if mode == LIT:
             return self._literal(node, stack, b)
+        if mode >= OPENING:
+            return self._think(mode, node, ws, b)
         if mode >= PREFIX:
             if b != node[0]:
                 return []
@@ -169,6 +191,20 @@ class Grammar:
                 return [(mode, node[1:], stack, 0)]
             return [(VALUE, self.root, stack, 0) if mode == PREFIX else (DONE, 0, stack, 0)]
         return self._number(mode, stack, b)
+
+    def _think(self, mode: int, node, ws: int, b: int) -> list[Config]:
+        """The thinking before the output: its tag opening (optional), its free text, the whitespace after it."""
+        if mode == THINKING:  # anything, until the close tag is spelled
+            if b == _CLOSE[node]:
+                return [(THINKING, node + 1, (), 0)] if node + 1 < len(_CLOSE) else [(LEAD, 0, (), 0)]
+            return [(THINKING, int(b == _CLOSE[0]), (), 0)]
+        if b in WS and (mode == LEAD or node == THINK_OPEN.encode()):
+            return [(mode, node, (), ws + 1)] if ws < MAX_WS else []
+        if mode == LEAD:
+            return [c for config in self._output for c in self._step(config, b)]
+        if b != node[0]:
+            return []
+        return [(OPENING, node[1:], (), 0)] if len(node) > 1 else [(THINKING, 0, (), 0)]
 
     def _structure(self, mode: int, node: int, stack: tuple, b: int) -> list[Config]:
         if mode == VALUE:

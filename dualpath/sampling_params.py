@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from dualpath.errors import RequestError
+from dualpath.grammar import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
@@ -21,6 +22,9 @@ class SamplingParams:
     ``json_schema`` (a schema as JSON text) to one valid against that schema (``dualpath.grammar`` says which
     keywords): it ends as the object closes, or at ``max_tokens`` unfinished. ``json_prefix`` / ``json_suffix``:
     fixed text the constrained output starts / ends with around the object (a forced tool call's markup).
+    ``json_thinking`` lets a reasoning model think before that output (unconstrained, up to ``</think>``): "open"
+    when the prompt opened the ``<think>`` block, "optional" when the reply may open one itself; "" constrains from
+    the first token.
 
     Logit adjustments, in the order they apply (vLLM's): ``logit_bias`` ((token id, bias in [-100, 100]) pairs)
     is added; before ``min_tokens`` tokens, EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled and
@@ -56,6 +60,7 @@ class SamplingParams:
     json_schema: str | None = None
     json_prefix: str = ""
     json_suffix: str = ""
+    json_thinking: str = ""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -90,6 +95,9 @@ class SamplingParams:
             raise RequestError("json_object and json_schema exclude each other", field="response_format")
         if (self.json_prefix or self.json_suffix) and not self.structured:
             raise RequestError("json_prefix and json_suffix need json_object or json_schema", field="response_format")
+        if self.json_thinking not in THINKING_MODES or (self.json_thinking and not self.structured):
+            raise RequestError(f"json_thinking is one of {THINKING_MODES} and needs json_object or json_schema",
+                               field="response_format")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
         self._check_adjustments()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import PLAIN_MODES, Grammar, State
+from dualpath.grammar import PLAIN_MODES, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -54,6 +54,8 @@ class Vocabulary:
         self.sorted_ids = np.asarray([i for i, _ in ordered], dtype=np.int64)
         self.sorted_bytes = [t for _, t in ordered]
         self.depth = 1 + max(t.count(b"}") + t.count(b"]") for _, t in tokens)
+        # only a token with the close tag's last byte can end a think block: the rest are free while thinking
+        self.may_end_thinking = [tok for tok in tokens if THINK_CLOSE.encode()[-1] in tok[1]]
 
     def bytes_of(self, token: int) -> bytes | None:
         return self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
@@ -117,6 +119,11 @@ class GrammarMasks:
     def _allowed(self, state: State) -> np.ndarray:
         g, v = self.grammar, self.vocab
         allowed = np.zeros(v.width, dtype=bool)
+        if all(c[0] == THINKING for c in state):
+            allowed[v.sorted_ids] = True
+            for i, t in v.may_end_thinking:
+                allowed[i] = g.run(state, t) is not None
+            return allowed
         if all(c[0] in PLAIN_MODES for c in state):
             allowed[v.plain] = True
             for i, t in v.in_string:
@@ -179,7 +186,7 @@ class GuideSource:
         self._tokenizer, self._width, self._device = tokenizer, width, device
         self._vocab: Vocabulary | None = None
         self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
-        self._compiled = Recent(schemas)  # by (schema, prefix, suffix); JSON mode's schema is None
+        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking); JSON mode's schema is None
         self._masks = Recent()
         self._lock = threading.Lock()
 
@@ -205,11 +212,13 @@ class GuideSource:
         if not params.structured:
             return None
         self.warm()
-        key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode())
-        return self._compiled.get(key, lambda: GrammarMasks(_grammar(*key), self._vocab, self._device, self._masks,
-                                                            key)).guide()
+        key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking)
+        build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
+        return self._compiled.get(key, build).guide()
 
 
-def _grammar(schema: str | None, prefix: bytes, suffix: bytes) -> Grammar:
-    return Grammar.compile(json.loads(schema), prefix, suffix) if schema is not None else Grammar(prefix, suffix)
+def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str) -> Grammar:
+    if schema is None:
+        return Grammar.json_object(prefix, suffix, thinking)
+    return Grammar.compile(json.loads(schema), prefix, suffix, thinking)
 

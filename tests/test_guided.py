@@ -413,6 +413,88 @@ def test_random_walks_over_masks_end_valid():
     assert ended >= 35
 
 
+# --- thinking first: a reasoning model's think block, then the output --------------------------------------------
+
+FORCED = (b"<tool_call>\n", b"\n</tool_call>")  # a forced call's markup around its object
+THINK_TOKENS = [b"<think>", b"</think>", b"</", b"think>", b"k>", b">", b"</think>\n\n", b'k>{"', b"k>\n<tool_call>",
+                b"</think>{}", b"\n<think>\n", b"x>", b"<<"]
+
+
+@pytest.mark.parametrize("thinking, text, ok", [
+    ("open", b'so {x</thi </think>\n\n{"a": 1}', True),
+    ("open", b'</think>{"a": 1}', True),  # an empty thought
+    ("open", b'<think>x<</think> {"a": 1}', True),  # anything, tags too, until </think>
+    ("open", b'{"a": 1}', False),  # the block never closed: no output yet
+    ("open", b"</think>" + b" " * (MAX_WS + 1) + b'{"a": 1}', False),
+    ("optional", b'{"a": 1}', True),
+    ("optional", b'\n <think>hm</think>\n{"a": 1}', True),
+    ("optional", b'</think>{"a": 1}', False),  # a close without an open
+    ("optional", b"x<think>", False),  # text before a block is output, and must be JSON
+    ("optional", b'<think>a</think>{"a": 1}<think>', False),
+    ("", b'<think>hm</think>{"a": 1}', False),
+])
+def test_thinking_before_the_object(thinking, text, ok):
+    g = Grammar.json_object(thinking=thinking)
+    assert completes(g, text) == ok
+    forced = Grammar.json_object(*FORCED, thinking=thinking)
+    marked = text.replace(b'{"a": 1}', FORCED[0] + b'{"a": 1}' + FORCED[1])
+    assert completes(forced, marked) == ok and not completes(forced, text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=40), OBJECTS, st.sampled_from(["open", "optional"]))
+def test_any_thought_then_any_object_completes_only_at_its_end(thought, obj, thinking):
+    head = b"" if thinking == "open" else b"<think>"
+    thought = thought.replace(b"</think>", b"")
+    text = head + thought + b"</think>\n" + json.dumps(obj).encode()
+    g = Grammar.json_object(thinking=thinking)
+    states = list(states_along(g, text))
+    assert not any(g.complete(s) for s in states) and completes(g, text)
+
+
+@pytest.mark.parametrize("thinking", ["open", "optional"])
+def test_thinking_masks_equal_a_check_of_every_token(thinking):
+    vocab = toy_vocab() + THINK_TOKENS
+    v = Vocabulary(vocab, len(vocab) + 2)
+    for prefix, suffix in ((b"", b""), FORCED):
+        g = Grammar.compile(SCHEMAS["closed"], prefix, suffix, thinking)
+        masks = GrammarMasks(g, v, "cpu")
+        head = b"" if thinking == "open" else b" <think>"
+        doc = head + b"x </thi<</think>\n\n" + prefix + b'{"id": 1, "kind": "a"}' + suffix
+        for state in states_along(g, doc):
+            assert torch.equal(masks.mask(state), brute_mask(g, vocab, state, v.width)), state
+
+
+def test_random_walks_think_then_end_valid():
+    """Walks that close the thought when they happen to spell </think> (leaning to its next byte), then write the
+    object: every one that completes is a thought and a valid object."""
+    vocab = toy_vocab() + THINK_TOKENS
+    ids = {t: i for i, t in enumerate(vocab) if t is not None}
+    validator = jsonschema.Draft202012Validator(SCHEMAS["closed"])
+    masks = GrammarMasks(Grammar.compile(SCHEMAS["closed"], thinking="open"), Vocabulary(vocab, len(vocab)), "cpu")
+    closing = torch.tensor([t is not None and any(c in t for c in b'"}]') for t in vocab])
+    rng, ended = torch.Generator().manual_seed(0), 0
+    for _ in range(20):
+        guide, out = masks.guide(), b""
+        for _ in range(400):
+            m = guide.mask()
+            (mode, matched, _, _), = guide.state if len(guide.state) == 1 else ((None, 0, 0, 0),)
+            if mode == gr.THINKING and torch.rand(1, generator=rng) < 0.5:
+                tok = ids[b"</think>"[matched:matched + 1]]
+            else:
+                pool = m & closing if (m & closing).any() and torch.rand(1, generator=rng) < 0.6 else m
+                tok = int(pool.nonzero()[torch.randint(int(pool.sum()), (1,), generator=rng)])
+            assert m[tok]
+            guide.advance(tok)
+            out += vocab[tok]
+            if guide.complete:
+                thought, _, answer = out.partition(b"</think>")
+                assert validator.is_valid(parsed(answer)), out
+                ended += 1
+                break
+    assert ended >= 10
+
+
 def test_a_vocabulary_without_single_byte_tokens_is_refused():
     with pytest.raises(CheckpointError, match="one-byte token"):
         Vocabulary([b"{", b"}", b'"ab"'], 3)
@@ -482,6 +564,26 @@ def test_tiny_model_schema_outputs_are_valid(tiny_dirs):
                 stopped += 1
                 assert validator.is_valid(parsed(data)), data
     assert stopped >= 3
+
+
+def test_tiny_model_thinks_freely_then_writes_json(tiny_dirs):
+    """A thought is not constrained: until it writes </think>, a reply that thinks first is the model's own
+    (greedy: what it writes unconstrained, among tokens that have text); the JSON comes after."""
+    llm = LLM(str(tiny_dirs["llama"]), block_size=16)
+    prompts = ["hello", "a b c d e f", "think first"]
+    texts = [i for i, t in enumerate(Tokenizer(tiny_dirs["llama"]).token_bytes) if t]
+    free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, allowed_token_ids=texts))
+    thought = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, json_object=True,
+                                                   json_thinking="open"))
+    for f, o in zip(free, thought):
+        assert b"</think>" not in bytes(f.token_ids) and o.token_ids == f.token_ids
+    json_first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, json_object=True))
+    assert all(run(JSON_MODE, bytes(o.token_ids)) is not None for o in json_first)
+    assert [o.token_ids for o in json_first] != [o.token_ids for o in thought]
+    optional = Grammar.json_object(thinking="optional")
+    for o in llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=40, json_object=True,
+                                                  json_thinking="optional")):
+        assert run(optional, bytes(o.token_ids)) is not None
 
 
 @pytest.mark.parametrize("markup", ["hermes", "llama3", "deepseek_v3"])

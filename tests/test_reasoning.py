@@ -57,6 +57,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 
 from test_serving import validate  # noqa: E402
+from engines.guided import compile_grammar  # noqa: E402
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, serve  # noqa: E402
 
 # DeepSeek-R1's way: the generation prompt opens the thinking, earlier replies lose theirs
@@ -136,9 +137,46 @@ def test_the_model_may_open_the_block_itself_and_other_replies_are_all_answer(ti
     message = chat(http, chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]["message"]
     assert fake.tokenizer.decode(fake.prompts[-1]).endswith("</think>\n\n")
     assert message["content"] == "2 </think> 3" and message["reasoning_content"] is None
-    fake.reply = '{"a": 1}'
-    assert chat(http, response_format={"type": "json_object"}).json()["choices"][0]["message"]["content"] == \
-        '{"a": 1}'  # a constrained reply is the answer whole
+
+
+def accepted(sampling, reply: str) -> bool:
+    """Whether the engines' grammar for ``sampling`` takes ``reply`` whole (what a guided model could write)."""
+    g = compile_grammar(sampling.json_schema, sampling.json_prefix.encode(), sampling.json_suffix.encode(),
+                 sampling.json_thinking)
+    state = g.run(g.start, reply.encode())
+    return state is not None and g.complete(state)
+
+
+def test_structured_replies_are_constrained_after_the_thinking(tiny_dirs, tmp_path):
+    """JSON output and forced calls of a reasoning model: the engines let it think first (json_thinking "open"
+    where the prompt opened the block, "optional" where the model may open one) and constrain what follows; the
+    thinking is split off like any reply's."""
+    (tmp_path / "r1").mkdir(), (tmp_path / "qwen3").mkdir()
+    http, fake, _ = serve(tiny_dirs, tmp_path / "r1", R1_TEMPLATE)
+    schema = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"]}
+    fake.reply = 'It is warm, say {"temp": 20}.</think>\n\n{"temp": 21}'
+    message = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})\
+        .json()["choices"][0]["message"]
+    assert fake.samplings[-1].json_thinking == "open" and accepted(fake.samplings[-1], fake.reply)
+    assert message["reasoning_content"] == 'It is warm, say {"temp": 20}.' and message["content"] == '{"temp": 21}'
+    fake.reply = THOUGHT + "</think>" + CALL.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>",
+                                                                                            "\n</tool_call>")
+    choice = chat(http, tools=[WEATHER], tool_choice="required").json()["choices"][0]
+    assert fake.samplings[-1].json_thinking == "open" and accepted(fake.samplings[-1], fake.reply)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == THOUGHT
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"city": "Paris"}]
+    chunks = stream(http, "/v1/chat/completions", messages=ASK, tools=[WEATHER], tool_choice="required")
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["get_weather"]
+
+    http, fake, _ = serve(tiny_dirs, tmp_path / "qwen3", QWEN3_TEMPLATE)
+    for reply, thought in (('<think>hm</think>\n{"a": 1}', "hm"), ('{"a": 1}', None)):
+        fake.reply = reply
+        message = chat(http, response_format={"type": "json_object"}).json()["choices"][0]["message"]
+        assert fake.samplings[-1].json_thinking == "optional" and accepted(fake.samplings[-1], reply)
+        assert message["content"] == '{"a": 1}' and message["reasoning_content"] == thought
+    assert not accepted(fake.samplings[-1], '</think>{"a": 1}')
 
 
 def test_the_parser_can_be_turned_off_and_is_off_for_templates_without_thinking(tiny_dirs, tmp_path):
@@ -146,10 +184,14 @@ def test_the_parser_can_be_turned_off_and_is_off_for_templates_without_thinking(
     http, fake, _ = serve(tiny_dirs, tmp_path / "a", R1_TEMPLATE, reasoning_parser="none")
     fake.reply = "x</think>y"
     assert "reasoning_content" not in chat(http).json()["choices"][0]["message"]
+    chat(http, response_format={"type": "json_object"})
+    assert fake.samplings[-1].json_thinking == ""  # constrained from the first token
     (tmp_path / "b").mkdir()
     http, fake, _ = serve(tiny_dirs, tmp_path / "b", HERMES_TEMPLATE)
     fake.reply = "x</think>y"
     assert chat(http).json()["choices"][0]["message"]["content"] == "x</think>y"
+    chat(http, response_format={"type": "json_object"})
+    assert fake.samplings[-1].json_thinking == ""
 
 
 def test_responses_put_the_thinking_in_a_reasoning_item(r1):

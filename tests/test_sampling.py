@@ -125,6 +125,13 @@ def test_invalid_params_name_the_field(bad):
     assert e.value.field == next(iter(bad))
 
 
+@pytest.mark.parametrize("bad", [dict(json_thinking="open"), dict(json_object=True, json_thinking="yes")])
+def test_thinking_first_needs_json_output_and_a_known_mode(bad):
+    with pytest.raises(RequestError, match="json_thinking") as e:
+        SamplingParams(**bad)
+    assert e.value.field == "response_format"
+
+
 def test_params_round_trip_through_dict():
     p = SamplingParams(max_tokens=5, stop=["a", "b"], stop_token_ids=[3], seed=1, logprobs=2)
     assert SamplingParams.from_dict(p.to_dict()) == p

@@ -215,7 +215,7 @@ class Frontend:
                 raise ApiError(400, str(e), param=e.field) from None
             chat_kind = "completions" if kind == "completions" else "chat"
             prompts = self._prompts(req, chat_kind)
-            samplings = [self._sampling(req, chat_kind, len(p.ids)) for p in prompts]
+            samplings = [self._sampling(req, chat_kind, p) for p in prompts]
             gens = await self._start(req, prompts, samplings)
             if req.stream:
                 chunks = self._chunks(gens, req, chat_kind, prompts)
@@ -347,15 +347,22 @@ class Frontend:
             return None
         return ToolCallSplitter(self.tool_markup, req.tool_names(), req.parallel_tool_calls)
 
-    def _reasoner(self, req, kind: str, prompt: Prompt) -> ReasoningSplitter | None:
-        """The splitter of a reasoning model's chat reply into thinking and answer (None for other models, and for
-        constrained replies: JSON output and forced calls are the answer whole)."""
-        if kind != "chat" or not self.reasons or req.structured() or req.forced_functions():
-            return None
+    def _thinking(self, kind: str, prompt: Prompt) -> str:
+        """How a reasoning model's chat reply starts: "open" inside the think block its prompt opened, "optional"
+        with a block it may open itself; "" for other models' replies (``SamplingParams.json_thinking``)."""
+        if kind != "chat" or not self.reasons:
+            return ""
         tail = self.tokenizer.decode(prompt.ids[-16:], skip_special_tokens=False)  # the generation prompt
-        return ReasoningSplitter(prompt_opens_thinking(tail))
+        return "open" if prompt_opens_thinking(tail) else "optional"
 
-    def _sampling(self, req, kind: str, n_prompt: int) -> SamplingParams:
+    def _reasoner(self, kind: str, prompt: Prompt) -> ReasoningSplitter | None:
+        """The splitter of a reasoning model's chat reply into thinking and answer (None for other models). A
+        constrained reply (JSON output, a forced call) is constrained only after the thinking, so it splits too."""
+        thinking = self._thinking(kind, prompt)
+        return ReasoningSplitter(thinking == "open") if thinking else None
+
+    def _sampling(self, req, kind: str, prompt: Prompt) -> SamplingParams:
+        n_prompt = len(prompt.ids)
         room = self.cfg.max_model_len - n_prompt
         if room < 1:
             raise ApiError(400, f"the prompt has {n_prompt} tokens; the model's context is {self.cfg.max_model_len}",
@@ -374,16 +381,18 @@ class Frontend:
                                   stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
                                   logit_bias=self._known_bias(req.bias_pairs()),
                                   allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
-                                  **self._structured(req, kind))
+                                  **self._structured(req, kind, self._thinking(kind, prompt)))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
-    def _structured(self, req, kind: str) -> dict:
+    def _structured(self, req, kind: str, thinking: str) -> dict:
         """The sampling fields of a JSON-mode or schema request, checked here (so an unsupported schema or
-        checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens' bytes are known."""
+        checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens' bytes are known.
+        A reasoning model thinks first (``thinking``), constrained only after."""
         asked = req.structured()
         if asked is None:
-            return self._forced_call(req) if kind == "chat" else {}
+            call = self._forced_call(req) if kind == "chat" else {}
+            return {**call, "json_thinking": thinking} if call else {}
         field, mode, schema = asked
         if kind == "chat" and req.calls_tools():
             raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not a "
@@ -391,9 +400,9 @@ class Frontend:
         try:
             self.tokenizer.token_bytes
             if mode == "json_object":
-                return {"json_object": True}
+                return {"json_object": True, "json_thinking": thinking}
             Grammar.compile(schema)  # what the engines will compile: its errors are the request's
-            return {"json_schema": json.dumps(schema)}
+            return {"json_schema": json.dumps(schema), "json_thinking": thinking}
         except (CheckpointError, RequestError) as e:
             raise ApiError(400, str(e), param=field) from None
 
@@ -586,7 +595,7 @@ class Frontend:
         if kind != "chat":
             return self._completion_choice(req, index, content, lps if want_lps else None, outcome, prompt)
         message, finish = {"role": "assistant", "content": content, "refusal": None}, outcome.finish_reason
-        reasoner = self._reasoner(req, kind, prompt)
+        reasoner = self._reasoner(kind, prompt)
         if reasoner is not None:
             split = [reasoner.feed(piece) for piece in pieces] + [reasoner.finish()]
             thought, content = "".join(r for r, _ in split), "".join(a for _, a in split)
@@ -667,7 +676,7 @@ class Frontend:
                     "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
 
         splitters = [self._splitter(req, kind) for _ in gens]
-        reasoners = [self._reasoner(req, kind, prompts[i // req.n]) for i in range(len(gens))]
+        reasoners = [self._reasoner(kind, prompts[i // req.n]) for i in range(len(gens))]
         outcomes: dict[int, Outcome] = {}
         try:
             if kind == "chat":

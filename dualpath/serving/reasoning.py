@@ -7,15 +7,16 @@ prompt ends with it (the reply starts inside the thinking and only ``</think>`` 
 itself, and a template's non-thinking mode closes an empty block in the prompt. So the reply starts in thinking when
 the rendered prompt ends inside an open ``<think>`` block, or when the reply itself begins with ``<think>``; the
 thinking ends at the first ``</think>``. Tool calls and the answer are parsed from what follows only: a call the
-model merely considered while thinking is not made.
+model merely considered while thinking is not made. Structured output (JSON, forced calls) is constrained only
+after the thinking (``SamplingParams.json_thinking``), so its replies split the same way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpath.grammar import THINK_CLOSE as CLOSE
+from dualpath.grammar import THINK_OPEN as OPEN
 from dualpath.serving.tools import partial_tag
-
-OPEN, CLOSE = "<think>", "</think>"
 
 
 def knows_thinking(chat_template: str | None) -> bool:
