@@ -158,6 +158,15 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly (by default they replay CUDA graphs on CUDA with triton kernels)")
 
 
+def _size(text: str) -> int:
+    from dualpath.paths import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
@@ -173,6 +182,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-bytes", type=int, default=256 << 20)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
     p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--storage-capacity", default="auto", type=lambda t: t if t == "auto" else _size(t),
+                   help="KV store cap (20G, 512MiB, bytes; least recently used blocks evicted past it): 0 for none, "
+                        "auto (default) for half the disk's free space plus what the store holds")
     p.add_argument("--storage-read-bps", type=float, default=0.0, help="cap each node's storage reads (bytes/s)")
     p.add_argument("--compute-quota-ms", type=float, default=300.0)
     p.add_argument("--torch-threads", type=int, default=0, help="per engine (0: the cores shared out)")
@@ -421,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rdma-device", default=None)
     e.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     e.add_argument("--storage-backend", default="fs", choices=["fs", "hf3fs"])
-    e.add_argument("--storage-capacity", type=int, default=0, help="bytes kept before LRU eviction (0: no cap)")
+    e.add_argument("--storage-capacity", type=_size, default=0,
+                   help="bytes kept (20G, 512MiB, ...) before LRU eviction (0: no cap)")
     e.add_argument("--storage-read-bps", type=float, default=0.0, help="cap this node's storage reads (bytes/s)")
     e.add_argument("--block-size", type=int, default=64)
     e.add_argument("--buffer-bytes", type=int, default=256 << 20)

@@ -212,7 +212,8 @@ class StorageConfig:
     """Where Full Blocks are stored and how reads are paced.
 
     ``root`` None means the user cache directory. ``capacity_bytes`` bounds what is kept (least recently used
-    blocks are evicted past it; 0 = the disk is the bound). ``read_bandwidth_bps`` caps this node's storage
+    blocks are evicted past it; 0 = the disk is the bound); the stored blocks are recounted from the directory at
+    most every ``rescan_s`` (other processes write there too). ``read_bandwidth_bps`` caps this node's storage
     reads with a token bucket, to emulate a storage NIC in benchmarks (0 = no cap).
     """
 
@@ -222,6 +223,7 @@ class StorageConfig:
     io_threads: int = 0  # 0: twice the CPU count
     read_bandwidth_bps: float = 0.0
     fsync: bool = False
+    rescan_s: float = 5.0
 
 
 @dataclass(frozen=True)

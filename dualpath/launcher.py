@@ -40,6 +40,7 @@ class ClusterSpec:
     cache_bytes: int = 1 << 30
     workspace_tokens: int = 16384
     storage_read_bps: float = 0.0
+    storage_capacity: int = 0  # bytes of KV kept in the store (0: no cap)
     compute_quota_ms: float = 300.0
     cost_model: str | None = None  # "fixed,per_token,attention"
     max_model_len: int = 0
@@ -168,7 +169,8 @@ class LocalCluster(Supervisor):
                 "--device", device, "--dtype", s.dtype, "--kernels", s.kernels, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
                 "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
-                "--storage-read-bps", str(s.storage_read_bps), "--compute-quota-ms", str(s.compute_quota_ms),
+                "--storage-read-bps", str(s.storage_read_bps), "--storage-capacity", str(s.storage_capacity),
+                "--compute-quota-ms", str(s.compute_quota_ms),
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
         if s.enforce_eager:
             args.append("--enforce-eager")

@@ -234,12 +234,14 @@ class Engine:
         read_delta = snap.completed_bytes - self._read_bytes_reported
         busy_delta = self.busy_s - self._busy_reported
         fail_delta = self.kv_load_failures - self._failures_reported
+        stored = self.storage.usage()
         load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
                           request_ids=list(held), started=items["started"], finished=items["finished"],
                           failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
-                          traffic=self.traffic.snapshot())
+                          traffic=self.traffic.snapshot(), storage_used_bytes=stored["used_bytes"],
+                          storage_capacity_bytes=stored["capacity_bytes"])
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "failures": self.kv_load_failures}
 

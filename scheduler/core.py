@@ -636,11 +636,13 @@ class SchedulerCore:
     @staticmethod
     def _engine_view(e: EngineRecord) -> dict:
         """An engine's last report: requests held, their tokens, free KV tokens (a decode engine's device cache,
-        a prefill engine's workspace) and its capacity."""
+        a prefill engine's workspace) and its capacity, the KV store's stored bytes and cap."""
         load = e.load
         return {"role": e.info.role.value, "node": e.info.node_id, "requests": load.seq if load else 0,
                 "tokens": load.tok if load else 0, "capacity_tokens": e.info.capacity_tokens,
-                "free_tokens": load.free_tokens if load else e.info.capacity_tokens}
+                "free_tokens": load.free_tokens if load else e.info.capacity_tokens,
+                "storage_used_bytes": load.storage_used_bytes if load else 0,
+                "storage_capacity_bytes": load.storage_capacity_bytes if load else 0}
 
 
 class _Nodes(dict):

@@ -36,6 +36,7 @@ def render(stats: dict) -> str:
         for key, v in traffic.items():
             path, _, klass = key.partition(":")
             tb.inc(v, engine=engine, path=path, **{"class": klass})
+    _engine_gauges(r, stats.get("engines", {}))
     r.gauge("storage_read_balance", "Storage reads max/avg across nodes (sliding window)").set(
         stats.get("storage_read_max_over_avg", 1.0))
     pb = r.gauge("prefill_time_balance", "Prefill time max/avg across the engines of a group (sliding window)",
@@ -43,6 +44,27 @@ def render(stats: dict) -> str:
     for group, v in stats.get("prefill_busy_max_over_avg", {}).items():
         pb.set(v, group=group)
     return r.render()
+
+
+def _engine_gauges(r: Registry, engines: dict) -> None:
+    """Each live engine's KV cache use and requests (vLLM's ``kv_cache_usage_perc``, ``num_requests_running``),
+    and each node's KV store: stored bytes and the cap (what its engines last reported; 0 cap: none)."""
+    usage = r.gauge("engine_kv_cache_usage", "Share of the engine's KV capacity in use (decode: device cache; "
+                    "prefill: workspace)", ["engine", "role"])
+    running = r.gauge("engine_requests", "Requests the engine holds", ["engine", "role"])
+    used = r.gauge("storage_used_bytes", "KV bytes stored in the node's KV store", ["node"])
+    cap = r.gauge("storage_capacity_bytes", "The node's KV store cap (0: none)", ["node"])
+    stores: dict[str, tuple[int, int]] = {}
+    for eid, e in sorted(engines.items()):
+        total = e.get("capacity_tokens") or 0
+        usage.set(1 - e.get("free_tokens", 0) / total if total else 0.0, engine=eid, role=e.get("role", ""))
+        running.set(e.get("requests", 0), engine=eid, role=e.get("role", ""))
+        seen = stores.get(e.get("node", ""), (0, 0))
+        stores[e.get("node", "")] = (max(seen[0], e.get("storage_used_bytes", 0)),
+                                     max(seen[1], e.get("storage_capacity_bytes", 0)))
+    for node, (u, c) in stores.items():
+        used.set(u, node=node)
+        cap.set(c, node=node)
 
 
 def build_app(core: SchedulerCore) -> FastAPI:

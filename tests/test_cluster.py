@@ -15,6 +15,7 @@ from dualpath.errors import DualPathError
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from engines.models import open_checkpoint
+from scheduler.http import render
 from traffic.memory import SEGMENT_PREFIX, SHM_DIR
 from traffic.storage.fs import list_stored_keys
 
@@ -141,6 +142,20 @@ def test_every_full_block_is_stored_and_only_full_ones(cluster, reference, tiny_
         assert set(hashes) <= stored
         expected |= set(hashes)
     assert stored - before == expected - before  # nothing else: no partial blocks
+    # what is stored is reported: each engine's last load report, the scheduler's /metrics per node
+    on_disk = sum(p.stat().st_size for p in (kv / fp.hex()).rglob("*.kv"))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # a prefill engine recounts the directory every 5 s
+        engines = client.stats()["engines"].values()
+        if all(e["storage_used_bytes"] == on_disk for e in engines):
+            break
+        time.sleep(0.2)
+    assert [e["storage_used_bytes"] for e in engines] == [on_disk] * len(engines)
+    lines = render(client.stats()).splitlines()
+    used = [float(ln.split()[-1]) for ln in lines if ln.startswith("dualpath_storage_used_bytes{")]
+    assert used and set(used) == {on_disk}
+    usage = [float(ln.split()[-1]) for ln in lines if ln.startswith("dualpath_engine_kv_cache_usage{")]
+    assert len(usage) == len(engines) and all(0 <= u <= 1 for u in usage)
 
 
 def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference, tiny_dirs):

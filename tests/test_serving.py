@@ -3,6 +3,8 @@ streaming, equality with the single-process reference in every read-path mode, e
 client disconnects."""
 import itertools
 import json
+import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -431,4 +433,15 @@ def test_default_model_answers_and_caches_across_turns(default_model):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=model, messages=messages, max_tokens=32, temperature=0, stream=True) if ch.choices)
     assert streamed == r2.choices[0].message.content
+    # the KV store is capped by default (half the disk's free space), and its use is reported
+    scheduler = re.search(r"scheduler metrics at (\S+)/metrics", default_model.log.read_text()).group(1)
+    deadline, used, cap = time.monotonic() + 15, 0.0, 0.0
+    while time.monotonic() < deadline and not used:
+        text = httpx.get(f"{scheduler}/metrics", timeout=10).text
+        used = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("dualpath_storage_used_bytes{"))
+        cap = max(float(ln.split()[-1]) for ln in text.splitlines()
+                  if ln.startswith("dualpath_storage_capacity_bytes{"))
+        time.sleep(0.2)
+    assert used >= full_blocks * 30 * 2 * 3 * 64 * 4  # SmolLM2: 30 layers, K and V, 3 KV heads of 64, float32
+    assert 0 < cap and abs(cap - (shutil.disk_usage(default_model.dir).free + used) / 2) < 0.02 * cap
 

@@ -11,6 +11,7 @@ import torch
 from dualpath.config import StorageConfig
 from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullError
 from dualpath.geometry import KVGeometry
+from dualpath.paths import auto_store_capacity, parse_size
 from traffic.storage import ReadAccounting, make_storage
 from traffic.storage.fs import FsStorage
 
@@ -189,6 +190,40 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     assert evicted == [ks[1], ks[2]]
     assert s.usage()["used_bytes"] == 5 * per_file
     assert s.contains(ks) == [True, False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("rescan_s", [0.0, 1e9])
+def test_writers_sharing_a_directory_hold_the_cap_together(tmp_path, rescan_s):
+    """Two writers (two engines, or two nodes on one mount) under one cap of 10 blocks: recounting the directory,
+    they keep it under the cap together; counting only their own writes (never recounting), they would store 20."""
+    per_file = GEOM.full_block_bytes + 128
+    a, b = (store(tmp_path, capacity_bytes=10 * per_file, rescan_s=rescan_s) for _ in range(2))
+    on_disk = []
+    for i, (k, blk) in enumerate(zip(keys(20), blocks(20))):
+        (a if i % 2 else b).write([bytes([i % 2 + 1]) + k[1:]], [blk]).result()
+        on_disk.append(sum(1 for _ in a.list_keys()))
+        time.sleep(0.03)  # past the next count (20 x a count's time)
+    if rescan_s == 0:
+        assert max(on_disk) <= 10
+        a.usage(), b.usage()  # each starts a count on its I/O pool, and answers at once
+        time.sleep(0.2)
+        assert a.usage()["used_bytes"] == b.usage()["used_bytes"] == on_disk[-1] * per_file
+    else:
+        assert on_disk[-1] == 20
+
+
+def test_sizes_and_the_default_store_cap(tmp_path):
+    assert parse_size("20G") == parse_size("20GB") == 20 * 10**9 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1000") == 1000 and parse_size("1.5T") == 1.5e12
+    for bad in ("x", "-1", "20Q", ""):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+    s = store(tmp_path)
+    s.write(keys(4), blocks(4)).result()
+    held = sum(f.stat().st_size for f in tmp_path.rglob("*.kv"))
+    assert held == 4 * (GEOM.full_block_bytes + 128)
+    cap = auto_store_capacity(tmp_path)
+    assert abs(cap - (shutil.disk_usage(tmp_path).free + held) // 2) < 64 << 20  # other writers on the disk
 
 
 def test_read_accounting_and_bandwidth_cap(tmp_path):

@@ -21,6 +21,15 @@ def responses_beside(kv_store: str | None) -> str:
     return str(Path(kv_store or default_kv_store()) / "responses")
 
 
+def store_capacity(args) -> int:
+    """``--storage-capacity`` in bytes (``auto``: from the KV store's disk, now)."""
+    from dualpath.paths import auto_store_capacity, default_kv_store
+
+    if args.storage_capacity != "auto":
+        return args.storage_capacity
+    return auto_store_capacity(args.kv_store or default_kv_store())
+
+
 def model_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
@@ -64,6 +73,7 @@ def cluster_from_args(args):
     """The single-host cluster the command-line options describe (``serve``, ``rollout``), started."""
     from dualpath.cli import _model_dir
     from dualpath.launcher import ClusterSpec, LocalCluster
+    from dualpath.paths import default_kv_store
     from engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
@@ -76,11 +86,14 @@ def cluster_from_args(args):
         enforce_eager=args.enforce_eager,
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
+        storage_capacity=store_capacity(args),
         compute_quota_ms=args.compute_quota_ms, max_model_len=max_len, torch_threads=threads,
         host="127.0.0.1", scheduler_port=args.scheduler_port, scheduler_http_port=args.scheduler_http_port,
         log_level=args.log_level.upper())
+    cap = f"{spec.storage_capacity / 1e9:.1f} GB" if spec.storage_capacity else "no cap"
     print(f"starting {args.prefill} prefill and {args.decode} decode engine(s) of {model_name(model_dir)} on "
-          f"{args.device} (logs in the run directory below)", flush=True)
+          f"{args.device} (logs in the run directory below; KV store {spec.kv_store or default_kv_store()}, "
+          f"{cap}: --storage-capacity)", flush=True)
     cluster = LocalCluster(spec, run_dir=args.run_dir)
     print(f"run directory: {cluster.run_dir}", flush=True)
     cluster.start(timeout=args.start_timeout)

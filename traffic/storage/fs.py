@@ -7,7 +7,11 @@ header itself), then the Layer Blocks, layer-major. A layer range is read with o
 those bytes, straight into the caller's buffer, and verified by the per-layer checksums. Writes go to a
 temporary file that is renamed into place, so readers see a whole block or none, and concurrent writers of one
 block leave one valid file. Past ``capacity_bytes``, the least recently used blocks are evicted (reads touch
-their file's mtime, so the order holds across processes sharing the directory).
+their file's mtime, so the order holds across processes sharing the directory). Other processes write to the
+directory too (every decode engine of a node; every node on a shared mount), so the count of stored blocks is
+refreshed from the directory every ``rescan_s`` (and never more than 5% of the time): the cap holds to within what
+the other writers store in that interval, where counting only this process's writes would let the store grow to
+the capacity times the number of writers.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -69,8 +74,9 @@ class FsStorage(StorageBackend):
         self.file_bytes = self.header_size + geometry.full_block_bytes
         self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
         self._lock = threading.Lock()
-        self._used = sum(1 for _ in self.list_keys()) * self.file_bytes
         self._on_evict = None
+        self._used, self._next_count, self._counting = 0, 0.0, True
+        self._count()
 
     # --- paths ----------------------------------------------------------------------------------------------
     def path(self, key: BlockHash) -> Path:
@@ -84,10 +90,37 @@ class FsStorage(StorageBackend):
         return list_stored_keys(self.dir)
 
     def usage(self) -> dict:
+        """The last count of the directory plus this process's writes since (a count that is due runs on the I/O
+        pool: the caller, an engine's load report, does not wait for it)."""
+        if self._count_due():
+            self._pool.submit(self._count)
         with self._lock:
             used = self._used
         return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
                 "num_blocks": used // self.file_bytes}
+
+    def _count_due(self) -> bool:
+        """Claims the next count if one is due (one at a time)."""
+        with self._lock:
+            if self._counting or time.monotonic() < self._next_count:
+                return False
+            self._counting = True
+            return True
+
+    def _count(self) -> None:
+        """Count the stored blocks (the caller claimed the count)."""
+        start = time.monotonic()
+        n = 0
+        try:
+            n = sum(1 for _ in self.list_keys())
+        finally:
+            self._counted(n * self.file_bytes, start)
+
+    def _counted(self, used: int, start: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._used, self._counting = used, False
+            self._next_count = now + max(self.config.rescan_s, 20 * (now - start))
 
     # --- reads ----------------------------------------------------------------------------------------------
     def read(self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor],
@@ -191,6 +224,9 @@ class FsStorage(StorageBackend):
             return StorageError(f"block {key.hex()}: write failed: {e}", key)
         with self._lock:
             self._used += self.file_bytes
+        if self.config.capacity_bytes and self._count_due():
+            self._count()
+        with self._lock:
             over = self.config.capacity_bytes and self._used > self.config.capacity_bytes
         if over:
             self._evict()
