@@ -201,6 +201,46 @@ def test_unsupported_or_bad_fields_are_a_400_naming_them(front, extra, param, me
     assert err["param"] == param and message in err["message"], err
 
 
+def test_a_stored_response_lists_its_input_items(front):
+    """``GET /v1/responses/{id}/input_items``: the request's own input, each item in its resource form with an id
+    (valid against the published schema), newest first unless asked, paged by item ids; the SDK's pager walks it."""
+    http, fake, _ = front
+    fake.reply = "It is sunny."
+    items = [{"type": "message", "role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+             {"type": "message", "role": "assistant", "content": "Sunny, 21 C.", "id": "msg_mine"},
+             {"role": "user", "content": "And tomorrow?"}]
+    rid = http.post("/v1/responses", json={"model": "m", "input": items, "tools": [TOOL]}).json()["id"]
+    page = http.get(f"/v1/responses/{rid}/input_items").json()
+    validate("ResponseItemList", page)
+    data = page["data"][::-1]  # newest first
+    assert [(d["type"], d.get("role")) for d in data] == [("message", "developer"), ("message", "user"),
+                                                          ("function_call", None), ("function_call_output", None),
+                                                          ("message", "assistant"), ("message", "user")]
+    assert data[1]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}] and data[4]["id"] == "msg_mine"
+    assert (data[2]["call_id"], data[2]["arguments"], data[3]["output"]) == ("call_1", '{"city": "Paris"}', "21 C")
+    assert not page["has_more"] and (page["first_id"], page["last_id"]) == (data[-1]["id"], data[0]["id"])
+    ids = [d["id"] for d in data]
+    first = http.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 4}).json()
+    assert [d["id"] for d in first["data"]] == ids[:4] and first["has_more"]
+    rest = http.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "after": ids[3]}).json()
+    assert [d["id"] for d in rest["data"]] == ids[4:] and not rest["has_more"]
+    back = http.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "before": ids[4], "limit": 2}).json()
+    assert [d["id"] for d in back["data"]] == ids[2:4] and back["has_more"]
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    assert [d.id for d in client.responses.input_items.list(rid, order="asc", limit=2)] == ids  # every page
+    text = http.post("/v1/responses", json={"model": "m", "input": "Hi"}).json()["id"]
+    (only,) = http.get(f"/v1/responses/{text}/input_items").json()["data"]
+    assert only["role"] == "user" and only["content"][0]["text"] == "Hi"
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")):
+        r = http.get(f"/v1/responses/{rid}/input_items", params=query)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert http.get(f"/v1/responses/resp_{'0' * 32}/input_items").status_code == 404
+
+
 def test_the_memory_store_keeps_the_most_recently_used():
     store = MemoryResponses(2)
     for rid in ("a", "b"):
@@ -217,7 +257,7 @@ def test_the_directory_store_is_shared_bounded_and_never_raises(tmp_path, caplog
     ids = [f"resp_{i:032x}" for i in range(25)]
     for rid in ids:
         a.put({"id": rid}, [{"role": "user", "content": rid}])
-    assert b.get(ids[-1]) == ({"id": ids[-1]}, [{"role": "user", "content": ids[-1]}])
+    assert b.get(ids[-1]) == ({"id": ids[-1]}, [{"role": "user", "content": ids[-1]}], [])
     assert len(list((tmp_path / "r").glob("*.json"))) <= 22 and b.get(ids[0]) is None  # the oldest went
     assert b.delete(ids[-1]) and not a.delete(ids[-1]) and a.get(ids[-1]) is None
     assert a.get("../../etc/passwd") is None and not a.delete("resp_../x")  # only ids the frontend makes

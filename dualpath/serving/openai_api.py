@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,7 +36,8 @@ from dualpath.serving.protocol import (ChatRequest, CompletionRequest, Detokeniz
                                        parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
-from dualpath.serving.responses import ResponseCall, ResponsesRequest, event_stream, remap_param, to_chat
+from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, input_items, item_page, remap_param,
+                                        to_chat)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
@@ -99,6 +101,13 @@ class Frontend:
         async def api_error(request: Request, exc: ApiError):
             return exc.response()
 
+        @app.exception_handler(RequestValidationError)
+        async def query_error(request: Request, exc: RequestValidationError):  # a query parameter of a GET
+            where = next(iter(exc.errors()), {})
+            name = str(where.get("loc", ("", ""))[-1])
+            return JSONResponse(error_body(f"{name}: {where.get('msg', 'invalid')}", "invalid_request_error", name,
+                                           None), 400)
+
         @app.get("/health")
         async def health():
             try:
@@ -134,6 +143,12 @@ class Frontend:
         async def get_response(rid: str, request: Request):
             self._auth(request)
             return JSONResponse((await self._stored(rid))[0])
+
+        @app.get("/v1/responses/{rid}/input_items")
+        async def response_input_items(rid: str, request: Request, limit: int = 20, order: str = "desc",
+                                       after: str | None = None, before: str | None = None):
+            self._auth(request)
+            return JSONResponse(item_page((await self._stored(rid))[2], limit, order, after, before))
 
         @app.delete("/v1/responses/{rid}")
         async def delete_response(rid: str, request: Request):
@@ -255,7 +270,8 @@ class Frontend:
 
     async def _respond(self, call: ResponseCall, response: dict) -> dict:
         if call.req.store:
-            await asyncio.to_thread(self.responses.put, response, call.conversation(response))
+            await asyncio.to_thread(self.responses.put, response, call.conversation(response),
+                                    input_items(call.req.input))
         return response
 
     async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams]) -> list:

@@ -18,7 +18,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[dict, list[dict]]  # the response object, and the conversation's messages it ends
+Entry = tuple[dict, list[dict], list[dict]]  # the response object, the conversation's messages it ends, its input items
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # what the frontend makes: anything else was never stored
 
 
@@ -28,12 +28,12 @@ class ResponseStore(ABC):
     does not hold, and may be called from several threads."""
 
     @abstractmethod
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        """Keep ``response`` (its ``id``) and the messages a later turn continues."""
+    def put(self, response: dict, conversation: list[dict], inputs: list[dict] = ()) -> None:
+        """Keep ``response`` (its ``id``), the messages a later turn continues and the request's input items."""
 
     @abstractmethod
     def get(self, rid: str) -> Optional[Entry]:
-        """The response and its conversation, or None."""
+        """The response, its conversation and its input items, or None."""
 
     @abstractmethod
     def delete(self, rid: str) -> bool:
@@ -47,10 +47,10 @@ class MemoryResponses(ResponseStore):
         self.capacity = capacity
         self.items: OrderedDict[str, Entry] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def put(self, response: dict, conversation: list[dict], inputs: list[dict] = ()) -> None:
         if self.capacity <= 0:
             return
-        self.items[response["id"]] = (response, conversation)
+        self.items[response["id"]] = (response, conversation, list(inputs))
         while len(self.items) > self.capacity:
             self.items.popitem(last=False)
 
@@ -78,13 +78,13 @@ class DirectoryResponses(ResponseStore):
     def _path(self, rid: str) -> Optional[Path]:
         return self.root / f"{rid}.json" if RESPONSE_ID.fullmatch(rid) else None
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
+    def put(self, response: dict, conversation: list[dict], inputs: list[dict] = ()) -> None:
         path = self._path(response["id"])
         if self.capacity <= 0 or path is None:
             return
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps({"response": response, "conversation": conversation}))
+            tmp.write_text(json.dumps({"response": response, "conversation": conversation, "input": list(inputs)}))
             os.replace(tmp, path)
         except OSError as e:
             log.error("response %s not stored in %s: %s", response["id"], self.root, e)
@@ -109,7 +109,7 @@ class DirectoryResponses(ResponseStore):
             return None
         try:
             data = json.loads(path.read_text())
-            return data["response"], data["conversation"]
+            return data["response"], data["conversation"], data.get("input", [])
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:

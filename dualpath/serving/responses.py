@@ -257,6 +257,55 @@ class ResponseCall:
         return self.history + input_messages(self.req.input) + [reply]
 
 
+def input_items(items: Union[str, list[dict]]) -> list[dict]:
+    """``input`` as the API lists it back (``GET /v1/responses/{id}/input_items``): each item in its resource form,
+    with an id (its own, or a new one). Called on input ``input_messages`` has accepted."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for i, item in enumerate(items):
+        kind, where, own = item.get("type", "message"), f"input[{i}]", item.get("id")
+        if kind == "message" and item.get("role") == "assistant":
+            out.append(message_item(_text(item.get("content"), where), [], True, own))
+        elif kind == "message":
+            out.append({"type": "message", "id": own or f"msg_{uuid.uuid4().hex}", "role": item["role"],
+                        "status": "completed",
+                        "content": [{"type": "input_text", "text": _text(item.get("content"), where)}]})
+        elif kind == "function_call":
+            out.append({**call_item({"id": item["call_id"], "function": item}), **({"id": own} if own else {})})
+        elif kind == "function_call_output":
+            out.append({"type": "function_call_output", "id": own or f"fco_{uuid.uuid4().hex}",
+                        "call_id": item["call_id"], "output": _text(item.get("output"), where),
+                        "status": "completed"})
+        else:  # reasoning, as sent
+            out.append({**item, "id": own or f"rs_{uuid.uuid4().hex}"})
+    return out
+
+
+def item_page(items: list[dict], limit: int = 20, order: str = "desc", after: Optional[str] = None,
+              before: Optional[str] = None) -> dict:
+    """One page of a list of items (OpenAI's list form: newest first by default; ``after`` / ``before`` an item id
+    of the list, in that order)."""
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be from 1 to 100, got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    lo, hi = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"{name}: no item {cursor!r} in this list", param=name)
+    if after is not None:
+        lo = ids.index(after) + 1
+    if before is not None:
+        hi = ids.index(before)
+    page = ordered[lo:hi][:limit] if before is None else ordered[lo:hi][-limit:]
+    more = (lo + len(page) < hi) if before is None else (hi - len(page) > lo)
+    return {"object": "list", "data": page, "has_more": more, "first_id": page[0]["id"] if page else "",
+            "last_id": page[-1]["id"] if page else ""}
+
+
 def message_item(text: str, lps: list, done: bool, item_id: Optional[str] = None) -> dict:
     return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed" if done else
             "incomplete", "role": "assistant", "content": [text_part(text, lps)]}

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
-         "ListModelsResponse", "ErrorResponse"]
+         "ListModelsResponse", "ErrorResponse", "Response", "ResponseItemList"] + [
+    f"Response{e}Event" for e in ("Completed", "ContentPartAdded", "ContentPartDone", "Created", "Failed",
+                                  "FunctionCallArgumentsDelta", "FunctionCallArgumentsDone", "InProgress", "Incomplete",
+                                  "OutputItemAdded", "OutputItemDone", "TextDelta", "TextDone", "ReasoningTextDelta",
+                                  "ReasoningTextDone")]
 
 
 def refs(node, out):
