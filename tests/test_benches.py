@@ -39,3 +39,12 @@ def test_guided_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
                        "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))
     assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "step", "generate"]
+
+
+def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
+    """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check
+    holds (no 5xx, nothing leaked in the frontend or the engines, the store under its cap, repeats the same)."""
+    result = run_bench("soak.py", "--model", str(tiny_dirs["llama"]), "--seconds", "6", "--agents", "2",
+                       "--storage-capacity", "300KB", "--out", str(tmp_path / "s.json"))
+    assert result["checks"] and all(result["checks"].values()), result["checks"]
+    assert sum(r["count"] for r in result["rows"]) >= 10
