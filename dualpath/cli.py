@@ -48,7 +48,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
-                                  max_queued_requests=args.max_queued, http_port=args.http_port), args.ready_file)
+                                  max_queued_requests=args.max_queued, http_port=args.http_port,
+                                  recompute_slow_hits=not args.load_every_hit), args.ready_file)
     return 0
 
 
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--heartbeat-timeout", type=float, default=10.0)
     sc.add_argument("--max-queued", type=int, default=4096)
     sc.add_argument("--http-port", type=int, default=-1, help="serve /health and /metrics here (0: any port)")
+    sc.add_argument("--load-every-hit", action="store_true",
+                    help="always load a request's whole stored prefix (the paper's systems), even when recomputing "
+                         "its tail would end the prefill sooner (a deep storage read queue, a slow store)")
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
     sc.set_defaults(func=cmd_scheduler)
 

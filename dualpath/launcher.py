@@ -29,6 +29,7 @@ class ClusterSpec:
     num_decode: int = 1
     mode: str = "dualpath"
     policy: str = "dualpath"
+    load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix's slow tail
     transport: str = "shm"
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
@@ -188,6 +189,8 @@ class LocalCluster(Supervisor):
                           "--http-port", str(s.scheduler_http_port)]
             if s.kv_store:
                 sched_args += ["--kv-store", s.kv_store]
+            if s.load_every_hit:
+                sched_args.append("--load-every-hit")
             sched = self.spawn("scheduler", sched_args)
             self.wait_ready([sched], timeout)
             port, http = sched.ready_path.read_text().split()

@@ -186,8 +186,8 @@ class SchedulerCore:
         self.max_model_len = 0
         self.lock = threading.RLock()
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
-                         "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "prompt_tokens": 0,
-                         "kv_load_failures": 0}
+                         "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
+                         "prompt_tokens": 0, "kv_load_failures": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -578,6 +578,9 @@ class SchedulerCore:
         for d in decisions:
             rid = self.by_work[d.request_id]
             r = self.requests[rid]
+            if 0 <= d.path.load_blocks < r.hit_blocks:  # loading the rest would take longer than computing it
+                self.counters["recomputed_hit_tokens"] += (r.hit_blocks - d.path.load_blocks) * self.block_size
+                r.hit_blocks = d.path.load_blocks
             hit = r.hit_blocks * self.block_size
             r.pe, r.path = d.engine_id, ("split" if d.path.pe_blocks > 0 else d.path.path.value)
             self.counters[f"path_{r.path}"] += 1

@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from dualpath.metrics import CONTENT_TYPE, Registry
 from scheduler.core import SchedulerCore
 
-_COUNTERS = ("submitted", "finished", "failed", "retried", "rejected", "hit_tokens", "prompt_tokens",
-             "kv_load_failures")
+_COUNTERS = ("submitted", "finished", "failed", "retried", "rejected", "hit_tokens", "recomputed_hit_tokens",
+             "prompt_tokens", "kv_load_failures")
 
 
 def render(stats: dict) -> str:

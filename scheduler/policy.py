@@ -5,7 +5,8 @@ A request is placed in three steps, each a method of ``Policy``:
    private queue;
 2. ``assign_decode`` (phase 2), when that group pulls: a decode engine whose free device memory holds the
    request's prompt and generation budget;
-3. ``assign_prefill``, when a prefill group pulls: a prefill engine and the read path.
+3. ``assign_prefill``, when a prefill group pulls: a prefill engine and the read path (and, with
+   ``recompute_slow_hits``, how much of the stored prefix to load: ``blocks_to_load``).
 Policies see every engine of the role as an ``EngineState`` copy they may update as they assign, and the ids of
 the pulling group's engines; they return decisions naming only pulling engines.
 """
@@ -56,6 +57,10 @@ class QueuedRequest:
 class PathChoice:
     path: ReadPath
     pe_blocks: int = -1  # split: leading hit blocks read on the PE side; -1 = the whole read on ``path``
+    load_blocks: int = -1  # leading hit blocks loaded, the rest recomputed; -1 = every hit block
+
+    def loaded_tokens(self, r: "QueuedRequest", block_size: int) -> int:
+        return r.num_hit_tokens if self.load_blocks < 0 else min(r.num_hit_tokens, self.load_blocks * block_size)
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,9 @@ def take_decode(e: EngineState, r: QueuedRequest) -> None:
     e.free_tokens -= r.reserve_tokens
 
 
-def take_prefill(e: EngineState, r: QueuedRequest) -> None:
+def take_prefill(e: EngineState, r: QueuedRequest, recomputed: int = 0) -> None:
     e.seq += 1
-    e.tok += r.num_miss_tokens
+    e.tok += r.num_miss_tokens + recomputed
 
 
 def shorter_queue(r: QueuedRequest, pe_node: NodeState, de_node: NodeState) -> PathChoice:
@@ -102,18 +107,48 @@ def split_path(r: QueuedRequest, pe_read_q: int, de_read_q: int, block_size: int
 
 
 def add_read(choice: PathChoice, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, block_size: int) -> None:
-    """Charge the request's hit tokens to the node(s) that will read them."""
-    pe_share = r.num_hit_tokens if choice.path is ReadPath.PE else max(0, choice.pe_blocks) * block_size
+    """Charge the hit tokens the request loads to the node(s) that will read them."""
+    loaded = choice.loaded_tokens(r, block_size)
+    pe_share = loaded if choice.path is ReadPath.PE else min(loaded, max(0, choice.pe_blocks) * block_size)
     pe_node.read_q += pe_share
-    de_node.read_q += r.num_hit_tokens - pe_share
+    de_node.read_q += loaded - pe_share
     pe_node.recent_read += pe_share
-    de_node.recent_read += r.num_hit_tokens - pe_share
+    de_node.recent_read += loaded - pe_share
+
+
+RECOMPUTE_GAIN = 0.9  # recompute part of a hit only if the prefill then ends in at most this share of the time
+
+
+def blocks_to_load(hit_blocks: int, block_size: int, miss_tokens: int, read_q: int, alpha: int, pe_tok: int,
+                   beta: int) -> int:
+    """How many leading hit blocks to load when loading is slow (a deep read queue, a slow disk tier): the rest
+    of the hit is recomputed with the miss. Loading ``h`` tokens behind a read queue of ``read_q`` takes
+    ``(read_q + h) / (alpha / 3)`` s (alpha: tokens the node reads in 3 s); computing ``c`` tokens behind the
+    engine's ``pe_tok`` takes ``(pe_tok + c) / (beta / 5)`` s (beta: tokens it prefills in 5 s); a layerwise prefill
+    ends with the later of the two. The count that ends it soonest, if that beats loading every block by
+    ``RECOMPUTE_GAIN``; every block when alpha or beta is unknown (0)."""
+    if hit_blocks <= 0 or alpha <= 0 or beta <= 0:
+        return hit_blocks
+    read_rate, compute_rate = alpha / 3, beta / 5
+    hit = hit_blocks * block_size
+
+    def ends(k: int) -> float:
+        loaded = k * block_size
+        load = (read_q + loaded) / read_rate if loaded else 0.0  # loading nothing waits for no queue
+        return max(load, (pe_tok + miss_tokens + hit - loaded) / compute_rate)
+
+    # ends() falls, then rises, in k past 0: its least value is at 0 or either side of where the two terms cross
+    cross = (read_rate * (pe_tok + miss_tokens + hit) - compute_rate * read_q) / (read_rate + compute_rate)
+    k = int(max(0, min(hit_blocks, cross // block_size)))
+    best = min({0, k, min(k + 1, hit_blocks)}, key=lambda n: (ends(n), -n))
+    return best if ends(best) <= RECOMPUTE_GAIN * ends(hit_blocks) else hit_blocks
 
 
 class Policy(ABC):
     """Decides placements. Called by the scheduler when requests arrive and when engine groups pull."""
 
     name = "policy"
+    recompute_slow_hits = False  # the paper's systems load every hit; live schedulers turn this on (make_policy)
 
     def route_decode_group(self, r: QueuedRequest, groups: dict[str, int]) -> str | None:
         """Phase 1: the decode group whose private queue takes ``r`` (``groups``: group -> its total tokens, queued
@@ -151,12 +186,19 @@ class Policy(ABC):
         """Commit ``r`` to prefill engine ``e``: pick the path, charge the engine and the reading node(s)."""
         pn, dn = nodes.setdefault(pe_node, NodeState()), nodes.setdefault(r.decode_node, NodeState())
         choice = self.choose_path(r, pn, dn, r.mode, block_size)
-        take_prefill(e, r)
+        if self.recompute_slow_hits and choice.pe_blocks < 0 and r.num_hit_tokens:
+            reader = pn if choice.path is ReadPath.PE else dn
+            hit_blocks = r.num_hit_tokens // block_size
+            load = blocks_to_load(hit_blocks, block_size, r.num_miss_tokens, reader.read_q, reader.alpha, e.tok,
+                                  e.beta)
+            if load < hit_blocks:
+                choice = PathChoice(choice.path, load_blocks=load)
+        take_prefill(e, r, r.num_hit_tokens - choice.loaded_tokens(r, block_size))
         add_read(choice, r, pn, dn, block_size)
         return PrefillDecision(r.request_id, e.engine_id, choice)
 
 
-def make_policy(name: str, **kwargs) -> Policy:
+def make_policy(name: str, recompute_slow_hits: bool = False, **kwargs) -> Policy:
     from scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
     from scheduler.paper import DualPathPolicy
 
@@ -164,4 +206,6 @@ def make_policy(name: str, **kwargs) -> Policy:
                 "random": RandomPolicy}
     if name not in policies:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(policies)}")
-    return policies[name](**kwargs)
+    policy = policies[name](**kwargs)
+    policy.recompute_slow_hits = recompute_slow_hits
+    return policy

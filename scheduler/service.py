@@ -106,7 +106,7 @@ class SchedulerService:
 
 
 async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio.Event | None = None) -> None:
-    core = SchedulerCore(config, make_policy(config.policy))
+    core = SchedulerCore(config, make_policy(config.policy, recompute_slow_hits=config.recompute_slow_hits))
     server, port = await serve_async("Scheduler", SCHEDULER_METHODS, SchedulerService(core),
                                      f"{config.host}:{config.port}")
     http = None

@@ -229,7 +229,7 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
     # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, heartbeat_timeout_s=2.0,
-             storage_read_bps=20_000.0, policy="least-loaded")
+             storage_read_bps=20_000.0, policy="least-loaded", load_every_hit=True)
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = []
@@ -258,6 +258,27 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
         for i, got in results.items():
             assert got.token_ids == reference.generate(prompts[i], GREEDY)[0].token_ids
         assert client.stats()["retried"] >= 1
+        client.close()
+
+
+def test_a_slow_store_is_recomputed_past_not_waited_for(tiny_dirs, tmp_path, reference):
+    """Reads capped at 2 KB/s: a turn's stored prefix would take ~20 s to load, its recompute milliseconds. The
+    scheduler recomputes it (``recomputed_hit_tokens``; Dynamo #6101: a 40 s disk-tier load for a 0.9 s recompute)
+    and the answer is the reference's."""
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=1, num_decode=1, storage_read_bps=2_000.0)
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        prompt, appends = conversation(700, 1)
+        first = client.generate(prompt, GREEDY)
+        prompt = prompt + first.token_ids + appends[0]
+        t = time.monotonic()
+        got = client.generate(prompt, GREEDY)
+        took = time.monotonic() - t
+        assert got.token_ids == reference.generate(prompt, GREEDY)[0].token_ids
+        stats = client.stats()
+        config = open_checkpoint(tiny_dirs["llama"]).config
+        load_s = stats["recomputed_hit_tokens"] * config.num_layers * config.kv_elems_per_token * 4 / 2_000.0
+        assert stats["recomputed_hit_tokens"] >= 2 * BS and load_s > 10 and took < load_s / 4, (stats, took)
         client.close()
 
 

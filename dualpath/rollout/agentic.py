@@ -64,7 +64,7 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.prefill, num_decode=cfg.decode, mode=mode, policy=policy,
                        kv_store=kv, block_size=cfg.block_size, buffer_bytes=256 << 20, cache_bytes=512 << 20,
                        workspace_tokens=16384, storage_read_bps=cap_bps if capped else 0.0,
-                       torch_threads=cfg.torch_threads)
+                       torch_threads=cfg.torch_threads, load_every_hit=True)  # as the paper's systems do
     try:
         with LocalCluster(spec, run_dir=str(out_dir / f"run-{name}")) as cluster:
             client = ClusterClient(cluster.scheduler_address)
