@@ -179,6 +179,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
     p.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
+    p.add_argument("--load-every-hit", action="store_true",
+                   help="always load a stored prefix whole, even when recomputing its tail would be sooner")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--buffer-bytes", type=int, default=256 << 20)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)

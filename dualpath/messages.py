@@ -84,6 +84,7 @@ class EngineLoad:
     stored_keys: bytes = b""  # block hashes written since the last report (packed)
     evicted_keys: bytes = b""
     prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
+    prefill_tokens: int = 0  # the new tokens computed in those seconds
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes

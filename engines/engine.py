@@ -107,6 +107,8 @@ class Engine:
         self._read_bytes_reported = self._failures_reported = 0
         self._busy_reported = 0.0
         self.busy_s = 0.0  # prefill attention seconds (prefill engines)
+        self.busy_tokens = 0  # the new tokens those seconds computed
+        self._busy_tokens_reported = 0
         self.kv_load_failures = 0  # stored blocks that failed to load and were recomputed
         self.server = ThreadedServer("Engine")
         self.setup()
@@ -233,20 +235,24 @@ class Engine:
         items = self.outbox.take()
         read_delta = snap.completed_bytes - self._read_bytes_reported
         busy_delta = self.busy_s - self._busy_reported
+        busy_tokens = self.busy_tokens - self._busy_tokens_reported
         fail_delta = self.kv_load_failures - self._failures_reported
         stored = self.storage.usage()
         load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
                           request_ids=list(held), started=items["started"], finished=items["finished"],
                           failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
+                          prefill_tokens=busy_tokens,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
                           traffic=self.traffic.snapshot(), storage_used_bytes=stored["used_bytes"],
                           storage_capacity_bytes=stored["capacity_bytes"])
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
+                      "busy_tokens": self.busy_tokens,
                       "failures": self.kv_load_failures}
 
     def _delivered(self, marks: dict) -> None:
         self._read_bytes_reported, self._busy_reported = marks["read"], marks["busy"]
+        self._busy_tokens_reported = marks["busy_tokens"]
         self._failures_reported = marks["failures"]
 
     def report_now(self) -> None:

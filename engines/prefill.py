@@ -377,6 +377,7 @@ class PrefillEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.busy_s += time.perf_counter() - t0 - pipe.wait_time
+        self.busy_tokens += sum(new)
         pipe.finish()
         if basic:  # the baseline sends everything after computing everything
             AllOf([send(layer) for layer in range(g.num_layers)]).wait(timeout)

@@ -137,6 +137,12 @@ class EngineRecord:
     alive: bool = True
     outstanding: Outstanding = field(default_factory=Outstanding)
     group: str = field(init=False)  # the engine group it pulls with (itself when it has none)
+    prefilled: tuple[float, float] = (0.0, 0.0)  # prefill engines: (tokens, seconds) of recent prefills, decaying
+
+    def measured_beta(self) -> int:
+        """Tokens it prefills in 5 s, from its recent prefills (0 until it has prefilled a few blocks' worth)."""
+        tokens, seconds = self.prefilled
+        return int(5 * tokens / seconds) if tokens >= 64 and seconds > 0 else 0
 
     def __post_init__(self):
         self.group = self.info.group_id or self.info.engine_id
@@ -482,6 +488,8 @@ class SchedulerCore:
         if e.info.role is Role.PREFILL and load.prefill_busy_s:
             self.prefill_busy_s[load.engine_id] = self.prefill_busy_s.get(load.engine_id, 0.0) + load.prefill_busy_s
             self.busy_window.add(load.engine_id, load.prefill_busy_s)
+            tokens, seconds = e.prefilled  # older reports fade: the rate follows contention and prompt lengths
+            e.prefilled = (0.8 * tokens + load.prefill_tokens, 0.8 * seconds + load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
         if load.traffic:
             self.traffic[load.engine_id] = dict(load.traffic)
@@ -510,7 +518,7 @@ class SchedulerCore:
                            seq=(load.seq if load else 0) + len(out),
                            tok=(load.tok if load else 0) + out.tokens,
                            free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - out.reserve,
-                           beta=e.info.beta_tokens)
+                           beta=e.info.beta_tokens, measured_beta=e.measured_beta())
 
     def _group_totals(self) -> dict[str, int]:
         """Each decode group's tokens (engines' load plus its private queue), recomputed at most every 50 ms: at
@@ -644,6 +652,7 @@ class SchedulerCore:
         return {"role": e.info.role.value, "node": e.info.node_id, "requests": load.seq if load else 0,
                 "tokens": load.tok if load else 0, "capacity_tokens": e.info.capacity_tokens,
                 "free_tokens": load.free_tokens if load else e.info.capacity_tokens,
+                "measured_beta": e.measured_beta(),
                 "storage_used_bytes": load.storage_used_bytes if load else 0,
                 "storage_capacity_bytes": load.storage_capacity_bytes if load else 0}
 

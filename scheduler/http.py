@@ -52,6 +52,8 @@ def _engine_gauges(r: Registry, engines: dict) -> None:
     usage = r.gauge("engine_kv_cache_usage", "Share of the engine's KV capacity in use (decode: device cache; "
                     "prefill: workspace)", ["engine", "role"])
     running = r.gauge("engine_requests", "Requests the engine holds", ["engine", "role"])
+    rate = r.gauge("engine_prefill_tokens_per_second", "A prefill engine's prefill rate, measured on its recent "
+                   "prompts (what the scheduler weighs loading a stored prefix against)", ["engine"])
     used = r.gauge("storage_used_bytes", "KV bytes stored in the node's KV store", ["node"])
     cap = r.gauge("storage_capacity_bytes", "The node's KV store cap (0: none)", ["node"])
     stores: dict[str, tuple[int, int]] = {}
@@ -59,6 +61,8 @@ def _engine_gauges(r: Registry, engines: dict) -> None:
         total = e.get("capacity_tokens") or 0
         usage.set(1 - e.get("free_tokens", 0) / total if total else 0.0, engine=eid, role=e.get("role", ""))
         running.set(e.get("requests", 0), engine=eid, role=e.get("role", ""))
+        if e.get("measured_beta"):
+            rate.set(e["measured_beta"] / 5, engine=eid)
         seen = stores.get(e.get("node", ""), (0, 0))
         stores[e.get("node", "")] = (max(seen[0], e.get("storage_used_bytes", 0)),
                                      max(seen[1], e.get("storage_capacity_bytes", 0)))

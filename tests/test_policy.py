@@ -145,55 +145,50 @@ def test_algorithm1_never_gives_work_to_an_overloaded_engine(engine_specs, queue
 
 def test_blocks_to_load_against_hand_computed_times():
     # 10 hit blocks (640 tokens), 64 new; the node reads 64 tokens/s (alpha = 3 s of it), the PE prefills 640/s.
-    # Loading k blocks ends at 64k/64 = k s, computing the rest at (704 - 64k)/640 s: they cross at k = 1 (1 s),
-    # where loading all ten would take 10 s.
+    # Loading ends at 640/64 + 64/640 = 10.1 s, computing everything at 704/640 = 1.1 s: recompute it all.
     slow = dict(hit_blocks=10, block_size=64, miss_tokens=64, read_q=0, alpha=3 * 64, pe_tok=0, beta=5 * 640)
-    assert blocks_to_load(**slow) == 1
-    # a read queue of 100 s ahead: loading anything waits for it; computing all 704 tokens takes 1.1 s
-    assert blocks_to_load(**{**slow, "read_q": 6400}) == 0
-    # fast storage (64,000 tokens/s): load everything
+    assert blocks_to_load(**slow) == 0
+    # fast storage (64,000 tokens/s): 0.11 s against 1.1 s: load
     assert blocks_to_load(**{**slow, "alpha": 3 * 64_000}) == 10
-    # the PE is 100 s behind: loading (10 s) ends long before it could compute anything
+    # the PE is 100 s behind: 110.1 s against 101.1 s, under the 25% the estimates need: load
     assert blocks_to_load(**{**slow, "pe_tok": 64_000}) == 10
+    # fast storage with a read queue of 100 s ahead: 100.1 s against 1.1 s: recompute
+    assert blocks_to_load(**{**slow, "alpha": 3 * 64_000, "read_q": 6_400_000}) == 0
     # unknown rates: load everything (the paper's behaviour)
     assert blocks_to_load(**{**slow, "alpha": 0}) == blocks_to_load(**{**slow, "beta": 0}) == 10
-    # a gain under 10%: the node reads 640 tokens/s, the PE computes 640/s and has 544 tokens to do first. Loading
-    # all 10 blocks ends at 1.0 s; 9 blocks at max(0.9, (544 + 64)/640 = 0.95) = 0.95 s; 8 at 1.05 s -> load all
-    near = dict(hit_blocks=10, block_size=64, miss_tokens=0, read_q=0, alpha=3 * 640, pe_tok=544, beta=5 * 640)
-    assert blocks_to_load(**near) == 10
-    assert blocks_to_load(**{**near, "pe_tok": 0}) == 5  # an idle PE: 5 blocks each way, 0.5 s
+    # reads at 640/s, prefill at 512/s: loading (1.0 s) beats computing (1.25 s)
+    assert blocks_to_load(hit_blocks=10, block_size=64, miss_tokens=0, read_q=0, alpha=3 * 640, pe_tok=0,
+                          beta=5 * 512) == 10
+    assert blocks_to_load(0, 64, 100, 0, 1, 0, 1) == 0  # no hit: nothing to decide
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 20_000), st.integers(0, 30_000),
-       st.integers(0, 30_000), st.integers(0, 20_000))
-def test_blocks_to_load_is_the_best_count(hit_blocks, miss, read_q, alpha, pe_tok, beta):
-    """Against a scan of every count: the chosen one ends the prefill soonest (or is all of them when the best
-    saves under 10%)."""
+       st.integers(0, 30_000), st.integers(0, 20_000), st.integers(1, 50_000))
+def test_blocks_to_load_is_all_or_nothing_and_recomputes_only_what_is_sooner(hit_blocks, miss, read_q, alpha,
+                                                                             pe_tok, beta, more_queue):
     k = blocks_to_load(hit_blocks, BS, miss, read_q, alpha, pe_tok, beta)
-    assert 0 <= k <= hit_blocks
-    if not alpha or not beta:
-        assert k == hit_blocks
-        return
-
-    def ends(n):
-        load = (read_q + n * BS) / (alpha / 3) if n else 0.0
-        return max(load, (pe_tok + miss + (hit_blocks - n) * BS) / (beta / 5))
-    best = min(ends(n) for n in range(hit_blocks + 1))
-    if k < hit_blocks:
-        assert ends(k) <= best + 1e-9 and ends(k) <= 0.9 * ends(hit_blocks) + 1e-9
-    else:
-        assert best > 0.9 * ends(hit_blocks) - 1e-9 or ends(hit_blocks) <= best + 1e-9
+    assert k in (0, hit_blocks)
+    if k == 0 and hit_blocks:
+        load_all = (read_q + hit_blocks * BS) / (alpha / 3) + (pe_tok + miss) / (beta / 5)
+        assert (pe_tok + miss + hit_blocks * BS) / (beta / 5) < load_all
+        # a longer read queue never turns a recompute back into a load
+        assert blocks_to_load(hit_blocks, BS, miss, read_q + more_queue, alpha, pe_tok, beta) == 0
 
 
 def test_a_policy_that_recomputes_charges_the_reading_node_and_the_engine_for_what_it_does():
-    nodes = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}
-    engines = [pe("p0", 0, beta=5 * 640)]
+    def engine():
+        return [EngineState("p0", "n-p0", "g", beta=5 * 640, measured_beta=5 * 640)]
     r = req("a", n=704, hit=640, mode=Mode.PE)
-    policy = make_policy("dualpath", recompute_slow_hits=True)
-    (d,) = policy.assign_prefill([r], engines, {"p0"}, nodes, {"p0": "n-p0"}, BS)
-    assert d.path == PathChoice(ReadPath.PE, load_blocks=1)
-    assert nodes["n-p0"].read_q == 64 and engines[0].tok == 64 + 576  # one block read; the miss + 9 blocks computed
-    nodes, engines = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, [pe("p0", 0, beta=5 * 640)]
+    nodes, engines = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, engine()
+    (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill([r], engines, {"p0"}, nodes,
+                                                                            {"p0": "n-p0"}, BS)
+    assert d.path == PathChoice(ReadPath.PE, load_blocks=0)
+    assert nodes["n-p0"].read_q == 0 and engines[0].tok == 704  # nothing read; the whole prompt computed
+    nodes, engines = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, engine()
     (d,) = make_policy("dualpath").assign_prefill([r], engines, {"p0"}, nodes, {"p0": "n-p0"}, BS)
     assert d.path == PathChoice(ReadPath.PE) and nodes["n-p0"].read_q == 640 and engines[0].tok == 64  # the paper's
+    engines = [EngineState("p0", "n-p0", "g", beta=5 * 640)]  # no measured rate yet: load, whatever beta says
+    (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill(
+        [r], engines, {"p0"}, {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, {"p0": "n-p0"}, BS)
+    assert d.path == PathChoice(ReadPath.PE)
