@@ -41,6 +41,7 @@ def test_guided_bench_runs(tiny_dirs, tmp_path):
     assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "step", "generate"]
 
 
+@pytest.mark.slow  # ~25 s: a server start, 6 s of agents, the settle; bench/soak.py is the real run
 def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check
     holds (no 5xx, nothing leaked in the frontend or the engines, the store under its cap, repeats the same)."""
