@@ -210,6 +210,9 @@ def test_writers_sharing_a_directory_hold_the_cap_together(tmp_path, rescan_s):
         assert a.usage()["used_bytes"] == b.usage()["used_bytes"] == on_disk[-1] * per_file
     else:
         assert on_disk[-1] == 20
+    a.close()
+    time.sleep(0.03)
+    assert a.usage()["capacity_bytes"] == 10 * per_file  # a closed store still answers (an engine's last report)
 
 
 def test_sizes_and_the_default_store_cap(tmp_path):

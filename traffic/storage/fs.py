@@ -93,7 +93,10 @@ class FsStorage(StorageBackend):
         """The last count of the directory plus this process's writes since (a count that is due runs on the I/O
         pool: the caller, an engine's load report, does not wait for it)."""
         if self._count_due():
-            self._pool.submit(self._count)
+            try:
+                self._pool.submit(self._count)
+            except RuntimeError:  # closed (an engine's last report): the count stands
+                self._counted(self._used, time.monotonic())
         with self._lock:
             used = self._used
         return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
