@@ -1,5 +1,5 @@
 """A slow KV store: turns of agent conversations against ``dualpath serve`` whose storage reads are capped low,
-with the scheduler recomputing a stored prefix's slow tail (the default) ÷ loading every stored block
+with the scheduler recomputing a stored prefix that is slower to load (the default) ÷ loading every stored block
 (``--load-every-hit``, the paper's systems), same run, same conversations (each server its own store).
 
 What it shows: the time to first token of turns whose context is stored, and how much of it was loaded vs
@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="checkpoint (default: the server's default model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = [run("load every hit", args), run("recompute slow tails", args)]
+    rows = [run("load every hit", args), run("recompute slow prefixes", args)]
     for r in rows:
         r["ttft_vs_load_every_hit"] = r["ttft_later_p50_s"] / rows[0]["ttft_later_p50_s"]
     print_table(rows, ["system", "turns", "context_tokens", "ttft_later_p50_s", "ttft_later_mean_s", "loaded_share",

@@ -180,7 +180,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
     p.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
     p.add_argument("--load-every-hit", action="store_true",
-                   help="always load a stored prefix whole, even when recomputing its tail would be sooner")
+                   help="always load a stored prefix, even when recomputing it would be sooner")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--buffer-bytes", type=int, default=256 << 20)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--http-port", type=int, default=-1, help="serve /health and /metrics here (0: any port)")
     sc.add_argument("--load-every-hit", action="store_true",
                     help="always load a request's whole stored prefix (the paper's systems), even when recomputing "
-                         "its tail would end the prefill sooner (a deep storage read queue, a slow store)")
+                         "it would end the prefill sooner (a deep storage read queue, a slow store)")
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
     sc.set_defaults(func=cmd_scheduler)
 

@@ -289,7 +289,7 @@ class SchedulerConfig:
     max_attempts: int = 3
     max_assignments_per_pull: int = 256  # bounds a pull's reply (assignments carry their prompts)
     http_port: int = -1  # /health and /metrics (-1: none, 0: any free port)
-    recompute_slow_hits: bool = True  # recompute a stored prefix's tail when loading it would take longer
+    recompute_slow_hits: bool = True  # recompute a stored prefix when loading it would take longer
 
 
 @dataclass(frozen=True)

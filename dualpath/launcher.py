@@ -29,7 +29,7 @@ class ClusterSpec:
     num_decode: int = 1
     mode: str = "dualpath"
     policy: str = "dualpath"
-    load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix's slow tail
+    load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix that is slow to load
     transport: str = "shm"
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
