@@ -8,7 +8,7 @@ leaked and nothing went wrong:
 - once the agents stop: no request in flight at the frontend, none held by any engine, the decode engines' KV
   caches empty again, the store under its cap (plus what one recount interval lets through).
 
-    python bench/soak.py [--seconds 180 --agents 4 --storage-capacity 150MB] [--model DIR] [--out FILE]
+    python bench/soak.py [--seconds 180 --agents 4 --storage-capacity 150MB --decode 1] [--model DIR] [--out FILE]
 """
 from __future__ import annotations
 
@@ -189,6 +189,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=180)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--storage-capacity", default="150MB")
+    ap.add_argument("--decode", type=int, default=1, help="decode engines (each writes the store: they share its cap)")
     ap.add_argument("--model", default=None, help="checkpoint (default: the server's default model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -201,7 +202,7 @@ def main(argv=None) -> dict:
     cap = parse_size(args.storage_capacity)
     extra = ["--model", args.model] if args.model else []
     server = ServeProcess(*extra, "--kv-store", tempfile.mkdtemp(prefix="dualpath-soak-kv-"),
-                          "--storage-capacity", str(cap))
+                          "--storage-capacity", str(cap), "--decode", str(args.decode))
     stats = Stats()
     try:
         sched = re.search(r"scheduler metrics at (\S+)/metrics", server.log.read_text()).group(1)
@@ -244,7 +245,8 @@ def main(argv=None) -> dict:
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     for p in stats.problems[:20]:
         print("  problem:", p)
-    result = {"seconds": wall, "agents": args.agents, "model": model, "storage_capacity": cap,
+    result = {"seconds": wall, "agents": args.agents, "decode_engines": args.decode, "model": model,
+              "storage_capacity": cap,
               "storage_used_at_end": used, "statuses": {str(k): v for k, v in stats.statuses.items()},
               "prompt_tokens": stats.prompt, "cached_tokens": stats.cached, "completion_tokens": stats.completion,
               "repeats": stats.repeats, "repeats_same": stats.repeats_same, "repeats_cached": stats.repeats_cached,
