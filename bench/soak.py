@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import print_table, write_result  # noqa: E402
 
 ACTIONS = (("chat", 0.55), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
-           ("json", 0.04), ("bad", 0.03))
+           ("json_mode", 0.04), ("bad", 0.03))
 BAD = ({"messages": "not a list"}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
        {"messages": [{"role": "user", "content": "x " * 40_000}]}, {"messages": [], "n": 99})
 
@@ -108,7 +108,7 @@ class Agent:
         if len(body["choices"]) != 3:
             raise AssertionError(f"{len(body['choices'])} choices for n=3")
 
-    def json(self, http) -> None:
+    def json_mode(self, http) -> None:
         body = self._post(http, {"messages": self.messages + [{"role": "user", "content": "Reply in JSON."}],
                                  "max_tokens": 24, "temperature": 0, "response_format": {"type": "json_object"}})
         choice = body["choices"][0]
