@@ -8,9 +8,12 @@ generations of the real SmolLM2 in JSON mode and with a schema against unconstra
   build    indexing the vocabulary (token bytes, index) and building the masks of every state the document passes
            through, from cold, for JSON mode and for a schema the document satisfies: what the first request of
            an engine's life pays
+  patterns masks of regular expressions (guided_regex / guided_choice), narrow to broad, built along a text each
+           matches, from cold: milliseconds per state, against the same walk without its per-walk step memo (how
+           masks were built before patterns: the baseline, same run)
   generate ``LLM`` on SmolLM2 (CPU, float32): ``--chats`` chats in one batch, greedy, JSON mode and a schema against
            the same without; seconds per generated token (JSON replies end when the object closes, so totals
-           differ)
+           differ); then short answers under a pattern and a choice, checked against them
 
     python bench/guided.py [--batch 64] [--chats 8 --max-tokens 64] [--out bench/results/guided.json]
 """
@@ -20,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from bisect import bisect_left
 from pathlib import Path
 
 import torch
@@ -53,7 +57,7 @@ def bench_build(tokenizer_dir: Path, width: int) -> tuple[list[dict], tuple]:
     tok = Tokenizer(tokenizer_dir)
     data = tok.token_bytes
     t1 = time.perf_counter()
-    vocab = Vocabulary(data, width)
+    vocab = Vocabulary(data, width, [tok.eos_token_id] if tok.eos_token_id is not None else [])
     t2 = time.perf_counter()
     rows, json_masks = [], None
     for name, grammar in (("json_object", Grammar.json_object()), ("json_schema", Grammar.compile(SCHEMA))):
@@ -68,6 +72,62 @@ def bench_build(tokenizer_dir: Path, width: int) -> tuple[list[dict], tuple]:
                      "states": states, "ms_per_state": dt / states * 1e3})
         json_masks = json_masks or masks
     return rows, (tok, json_masks)
+
+
+PATTERNS = (("digits", r"\d+", "1815"), ("choice", r"(?:yes|no|maybe)", "maybe"),
+            ("date", r"\d{4}-\d{2}-\d{2}", "1815-12-10"),
+            ("email", r"[a-z.]+@[a-z]+\.(com|org|net)", "ada.l@analytical.org"),
+            ("sentence", r"[A-Z][a-z]*( [a-z]+){0,12}\.", "Ada wrote the first published algorithm for the engine."),
+            ("line", r"[^\n]*", "Wrote the first published algorithm, for Babbage's Analytical Engine"))
+
+
+def bench_patterns(tok, vocab) -> list[dict]:
+    from dualpath.grammar import Grammar
+    from engines.guided import GrammarMasks
+
+    rows = []
+    for name, pattern, text in PATTERNS:
+        grammar = Grammar.pattern(pattern)
+        states, state = [], grammar.start
+        for token in tok.encode(text, add_special_tokens=False):
+            states.append(state)
+            state = grammar.run(state, vocab.bytes_of(token))
+        assert state is not None and Grammar.may_end(state), name
+        ours = _time_masks(GrammarMasks(grammar, vocab, "cpu"), states)
+        baseline = _time_masks(_Unmemoized(grammar, vocab, "cpu"), states)
+        rows.append({"part": f"pattern {name}", "pattern": pattern, "states": len(set(states)),
+                     "ms_per_state": ours * 1e3, "baseline_ms_per_state": baseline * 1e3, "ratio": ours / baseline})
+    return rows
+
+
+def _time_masks(masks, states) -> float:
+    t = time.perf_counter()
+    for state in states:
+        masks.mask(state)
+    return (time.perf_counter() - t) / len(masks.cache)
+
+
+def _Unmemoized(*args):
+    """The baseline: the vocabulary walk stepping every (state, byte) it meets, however often (the walk before
+    patterns; a pattern's class of characters leads many prefixes to one state)."""
+    from engines.guided import GrammarMasks
+
+    class Unmemoized(GrammarMasks):
+        def _walk(self, state, lo, hi, depth, taken, steps):
+            toks, step = self.vocab.sorted_bytes, self.grammar.step
+            i = lo
+            while i < hi and len(toks[i]) == depth:
+                taken[i] = True
+                i += 1
+            while i < hi:
+                b = toks[i][depth]
+                j = bisect_left(toks, toks[i][:depth] + bytes([b + 1]), i, hi) if b < 255 else hi
+                nxt = step(state, b)
+                if nxt is not None:
+                    self._walk(nxt, i, j, depth + 1, taken, steps)
+                i = j
+
+    return Unmemoized(*args)
 
 
 def bench_step(tok, masks, batch: int, repeats: int) -> dict:
@@ -133,6 +193,28 @@ def bench_generate(model_dir: Path, chats: int, max_tokens: int) -> dict:
     return out
 
 
+QUESTIONS = ((r"\d+", "How many legs does a spider have? Answer with a number."),
+             (r"(?:yes|no)", "Is Paris the capital of France? Answer yes or no."),
+             (r"\d{4}", "In which year did the First World War begin?"),
+             (r"(?:red|green|blue)", "What color is the sky on a clear day?"))
+
+
+def bench_pattern_answers(model_dir: Path) -> dict:
+    """SmolLM2's greedy answers under patterns: each must match its pattern whole and end."""
+    import re
+
+    from dualpath import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), max_num_seqs=len(QUESTIONS))
+    t = time.perf_counter()
+    res = [llm.chat([[{"role": "user", "content": q}]], SamplingParams(temperature=0, max_tokens=16, regex=p))[0]
+           for p, q in QUESTIONS]
+    dt = time.perf_counter() - t
+    return {"part": "generate patterns", "chats": len(QUESTIONS), "seconds": dt,
+            "answers": [r.text for r in res], "stopped": sum(r.finish_reason == "stop" for r in res),
+            "matched": sum(re.fullmatch(p, r.text, re.ASCII) is not None for (p, _), r in zip(QUESTIONS, res))}
+
+
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
@@ -158,14 +240,17 @@ def main(argv=None) -> dict:
         model_dir = default_model_dir(progress=False)
     width = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     build, (tok, masks) = bench_build(model_dir, width)
-    rows = [*build, bench_step(tok, masks, args.batch, args.repeats)]
+    patterns = bench_patterns(tok, masks.vocab)
+    rows = [*build, bench_step(tok, masks, args.batch, args.repeats), *patterns]
     if not args.no_generate:
-        rows.append(bench_generate(model_dir, args.chats, args.max_tokens))
+        rows += [bench_generate(model_dir, args.chats, args.max_tokens), bench_pattern_answers(model_dir)]
     print_table(rows[:2], ["part", "token_bytes_s", "index_s", "masks_s", "states", "ms_per_state"])
     print_table(rows[2:3], ["part", "batch", "vocab", "seconds", "baseline_seconds", "ratio"])
-    if len(rows) > 3:
-        print_table(rows[3:], ["part", "chats", "free_s_per_token", "json_ratio", "schema_ratio", "json_stopped",
-                               "json_valid", "schema_stopped", "schema_valid"])
+    print_table(patterns, ["part", "states", "ms_per_state", "baseline_ms_per_state", "ratio"])
+    if not args.no_generate:
+        print_table(rows[-2:-1], ["part", "chats", "free_s_per_token", "json_ratio", "schema_ratio", "json_stopped",
+                                  "json_valid", "schema_stopped", "schema_valid"])
+        print_table(rows[-1:], ["part", "chats", "seconds", "stopped", "matched", "answers"])
     result = {"rows": rows}
     print("wrote", write_result("guided", result, args.out))
     return result

@@ -1,4 +1,6 @@
-"""What structured output may emit: JSON objects, optionally valid against a JSON schema, read one byte at a time.
+"""What structured output may emit: JSON objects, optionally valid against a JSON schema, or text a regular
+expression matches whole (``Grammar.pattern``: its positions, from ``dualpath.regex``, are configurations in mode
+``REGEX``), read one byte at a time.
 
 A ``Grammar`` is a compiled schema: a table of nodes (any value, object, array, string, number, integer, boolean,
 null, a set of literal values, a choice of nodes). Its automaton reads bytes: a *configuration* is
@@ -29,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 
 from dualpath.errors import RequestError
+from dualpath.regex import Regex
 
 MAX_WS = 32  # whitespace bytes in a row between structural tokens: a model that loops on newlines stops there
 WS = frozenset(b" \t\n\r")
@@ -39,9 +42,10 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX, OPENING, THINKING, LEAD) = range(29)
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX) = range(30)
 # PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
-# THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output
+# THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output;
+# REGEX: a pattern's position (dualpath.regex) in place of the object
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
 UTF8_STR, UTF8_KEY = 300, 400  # + 10 x continuation bytes due + which range the next one must be in
 NEXT_RANGE = ((0x80, 0xBF), (0xA0, 0xBF), (0x80, 0x9F), (0x90, 0xBF), (0x80, 0x8F))  # no overlong or surrogate
@@ -104,6 +108,7 @@ class Grammar:
             raise ValueError(f"thinking must be one of {THINKING_MODES}, got {thinking!r}")
         self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY, 0, None)]
         self.root = ANY_OBJECT
+        self.regex: Regex | None = None  # the output is text matching this pattern instead of a JSON object
         self.prefix, self.suffix, self.thinking = prefix, suffix, thinking
 
     @classmethod
@@ -120,6 +125,15 @@ class Grammar:
             raise SchemaError("the top level must be an object")
         return g
 
+    @classmethod
+    def pattern(cls, pattern: str, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
+        """Text matching ``pattern`` in full (``dualpath.regex``) in place of the object. Unlike an object's, a
+        pattern's end may be reached with more text possible (``\\d+``): such a state ``may_end`` and the engines
+        let the model's end token finish it; ``complete`` is when nothing can follow."""
+        g = cls(prefix, suffix, thinking)
+        g.regex = Regex(pattern)
+        return g
+
     @property
     def start(self) -> State:
         if self.thinking == "open":
@@ -131,7 +145,25 @@ class Grammar:
     @property
     def _output(self) -> State:
         """Where the output (prefix, object, suffix) starts."""
-        return frozenset({(PREFIX, self.prefix, (), 0) if self.prefix else (VALUE, self.root, (), 0)})
+        return frozenset([(PREFIX, self.prefix, (), 0)] if self.prefix else self._begin(()))
+
+    def _begin(self, stack: tuple) -> list[Config]:
+        """The output's first configurations (after its prefix)."""
+        if self.regex is None:
+            return [(VALUE, self.root, stack, 0)]
+        return self._positions((0,), stack)
+
+    def _positions(self, positions, stack: tuple) -> list[Config]:
+        """A pattern's positions as configurations: those that read on, and where it may end, what follows."""
+        follow = self.regex.follow
+        out = [(REGEX, p, stack, 0) for p in positions if follow[p]]
+        if not self.regex.accepting.isdisjoint(positions):
+            out.append(self._after(stack))
+        return out
+
+    def _after(self, stack: tuple) -> Config:
+        """What follows the output: the suffix, or nothing."""
+        return (SUFFIX, self.suffix, stack, 0) if self.suffix else (DONE, 0, stack, 0)
 
     def alternatives(self, node: int, seen: frozenset = frozenset()) -> list[int]:
         """The concrete nodes a node may be (a choice expands, recursively)."""
@@ -158,6 +190,12 @@ class Grammar:
 
     @staticmethod
     def complete(state: State) -> bool:
+        """Whether the output has ended and nothing may follow (an object's close; a pattern's last byte)."""
+        return all(c[0] == DONE for c in state)
+
+    @staticmethod
+    def may_end(state: State) -> bool:
+        """Whether the output may end here (complete, or a pattern that could also read on)."""
         return any(c[0] == DONE for c in state)
 
     def _step(self, config: Config, b: int) -> list[Config]:
@@ -182,6 +220,8 @@ class Grammar:
             return self._spell_key(stack, b)
         if mode == LIT:
             return self._literal(node, stack, b)
+        if mode == REGEX:
+            return self._positions(self.regex.next(node, b), stack)
         if mode >= OPENING:
             return self._think(mode, node, ws, b)
         if mode >= PREFIX:
@@ -189,7 +229,7 @@ class Grammar:
                 return []
             if len(node) > 1:
                 return [(mode, node[1:], stack, 0)]
-            return [(VALUE, self.root, stack, 0) if mode == PREFIX else (DONE, 0, stack, 0)]
+            return self._begin(stack) if mode == PREFIX else [(DONE, 0, stack, 0)]
         return self._number(mode, stack, b)
 
     def _think(self, mode: int, node, ws: int, b: int) -> list[Config]:
@@ -276,7 +316,7 @@ class Grammar:
         rest = stack[:-1]
         if rest:
             return [(AFTER, 0, rest, 0)]
-        return [(SUFFIX, self.suffix, rest, 0) if self.suffix else (DONE, 0, rest, 0)]
+        return [self._after(rest)]
 
     def _room(self, frame: tuple) -> bool:
         """Whether an array may take another item (maxItems)."""

@@ -82,7 +82,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: Exception | None = None  # a failed load is not retried
         self._tokenizer_lock = threading.Lock()
-        self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device)
+        self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device, ckpt.config.eos_token_ids)
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
         self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)

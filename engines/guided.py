@@ -1,11 +1,13 @@
 """Structured output in the engines: at every step, only tokens that keep the output a prefix of what the request's
-grammar accepts (``dualpath.grammar``: a JSON object, or one valid against a schema) may be sampled.
+grammar accepts (``dualpath.grammar``: a JSON object, one valid against a schema, or text matching a pattern) may be
+sampled.
 
 A token is allowed in a state when the grammar's automaton accepts all of its bytes from there. Masks over the
 vocabulary are cached per grammar and state key: a token can close at most ``depth - 1`` containers, so whether it
 is allowed depends only on the innermost ``depth`` open containers (and on whether more lie below). The output ends
 (``complete``) the moment the top-level object closes; the model's end-of-sequence token is never needed, and never
-allowed before.
+allowed before. A pattern may also end where it could read on (``\\d+``): there, and only there, the model's end
+tokens are allowed too, and one ends it.
 
 Who calls it: an engine asks its ``GuideSource`` for one ``Guide`` per constrained request, passes ``guide.mask()``
 to the sampler and ``advance``s it with every token the request takes (``Sequence.append``).
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import PLAIN_MODES, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import DONE, PLAIN_MODES, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -37,8 +39,10 @@ class Vocabulary:
     """A model's tokens as bytes, indexed for mask building: ``width`` logits per row (the model's vocabulary, which
     may be wider than the tokenizer's; ids without bytes are never allowed)."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None], width: int):
+    def __init__(self, token_bytes: Sequence[bytes | None], width: int, end_ids: Sequence[int] = ()):
         self.token_bytes, self.width = token_bytes, width
+        self.end_set = frozenset(t for t in end_ids if 0 <= t < width)  # the model's end tokens
+        self.end_ids = np.asarray(sorted(self.end_set), dtype=np.int64)
         tokens = [(i, t) for i, t in enumerate(token_bytes[:width]) if t]  # ids past the logits are never sampled
         missing = sorted(set(range(0x20, 0x7F)) - {t[0] for _, t in tokens if len(t) == 1})
         if missing:
@@ -117,6 +121,13 @@ class GrammarMasks:
         return self.cache.get((self.name, key), lambda: torch.from_numpy(self._allowed(cut)).to(self.device))
 
     def _allowed(self, state: State) -> np.ndarray:
+        allowed = self._text(state)
+        if Grammar.may_end(state) and not Grammar.complete(state):
+            allowed[self.vocab.end_ids] = True
+        return allowed
+
+    def _text(self, state: State) -> np.ndarray:
+        """The tokens whose bytes the grammar accepts from ``state``."""
         g, v = self.grammar, self.vocab
         allowed = np.zeros(v.width, dtype=bool)
         if all(c[0] == THINKING for c in state):
@@ -131,14 +142,16 @@ class GrammarMasks:
                     allowed[i] = True
             return allowed
         taken = np.zeros(len(v.sorted_bytes), dtype=bool)
-        self._walk(state, 0, len(v.sorted_bytes), 0, taken)
+        self._walk(state, 0, len(v.sorted_bytes), 0, taken, {})
         allowed[v.sorted_ids[taken]] = True
         return allowed
 
-    def _walk(self, state: State, lo: int, hi: int, depth: int, taken: np.ndarray) -> None:
+    def _walk(self, state: State, lo: int, hi: int, depth: int, taken: np.ndarray, steps: dict) -> None:
         """Mark in ``taken`` the tokens of ``sorted_bytes[lo:hi]`` (which share their first ``depth`` bytes, read
-        into ``state``) that the grammar accepts: each next byte is stepped once for all tokens that share it."""
-        toks, step = self.vocab.sorted_bytes, self.grammar.step
+        into ``state``) that the grammar accepts: each next byte is stepped once for all tokens that share it, and
+        each (state, byte) once per walk (``steps``: different prefixes often reach one state, e.g. any character
+        of a class)."""
+        toks = self.vocab.sorted_bytes
         i = lo
         while i < hi and len(toks[i]) == depth:  # these tokens end here: all their bytes were accepted
             taken[i] = True
@@ -146,9 +159,10 @@ class GrammarMasks:
         while i < hi:
             b = toks[i][depth]
             j = bisect_left(toks, toks[i][:depth] + bytes([b + 1]), i, hi) if b < 255 else hi
-            nxt = step(state, b)
+            key = (state, b)
+            nxt = steps[key] if key in steps else steps.setdefault(key, self.grammar.step(state, b))
             if nxt is not None:
-                self._walk(nxt, i, j, depth + 1, taken)
+                self._walk(nxt, i, j, depth + 1, taken, steps)
             i = j
 
 
@@ -163,7 +177,11 @@ class Guide:
         return self.masks.mask(self.state)
 
     def advance(self, token: int) -> None:
-        data = self.masks.vocab.bytes_of(token)
+        vocab = self.masks.vocab
+        if Grammar.may_end(self.state) and token in vocab.end_set:
+            self.state = frozenset({(DONE, 0, (), 0)})  # an end token ends a pattern that could read on
+            return
+        data = vocab.bytes_of(token)
         after = self.masks.grammar.run(self.state, data) if data else None
         if after is None:
             raise GuideError(f"token {token} ({data!r}) cannot continue the structured output")
@@ -182,11 +200,11 @@ class GuideSource:
     again), their masks in one cache for all."""
 
     def __init__(self, tokenizer: Callable[[], "Tokenizer"], width: int, device: torch.device | str,
-                 schemas: int = 32):
-        self._tokenizer, self._width, self._device = tokenizer, width, device
+                 end_ids: Sequence[int] = (), schemas: int = 32):
+        self._tokenizer, self._width, self._device, self._end_ids = tokenizer, width, device, tuple(end_ids)
         self._vocab: Vocabulary | None = None
         self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
-        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking); JSON mode's schema is None
+        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking, regex); JSON mode's schema is None
         self._masks = Recent()
         self._lock = threading.Lock()
 
@@ -203,7 +221,7 @@ class GuideSource:
                 raise self._error
             if self._vocab is None:
                 try:
-                    self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width)
+                    self._vocab = Vocabulary(self._tokenizer().token_bytes, self._width, self._end_ids)
                 except Exception as e:
                     self._error = e
                     raise
@@ -212,12 +230,16 @@ class GuideSource:
         if not params.structured:
             return None
         self.warm()
-        key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking)
+        key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking,
+               params.regex)
         build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
         return self._compiled.get(key, build).guide()
 
 
-def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str) -> Grammar:
+def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str,
+                    regex: str | None = None) -> Grammar:
+    if regex is not None:
+        return Grammar.pattern(regex, prefix, suffix, thinking)
     if schema is None:
         return Grammar.json_object(prefix, suffix, thinking)
     return Grammar.compile(json.loads(schema), prefix, suffix, thinking)

@@ -117,6 +117,16 @@ def test_json_mode_reaches_the_sampling_parameters(front):
         assert r.status_code == 200, r.text
         s = fake.samplings[-1]
         assert (json.loads(s.json_schema) if s.json_schema else None) == want and s.json_object == (want is None)
+    # patterns and choices (vLLM's guided_regex / guided_choice, structured_outputs regex / choice)
+    for extra, want in ((dict(guided_regex=r"\d{3}"), r"\d{3}"), (dict(structured_outputs={"regex": "a|b"}), "a|b"),
+                        (dict(guided_choice=["yes", "no (2)"]), r"(?:yes|no\ \(2\))"),
+                        (dict(structured_outputs={"choice": ["a.b"]}), r"(?:a\.b)")):
+        for path, body in (("/v1/completions", dict(prompt="hi")),
+                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+            r = post(http, path, model="m", **extra, **body)
+            assert r.status_code == 200, r.text
+            s = fake.samplings[-1]
+            assert s.regex == want and s.json_schema is None and not s.json_object
     # tools withheld by tool_choice "none": JSON mode is fine
     r = post(http, "/v1/chat/completions", model="m", response_format={"type": "json_object"}, tool_choice="none",
              **ask())
@@ -124,9 +134,14 @@ def test_json_mode_reaches_the_sampling_parameters(front):
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(guided_regex="a+"), "guided_regex"), (dict(guided_choice=["a", "b"]), "guided_choice"),
+    (dict(guided_regex="(a"), "guided_regex"), (dict(guided_regex=r"(a)\1"), "guided_regex"),
+    (dict(guided_regex="(?=a)a"), "guided_regex"), (dict(guided_choice=[]), "guided_choice"),
+    (dict(guided_choice=[""]), "guided_choice"), (dict(guided_choice="a"), "guided_choice"),
     (dict(guided_grammar="root ::= x"), "guided_grammar"),
-    (dict(structured_outputs={"regex": "a"}), "structured_outputs"),
+    (dict(structured_outputs={"grammar": "root ::= x"}), "structured_outputs"),
+    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    (dict(structured_outputs={"regex": "a{2,1}"}), "structured_outputs"),
+    (dict(guided_regex="a", guided_choice=["a"]), None),
     (dict(guided_json="not json"), "guided_json"), (dict(guided_json={"type": "string"}), "guided_json"),
     (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), None),
 ])

@@ -11,7 +11,7 @@ FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperat
           "response_format", "dualpath", "echo", "suffix", "presence_penalty", "logit_bias",
           "repetition_penalty", "min_p", "min_tokens", "allowed_token_ids", "truncate_prompt_tokens",
           "include_stop_str_in_output", "skip_special_tokens", "use_beam_search", "prompt_logprobs", "guided_json",
-          "structured_outputs", "guided_choice"]
+          "structured_outputs", "guided_choice", "guided_regex"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
                     st.text(max_size=8))
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),

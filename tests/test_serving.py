@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
+from dualpath.regex import choice_pattern
 from serve_process import ServeProcess, alive
 
 KEY = "test-key"
@@ -185,6 +186,22 @@ def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mod
         model="llama", messages=messages, max_tokens=120, temperature=0, response_format={"type": "json_object"},
         stream=True) if ch.choices)
     assert streamed == reference.generate(ids, SamplingParams(temperature=0, max_tokens=120, json_object=True))[0].text
+
+
+def test_patterns_and_choices_through_the_cluster_equal_the_reference(tiny, reference):
+    """guided_regex and guided_choice on both read paths: the prefill engine's first token may already be the end
+    token's turn (a choice of one character) or the start of a match the decode engine ends with the end token."""
+    c = client(tiny)
+    messages = [{"role": "user", "content": "pick one"}]
+    ids = reference.tokenizer.apply_chat_template(messages)
+    choices = ["y", "yes", "no"]
+    asks = ((dict(guided_regex=r"\d+"), r"\d+"), (dict(guided_choice=choices), choice_pattern(choices)))
+    for mode, ((extra, pattern), seed) in itertools.product(("pe", "de"), itertools.product(asks, (1, 5))):
+        want = reference.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=40, regex=pattern))[0]
+        got = c.chat.completions.create(model="llama", messages=messages, max_tokens=40, temperature=1.0, seed=seed,
+                                        extra_body={**extra, "dualpath": {"mode": mode}}).choices[0]
+        assert got.message.content == want.text and got.finish_reason == want.finish_reason == "stop", (mode, extra)
+        assert re.fullmatch(pattern, got.message.content, re.ASCII)
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dualpath.client import ClusterClient, OverloadedError
 from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
+from dualpath.regex import choice_pattern
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
@@ -402,23 +403,28 @@ class Frontend:
             raise ApiError(400, str(e), param=e.field) from None
 
     def _structured(self, req, kind: str, thinking: str) -> dict:
-        """The sampling fields of a JSON-mode or schema request, checked here (so an unsupported schema or
-        checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens' bytes are known.
+        """The sampling fields of a JSON-mode, schema, regex or choice request, checked here (so an unsupported
+        schema, pattern or checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens'
+        bytes are known.
         A reasoning model thinks first (``thinking``), constrained only after."""
         asked = req.structured()
         if asked is None:
             call = self._forced_call(req) if kind == "chat" else {}
             return {**call, "json_thinking": thinking} if call else {}
-        field, mode, schema = asked
+        field, mode, what = asked
         if kind == "chat" and req.calls_tools():
-            raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not a "
-                                "JSON object; send one or the other (or tool_choice 'none')", param=field)
+            raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not what "
+                                "it constrains; send one or the other (or tool_choice 'none')", param=field)
         try:
             self.tokenizer.token_bytes
             if mode == "json_object":
                 return {"json_object": True, "json_thinking": thinking}
-            Grammar.compile(schema)  # what the engines will compile: its errors are the request's
-            return {"json_schema": json.dumps(schema), "json_thinking": thinking}
+            if mode in ("regex", "choice"):
+                pattern = what if mode == "regex" else choice_pattern(what)
+                Grammar.pattern(pattern)  # what the engines will compile: its errors are the request's
+                return {"regex": pattern, "json_thinking": thinking}
+            Grammar.compile(what)  # what the engines will compile: its errors are the request's
+            return {"json_schema": json.dumps(what), "json_thinking": thinking}
         except (CheckpointError, RequestError) as e:
             raise ApiError(400, str(e), param=field) from None
 

@@ -67,6 +67,22 @@ def _schema(v, field: str) -> dict:
     return v
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")  # vLLM's structured_outputs kinds taken here
+
+
+def _pattern(v, field: str) -> Optional[str]:
+    """A regular expression (compiled, and its errors named, where the request's sampling is built)."""
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"{field} must be a regular expression (a string)")
+    return v
+
+
+def _choices(v, field: str) -> Optional[list[str]]:
+    if v is not None and (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
+        raise ValueError(f"{field} must be a non-empty list of strings")
+    return v
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -101,7 +117,7 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
-    # vLLM's structured-output extras: JSON ones are honoured, the others refused (never ignored)
+    # vLLM's structured-output extras: JSON, regex and choice are honoured, grammars refused (never ignored)
     guided_json: Optional[Union[dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
@@ -143,14 +159,14 @@ class _Common(BaseModel):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
-    @field_validator("suffix", "functions", "function_call", "guided_regex", "guided_choice",
-                     "guided_grammar", check_fields=False)
+    @field_validator("suffix", "functions", "function_call", "guided_grammar", check_fields=False)
     @classmethod
     def _unsupported(cls, v, info):
         """Fields that would change the answer, refused when set rather than ignored."""
         if v:
             hint = "; send tools and tool_choice" if info.field_name.startswith("function") else \
-                "; only JSON is (response_format, guided_json)" if info.field_name.startswith("guided") else ""
+                "; JSON (response_format, guided_json), guided_regex and guided_choice are" \
+                if info.field_name.startswith("guided") else ""
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
@@ -174,15 +190,30 @@ class _Common(BaseModel):
     def _schema_object(cls, v):
         return None if v is None else _schema(v, "guided_json")
 
+    @field_validator("guided_regex")
+    @classmethod
+    def _pattern(cls, v):
+        return _pattern(v, "guided_regex")
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choice(cls, v):
+        return _choices(v, "guided_choice")
+
     @field_validator("structured_outputs")
     @classmethod
-    def _json_only(cls, v):
-        other = sorted(k for k, x in (v or {}).items() if x not in (None, False) and k not in ("json", "json_object"))
+    def _known_kinds(cls, v):
+        other = sorted(k for k, x in (v or {}).items() if x not in (None, False) and k not in STRUCTURED_KINDS)
         if other:
-            raise ValueError(f"structured_outputs {', '.join(other)} is not supported; only JSON is (json, "
-                             f"json_object)")
-        if v and v.get("json") is not None:
-            v = {**v, "json": _schema(v["json"], "structured_outputs json")}
+            raise ValueError(f"structured_outputs {', '.join(other)} is not supported; {', '.join(STRUCTURED_KINDS)} "
+                             f"are")
+        v = dict(v or {})
+        if v.get("json") is not None:
+            v["json"] = _schema(v["json"], "structured_outputs json")
+        v["regex"] = _pattern(v.get("regex"), "structured_outputs regex")
+        v["choice"] = _choices(v.get("choice"), "structured_outputs choice")
+        if sum(v.get(k) not in (None, False) for k in STRUCTURED_KINDS) > 1:
+            raise ValueError(f"structured_outputs takes one of {', '.join(STRUCTURED_KINDS)}")
         return v
 
     @model_validator(mode="after")
@@ -195,21 +226,30 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _one_format(self):
         if len(self._formats()) > 1:
-            raise ValueError("give one of response_format, guided_json and structured_outputs")
+            raise ValueError("give one of response_format, guided_json, guided_regex, guided_choice and "
+                             "structured_outputs")
         return self
 
-    def _formats(self) -> list[tuple[str, str, Optional[dict]]]:
-        """Every structured-output ask in the body: (field, "json_object" or "json_schema", schema or None)."""
+    def _formats(self) -> list[tuple[str, str, Any]]:
+        """Every structured-output ask in the body: (field, kind, what constrains it): "json_object" (None),
+        "json_schema" (the schema), "regex" (the pattern) or "choice" (the list of strings)."""
         out, fmt, so = [], self.response_format, self.structured_outputs or {}
         if fmt is not None and fmt.type != "text":
             schema = (fmt.json_schema.schema_ or {"type": "object"}) if fmt.json_schema else None
             out.append(("response_format", fmt.type, schema))
         if self.guided_json is not None:
             out.append(("guided_json", "json_schema", self.guided_json))
+        if self.guided_regex is not None:
+            out.append(("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            out.append(("guided_choice", "choice", self.guided_choice))
         if so.get("json") is not None:
             out.append(("structured_outputs", "json_schema", so["json"]))
         elif so.get("json_object"):
             out.append(("structured_outputs", "json_object", None))
+        for kind in ("regex", "choice"):
+            if so.get(kind) is not None:
+                out.append(("structured_outputs", kind, so[kind]))
         return out
 
     def sampling_fields(self) -> dict[str, Any]:
@@ -233,8 +273,8 @@ class _Common(BaseModel):
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def structured(self) -> Optional[tuple[str, str, Optional[dict]]]:
-        """(the field that asked, "json_object" or "json_schema", the schema or None), or None (free text)."""
+    def structured(self) -> Optional[tuple[str, str, Any]]:
+        """(the field that asked, its kind, what constrains it: see ``_formats``), or None (free text)."""
         return next(iter(self._formats()), None)
 
 
