@@ -6,8 +6,8 @@ generations of the real SmolLM2 in JSON mode and with a schema against unconstra
            every row's mask, sampling with the masks and advancing every guide, against sampling without masks
            (masks warm: built before timing)
   build    indexing the vocabulary (token bytes, index) and building the masks of every state the document passes
-           through, from cold, for JSON mode and for a schema the document satisfies: what the first request of
-           an engine's life pays
+           through, from cold, for JSON mode, for a schema the document satisfies and for the same with string
+           rules (a pattern, maximum lengths): what the first request of an engine's life pays
   patterns masks of regular expressions (guided_regex / guided_choice), narrow to broad, built along a text each
            matches, from cold: milliseconds per state, against the same walk without its per-walk step memo (how
            masks were built before patterns: the baseline, same run)
@@ -48,6 +48,13 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                    "children": {"type": "array", "items": {"$ref": "#/$defs/kid"}}}}
 
 
+RULED = {**SCHEMA, "properties": {**SCHEMA["properties"],  # the same with string rules (pattern, lengths)
+                                  "name": {"type": "string", "pattern": "^[A-Z][a-z]+( [A-Z][a-z]+)*$"},
+                                  "notes": {"type": "string", "maxLength": 200}},
+         "$defs": {"kid": {"type": "object", "properties": {"name": {"type": "string", "minLength": 1,
+                                                                      "maxLength": 20}, "born": {"type": "integer"}}}}}
+
+
 def bench_build(tokenizer_dir: Path, width: int) -> tuple[list[dict], tuple]:
     from dualpath.grammar import Grammar
     from dualpath.tokenizer import Tokenizer
@@ -60,7 +67,8 @@ def bench_build(tokenizer_dir: Path, width: int) -> tuple[list[dict], tuple]:
     vocab = Vocabulary(data, width, [tok.eos_token_id] if tok.eos_token_id is not None else [])
     t2 = time.perf_counter()
     rows, json_masks = [], None
-    for name, grammar in (("json_object", Grammar.json_object()), ("json_schema", Grammar.compile(SCHEMA))):
+    for name, grammar in (("json_object", Grammar.json_object()), ("json_schema", Grammar.compile(SCHEMA)),
+                          ("string rules", Grammar.compile(RULED))):
         t = time.perf_counter()
         masks = GrammarMasks(grammar, vocab, "cpu")
         g = masks.guide()
@@ -244,8 +252,8 @@ def main(argv=None) -> dict:
     rows = [*build, bench_step(tok, masks, args.batch, args.repeats), *patterns]
     if not args.no_generate:
         rows += [bench_generate(model_dir, args.chats, args.max_tokens), bench_pattern_answers(model_dir)]
-    print_table(rows[:2], ["part", "token_bytes_s", "index_s", "masks_s", "states", "ms_per_state"])
-    print_table(rows[2:3], ["part", "batch", "vocab", "seconds", "baseline_seconds", "ratio"])
+    print_table(rows[:3], ["part", "token_bytes_s", "index_s", "masks_s", "states", "ms_per_state"])
+    print_table(rows[3:4], ["part", "batch", "vocab", "seconds", "baseline_seconds", "ratio"])
     print_table(patterns, ["part", "states", "ms_per_state", "baseline_ms_per_state", "ratio"])
     if not args.no_generate:
         print_table(rows[-2:-1], ["part", "chats", "free_s_per_token", "json_ratio", "schema_ratio", "json_stopped",

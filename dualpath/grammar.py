@@ -18,20 +18,23 @@ reply opens itself ("optional"), then whitespace, then the output (vLLM constrai
 
 Schema subset (OpenAI's structured outputs and what pydantic emits): ``type`` (one or a list), ``properties``,
 ``required``, ``additionalProperties`` (false, true or a schema; true by default), ``items``, ``minItems``,
-``maxItems``, ``enum``, ``const``,
+``maxItems``, ``enum``, ``const``, for strings ``pattern`` (matched whole: anchors optional; a subset of what JSON
+Schema's search semantics accept), ``minLength`` and ``maxLength`` (characters, escapes decoded; a ``StringRule``),
 ``anyOf``, ``allOf`` of one schema, ``$ref`` into ``$defs``/``definitions`` (recursion allowed), and annotations
 (``title``, ``description``, ``default``, ``examples``, ``format`` — an annotation in JSON Schema 2020-12). A keyword
-that would constrain what cannot be enforced here (``pattern``, ``minLength``, ``minimum``, ``oneOf``, ...) is a
+that would constrain what cannot be enforced here (``minimum``, ``oneOf``, ``uniqueItems``, ...) is a
 ``SchemaError``, never silently dropped. Properties may come in any order; integers are written without a fraction
-or exponent; a value of an ``enum`` is written as ``json.dumps`` writes it (``ensure_ascii=False``).
+or exponent; a value of an ``enum`` is written as ``json.dumps`` writes it (``ensure_ascii=False``); in a string
+with a rule, ``\\u`` escapes spell characters of the Basic Multilingual Plane (others are written as themselves).
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 
 from dualpath.errors import RequestError
-from dualpath.regex import Regex
+from dualpath.regex import Regex, RegexError, byte_mask, utf8_sequences, without_surrogates
 
 MAX_WS = 32  # whitespace bytes in a row between structural tokens: a model that loops on newlines stops there
 WS = frozenset(b" \t\n\r")
@@ -42,10 +45,12 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX) = range(30)
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U) = range(33)
 # PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
 # THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output;
-# REGEX: a pattern's position (dualpath.regex) in place of the object
+# REGEX: a pattern's position (dualpath.regex) in place of the object;
+# CSTR (_ESC, _U): a string value under a StringRule, node = (its node, rule position, characters counted) and, while
+# reading \uXXXX, the value so far and the hex digits still due
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
 UTF8_STR, UTF8_KEY = 300, 400  # + 10 x continuation bytes due + which range the next one must be in
 NEXT_RANGE = ((0x80, 0xBF), (0xA0, 0xBF), (0x80, 0x9F), (0x90, 0xBF), (0x80, 0x8F))  # no overlong or surrogate
@@ -56,6 +61,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reasoning model's thinking 
 THINKING_MODES = ("", "optional", "open")
 _CLOSE = THINK_CLOSE.encode()
 assert _CLOSE.count(_CLOSE[0]) == 1  # a mismatch restarts the match at this byte or at none (no border)
+
+ANY_TEXT = r"[\s\S]*"  # every character: a string's rule when only its length is bounded
+SHORT_ESCAPES = {ord(k): v for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t')}  # \x in a JSON string -> character
+MAX_RULE_PAIRS = 200_000  # (pattern position, count) pairs a string with both a pattern and length bounds may have
+LEAD_BYTES = byte_mask(0, 0x7F) | byte_mask(0xC0, 0xFF)  # bytes that start a character
 
 # node ids every grammar has
 ANY, ANY_OBJECT, ANY_ARRAY = 0, 1, 2
@@ -98,6 +108,85 @@ class ObjectNode:
         return [w for k, w in self.spelled.items() if k not in done]
 
 
+@dataclass(frozen=True, eq=False)
+class StringRule:
+    """A string value's ``pattern``, ``minLength`` and ``maxLength``: its characters, decoded from JSON's escapes, are
+    read by ``regex`` (which the whole string must match; every text when no pattern is given) and counted up to what
+    the bounds tell apart. ``pairs``: the (position, count) pairs from which an allowed end is reachable, where a
+    pattern and bounds together make that a question of both; otherwise every pair within the bounds is."""
+
+    regex: Regex
+    least: int
+    most: int | None
+    bounded_text: bool  # no pattern: the characters are free, only their count is bounded
+    pairs: frozenset | None = None
+
+    def counted(self, count: int) -> int | None:
+        """The count after one more character (None: past maxLength)."""
+        if self.most is None:
+            return min(count + 1, self.least)
+        return count + 1 if count < self.most else None
+
+    def alive(self, position: int, count: int) -> bool:
+        if self.pairs is not None:
+            return (position, count) in self.pairs
+        return self.most is None or count <= self.most
+
+    def closes(self, position: int, count: int) -> bool:
+        return position in self.regex.accepting and count >= self.least
+
+    def matches(self, text: str) -> bool:
+        """Whether a whole value satisfies the rule (for enum and const values)."""
+        n = len(text)
+        return n >= self.least and (self.most is None or n <= self.most) and self.regex.fullmatch(text.encode())
+
+
+def string_rule(s: dict, where: str) -> StringRule:
+    pattern, least, most = s.get("pattern"), s.get("minLength", 0), s.get("maxLength")
+    if pattern is not None and not isinstance(pattern, str):
+        raise SchemaError(f"{where}: pattern must be a string")
+    if not _count(least) or not (most is None or _count(most) and most >= least):
+        raise SchemaError(f"{where}: minLength and maxLength must be counts, minLength <= maxLength")
+    try:
+        regex = Regex(ANY_TEXT if pattern is None else pattern)
+    except RegexError as e:
+        raise SchemaError(f"{where}: pattern: {str(e).removeprefix('regex: ')}") from None
+    rule = StringRule(regex, least, most, pattern is None)
+    if pattern is not None and (least or most is not None):
+        rule = StringRule(regex, least, most, False, _live_pairs(rule, where))
+    if not rule.alive(0, 0):
+        raise SchemaError(f"{where}: no string satisfies its pattern, minLength and maxLength")
+    return rule
+
+
+def _live_pairs(rule: StringRule, where: str) -> frozenset:
+    """The (position, count) pairs reachable from the start from which the string can end within its bounds."""
+    rx = rule.regex
+    if len(rx.masks) * ((rule.most if rule.most is not None else rule.least) + 1) > MAX_RULE_PAIRS:
+        raise SchemaError(f"{where}: this pattern with these length bounds is too large to enforce")
+    lead = [bool(m & LEAD_BYTES) for m in rx.masks]
+    before: dict = {(0, 0): []}
+    todo = [(0, 0)]
+    while todo:
+        p, c = pair = todo.pop()
+        for q in rx.follow[p]:
+            n = rule.counted(c) if lead[q] else c
+            if n is None:
+                continue
+            if (q, n) not in before:
+                before[(q, n)] = []
+                todo.append((q, n))
+            before[(q, n)].append(pair)
+    live = {pair for pair in before if rule.closes(*pair)}
+    todo = list(live)
+    while todo:
+        for pair in before[todo.pop()]:
+            if pair not in live:
+                live.add(pair)
+                todo.append(pair)
+    return frozenset(live)
+
+
 class Grammar:
     """A compiled schema (``compile``) or JSON mode's any-object (``json_object``), optionally with fixed text
     before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON) and thinking
@@ -132,6 +221,8 @@ class Grammar:
         let the model's end token finish it; ``complete`` is when nothing can follow."""
         g = cls(prefix, suffix, thinking)
         g.regex = Regex(pattern)
+        if not g.regex.follow[0]:
+            raise RegexError("the pattern matches only the empty string")
         return g
 
     @property
@@ -222,6 +313,8 @@ class Grammar:
             return self._literal(node, stack, b)
         if mode == REGEX:
             return self._positions(self.regex.next(node, b), stack)
+        if mode >= CSTR:
+            return self._ruled(mode, node, stack, b)
         if mode >= OPENING:
             return self._think(mode, node, ws, b)
         if mode >= PREFIX:
@@ -294,7 +387,9 @@ class Grammar:
         if name == "array":
             return [(VALUE_OR_CLOSE, kind[1], stack + (("a", node, 0),), 0)] if b == 0x5B else []
         if name == "string":
-            return [(STR, 0, stack, 0)] if b == 0x22 else []
+            if b != 0x22:
+                return []
+            return [(STR, 0, stack, 0)] if len(kind) == 1 else [(CSTR, (node, 0, 0), stack, 0)]
         if name == "number":
             return _number_start(NUM_MINUS, b, stack)
         if name == "integer":
@@ -363,6 +458,50 @@ class Grammar:
             return _lead(mode, stack, b)
         return [] if b < 0x20 else [(mode, 0, _keyed(stack, b, key), 0)]
 
+    def _ruled(self, mode: int, node: tuple, stack: tuple, b: int) -> list[Config]:
+        """A byte of a string value under a ``StringRule``: raw characters and escapes decoded into the rule's
+        pattern and count; an escape is begun only where some character it can spell is allowed, so no state is
+        a dead end."""
+        rid, p, c = node[:3]
+        rule = self.nodes[rid][1]
+        if mode == CSTR:
+            if b == 0x22:
+                return [(AFTER, 0, stack, 0)] if rule.closes(p, c) else []
+            if b == 0x5C:
+                return [(CSTR_ESC, node, stack, 0)] if _spellable(rule, p, c, 0, 0xFFFF) else []
+            return [] if b < 0x20 else _read(rule, node, bytes([b]), b < 0x80 or b >= 0xC0, stack)
+        if mode == CSTR_ESC:
+            if b == 0x75:  # \uXXXX: any character of the Basic Multilingual Plane but a surrogate
+                return [(CSTR_U, (rid, p, c, 0, 4), stack, 0)]
+            char = SHORT_ESCAPES.get(b)
+            return [] if char is None else _read(rule, node, char.encode(), True, stack)
+        if b not in HEX:
+            return []
+        value, due = node[3] * 16 + int(chr(b), 16), node[4] - 1
+        if not _spellable(rule, p, c, value << (4 * due), ((value + 1) << (4 * due)) - 1):
+            return []
+        if due:
+            return [(CSTR_U, (rid, p, c, value, due), stack, 0)]
+        return _read(rule, node, chr(value).encode(), True, stack)
+
+    def plain_room(self, state: State) -> int | None:
+        """How many characters of plain text (no quote, backslash or control character) may come next in
+        ``state``, where all such text up to that many is allowed: inside a string without a rule (any number) or
+        one whose rule bounds only its length, between characters. None if a configuration is anything else."""
+        rooms = [self._text_room(config) for config in state]
+        return None if None in rooms else max(rooms)
+
+    def _text_room(self, config: Config) -> int | None:
+        mode, node = config[0], config[1]
+        if mode in PLAIN_MODES:
+            return sys.maxsize
+        if mode != CSTR:
+            return None
+        rule = self.nodes[node[0]][1]
+        if not rule.bounded_text or node[1] not in rule.regex.accepting:  # a pattern, or mid-character
+            return None
+        return sys.maxsize if rule.most is None else rule.most - node[2]
+
     def _colon(self, stack: tuple) -> list[Config]:
         top = stack[-1]
         obj = self.nodes[top[1]][1]
@@ -410,6 +549,36 @@ def _number_start(minus_mode: int, b: int, stack: tuple) -> list[Config]:
     if b == 0x30:
         return [(INT_ZERO if integer else NUM_ZERO, 0, stack, 0)]
     return [(INT_DIGITS if integer else NUM_INT, 0, stack, 0)] if b in DIGITS else []
+
+
+def _read(rule: StringRule, node: tuple, data: bytes, new_char: bool, stack: tuple) -> list[Config]:
+    """A string's rule after ``data`` (bytes of its decoded text; ``new_char``: they begin a character)."""
+    count = rule.counted(node[2]) if new_char else node[2]
+    if count is None:
+        return []
+    positions = (node[1],)
+    for b in data:
+        positions = {q for p in positions for q in rule.regex.next(p, b)}
+    return [(CSTR, (node[0], q, count), stack, 0) for q in positions if rule.alive(q, count)]
+
+
+def _spellable(rule: StringRule, position: int, count: int, lo: int, hi: int) -> bool:
+    """Whether some character in ``lo..hi`` (escapes spell them) may come next: a path of the rule's positions
+    whose bytes meet each byte range of one of the characters' UTF-8 sequences (every byte combination of a
+    sequence is such a character)."""
+    after = rule.counted(count)
+    if after is None:
+        return False
+    rx = rule.regex
+    for a, z in without_surrogates([(lo, min(hi, 0xFFFF))]):
+        for seq in utf8_sequences(a, z):
+            positions = {position}
+            for r in seq:
+                m = byte_mask(*r)
+                positions = {q for p in positions for q in rx.follow[p] if rx.masks[q] & m}
+            if any(rule.alive(q, after) for q in positions):
+                return True
+    return False
 
 
 def _literal_config(rest: frozenset, stack: tuple) -> list[Config]:
@@ -473,7 +642,8 @@ def _hex(mode: int, stack: tuple, b: int) -> list[Config]:
 
 
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                      "enum", "const", "anyOf", "allOf", "$ref"})
+                      "enum", "const", "anyOf", "allOf", "$ref", "pattern", "minLength", "maxLength"})
+STRING_KEYWORDS = frozenset({"pattern", "minLength", "maxLength"})
 _PYTHON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
                  "boolean": bool, "null": type(None)}
 
@@ -536,7 +706,7 @@ class _Compiler:
         types = s.get("type")
         if types is None:
             types = "object" if constraints & {"properties", "required", "additionalProperties"} else \
-                "array" if "items" in s else None
+                "array" if "items" in s else "string" if constraints & STRING_KEYWORDS else None
         if types is None:
             return ANY
         nodes = [self._typed(t, s, where) for t in dict.fromkeys(_type_names(types, where))]
@@ -576,6 +746,9 @@ class _Compiler:
         if s.get("type") is not None:
             types = _type_names(s["type"], where)
             values = [v for v in values if any(_is_type(v, t) for t in types if t in _PYTHON_TYPES)]
+        if set(s) & STRING_KEYWORDS:
+            rule = string_rule(s, where)
+            values = [v for v in values if not isinstance(v, str) or rule.matches(v)]
         if not values:
             raise SchemaError(f"{where}: no value satisfies this enum/const")
         return self.add(("literals", frozenset(_literal_bytes(v, where) for v in values)))
@@ -592,6 +765,8 @@ class _Compiler:
             return self.add(("literals", frozenset({b"true", b"false"})))
         if t == "null":
             return self.add(("literals", frozenset({b"null"})))
+        if t == "string" and set(s) & STRING_KEYWORDS:
+            return self.add(("string", string_rule(s, where)))
         return self.add((t,))
 
     def _object(self, s: dict, where: str) -> int:

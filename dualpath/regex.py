@@ -12,8 +12,9 @@ Syntax: Python's ``re`` for what a generation can be held to — literals and es
 and their negations with ASCII meanings (``[0-9]``, ``[A-Za-z0-9_]``, whitespace: ``re.ASCII``), groups
 (``(...)``, ``(?:...)``, ``(?P<name>...)``), ``|``, the quantifiers ``* + ? {m} {m,} {,n} {m,n}`` (lazy ones
 too: the language is the same), and ``^``/``\\A`` at the start and ``$``/``\\Z`` at the end (the output always
-matches whole). What would need more than a finite automaton or changes matching (back-references, look-arounds,
-``\\b``, inline flags, atomic groups, possessive quantifiers) is a ``RegexError``, never silently dropped.
+matches whole); ``(?<name>...)`` too, as JSON Schema's patterns (ECMA-262) write named groups. What would need
+more than a finite automaton or changes matching (back-references, look-arounds, ``\\b``, inline flags, atomic
+groups, possessive quantifiers) is a ``RegexError``, never silently dropped.
 """
 from __future__ import annotations
 
@@ -190,9 +191,11 @@ class _Parser:
             raise RegexError(f"groups are nested more than {MAX_NESTING} deep")
         if self.p.startswith("?:", self.i):
             self.i += 2
-        elif self.p.startswith("?P<", self.i):
+        elif self.p.startswith("?P<", self.i) or (self.p.startswith("?<", self.i) and
+                                                   self.p[self.i + 2:self.i + 3] not in ("=", "!")):
+            start = self.i + (3 if self.p[self.i + 1] == "P" else 2)  # (?<name>...): JSON Schema's (ECMA) form
             close = self.p.find(">", self.i)
-            if close < 0 or not self.p[self.i + 3:close].isidentifier():
+            if close < 0 or not self.p[start:close].isidentifier():
                 raise RegexError(f"bad group name at position {self.i}")
             self.i = close + 1
         elif self.p.startswith("?#", self.i):
@@ -342,9 +345,8 @@ class Regex:
         self._follow[0] |= first
         self.accepting = frozenset(last | ({0} if nullable else set()))
         self.follow = self._pruned()
-        if not self.follow[0]:
-            raise RegexError("the pattern matches only the empty string" if 0 in self.accepting
-                             else "the pattern matches nothing")
+        if not self.follow[0] and 0 not in self.accepting:
+            raise RegexError("the pattern matches nothing")
         self._next: dict = {}
 
     def next(self, position: int, b: int) -> tuple:

@@ -15,6 +15,7 @@ to the sampler and ``advance``s it with every token the request takes (``Sequenc
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import DONE, PLAIN_MODES, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import DONE, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class Vocabulary:
         # in one without reading it
         plain = [_plain(t) for _, t in tokens]
         self.plain = np.asarray([i for (i, _), p in zip(tokens, plain) if p], dtype=np.int64)
+        self.plain_chars = np.asarray([len(t.decode()) for (_, t), p in zip(tokens, plain) if p], dtype=np.int64)
         self.in_string = [tok for tok, p in zip(tokens, plain) if not p]
         # tokens in byte order: those sharing a prefix are a range, so a walk reads each shared prefix once
         ordered = sorted(tokens, key=lambda tok: tok[1])
@@ -135,8 +137,9 @@ class GrammarMasks:
             for i, t in v.may_end_thinking:
                 allowed[i] = g.run(state, t) is not None
             return allowed
-        if all(c[0] in PLAIN_MODES for c in state):
-            allowed[v.plain] = True
+        room = g.plain_room(state)
+        if room is not None:  # inside a string: text tokens up to the room are allowed, the rest read
+            allowed[v.plain if room == sys.maxsize else v.plain[v.plain_chars <= room]] = True
             for i, t in v.in_string:
                 if g.run(state, t) is not None:
                     allowed[i] = True

@@ -3,11 +3,12 @@ errors, the cached vocabulary masks against a token-by-token check from the full
 masks, and whole generations (tiny random model, the real SmolLM2) that end as valid JSON."""
 import json
 import random
+import re
 
 import jsonschema
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 from typing import Literal, Optional
@@ -161,8 +162,20 @@ class Person(BaseModel):
     note: Optional[str] = None
 
 
+class Account(BaseModel):
+    handle: str = Field(pattern=r"^[a-z][a-z0-9_]{2,11}$")
+    display: str = Field(min_length=1, max_length=12)
+    email: str = Field(pattern=r"^[a-z0-9.]+@[a-z]+\.(com|org)$")
+    code: Optional[str] = Field(None, pattern=r"^[A-F0-9]{4}$")
+    note: str = Field("", max_length=3)
+
+
 SCHEMAS = {
     "pydantic": Person.model_json_schema(),
+    "strings": {**Account.model_json_schema(), "properties": {
+        **Account.model_json_schema()["properties"],
+        "quoted": {"type": "string", "pattern": "[\"\\\\ \n\u00e9a-c]{1,3}", "minLength": 2},
+        "word": {"enum": ["ab", "abcd", 7], "maxLength": 3}, "long": {"type": "string", "minLength": 3}}},
     "closed": {"type": "object", "properties": {"id": {"type": "integer"}, "kind": {"enum": ["a", "b", 3, None]},
                                                  "xs": {"type": "array", "items": {"type": ["number", "null"]}}},
                "required": ["id", "kind"], "additionalProperties": False},
@@ -192,7 +205,8 @@ def instances(schema, root=None, depth=0):
     if "anyOf" in schema:
         return st.one_of([instances(s, root, depth + 1) for s in schema["anyOf"]])
     if "enum" in schema or "const" in schema:
-        return st.sampled_from(schema["enum"] if "enum" in schema else [schema["const"]])
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        return st.sampled_from([v for v in values if jsonschema.Draft202012Validator(schema).is_valid(v)])
     t = schema.get("type")
     if isinstance(t, list):
         return st.one_of([instances({**schema, "type": x}, root, depth) for x in t])
@@ -213,8 +227,20 @@ def instances(schema, root=None, depth=0):
         least, most = schema.get("minItems", 0), schema.get("maxItems", 3 if depth < 3 else 0)
         return st.lists(instances(schema.get("items", True), root, depth + 1), min_size=least,
                         max_size=max(least, most))
+    if t == "string" and ({"pattern", "minLength", "maxLength"} & set(schema)):
+        return ruled_strings(schema)
     return {"string": st.text(max_size=6), "integer": st.integers(-10**9, 10**9), "boolean": st.booleans(),
             "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(), "null": st.none()}[t]
+
+
+def ruled_strings(schema):
+    """Strings satisfying a string schema's pattern (as a whole) and length bounds, written escaped or raw."""
+    least, most = schema.get("minLength", 0), schema.get("maxLength")
+    text = st.from_regex(schema["pattern"], fullmatch=True) if "pattern" in schema else \
+        st.text(min_size=least, max_size=most if most is not None else least + 6)
+    bmp = text.filter(lambda t: all(ord(c) <= 0xFFFF for c in t))  # in a ruled string, escapes stay in the BMP
+    return bmp.filter(lambda t: least <= len(t) <= (most if most is not None else len(t)) and (
+        "pattern" not in schema or re.fullmatch(schema["pattern"], t, re.ASCII)))
 
 
 @pytest.mark.parametrize("name", SCHEMAS)
@@ -237,7 +263,12 @@ def test_schema_instances_are_accepted_and_mutations_that_complete_are_valid(nam
 
 @pytest.mark.parametrize("schema, words", [
     ({"type": "string"}, "top level must be an object"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "pattern cannot be enforced"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}, "pattern: look-ahead"),
+    ({"type": "object", "properties": {"a": {"pattern": 3}}}, "pattern must be a string"),
+    ({"type": "object", "properties": {"a": {"pattern": r"\d{5}", "maxLength": 4}}}, "no string satisfies"),
+    ({"type": "object", "properties": {"a": {"minLength": 2, "maxLength": 1}}}, "minLength <= maxLength"),
+    ({"type": "object", "properties": {"a": {"pattern": r"(\d?){999}", "maxLength": 999}}}, "too large"),
+    ({"type": "object", "properties": {"a": {"enum": ["abc"], "maxLength": 2}}}, "no value satisfies"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "minimum cannot be enforced"),
     ({"oneOf": [{"type": "object"}]}, "oneOf cannot be enforced"),
     ({"type": "object", "properties": {"a": {"enum": []}}}, "no value satisfies"),
@@ -308,7 +339,8 @@ def toy_vocab() -> list:
     multi = [b"}}", b"]}", b"}]", b'"}', b'"]}', b'}}}', b'": "', b'", "', b'":', b"\\n", b'\\"', b"\\u00",
              b"true", b"false", b"null", b"truefalse", b"0.5e", b"-1", b"12", b"{\"", b"[[", b"[]", b"{}", b"  ",
              b"\n  ", b"\n    ", b"}\n", b"1}", b'"a"', b"e+", b"\xc3\xa9", b"\xc3", b", ", b":[", b"],", b"},{",
-             b'"name', b'"street": "', b'admin"', b'"tags": ["', b"ity", b"age"]
+             b'"name', b'"street": "', b'admin"', b'"tags": ["', b"ity", b"age", b"abcd", b"\xc3\xa9t\xc3\xa9", b"ab_9",
+             b"@a.com", b"\\u00e9", b'\\"', b"AB12"]
     return [bytes([b]) for b in range(256)] + multi + [None, None]
 
 
@@ -324,7 +356,7 @@ def brute_mask(g: Grammar, vocab: list, state, width: int) -> torch.Tensor:
     return torch.tensor([t is not None and g.run(state, t) is not None for t in vocab] + [False] * (width - len(vocab)))
 
 
-@pytest.mark.parametrize("name", ["json", "pydantic", "choice", "bounded"])
+@pytest.mark.parametrize("name", ["json", "pydantic", "choice", "bounded", "strings"])
 def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
     vocab = toy_vocab()
     v = Vocabulary(vocab, len(vocab) + 3)
@@ -341,6 +373,11 @@ def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
                   "address": {"street": "s", "city": "c", "zip": None},
                   "friends": [{**kid, "friends": [{**kid, "friends": [kid]}]}], "note": "n"}
         docs = [json.dumps(person).encode(), json.dumps(person, indent=1).encode()]
+    elif name == "strings":
+        g = Grammar.compile(SCHEMAS["strings"])
+        docs = [b'{"handle": "ab_9", "display": "\xc3\xa9t\xc3\xa9 \\u00e9\\n", "email": "a.b@ab.org", "code": "AB12", '
+                b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9"}',
+                b'{"email":"x@y.com","note":"abc","code":null,"quoted":"\\u00e9a","display":"abcdabcdabcd","handle":"z99"}']
     elif name == "choice":
         g = Grammar.compile(SCHEMAS["choice"])
         docs = [b'{"v": 3, "t": "x"}', b'{ "v" : "3" , "t" : "y" }']
@@ -393,7 +430,7 @@ def test_random_walks_over_masks_end_valid():
     v = Vocabulary(vocab, len(vocab))
     closing = torch.tensor([t is not None and any(c in t for c in b'"}]') for t in vocab])
     ended = 0
-    for name in ("json", "pydantic", "closed", "open", "choice", "bounded"):
+    for name in ("json", "pydantic", "closed", "open", "choice", "bounded", "strings"):
         g = JSON_MODE if name == "json" else Grammar.compile(SCHEMAS[name])
         validator = jsonschema.Draft202012Validator({"type": "object"} if name == "json" else SCHEMAS[name])
         masks = GrammarMasks(g, v, "cpu")
@@ -411,6 +448,31 @@ def test_random_walks_over_masks_end_valid():
                     ended += 1
                     break
     assert ended >= 35
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([None, r"[a-c]+", r"\d{2,4}", r"(ab|\n\")*x?", r"[^\x00-\x60]{1,3}", "é|[\\\\/]{2}"]),
+       st.integers(0, 4), st.one_of(st.none(), st.integers(0, 6)), st.randoms(use_true_random=False))
+def test_ruled_strings_never_reach_a_dead_end(pattern, least, most, rng):
+    """Random bytes among those a state allows, inside a string with a pattern and/or length bounds (escapes,
+    \\u escapes and raw UTF-8 included): every state reached allows some byte, and what completes is valid."""
+    rule = {k: v for k, v in (("pattern", pattern), ("minLength", least), ("maxLength", most)) if v is not None}
+    schema = {"type": "object", "properties": {"s": {"type": "string", **rule}}, "required": ["s"],
+              "additionalProperties": False}
+    try:
+        g = Grammar.compile(schema)
+    except SchemaError:
+        assume(most is not None and most < least or pattern is not None)  # unsatisfiable pairs only
+        return
+    state, out = g.run(g.start, b'{"s": "'), b'{"s": "'
+    for _ in range(60):
+        nxt = [b for b in range(256) if g.step(state, b) is not None]
+        assert nxt, (schema, out)  # never a dead end
+        b = rng.choice([x for x in nxt if x in b'"}'] or nxt) if rng.random() < 0.3 else rng.choice(nxt)
+        state, out = g.step(state, b), out + bytes([b])
+        if gr.Grammar.complete(state):
+            assert jsonschema.Draft202012Validator(schema).is_valid(parsed(out)), out
+            break
 
 
 # --- thinking first: a reasoning model's think block, then the output --------------------------------------------
@@ -564,6 +626,20 @@ def test_tiny_model_schema_outputs_are_valid(tiny_dirs):
                 stopped += 1
                 assert validator.is_valid(parsed(data)), data
     assert stopped >= 3
+
+
+def test_tiny_model_strings_follow_their_patterns_and_lengths(tiny_dirs):
+    llm = LLM(str(tiny_dirs["llama"]), block_size=16)
+    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": r"^[A-F0-9]{4}-\d{2}$"},
+                                               "tag": {"type": "string", "minLength": 2, "maxLength": 5}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    validator = jsonschema.Draft202012Validator(schema)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=300, json_schema=json.dumps(schema))
+              for seed in range(3)]
+    outs = [o for p in params for o in llm.generate(["a", "bb"], p)]
+    assert sum(o.finish_reason == "stop" for o in outs) >= 3  # a random model writes much whitespace
+    for o in outs:
+        assert o.finish_reason == "length" or validator.is_valid(parsed(bytes(o.token_ids))), o.text
 
 
 def test_tiny_model_thinks_freely_then_writes_json(tiny_dirs):
