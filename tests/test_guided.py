@@ -377,7 +377,8 @@ def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
         g = Grammar.compile(SCHEMAS["strings"])
         docs = [b'{"handle": "ab_9", "display": "\xc3\xa9t\xc3\xa9 \\u00e9\\n", "email": "a.b@ab.org", "code": "AB12", '
                 b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9"}',
-                b'{"email":"x@y.com","note":"abc","code":null,"quoted":"\\u00e9a","display":"abcdabcdabcd","handle":"z99"}']
+                b'{"email":"x@y.com","note":"abc","code":null,"quoted":"\\u00e9a","display":"abcdabcdabcd",'
+                b'"handle":"z99"}']
     elif name == "choice":
         g = Grammar.compile(SCHEMAS["choice"])
         docs = [b'{"v": 3, "t": "x"}', b'{ "v" : "3" , "t" : "y" }']
