@@ -564,3 +564,14 @@ def test_best_of_returns_the_n_candidates_with_the_best_mean_logprob(front):
     r = post(http, "/v1/completions", model="m", prompt="hi", best_of=3, logprobs=2)
     assert [c["text"] for c in r.json()["choices"]] == ["two"] and r.json()["choices"][0]["logprobs"]["tokens"]
     assert fake.samplings[-1].logprobs == 2 and http.front.in_flight == 0
+
+
+def test_finished_requests_are_counted_by_reason_with_their_latency(front):
+    http, fake, _ = front
+    fake.reply = "four words of reply"
+    post(http, "/v1/completions", model="m", prompt="hi", n=2)  # each choice counts
+    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}])
+    text = http.get("/metrics").text
+    assert 'dualpath_requests_finished_total{finish_reason="stop"} 3.0' in text
+    count = next(ln for ln in text.splitlines() if ln.startswith("dualpath_e2e_request_latency_seconds_count"))
+    assert float(count.split()[-1]) == 3

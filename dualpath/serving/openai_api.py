@@ -83,6 +83,10 @@ class Frontend:
         self.m_ttft = m.histogram("time_to_first_token_seconds", "Time to first token")
         self.m_tpot = m.histogram("time_per_output_token_seconds", "Time per output token after the first",
                                   buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.m_e2e = m.histogram("e2e_request_latency_seconds", "Time from a choice's arrival to its last token",
+                                 buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0))
+        self.m_finished = m.counter("requests_finished_total", "Choices generated to their end, by why they ended",
+                                    ["finish_reason"])
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
         self.m_inflight.set(0)
@@ -515,6 +519,8 @@ class Frontend:
         self.m_completion.inc(o.completion_tokens)
         self.m_cached.inc(o.cached_tokens, path=o.path or "none")
         self.m_kv_bytes.inc(o.storage_bytes, path=o.path or "none")
+        self.m_finished.inc(finish_reason=o.finish_reason or "unknown")
+        self.m_e2e.observe((last if last is not None else time.perf_counter()) - start)
         if first is not None:
             self.m_ttft.observe(first - start)
             if o.completion_tokens > 1:
