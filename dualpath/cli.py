@@ -356,6 +356,9 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-dir", default=None,
                    help="where stored /v1/responses live, one file each, shared by every frontend (serve's default: "
                         "beside the KV store; frontend's: this process's memory)")
+    p.add_argument("--drain-timeout", type=float, default=300.0,
+                   help="seconds a stopping server (SIGTERM, Ctrl-C) lets requests in flight finish while refusing "
+                        "new ones; those still running then are cut")
     _reasoning_arg(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 

@@ -131,6 +131,9 @@ def test_topology_resources_and_probes(rendered):
     fe = objs[("Deployment", "dp-dualpath-frontend")]
     probe = fe["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert probe["httpGet"]["path"] == "/health"
+    command = fe["spec"]["template"]["spec"]["containers"][0]["command"]  # the pod outlives the frontend's drain
+    drain = float(command[command.index("--drain-timeout") + 1])
+    assert fe["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 5 + 10
     wait = fe["spec"]["template"]["spec"]["initContainers"][0]["command"]
     per_node = {"2p4d": (16, 32)}.get(name, (8, 8))
     assert (wait[wait.index("--wait-prefill") + 1], wait[wait.index("--wait-decode") + 1]) == tuple(map(str, per_node))

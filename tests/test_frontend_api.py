@@ -6,7 +6,9 @@ answer but are not implemented are a 400 rather than silently ignored, and vLLM'
 import asyncio
 import json
 import threading
+import time
 
+import httpx
 import openai
 import pytest
 
@@ -575,3 +577,54 @@ def test_finished_requests_are_counted_by_reason_with_their_latency(front):
     assert 'dualpath_requests_finished_total{finish_reason="stop"} 3.0' in text
     count = next(ln for ln in text.splitlines() if ln.startswith("dualpath_e2e_request_latency_seconds_count"))
     assert float(count.split()[-1]) == 3
+
+
+def _serving(frontend, drain_s: float):
+    """``frontend`` on a real socket (uvicorn, as ``dualpath serve`` runs it) in a thread; returns its URL, a
+    function that stops it as SIGTERM would, and the thread."""
+    from dualpath.serving.serve import _run, frontend_server
+
+    server, sock = frontend_server(frontend.app, "127.0.0.1", 0, drain_s)
+    loop, ready = asyncio.new_event_loop(), threading.Event()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(
+        _run(server, sock, ready.set, stop, lambda: frontend.in_flight)), daemon=True)
+    thread.start()
+    assert ready.wait(20)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", lambda: loop.call_soon_threadsafe(stop.set), thread
+
+
+def test_a_stopping_server_finishes_requests_in_flight_and_refuses_new_ones(front):
+    """SIGTERM (a rolling update, scancel) drains: a stream in flight runs to its end, new connections are
+    refused; past --drain-timeout what still runs is cut and its request cancelled."""
+    http, fake, tok = front
+    ids = tok.encode("word " * 60, add_special_tokens=False)
+    fake.reply = lambda sampling: PacedHandle([ids])
+    url, stop, thread = _serving(http.front, drain_s=60)
+    body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+    lines = []
+    with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 4:
+                stop()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-2:] == ["data: [DONE]", ""] and chunks[-1]["usage"]["completion_tokens"] == len(ids)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    thread.join(20)
+    assert not thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=5)
+
+    handle = EndlessHandle()
+    fake.reply = lambda sampling: handle
+    url, stop, thread = _serving(http.front, drain_s=0.5)
+    with httpx.Client(timeout=30) as h, h.stream("POST", url + "/v1/completions", json=body) as r:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.HTTPError):
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 4:
+                    stop()
+    thread.join(20)
+    assert not thread.is_alive() and time.monotonic() - t0 < 10
+    assert handle.cancelled.is_set() and http.front.in_flight == 0

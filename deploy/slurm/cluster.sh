@@ -24,6 +24,7 @@
 : "${DUALPATH_KV_TC:=0}"                          # RoCE traffic class of KV traffic (DSCP << 2)
 : "${DUALPATH_NCCL_SL:=0}"                        # NCCL's own service level: never the KV lane
 : "${DUALPATH_PORT:=8000}"                        # the OpenAI endpoint, on the first node
+: "${DUALPATH_DRAIN_TIMEOUT:=50}"                 # seconds the stopping frontend lets requests finish (< dp_stop's 60)
 : "${DUALPATH_SCHEDULER_PORT:=50051}"
 : "${DUALPATH_SCHEDULER_HTTP_PORT:=9400}"         # the scheduler's /metrics
 : "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
@@ -103,7 +104,7 @@ dualpath_cluster_up() {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
   "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
-    --responses-dir "$DUALPATH_KV_STORE/responses" \
+    --responses-dir "$DUALPATH_KV_STORE/responses" --drain-timeout "$DUALPATH_DRAIN_TIMEOUT" \
     $DUALPATH_MODEL_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
   DP_FRONTEND=$!; DP_PIDS+=($!)
   local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))

@@ -34,29 +34,41 @@ def model_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
 
-def frontend_server(frontend_app, host: str, port: int):
-    """A uvicorn server on a socket we bound (so port 0 works and the real port is known before it starts)."""
+def frontend_server(frontend_app, host: str, port: int, drain_s: float):
+    """A uvicorn server on a socket we bound (so port 0 works and the real port is known before it starts); once
+    told to exit it accepts nothing new and lets requests in flight finish, for up to ``drain_s`` seconds."""
     import uvicorn
 
     sock = socket.create_server((host, port), reuse_port=False)
-    server = uvicorn.Server(uvicorn.Config(frontend_app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(frontend_app, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=drain_s))
     return server, sock
 
 
-async def _run(server, sock, on_ready, stop_event: asyncio.Event) -> None:
+async def _run(server, sock, on_ready, stop_event: asyncio.Event, in_flight=lambda: 0) -> None:
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         on_ready()
     await stop_event.wait()
+    if in_flight():
+        print(f"stopping: {in_flight()} request(s) in flight may finish for up to "
+              f"{server.config.timeout_graceful_shutdown:g} s (--drain-timeout); new ones are refused", flush=True)
     server.should_exit = True
     await task
+    for connection in list(server.server_state.connections):  # cut at the drain's end: the clients see it now
+        transport = getattr(connection, "transport", None)
+        if transport is not None:
+            transport.close()
+    await asyncio.sleep(0)  # let the closes run before the loop stops
 
 
-def run_frontend(frontend, host: str, port: int, on_ready=lambda port: None, stop: asyncio.Event | None = None):
-    """Serve ``frontend.app`` until SIGINT/SIGTERM (or ``stop``); ``on_ready(port)`` once it accepts."""
-    server, sock = frontend_server(frontend.app, host, port)
+def run_frontend(frontend, host: str, port: int, drain_s: float, on_ready=lambda port: None,
+                 stop: asyncio.Event | None = None):
+    """Serve ``frontend.app`` until SIGINT/SIGTERM (or ``stop``), then drain (``frontend_server``); ``on_ready(port)``
+    once it accepts."""
+    server, sock = frontend_server(frontend.app, host, port, drain_s)
     actual = sock.getsockname()[1]
 
     async def main():
@@ -64,7 +76,7 @@ def run_frontend(frontend, host: str, port: int, on_ready=lambda port: None, sto
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop_event.set)
-        await _run(server, sock, lambda: on_ready(actual), stop_event)
+        await _run(server, sock, lambda: on_ready(actual), stop_event, lambda: frontend.in_flight)
 
     asyncio.run(main())
 
@@ -123,7 +135,7 @@ def serve(args) -> int:
                   flush=True)
             write_ready(args.ready_file, f"{port}\n")  # atomically: a reader never sees it empty
 
-        run_frontend(frontend, args.host, args.port, ready)
+        run_frontend(frontend, args.host, args.port, args.drain_timeout, ready)
     finally:
         print("stopping", flush=True)
         cluster.stop()
@@ -149,5 +161,5 @@ def frontend_main(args) -> int:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
         write_ready(args.ready_file, f"{port}\n")
 
-    run_frontend(frontend, args.host, args.port, ready)
+    run_frontend(frontend, args.host, args.port, args.drain_timeout, ready)
     return 0
