@@ -38,7 +38,11 @@ def test_small_benches_run(script, args, tmp_path):
 def test_guided_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
                        "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))
-    assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "step", "generate"]
+    patterns = [f"pattern {name}" for name in ("digits", "choice", "date", "email", "sentence", "line")]
+    assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "build string rules",
+                                                   "step", *patterns, "generate", "generate patterns"]
+    answers = result["rows"][-1]
+    assert answers["matched"] == answers["stopped"] >= 2  # a random model's answers match too
 
 
 @pytest.mark.slow  # ~25 s: a server start, 6 s of agents, the settle; bench/soak.py is the real run
