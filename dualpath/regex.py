@@ -116,8 +116,7 @@ def byte_mask(lo: int, hi: int) -> int:
 
 
 # --- parsing: pattern -> tree over character sets ------------------------------------------------------------
-# ("set", ranges) | ("cat", items) | ("alt", branches) | ("repeat", body, least, most or None)
-EMPTY = ("cat", ())
+# ("set", ranges) | ("cat", items: empty for the empty string) | ("alt", branches) | ("repeat", body, least, most)
 
 
 class _Parser:
