@@ -182,7 +182,7 @@ def test_an_empty_reply_is_one_empty_message(front):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "not supported"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
-    ({"truncation": "auto"}, "truncation", "disabled"),
+    ({"truncation": "middle"}, "truncation", "disabled"),
     ({"background": True}, "background", "not supported"),
     ({"include": ["file_search_call.results"]}, "include", "cannot be included"),
     ({"text": {"format": {"type": "grammar"}}}, "text", "not supported"),
@@ -199,6 +199,39 @@ def test_unsupported_or_bad_fields_are_a_400_naming_them(front, extra, param, me
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
+
+
+def test_auto_truncation_drops_the_earliest_whole_exchanges_that_make_it_fit(front):
+    """truncation "auto": the fewest earliest exchanges are dropped (a tool call with its output, never one
+    without the other), the instructions kept; without it, or when even the last turn does not fit, a 400."""
+    http, fake, _ = front
+    fake.reply = "ok"
+    said = ["a" * 300, "b" * 10, "c" * 120]
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    items = [{"role": "user", "content": said[0]}, call,
+             {"type": "function_call_output", "call_id": "call_1", "output": "x" * 10},
+             {"role": "assistant", "content": said[1]}, {"role": "user", "content": said[2]},
+             {"role": "assistant", "content": "d" * 60}, {"role": "user", "content": "last?"}]
+    system = {"role": "system", "content": "Be brief."}
+    kept = chat_prompt(http, fake, [system, {"role": "user", "content": said[2]},
+                                    {"role": "assistant", "content": "d" * 60}, {"role": "user", "content": "last?"}],
+                       tools=[WEATHER])
+    # room for the kept turns and ~100 tokens more: enough for the tool output and "b" too, but a cut there would
+    # leave an output without its call
+    http.front.cfg = replace(http.front.cfg, max_model_len=len(kept) + 20 + 100)
+    body = {"model": "m", "input": items, "instructions": "Be brief.", "tools": [TOOL], "max_output_tokens": 20}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = http.post("/v1/responses", json={**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    assert fake.prompts[-1] == kept and r.json()["truncation"] == "auto"
+    validate("Response", r.json())
+    assert r.json()["usage"]["input_tokens"] == len(kept)
+    r = http.post("/v1/responses", json={**body, "truncation": "auto", "max_output_tokens": 10})
+    assert fake.prompts[-1] == kept  # a little more room: still the same cut (whole exchanges only)
+    r = http.post("/v1/responses", json={**body, "truncation": "auto", "input": items + [
+        {"role": "assistant", "content": "e"}, {"role": "user", "content": "z" * 400}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # the last turn alone
 
 
 def test_a_stored_response_lists_its_input_items(front):

@@ -37,8 +37,8 @@ from dualpath.serving.protocol import (ChatRequest, CompletionRequest, Detokeniz
                                        parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
-from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, input_items, item_page, remap_param,
-                                        to_chat)
+from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
+                                        item_page, remap_param, to_chat, without_exchanges)
 from dualpath.serving.tools import ToolCallSplitter, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
@@ -230,7 +230,7 @@ class Frontend:
                 self._check_model(req.model)
                 if kind == "responses":
                     call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id))
-                    req = to_chat(call.req, call.history)
+                    req = self._fitted(call)
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             chat_kind = "completions" if kind == "completions" else "chat"
@@ -263,6 +263,27 @@ class Frontend:
             raise ApiError(404, f"no stored response with id {rid!r} (kept: the last {self.cfg.max_stored_responses} "
                                 f"with store true, in {where})", code="not_found")
         return entry
+
+    def _fitted(self, call: ResponseCall) -> ChatRequest:
+        """The chat a Responses call asks for; with ``truncation: "auto"``, without as few of its earliest exchanges
+        as make it fit the context with room for ``max_output_tokens`` (at least one token). The cut moves by whole
+        exchanges, so the next turns mostly cut at the same place and their prefixes still hit the KV store."""
+        chat = to_chat(call.req, call.history)
+        if call.req.truncation != "auto":
+            return chat
+        room = self.cfg.max_model_len - (call.req.max_output_tokens or 1)
+        fits = lambda c: len(self._chat_ids(c)) <= room  # noqa: E731
+        if fits(chat):
+            return chat
+        starts = exchange_starts(chat)
+        lo, hi = 0, len(starts)  # the fewest exchanges to drop lies in starts[lo:hi], or none fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(without_exchanges(chat, starts[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return without_exchanges(chat, starts[lo]) if lo < len(starts) else chat  # none fits: the usual 400
 
     async def _history(self, previous: str | None) -> list[dict]:
         """The conversation a ``previous_response_id`` ended (none without one)."""

@@ -57,9 +57,9 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("truncation")
     @classmethod
-    def _no_truncation(cls, v):
-        if v not in (None, "disabled"):
-            raise ValueError("only 'disabled' is supported: an input over the model's context is a 400")
+    def _truncation(cls, v):
+        if v not in (None, "disabled", "auto"):
+            raise ValueError("truncation is 'disabled' (an input over the model's context is a 400) or 'auto'")
         return v
 
     @field_validator("reasoning")
@@ -111,6 +111,20 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
         err = e.errors()[0]
         loc = [FIELD_NAMES.get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(err["loc"])]
         raise RequestError(f"{'.'.join(loc) or 'body'}: {err['msg']}", field=loc[0] if loc else None) from None
+
+
+def exchange_starts(chat: ChatRequest) -> list[int]:
+    """Where ``truncation: "auto"`` may cut a chat's messages: dropping the earliest exchanges (everything after
+    the instructions before a user message) keeps whole turns, no tool output without its call; the last user
+    message is the last cut."""
+    first = 1 if chat.messages and chat.messages[0].role in ("system", "developer") else 0
+    return [i for i, m in enumerate(chat.messages) if i > first and m.role == "user"]
+
+
+def without_exchanges(chat: ChatRequest, start: int) -> ChatRequest:
+    """``chat`` with the messages between its instructions and ``start`` dropped."""
+    first = 1 if chat.messages and chat.messages[0].role in ("system", "developer") else 0
+    return chat.model_copy(update={"messages": chat.messages[:first] + chat.messages[start:]})
 
 
 def input_messages(items: Union[str, list[dict]]) -> list[dict]:
@@ -229,7 +243,7 @@ class ResponseCall:
                 "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
                 "tools": [_echoed_tool(t) for t in r.tools or ()],
                 "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
-                "truncation": "disabled", "metadata": r.metadata or {},
+                "truncation": r.truncation or "disabled", "metadata": r.metadata or {},
                 **({"usage": usage} if usage is not None else {})}  # none until the end (the schema has no null)
 
     def from_chat(self, body: dict, block_size: int) -> dict:
