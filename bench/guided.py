@@ -9,8 +9,9 @@ generations of the real SmolLM2 in JSON mode and with a schema against unconstra
            through, from cold, for JSON mode, for a schema the document satisfies and for the same with string
            rules (a pattern, maximum lengths): what the first request of an engine's life pays
   patterns masks of regular expressions (guided_regex / guided_choice), narrow to broad, built along a text each
-           matches, from cold: milliseconds per state, against the same walk without its per-walk step memo (how
-           masks were built before patterns: the baseline, same run)
+           matches, from cold: milliseconds per state (a walk over the tokens' distinct byte-class sequences),
+           against a walk over every token stepping each byte it meets (how masks were built before patterns: the
+           baseline, same run)
   generate ``LLM`` on SmolLM2 (CPU, float32): ``--chats`` chats in one batch, greedy, JSON mode and a schema against
            the same without; seconds per generated token (JSON replies end when the object closes, so totals
            differ); then short answers under a pattern and a choice, checked against them
@@ -116,24 +117,33 @@ def _time_masks(masks, states) -> float:
 
 
 def _Unmemoized(*args):
-    """The baseline: the vocabulary walk stepping every (state, byte) it meets, however often (the walk before
-    patterns; a pattern's class of characters leads many prefixes to one state)."""
+    """The baseline: the vocabulary walk over every token, stepping every (state, byte) it meets however often (the
+    walk before patterns; a pattern's class of characters leads many prefixes to one state)."""
+    import numpy as np
+
     from engines.guided import GrammarMasks
 
     class Unmemoized(GrammarMasks):
-        def _walk(self, state, lo, hi, depth, taken, steps):
-            toks, step = self.vocab.sorted_bytes, self.grammar.step
-            i = lo
-            while i < hi and len(toks[i]) == depth:
-                taken[i] = True
-                i += 1
-            while i < hi:
-                b = toks[i][depth]
-                j = bisect_left(toks, toks[i][:depth] + bytes([b + 1]), i, hi) if b < 255 else hi
-                nxt = step(state, b)
-                if nxt is not None:
-                    self._walk(nxt, i, j, depth + 1, taken, steps)
-                i = j
+        def _text(self, state):
+            toks, step, taken = self.vocab.sorted_bytes, self.grammar.step, np.zeros(len(self.vocab.sorted_bytes), bool)
+
+            def walk(state, lo, hi, depth):
+                i = lo
+                while i < hi and len(toks[i]) == depth:
+                    taken[i] = True
+                    i += 1
+                while i < hi:
+                    b = toks[i][depth]
+                    j = bisect_left(toks, toks[i][:depth] + bytes([b + 1]), i, hi) if b < 255 else hi
+                    nxt = step(state, b)
+                    if nxt is not None:
+                        walk(nxt, i, j, depth + 1)
+                    i = j
+
+            walk(state, 0, len(toks), 0)
+            allowed = np.zeros(self.vocab.width, dtype=bool)
+            allowed[self.vocab.sorted_ids[taken]] = True
+            return allowed
 
     return Unmemoized(*args)
 

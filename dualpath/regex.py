@@ -356,6 +356,17 @@ class Regex:
             found = self._next[key] = tuple(q for q in self.follow[position] if self.masks[q] >> b & 1)
         return found
 
+    def byte_classes(self) -> bytes:
+        """Bytes grouped by the positions that read them (equal bits in every mask: they step every state alike),
+        as 256 class ids (a ``bytes.translate`` table) then one byte of each class."""
+        keys: list[tuple] = [() for _ in range(256)]
+        for m in sorted(set(self.masks)):
+            keys = [k + (m >> b & 1,) for b, k in enumerate(keys)]
+        ids: dict = {}
+        table = bytes(ids.setdefault(k, len(ids)) for k in keys)
+        reps = bytes(table.index(i) for i in range(len(ids)))
+        return table + reps
+
     def fullmatch(self, data: bytes) -> bool:
         """Whether ``data`` matches the pattern whole (for tests and checks; generation steps ``next``)."""
         states = {0}

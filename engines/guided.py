@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import DONE, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -102,6 +102,9 @@ class Recent:
             return found
 
 
+BROAD_BYTES = 16  # a pattern state reading more next bytes than this has its mask built from class sequences
+
+
 class GrammarMasks:
     """One grammar's masks over a vocabulary: boolean tensors on ``device``, kept in ``cache`` (shared by an engine's
     grammars, each under its own ``name``: the schema and text around it; by default an identity of its own)."""
@@ -111,6 +114,8 @@ class GrammarMasks:
         self.grammar, self.vocab, self.device = grammar, vocab, torch.device(device)
         self.cache = cache if cache is not None else Recent()
         self.name = name if name is not None else object()  # an object() equals only itself
+        self._byte_classes: bytes | None = None  # a pattern grammar's (Regex.byte_classes), on first use
+        self._class_seqs: ClassSequences | None = None  # its tokens by class sequence, on first use
 
     def guide(self) -> "Guide":
         return Guide(self)
@@ -144,29 +149,68 @@ class GrammarMasks:
                 if g.run(state, t) is not None:
                     allowed[i] = True
             return allowed
-        taken = np.zeros(len(v.sorted_bytes), dtype=bool)
-        self._walk(state, 0, len(v.sorted_bytes), 0, taken, {})
-        allowed[v.sorted_ids[taken]] = True
+        if g.regex is not None and all(c[0] == REGEX or c[0] == DONE for c in state) and self._broad(state):
+            classes = self._classes()  # a pattern's own states: tokens of one class sequence step alike
+            reps = classes.reps
+            taken = accepted(lambda st, k: g.step(st, reps[k]), classes.seqs, state)
+            allowed[classes.ids[taken[classes.seq_of]]] = True
+            return allowed
+        allowed[v.sorted_ids[accepted(g.step, v.sorted_bytes, state)]] = True
         return allowed
 
-    def _walk(self, state: State, lo: int, hi: int, depth: int, taken: np.ndarray, steps: dict) -> None:
-        """Mark in ``taken`` the tokens of ``sorted_bytes[lo:hi]`` (which share their first ``depth`` bytes, read
-        into ``state``) that the grammar accepts: each next byte is stepped once for all tokens that share it, and
-        each (state, byte) once per walk (``steps``: different prefixes often reach one state, e.g. any character
-        of a class)."""
-        toks = self.vocab.sorted_bytes
+    def _broad(self, state: State) -> bool:
+        """Whether more than ``BROAD_BYTES`` bytes may come next in a pattern's state: there a walk over the tokens
+        visits most of them, and one over their class sequences pays (its index costs ~15 ms once per grammar);
+        a narrow state's walk stops after a byte or two."""
+        if self._byte_classes is None:
+            self._byte_classes = self.grammar.regex.byte_classes()
+        table, reps = self._byte_classes[:256], self._byte_classes[256:]
+        fan = sum(table.count(k) for k in range(len(reps)) if self.grammar.step(state, reps[k]) is not None)
+        return fan > BROAD_BYTES
+
+    def _classes(self) -> "ClassSequences":
+        if self._class_seqs is None:
+            self._class_seqs = ClassSequences(self.vocab, self._byte_classes)
+        return self._class_seqs
+
+
+def accepted(step: Callable, toks: Sequence[bytes], state: State) -> np.ndarray:
+    """Which of ``toks`` (sorted) ``step`` reads whole from ``state``, walking them as a trie: each next byte is
+    stepped once for all tokens that share the prefix before it, and each (state, byte) once per walk (different
+    prefixes often reach one state: any character of a class)."""
+    taken = np.zeros(len(toks), dtype=bool)
+    steps: dict = {}
+
+    def walk(state: State, lo: int, hi: int, depth: int) -> None:
         i = lo
-        while i < hi and len(toks[i]) == depth:  # these tokens end here: all their bytes were accepted
+        while i < hi and len(toks[i]) == depth:  # these tokens end here: all their bytes were read
             taken[i] = True
             i += 1
         while i < hi:
             b = toks[i][depth]
             j = bisect_left(toks, toks[i][:depth] + bytes([b + 1]), i, hi) if b < 255 else hi
             key = (state, b)
-            nxt = steps[key] if key in steps else steps.setdefault(key, self.grammar.step(state, b))
+            nxt = steps[key] if key in steps else steps.setdefault(key, step(state, b))
             if nxt is not None:
-                self._walk(nxt, i, j, depth + 1, taken, steps)
+                walk(nxt, i, j, depth + 1)
             i = j
+
+    walk(state, 0, len(toks), 0)
+    return taken
+
+
+class ClassSequences:
+    """A vocabulary seen through a pattern's byte classes (``Regex.byte_classes``): each token as the sequence of
+    its bytes' classes. In a pattern's states bytes of one class step alike, so a mask needs one walk over the
+    distinct sequences (a few thousand, where a broad class makes most of 49K tokens alike) instead of the tokens."""
+
+    def __init__(self, vocab: Vocabulary, classes: bytes):
+        table, self.reps = classes[:256], classes[256:]  # byte -> class; class -> a byte of it
+        of_tokens = [t.translate(table) for t in vocab.sorted_bytes]
+        self.seqs = sorted(set(of_tokens))
+        index = {seq: i for i, seq in enumerate(self.seqs)}
+        self.seq_of = np.asarray([index[seq] for seq in of_tokens], dtype=np.int32)  # per token (byte order)
+        self.ids = vocab.sorted_ids
 
 
 class Guide:
