@@ -1,7 +1,7 @@
 """Soak: agents hammer ``dualpath serve`` for a while with what real clients send — multi-turn chats that grow,
-streams they walk away from, parallel samples, JSON mode, repeated turns and malformed requests — under a KV store
-cap small enough that blocks are evicted while other requests are about to load them. Then it checks that nothing
-leaked and nothing went wrong:
+streams they walk away from, parallel samples, JSON mode, patterns and choices, repeated turns and malformed
+requests — under a KV store cap small enough that blocks are evicted while other requests are about to load them.
+Then it checks that nothing leaked and nothing went wrong:
 
 - no 5xx, and every bad request a 4xx naming it; the server healthy at the end;
 - a repeated greedy turn answers what it answered the first time (its KV then computed, now loaded or evicted);
@@ -28,8 +28,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import print_table, write_result  # noqa: E402
 
-ACTIONS = (("chat", 0.55), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
-           ("json_mode", 0.04), ("bad", 0.03))
+ACTIONS = (("chat", 0.51), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
+           ("json_mode", 0.04), ("pattern", 0.04), ("bad", 0.03))
+PATTERNS = ((r"(PASS|FAIL): [a-z ]{1,24}\.", {}), (r"\d{1,4}", {}),
+            (None, {"guided_choice": ["retry", "skip", "abort the build"]}),
+            (None, {"response_format": {"type": "json_schema", "json_schema": {"name": "step", "schema": {
+                "type": "object", "properties": {"step": {"type": "string", "pattern": "^[a-z]+-\\d{1,3}$"},
+                                                 "why": {"type": "string", "maxLength": 30}},
+                "required": ["step", "why"], "additionalProperties": False}}}}))
 BAD = ({"messages": "not a list"}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
        {"messages": [{"role": "user", "content": "x " * 40_000}]}, {"messages": [], "n": 99})
 
@@ -114,6 +120,24 @@ class Agent:
         choice = body["choices"][0]
         if choice["finish_reason"] == "stop":
             json.loads(choice["message"]["content"])
+
+    def pattern(self, http) -> None:
+        """guided_regex, guided_choice, or a schema with string rules: what ends must match."""
+        pattern, extra = self.rng.choice(PATTERNS)
+        ask = {"guided_regex": pattern} if pattern else extra
+        body = self._post(http, {"messages": self.messages + [{"role": "user", "content": "Verdict?"}],
+                                 "max_tokens": 24, "temperature": 0.7, **ask})
+        choice = body["choices"][0]
+        if choice["finish_reason"] != "stop":
+            return
+        text = choice["message"]["content"]
+        if pattern and not re.fullmatch(pattern, text, re.ASCII) or \
+                "guided_choice" in ask and text not in ask["guided_choice"]:
+            raise AssertionError(f"{text!r} does not match {ask}")
+        if "response_format" in ask:
+            value = json.loads(text)
+            if not re.fullmatch(r"[a-z]+-\d{1,3}", value["step"]) or len(value["why"]) > 30:
+                raise AssertionError(f"{text!r} breaks the schema's string rules")
 
     def bad(self, http) -> None:
         self._post(http, dict(self.rng.choice(BAD)), want=400)
