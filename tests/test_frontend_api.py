@@ -628,3 +628,20 @@ def test_a_stopping_server_finishes_requests_in_flight_and_refuses_new_ones(fron
     thread.join(20)
     assert not thread.is_alive() and time.monotonic() - t0 < 10
     assert handle.cancelled.is_set() and http.front.in_flight == 0
+
+
+def test_a_grammar_that_compiled_is_not_compiled_again(front, monkeypatch):
+    """Agents send the same schemas and patterns again: the frontend checks each once (the last 256), and a bad
+    one is a 400 every time."""
+    from dualpath.serving import openai_api
+
+    http, fake, _ = front
+    fake.reply = "yes"
+    compiled = []
+    real = openai_api.Grammar.pattern
+    monkeypatch.setattr(openai_api.Grammar, "pattern", lambda p: compiled.append(p) or real(p))
+    choices = [f"label {i}" for i in range(300)]
+    for _ in range(3):
+        assert post(http, "/v1/completions", model="m", prompt="hi", guided_choice=choices).status_code == 200
+        assert post(http, "/v1/completions", model="m", prompt="hi", guided_regex="(a").status_code == 400
+    assert len(compiled) == 4 and compiled.count("(a") == 3
