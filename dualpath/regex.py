@@ -18,6 +18,8 @@ groups, possessive quantifiers) is a ``RegexError``, never silently dropped.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from dualpath.errors import RequestError
 
 MAX_CHAR = 0x10FFFF
@@ -356,11 +358,12 @@ class Regex:
             found = self._next[key] = tuple(q for q in self.follow[position] if self.masks[q] >> b & 1)
         return found
 
-    def byte_classes(self) -> bytes:
+    def byte_classes(self, apart: Sequence[int] = ()) -> bytes:
         """Bytes grouped by the positions that read them (equal bits in every mask: they step every state alike),
-        as 256 class ids (a ``bytes.translate`` table) then one byte of each class."""
+        as 256 class ids (a ``bytes.translate`` table) then one byte of each class; ``apart``: more byte sets
+        (masks) whose bytes differ from the others to the caller."""
         keys: list[tuple] = [() for _ in range(256)]
-        for m in sorted(set(self.masks)):
+        for m in sorted(set(self.masks) | set(apart)):
             keys = [k + (m >> b & 1,) for b, k in enumerate(keys)]
         ids: dict = {}
         table = bytes(ids.setdefault(k, len(ids)) for k in keys)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import CSTR, DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -103,6 +103,7 @@ class Recent:
 
 
 BROAD_BYTES = 16  # a pattern state reading more next bytes than this has its mask built from class sequences
+JSON_STRING_BYTES = (1 << 0x22, 1 << 0x5C, (1 << 0x20) - 1)  # a quote, a backslash, control bytes: not text
 
 
 class GrammarMasks:
@@ -114,8 +115,8 @@ class GrammarMasks:
         self.grammar, self.vocab, self.device = grammar, vocab, torch.device(device)
         self.cache = cache if cache is not None else Recent()
         self.name = name if name is not None else object()  # an object() equals only itself
-        self._byte_classes: bytes | None = None  # a pattern grammar's (Regex.byte_classes), on first use
-        self._class_seqs: ClassSequences | None = None  # its tokens by class sequence, on first use
+        self._classes: dict = {}  # pattern (-1: the grammar's, else a string rule's node) -> its byte classes
+        self._sequences: dict = {}  # pattern -> the tokens it may read as class sequences (ClassSequences)
 
     def guide(self) -> "Guide":
         return Guide(self)
@@ -145,33 +146,64 @@ class GrammarMasks:
         room = g.plain_room(state)
         if room is not None:  # inside a string: text tokens up to the room are allowed, the rest read
             allowed[v.plain if room == sys.maxsize else v.plain[v.plain_chars <= room]] = True
-            for i, t in v.in_string:
-                if g.run(state, t) is not None:
-                    allowed[i] = True
-            return allowed
-        if g.regex is not None and all(c[0] == REGEX or c[0] == DONE for c in state) and self._broad(state):
-            classes = self._classes()  # a pattern's own states: tokens of one class sequence step alike
+            return self._in_string(state, allowed)
+        source = self._pattern_of(state)
+        if source is not None and self._broad(state, source):
+            classes = self._class_sequences(source)  # tokens of one class sequence step alike
             reps = classes.reps
             taken = accepted(lambda st, k: g.step(st, reps[k]), classes.seqs, state)
             allowed[classes.ids[taken[classes.seq_of]]] = True
-            return allowed
+            return allowed if source < 0 else self._in_string(state, allowed)
         allowed[v.sorted_ids[accepted(g.step, v.sorted_bytes, state)]] = True
         return allowed
 
-    def _broad(self, state: State) -> bool:
+    def _in_string(self, state: State, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` with the tokens that are not plain text (a quote, a backslash, a control byte, part of a
+        character), each read from ``state``."""
+        for i, t in self.vocab.in_string:
+            if self.grammar.run(state, t) is not None:
+                allowed[i] = True
+        return allowed
+
+    def _pattern_of(self, state: State) -> int | None:
+        """Which pattern every configuration of ``state`` is reading: -1 the grammar's own (``Grammar.pattern``),
+        a node id a string's rule; None if they read anything else."""
+        if self.grammar.regex is not None and all(c[0] == REGEX or c[0] == DONE for c in state):
+            return -1
+        rules = {c[1][0] for c in state if c[0] == CSTR}
+        if len(rules) == 1 and all(c[0] == CSTR for c in state):
+            (rid,) = rules
+            return rid if not self.grammar.nodes[rid][1].bounded_text else None
+        return None
+
+    def _broad(self, state: State, source: int) -> bool:
         """Whether more than ``BROAD_BYTES`` bytes may come next in a pattern's state: there a walk over the tokens
-        visits most of them, and one over their class sequences pays (its index costs ~15 ms once per grammar);
+        visits most of them, and one over their class sequences pays (its index costs ~15 ms once per pattern);
         a narrow state's walk stops after a byte or two."""
-        if self._byte_classes is None:
-            self._byte_classes = self.grammar.regex.byte_classes()
-        table, reps = self._byte_classes[:256], self._byte_classes[256:]
+        table, reps = self._byte_classes(source)
         fan = sum(table.count(k) for k in range(len(reps)) if self.grammar.step(state, reps[k]) is not None)
         return fan > BROAD_BYTES
 
-    def _classes(self) -> "ClassSequences":
-        if self._class_seqs is None:
-            self._class_seqs = ClassSequences(self.vocab, self._byte_classes)
-        return self._class_seqs
+    def _byte_classes(self, source: int) -> tuple[bytes, bytes]:
+        """The pattern's byte classes (``Regex.byte_classes``); in a string, JSON's quote, backslash and control
+        bytes apart too (so a class's representative is plain text where its bytes are)."""
+        if source not in self._classes:
+            regex = self.grammar.regex if source < 0 else self.grammar.nodes[source][1].regex
+            self._classes[source] = regex.byte_classes(() if source < 0 else JSON_STRING_BYTES)
+        classes = self._classes[source]
+        return classes[:256], classes[256:]
+
+    def _class_sequences(self, source: int) -> "ClassSequences":
+        """The tokens a pattern's state may take as class sequences: every token for the grammar's own pattern,
+        the plain-text ones in a string (the others are read one by one)."""
+        if source not in self._sequences:
+            v = self.vocab
+            if source < 0:
+                tokens, ids = v.sorted_bytes, v.sorted_ids
+            else:
+                tokens, ids = [v.token_bytes[i] for i in v.plain], v.plain
+            self._sequences[source] = ClassSequences(tokens, ids, self._byte_classes(source))
+        return self._sequences[source]
 
 
 def accepted(step: Callable, toks: Sequence[bytes], state: State) -> np.ndarray:
@@ -200,17 +232,17 @@ def accepted(step: Callable, toks: Sequence[bytes], state: State) -> np.ndarray:
 
 
 class ClassSequences:
-    """A vocabulary seen through a pattern's byte classes (``Regex.byte_classes``): each token as the sequence of
-    its bytes' classes. In a pattern's states bytes of one class step alike, so a mask needs one walk over the
-    distinct sequences (a few thousand, where a broad class makes most of 49K tokens alike) instead of the tokens."""
+    """Tokens seen through a pattern's byte classes (``Regex.byte_classes``): each as the sequence of its bytes'
+    classes. In a pattern's states bytes of one class step alike, so a mask needs one walk over the distinct
+    sequences (a few thousand, where a broad class makes most of 49K tokens alike) instead of the tokens."""
 
-    def __init__(self, vocab: Vocabulary, classes: bytes):
-        table, self.reps = classes[:256], classes[256:]  # byte -> class; class -> a byte of it
-        of_tokens = [t.translate(table) for t in vocab.sorted_bytes]
+    def __init__(self, tokens: Sequence[bytes], ids: np.ndarray, classes: tuple[bytes, bytes]):
+        table, self.reps = classes  # byte -> class; class -> a byte of it
+        of_tokens = [t.translate(table) for t in tokens]
         self.seqs = sorted(set(of_tokens))
         index = {seq: i for i, seq in enumerate(self.seqs)}
-        self.seq_of = np.asarray([index[seq] for seq in of_tokens], dtype=np.int32)  # per token (byte order)
-        self.ids = vocab.sorted_ids
+        self.seq_of = np.asarray([index[seq] for seq in of_tokens], dtype=np.int32)  # per token
+        self.ids = ids
 
 
 class Guide:

@@ -175,7 +175,8 @@ SCHEMAS = {
     "strings": {**Account.model_json_schema(), "properties": {
         **Account.model_json_schema()["properties"],
         "quoted": {"type": "string", "pattern": "[\"\\\\ \n\u00e9a-c]{1,3}", "minLength": 2},
-        "word": {"enum": ["ab", "abcd", 7], "maxLength": 3}, "long": {"type": "string", "minLength": 3}}},
+        "word": {"enum": ["ab", "abcd", 7], "maxLength": 3}, "long": {"type": "string", "minLength": 3},
+        "free": {"type": "string", "pattern": "[^x]{0,6}"}}},  # reads quotes, backslashes, controls like text
     "closed": {"type": "object", "properties": {"id": {"type": "integer"}, "kind": {"enum": ["a", "b", 3, None]},
                                                  "xs": {"type": "array", "items": {"type": ["number", "null"]}}},
                "required": ["id", "kind"], "additionalProperties": False},
@@ -376,7 +377,7 @@ def test_cached_masks_equal_a_check_of_every_token_from_the_full_state(name):
     elif name == "strings":
         g = Grammar.compile(SCHEMAS["strings"])
         docs = [b'{"handle": "ab_9", "display": "\xc3\xa9t\xc3\xa9 \\u00e9\\n", "email": "a.b@ab.org", "code": "AB12", '
-                b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9"}',
+                b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9", "free": "ab\\"\\u00e9t\\n"}',
                 b'{"email":"x@y.com","note":"abc","code":null,"quoted":"\\u00e9a","display":"abcdabcdabcd",'
                 b'"handle":"z99"}']
     elif name == "choice":
