@@ -192,12 +192,12 @@ class _Common(BaseModel):
 
     @field_validator("guided_regex")
     @classmethod
-    def _pattern(cls, v):
+    def _regex_text(cls, v):
         return _pattern(v, "guided_regex")
 
     @field_validator("guided_choice")
     @classmethod
-    def _choice(cls, v):
+    def _choice_list(cls, v):
         return _choices(v, "guided_choice")
 
     @field_validator("structured_outputs")

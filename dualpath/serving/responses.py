@@ -117,14 +117,19 @@ def exchange_starts(chat: ChatRequest) -> list[int]:
     """Where ``truncation: "auto"`` may cut a chat's messages: dropping the earliest exchanges (everything after
     the instructions before a user message) keeps whole turns, no tool output without its call; the last user
     message is the last cut."""
-    first = 1 if chat.messages and chat.messages[0].role in ("system", "developer") else 0
+    first = _instructions(chat)
     return [i for i, m in enumerate(chat.messages) if i > first and m.role == "user"]
 
 
 def without_exchanges(chat: ChatRequest, start: int) -> ChatRequest:
     """``chat`` with the messages between its instructions and ``start`` dropped."""
-    first = 1 if chat.messages and chat.messages[0].role in ("system", "developer") else 0
+    first = _instructions(chat)
     return chat.model_copy(update={"messages": chat.messages[:first] + chat.messages[start:]})
+
+
+def _instructions(chat: ChatRequest) -> int:
+    """How many leading messages are instructions (a system or developer message), which truncation keeps."""
+    return 1 if chat.messages and chat.messages[0].role in ("system", "developer") else 0
 
 
 def input_messages(items: Union[str, list[dict]]) -> list[dict]:
