@@ -12,9 +12,11 @@ Syntax: Python's ``re`` for what a generation can be held to — literals and es
 and their negations with ASCII meanings (``[0-9]``, ``[A-Za-z0-9_]``, whitespace: ``re.ASCII``), groups
 (``(...)``, ``(?:...)``, ``(?P<name>...)``), ``|``, the quantifiers ``* + ? {m} {m,} {,n} {m,n}`` (lazy ones
 too: the language is the same), and ``^``/``\\A`` at the start and ``$``/``\\Z`` at the end (the output always
-matches whole); ``(?<name>...)`` too, as JSON Schema's patterns (ECMA-262) write named groups. What would need
-more than a finite automaton or changes matching (back-references, look-arounds, ``\\b``, inline flags, atomic
-groups, possessive quantifiers) is a ``RegexError``, never silently dropped.
+matches whole); ``(?<name>...)`` too, as JSON Schema's patterns (ECMA-262) write named groups; the inline flags
+``i`` (ASCII letters in either case, as ``re.ASCII | re.IGNORECASE``), ``s`` (``.`` takes newlines), ``m`` and ``a``,
+for the whole pattern (``(?i)`` at its start) or a group (``(?i:...)``, ``(?-i:...)``). What would need more than a
+finite automaton or changes matching (back-references, look-arounds, ``\\b``, the flags ``x``, ``u`` and ``L``,
+atomic groups, possessive quantifiers) is a ``RegexError``, never silently dropped.
 """
 from __future__ import annotations
 
@@ -124,6 +126,8 @@ def byte_mask(lo: int, hi: int) -> int:
 class _Parser:
     def __init__(self, pattern: str):
         self.p, self.i, self.depth = pattern, 0, 0
+        self.flags = frozenset()  # inline flags in force: "i" (ASCII letters either case), "s" (. takes newlines)
+        self.start = 0  # where the pattern proper begins (after global flags): where ^ may stand
 
     def parse(self):
         tree = self.alternation()
@@ -167,7 +171,7 @@ class _Parser:
         if c == "[":
             return ("set", self.char_class())
         if c == ".":
-            return ("set", ANY_BUT_NEWLINE)
+            return ("set", ((0, MAX_CHAR),) if "s" in self.flags else ANY_BUT_NEWLINE)
         if c in "^$":
             self.anchor(c, at)
             return None
@@ -177,11 +181,11 @@ class _Parser:
             raise RegexError(f"nothing to repeat at position {at}")
         if c == "\\":
             return self.escape(at)
-        return ("set", ((ord(c), ord(c)),))
+        return ("set", self.cased(((ord(c), ord(c)),)))
 
     def anchor(self, c: str, at: int) -> None:
         end = at + (1 if c in "^$" else 2)
-        if (c in "^A" and at == 0) or (c in "$Z" and end == len(self.p)):
+        if (c in "^A" and at == self.start) or (c in "$Z" and end == len(self.p)):
             return
         raise RegexError(f"'{self.p[at:end]}' only at the pattern's {'start' if c in '^A' else 'end'} (the output "
                          f"matches the pattern whole)")
@@ -206,6 +210,8 @@ class _Parser:
             self.i = close + 1
             self.depth -= 1
             return None
+        elif self.peek() == "?" and self.p[self.i + 1:self.i + 2] in set("aiLmsux-"):
+            return self.inline_flags(self.i - 1)
         elif self.peek() == "?":
             kinds = {"?=": "look-ahead", "?!": "look-ahead", "?<": "look-behind", "?P=": "back-reference",
                      "?>": "atomic group", "?(": "conditional"}
@@ -264,8 +270,7 @@ class _Parser:
         if c in "AZ":
             self.anchor(c, at)
             return None
-        ranges = self.class_escape(c, at)
-        return ("set", ranges)
+        return ("set", self.cased(self.class_escape(c, at)))
 
     def class_escape(self, c: str, at: int, in_class: bool = False) -> tuple:
         """The code points of ``\\c`` (its backslash at ``at``)."""
@@ -319,7 +324,51 @@ class _Parser:
                 ranges.append((lo[0][0], hi[0][0]))
             else:
                 ranges.extend(lo)
+        ranges = self.cased(ranges)  # before the negation, as Python: (?i)[^a] takes neither a nor A
         return normalized(complement(ranges) if negate else ranges)
+
+    def cased(self, ranges) -> tuple:
+        """``ranges`` with the other case of their ASCII letters under the ``i`` flag (ASCII semantics, as
+        ``re.ASCII | re.IGNORECASE``)."""
+        if "i" not in self.flags:
+            return tuple(ranges)
+        out = list(ranges)
+        for lo, hi in ranges:
+            for first, last, shift in ((0x41, 0x5A, 32), (0x61, 0x7A, -32)):
+                a, z = max(lo, first), min(hi, last)
+                if a <= z:
+                    out.append((a + shift, z + shift))
+        return normalized(out)
+
+    def inline_flags(self, at: int):
+        """``(?flags)`` at the pattern's start (for all of it) or ``(?flags-flags:...)`` (for the group); the
+        flags that keep a finite automaton's meaning: i, s, m (anchors are only at the ends), a (already)."""
+        end = self.i + 1
+        while end < len(self.p) and self.p[end] not in ":)":
+            end += 1
+        on, _, off = self.p[self.i + 1:end].partition("-")
+        if end >= len(self.p) or not (on + off).isalpha():
+            raise RegexError(f"bad inline flags at position {at}")
+        unknown = set(on + off) - set("isma")
+        if unknown:
+            raise RegexError(f"inline flag {''.join(sorted(unknown))} at position {at} is not supported (i, s, m "
+                             f"and a are)")
+        self.i = end + 1
+        if self.p[end] == ")":
+            if at != self.start or off:
+                raise RegexError(f"global flags only at the pattern's start, at position {at}")
+            self.flags |= set(on)
+            self.start = self.i
+            self.depth -= 1
+            return None
+        outer, self.flags = self.flags, (self.flags | set(on)) - set(off)
+        tree = self.alternation()
+        self.flags = outer
+        if self.peek() != ")":
+            raise RegexError("missing ), unterminated group")
+        self.i += 1
+        self.depth -= 1
+        return tree
 
     def class_item(self) -> tuple:
         at, c = self.i, self.take()

@@ -21,8 +21,9 @@ PATTERNS = [r"\d+", r"(yes|no|maybe)", r"[a-z]{2,4}@[a-z]+\.(com|org)", r"a*b?c{
             r".{1,3}é", r"(ab|a)(bc|c)*", r"[\u00e0-\u00ff\u4e00-\u9fff]+", r"^-?\d+(\.\d+)?$",
             r"(?P<pair>[A-F0-9]{2}:){2}x", r"a{,2}b", r"[]a-]+", r"[^]]", r"\x41\u00e9\.", r"a|", r"(|a)b",
             r"\(\d{3}\) \d{3}-\d{4}", r"[\U0001F600-\U0001F64F]{1,2}[^\x00-\x7f]?", r"(?:\[\d+(, \d+)*\])?x",
-            r"[+*?]{2}\{\}", r"(a|b)*?c+?", r"\D\W\S", r"[\d\s-]+"]
-ALPHABET = "abcxyz019 .@-\n\"éà中\U0001F600:ABF]_()[],+*?{}\t"
+            r"[+*?]{2}\{\}", r"(a|b)*?c+?", r"\D\W\S", r"[\d\s-]+", r"(?i)(yes|no)[^a]", r"a(?i:b[c-e](?-i:f))g",
+            r"(?s)x.{1,2}", r"(?im)^A\x62$"]
+ALPHABET = "abcxyz019 .@-\n\"éà中\U0001F600:ABF]_()[],+*?{}\tYESNOfgCDG"
 
 
 def matches(pattern: str, text: str) -> bool:
@@ -96,7 +97,8 @@ def _size(seq) -> int:
 
 @pytest.mark.parametrize("pattern, words", [
     ("(a", "unterminated group"), ("a)", "unbalanced"), (r"\1", "back-reference"), ("(?=a)", "look-ahead"),
-    ("(?<!a)b", "look-behind"), ("(?i)a", "inline flags"), ("a**", "multiple repeat"), (r"\bx", "word boundar"),
+    ("(?<!a)b", "look-behind"), ("(?x)a", "inline flag x"),
+    ("a(?i)b", "global flags only at the pattern's start"), ("(?Q)a", "inline flags"), ("a**", "multiple repeat"), (r"\bx", "word boundar"),
     ("a{3,2}", "min repeat greater"), ("[b-a]", "bad character range"), ("*a", "nothing to repeat"),
     ("a^", "only at the pattern's start"), ("$a", "only at the pattern's end"), ("(?P=x)", "back-reference"),
     ("a{1001}", "repeat counts above"), (r"[^\s\S]", "matches nothing"),
