@@ -233,7 +233,7 @@ class Frontend:
                 self._check_model(req.model)
                 if kind == "responses":
                     call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id))
-                    req = self._fitted(call)
+                    req = await asyncio.to_thread(self._fitted, call)  # renders the chat a few times
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             chat_kind = "completions" if kind == "completions" else "chat"
