@@ -20,6 +20,7 @@ atomic groups, possessive quantifiers) is a ``RegexError``, never silently dropp
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from dualpath.errors import RequestError
@@ -540,8 +541,6 @@ class Regex:
 
 def choice_pattern(choices) -> str:
     """A pattern that matches exactly one of ``choices`` (vLLM's ``guided_choice``)."""
-    import re
-
     if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
         raise RegexError("choice needs a non-empty list of strings", field="guided_choice")
     return "(?:" + "|".join(re.escape(c) for c in choices) + ")"

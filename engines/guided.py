@@ -257,7 +257,7 @@ class Guide:
 
     def advance(self, token: int) -> None:
         vocab = self.masks.vocab
-        if Grammar.may_end(self.state) and token in vocab.end_set:
+        if token in vocab.end_set and Grammar.may_end(self.state):  # the set first: this runs every token
             self.state = frozenset({(DONE, 0, (), 0)})  # an end token ends a pattern that could read on
             return
         data = vocab.bytes_of(token)
