@@ -133,6 +133,9 @@ def test_the_stream_builds_the_same_response_and_its_events_follow_the_schemas(f
     final = events[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == text and text.strip() == "Let me check."
     assert final["output"][1]["type"] == "function_call" and final["usage"]["output_tokens"] > 0
+    args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    done = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert len(args) > 2 and [final["output"][1]["arguments"]] == done == ["".join(args)]  # streamed as written
     with sdk(http).responses.stream(model="m", input="Weather in Paris?", tools=[TOOL]) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         streamed = stream.get_final_response()

@@ -673,7 +673,7 @@ class Frontend:
             content = splitter.feed(content) + splitter.finish()
             if splitter.calls:
                 message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
-                finish = "tool_calls"
+                finish = "tool_calls" if splitter.whole else finish
         return {"index": index, "message": message, "finish_reason": finish,
                 "logprobs": self._chat_logprobs(lps) if want_lps else None}
 
@@ -732,11 +732,13 @@ class Frontend:
                 body["usage"] = usage
             return body
 
-        def choice(i: int, delta_text: str, lps: list, finish=None, thought: str = "") -> dict:
+        def choice(i: int, delta_text: str, lps: list, finish=None, thought: str = "", calls=()) -> dict:
             if kind == "chat":
                 delta = {"reasoning_content": thought} if thought else {}
-                if delta_text or (finish is None and not thought):
+                if delta_text or (finish is None and not thought and not calls):
                     delta["content"] = delta_text
+                if calls:
+                    delta["tool_calls"] = calls
                 return {"index": i, "delta": delta, "finish_reason": finish,
                         "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
             return {"index": i, "text": delta_text, "finish_reason": finish,
@@ -770,12 +772,12 @@ class Frontend:
                         if thought or tail:
                             yield chunk(choice(i, tail, [], thought=thought))
                     if splitter is not None:
-                        if tail := splitter.finish():
+                        tail = splitter.finish()
+                        if calls := splitter.call_deltas():
+                            yield chunk(choice(i, "", [], calls=calls))
+                        if tail:  # the held text that is not calls: after them
                             yield chunk(choice(i, tail, []))
-                        if splitter.calls:  # each call whole, in one delta (clients join deltas by index)
-                            calls = [{"index": k, **c} for k, c in enumerate(splitter.calls)]
-                            yield chunk({"index": i, "delta": {"tool_calls": calls}, "finish_reason": None,
-                                         "logprobs": None})
+                        if splitter.calls and splitter.whole:
                             finish = "tool_calls"
                     yield chunk(choice(i, "", [], finish))
                     continue
@@ -783,10 +785,11 @@ class Frontend:
                 thought = ""
                 if reasoners[i] is not None:
                     thought, delta = reasoners[i].feed(delta)
+                calls = []
                 if splitter is not None:
-                    delta = splitter.feed(delta)
-                if delta or thought or lp:
-                    yield chunk(choice(i, delta, [lp] if lp else [], thought=thought))
+                    delta, calls = splitter.feed(delta), splitter.call_deltas()
+                if delta or thought or lp or calls:
+                    yield chunk(choice(i, delta, [lp] if lp else [], thought=thought, calls=calls))
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk(None, self._usage(req, prompts, [outcomes[i] for i in range(len(gens))]))
         finally:

@@ -361,13 +361,14 @@ def usage(chat: dict, block_size: int) -> dict:
 
 class ResponseEvents:
     """A streamed chat's chunks in, the Responses API's events out (each numbered): ``start``, ``feed`` per
-    chunk, then ``end`` (or ``fail``). Text streams into one message item; calls (whole, at the reply's end) each
-    become a function_call item after it."""
+    chunk, then ``end`` (or ``fail``). Text streams into a message item, each call into a function_call item (its
+    arguments as they are written), each item closed when the next begins or the response ends."""
 
     def __init__(self, call: ResponseCall, block_size: int):
         self.call, self.block_size, self.seq, self.output = call, block_size, 0, []
         self.text: Optional[dict] = None  # the message item being streamed
         self.thought: Optional[dict] = None  # the reasoning item being streamed (it comes first)
+        self.call_open: Optional[dict] = None  # the function_call item being streamed
         self.lps: list = []
         self.finish, self.usage = None, None
 
@@ -391,7 +392,7 @@ class ResponseEvents:
             if delta.get("content") or lps:
                 out += self._text(delta.get("content") or "", lps)
             for call in delta.get("tool_calls") or ():
-                out += self._close_thought() + self._close_text() + self._call(call)
+                out += self._call(call)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
@@ -417,7 +418,7 @@ class ResponseEvents:
                 self._event("response.output_item.done", output_index=i, item=item)]
 
     def _text(self, delta: str, lps: list) -> list[dict]:
-        out = self._close_thought() + self._open_text() if self.text is None else []
+        out = self._close_thought() + self._close_call() + self._open_text() if self.text is None else []
         self.text["_text"] += delta
         self.lps += lps
         return out + [self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=lps)]
@@ -443,20 +444,34 @@ class ResponseEvents:
                 self._event("response.content_part.done", **where, part=part),
                 self._event("response.output_item.done", output_index=where["output_index"], item=item)]
 
-    def _call(self, call: dict) -> list[dict]:
-        item, i = call_item(call), len(self.output)
-        args = item["arguments"]
+    def _call(self, delta: dict) -> list[dict]:
+        """A chat call delta: one with an id begins a call (closing the item before), the rest add arguments."""
+        out = []
+        if "id" in delta:
+            out = self._close_thought() + self._close_text() + self._close_call()
+            self.call_open = call_item({**delta, "function": {**delta["function"], "arguments": ""}}, "in_progress")
+            out.append(self._event("response.output_item.added", output_index=len(self.output), item=self.call_open))
+        args = delta["function"].get("arguments") or ""
+        if args:
+            self.call_open = {**self.call_open, "arguments": self.call_open["arguments"] + args}
+            out.append(self._event("response.function_call_arguments.delta", item_id=self.call_open["id"],
+                                   output_index=len(self.output), delta=args))
+        return out
+
+    def _close_call(self) -> list[dict]:
+        if self.call_open is None:
+            return []
+        item, i = {**self.call_open, "status": "completed" if self.finish != "length" else "incomplete"}, \
+            len(self.output)
         self.output.append(item)
-        return [self._event("response.output_item.added", output_index=i, item={**item, "arguments": "",
-                                                                                 "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=args),
-                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                            name=item["name"], arguments=args),
+        self.call_open = None
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                            name=item["name"], arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=i, item=item)]
 
     def end(self) -> tuple[dict, list[dict]]:
         """The final response object and the events that end the stream."""
-        out = self._close_thought()
+        out = self._close_thought() + self._close_call()
         answered = self.text is not None or any(o["type"] != "reasoning" for o in self.output)
         out += [] if answered else self._open_text()  # no answer and no call: one empty message
         out += self._close_text()

@@ -12,9 +12,14 @@ taught it; this module finds them. Three markups are known, each recognised from
   model); DeepSeek-V3.1 writes ``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>``. Both parse;
   a forced call is written in the template's own form.
 
-``ToolCallSplitter`` is fed the completion's text as it streams and returns the content that can be shown at once;
-from where calls may begin the text is held until the end, when ``finish`` parses it. Held text that is not valid
-calls to the request's tools becomes content again: nothing the model wrote is lost, and no call is invented.
+Each markup reads the text from where calls begin into ``CallDraft``s: the calls as far as they are written, each
+call's arguments as the model's own JSON text. ``ToolCallSplitter`` is fed the completion's text as it streams and
+returns the content that can be shown at once; from where calls may begin the text is held, and ``call_deltas``
+streams each call once its name is one of the request's tools: the name, then its arguments as they are written
+(OpenAI's streamed form). At the end ``finish`` checks the calls whole. Held text that is not valid calls to the
+request's tools becomes content again, where no call of it was streamed: nothing the model wrote is lost, and no call
+is invented. A call already streamed cannot be taken back: if the reply then breaks the markup (or ends inside a
+call, cut by ``max_tokens``), the calls begun are delivered as written and what follows the last of them is content.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dualpath.errors import RequestError
 
@@ -30,6 +35,8 @@ from dualpath.errors import RequestError
 class ToolMarkup(ABC):
     """How one family of chat templates writes tool calls. ``ToolCallSplitter`` calls these with the whole reply so
     far; they keep no state."""
+
+    WRAPPERS: tuple[str, ...] = ()  # markup outside the calls that is not content (dropped from the text around them)
 
     @abstractmethod
     def start(self, text: str) -> int:
@@ -40,9 +47,10 @@ class ToolMarkup(ABC):
         """How many trailing characters of ``text`` (with no call begun) may yet turn out to begin one."""
 
     @abstractmethod
-    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        """The calls in ``held`` (the text from ``start`` on) and the text around them; None if it is not calls to
-        ``names`` throughout."""
+    def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
+        """The calls begun in ``held`` (the text from ``start`` on), in order, as far as they are written; and
+        False where the text breaks the markup (the drafts then end before the break). Text between whole calls is
+        allowed where the markup allows it (it is content)."""
 
     @abstractmethod
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
@@ -53,7 +61,6 @@ class ToolMarkup(ABC):
 
 class Hermes(ToolMarkup):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 
     def start(self, text: str) -> int:
         return text.find(self.OPEN)
@@ -61,8 +68,17 @@ class Hermes(ToolMarkup):
     def undecided(self, text: str) -> int:
         return partial_tag(text, self.OPEN)
 
-    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        return _block_calls(held, self.BLOCK, lambda m: _call(m.group(1), names, "arguments"))
+    def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
+        out, pos = [], 0
+        while (start := held.find(self.OPEN, pos)) >= 0:
+            d = _object_draft(held, start, _skip_ws(held, start + len(self.OPEN)), ("arguments", "parameters"))
+            if d is None:
+                return out, False
+            pos = _closing(held, d.end, self.CLOSE) if d.end >= 0 else -1
+            out.append(replace(d, end=max(pos, -1)))
+            if pos < 0:
+                return out, pos == -1
+        return out, True
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         return self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE
@@ -70,6 +86,7 @@ class Hermes(ToolMarkup):
 
 class Llama3Json(ToolMarkup):
     TAG = "<|python_tag|>"
+    WRAPPERS = (TAG, ";")  # the calls are the whole reply: what is around them is these and blanks
 
     def start(self, text: str) -> int:
         return 0 if text.lstrip().startswith(("{", self.TAG)) else -1  # the calls are the whole reply
@@ -78,21 +95,21 @@ class Llama3Json(ToolMarkup):
         body = text.lstrip()
         return len(text) if self.TAG.startswith(body) else 0  # blank so far, or the tag's start
 
-    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        body = held.strip().removeprefix(self.TAG)
-        decoder, calls, pos = json.JSONDecoder(), [], 0
+    def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
+        pos, out = _skip_ws(held, 0), []
+        pos = _skip_ws(held, pos + len(self.TAG)) if held.startswith(self.TAG, pos) else pos
         while True:
-            pos = len(body) - len(body[pos:].lstrip(" \n\t;"))
-            if pos == len(body):
-                return (calls, "") if calls else None
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                return None
-            call = _call(obj, names, "parameters")
-            if call is None:
-                return None
-            calls.append(call)
+            while pos < len(held) and held[pos] in _BLANK + ";":
+                pos += 1
+            if pos == len(held) or self.TAG.startswith(held[pos:]):
+                return out, True
+            d = _object_draft(held, pos, pos, ("parameters", "arguments"))
+            if d is None:
+                return out, False
+            out.append(d)
+            if d.end < 0:
+                return out, True
+            pos = d.end
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         return "", _call_schema(functions, "parameters"), ""
@@ -101,9 +118,7 @@ class Llama3Json(ToolMarkup):
 class DeepSeekV3(ToolMarkup):
     CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-    # V3: type SEP name, a json code block; V3.1: name SEP the arguments' JSON
-    BLOCK = re.compile(re.escape(CALL) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.S)
-    V3_BODY = re.compile(r"(\S+)\s*\n```(?:json)?\s*\n(.*?)\n?```\s*$", re.S)
+    WRAPPERS = (CALLS, CALLS_END)
 
     def __init__(self, code_block: bool = True):
         self.code_block = code_block  # the template's form: V3 (a json code block) or V3.1
@@ -115,22 +130,42 @@ class DeepSeekV3(ToolMarkup):
     def undecided(self, text: str) -> int:
         return partial_tag(text, self.CALLS, self.CALL)
 
-    def parse(self, held: str, names: frozenset[str]) -> tuple[list[dict], str] | None:
-        found = _block_calls(held, self.BLOCK, lambda m: self._one(m, names))
-        if found is None:
-            return None
-        calls, text = found
-        return calls, text.replace(self.CALLS, "").replace(self.CALLS_END, "")
+    def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
+        out, pos = [], 0
+        while (start := held.find(self.CALL, pos)) >= 0:
+            d, pos = self._draft(held, start)
+            out.append(d)
+            if pos < 0:
+                return out, pos == -1
+        return out, True
 
-    def _one(self, m: re.Match, names: frozenset[str]) -> dict | None:
-        head, body = m.group(1).strip(), m.group(2).strip()
-        v3 = self.V3_BODY.match(body) if head == "function" else None
-        name, args = (v3.group(1), v3.group(2)) if v3 else (head, body)
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-        return _call({"name": name, "arguments": args}, names, "arguments") if isinstance(args, dict) else None
+    def _draft(self, held: str, start: int) -> tuple[CallDraft, int]:
+        """One call from ``start``, and where its markup ends (-1 while it is open, -2 where it breaks). V3:
+        ``function`` SEP the name, a newline, the arguments in a json code block; V3.1: the name SEP the
+        arguments."""
+        draft = CallDraft(start, -1, None, "", False)
+        sep = held.find(self.SEP, start)
+        if sep < 0:
+            return draft, -1
+        head, v = held[start + len(self.CALL):sep].strip(), sep + len(self.SEP)
+        fenced = head == "function"
+        if fenced:
+            line = held.find("\n", v)
+            if line < 0:
+                return draft, -1
+            head, v = held[v:line].strip(), _closing(held, line, "```")
+            if v >= 0 and held.startswith("json", v):
+                v += 4
+            elif v >= 0 and "json".startswith(held[v:]):  # the text ends inside the fence's language
+                v = -1
+        draft = replace(draft, name=head)
+        v = _skip_ws(held, v) if v >= 0 else v
+        if v < 0 or v == len(held):
+            return draft, min(v, -1)
+        end = _value_end(held, v)
+        draft = replace(draft, args=held[v:end if end >= 0 else len(held)], args_done=end >= 0)
+        close = -1 if end < 0 else _closing(held, end, *(("```", self.CALL_END) if fenced else (self.CALL_END,)))
+        return replace(draft, end=max(close, -1)), close
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         if len(functions) != 1:  # the name precedes the JSON here: a grammar of one object cannot choose it
@@ -150,18 +185,151 @@ def partial_tag(text: str, *tags: str) -> int:
                  if any(t.startswith(text[-n:]) for t in tags)), 0)
 
 
-def _block_calls(held: str, block: re.Pattern, call_of) -> tuple[list[dict], str] | None:
-    """The calls in ``held``'s ``block`` matches (``call_of``: a match's call, None if it is not one) and the text
-    between them; None if any match is not a call, or none is found."""
-    calls, rest, pos = [], [], 0
-    for m in block.finditer(held):
-        call = call_of(m)
-        if call is None:
+@dataclass(frozen=True)
+class CallDraft:
+    """One call as far as the model has written it: where its markup begins and ends in the held text (``end`` -1
+    while it is open), its name once written whole, its arguments' JSON text so far (``args_done`` once the value
+    has ended: "{}" where a whole call has none)."""
+
+    start: int
+    end: int
+    name: str | None
+    args: str
+    args_done: bool
+
+
+_BLANK = " \t\n\r"
+# JSON strings whole, brackets; a lone quote is a string the text ends in (the first form did not match)
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]|"')
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _BLANK:
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int:
+    """Where the JSON value that begins at ``text[i]`` ends (the index past it); -1 if the text ends first. Only the
+    extent is found here (strings and brackets; a scalar ends at a delimiter): ``json.loads`` checks the value."""
+    if i >= len(text):
+        return -1
+    if text[i] in '"{[':
+        depth = 0
+        for m in _JSON_TOKENS.finditer(text, i):
+            tok = m.group()
+            if tok == '"':
+                return -1
+            depth += 1 if tok in "{[" else -1 if tok in "}]" else 0
+            if depth <= 0:
+                return m.end()
+        return -1
+    j = i
+    while j < len(text) and text[j] not in ",}]; \t\n\r":
+        j += 1
+    return j if j < len(text) else -1
+
+
+class _OpenValue:
+    """Where a JSON value that begins with a string or a bracket ends, found as its text grows: each character is
+    read once (strings and brackets, as ``_value_end`` reads them)."""
+
+    def __init__(self):
+        self.read, self.depth, self.in_string, self.escaped = 0, 0, False, False
+
+    def feed(self, text: str, begin: int) -> int:
+        """Read ``text[begin:]`` past what was read; the index past the value's end, or -1 while it is open."""
+        for i in range(begin + self.read, len(text)):
+            ch = text[i]
+            self.read += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return i + 1
+        return -1
+
+
+def _object_members(text: str, i: int) -> tuple[dict[str, tuple[int, int]], int] | None:
+    """The members of the JSON object at ``text[i]`` whose values have begun, each key's value span (its end -1
+    while open), and the index past the object (-1 while open); None where the text is not an object."""
+    if i >= len(text):
+        return {}, -1
+    if text[i] != "{":
+        return None
+    members, j = {}, _skip_ws(text, i + 1)
+    if text.startswith("}", j):
+        return members, j + 1
+    while j < len(text):
+        key_end = _value_end(text, j) if text[j] == '"' else -2
+        if key_end == -2:
             return None
-        calls.append(call)
-        rest.append(held[pos:m.start()])
-        pos = m.end()
-    return (calls, "".join(rest) + held[pos:]) if calls else None
+        colon = _skip_ws(text, key_end) if key_end >= 0 else len(text)
+        if colon >= len(text):
+            return members, -1
+        if text[colon] != ":":
+            return None
+        v = _skip_ws(text, colon + 1)
+        if v >= len(text):
+            return members, -1
+        end = _value_end(text, v)
+        members[json.loads(text[j:key_end])] = (v, end)
+        j = _skip_ws(text, end) if end >= 0 else len(text)
+        if text.startswith("}", j):
+            return members, j + 1
+        if j < len(text) and text[j] != ",":
+            return None
+        j = _skip_ws(text, j + 1)
+    return members, -1
+
+
+def _object_draft(held: str, start: int, i: int, args_keys: tuple[str, str]) -> CallDraft | None:
+    """The call written as a JSON object at ``held[i]``: its "name", its arguments under the first of ``args_keys``
+    present; ``end`` is past the object. None where it is not a call object."""
+    try:
+        got = _object_members(held, i)
+    except ValueError:  # a key that is not a JSON string
+        return None
+    if got is None:
+        return None
+    members, end = got
+    name = None
+    if "name" in members and members["name"][1] >= 0:
+        try:
+            name = json.loads(held[slice(*members["name"])])
+        except ValueError:
+            return None
+        if not isinstance(name, str):
+            return None
+    key = next((k for k in args_keys if k in members), None)
+    if key is None:
+        return CallDraft(start, end, name, "{}" if end >= 0 else "", end >= 0)
+    v, v_end = members[key]
+    return CallDraft(start, end, name, held[v:v_end if v_end >= 0 else len(held)], v_end >= 0)
+
+
+def _closing(text: str, i: int, *marks: str) -> int:
+    """The index past ``marks`` written in order from ``i``, blanks allowed before each; -1 while the text may yet
+    become them, -2 where it cannot."""
+    for mark in marks:
+        i = _skip_ws(text, i)
+        written = text[i:i + len(mark)]
+        if written != mark:
+            return -1 if i + len(written) == len(text) and mark.startswith(written) else -2
+        i += len(mark)
+    return i
 
 
 def _call_schema(functions: list[dict], arguments: str) -> dict:
@@ -199,7 +367,10 @@ def template_arguments(arguments: str):
 @dataclass
 class ToolCallSplitter:
     """Content and tool calls of one completion in ``markup``. ``names``: the request's tool names (a call to any
-    other is not one); ``parallel``: False keeps only the first call (the OpenAI field ``parallel_tool_calls``)."""
+    other is not one); ``parallel``: False keeps only the first call (the OpenAI field ``parallel_tool_calls``).
+    ``feed`` and ``finish`` return content; ``call_deltas`` (streaming) the calls' deltas so far; after ``finish``
+    ``calls`` holds the calls whole and ``whole`` says whether each of them is complete and valid (False only where
+    calls were streamed before the reply broke the markup or ended inside one)."""
 
     markup: ToolMarkup
     names: frozenset[str]
@@ -207,7 +378,11 @@ class ToolCallSplitter:
     _text: str = ""
     _shown: int = 0
     _held_from: int = -1  # where calls begin, once seen
+    _sent: list[list] = field(default_factory=list)  # per call streamed: [its id, characters of arguments sent]
+    _left: list[dict] | None = None  # after finish: the deltas that complete the calls
+    _open: tuple | None = None  # while the last draft's arguments are open: (drafts, where they begin, _OpenValue)
     calls: list[dict] = field(default_factory=list)
+    whole: bool = True
 
     def feed(self, delta: str) -> str:
         """Add ``delta``; return the content that can be shown now."""
@@ -217,15 +392,78 @@ class ToolCallSplitter:
         end = self._held_from if self._held_from >= 0 else len(self._text) - self.markup.undecided(self._text)
         return self._show(end)
 
+    def call_deltas(self) -> list[dict]:
+        """The calls' deltas since the last time (OpenAI's streamed form: a call's first delta has its index, id and
+        name, later ones add to its arguments). A call streams once its name is one of the tools; its arguments
+        while they are an object being written (a JSON string's are decoded at the end). After ``finish``: the
+        deltas that complete the calls."""
+        if self._left is not None:
+            out, self._left = self._left, []
+            return out
+        if self._held_from < 0:
+            return []
+        streamable = []
+        drafts = self._drafts()
+        for d in drafts if self.parallel else drafts[:1]:
+            if d.name not in self.names:
+                break  # a later call waits: calls stream in order
+            streamable.append((d.name, d.args if d.args.startswith("{") else ""))
+        return self._advance(streamable)
+
+    def _drafts(self) -> list[CallDraft]:
+        """The markup's drafts of the held text. While the last call's arguments are open, new text can only extend
+        them until the value ends, so only the new text is scanned: a long call costs linear time, not quadratic."""
+        held = self._text[self._held_from:]
+        if self._open is not None:
+            drafts, begin, value = self._open
+            if value.feed(held, begin) < 0:
+                return drafts[:-1] + [replace(drafts[-1], args=held[begin:])]
+        drafts, _ = self.markup.drafts(held)
+        last = drafts[-1] if drafts else None
+        self._open = None
+        if last is not None and not last.args_done and last.args[:1] in ('"', "{", "["):
+            begin = len(held) - len(last.args)
+            value = _OpenValue()
+            value.feed(held, begin)
+            self._open = drafts, begin, value
+        return drafts
+
     def finish(self) -> str:
-        """The completion ended: parse what was held; return the content not shown yet (all of it if the held text
-        holds no valid call). ``calls`` then holds the OpenAI tool calls."""
-        found = self.markup.parse(self._text[self._held_from:], self.names) if self._held_from >= 0 else None
-        if found is None:
+        """The completion ended: check what was held; return the content not shown yet (all of it if the held text
+        holds no valid call and none was streamed). ``calls`` then holds the OpenAI tool calls."""
+        held = self._text[self._held_from:] if self._held_from >= 0 else ""
+        drafts, unbroken = self.markup.drafts(held) if held else ([], True)
+        found = _valid_calls(drafts, self.names) if unbroken else None
+        if found is not None:
+            kept = found if self.parallel else found[:1]
+            rest = _unwrapped(_outside(held, drafts), self.markup.WRAPPERS)
+        elif self._sent:  # calls already streamed stay, delivered as written; the text around them is content
+            sent = drafts[:len(self._sent)]
+            valid = _valid_calls(sent, self.names)
+            kept = valid or [(d.name, d.args if d.args.startswith("{") else "") for d in sent]
+            rest, self.whole = _outside(held, sent), valid is not None
+        else:
             return self._show(len(self._text))
-        calls, rest = found
-        self.calls = calls if self.parallel else calls[:1]
+        self._left = self._advance(kept)
+        self.calls = [{"id": sent[0], "type": "function", "function": {"name": name, "arguments": args}}
+                      for sent, (name, args) in zip(self._sent, kept)]
         return self._show(self._held_from) + (rest if rest.strip() else "")
+
+    def _advance(self, calls: list[tuple[str, str]]) -> list[dict]:
+        """Deltas that bring the streamed calls up to ``calls`` (name, arguments so far; each extends what was
+        sent)."""
+        out = []
+        for k, (name, args) in enumerate(calls):
+            if k == len(self._sent):
+                self._sent.append([f"call_{uuid.uuid4().hex[:24]}", 0])
+                out.append({"index": k, "id": self._sent[k][0], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            new, self._sent[k][1] = args[self._sent[k][1]:], max(len(args), self._sent[k][1])
+            if new and out and out[-1]["index"] == k:
+                out[-1]["function"]["arguments"] += new
+            elif new:
+                out.append({"index": k, "function": {"arguments": new}})
+        return out
 
     def _show(self, end: int) -> str:
         out = self._text[self._shown:end] if end > self._shown else ""
@@ -233,19 +471,33 @@ class ToolCallSplitter:
         return out
 
 
-def _call(body: str | dict, names: frozenset[str], args_key: str) -> dict | None:
-    """An OpenAI tool call from a call object (or its JSON text) naming one of ``names``; its arguments under
-    ``args_key`` (or the other of "arguments" and "parameters"), an object or a JSON string."""
-    if isinstance(body, str):
+def _outside(held: str, drafts: list[CallDraft]) -> str:
+    """The held text outside the calls (none after a call still open)."""
+    parts, pos = [], 0
+    for d in drafts:
+        parts.append(held[pos:d.start])
+        pos = d.end if d.end >= 0 else len(held)
+    return "".join(parts) + held[pos:]
+
+
+def _unwrapped(text: str, wrappers: tuple[str, ...]) -> str:
+    for mark in wrappers:
+        text = text.replace(mark, "")
+    return text
+
+
+def _valid_calls(drafts: list[CallDraft], names: frozenset[str]) -> list[tuple[str, str]] | None:
+    """Each call's name and arguments (the model's JSON text of an object; a JSON string's value) where every draft
+    is a whole call to one of ``names``; None otherwise (or where there is none)."""
+    calls = []
+    for d in drafts:
+        if d.end < 0 or d.name not in names:
+            return None
         try:
-            body = json.loads(body)
+            args = json.loads(d.args)
         except ValueError:
             return None
-    if not isinstance(body, dict) or body.get("name") not in names:
-        return None
-    args = body.get(args_key, body.get("parameters" if args_key == "arguments" else "arguments", {}))
-    if not isinstance(args, (dict, str)):
-        return None
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": body["name"], "arguments": text}}
+        if not isinstance(args, (dict, str)):
+            return None
+        calls.append((d.name, d.args if isinstance(args, dict) else args))
+    return calls or None
