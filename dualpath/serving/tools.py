@@ -39,8 +39,9 @@ class ToolMarkup(ABC):
     WRAPPERS: tuple[str, ...] = ()  # markup outside the calls that is not content (dropped from the text around them)
 
     @abstractmethod
-    def start(self, text: str) -> int:
-        """Where calls begin in ``text``, or -1 while none has begun."""
+    def start(self, text: str, seen: int = 0) -> int:
+        """Where calls begin in ``text``, or -1 while none has begun; ``text[:seen]`` was asked about before (and had
+        none), so only a start that ends past it is new."""
 
     @abstractmethod
     def undecided(self, text: str) -> int:
@@ -62,8 +63,8 @@ class ToolMarkup(ABC):
 class Hermes(ToolMarkup):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def start(self, text: str) -> int:
-        return text.find(self.OPEN)
+    def start(self, text: str, seen: int = 0) -> int:
+        return text.find(self.OPEN, max(0, seen - len(self.OPEN) + 1))
 
     def undecided(self, text: str) -> int:
         return partial_tag(text, self.OPEN)
@@ -88,7 +89,7 @@ class Llama3Json(ToolMarkup):
     TAG = "<|python_tag|>"
     WRAPPERS = (TAG, ";")  # the calls are the whole reply: what is around them is these and blanks
 
-    def start(self, text: str) -> int:
+    def start(self, text: str, seen: int = 0) -> int:
         return 0 if text.lstrip().startswith(("{", self.TAG)) else -1  # the calls are the whole reply
 
     def undecided(self, text: str) -> int:
@@ -123,8 +124,9 @@ class DeepSeekV3(ToolMarkup):
     def __init__(self, code_block: bool = True):
         self.code_block = code_block  # the template's form: V3 (a json code block) or V3.1
 
-    def start(self, text: str) -> int:
-        hits = [i for i in (text.find(self.CALLS), text.find(self.CALL)) if i >= 0]
+    def start(self, text: str, seen: int = 0) -> int:
+        since = max(0, seen - max(len(self.CALLS), len(self.CALL)) + 1)
+        hits = [i for i in (text.find(self.CALLS, since), text.find(self.CALL, since)) if i >= 0]
         return min(hits) if hits else -1
 
     def undecided(self, text: str) -> int:
@@ -386,9 +388,9 @@ class ToolCallSplitter:
 
     def feed(self, delta: str) -> str:
         """Add ``delta``; return the content that can be shown now."""
-        self._text += delta
+        seen, self._text = len(self._text), self._text + delta
         if self._held_from < 0:
-            self._held_from = self.markup.start(self._text)
+            self._held_from = self.markup.start(self._text, seen)
         end = self._held_from if self._held_from >= 0 else len(self._text) - self.markup.undecided(self._text)
         return self._show(end)
 
