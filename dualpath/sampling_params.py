@@ -30,7 +30,8 @@ class SamplingParams:
 
     Logit adjustments, in the order they apply (vLLM's): ``logit_bias`` ((token id, bias in [-100, 100]) pairs)
     is added; before ``min_tokens`` tokens, EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled and
-    stop strings do not end the reply (a structured reply is exempt: its grammar decides where it ends);
+    stop strings do not end the reply (a structured reply's end tokens are held back only where its grammar allows
+    another token, as under ``\\d+``; where only an end may follow, it ends);
     ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every token in the prompt
     or the output so far; ``frequency_penalty`` × the token's count in the output plus ``presence_penalty`` if it
     occurs there is subtracted (OpenAI's definition). Greedy decoding sees them too. After temperature, top-k and

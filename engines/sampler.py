@@ -124,28 +124,36 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
     """``logits`` after each row's logit bias, ``min_tokens`` ban, repetition penalty, then frequency and presence
     penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself. Each is
     one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the vocabulary.
-    A row with a mask (structured output) is not banned from its end tokens: its grammar ends it; nor is a row whose
-    ``allowed_token_ids`` are all end tokens (it would have nothing left)."""
-    add_, rep, pen = _Entries(), _Entries(), _Entries()
+    A row with a mask (structured output) is banned from its end tokens only where its mask allows another token (a
+    pattern that may end or read on): where only an end may follow, its grammar ends it. Nor is a row whose
+    ``allowed_token_ids`` are all end tokens banned (it would have nothing left)."""
+    add_, rep, pen, held = _Entries(), _Entries(), _Entries(), []
     for i, p in enumerate(params):
         h = histories[i] if histories is not None else None
         if p.needs_history and h is None:
             raise ValueError("penalties and min_tokens need the row's TokenHistory")
         if p.logit_bias:
             add_.add(i, torch.tensor([t for t, _ in p.logit_bias]), torch.tensor([b for _, b in p.logit_bias]))
-        if p.min_tokens and h.n < p.min_tokens and (masks is None or masks[i] is None):
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            if not p.allowed_token_ids or set(p.allowed_token_ids) - banned:
-                add_.add(i, torch.tensor(sorted(banned), dtype=torch.long), float("-inf"))
+        if p.min_tokens and h.n < p.min_tokens:
+            banned = torch.tensor(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))),
+                                  dtype=torch.long)
+            if masks is not None and masks[i] is not None:
+                held.append((i, banned))
+            elif not p.allowed_token_ids or set(p.allowed_token_ids) - set(banned.tolist()):
+                add_.add(i, banned, float("-inf"))
         if p.penalized:
             ids, counts = h.tensors()
             if p.repetition_penalty != 1.0:
                 rep.add(i, torch.cat([h.prompt, ids]), p.repetition_penalty)
             if p.frequency_penalty or p.presence_penalty:
                 pen.add(i, ids, counts, p.frequency_penalty, p.presence_penalty)
-    if not (add_ or rep or pen):
+    if not (add_ or rep or pen or held):
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)
+    for i, banned in held:  # decided on the device (no wait): banned where the mask allows something else
+        banned = banned.to(logits.device, non_blocking=True)
+        others = masks[i].index_fill(0, banned, False).any()
+        logits[i, banned] = torch.where(others, float("-inf"), logits[i, banned])
     flat, width = logits.view(-1), logits.shape[-1]  # flat indices: index_select / index_add_ beat 2-D indexing
     if add_:
         at, (v,) = add_.on(logits.device, width)

@@ -16,13 +16,15 @@ V = 97
 EOS = (3, 11)
 
 
-def reference(row: torch.Tensor, p: SamplingParams, prompt, output, masked=False) -> torch.Tensor:
-    """One row adjusted as ``SamplingParams`` defines it, in float64, a token at a time."""
+def reference(row: torch.Tensor, p: SamplingParams, prompt, output, mask=None) -> torch.Tensor:
+    """One row adjusted as ``SamplingParams`` defines it, in float64, a token at a time (``mask``: a structured
+    row's allowed tokens: its end tokens are held back only where it allows another)."""
     x = row.double().clone()
     for t, b in p.logit_bias:
         x[t] += b
-    if len(output) < p.min_tokens and not masked:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS)):
+    ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS))
+    if len(output) < p.min_tokens and (mask is None or any(mask[t] for t in range(V) if t not in ends)):
+        for t in ends:
             x[t] = float("-inf")
     if p.repetition_penalty != 1.0:
         for t in set(prompt) | set(output):
@@ -59,11 +61,12 @@ def test_adjusted_equals_a_float64_reference_row_by_row():
         rows = [random_row(g) for _ in range(6)]
         logits = torch.randn(6, V, generator=g) * 4
         masks = [None] * 6
-        masks[0] = torch.rand(V, generator=g) < 0.5  # a structured row: not held back by min_tokens
+        masks[0] = torch.rand(V, generator=g) < 0.5  # a structured row that may end or go on: held back
         masks[0][0] = True
+        masks[1] = torch.zeros(V, dtype=torch.bool)  # one that may only end (its grammar is complete): not
+        masks[1][list(EOS) + [5, 7]] = True
         got = adjusted(logits, [p for p, _, _ in rows], [history(*r) for r in rows], EOS, masks)
-        want = torch.stack([reference(logits[i], p, pr, out, masks[i] is not None)
-                            for i, (p, pr, out) in enumerate(rows)])
+        want = torch.stack([reference(logits[i], p, pr, out, masks[i]) for i, (p, pr, out) in enumerate(rows)])
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # float32 against float64
 
 

@@ -210,6 +210,22 @@ def test_tiny_model_outputs_match_their_patterns(tiny_dirs):
     assert all(o.text in ("red", "green", "blue (dark)") and o.finish_reason == "stop" for o in outs)
 
 
+def test_min_tokens_holds_back_the_end_a_pattern_allows_until_it_is_reached(tiny_dirs):
+    """Under ``\\d+`` the end token is allowed after every digit; with ``min_tokens`` it is held back until that many
+    tokens are out. Where only an end may follow (a choice spelled out) the reply ends all the same."""
+    llm = LLM(str(tiny_dirs["llama"]), block_size=16)
+    prompts = ["hello", "x y", "a", "b"]
+    free = [o for seed in range(3) for o in llm.generate(prompts, SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+"))]
+    assert any(o.token_ids[-1] == EOS_ID and len(o.token_ids) < 7 for o in free)  # the test means something
+    for o in (o for seed in range(3) for o in llm.generate(prompts, SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+", min_tokens=6))):
+        assert len(o.token_ids) >= 6 and EOS_ID not in o.token_ids[:6] and o.text.isdigit(), o.token_ids
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=20, min_tokens=10,
+                                                regex=choice_pattern(["red", "green"])))
+    assert all(o.text in ("red", "green") and o.finish_reason == "stop" for o in outs)
+
+
 def test_sampling_params_take_one_constraint():
     with pytest.raises(RequestError, match="exclude each other"):
         SamplingParams(regex="a", json_object=True)
