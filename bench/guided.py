@@ -11,10 +11,11 @@ generations of the real SmolLM2 in JSON mode and with a schema against unconstra
   patterns masks of regular expressions (guided_regex / guided_choice), narrow to broad, built along a text each
            matches, from cold: milliseconds per state (a walk over the tokens' distinct byte-class sequences),
            against a walk over every token stepping each byte it meets (how masks were built before patterns: the
-           baseline, same run)
+           baseline, same run); then context-free grammars (guided_grammar, GBNF) the same way: a JSON grammar
+           along the document, an arithmetic one along an expression
   generate ``LLM`` on SmolLM2 (CPU, float32): ``--chats`` chats in one batch, greedy, JSON mode and a schema against
            the same without; seconds per generated token (JSON replies end when the object closes, so totals
-           differ); then short answers under a pattern and a choice, checked against them
+           differ); then short answers under patterns, choices and grammars, checked against them
 
     python bench/guided.py [--batch 64] [--chats 8 --max-tokens 64] [--out bench/results/guided.json]
 """
@@ -31,6 +32,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from common import best_of, print_table, write_result  # noqa: E402
+
+from dualpath.ebnf import JSON_GBNF  # noqa: E402
 
 DOC = {"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], "notes": "Wrote the first "
        "published algorithm for Babbage's Analytical Engine.", "languages": {"english": True, "french": 0.5},
@@ -88,6 +91,8 @@ PATTERNS = (("digits", r"\d+", "1815"), ("choice", r"(?:yes|no|maybe)", "maybe")
             ("email", r"[a-z.]+@[a-z]+\.(com|org|net)", "ada.l@analytical.org"),
             ("sentence", r"[A-Z][a-z]*( [a-z]+){0,12}\.", "Ada wrote the first published algorithm for the engine."),
             ("line", r"[^\n]*", "Wrote the first published algorithm, for Babbage's Analytical Engine"))
+ARITHMETIC = 'root ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\nfactor ::= [0-9]+ | "(" root ")"'
+GRAMMARS = (("json", JSON_GBNF, json.dumps(DOC, indent=2)), ("arithmetic", ARITHMETIC, "(1815+21)*(3-4/(5+60))"))
 
 
 def bench_patterns(tok, vocab) -> list[dict]:
@@ -95,8 +100,8 @@ def bench_patterns(tok, vocab) -> list[dict]:
     from engines.guided import GrammarMasks
 
     rows = []
-    for name, pattern, text in PATTERNS:
-        grammar = Grammar.pattern(pattern)
+    for kind, name, source, text in [("pattern", *p) for p in PATTERNS] + [("grammar", *g) for g in GRAMMARS]:
+        grammar = Grammar.pattern(source) if kind == "pattern" else Grammar.ebnf(source)
         states, state = [], grammar.start
         for token in tok.encode(text, add_special_tokens=False):
             states.append(state)
@@ -104,7 +109,7 @@ def bench_patterns(tok, vocab) -> list[dict]:
         assert state is not None and Grammar.may_end(state), name
         ours = _time_masks(GrammarMasks(grammar, vocab, "cpu"), states)
         baseline = _time_masks(_Unmemoized(grammar, vocab, "cpu"), states)
-        rows.append({"part": f"pattern {name}", "pattern": pattern, "states": len(set(states)),
+        rows.append({"part": f"{kind} {name}", kind: source, "states": len(set(states)),
                      "ms_per_state": ours * 1e3, "baseline_ms_per_state": baseline * 1e3, "ratio": ours / baseline})
     return rows
 
@@ -211,27 +216,38 @@ def bench_generate(model_dir: Path, chats: int, max_tokens: int) -> dict:
     return out
 
 
-QUESTIONS = ((r"\d+", "How many legs does a spider have? Answer with a number."),
-             (r"(?:yes|no)", "Is Paris the capital of France? Answer yes or no."),
-             (r"\d{4}", "In which year did the First World War begin?"),
-             (r"(?:red|green|blue)", "What color is the sky on a clear day?"))
+ANSWER_GBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | num (" or " num)?\nnum ::= [1-9] [0-9]{0,3}'
+CITY_GBNF = ('root ::= "{" ws "\\"city\\":" ws str "," ws "\\"population\\":" ws [0-9]+ ws "}"\n'
+             'str ::= "\\"" [^"\\\\\\n]{1,40} "\\""\nws ::= [ \\n]?')
+QUESTIONS = (("regex", r"\d+", "How many legs does a spider have? Answer with a number."),
+             ("regex", r"(?:yes|no)", "Is Paris the capital of France? Answer yes or no."),
+             ("regex", r"\d{4}", "In which year did the First World War begin?"),
+             ("regex", r"(?:red|green|blue)", "What color is the sky on a clear day?"),
+             ("grammar", ANSWER_GBNF, "Is Paris in France?"),
+             ("grammar", ANSWER_GBNF, "How many legs does a spider have?"),
+             ("grammar", CITY_GBNF, "Give the biggest city of Japan as JSON with its population."))
 
 
 def bench_pattern_answers(model_dir: Path) -> dict:
-    """SmolLM2's greedy answers under patterns: each that ends must match its pattern whole."""
+    """SmolLM2's greedy answers under patterns and grammars: each that ends must match its pattern or grammar."""
     import re
 
     from dualpath import LLM, SamplingParams
+    from dualpath.ebnf import Cfg
 
     llm = LLM(str(model_dir), max_num_seqs=len(QUESTIONS))
     t = time.perf_counter()
-    res = [llm.chat([[{"role": "user", "content": q}]], SamplingParams(temperature=0, max_tokens=16, regex=p))[0]
-           for p, q in QUESTIONS]
+    res = [llm.chat([[{"role": "user", "content": q}]], SamplingParams(temperature=0, max_tokens=40, **{k: p}))[0]
+           for k, p, q in QUESTIONS]
     dt = time.perf_counter() - t
+
+    def valid(kind: str, source: str, text: str) -> bool:
+        return re.fullmatch(source, text, re.ASCII) is not None if kind == "regex" else Cfg(source).fullmatch(
+            text.encode())
     return {"part": "generate patterns", "chats": len(QUESTIONS), "seconds": dt,
             "answers": [r.text for r in res], "stopped": sum(r.finish_reason == "stop" for r in res),
-            "matched": sum(r.finish_reason == "stop" and re.fullmatch(p, r.text, re.ASCII) is not None
-                           for (p, _), r in zip(QUESTIONS, res))}  # of the answers that ended
+            "matched": sum(r.finish_reason == "stop" and valid(k, p, r.text)
+                           for (k, p, _), r in zip(QUESTIONS, res))}  # of the answers that ended
 
 
 def _is_object(text: str) -> bool:

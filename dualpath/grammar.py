@@ -1,6 +1,7 @@
-"""What structured output may emit: JSON objects, optionally valid against a JSON schema, or text a regular
+"""What structured output may emit: JSON objects, optionally valid against a JSON schema, text a regular
 expression matches whole (``Grammar.pattern``: its positions, from ``dualpath.regex``, are configurations in mode
-``REGEX``), read one byte at a time.
+``REGEX``), or a sentence of a context-free grammar (``Grammar.ebnf``: its stacks of positions, from
+``dualpath.ebnf``, are configurations in mode ``CFG``), read one byte at a time.
 
 A ``Grammar`` is a compiled schema: a table of nodes (any value, object, array, string, number, integer, boolean,
 null, a set of literal values, a choice of nodes). Its automaton reads bytes: a *configuration* is
@@ -33,6 +34,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from dualpath.ebnf import Cfg
 from dualpath.errors import RequestError
 from dualpath.regex import Regex, RegexError, byte_mask, utf8_sequences, without_surrogates
 
@@ -45,10 +47,11 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U) = range(33)
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U, CFG) = range(34)
 # PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
 # THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output;
-# REGEX: a pattern's position (dualpath.regex) in place of the object;
+# REGEX: a pattern's position (dualpath.regex) in place of the object; CFG: a grammar's stack of positions
+# (dualpath.ebnf) in place of the object;
 # CSTR (_ESC, _U): a string value under a StringRule, node = (its node, rule position, characters counted) and, while
 # reading \uXXXX, the value so far and the hex digits still due
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
@@ -64,6 +67,7 @@ assert _CLOSE.count(_CLOSE[0]) == 1  # a mismatch restarts the match at this byt
 
 ANY_TEXT = r"[\s\S]*"  # every character: a string's rule when only its length is bounded
 SHORT_ESCAPES = {ord(k): v for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t')}  # \x in a JSON string -> character
+MAX_CFG_CONFIGS = 256  # a grammar's parses one state keeps (``_fewer``)
 MAX_RULE_PAIRS = 200_000  # (pattern position, count) pairs a string with both a pattern and length bounds may have
 LEAD_BYTES = byte_mask(0, 0x7F) | byte_mask(0xC0, 0xFF)  # bytes that start a character
 
@@ -198,6 +202,7 @@ class Grammar:
         self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY, 0, None)]
         self.root = ANY_OBJECT
         self.regex: Regex | None = None  # the output is text matching this pattern instead of a JSON object
+        self.cfg: Cfg | None = None  # the output is a sentence of this grammar instead of a JSON object
         self.prefix, self.suffix, self.thinking = prefix, suffix, thinking
 
     @classmethod
@@ -225,6 +230,19 @@ class Grammar:
             raise RegexError("the pattern matches only the empty string")
         return g
 
+    @classmethod
+    def ebnf(cls, text: str, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
+        """A sentence of the GBNF grammar ``text`` (``dualpath.ebnf``) in place of the object; like a pattern's, its
+        end may come where more could follow."""
+        g = cls(prefix, suffix, thinking)
+        g.cfg = Cfg(text)
+        return g
+
+    @property
+    def automaton(self) -> Regex | None:
+        """The output's own automaton where it is a pattern or a grammar (its byte classes step it alike)."""
+        return self.regex if self.regex is not None else self.cfg
+
     @property
     def start(self) -> State:
         if self.thinking == "open":
@@ -240,9 +258,21 @@ class Grammar:
 
     def _begin(self, stack: tuple) -> list[Config]:
         """The output's first configurations (after its prefix)."""
+        if self.cfg is not None:
+            return self._frames([self.cfg.start()], stack)
         if self.regex is None:
             return [(VALUE, self.root, stack, 0)]
         return self._positions((0,), stack)
+
+    def _frames(self, configs: list[tuple], stack: tuple) -> list[Config]:
+        """A grammar's configurations: those that read on, and where one may end, what follows."""
+        out, end = [], False
+        for frames in configs:
+            moves, may_end = self.cfg.moves(frames)
+            if moves:
+                out.append((CFG, frames, stack, 0))
+            end |= may_end
+        return out + [self._after(stack)] if end else out
 
     def _positions(self, positions, stack: tuple) -> list[Config]:
         """A pattern's positions as configurations: those that read on, and where it may end, what follows."""
@@ -270,6 +300,8 @@ class Grammar:
         out = set()
         for config in state:
             out.update(self._step(config, b))
+        if self.cfg is not None and len(out) > MAX_CFG_CONFIGS:
+            out = _fewer(out)
         return frozenset(out) if out else None
 
     def run(self, state: State | None, data: bytes) -> State | None:
@@ -313,6 +345,8 @@ class Grammar:
             return self._literal(node, stack, b)
         if mode == REGEX:
             return self._positions(self.regex.next(node, b), stack)
+        if mode == CFG:
+            return self._frames(self.cfg.step(node, b), stack)
         if mode >= CSTR:
             return self._ruled(mode, node, stack, b)
         if mode >= OPENING:
@@ -539,6 +573,14 @@ class Grammar:
             return []
         # the number ended; this byte is what follows it (the top level is an object, so a container is open)
         return self._step((AFTER, 0, stack, 0), b)
+
+
+def _fewer(configs: set) -> set:
+    """An ambiguous grammar's parses can double with every byte (``"(" x ")" | "(" x? ")"``): past
+    ``MAX_CFG_CONFIGS`` only the shallowest stacks are kept. Each one left is a parse of the text so far that can
+    still finish, so the output stays a sentence; only some continuations the dropped ones allowed are lost."""
+    parses = sorted((c for c in configs if c[0] == CFG), key=lambda c: (len(c[1]), c[1]))
+    return {c for c in configs if c[0] != CFG} | set(parses[:MAX_CFG_CONFIGS])
 
 
 def _number_start(minus_mode: int, b: int, stack: tuple) -> list[Config]:

@@ -528,7 +528,7 @@ class Regex:
         before: list[list[int]] = [[] for _ in self._follow]
         for p, nxt in enumerate(self._follow):
             for q in nxt:
-                if self.masks[q]:
+                if self._passable(q):
                     before[q].append(p)
         live, todo = set(self.accepting), list(self.accepting)
         while todo:
@@ -536,7 +536,11 @@ class Regex:
                 if p not in live:
                     live.add(p)
                     todo.append(p)
-        return [tuple(sorted(q for q in nxt if q in live and self.masks[q])) for nxt in self._follow]
+        return [tuple(sorted(q for q in nxt if q in live and self._passable(q))) for nxt in self._follow]
+
+    def _passable(self, q: int) -> bool:
+        """Whether position ``q`` can be read (a byte class with bytes in it)."""
+        return self.masks[q] != 0
 
 
 def choice_pattern(choices) -> str:

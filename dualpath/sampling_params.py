@@ -22,7 +22,8 @@ class SamplingParams:
     ``json_schema`` (a schema as JSON text) to one valid against that schema (``dualpath.grammar`` says which
     keywords): it ends as the object closes, or at ``max_tokens`` unfinished. ``regex`` constrains it to text that
     matches the pattern in full (``dualpath.regex`` says which syntax): it ends when nothing more can match, or with
-    the model's end token where the match may end or read on. ``json_prefix`` / ``json_suffix``:
+    the model's end token where the match may end or read on; ``grammar`` (GBNF, ``dualpath.ebnf``) to a sentence
+    of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
     fixed text the constrained output starts / ends with around the object (a forced tool call's markup).
     ``json_thinking`` lets a reasoning model think before that output (unconstrained, up to ``</think>``): "open"
     when the prompt opened the ``<think>`` block, "optional" when the reply may open one itself; "" constrains from
@@ -65,6 +66,7 @@ class SamplingParams:
     json_suffix: str = ""
     json_thinking: str = ""
     regex: str | None = None
+    grammar: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -95,14 +97,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
                 raise RequestError(f"{name} must be in [0, 20], got {getattr(self, name)}", field=name)
-        if self.json_object + (self.json_schema is not None) + (self.regex is not None) > 1:
-            raise RequestError("json_object, json_schema and regex exclude each other", field="response_format")
+        if self.json_object + (self.json_schema is not None) + (self.regex is not None) + \
+                (self.grammar is not None) > 1:
+            raise RequestError("json_object, json_schema, regex and grammar exclude each other",
+                               field="response_format")
         if (self.json_prefix or self.json_suffix) and not self.structured:
-            raise RequestError("json_prefix and json_suffix need json_object, json_schema or regex",
+            raise RequestError("json_prefix and json_suffix need json_object, json_schema, regex or grammar",
                                field="response_format")
         if self.json_thinking not in THINKING_MODES or (self.json_thinking and not self.structured):
-            raise RequestError(f"json_thinking is one of {THINKING_MODES} and needs json_object, json_schema or regex",
-                               field="response_format")
+            raise RequestError(f"json_thinking is one of {THINKING_MODES} and needs json_object, json_schema, regex "
+                               f"or grammar", field="response_format")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
         self._check_adjustments()
@@ -133,8 +137,8 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        """Whether the output is constrained (JSON mode, a schema or a pattern)."""
-        return self.json_object or self.json_schema is not None or self.regex is not None
+        """Whether the output is constrained (JSON mode, a schema, a pattern or a grammar)."""
+        return self.json_object or self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def penalized(self) -> bool:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import CSTR, DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import CFG, CSTR, DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -62,6 +62,15 @@ class Vocabulary:
         self.depth = 1 + max(t.count(b"}") + t.count(b"]") for _, t in tokens)
         # only a token with the close tag's last byte can end a think block: the rest are free while thinking
         self.may_end_thinking = [tok for tok in tokens if THINK_CLOSE.encode()[-1] in tok[1]]
+        lens = np.fromiter(map(len, self.sorted_bytes), dtype=np.int64, count=len(self.sorted_bytes))
+        has = np.zeros((len(self.sorted_bytes), 256), dtype=bool)  # which bytes each token has (~10 ms for 49K)
+        has[np.repeat(np.arange(len(lens)), lens), np.frombuffer(b"".join(self.sorted_bytes), np.uint8)] = True
+        self._byte_sets = np.packbits(has, axis=1)
+
+    def made_of(self, byte_set: int) -> np.ndarray:
+        """Which byte-sorted tokens (in ``sorted_ids``' order) are made only of bytes in ``byte_set`` (256 bits)."""
+        outside = np.packbits([not byte_set >> b & 1 for b in range(256)])
+        return ~(self._byte_sets & outside).any(axis=1)
 
     def bytes_of(self, token: int) -> bytes | None:
         return self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
@@ -117,6 +126,7 @@ class GrammarMasks:
         self.name = name if name is not None else object()  # an object() equals only itself
         self._classes: dict = {}  # pattern (-1: the grammar's, else a string rule's node) -> its byte classes
         self._sequences: dict = {}  # pattern -> the tokens it may read as class sequences (ClassSequences)
+        self._loops: dict = {}  # bytes into a loop (256 bits) -> the tokens made of them, the rest and its bytes
 
     def guide(self) -> "Guide":
         return Guide(self)
@@ -150,6 +160,8 @@ class GrammarMasks:
         source = self._pattern_of(state)
         if source is not None and self._broad(state, source):
             classes = self._class_sequences(source)  # tokens of one class sequence step alike
+            if source < 0 and (looped := self._looped(state, len(classes.seqs))) is not None:
+                return looped
             reps = classes.reps
             taken = accepted(lambda st, k: g.step(st, reps[k]), classes.seqs, state)
             allowed[classes.ids[taken[classes.seq_of]]] = True
@@ -166,9 +178,9 @@ class GrammarMasks:
         return allowed
 
     def _pattern_of(self, state: State) -> int | None:
-        """Which pattern every configuration of ``state`` is reading: -1 the grammar's own (``Grammar.pattern``),
-        a node id a string's rule; None if they read anything else."""
-        if self.grammar.regex is not None and all(c[0] == REGEX or c[0] == DONE for c in state):
+        """Which pattern every configuration of ``state`` is reading: -1 the grammar's own (``Grammar.pattern``,
+        or ``Grammar.ebnf``'s positions), a node id a string's rule; None if they read anything else."""
+        if self.grammar.automaton is not None and all(c[0] in (REGEX, CFG, DONE) for c in state):
             return -1
         rules = {c[1][0] for c in state if c[0] == CSTR}
         if len(rules) == 1 and all(c[0] == CSTR for c in state):
@@ -184,11 +196,48 @@ class GrammarMasks:
         fan = sum(table.count(k) for k in range(len(reps)) if self.grammar.step(state, reps[k]) is not None)
         return fan > BROAD_BYTES
 
+    def _looped(self, state: State, sequences: int) -> np.ndarray | None:
+        """The mask of a state from which many bytes lead into a loop over them (a free-text loop, ``[^\\n]*``, a
+        grammar's string; or the state before one: an opening quote): a token of those bytes only reads into the
+        loop and round it, so it is allowed without a walk; the others are walked. None where at most
+        ``BROAD_BYTES`` bytes do, or where more tokens are left to walk than the grammar has class ``sequences`` (a
+        walk over those is then shorter: a sentence's ``[a-z]*`` leaves most tokens out)."""
+        into, entry = self._most_taken(state)
+        if entry.bit_count() <= BROAD_BYTES or (into != state and entry & ~self._loop_bytes(into)):
+            return None
+        if entry not in self._loops:  # None: more tokens left than class sequences (each byte set decided once)
+            inside = self.vocab.made_of(entry)
+            rest = np.flatnonzero(~inside)
+            self._loops[entry] = None if len(rest) > sequences else \
+                (np.flatnonzero(inside), rest, [self.vocab.sorted_bytes[i] for i in rest])
+        if self._loops[entry] is None:
+            return None
+        inside, rest, rest_bytes = self._loops[entry]
+        allowed = np.zeros(self.vocab.width, dtype=bool)
+        allowed[self.vocab.sorted_ids[inside]] = True
+        allowed[self.vocab.sorted_ids[rest[accepted(self.grammar.step, rest_bytes, state)]]] = True
+        return allowed
+
+    def _most_taken(self, state: State) -> tuple[State | None, int]:
+        """The state most bytes lead to from ``state``, and those bytes (256 bits)."""
+        table, reps = self._byte_classes(-1)
+        into: dict = {}
+        for k in range(len(reps)):
+            after = self.grammar.step(state, reps[k])
+            if after is not None:
+                into[after] = into.get(after, 0) | sum(1 << b for b in range(256) if table[b] == k)
+        return max(into.items(), key=lambda kv: kv[1].bit_count(), default=(None, 0))
+
+    def _loop_bytes(self, state: State) -> int:
+        """The bytes that lead ``state`` back to itself."""
+        table, reps = self._byte_classes(-1)
+        return sum(1 << b for b in range(256) if self.grammar.step(state, reps[table[b]]) == state)
+
     def _byte_classes(self, source: int) -> tuple[bytes, bytes]:
         """The pattern's byte classes (``Regex.byte_classes``); in a string, JSON's quote, backslash and control
         bytes apart too (so a class's representative is plain text where its bytes are)."""
         if source not in self._classes:
-            regex = self.grammar.regex if source < 0 else self.grammar.nodes[source][1].regex
+            regex = self.grammar.automaton if source < 0 else self.grammar.nodes[source][1].regex
             self._classes[source] = regex.byte_classes(() if source < 0 else JSON_STRING_BYTES)
         classes = self._classes[source]
         return classes[:256], classes[256:]
@@ -283,7 +332,7 @@ class GuideSource:
         self._tokenizer, self._width, self._device, self._end_ids = tokenizer, width, device, tuple(end_ids)
         self._vocab: Vocabulary | None = None
         self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
-        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking, regex); JSON mode's schema is None
+        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking, regex, grammar); JSON mode's: None
         self._masks = Recent()
         self._lock = threading.Lock()
 
@@ -310,13 +359,15 @@ class GuideSource:
             return None
         self.warm()
         key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking,
-               params.regex)
+               params.regex, params.grammar)
         build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
         return self._compiled.get(key, build).guide()
 
 
 def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str,
-                    regex: str | None = None) -> Grammar:
+                    regex: str | None = None, grammar: str | None = None) -> Grammar:
+    if grammar is not None:
+        return Grammar.ebnf(grammar, prefix, suffix, thinking)
     if regex is not None:
         return Grammar.pattern(regex, prefix, suffix, thinking)
     if schema is None:

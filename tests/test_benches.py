@@ -38,7 +38,8 @@ def test_small_benches_run(script, args, tmp_path):
 def test_guided_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
                        "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))
-    patterns = [f"pattern {name}" for name in ("digits", "choice", "date", "email", "sentence", "line")]
+    patterns = [f"pattern {name}" for name in ("digits", "choice", "date", "email", "sentence", "line")] + \
+        ["grammar json", "grammar arithmetic"]
     assert [r["part"] for r in result["rows"]] == ["build json_object", "build json_schema", "build string rules",
                                                    "step", *patterns, "generate", "generate patterns"]
     answers = result["rows"][-1]

@@ -135,6 +135,24 @@ def test_json_mode_reaches_the_sampling_parameters(front):
     assert r.status_code == 200 and fake.samplings[-1].json_object
 
 
+def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why(front):
+    """vLLM's guided_grammar and structured_outputs grammar (GBNF), on both APIs; a left-recursive grammar is a
+    400 that says so (never a failed generation)."""
+    http, fake, _ = front
+    fake.reply = "a,b"
+    grammar = 'root ::= item ("," item)*\nitem ::= [a-z]+'
+    for extra in (dict(guided_grammar=grammar), dict(structured_outputs={"grammar": grammar})):
+        for path, body in (("/v1/completions", dict(prompt="hi")),
+                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+            r = post(http, path, model="m", **extra, **body)
+            assert r.status_code == 200, r.text
+            s = fake.samplings[-1]
+            assert s.grammar == grammar and s.regex is None and s.json_schema is None and not s.json_object
+    r = post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= root "+" "1" | "1"')
+    assert r.status_code == 400 and "left-recursive" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "guided_grammar"
+
+
 @pytest.mark.parametrize("body, param", [
     (dict(guided_regex="(a"), "guided_regex"), (dict(guided_regex=r"(a)\1"), "guided_regex"),
     (dict(guided_regex="(?=a)a"), "guided_regex"), (dict(guided_choice=[]), "guided_choice"),

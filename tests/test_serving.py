@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
+from dualpath.ebnf import Cfg
 from dualpath.regex import choice_pattern
 from serve_process import ServeProcess, alive
 
@@ -189,19 +190,21 @@ def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mod
 
 
 def test_patterns_and_choices_through_the_cluster_equal_the_reference(tiny, reference):
-    """guided_regex and guided_choice on both read paths: the prefill engine's first token may already be the end
+    """guided_regex, guided_choice and guided_grammar on both read paths: the prefill engine's first token may already be the end
     token's turn (a choice of one character) or the start of a match the decode engine ends with the end token."""
     c = client(tiny)
     messages = [{"role": "user", "content": "pick one"}]
     ids = reference.tokenizer.apply_chat_template(messages)
-    choices = ["y", "yes", "no"]
-    asks = ((dict(guided_regex=r"\d+"), r"\d+"), (dict(guided_choice=choices), choice_pattern(choices)))
-    for mode, ((extra, pattern), seed) in itertools.product(("pe", "de"), itertools.product(asks, (1, 5))):
-        want = reference.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=40, regex=pattern))[0]
+    choices, grammar = ["y", "yes", "no"], 'root ::= ("y" | "n") item*\nitem ::= "," [0-9]'
+    asks = ((dict(guided_regex=r"\d+"), dict(regex=r"\d+"), lambda t: re.fullmatch(r"\d+", t, re.ASCII)),
+            (dict(guided_choice=choices), dict(regex=choice_pattern(choices)), lambda t: t in choices),
+            (dict(guided_grammar=grammar), dict(grammar=grammar), lambda t: Cfg(grammar).fullmatch(t.encode())))
+    for mode, ((extra, params, valid), seed) in itertools.product(("pe", "de"), itertools.product(asks, (1, 5))):
+        want = reference.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=40, **params))[0]
         got = c.chat.completions.create(model="llama", messages=messages, max_tokens=40, temperature=1.0, seed=seed,
                                         extra_body={**extra, "dualpath": {"mode": mode}}).choices[0]
         assert got.message.content == want.text and got.finish_reason == want.finish_reason == "stop", (mode, extra)
-        assert re.fullmatch(pattern, got.message.content, re.ASCII)
+        assert valid(got.message.content)
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])

@@ -431,7 +431,7 @@ class Frontend:
             raise ApiError(400, str(e), param=e.field) from None
 
     def _structured(self, req, kind: str, thinking: str) -> dict:
-        """The sampling fields of a JSON-mode, schema, regex or choice request, checked here (so an unsupported
+        """The sampling fields of a JSON-mode, schema, regex, choice or grammar request, checked here (so an unsupported
         schema, pattern or checkpoint is a 400, not a failed generation): the engines need a tokenizer whose tokens'
         bytes are known.
         A reasoning model thinks first (``thinking``), constrained only after."""
@@ -451,6 +451,9 @@ class Frontend:
                 pattern = what if mode == "regex" else choice_pattern(what)
                 self._compiles("regex", pattern)
                 return {"regex": pattern, "json_thinking": thinking}
+            if mode == "grammar":
+                self._compiles("grammar", what)
+                return {"grammar": what, "json_thinking": thinking}
             self._compiles("schema", what)
             return {"json_schema": json.dumps(what), "json_thinking": thinking}
         except (CheckpointError, RequestError) as e:
@@ -460,12 +463,12 @@ class Frontend:
         """Compile what the engines will compile (its errors are the request's: a 400, not a failed generation).
         Agents send the same few schemas and patterns again and again: what compiled lately is not compiled again
         (a 1,500-way choice takes 0.2 s)."""
-        key = (kind, what if kind == "regex" else json.dumps(what, sort_keys=True))
+        key = (kind, what if kind != "schema" else json.dumps(what, sort_keys=True))
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return
-        Grammar.pattern(what) if kind == "regex" else Grammar.compile(what)
+        {"regex": Grammar.pattern, "grammar": Grammar.ebnf, "schema": Grammar.compile}[kind](what)
         with self._lock:
             self._compiled[key] = True
             if len(self._compiled) > COMPILED_KEPT:

@@ -67,13 +67,13 @@ def _schema(v, field: str) -> dict:
     return v
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")  # vLLM's structured_outputs kinds taken here
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs kinds taken here
 
 
 def _pattern(v, field: str) -> Optional[str]:
-    """A regular expression (compiled, and its errors named, where the request's sampling is built)."""
+    """A regular expression or a grammar (compiled, and its errors named, where the request's sampling is built)."""
     if v is not None and not isinstance(v, str):
-        raise ValueError(f"{field} must be a regular expression (a string)")
+        raise ValueError(f"{field} must be a string")
     return v
 
 
@@ -117,7 +117,7 @@ class _Common(BaseModel):
     return_tokens_as_token_ids: bool = False
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
-    # vLLM's structured-output extras: JSON, regex and choice are honoured, grammars refused (never ignored)
+    # vLLM's structured-output extras: JSON, regex, choice and (GBNF) grammars
     guided_json: Optional[Union[dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
@@ -159,14 +159,12 @@ class _Common(BaseModel):
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
-    @field_validator("suffix", "functions", "function_call", "guided_grammar", check_fields=False)
+    @field_validator("suffix", "functions", "function_call", check_fields=False)
     @classmethod
     def _unsupported(cls, v, info):
         """Fields that would change the answer, refused when set rather than ignored."""
         if v:
-            hint = "; send tools and tool_choice" if info.field_name.startswith("function") else \
-                "; JSON (response_format, guided_json), guided_regex and guided_choice are" \
-                if info.field_name.startswith("guided") else ""
+            hint = "; send tools and tool_choice" if info.field_name.startswith("function") else ""
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
@@ -190,10 +188,10 @@ class _Common(BaseModel):
     def _schema_object(cls, v):
         return None if v is None else _schema(v, "guided_json")
 
-    @field_validator("guided_regex")
+    @field_validator("guided_regex", "guided_grammar")
     @classmethod
-    def _regex_text(cls, v):
-        return _pattern(v, "guided_regex")
+    def _regex_text(cls, v, info):
+        return _pattern(v, info.field_name)
 
     @field_validator("guided_choice")
     @classmethod
@@ -211,6 +209,7 @@ class _Common(BaseModel):
         if v.get("json") is not None:
             v["json"] = _schema(v["json"], "structured_outputs json")
         v["regex"] = _pattern(v.get("regex"), "structured_outputs regex")
+        v["grammar"] = _pattern(v.get("grammar"), "structured_outputs grammar")
         v["choice"] = _choices(v.get("choice"), "structured_outputs choice")
         if sum(v.get(k) not in (None, False) for k in STRUCTURED_KINDS) > 1:
             raise ValueError(f"structured_outputs takes one of {', '.join(STRUCTURED_KINDS)}")
@@ -226,13 +225,13 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _one_format(self):
         if len(self._formats()) > 1:
-            raise ValueError("give one of response_format, guided_json, guided_regex, guided_choice and "
-                             "structured_outputs")
+            raise ValueError("give one of response_format, guided_json, guided_regex, guided_choice, "
+                             "guided_grammar and structured_outputs")
         return self
 
     def _formats(self) -> list[tuple[str, str, Any]]:
         """Every structured-output ask in the body: (field, kind, what constrains it): "json_object" (None),
-        "json_schema" (the schema), "regex" (the pattern) or "choice" (the list of strings)."""
+        "json_schema" (the schema), "regex" (the pattern), "choice" (the list of strings) or "grammar" (GBNF)."""
         out, fmt, so = [], self.response_format, self.structured_outputs or {}
         if fmt is not None and fmt.type != "text":
             schema = (fmt.json_schema.schema_ or {"type": "object"}) if fmt.json_schema else None
@@ -243,11 +242,13 @@ class _Common(BaseModel):
             out.append(("guided_regex", "regex", self.guided_regex))
         if self.guided_choice is not None:
             out.append(("guided_choice", "choice", self.guided_choice))
+        if self.guided_grammar is not None:
+            out.append(("guided_grammar", "grammar", self.guided_grammar))
         if so.get("json") is not None:
             out.append(("structured_outputs", "json_schema", so["json"]))
         elif so.get("json_object"):
             out.append(("structured_outputs", "json_object", None))
-        for kind in ("regex", "choice"):
+        for kind in ("regex", "choice", "grammar"):
             if so.get(kind) is not None:
                 out.append(("structured_outputs", kind, so[kind]))
         return out
