@@ -47,11 +47,11 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U, CFG) = range(34)
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U, CFG, FREE) = range(35)
 # PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
 # THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output;
 # REGEX: a pattern's position (dualpath.regex) in place of the object; CFG: a grammar's stack of positions
-# (dualpath.ebnf) in place of the object;
+# (dualpath.ebnf) in place of the object; FREE: free text around triggered objects, node = trigger bytes matched;
 # CSTR (_ESC, _U): a string value under a StringRule, node = (its node, rule position, characters counted) and, while
 # reading \uXXXX, the value so far and the hex digits still due
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
@@ -194,24 +194,32 @@ def _live_pairs(rule: StringRule, where: str) -> frozenset:
 class Grammar:
     """A compiled schema (``compile``) or JSON mode's any-object (``json_object``), optionally with fixed text
     before and after the object (``prefix``, ``suffix``: a forced tool call's markup around its JSON) and thinking
-    before all of it (``thinking``, one of ``THINKING_MODES``)."""
+    before all of it (``thinking``, one of ``THINKING_MODES``). With ``trigger`` the output is free text instead,
+    in which each ``prefix`` begins an object (then the ``suffix``, then free text again): tool calls a model may
+    make or not (OpenAI's strict function calling with ``tool_choice`` "auto"); it may end wherever the text is
+    free."""
 
-    def __init__(self, prefix: bytes = b"", suffix: bytes = b"", thinking: str = ""):
+    def __init__(self, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "", trigger: bool = False):
         if thinking not in THINKING_MODES:
             raise ValueError(f"thinking must be one of {THINKING_MODES}, got {thinking!r}")
+        if trigger and (not prefix or prefix.count(prefix[:1]) != 1):
+            raise ValueError("a trigger is a prefix whose first byte occurs once in it (a mismatch restarts the "
+                             "match there or nowhere)")
         self.nodes: list = [("any",), ("object", ObjectNode({}, frozenset(), ANY)), ("array", ANY, 0, None)]
         self.root = ANY_OBJECT
         self.regex: Regex | None = None  # the output is text matching this pattern instead of a JSON object
         self.cfg: Cfg | None = None  # the output is a sentence of this grammar instead of a JSON object
-        self.prefix, self.suffix, self.thinking = prefix, suffix, thinking
+        self.prefix, self.suffix, self.thinking, self.trigger = prefix, suffix, thinking, trigger
 
     @classmethod
-    def json_object(cls, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
-        return cls(prefix, suffix, thinking)
+    def json_object(cls, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "",
+                    trigger: bool = False) -> "Grammar":
+        return cls(prefix, suffix, thinking, trigger)
 
     @classmethod
-    def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "") -> "Grammar":
-        g = cls(prefix, suffix, thinking)
+    def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "",
+                trigger: bool = False) -> "Grammar":
+        g = cls(prefix, suffix, thinking, trigger)
         g.root = _Compiler(g, schema).node(schema, "#")
         for n in range(len(g.nodes)):
             g.alternatives(n)  # refuses $ref cycles now, not mid-generation
@@ -253,7 +261,9 @@ class Grammar:
 
     @property
     def _output(self) -> State:
-        """Where the output (prefix, object, suffix) starts."""
+        """Where the output (prefix, object, suffix; or the free text around them) starts."""
+        if self.trigger:
+            return frozenset({(FREE, 0, (), 0)})
         return frozenset([(PREFIX, self.prefix, (), 0)] if self.prefix else self._begin(()))
 
     def _begin(self, stack: tuple) -> list[Config]:
@@ -283,8 +293,12 @@ class Grammar:
         return out
 
     def _after(self, stack: tuple) -> Config:
-        """What follows the output: the suffix, or nothing."""
-        return (SUFFIX, self.suffix, stack, 0) if self.suffix else (DONE, 0, stack, 0)
+        """What follows the output: the suffix, or its end."""
+        return (SUFFIX, self.suffix, stack, 0) if self.suffix else self._end(stack)
+
+    def _end(self, stack: tuple) -> Config:
+        """The end of the output: nothing may follow, or (with a trigger) free text again."""
+        return (FREE, 0, (), 0) if self.trigger else (DONE, 0, stack, 0)
 
     def alternatives(self, node: int, seen: frozenset = frozenset()) -> list[int]:
         """The concrete nodes a node may be (a choice expands, recursively)."""
@@ -318,8 +332,8 @@ class Grammar:
 
     @staticmethod
     def may_end(state: State) -> bool:
-        """Whether the output may end here (complete, or a pattern that could also read on)."""
-        return any(c[0] == DONE for c in state)
+        """Whether the output may end here (complete, a pattern that could also read on, or free text)."""
+        return any(c[0] == DONE or c[0] == FREE for c in state)
 
     def _step(self, config: Config, b: int) -> list[Config]:
         mode, node, stack, ws = config
@@ -347,6 +361,10 @@ class Grammar:
             return self._positions(self.regex.next(node, b), stack)
         if mode == CFG:
             return self._frames(self.cfg.step(node, b), stack)
+        if mode == FREE:  # free text: anything, until the trigger (the prefix) is spelled and an object begins
+            if b == self.prefix[node]:
+                return [(FREE, node + 1, (), 0)] if node + 1 < len(self.prefix) else self._begin(())
+            return [(FREE, int(b == self.prefix[0]), (), 0)]
         if mode >= CSTR:
             return self._ruled(mode, node, stack, b)
         if mode >= OPENING:
@@ -356,7 +374,7 @@ class Grammar:
                 return []
             if len(node) > 1:
                 return [(mode, node[1:], stack, 0)]
-            return self._begin(stack) if mode == PREFIX else [(DONE, 0, stack, 0)]
+            return self._begin(stack) if mode == PREFIX else [self._end(stack)]
         return self._number(mode, stack, b)
 
     def _think(self, mode: int, node, ws: int, b: int) -> list[Config]:

@@ -24,7 +24,9 @@ class SamplingParams:
     matches the pattern in full (``dualpath.regex`` says which syntax): it ends when nothing more can match, or with
     the model's end token where the match may end or read on; ``grammar`` (GBNF, ``dualpath.ebnf``) to a sentence
     of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
-    fixed text the constrained output starts / ends with around the object (a forced tool call's markup).
+    fixed text the constrained output starts / ends with around the object (a forced tool call's markup);
+    ``json_trigger``: the output is free text instead, in which each ``json_prefix`` begins an object (then
+    ``json_suffix``, then free text again): strict tool calls the model may or may not make.
     ``json_thinking`` lets a reasoning model think before that output (unconstrained, up to ``</think>``): "open"
     when the prompt opened the ``<think>`` block, "optional" when the reply may open one itself; "" constrains from
     the first token.
@@ -65,6 +67,7 @@ class SamplingParams:
     json_prefix: str = ""
     json_suffix: str = ""
     json_thinking: str = ""
+    json_trigger: bool = False
     regex: str | None = None
     grammar: str | None = None
     presence_penalty: float = 0.0
@@ -107,6 +110,8 @@ class SamplingParams:
         if self.json_thinking not in THINKING_MODES or (self.json_thinking and not self.structured):
             raise RequestError(f"json_thinking is one of {THINKING_MODES} and needs json_object, json_schema, regex "
                                f"or grammar", field="response_format")
+        if self.json_trigger and not (self.json_prefix and (self.json_object or self.json_schema is not None)):
+            raise RequestError("json_trigger needs json_prefix and json_object or json_schema", field="tools")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
         self._check_adjustments()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import CheckpointError, DualPathError
-from dualpath.grammar import CFG, CSTR, DONE, REGEX, THINK_CLOSE, THINKING, Grammar, State
+from dualpath.grammar import CFG, CSTR, DONE, FREE, REGEX, THINK_CLOSE, THINKING, Grammar, State
 
 if TYPE_CHECKING:
     from dualpath.sampling_params import SamplingParams
@@ -60,12 +60,17 @@ class Vocabulary:
         self.sorted_ids = np.asarray([i for i, _ in ordered], dtype=np.int64)
         self.sorted_bytes = [t for _, t in ordered]
         self.depth = 1 + max(t.count(b"}") + t.count(b"]") for _, t in tokens)
-        # only a token with the close tag's last byte can end a think block: the rest are free while thinking
-        self.may_end_thinking = [tok for tok in tokens if THINK_CLOSE.encode()[-1] in tok[1]]
+        self._with_byte: dict = {}  # byte -> the tokens that have it (with_byte)
         lens = np.fromiter(map(len, self.sorted_bytes), dtype=np.int64, count=len(self.sorted_bytes))
         has = np.zeros((len(self.sorted_bytes), 256), dtype=bool)  # which bytes each token has (~10 ms for 49K)
         has[np.repeat(np.arange(len(lens)), lens), np.frombuffer(b"".join(self.sorted_bytes), np.uint8)] = True
         self._byte_sets = np.packbits(has, axis=1)
+
+    def with_byte(self, b: int) -> list[tuple[int, bytes]]:
+        """The tokens (id, bytes) that have byte ``b``: in free text only those can complete a tag ending in it."""
+        if b not in self._with_byte:
+            self._with_byte[b] = [(i, t) for i, t in zip(self.sorted_ids.tolist(), self.sorted_bytes) if b in t]
+        return self._with_byte[b]
 
     def made_of(self, byte_set: int) -> np.ndarray:
         """Which byte-sorted tokens (in ``sorted_ids``' order) are made only of bytes in ``byte_set`` (256 bits)."""
@@ -148,9 +153,10 @@ class GrammarMasks:
         """The tokens whose bytes the grammar accepts from ``state``."""
         g, v = self.grammar, self.vocab
         allowed = np.zeros(v.width, dtype=bool)
-        if all(c[0] == THINKING for c in state):
+        modes = {c[0] for c in state}
+        if modes == {THINKING} or modes == {FREE}:  # free text: only a token with the tag's last byte may end it
             allowed[v.sorted_ids] = True
-            for i, t in v.may_end_thinking:
+            for i, t in v.with_byte(THINK_CLOSE.encode()[-1] if THINKING in modes else g.prefix[-1]):
                 allowed[i] = g.run(state, t) is not None
             return allowed
         room = g.plain_room(state)
@@ -359,18 +365,18 @@ class GuideSource:
             return None
         self.warm()
         key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking,
-               params.regex, params.grammar)
+               params.regex, params.grammar, params.json_trigger)
         build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
         return self._compiled.get(key, build).guide()
 
 
 def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str,
-                    regex: str | None = None, grammar: str | None = None) -> Grammar:
+                    regex: str | None = None, grammar: str | None = None, trigger: bool = False) -> Grammar:
     if grammar is not None:
         return Grammar.ebnf(grammar, prefix, suffix, thinking)
     if regex is not None:
         return Grammar.pattern(regex, prefix, suffix, thinking)
     if schema is None:
-        return Grammar.json_object(prefix, suffix, thinking)
-    return Grammar.compile(json.loads(schema), prefix, suffix, thinking)
+        return Grammar.json_object(prefix, suffix, thinking, trigger)
+    return Grammar.compile(json.loads(schema), prefix, suffix, thinking, trigger)
 

@@ -437,7 +437,7 @@ class Frontend:
         A reasoning model thinks first (``thinking``), constrained only after."""
         asked = req.structured()
         if asked is None:
-            call = self._forced_call(req) if kind == "chat" else {}
+            call = (self._forced_call(req) or self._strict_calls(req)) if kind == "chat" else {}
             return {**call, "json_thinking": thinking} if call else {}
         field, mode, what = asked
         if kind == "chat" and req.calls_tools():
@@ -493,6 +493,28 @@ class Frontend:
             raise ApiError(400, f"tool_choice {'required' if req.tool_choice == 'required' else 'named'}: {e}",
                            param="tools") from None
         return {"json_schema": json.dumps(schema), "json_prefix": prefix, "json_suffix": suffix}
+
+    def _strict_calls(self, req: ChatRequest) -> dict:
+        """Sampling fields that hold the calls a reply makes under ``tool_choice`` "auto" to the tools' schemas
+        where a tool is ``strict`` (OpenAI's strict function calling): the text stays free, each call it begins is
+        constrained (a tool that is not strict takes any object). Where the markup cannot recognise a call as it
+        begins (Llama 3's, DeepSeek's) nothing is constrained: the calls are parsed as ever."""
+        if not req.calls_tools() or req.forced_functions() or self.tool_markup is None:
+            return {}
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+        if not any(f.get("strict") for f in functions):
+            return {}
+        found = self.tool_markup.triggered([f if f.get("strict") else {**f, "parameters": {"type": "object"}}
+                                            for f in functions])
+        if found is None:
+            return {}
+        trigger, schema, suffix = found
+        try:
+            self.tokenizer.token_bytes
+            self._compiles("schema", schema)
+        except (CheckpointError, RequestError) as e:
+            raise ApiError(400, f"strict tools: {e}", param="tools") from None
+        return {"json_schema": json.dumps(schema), "json_prefix": trigger, "json_suffix": suffix, "json_trigger": True}
 
     # --- generation -----------------------------------------------------------------------------------------
     async def _generate(self, fan: Fanout, index: int, prompt: list[int],

@@ -59,6 +59,13 @@ class ToolMarkup(ABC):
         text before the call's JSON object, the object's schema, the text after (``tool_choice`` "required" or
         named)."""
 
+    def triggered(self, functions: list[dict]) -> tuple[str, dict, str] | None:
+        """Calls to ``functions`` the model may make or not, each held to its schema once begun (strict tools with
+        ``tool_choice`` "auto"): the text that begins a call (its first character occurs once in it), the call
+        object's schema, the text after it. None where a call cannot be recognised as it begins in free text
+        (the calls are the whole reply, or the name comes before the arguments)."""
+        return None
+
 
 class Hermes(ToolMarkup):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -83,6 +90,9 @@ class Hermes(ToolMarkup):
 
     def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
         return self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE
+
+    def triggered(self, functions: list[dict]) -> tuple[str, dict, str] | None:
+        return self.OPEN, _call_schema(functions, "arguments"), "\n" + self.CLOSE  # the object may start on a new line
 
 
 class Llama3Json(ToolMarkup):
