@@ -335,10 +335,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_main(args)
 
 
-def _reasoning_arg(p: argparse.ArgumentParser) -> None:
+def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
                    help="split a reasoning model's <think> block from chat replies (reasoning_content); auto: when "
                         "the chat template writes such blocks")
+    p.add_argument("--chat-template", default=None,
+                   help="render chats with this Jinja template (a file, or the template itself) instead of the "
+                        "checkpoint's")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
+                   help="the markup of the model's tool calls; auto: recognised from the chat template")
 
 
 def _frontend_args(p: argparse.ArgumentParser) -> None:
@@ -359,7 +365,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds a stopping server (SIGTERM, Ctrl-C) lets requests in flight finish while refusing "
                         "new ones; those still running then are cut")
-    _reasoning_arg(p)
+    _chat_args(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -497,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--default-max-tokens", type=int, default=1024)
     rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
     rb.add_argument("--no-progress", action="store_true")
-    _reasoning_arg(rb)
+    _chat_args(rb)
     _cluster_args(rb)
     rb.set_defaults(func=cmd_run_batch)
 

@@ -82,13 +82,15 @@ class LLM:
         return [self._output(s) for s in seqs]
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling: SamplingParams | None = None,
-             use_tqdm: bool = False, tools: Seq[dict] | None = None) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one conversation or a list of them, then generate. ``tools``
-        (OpenAI's form) go to the template, as Hugging Face's ``apply_chat_template`` passes them; the reply's
-        calls are in its text (``dualpath.serving.tools.ToolCallSplitter`` finds them)."""
+             use_tqdm: bool = False, tools: Seq[dict] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template (or ``chat_template``) to one conversation or a list of them, then
+        generate. ``tools`` (OpenAI's form) go to the template, as Hugging Face's ``apply_chat_template`` passes
+        them; the reply's calls are in its text (``dualpath.serving.tools.ToolCallSplitter`` finds them)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = {"tools": list(tools)} if tools else {}
-        return self.generate([self.tokenizer.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm)
+        tok = self.tokenizer.with_chat_template(chat_template) if chat_template is not None else self.tokenizer
+        return self.generate([tok.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm)
 
     def _output(self, s: Sequence) -> RequestOutput:
         text = s.stop_text if s.stop_text is not None else \

@@ -3,6 +3,7 @@ sandboxed Jinja environment (as Hugging Face renders them), and incremental deto
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from datetime import datetime
@@ -55,6 +56,18 @@ class Tokenizer:
         if isinstance(tpl, list):  # named templates: take the default one
             tpl = next((t["template"] for t in tpl if t.get("name") == "default"), tpl[0]["template"] if tpl else None)
         return tpl
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer rendering chats with ``template`` instead of the checkpoint's (``--chat-template``); a
+        template that does not parse raises CheckpointError."""
+        other = copy.copy(self)
+        other.chat_template = template
+        other.__dict__.pop("_template", None)
+        try:
+            other._template
+        except jinja2.exceptions.TemplateError as e:
+            raise CheckpointError(f"chat template: {e}") from None
+        return other
 
     @property
     def vocab_size(self) -> int:
@@ -126,6 +139,19 @@ class Tokenizer:
         """Token ids of the rendered chat; the template supplies special tokens itself."""
         return self.encode(self.render_chat(messages, add_generation_prompt, continue_final, **kwargs),
                            add_special_tokens=False)
+
+
+def load_chat_template(spec: str) -> str:
+    """``--chat-template``'s value (vLLM's rule): the text of the file it names, else the template itself, which
+    must then look like one (Jinja's ``{{`` or ``{%``)."""
+    try:
+        if Path(spec).is_file():
+            return Path(spec).read_text()
+    except OSError:  # a template too long to be a path
+        pass
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise CheckpointError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")
 
 
 def _decoder_kind(decoder: dict | None) -> str | None:

@@ -384,6 +384,8 @@ def test_offline_chat_passes_tools_to_the_template(tiny_dirs, tmp_path):
     without, = llm.chat(msgs, SamplingParams(max_tokens=1))
     assert '"name": "get_weather"' in llm.tokenizer.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
     assert "<tools>" not in llm.tokenizer.decode(without.prompt_token_ids, skip_special_tokens=False)
+    other, = llm.chat(msgs, SamplingParams(max_tokens=1), chat_template="Q: {{ messages[-1]['content'] }}\nA:")
+    assert llm.tokenizer.decode(other.prompt_token_ids) == "Q: Weather in Paris?\nA:"
 
 
 def test_llama3_template_calls_through_the_frontend(tiny_dirs, tmp_path):
@@ -640,3 +642,54 @@ def test_a_call_cut_by_max_tokens_streams_as_written_and_finishes_with_length(he
     choice = chat(http, **ask()).json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == cut
     assert not choice["message"].get("tool_calls")
+
+
+# --- --chat-template and --tool-call-parser ---------------------------------------------------------------------
+def test_a_chat_template_given_to_the_server_brings_tool_calling_to_a_model_without_one(tiny_dirs, tmp_path):
+    """The checkpoint's template renders no tools (a 400); served with a Hermes-style template (vLLM's
+    --chat-template) the tools reach the prompt and the calls come back."""
+    http, fake, tok = serve(tiny_dirs, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat(http, **ask()).status_code == 400
+    (tmp_path / "other").mkdir()
+    http, fake, tok = serve(tiny_dirs, tmp_path / "other", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                            chat_template=HERMES_TEMPLATE)
+    fake.reply = CALL
+    choice = chat(http, **ask()).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == \
+        "get_weather"
+    assert "<tools>" in tok.decode(fake.prompts[-1], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("parser, reply, calls", [
+    ("none", CALL, None),  # tools refused: no markup to parse
+    ("llama3_json", LLAMA_CALL, [{"city": "Paris"}]),  # named, whatever the template says
+    ("auto", CALL, [{"city": "Paris"}]),
+])
+def test_the_tool_call_parser_can_be_named(tiny_dirs, tmp_path, parser, reply, calls):
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, tool_call_parser=parser)
+    fake.reply = reply
+    r = chat(http, **ask())
+    if calls is None:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        return
+    got = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in got] == calls
+
+
+def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(tiny_dirs, tmp_path):
+    from dualpath.cli import build_parser
+    from dualpath.errors import CheckpointError
+    from dualpath.serving.serve import chat_options
+    from dualpath.tokenizer import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text(HERMES_TEMPLATE)
+    args = build_parser().parse_args(["serve", "--chat-template", str(f), "--tool-call-parser", "hermes"])
+    assert chat_options(args) == dict(reasoning_parser="auto", tool_call_parser="hermes", chat_template=HERMES_TEMPLATE)
+    assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(CheckpointError, match="neither a file nor"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(CheckpointError, match="chat template"):
+        Tokenizer(tiny_dirs["llama"]).with_chat_template("{% for m in messages %}")
+    llm_tok = Tokenizer(tiny_dirs["llama"]).with_chat_template("<{{ messages[0]['content'] }}>")
+    assert llm_tok.render_chat([{"role": "user", "content": "hi"}]) == "<hi>"

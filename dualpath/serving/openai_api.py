@@ -60,6 +60,8 @@ class FrontendConfig:
     max_stored_responses: int = 1024  # /v1/responses kept for GET and previous_response_id
     responses_dir: str | None = None  # where they are kept (shared by every frontend); None: this process's memory
     reasoning_parser: str = "auto"  # "think": split <think> blocks from chat replies; "auto": if the template has them
+    chat_template: str | None = None  # renders chats instead of the checkpoint's template (--chat-template)
+    tool_call_parser: str = "auto"  # the tool-call markup (dualpath.serving.tools.TOOL_PARSERS); auto: the template's
 
 
 class Frontend:
@@ -67,7 +69,9 @@ class Frontend:
         self.cfg = cfg
         self.client = client or ClusterClient(cfg.scheduler)
         self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
-        self.tool_markup = tool_markup(self.tokenizer.chat_template)
+        if cfg.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(cfg.chat_template)
+        self.tool_markup = tool_markup(self.tokenizer.chat_template, cfg.tool_call_parser)
         self.reasons = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and
                                                            knows_thinking(self.tokenizer.chat_template))
         self.created = int(time.time())

@@ -353,8 +353,15 @@ def _call_schema(functions: list[dict], arguments: str) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def tool_markup(template: str | None) -> ToolMarkup | None:
-    """The tool-call markup a chat template teaches its model, or None where it renders no tools we can parse."""
+TOOL_PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "deepseek_v3": lambda: DeepSeekV3(code_block=True),
+                "deepseek_v31": lambda: DeepSeekV3(code_block=False)}  # --tool-call-parser's names (vLLM's)
+
+
+def tool_markup(template: str | None, parser: str = "auto") -> ToolMarkup | None:
+    """The tool-call markup a chat template teaches its model, or None where it renders no tools we can parse;
+    ``parser`` names one instead (``TOOL_PARSERS``; "none": no tool calling)."""
+    if parser != "auto":
+        return TOOL_PARSERS[parser]() if parser != "none" else None
     if not template:
         return None
     if Hermes.OPEN in template:
