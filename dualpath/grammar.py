@@ -792,6 +792,9 @@ class _Compiler:
         target = self.root
         for part in ref[2:].split("/") if ref != "#" else ():
             part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]  # into an anyOf's list
+                continue
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError(f"{where}: $ref {ref!r} points nowhere")
             target = target[part]

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dualpath.grammar import Grammar
 from dualpath.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.tools import DeepSeekV3, Hermes, Llama3Json, ToolCallSplitter, tool_markup
@@ -693,3 +694,33 @@ def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(t
         Tokenizer(tiny_dirs["llama"]).with_chat_template("{% for m in messages %}")
     llm_tok = Tokenizer(tiny_dirs["llama"]).with_chat_template("<{{ messages[0]['content'] }}>")
     assert llm_tok.render_chat([{"role": "user", "content": "hi"}]) == "<hi>"
+
+
+@pytest.mark.parametrize("n_tools", [1, 2])
+def test_tools_with_nested_pydantic_parameters_can_be_forced(hermes, n_tools):
+    """pydantic writes a nested model as a ``$ref`` into its ``$defs`` (what agent frameworks send as a tool's
+    parameters): placed inside the call object's schema, the references are rebased and the call validates."""
+    import jsonschema
+    import pydantic
+
+    class Place(pydantic.BaseModel):
+        city: str
+        near: "Place | None" = None
+
+    class Trip(pydantic.BaseModel):
+        start: Place
+        stops: list[Place]
+
+    http, fake, _ = hermes
+    params = Trip.model_json_schema()
+    assert "$defs" in params
+    tools = [{"type": "function", "function": {"name": f"plan{i}", "parameters": params}} for i in range(n_tools)]
+    fake.reply = '<tool_call>\n{"name": "plan0", "arguments": {"start": {"city": "Oslo"}, "stops": []}}\n</tool_call>'
+    r = chat(http, messages=[{"role": "user", "content": "plan"}], tools=tools, tool_choice="required")
+    assert r.status_code == 200, r.text
+    grammar = Grammar.compile(json.loads(fake.samplings[-1].json_schema))
+    trip = {"start": {"city": "Oslo", "near": {"city": "Bergen"}}, "stops": [{"city": "Rome", "near": None}]}
+    jsonschema.validate(trip, params)
+    assert Grammar.complete(grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": trip}).encode()))
+    assert grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": {"start": {"town": "x"}}}).encode()) \
+        is None

@@ -345,12 +345,26 @@ def _closing(text: str, i: int, *marks: str) -> int:
 
 
 def _call_schema(functions: list[dict], arguments: str) -> dict:
-    """A call object's schema: the function's name and its arguments under ``arguments`` (the markup's key)."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", arguments],
-              "properties": {"name": {"const": f["name"]},
-                             arguments: f.get("parameters") or {"type": "object", "properties": {}}}}
-             for f in functions]
+    """A call object's schema: the function's name and its arguments under ``arguments`` (the markup's key). The
+    parameters' local ``$ref``s (pydantic's ``#/$defs/...`` for nested models) are rebased to where they now sit."""
+    def call(i: int, f: dict) -> dict:
+        at = f"#/properties/{arguments}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{arguments}"
+        return {"type": "object", "additionalProperties": False, "required": ["name", arguments],
+                "properties": {"name": {"const": f["name"]},
+                               arguments: _rebased(f.get("parameters") or {"type": "object", "properties": {}}, at)}}
+    calls = [call(i, f) for i, f in enumerate(functions)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _rebased(schema, base: str):
+    """``schema`` with each local ``$ref`` ("#..." JSON pointers) pointing into ``base`` (a pointer to where the
+    schema is placed in a larger one)."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+            for k, v in schema.items()}
 
 
 TOOL_PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "deepseek_v3": lambda: DeepSeekV3(code_block=True),
