@@ -47,11 +47,12 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 # modes (ints); LIT's node slot holds the literal suffixes still possible
 (VALUE, VALUE_OR_CLOSE, KEY_OR_CLOSE, KEY, COLON, AFTER, DONE, STR, STR_ESC, KEY_STR, KEY_ESC, KEY_NAME, LIT,
  NUM_MINUS, NUM_ZERO, NUM_INT, NUM_DOT, NUM_FRAC, NUM_E, NUM_SIGN, NUM_EXP, INT_MINUS, INT_ZERO, INT_DIGITS,
- PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U, CFG, FREE) = range(35)
+ PREFIX, SUFFIX, OPENING, THINKING, LEAD, REGEX, CSTR, CSTR_ESC, CSTR_U, CFG, FREE, TAG) = range(36)
 # PREFIX / SUFFIX / OPENING: fixed text (around the object; the <think> tag), the bytes still due in node;
 # THINKING: free text, node = bytes of </think> matched; LEAD: whitespace between the thinking and the output;
 # REGEX: a pattern's position (dualpath.regex) in place of the object; CFG: a grammar's stack of positions
 # (dualpath.ebnf) in place of the object; FREE: free text around triggered objects, node = trigger bytes matched;
+# TAG: a branch's text before its object, node = (the bytes still due, the branch's root node);
 # CSTR (_ESC, _U): a string value under a StringRule, node = (its node, rule position, characters counted) and, while
 # reading \uXXXX, the value so far and the hex digits still due
 U_STR, U_KEY = 100, 200  # + hex digits still due after \u, in a value string or a key
@@ -197,7 +198,8 @@ class Grammar:
     before all of it (``thinking``, one of ``THINKING_MODES``). With ``trigger`` the output is free text instead,
     in which each ``prefix`` begins an object (then the ``suffix``, then free text again): tool calls a model may
     make or not (OpenAI's strict function calling with ``tool_choice`` "auto"); it may end wherever the text is
-    free."""
+    free. With ``branches`` (``compile``: texts, one per alternative of the schema's top-level ``anyOf``) the
+    object is one alternative's, after its text: a call whose function's name comes before its arguments."""
 
     def __init__(self, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "", trigger: bool = False):
         if thinking not in THINKING_MODES:
@@ -210,6 +212,7 @@ class Grammar:
         self.regex: Regex | None = None  # the output is text matching this pattern instead of a JSON object
         self.cfg: Cfg | None = None  # the output is a sentence of this grammar instead of a JSON object
         self.prefix, self.suffix, self.thinking, self.trigger = prefix, suffix, thinking, trigger
+        self.branches: tuple = ()  # (text, root node) per alternative (compile's branches)
 
     @classmethod
     def json_object(cls, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "",
@@ -218,9 +221,14 @@ class Grammar:
 
     @classmethod
     def compile(cls, schema, prefix: bytes = b"", suffix: bytes = b"", thinking: str = "",
-                trigger: bool = False) -> "Grammar":
+                trigger: bool = False, branches: tuple[bytes, ...] = ()) -> "Grammar":
         g = cls(prefix, suffix, thinking, trigger)
         g.root = _Compiler(g, schema).node(schema, "#")
+        if branches:
+            kind = g.nodes[g.root]
+            if kind[0] != "anyof" or len(kind[1]) != len(branches) or "anyOf" not in schema:
+                raise SchemaError(f"{len(branches)} branches need a top-level anyOf of as many schemas")
+            g.branches = tuple(zip(branches, kind[1]))
         for n in range(len(g.nodes)):
             g.alternatives(n)  # refuses $ref cycles now, not mid-generation
         if not all(g.nodes[n][0] == "object" for n in g.alternatives(g.root)):
@@ -268,6 +276,8 @@ class Grammar:
 
     def _begin(self, stack: tuple) -> list[Config]:
         """The output's first configurations (after its prefix)."""
+        if self.branches:
+            return [(TAG, (text, root), stack, 0) if text else (VALUE, root, stack, 0) for text, root in self.branches]
         if self.cfg is not None:
             return self._frames([self.cfg.start()], stack)
         if self.regex is None:
@@ -361,6 +371,11 @@ class Grammar:
             return self._positions(self.regex.next(node, b), stack)
         if mode == CFG:
             return self._frames(self.cfg.step(node, b), stack)
+        if mode == TAG:
+            text, root = node
+            if b != text[0]:
+                return []
+            return [(TAG, (text[1:], root), stack, 0)] if len(text) > 1 else [(VALUE, root, stack, 0)]
         if mode == FREE:  # free text: anything, until the trigger (the prefix) is spelled and an object begins
             if b == self.prefix[node]:
                 return [(FREE, node + 1, (), 0)] if node + 1 < len(self.prefix) else self._begin(())

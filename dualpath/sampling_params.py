@@ -26,7 +26,9 @@ class SamplingParams:
     of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
     fixed text the constrained output starts / ends with around the object (a forced tool call's markup);
     ``json_trigger``: the output is free text instead, in which each ``json_prefix`` begins an object (then
-    ``json_suffix``, then free text again): strict tool calls the model may or may not make.
+    ``json_suffix``, then free text again): strict tool calls the model may or may not make. ``json_branches``:
+    texts, one per alternative of the schema's top-level ``anyOf``, each written before an object of its
+    alternative (a function's name before its arguments).
     ``json_thinking`` lets a reasoning model think before that output (unconstrained, up to ``</think>``): "open"
     when the prompt opened the ``<think>`` block, "optional" when the reply may open one itself; "" constrains from
     the first token.
@@ -68,6 +70,7 @@ class SamplingParams:
     json_suffix: str = ""
     json_thinking: str = ""
     json_trigger: bool = False
+    json_branches: tuple[str, ...] = ()
     regex: str | None = None
     grammar: str | None = None
     presence_penalty: float = 0.0
@@ -112,6 +115,8 @@ class SamplingParams:
                                f"or grammar", field="response_format")
         if self.json_trigger and not (self.json_prefix and (self.json_object or self.json_schema is not None)):
             raise RequestError("json_trigger needs json_prefix and json_object or json_schema", field="tools")
+        if self.json_branches and self.json_schema is None:
+            raise RequestError("json_branches need json_schema", field="tools")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
         self._check_adjustments()

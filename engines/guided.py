@@ -365,18 +365,19 @@ class GuideSource:
             return None
         self.warm()
         key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking,
-               params.regex, params.grammar, params.json_trigger)
+               params.regex, params.grammar, params.json_trigger, tuple(b.encode() for b in params.json_branches))
         build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
         return self._compiled.get(key, build).guide()
 
 
 def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str,
-                    regex: str | None = None, grammar: str | None = None, trigger: bool = False) -> Grammar:
+                    regex: str | None = None, grammar: str | None = None, trigger: bool = False,
+                    branches: tuple[bytes, ...] = ()) -> Grammar:
     if grammar is not None:
         return Grammar.ebnf(grammar, prefix, suffix, thinking)
     if regex is not None:
         return Grammar.pattern(regex, prefix, suffix, thinking)
     if schema is None:
         return Grammar.json_object(prefix, suffix, thinking, trigger)
-    return Grammar.compile(json.loads(schema), prefix, suffix, thinking, trigger)
+    return Grammar.compile(json.loads(schema), prefix, suffix, thinking, trigger, branches)
 

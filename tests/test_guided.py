@@ -676,16 +676,13 @@ def test_forced_tool_calls_from_a_model_parse_as_one_valid_call(tiny_dirs, marku
                  {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
                                                       "required": ["zone"], "additionalProperties": False}}]
     m = {"hermes": Hermes(), "llama3": Llama3Json(), "deepseek_v3": DeepSeekV3()}[markup]
-    if markup == "deepseek_v3":  # its call names the function before the arguments: one function at a time
-        functions = functions[:1]
-    prefix, schema, suffix = m.forced(functions)
-    assert (prefix, suffix) == {"hermes": ("<tool_call>\n", "\n</tool_call>"), "llama3": ("", "")}.get(markup,
-                                                                                                   (prefix, suffix))
+    shape = m.forced(functions)  # DeepSeek's names the function before the arguments: a branch per function
+    assert (shape.prefix, shape.suffix) == {"hermes": ("<tool_call>\n", "\n</tool_call>"), "llama3": ("", "")}.get(
+        markup, (shape.prefix, shape.suffix))
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     calls = 0
     for seed in range(4):
-        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=400, json_schema=json.dumps(schema),
-                                json_prefix=prefix, json_suffix=suffix)
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=400, **shape.sampling())
         for o in llm.generate(["x", "yy"], params):
             if o.finish_reason != "stop":
                 continue

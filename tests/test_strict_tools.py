@@ -10,7 +10,7 @@ import pytest
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
 from dualpath.grammar import Grammar
-from dualpath.serving.tools import Hermes
+from dualpath.serving.tools import DeepSeekV3, Hermes
 from engines.guided import GrammarMasks, Vocabulary
 from test_tools import HERMES_TEMPLATE, LLAMA3_TEMPLATE, WEATHER, chat, serve
 
@@ -21,8 +21,8 @@ FUNCTIONS = [{"name": "get_weather", "parameters": PARAMS}, {"name": "get_time",
 
 
 def hermes_grammar() -> Grammar:
-    trigger, schema, suffix = Hermes().triggered(FUNCTIONS)
-    return Grammar.compile(schema, trigger.encode(), suffix.encode(), trigger=True)
+    shape = Hermes().triggered(FUNCTIONS)
+    return Grammar.compile(shape.schema, shape.prefix.encode(), shape.suffix.encode(), trigger=True)
 
 
 @pytest.mark.parametrize("text, ok, may_end", [
@@ -121,3 +121,35 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(tiny_dirs, tmp_path):
     http, fake, _ = serve(tiny_dirs, tmp_path / "llama", LLAMA3_TEMPLATE)
     fake.reply = "Sunny."
     assert chat(http, **ask, tools=[strict(WEATHER)]).status_code == 200 and not fake.samplings[-1].structured
+
+
+B, E, C, S, CE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
+    "<｜tool▁call▁end｜>"
+
+
+@pytest.mark.parametrize("code_block", [True, False])
+def test_deepseek_calls_name_their_function_first_each_branch_holding_its_own_schema(code_block):
+    """DeepSeek writes the name before the arguments: after the call's begin tag the text is one function's name
+    (a branch), then that function's arguments: another's schema, or a name not offered, is refused."""
+    shape = DeepSeekV3(code_block).triggered(FUNCTIONS)
+    g = Grammar.compile(shape.schema, shape.prefix.encode(), shape.suffix.encode(), trigger=True,
+                        branches=tuple(b.encode() for b in shape.branches))
+
+    def call(name, args):
+        return C + (f"function{S}{name}\n```json\n{args}\n```" if code_block else f"{name}{S}{args}") + CE
+    text = "Let me look." + B + call("get_weather", '{"city": "Oslo"}') + call("get_time", '{"zone": 1}') + E + " Ok"
+    state = g.run(g.start, text.encode())
+    assert state is not None and Grammar.may_end(state)
+    assert g.run(g.start, (B + call("get_weather", '{"zone": 1}')).encode()) is None  # get_time's arguments
+    assert g.run(g.start, (B + call("launch", "{}")).encode()) is None
+    assert not Grammar.may_end(g.run(g.start, (B + call("get_weather", '{"city": "Oslo"}')[:-3]).encode()))
+
+
+def test_deepseek_strict_tools_reach_the_sampling_parameters(tiny_dirs, tmp_path):
+    from test_tools import DEEPSEEK31_TEMPLATE
+
+    http, fake, _ = serve(tiny_dirs, tmp_path, DEEPSEEK31_TEMPLATE)
+    fake.reply = "Sunny."
+    assert chat(http, messages=[{"role": "user", "content": "Weather?"}], tools=[strict(WEATHER)]).status_code == 200
+    s = fake.samplings[-1]
+    assert s.json_trigger and s.json_prefix == C and s.json_branches == (f"get_weather{S}",) and s.json_suffix == CE

@@ -465,7 +465,7 @@ def test_deepseek_streamed_in_any_pieces_the_result_is_the_same():
 def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, reply, prefix, suffix):
     """The markup is recognised from each template's form; calls come back as tool_calls and go back into the
     template; a named (forced) call's prefix names the function, its schema is the parameters; "required" with
-    several tools cannot be written (the name precedes the arguments) and is a 400."""
+    several tools offers a branch per tool (its name, then its parameters' object)."""
     http, fake, tok = serve(tiny_dirs, tmp_path, template)
     assert isinstance(tool_markup(template), DeepSeekV3)
     fake.reply = reply
@@ -482,13 +482,19 @@ def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, 
     r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
              tool_choice={"type": "function", "function": {"name": "get_time"}})
     s = fake.samplings[-1]
-    assert (s.json_prefix, s.json_suffix) == (prefix, suffix) and json.loads(s.json_schema) == \
-        CLOCK["function"]["parameters"]
+    assert (s.json_prefix + "".join(s.json_branches), s.json_suffix) == (prefix, suffix)
+    assert json.loads(s.json_schema) == {"anyOf": [CLOCK["function"]["parameters"]]}
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
     r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], tool_choice="required")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[CLOCK], tool_choice="required")
-    assert r.status_code == 200 and fake.samplings[-1].json_prefix == prefix
+    assert r.status_code == 200, r.text
+    s = fake.samplings[-1]
+    g = Grammar.compile(json.loads(s.json_schema), s.json_prefix.encode(), s.json_suffix.encode(),
+                        branches=tuple(b.encode() for b in s.json_branches))
+    assert len(s.json_branches) == 2 and Grammar.complete(g.run(g.start, (prefix + '{"zone": "UTC"}' + suffix).encode()))
+    weather = prefix.replace("get_time", "get_weather") + '{"city": "Oslo"}' + suffix
+    assert Grammar.complete(g.run(g.start, weather.encode()))
+    assert g.run(g.start, (prefix.replace("get_time", "get_weather") + '{"zone": "UTC"}').encode()) is None
+    assert g.run(g.start, prefix.replace("get_time", "launch").encode()) is None
 
 
 # --- calls streamed as they are written ---------------------------------------------------------------------

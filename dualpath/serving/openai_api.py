@@ -486,17 +486,14 @@ class Frontend:
             return {}
         if self.tool_markup is None:
             return {}  # _tools refuses the request (no markup to write the call in)
-        try:
-            prefix, schema, suffix = self.tool_markup.forced(functions)
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+        shape = self.tool_markup.forced(functions)
         try:
             self.tokenizer.token_bytes
-            self._compiles("schema", schema)
+            self._compiles("schema", shape.schema)
         except (CheckpointError, RequestError) as e:
             raise ApiError(400, f"tool_choice {'required' if req.tool_choice == 'required' else 'named'}: {e}",
                            param="tools") from None
-        return {"json_schema": json.dumps(schema), "json_prefix": prefix, "json_suffix": suffix}
+        return shape.sampling()
 
     def _strict_calls(self, req: ChatRequest) -> dict:
         """Sampling fields that hold the calls a reply makes under ``tool_choice`` "auto" to the tools' schemas
@@ -508,17 +505,16 @@ class Frontend:
         functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
         if not any(f.get("strict") for f in functions):
             return {}
-        found = self.tool_markup.triggered([f if f.get("strict") else {**f, "parameters": {"type": "object"}}
+        shape = self.tool_markup.triggered([f if f.get("strict") else {**f, "parameters": {"type": "object"}}
                                             for f in functions])
-        if found is None:
+        if shape is None:
             return {}
-        trigger, schema, suffix = found
         try:
             self.tokenizer.token_bytes
-            self._compiles("schema", schema)
+            self._compiles("schema", shape.schema)
         except (CheckpointError, RequestError) as e:
             raise ApiError(400, f"strict tools: {e}", param="tools") from None
-        return {"json_schema": json.dumps(schema), "json_prefix": trigger, "json_suffix": suffix, "json_trigger": True}
+        return shape.sampling(trigger=True)
 
     # --- generation -----------------------------------------------------------------------------------------
     async def _generate(self, fan: Fanout, index: int, prompt: list[int],

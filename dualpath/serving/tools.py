@@ -29,8 +29,6 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
-from dualpath.errors import RequestError
-
 
 class ToolMarkup(ABC):
     """How one family of chat templates writes tool calls. ``ToolCallSplitter`` calls these with the whole reply so
@@ -54,16 +52,14 @@ class ToolMarkup(ABC):
         allowed where the markup allows it (it is content)."""
 
     @abstractmethod
-    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
-        """One call to one of ``functions`` (OpenAI function objects: name, parameters) as structured output: the
-        text before the call's JSON object, the object's schema, the text after (``tool_choice`` "required" or
-        named)."""
+    def forced(self, functions: list[dict]) -> CallShape:
+        """One call to one of ``functions`` (OpenAI function objects: name, parameters) as structured output
+        (``tool_choice`` "required" or named)."""
 
-    def triggered(self, functions: list[dict]) -> tuple[str, dict, str] | None:
+    def triggered(self, functions: list[dict]) -> CallShape | None:
         """Calls to ``functions`` the model may make or not, each held to its schema once begun (strict tools with
-        ``tool_choice`` "auto"): the text that begins a call (its first character occurs once in it), the call
-        object's schema, the text after it. None where a call cannot be recognised as it begins in free text
-        (the calls are the whole reply, or the name comes before the arguments)."""
+        ``tool_choice`` "auto"): the shape's prefix is what begins a call in free text (its first character occurs
+        once in it). None where a call cannot be recognised as it begins (the calls are the whole reply)."""
         return None
 
 
@@ -88,11 +84,11 @@ class Hermes(ToolMarkup):
                 return out, pos == -1
         return out, True
 
-    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
-        return self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE
+    def forced(self, functions: list[dict]) -> CallShape:
+        return CallShape(self.OPEN + "\n", _call_schema(functions, "arguments"), "\n" + self.CLOSE)
 
-    def triggered(self, functions: list[dict]) -> tuple[str, dict, str] | None:
-        return self.OPEN, _call_schema(functions, "arguments"), "\n" + self.CLOSE  # the object may start on a new line
+    def triggered(self, functions: list[dict]) -> CallShape | None:
+        return CallShape(self.OPEN, _call_schema(functions, "arguments"), "\n" + self.CLOSE)  # JSON may start "\n"
 
 
 class Llama3Json(ToolMarkup):
@@ -122,8 +118,8 @@ class Llama3Json(ToolMarkup):
                 return out, True
             pos = d.end
 
-    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
-        return "", _call_schema(functions, "parameters"), ""
+    def forced(self, functions: list[dict]) -> CallShape:
+        return CallShape("", _call_schema(functions, "parameters"), "")
 
 
 class DeepSeekV3(ToolMarkup):
@@ -179,16 +175,34 @@ class DeepSeekV3(ToolMarkup):
         close = -1 if end < 0 else _closing(held, end, *(("```", self.CALL_END) if fenced else (self.CALL_END,)))
         return replace(draft, end=max(close, -1)), close
 
-    def forced(self, functions: list[dict]) -> tuple[str, dict, str]:
-        if len(functions) != 1:  # the name precedes the JSON here: a grammar of one object cannot choose it
-            raise RequestError("tool_choice 'required' with several tools is not supported for DeepSeek's call "
-                               "markup (the name comes before the arguments); name one function", field="tool_choice")
-        f = functions[0]
-        schema = f.get("parameters") or {"type": "object", "properties": {}}
-        if self.code_block:
-            return (f"{self.CALLS}{self.CALL}function{self.SEP}{f['name']}\n```json\n", schema,
-                    f"\n```{self.CALL_END}{self.CALLS_END}")
-        return f"{self.CALLS}{self.CALL}{f['name']}{self.SEP}", schema, f"{self.CALL_END}{self.CALLS_END}"
+    def forced(self, functions: list[dict]) -> CallShape:
+        shape = self.triggered(functions)
+        return replace(shape, prefix=self.CALLS + shape.prefix, suffix=shape.suffix + self.CALLS_END)
+
+    def triggered(self, functions: list[dict]) -> CallShape:
+        """The name comes before the arguments: a branch per function (its name, then its parameters' object)."""
+        names = [f"function{self.SEP}{f['name']}\n```json\n" if self.code_block else f"{f['name']}{self.SEP}"
+                 for f in functions]
+        schema = {"anyOf": [_rebased(f.get("parameters") or {"type": "object", "properties": {}}, f"#/anyOf/{i}")
+                            for i, f in enumerate(functions)]}
+        return CallShape(self.CALL, schema, ("\n```" if self.code_block else "") + self.CALL_END, tuple(names))
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """A call to one of the request's functions as structured output: ``prefix`` (or, triggered, what begins a
+    call in free text), then, with ``branches``, the text of one (naming its function) before an object of the
+    schema's matching ``anyOf`` alternative, else the object of ``schema``; then ``suffix``."""
+
+    prefix: str
+    schema: dict
+    suffix: str
+    branches: tuple[str, ...] = ()
+
+    def sampling(self, trigger: bool = False) -> dict:
+        """The ``SamplingParams`` fields that constrain a reply to it."""
+        return {"json_schema": json.dumps(self.schema), "json_prefix": self.prefix, "json_suffix": self.suffix,
+                "json_branches": self.branches, **({"json_trigger": True} if trigger else {})}
 
 
 def partial_tag(text: str, *tags: str) -> int:
