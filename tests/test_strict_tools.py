@@ -153,3 +153,32 @@ def test_deepseek_strict_tools_reach_the_sampling_parameters(tiny_dirs, tmp_path
     assert chat(http, messages=[{"role": "user", "content": "Weather?"}], tools=[strict(WEATHER)]).status_code == 200
     s = fake.samplings[-1]
     assert s.json_trigger and s.json_prefix == C and s.json_branches == (f"get_weather{S}",) and s.json_suffix == CE
+
+
+def test_vllms_structural_tag_format_holds_what_each_trigger_begins(tiny_dirs, tmp_path):
+    """response_format structural_tag (vLLM's): free text; a trigger begins one structure (the rest of its begin,
+    an object of its schema, its end). One trigger and one end are what the grammar holds; other forms are a 400
+    saying so. With tools it is allowed (it is how a custom call format is held)."""
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
+    fake.reply = "ok"
+    fmt = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": PARAMS, "end": "</function>"},
+        {"begin": "<function=get_time>", "schema": {"type": "object", "properties": {"zone": {"type": "string"}}},
+         "end": "</function>"}]}
+    ask = dict(messages=[{"role": "user", "content": "hi"}])
+    assert chat(http, **ask, response_format=fmt).status_code == 200
+    s = fake.samplings[-1]
+    assert s.json_trigger and s.json_prefix == "<function=" and s.json_branches == ("get_weather>", "get_time>")
+    g = Grammar.compile(json.loads(s.json_schema), s.json_prefix.encode(), s.json_suffix.encode(), trigger=True,
+                        branches=tuple(b.encode() for b in s.json_branches))
+    text = 'Sure. <function=get_time>{"zone": "UTC"}</function> and <function=get_weather>{"city": "Oslo"}</function>'
+    assert Grammar.may_end(g.run(g.start, text.encode()))
+    assert g.run(g.start, b'<function=get_time>{"city": "Oslo"}') is not None  # get_time takes any properties
+    assert g.run(g.start, b'<function=get_weather>{"zone": "UTC"}') is None
+    assert chat(http, **ask, response_format=fmt, tools=[WEATHER]).status_code == 200
+    for bad in ({**fmt, "triggers": ["<a", "<b"]}, {**fmt, "structures": [{**fmt["structures"][0], "end": "!"},
+                                                                          fmt["structures"][1]]},
+                {**fmt, "triggers": ["<function"], "structures": [{**fmt["structures"][0], "begin": "<fn=x>"}]},
+                {"type": "structural_tag", "triggers": ["<f"]}):
+        r = chat(http, **ask, response_format=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

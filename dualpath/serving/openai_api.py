@@ -40,7 +40,7 @@ from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
                                         item_page, remap_param, to_chat, without_exchanges)
-from dualpath.serving.tools import ToolCallSplitter, tool_markup
+from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_markup
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
 log = logging.getLogger(__name__)
@@ -444,7 +444,7 @@ class Frontend:
             call = (self._forced_call(req) or self._strict_calls(req)) if kind == "chat" else {}
             return {**call, "json_thinking": thinking} if call else {}
         field, mode, what = asked
-        if kind == "chat" and req.calls_tools():
+        if kind == "chat" and req.calls_tools() and mode != "structural_tag":  # a structural tag may hold the calls
             raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not what "
                                 "it constrains; send one or the other (or tool_choice 'none')", param=field)
         try:
@@ -458,6 +458,10 @@ class Frontend:
             if mode == "grammar":
                 self._compiles("grammar", what)
                 return {"grammar": what, "json_thinking": thinking}
+            if mode == "structural_tag":
+                shape = structural_shape(*what)
+                self._compiles("schema", shape.schema)
+                return {**shape.sampling(trigger=True), "json_thinking": thinking}
             self._compiles("schema", what)
             return {"json_schema": json.dumps(what), "json_thinking": thinking}
         except (CheckpointError, RequestError) as e:

@@ -39,19 +39,32 @@ class JsonSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
+class StructuralTag(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``json_object`` constrains the reply to one JSON object (JSON mode),
     ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs; ``dualpath.grammar`` lists the
-    keywords enforced, others are a 400). Enforced whatever ``strict`` says."""
+    keywords enforced, others are a 400). Enforced whatever ``strict`` says. vLLM's ``structural_tag``: free text
+    in which a ``trigger`` begins one of the ``structures`` (its ``begin`` text, an object of its ``schema``, its
+    ``end``), then free text again."""
 
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[JsonSchemaFormat] = None
+    structures: Optional[list[StructuralTag]] = None
+    triggers: Optional[list[str]] = None
 
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object (name, schema)")
+        if self.type == "structural_tag" and not (self.structures and self.triggers):
+            raise ValueError("type 'structural_tag' needs structures and triggers")
         return self
 
 
@@ -233,7 +246,10 @@ class _Common(BaseModel):
         """Every structured-output ask in the body: (field, kind, what constrains it): "json_object" (None),
         "json_schema" (the schema), "regex" (the pattern), "choice" (the list of strings) or "grammar" (GBNF)."""
         out, fmt, so = [], self.response_format, self.structured_outputs or {}
-        if fmt is not None and fmt.type != "text":
+        if fmt is not None and fmt.type == "structural_tag":
+            out.append(("response_format", fmt.type, ([s.model_dump(by_alias=True) for s in fmt.structures],
+                                                      fmt.triggers)))
+        elif fmt is not None and fmt.type != "text":
             schema = (fmt.json_schema.schema_ or {"type": "object"}) if fmt.json_schema else None
             out.append(("response_format", fmt.type, schema))
         if self.guided_json is not None:

@@ -29,6 +29,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
+from dualpath.errors import RequestError
+
 
 class ToolMarkup(ABC):
     """How one family of chat templates writes tool calls. ``ToolCallSplitter`` calls these with the whole reply so
@@ -203,6 +205,21 @@ class CallShape:
         """The ``SamplingParams`` fields that constrain a reply to it."""
         return {"json_schema": json.dumps(self.schema), "json_prefix": self.prefix, "json_suffix": self.suffix,
                 "json_branches": self.branches, **({"json_trigger": True} if trigger else {})}
+
+
+def structural_shape(structures: list[dict], triggers: list[str]) -> CallShape:
+    """vLLM's ``structural_tag`` response format as a triggered ``CallShape``: one trigger, which every structure's
+    ``begin`` starts with (the rest of it is the structure's branch), and one ``end`` for all (what the grammar can
+    hold; other forms are a RequestError naming why)."""
+    if len(triggers) != 1 or not triggers[0] or triggers[0].count(triggers[0][0]) != 1:
+        raise RequestError("structural_tag: one trigger is supported, whose first character occurs once in it",
+                           field="response_format")
+    trigger, ends = triggers[0], {s["end"] for s in structures}
+    if not all(s["begin"].startswith(trigger) for s in structures) or len(ends) != 1:
+        raise RequestError("structural_tag: every structure's begin must start with the trigger, and all must share "
+                           "one end", field="response_format")
+    schema = {"anyOf": [_rebased(s["schema"], f"#/anyOf/{i}") for i, s in enumerate(structures)]}
+    return CallShape(trigger, schema, ends.pop(), tuple(s["begin"][len(trigger):] for s in structures))
 
 
 def partial_tag(text: str, *tags: str) -> int:
