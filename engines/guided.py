@@ -132,6 +132,7 @@ class GrammarMasks:
         self._classes: dict = {}  # pattern (-1: the grammar's, else a string rule's node) -> its byte classes
         self._sequences: dict = {}  # pattern -> the tokens it may read as class sequences (ClassSequences)
         self._loops: dict = {}  # bytes into a loop (256 bits) -> the tokens made of them, the rest and its bytes
+        self._bits: list[int] | None = None  # the bytes of each of the grammar's own byte classes
 
     def guide(self) -> "Guide":
         return Guide(self)
@@ -226,18 +227,25 @@ class GrammarMasks:
 
     def _most_taken(self, state: State) -> tuple[State | None, int]:
         """The state most bytes lead to from ``state``, and those bytes (256 bits)."""
-        table, reps = self._byte_classes(-1)
+        _, reps = self._byte_classes(-1)
         into: dict = {}
-        for k in range(len(reps)):
+        for k, bits in enumerate(self._class_bits()):
             after = self.grammar.step(state, reps[k])
             if after is not None:
-                into[after] = into.get(after, 0) | sum(1 << b for b in range(256) if table[b] == k)
+                into[after] = into.get(after, 0) | bits
         return max(into.items(), key=lambda kv: kv[1].bit_count(), default=(None, 0))
 
     def _loop_bytes(self, state: State) -> int:
         """The bytes that lead ``state`` back to itself."""
-        table, reps = self._byte_classes(-1)
-        return sum(1 << b for b in range(256) if self.grammar.step(state, reps[table[b]]) == state)
+        _, reps = self._byte_classes(-1)
+        return sum(bits for k, bits in enumerate(self._class_bits()) if self.grammar.step(state, reps[k]) == state)
+
+    def _class_bits(self) -> list[int]:
+        """The bytes of each of the grammar's own byte classes (256-bit sets)."""
+        if self._bits is None:
+            table, reps = self._byte_classes(-1)
+            self._bits = [sum(1 << b for b in range(256) if table[b] == k) for k in range(len(reps))]
+        return self._bits
 
     def _byte_classes(self, source: int) -> tuple[bytes, bytes]:
         """The pattern's byte classes (``Regex.byte_classes``); in a string, JSON's quote, backslash and control
@@ -338,7 +346,7 @@ class GuideSource:
         self._tokenizer, self._width, self._device, self._end_ids = tokenizer, width, device, tuple(end_ids)
         self._vocab: Vocabulary | None = None
         self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
-        self._compiled = Recent(schemas)  # by (schema, prefix, suffix, thinking, regex, grammar); JSON mode's: None
+        self._compiled = Recent(schemas)  # by compile_grammar's arguments (JSON mode's schema is None)
         self._masks = Recent()
         self._lock = threading.Lock()
 
