@@ -17,6 +17,7 @@ from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
 from dualpath.ebnf import Cfg
+from dualpath.grammar import Grammar
 from dualpath.regex import choice_pattern
 from serve_process import ServeProcess, alive
 
@@ -190,21 +191,32 @@ def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mod
 
 
 def test_patterns_and_choices_through_the_cluster_equal_the_reference(tiny, reference):
-    """guided_regex, guided_choice and guided_grammar on both read paths: the prefill engine's first token may already be the end
-    token's turn (a choice of one character) or the start of a match the decode engine ends with the end token."""
+    """guided_regex, guided_choice, guided_grammar and a structural tag on both read paths: the prefill engine's
+    first token may already be the end token's turn (a choice of one character), the start of a match the decode
+    engine ends with the end token, or free text in which the decode engine meets the trigger."""
     c = client(tiny)
     messages = [{"role": "user", "content": "pick one"}]
     ids = reference.tokenizer.apply_chat_template(messages)
     choices, grammar = ["y", "yes", "no"], 'root ::= ("y" | "n") item*\nitem ::= "," [0-9]'
+    number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["@"], "structures": [{"begin": "@a", "schema": number, "end": "!"},
+                                                                       {"begin": "@b", "schema": number, "end": "!"}]}
+    tagged = dict(json_schema=json.dumps({"anyOf": [number, number]}), json_prefix="@", json_suffix="!",
+                  json_branches=("a", "b"), json_trigger=True)
+    bias = {"logit_bias": {str(ord("@")): 3.0}}  # the tiny tokenizer: a token a byte
+    tag_grammar = Grammar.compile({"anyOf": [number, number]}, b"@", b"!", trigger=True, branches=(b"a", b"b"))
     asks = ((dict(guided_regex=r"\d+"), dict(regex=r"\d+"), lambda t: re.fullmatch(r"\d+", t, re.ASCII)),
             (dict(guided_choice=choices), dict(regex=choice_pattern(choices)), lambda t: t in choices),
-            (dict(guided_grammar=grammar), dict(grammar=grammar), lambda t: Cfg(grammar).fullmatch(t.encode())))
+            (dict(guided_grammar=grammar), dict(grammar=grammar), lambda t: Cfg(grammar).fullmatch(t.encode())),
+            (dict(response_format=tag, **bias), dict(tagged, logit_bias=((ord("@"), 3.0),)),
+             lambda t: tag_grammar.run(tag_grammar.start, t.encode()) is not None and "@" in t))
     for mode, ((extra, params, valid), seed) in itertools.product(("pe", "de"), itertools.product(asks, (1, 5))):
         want = reference.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=40, **params))[0]
         got = c.chat.completions.create(model="llama", messages=messages, max_tokens=40, temperature=1.0, seed=seed,
                                         extra_body={**extra, "dualpath": {"mode": mode}}).choices[0]
-        assert got.message.content == want.text and got.finish_reason == want.finish_reason == "stop", (mode, extra)
-        assert valid(got.message.content)
+        assert got.message.content == want.text and got.finish_reason == want.finish_reason, (mode, extra)
+        assert valid(got.message.content) and (got.finish_reason == "stop" or "json_trigger" in params)
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])
