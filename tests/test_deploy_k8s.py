@@ -25,7 +25,8 @@ VALUES = {
     "2p4d": ["-f", str(CHART / "values-2p4d.yaml")],
     "sriov-cpu": ["--set", "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
                   "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
-                  "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824"],
+                  "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
+                  "frontend.extraArgs={--tool-call-parser,hermes}"],
 }
 
 # The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses (from the CRD's openAPIV3Schema).
@@ -93,7 +94,7 @@ def expand(arg: str) -> str:
 
 
 def test_every_command_line_parses_with_the_cli(rendered):
-    _, _, objs = rendered
+    name, _, objs = rendered
     parser, seen = build_parser(), set()
     for obj in objs.values():
         if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
@@ -108,6 +109,8 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 engine = parser.parse_args(["engine", "--role", args.role, "--scheduler", args.scheduler, *extra])
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
+            if args.command == "frontend":  # frontend.extraArgs reach it
+                assert args.tool_call_parser == ("hermes" if name == "sriov-cpu" else "auto")
     assert {"scheduler", "frontend", "node", "status"} <= seen
 
 

@@ -28,6 +28,7 @@
 : "${DUALPATH_SCHEDULER_PORT:=50051}"
 : "${DUALPATH_SCHEDULER_HTTP_PORT:=9400}"         # the scheduler's /metrics
 : "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
+: "${DUALPATH_FRONTEND_ARGS:=}"                   # more `dualpath frontend` options, e.g. "--tool-call-parser hermes"
 : "${DUALPATH_START_TIMEOUT:=900}"
 : "${DUALPATH_RUN_DIR:=$DUALPATH_SHARED_DIR/run-${SLURM_JOB_ID:-local}}"  # logs, and the endpoint file
 : "${DUALPATH:=dualpath}"                         # the command (a venv's bin/dualpath, or a container wrapper)
@@ -105,7 +106,7 @@ dualpath_cluster_up() {
 
   "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
     --responses-dir "$DUALPATH_KV_STORE/responses" --drain-timeout "$DUALPATH_DRAIN_TIMEOUT" \
-    $DUALPATH_MODEL_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
+    $DUALPATH_MODEL_ARGS $DUALPATH_FRONTEND_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
   DP_FRONTEND=$!; DP_PIDS+=($!)
   local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))
   until curl -sf "$url/health" >/dev/null 2>&1 || python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1])" "$url/health" 2>/dev/null; do
