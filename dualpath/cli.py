@@ -343,7 +343,7 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
                    help="render chats with this Jinja template (a file, or the template itself) instead of the "
                         "checkpoint's")
     p.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
+                   choices=["auto", "hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
                    help="the markup of the model's tool calls; auto: recognised from the chat template")
 
 

@@ -730,3 +730,56 @@ def test_tools_with_nested_pydantic_parameters_can_be_forced(hermes, n_tools):
     assert Grammar.complete(grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": trip}).encode()))
     assert grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": {"start": {"town": "x"}}}).encode()) \
         is None
+
+
+# --- Qwen3-Coder's XML calls ------------------------------------------------------------------------------------
+QWEN3_CODER_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "To call a function reply with:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+    "\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n<function={{ call['function']['name'] }}>\n"
+    "{% for k, v in call['function']['arguments'].items() %}<parameter={{ k }}>\n"
+    "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EDIT = {"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "dry_run": {"type": "boolean"},
+    "ranges": {"type": "array"}, "zip": {"type": "string"}, "ratio": {"type": ["number", "null"]}}}}}
+QWEN_CALL = ("<tool_call>\n<function=edit_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=line>\n42\n"
+             "</parameter>\n<parameter=dry_run>\nfalse\n</parameter>\n<parameter=ranges>\n[[1, 2]]\n</parameter>\n"
+             "<parameter=zip>\n01234\n</parameter>\n<parameter=ratio>\nnull\n</parameter>\n<parameter=body>\n"
+             "def f():\n    return 1\n</parameter>\n</function>\n</tool_call>")
+QWEN_ARGS = {"path": "src/a.py", "line": 42, "dry_run": False, "ranges": [[1, 2]], "zip": "01234", "ratio": None,
+             "body": "def f():\n    return 1"}
+
+
+def test_qwen3_coder_calls_are_typed_by_the_tools_parameters():
+    from dualpath.serving.tools import Qwen3Xml
+
+    markup = Qwen3Xml().for_tools({"edit_file": EDIT["function"]["parameters"]})
+    names = frozenset({"edit_file"})
+    content, calls = split_whole("Editing. " + QWEN_CALL + "\n" + QWEN_CALL, names, markup=markup)
+    assert content == "Editing. " and [json.loads(c["function"]["arguments"]) for c in calls] == [QWEN_ARGS] * 2
+    assert isinstance(tool_markup(QWEN3_CODER_TEMPLATE), Qwen3Xml)
+    streamed, got, s = stream_split("Editing. " + QWEN_CALL, markup, names)
+    assert streamed == "Editing. " and [json.loads(c["arguments"]) for c in got] == [QWEN_ARGS]
+    assert got[0]["at"][0] < len("Editing. <tool_call>\n<function=edit_file>") + 5  # named as soon as written
+    for bad in (QWEN_CALL.replace("edit_file", "rm_rf"), QWEN_CALL.replace("</function>", "</func>"),
+                QWEN_CALL[:-30]):
+        assert split_whole(bad, names, markup=markup) == (bad, [])
+
+
+def test_qwen3_coder_template_through_the_frontend(tiny_dirs, tmp_path):
+    http, fake, tok = serve(tiny_dirs, tmp_path, QWEN3_CODER_TEMPLATE)
+    fake.reply = QWEN_CALL
+    ask_edit = dict(messages=[{"role": "user", "content": "fix it"}], tools=[EDIT])
+    choice = chat(http, **ask_edit).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == QWEN_ARGS
+    history = [*ask_edit["messages"], choice["message"], {"role": "tool", "tool_call_id": "x", "content": "ok"}]
+    fake.reply = "Done."
+    assert chat(http, messages=history, tools=[EDIT]).status_code == 200
+    assert "<parameter=line>\n42\n</parameter>" in tok.decode(fake.prompts[-1], skip_special_tokens=False)
+    r = chat(http, **ask_edit, tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

@@ -394,7 +394,8 @@ class Frontend:
         """The tool-call parser of a chat request that offers tools (None otherwise)."""
         if kind != "chat" or not req.calls_tools():
             return None
-        return ToolCallSplitter(self.tool_markup, req.tool_names(), req.parallel_tool_calls)
+        params = {t.function.name: t.function.parameters or {} for t in req.tools}
+        return ToolCallSplitter(self.tool_markup.for_tools(params), req.tool_names(), req.parallel_tool_calls)
 
     def _thinking(self, kind: str, prompt: Prompt) -> str:
         """How a reasoning model's chat reply starts: "open" inside the think block its prompt opened, "optional"
@@ -490,7 +491,10 @@ class Frontend:
             return {}
         if self.tool_markup is None:
             return {}  # _tools refuses the request (no markup to write the call in)
-        shape = self.tool_markup.forced(functions)
+        try:
+            shape = self.tool_markup.forced(functions)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         try:
             self.tokenizer.token_bytes
             self._compiles("schema", shape.schema)

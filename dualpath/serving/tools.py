@@ -64,6 +64,11 @@ class ToolMarkup(ABC):
         once in it). None where a call cannot be recognised as it begins (the calls are the whole reply)."""
         return None
 
+    def for_tools(self, params: dict[str, dict]) -> "ToolMarkup":
+        """This markup for a request whose tools take ``params`` (name -> parameters schema): the same, unless
+        reading its calls needs their types."""
+        return self
+
 
 class Hermes(ToolMarkup):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -91,6 +96,77 @@ class Hermes(ToolMarkup):
 
     def triggered(self, functions: list[dict]) -> CallShape | None:
         return CallShape(self.OPEN, _call_schema(functions, "arguments"), "\n" + self.CLOSE)  # JSON may start "\n"
+
+
+class Qwen3Xml(Hermes):
+    """Qwen3-Coder's calls: ``<tool_call>``, ``<function=NAME>``, then per argument ``<parameter=KEY>`` its value
+    as text on its own lines ``</parameter>``, then ``</function>`` and ``</tool_call>``. A value is typed by the
+    tool's parameters (an integer, number, boolean, object or array as JSON; a string as written; an unknown key
+    as text), so the arguments come whole when the call ends. Nothing forces such a call: it is not JSON."""
+
+    FUNCTION, PARAMETER, PARAMETER_END, FUNCTION_END = "<function=", "<parameter=", "</parameter>", "</function>"
+
+    def __init__(self, params: dict[str, dict] | None = None):
+        self.params = params or {}
+
+    def for_tools(self, params: dict[str, dict]) -> "Qwen3Xml":
+        return Qwen3Xml(params)
+
+    def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
+        return _tagged_drafts(held, self.OPEN, self._draft)
+
+    def _draft(self, held: str, start: int) -> tuple[CallDraft, int]:
+        """One call from ``start`` and where its markup ends (-1 while open, -2 where it breaks)."""
+        draft = CallDraft(start, -1, None, "", False)
+        at = _closing(held, start + len(self.OPEN), self.FUNCTION)
+        name_end = held.find(">", at) if at >= 0 else -1
+        if name_end < 0:
+            return draft, -1 if at != -2 else -2
+        name, values, j = held[at:name_end].strip(), {}, name_end + 1
+        draft = replace(draft, name=name)
+        while True:
+            j = _skip_ws(held, j)
+            if self.PARAMETER.startswith(held[j:j + len(self.PARAMETER)]) and j + len(self.PARAMETER) > len(held):
+                return draft, -1  # the text ends inside "<parameter="
+            if not held.startswith(self.PARAMETER, j):
+                break
+            key_end = held.find(">", j)
+            close = held.find(self.PARAMETER_END, key_end) if key_end >= 0 else -1
+            if close < 0:
+                return draft, -1
+            value = held[key_end + 1:close]
+            values[held[j + len(self.PARAMETER):key_end].strip()] = value.removeprefix("\n").removesuffix("\n")
+            j = close + len(self.PARAMETER_END)
+        end = _closing(held, j, self.FUNCTION_END, self.CLOSE)
+        if end < 0:
+            return draft, end
+        args = {k: self._typed(name, k, v) for k, v in values.items()}
+        return replace(draft, end=end, args=json.dumps(args, ensure_ascii=False), args_done=True), end
+
+    def _typed(self, name: str, key: str, value: str):
+        """A value as the tool's parameter ``key`` types it (as written where that is a string, unknown, or not
+        what the text holds)."""
+        prop = (self.params.get(name) or {}).get("properties", {}).get(key)
+        types = prop.get("type") if isinstance(prop, dict) else None
+        types = [types] if isinstance(types, str) else types or []
+        if not types or "string" in types:
+            return value
+        try:
+            parsed = json.loads(value.strip())
+        except ValueError:
+            return value
+        ok = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+        if parsed is None and "null" in types or any(isinstance(parsed, ok[t]) and not (
+                t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in ok):
+            return parsed
+        return value
+
+    def forced(self, functions: list[dict]) -> CallShape:
+        raise RequestError("tool_choice 'required' or a named function is not supported with Qwen3-Coder's XML "
+                           "calls (there is no JSON object to hold to a schema); use 'auto'", field="tool_choice")
+
+    def triggered(self, functions: list[dict]) -> CallShape | None:
+        return None
 
 
 class Llama3Json(ToolMarkup):
@@ -141,13 +217,7 @@ class DeepSeekV3(ToolMarkup):
         return partial_tag(text, self.CALLS, self.CALL)
 
     def drafts(self, held: str) -> tuple[list[CallDraft], bool]:
-        out, pos = [], 0
-        while (start := held.find(self.CALL, pos)) >= 0:
-            d, pos = self._draft(held, start)
-            out.append(d)
-            if pos < 0:
-                return out, pos == -1
-        return out, True
+        return _tagged_drafts(held, self.CALL, self._draft)
 
     def _draft(self, held: str, start: int) -> tuple[CallDraft, int]:
         """One call from ``start``, and where its markup ends (-1 while it is open, -2 where it breaks). V3:
@@ -244,6 +314,18 @@ class CallDraft:
 _BLANK = " \t\n\r"
 # JSON strings whole, brackets; a lone quote is a string the text ends in (the first form did not match)
 _JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]|"')
+
+
+def _tagged_drafts(held: str, tag: str, draft) -> tuple[list[CallDraft], bool]:
+    """The calls in ``held`` that each begin with ``tag``: ``draft(held, start)`` reads one and says where its
+    markup ends (-1 while it is open, -2 where it breaks the markup)."""
+    out, pos = [], 0
+    while (start := held.find(tag, pos)) >= 0:
+        d, pos = draft(held, start)
+        out.append(d)
+        if pos < 0:
+            return out, pos == -1
+    return out, True
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -398,7 +480,7 @@ def _rebased(schema, base: str):
             for k, v in schema.items()}
 
 
-TOOL_PARSERS = {"hermes": Hermes, "llama3_json": Llama3Json, "deepseek_v3": lambda: DeepSeekV3(code_block=True),
+TOOL_PARSERS = {"hermes": Hermes, "qwen3_coder": Qwen3Xml, "llama3_json": Llama3Json, "deepseek_v3": lambda: DeepSeekV3(code_block=True),
                 "deepseek_v31": lambda: DeepSeekV3(code_block=False)}  # --tool-call-parser's names (vLLM's)
 
 
@@ -409,6 +491,8 @@ def tool_markup(template: str | None, parser: str = "auto") -> ToolMarkup | None
         return TOOL_PARSERS[parser]() if parser != "none" else None
     if not template:
         return None
+    if Qwen3Xml.FUNCTION in template and Qwen3Xml.PARAMETER in template:  # before Hermes: the same <tool_call>
+        return Qwen3Xml()
     if Hermes.OPEN in template:
         return Hermes()
     if '"parameters": dictionary of argument name and its value' in template:  # Llama 3.1-3.3's instruction
