@@ -663,3 +663,19 @@ def test_a_grammar_that_compiled_is_not_compiled_again(front, monkeypatch):
         assert post(http, "/v1/completions", model="m", prompt="hi", guided_choice=choices).status_code == 200
         assert post(http, "/v1/completions", model="m", prompt="hi", guided_regex="(a").status_code == 400
     assert len(compiled) == 4 and compiled.count("(a") == 3
+
+
+def test_a_pump_whose_server_loop_has_closed_ends_quietly(monkeypatch):
+    """A stopped server's event loop closes while a request's events may still come: the pump thread delivers to
+    nobody and ends, instead of dying with "Event loop is closed"."""
+    from dualpath.serving.choices import Fanout
+    from test_tools import ScriptedHandle
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(a.exc_value))
+    Fanout(ScriptedHandle([[1, 2, 3]]), 1, loop)
+    for t in [t for t in threading.enumerate() if t.name == "http-scripted"]:
+        t.join(timeout=10)
+    assert errors == []

@@ -95,12 +95,13 @@ class Fanout:
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             for ev in self.handle.events():
-                loop.call_soon_threadsafe(self.queues[ev.index].put_nowait, ev)
+                if not _deliver(loop, self.queues[ev.index], ev):
+                    return  # the server's loop has closed: nobody is left to read
         except BaseException as e:  # noqa: BLE001 - delivered to every choice's coroutine
             for q in self.queues:
-                loop.call_soon_threadsafe(q.put_nowait, e)
+                _deliver(loop, q, e)
         for q in self.queues:
-            loop.call_soon_threadsafe(q.put_nowait, None)
+            _deliver(loop, q, None)
 
     def release(self, early: bool) -> None:
         with self._lock:
@@ -109,6 +110,15 @@ class Fanout:
             cancel = self._open == 0 and self._early
         if cancel:
             self.handle.cancel()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:
+    """Put ``item`` on ``queue`` from a pump thread; False once the loop has closed (a server stopped mid-stream)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 class Generation:
