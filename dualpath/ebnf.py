@@ -20,7 +20,8 @@ quantifiers ``* + ? {m} {m,} {,n} {m,n}``; ``#`` starts a comment. What this aut
 from __future__ import annotations
 
 from dualpath.errors import RequestError
-from dualpath.regex import MAX_CHAR, MAX_PATTERN_CHARS, MAX_REPEAT, Regex, complement, normalized
+from dualpath.regex import MAX_CHAR, MAX_PATTERN_CHARS, MAX_POSITIONS, MAX_REPEAT, Regex, RegexError, complement, \
+    normalized
 
 JSON_GBNF = r"""
 root   ::= object
@@ -245,6 +246,13 @@ class Cfg(Regex):
         self._moves: dict = {}
         if not self.moves(self.start())[0]:
             raise EbnfError("the grammar matches only the empty string")
+
+    def _position(self, mask: int) -> int:
+        try:
+            return super()._position(mask)
+        except RegexError:
+            raise EbnfError(f"the grammar is too large (over {MAX_POSITIONS} byte classes once its repeats are "
+                            f"expanded)") from None
 
     def _build(self, tree) -> tuple[set, set, bool]:
         if tree[0] != "ref":

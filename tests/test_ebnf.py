@@ -158,6 +158,7 @@ def test_a_json_grammar_accepts_what_json_dumps_writes(value, indent, ascii_only
     ('root ::= [a-', "not closed"), ('root ::= "abc', "not closed"), ('root ::= ("a"', "unclosed"),
     ('root ::= "\\q"', "bad escape"), ('root ::= [z-a]', "bad range"), ('root ::= "a"{3,2}', "repetition"),
     ('root ::= "a"{2000}', "repetition"), ('root "a"', "'::='"), ('root ::= "a" | @', "unexpected"),
+    ('root ::= (("a" "b"){1000}){30}', "too large"),
     (12, "a string"),
 ])
 def test_grammars_that_cannot_be_enforced_are_refused(grammar, words):
