@@ -54,8 +54,8 @@ NAMES = frozenset({"get_weather"})
 class ScriptedClient:
     """Test double of ``ClusterClient``: every choice of a request is answered with the tokens of ``reply`` (a str,
     or one made per choice from its sampling parameters: choice i's with seed + i, as the engines seed it), the
-    choices' tokens interleaved and each one's last finishing it; the prompts and sampling parameters it was sent
-    are kept."""
+    choices' tokens interleaved and each one's last finishing it (with the prompt's logprobs, made up, on each
+    choice's first event when they are asked for); the prompts and sampling parameters it was sent are kept."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
@@ -72,7 +72,9 @@ class ScriptedClient:
             if hasattr(reply, "events"):  # a handle of the test's own
                 return reply
             replies.append(self.tokenizer.encode(reply, add_special_tokens=False))
-        return ScriptedHandle(replies)
+        plps = None if sampling.prompt_logprobs is None else \
+            [{"token_id": t, "logprob": -1.0, "top": [[t, -1.0]], "rank": 1} for t in list(prompt)[1:]]
+        return ScriptedHandle(replies, plps)
 
     def stats(self):
         return {"ready": True}
@@ -84,8 +86,8 @@ class ScriptedClient:
 class ScriptedHandle:
     request_id = "scripted"
 
-    def __init__(self, choices: list[list[int]]):
-        self.choices = choices
+    def __init__(self, choices: list[list[int]], prompt_logprobs: list[dict] | None = None):
+        self.choices, self.prompt_logprobs = choices, prompt_logprobs
 
     def events(self):
         out = []
@@ -94,7 +96,7 @@ class ScriptedHandle:
                 if step < len(ids):
                     end = step == len(ids) - 1
                     out.append(TokenEvent(self.request_id, ids[step], finish_reason="stop" if end else "", index=i,
-                                          final=False))
+                                          final=False, prompt_logprobs=None if step else self.prompt_logprobs))
         if out:
             out[-1] = replace(out[-1], final=True)
         yield from out
