@@ -145,10 +145,14 @@ def load_chat_template(spec: str) -> str:
     """``--chat-template``'s value (vLLM's rule): the text of the file it names, else the template itself, which
     must then look like one (Jinja's ``{{`` or ``{%``)."""
     try:
-        if Path(spec).is_file():
-            return Path(spec).read_text()
+        named = Path(spec).is_file()
     except OSError:  # a template too long to be a path
-        pass
+        named = False
+    if named:
+        try:
+            return Path(spec).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"--chat-template: cannot read {spec}: {e}") from None
     if "{{" in spec or "{%" in spec:
         return spec
     raise CheckpointError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")

@@ -136,6 +136,8 @@ def test_the_stream_builds_the_same_response_and_its_events_follow_the_schemas(f
     args = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
     done = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
     assert len(args) > 2 and [final["output"][1]["arguments"]] == done == ["".join(args)]  # streamed as written
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["type"], i.get("arguments")) for i in added] == [("message", None), ("function_call", "")]
     with sdk(http).responses.stream(model="m", input="Weather in Paris?", tools=[TOOL]) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         streamed = stream.get_final_response()
