@@ -97,10 +97,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes",
-            "engines")
+            "weights_version", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
+
+
+def cmd_update_weights(args: argparse.Namespace) -> int:
+    """Every engine of a running cluster loads new weights (``ClusterClient.update_weights``); exit status 0 only
+    if all did."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from dualpath.client import ClusterClient
+    from dualpath.errors import DualPathError
+
+    client = ClusterClient(args.scheduler)
+    try:
+        reply = client.update_weights(str(Path(args.model_path).expanduser().resolve()), args.version, args.timeout,
+                                      args.abort)
+    except DualPathError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(reply)))
+    elif reply.fingerprint:
+        print(f"{reply.engines} engines serve {args.model_path} (version {reply.version!r}, fingerprint "
+              f"{reply.fingerprint[:12]}) after {reply.seconds:.1f} s; {reply.aborted} requests aborted")
+    if not reply.ok:
+        print(f"error: {reply.error}", file=sys.stderr)
+    return 0 if reply.ok else 1
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -429,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=0.0, help="seconds to wait (0: ask once)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    uw = sub.add_parser("update-weights", help="a running cluster loads new weights (same model, new values: RL)")
+    uw.add_argument("model_path", help="a checkpoint directory every engine's node can read")
+    uw.add_argument("--scheduler", required=True, help="scheduler host:port")
+    uw.add_argument("--version", default="", help="a label for these weights (GET /get_weight_version)")
+    uw.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds for the requests in flight to finish, then for the engines to load")
+    uw.add_argument("--abort", action="store_true", help="do not wait: requeue requests not yet generating, end "
+                    "those generating")
+    uw.add_argument("--json", action="store_true")
+    uw.set_defaults(func=cmd_update_weights)
 
     e = sub.add_parser("engine", help="run one prefill or decode engine (one per device)")
     e.add_argument("--role", required=True, choices=["prefill", "decode"])

@@ -14,7 +14,8 @@ from typing import Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, pack_keys, pack_tokens
+from dualpath.messages import RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, WeightUpdate, \
+    WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
@@ -118,6 +119,8 @@ class RequestHandle:
         self.cancelled = False
 
     def _listen(self, ev: SubmitEvent) -> None:
+        if ev.fingerprint:  # the weights changed since the client learnt the fingerprint: hash with the new one
+            self.client.model_changed(ev.fingerprint)
         self.queue.put(ev)
         if ev.kind in ("failed", "assigned") and self.active:
             self.active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
@@ -188,15 +191,33 @@ class ClusterClient:
     def stats(self) -> dict:
         return self.scheduler.call("Stats", RequestRef(""), timeout=10).data
 
-    def _hashes(self, token_ids: list[int]) -> bytes:
-        """The prompt's block hashes, computed here so the scheduler spends no time on them."""
+    def _hashes(self, token_ids: list[int]) -> tuple[bytes, str]:
+        """The prompt's block hashes, computed here so the scheduler spends no time on them, and the fingerprint
+        they chain from (if the weights changed meanwhile, the scheduler hashes again and says so)."""
         if self._model is None:
             data = self.stats()
             if not data.get("fingerprint"):
-                return b""
+                return b"", ""
             self._model = (bytes.fromhex(data["fingerprint"]), data["block_size"])
         fp, bs = self._model
-        return pack_keys(block_hashes(token_ids, fp, bs))
+        return pack_keys(block_hashes(token_ids, fp, bs)), fp.hex()
+
+    def model_changed(self, fingerprint: str) -> None:
+        if self._model is not None:
+            self._model = (bytes.fromhex(fingerprint), self._model[1])
+
+    def update_weights(self, model_path: str, version: str = "", timeout: float = 600.0,
+                       abort: bool = False) -> WeightUpdateReply:
+        """Have every engine load the weights of checkpoint ``model_path`` (the same config, new values: an RL
+        trainer's next policy). Requests in flight finish first (or, with ``abort``, those not yet generating go
+        back to the queue and those generating end); requests sent meanwhile wait and run on the new weights.
+        The reply says whether every engine loaded them (``ok``; ``error`` why not) and their ``fingerprint``;
+        when no engine could (another model's checkpoint, a missing directory) the old weights stay."""
+        reply = self.scheduler.call("UpdateWeights", WeightUpdate(model_path, version, timeout, abort),
+                                    timeout=timeout + 30)
+        if reply.fingerprint:
+            self.model_changed(reply.fingerprint)
+        return reply
 
     def block_size(self) -> int:
         """The model's KV block size in tokens, known once a request was submitted (0 before)."""
@@ -208,8 +229,9 @@ class ClusterClient:
         handle = RequestHandle(self, request_id or uuid.uuid4().hex)
         session = self.session()
         handle.session = session
+        hashes, fingerprint = self._hashes(token_ids)
         session.submit(SubmitRequest(handle.request_id, pack_tokens(token_ids), sampling.to_dict(), mode,
-                                     self._hashes(token_ids)), handle._listen)
+                                     hashes, fingerprint), handle._listen)
         return handle
 
     def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,

@@ -26,6 +26,10 @@ class RequestError(DualPathError):
         self.field = field
 
 
+class EngineBusyError(DualPathError):
+    """The engine holds work and cannot load new weights now."""
+
+
 class OutOfBlocksError(DualPathError):
     """A paged cache or buffer pool has no free block for an allocation."""
 

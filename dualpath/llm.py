@@ -17,7 +17,7 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
-from engines.models import load_model, open_checkpoint
+from engines.models import load_model, open_checkpoint, reload_weights
 from engines.sampler import TokenLogprob, make_generator
 from engines.sequence import Sequence
 
@@ -60,6 +60,11 @@ class LLM:
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
                                   self.tokenizer, enforce_eager=enforce_eager)
         self._ids = itertools.count()
+
+    def update_weights(self, model: str) -> str:
+        """Load checkpoint ``model``'s weights in place of the current ones (an RL trainer's new policy: the same
+        config, other values); returns their sha256. The tokenizer stays the one loaded first."""
+        return reload_weights(self.model, model)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

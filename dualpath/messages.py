@@ -99,6 +99,7 @@ class SubmitRequest:
     sampling: dict  # SamplingParams.to_dict()
     mode: str = ""  # a read-path mode for this request only ("" = the scheduler's)
     block_hashes: bytes = b""  # the prompt's chained block hashes, if the submitter computed them (packed)
+    fingerprint: str = ""  # hex: the model fingerprint those hashes chain from (the weights may have changed since)
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +119,7 @@ class SubmitEvent:
     path: str = ""
     error: str = ""
     work_id: str = ""  # the id engines know this attempt by (stream tokens with it)
+    fingerprint: str = ""  # on "accepted", when the submitter hashed with a stale fingerprint: the current one
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,33 @@ class Ack:
 class RequestRef:
     request_id: str
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """Load new weights for the served model from a checkpoint directory (the same config, other values).
+
+    To the scheduler: pause admission, let the requests in flight finish (or, with ``abort``, send back those
+    not yet generating and end those generating), have every engine load the weights, then resume with the new
+    fingerprint. To an engine: load them now (refused while it holds work)."""
+
+    model_path: str
+    version: str = ""  # a label the caller gives the weights (reported back; "" = none)
+    timeout_s: float = 600.0  # for the requests in flight to finish, then for the engines to load
+    abort: bool = False
+    check_only: bool = False  # to an engine: only check the checkpoint fits (the scheduler asks all before any loads)
+
+
+@dataclass(frozen=True)
+class WeightUpdateReply:
+    ok: bool
+    error: str = ""
+    fingerprint: str = ""  # hex, of the weights now served
+    version: str = ""
+    engines: int = 0  # engines that loaded them
+    aborted: int = 0  # requests ended (those generating) by ``abort``
+    seconds: float = 0.0
+    busy: bool = False  # an engine's refusal because it still holds work (the scheduler asks again)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ def _methods():
         "Session": Method(m.SessionIn, m.SessionOut, bidi=True),
         "Cancel": Method(m.RequestRef, m.Ack),
         "Stats": Method(m.RequestRef, m.Stats),
+        "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
     }
     engine = {
         "Health": Method(m.RequestRef, m.Ack),
@@ -192,6 +193,7 @@ def _methods():
         "Release": Method(m.RequestRef, m.Ack),
         "Stream": Method(m.RequestRef, m.TokenEvent, streaming=True),
         "Cancel": Method(m.RequestRef, m.Ack),
+        "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
     }
     return scheduler, engine
 

@@ -97,6 +97,9 @@ class DecodeEngine(Engine):
         with self.lock:
             return {w: h.tokens for w, h in self.held_.items()}
 
+    def admission_lock(self) -> threading.RLock:
+        return self.lock
+
     # --- admission ------------------------------------------------------------------------------------------
     async def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:
         """Reserve (on the RPC pool: it takes the cache lock), then await the DE-side load on the loop, so
@@ -128,6 +131,8 @@ class DecodeEngine(Engine):
         with self.lock:
             if rid in self.held_:
                 return PrepareReply(False, error=f"{rid} is already held"), None
+            if self.updating:
+                return PrepareReply(False, error="the decode engine is loading new weights"), None
             if choice_blocks(g.block_size, n_prompt, total, req.n) > self.cache.num_free_blocks:  # holds none yet
                 return PrepareReply(False, error=f"no device memory for {req.n} x {total} tokens"), None
             slots = self.buffer.allocate(g.num_blocks(n_prompt), rid)  # full: Prepare waits and asks again

@@ -21,15 +21,15 @@ import uuid
 import torch
 
 from dualpath.config import EngineProcessConfig
-from dualpath.errors import DualPathError
+from dualpath.errors import CheckpointError, DualPathError, EngineBusyError
 from dualpath.geometry import KVGeometry, model_fingerprint
 from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
-    pack_keys
+    WeightUpdate, WeightUpdateReply, pack_keys
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
-from engines.models import load_model, open_checkpoint
+from engines.models import load_model, open_checkpoint, open_update, reload_weights
 from traffic.buffer import BufferPool
 from traffic.manager import TrafficManager
 from traffic.storage import ReadAccounting, make_storage
@@ -92,9 +92,9 @@ class Engine:
         self.buffer_region = self.transport.register(self.buffer_memory).region_id
         self.buffer = BufferPool(self.geometry, slots, self.buffer_memory)
         self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
-        self.storage = make_storage(cfg.storage, self.geometry, self.fingerprint, self.accounting)
-        self.storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *keys))
+        self.storage = self._open_storage(self.fingerprint)
         self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
+        self.updating = False  # loading new weights: no work is admitted (set and read under admission_lock)
         self.outbox = Outbox()
         self.stopping = threading.Event()
         self.members: list[list[str]] = []  # the group: [engine id, control address]
@@ -129,6 +129,10 @@ class Engine:
 
     def free_tokens(self) -> int:
         return self.capacity_tokens()
+
+    def admission_lock(self) -> threading.Lock | threading.RLock | threading.Condition:
+        """The lock under which work becomes held (``held`` sees it), so an update sees all work or none."""
+        raise NotImplementedError
 
     def on_assignment(self, a: Assignment) -> None:
         raise DualPathError(f"{self.role.value} engines take no assignments")
@@ -199,13 +203,7 @@ class Engine:
             probe.read(keys, blocks).result()
             return n * g.full_block_bytes / max(time.perf_counter() - t, 1e-6)
         finally:
-            probe.delete(keys).result()
-            probe.close()
-            try:
-                import shutil
-                shutil.rmtree(probe.dir)
-            except OSError:
-                pass
+            probe.destroy()
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -388,6 +386,56 @@ class Engine:
             self.on_cancel(w, "cancelled by the scheduler")
         for a in reply.assignments.get(self.engine_id, []):
             self.on_assignment(a)
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def _open_storage(self, fingerprint: bytes):
+        storage = make_storage(self.cfg.storage, self.geometry, fingerprint, self.accounting)
+        storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *keys))
+        return storage
+
+    def update_weights(self, model_path: str, version: str = "", check_only: bool = False) -> bytes:
+        """Load ``model_path``'s weights in place (the scheduler calls this once the engine holds no work) and
+        return the new fingerprint: it follows the weights' exact bytes, so blocks computed by other weights
+        never hit. Refused (``EngineBusyError``) while work is held; a checkpoint that does not fit leaves the old
+        weights (``CheckpointError``); failing halfway through the copy leaves a mix, so the engine stops.
+        ``check_only``: raise what loading would raise before copying, load nothing."""
+        if check_only:
+            open_update(self.model, model_path)
+            return self.fingerprint
+        with self.admission_lock():
+            if self.updating or self.held():
+                raise EngineBusyError(f"engine {self.engine_id} holds work; the scheduler drains it first")
+            self.updating = True
+        try:
+            try:
+                digest = reload_weights(self.model, model_path)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure mid-copy leaves weights no one asked for
+                log.error("engine %s failed loading %s halfway (%s): it stops", self.engine_id, model_path, e)
+                self.stopping.set()
+                raise DualPathError(f"engine {self.engine_id} failed loading the weights halfway ({e}) and "
+                                    "stops") from None
+            fp = model_fingerprint(self.model_config, self.cfg.engine.dtype, self.geometry.block_size,
+                                   f"sha256:{digest}")
+            if fp != self.fingerprint:
+                old, self.fingerprint = self.storage, fp
+                self.storage = self.traffic.storage = self._open_storage(fp)
+                threading.Thread(target=old.destroy, daemon=True, name="kv-retire").start()
+            log.info("engine %s serves %s (version %r, fingerprint %s)", self.engine_id, model_path, version,
+                     fp.hex()[:12])
+            return fp
+        finally:
+            self.updating = False
+
+    def UpdateWeights(self, req: WeightUpdate, ctx) -> WeightUpdateReply:
+        start = time.perf_counter()
+        try:
+            fp = self.update_weights(req.model_path, req.version, req.check_only)
+        except DualPathError as e:
+            return WeightUpdateReply(False, str(e), busy=isinstance(e, EngineBusyError))
+        return WeightUpdateReply(True, fingerprint=fp.hex(), version=req.version, engines=1,
+                                 seconds=time.perf_counter() - start)
 
     # --- control RPCs ---------------------------------------------------------------------------------------
     def Health(self, ref: RequestRef, ctx) -> Ack:

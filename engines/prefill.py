@@ -139,6 +139,9 @@ class PrefillEngine(Engine):
         with self.cond:
             return {w: j.n_prompt - max(j.computed, j.hit_tokens) for w, j in self.jobs.items()}
 
+    def admission_lock(self) -> threading.Condition:
+        return self.cond
+
     def beta_tokens(self) -> int:
         """Tokens this device prefills in 5 s, by the cost model (attention over cached tokens left out)."""
         if self.cfg.beta_tokens:
@@ -198,7 +201,12 @@ class PrefillEngine(Engine):
             self._fail(job, f"structured output: {e}")
             return
         with self.cond:
-            self.jobs[a.request_id] = job
+            admitted = not self.updating
+            if admitted:
+                self.jobs[a.request_id] = job
+        if not admitted:
+            self._fail(job, "the prefill engine is loading new weights")
+            return
         threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
 
     def _de(self, a: Assignment) -> Client:

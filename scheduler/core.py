@@ -15,8 +15,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Callable, Collection, Iterator
 from pathlib import Path
 
 from dualpath.config import SchedulerConfig
@@ -188,6 +188,8 @@ class SchedulerCore:
         self.prefill_queue = Fifo()
         self.cancelled_for: dict[str, list[str]] = {}  # engine -> work ids it must drop
         self.fingerprint: bytes | None = None
+        self.weights_version = ""  # the label of the weights last loaded by an update
+        self.paused = False  # a weight update runs: no request is handed to an engine
         self.block_size = 0
         self.max_model_len = 0
         self.lock = threading.RLock()
@@ -321,14 +323,12 @@ class SchedulerCore:
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
                 raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
                                    f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
-            hashes = spec.block_hashes or pack_keys(block_hashes(unpack_tokens(spec.tokens), self.fingerprint,
-                                                                 self.block_size))
+            # a submitter that names no fingerprint vouches for its hashes (the simulator's synthetic prompts)
+            stale = bool(spec.fingerprint) and spec.fingerprint != self.fingerprint.hex()
+            hashes = spec.block_hashes if spec.block_hashes and not stale else self._hash(spec.tokens)
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
-            # at least one prompt token is always computed: its logits give the first output token; prompt
-            # logprobs need every prompt token computed
-            hit = 0 if params.prompt_logprobs is not None else \
-                min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
+            hit = self._hit_blocks(hashes, n, params)
             r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock())
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
@@ -336,8 +336,19 @@ class SchedulerCore:
             self.counters["submitted"] += 1
             self.counters["prompt_tokens"] += n
             self.counters["hit_tokens"] += hit * self.block_size
-            notify(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size))
+            notify(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size,
+                               fingerprint=self.fingerprint.hex() if stale else ""))
             return events
+
+    def _hash(self, tokens: bytes) -> bytes:
+        return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size))
+
+    def _hit_blocks(self, hashes: bytes, n: int, params: SamplingParams) -> int:
+        """Leading prompt blocks stored. At least one prompt token is always computed (its logits give the first
+        output token); prompt logprobs need every prompt token computed."""
+        if params.prompt_logprobs is not None:
+            return 0
+        return min(self.index.hit_blocks(hashes), (n - 1) // self.block_size)
 
     def queued(self, r: RequestRecord) -> QueuedRequest:
         n = r.spec.num_tokens
@@ -406,6 +417,58 @@ class SchedulerCore:
         self.counters["retried"] += 1
         log.info("request %s retried (%s)", rid, why)
 
+    # --- weight updates -------------------------------------------------------------------------------------
+    def pause(self, abort: bool = False) -> int:
+        """Stop handing requests to engines (new weights are about to load); requests keep being accepted and
+        queue. With ``abort``, requests on engines go back to the queue if none of their tokens streamed, and
+        fail if some did (they would end on other weights); returns how many failed."""
+        with self.lock:
+            self.paused = True
+            if not abort:
+                return 0
+            ended = 0
+            for rid, r in list(self.requests.items()):
+                if not (r.pe or r.de):
+                    continue
+                if r.streaming:
+                    for eid in (r.pe, r.de):
+                        if eid:
+                            self.cancelled_for.setdefault(eid, []).append(r.work_id)
+                    self._fail(rid, "aborted: the model's weights are being updated")
+                    ended += 1
+                else:
+                    self._retry(rid, "the model's weights are being updated")
+            return ended
+
+    def drained(self) -> bool:
+        """No request is on an engine and every cancellation went out (engines may still be dropping it)."""
+        with self.lock:
+            return not self.cancelled_for and not any(r.pe or r.de for r in self.requests.values())
+
+    def resume(self, fingerprint: bytes | None = None, version: str = "", loaded: Collection[str] = ()) -> None:
+        """End a pause. With the fingerprint of new weights and the engines that ``loaded`` them: any other engine
+        is counted gone (it serves other weights), the index starts over (rebuilt from what is stored for the new
+        weights) and every queued request is hashed again, so no block of the old weights can hit."""
+        changed = fingerprint is not None and fingerprint != self.fingerprint
+        with self.lock:
+            if fingerprint is not None:
+                self.weights_version = version
+                for eid, e in list(self.engines.items()):
+                    if e.alive and eid not in loaded:
+                        self._engine_gone(eid, "it did not load the new weights")
+                    elif eid in loaded:
+                        e.info = replace(e.info, fingerprint=fingerprint.hex())
+            if changed:
+                self.fingerprint, self.index = fingerprint, BlockIndex()
+                for r in self.requests.values():  # all queued: a drained cluster holds none on engines
+                    r.hashes = self._hash(r.spec.tokens)
+                    hit = self._hit_blocks(r.hashes, r.spec.num_tokens, r.params)
+                    self.counters["hit_tokens"] += (hit - r.hit_blocks) * self.block_size
+                    r.hit_blocks = hit
+            self.paused = False
+        if changed:
+            self._rebuild_index(fingerprint)
+
     # --- pulls ----------------------------------------------------------------------------------------------
     def report(self, load: EngineLoad) -> None:
         """A load report outside a pull (engines send one when a request finishes, so stored blocks are indexed
@@ -435,7 +498,8 @@ class SchedulerCore:
                 if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
-                self._assign_decode(group_id, group, pulling)
+                if not self.paused:  # the one gate: the prefill queue holds only what a decode engine took
+                    self._assign_decode(group_id, group, pulling)
                 return PullReply({}, cancelled, list(members), rejoin)
             return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin)
 
@@ -630,6 +694,7 @@ class SchedulerCore:
             return {
                 **self.counters,
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
+                "weights_version": self.weights_version, "paused": self.paused,
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "index_blocks": len(self.index),

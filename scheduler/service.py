@@ -15,10 +15,11 @@ import logging
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
 from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
-    SessionOut, Stats, SubmitEvent, SubmitRequest
+    SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import SCHEDULER_METHODS, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
+from scheduler.weights import update_weights
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ _TERMINAL = ("finished", "failed")
 class SchedulerService:
     def __init__(self, core: SchedulerCore):
         self.core = core
+        self._updating = False
 
     async def Register(self, info: EngineInfo, ctx) -> RegisterReply:
         return self.core.register(info)
@@ -45,6 +47,16 @@ class SchedulerService:
 
     async def Stats(self, ref: RequestRef, ctx) -> Stats:
         return Stats({**self.core.stats(), "ready": self.core.ready()})
+
+    async def UpdateWeights(self, req: WeightUpdate, ctx) -> WeightUpdateReply:
+        """New weights for every engine (``scheduler.weights``); one update at a time."""
+        if self._updating:
+            return WeightUpdateReply(False, "another weight update is running")
+        self._updating = True
+        try:
+            return await update_weights(self.core, req)
+        finally:
+            self._updating = False
 
     async def Session(self, requests, ctx):
         """Batches in, batches out. Requests still open when the session ends are cancelled."""

@@ -176,6 +176,25 @@ def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
     assert outs[False] == outs[True]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_captured_graphs_decode_with_weights_reloaded_in_place(tiny_dirs, tmp_path):
+    """Graphs captured before a weight update replay over the new values (``update_weights`` copies into the
+    tensors the graphs point at)."""
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+    from dualpath.llm import LLM
+
+    other = build_tiny_checkpoint(tmp_path / "other", "llama", seed=2)
+    prompts = [list(range(3, 40)), [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton")
+    assert llm.engine.runner.graphs is not None
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.update_weights(str(other))
+    after = [o.token_ids for o in llm.generate(prompts, params)]
+    fresh = LLM(str(other), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", enforce_eager=True)
+    assert after == [o.token_ids for o in fresh.generate(prompts, params)] and after != before
+
+
 def test_enforce_eager_reaches_every_engine():
     """``--enforce-eager`` on ``engine``, ``serve`` and ``rollout`` ends in the engine's config and in the command
     line the launcher gives each engine process."""

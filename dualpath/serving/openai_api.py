@@ -12,6 +12,7 @@ format.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import threading
@@ -34,8 +35,8 @@ from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
-from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body,
-                                       parse)
+from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       UpdateWeightsRequest, error_body, parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
@@ -177,10 +178,24 @@ class Frontend:
         async def detokenize(request: Request):
             return await self._utility(request, "detokenize", DetokenizeRequest, self._detokenize)
 
+        @app.post("/update_weights_from_disk")
+        async def update_weights(request: Request):
+            return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights)
+
+        @app.get("/get_weight_version")
+        async def weight_version(request: Request):
+            self._auth(request)
+            try:
+                stats = await asyncio.to_thread(self.client.stats)
+            except DualPathError as e:
+                raise ApiError(503, f"the scheduler did not answer: {e}") from None
+            return {"weight_version": stats.get("weights_version", ""), "fingerprint": stats.get("fingerprint", "")}
+
         return app
 
     async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
-        """A request answered here, without the cluster (vLLM's /tokenize and /detokenize)."""
+        """A request that is not a generation (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer``
+        gives a JSON body, or (awaited) a response."""
         status = 200
         try:
             self._auth(request)
@@ -188,9 +203,15 @@ class Frontend:
                 req = parse(model_cls, await request.body())
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
-            if req.model is not None:
+            if getattr(req, "model", None) is not None:
                 self._check_model(req.model)
-            return JSONResponse(answer(req))
+            out = answer(req)
+            if inspect.isawaitable(out):
+                out = await out
+            if isinstance(out, JSONResponse):
+                status = out.status_code
+                return out
+            return JSONResponse(out)
         except ApiError as e:
             status = e.status
             return e.response()
@@ -209,6 +230,21 @@ class Frontend:
 
     def _detokenize(self, req: DetokenizeRequest) -> dict:
         return {"prompt": self.tokenizer.decode(self._known_ids(req.tokens, "tokens"))}
+
+    async def _update_weights(self, req: UpdateWeightsRequest) -> JSONResponse:
+        """SGLang's ``/update_weights_from_disk``: every engine loads the checkpoint's weights (the scheduler pauses
+        admission and drains first). 200 when all did; 400 when none could (the old weights stay); 500 when some
+        could not (they left the cluster, which serves the new weights on the others)."""
+        try:
+            reply = await asyncio.to_thread(self.client.update_weights, req.model_path, req.weight_version or "",
+                                            req.timeout, req.abort_all_requests)
+        except DualPathError as e:
+            raise ApiError(503, f"the scheduler did not answer the update: {e}") from None
+        status = 200 if reply.ok else 500 if reply.fingerprint else 400
+        return JSONResponse({"success": reply.ok, "message": reply.error or "weights updated",
+                             "weight_version": reply.version, "fingerprint": reply.fingerprint,
+                             "engines": reply.engines, "num_aborted_requests": reply.aborted,
+                             "seconds": round(reply.seconds, 3)}, status)
 
     def _check_model(self, name: str) -> None:
         if name != self.cfg.model_name:

@@ -527,6 +527,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class UpdateWeightsRequest(BaseModel):
+    """``/update_weights_from_disk`` (SGLang's): new weights for the served model from a checkpoint directory that
+    every engine's node can read."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str = Field(min_length=1)
+    weight_version: Optional[str] = None
+    abort_all_requests: bool = False
+    timeout: float = Field(default=600.0, gt=0, le=86400)
+
+
 def parse(model_cls, body: bytes):
     """Parse and validate a request body; raise ``RequestError`` naming the offending field."""
     try:

@@ -6,6 +6,7 @@ Models hold no KV and no per-request state; the caller owns where KV comes from 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from abc import ABC, abstractmethod
@@ -203,30 +204,57 @@ class CausalLM(nn.Module, ABC):
         Parameters keep the dtypes they were given (``cast_``) before loading. Every problem is collected first,
         so one error lists all missing and misshapen tensors.
         """
+        self._check(ckpt)
         self.to_empty(device=device)
         self.inv_freq = rope_inv_freq(self.config.rope)[0].to(device)
+        self._fill(ckpt)
+
+    @torch.no_grad()
+    def reload_weights(self, ckpt: Checkpoint) -> str:
+        """Copy ``ckpt``'s weights over the loaded ones, in place: every tensor keeps its storage, so CUDA graphs
+        captured over them stay valid. Every name and shape is checked before anything is copied (a mismatch
+        leaves the old weights whole). Returns a sha256 of every byte read, the weights' exact identity."""
+        self.check_checkpoint(ckpt)
+        digest = hashlib.sha256()
+        self._fill(ckpt, digest)
+        return digest.hexdigest()
+
+    def check_checkpoint(self, ckpt: Checkpoint) -> None:
+        """``_check``, with unreadable files (before anything was copied) a ``CheckpointError`` too."""
+        try:
+            self._check(ckpt)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a damaged header
+            raise CheckpointError(f"{ckpt.path}: cannot read its tensors ({e})") from None
+
+    def _check(self, ckpt: Checkpoint) -> None:
+        """Raise ``CheckpointError`` listing every tensor the model needs that ``ckpt`` lacks or shapes otherwise;
+        warn about tensors it has that nothing uses."""
         available = ckpt.tensor_files
         used: set[str] = set()
         problems: list[str] = []
         for spec in self.weight_specs():
-            parts = []
             for name, shape in spec.sources:
                 used.add(name)
                 if name not in available:
                     problems.append(f"missing tensor {name}")
-                    continue
-                got = ckpt.tensor_shape(name)
-                if got != shape:
+                elif (got := ckpt.tensor_shape(name)) != shape:
                     problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
-                    continue
-                parts.append(ckpt.read_tensor(name))
-            if len(parts) != len(spec.sources):
-                continue
-            _assemble(spec, parts, self.get_parameter(spec.param))
         if problems:
             head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")
         self._warn_unused(set(available) - used)
+
+    def _fill(self, ckpt: Checkpoint, digest=None) -> None:
+        """Read every source tensor (feeding its name and bytes to ``digest``) and assemble the parameters."""
+        for spec in self.weight_specs():
+            parts = [ckpt.read_tensor(name) for name, _ in spec.sources]
+            if digest is not None:
+                for (name, _), t in zip(spec.sources, parts):
+                    digest.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+                    digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            _assemble(spec, parts, self.get_parameter(spec.param))
 
     def _warn_unused(self, unused: set[str]) -> None:
         surprising = []

@@ -48,6 +48,11 @@ class StorageBackend(ABC):
     def usage(self) -> dict:
         """``{"used_bytes", "capacity_bytes", "num_blocks"}``."""
 
+    @abstractmethod
+    def destroy(self) -> None:
+        """Finish queued work, then remove every block of this fingerprint (its engine replaced the weights that
+        computed them: nothing can hit them again). Other processes may be removing them at the same time."""
+
     def set_evict_callback(self, callback: Callable[[list[BlockHash]], None]) -> None:
         """Called with keys evicted to stay under capacity (so an index can forget them)."""
         self._on_evict = callback

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import struct
 import threading
 import time
@@ -281,6 +282,10 @@ class FsStorage(StorageBackend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def destroy(self) -> None:
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def list_stored_keys(model_dir: Path) -> Iterator[BlockHash]:

@@ -1,0 +1,335 @@
+"""New weights for a running model (an RL trainer's next policy): in place in one process, through the scheduler's
+pause / drain / load / resume, and across a real cluster, where no block computed by the old weights may hit."""
+import asyncio
+import hashlib
+import shutil
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
+
+from dualpath import LLM, SamplingParams
+from dualpath.checkpoints.tiny import build_tiny_checkpoint
+from dualpath.client import ClusterClient
+from dualpath.errors import CheckpointError
+from dualpath.geometry import block_hashes
+from dualpath.launcher import ClusterSpec, LocalCluster
+from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.serving.openai_api import Frontend, FrontendConfig
+from engines.models import open_checkpoint
+from scheduler.weights import update_weights
+from test_scheduler_core import BS, Clock, info, make_core, pull
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+PROMPT = [(i * 11) % 250 + 3 for i in range(50)]
+
+
+@pytest.fixture(scope="module")
+def second(tiny_dirs, tmp_path_factory):
+    """Checkpoints with the tiny ones' configs and other values (seed 2)."""
+    root = tmp_path_factory.mktemp("seed2")
+    return {a: build_tiny_checkpoint(root / a, a, seed=2) for a in ("llama", "deepseek_v3")}
+
+
+def one_file(path):
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1
+    return files[0]
+
+
+# --- in one process ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_reloaded_weights_equal_a_fresh_load_and_keep_their_storage(tiny_dirs, second, arch):
+    llm, fresh = LLM(str(tiny_dirs[arch]), block_size=BS), LLM(str(second[arch]), block_size=BS)
+    before = llm.logits(PROMPT)
+    storage = [p.data_ptr() for p in llm.model.parameters()]  # what captured CUDA graphs point at
+    digest = llm.update_weights(str(second[arch]))
+    assert torch.equal(llm.logits(PROMPT), fresh.logits(PROMPT))
+    assert not torch.allclose(before, fresh.logits(PROMPT))
+    assert [p.data_ptr() for p in llm.model.parameters()] == storage
+    assert len(digest) == 64 and digest != llm.update_weights(str(tiny_dirs[arch]))
+    assert torch.equal(llm.logits(PROMPT), before)
+
+
+def test_the_digest_follows_every_byte(tiny_dirs, tmp_path):
+    """Equal for the same bytes in another directory; different when one value deep inside a tensor changes
+    (the start-up digest samples a few ranges of each file and cannot promise that)."""
+    llm = LLM(str(tiny_dirs["llama"]), block_size=BS)
+    copy = shutil.copytree(tiny_dirs["llama"], tmp_path / "copy")
+    first = llm.update_weights(str(tiny_dirs["llama"]))
+    assert llm.update_weights(str(copy)) == first
+    tensors = load_file(one_file(copy))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] += 1.0
+    save_file(tensors, one_file(copy), metadata={"format": "pt"})
+    assert llm.update_weights(str(copy)) != first
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tiny_dirs, second, tmp_path):
+    llm = LLM(str(tiny_dirs["llama"]), block_size=BS)
+    before = llm.logits(PROMPT)
+    other = build_tiny_checkpoint(tmp_path / "wide", "llama", seed=2, hidden_size=32)
+    with pytest.raises(CheckpointError, match="config differs in hidden_size"):
+        llm.update_weights(str(other))
+    short = shutil.copytree(second["llama"], tmp_path / "short")
+    tensors = load_file(one_file(short))
+    del tensors["model.layers.1.self_attn.o_proj.weight"]  # the last layer's: every earlier tensor would copy first
+    save_file(tensors, one_file(short), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing tensor model.layers.1.self_attn.o_proj.weight"):
+        llm.update_weights(str(short))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        llm.update_weights(str(tmp_path / "nowhere"))
+    assert torch.equal(llm.logits(PROMPT), before)
+
+
+# --- the scheduler's bookkeeping --------------------------------------------------------------------------------
+def submit(core, rid, n=100, **kw):
+    events = core.submit(SubmitRequest(rid, pack_tokens(range(n)), SamplingParams(max_tokens=8).to_dict(), **kw))
+    return events
+
+
+def assigned(core, rid):
+    r = core.requests.get(rid)
+    return r is not None and (r.pe is not None or r.de is not None)
+
+
+def pull_all(core, engines, times=2):
+    for _ in range(times):
+        for g in ["p0", "p1", "d0", "d1", "d2"]:
+            pull(core, engines, g)
+
+
+def finish(engines, rid):
+    for e in engines.values():
+        w = f"{rid}.0" if f"{rid}.0" in e.held else f"{rid}.1" if f"{rid}.1" in e.held else None
+        if w is not None:
+            del e.held[w]
+            if e.info.role is Role.DECODE:
+                e.finished = [w]
+
+
+def test_a_paused_scheduler_queues_new_requests_and_lets_assigned_ones_finish():
+    core, engines = make_core("dualpath", Clock())
+    submit(core, "r0")
+    pull_all(core, engines)
+    assert core.requests["r0"].pe and core.requests["r0"].de
+    submit(core, "r1")
+    pull(core, engines, "p0")  # routed to a decode group's queue, not yet to an engine
+    assert core.requests["r1"].group is not None and not assigned(core, "r1")
+    assert core.pause() == 0
+    submit(core, "r2")  # accepted while paused: it waits
+    pull_all(core, engines, times=3)
+    assert not assigned(core, "r1") and not assigned(core, "r2") and not core.drained()
+    finish(engines, "r0")
+    pull_all(core, engines)
+    assert "r0" not in core.requests and core.drained() and not assigned(core, "r1")
+    core.resume()
+    pull_all(core, engines)
+    assert assigned(core, "r1") and assigned(core, "r2")
+
+
+def test_abort_requeues_requests_not_generating_and_ends_those_generating():
+    core, engines = make_core("dualpath", Clock())
+    streaming, waiting = submit(core, "gen"), submit(core, "wait")
+    pull_all(core, engines)
+    assert core.requests["gen"].streaming  # its decode engine reported it started
+    core.requests["wait"].streaming = False  # (as if its prefill still ran)
+    de = core.requests["wait"].de
+    assert core.pause(abort=True) == 1
+    last = list(streaming.queue)[-1]
+    assert last.kind == "failed" and "weights are being updated" in last.error
+    assert "gen" not in core.requests
+    r = core.requests["wait"]
+    assert r.attempt == 1 and r.pe is None and "wait" in core.global_queue
+    assert "wait.0" in core.cancelled_for[de] and not core.drained()  # until the engines are told
+    pull_all(core, engines, times=1)
+    assert core.drained() and not assigned(core, "wait")
+    assert "failed" not in [e.kind for e in waiting.queue]  # it runs again once the update is done
+
+
+def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load():
+    core, engines = make_core("dualpath", Clock())
+    old, new = core.fingerprint, b"\x07" * 16
+    core.index.add(block_hashes(list(range(100)), old, BS))
+    submit(core, "r0")
+    assert core.requests["r0"].hit_blocks == 6
+    core.pause()
+    core.resume(new, "step-2", loaded=["p0", "p1", "d0", "d1"])
+    r = core.requests["r0"]
+    assert r.hashes == pack_keys(block_hashes(list(range(100)), new, BS)) and r.hit_blocks == 0
+    assert core.counters["hit_tokens"] == 0
+    assert not core.engines["d2"].alive and core.engines["d0"].info.fingerprint == new.hex()
+    stats = core.stats()
+    assert stats["weights_version"] == "step-2" and stats["fingerprint"] == new.hex() and not stats["paused"]
+    assert not core.register(engines["d2"].info).ok  # it still serves the old weights
+    assert core.register(replace(info("d2", Role.DECODE, "n4", capacity=1500), fingerprint=new.hex())).ok
+
+
+def test_hashes_from_a_stale_fingerprint_are_recomputed_and_the_submitter_told():
+    core, _ = make_core("dualpath", Clock())
+    fp, tokens = core.fingerprint, list(range(40))
+    wrong = pack_keys(block_hashes(tokens, b"\x01" * 16, BS))
+    events = submit(core, "stale", 40, block_hashes=wrong, fingerprint="01" * 16)
+    assert core.requests["stale"].hashes == pack_keys(block_hashes(tokens, fp, BS))
+    assert events.get().fingerprint == fp.hex()
+    events = submit(core, "current", 40, block_hashes=wrong, fingerprint=fp.hex())  # taken as given
+    assert core.requests["current"].hashes == wrong and events.get().fingerprint == ""
+    submit(core, "vouched", 40, block_hashes=wrong)  # the simulator names no fingerprint
+    assert core.requests["vouched"].hashes == wrong
+
+
+# --- the update's steps (engines as a test double) -------------------------------------------------------------
+class FakeEngines:
+    """Stands in for the engines' UpdateWeights RPC: records calls, answers by address."""
+
+    def __init__(self, fail_check=(), fail_load=(), fp="ee" * 16):
+        self.calls, self.fail_check, self.fail_load, self.fp = [], set(fail_check), set(fail_load), fp
+
+    def __call__(self, address, req, deadline):
+        self.calls.append((address, req.check_only))
+        eid = address.split(":")[0]
+        if req.check_only:
+            return WeightUpdateReply(eid not in self.fail_check, "" if eid not in self.fail_check else "no such file")
+        if eid in self.fail_load:
+            return WeightUpdateReply(False, "disk error halfway")
+        return WeightUpdateReply(True, fingerprint=self.fp, version=req.version, engines=1)
+
+
+def run_update(core, fake, **kw):
+    return asyncio.run(update_weights(core, WeightUpdate("/ckpt", "v9", **kw), load_on=fake))
+
+
+def test_an_update_no_engine_can_take_loads_nothing_and_resumes():
+    core, engines = make_core("dualpath", Clock())
+    fp, fake = core.fingerprint, FakeEngines(fail_check={"d1"})
+    reply = run_update(core, fake)
+    assert not reply.ok and reply.error == "d1: no such file" and not reply.fingerprint
+    assert all(check for _, check in fake.calls) and len(fake.calls) == 5  # checked everywhere, loaded nowhere
+    assert core.fingerprint == fp and not core.paused and all(e.alive for e in core.engines.values())
+
+
+def test_engines_that_fail_to_load_leave_the_cluster():
+    core, engines = make_core("dualpath", Clock())
+    reply = run_update(core, FakeEngines(fail_load={"d2", "p1"}))
+    assert not reply.ok and reply.fingerprint == "ee" * 16 and reply.engines == 3
+    assert reply.error == "d2, p1: disk error halfway"
+    assert core.fingerprint.hex() == "ee" * 16 and not core.paused and core.weights_version == "v9"
+    assert sorted(eid for eid, e in core.engines.items() if e.alive) == ["d0", "d1", "p0"]
+
+
+def test_an_update_waits_for_requests_in_flight_until_its_timeout():
+    core, engines = make_core("dualpath", Clock())
+    submit(core, "r0")
+    pull_all(core, engines)
+    fake = FakeEngines()
+    t = time.monotonic()
+    reply = run_update(core, fake, timeout_s=0.3)
+    assert time.monotonic() - t >= 0.3 and not reply.ok and "still ran after 0.3 s" in reply.error
+    assert fake.calls == [] and not core.paused and assigned(core, "r0")
+
+    async def finish_soon():
+        task = asyncio.create_task(update_weights(core, WeightUpdate("/ckpt"), load_on=fake))
+        await asyncio.sleep(0.2)
+        assert not task.done() and core.paused
+        finish(engines, "r0")
+        pull_all(core, engines)
+        return await asyncio.wait_for(task, 10)
+    assert asyncio.run(finish_soon()).ok and len(fake.calls) == 10
+
+
+# --- a real cluster -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tiny_dirs, tmp_path_factory):
+    kv = tmp_path_factory.mktemp("kv")
+    spec = ClusterSpec(model=str(tiny_dirs["llama"]), num_prefill=1, num_decode=2, block_size=BS, kv_store=str(kv),
+                       buffer_bytes=8 << 20, cache_bytes=16 << 20, workspace_tokens=2048,
+                       cost_model="0.001,0.0001,0", heartbeat_timeout_s=5.0)
+    with LocalCluster(spec, run_dir=str(tmp_path_factory.mktemp("run"))) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        yield c, client, kv
+        client.close()
+
+
+def test_a_cluster_serves_new_weights_and_no_block_of_the_old_hits(cluster, tiny_dirs, second, tmp_path):
+    c, client, kv = cluster
+    old, new = LLM(str(tiny_dirs["llama"]), block_size=BS), LLM(str(second["llama"]), block_size=BS)
+    first = client.generate(PROMPT, GREEDY)
+    assert first.token_ids == old.generate(PROMPT, GREEDY)[0].token_ids
+    turn2 = PROMPT + first.token_ids + [5, 6]
+    old_dirs = {p.name for p in kv.iterdir()}
+    assert client.generate(turn2, GREEDY).num_cached_tokens == 48  # the old weights' blocks are there to hit
+
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    handle = client.start(PROMPT, long)  # in flight when the update begins: it finishes on the old weights
+    events = handle.events()
+    tokens = [next(events).token_id]
+    updated = {}
+    updater = threading.Thread(target=lambda: updated.setdefault("reply", client.update_weights(
+        str(second["llama"]), "step-1")))
+    updater.start()
+    tokens += [ev.token_id for ev in events if ev.token_id >= 0]
+    updater.join(60)
+    assert tokens == old.generate(PROMPT, long)[0].token_ids
+    reply = updated["reply"]
+    assert reply.ok and reply.engines == 3 and reply.version == "step-1", reply
+
+    got = client.generate(turn2, GREEDY)
+    assert got.token_ids == new.generate(turn2, GREEDY)[0].token_ids and got.num_cached_tokens == 0
+    turn3 = turn2 + got.token_ids + [7]
+    again = client.generate(turn3, GREEDY)
+    assert again.token_ids == new.generate(turn3, GREEDY)[0].token_ids and again.num_cached_tokens == 64
+    deadline = time.monotonic() + 10
+    while old_dirs & {p.name for p in kv.iterdir()} and time.monotonic() < deadline:
+        time.sleep(0.1)  # the old weights' blocks are removed in the background
+    assert not old_dirs & {p.name for p in kv.iterdir()}
+    assert client.stats()["weights_version"] == "step-1"
+
+    wide = build_tiny_checkpoint(tmp_path / "wide", "llama", seed=3, hidden_size=32)
+    refused = client.update_weights(str(wide), "step-2")
+    assert not refused.ok and not refused.fingerprint
+    assert refused.error.startswith("decode-0, decode-1, prefill-0: ") and "hidden_size" in refused.error
+    assert client.generate(turn3, GREEDY).token_ids == again.token_ids  # still the new weights, all engines
+    assert client.stats()["engines_alive"] == 3 and client.stats()["weights_version"] == "step-1"
+
+
+def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny_dirs, second):
+    c, client, _ = cluster
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
+                                    api_key="k"))
+    auth = {"Authorization": "Bearer k"}
+    with TestClient(front.app) as http:
+        assert http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])}).status_code == 401
+        bad = http.post("/update_weights_from_disk", json={"model_path": "x", "load_format": "dummy"}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_format"
+        missing = http.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"}, headers=auth)
+        assert missing.status_code == 400 and not missing.json()["success"]
+        assert "no config.json" in missing.json()["message"]
+        ok = http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"]),
+                                                          "weight_version": "base-again"}, headers=auth)
+        assert ok.status_code == 200, ok.json()
+        assert ok.json()["success"] and ok.json()["engines"] == 3 and ok.json()["weight_version"] == "base-again"
+        version = http.get("/get_weight_version", headers=auth).json()
+        assert version == {"weight_version": "base-again", "fingerprint": ok.json()["fingerprint"]}
+        reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
+        answer = http.post("/v1/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 8,
+                                                    "temperature": 0}, headers=auth).json()
+        assert answer["choices"][0]["text"] == reference.generate(PROMPT, GREEDY)[0].text
+    front.client.close()
+
+
+def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
+    from dualpath.config import StorageConfig
+    from dualpath.geometry import KVGeometry
+    from traffic.storage import make_storage
+
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    g = KVGeometry.for_model(ckpt.config, "float32", BS)
+    store = make_storage(StorageConfig(root=str(tmp_path)), g, b"\x02" * 16)
+    keys = [hashlib.blake2b(bytes([i]), digest_size=16).digest() for i in range(3)]
+    assert store.write(keys, [torch.zeros(g.full_block_bytes, dtype=torch.uint8)] * 3).result() == [None] * 3
+    store.destroy()
+    assert not (tmp_path / ("02" * 16)).exists()
