@@ -19,7 +19,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
     if args.chat:
@@ -54,7 +54,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def engine_config(args: argparse.Namespace):
-    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
+    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, SpeculativeConfig, StorageConfig, \
+        TransportConfig
 
     cost = tuple(float(x) for x in args.cost_model.split(",")) if args.cost_model else None
     return EngineProcessConfig(
@@ -62,6 +63,7 @@ def engine_config(args: argparse.Namespace):
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
         engine=EngineConfig(device=args.device, dtype=args.dtype, kernels=args.kernels,
                             enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                            speculative=SpeculativeConfig.parse(args.speculative_config),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
@@ -186,6 +188,20 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
                    help="attention and KV-move kernels: auto (triton on CUDA, torch on CPU), torch (the reference)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (by default they replay CUDA graphs on CUDA with triton kernels)")
+    p.add_argument("--speculative-config", default="", type=_speculative,
+                   help='speculative decoding by prompt lookup, vLLM\'s JSON: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (outputs are unchanged)')
+
+
+def _speculative(text: str) -> str:
+    from dualpath.config import SpeculativeConfig
+    from dualpath.errors import ConfigError
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _size(text: str) -> int:

@@ -6,6 +6,7 @@ Hugging Face ``config.json`` into the architecture-neutral description every oth
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +253,45 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``ngram`` method). Each decode step proposes up to
+    ``num_tokens`` tokens per sequence, those that followed the latest earlier occurrence of its last ``max_n``
+    (down to ``min_n``) tokens, and one forward scores them all. Every token is still drawn as plain decoding draws
+    it (the argmax, or the request's own generator) and a proposal is kept only while it equals the drawn token,
+    so the output is exactly plain decoding's, seeded sampling included. ``num_tokens`` 0: off."""
+
+    num_tokens: int = 0
+    min_n: int = 2
+    max_n: int = 4
+
+    def __post_init__(self):
+        if self.num_tokens < 0 or not 1 <= self.min_n <= self.max_n:
+            raise ConfigError(f"speculative decoding needs num_tokens >= 0 and 1 <= min_n <= max_n, got {self}")
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> "SpeculativeConfig":
+        """vLLM's ``--speculative-config`` JSON: ``{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_max": n, "prompt_lookup_min": m}`` (None or "" for off)."""
+        if not text:
+            return cls()
+        try:
+            d = dict(json.loads(text) if isinstance(text, str) else text)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"speculative config: not a JSON object ({e})") from None
+        if d.pop("method", "ngram") != "ngram":
+            raise ConfigError("speculative config: only the \"ngram\" method (prompt lookup) is supported")
+        unknown = sorted(set(d) - {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown or "num_speculative_tokens" not in d:
+            raise ConfigError(f"speculative config: give num_speculative_tokens (and optionally prompt_lookup_max, "
+                              f"prompt_lookup_min){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+        try:
+            max_n = int(d.get("prompt_lookup_max", cls.max_n))
+            return cls(int(d["num_speculative_tokens"]), int(d.get("prompt_lookup_min", min(cls.min_n, max_n))), max_n)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"speculative config: {e}") from None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One engine's runtime choices. ``dtype`` is the model and KV dtype."""
 
@@ -262,6 +302,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

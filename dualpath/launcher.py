@@ -36,6 +36,7 @@ class ClusterSpec:
     dtype: str = "float32"
     kernels: str = "auto"  # see EngineConfig.kernels
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
+    speculative_config: str = ""  # see EngineConfig.speculative (vLLM's JSON; "" off)
     block_size: int = 64
     buffer_bytes: int = 256 << 20
     cache_bytes: int = 1 << 30
@@ -175,6 +176,8 @@ class LocalCluster(Supervisor):
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
         if s.enforce_eager:
             args.append("--enforce-eager")
+        if s.speculative_config:
+            args += ["--speculative-config", s.speculative_config]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.cost_model:

@@ -11,7 +11,7 @@ from typing import Sequence as Seq
 import torch
 from tqdm import tqdm
 
-from dualpath.config import CacheConfig, EngineConfig
+from dualpath.config import CacheConfig, EngineConfig, SpeculativeConfig
 from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
@@ -38,15 +38,17 @@ class LLM:
 
     ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; ``block_size`` is the KV block geometry shared
     with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
-    batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off.
+    batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
+    its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
+    which changes no output (``dualpath.config.SpeculativeConfig``).
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, speculative_config: dict | str | None = None):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
-                                   max_num_seqs=max_num_seqs,
+                                   max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes))
@@ -58,7 +60,7 @@ class LLM:
         num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)
         self.cache = PagedKVCache(self.geometry, num_blocks, device)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                  self.tokenizer, enforce_eager=enforce_eager)
+                                  self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)
         self._ids = itertools.count()
 
     def update_weights(self, model: str) -> str:

@@ -88,6 +88,7 @@ class EngineLoad:
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
+    speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)
     storage_capacity_bytes: int = 0
 

@@ -80,7 +80,8 @@ class DecodeEngine(Engine):
         self.cache = PagedKVCache(self.geometry, blocks, self.device)
         self.local = LocalEngine(self.model, self.cache, self.cfg.engine.max_num_seqs,
                                  self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False,
-                                 enforce_eager=self.cfg.engine.enforce_eager)
+                                 enforce_eager=self.cfg.engine.enforce_eager,
+                                 speculative=self.cfg.engine.speculative)
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
         self.inbox: queue.Queue = queue.Queue()
@@ -99,6 +100,9 @@ class DecodeEngine(Engine):
 
     def admission_lock(self) -> threading.RLock:
         return self.lock
+
+    def spec_stats(self) -> dict[str, int]:
+        return dict(self.local.spec_stats) if self.cfg.engine.speculative.num_tokens else {}
 
     # --- admission ------------------------------------------------------------------------------------------
     async def Prepare(self, req: PrepareRequest, ctx) -> PrepareReply:

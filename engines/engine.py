@@ -130,6 +130,10 @@ class Engine:
     def free_tokens(self) -> int:
         return self.capacity_tokens()
 
+    def spec_stats(self) -> dict[str, int]:
+        """Speculative decoding's cumulative counts (decode engines)."""
+        return {}
+
     def admission_lock(self) -> threading.Lock | threading.RLock | threading.Condition:
         """The lock under which work becomes held (``held`` sees it), so an update sees all work or none."""
         raise NotImplementedError
@@ -242,7 +246,8 @@ class Engine:
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
                           prefill_tokens=busy_tokens,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
-                          traffic=self.traffic.snapshot(), storage_used_bytes=stored["used_bytes"],
+                          traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
+                          storage_used_bytes=stored["used_bytes"],
                           storage_capacity_bytes=stored["capacity_bytes"])
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "busy_tokens": self.busy_tokens,

@@ -13,6 +13,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from dualpath.config import SpeculativeConfig
 from dualpath.errors import RequestError
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 from engines.graphs import DecodeGraphs, make_decode_graphs
@@ -38,9 +39,26 @@ class ModelRunner:
             tables = [self.cache.block_table(s.seq_id) for s in seqs]
             if self.graphs.fits(len(seqs), max(map(len, tables))):
                 return self._decode_graph(seqs, tables)
+        hidden, batch = self._layers(seqs, new_lens, [s.token_ids[s.num_computed:s.num_computed + n]
+                                                      for s, n in zip(seqs, new_lens)])
+        self._prompt_logprobs(seqs, new_lens, hidden)
+        for s, n in zip(seqs, new_lens):
+            s.num_computed += n
+        return self.model.compute_logits(hidden[batch.last_token_indices()])
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """Feed each decoding sequence its last token and its drafts; logits of every fed row, packed in order.
+        ``num_computed`` is left as it was: the caller knows how many drafts hold."""
+        new_lens = [1 + len(d) for d in drafts]
+        hidden, _ = self._layers(seqs, new_lens, [[s.token_ids[s.num_computed], *d] for s, d in zip(seqs, drafts)])
+        return self.model.compute_logits(hidden)
+
+    def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]]):
+        """Run every layer over tokens ``fed[i]`` at sequence i's next positions, writing their KV into the cache:
+        ``(hidden states of every fed token, the batch)``."""
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
-        ids = np.concatenate([np.asarray(s.token_ids[s.num_computed:s.num_computed + n], dtype=np.int64)
-                              for s, n in zip(seqs, new_lens)])
+        ids = np.concatenate([np.asarray(f, dtype=np.int64) for f in fed])
         slots = np.concatenate([np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64)
                                 for s, n in zip(seqs, new_lens)])
         ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.cache.device)  # one copy; none in the layers
@@ -51,10 +69,7 @@ class ModelRunner:
             cached = PagedKV(self.cache.layers[layer], tables, ctx.cached_lens)
             hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
             self.cache.write(layer, slots, kv, self.model.kernels)
-        self._prompt_logprobs(seqs, new_lens, hidden)
-        for s, n in zip(seqs, new_lens):
-            s.num_computed += n
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        return hidden, batch
 
     def _prompt_logprobs(self, seqs: list[Sequence], new_lens: list[int], hidden: torch.Tensor) -> None:
         """Each asking sequence's prompt logprobs from this chunk's rows (``hidden`` packs the sequences' new
@@ -79,8 +94,11 @@ class ModelRunner:
 class LocalEngine:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 tokenizer: Tokenizer | None = None, free_finished: bool = True, enforce_eager: bool = False):
+                 tokenizer: Tokenizer | None = None, free_finished: bool = True, enforce_eager: bool = False,
+                 speculative: SpeculativeConfig | None = None):
         self.cache = cache
+        self.spec = speculative or SpeculativeConfig()
+        self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps, draft tokens fed, kept
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len or model.config.max_position_embeddings
@@ -149,6 +167,9 @@ class LocalEngine:
         batch, new_lens = self._schedule_prefill()
         if not batch:
             batch = self._schedule_decode()
+            drafts = self._drafts(batch)
+            if any(drafts):
+                return self._speculative_step(batch, drafts)
             new_lens = [1] * len(batch)
         if not batch:
             return []
@@ -163,12 +184,60 @@ class LocalEngine:
             logits = logits[done_rows]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                   [s.mask() for s in seqs], [s.history for s in seqs], self.eos_ids)
-        finished = []
-        for s, tok, lp in zip(seqs, tokens, logprobs):
-            s.append(tok, lp, self.eos_ids, self.max_model_len)
-            self._check_stop_strings(s, tok)
-            if s.finished:
-                finished.append(s)
+        finished = [s for s, tok, lp in zip(seqs, tokens, logprobs) if self._take(s, tok, lp)]
+        for s in finished:
+            self.release(s)
+        return finished
+
+    def _take(self, s: Sequence, token: int, logprob) -> bool:
+        """Append a drawn token; whether it ended the sequence."""
+        s.append(token, logprob, self.eos_ids, self.max_model_len)
+        self._check_stop_strings(s, token)
+        return s.finished
+
+    def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
+        """Each decoding sequence's proposals (``SpeculativeConfig``), no more than its budget leaves room to keep
+        (the tokens of one step are at most the drafts plus one) and only where their KV fits the cache."""
+        spec, out = self.spec, []
+        if not spec.num_tokens:
+            return out
+        for s in batch:
+            k = min(spec.num_tokens, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1)
+            d = s.drafts(k, spec.min_n, spec.max_n) if k > 0 else []
+            need = self.cache.blocks_needed(s.seq_id, s.num_tokens + len(d)) if d else 0
+            if need > self.cache.num_free_blocks:
+                d = []
+            elif need:
+                self.cache.reserve(s.seq_id, s.num_tokens + len(d))
+            out.append(d)
+        return out
+
+    def _speculative_step(self, batch: list[Sequence], drafts: list[list[int]]) -> list[Sequence]:
+        """One forward over every sequence's last token and drafts, then the tokens drawn position by position:
+        each position of the sequences still going is drawn as a plain step would draw it (its logits are those of
+        the true prefix, since every earlier draft equalled its drawn token), and a sequence stops at its first draft
+        that differs, its end, or its last draft (whose row gives one more token)."""
+        before = [s.num_tokens for s in batch]
+        logits = self.runner.verify(batch, drafts)
+        first = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
+        going, depth, finished = list(range(len(batch))), 0, []
+        while going:
+            seqs = [batch[i] for i in going]
+            tokens, logprobs = sample(logits[[int(first[i]) + depth for i in going]], [s.params for s in seqs],
+                                      [s.generator for s in seqs], [s.mask() for s in seqs],
+                                      [s.history for s in seqs], self.eos_ids)
+            on = []
+            for i, s, tok, lp in zip(going, seqs, tokens, logprobs):
+                if self._take(s, tok, lp):
+                    finished.append(s)
+                elif depth < len(drafts[i]) and tok == drafts[i][depth]:
+                    on.append(i)
+            going, depth = on, depth + 1
+        for s in batch:  # the KV of every kept token but the newest is in place; later rows get overwritten
+            s.num_computed = s.num_tokens - 1
+        self.spec_stats["steps"] += 1
+        self.spec_stats["drafted"] += sum(map(len, drafts))
+        self.spec_stats["accepted"] += sum(s.num_tokens - b - 1 for s, b in zip(batch, before))  # beyond one each
         for s in finished:
             self.release(s)
         return finished

@@ -9,6 +9,7 @@ import torch
 from dualpath.sampling_params import SamplingParams
 from engines.guided import Guide
 from engines.sampler import TokenHistory, TokenLogprob
+from engines.spec import PromptLookup
 
 
 def choice_id(request_id: str, index: int) -> str:
@@ -39,6 +40,7 @@ class Sequence:
     index: int = 0  # which of the request's choices (``params.n``) this is
     group: str = ""  # the request's id (its choice 0's seq_id)
     forks: list[Sequence] = field(default_factory=list)  # choices 1.. waiting for this one's prompt KV
+    lookup: PromptLookup | None = None  # speculative decoding's view of the tokens (built on first use)
 
     def __post_init__(self):
         self.group = self.group or self.seq_id
@@ -53,6 +55,14 @@ class Sequence:
         first.forks = [cls(choice_id(seq_id, i), prompt_ids, params, generators[i], index=i, group=seq_id)
                        for i in range(1, len(generators))]
         return first
+
+    def drafts(self, k: int, min_n: int, max_n: int) -> list[int]:
+        """Up to ``k`` speculative tokens by prompt lookup over the sequence's tokens so far."""
+        if self.lookup is None:
+            self.lookup = PromptLookup(self.token_ids)
+        elif self.lookup.n < self.num_tokens:
+            self.lookup.extend(self.output_ids[self.lookup.n - len(self.prompt_ids):])
+        return self.lookup.propose(k, min_n, max_n)
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None

@@ -200,6 +200,7 @@ class SchedulerCore:
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
         self.traffic: dict[str, dict[str, int]] = {}  # engine -> cumulative "path:class" -> bytes
+        self.speculative: dict[str, dict[str, int]] = {}  # decode engine -> cumulative draft tokens fed, kept
         self._totals: dict[str, int] | None = None
         self._totals_at = 0.0
         self.read_window = WindowedSums(balance_window_s, clock)
@@ -557,6 +558,8 @@ class SchedulerCore:
         self.counters["kv_load_failures"] += load.kv_load_failures
         if load.traffic:
             self.traffic[load.engine_id] = dict(load.traffic)
+        if load.speculative:
+            self.speculative[load.engine_id] = dict(load.speculative)
         for w in load.started:
             rid = self.by_work.get(w)
             if rid is not None:
@@ -705,6 +708,7 @@ class SchedulerCore:
                 "prefill_busy_s": dict(self.prefill_busy_s),
                 "pulls_by_sender": dict(self.pulls_by_sender),
                 "traffic_bytes": {e: dict(t) for e, t in self.traffic.items()},
+                "speculative": {e: dict(t) for e, t in self.speculative.items()},
                 "engines": {eid: self._engine_view(e) for eid, e in self.engines.items() if e.alive},
                 **self.balance(),
             }

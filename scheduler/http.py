@@ -37,6 +37,13 @@ def render(stats: dict) -> str:
             path, _, klass = key.partition(":")
             tb.inc(v, engine=engine, path=path, **{"class": klass})
     _engine_gauges(r, stats.get("engines", {}))
+    drafted = r.counter("engine_spec_decode_draft_tokens_total", "Speculative tokens a decode engine proposed",
+                        ["engine"])
+    kept = r.counter("engine_spec_decode_accepted_tokens_total", "Speculative tokens the model's own draws kept",
+                     ["engine"])
+    for engine, counts in stats.get("speculative", {}).items():
+        drafted.inc(counts.get("drafted", 0), engine=engine)
+        kept.inc(counts.get("accepted", 0), engine=engine)
     r.gauge("storage_read_balance", "Storage reads max/avg across nodes (sliding window)").set(
         stats.get("storage_read_max_over_avg", 1.0))
     pb = r.gauge("prefill_time_balance", "Prefill time max/avg across the engines of a group (sliding window)",

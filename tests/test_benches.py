@@ -46,6 +46,12 @@ def test_guided_bench_runs(tiny_dirs, tmp_path):
     assert answers["matched"] == answers["stopped"] >= 2  # a random model's answers match too
 
 
+def test_spec_decode_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("spec_decode.py", "--model", str(tiny_dirs["llama"]), "--max-tokens", "12", "--batch", "2",
+                       "--out", str(tmp_path / "sd.json"))
+    assert len(result["rows"]) == 6 and all(r["identical"] for r in result["rows"])
+
+
 @pytest.mark.slow  # ~25 s: a server start, 6 s of agents, the settle; bench/soak.py is the real run
 def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check

@@ -195,6 +195,22 @@ def test_captured_graphs_decode_with_weights_reloaded_in_place(tiny_dirs, tmp_pa
     assert after == [o.token_ids for o in fresh.generate(prompts, params)] and after != before
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_speculative_steps_beside_captured_graphs_change_no_output(tiny_dirs):
+    """Steps with drafts run eagerly through the varlen prefill kernel, steps without replay graphs; the tokens
+    are plain decoding's."""
+    from dualpath.llm import LLM
+
+    prompts = [list(range(3, 40)), [5, 6, 7, 8] * 10]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", block_size=BS, max_num_seqs=8, kernels="triton")
+    plain = LLM(str(tiny_dirs["llama"]), **kw)
+    spec = LLM(str(tiny_dirs["llama"]), speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1}, **kw)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.spec_stats["accepted"] > 0
+
+
 def test_enforce_eager_reaches_every_engine():
     """``--enforce-eager`` on ``engine``, ``serve`` and ``rollout`` ends in the engine's config and in the command
     line the launcher gives each engine process."""

@@ -96,7 +96,7 @@ def cluster_from_args(args):
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         load_every_hit=args.load_every_hit,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, speculative_config=args.speculative_config,
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
         storage_capacity=store_capacity(args),
