@@ -159,14 +159,15 @@ def best(n: int, k: int, *per_choice: list) -> tuple[list, ...]:
     return tuple([xs[i] for i in keep] for xs in per_choice)
 
 
-async def drain(gen, text: list, lps: list):
+async def drain(gen, text: list, lps: list, ids: list):
     async for item in gen:
         if isinstance(item, Outcome):
             return item
         if isinstance(item, PromptLogprobs):
             continue
-        delta, _, lp = item
+        delta, tokens, lp = item
         text.append(delta)
+        ids.extend(tokens)
         if lp:
             lps.append(lp)
     raise ApiError(500, "generation ended without a result", "server_error")

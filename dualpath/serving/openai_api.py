@@ -676,8 +676,8 @@ class Frontend:
     async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
         """The whole response's body once every choice is done; None if the client left first (its request is
         cancelled)."""
-        texts, lps = [[] for _ in gens], [[] for _ in gens]
-        consumers = [asyncio.ensure_future(drain(g, t, lp)) for g, t, lp in zip(gens, texts, lps)]
+        texts, lps, ids = [[] for _ in gens], [[] for _ in gens], [[] for _ in gens]
+        consumers = [asyncio.ensure_future(drain(g, *parts)) for g, *parts in zip(gens, texts, lps, ids)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
             await asyncio.wait(consumers, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((c for c in consumers if c.done() and c.exception() is not None), None)
@@ -697,13 +697,20 @@ class Frontend:
         for g in gens:
             await g.aclose()
         every = outcomes  # usage counts best_of's unreturned candidates too
-        texts, lps, outcomes = best(req.n, req.samples(), texts, lps, outcomes)
+        texts, lps, outcomes, ids = best(req.n, req.samples(), texts, lps, outcomes, ids)
         rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": created, "model": self.cfg.model_name, "choices": choices,
                 "usage": self._usage(req, prompts, every)}
+        if req.return_token_ids:  # vLLM's places: a chat's prompt at the top, a completion's in each choice
+            for i, c in enumerate(choices):
+                c["token_ids"] = ids[i]
+                if kind != "chat":
+                    c["prompt_token_ids"] = prompts[i // req.n].ids
+            if kind == "chat":
+                body["prompt_token_ids"] = prompts[0].ids
         if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
             body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
                                                             req.prompt_logprobs)
@@ -801,6 +808,9 @@ class Frontend:
                 body["usage"] = usage
             return body
 
+        pending: list[list[int]] = [[] for _ in gens]  # token ids not yet sent (their text may be held back)
+        told = set()  # completions: choices whose prompt_token_ids went out
+
         def choice(i: int, delta_text: str, lps: list, finish=None, thought: str = "", calls=()) -> dict:
             if kind == "chat":
                 delta = {"reasoning_content": thought} if thought else {}
@@ -808,10 +818,17 @@ class Frontend:
                     delta["content"] = delta_text
                 if calls:
                     delta["tool_calls"] = calls
-                return {"index": i, "delta": delta, "finish_reason": finish,
-                        "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
-            return {"index": i, "text": delta_text, "finish_reason": finish,
-                    "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
+                out = {"index": i, "delta": delta, "finish_reason": finish,
+                       "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
+            else:
+                out = {"index": i, "text": delta_text, "finish_reason": finish,
+                       "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
+            if req.return_token_ids:  # every choice's ids, in order, across its chunks
+                out["token_ids"], pending[i] = pending[i], []
+                if kind != "chat" and i not in told:
+                    out["prompt_token_ids"] = prompts[i // req.n].ids
+                    told.add(i)
+            return out
 
         splitters = [self._splitter(req, kind) for _ in gens]
         reasoners = [self._reasoner(kind, prompts[i // req.n]) for i in range(len(gens))]
@@ -819,8 +836,11 @@ class Frontend:
         try:
             if kind == "chat":
                 for i in range(len(gens)):
-                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                 "logprobs": None})
+                    first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                   "logprobs": None})
+                    if req.return_token_ids and i == 0:
+                        first["prompt_token_ids"] = prompts[0].ids
+                    yield first
             elif req.echo and req.logprobs is None:  # the prompt's text first (with logprobs: once they come)
                 for i in range(len(gens)):
                     yield chunk(choice(i, self._echoed(req, prompts[i // req.n], None)[0], []))
@@ -850,14 +870,15 @@ class Frontend:
                             finish = "tool_calls"
                     yield chunk(choice(i, "", [], finish))
                     continue
-                delta, _, lp = item
+                delta, tokens, lp = item
+                pending[i] += tokens
                 thought = ""
                 if reasoners[i] is not None:
                     thought, delta = reasoners[i].feed(delta)
                 calls = []
                 if splitter is not None:
                     delta, calls = splitter.feed(delta), splitter.call_deltas()
-                if delta or thought or lp or calls:
+                if delta or thought or lp or calls or (tokens and req.return_token_ids):
                     yield chunk(choice(i, delta, [lp] if lp else [], thought=thought, calls=calls))
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk(None, self._usage(req, prompts, [outcomes[i] for i in range(len(gens))]))

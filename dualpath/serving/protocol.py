@@ -128,6 +128,7 @@ class _Common(BaseModel):
     bad_words: Optional[list[str]] = None
     logits_processors: Optional[list[Any]] = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False  # vLLM's extra: the prompt's token ids and each choice's (RL trainers train on them)
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
     # vLLM's structured-output extras: JSON, regex, choice and (GBNF) grammars
