@@ -318,6 +318,16 @@ def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny
         answer = http.post("/v1/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 8,
                                                     "temperature": 0}, headers=auth).json()
         assert answer["choices"][0]["text"] == reference.generate(PROMPT, GREEDY)[0].text
+        # an RL rollout's turn through SGLang's /generate: token ids and logprobs of the weights just loaded
+        out = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                                           "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+                        headers=auth).json()
+        want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0]
+        assert out["output_ids"] == want.token_ids
+        for (lp, tid, _), top, ref in zip(out["meta_info"]["output_token_logprobs"],
+                                          out["meta_info"]["output_top_logprobs"], want.logprobs):
+            assert tid == ref.token_id and abs(lp - ref.logprob) < 1e-4
+            assert [t for _, t, _ in top] == [t for t, _ in ref.top]
     front.client.close()
 
 

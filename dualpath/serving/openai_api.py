@@ -35,6 +35,7 @@ from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
+from dualpath.serving.native import NativeApi
 from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        UpdateWeightsRequest, error_body, parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
@@ -100,6 +101,7 @@ class Frontend:
         self.m_inflight.set(0)
         self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
             else MemoryResponses(cfg.max_stored_responses)
+        self.native = NativeApi(self)  # SGLang's /generate
         self.app = self._build()
 
     # --- app ------------------------------------------------------------------------------------------------
@@ -177,6 +179,10 @@ class Frontend:
         @app.post("/detokenize")
         async def detokenize(request: Request):
             return await self._utility(request, "detokenize", DetokenizeRequest, self._detokenize)
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            return await self.native.generate(request)
 
         @app.post("/update_weights_from_disk")
         async def update_weights(request: Request):
@@ -676,6 +682,33 @@ class Frontend:
     async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
         """The whole response's body once every choice is done; None if the client left first (its request is
         cancelled)."""
+        got = await self.gather(request, gens)
+        if got is None:
+            return None
+        texts, lps, ids, outcomes = got
+        every = outcomes  # usage counts best_of's unreturned candidates too
+        texts, lps, outcomes, ids = best(req.n, req.samples(), texts, lps, outcomes, ids)
+        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
+                   for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
+        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created, "model": self.cfg.model_name, "choices": choices,
+                "usage": self._usage(req, prompts, every)}
+        if req.return_token_ids:  # vLLM's places: a chat's prompt at the top, a completion's in each choice
+            for i, c in enumerate(choices):
+                c["token_ids"] = ids[i]
+                if kind != "chat":
+                    c["prompt_token_ids"] = prompts[i // req.n].ids
+            if kind == "chat":
+                body["prompt_token_ids"] = prompts[0].ids
+        if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
+            body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
+                                                            req.prompt_logprobs)
+        return body
+
+    async def gather(self, request: Request, gens: list) -> tuple[list, list, list, list] | None:
+        """Every choice's text pieces, logprobs, token ids and ``Outcome`` once all are done; None if the client left
+        first (its request is cancelled)."""
         texts, lps, ids = [[] for _ in gens], [[] for _ in gens], [[] for _ in gens]
         consumers = [asyncio.ensure_future(drain(g, *parts)) for g, *parts in zip(gens, texts, lps, ids)]
         while not all(c.done() for c in consumers):  # a client that hangs up cancels its request
@@ -696,25 +729,7 @@ class Frontend:
         outcomes = [c.result() for c in consumers]
         for g in gens:
             await g.aclose()
-        every = outcomes  # usage counts best_of's unreturned candidates too
-        texts, lps, outcomes, ids = best(req.n, req.samples(), texts, lps, outcomes, ids)
-        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
-                   for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
-        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": created, "model": self.cfg.model_name, "choices": choices,
-                "usage": self._usage(req, prompts, every)}
-        if req.return_token_ids:  # vLLM's places: a chat's prompt at the top, a completion's in each choice
-            for i, c in enumerate(choices):
-                c["token_ids"] = ids[i]
-                if kind != "chat":
-                    c["prompt_token_ids"] = prompts[i // req.n].ids
-            if kind == "chat":
-                body["prompt_token_ids"] = prompts[0].ids
-        if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
-            body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
-                                                            req.prompt_logprobs)
-        return body
+        return texts, lps, ids, outcomes
 
     def _prompt_logprobs(self, prompt: list[int], lps: list | None, k: int) -> list:
         """vLLM's form: None for the first token, then per token {id: {logprob, rank, decoded_token}} for the token
