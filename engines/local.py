@@ -51,7 +51,7 @@ class ModelRunner:
         """Feed each decoding sequence its last token and its drafts; logits of every fed row, packed in order.
         ``num_computed`` is left as it was: the caller knows how many drafts hold."""
         new_lens = [1 + len(d) for d in drafts]
-        hidden, _ = self._layers(seqs, new_lens, [[s.token_ids[s.num_computed], *d] for s, d in zip(seqs, drafts)])
+        hidden, _ = self._layers(seqs, new_lens, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
         return self.model.compute_logits(hidden)
 
     def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]]):

@@ -29,15 +29,18 @@ class PromptLookup:
 
     def propose(self, k: int, min_n: int, max_n: int) -> list[int]:
         """Up to ``k`` tokens: those after the latest earlier occurrence of the last ``n`` tokens, for the largest
-        ``n`` in ``[min_n, max_n]`` that occurs earlier (a longer match predicts better); [] when none does."""
+        ``n`` in ``[min_n, max_n]`` that occurs earlier (a longer match predicts better); [] when none does. One
+        pass over the tokens finds where the last token occurs with a follower; each longer ``n`` only filters
+        those places."""
         a, length = self._buf, self.n
-        for n in range(min(max_n, length - 1), min_n - 1, -1):
-            suffix = a[length - n:length]
-            starts = a[:length - n] == suffix[0]  # candidate starts s < length - n: a follower exists
-            for i in range(1, n):
-                starts &= a[i:length - n + i] == suffix[i]
-            hits = np.flatnonzero(starts)
-            if len(hits):
-                s = int(hits[-1]) + n
-                return a[s:min(s + k, length)].tolist()
-        return []
+        ends = np.flatnonzero(a[:length - 1] == a[length - 1]) if length > 1 else a[:0]
+        best = -1
+        for n in range(1, max_n + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[a[ends - (n - 1)] == a[length - n]]
+            if not len(ends):
+                break
+            if n >= min_n:
+                best = int(ends[-1])
+        return a[best + 1:min(best + 1 + k, length)].tolist() if best >= 0 else []
