@@ -89,6 +89,22 @@ def test_a_stream_carries_each_choices_text_and_ids_so_far(front):
         assert mine[-1]["output_ids"] == tok.encode("Sunny, 21 C.", add_special_tokens=False)
 
 
+def test_prompt_logprobs_from_logprob_start_len(front):
+    """``logprob_start_len`` >= 0 asks for the prompt's logprobs from that position (the prompt is then computed
+    whole, as with the completions endpoint's ``prompt_logprobs``); the double makes each one up as -1."""
+    http, fake, _ = front
+    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 1,
+            "sampling_params": {"max_new_tokens": 4}}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert fake.samplings[-1].prompt_logprobs == 1
+    assert meta["input_token_logprobs"] == [[-1.0, 6, None], [-1.0, 7, None]]
+    assert meta["input_top_logprobs"] == [[[-1.0, 6, None]], [[-1.0, 7, None]]]
+    meta = http.post("/generate", json={**body, "logprob_start_len": 0, "return_text_in_logprobs": True}).json()
+    assert meta["meta_info"]["input_token_logprobs"][0] == [None, 5, "\x05"]
+    assert "input_token_logprobs" not in http.post("/generate", json={**body, "logprob_start_len": -1}).json()[
+        "meta_info"] and fake.samplings[-1].prompt_logprobs is None
+
+
 @pytest.mark.parametrize("body, param, why", [
     ({"text": "a", "input_ids": [1]}, "text", "either text or input_ids"),
     ({}, "text", "either text or input_ids"),
@@ -97,7 +113,8 @@ def test_a_stream_carries_each_choices_text_and_ids_so_far(front):
     ({"text": "a", "sampling_params": {"temperature": 9}}, "sampling_params.temperature", "less than"),
     ({"text": "a", "sampling_params": {"lora_path": "x"}}, "sampling_params", "not supported: lora_path"),
     ({"text": "a", "sampling_params": {"json_schema": "{nope"}}, "sampling_params", "not JSON"),
-    ({"text": "a", "logprob_start_len": 0}, "logprob_start_len", "only -1"),
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", "a prompt position"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "less than"),
     ({"text": "a", "image_data": "x"}, "image_data", "Extra inputs"),
     ({"text": ["a", "b"], "rid": ["one"]}, "rid", "1 ids for 2 prompts"),
     ({"text": "a", "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", "one set"),

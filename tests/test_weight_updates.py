@@ -328,6 +328,12 @@ def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny
                                           out["meta_info"]["output_top_logprobs"], want.logprobs):
             assert tid == ref.token_id and abs(lp - ref.logprob) < 1e-4
             assert [t for _, t, _ in top] == [t for t, _ in ref.top]
+        scored = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+                                              "sampling_params": {"max_new_tokens": 1}}, headers=auth).json()
+        ref = reference.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+        got = scored["meta_info"]["input_token_logprobs"]
+        assert got[0] == [None, PROMPT[0], None] and [t for _, t, _ in got] == PROMPT
+        assert all(abs(g[0] - r.logprob) < 1e-4 for g, r in zip(got[1:], ref[1:]))
     front.client.close()
 
 

@@ -89,8 +89,8 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
         len(req.input_ids) if req.input_ids and isinstance(req.input_ids[0], list) else 1
     if isinstance(req.rid, list) and len(req.rid) != n_prompts:
         raise RequestError(f"rid: {len(req.rid)} ids for {n_prompts} prompts", field="rid")
-    if req.logprob_start_len != -1:
-        raise RequestError("logprob_start_len: only -1 (the output tokens' logprobs) is supported",
+    if req.logprob_start_len < -1:
+        raise RequestError("logprob_start_len: -1 (the output's logprobs only) or a prompt position",
                            field="logprob_start_len")
     sp = req.sampling_params or {}
     if isinstance(sp, list):
@@ -111,7 +111,8 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
         except ValueError as e:
             raise RequestError(f"sampling_params.json_schema: not JSON ({e})", field="sampling_params") from None
     body = {"model": model, "prompt": req.text if req.text is not None else req.input_ids, **fields,
-            "logprobs": req.top_logprobs_num if req.return_logprob else None}
+            "logprobs": req.top_logprobs_num if req.return_logprob else None,
+            "prompt_logprobs": req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None}
     try:
         return parse(CompletionRequest, json.dumps(body).encode())
     except RequestError as e:
@@ -123,7 +124,7 @@ def _sglang_name(field: str | None, req: GenerateRequest | None) -> str | None:
     """SGLang's name of a completions request's field (what an error names)."""
     if field == "prompt":
         return "input_ids" if req is not None and req.input_ids is not None else "text"
-    if field == "logprobs":
+    if field in ("logprobs", "prompt_logprobs"):
         return "top_logprobs_num"
     back = {v: k for k, v in RENAMED.items()}
     name = back.get(field, field)
@@ -150,6 +151,13 @@ class _Answers:
         if self.req.return_logprob:
             meta["output_token_logprobs"] = [[lp["logprob"], lp["token_id"], self._text(lp["token_id"])] for lp in lps]
             meta["output_top_logprobs"] = [[[v, t, self._text(t)] for t, v in lp["top"]] for lp in lps]
+        if outcome is not None and outcome.prompt_logprobs is not None:  # logprob_start_len >= 0
+            first = {"token_id": self.prompts[p].ids[0], "logprob": None, "top": ()}  # nothing precedes it
+            given = ([first] + outcome.prompt_logprobs)[self.req.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp["logprob"], lp["token_id"], self._text(lp["token_id"])]
+                                            for lp in given]
+            meta["input_top_logprobs"] = [[[v, t, self._text(t)] for t, v in lp["top"][:self.req.top_logprobs_num]]
+                                          if lp["logprob"] is not None else None for lp in given]
         return {"text": text, "output_ids": list(ids), "meta_info": meta, "index": i}
 
     def _text(self, token: int) -> str | None:
