@@ -35,19 +35,21 @@ def conversation_turns(http, model: str, agent: int, args) -> list[dict]:
         ttft = time.perf_counter() - t
         usage = body["usage"]
         out.append({"turn": turn, "ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"],
-                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                    "kv_bytes_loaded": usage["dualpath"]["kv_bytes_loaded"]})
         messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"] or "ok"},
                      {"role": "user", "content": f"Step {turn + 4} failed with exit {turn + 1}. Next?"}]
     return out
 
 
-def run(system: str, args) -> dict:
+def later_turns(args, *serve_args: str) -> list[dict]:
+    """The agents' conversations against a fresh ``dualpath serve`` with ``serve_args`` (its own store, reads
+    capped at ``args.storage_read_bps``): every turn after each agent's first."""
     import httpx
     from serve_process import ServeProcess
 
-    extra = (["--model", args.model] if args.model else []) + (["--load-every-hit"] if system == "load every hit"
-                                                               else [])
-    server = ServeProcess(*extra, "--kv-store", tempfile.mkdtemp(prefix="dualpath-slow-store-"),
+    server = ServeProcess(*(["--model", args.model] if args.model else []), *serve_args,
+                          "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
                           "--storage-read-bps", str(args.storage_read_bps))
     try:
         with httpx.Client(base_url=server.url, timeout=600) as http:
@@ -55,8 +57,13 @@ def run(system: str, args) -> dict:
             turns = [t for a in range(args.agents) for t in conversation_turns(http, model, a, args)]
     finally:
         server.stop()
-    later = [t for t in turns if t["turn"] > 0]
-    return {"system": system, "turns": len(turns), "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
+    return [t for t in turns if t["turn"] > 0]
+
+
+def run(system: str, args) -> dict:
+    later = later_turns(args, *(["--load-every-hit"] if system == "load every hit" else []))
+    return {"system": system, "turns": len(later) + args.agents,
+            "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
             "ttft_later_mean_s": statistics.mean(t["ttft_s"] for t in later),
             "loaded_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
             "context_tokens": statistics.mean(t["prompt_tokens"] for t in later)}

@@ -19,7 +19,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
-              enforce_eager=args.enforce_eager, speculative_config=args.speculative_config)
+              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+              speculative_config=args.speculative_config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
     if args.chat:
@@ -62,7 +63,8 @@ def engine_config(args: argparse.Namespace):
         role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
         engine=EngineConfig(device=args.device, dtype=args.dtype, kernels=args.kernels,
-                            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
+                            kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+                            max_num_seqs=args.max_num_seqs,
                             speculative=SpeculativeConfig.parse(args.speculative_config),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
@@ -213,12 +215,21 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _dtype_args(p: argparse.ArgumentParser) -> None:
+    from dualpath.config import DTYPE_BYTES, KV_CACHE_DTYPES
+
+    p.add_argument("--dtype", default="float32", choices=list(DTYPE_BYTES), help="the model's dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's dtype, in memory, transfers and storage (auto: the model's; fp8: e4m3, "
+                        "half of bfloat16's bytes)")
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _dtype_args(p)
     _kernels_arg(p)
     p.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
     p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
@@ -433,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("-n", "--n", type=int, default=1, help="choices per prompt, sampled from one prefill")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _dtype_args(g)
     _kernels_arg(g)
     g.set_defaults(func=cmd_generate)
 
@@ -491,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     e.add_argument("--scheduler", required=True, help="scheduler host:port")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _dtype_args(e)
     _kernels_arg(e)
     e.add_argument("--engine-id", default="")
     e.add_argument("--node-id", default="", help="engines on one node share its storage NIC (default: own node)")

@@ -20,6 +20,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What a cache may hold: the model's dtypes, and 8-bit floats (e4m3, finite: saturates at +-448, no infinities)
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}
+# vLLM's --kv-cache-dtype values -> the cache's dtype (auto: the model's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KERNEL_BACKENDS = ("auto", "torch", "triton")  # see kernels.attention.choose_backend
 
 
@@ -293,11 +297,14 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """One engine's runtime choices. ``dtype`` is the model and KV dtype."""
+    """One engine's runtime choices. ``dtype`` is the model's dtype; ``kv_cache_dtype`` (vLLM's values) the KV
+    cache's, in device memory, DRAM buffers, transfers and storage alike: ``auto`` the model's, ``fp8`` e4m3
+    (half of bfloat16's bytes; values saturate at +-448, scale 1, as vLLM's default)."""
 
     device: str = "cpu"
     dtype: str = "float32"
     kernels: str = "auto"  # auto: triton kernels on CUDA, the torch reference on CPU; torch forces the reference
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are captured on CUDA with triton)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
@@ -309,10 +316,17 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.kernels not in KERNEL_BACKENDS:
             raise ConfigError(f"kernels must be one of {KERNEL_BACKENDS}, got {self.kernels!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's torch dtype name."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dualpath.config import DTYPE_BYTES, ModelConfig
+from dualpath.config import KV_DTYPE_BYTES, ModelConfig
 from dualpath.errors import ConfigError
 
 KV_LAYOUT_VERSION = 1
@@ -35,7 +35,7 @@ class KVGeometry:
     dtype: str
 
     def __post_init__(self):
-        if self.dtype not in DTYPE_BYTES:
+        if self.dtype not in KV_DTYPE_BYTES:
             raise ConfigError(f"unknown KV dtype {self.dtype!r}")
         if min(self.num_layers, self.block_size, self.kv_elems_per_token) < 1:
             raise ConfigError(f"degenerate KV geometry {self}")
@@ -46,7 +46,7 @@ class KVGeometry:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return KV_DTYPE_BYTES[self.dtype]
 
     @property
     def token_bytes(self) -> int:
@@ -93,14 +93,19 @@ def choice_blocks(block_size: int, num_prompt_tokens: int, num_tokens: int, n: i
     return shared + n * (-(-num_tokens // block_size) - shared)
 
 
-def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_digest: str) -> BlockHash:
-    """Identity of everything that changes KV bytes: architecture, weights, dtype, block size, layout.
+def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_digest: str,
+                      kv_dtype: str | None = None) -> BlockHash:
+    """Identity of everything that changes KV bytes: architecture, weights, dtype, KV dtype (None: ``dtype``),
+    block size, layout.
 
     Two deployments share stored blocks only if their fingerprints are equal, so a block computed by another
-    model, dtype or block size can never be served as a hit.
+    model, dtype or block size, or held in another KV dtype, can never be served as a hit.
     """
-    payload = json.dumps({"layout": KV_LAYOUT_VERSION, "model": model.to_dict(), "dtype": dtype,
-                          "block_size": block_size, "weights": weights_digest}, sort_keys=True)
+    fields = {"layout": KV_LAYOUT_VERSION, "model": model.to_dict(), "dtype": dtype, "block_size": block_size,
+              "weights": weights_digest}
+    if kv_dtype not in (None, dtype):  # absent otherwise, so stores written before KV dtypes existed still hit
+        fields["kv_dtype"] = kv_dtype
+    payload = json.dumps(fields, sort_keys=True)
     return hashlib.blake2b(payload.encode(), digest_size=HASH_BYTES).digest()
 
 

@@ -35,6 +35,7 @@ class ClusterSpec:
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
     dtype: str = "float32"
     kernels: str = "auto"  # see EngineConfig.kernels
+    kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
     speculative_config: str = ""  # see EngineConfig.speculative (vLLM's JSON; "" off)
     block_size: int = 64
@@ -168,7 +169,8 @@ class LocalCluster(Supervisor):
         node = f"{role}-node{index // s.engines_per_node}"
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
                 "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
-                "--device", device, "--dtype", s.dtype, "--kernels", s.kernels, "--transport", s.transport,
+                "--device", device, "--dtype", s.dtype, "--kv-cache-dtype", s.kv_cache_dtype,
+                "--kernels", s.kernels, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
                 "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
                 "--storage-read-bps", str(s.storage_read_bps), "--storage-capacity", str(s.storage_capacity),

@@ -20,6 +20,8 @@ from engines.local import LocalEngine
 from engines.models import load_model, open_checkpoint, reload_weights
 from engines.sampler import TokenLogprob, make_generator
 from engines.sequence import Sequence
+from kernels.attention import check_cache_dtype
+from kernels.kv_move import cache_dtype
 
 
 @dataclass(frozen=True)
@@ -40,14 +42,17 @@ class LLM:
     with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
-    which changes no output (``dualpath.config.SpeculativeConfig``).
+    which changes no output (``dualpath.config.SpeculativeConfig``). ``kv_cache_dtype`` (vLLM's ``auto`` or
+    ``fp8``) is the cache's dtype (``dualpath.config.EngineConfig``).
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
-                 enforce_eager: bool = False, speculative_config: dict | str | None = None):
+                 enforce_eager: bool = False, speculative_config: dict | str | None = None,
+                 kv_cache_dtype: str = "auto"):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
+                                   kv_cache_dtype=kv_cache_dtype,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
@@ -56,7 +61,8 @@ class LLM:
         self.model_config = ckpt.config
         self.model = load_model(ckpt, device, dtype, kernels)
         self.tokenizer = Tokenizer(model)
-        self.geometry = KVGeometry.for_model(ckpt.config, dtype, block_size)
+        self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
+        check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
         num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)
         self.cache = PagedKVCache(self.geometry, num_blocks, device)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,

@@ -30,6 +30,8 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
 from engines.models import load_model, open_checkpoint, open_update, reload_weights
+from kernels.attention import check_cache_dtype
+from kernels.kv_move import cache_dtype
 from traffic.buffer import BufferPool
 from traffic.manager import TrafficManager
 from traffic.storage import ReadAccounting, make_storage
@@ -84,8 +86,10 @@ class Engine:
         self._tokenizer_lock = threading.Lock()
         self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device, ckpt.config.eos_token_ids)
         bs = cfg.engine.cache.block_size
-        self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.dtype, bs)
-        self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest)
+        self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.kv_dtype, bs)
+        check_cache_dtype(self.model.kernels, self.device, cache_dtype(self.geometry))
+        self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest,
+                                             cfg.engine.kv_dtype)
         self.transport = make_transport(cfg.transport, self.engine_id)
         slots = max(1, cfg.buffer_bytes // self.geometry.full_block_bytes)
         self.buffer_memory = self.transport.allocate(slots * self.geometry.full_block_bytes)
@@ -422,7 +426,7 @@ class Engine:
                 raise DualPathError(f"engine {self.engine_id} failed loading the weights halfway ({e}) and "
                                     "stops") from None
             fp = model_fingerprint(self.model_config, self.cfg.engine.dtype, self.geometry.block_size,
-                                   f"sha256:{digest}")
+                                   f"sha256:{digest}", self.cfg.engine.kv_dtype)
             if fp != self.fingerprint:
                 old, self.fingerprint = self.storage, fp
                 self.storage = self.traffic.storage = self._open_storage(fp)

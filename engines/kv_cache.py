@@ -12,7 +12,7 @@ import torch
 
 from dualpath.allocator import BlockAllocator
 from dualpath.geometry import KVGeometry
-from kernels.kv_move import write_tokens
+from kernels.kv_move import cache_dtype, write_tokens
 
 
 class PagedKVCache:
@@ -21,10 +21,9 @@ class PagedKVCache:
     def __init__(self, geometry: KVGeometry, num_blocks: int, device: str | torch.device = "cpu"):
         self.geometry = geometry
         self.device = torch.device(device)
-        dtype = getattr(torch, geometry.dtype)
         # One tensor, layer-major, so the whole cache is one registrable region (``LayerMajorBlocks`` layout).
-        self.storage = torch.zeros(geometry.num_layers, num_blocks, *geometry.layer_block_shape, dtype=dtype,
-                                   device=self.device)
+        self.storage = torch.zeros(geometry.num_layers, num_blocks, *geometry.layer_block_shape,
+                                   dtype=cache_dtype(geometry), device=self.device)
         self.layers = list(self.storage.unbind(0))
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[Hashable, list[int]] = {}

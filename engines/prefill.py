@@ -33,7 +33,7 @@ from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
 from engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
-from kernels.kv_move import write_tokens
+from kernels.kv_move import cache_dtype, write_tokens
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
 from traffic.transport.base import Op, RegionDesc
 
@@ -127,7 +127,7 @@ class PrefillEngine(Engine):
     def _workspace(self, slots: int) -> Workspace:
         g = self.geometry
         blocks = max(1, self.cfg.workspace_tokens // g.block_size)
-        t = torch.zeros(slots, blocks, *g.layer_block_shape, dtype=self.dtype, device=self.device)
+        t = torch.zeros(slots, blocks, *g.layer_block_shape, dtype=cache_dtype(g), device=self.device)
         region = self.transport.register(t).region_id
         return Workspace(t, region, LayerMajorBlocks(g, blocks, num_layers=slots))
 
@@ -164,13 +164,14 @@ class PrefillEngine(Engine):
         g = self.geometry
         counts = [g.num_blocks(c) for c, _ in items]
         firsts = [sum(counts[:i]) for i in range(len(items))]
-        layer_kv = torch.randn(max(sum(counts), 1), *g.layer_block_shape, dtype=self.dtype, device=self.device)
+        layer_kv = (0.1 * torch.randn(max(sum(counts), 1), *g.layer_block_shape, dtype=self.dtype,
+                                      device=self.device)).to(cache_dtype(g))
         tables = consecutive_tables(firsts, counts, self.device)
         ids = torch.randint(0, self.model_config.vocab_size, (sum(n for _, n in items),), device=self.device)
         batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
         t = time.perf_counter()
         ctx = self.model.begin(batch)
-        cached = PagedKV(layer_kv * 0.1, tables, ctx.cached_lens)
+        cached = PagedKV(layer_kv, tables, ctx.cached_lens)
         h = self.model.embed(ids)
         for layer in range(self.model_config.num_layers):
             h, _ = self.model.forward_layer(layer, h, ctx, cached)

@@ -8,6 +8,10 @@ list of per-sequence tensors or as a ``PagedKV`` view of a paged cache; a ``RowL
 key and value lie in a row (and splits rows into K ``[.., Hk, D]`` and V ``[.., Hk, Dv]`` views), so GQA/MHA and
 MLA's shared latent use the same code.
 
+The cache may hold KV in a narrower dtype than q (8-bit floats): cached rows are read back in q's dtype, and new
+rows attend as the cache holds them (``kernels.kv_move.as_cached``), so a token's output does not depend on
+whether its keys were computed in this forward or earlier.
+
 Backends: ``torch`` (this module; CPU, and the reference everywhere) and ``triton`` (``kernels.triton_attention``,
 reading the paged cache in place; CUDA). ``choose_backend("auto", device)`` picks triton on CUDA when it is
 installed; ``torch`` forces the reference for debugging.
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 
 from dualpath.config import KERNEL_BACKENDS
 from dualpath.errors import ConfigError
-from kernels.kv_move import gather_tokens
+from kernels.kv_move import as_cached, gather_tokens
 
 
 def choose_backend(name: str, device: torch.device | str) -> str:
@@ -34,6 +38,18 @@ def choose_backend(name: str, device: torch.device | str) -> str:
         cuda = torch.device(device).type == "cuda"
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
     return name
+
+
+def check_cache_dtype(backend: str, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Refuse an 8-bit float cache the kernels cannot read: Triton has e4m3 only from compute capability 8.9
+    (Ada, Hopper); on older GPUs the torch reference (``--kernels torch``) reads it."""
+    device = torch.device(device)
+    if backend == "triton" and dtype.itemsize == 1 and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"an fp8 KV cache on the Triton kernels needs a GPU of compute capability 8.9 or newer "
+                          f"({torch.cuda.get_device_name(device)} is "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}): use --kernels torch, "
+                          "or --kv-cache-dtype auto")
 
 
 @dataclass(frozen=True)
@@ -93,6 +109,12 @@ def _rows(cached: CachedRows, i: int) -> torch.Tensor:
     return cached.rows(i) if isinstance(cached, PagedKV) else cached[i]
 
 
+def _cache_dtype(cached: CachedRows, new_rows: torch.Tensor) -> torch.dtype:
+    if isinstance(cached, PagedKV):
+        return cached.cache.dtype
+    return cached[0].dtype if len(cached) else new_rows.dtype
+
+
 def _padded_rows(cached: CachedRows, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of every sequence padded to a common length with room for one more token, and the lengths."""
     if isinstance(cached, PagedKV):
@@ -130,8 +152,9 @@ def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float) -> 
     # One query per sequence: each new row goes in the slot after its sequence's cached rows, then one masked
     # attention over the padded batch.
     rows, lens = _padded_rows(cached, new_rows)
+    rows = rows.to(q.dtype)
     b = rows.shape[0]
-    rows[torch.arange(b, device=rows.device), lens] = new_rows.to(rows.dtype)
+    rows[torch.arange(b, device=rows.device), lens] = new_rows.to(q.dtype)
     k, v = split(rows)
     mask = torch.arange(rows.shape[1], device=rows.device)[None, :] <= lens[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
@@ -150,6 +173,7 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
     nothing between host and device.
     """
+    new_rows = as_cached(new_rows, _cache_dtype(cached, new_rows))
     if backend == "triton":
         return _triton(q, new_rows, cached, split, new_lens, scale, cu_new)
     if isinstance(cached, PagedKV):
@@ -159,8 +183,8 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     outs, start = [], 0
     for i, n in enumerate(new_lens):
         sl = slice(start, start + n)
-        c = _rows(cached, i)
-        rows = torch.cat([c, new_rows[sl].to(c.dtype)]) if c.shape[0] else new_rows[sl]
+        c = _rows(cached, i).to(q.dtype)
+        rows = torch.cat([c, new_rows[sl].to(q.dtype)]) if c.shape[0] else new_rows[sl]
         k, v = split(rows)
         outs.append(_attend_one(q[sl], k, v, c.shape[0], scale))
         start += n

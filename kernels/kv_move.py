@@ -2,6 +2,10 @@
 
 A paged cache layer is ``[num_blocks, block_size, kv_elems]``: block ``b`` of that layer is one Layer Block,
 contiguous. Full Block byte layout comes from ``dualpath.geometry.KVGeometry``; these functions only view it.
+
+A cache may hold KV in a narrower dtype than the model computes in (8-bit floats): ``to_cache`` is the one place
+values become the cache's, ``as_cached`` gives rows as the cache would hold them, in the model's dtype, and moves
+between tensors of one cache dtype are byte copies.
 """
 from __future__ import annotations
 
@@ -10,6 +14,31 @@ from typing import Sequence
 import torch
 
 from dualpath.geometry import KVGeometry
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's ``dtype``: 8-bit floats saturate at their largest finite value (a large key stays
+    large, never NaN), with scale 1 (vLLM's default KV scale)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+def as_cached(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as a cache of ``dtype`` holds them, back in their own dtype: attention reads a batch's new rows
+    this way, so a token's output is the same whether its keys were computed in this forward or loaded."""
+    return rows if rows.dtype == dtype else to_cache(rows, dtype).to(rows.dtype)
+
+
+def _index_copy(dst: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[ids[i]] = src[i]`` along dim 0, ``src`` already in ``dst``'s dtype, as bytes (CPU torch has no
+    ``index_copy_`` for 8-bit floats)."""
+    dst.view(torch.uint8).index_copy_(0, ids, src.contiguous().view(torch.uint8))
 
 
 def gather_tokens(cache_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -27,7 +56,7 @@ def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tenso
         from kernels import triton_kv
 
         return triton_kv.scatter_blocks(cache_layer.view(-1, cache_layer.shape[-1]), slots, kv)  # rows as pieces
-    cache_layer.view(-1, cache_layer.shape[-1]).index_copy_(0, slots, kv.to(cache_layer.dtype))
+    _index_copy(cache_layer.view(-1, cache_layer.shape[-1]), slots, to_cache(kv, cache_layer.dtype))
 
 
 def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -46,17 +75,18 @@ def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: t
         from kernels import triton_kv
 
         return triton_kv.scatter_blocks(cache_layer, block_ids, blocks)
-    cache_layer.index_copy_(0, block_ids, blocks.to(cache_layer.dtype))
+    _index_copy(cache_layer, block_ids, to_cache(blocks, cache_layer.dtype))
 
 
-def _torch_dtype(geom: KVGeometry) -> torch.dtype:
+def cache_dtype(geom: KVGeometry) -> torch.dtype:
+    """The torch dtype of ``geom``'s KV elements."""
     return getattr(torch, geom.dtype)
 
 
 def full_block_view(buf: torch.Tensor, geom: KVGeometry) -> torch.Tensor:
     """View raw bytes ``[n, full_block_bytes]`` (uint8) as ``[n, layers, block_size, kv_elems]``."""
     n = buf.numel() // geom.full_block_bytes
-    return buf.view(_torch_dtype(geom)).view(n, geom.num_layers, *geom.layer_block_shape)
+    return buf.view(cache_dtype(geom)).view(n, geom.num_layers, *geom.layer_block_shape)
 
 
 def pack_full_blocks(layer_kv: Sequence[torch.Tensor], geom: KVGeometry) -> torch.Tensor:
@@ -68,7 +98,7 @@ def pack_full_blocks(layer_kv: Sequence[torch.Tensor], geom: KVGeometry) -> torc
     if n_tokens % geom.block_size or len(layer_kv) != geom.num_layers:
         raise ValueError(f"need {geom.num_layers} layers of whole blocks, got {len(layer_kv)} x {n_tokens} tokens")
     n = n_tokens // geom.block_size
-    stacked = torch.stack([kv.to(_torch_dtype(geom)).reshape(n, *geom.layer_block_shape) for kv in layer_kv], 1)
+    stacked = torch.stack([to_cache(kv, cache_dtype(geom)).reshape(n, *geom.layer_block_shape) for kv in layer_kv], 1)
     return stacked.contiguous().view(torch.uint8).view(n, geom.full_block_bytes)
 
 

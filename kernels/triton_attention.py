@@ -6,7 +6,8 @@ Every kernel reads KV where it lies: cached tokens of sequence b are token slots
 ``block_tables[b]`` of one cache layer ``[num_blocks, block_size, kv_elems]``; the batch's new tokens are rows of
 ``new_rows [T, kv_elems]``. A ``RowLayout`` says where in a row a KV head's key and value start, so the same kernels
 serve ``[K heads | V heads]`` rows and MLA's ``[latent | rope key]`` rows (one shared head, value = the latent).
-Softmax is computed online in float32; inputs stay in their dtype (bfloat16 products accumulate in float32).
+Softmax is computed online in float32; inputs stay in q's dtype (bfloat16 products accumulate in float32): a cache
+in 8-bit floats is widened to it as its tiles load.
 """
 from __future__ import annotations
 
@@ -36,29 +37,30 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr,
-             MASKED: tl.constexpr = True):
-    """A tile of keys and values at row pointers ``row [N]``: the key's first ``DA`` columns ``ka``, the rest ``kb``
-    (``ka`` again, unused, without a rest: a jit function returns no None) and the values ``v`` (``ka`` itself when
-    the value is the key's leading part, as MLA's latent is: loaded once). Rows where ``ok`` is false load zeros;
-    ``MASKED`` false: every row is valid (a whole tile), only the padded columns are masked."""
-    ka = _load_tile(row, col_a, ok, mask_a, MASKED)
+             dtype, MASKED: tl.constexpr = True):
+    """A tile of keys and values at row pointers ``row [N]``, in ``dtype`` (the queries': an 8-bit cache is
+    widened as it is read): the key's first ``DA`` columns ``ka``, the rest ``kb`` (``ka`` again, unused, without a
+    rest: a jit function returns no None) and the values ``v`` (``ka`` itself when the value is the key's leading
+    part, as MLA's latent is: loaded once). Rows where ``ok`` is false load zeros; ``MASKED`` false: every row is
+    valid (a whole tile), only the padded columns are masked."""
+    ka = _load_tile(row, col_a, ok, mask_a, MASKED, dtype)
     kb = ka
     if HAS_B:
-        kb = _load_tile(row, col_b, ok, mask_b, MASKED)
+        kb = _load_tile(row, col_b, ok, mask_b, MASKED, dtype)
     if V_IS_KA:
         v = ka
     else:
-        v = _load_tile(row, col_v, ok, mask_v, MASKED)
+        v = _load_tile(row, col_v, ok, mask_v, MASKED, dtype)
     return ka, kb, v
 
 
 @triton.jit
-def _load_tile(row, col, ok, col_ok, MASKED: tl.constexpr):
+def _load_tile(row, col, ok, col_ok, MASKED: tl.constexpr, dtype):
     ptrs = row[:, None] + col[None, :]
     if MASKED:
-        return tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0)
+        return tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(dtype)
     else:  # the column mask alone (broadcast over rows): constant along each row's vectors, so loads stay wide
-        return tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        return tl.load(ptrs, mask=col_ok[None, :], other=0.0).to(dtype)
 
 
 @triton.jit
@@ -91,6 +93,7 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     group's heads share every K/V tile loaded (GQA packing). Keys: the cached tokens, then the sequence's own new
     tokens up to each query's position."""
     mb, b, kh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dt = q_ptr.dtype.element_ty
     start, end = tl.load(cu_new_ptr + b), tl.load(cu_new_ptr + b + 1)
     n_new, n_cached = end - start, tl.load(cached_lens_ptr + b)
     if mb * BLOCK_M // GROUP >= n_new:
@@ -112,27 +115,27 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     for n0 in range(0, whole, BLOCK_N):  # whole tiles of cached keys: every query sees all of them, no masks
         row = _cached_rows(table_row, cache_ptr, n0, offs_n, offs_n < BLOCK_N, stride_cb, stride_cs, BLOCK_SIZE,
                            BLOCK_N)
-        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, False)
+        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt, False)
         m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
                                         IEEE)
     for n0 in range(whole, n_cached, BLOCK_N):  # the last, partial tile
         ok = n0 + offs_n < n_cached
         row = _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)
-        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
         s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
     first = mb * BLOCK_M // GROUP  # the program's first token: its own new keys before it are seen by every row
     seen = first - first % BLOCK_N
     for n0 in range(0, seen, BLOCK_N):
         row = new_ptr + (start + n0 + offs_n).to(tl.int64) * stride_nt
-        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, False)
+        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt, False)
         m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
                                         IEEE)
     for n0 in range(seen, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # the diagonal: causal masks
         pos = n0 + offs_n
         ok = pos < n_new
         row = new_ptr + (start + pos).to(tl.int64) * stride_nt
-        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
         s = _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE)
         s = tl.where(ok[None, :] & (pos[None, :] <= tok[:, None]), s, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
@@ -196,6 +199,7 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     partial output and its log-sum-exp; a split past the sequence's end writes nothing (the reduce never reads
     it)."""
     hg, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dt = q_ptr.dtype.element_ty
     n_cached = tl.load(cached_lens_ptr + b)
     total = n_cached + 1
     chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
@@ -222,9 +226,10 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
         in_cache, is_new = pos < n_cached, pos == n_cached
         row = _cached_rows(tables_ptr + b * stride_tb, cache_ptr, n0, offs_n, in_cache, stride_cb, stride_cs,
                            BLOCK_SIZE, BLOCK_N)
-        ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
         # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
-        na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA)
+        na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B,
+                              V_IS_KA, dt)
         ka += na
         if HAS_B:
             kb += nb

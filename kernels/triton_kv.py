@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_move import to_cache
+
 CHUNK = 4096
 
 
@@ -38,6 +40,8 @@ def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gathe
             or src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"cannot move pieces {tuple(src.shape)} -> {tuple(dst.shape)} ({src.dtype} -> {dst.dtype}):"
                          " moves need contiguous tensors of one dtype and piece shape")
+    if src.element_size() == 1:  # 8-bit floats move as bytes (no float8 type needed on older GPUs)
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     if len(block_ids):
         chunk = min(CHUNK, triton.next_power_of_2(block_elems))  # a 512-element row: 512, not 4096 mostly masked
         _move_kernel[(len(block_ids), triton.cdiv(block_elems, chunk))](src, dst, block_ids, block_elems,
@@ -54,5 +58,5 @@ def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch
 
 def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``: ``blocks[i]`` into block ``block_ids[i]`` (ids distinct)."""
-    _launch(blocks.to(cache_layer.dtype).contiguous(), cache_layer, block_ids, gather=False)
+    _launch(to_cache(blocks, cache_layer.dtype).contiguous(), cache_layer, block_ids, gather=False)
 

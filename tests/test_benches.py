@@ -60,3 +60,17 @@ def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
                        "--storage-capacity", "300KB", "--out", str(tmp_path / "s.json"))
     assert result["checks"] and all(result["checks"].values()), result["checks"]
     assert sum(r["count"] for r in result["rows"]) >= 10
+
+
+def test_kv_fp8_bench_accuracy_part_runs(tiny_dirs, tmp_path):
+    result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--skip-serving", "--reply-tokens", "4",
+                       "--out", str(tmp_path / "f.json"))
+    assert [r["positions"] for r in result["accuracy"]] == [result["accuracy"][0]["positions"]] * 3
+
+
+@pytest.mark.slow  # two server starts
+def test_kv_fp8_bench_serving_part_runs(tiny_dirs, tmp_path):
+    result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--agents", "1", "--turns", "2",
+                       "--context", "64", "--reply-tokens", "2", "--out", str(tmp_path / "f.json"))
+    auto, fp8 = result["serving"]
+    assert fp8["bytes_vs_bf16_cache"] == 0.5 and auto["cached_share"] > 0

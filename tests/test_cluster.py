@@ -299,6 +299,31 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
         client.close()
 
 
+def test_an_fp8_kv_cluster_stores_quarter_blocks_and_matches_its_reference(tiny_dirs, tmp_path):
+    """``--kv-cache-dtype fp8`` on every engine: e4m3 blocks in device memory, buffers, transfers and files (a
+    quarter of float32's bytes, under their own fingerprint), and every turn, its prefix loaded by either path,
+    equals the single-process reference on an fp8 cache."""
+    from traffic.storage.fs import header_bytes
+
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, kv_cache_dtype="fp8", cost_model="0,0.01,0")
+    fp8_reference = LLM(str(tiny_dirs["llama"]), block_size=BS, kv_cache_dtype="fp8")
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        for i, mode in enumerate(["pe", "de", "split"]):
+            results = run_conversation(client, fp8_reference, seed=700 + i, turns=3, mode=mode)
+            for turn, (prompt, got, want) in enumerate(results):
+                assert got.token_ids == want, (mode, turn)
+                assert turn == 0 or got.num_cached_tokens >= BS
+        client.close()
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    fp = model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest, "float8_e4m3fn")
+    files = list((tmp_path / "kv" / fp.hex()).rglob("*.kv"))
+    geometry = fp8_reference.geometry
+    assert files and geometry.token_bytes == ckpt.config.kv_elems_per_token
+    assert {f.stat().st_size for f in files} == {header_bytes(geometry) + geometry.full_block_bytes}
+    assert not (tmp_path / "kv" / model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest).hex()).exists()
+
+
 def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tmp_path, reference):
     """Engines whose DRAM buffers hold 40 blocks, four concurrent 16-block prompts on each path: requests wait for
     buffer room (they used to fail after three refused attempts), and for one of the decode batch's 2 rows; a

@@ -26,7 +26,7 @@ VALUES = {
     "sriov-cpu": ["--set", "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
                   "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
                   "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
-                  "frontend.extraArgs={--tool-call-parser,hermes}"],
+                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8"],
 }
 
 # The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses (from the CRD's openAPIV3Schema).
@@ -108,6 +108,7 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 extra = args.engine_args[1:]
                 engine = parser.parse_args(["engine", "--role", args.role, "--scheduler", args.scheduler, *extra])
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
+                assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it
                 assert args.tool_call_parser == ("hermes" if name == "sriov-cpu" else "auto")

@@ -28,4 +28,6 @@ def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
                        "_moe_up_kernel", "_moe_down_kernel", "_rms_norm_kernel", "_rope_qkv_kernel",
                        "_rope_kernel", "_silu_mul_kernel"}
     assert {x["case"] for x in launches} >= {"gqa 32/8x128 bf16", "mla 128 heads 512+64 bf16",
-                                             "moe 7168/2048 top-8 bf16"}
+                                             "moe 7168/2048 top-8 bf16", "cache row writes 2048 into fp8 (as bytes)"}
+    fp8 = {"gqa 32/8x128 bf16 over fp8", "mla 128 heads 512+64 bf16 over fp8"}  # e4m3 needs compute capability 8.9
+    assert fp8 <= {x["case"] for x in launches} if target == "cuda:90" else not fp8 & {x["case"] for x in launches}

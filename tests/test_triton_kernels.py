@@ -174,15 +174,16 @@ def test_block_gather_and_scatter_any_block_list(dtype):
     assert gather_blocks(cache, ids[:0], backend="triton").shape == (0, BS, 40)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend):
+def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend, dtype):
     """The decode engine's moves: a sequence's blocks of every layer as Full Block bytes (one gather, one host copy),
     the same bytes the per-layer packing makes, and back into other blocks of the cache."""
     from dualpath.geometry import KVGeometry
     from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache, pack_full_blocks
 
-    geom = KVGeometry(num_layers=3, block_size=BS, kv_elems_per_token=40, dtype="bfloat16")
-    storage = torch.randn(3, 10, BS, 40, device=DEVICE).to(torch.bfloat16)
+    geom = KVGeometry(num_layers=3, block_size=BS, kv_elems_per_token=40, dtype=dtype)
+    storage = torch.randn(3, 10, BS, 40, device=DEVICE).to(getattr(torch, dtype))
     ids = torch.tensor([7, 2, 5], device=DEVICE)
     full = cache_to_full_blocks(storage, ids, geom)
     assert full.dtype == torch.uint8 and full.shape == (3, geom.full_block_bytes)
@@ -191,9 +192,88 @@ def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend):
     other = torch.tensor([0, 9, 4], device=DEVICE)
     before = storage.clone()
     full_blocks_to_cache(storage, other, full.cpu(), geom, backend)  # from host bytes, as the buffer's
-    assert torch.equal(storage[:, other], before[:, ids])
+    assert same(storage[:, other], before[:, ids])
     untouched = [b for b in range(10) if b not in (0, 9, 4)]
-    assert torch.equal(storage[:, untouched], before[:, untouched])
+    assert same(storage[:, untouched], before[:, untouched])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (CPU torch has no ``equal`` for 8-bit floats)."""
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# --- an 8-bit float cache (--kv-cache-dtype fp8) --------------------------------------------------------------
+F8 = torch.float8_e4m3fn
+
+
+def fp8_reference(q, new_rows, cached: PagedKV, layout, new_lens, scale):
+    """Float64 attention over the cache's values and the new rows as the cache holds them (rounded to e4m3)."""
+    from kernels.kv_move import as_cached
+
+    c64 = PagedKV(cached.cache.double(), cached.block_tables, cached.lens)
+    return varlen_attention(q.double(), as_cached(new_rows, F8).double(), c64, layout, new_lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("new_lens", [[1, 7, 16, 20], [1, 1, 1, 1]])  # prefill and decode
+def test_attention_over_an_fp8_cache_against_float64(dtype, backend, new_lens):
+    """Queries in the model's dtype over e4m3 cached rows (widened as they load) and new rows as the cache will
+    hold them. Without the rounding of new rows, or with tiles left in e4m3, the error is ~1e-2 (caught)."""
+    cached_lens = [0, 5, 16, 33]
+    layout, cached, q, new_rows, _ = gqa_inputs((4, 2, 16), cached_lens, sum(new_lens), dtype)
+    cached = PagedKV(cached.cache.to(F8), cached.block_tables, cached.lens)
+    new_rows = new_rows * 3  # some values past e4m3's coarse steps
+    out = varlen_attention(q, new_rows, cached, layout, new_lens, 0.3, backend=backend)
+    assert out.dtype == dtype
+    assert rel_err(out, fp8_reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("new_lens", [[3, 1, 5], [1, 1, 1]])
+def test_mla_over_an_fp8_latent_cache_against_float64(backend, new_lens):
+    from kernels.kv_move import as_cached
+
+    h, r, dr, dn, dv = 40, 32, 16, 8, 6
+    cached = paged([5, 0, 18], r + dr, torch.float32)
+    cached = PagedKV(cached.cache.to(F8), cached.block_tables, cached.lens)
+    t = sum(new_lens)
+    q_nope, q_pe = (torch.randn(t, h, x, device=DEVICE) for x in (dn, dr))
+    new_rows = torch.randn(t, r + dr, device=DEVICE)
+    w_uk, w_uv = (torch.randn(h, x, r, device=DEVICE) * 0.3 for x in (dn, dv))
+    out = mla_attention(q_nope, q_pe, new_rows, cached, new_lens, w_uk, w_uv, r, 0.2, backend=backend)
+    c64 = PagedKV(cached.cache.double(), cached.block_tables, cached.lens)
+    ref = mla_attention(q_nope.double(), q_pe.double(), as_cached(new_rows, F8).double(), c64, new_lens,
+                        w_uk.double(), w_uv.double(), r, 0.2)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("width", [40, 576])
+def test_fp8_row_writes_saturate_and_match_between_backends(width):
+    """Rows into an e4m3 cache: rounded to nearest, values past +-448 saturate (never NaN), the same bytes from
+    the Triton kernel and the torch path; other slots untouched; blocks move as bytes."""
+    from kernels.kv_move import FP8_MAX
+
+    cache = torch.randn(6, BS, width, device=DEVICE).to(F8)
+    slots = torch.randperm(6 * BS, device=DEVICE)[:37]
+    rows = torch.randn(37, width, device=DEVICE) * 100
+    rows[0, :3] = torch.tensor([1e4, -1e4, 449.0])
+    mine, theirs = cache.clone(), cache.clone()
+    write_tokens(mine, slots, rows, backend="triton")
+    write_tokens(theirs, slots, rows)
+    assert same(mine, theirs)
+    written = mine.view(-1, width)[slots].float()
+    assert not written.isnan().any()
+    assert written[0, :3].tolist() == [FP8_MAX, -FP8_MAX, FP8_MAX]
+    assert torch.equal(written[1:], rows[1:].to(F8).float())  # in range: e4m3 round-to-nearest
+    untouched = torch.ones(6 * BS, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert same(mine.view(-1, width)[untouched], cache.view(-1, width)[untouched])
+    ids = torch.tensor([4, 0, 5], device=DEVICE)
+    assert same(gather_blocks(mine, ids, backend="triton"), mine[ids])
+    other = cache.clone()
+    scatter_blocks(other, ids, mine[ids], backend="triton")
+    assert same(other[ids], mine[ids])
 
 
 @pytest.mark.parametrize("width", [40, 576, 5000])  # under a power of two, MLA's row, more than one chunk

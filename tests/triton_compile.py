@@ -35,7 +35,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
 from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402  (the GPU bench's tuning sweep)
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
-         torch.int64: "i64"}
+         torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}  # bytes of shared memory a block may use, by compute capability
 
 
@@ -91,32 +91,35 @@ def ptxas_usage(ptx: str) -> dict:
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spills.group(1)) if spills else None}
 
 
-def recorded_launches(all_configs: bool) -> list[tuple]:
-    """(kernel, args, kwargs, what) of every launch the wrappers make for the shapes below."""
+def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
+    """(kernel, args, kwargs, what) of every launch the wrappers make for the shapes below; ``fp8``: attention
+    over e4m3 caches too (GPUs of compute capability 8.9 and up)."""
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
                triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
                te._rope_kernel, te._silu_mul_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
-    bf16, f32 = torch.bfloat16, torch.float32
-    cases = [  # (what, Hq, RowLayout, dtype): Llama-3-8B, TinyLlama (the bench), an fp32 engine, DeepSeek-V3 MLA
-        ("gqa 32/8x128 bf16", 32, gqa_split(8, 128), bf16),
-        ("gqa 32/4x64 bf16", 32, gqa_split(4, 64), bf16),
-        ("gqa 4/2x64 fp32", 4, gqa_split(2, 64), f32),
-        ("mla 128 heads 512+64 bf16", 128, mla_split(512, 576), bf16),
-    ]
+    bf16, f32, f8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+    cases = [  # (what, Hq, RowLayout, dtype, cache dtype): Llama-3-8B, TinyLlama (the bench), an fp32 engine,
+        # DeepSeek-V3 MLA; and over e4m3 caches (--kv-cache-dtype fp8)
+        ("gqa 32/8x128 bf16", 32, gqa_split(8, 128), bf16, bf16),
+        ("gqa 32/4x64 bf16", 32, gqa_split(4, 64), bf16, bf16),
+        ("gqa 4/2x64 fp32", 4, gqa_split(2, 64), f32, f32),
+        ("mla 128 heads 512+64 bf16", 128, mla_split(512, 576), bf16, bf16),
+    ] + ([("gqa 32/8x128 bf16 over fp8", 32, gqa_split(8, 128), bf16, f8),
+          ("mla 128 heads 512+64 bf16 over fp8", 128, mla_split(512, 576), bf16, f8)] if fp8 else [])
     prefill_cfgs = [dict()] + ([dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s) for bm, bn, w, s in
                                 PREFILL_CONFIGS] if all_configs else [])
     decode_cfgs = [dict()] + ([dict(num_splits=sp, block_n=bn, num_warps=w) for sp, bn, w in DECODE_CONFIGS]
                               if all_configs else [])
-    for what, hq, layout, dtype in cases:
+    for what, hq, layout, dtype, cache_dtype in cases:
         row = layout.v_offset + layout.num_kv_heads * layout.v_dim if layout.v_offset else layout.k_dim
-        cache = torch.zeros(8, 64, row, dtype=dtype)
+        cache = torch.zeros(8, 64, row, dtype=cache_dtype)
         tables = torch.zeros(2, 4, dtype=torch.long)
         q = torch.zeros(3, hq, layout.k_dim, dtype=dtype)
         new = torch.zeros(3, row, dtype=dtype)
-        tuned = what.startswith("gqa") and dtype == bf16  # the bench tunes bfloat16 GQA; the rest run the defaults
+        tuned = what.startswith("gqa") and cache_dtype == bf16  # the bench tunes bf16 GQA; the rest run the defaults
         for cfg in prefill_cfgs if tuned else prefill_cfgs[:1]:
             ta.prefill_attention(q, new, cache, tables[:1], [100], [3], layout, 0.1, **cfg)
         for cfg in decode_cfgs if tuned else decode_cfgs[:1]:
@@ -149,6 +152,8 @@ def recorded_launches(all_configs: bool) -> list[tuple]:
     for row in (2048, 512, 576):  # a forward's KV rows into cache slots: Llama-3-8B, TinyLlama, DeepSeek-V3's latent
         what = f"cache row writes {row} bf16"
         triton_kv.scatter_blocks(torch.zeros(8 * 64, row, dtype=bf16), torch.tensor([3, 70]), torch.zeros(2, row))
+    what = "cache row writes 2048 into fp8 (as bytes)"
+    triton_kv.scatter_blocks(torch.zeros(8 * 64, 2048, dtype=f8), torch.tensor([3, 70]), torch.zeros(2, 2048))
     return launches
 
 
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     backend, cap = args.target.split(":")
     target = GPUTarget(backend, int(cap), 32)
     failed = 0
-    for fn, a, kw, what in recorded_launches(args.all):
+    for fn, a, kw, what in recorded_launches(args.all, fp8=int(cap) >= 89):
         try:
             out = compile_launch(fn, a, dict(kw), target)
             out["fits"] = out["shared_bytes"] <= SHARED_LIMIT.get(int(cap), 232448)

@@ -3,8 +3,11 @@
   copy       device-to-device copy bandwidth (bytes read + written per second): the yardstick for decode
   decode     paged decode attention, 32K context, batch 64, 8 KV heads x 128 (32 query heads), bfloat16: bytes of
              KV read per second / copy bandwidth (target >= 0.70); error against float64 on two sequences
+  decode_fp8 the same over an e4m3 cache (--kv-cache-dtype fp8; queries bfloat16): its time against the bfloat16
+             cache's (report: half the bytes), bytes/s / copy, error against float64 over the rounded values
   prefill    512 new tokens over 32K cached (paged), 32/8 heads x 128, bfloat16, against
              torch scaled_dot_product_attention on the same inputs materialized (target >= 0.8x its speed)
+  prefill_fp8  the same prefill over an e4m3 cache: against SDPA and the bfloat16 cache's (report)
   prefill_causal  the model part's attention: 16 sequences x 1,024 tokens, nothing cached, 32/4 heads x 64,
              against SDPA (is_causal, padded batch) as transformers runs it (report: which tiles win)
   model      a ~1.1B random Llama (TinyLlama's shape) in bfloat16: prefill and decode tokens/s of ``LLM`` on the
@@ -48,6 +51,7 @@ from timeline import timeline  # noqa: E402
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels.attention import PagedKV, gqa_split, varlen_attention  # noqa: E402
+from kernels.kv_move import as_cached  # noqa: E402
 
 BIG = dict(batch=64, ctx=32768, hk=8, hq=32, d=128, bs=64, new=512, copy_bytes=4 << 30,
            causal=(16, 1024, 4, 32, 64))
@@ -117,7 +121,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def paged_cache(lens: list[int], width: int, bs: int, dev, dtype=torch.bfloat16) -> PagedKV:
     need = [-(-n // bs) for n in lens]
-    cache = torch.randn(sum(need), bs, width, dtype=dtype, device=dev)
+    cache = torch.randn(sum(need), bs, width, dtype=torch.bfloat16, device=dev).to(dtype)
     order = torch.randperm(sum(need), device=dev)
     w = max(need)
     tables = torch.zeros(len(lens), w, dtype=torch.int32, device=dev)
@@ -136,13 +140,13 @@ def bench_copy(p, dev) -> dict:
     return {"bytes": 2 * a.numel() * 2, "seconds": t, "copy_bytes_per_s": 4 * n / t}
 
 
-def bench_decode(p, dev, copy_bw: float) -> dict:
+def bench_decode(p, dev, copy_bw: float, cache_dtype=torch.bfloat16) -> dict:
     b, ctx, hk, hq, d = p["batch"], p["ctx"], p["hk"], p["hq"], p["d"]
     layout = gqa_split(hk, d)
-    cached = paged_cache([ctx - 1] * b, 2 * hk * d, p["bs"], dev)
+    cached = paged_cache([ctx - 1] * b, 2 * hk * d, p["bs"], dev, cache_dtype)
     q = torch.randn(b, hq, d, dtype=torch.bfloat16, device=dev)
-    new = torch.randn(b, 2 * hk * d, dtype=torch.bfloat16, device=dev)
-    kv_bytes = b * ctx * 2 * hk * d * 2
+    new = as_cached(torch.randn(b, 2 * hk * d, dtype=torch.bfloat16, device=dev), cache_dtype)  # as the engines
+    kv_bytes = b * ctx * 2 * hk * d * cache_dtype.itemsize
     rows = []
     lens = torch.tensor(cached.lens, dtype=torch.int32, device=dev)  # on the device, as the engines pass them
     for splits, block_n, warps in DECODE_CONFIGS:
@@ -164,14 +168,14 @@ def bench_decode(p, dev, copy_bw: float) -> dict:
     return {"configs": rows, "best": best, "rel_err_vs_float64": rel_err(out, ref), "target_vs_copy": 0.70}
 
 
-def bench_prefill(p, dev) -> dict:
+def bench_prefill(p, dev, cache_dtype=torch.bfloat16) -> dict:
     ctx, n, hk, hq, d = p["ctx"], p["new"], p["hk"], p["hq"], p["d"]
     layout = gqa_split(hk, d)
-    cached = paged_cache([ctx], 2 * hk * d, p["bs"], dev)
+    cached = paged_cache([ctx], 2 * hk * d, p["bs"], dev, cache_dtype)
     q = torch.randn(n, hq, d, dtype=torch.bfloat16, device=dev)
-    new = torch.randn(n, 2 * hk * d, dtype=torch.bfloat16, device=dev)
-    # the baseline's inputs, materialized once outside its timing: [1, H, L, D] and the offset-causal mask
-    rows = torch.cat([cached.rows(0), new])
+    new = as_cached(torch.randn(n, 2 * hk * d, dtype=torch.bfloat16, device=dev), cache_dtype)
+    # the baseline's inputs, materialized once outside its timing (in bfloat16): [1, H, L, D] and the mask
+    rows = torch.cat([cached.rows(0).to(torch.bfloat16), new])
     k, v = layout(rows)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
     mask = torch.ones(n, ctx + n, dtype=torch.bool, device=dev).tril(diagonal=ctx)
@@ -461,7 +465,14 @@ def bench_moe(p, dev, smoke: bool) -> dict:
 
 
 # the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
-PARTS = ("copy", "decode", "prefill", "prefill_causal", "pipeline", "moe", "sampling", "model", "model_eager")
+PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "sampling",
+         "model", "model_eager")
+
+
+def _time_vs(result: dict, base: str, part: str) -> float | None:
+    """The best time of ``part`` over ``base``'s, both measured in this run."""
+    t = result.get(base, {}).get("best", {}).get("seconds")
+    return result[part]["best"]["seconds"] / t if t else None
 
 
 def main(argv=None) -> dict:
@@ -484,8 +495,15 @@ def main(argv=None) -> dict:
                 copy_bw = result[part]["copy_bytes_per_s"]
             elif part == "decode":
                 result[part] = bench_decode(p, dev, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"])
+            elif part == "decode_fp8":
+                result[part] = bench_decode(p, dev, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"],
+                                            torch.float8_e4m3fn)
+                result[part]["time_vs_bf16_cache"] = _time_vs(result, "decode", part)
             elif part == "prefill":
                 result[part] = bench_prefill(p, dev)
+            elif part == "prefill_fp8":
+                result[part] = bench_prefill(p, dev, torch.float8_e4m3fn)
+                result[part]["time_vs_bf16_cache"] = _time_vs(result, "prefill", part)
             elif part == "prefill_causal":
                 result[part] = bench_prefill_causal(p, dev)
             elif part == "model":
@@ -512,6 +530,10 @@ def main(argv=None) -> dict:
          "target": ">= 0.70"},
         {"what": "prefill speed ÷ SDPA", "value": result.get("prefill", {}).get("best", {}).get("speed_vs_baseline"),
          "target": ">= 0.8"},
+        {"what": "fp8 cache: decode time ÷ bf16 cache's", "value": result.get("decode_fp8", {}).get(
+            "time_vs_bf16_cache"), "target": "(report)"},
+        {"what": "fp8 cache: prefill time ÷ bf16 cache's", "value": result.get("prefill_fp8", {}).get(
+            "time_vs_bf16_cache"), "target": "(report)"},
         {"what": "causal prefill, no cache ÷ SDPA",
          "value": result.get("prefill_causal", {}).get("best", {}).get("speed_vs_baseline"), "target": "(report)"},
         {"what": "model prefill ÷ transformers", "value": result.get("model", {}).get("prefill_vs_transformers"),
