@@ -391,7 +391,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return trace_main(args)
 
 
-def _chat_args(p: argparse.ArgumentParser) -> None:
+def _frontend_options(p: argparse.ArgumentParser) -> None:
+    """What ``dualpath.serving.serve.frontend_options`` reads (serve, frontend, run-batch)."""
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "think", "none"],
                    help="split a reasoning model's <think> block from chat replies (reasoning_content); auto: when "
                         "the chat template writes such blocks")
@@ -401,6 +402,9 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
                    help="the markup of the model's tool calls; auto: recognised from the chat template")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a reply may move to another decode engine when its own dies while generating it, "
+                        "going on from the tokens already sent (0: such requests fail)")
 
 
 def _frontend_args(p: argparse.ArgumentParser) -> None:
@@ -421,7 +425,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds a stopping server (SIGTERM, Ctrl-C) lets requests in flight finish while refusing "
                         "new ones; those still running then are cut")
-    _chat_args(p)
+    _frontend_options(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -570,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--default-max-tokens", type=int, default=1024)
     rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
     rb.add_argument("--no-progress", action="store_true")
-    _chat_args(rb)
+    _frontend_options(rb)
     _cluster_args(rb)
     rb.set_defaults(func=cmd_run_batch)
 

@@ -1,16 +1,22 @@
 """Talking to a running cluster: submit a request to the scheduler, stream its tokens from the decode engine.
 
 Used by the HTTP frontend, offline rollouts, benchmarks and tests. If the decode engine fails before any token
-arrived, the scheduler retries the request elsewhere and the client follows the new assignment.
+arrived, the scheduler retries the request elsewhere and the client follows the new assignment. If it dies while
+generating (its process gone, or silent past the scheduler's heartbeat timeout), the client moves the reply
+(request migration, as Dynamo's frontends do): each unfinished choice goes on as a request of its own whose prompt
+ends with the tokens already delivered (``SamplingParams.num_resumed_tokens``), so it continues where the reader
+is, not from the start; the dead engine stored every full block of the reply so far, so most of that context is
+loaded, not computed. Greedy and seeded replies come out as they would have; the consumer sees one stream.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
@@ -19,9 +25,15 @@ from dualpath.messages import RequestRef, SessionIn, SubmitEvent, SubmitRequest,
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class OverloadedError(RequestError):
     """The scheduler's queue is full; retry later."""
+
+
+class EngineLost(DualPathError):
+    """A request's decode engine died while generating it (the client may move the reply elsewhere)."""
 
 
 @dataclass
@@ -108,15 +120,45 @@ class _Session:
         self.call.cancel()
 
 
+class _Delivered:
+    """What one choice of a request has delivered to the reader: its tokens, and whether (and why) it ended."""
+
+    __slots__ = ("tokens", "ending", "done", "numbers")
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.ending = ""  # a token said it ended the choice (its finish event may not have come)
+        self.done = False  # its finish event came
+        self.numbers: dict = {}  # the request's numbers, from the choice's first token event
+
+    def note(self, ev: TokenEvent) -> None:
+        if ev.token_id >= 0:
+            self.tokens.append(ev.token_id)
+            self.ending = ev.ending
+            if ev.num_prompt_tokens and not self.numbers:
+                self.numbers = {"num_prompt_tokens": ev.num_prompt_tokens, "num_cached_tokens": ev.num_cached_tokens,
+                                "path": ev.path, "storage_bytes": ev.storage_bytes}
+        self.done = self.done or bool(ev.finish_reason)
+
+
 class RequestHandle:
     """One submitted request: its token events, and a way to cancel it from any thread."""
 
-    def __init__(self, client: "ClusterClient", request_id: str):
+    def __init__(self, client: "ClusterClient", request_id: str, token_ids: list[int], sampling: SamplingParams,
+                 mode: str, migrations: int):
         self.client, self.request_id = client, request_id
+        self.token_ids, self.sampling, self.mode = token_ids, sampling, mode
+        self.migrations = migrations  # how many more times the reply may move off a lost decode engine
         self.queue: queue.Queue = queue.Queue()
         self.active: list = []  # the decode-engine stream being read, so news from the scheduler can interrupt it
         self.session: _Session | None = None
         self.cancelled = False
+        self.moved: list[RequestHandle] = []  # where its unfinished choices went after its engine was lost
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's tokens as its submitter counts them (a resumed reply's own are not prompt)."""
+        return len(self.token_ids) - self.sampling.num_resumed_tokens
 
     def _listen(self, ev: SubmitEvent) -> None:
         if ev.fingerprint:  # the weights changed since the client learnt the fingerprint: hash with the new one
@@ -127,6 +169,8 @@ class RequestHandle:
 
     def cancel(self) -> None:
         self.cancelled = True
+        for h in list(self.moved):
+            h.cancel()
         if self.session is not None:
             self.session.cancel(self.request_id)
         if self.active:
@@ -134,43 +178,150 @@ class RequestHandle:
         self.queue.put(SubmitEvent("failed", self.request_id, error="cancelled"))
 
     def events(self) -> Iterator[TokenEvent]:
-        rid, got_tokens = self.request_id, False
+        delivered = [_Delivered() for _ in range(self.sampling.n)]
         try:
-            while not self.cancelled:
-                try:
-                    assigned = self.client._next_assignment(self.queue, rid)
-                except DualPathError:
-                    if self.cancelled:
-                        return
-                    raise
-                stream = self.client._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
-                self.active[:] = [stream]
-                try:
-                    for tok in stream:
-                        if tok.finish_reason == "abort" and not got_tokens:
-                            break  # the attempt was dropped before producing anything: wait for a retry
-                        if tok.finish_reason == "abort":
-                            raise DualPathError(f"request {rid} aborted: {tok.error}")
-                        got_tokens = got_tokens or tok.token_id >= 0
-                        yield tok
-                        if tok.finish_reason and tok.final:
-                            return
-                except RpcError as e:
-                    if got_tokens:
-                        raise DualPathError(f"request {rid}: the decode engine failed mid-generation: {e}") from None
-                finally:
-                    self.active.clear()
-                if got_tokens and not self.cancelled:
-                    raise DualPathError(f"request {rid}: its stream ended early (the scheduler gave up on it)")
+            for ev in self._attempts():
+                delivered[ev.index].note(ev)
+                yield self._own(ev)
+            return
+        except EngineLost as e:
+            lost = e
         finally:
             if self.session is not None:
-                self.session.cancel(rid)
+                self.session.cancel(self.request_id)
+        yield from self._move(delivered, lost)
+
+    def _attempts(self) -> Iterator[TokenEvent]:
+        """The request's events from whichever engines the scheduler assigns it to; ``EngineLost`` when its decode
+        engine is lost while generating."""
+        rid, got_tokens = self.request_id, False
+        while not self.cancelled:
+            try:
+                assigned = self.client._next_assignment(self.queue, rid)
+            except DualPathError:
+                if self.cancelled:
+                    return
+                raise
+            stream = self.client._engine(assigned.decode_address).stream("Stream", RequestRef(assigned.work_id))
+            self.active[:] = [stream]
+            try:
+                for tok in stream:
+                    if tok.finish_reason == "abort" and not got_tokens:
+                        break  # the attempt was dropped before producing anything: wait for a retry
+                    if tok.finish_reason == "abort":
+                        raise DualPathError(f"request {rid} aborted: {tok.error}")
+                    got_tokens = got_tokens or tok.token_id >= 0
+                    yield tok
+                    if tok.finish_reason and tok.final:
+                        return
+            except RpcError as e:
+                if got_tokens:
+                    raise EngineLost(f"request {rid}: the decode engine failed mid-generation: {e}") from None
+            finally:
+                self.active.clear()
+            if got_tokens and not self.cancelled:
+                raise self._interruption()
+
+    def _interruption(self) -> DualPathError:
+        """Why a stream that had delivered tokens was stopped by news from the scheduler (``_listen``)."""
+        deadline = time.monotonic() + 5.0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ev = self.queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if ev.kind == "assigned":  # started over elsewhere: the reply moves on from what was delivered
+                return EngineLost(f"request {self.request_id} was moved off {ev.decode_engine or 'its engine'}")
+            if ev.kind == "failed":
+                return (EngineLost if ev.engine_lost else DualPathError)(f"request {self.request_id} failed: "
+                                                                          f"{ev.error}")
+        return DualPathError(f"request {self.request_id}: its stream ended early (the scheduler gave up on it)")
+
+    def _move(self, delivered: list[_Delivered], lost: EngineLost) -> Iterator[TokenEvent]:
+        """The reply's events after its decode engine was lost: the finish events of choices whose last token
+        ended them, then the unfinished choices' continuations, each a request of its own."""
+        if self.migrations <= 0 or self.cancelled:
+            raise DualPathError(str(lost))
+        ended = [i for i, d in enumerate(delivered) if d.ending and not d.done]
+        going = [i for i, d in enumerate(delivered) if not d.ending and not d.done]
+        left = len(ended) + len(going)
+        for i in ended:
+            left -= 1
+            yield self._own(TokenEvent(self.request_id, finish_reason=delivered[i].ending, index=i, final=not left,
+                                       **delivered[i].numbers))
+        if not going:
+            return
+        self.client._migrated(self.request_id, lost, {i: len(delivered[i].tokens) for i in going})
+        self.moved[:] = [self._continuation(i, delivered[i].tokens) for i in going]
+        whole = False
+        try:
+            for j, ev in _merged(self.moved):
+                left -= bool(ev.finish_reason)
+                yield self._own(replace(ev, index=going[j], final=not left))
+            whole = True
+        finally:
+            if not whole:  # an error, or the reader let go: nothing of the request may run on
+                for h in self.moved:
+                    h.cancel()
+
+    def _continuation(self, choice: int, tokens: list[int]) -> "RequestHandle":
+        """Choice ``choice`` as a request of its own that goes on after ``tokens``, the ones it delivered (its
+        prompt's logprobs came with the first of them)."""
+        p = self.sampling
+        params = replace(p, n=1, seed=None if p.seed is None else p.seed + choice,
+                         prompt_logprobs=None if tokens else p.prompt_logprobs,
+                         num_resumed_tokens=p.num_resumed_tokens + len(tokens))
+        return self.client._start(self.token_ids + tokens, params, f"{self.request_id}+{choice}", self.mode,
+                                  self.migrations - 1)
+
+    def _own(self, ev: TokenEvent) -> TokenEvent:
+        """``ev`` with this request's usage numbers: its prompt's tokens and how many of them were loaded (the
+        engines of a resumed reply count its resumed tokens as prompt)."""
+        if not (ev.finish_reason or ev.num_prompt_tokens):
+            return ev
+        n = self.num_prompt_tokens
+        return replace(ev, num_prompt_tokens=n, num_cached_tokens=min(ev.num_cached_tokens, n))
+
+
+def _merged(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
+    """Every handle's events as they come, with the handle's position; the first error of any is raised (the
+    caller cancels the others). Each handle bounds its own waits."""
+    if len(handles) == 1:
+        for ev in handles[0].events():
+            yield 0, ev
+        return
+    out: queue.Queue = queue.Queue()
+
+    def pump(j: int, h: RequestHandle) -> None:
+        try:
+            for ev in h.events():
+                out.put((j, ev))
+        except BaseException as e:  # noqa: BLE001 - raised to the reader
+            out.put((j, e))
+        out.put((j, None))
+
+    for j, h in enumerate(handles):
+        threading.Thread(target=pump, args=(j, h), daemon=True, name=f"moved-{h.request_id}").start()
+    left = len(handles)
+    while left:
+        j, item = out.get()
+        if item is None:
+            left -= 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield j, item
 
 
 class ClusterClient:
-    def __init__(self, scheduler: str, timeout: float = 3600.0):
+    """A cluster's client. ``migration_limit``: how many times a reply may move off decode engines lost while
+    generating it (0: such a request fails); ``on_migration``: called with the request id each time one moves."""
+
+    def __init__(self, scheduler: str, timeout: float = 3600.0, migration_limit: int = 3,
+                 on_migration: Callable[[str], None] | None = None):
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
         self.timeout = timeout
+        self.migration_limit, self.on_migration = migration_limit, on_migration
         self._engines: dict[str, Client] = {}
         self._lock = threading.Lock()
         self._model: tuple[bytes, int] | None = None  # (fingerprint, block size), to hash prompts here
@@ -226,13 +377,24 @@ class ClusterClient:
     def start(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
               mode: str = "") -> "RequestHandle":
         """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it."""
-        handle = RequestHandle(self, request_id or uuid.uuid4().hex)
+        return self._start(token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit)
+
+    def _start(self, token_ids: list[int], sampling: SamplingParams, request_id: str, mode: str,
+               migrations: int) -> "RequestHandle":
+        handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations)
         session = self.session()
         handle.session = session
         hashes, fingerprint = self._hashes(token_ids)
         session.submit(SubmitRequest(handle.request_id, pack_tokens(token_ids), sampling.to_dict(), mode,
                                      hashes, fingerprint), handle._listen)
         return handle
+
+    def _migrated(self, request_id: str, why: EngineLost, resumed: dict[int, int]) -> None:
+        """A reply moves on from what was delivered (``resumed``: choice -> its tokens so far)."""
+        log.warning("%s; continuing choice(s) %s after %s token(s) on other engines", why,
+                    ", ".join(map(str, resumed)), ", ".join(map(str, resumed.values())))
+        if self.on_migration is not None:
+            self.on_migration(request_id)
 
     def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                mode: str = "") -> Iterator[TokenEvent]:
@@ -247,6 +409,8 @@ class ClusterClient:
             except queue.Empty:
                 raise DualPathError(f"request {rid}: not scheduled within {self.timeout} s") from None
             if ev.kind == "failed":
+                if ev.engine_lost:
+                    raise EngineLost(f"request {rid} failed: {ev.error}")
                 if ev.error.startswith("overloaded"):
                     raise OverloadedError(ev.error)
                 if ev.error.startswith("invalid"):

@@ -121,6 +121,7 @@ class SubmitEvent:
     error: str = ""
     work_id: str = ""  # the id engines know this attempt by (stream tokens with it)
     fingerprint: str = ""  # on "accepted", when the submitter hashed with a stale fingerprint: the current one
+    engine_lost: bool = False  # on "failed": its decode engine died while generating (the reply may continue)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ class PrepareRequest:
     num_prompt_tokens: int
     first_load_block: int  # the first block index of load_keys in the prompt
     load_keys: bytes  # packed: the hit blocks the decode engine reads from storage (DE and split paths)
-    max_tokens: int
+    max_tokens: int  # the most tokens each choice still generates (``SamplingParams.max_new_tokens``)
     n: int = 1  # choices: each decodes up to max_tokens, sharing the prompt's blocks
 
 
@@ -208,7 +209,7 @@ class TokenEvent:
     token_id: int = -1
     logprob: dict | None = None
     finish_reason: str = ""
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0  # these four: on finish events, and on each choice's first token's
     num_cached_tokens: int = 0
     path: str = ""
     storage_bytes: int = 0
@@ -216,6 +217,7 @@ class TokenEvent:
     prompt_logprobs: list[dict] | None = None  # TokenLogprob fields of prompt tokens 1.., on a choice's first event
     index: int = 0  # the choice (``SamplingParams.n``) the token or finish belongs to
     final: bool = True  # with finish_reason: the request's last event (False: only this choice finished)
+    ending: str = ""  # on a token that ended its choice: the finish reason its finish event will bring
 
 
 @dataclass(frozen=True)

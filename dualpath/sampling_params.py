@@ -53,6 +53,13 @@ class SamplingParams:
 
     Text: ``skip_special_tokens`` leaves special tokens out of the text (their ids stay in the output);
     ``include_stop_str_in_output`` keeps the stop string that ended the reply at the end of its text.
+
+    ``num_resumed_tokens``: the prompt's last that many tokens are this reply's own, generated before, and the
+    request continues it (a reply moved off a decode engine that died: ``dualpath.client``). They count toward
+    ``max_tokens`` and ``min_tokens``, penalties and stop strings read them as reply, a structured reply's grammar
+    has read them, and a seeded generator stands where their draws left it (one per sampled token), so the
+    continuation is what the reply would have gone on to be. One choice, no prompt logprobs; a reply already
+    ended is the caller's to know (engines only ever add to it).
     """
 
     max_tokens: int = 16
@@ -84,6 +91,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     n: int = 1
+    num_resumed_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -119,6 +127,11 @@ class SamplingParams:
             raise RequestError("json_branches need json_schema", field="tools")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", field="stop")
+        if not 0 <= self.num_resumed_tokens < self.max_tokens:
+            raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
+                               field="num_resumed_tokens")
+        if self.num_resumed_tokens and (self.n > 1 or self.prompt_logprobs is not None):
+            raise RequestError("a resumed reply is one choice without prompt logprobs", field="num_resumed_tokens")
         self._check_adjustments()
 
     def _check_adjustments(self) -> None:
@@ -159,6 +172,16 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether sampling reads the request's earlier tokens (penalties, min_tokens)."""
         return self.penalized or bool(self.min_tokens)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens still to generate (``max_tokens`` less those resumed)."""
+        return self.max_tokens - self.num_resumed_tokens
+
+    def split_resumed(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """``tokens`` (a request's whole token list) as (the prompt, the reply resumed)."""
+        cut = len(tokens) - self.num_resumed_tokens
+        return tokens[:cut], tokens[cut:]
 
     @property
     def greedy(self) -> bool:

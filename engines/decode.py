@@ -202,7 +202,7 @@ class DecodeEngine(Engine):
             seqs = self._prompt_to_cache(h, msg, prompt, params)
         try:
             for s, tok, lp in zip(seqs, msg.first_tokens, msg.first_logprobs):
-                s.guide = self.guides.guide_for(params)  # the prefill engine's first token replays through it
+                s.guide = self.guides.guide_for(params, s.resumed)  # the prefill engine's first token replays too
                 s.append(tok, _logprob(lp), self.local.eos_ids, self.max_model_len)
         except DualPathError as e:
             self.outbox.add("failed", [rid, f"structured output: {e}"])
@@ -215,11 +215,11 @@ class DecodeEngine(Engine):
         self._store_prompt(h, hashes, msg.num_cached_tokens // g.block_size)
         self.outbox.add("started", rid)
         self.report_soon()
-        for c in h.choices:  # the prompt's logprobs (when asked) on each choice's first event
-            self._emit(c.seq, c.seq.output_ids, msg.prompt_logprobs)
         for c in h.choices:
             with self.lock:
                 running = not c.seq.finished and self.local.admit_prefilled(c.seq)
+            # the prompt's logprobs (when asked) and the request's numbers on each choice's first event
+            self._emit(c.seq, c.seq.output_ids[params.num_resumed_tokens:], msg.prompt_logprobs, h.info)
             if not running:
                 self._finish(h, c)
 
@@ -245,7 +245,7 @@ class DecodeEngine(Engine):
         if n_full > first_new:
             keys = hashes[first_new:n_full]
             fut = self.traffic.store(keys, [self.buffer.slot_bytes(s) for s in h.slots[first_new:n_full]])
-            h.stores.append(_with_keys(fut, keys))
+            h.stores.append(self._indexed(fut, keys))
             fut.add_done_callback(lambda _f, w=h.work_id: self.buffer.free_owner(w))
         else:
             self.buffer.free_owner(h.work_id)
@@ -266,7 +266,7 @@ class DecodeEngine(Engine):
                 self.report_soon()
                 return
         for s in running:
-            self._emit(s, s.output_ids[before[s.seq_id]:])
+            self._emit(s, s.output_ids[before[s.seq_id]:])  # (a finished one's ending token says so)
             h = self.held_[s.group]
             self._persist(h, h.choices[s.index])
         for s in finished:
@@ -288,7 +288,7 @@ class DecodeEngine(Engine):
             blocks = cache_to_full_blocks(self.cache.storage, table, g)
         blocks = blocks.cpu()  # one copy of every layer, outside the lock
         c.hashes.extend(new_keys)
-        h.stores.append(_with_keys(self.traffic.store(new_keys, list(blocks)), new_keys))
+        h.stores.append(self._indexed(self.traffic.store(new_keys, list(blocks)), new_keys))
         c.persisted = full
 
     def _finish(self, h: Held, c: Choice) -> None:
@@ -309,11 +309,25 @@ class DecodeEngine(Engine):
         reason = c.seq.finish_reason.value if c.seq.finish_reason else "abort"
         return TokenEvent(h.work_id, finish_reason=reason, index=c.seq.index, final=final, **h.info)
 
+    def _indexed(self, fut: Future, keys: list[BlockHash]) -> Future:
+        """``fut`` (a store of ``keys``) done once the keys it wrote are in the outbox: each as soon as it is
+        written, not when its request ends, so a reply whose engine dies mid-way is found again (and loaded) by
+        its continuation (``dualpath.client``)."""
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            self.outbox.add("stored_keys", *[k for k, e in zip(keys, f.result()) if e is None])
+            out.set_result(None)
+        fut.add_done_callback(done)
+        return out
+
     def _close(self, h: Held, last: Choice) -> None:
         for fut in h.stores:
             try:
-                keys, results = fut.result(self.cfg.transport.op_timeout_s * 4)
-                self.outbox.add("stored_keys", *[k for k, e in zip(keys, results) if e is None])
+                fut.result(self.cfg.transport.op_timeout_s * 4)
             except Exception as e:  # noqa: BLE001 - storing is best effort; the answer still stands
                 log.warning("%s: storing blocks failed: %s", h.work_id, e)
         with self.lock:
@@ -339,11 +353,17 @@ class DecodeEngine(Engine):
         log.info("%s dropped: %s", work_id, reason)
 
     # --- streams --------------------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None) -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None,
+              info: dict | None = None) -> None:
+        """Stream ``tokens``, the last of ``seq``'s: the first carries ``prompt_logprobs`` and ``info`` (a first
+        event's), a token that ended the choice its reason (``TokenEvent.ending``)."""
         lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
+        ending = seq.finish_reason.value if seq.finish_reason else ""
         for k, (tok, lp) in enumerate(zip(tokens, lps)):
             self.streams.put(seq.group, TokenEvent(seq.group, tok, lp.__dict__ if lp is not None else None,
-                                                   index=seq.index, prompt_logprobs=None if k else prompt_logprobs))
+                                                   index=seq.index, prompt_logprobs=None if k else prompt_logprobs,
+                                                   ending=ending if k == len(tokens) - 1 else "",
+                                                   **(info if info and not k else {})))
 
     async def Stream(self, ref: RequestRef, ctx):
         """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""
@@ -371,11 +391,3 @@ def _generators(msg: PrefillDoneMsg, n: int) -> list[torch.Generator | None]:
 
 def _logprob(d: dict | None) -> TokenLogprob | None:
     return TokenLogprob(d["token_id"], d["logprob"], tuple(tuple(x) for x in d["top"]), d.get("rank", 0)) if d else None
-
-
-def _with_keys(fut: Future, keys: list[BlockHash]) -> Future:
-    """A future resolving to ``(keys, per-key results)``."""
-    out: Future = Future()
-    fut.add_done_callback(lambda f: out.set_result((keys, f.result())) if f.exception() is None
-                          else out.set_exception(f.exception()))
-    return out

@@ -368,14 +368,19 @@ class GuideSource:
                     self._error = e
                     raise
 
-    def guide_for(self, params: "SamplingParams") -> Guide | None:
+    def guide_for(self, params: "SamplingParams", read: Sequence[int] = ()) -> Guide | None:
+        """A guide for ``params``' structured output (None if it has none) that has read the tokens ``read`` (a
+        resumed reply's own: ``Sequence.resumed``); a token its grammar refuses raises ``GuideError``."""
         if not params.structured:
             return None
         self.warm()
         key = (params.json_schema, params.json_prefix.encode(), params.json_suffix.encode(), params.json_thinking,
                params.regex, params.grammar, params.json_trigger, tuple(b.encode() for b in params.json_branches))
         build = lambda: GrammarMasks(compile_grammar(*key), self._vocab, self._device, self._masks, key)  # noqa: E731
-        return self._compiled.get(key, build).guide()
+        guide = self._compiled.get(key, build).guide()
+        for token in read:
+            guide.advance(token)
+        return guide
 
 
 def compile_grammar(schema: str | None, prefix: bytes, suffix: bytes, thinking: str,

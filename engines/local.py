@@ -118,10 +118,10 @@ class LocalEngine:
     def add(self, seq: Sequence) -> None:
         if not seq.prompt_ids:
             raise RequestError("empty prompt", field="prompt")
-        if len(seq.prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(seq.prompt_ids)} tokens; the model's context is "
+        if seq.num_tokens >= self.max_model_len:
+            raise RequestError(f"prompt has {seq.num_tokens} tokens; the model's context is "
                                f"{self.max_model_len}", field="prompt")
-        if self.cache.geometry.num_blocks(len(seq.prompt_ids) + 1) + len(seq.forks) > self.cache.allocator.num_blocks:
+        if self.cache.geometry.num_blocks(seq.num_tokens + 1) + len(seq.forks) > self.cache.allocator.num_blocks:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
         if 1 + len(seq.forks) > self.max_num_seqs:
             raise RequestError(f"n ({1 + len(seq.forks)}) exceeds max_num_seqs ({self.max_num_seqs})", field="n")
@@ -133,18 +133,21 @@ class LocalEngine:
         self.waiting.append(seq)
 
     def _prepare(self, s: Sequence) -> None:
-        """Its guide and stop-string detokenizer (each choice has its own)."""
+        """Its guide and stop-string detokenizer (each choice has its own), both past a resumed reply's tokens."""
         if s.params.structured and s.guide is None:
-            s.guide = self.guides.guide_for(s.params)
+            s.guide = self.guides.guide_for(s.params, s.resumed)
         if s.params.stop and self.tokenizer is not None:
-            self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, s.prompt_ids, s.params.skip_special_tokens)
+            detok = self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, s.prompt_ids,
+                                                                   s.params.skip_special_tokens)
+            for tok in s.resumed:  # read, not checked: they ended nothing where they were generated
+                detok.add(tok)
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Run a sequence whose prompt KV is already in the cache (``num_computed`` set, blocks reserved, its
         first tokens appended): the decode engine's entry, after a prefill engine handed the prompt over. False if
         those tokens already end it at a stop string: it does not run."""
         self._prepare(seq)
-        for tok in seq.output_ids:
+        for tok in seq.output_ids[seq.params.num_resumed_tokens:]:
             self._check_stop_strings(seq, tok)
         if seq.finished:
             self._detok.pop(seq.seq_id, None)

@@ -67,6 +67,11 @@ class Job:
     def work_id(self) -> str:
         return self.a.request_id
 
+    def history(self) -> TokenHistory | None:
+        """What the penalties and ``min_tokens`` read for its first tokens (a resumed reply's tokens as reply)."""
+        prompt, resumed = self.params.split_resumed(self.token_ids)
+        return TokenHistory.of(prompt, self.params, resumed)
+
     @property
     def loaded(self) -> bool:
         """Its PE-side hit is in this engine's buffer (a batch with it will not wait on storage)."""
@@ -197,7 +202,7 @@ class PrefillEngine(Engine):
             self._fail(job, str(e))
             return
         try:
-            job.guide = self.guides.guide_for(params)
+            job.guide = self.guides.guide_for(params, params.split_resumed(job.token_ids)[1])
         except DualPathError as e:  # this checkpoint's tokenizer cannot be masked: the request fails, clearly
             self._fail(job, f"structured output: {e}")
             return
@@ -231,7 +236,7 @@ class PrefillEngine(Engine):
                 job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
             reply = self._de(a).call("Prepare", PrepareRequest(
                 a.request_id, job.n_prompt, job.pe_blocks, b"".join(job.hit_keys[job.pe_blocks:]),
-                job.params.max_tokens, job.params.n), timeout=self.cfg.transport.op_timeout_s * 4)
+                job.params.max_new_tokens, job.params.n), timeout=self.cfg.transport.op_timeout_s * 4)
             if not reply.ok:
                 raise DualPathError(f"decode engine {a.decode.engine_id} refused: {reply.error}")
             job.de_slots = reply.slots
@@ -484,7 +489,7 @@ class PrefillEngine(Engine):
         jobs = [j for j, _ in rows]
         gens = [g for j, _ in finals for g in j.generators]
         masks = {j.work_id: j.guide.mask() if j.guide else None for j, _ in finals}
-        history = {j.work_id: TokenHistory.of(j.token_ids, j.params) for j, _ in finals}  # read, never grown here
+        history = {j.work_id: j.history() for j, _ in finals}  # read, never grown here
         tokens, logprobs = sample(torch.stack([lg for _, lg in rows]), [j.params for j in jobs], gens,
                                   [masks[j.work_id] for j in jobs], [history[j.work_id] for j in jobs],
                                   self.model_config.eos_token_ids)

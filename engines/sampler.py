@@ -71,14 +71,17 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
     """A per-choice generator, so a seeded request samples the same tokens whatever it is batched with (choice
     ``i`` from ``seed + i``). On the host whatever the engine's device: a token costs one number from it, drawn
-    without touching the device, and a seed gives the same tokens on every device (for the same logits)."""
+    without touching the device, and a seed gives the same tokens on every device (for the same logits). A resumed
+    reply's seeded generator skips the draws its resumed tokens took (``SamplingParams.num_resumed_tokens``)."""
     if params.greedy:
         return None
     g = torch.Generator()
-    if params.seed is not None:
-        g.manual_seed(params.seed + choice)
-    else:
+    if params.seed is None:
         g.seed()
+        return g
+    g.manual_seed(params.seed + choice)
+    for _ in range(params.num_resumed_tokens):  # one at a time, as ``sample`` draws them
+        torch.rand(1, generator=g)
     return g
 
 

@@ -48,10 +48,12 @@ class Sequence:
             self.history = TokenHistory.of(self.prompt_ids, self.params, self.output_ids)
 
     @classmethod
-    def choices(cls, seq_id: str, prompt_ids: list[int], params: SamplingParams, generators: list) -> "Sequence":
-        """Choice 0 of a request, carrying choices 1.. as ``forks``: an engine computes the prompt once, then
-        forks them (``generators[i]``: choice i's)."""
-        first = cls(seq_id, prompt_ids, params, generators[0])
+    def choices(cls, seq_id: str, tokens: list[int], params: SamplingParams, generators: list) -> "Sequence":
+        """Choice 0 of a request whose token list is ``tokens``, carrying choices 1.. as ``forks``: an engine
+        computes the tokens once, then forks them (``generators[i]``: choice i's). A resumed reply's own tokens
+        (``SamplingParams.num_resumed_tokens``, at the list's end) start its output; their logprobs are None."""
+        prompt_ids, resumed = params.split_resumed(tokens)
+        first = cls(seq_id, prompt_ids, params, generators[0], list(resumed), [None] * len(resumed))
         first.forks = [cls(choice_id(seq_id, i), prompt_ids, params, generators[i], index=i, group=seq_id)
                        for i in range(1, len(generators))]
         return first
@@ -63,6 +65,11 @@ class Sequence:
         elif self.lookup.n < self.num_tokens:
             self.lookup.extend(self.output_ids[self.lookup.n - len(self.prompt_ids):])
         return self.lookup.propose(k, min_n, max_n)
+
+    @property
+    def resumed(self) -> list[int]:
+        """The output tokens this engine was given, not generated (``SamplingParams.num_resumed_tokens``)."""
+        return self.output_ids[:self.params.num_resumed_tokens]
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None

@@ -283,11 +283,10 @@ class SchedulerCore:
         self._roster_changed(e.info.role)
         log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
         for rid, r in list(self.requests.items()):
-            if r.pe == eid or r.de == eid:
-                if r.de == eid and r.streaming:
-                    self._fail(rid, f"decode engine {eid} died while generating ({why})")
-                else:
-                    self._retry(rid, f"engine {eid} is gone")
+            if r.de == eid and r.streaming:  # the submitter may continue the reply elsewhere (dualpath.client)
+                self._fail(rid, f"decode engine {eid} died while generating ({why})", engine_lost=True)
+            elif r.de == eid or (r.pe == eid and not r.streaming):  # (once generating, its prefill engine is done)
+                self._retry(rid, f"engine {eid} is gone")
         if e.info.role is Role.DECODE and not any(x.alive for x in self.by_group.get(e.group, ())):
             orphans = self.private.pop(e.group, Fifo())  # the whole group left: back to the global queue
             for rid in reversed(list(orphans)):
@@ -317,9 +316,13 @@ class SchedulerCore:
             if spec.request_id in self.requests:
                 raise RequestError(f"duplicate request id {spec.request_id}")
             n = spec.num_tokens
-            if n == 0 or n + params.max_tokens > self.max_model_len:
-                raise RequestError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                                   f"model's context of {self.max_model_len}", field="max_tokens")
+            if n == 0 or n + params.max_new_tokens > self.max_model_len:
+                raise RequestError(f"prompt ({n - params.num_resumed_tokens} tokens) plus max_tokens "
+                                   f"({params.max_tokens}) exceeds the model's context of {self.max_model_len}",
+                                   field="max_tokens")
+            if params.num_resumed_tokens >= n:
+                raise RequestError(f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
+                                   field="num_resumed_tokens")
             room = max(self.engines[e].info.capacity_tokens for e in self.alive_ids[Role.DECODE])
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
                 raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
@@ -363,7 +366,7 @@ class SchedulerCore:
         return self._choice_tokens(r.spec.num_tokens, r.params)
 
     def _choice_tokens(self, n_prompt: int, params: SamplingParams) -> int:
-        total = min(n_prompt + params.max_tokens, self.max_model_len)
+        total = min(n_prompt + params.max_new_tokens, self.max_model_len)
         return choice_blocks(self.block_size, n_prompt, total, params.n) * self.block_size
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
@@ -394,10 +397,10 @@ class SchedulerCore:
         if event is not None:
             r.notify(event)
 
-    def _fail(self, rid: str, error: str) -> None:
+    def _fail(self, rid: str, error: str, engine_lost: bool = False) -> None:
         self.counters["failed"] += 1
         log.warning("request %s failed: %s", rid, error)
-        self._drop(rid, SubmitEvent("failed", rid, error=error))
+        self._drop(rid, SubmitEvent("failed", rid, error=error, engine_lost=engine_lost))
 
     def _retry(self, rid: str, why: str) -> None:
         r = self.requests[rid]

@@ -74,3 +74,12 @@ def test_kv_fp8_bench_serving_part_runs(tiny_dirs, tmp_path):
                        "--context", "64", "--reply-tokens", "2", "--out", str(tmp_path / "f.json"))
     auto, fp8 = result["serving"]
     assert fp8["bytes_vs_bf16_cache"] == 0.5 and auto["cached_share"] > 0
+
+
+@pytest.mark.slow  # two servers of three engines each
+def test_migration_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("migration.py", "--model", str(tiny_dirs["llama"]), "--agents", "2", "--context", "40",
+                       "--max-tokens", "400", "--kill-after", "24", "--out", str(tmp_path / "m.json"), timeout=400)
+    moved, again = result["rows"]
+    assert moved["completed"] == again["completed"] == 2 and result["replies_identical"]
+    assert moved["sent_again"] == 0 and moved["migrations"] == moved["on_killed_engine"] >= 1

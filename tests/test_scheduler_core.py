@@ -225,6 +225,48 @@ def test_an_engine_declared_gone_is_told_to_rejoin_and_serves_again():
     assert core.engines["p0"].alive and pull(core, engines, "p0").rejoin == []
 
 
+def test_a_decode_engine_lost_mid_reply_fails_it_as_lost_and_its_prefill_engine_no_longer_matters():
+    """Once a request generates, its prefill engine is done with it: that engine dying leaves the request alone
+    (it was retried from the start, cutting off the reply being read). Its decode engine dying fails it marked
+    ``engine_lost``, so its submitter may move the reply on (``dualpath.client``)."""
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    events = []
+    core.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()), events.append)
+    groups = ["d0", "d1", "d2", "p0", "p1"]
+    for _ in range(3):  # routed, prefilled, then reported started by its decode engine
+        for g in groups:
+            pull(core, engines, g)
+    r = core.requests["r0"]
+    assert r.streaming and r.pe and r.de
+    core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0)
+    for gone in (r.pe, r.de):
+        groups.remove(gone)
+        clock.t += 0.5
+        for g in groups:
+            pull(core, engines, g)
+        clock.t += 0.8
+        core.expire()
+        assert not core.engines[gone].alive
+        if gone == r.pe:
+            assert core.requests["r0"] is r and r.attempt == 0 and core.counters["retried"] == 0
+    assert "r0" not in core.requests and core.counters["retried"] == 0
+    assert events[-1].kind == "failed" and events[-1].engine_lost and r.de in events[-1].error
+
+
+def test_a_resumed_reply_is_charged_and_checked_by_what_it_still_generates():
+    """A reply moved on after 100 of its 150 tokens holds KV for its 1,400-token list and 50 more (it fits a
+    decode engine of 1,500; charged the whole 150 again it would not), and needs some prompt before them."""
+    core, _ = make_core("dualpath", Clock())
+    resumed = SamplingParams(max_tokens=150, num_resumed_tokens=100)
+    core.submit(SubmitRequest("moved", pack_tokens(range(1400)), resumed.to_dict()))
+    assert core.queued(core.requests["moved"]).reserve_tokens == choice_blocks(BS, 1400, 1450, 1) * BS == 1456
+    with pytest.raises(RequestError, match="more KV memory"):
+        core.submit(SubmitRequest("whole", pack_tokens(range(1400)), SamplingParams(max_tokens=150).to_dict()))
+    with pytest.raises(RequestError, match="leave no prompt"):
+        core.submit(SubmitRequest("none", pack_tokens(range(100)), resumed.to_dict()))
+
+
 def test_the_block_index_rebuilds_in_the_background(tmp_path):
     """The first registration starts listing storage (minutes on a large store) and replies at once; the
     engine's heartbeat is not held up, and prompts find blocks as the listing adds them."""

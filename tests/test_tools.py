@@ -688,13 +688,15 @@ def test_the_tool_call_parser_can_be_named(tiny_dirs, tmp_path, parser, reply, c
 def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(tiny_dirs, tmp_path):
     from dualpath.cli import build_parser
     from dualpath.errors import CheckpointError
-    from dualpath.serving.serve import chat_options
+    from dualpath.serving.serve import frontend_options
     from dualpath.tokenizer import load_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text(HERMES_TEMPLATE)
-    args = build_parser().parse_args(["serve", "--chat-template", str(f), "--tool-call-parser", "hermes"])
-    assert chat_options(args) == dict(reasoning_parser="auto", tool_call_parser="hermes", chat_template=HERMES_TEMPLATE)
+    args = build_parser().parse_args(["serve", "--chat-template", str(f), "--tool-call-parser", "hermes",
+                                      "--migration-limit", "0"])
+    assert frontend_options(args) == dict(reasoning_parser="auto", tool_call_parser="hermes",
+                                          chat_template=HERMES_TEMPLATE, migration_limit=0)
     assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
     with pytest.raises(CheckpointError, match="neither a file nor"):
         load_chat_template(str(tmp_path / "missing.jinja"))

@@ -213,7 +213,7 @@ def batch_main(args) -> int:
     """``dualpath run-batch``: a cluster started here (or ``--scheduler``'s), the frontend in this process."""
     from dualpath.cli import _model_dir
     from dualpath.serving.openai_api import Frontend, FrontendConfig
-    from dualpath.serving.serve import chat_options, cluster_from_args, model_name
+    from dualpath.serving.serve import cluster_from_args, frontend_options, model_name
     from engines.models import open_checkpoint
 
     try:  # an unreadable or empty input fails before a cluster starts
@@ -221,7 +221,7 @@ def batch_main(args) -> int:
             raise DualPathError(f"{args.input} holds no requests")
     except OSError as e:
         raise DualPathError(f"cannot read the batch input: {e}") from None
-    cluster, chat = None, chat_options(args)
+    cluster, options = None, frontend_options(args)
     try:
         if args.scheduler:
             scheduler, model_dir = args.scheduler, _model_dir(args.model)
@@ -231,7 +231,7 @@ def batch_main(args) -> int:
             scheduler = cluster.scheduler_address
         frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, scheduler,
                                            max_len, default_max_tokens=args.default_max_tokens,
-                                           max_stored_responses=0, **chat))
+                                           max_stored_responses=0, **options))
         summary = run_batch(frontend.app, args.input, args.output, BatchConfig(max_concurrency=args.max_concurrency),
                             progress=not args.no_progress)
         frontend.client.close()

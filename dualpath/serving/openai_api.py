@@ -64,12 +64,13 @@ class FrontendConfig:
     reasoning_parser: str = "auto"  # "think": split <think> blocks from chat replies; "auto": if the template has them
     chat_template: str | None = None  # renders chats instead of the checkpoint's template (--chat-template)
     tool_call_parser: str = "auto"  # the tool-call markup (dualpath.serving.tools.TOOL_PARSERS); auto: the template's
+    migration_limit: int = 3  # times a reply may move off decode engines that die while generating it (0: fail)
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, client: ClusterClient | None = None, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
-        self.client = client or ClusterClient(cfg.scheduler)
+        self.client = client or ClusterClient(cfg.scheduler, migration_limit=cfg.migration_limit)
         self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
         if cfg.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(cfg.chat_template)
@@ -98,6 +99,9 @@ class Frontend:
                                     ["finish_reason"])
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
+        self.m_migrations = m.counter("request_migrations_total", "Replies moved to other decode engines after "
+                                      "theirs died while generating them")
+        self.client.on_migration = lambda _rid: self.m_migrations.inc()
         self.m_inflight.set(0)
         self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
             else MemoryResponses(cfg.max_stored_responses)

@@ -114,19 +114,20 @@ def cluster_from_args(args):
     return cluster, model_dir, max_len
 
 
-def chat_options(args) -> dict:
-    """The frontend's chat settings from the command line (a template file read now: a bad one fails before any
-    engine starts)."""
+def frontend_options(args) -> dict:
+    """The frontend's chat and client settings from the command line (a template file read now: a bad one fails
+    before any engine starts)."""
     from dualpath.tokenizer import load_chat_template
 
     return dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                chat_template=load_chat_template(args.chat_template) if args.chat_template else None)
+                chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+                migration_limit=args.migration_limit)
 
 
 def serve(args) -> int:
     from dualpath.serving.openai_api import Frontend, FrontendConfig
 
-    chat = chat_options(args)
+    options = frontend_options(args)
     cluster, model_dir, max_len = cluster_from_args(args)
     try:
         api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
@@ -137,7 +138,7 @@ def serve(args) -> int:
                                            default_max_tokens=args.default_max_tokens,
                                            max_stored_responses=args.max_stored_responses,
                                            responses_dir=args.responses_dir or responses_beside(args.kv_store),
-                                           **chat))
+                                           **options))
 
         def ready(port: int) -> None:
             url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
@@ -166,7 +167,7 @@ def frontend_main(args) -> int:
                                        max_concurrent_requests=args.max_concurrent_requests,
                                        default_max_tokens=args.default_max_tokens,
                                        max_stored_responses=args.max_stored_responses,
-                                       responses_dir=args.responses_dir, **chat_options(args)))
+                                       responses_dir=args.responses_dir, **frontend_options(args)))
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
