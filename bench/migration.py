@@ -81,10 +81,9 @@ class Agent:
         """From the kill until the reply (its last attempt) had a token more than the reader had then."""
         return self.arrivals[self.at_kill] - killed_at
 
-    def was_hit(self, killed_at: float) -> bool:
-        """Whether the kill touched it: sent again, or a stall of several of its own token gaps before the kill."""
-        gaps = [b - a for a, b in zip(self.arrivals[:self.at_kill], self.arrivals[1:self.at_kill])]
-        return self.attempts > 1 or self.stall_s(killed_at) > max(0.3, 4 * statistics.median(gaps))
+    def gap_s(self) -> float:
+        """Its median time between tokens before the kill."""
+        return statistics.median(b - a for a, b in zip(self.arrivals[:self.at_kill], self.arrivals[1:self.at_kill]))
 
 
 def engine_pid(server, name: str) -> int:
@@ -130,14 +129,19 @@ def run(system: str, args) -> dict:
             metrics = http.get("/metrics").text
     finally:
         server.stop()
-    hit = [a for a in agents if a.was_hit(killed_at)]
+    moves = metric(metrics, "request_migrations_total")
+    # the replies the kill touched: those sent again, or (migration) as many as moved, the longest stalled
+    by_stall = sorted(agents, key=lambda a: -a.stall_s(killed_at))
+    hit = [a for a in agents if a.attempts > 1] if system == "send again" else by_stall[:int(moves)]
     return {"system": system, "agents": len(agents), "completed": sum(len(a.ids) == args.max_tokens for a in agents),
             "sent_again": sum(a.attempts > 1 for a in agents), "on_killed_engine": len(hit),
             "stall_p50_s": statistics.median(a.stall_s(killed_at) for a in hit) if hit else 0.0,
             "stall_max_s": max((a.stall_s(killed_at) for a in hit), default=0.0),
             "tokens_at_kill": statistics.mean(a.at_kill for a in agents),
-            "migrations": metric(metrics, "request_migrations_total"),
+            "token_gap_p50_s": statistics.median(a.gap_s() for a in agents), "migrations": moves,
             "kv_mb_loaded": metric(metrics, "kv_bytes_loaded_total") / 1e6,
+            "per_agent": [{"tokens_at_kill": a.at_kill, "stall_s": a.stall_s(killed_at), "attempts": a.attempts,
+                           "token_gap_s": a.gap_s()} for a in agents],
             "replies": [a.ids for a in agents]}
 
 
@@ -155,7 +159,8 @@ def main(argv=None) -> dict:
         r["stall_vs_send_again"] = r["stall_p50_s"] / rows[1]["stall_p50_s"] if rows[1]["stall_p50_s"] else None
     same = rows[0].pop("replies") == rows[1].pop("replies")
     print_table(rows, ["system", "agents", "completed", "on_killed_engine", "sent_again", "tokens_at_kill",
-                       "stall_p50_s", "stall_max_s", "stall_vs_send_again", "migrations", "kv_mb_loaded"])
+                       "token_gap_p50_s", "stall_p50_s", "stall_max_s", "stall_vs_send_again", "migrations",
+                       "kv_mb_loaded"])
     print("replies identical across the systems:", same)
     result = {"agents": args.agents, "context": args.context, "max_tokens": args.max_tokens,
               "kill_after": args.kill_after, "rows": rows, "replies_identical": same}

@@ -51,6 +51,11 @@ class GenerationResult:
     index: int = 0  # the choice (``SamplingParams.n``)
 
 
+@dataclass(frozen=True)
+class _Unreachable:
+    engine_id: str
+
+
 def _size(item) -> int:
     return len(item.tokens) + len(item.block_hashes) if isinstance(item, SubmitRequest) else 64
 
@@ -83,7 +88,8 @@ class _Session:
                 batch.append(nxt)
                 size += _size(nxt)
             yield SessionIn([x for x in batch if isinstance(x, SubmitRequest)],
-                            [x for x in batch if isinstance(x, str)])
+                            [x for x in batch if isinstance(x, str)],
+                            [x.engine_id for x in batch if isinstance(x, _Unreachable)])
 
     def _receive(self) -> None:
         error = "the scheduler session ended"
@@ -114,6 +120,11 @@ class _Session:
             known = self.listeners.pop(request_id, None) is not None
         if known and self.alive:
             self.outgoing.put(request_id)
+
+    def unreachable(self, engine_id: str) -> None:
+        """Tell the scheduler a token stream from ``engine_id`` broke (it checks the engine's health)."""
+        if self.alive:
+            self.outgoing.put(_Unreachable(engine_id))
 
     def close(self) -> None:
         self.outgoing.put(None)
@@ -215,6 +226,8 @@ class RequestHandle:
                     if tok.finish_reason and tok.final:
                         return
             except RpcError as e:
+                if self.session is not None:  # so no request waits for its heartbeats to lapse
+                    self.session.unreachable(assigned.decode_engine)
                 if got_tokens:
                     raise EngineLost(f"request {rid}: the decode engine failed mid-generation: {e}") from None
             finally:

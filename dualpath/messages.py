@@ -266,10 +266,12 @@ class Stats:
 
 @dataclass(frozen=True)
 class SessionIn:
-    """A submitter's batch on its session stream: new requests and cancellations."""
+    """A submitter's batch on its session stream: new requests, cancellations, and engines whose token streams
+    broke on it (the scheduler checks them at once rather than wait out their heartbeats)."""
 
     submits: list[SubmitRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

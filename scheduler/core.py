@@ -270,6 +270,12 @@ class SchedulerCore:
                 if e.alive and now - e.last_seen > self.config.heartbeat_timeout_s:
                     self._engine_gone(eid, f"no load report for {now - e.last_seen:.1f} s")
 
+    def lost(self, eid: str, why: str) -> None:
+        """Count engine ``eid`` gone now (it failed a health check), as a missed heartbeat would."""
+        with self.lock:
+            if self._alive(eid):
+                self._engine_gone(eid, why)
+
     def _roster_changed(self, role: Role) -> None:
         """An engine of ``role`` joined or left: drop what is derived from who is alive."""
         self._totals = None

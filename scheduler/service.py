@@ -16,7 +16,7 @@ from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError
 from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
     SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
-from dualpath.rpc import SCHEDULER_METHODS, serve_async
+from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
 from scheduler.weights import update_weights
@@ -24,12 +24,14 @@ from scheduler.weights import update_weights
 log = logging.getLogger(__name__)
 
 _TERMINAL = ("finished", "failed")
+HEALTH_TIMEOUT_S = 3.0  # a dead process refuses at once; this bounds a hung host
 
 
 class SchedulerService:
     def __init__(self, core: SchedulerCore):
         self.core = core
         self._updating = False
+        self._checking: set[str] = set()  # engines whose health check is under way
 
     async def Register(self, info: EngineInfo, ctx) -> RegisterReply:
         return self.core.register(info)
@@ -81,6 +83,8 @@ class SchedulerService:
                         notify(SubmitEvent("failed", req.request_id, error=f"{code}: {e}"))
                 for rid in batch.cancels:
                     self.core.cancel(rid, "cancelled by the submitter")
+                for eid in batch.unreachable:
+                    self._check(eid)
             wake.set()
 
         reader = asyncio.create_task(read())
@@ -95,6 +99,31 @@ class SchedulerService:
             reader.cancel()
             for rid in list(mine):
                 self.core.cancel(rid, "session closed")
+
+    def _check(self, eid: str) -> None:
+        """A submitter's stream from ``eid`` broke: ask the engine itself (once at a time), and count it gone if it
+        does not answer. A submitter's word alone is not trusted: its own network may be at fault."""
+        e = self.core.engines.get(eid)
+        if e is None or not e.alive or eid in self._checking:
+            return
+        self._checking.add(eid)
+        asyncio.create_task(self._health(eid, e.info.control_address))
+
+    async def _health(self, eid: str, address: str) -> None:
+        def call() -> str:
+            engine = Client("Engine", ENGINE_METHODS, address)
+            try:
+                return "" if engine.call("Health", RequestRef(""), timeout=HEALTH_TIMEOUT_S).ok else "it is stopping"
+            except RpcError as e:
+                return str(e)
+            finally:
+                engine.close()
+        try:
+            why = await asyncio.get_running_loop().run_in_executor(None, call)
+            if why:
+                self.core.lost(eid, f"a token stream from it broke and its health check failed: {why}")
+        finally:
+            self._checking.discard(eid)
 
     async def Submit(self, req: SubmitRequest, ctx):
         events: asyncio.Queue = asyncio.Queue()

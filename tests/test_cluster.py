@@ -210,9 +210,11 @@ def test_replies_move_off_a_killed_decode_engine_and_come_out_the_same(tiny_dirs
     """Four long replies (greedy; seeded with two choices; with penalties) streaming when a decode engine is
     killed: those on it move to the other one and go on from the tokens already delivered (request migration),
     and every choice equals the one-process reference's; the moved replies' context was loaded from what the dead
-    engine had stored (the prompts were never sent before, so every hit is theirs). Then, with migrations off, a
-    reply on the last decode engine fails naming it when that one is killed too."""
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=2.0),
+    engine had stored (the prompts were never sent before, so every hit is theirs). The scheduler counts the engine
+    gone as soon as a broken stream is reported and its health check fails, long before its heartbeats lapse (30 s
+    here). Then, with migrations off, a reply on the last decode engine fails naming it when that one is killed
+    too."""
+    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=30.0),
                       run_dir=str(tmp_path / "run")) as c:
         moved: list[str] = []
         client = ClusterClient(c.scheduler_address, timeout=60, on_migration=moved.append)
@@ -224,12 +226,14 @@ def test_replies_move_off_a_killed_decode_engine_and_come_out_the_same(tiny_dirs
         for _ in threads:  # every request is generating (two on each decode engine)
             assert streaming.acquire(timeout=60)
         c.kill("decode-0")
+        killed = time.monotonic()
         pid = c.child("decode-0").proc.pid  # what it could not unlink itself went with it
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{pid}-")]
         for t in threads:
             t.join(240)
         assert not any(t.is_alive() for t in threads), "a request hung"
         assert moved, "no reply was on the killed engine"
+        assert client.stats()["engines_alive_by_role"]["decode"] == 1 and time.monotonic() - killed < 25
         for prompt, params, got in outcomes:
             assert not isinstance(got, Exception), got
             with REFERENCE_LOCK:
