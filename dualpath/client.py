@@ -217,6 +217,8 @@ class RequestHandle:
             self.active[:] = [stream]
             try:
                 for tok in stream:
+                    if tok.engine_lost:  # the engine is stopping: the reply goes on elsewhere
+                        raise EngineLost(f"request {rid}: {tok.error}")
                     if tok.finish_reason == "abort" and not got_tokens:
                         break  # the attempt was dropped before producing anything: wait for a retry
                     if tok.finish_reason == "abort":

@@ -214,6 +214,17 @@ class LocalCluster(Supervisor):
             raise
         return self
 
+    def add_engine(self, role: str, timeout: float = 120.0) -> str:
+        """Start one more engine of ``role`` (the next index) and wait until it serves: a replacement in a rolling
+        restart (stop the old one after: its replies move here), or more capacity. Returns its name."""
+        index = sum(c.name.startswith(f"{role}-") for c in self.children)
+        first_device = self.spec.num_prefill if role == "decode" else 0
+        child = self.spawn(f"{role}-{index}", self._engine_args(role, index, first_device + index))
+        self.wait_ready([child], timeout)
+        eid, addr = child.ready_path.read_text().split()
+        self.engine_addresses[eid] = addr
+        return child.name
+
     def __enter__(self) -> "LocalCluster":
         return self.start()
 

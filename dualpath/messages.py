@@ -91,6 +91,7 @@ class EngineLoad:
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)
     storage_capacity_bytes: int = 0
+    leaving: bool = False  # the engine's last report: it is stopping (count it gone now, move what it held)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class TokenEvent:
     index: int = 0  # the choice (``SamplingParams.n``) the token or finish belongs to
     final: bool = True  # with finish_reason: the request's last event (False: only this choice finished)
     ending: str = ""  # on a token that ended its choice: the finish reason its finish event will bring
+    engine_lost: bool = False  # with finish_reason "abort": the engine is stopping; the reply goes on elsewhere
 
 
 @dataclass(frozen=True)

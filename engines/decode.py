@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,7 @@ from engines.streams import StreamHub
 from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache
 
 log = logging.getLogger(__name__)
+HAND_BACK_STORE_S = 10.0  # how long a stopping engine waits for the blocks it is storing before handing replies back
 
 
 @dataclass
@@ -137,6 +139,8 @@ class DecodeEngine(Engine):
                 return PrepareReply(False, error=f"{rid} is already held"), None
             if self.updating:
                 return PrepareReply(False, error="the decode engine is loading new weights"), None
+            if self.stopping.is_set():
+                return PrepareReply(False, error="the decode engine is stopping"), None
             if choice_blocks(g.block_size, n_prompt, total, req.n) > self.cache.num_free_blocks:  # holds none yet
                 return PrepareReply(False, error=f"no device memory for {req.n} x {total} tokens"), None
             slots = self.buffer.allocate(g.num_blocks(n_prompt), rid)  # full: Prepare waits and asks again
@@ -336,6 +340,30 @@ class DecodeEngine(Engine):
         self.outbox.add("finished", h.work_id)
         self.report_now()  # stored blocks are indexed before the submitter can send the next turn
         self.streams.put(h.work_id, self._finish_event(h, last, final=True))
+
+    def leave(self) -> None:
+        """Stopping (SIGTERM: a rolling restart, a drained node) hands every reply still held back to its
+        submitter, to go on on another decode engine from the tokens it has (``dualpath.client`` moves it): the full
+        blocks each has are stored and indexed first, so its continuation loads them; then the scheduler is told
+        this engine is leaving, and each stream ends saying so (``TokenEvent.engine_lost``)."""
+        with self.lock:  # the decode loop has returned: nothing below races a step
+            held = [h for h in self.held_.values() if not h.cancelled]
+        for h in held:
+            for c in h.choices:
+                if not c.done:
+                    self._persist(h, c)
+        deadline = time.monotonic() + HAND_BACK_STORE_S
+        for fut in (f for h in held for f in h.stores):
+            try:
+                fut.result(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - what is not stored is computed again by the continuation
+                pass
+        super().leave()
+        why = f"decode engine {self.engine_id} is stopping"
+        for h in held:
+            self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True))
+        if held:
+            log.info("stopping: %d request(s) handed back to their submitters to go on elsewhere", len(held))
 
     def _drop(self, work_id: str, reason: str) -> None:
         with self.lock:

@@ -105,6 +105,8 @@ class Engine:
         self.member_loads: list[EngineLoad] = []  # pushed by members, waiting for the leader's next pull
         self._peers: dict[str, Client] = {}
         self.unreachable: set[str] = set()  # members (or the leader) that stopped answering us
+        self.registered = False  # the scheduler has taken this engine (a stop then tells it: ``leave``)
+        self.leaving = False  # stopping: its reports say so
         self._rejoin_members: set[str] = set()  # members the scheduler said must register again (leader only)
         self._report_event = threading.Event()
         self._lock = threading.Lock()
@@ -234,6 +236,7 @@ class Engine:
         if not ack.ok:
             raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
         self.members = ack.members
+        self.registered = True
 
     def load(self) -> tuple[EngineLoad, dict]:
         held = self.held()
@@ -252,7 +255,7 @@ class Engine:
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
                           traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
                           storage_used_bytes=stored["used_bytes"],
-                          storage_capacity_bytes=stored["capacity_bytes"])
+                          storage_capacity_bytes=stored["capacity_bytes"], leaving=self.leaving)
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "busy_tokens": self.busy_tokens,
                       "failures": self.kv_load_failures}
@@ -262,12 +265,12 @@ class Engine:
         self._busy_tokens_reported = marks["busy_tokens"]
         self._failures_reported = marks["failures"]
 
-    def report_now(self) -> None:
+    def report_now(self, timeout: float = 10.0) -> None:
         """Send a load report straight to the scheduler (events that must not wait for the next pull)."""
         with self._lock:  # one report at a time keeps the delivered marks in order
             load, marks = self.load()
             try:
-                self.scheduler.call("Report", load, timeout=10)
+                self.scheduler.call("Report", load, timeout=timeout)
                 self._delivered(marks)
             except RpcError as e:
                 self.outbox.put_back(marks["items"])
@@ -474,8 +477,16 @@ class Engine:
         finally:
             self.stop()
 
+    def leave(self) -> None:
+        """The last report says this engine is stopping (``EngineLoad.leaving``): the scheduler counts it gone at
+        once and moves what it held, instead of waiting out its heartbeats (a rolling restart, a drained node)."""
+        if self.registered:
+            self.leaving = True
+            self.report_now(timeout=3.0)
+
     def stop(self) -> None:
         self.stopping.set()
+        self.leave()
         self.server.stop(grace=1)
         self.transport.close()
         self.storage.close()

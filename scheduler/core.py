@@ -586,6 +586,8 @@ class SchedulerCore:
                 self._fail(rid, reason)
             else:
                 self._retry(rid, reason)
+        if load.leaving:  # after the rest of its last report (the blocks it stored are indexed first)
+            self._engine_gone(load.engine_id, "it is stopping")
 
     def _state(self, e: EngineRecord) -> EngineState:
         load = e.load

@@ -2,6 +2,7 @@
 KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
 import json
 import os
+import signal
 import threading
 from dataclasses import replace
 
@@ -206,51 +207,70 @@ def stream_choices(client, prompt, params, streaming: threading.Semaphore, outco
         outcomes.append((prompt, params, e))
 
 
-def test_replies_move_off_a_killed_decode_engine_and_come_out_the_same(tiny_dirs, tmp_path, reference):
+def replies_while(client, cases, streaming, stop_engine) -> tuple[list, float]:
+    """Stream each (prompt, params) of ``cases`` at once; once each has tokens, ``stop_engine()``; the outcomes and
+    how long after the stop they all ended."""
+    outcomes = []
+    threads = [threading.Thread(target=stream_choices, args=(client, prompt, params, streaming, outcomes))
+               for prompt, params in cases]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every request is generating
+        assert streaming.acquire(timeout=60)
+    stop_engine()
+    stopped = time.monotonic()
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return outcomes, time.monotonic() - stopped
+
+
+def assert_as_the_reference(reference, outcomes) -> None:
+    for prompt, params, got in outcomes:
+        assert not isinstance(got, Exception), got
+        with REFERENCE_LOCK:
+            want = [(o.token_ids, o.finish_reason) for o in reference.generate(prompt, params)]
+        assert got == want, params
+
+
+def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_same(tiny_dirs, tmp_path, reference):
     """Four long replies (greedy; seeded with two choices; with penalties) streaming when a decode engine is
     killed: those on it move to the other one and go on from the tokens already delivered (request migration),
     and every choice equals the one-process reference's; the moved replies' context was loaded from what the dead
     engine had stored (the prompts were never sent before, so every hit is theirs). The scheduler counts the engine
     gone as soon as a broken stream is reported and its health check fails, long before its heartbeats lapse (30 s
-    here). Then, with migrations off, a reply on the last decode engine fails naming it when that one is killed
-    too."""
+    here). Then a rolling restart: a replacement decode engine joins and the other one is stopped (SIGTERM) under
+    load: it stores what it has, says it is leaving and hands its replies back, which go on on the replacement,
+    the same again; it exits cleanly. Last, with migrations off, a reply fails naming its engine when that engine
+    is killed."""
     with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=30.0),
                       run_dir=str(tmp_path / "run")) as c:
         moved: list[str] = []
         client = ClusterClient(c.scheduler_address, timeout=60, on_migration=moved.append)
-        outcomes, streaming = [], threading.Semaphore(0)
-        threads = [threading.Thread(target=stream_choices, args=(client, conversation(300 + i, 1)[0], p, streaming,
-                                                                 outcomes)) for i, p in enumerate(MOVING)]
-        for t in threads:
-            t.start()
-        for _ in threads:  # every request is generating (two on each decode engine)
-            assert streaming.acquire(timeout=60)
-        c.kill("decode-0")
-        killed = time.monotonic()
+        streaming = threading.Semaphore(0)
+        cases = [(conversation(300 + i, 1)[0], p) for i, p in enumerate(MOVING)]
+        outcomes, took = replies_while(client, cases, streaming, lambda: c.kill("decode-0"))
+        assert moved, "no reply was on the killed engine"
+        assert client.stats()["engines_alive_by_role"]["decode"] == 1 and took < 25
         pid = c.child("decode-0").proc.pid  # what it could not unlink itself went with it
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{pid}-")]
-        for t in threads:
-            t.join(240)
-        assert not any(t.is_alive() for t in threads), "a request hung"
-        assert moved, "no reply was on the killed engine"
-        assert client.stats()["engines_alive_by_role"]["decode"] == 1 and time.monotonic() - killed < 25
-        for prompt, params, got in outcomes:
-            assert not isinstance(got, Exception), got
-            with REFERENCE_LOCK:
-                want = [(o.token_ids, o.finish_reason) for o in reference.generate(prompt, params)]
-            assert got == want, params
+        assert_as_the_reference(reference, outcomes)
         assert client.stats()["hit_tokens"] > 0
+
+        replacement = c.add_engine("decode")
+        moved.clear()
+        cases = [(conversation(320 + i, 1)[0], p) for i, p in enumerate(MOVING[:3])]
+        outcomes, took = replies_while(client, cases, streaming, lambda: c.kill("decode-1", signal.SIGTERM))
+        assert moved and took < 25 and c.child("decode-1").proc.returncode == 0
+        assert client.stats()["engines_alive_by_role"]["decode"] == 1
+        assert "handed back to their submitters" in (tmp_path / "run" / "decode-1.log").read_text()
+        assert_as_the_reference(reference, outcomes)
         client.close()
 
         strict = ClusterClient(c.scheduler_address, timeout=60, migration_limit=0)
-        outcomes = []
-        one = threading.Thread(target=stream_choices, args=(strict, conversation(400, 1)[0], MOVING[0], streaming,
-                                                            outcomes))
-        one.start()
-        assert streaming.acquire(timeout=60)
-        c.kill("decode-1")
-        one.join(60)
-        assert not one.is_alive() and "decode engine" in str(outcomes[0][2]), outcomes
+        outcomes, _ = replies_while(strict, [(conversation(400, 1)[0], MOVING[0])], streaming,
+                                    lambda: c.kill(replacement))
+        assert "decode engine" in str(outcomes[0][2]), outcomes
         strict.close()
 
 
@@ -443,8 +463,6 @@ def test_engines_declared_gone_after_a_pause_rejoin_and_serve(tiny_dirs, tmp_pat
     """A paused process (SIGSTOP; in production a swap storm or a long GC) misses its heartbeats and is declared
     gone; when it resumes it registers again instead of idling unseen. Both ways back: a group member, told by
     its leader, and the leader, told by the scheduler."""
-    import signal
-
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, engines_per_node=2,
              heartbeat_timeout_s=2.0)
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:

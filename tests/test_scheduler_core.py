@@ -254,6 +254,27 @@ def test_a_decode_engine_lost_mid_reply_fails_it_as_lost_and_its_prefill_engine_
     assert events[-1].kind == "failed" and events[-1].engine_lost and r.de in events[-1].error
 
 
+def test_an_engine_that_says_it_is_leaving_is_gone_once_its_last_report_is_taken():
+    """A stopping engine's last report (``leaving``) is absorbed first (the blocks it stored are indexed, so the
+    replies it hands back find them), then the engine is gone and its generating requests fail marked
+    ``engine_lost``, at once rather than after its heartbeats lapse."""
+    from dataclasses import replace
+
+    from dualpath.messages import pack_keys
+
+    core, engines = make_core("dualpath", Clock())
+    events = []
+    core.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()), events.append)
+    for _ in range(3):
+        for g in ["d0", "d1", "d2", "p0", "p1"]:
+            pull(core, engines, g)
+    de = core.requests["r0"].de
+    keys = chain_keys(2)
+    core.report(replace(engines[de].load(), stored_keys=pack_keys(keys), leaving=True))
+    assert not core.engines[de].alive and core.index.hit_blocks(b"".join(keys)) == 2
+    assert events[-1].kind == "failed" and events[-1].engine_lost and "stopping" in events[-1].error
+
+
 def test_a_resumed_reply_is_charged_and_checked_by_what_it_still_generates():
     """A reply moved on after 100 of its 150 tokens holds KV for its 1,400-token list and 50 more (it fits a
     decode engine of 1,500; charged the whole 150 again it would not), and needs some prompt before them."""

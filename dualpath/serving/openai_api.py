@@ -101,6 +101,7 @@ class Frontend:
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
         self.m_migrations = m.counter("request_migrations_total", "Replies moved to other decode engines after "
                                       "theirs died while generating them")
+        self.m_migrations.inc(0)  # shown from the start
         self.client.on_migration = lambda _rid: self.m_migrations.inc()
         self.m_inflight.set(0)
         self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
