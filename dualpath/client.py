@@ -33,7 +33,7 @@ class OverloadedError(RequestError):
 
 
 class EngineLost(DualPathError):
-    """A request's decode engine died while generating it (the client may move the reply elsewhere)."""
+    """A request's decode engine died or is stopping while generating it (the client may move the reply)."""
 
 
 @dataclass
@@ -268,6 +268,9 @@ class RequestHandle:
             return
         self.client._migrated(self.request_id, lost, {i: len(delivered[i].tokens) for i in going})
         self.moved[:] = [self._continuation(i, delivered[i].tokens) for i in going]
+        if self.cancelled:  # ``cancel`` ran meanwhile, before these existed
+            for h in self.moved:
+                h.cancel()
         whole = False
         try:
             for j, ev in _merged(self.moved):

@@ -356,8 +356,8 @@ class DecodeEngine(Engine):
         for fut in (f for h in held for f in h.stores):
             try:
                 fut.result(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - what is not stored is computed again by the continuation
-                pass
+            except Exception as e:  # noqa: BLE001 - what is not stored is computed again by the continuation
+                log.warning("stopping: a store did not finish (%s); its blocks will be computed again", e)
         super().leave()
         why = f"decode engine {self.engine_id} is stopping"
         for h in held:
