@@ -183,3 +183,18 @@ def test_a_reply_let_go_of_mid_move_cancels_its_continuations():
     next(gen)
     gen.close()
     assert len(handle.moved) == 2 and all(h.cancelled for h in handle.moved)
+
+
+def test_a_continuation_under_speculative_decoding_is_the_rest_of_its_reply(tiny_dirs, llm):
+    """A speculative step draws once per token it keeps, so a seeded continuation skips as many draws as a plain
+    one: the same reply, decoded with drafts (a repetitive prompt makes prompt lookup propose them)."""
+    spec = LLM(str(tiny_dirs["llama"]), block_size=16,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    prompt = [5, 6, 7, 8] * 10
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.5, seed=21, max_tokens=40, ignore_eos=True)):
+        whole = llm.generate(prompt, params)[0]  # decoded plainly
+        for cut in (3, 20):
+            got = spec.generate(prompt + whole.token_ids[:cut], replace(params, num_resumed_tokens=cut))[0]
+            assert got.token_ids == whole.token_ids, (params, cut)
+    assert spec.engine.spec_stats["accepted"] > 0
