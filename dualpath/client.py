@@ -26,10 +26,16 @@ from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+RECONNECT_PAUSE_S = 0.5  # between submissions of a request whose scheduler session ended
 
 
 class OverloadedError(RequestError):
-    """The scheduler's queue is full; retry later."""
+    """The cluster cannot take the request now (the scheduler's queue is full, or it has no engines yet); retry
+    later."""
+
+
+class SessionLost(DualPathError):
+    """The scheduler session ended while a request waited for a decode engine: it is submitted again."""
 
 
 class EngineLost(DualPathError):
@@ -104,15 +110,20 @@ class _Session:
                         listener(ev)
         except DualPathError as e:
             error = str(e)
-        self.alive = False
         with self.lock:
+            self.alive = False
             orphans, self.listeners = self.listeners, {}
-        for rid, listener in orphans.items():
-            listener(SubmitEvent("failed", rid, error=error))
+        for rid, listener in orphans.items():  # the scheduler restarted, or the link to it broke
+            listener(SubmitEvent("lost", rid, error=error))
 
     def submit(self, req: SubmitRequest, listener) -> None:
         with self.lock:
-            self.listeners[req.request_id] = listener
+            alive = self.alive
+            if alive:
+                self.listeners[req.request_id] = listener
+        if not alive:  # it ended between being handed out and now
+            listener(SubmitEvent("lost", req.request_id, error="the scheduler session ended"))
+            return
         self.outgoing.put(req)
 
     def cancel(self, request_id: str) -> None:
@@ -165,18 +176,47 @@ class RequestHandle:
         self.session: _Session | None = None
         self.cancelled = False
         self.moved: list[RequestHandle] = []  # where its unfinished choices went after its engine was lost
+        self.got_tokens = False  # its current attempt streamed a token
+        self.session_lost = False  # the scheduler session of its current submission ended
+        self.lost_at: float | None = None  # when it last lost its session before reaching a decode engine
+        self.resubmits = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         """The prompt's tokens as its submitter counts them (a resumed reply's own are not prompt)."""
         return len(self.token_ids) - self.sampling.num_resumed_tokens
 
+    def _submit(self) -> None:
+        self.session = self.client.session()
+        hashes, fingerprint = self.client._hashes(self.token_ids)
+        self.session.submit(SubmitRequest(self.request_id, pack_tokens(self.token_ids), self.sampling.to_dict(),
+                                          self.mode, hashes, fingerprint), self._listen)
+
+    def _resubmit(self) -> None:
+        """The scheduler session ended before this request got to a decode engine (the scheduler restarted, or the
+        link to it broke): submit it again, under a new id, on a new session, for up to the client's
+        ``reconnect_s`` (a reply already on a decode engine goes on without the scheduler: ``_listen``)."""
+        now = time.monotonic()
+        self.lost_at = self.lost_at or now
+        if now - self.lost_at > self.client.reconnect_s:
+            raise DualPathError(f"request {self.request_id}: the scheduler did not answer again within "
+                                f"{self.client.reconnect_s:.0f} s")
+        time.sleep(RECONNECT_PAUSE_S)
+        self.resubmits += 1
+        self.request_id = f"{self.request_id.split('~')[0]}~{self.resubmits}"
+        self.got_tokens = self.session_lost = False
+        self._submit()
+
     def _listen(self, ev: SubmitEvent) -> None:
         if ev.fingerprint:  # the weights changed since the client learnt the fingerprint: hash with the new one
             self.client.model_changed(ev.fingerprint)
+        if ev.kind == "lost":
+            self.session_lost = True
+            if self.active and self.got_tokens:
+                return  # its decode engine streams the reply whatever became of the scheduler
         self.queue.put(ev)
-        if ev.kind in ("failed", "assigned") and self.active:
-            self.active[0].cancel()  # retried elsewhere or given up: stop waiting on this attempt
+        if ev.kind in ("failed", "assigned", "lost") and self.active:
+            self.active[0].cancel()  # retried elsewhere, given up or to be sent again: stop waiting on this attempt
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -205,10 +245,12 @@ class RequestHandle:
     def _attempts(self) -> Iterator[TokenEvent]:
         """The request's events from whichever engines the scheduler assigns it to; ``EngineLost`` when its decode
         engine is lost while generating."""
-        rid, got_tokens = self.request_id, False
         while not self.cancelled:
             try:
-                assigned = self.client._next_assignment(self.queue, rid)
+                assigned = self._assignment()
+            except SessionLost:
+                self._resubmit()
+                continue
             except DualPathError:
                 if self.cancelled:
                     return
@@ -217,25 +259,52 @@ class RequestHandle:
             self.active[:] = [stream]
             try:
                 for tok in stream:
-                    if tok.engine_lost:  # the engine is stopping: the reply goes on elsewhere
-                        raise EngineLost(f"request {rid}: {tok.error}")
-                    if tok.finish_reason == "abort" and not got_tokens:
+                    # the engine is stopping, or (the session gone, so no retry will come) it dropped the reply
+                    if tok.engine_lost or (tok.finish_reason == "abort" and self.got_tokens and self.session_lost):
+                        raise EngineLost(f"request {self.request_id}: {tok.error}")
+                    if tok.finish_reason == "abort" and not self.got_tokens:
                         break  # the attempt was dropped before producing anything: wait for a retry
                     if tok.finish_reason == "abort":
-                        raise DualPathError(f"request {rid} aborted: {tok.error}")
-                    got_tokens = got_tokens or tok.token_id >= 0
+                        raise DualPathError(f"request {self.request_id} aborted: {tok.error}")
+                    self.got_tokens = self.got_tokens or tok.token_id >= 0
                     yield tok
                     if tok.finish_reason and tok.final:
                         return
             except RpcError as e:
                 if self.session is not None:  # so no request waits for its heartbeats to lapse
                     self.session.unreachable(assigned.decode_engine)
-                if got_tokens:
-                    raise EngineLost(f"request {rid}: the decode engine failed mid-generation: {e}") from None
+                if self.got_tokens:
+                    raise EngineLost(f"request {self.request_id}: the decode engine failed mid-generation: "
+                                     f"{e}") from None
             finally:
                 self.active.clear()
-            if got_tokens and not self.cancelled:
+            if self.got_tokens and not self.cancelled:
                 raise self._interruption()
+
+    def _assignment(self) -> SubmitEvent:
+        """The scheduler's next assignment of this request (``SessionLost``, ``EngineLost`` or why it failed)."""
+        deadline = time.monotonic() + self.client.timeout
+        while True:
+            try:
+                ev = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DualPathError(f"request {self.request_id}: not scheduled within {self.client.timeout} s") \
+                    from None
+            if ev.kind == "lost":
+                raise SessionLost(ev.error)
+            if ev.kind == "failed":
+                if ev.engine_lost:
+                    raise EngineLost(f"request {self.request_id} failed: {ev.error}")
+                if ev.error.startswith("unavailable"):
+                    if self.lost_at is not None:  # a scheduler just restarted, its engines not yet back
+                        raise SessionLost(ev.error)
+                    raise OverloadedError(ev.error.split(": ", 1)[-1])
+                if ev.error.startswith("invalid"):
+                    raise RequestError(ev.error.split(": ", 1)[-1])
+                raise DualPathError(f"request {self.request_id} failed: {ev.error}")
+            if ev.kind == "assigned":
+                self.lost_at = None
+                return ev
 
     def _interruption(self) -> DualPathError:
         """Why a stream that had delivered tokens was stopped by news from the scheduler (``_listen``)."""
@@ -250,6 +319,8 @@ class RequestHandle:
             if ev.kind == "failed":
                 return (EngineLost if ev.engine_lost else DualPathError)(f"request {self.request_id} failed: "
                                                                           f"{ev.error}")
+            if ev.kind == "lost":  # and, with it, any retry: the reply moves on from what was delivered
+                return EngineLost(f"request {self.request_id}: {ev.error}")
         return DualPathError(f"request {self.request_id}: its stream ended early (the scheduler gave up on it)")
 
     def _move(self, delivered: list[_Delivered], lost: EngineLost) -> Iterator[TokenEvent]:
@@ -332,13 +403,15 @@ def _merged(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
 
 
 class ClusterClient:
-    """A cluster's client. ``migration_limit``: how many times a reply may move off decode engines lost while
-    generating it (0: such a request fails); ``on_migration``: called with the request id each time one moves."""
+    """A cluster's client. ``timeout``: how long a request may wait to be scheduled; ``migration_limit``: how many
+    times a reply may move off decode engines lost while generating it (0: such a request fails); ``on_migration``:
+    called with the request id each time one moves; ``reconnect_s``: how long requests not yet on a decode engine
+    wait for a scheduler whose session ended (restarting) before they fail."""
 
     def __init__(self, scheduler: str, timeout: float = 3600.0, migration_limit: int = 3,
-                 on_migration: Callable[[str], None] | None = None):
+                 on_migration: Callable[[str], None] | None = None, reconnect_s: float = 60.0):
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
-        self.timeout = timeout
+        self.timeout, self.reconnect_s = timeout, reconnect_s
         self.migration_limit, self.on_migration = migration_limit, on_migration
         self._engines: dict[str, Client] = {}
         self._lock = threading.Lock()
@@ -400,11 +473,7 @@ class ClusterClient:
     def _start(self, token_ids: list[int], sampling: SamplingParams, request_id: str, mode: str,
                migrations: int) -> "RequestHandle":
         handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations)
-        session = self.session()
-        handle.session = session
-        hashes, fingerprint = self._hashes(token_ids)
-        session.submit(SubmitRequest(handle.request_id, pack_tokens(token_ids), sampling.to_dict(), mode,
-                                     hashes, fingerprint), handle._listen)
+        handle._submit()
         return handle
 
     def _migrated(self, request_id: str, why: EngineLost, resumed: dict[int, int]) -> None:
@@ -418,24 +487,6 @@ class ClusterClient:
                mode: str = "") -> Iterator[TokenEvent]:
         """Token events of one request, ending with the event that carries ``finish_reason``."""
         return self.start(token_ids, sampling, request_id, mode).events()
-
-    def _next_assignment(self, events: queue.Queue, rid: str) -> SubmitEvent:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                ev = events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise DualPathError(f"request {rid}: not scheduled within {self.timeout} s") from None
-            if ev.kind == "failed":
-                if ev.engine_lost:
-                    raise EngineLost(f"request {rid} failed: {ev.error}")
-                if ev.error.startswith("overloaded"):
-                    raise OverloadedError(ev.error)
-                if ev.error.startswith("invalid"):
-                    raise RequestError(ev.error.split(": ", 1)[-1])
-                raise DualPathError(f"request {rid} failed: {ev.error}")
-            if ev.kind == "assigned":
-                return ev
 
     def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                  mode: str = "") -> GenerationResult:

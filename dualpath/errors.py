@@ -26,6 +26,10 @@ class RequestError(DualPathError):
         self.field = field
 
 
+class UnavailableError(RequestError):
+    """The cluster cannot take a request now (its queue is full, or no engines are registered yet); retry later."""
+
+
 class EngineBusyError(DualPathError):
     """The engine holds work and cannot load new weights now."""
 

@@ -91,7 +91,7 @@ class Supervisor:
         own = args[:args.index("--")] if "--" in args else args
         cmd = [*prefix, sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *own,
                "--ready-file", str(ready), *args[len(own):]]
-        with open(log_path, "w") as out:
+        with open(log_path, "a") as out:  # (a restarted part's log goes on)
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
         child = Child(name, proc, log_path, ready)
         self.children.append(child)
@@ -189,18 +189,7 @@ class LocalCluster(Supervisor):
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         s = self.spec
         try:
-            sched_args = ["scheduler", "--host", s.host, "--port", str(s.scheduler_port), "--mode", s.mode,
-                          "--policy", s.policy, "--heartbeat-timeout", str(s.heartbeat_timeout_s),
-                          "--http-port", str(s.scheduler_http_port)]
-            if s.kv_store:
-                sched_args += ["--kv-store", s.kv_store]
-            if s.load_every_hit:
-                sched_args.append("--load-every-hit")
-            sched = self.spawn("scheduler", sched_args)
-            self.wait_ready([sched], timeout)
-            port, http = sched.ready_path.read_text().split()
-            self.scheduler_address = f"{s.host}:{port}"
-            self.scheduler_http = f"http://{s.host}:{http}" if int(http) >= 0 else ""
+            self._start_scheduler(s.scheduler_port, timeout)
             engines = [self.spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
             engines += [self.spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
                         for i in range(s.num_decode)]
@@ -213,6 +202,30 @@ class LocalCluster(Supervisor):
             self.stop()
             raise
         return self
+
+    def _start_scheduler(self, port: int, timeout: float) -> None:
+        s = self.spec
+        args = ["scheduler", "--host", s.host, "--port", str(port), "--mode", s.mode, "--policy", s.policy,
+                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(s.scheduler_http_port)]
+        if s.kv_store:
+            args += ["--kv-store", s.kv_store]
+        if s.load_every_hit:
+            args.append("--load-every-hit")
+        sched = self.spawn("scheduler", args)
+        self.wait_ready([sched], timeout)
+        port, http = sched.ready_path.read_text().split()
+        self.scheduler_address = f"{s.host}:{port}"
+        self.scheduler_http = f"http://{s.host}:{http}" if int(http) >= 0 else ""
+
+    def restart_scheduler(self, timeout: float = 60.0) -> None:
+        """Start the scheduler again on its port (after it died, or stopping it first): the engines register with
+        it again keeping their work, and clients submit again what it had not yet handed to a decode engine."""
+        old = self.child("scheduler")
+        if old.proc.poll() is None:
+            old.proc.terminate()
+            old.proc.wait(30)
+        self.children.remove(old)
+        self._start_scheduler(int(self.scheduler_address.rsplit(":", 1)[1]), timeout)
 
     def add_engine(self, role: str, timeout: float = 120.0) -> str:
         """Start one more engine of ``role`` (the next index) and wait until it serves: a replacement in a rolling

@@ -156,9 +156,12 @@ class PullReply:
     assignments: dict[str, list[Assignment]]  # engine id -> new work
     cancelled: list[str] = field(default_factory=list)
     members: list[list[str]] = field(default_factory=list)  # the group: [engine id, control address], alive
-    # engines whose loads came in but which the scheduler does not count as alive (declared gone after a silence,
-    # or never registered with this scheduler): their work was re-queued or failed; they drop it and register
+    # engines whose loads came in but which the scheduler declared gone (after a silence): their work was re-queued
+    # or failed; they drop it and register again
     rejoin: list[str] = field(default_factory=list)
+    # engines this scheduler never registered (it restarted): they register, keeping their work (its submitters
+    # stream it from the decode engines; the scheduler holds no part of it)
+    unknown: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ from dualpath.messages import from_wire, to_wire
 log = logging.getLogger(__name__)
 
 _OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.so_reuseport", 0)]
+            ("grpc.so_reuseport", 0),
+            # a peer that restarts (the scheduler) is found again within ~2 s, not after gRPC's default backoff
+            # (which grows to 120 s between tries)
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class RpcError(DualPathError):

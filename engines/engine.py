@@ -39,6 +39,7 @@ from traffic.transport import make_transport
 
 log = logging.getLogger(__name__)
 REJOIN = "rejoin: the scheduler counts this engine as gone"  # PushLoad's refusal that makes a member register again
+REGISTER = "register: the scheduler does not know this engine"  # the same, keeping its work (a restarted scheduler)
 
 
 class Outbox:
@@ -107,7 +108,7 @@ class Engine:
         self.unreachable: set[str] = set()  # members (or the leader) that stopped answering us
         self.registered = False  # the scheduler has taken this engine (a stop then tells it: ``leave``)
         self.leaving = False  # stopping: its reports say so
-        self._rejoin_members: set[str] = set()  # members the scheduler said must register again (leader only)
+        self._rejoin_members: dict[str, bool] = {}  # members that must register again -> keep their work (leader)
         self._report_event = threading.Event()
         self._lock = threading.Lock()
         self._read_bytes_reported = self._failures_reported = 0
@@ -324,9 +325,10 @@ class Engine:
                 return
         if reply.members:
             self.members = reply.members
-        self._rejoin_members.update(m for m in reply.rejoin if m != self.engine_id)
-        if self.engine_id in reply.rejoin:
-            self._rejoin()
+        self._rejoin_members.update({m: False for m in reply.rejoin if m != self.engine_id})
+        self._rejoin_members.update({m: True for m in reply.unknown if m != self.engine_id})
+        if self.engine_id in reply.rejoin or self.engine_id in reply.unknown:
+            self._rejoin(keep_work=self.engine_id in reply.unknown)
         self._apply(reply)
         addresses = dict((m[0], m[1]) for m in self.members)
         for eid, work in reply.assignments.items():
@@ -368,24 +370,26 @@ class Engine:
                 self._delivered(marks)
             else:  # refused: the report goes again after registering
                 self.outbox.put_back(marks["items"])
-        if ack.error == REJOIN:
-            self._rejoin()
+        if ack.error in (REJOIN, REGISTER):
+            self._rejoin(keep_work=ack.error == REGISTER)
 
     def PushLoad(self, load: EngineLoad, ctx) -> Ack:
         """A member's load for the leader's next pull; a member the scheduler no longer counts is told to rejoin."""
         with self._lock:
-            if load.engine_id in self._rejoin_members:
-                self._rejoin_members.discard(load.engine_id)
-                return Ack(False, REJOIN)
+            keep = self._rejoin_members.pop(load.engine_id, None)
+            if keep is not None:
+                return Ack(False, REGISTER if keep else REJOIN)
             self.member_loads.append(load)
         return Ack()
 
-    def _rejoin(self) -> None:
-        """The scheduler declared this engine gone (silent past its heartbeat timeout) and already re-queued or
-        failed its work: drop that work and register again, rather than idle forever."""
-        held = list(self.held())
-        log.warning("the scheduler counts engine %s as gone: dropping %d requests and registering again",
-                    self.engine_id, len(held))
+    def _rejoin(self, keep_work: bool) -> None:
+        """Register again, rather than idle forever. The scheduler either declared this engine gone (silent past
+        its heartbeat timeout) and already re-queued or failed its work, which is dropped first; or it never knew
+        this engine (it restarted: ``keep_work``), and the work goes on, its submitters streaming it from here."""
+        held = [] if keep_work else list(self.held())
+        log.warning("the scheduler %s engine %s: %s and registering again", "does not know" if keep_work else
+                    "counts as gone", self.engine_id, "keeping its work" if keep_work else f"dropping {len(held)} "
+                    "requests")
         for work_id in held:
             self.on_cancel(work_id, "the scheduler declared this engine gone")
         try:

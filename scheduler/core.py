@@ -20,7 +20,7 @@ from typing import Callable, Collection, Iterator
 from pathlib import Path
 
 from dualpath.config import SchedulerConfig
-from dualpath.errors import RequestError
+from dualpath.errors import RequestError, UnavailableError
 from dualpath.geometry import HASH_BYTES, block_hashes, choice_blocks
 from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
                                SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
@@ -315,10 +315,10 @@ class SchedulerCore:
         mode = Mode(spec.mode) if spec.mode else self.mode
         with self.lock:
             if not self.ready():
-                raise RequestError("no prefill and decode engines are registered yet")
+                raise UnavailableError("no prefill and decode engines are registered yet")
             if len(self.requests) >= self.config.max_queued_requests:
                 self.counters["rejected"] += 1
-                raise RequestError(f"scheduler overloaded: {len(self.requests)} requests in flight")
+                raise UnavailableError(f"scheduler overloaded: {len(self.requests)} requests in flight")
             if spec.request_id in self.requests:
                 raise RequestError(f"duplicate request id {spec.request_id}")
             n = spec.num_tokens
@@ -495,23 +495,25 @@ class SchedulerCore:
                 e = self.engines.get(eid)
                 if e is not None and e.alive and e.group == group_id and eid != sender:
                     self._engine_gone(eid, f"unreachable from {sender}")
-            rejoin = []
+            rejoin, unknown = [], []
             if loads:
                 self._index_reports(loads)
                 for load in loads:
                     self._absorb(load)
-                rejoin = [load.engine_id for load in loads if not self._alive(load.engine_id)]
+                for load in loads:
+                    if not self._alive(load.engine_id):
+                        (rejoin if load.engine_id in self.engines else unknown).append(load.engine_id)
             group, pulling, members = self._view(group_id)
             if not group:
-                return PullReply({}, rejoin=rejoin)
+                return PullReply({}, rejoin=rejoin, unknown=unknown)
             cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] \
                 if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
                 if not self.paused:  # the one gate: the prefill queue holds only what a decode engine took
                     self._assign_decode(group_id, group, pulling)
-                return PullReply({}, cancelled, list(members), rejoin)
-            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin)
+                return PullReply({}, cancelled, list(members), rejoin, unknown)
+            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
 
     def _view(self, group_id: str) -> tuple[list[EngineRecord], set[str], list[list[str]]]:
         """A group's alive engines, their ids and ``members()``, cached until an engine joins or leaves (every

@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from dualpath.config import SchedulerConfig
-from dualpath.errors import RequestError
+from dualpath.errors import RequestError, UnavailableError
 from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
     SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 
 _TERMINAL = ("finished", "failed")
 HEALTH_TIMEOUT_S = 3.0  # a dead process refuses at once; this bounds a hung host
+
+
+def _refusal(e: RequestError) -> str:
+    """A submission's refusal as submitters read it: "unavailable: ..." (retry later) or "invalid: ..."."""
+    return f"{'unavailable' if isinstance(e, UnavailableError) else 'invalid'}: {e}"
 
 
 class SchedulerService:
@@ -79,8 +84,7 @@ class SchedulerService:
                         self.core.submit(req, notify)
                         mine.add(req.request_id)
                     except RequestError as e:
-                        code = "overloaded" if "overloaded" in str(e) else "invalid"
-                        notify(SubmitEvent("failed", req.request_id, error=f"{code}: {e}"))
+                        notify(SubmitEvent("failed", req.request_id, error=_refusal(e)))
                 for rid in batch.cancels:
                     self.core.cancel(rid, "cancelled by the submitter")
                 for eid in batch.unreachable:
@@ -130,8 +134,7 @@ class SchedulerService:
         try:
             self.core.submit(req, events.put_nowait)
         except RequestError as e:
-            code = "overloaded" if "overloaded" in str(e) else "invalid"
-            yield SubmitEvent("failed", req.request_id, error=f"{code}: {e}")
+            yield SubmitEvent("failed", req.request_id, error=_refusal(e))
             return
         done = False
         try:

@@ -274,6 +274,38 @@ def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_sam
         strict.close()
 
 
+def test_replies_outlive_a_scheduler_restart(tiny_dirs, tmp_path, reference):
+    """The scheduler killed while replies stream, then started again on its port: the replies go on (tokens flow
+    from the decode engines, never through the scheduler) and equal the reference; a request sent while it is down
+    is submitted again once it answers, and served; the engines register again keeping their work; and the new
+    scheduler's index, listed from storage, finds an earlier turn's blocks."""
+    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv"), run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=60, reconnect_s=60)
+        prompt, appends = conversation(600, 2)
+        first = client.generate(prompt, GREEDY)
+        streaming, late = threading.Semaphore(0), []
+        cases = [(conversation(610 + i, 1)[0], p) for i, p in enumerate(MOVING[:2])]
+
+        def restart():
+            c.child("scheduler").proc.kill()
+            c.child("scheduler").proc.wait(10)
+            sent = threading.Thread(target=stream_choices, args=(client, conversation(620, 1)[0], GREEDY,
+                                                                 threading.Semaphore(0), late))
+            sent.start()  # while there is no scheduler
+            time.sleep(1.0)
+            c.restart_scheduler()
+            sent.join(120)
+        outcomes, _ = replies_while(client, cases, streaming, restart)
+        assert_as_the_reference(reference, outcomes + late)
+        assert client.stats()["engines_alive"] == 3
+        logs = "".join((tmp_path / "run" / f"{n}.log").read_text() for n in ("prefill-0", "decode-0", "decode-1"))
+        assert "keeping its work" in logs and "dropping" not in logs
+        later = prompt + first.token_ids + appends[0]
+        got = client.generate(later, GREEDY)
+        assert got.token_ids == reference.generate(later, GREEDY)[0].token_ids and got.num_cached_tokens >= BS
+        client.close()
+
+
 def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, reference):
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
     # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
