@@ -288,6 +288,27 @@ def test_a_resumed_reply_is_charged_and_checked_by_what_it_still_generates():
         core.submit(SubmitRequest("none", pack_tokens(range(100)), resumed.to_dict()))
 
 
+def test_a_restarted_scheduler_has_unknown_engines_register_keeping_their_work():
+    """A scheduler that never registered an engine (it restarted) tells it so apart from one it declared gone:
+    ``unknown`` engines register again keeping their work, ``rejoin`` ones drop it first; until engines are back
+    a submission is refused as unavailable (retry later), not as invalid."""
+    from dualpath.errors import UnavailableError
+
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    fresh = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"),
+                          clock)
+    with pytest.raises(UnavailableError, match="no prefill and decode engines"):
+        fresh.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
+    reply = fresh.pull("d0", [engines["d0"].load()], "d0")
+    assert reply.unknown == ["d0"] and reply.rejoin == []
+    core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0)
+    clock.t += 2.0
+    core.expire()  # every engine silent: declared gone
+    reply = core.pull("d0", [engines["d0"].load()], "d0")
+    assert reply.rejoin == ["d0"] and reply.unknown == []
+
+
 def test_the_block_index_rebuilds_in_the_background(tmp_path):
     """The first registration starts listing storage (minutes on a large store) and replies at once; the
     engine's heartbeat is not held up, and prompts find blocks as the listing adds them."""
