@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -102,8 +103,6 @@ def metric(text: str, name: str) -> float:
 
 
 def run(system: str, args) -> dict:
-    import os
-
     import httpx
     from serve_process import ServeProcess
 

@@ -168,7 +168,7 @@ class RequestHandle:
 
     def __init__(self, client: "ClusterClient", request_id: str, token_ids: list[int], sampling: SamplingParams,
                  mode: str, migrations: int):
-        self.client, self.request_id = client, request_id
+        self.client, self.request_id, self.base_id = client, request_id, request_id
         self.token_ids, self.sampling, self.mode = token_ids, sampling, mode
         self.migrations = migrations  # how many more times the reply may move off a lost decode engine
         self.queue: queue.Queue = queue.Queue()
@@ -203,7 +203,7 @@ class RequestHandle:
                                 f"{self.client.reconnect_s:.0f} s")
         time.sleep(RECONNECT_PAUSE_S)
         self.resubmits += 1
-        self.request_id = f"{self.request_id.split('~')[0]}~{self.resubmits}"
+        self.request_id = f"{self.base_id}~{self.resubmits}"
         self.got_tokens = self.session_lost = False
         self._submit()
 

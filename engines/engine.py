@@ -386,6 +386,8 @@ class Engine:
         """Register again, rather than idle forever. The scheduler either declared this engine gone (silent past
         its heartbeat timeout) and already re-queued or failed its work, which is dropped first; or it never knew
         this engine (it restarted: ``keep_work``), and the work goes on, its submitters streaming it from here."""
+        if self.stopping.is_set():  # a stopping engine told it it is leaving: it does not come back
+            return
         held = [] if keep_work else list(self.held())
         log.warning("the scheduler %s engine %s: %s and registering again", "does not know" if keep_work else
                     "counts as gone", self.engine_id, "keeping its work" if keep_work else f"dropping {len(held)} "

@@ -36,7 +36,7 @@ class SchedulerService:
     def __init__(self, core: SchedulerCore):
         self.core = core
         self._updating = False
-        self._checking: set[str] = set()  # engines whose health check is under way
+        self._checking: dict[str, asyncio.Task] = {}  # engine -> its health check under way (held: tasks are weak)
 
     async def Register(self, info: EngineInfo, ctx) -> RegisterReply:
         return self.core.register(info)
@@ -110,8 +110,7 @@ class SchedulerService:
         e = self.core.engines.get(eid)
         if e is None or not e.alive or eid in self._checking:
             return
-        self._checking.add(eid)
-        asyncio.create_task(self._health(eid, e.info.control_address))
+        self._checking[eid] = asyncio.create_task(self._health(eid, e.info.control_address))
 
     async def _health(self, eid: str, address: str) -> None:
         def call() -> str:
@@ -127,7 +126,7 @@ class SchedulerService:
             if why:
                 self.core.lost(eid, f"a token stream from it broke and its health check failed: {why}")
         finally:
-            self._checking.discard(eid)
+            self._checking.pop(eid, None)
 
     async def Submit(self, req: SubmitRequest, ctx):
         events: asyncio.Queue = asyncio.Queue()
