@@ -69,8 +69,8 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
-    """A per-choice generator, so a seeded request samples the same tokens whatever it is batched with (choice
-    ``i`` from ``seed + i``). On the host whatever the engine's device: a token costs one number from it, drawn
+    """A per-choice generator, so a seeded request makes the same draws whatever it is batched with (choice
+    ``i`` from ``seed + i``; the tokens are the same as far as the logits are: see ``sample``). On the host whatever the engine's device: a token costs one number from it, drawn
     without touching the device, and a seed gives the same tokens on every device (for the same logits). A resumed
     reply's seeded generator skips the draws its resumed tokens took (``SamplingParams.num_resumed_tokens``)."""
     if params.greedy:
@@ -98,7 +98,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
     a dozen kernels and a wait per sampled row: on a GPU, longer than the decode step). A sampled row draws one
     uniform number from its own generator and takes the token where it falls in the row's filtered distribution
-    (inverse CDF), so a seeded request samples the same tokens whatever it is batched with."""
+    (inverse CDF), so a seeded request samples the same tokens whatever it is batched with, for the same logits.
+    The logits themselves move in the last float bits with the batch (a matmul's summation order depends on its
+    row count, on CPU BLAS and GPU kernels alike): a draw that falls within that much of a step of the CDF, about
+    one sampled token in a few thousand with the tiny test models, can then take the neighbouring token."""
     b, dev = logits.shape[0], logits.device
     raw = logits
     logits = _masked(adjusted(logits, params, histories, eos_ids, masks), _restricted(masks, params, logits))
