@@ -199,15 +199,18 @@ class Engine:
         bps = self.cfg.storage.read_bandwidth_bps or self._measure_read_bps()
         return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
 
-    def _measure_read_bps(self, nbytes: int = 32 << 20) -> float:
-        """Write and read back a few probe blocks under their own fingerprint (never a model's), then remove them."""
+    def _measure_read_bps(self, nbytes: int = 32 << 20, max_blocks: int = 64) -> float:
+        """Write and read back up to ``nbytes`` of probe blocks (at most ``max_blocks``: a small model's blocks are
+        KBs, and thousands of files would cost every engine start seconds while measuring little more) under their
+        own fingerprint (never a model's), then remove them."""
         from traffic.storage import make_storage
 
         g = self.geometry
-        n = max(1, nbytes // g.full_block_bytes)
+        n = max(1, min(nbytes // g.full_block_bytes, max_blocks))
         probe = make_storage(self.cfg.storage, g, b"\xff" * 8 + os.urandom(8))
         keys = [i.to_bytes(16, "little") for i in range(n)]
-        blocks = [torch.randint(0, 256, (g.full_block_bytes,), dtype=torch.uint8) for _ in keys]
+        block = torch.randint(0, 256, (g.full_block_bytes,), dtype=torch.uint8)
+        blocks = [block.clone() for _ in keys]  # each read lands in its own
         try:
             probe.write(keys, blocks).result()
             t = time.perf_counter()
