@@ -126,21 +126,22 @@ class Supervisor:
         _release(c)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM every child, wait, SIGKILL what remains; engines first, the scheduler last."""
+        """SIGTERM every child, wait, SIGKILL what remains: the engines, then the scheduler (an engine's last report,
+        that it is leaving, finds the scheduler still there)."""
         self._stopping = True
-        order = [c for c in self.children if c.name != "scheduler"] + \
-                [c for c in self.children if c.name == "scheduler"]
-        for c in order:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for c in order:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(5)
-            _release(c)
+        for last in (False, True):
+            group = [c for c in self.children if (c.name == "scheduler") == last]
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
+                _release(c)
 
 
 def _release(c: "Child") -> None:

@@ -287,11 +287,14 @@ class SchedulerCore:
         e.alive = False
         self.alive_ids[e.info.role].discard(eid)
         self._roster_changed(e.info.role)
-        log.warning("engine %s is gone (%s); re-queueing its requests", eid, why)
-        for rid, r in list(self.requests.items()):
+        # (once generating, a request's prefill engine is done with it)
+        mine = [(rid, r) for rid, r in self.requests.items() if r.de == eid or (r.pe == eid and not r.streaming)]
+        (log.warning if mine else log.info)("engine %s is gone (%s)%s", eid, why,
+                                            f"; {len(mine)} of its request(s) go elsewhere" if mine else "")
+        for rid, r in mine:
             if r.de == eid and r.streaming:  # the submitter may continue the reply elsewhere (dualpath.client)
                 self._fail(rid, f"decode engine {eid} died while generating ({why})", engine_lost=True)
-            elif r.de == eid or (r.pe == eid and not r.streaming):  # (once generating, its prefill engine is done)
+            else:
                 self._retry(rid, f"engine {eid} is gone")
         if e.info.role is Role.DECODE and not any(x.alive for x in self.by_group.get(e.group, ())):
             orphans = self.private.pop(e.group, Fifo())  # the whole group left: back to the global queue
