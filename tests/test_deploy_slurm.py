@@ -53,19 +53,20 @@ def leftovers(marker: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-def job_env(slurm, tmp_path: Path, model: Path, sched_port: int) -> dict[str, str]:
-    """The environment of a small CPU job: two engines per node, a tiny model, the shared dir under tmp_path."""
+def job_env(slurm, tmp_path: Path, model: Path, sched_port: int, gpus: int = 2) -> dict[str, str]:
+    """The environment of a small CPU job: ``gpus`` engines per node, a tiny model, the shared dir under tmp_path."""
     return {**slurm.env, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
             "DUALPATH_DTYPE": "float32", "DUALPATH_SHARED_DIR": str(tmp_path / "shared"), "DUALPATH_MODEL": str(model),
             "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(free_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
             "DUALPATH_SCHEDULER_HTTP_PORT": str(free_port()), "DUALPATH_START_TIMEOUT": "240",
             "DUALPATH_ENGINE_ARGS": f"--block-size {BS} --buffer-bytes {8 << 20} --cache-bytes {32 << 20} "
                                     "--workspace-tokens 2048 --cost-model 0.002,0.00001,0",
-            "DUALPATH_GPUS_PER_NODE": "2", "PYTHONPATH": str(ROOT)}
+            "DUALPATH_GPUS_PER_NODE": str(gpus), "PYTHONPATH": str(ROOT)}
 
 
 def submit(slurm, script: str, env: dict[str, str], tmp_path: Path) -> str:
-    return subprocess.run(["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=2", "--time=20",
+    gpus = env["DUALPATH_GPUS_PER_NODE"]
+    return subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--gpus-per-node={gpus}", "--time=20",
                            f"--output={tmp_path}/job.out", str(ROOT / "deploy/slurm" / script)],
                           env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
 
@@ -84,11 +85,11 @@ def wait_job_end(slurm, job: str, diagnose, timeout: float = 180) -> dict[str, s
     return slurm.job(job)
 
 
-def assert_clean_end(run_dir: Path, tmp_path: Path, markers: list[str], diagnose) -> None:
+def assert_clean_end(run_dir: Path, tmp_path: Path, markers: list[str], diagnose, engines: int = 4) -> None:
     assert "shutting down" in (tmp_path / "job.out").read_text()
     assert not (run_dir / "endpoint").exists()
     logs = list(run_dir.glob("*-node*-*.log"))
-    assert len(logs) == 4, diagnose()
+    assert len(logs) == engines, diagnose()
     for log in logs:  # every engine stopped on SIGTERM, none was killed
         assert "stopped" in log.read_text().splitlines()[-1], diagnose()
     time.sleep(1)
@@ -158,7 +159,8 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
         {"append": f"agent {a} starts a task with a long enough prompt " * 4, "generate": 4},
         {"append": "tool output " * 8, "generate": 3}]}) + "\n" for a in range(3)))
     sched_port = free_port()
-    env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), "DUALPATH_TRAJECTORIES": str(traj),
+    # one engine per node: roles by node and GPUs by task are the serving job's test; this one is the replay
+    env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), "DUALPATH_TRAJECTORIES": str(traj),
            "DUALPATH_ROLLOUT_OUT": str(out)}
     job = submit(slurm, "rollout.sbatch", env, tmp_path)
     diagnose = job_diagnosis(slurm, job, tmp_path)
@@ -168,7 +170,7 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
     assert len(records) == 6 and len(list(read_trajectories(traj))) == 3
     assert sorted(r["completion_tokens"] for r in records) == [3, 3, 3, 4, 4, 4], records[0]
     assert_clean_end(tmp_path / "shared" / f"run-{job}", tmp_path, [str(tmp_path / "shared"), f":{sched_port}"],
-                     diagnose)
+                     diagnose, engines=2)
 
 
 def test_slurm_scripts_parse():
@@ -180,10 +182,11 @@ def test_slurm_scripts_parse():
 @needs_slurm
 def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
     sched_port = free_port()
-    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
+    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1),
+                 tmp_path)
     run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
     wait_for(lambda: (run_dir / "endpoint").exists(), 300, "the endpoint", diagnose)
-    victim = [line.split()[0] for line in leftovers("decode-node2-1")]
+    victim = [line.split()[0] for line in leftovers("decode-node2-0")]
     assert victim, diagnose()
     os.kill(int(victim[0]), 9)
     info = wait_job_end(slurm, job, diagnose)
@@ -205,7 +208,7 @@ def test_a_part_dying_during_start_up_fails_the_job_at_once(slurm, tiny_dirs, tm
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", sched_port))
         taken.listen()
-        env = job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port)
+        env = job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1)
         job = submit(slurm, "dualpath.sbatch", env, tmp_path)
         diagnose = job_diagnosis(slurm, job, tmp_path)
         info = wait_job_end(slurm, job, diagnose, timeout=120)  # START_TIMEOUT is 240 s

@@ -187,6 +187,7 @@ def test_a_group_resumes_only_whole_and_bad_groups_are_refused(tmp_path):
             RolloutConfig(**bad)
 
 
+@pytest.mark.slow  # ~14 s: two systems' clusters; the serving benchmarks' short runs are slow tests too
 def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):
     """The harness, small: every system replays the same rounds with the same outputs (greedy, forced lengths),
     only the capped systems are capped, and the JSON and figures are written."""
