@@ -313,7 +313,7 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
     # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, heartbeat_timeout_s=2.0,
-             storage_read_bps=20_000.0, policy="least-loaded", load_every_hit=True)
+             storage_read_bps=50_000.0, policy="least-loaded", load_every_hit=True)
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = []
