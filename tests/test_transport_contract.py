@@ -47,20 +47,48 @@ class LocalPeer:
         self.t.close()
 
 
-@pytest.fixture(params=BACKENDS)
-def pair(request):
-    backend = request.param
+def _peer(backend: str):
     if not _available(backend):
         pytest.skip(f"{backend} library not installed")
     hub = LocalHub() if backend == "local" else None
     config = TransportConfig(**{**CONFIG.__dict__, "name": backend})
-    peer = LocalPeer(hub) if backend == "local" else PeerProcess(config, REGION_BYTES)
-    me = make_transport(config, "me", **({"hub": hub} if hub else {}))
+    return (LocalPeer(hub) if backend == "local" else PeerProcess(config, REGION_BYTES)), config, hub
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def shared_peer(request):
+    """One peer process per backend for the tests that leave it as they found it (a peer's start is ~2 s of
+    imports, most of this module's time)."""
+    peer, config, hub = _peer(request.param)
+    yield peer, config, hub
+    peer.stop()
+
+
+def _connected(peer, config, hub, name: str):
+    me = make_transport(config, name, **({"hub": hub} if hub else {}))
     me.add_peer("peer", peer.address, peer.regions)
     mem = me.allocate(REGION_BYTES)
     local = me.register(mem)
-    yield me, mem, local.region_id, peer.regions[0].region_id, peer
-    me.close()
+    return me, mem, local.region_id, peer.regions[0].region_id, peer
+
+
+@pytest.fixture
+def pair(shared_peer, request):
+    """This side's own new transport (named after the test: a peer sees each as a new agent) and the shared peer,
+    whose region holds ``pattern(7)`` before and after every test."""
+    peer, config, hub = shared_peer
+    pair = _connected(peer, config, hub, f"me-{request.node.name}")
+    yield pair
+    pair[0].close()
+
+
+@pytest.fixture(params=BACKENDS)
+def own_pair(request):
+    """A peer of the test's own, for a test that kills it."""
+    peer, config, hub = _peer(request.param)
+    pair = _connected(peer, config, hub, "me")
+    yield pair
+    pair[0].close()
     peer.stop()
 
 
@@ -92,6 +120,11 @@ def test_write_batch_lands_byte_exact(pair):
     first = min(s.remote_offset for s in segs)
     if first > 0:
         assert peer.digest(0, first) == digest(pattern(7, REGION_BYTES)[:first])
+    original = pattern(7, REGION_BYTES)  # put the peer's bytes back, for the tests that share it
+    for s in segs:
+        mem.tensor[s.local_offset:s.local_offset + s.nbytes] = original[s.remote_offset:s.remote_offset + s.nbytes]
+    me.submit("peer", Op.WRITE, segs).wait(30)
+    assert peer.digest(0, REGION_BYTES) == digest(original)
 
 
 def test_large_segments_are_chunked_and_exact(pair):
@@ -115,8 +148,8 @@ def test_bad_segments_raise_at_submit(pair):
         me.submit("nobody", Op.READ, [Segment(lid, 0, rid, 0, 10)])
 
 
-def test_dead_peer_errors_within_timeout(pair):
-    me, mem, lid, rid, peer = pair
+def test_dead_peer_errors_within_timeout(own_pair):
+    me, mem, lid, rid, peer = own_pair
     me.submit("peer", Op.READ, [Segment(lid, 0, rid, 0, 4096)]).wait(30)  # connected and working
     # far more data than can move before the kill lands
     big = [Segment(lid, 0, rid, 0, REGION_BYTES)] * 2000
