@@ -37,6 +37,16 @@ class SchedulerService:
         self.core = core
         self._updating = False
         self._checking: dict[str, asyncio.Task] = {}  # engine -> its health check under way (held: tasks are weak)
+        self._open: set = set()  # how to wake each open Submit or Session stream so that it ends (``close_streams``)
+        self._closing = False
+
+    def close_streams(self) -> None:
+        """The scheduler is stopping: every open Submit and Session stream ends now, normally; its submitter reads
+        the session as lost and submits again to the next scheduler. (Cut by the server's grace period instead, each
+        would end in a logged error.)"""
+        self._closing = True
+        for wake in list(self._open):
+            wake()
 
     async def Register(self, info: EngineInfo, ctx) -> RegisterReply:
         return self.core.register(info)
@@ -92,14 +102,16 @@ class SchedulerService:
             wake.set()
 
         reader = asyncio.create_task(read())
+        self._open.add(wake.set)
         try:
-            while not (reader.done() and not outbox and not mine):
+            while not self._closing and not (reader.done() and not outbox and not mine):
                 await wake.wait()
                 wake.clear()
                 if outbox:
                     batch, outbox[:] = list(outbox), []
                     yield SessionOut(batch)
         finally:
+            self._open.discard(wake.set)
             reader.cancel()
             for rid in list(mine):
                 self.core.cancel(rid, "session closed")
@@ -135,23 +147,27 @@ class SchedulerService:
         except RequestError as e:
             yield SubmitEvent("failed", req.request_id, error=_refusal(e))
             return
-        done = False
+        done, closed = False, lambda: events.put_nowait(None)
+        self._open.add(closed)
         try:
-            while True:
+            while not self._closing:
                 ev = await events.get()
+                if ev is None:
+                    return
                 done = ev.kind in _TERMINAL
                 yield ev
                 if done:
                     return
         finally:
-            if not done:  # the submitter went away (its stream was cancelled)
+            self._open.discard(closed)
+            if not done:  # the submitter went away (its stream was cancelled), or the scheduler is stopping
                 self.core.cancel(req.request_id, "submitter went away")
 
 
 async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio.Event | None = None) -> None:
     core = SchedulerCore(config, make_policy(config.policy, recompute_slow_hits=config.recompute_slow_hits))
-    server, port = await serve_async("Scheduler", SCHEDULER_METHODS, SchedulerService(core),
-                                     f"{config.host}:{config.port}")
+    service = SchedulerService(core)
+    server, port = await serve_async("Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}")
     http = None
     if config.http_port >= 0:
         import socket
@@ -180,4 +196,5 @@ async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio
     if http is not None:
         http.should_exit = True
         await http_task
+    service.close_streams()
     await server.stop(grace=1)
