@@ -70,9 +70,10 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
     """A per-choice generator, so a seeded request makes the same draws whatever it is batched with (choice
-    ``i`` from ``seed + i``; the tokens are the same as far as the logits are: see ``sample``). On the host whatever the engine's device: a token costs one number from it, drawn
-    without touching the device, and a seed gives the same tokens on every device (for the same logits). A resumed
-    reply's seeded generator skips the draws its resumed tokens took (``SamplingParams.num_resumed_tokens``)."""
+    ``i`` from ``seed + i``; the same tokens as far as the logits are the same: see ``sample``). On the host
+    whatever the engine's device: a token costs one number from it, drawn without touching the device, and a seed
+    gives the same tokens on every device (for the same logits). A resumed reply's seeded generator skips the draws
+    its resumed tokens took (``SamplingParams.num_resumed_tokens``)."""
     if params.greedy:
         return None
     g = torch.Generator()
