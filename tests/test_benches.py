@@ -83,3 +83,10 @@ def test_migration_bench_runs(tiny_dirs, tmp_path):
     moved, again = result["rows"]
     assert moved["completed"] == again["completed"] == 2 and result["replies_identical"]
     assert moved["sent_again"] == 0 and moved["migrations"] == moved["on_killed_engine"] >= 1
+
+
+@pytest.mark.slow  # a cluster start and the floor's process
+def test_startup_bench_runs(tmp_path):
+    result = run_bench("startup.py", "--starts", "tests", "--repeats", "1", "--out", str(tmp_path / "st.json"))
+    (row,) = result["rows"]
+    assert row["start"] == "tests" and row["ready_s"] > row["floor_s"] * 0.5 > 0 and row["stop_s"] > 0
