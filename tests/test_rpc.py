@@ -92,7 +92,8 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
     and no handler is left for the server's grace period (1 s) to cut, which gRPC logs as an unhandled error."""
     import queue
 
-    from dualpath.client import ClusterClient
+    from dualpath import SamplingParams
+    from dualpath.client import ClusterClient, OverloadedError
     from dualpath.config import SchedulerConfig
     from scheduler.service import run_scheduler_async
 
@@ -102,7 +103,10 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
                               args=(run_scheduler_async(cfg, lambda port, http: ports.put(port), stop),))
     runner.start()
     client = ClusterClient(f"127.0.0.1:{ports.get(timeout=30)}")
-    session = client.session()  # open, nothing in it: its handler waits until told otherwise
+    with pytest.raises(OverloadedError):  # a round trip on the session (no engines yet: refused), so it is open
+        list(client.stream([5, 6, 7], SamplingParams(max_tokens=1)))
+    session = client.session()  # the same one, nothing in it now: its handler waits until told otherwise
+    assert session.alive
     capfd.readouterr()
     asked = time.monotonic()
     loop.call_soon_threadsafe(stop.set)
