@@ -32,7 +32,7 @@ def floor_s(model: str) -> float:
     return time.perf_counter() - t
 
 
-def serve_cluster(tmp: Path):
+def serve_cluster(tmp: Path, shared: Path):
     """The cluster ``dualpath serve`` starts with its default options, started."""
     from dualpath.cli import build_parser
     from dualpath.serving.serve import cluster_from_args
@@ -42,12 +42,13 @@ def serve_cluster(tmp: Path):
     return cluster, model_dir
 
 
-def tests_cluster(tmp: Path):
-    """A 1P1D cluster of the tiny random Llama, as ``tests/test_cluster.py`` starts one, started."""
+def tests_cluster(tmp: Path, shared: Path):
+    """A 1P1D cluster of the tiny random Llama (built once, in ``shared``), as ``tests/test_cluster.py`` starts one,
+    started."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
     from dualpath.launcher import ClusterSpec, LocalCluster
 
-    model = tmp / "llama"
+    model = shared / "llama"
     if not model.exists():
         build_tiny_checkpoint(model, "llama", seed=1)
     spec = ClusterSpec(model=str(model), block_size=16, kv_store=str(tmp / "kv"), buffer_bytes=8 << 20,
@@ -61,10 +62,8 @@ def measure(start, repeats: int) -> dict:
         for i in range(repeats):
             run = Path(d) / str(i)
             (run / "kv").mkdir(parents=True)
-            if i:  # the tiny checkpoint is built once
-                (run / "llama").symlink_to(Path(d) / "0" / "llama")
             t = time.perf_counter()
-            cluster, model = start(run)
+            cluster, model = start(run, Path(d))
             readies.append(time.perf_counter() - t)
             t = time.perf_counter()
             cluster.stop()
