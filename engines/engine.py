@@ -196,13 +196,17 @@ class Engine:
         """Tokens this node reads from storage in 3 s: from the configured cap, else measured."""
         if self.cfg.alpha_tokens:
             return self.cfg.alpha_tokens
-        bps = self.cfg.storage.read_bandwidth_bps or self._measure_read_bps()
+        bps = self.cfg.storage.read_bandwidth_bps
+        if not bps:
+            bps = self._measure_read_bps()
+            log.info("storage reads measured at %.0f MB/s (a --storage-read-bps cap replaces this)", bps / 1e6)
         return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
 
     def _measure_read_bps(self, nbytes: int = 32 << 20, max_blocks: int = 64) -> float:
         """Write and read back up to ``nbytes`` of probe blocks (at most ``max_blocks``: a small model's blocks are
         KBs, and thousands of files would cost every engine start seconds while measuring little more) under their
-        own fingerprint (never a model's), then remove them."""
+        own fingerprint (never a model's), then remove them. The blocks are dropped from the page cache between
+        the write and the read: a read of what was just written would measure memory, not the disk."""
         from traffic.storage import make_storage
 
         g = self.geometry
@@ -213,6 +217,7 @@ class Engine:
         blocks = [block.clone() for _ in keys]  # each read lands in its own
         try:
             probe.write(keys, blocks).result()
+            probe.drop_cached(keys)
             t = time.perf_counter()
             probe.read(keys, blocks).result()
             return n * g.full_block_bytes / max(time.perf_counter() - t, 1e-6)

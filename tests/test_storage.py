@@ -245,3 +245,72 @@ def test_read_accounting_and_bandwidth_cap(tmp_path):
     snap = acct.snapshot()
     assert snap.queue_tokens == 0 and snap.completed_blocks == 12
     assert snap.completed_bytes == 12 * GEOM.full_block_bytes
+
+
+
+def resident_pages(path) -> int:
+    """How many of the file's pages are in the page cache: mincore(2) over a read-only mapping of it."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_dropped_blocks_leave_the_page_cache_and_still_read_back(tmp_path):
+    """The engine's read probe drops what it wrote before timing the read, so it measures the disk, not memory."""
+    s, ks, bs = store(tmp_path), keys(3), blocks(3)
+    s.write(ks, bs).result()
+    paths = [s.path(k) for k in ks]
+    if resident_pages(paths[0]) == 0:
+        pytest.skip("this filesystem keeps no written pages in the page cache")
+    s.drop_cached(ks[:2] + keys(1, salt=9))  # a key never written is passed over
+    assert [resident_pages(p) for p in paths[:2]] == [0, 0]
+    assert resident_pages(paths[2]) > 0
+    out = empty(3)
+    assert s.read(ks, out).result() == [None] * 3
+    assert all(torch.equal(a, b) for a, b in zip(out, bs))
+
+
+def test_the_engines_read_probe_times_reads_of_dropped_blocks(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import traffic.storage
+    from engines.engine import Engine
+
+    calls = []
+
+    class Recording(FsStorage):
+        def write(self, ks, bs):
+            calls.append("write")
+            return super().write(ks, bs)
+
+        def drop_cached(self, ks):
+            calls.append(("drop", len(ks)))
+            super().drop_cached(ks)
+
+        def read(self, ks, into, layers=None):
+            calls.append(("read", len(ks)))
+            return super().read(ks, into, layers)
+
+    monkeypatch.setattr(traffic.storage, "make_storage", lambda cfg, g, fp: Recording(tmp_path, g, fp, cfg))
+    engine = SimpleNamespace(geometry=GEOM, cfg=SimpleNamespace(storage=StorageConfig(root=str(tmp_path))))
+    assert Engine._measure_read_bps(engine, max_blocks=5) > 0
+    assert calls == ["write", ("drop", 5), ("read", 5)]
+    assert os.listdir(tmp_path) == []  # the probe's blocks are gone

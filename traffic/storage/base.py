@@ -53,6 +53,11 @@ class StorageBackend(ABC):
         """Finish queued work, then remove every block of this fingerprint (its engine replaced the weights that
         computed them: nothing can hit them again). Other processes may be removing them at the same time."""
 
+    def drop_cached(self, keys: Sequence[BlockHash]) -> None:
+        """Make the next reads of ``keys`` come from the storage medium, not from this host's cache of it (the
+        page cache), so that a read probe measures the medium. Only the engine's start-up read probe calls it.
+        Best effort, never raises; a backend with no such cache does nothing."""
+
     def set_evict_callback(self, callback: Callable[[list[BlockHash]], None]) -> None:
         """Called with keys evicted to stay under capacity (so an index can forget them)."""
         self._on_evict = callback

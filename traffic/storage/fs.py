@@ -248,6 +248,20 @@ class FsStorage(StorageBackend):
         finally:
             os.close(fd)
 
+    def drop_cached(self, keys: Sequence[BlockHash]) -> None:
+        for key in keys:
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)  # the kernel drops clean pages only
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # e.g. a filesystem without fadvise: the probe then measures what the cache gives
+            finally:
+                os.close(fd)
+
     def _evict(self) -> None:
         """Rescan (other processes write here too) and remove least recently used blocks to 90% of capacity."""
         with self._lock:
