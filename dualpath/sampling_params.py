@@ -9,6 +9,8 @@ from dualpath.grammar import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
+MAX_BAD_WORDS = 128  # token sequences per request: each is compared with the reply's tail on every step
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,10 @@ class SamplingParams:
     occurs there is subtracted (OpenAI's definition). Greedy decoding sees them too. After temperature, top-k and
     top-p (transformers' order), ``min_p`` drops tokens less likely than ``min_p`` × the most likely one.
     ``allowed_token_ids`` (empty: all) restricts every sampled token to that set, like a mask (not with JSON
-    output; ``min_tokens`` then holds back only end tokens the set does not consist of).
+    output; ``min_tokens`` then holds back only end tokens the set does not consist of). ``bad_words``: token
+    sequences the reply may not contain: a sequence's last token cannot be sampled where the reply ends in the rest
+    of it (a one-token sequence is never sampled; vLLM's rule, over the reply's tokens, not the prompt's; not with
+    JSON output or ``allowed_token_ids``, whose tokens it could all ban).
 
     ``n`` choices are sampled from one prompt (parallel sampling): its KV is loaded or computed once, the choices
     share its full blocks and each samples with its own generator (a seeded request's choice i with ``seed + i``,
@@ -87,6 +92,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
@@ -157,6 +163,19 @@ class SamplingParams:
         if allowed and self.structured:
             raise RequestError("allowed_token_ids and JSON output exclude each other", field="allowed_token_ids")
         object.__setattr__(self, "allowed_token_ids", allowed)
+        self._check_bad_words()
+
+    def _check_bad_words(self) -> None:
+        words = tuple(dict.fromkeys(tuple(int(t) for t in w) for w in self.bad_words))
+        if len(words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in words):
+            raise RequestError(f"bad_words takes up to {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens",
+                               field="bad_words")
+        if any(t < 0 for w in words for t in w):
+            raise RequestError("bad_words' token ids must be >= 0", field="bad_words")
+        if words and (self.structured or self.allowed_token_ids):
+            raise RequestError("bad_words excludes JSON output and allowed_token_ids (it could ban all they allow)",
+                               field="bad_words")
+        object.__setattr__(self, "bad_words", words)
 
     @property
     def structured(self) -> bool:
@@ -170,8 +189,14 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (penalties, min_tokens)."""
-        return self.penalized or bool(self.min_tokens)
+        """Whether sampling reads the request's earlier tokens (penalties, min_tokens, bad words of two or more
+        tokens)."""
+        return self.penalized or bool(self.min_tokens) or self.bad_word_context > 0
+
+    @property
+    def bad_word_context(self) -> int:
+        """How many of the reply's last tokens the bad words are matched against."""
+        return max((len(w) - 1 for w in self.bad_words), default=0)
 
     @property
     def max_new_tokens(self) -> int:

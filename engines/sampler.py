@@ -1,6 +1,7 @@
 """Next-token choice for a batch of requests with per-request parameters and generators."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,17 +21,19 @@ class TokenLogprob:
 
 
 class TokenHistory:
-    """What the penalties and ``min_tokens`` read of one request: its prompt's distinct token ids (kept only for
-    ``repetition_penalty``) and how often each id has been generated. Built once and grown a token at a time (O(1):
-    a step never rescans a long prompt or converts the output again). Its owner (a sequence, or the prefill engine
-    for a first token) calls ``add`` for every token the request generates, in order."""
+    """What the penalties, ``min_tokens`` and bad words read of one request: its prompt's distinct token ids (kept
+    only for ``repetition_penalty``), how often each id has been generated, and the reply's last tokens (as many as
+    its longest bad word less one). Built once and grown a token at a time (O(1): a step never rescans a long prompt
+    or converts the output again). Its owner (a sequence, or the prefill engine for a first token) calls ``add`` for
+    every token the request generates, in order."""
 
-    __slots__ = ("prompt", "n", "_slot", "_ids", "_counts")
+    __slots__ = ("prompt", "n", "tail", "_slot", "_ids", "_counts")
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = ()):
         self.prompt = torch.tensor(sorted(set(prompt_ids)), dtype=torch.long) \
             if params.repetition_penalty != 1.0 else None
         self.n = 0
+        self.tail: deque[int] = deque(maxlen=params.bad_word_context)
         self._slot: dict[int, int] = {}  # token id -> its index in _ids / _counts
         self._ids = np.zeros(16, dtype=np.int64)
         self._counts = np.zeros(16, dtype=np.float32)
@@ -51,6 +54,7 @@ class TokenHistory:
         self._ids[k] = token
         self._counts[k] += 1
         self.n += 1
+        self.tail.append(token)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct generated ids and how often each came (int64, float32): views, valid until the next
@@ -62,7 +66,8 @@ class TokenHistory:
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Refuse token ids a request names that the model's logits do not have (the engines call it on admission)."""
     for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
-                       ("allowed_token_ids", params.allowed_token_ids)):
+                       ("allowed_token_ids", params.allowed_token_ids),
+                       ("bad_words", [t for w in params.bad_words for t in w])):
         if any(t >= vocab_size for t in ids):
             raise RequestError(f"{field}: token ids must be below the model's vocabulary size {vocab_size}",
                                field=field)
@@ -128,9 +133,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
 
 def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None] | None,
              eos_ids: Sequence[int] = (), masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """``logits`` after each row's logit bias, ``min_tokens`` ban, repetition penalty, then frequency and presence
-    penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself. Each is
-    one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the vocabulary.
+    """``logits`` after each row's logit bias, ``min_tokens`` ban, bad words, repetition penalty, then frequency and
+    presence penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself.
+    Each is one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the
+    vocabulary.
     A row with a mask (structured output) is banned from its end tokens only where its mask allows another token (a
     pattern that may end or read on): where only an end may follow, its grammar ends it. Nor is a row whose
     ``allowed_token_ids`` are all end tokens banned (it would have nothing left)."""
@@ -148,6 +154,8 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
                 held.append((i, banned))
             elif not p.allowed_token_ids or set(p.allowed_token_ids) - set(banned.tolist()):
                 add_.add(i, banned, float("-inf"))
+        if p.bad_words and (ends := _bad_word_ends(p.bad_words, h.tail if h is not None else ())):
+            add_.add(i, torch.tensor(ends), float("-inf"))
         if p.penalized:
             ids, counts = h.tensors()
             if p.repetition_penalty != 1.0:
@@ -173,6 +181,13 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
         at, (c, f, pr) = pen.on(logits.device, width)
         flat.index_add_(0, at, -(c * f + pr))
     return logits
+
+
+def _bad_word_ends(words: tuple[tuple[int, ...], ...], tail: Sequence[int]) -> list[int]:
+    """The last tokens of the ``words`` whose other tokens the reply ends in (``tail``: its last tokens, as many as
+    the longest word less one)."""
+    tail = tuple(tail)
+    return [w[-1] for w in words if len(w) - 1 <= len(tail) and tail[len(tail) - len(w) + 1:] == w[:-1]]
 
 
 class _Entries:

@@ -68,6 +68,16 @@ def test_min_tokens_holds_back_stop_strings(front):
     assert r.json()["choices"][0]["text"] == "ab. cd", r.text
 
 
+def test_bad_words_reach_the_engines_as_token_sequences_at_the_start_and_after_a_space(front):
+    http, fake, tok = front
+    fake.reply = "ok"
+    r = post(http, "/v1/completions", model="m", prompt="hi", bad_words=["hello there", " x"])
+    assert r.status_code == 200, r.text
+    want = [tuple(tok.encode(t, add_special_tokens=False)) for t in ("hello there", " hello there", "x", " x")]
+    assert fake.samplings[-1].bad_words == tuple(dict.fromkeys(want))
+    assert fake.samplings[-1].needs_history
+
+
 def test_vllm_text_and_token_options(front):
     """allowed_token_ids, include_stop_str_in_output, skip_special_tokens, truncate_prompt_tokens and
     add_special_tokens do what vLLM's do."""
@@ -193,7 +203,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
 @pytest.mark.parametrize("body, param", [
     (dict(use_beam_search=True), "use_beam_search"), (dict(length_penalty=0.5), "length_penalty"),
     (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=1, stream=True), None),
-    (dict(bad_words=["x"]), "bad_words"),
+    (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=["x"], response_format={"type": "json_object"}), "bad_words"),
     (dict(logits_processors=["a.b"]), "logits_processors"),
     (dict(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"), (dict(echo=True), "echo"),
     (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),

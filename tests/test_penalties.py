@@ -288,6 +288,66 @@ def test_include_stop_str_and_skip_special_tokens_in_the_text(llm):
     assert special.token_ids == [eos] and special.text == llm.tokenizer.decode([eos], skip_special_tokens=False) != ""
 
 
+# --- bad words ----------------------------------------------------------------------------------------------------
+
+
+def banned_by_words(words, output) -> set[int]:
+    """The tokens that would make the reply end in one of ``words``, found by trying each (the brute force)."""
+    return {t for t in range(V) for w in words
+            if len(w) <= len(output) + 1 and tuple(list(output) + [t])[-len(w):] == tuple(w)}
+
+
+def test_bad_words_ban_exactly_the_tokens_that_would_complete_one():
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(30):
+        alphabet = torch.randperm(V, generator=g)[:4].tolist()  # few tokens: words often overlap the reply
+        words = tuple(tuple(alphabet[int(i)] for i in torch.randint(0, 4, (int(torch.randint(1, 4, (1,),
+                      generator=g)),), generator=g)) for _ in range(int(torch.randint(1, 5, (1,), generator=g))))
+        output = [alphabet[int(i)] for i in torch.randint(0, 4, (int(torch.randint(0, 8, (1,), generator=g)),),
+                                                          generator=g)]
+        prompt = list(words[0][:-1]) * 3  # the prompt never counts: only the reply's tokens do
+        p = SamplingParams(temperature=0, max_tokens=64, bad_words=words)
+        h = TokenHistory(prompt, p, output[:2])
+        for t in output[2:]:  # grown a token at a time, as a sequence grows it
+            h.add(t)
+        logits = torch.randn(2, V, generator=g)
+        got = adjusted(logits, [SamplingParams(), p], [None, h], EOS)
+        banned = banned_by_words(words, output)
+        assert torch.equal(got[0], logits[0])
+        assert {t for t in range(V) if got[1, t] == float("-inf")} == banned, (words, output)
+        keep = [t for t in range(V) if t not in banned]
+        assert torch.equal(got[1, keep], logits[1, keep])
+
+
+def test_bad_words_are_checked_and_survive_the_wire():
+    p = SamplingParams(bad_words=[[5, 6], (7,), (5, 6)])
+    assert p.bad_words == ((5, 6), (7,)) and p.bad_word_context == 1 and p.needs_history
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert not SamplingParams(bad_words=((7,), (8,))).needs_history  # one-token words read no history
+    for bad, kw in (([()], {}), ([[1] * 33], {}), ([[-1]], {}), ([[i] for i in range(129)], {}),
+                    ([[1]], dict(json_object=True)), ([[1]], dict(allowed_token_ids=(1, 2)))):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(bad_words=bad, **kw)
+        assert e.value.field == "bad_words"
+
+
+def test_bad_words_generation_equals_transformers_bad_words_ids(llm, hf):
+    prompt = list(range(30, 70))  # the tiny model's greedy reply to it varies (to others it repeats a token)
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    for words in (((free[5], free[6]),), ((free[2],), (free[5], free[6]), (free[8], free[9], free[10]))):
+        # transformers matches the prompt's tail too; these words' prefixes do not end the prompt, so both agree
+        assert all(tuple(prompt[-k:]) != w[:k] for w in words for k in range(1, len(w)))
+        got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                  bad_words=words))[0].token_ids
+        want = hf_generate(hf, prompt, 16, bad_words_ids=[list(w) for w in words], eos_token_id=None, pad_token_id=0)
+        assert got == want and got != free
+        assert not any(tuple(got[i:i + len(w)]) == w for w in words for i in range(len(got)))
+        if len(words) == 1:  # the reply is the free one until the word's first token, then turns away
+            assert got[:6] == free[:6] and got[6] != free[6]
+    with pytest.raises(RequestError, match="bad_words"):
+        llm.generate(prompt, SamplingParams(bad_words=((llm.model_config.vocab_size,),)))
+
+
 # --- prompt logprobs ----------------------------------------------------------------------------------------------
 
 

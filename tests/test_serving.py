@@ -272,10 +272,24 @@ def test_prompt_logprobs_and_echo_through_the_cluster_equal_the_reference(tiny, 
         lines = h.post(tiny.url + "/v1/completions", headers=headers(), json=body).text.splitlines()
     chunks = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
     assert chunks[0]["text"] == prompt and "".join(c["text"] for c in chunks) == r["text"]
-    assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]] == lps["token_logprobs"]
+    for key in ("token_logprobs", "text_offset"):  # the stream's offsets run on across its chunks
+        assert [x for c in chunks if c["logprobs"] for x in c["logprobs"][key]] == lps[key], key
+    assert lps["text_offset"][len(ids)] == len(prompt)  # the reply's tokens begin after the echoed prompt
+    named = raw(tiny, "/v1/completions", {"model": "llama", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                          "echo": True, "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    named = named["choices"][0]["logprobs"]  # vLLM's names for tokens, where text cannot tell them apart
+    assert named["tokens"] == [f"token_id:{t}" for t in ids + want.token_ids]
+    assert named["text_offset"] == lps["text_offset"] and named["token_logprobs"] == lps["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in named["top_logprobs"][1:] for k in top)
     chat = raw(tiny, "/v1/chat/completions", {"model": "llama", "messages": [{"role": "user", "content": prompt}],
-                                              "max_tokens": 2, "prompt_logprobs": 0}).json()
+                                              "max_tokens": 2, "prompt_logprobs": 0, "logprobs": True,
+                                              "top_logprobs": 1, "return_tokens_as_token_ids": True,
+                                              "return_token_ids": True}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert all(c["top_logprobs"][0]["token"].startswith("token_id:") for c in content)
+    assert bytes(b for c in content for b in c["bytes"]).decode() == chat["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])

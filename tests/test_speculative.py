@@ -97,6 +97,17 @@ def test_speculative_decoding_changes_no_output(pair, params):
         assert spec.engine.spec_stats["accepted"] > before["accepted"]  # the tiny model repeats itself
 
 
+def test_bad_words_hold_under_speculation(pair):
+    """A draft that would complete a bad word is drawn against: the step's later positions see the tokens kept
+    before them, as plain decoding does."""
+    plain, spec = pair["llama"]
+    free = plain.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
+    words = (tuple(free[10:12]), tuple(free[20:23]))
+    got = same(plain, spec, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=words),
+               [PROMPTS[1]])[0].token_ids
+    assert got != free and not any(tuple(got[i:i + len(w)]) == w for w in words for i in range(len(got)))
+
+
 def test_mla_models_too(pair):
     plain, spec = pair["deepseek_v3"]
     same(plain, spec, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))

@@ -424,6 +424,13 @@ class Frontend:
             raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
         return list(ids)
 
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's reading of ``bad_words``: each word's tokens both as text begins with it and after a space (the two
+        often differ: byte-level BPE folds the space into the word's first token)."""
+        encode = self.tokenizer.encode
+        return tuple(ids for w in words for text in (w.lstrip(), " " + w.lstrip())
+                     if (ids := tuple(encode(text, add_special_tokens=False))))
+
     def _known_bias(self, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
         self._known_ids([t for t, _ in pairs], "logit_bias")
         return pairs
@@ -478,6 +485,7 @@ class Frontend:
                                   stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
                                   logit_bias=self._known_bias(req.bias_pairs()),
                                   allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
+                                  bad_words=self._bad_word_ids(req.bad_words or ()),
                                   **self._structured(req, kind, self._thinking(kind, prompt)))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
@@ -662,26 +670,32 @@ class Frontend:
                                  "cached_tokens": cached}
         return usage
 
-    def _chat_logprobs(self, lps: list) -> dict:
+    def _token_name(self, token_id: int, as_id: bool) -> str:
+        """A token as logprobs name it: its text, or (vLLM's ``return_tokens_as_token_ids``) ``token_id:N``, which
+        names tokens whose text is not whole UTF-8 and tokens that share a text."""
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_logprobs(self, lps: list, as_ids: bool = False) -> dict:
         def entry(tid, lp):
-            tok = self.tokenizer.decode([tid], skip_special_tokens=False)
-            return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+            text = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return {"token": f"token_id:{tid}" if as_ids else text, "logprob": lp, "bytes": list(text.encode())}
 
         content = [{**entry(lp["token_id"], lp["logprob"]), "top_logprobs": [entry(t, v) for t, v in lp["top"]]}
                    for lp in lps if lp]
         return {"content": content, "refusal": None}
 
-    def _completion_logprobs(self, lps: list, offset0: int = 0) -> dict:
+    def _completion_logprobs(self, lps: list, offset0: int = 0, as_ids: bool = False) -> dict:
+        """The legacy form; ``text_offset``: each token's place in the choice's text, from ``offset0`` (where the
+        tokens' text begins: after an echoed prompt, or after a stream's earlier chunks)."""
         tokens, token_lps, tops, offsets, pos = [], [], [], [], offset0
         for lp in lps:
             if not lp:
                 continue
-            tok = self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False)
-            tokens.append(tok)
+            tokens.append(self._token_name(lp["token_id"], as_ids))
             token_lps.append(lp["logprob"])
-            tops.append({self.tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp["top"]})
+            tops.append({self._token_name(t, as_ids): v for t, v in lp["top"]})
             offsets.append(pos)
-            pos += len(tok)
+            pos += len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
@@ -771,7 +785,7 @@ class Frontend:
                 message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
                 finish = "tool_calls" if splitter.whole else finish
         return {"index": index, "message": message, "finish_reason": finish,
-                "logprobs": self._chat_logprobs(lps) if want_lps else None}
+                "logprobs": self._chat_logprobs(lps, req.return_tokens_as_token_ids) if want_lps else None}
 
     def _completion_choice(self, req, index: int, content: str, lps: list | None, outcome: Outcome,
                            prompt: Prompt) -> dict:
@@ -782,12 +796,13 @@ class Frontend:
             choice["prompt_logprobs"] = self._prompt_logprobs(prompt.ids, outcome.prompt_logprobs,
                                                               req.prompt_logprobs)
         if not req.echo:
-            choice["logprobs"] = self._completion_logprobs(lps) if lps is not None else None
+            choice["logprobs"] = self._completion_logprobs(lps, as_ids=req.return_tokens_as_token_ids) \
+                if lps is not None else None
             return choice
         head, body = self._echoed(req, prompt, outcome.prompt_logprobs)
         choice["text"] = head + content
         if lps is not None:
-            tail = self._completion_logprobs(lps, offset0=len(head))
+            tail = self._completion_logprobs(lps, offset0=len(head), as_ids=req.return_tokens_as_token_ids)
             choice["logprobs"] = {key: body[key] + tail[key] for key in body}
         return choice
 
@@ -799,7 +814,8 @@ class Frontend:
             return head, None
         _check_prompt_logprobs(prompt.ids, prompt_lps)
         first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
-        body = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps])
+        body = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps],
+                                         as_ids=req.return_tokens_as_token_ids)
         body["top_logprobs"][0] = None
         return head, body
 
@@ -830,6 +846,8 @@ class Frontend:
 
         pending: list[list[int]] = [[] for _ in gens]  # token ids not yet sent (their text may be held back)
         told = set()  # completions: choices whose prompt_token_ids went out
+        offsets = [0] * len(gens)  # completions' logprobs: where the next token's text begins in its choice's text
+        as_ids = req.return_tokens_as_token_ids
 
         def choice(i: int, delta_text: str, lps: list, finish=None, thought: str = "", calls=()) -> dict:
             if kind == "chat":
@@ -839,10 +857,12 @@ class Frontend:
                 if calls:
                     delta["tool_calls"] = calls
                 out = {"index": i, "delta": delta, "finish_reason": finish,
-                       "logprobs": self._chat_logprobs(lps) if want_lps and lps else None}
+                       "logprobs": self._chat_logprobs(lps, as_ids) if want_lps and lps else None}
             else:
                 out = {"index": i, "text": delta_text, "finish_reason": finish,
-                       "logprobs": self._completion_logprobs(lps) if want_lps and lps else None}
+                       "logprobs": self._completion_logprobs(lps, offsets[i], as_ids) if want_lps and lps else None}
+                offsets[i] += sum(len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
+                                  for lp in lps if lp)
             if req.return_token_ids:  # every choice's ids, in order, across its chunks
                 out["token_ids"], pending[i] = pending[i], []
                 if kind != "chat" and i not in told:
@@ -863,12 +883,15 @@ class Frontend:
                     yield first
             elif req.echo and req.logprobs is None:  # the prompt's text first (with logprobs: once they come)
                 for i in range(len(gens)):
-                    yield chunk(choice(i, self._echoed(req, prompts[i // req.n], None)[0], []))
+                    head = self._echoed(req, prompts[i // req.n], None)[0]
+                    offsets[i] = len(head)
+                    yield chunk(choice(i, head, []))
             async for i, item in merge(gens):
                 splitter = splitters[i]
                 if isinstance(item, PromptLogprobs):
                     if kind != "chat" and req.echo and req.logprobs is not None:
                         head, body = self._echoed(req, prompts[i // req.n], item.lps)
+                        offsets[i] = len(head)
                         yield chunk({"index": i, "text": head, "finish_reason": None, "logprobs": body})
                     continue
                 if isinstance(item, Outcome):

@@ -7,16 +7,15 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
-from dualpath.sampling_params import MAX_CHOICES, MAX_LOGIT_BIAS
+from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGIT_BIAS
 
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 from dualpath.serving.tools import template_arguments
 
 
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
-NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": (None, []),
-           "logits_processors": (None, []), "return_tokens_as_token_ids": (False,), "documents": (None, []),
-           "chat_template": (None,)}
+NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "logits_processors": (None, []),
+           "documents": (None, []), "chat_template": (None,)}
 
 
 class Extension(BaseModel):
@@ -117,6 +116,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # vLLM's extra: generate max_tokens whatever the model says
     # vLLM's other extras that change the answer: these are honoured...
     allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None  # words the reply may not contain (``SamplingParams.bad_words``)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N", not by their text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
@@ -125,9 +126,7 @@ class _Common(BaseModel):
     # fast tokenizers (the only kind loaded here)
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    bad_words: Optional[list[str]] = None
     logits_processors: Optional[list[Any]] = None
-    return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False  # vLLM's extra: the prompt's token ids and each choice's (RL trainers train on them)
     dualpath: Optional[Extension] = None
     response_format: Optional[ResponseFormat] = None
@@ -182,8 +181,15 @@ class _Common(BaseModel):
             raise ValueError(f"{info.field_name} is not supported{hint}")
         return v
 
-    @field_validator("use_beam_search", "length_penalty", "bad_words", "logits_processors",
-                     "return_tokens_as_token_ids", "documents", "chat_template", check_fields=False)
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v):
+        if v and (len(v) > MAX_BAD_WORDS // 2 or any(not w.strip() for w in v)):
+            raise ValueError(f"bad_words takes up to {MAX_BAD_WORDS // 2} non-blank strings")
+        return v
+
+    @field_validator("use_beam_search", "length_penalty", "logits_processors", "documents", "chat_template",
+                     check_fields=False)
     @classmethod
     def _not_implemented(cls, v, info):
         if v not in NEUTRAL[info.field_name]:
