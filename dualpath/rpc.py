@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -20,11 +21,26 @@ from dualpath.messages import from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
-_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
+KEEPALIVE_ENV = "DUALPATH_RPC_KEEPALIVE_S"
+DEFAULT_KEEPALIVE_S = 10.0
+
+
+def _options() -> list[tuple[str, int]]:
+    """Channel and server options. Keepalive: every connection with calls open is pinged after ``keepalive`` s
+    without traffic, and closed if the ping is not answered within as long again, so a peer whose host died or
+    froze (no FIN ever comes) fails its streams in ~2 × keepalive s: an idle Session stream would otherwise read as
+    open forever, and a request on it wait for its whole timeout. Pings are answered by gRPC's own threads, not
+    Python's, so a busy process still answers them. Servers accept pings this often, however many."""
+    ms = int(1000 * float(os.environ.get(KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S)))
+    return [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.so_reuseport", 0),
             # a peer that restarts (the scheduler) is found again within ~2 s, not after gRPC's default backoff
             # (which grows to 120 s between tries)
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0),  # an idle stream is pinged on, not after 2 pings only
+            ("grpc.http2.ping_timeout_ms", ms),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 5000)), ("grpc.http2.max_ping_strikes", 0)]
 
 
 class RpcError(DualPathError):
@@ -110,7 +126,7 @@ async def serve_async(service: str, methods: dict[str, Method], handler: Any,
         make = grpc.stream_stream_rpc_method_handler if m.bidi else \
             grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
         table[name] = make(fn, request_deserializer=deser, response_serializer=to_wire)
-    server = grpc.aio.server(options=_OPTIONS)
+    server = grpc.aio.server(options=_options())
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
     port = server.add_insecure_port(address)
     if port == 0:
@@ -124,7 +140,7 @@ class Client:
 
     def __init__(self, service: str, methods: dict[str, Method], address: str):
         self.service, self.methods, self.address = service, methods, address
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=_options())
         self._stubs: dict[str, Callable] = {}
         for name, m in methods.items():
             make = self.channel.stream_stream if m.bidi else \

@@ -120,3 +120,52 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
     assert "Traceback" not in capfd.readouterr().err
     client.close()
     loop.close()
+
+
+def test_a_scheduler_that_froze_ends_its_sessions_within_two_keepalives(monkeypatch, tmp_path):
+    """A scheduler whose host died or froze sends no FIN: only keepalive pings find it. SIGSTOP freezes one (its
+    kernel still acknowledges TCP, its gRPC threads answer no ping); the client's idle session must read as ended
+    within ~2 keepalive periods (without pings: never), so its requests are submitted again or fail, never wait out
+    their timeout."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from dualpath import SamplingParams
+    from dualpath.client import ClusterClient, OverloadedError
+    from dualpath.errors import DualPathError
+    from dualpath.rpc import KEEPALIVE_ENV
+
+    monkeypatch.setenv(KEEPALIVE_ENV, "0.5")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--host", "127.0.0.1", "--port",
+                             str(port), "--http-port", "-1"], env={**os.environ}, cwd=tmp_path)
+    client = ClusterClient(f"127.0.0.1:{port}", timeout=600, reconnect_s=0.5)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a round trip (no engines: refused), so the session is open on the server
+            try:
+                list(client.stream([5, 6, 7], SamplingParams(max_tokens=1)))
+            except OverloadedError:
+                break
+            except DualPathError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the scheduler did not start"
+                time.sleep(0.2)
+        session = client.session()
+        assert session.alive
+        proc.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        while session.alive and time.monotonic() < frozen + 15:
+            time.sleep(0.05)
+        took = time.monotonic() - frozen
+        assert not session.alive, "the session to a frozen scheduler still reads as open after 15 s"
+        assert took < 5, took  # 2 × 0.5 s, plus a ping's schedule (its requests are then submitted again)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(30)
+        client.close()

@@ -5,7 +5,7 @@ launch options; each kernel's ``run`` is replaced by a recorder, and each record
 time with the specializations a real launch gets (16-byte-aligned pointers, integers divisible by 16). This
 catches what the interpreter cannot: type errors the compiler rejects, and shared memory over the device limit.
 
-    python tests/triton_compile.py [--target cuda:90] [--all]      (prints one JSON line per launch)
+    python tests/triton_compile.py [--target cuda:90] [--all] [--jobs N]     (prints one JSON line per launch)
 
 ``--all`` adds the GPU bench's tuning configurations to the engines' defaults.
 """
@@ -16,7 +16,9 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: compile, do not interpret
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -157,23 +159,35 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     return launches
 
 
+_LAUNCHES: list[tuple] = []  # what ``main`` compiles; filled before its pool forks (the workers read it)
+
+
+def _compile(i: int, target: GPUTarget) -> dict:
+    fn, a, kw, what = _LAUNCHES[i]
+    try:
+        out = compile_launch(fn, a, dict(kw), target)
+        out["fits"] = out["shared_bytes"] <= SHARED_LIMIT.get(target.arch, 232448)
+    except Exception as e:  # noqa: BLE001 - report every launch, then fail
+        out = {"kernel": fn.__name__, "error": f"{type(e).__name__}: {str(e)[:300]}", "fits": False}
+    return out | {"case": what}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="cuda:90", help="backend:capability, e.g. cuda:90 (H100/H200), cuda:80")
     ap.add_argument("--all", action="store_true", help="also the GPU bench's tuning configurations")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles at once (each is one core's)")
     args = ap.parse_args(argv)
     backend, cap = args.target.split(":")
     target = GPUTarget(backend, int(cap), 32)
+    _LAUNCHES[:] = recorded_launches(args.all, fp8=int(cap) >= 89)
     failed = 0
-    for fn, a, kw, what in recorded_launches(args.all, fp8=int(cap) >= 89):
-        try:
-            out = compile_launch(fn, a, dict(kw), target)
-            out["fits"] = out["shared_bytes"] <= SHARED_LIMIT.get(int(cap), 232448)
-        except Exception as e:  # noqa: BLE001 - report every launch, then fail
-            out = {"kernel": fn.__name__, "error": f"{type(e).__name__}: {str(e)[:300]}", "fits": False}
-        out["case"] = what
-        failed += not out["fits"]
-        print(json.dumps(out), flush=True)
+    # LLVM and ptxas are single-threaded and the compiles independent: a pool of processes (forked, so the
+    # recorded launches and their tensors need no pickling) takes the test's wall time down by the cores
+    with multiprocessing.get_context("fork").Pool(max(1, min(args.jobs, len(_LAUNCHES)))) as pool:
+        for out in pool.imap(functools.partial(_compile, target=target), range(len(_LAUNCHES))):
+            failed += not out["fits"]
+            print(json.dumps(out), flush=True)
     return 1 if failed else 0
 
 
