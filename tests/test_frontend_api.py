@@ -205,7 +205,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
     (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=1, stream=True), None),
     (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=["x"], response_format={"type": "json_object"}), "bad_words"),
     (dict(logits_processors=["a.b"]), "logits_processors"),
-    (dict(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"), (dict(echo=True), "echo"),
+    (dict(echo=True), "echo"),
     (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
     (dict(chat_template="{{ messages }}"), "chat_template"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
@@ -384,6 +384,9 @@ def test_models_list_carries_the_context_length(front):
     http, _, _ = front
     (model,) = http.get("/v1/models").json()["data"]
     assert model["id"] == "m" and model["max_model_len"] == 4096
+    assert http.get("/v1/models/m").json() == model  # OpenAI's retrieve (client.models.retrieve)
+    r = http.get("/v1/models/org/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def by_seed(sampling):

@@ -144,8 +144,13 @@ class Frontend:
         @app.get("/v1/models")
         async def models(request: Request):
             self._auth(request)
-            return {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "dualpath", "max_model_len": self.cfg.max_model_len}]}
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; a name may hold slashes ("Qwen/Qwen2.5-7B")
+        async def model(name: str, request: Request):
+            self._auth(request)
+            self._check_model(name)
+            return self._model_card()
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -256,6 +261,10 @@ class Frontend:
                              "weight_version": reply.version, "fingerprint": reply.fingerprint,
                              "engines": reply.engines, "num_aborted_requests": reply.aborted,
                              "seconds": round(reply.seconds, 3)}, status)
+
+    def _model_card(self) -> dict:
+        return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "dualpath",
+                "max_model_len": self.cfg.max_model_len}  # vLLM's extra field, which clients size prompts by
 
     def _check_model(self, name: str) -> None:
         if name != self.cfg.model_name:
