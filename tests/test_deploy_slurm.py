@@ -151,6 +151,7 @@ def test_sbatch_serves_a_chat_and_shuts_down_cleanly_on_scancel(slurm, tiny_dirs
 
 
 @needs_slurm
+@pytest.mark.slow  # ~16 s: a whole job; the replay itself is test_rollout's, this script parses in the default run
 def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
     from dualpath.rollout.trajectory import read_trajectories
 

@@ -46,7 +46,7 @@ def test_random_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
     fake.reply = 'ok <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
 
-    @settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
     @given(bodies, st.sampled_from(["chat/completions", "completions"]))
     def check(body, endpoint):
         r = http.post(f"/v1/{endpoint}", content=json.dumps({"model": "m", **body}),
@@ -76,7 +76,7 @@ def test_random_responses_bodies_get_a_reply_or_a_4xx(tiny_dirs, tmp_path):
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
     fake.reply = 'ok <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
 
-    @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.dictionaries(st.sampled_from(RESPONSE_FIELDS), st.one_of(values, response_values, response_values,
                                                                        st.dictionaries(st.just("format"), values)),
                            max_size=2))

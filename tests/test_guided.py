@@ -90,7 +90,7 @@ def ws_runs_ok(data: bytes) -> bool:
     return True
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(OBJECTS, STYLES)
 def test_every_serialized_object_is_accepted_and_completes_exactly_at_its_end(obj, style):
     data = json.dumps(obj, **style).encode()
@@ -117,7 +117,7 @@ def mutated(data: bytes, rng: random.Random, alphabet: bytes = b'{}[]":,-+.01234
     return bytes(out)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(OBJECTS, STYLES, st.integers(0, 2**32))
 def test_json_mode_agrees_with_the_json_parser_on_mutated_documents(obj, style, seed):
     """Soundness and completeness: a mutated document completes iff it parses as an object (within the whitespace
@@ -250,7 +250,7 @@ def test_schema_instances_are_accepted_and_mutations_that_complete_are_valid(nam
     g = Grammar.compile(schema)
     validator = jsonschema.Draft202012Validator(schema)
 
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=75, deadline=None)
     @given(instances(schema), STYLES, st.integers(0, 2**32))
     def check(value, style, seed):
         data = json.dumps(value, **style).encode()
@@ -297,7 +297,7 @@ SCHEMA_LIKE = st.recursive(
     max_leaves=10)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(SCHEMA_LIKE)
 @example({"type": [[]], "enum": [None]})  # found by this test: an unhashable type name was a TypeError (a 500)
 @example({"type": [{}], "properties": {}})
@@ -437,7 +437,7 @@ def test_random_walks_over_masks_end_valid():
         validator = jsonschema.Draft202012Validator({"type": "object"} if name == "json" else SCHEMAS[name])
         masks = GrammarMasks(g, v, "cpu")
         rng = torch.Generator().manual_seed(0)
-        for _ in range(15):
+        for _ in range(8):
             guide, out = masks.guide(), b""
             for _ in range(400):
                 m = guide.mask()
@@ -449,7 +449,7 @@ def test_random_walks_over_masks_end_valid():
                     assert validator.is_valid(parsed(out)), out
                     ended += 1
                     break
-    assert ended >= 35
+    assert ended >= 25  # 32 of the 56 walks (seeded)
 
 
 @settings(max_examples=40, deadline=None)
@@ -505,7 +505,7 @@ def test_thinking_before_the_object(thinking, text, ok):
     assert completes(forced, marked) == ok and not completes(forced, text)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=40), OBJECTS, st.sampled_from(["open", "optional"]))
 def test_any_thought_then_any_object_completes_only_at_its_end(thought, obj, thinking):
     head = b"" if thinking == "open" else b"<think>"

@@ -14,6 +14,7 @@ from kernels import triton_kv  # noqa: E402
 from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
                                varlen_attention)
 from kernels.kv_move import gather_blocks, scatter_blocks, write_tokens  # noqa: E402
+from grid import covering  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
@@ -64,11 +65,13 @@ CASES = [  # (cached lens, new lens): empty cached, single token, odd lengths, e
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+DTYPES = [torch.float32, torch.bfloat16]
+
+
 # GQA, MHA with D not a power of 2, MQA, and a group wider than a row block (20 heads, block_m 16: a group spans
-# row blocks unevenly)
-@pytest.mark.parametrize("heads", [(4, 2, 16), (3, 3, 24), (8, 1, 32), (20, 1, 16)])
-@pytest.mark.parametrize("case", CASES)
+# row blocks unevenly); each pair of a dtype, a head layout and a length case (the whole grid: -m slow)
+@pytest.mark.parametrize(*covering("dtype,heads,case", [DTYPES, [(4, 2, 16), (3, 3, 24), (8, 1, 32), (20, 1, 16)],
+                                                         CASES]))
 def test_prefill_kernel_against_float64(dtype, heads, case):
     cached_lens, new_lens = case
     layout, cached, q, new_rows, out = gqa_inputs(heads, cached_lens, sum(new_lens), dtype)
@@ -77,10 +80,10 @@ def test_prefill_kernel_against_float64(dtype, heads, case):
     assert rel_err(out, reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # tiles of keys: two per cache block (one table entry each), and spanning two blocks (a table entry per row)
-@pytest.mark.parametrize("bs,block_n", [(32, 16), (16, 32)])
-def test_kernels_with_tiles_smaller_and_larger_than_a_block(dtype, bs, block_n):
+@pytest.mark.parametrize(*covering("dtype,tiles", [DTYPES, [(32, 16), (16, 32)]], strength=1))
+def test_kernels_with_tiles_smaller_and_larger_than_a_block(dtype, tiles):
+    bs, block_n = tiles
     cached_lens, new_lens = [0, 5, 16, 33, 71], [1, 7, 16, 20, 9]
     layout, cached, q, new_rows, out = gqa_inputs((4, 2, 16), cached_lens, sum(new_lens), dtype, bs)
     ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, new_lens, layout, 0.3,
@@ -93,8 +96,7 @@ def test_kernels_with_tiles_smaller_and_larger_than_a_block(dtype, bs, block_n):
     assert rel_err(out, reference(q[:b], new_rows[:b], cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 6, 24)])
+@pytest.mark.parametrize(*covering("dtype,heads", [DTYPES, [(4, 2, 16), (6, 6, 24)]], strength=1))
 def test_decode_kernel_splits_long_and_short_sequences(dtype, heads):
     cached_lens = [0, 1, 15, 16, 17, 100]  # 4 splits of at least 16 keys: sequences of 1 to 4 splits in one batch
     b = len(cached_lens)
@@ -125,12 +127,13 @@ def test_decode_kernel_with_device_lengths_over_wide_tables(dtype):
     assert rel_err(ref_dev.to(dtype), reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("new_lens", [[3, 1, 5], [1, 1, 1]])  # prefill and decode kernels
-# (heads, latent, rope): a 32-wide key in one tile; and DeepSeek's form, a 48-wide key in two tiles (32 + 16) whose
-# leading 32 columns are also the value (loaded once), with 40 heads: three decode head blocks, the last partial
-@pytest.mark.parametrize("h,r,dr", [(4, 24, 8), (40, 32, 16)])
-def test_mla_absorbed_kernels_against_float64(dtype, new_lens, h, r, dr):
+# new lens [3, 1, 5]: the prefill kernel, [1, 1, 1]: decode; (heads, latent, rope): a 32-wide key in one tile; and
+# DeepSeek's form, a 48-wide key in two tiles (32 + 16) whose leading 32 columns are also the value (loaded once),
+# with 40 heads: three decode head blocks, the last partial
+@pytest.mark.parametrize(*covering("dtype,new_lens,shape", [DTYPES, [[3, 1, 5], [1, 1, 1]],
+                                                            [(4, 24, 8), (40, 32, 16)]]))
+def test_mla_absorbed_kernels_against_float64(dtype, new_lens, shape):
+    h, r, dr = shape
     dn, dv = 8, 6
     cached_lens = [5, 0, 18]
     cached = paged(cached_lens, r + dr, dtype)
@@ -215,9 +218,8 @@ def fp8_reference(q, new_rows, cached: PagedKV, layout, new_lens, scale):
     return varlen_attention(q.double(), as_cached(new_rows, F8).double(), c64, layout, new_lens, scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("new_lens", [[1, 7, 16, 20], [1, 1, 1, 1]])  # prefill and decode
+@pytest.mark.parametrize(*covering("dtype,backend,new_lens", [DTYPES, ["torch", "triton"],
+                                                               [[1, 7, 16, 20], [1, 1, 1, 1]]]))  # prefill, decode
 def test_attention_over_an_fp8_cache_against_float64(dtype, backend, new_lens):
     """Queries in the model's dtype over e4m3 cached rows (widened as they load) and new rows as the cache will
     hold them. Without the rounding of new rows, or with tiles left in e4m3, the error is ~1e-2 (caught)."""
