@@ -35,6 +35,7 @@ def test_small_benches_run(script, args, tmp_path):
     assert result["benchmark"]
 
 
+@pytest.mark.slow  # ~7 s; structured output itself is test_guided's
 def test_guided_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
                        "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))

@@ -181,6 +181,7 @@ def test_slurm_scripts_parse():
 
 
 @needs_slurm
+@pytest.mark.slow  # ~16 s; a job part dying (at start-up) fails the job in the default run
 def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
     sched_port = free_port()
     job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1),

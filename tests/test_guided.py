@@ -695,6 +695,7 @@ def test_forced_tool_calls_from_a_model_parse_as_one_valid_call(tiny_dirs, marku
     assert calls >= 3
 
 
+@pytest.mark.slow  # ~14 s of the real model's decoding; JSON mode through engines and clusters runs by default
 def test_smollm2_answers_in_json(smollm2_dir):
     llm = LLM(str(smollm2_dir))
     chats = [[{"role": "system", "content": "Reply in JSON."},

@@ -124,6 +124,7 @@ def test_a_full_cache_or_context_leaves_no_room_for_drafts(tiny_dirs):
     assert {g.finish_reason for g in got} == {"length"}
 
 
+@pytest.mark.slow  # ~10 s, a cluster of its own; the outputs are the in-process tests' above
 def test_the_decode_engine_speculates_with_the_same_outputs(tiny_dirs, tmp_path):
     spec = ClusterSpec(model=str(tiny_dirs["llama"]), num_prefill=1, num_decode=1, block_size=BS,
                        kv_store=str(tmp_path / "kv"), buffer_bytes=8 << 20, cache_bytes=16 << 20,
