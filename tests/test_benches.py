@@ -47,6 +47,7 @@ def test_guided_bench_runs(tiny_dirs, tmp_path):
     assert answers["matched"] == answers["stopped"] >= 2  # a random model's answers match too
 
 
+@pytest.mark.slow  # ~6 s; speculation's outputs are test_speculative's
 def test_spec_decode_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("spec_decode.py", "--model", str(tiny_dirs["llama"]), "--max-tokens", "12", "--batch", "2",
                        "--out", str(tmp_path / "sd.json"))

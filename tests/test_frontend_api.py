@@ -554,6 +554,14 @@ def test_a_batch_of_prompts_is_one_request_each_with_choices_numbered_prompt_by_
         for ch in c["choices"]:
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
     assert texts == {0: "seed 1", 1: "seed 2", 2: "seed 1", 3: "seed 2"} and streamed[-1]["usage"]["prompt_tokens"] == 3
+    assert all("usage" not in c for c in streamed[:-1])
+    running = [json.loads(x[6:]) for x in post(  # vLLM's continuous_usage_stats: every chunk, the request's so far
+        http, "/v1/completions", model="m", prompt=[[5, 6], [7]], n=2, seed=1, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}).text.splitlines()
+        if x.startswith("data: {")]
+    so_far = [c["usage"]["completion_tokens"] for c in running]
+    assert so_far == sorted(so_far) and so_far[-1] == streamed[-1]["usage"]["completion_tokens"] > so_far[0]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in running)
     for bad, n, param in ((["ok", ""], 1, "prompt"), (["x"] * 257, 1, "prompt"), (["x"] * 40, 16, "prompt")):
         r = post(http, "/v1/completions", model="m", prompt=bad, n=n)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

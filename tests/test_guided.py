@@ -681,7 +681,7 @@ def test_forced_tool_calls_from_a_model_parse_as_one_valid_call(tiny_dirs, marku
         markup, (shape.prefix, shape.suffix))
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     calls = 0
-    for seed in range(4):
+    for seed in range(2):  # every one of these 4 replies ends in a call (seeded; 8 of 8 with 4 seeds too)
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=400, **shape.sampling())
         for o in llm.generate(["x", "yy"], params):
             if o.finish_reason != "stop":

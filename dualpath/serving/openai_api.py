@@ -846,9 +846,16 @@ class Frontend:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
 
+        opts = req.stream_options
+        running = opts is not None and opts.include_usage and opts.continuous_usage_stats
+        n_prompt, generated = sum(len(p.ids) for p in prompts), [0]  # completion tokens so far, every choice's
+
         def chunk(choice: dict | None, usage: dict | None = None) -> dict:
             body = {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
                     "choices": [choice] if choice else []}
+            if usage is None and running and choice:  # vLLM's continuous_usage_stats: the request's so far
+                usage = {"prompt_tokens": n_prompt, "completion_tokens": generated[0],
+                         "total_tokens": n_prompt + generated[0]}
             if usage is not None:
                 body["usage"] = usage
             return body
@@ -924,6 +931,7 @@ class Frontend:
                     continue
                 delta, tokens, lp = item
                 pending[i] += tokens
+                generated[0] += len(tokens)
                 thought = ""
                 if reasoners[i] is not None:
                     thought, delta = reasoners[i].feed(delta)

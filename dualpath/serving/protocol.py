@@ -28,6 +28,7 @@ class Extension(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
