@@ -10,6 +10,9 @@ Then penalties (repetition 1.1, frequency 0.3, presence 0.2, min_p 0.05) with ea
 and ``--output`` generated tokens: the sampler's sparse form (the rows' distinct tokens, kept as they grow) against
 dense bin counts rebuilt from the token lists every step (vLLM's form), and against the same batch without them.
 
+Last, ``bad_words``: 128 words of 1 to 4 tokens per row, their check by the per-prefix index (``BadWords``)
+against a comparison with each word, and the step with them against the same batch without them.
+
     python bench/sampling.py [--batch 64 --vocab 49152 --prompt 2048 --output 256] [--device cpu]
                              [--out bench/results/sampling.json]
 """
@@ -125,6 +128,44 @@ def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str,
             "without_s": t_plain, "speedup_vs_dense": t_dense / t_ours, "cost_vs_without": t_ours / t_plain}
 
 
+def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int = 5) -> dict:
+    from dualpath.sampling_params import SamplingParams
+    from engines.sampler import TokenHistory, make_generator, sample
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(batch, vocab, generator=g).mul_(3).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    words = [tuple(tuple(torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist())
+                   for _ in range(128)) for _ in range(batch)]
+    params = [SamplingParams(seed=i, temperature=0.8, bad_words=w) for i, w in enumerate(words)]
+    plain = [SamplingParams(seed=i, temperature=0.8) for i in range(batch)]
+    gens = [make_generator(p) for p in params]
+    histories = [TokenHistory([], p, torch.randint(0, vocab, (output,), generator=g).tolist()) for p in params]
+
+    def indexed():
+        for h in histories:
+            h.bad_words.banned(h.tail)
+
+    def compared():  # each word against the reply's end, one by one
+        for h, ws in zip(histories, words):
+            t = tuple(h.tail)
+            [w[-1] for w in ws if len(w) - 1 <= len(t) and t[len(t) - len(w) + 1:] == w[:-1]]
+
+    def step():
+        sample(logits, params, gens, histories=histories)
+        sync()
+
+    def without():
+        sample(logits, plain, gens)
+        sync()
+
+    t_index, t_compare = best_of(indexed, repeats), best_of(compared, repeats)
+    t_step, t_plain = best_of(step, repeats), best_of(without, repeats)
+    return {"batch": batch, "words": 128, "index_s": t_index, "compare_s": t_compare, "step_s": t_step,
+            "without_s": t_plain, "index_speedup": t_compare / t_index, "cost_vs_without": t_step / t_plain}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -141,9 +182,13 @@ def main(argv=None) -> dict:
     pen = run_penalties(args.batch, args.vocab, args.prompt, args.output, args.device)
     print_table([pen], ["batch", "prompt", "output", "sparse_s", "dense_s", "without_s", "speedup_vs_dense",
                         "cost_vs_without"])
-    path = write_result("sampling", {"device": args.device, "rows": rows, "penalties": pen}, args.out)
+    bad = run_bad_words(args.batch, args.vocab, args.output, args.device)
+    print_table([bad], ["batch", "words", "index_s", "compare_s", "step_s", "without_s", "index_speedup",
+                        "cost_vs_without"])
+    path = write_result("sampling", {"device": args.device, "rows": rows, "penalties": pen, "bad_words": bad},
+                        args.out)
     print(f"wrote {path}")
-    return {"rows": rows, "penalties": pen}
+    return {"rows": rows, "penalties": pen, "bad_words": bad}
 
 
 if __name__ == "__main__":

@@ -189,9 +189,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (penalties, min_tokens, bad words of two or more
-        tokens)."""
-        return self.penalized or bool(self.min_tokens) or self.bad_word_context > 0
+        """Whether sampling reads the request's earlier tokens or keeps state of its own (penalties, min_tokens, bad
+        words: their index lives in the history)."""
+        return self.penalized or bool(self.min_tokens) or bool(self.bad_words)
 
     @property
     def bad_word_context(self) -> int:

@@ -27,13 +27,14 @@ class TokenHistory:
     or converts the output again). Its owner (a sequence, or the prefill engine for a first token) calls ``add`` for
     every token the request generates, in order."""
 
-    __slots__ = ("prompt", "n", "tail", "_slot", "_ids", "_counts")
+    __slots__ = ("prompt", "n", "tail", "bad_words", "_slot", "_ids", "_counts")
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = ()):
         self.prompt = torch.tensor(sorted(set(prompt_ids)), dtype=torch.long) \
             if params.repetition_penalty != 1.0 else None
         self.n = 0
         self.tail: deque[int] = deque(maxlen=params.bad_word_context)
+        self.bad_words = BadWords(params.bad_words) if params.bad_words else None
         self._slot: dict[int, int] = {}  # token id -> its index in _ids / _counts
         self._ids = np.zeros(16, dtype=np.int64)
         self._counts = np.zeros(16, dtype=np.float32)
@@ -154,7 +155,7 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
                 held.append((i, banned))
             elif not p.allowed_token_ids or set(p.allowed_token_ids) - set(banned.tolist()):
                 add_.add(i, banned, float("-inf"))
-        if p.bad_words and (ends := _bad_word_ends(p.bad_words, h.tail if h is not None else ())):
+        if p.bad_words and (ends := h.bad_words.banned(h.tail)):
             add_.add(i, torch.tensor(ends), float("-inf"))
         if p.penalized:
             ids, counts = h.tensors()
@@ -183,11 +184,30 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
     return logits
 
 
-def _bad_word_ends(words: tuple[tuple[int, ...], ...], tail: Sequence[int]) -> list[int]:
-    """The last tokens of the ``words`` whose other tokens the reply ends in (``tail``: its last tokens, as many as
-    the longest word less one)."""
-    tail = tuple(tail)
-    return [w[-1] for w in words if len(w) - 1 <= len(tail) and tail[len(tail) - len(w) + 1:] == w[:-1]]
+class BadWords:
+    """A request's bad words indexed for a step's check: the tokens banned outright (one-token words), and per
+    prefix (a word less its last token) the tokens it bans next, so a step costs a lookup per distinct prefix length,
+    not a comparison per word (128 words over 64 rows: 4.3 ms a step compared one by one)."""
+
+    __slots__ = ("always", "after", "lengths")
+
+    def __init__(self, words: tuple[tuple[int, ...], ...]):
+        self.always = sorted({w[0] for w in words if len(w) == 1})
+        self.after: dict[tuple[int, ...], list[int]] = {}
+        for w in words:
+            if len(w) > 1:
+                self.after.setdefault(w[:-1], []).append(w[-1])
+        self.lengths = sorted({len(p) for p in self.after})
+
+    def banned(self, tail: Sequence[int]) -> list[int]:
+        """The last tokens of the words whose other tokens the reply ends in (``tail``: its last tokens, as many as
+        the longest word less one)."""
+        out, tail = list(self.always), tuple(tail)
+        for k in self.lengths:
+            if k > len(tail):
+                break
+            out += self.after.get(tail[len(tail) - k:], ())
+        return out
 
 
 class _Entries:

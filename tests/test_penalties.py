@@ -323,7 +323,7 @@ def test_bad_words_are_checked_and_survive_the_wire():
     p = SamplingParams(bad_words=[[5, 6], (7,), (5, 6)])
     assert p.bad_words == ((5, 6), (7,)) and p.bad_word_context == 1 and p.needs_history
     assert SamplingParams.from_dict(p.to_dict()) == p
-    assert not SamplingParams(bad_words=((7,), (8,))).needs_history  # one-token words read no history
+    assert SamplingParams(bad_words=((7,), (8,))).bad_word_context == 0  # one-token words read no reply
     for bad, kw in (([()], {}), ([[1] * 33], {}), ([[-1]], {}), ([[i] for i in range(129)], {}),
                     ([[1]], dict(json_object=True)), ([[1]], dict(allowed_token_ids=(1, 2)))):
         with pytest.raises(RequestError) as e:
