@@ -383,6 +383,7 @@ def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path
         client.close()
 
 
+@pytest.mark.slow  # ~9 s, a cluster of its own; the fp8 cache's math and blocks are test_kv_fp8's
 def test_an_fp8_kv_cluster_stores_quarter_blocks_and_matches_its_reference(tiny_dirs, tmp_path):
     """``--kv-cache-dtype fp8`` on every engine: e4m3 blocks in device memory, buffers, transfers and files (a
     quarter of float32's bytes, under their own fingerprint), and every turn, its prefix loaded by either path,
