@@ -9,7 +9,7 @@ from dualpath.grammar import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
-MAX_BAD_WORDS = 128  # token sequences per request: each is compared with the reply's tail on every step
+MAX_BAD_WORDS = 128  # token sequences per request (a step looks up the reply's tail once per distinct length)
 MAX_BAD_WORD_TOKENS = 32
 
 

@@ -700,3 +700,14 @@ def test_a_pump_whose_server_loop_has_closed_ends_quietly(monkeypatch):
     for t in [t for t in threading.enumerate() if t.name == "http-scripted"]:
         t.join(timeout=10)
     assert errors == []
+
+
+def test_logprob_bytes_are_each_tokens_own_so_a_split_character_joins_whole(front):
+    """OpenAI's ``bytes``: a character the tokenizer splits over tokens shows as a replacement character in each
+    token's text, and is whole again when the tokens' bytes are joined."""
+    http, _, tok = front
+    ids = tok.encode("é🤖", add_special_tokens=False)
+    assert len(ids) > 2  # byte-level BPE: the emoji's four bytes come in more than one token
+    content = http.front._chat_logprobs([{"token_id": t, "logprob": -1.0, "top": ()} for t in ids])["content"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "é🤖"
+    assert any(c["token"] == "\ufffd" for c in content)

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -684,18 +685,31 @@ class Frontend:
         names tokens whose text is not whole UTF-8 and tokens that share a text."""
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @cached_property
+    def _raw_tokens(self) -> tuple[bytes | None, ...] | None:
+        """Each token's own bytes (once, ~0.5 s for a 49K vocabulary); None where the tokenizer's are not known."""
+        try:
+            return self.tokenizer.token_bytes
+        except CheckpointError:
+            return None
+
     def _chat_logprobs(self, lps: list, as_ids: bool = False) -> dict:
         def entry(tid, lp):
-            text = self.tokenizer.decode([tid], skip_special_tokens=False)
-            return {"token": f"token_id:{tid}" if as_ids else text, "logprob": lp, "bytes": list(text.encode())}
+            # OpenAI's ``bytes`` are the token's own, so a character split across tokens joins whole again (each
+            # part's text alone is a replacement character); the text's for special tokens or unknown tokenizers
+            text, raw = self.tokenizer.decode([tid], skip_special_tokens=False), self._raw_tokens
+            own = raw[tid] if raw is not None and tid < len(raw) else None
+            return {"token": f"token_id:{tid}" if as_ids else text, "logprob": lp,
+                    "bytes": list(own if own is not None else text.encode())}
 
         content = [{**entry(lp["token_id"], lp["logprob"]), "top_logprobs": [entry(t, v) for t, v in lp["top"]]}
                    for lp in lps if lp]
         return {"content": content, "refusal": None}
 
-    def _completion_logprobs(self, lps: list, offset0: int = 0, as_ids: bool = False) -> dict:
-        """The legacy form; ``text_offset``: each token's place in the choice's text, from ``offset0`` (where the
-        tokens' text begins: after an echoed prompt, or after a stream's earlier chunks)."""
+    def _completion_logprobs(self, lps: list, offset0: int = 0, as_ids: bool = False) -> tuple[dict, int]:
+        """The legacy form, and where the tokens' text ends; ``text_offset``: each token's place in the choice's
+        text, from ``offset0`` (where the tokens' text begins: after an echoed prompt, or after a stream's earlier
+        chunks)."""
         tokens, token_lps, tops, offsets, pos = [], [], [], [], offset0
         for lp in lps:
             if not lp:
@@ -705,7 +719,7 @@ class Frontend:
             tops.append({self._token_name(t, as_ids): v for t, v in lp["top"]})
             offsets.append(pos)
             pos += len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
     async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
         """The whole response's body once every choice is done; None if the client left first (its request is
@@ -805,13 +819,13 @@ class Frontend:
             choice["prompt_logprobs"] = self._prompt_logprobs(prompt.ids, outcome.prompt_logprobs,
                                                               req.prompt_logprobs)
         if not req.echo:
-            choice["logprobs"] = self._completion_logprobs(lps, as_ids=req.return_tokens_as_token_ids) \
+            choice["logprobs"] = self._completion_logprobs(lps, as_ids=req.return_tokens_as_token_ids)[0] \
                 if lps is not None else None
             return choice
         head, body = self._echoed(req, prompt, outcome.prompt_logprobs)
         choice["text"] = head + content
         if lps is not None:
-            tail = self._completion_logprobs(lps, offset0=len(head), as_ids=req.return_tokens_as_token_ids)
+            tail, _ = self._completion_logprobs(lps, offset0=len(head), as_ids=req.return_tokens_as_token_ids)
             choice["logprobs"] = {key: body[key] + tail[key] for key in body}
         return choice
 
@@ -823,8 +837,8 @@ class Frontend:
             return head, None
         _check_prompt_logprobs(prompt.ids, prompt_lps)
         first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
-        body = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps],
-                                         as_ids=req.return_tokens_as_token_ids)
+        body, _ = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps],
+                                            as_ids=req.return_tokens_as_token_ids)
         body["top_logprobs"][0] = None
         return head, body
 
@@ -875,10 +889,9 @@ class Frontend:
                 out = {"index": i, "delta": delta, "finish_reason": finish,
                        "logprobs": self._chat_logprobs(lps, as_ids) if want_lps and lps else None}
             else:
-                out = {"index": i, "text": delta_text, "finish_reason": finish,
-                       "logprobs": self._completion_logprobs(lps, offsets[i], as_ids) if want_lps and lps else None}
-                offsets[i] += sum(len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
-                                  for lp in lps if lp)
+                out = {"index": i, "text": delta_text, "finish_reason": finish, "logprobs": None}
+                if want_lps and lps:
+                    out["logprobs"], offsets[i] = self._completion_logprobs(lps, offsets[i], as_ids)
             if req.return_token_ids:  # every choice's ids, in order, across its chunks
                 out["token_ids"], pending[i] = pending[i], []
                 if kind != "chat" and i not in told:
