@@ -101,7 +101,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes",
-            "weights_version", "engines")
+            "node_alpha_tokens", "weights_version", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
@@ -532,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pull-interval", type=float, default=0.02)
     e.add_argument("--max-model-len", type=int, default=0)
     e.add_argument("--torch-threads", type=int, default=0)
-    e.add_argument("--alpha-tokens", type=int, default=0, help="tokens this node reads in 3 s (0: measure)")
+    e.add_argument("--alpha-tokens", type=int, default=0,
+                   help="tokens this node reads in 3 s, pinned (0: probed at start, then measured as reads drain)")
     e.add_argument("--beta-tokens", type=int, default=0, help="tokens this device prefills in 5 s (0: cost model)")
     e.add_argument("--ready-file", help=argparse.SUPPRESS)
     e.set_defaults(func=cmd_engine)

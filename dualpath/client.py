@@ -42,6 +42,10 @@ class EngineLost(DualPathError):
     """A request's decode engine died or is stopping while generating it (the client may move the reply)."""
 
 
+class Aborted(DualPathError):
+    """The scheduler ended a request while it generated (a weight update's abort): its choices end where they are."""
+
+
 @dataclass
 class GenerationResult:
     request_id: str
@@ -237,6 +241,9 @@ class RequestHandle:
             return
         except EngineLost as e:
             lost = e
+        except Aborted:
+            yield from self._ends(delivered, "abort")
+            return
         finally:
             if self.session is not None:
                 self.session.cancel(self.request_id)
@@ -264,8 +271,8 @@ class RequestHandle:
                         raise EngineLost(f"request {self.request_id}: {tok.error}")
                     if tok.finish_reason == "abort" and not self.got_tokens:
                         break  # the attempt was dropped before producing anything: wait for a retry
-                    if tok.finish_reason == "abort":
-                        raise DualPathError(f"request {self.request_id} aborted: {tok.error}")
+                    if tok.finish_reason == "abort":  # the scheduler's word on it (an abort of its own?) is near
+                        raise self._interruption(0.5, f"request {self.request_id} aborted: {tok.error}")
                     self.got_tokens = self.got_tokens or tok.token_id >= 0
                     yield tok
                     if tok.finish_reason and tok.final:
@@ -301,14 +308,14 @@ class RequestHandle:
                     raise OverloadedError(ev.error.split(": ", 1)[-1])
                 if ev.error.startswith("invalid"):
                     raise RequestError(ev.error.split(": ", 1)[-1])
-                raise DualPathError(f"request {self.request_id} failed: {ev.error}")
+                raise (Aborted if ev.aborted else DualPathError)(f"request {self.request_id} failed: {ev.error}")
             if ev.kind == "assigned":
                 self.lost_at = None
                 return ev
 
-    def _interruption(self) -> DualPathError:
+    def _interruption(self, wait_s: float = 5.0, otherwise: str = "") -> DualPathError:
         """Why a stream that had delivered tokens was stopped by news from the scheduler (``_listen``)."""
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 ev = self.queue.get(timeout=left)
@@ -317,26 +324,31 @@ class RequestHandle:
             if ev.kind == "assigned":  # started over elsewhere: the reply moves on from what was delivered
                 return EngineLost(f"request {self.request_id} was moved off {ev.decode_engine or 'its engine'}")
             if ev.kind == "failed":
-                return (EngineLost if ev.engine_lost else DualPathError)(f"request {self.request_id} failed: "
-                                                                          f"{ev.error}")
+                kind = EngineLost if ev.engine_lost else Aborted if ev.aborted else DualPathError
+                return kind(f"request {self.request_id} failed: {ev.error}")
             if ev.kind == "lost":  # and, with it, any retry: the reply moves on from what was delivered
                 return EngineLost(f"request {self.request_id}: {ev.error}")
-        return DualPathError(f"request {self.request_id}: its stream ended early (the scheduler gave up on it)")
+        return DualPathError(otherwise or f"request {self.request_id}: its stream ended early (the scheduler gave up "
+                                          "on it)")
+
+    def _ends(self, delivered: list[_Delivered], reason: str, more: bool = False) -> Iterator[TokenEvent]:
+        """Finish events of the choices whose finish event has not come: those a token ended with its reason,
+        the others with ``reason`` ("": the others go on, ``more`` events follow)."""
+        ending = [(i, d.ending or reason) for i, d in enumerate(delivered) if not d.done and (d.ending or reason)]
+        for k, (i, why) in enumerate(ending):
+            yield self._own(TokenEvent(self.request_id, finish_reason=why, index=i,
+                                       final=k == len(ending) - 1 and not more, **delivered[i].numbers))
 
     def _move(self, delivered: list[_Delivered], lost: EngineLost) -> Iterator[TokenEvent]:
         """The reply's events after its decode engine was lost: the finish events of choices whose last token
         ended them, then the unfinished choices' continuations, each a request of its own."""
         if self.migrations <= 0 or self.cancelled:
             raise DualPathError(str(lost))
-        ended = [i for i, d in enumerate(delivered) if d.ending and not d.done]
         going = [i for i, d in enumerate(delivered) if not d.ending and not d.done]
-        left = len(ended) + len(going)
-        for i in ended:
-            left -= 1
-            yield self._own(TokenEvent(self.request_id, finish_reason=delivered[i].ending, index=i, final=not left,
-                                       **delivered[i].numbers))
+        yield from self._ends(delivered, "", more=bool(going))
         if not going:
             return
+        left = len(going)
         self.client._migrated(self.request_id, lost, {i: len(delivered[i].tokens) for i in going})
         self.moved[:] = [self._continuation(i, delivered[i].tokens) for i in going]
         if self.cancelled:  # ``cancel`` ran meanwhile, before these existed

@@ -375,7 +375,7 @@ class EngineProcessConfig:
     cost_model: tuple[float, float, float] | None = None
     max_model_len: int = 0
     torch_threads: int = 0  # 0: torch's default
-    alpha_tokens: int = 0  # tokens this node reads in 3 s (0: measure at start)
+    alpha_tokens: int = 0  # tokens this node reads in 3 s, pinned (0: probed at start, then measured live)
     beta_tokens: int = 0  # prefill: tokens the device prefills in 5 s (0: from the cost model)
 
     def __post_init__(self):

@@ -86,6 +86,9 @@ class EngineLoad:
     prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
     prefill_tokens: int = 0  # the new tokens computed in those seconds
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
+    # [start, end, tokens read] of the last 10 s while this engine's read queue had work (its monotonic clock,
+    # shared by the node's engines; ReadAccounting.drain_intervals); none when its alpha is pinned by a flag
+    read_intervals: list[list[float]] = field(default_factory=list)
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
@@ -123,6 +126,7 @@ class SubmitEvent:
     work_id: str = ""  # the id engines know this attempt by (stream tokens with it)
     fingerprint: str = ""  # on "accepted", when the submitter hashed with a stale fingerprint: the current one
     engine_lost: bool = False  # on "failed": its decode engine died while generating (the reply may continue)
+    aborted: bool = False  # on "failed": ended by an abort (a weight update's): the reply so far stands, unfinished
 
 
 @dataclass(frozen=True)

@@ -193,13 +193,15 @@ class Engine:
         return 0
 
     def alpha_tokens(self) -> int:
-        """Tokens this node reads from storage in 3 s: from the configured cap, else measured."""
+        """Tokens this node reads from storage in 3 s: pinned, else from the configured cap, else probed. Unless
+        pinned, the scheduler replaces it with the rate this node's reads drain at (``read_intervals``)."""
         if self.cfg.alpha_tokens:
             return self.cfg.alpha_tokens
         bps = self.cfg.storage.read_bandwidth_bps
         if not bps:
             bps = self._measure_read_bps()
-            log.info("storage reads measured at %.0f MB/s (a --storage-read-bps cap replaces this)", bps / 1e6)
+            log.info("storage reads measured at %.0f MB/s at start (the scheduler takes the rate reads drain at "
+                     "once they run for a second; --alpha-tokens pins it)", bps / 1e6)
         return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
 
     def _measure_read_bps(self, nbytes: int = 32 << 20, max_blocks: int = 64) -> float:
@@ -262,6 +264,7 @@ class Engine:
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
                           prefill_tokens=busy_tokens,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
+                          read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
                           traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
                           storage_used_bytes=stored["used_bytes"],
                           storage_capacity_bytes=stored["capacity_bytes"], leaving=self.leaving)

@@ -26,7 +26,7 @@ from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullRep
                                SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
 from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
-from scheduler.balance import WindowedSums, max_over_avg
+from scheduler.balance import WindowedSums, max_over_avg, measured_alpha
 from scheduler.index import BlockIndex
 from scheduler.policy import EngineState, NodeState, Policy, QueuedRequest
 
@@ -138,6 +138,7 @@ class EngineRecord:
     outstanding: Outstanding = field(default_factory=Outstanding)
     group: str = field(init=False)  # the engine group it pulls with (itself when it has none)
     prefilled: tuple[float, float] = (0.0, 0.0)  # prefill engines: (tokens, seconds) of recent prefills, decaying
+    read_intervals: list[list[float]] = field(default_factory=list)  # its last report's storage drain intervals
 
     def measured_beta(self) -> int:
         """Tokens it prefills in 5 s, from its recent prefills (0 until it has prefilled a few blocks' worth)."""
@@ -203,6 +204,7 @@ class SchedulerCore:
         self.speculative: dict[str, dict[str, int]] = {}  # decode engine -> cumulative draft tokens fed, kept
         self._totals: dict[str, int] | None = None
         self._totals_at = 0.0
+        self._alphas: dict[str, tuple[float, int]] = {}  # node -> (when measured, measured alpha)
         self.read_window = WindowedSums(balance_window_s, clock)
         self.busy_window = WindowedSums(balance_window_s, clock)
 
@@ -406,10 +408,10 @@ class SchedulerCore:
         if event is not None:
             r.notify(event)
 
-    def _fail(self, rid: str, error: str, engine_lost: bool = False) -> None:
+    def _fail(self, rid: str, error: str, engine_lost: bool = False, aborted: bool = False) -> None:
         self.counters["failed"] += 1
         log.warning("request %s failed: %s", rid, error)
-        self._drop(rid, SubmitEvent("failed", rid, error=error, engine_lost=engine_lost))
+        self._drop(rid, SubmitEvent("failed", rid, error=error, engine_lost=engine_lost, aborted=aborted))
 
     def _retry(self, rid: str, why: str) -> None:
         r = self.requests[rid]
@@ -447,7 +449,7 @@ class SchedulerCore:
                     for eid in (r.pe, r.de):
                         if eid:
                             self.cancelled_for.setdefault(eid, []).append(r.work_id)
-                    self._fail(rid, "aborted: the model's weights are being updated")
+                    self._fail(rid, "aborted: the model's weights are being updated", aborted=True)
                     ended += 1
                 else:
                     self._retry(rid, "the model's weights are being updated")
@@ -561,6 +563,7 @@ class SchedulerCore:
         if e.outstanding:
             e.outstanding.discard_all(load.request_ids)  # the engine's own numbers now include them
         node = e.info.node_id
+        e.read_intervals = load.read_intervals
         if load.storage_read_bytes:  # the windows track every node and prefill engine from registration
             self.storage_read_bytes[node] = self.storage_read_bytes.get(node, 0) + load.storage_read_bytes
             self.read_window.add(node, load.storage_read_bytes)
@@ -692,7 +695,19 @@ class SchedulerCore:
             if e.alive:
                 n.read_q += e.load.read_q_tokens if e.load else 0
                 n.alpha = max(n.alpha, e.info.alpha_tokens)
+        n.alpha = self.live_alpha(node) or n.alpha
         return n
+
+    def live_alpha(self, node: str) -> int:
+        """The node's alpha as its read queues drained in the last 10 s (0: too few reads to tell; the engines'
+        start-up probe or pinned value stands). Recomputed at most every 0.5 s: pulls ask for nodes far more often
+        than reads change the answer."""
+        now = self.clock()
+        at, alpha = self._alphas.get(node, (-1.0, 0))
+        if at < 0 or now - at > 0.5:
+            alpha = measured_alpha([i for e in self.by_node.get(node, ()) if e.alive for i in e.read_intervals])
+            self._alphas[node] = (now, alpha)
+        return alpha
 
     # --- metrics --------------------------------------------------------------------------------------------
     def balance(self) -> dict:
@@ -710,6 +725,7 @@ class SchedulerCore:
 
     def stats(self) -> dict:
         with self.lock:
+            nodes = {n: self.node_state(n) for n in self.by_node}
             return {
                 **self.counters,
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
@@ -719,7 +735,9 @@ class SchedulerCore:
                 "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
                 "engines_alive_by_role": {r.value: len(ids) for r, ids in self.alive_ids.items()},
-                "node_read_q_tokens": {n: self.node_state(n).read_q for n in self.by_node},
+                "node_read_q_tokens": {n: s.read_q for n, s in nodes.items()},
+                "node_alpha_tokens": {n: s.alpha for n, s in nodes.items()},
+                "node_alpha_measured": {n: self.live_alpha(n) > 0 for n in nodes},
                 "storage_read_bytes": dict(self.storage_read_bytes),
                 "prefill_busy_s": dict(self.prefill_busy_s),
                 "pulls_by_sender": dict(self.pulls_by_sender),

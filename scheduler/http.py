@@ -27,6 +27,14 @@ def render(stats: dict) -> str:
     rq = r.gauge("node_read_queue_tokens", "Storage read queue per node, in tokens", ["node"])
     for node, v in stats.get("node_read_q_tokens", {}).items():
         rq.set(v, node=node)
+    rate = r.gauge("node_storage_read_tokens_per_second", "How fast the node's storage read queue drains, in tokens "
+                   "(alpha / 3 s): as measured while reads were queued lately, else its engines' start-up probe",
+                   ["node"])
+    live = r.gauge("node_storage_read_rate_measured", "1 if the node's read rate is measured live, 0 if probed",
+                   ["node"])
+    for node, v in stats.get("node_alpha_tokens", {}).items():
+        rate.set(v / 3, node=node)
+        live.set(int(stats.get("node_alpha_measured", {}).get(node, False)), node=node)
     rb = r.counter("node_storage_read_bytes_total", "Storage bytes read per node", ["node"])
     for node, v in stats.get("storage_read_bytes", {}).items():
         rb.inc(v, node=node)

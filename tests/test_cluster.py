@@ -341,7 +341,15 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
         assert not errors, errors
         for i, got in results.items():
             assert got.token_ids == reference.generate(prompts[i], GREEDY)[0].token_ids
-        assert client.stats()["retried"] >= 1
+        stats = client.stats()
+        assert stats["retried"] >= 1
+        # the survivor read its stored prefixes and those handed on from the dead engine for seconds: the
+        # scheduler's alpha for its node is now their drain rate, the cap's (its engines' reports, real reads)
+        node = stats["engines"]["prefill-1"]["node"]
+        config = open_checkpoint(tiny_dirs["llama"]).config
+        cap_alpha = 3 * 50_000 / (config.num_layers * config.kv_elems_per_token * 4)
+        assert stats["node_alpha_measured"][node], stats
+        assert 0.7 * cap_alpha < stats["node_alpha_tokens"][node] < 1.3 * cap_alpha, (stats, cap_alpha)
         client.close()
 
 

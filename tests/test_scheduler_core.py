@@ -9,7 +9,9 @@ from dualpath.errors import RequestError
 from dualpath.geometry import choice_blocks
 from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
 from dualpath.sampling_params import SamplingParams
+from scheduler.balance import drain_rate, measured_alpha
 from scheduler.core import SchedulerCore
+from scheduler.http import render
 from scheduler.policy import make_policy
 
 BS = 16
@@ -32,13 +34,15 @@ class SimEngine:
 
     def __init__(self, inf: EngineInfo):
         self.info, self.held, self.finished = inf, {}, []
+        self.read_intervals = []  # its storage read queue's drain intervals (ReadAccounting.drain_intervals)
 
     def load(self):
         used = sum(r for _, r in self.held.values())
         decode = self.info.role is Role.DECODE
         return EngineLoad(self.info.engine_id, len(self.held), sum(t for t, _ in self.held.values()), 0,
                           self.info.capacity_tokens - used, request_ids=list(self.held),
-                          finished=self.finished, started=list(self.held) if decode else [])
+                          finished=self.finished, started=list(self.held) if decode else [],
+                          read_intervals=self.read_intervals)
 
 
 def make_core(policy, clock, groups=False):
@@ -335,3 +339,54 @@ def test_the_block_index_rebuilds_in_the_background(tmp_path):
 
 def chain_keys(n: int) -> list[bytes]:
     return [bytes([i]) * 16 for i in range(1, n + 1)]
+
+
+def test_drain_rate_counts_the_time_a_nodes_engines_read_at_once_once():
+    assert drain_rate([]) == (0.0, 0.0)
+    assert drain_rate([[0, 1, 100], [0, 1, 100]]) == (200, 1)  # two engines sharing the disk for the same second
+    assert drain_rate([[3, 4, 30], [0, 1, 100], [0.5, 2, 50], [3.2, 3.5, 5]]) == (185, 3)
+    assert measured_alpha([[0, 2, 100], [5, 6, 0]]) == 100  # 100 tokens in 3 s of reading: idle time is not counted
+    assert measured_alpha([[0, 0.5, 100]]) == 0  # half a second of reads: latency, not a rate (the probe stands)
+    assert measured_alpha([[0, 2, 100]], min_drain_s=3) == 0
+
+
+def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_its_probe_said_fast():
+    """The engines' start-up probe says 100K tokens in 3 s; then their reads drain at 10 tokens/s (a shared store
+    under contention). The scheduler takes the measured rate (it recomputes a 128-token stored prefix rather than
+    wait ~13 s for it) and goes back to the probe's once the slow reads leave the 10 s window."""
+    from dataclasses import replace
+
+    from dualpath.messages import pack_keys
+
+    clock = Clock()
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
+                         make_policy("dualpath", recompute_slow_hits=True), clock)
+    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", alpha=300_000, beta=5_000)),
+                                             SimEngine(info("d0", Role.DECODE, "n1", alpha=300_000)))}
+    for e in engines.values():
+        assert core.register(e.info).ok
+    core.report(replace(engines["p0"].load(), prefill_busy_s=1.0, prefill_tokens=1_000))  # prefills 1K tokens/s
+    keys = pack_keys(chain_keys(8))
+    core.report(replace(engines["d0"].load(), stored_keys=keys))
+
+    def turn(rid, intervals):
+        for e in engines.values():
+            e.read_intervals = intervals
+        clock.t += 1.0  # past the measure's 0.5 s cache
+        core.submit(SubmitRequest(rid, pack_tokens(range(8 * BS + 4)), SamplingParams(max_tokens=4).to_dict(),
+                                  block_hashes=keys))
+        for g in ["d0", "p0"]:
+            reply = pull(core, engines, g)
+        (a,) = reply.assignments["p0"]
+        return len(a.hit_keys) // 16
+
+    assert turn("r0", []) == 8 and core.stats()["node_alpha_tokens"] == {"n0": 300_000, "n1": 300_000}
+    slow = [[clock.t - 4, clock.t - 2, 20.0]]  # 20 tokens in 2 s: alpha 30
+    assert turn("r1", slow) == 0 and core.counters["recomputed_hit_tokens"] == 8 * BS
+    stats = core.stats()
+    assert stats["node_alpha_tokens"] == {"n0": 30, "n1": 30} and stats["node_alpha_measured"] == {"n0": True,
+                                                                                                   "n1": True}
+    text = render(stats)
+    assert 'dualpath_node_storage_read_tokens_per_second{node="n0"} 10' in text
+    assert 'dualpath_node_storage_read_rate_measured{node="n1"} 1' in text
+    assert turn("r2", []) == 8  # the engines' windows emptied: the probe's rate again

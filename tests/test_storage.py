@@ -14,8 +14,16 @@ from dualpath.geometry import KVGeometry
 from dualpath.paths import auto_store_capacity, parse_size
 from traffic.storage import ReadAccounting, make_storage
 from traffic.storage.fs import FsStorage
+from scheduler.balance import drain_rate
 
-GEOM = KVGeometry(num_layers=4, block_size=16, kv_elems_per_token=8, dtype="float32")  # 2 KiB per layer
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+GEOM = KVGeometry(num_layers=4, block_size=16, kv_elems_per_token=8, dtype="float32")  # 2 KiB a block
 FP = bytes(range(16))
 
 
@@ -245,6 +253,58 @@ def test_read_accounting_and_bandwidth_cap(tmp_path):
     snap = acct.snapshot()
     assert snap.queue_tokens == 0 and snap.completed_blocks == 12
     assert snap.completed_bytes == 12 * GEOM.full_block_bytes
+
+
+def test_drain_intervals_measure_the_rate_reads_drain_at_not_the_idle_time_between(tmp_path):
+    """Real reads through a 25 KB/s cap, in two bursts 0.4 s apart: two intervals, every token read counted, and
+    tokens over their summed length is the cap's rate (the idle gap between them would halve it)."""
+    per_token = GEOM.full_block_bytes / GEOM.block_size
+    acct = ReadAccounting(bandwidth_bps=25_000, bytes_per_token=per_token)
+    s = FsStorage(tmp_path, GEOM, FP, StorageConfig(io_threads=4), acct)
+    ks = keys(12)
+    s.write(ks, blocks(12)).result()
+    assert acct.drain_intervals() == []
+    for part in (ks[:6], ks[6:]):  # each ~0.5 s at the cap
+        assert s.read(part, empty(6)).result() == [None] * 6
+        time.sleep(0.4)
+    intervals = acct.drain_intervals()
+    assert len(intervals) == 2 and sum(t for *_, t in intervals) == 12 * GEOM.block_size
+    tokens, seconds = drain_rate(intervals)
+    assert 0.75 * 25_000 < tokens * per_token / seconds < 1.3 * 25_000  # (each burst starts with 50 ms free)
+    assert intervals[1][0] - intervals[0][1] >= 0.4
+
+
+def test_drain_intervals_merge_short_gaps_cap_their_number_and_keep_ten_seconds():
+    clock = Clock()
+    acct = ReadAccounting(bytes_per_token=10.0, clock=clock)
+
+    def burst(nbytes, seconds, ok=True):
+        acct.enqueue(1, nbytes)
+        acct.start(nbytes)
+        clock.t += seconds
+        acct.finish(nbytes, ok)
+
+    burst(100, 1.0)
+    clock.t += 0.002  # the queue refills at once: the same interval goes on
+    burst(200, 1.0, ok=False)  # a failed read drains the queue but reads no tokens
+    assert acct.drain_intervals() == [[0.0, 2.002, 10.0]]
+    clock.t += 1.0
+    acct.enqueue(1, 50)  # in flight now: the open interval ends at the present
+    clock.t += 0.5
+    assert acct.drain_intervals()[-1] == [3.002, 3.502, 0.0]
+    acct.start(50)
+    acct.finish(50)
+    for _ in range(40):
+        clock.t += 0.1
+        burst(10, 0.01)
+    intervals = acct.drain_intervals()
+    assert len(intervals) == 32 and sum(t for *_, t in intervals) == 10 + 5 + 40
+    assert intervals[0][0] == 0.0  # the oldest merged, never dropped while in the window
+    clock.t += 20
+    assert acct.drain_intervals() == []
+    acct.enqueue(1, 10)
+    clock.t += 30  # a read in flight longer than the window is still reported
+    assert acct.drain_intervals() == [[clock.t - 30, clock.t, 0.0]]
 
 
 

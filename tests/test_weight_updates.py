@@ -2,6 +2,7 @@
 pause / drain / load / resume, and across a real cluster, where no block computed by the old weights may hit."""
 import asyncio
 import hashlib
+import json
 import shutil
 import threading
 import time
@@ -141,7 +142,7 @@ def test_abort_requeues_requests_not_generating_and_ends_those_generating():
     de = core.requests["wait"].de
     assert core.pause(abort=True) == 1
     last = list(streaming.queue)[-1]
-    assert last.kind == "failed" and "weights are being updated" in last.error
+    assert last.kind == "failed" and "weights are being updated" in last.error and last.aborted
     assert "gen" not in core.requests
     r = core.requests["wait"]
     assert r.attempt == 1 and r.pe is None and "wait" in core.global_queue
@@ -334,6 +335,78 @@ def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny
         got = scored["meta_info"]["input_token_logprobs"]
         assert got[0] == [None, PROMPT[0], None] and [t for _, t, _ in got] == PROMPT
         assert all(abs(g[0] - r.logprob) < 1e-4 for g, r in zip(got[1:], ref[1:]))
+    front.client.close()
+
+
+def sse(lines) -> list[dict]:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(cluster, tiny_dirs):
+    """SGLang's ``/abort_request`` (RL trainers end their partial rollouts with it): by rid, a streamed reply ends
+    at once with finish reason abort and its tokens so far, the reference's first ones; ``abort_all`` ends every
+    request, not streamed ones and OpenAI endpoints' too; nothing is left running. A weight update's
+    ``abort_all_requests`` ends a generating reply the same way."""
+    c, client, _ = cluster
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512))
+    n = 512 - len(PROMPT)
+    want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    long = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    with TestClient(front.app) as http:
+        assert http.post("/abort_request", json={}).status_code == 400
+        assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": 0}
+        with http.stream("POST", "/generate", json={"input_ids": PROMPT, "rid": "r-1", "stream": True,
+                                                     "sampling_params": long}) as r:
+            lines = r.iter_lines()
+            first = sse([next(x for x in lines if x.startswith("data: "))])
+            assert http.post("/abort_request", json={"rid": "r-1"}).json() == {"aborted": 1}
+            events = first + sse(lines)
+        last = events[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["meta_info"]["id"] == "r-1"
+        assert 0 < len(last["output_ids"]) < n and last["output_ids"] == want[:len(last["output_ids"])]
+
+        got = {}
+        batch = threading.Thread(target=lambda: got.setdefault("generate", http.post("/generate", json={
+            "input_ids": [PROMPT, PROMPT], "sampling_params": long})))
+        completion = threading.Thread(target=lambda: got.setdefault("completion", http.post("/v1/completions", json={
+            "model": "llama", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True})))
+        batch.start()
+        completion.start()
+        deadline = time.monotonic() + 30
+        while len(front.running) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # some tokens
+        assert http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 3}
+        batch.join(30)
+        completion.join(30)
+        outs = got["generate"].json()
+        assert got["generate"].status_code == 200 and len(outs) == 2
+        for o in outs:
+            assert o["meta_info"]["finish_reason"]["type"] == "abort" and o["output_ids"] == want[:len(o["output_ids"])]
+        choice = got["completion"].json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and len(choice["text"]) < n
+        assert not front.running and front.in_flight == 0
+        deadline = time.monotonic() + 10
+        while client.stats()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.stats()["in_flight"] == 0  # the scheduler and engines dropped them
+        assert 'dualpath_requests_aborted_total 4' in http.get("/metrics").text
+
+        # a weight update's abort_all_requests (SGLang's) ends a generating reply the same way, not as an error
+        update = threading.Thread(target=lambda: got.setdefault("update", http.post(
+            "/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"]), "abort_all_requests": True})))
+        with http.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True, "sampling_params": long}) as r:
+            lines = r.iter_lines()
+            first = sse([next(x for x in lines if x.startswith("data: "))])  # it generates: it is not requeued
+            update.start()
+            out = (first + sse(lines))[-1]
+        update.join(30)
+        assert got["update"].status_code == 200 and got["update"].json()["num_aborted_requests"] == 1
+        assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[:len(out["output_ids"])]
+        after = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {**long, "max_new_tokens": 8}})
+        assert after.json()["output_ids"] == want[:8]
     front.client.close()
 
 

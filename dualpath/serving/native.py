@@ -63,7 +63,7 @@ class NativeApi:
             samplings = [self.front._sampling(comp, "completions", p) for p in prompts]
             single = comp.n == 1 and (isinstance(req.text, str) or isinstance((req.input_ids or [[]])[0], int))
             answer = _Answers(self.front.tokenizer, req, comp, prompts, samplings, time.perf_counter())
-            gens = await self.front._start(comp, prompts, samplings)  # from here on the generations must close
+            gens = await self.front._start(comp, prompts, samplings, answer.given_rids)  # from here on they close
             if req.stream:
                 return StreamingResponse(answer.events(gens), media_type="text/event-stream")
             got = await self.front.gather(request, gens)
@@ -139,6 +139,7 @@ class _Answers:
         self.start = start
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
         self.rids = [r or f"gen-{start:.6f}-{i}" for i, r in enumerate(rids)]
+        self.given_rids = [r or "" for r in rids]  # what /abort_request names them by (none: not by rid)
 
     def one(self, i: int, text: str, lps: list, ids: list[int], outcome: Outcome | None) -> dict:
         p = i // self.comp.n
@@ -168,6 +169,8 @@ class _Answers:
         tokens' own) or the last token (an end or stop token)."""
         if outcome.finish_reason == "length":
             return {"type": "length", "length": len(ids)}
+        if outcome.finish_reason == "abort":
+            return {"type": "abort", "message": "aborted (/abort_request, or a weight update's abort_all_requests)"}
         whole = self.tok.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
         for s in sampling.stop:
             if s in whole[max(0, len(text) - len(s)):]:

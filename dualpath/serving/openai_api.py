@@ -37,8 +37,8 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
 from dualpath.serving.native import NativeApi
-from dualpath.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                       UpdateWeightsRequest, error_body, parse)
+from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, UpdateWeightsRequest, error_body, parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
@@ -81,6 +81,7 @@ class Frontend:
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
+        self.running: set[Fanout] = set()  # requests being generated (what /abort_request looks in; under _lock)
         self._compiled: OrderedDict = OrderedDict()  # grammars known to compile (COMPILED_KEPT most recent)
         m = self.metrics = Registry()
         self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
@@ -100,6 +101,7 @@ class Frontend:
                                     ["finish_reason"])
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
+        self.m_aborted = m.counter("requests_aborted_total", "Requests ended by /abort_request")
         self.m_migrations = m.counter("request_migrations_total", "Replies moved to other decode engines after "
                                       "theirs died while generating them")
         self.m_migrations.inc(0)  # shown from the start
@@ -194,6 +196,10 @@ class Frontend:
         @app.post("/generate")
         async def generate(request: Request):
             return await self.native.generate(request)
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            return await self._utility(request, "abort_request", AbortRequest, self._abort)
 
         @app.post("/update_weights_from_disk")
         async def update_weights(request: Request):
@@ -364,9 +370,11 @@ class Frontend:
                                     input_items(call.req.input))
         return response
 
-    async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams]) -> list:
+    async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams],
+                     rids: list[str] | None = None) -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
-        one generator per choice (``_generate``), prompt after prompt. Admission counts every choice."""
+        one generator per choice (``_generate``), prompt after prompt. Admission counts every choice. ``rids``:
+        each prompt's id for ``/abort_request`` (SGLang's ``rid``; default: the request's own id)."""
         k = req.samples()
         total = k * len(prompts)
         if total > self.cfg.max_concurrent_requests:
@@ -381,9 +389,11 @@ class Frontend:
         mode = (req.dualpath.mode or "") if req.dualpath else ""
         gens, loop = [], asyncio.get_running_loop()
         try:
-            for p, sampling in zip(prompts, samplings):
+            for j, (p, sampling) in enumerate(zip(prompts, samplings)):
                 handle = await asyncio.to_thread(self.client.start, p.ids, sampling, None, mode)
-                fan = Fanout(handle, k, loop)
+                fan = Fanout(handle, k, loop, rids[j] if rids else "", self._finished)
+                with self._lock:
+                    self.running.add(fan)
                 gens += [Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
         except BaseException as e:
             for g in gens:  # the prompts already submitted are cancelled
@@ -399,6 +409,23 @@ class Frontend:
     def _done(self) -> None:
         with self._lock:
             self.in_flight -= 1
+
+    def _finished(self, fan: Fanout) -> None:
+        with self._lock:
+            self.running.discard(fan)
+
+    def _abort(self, req: AbortRequest) -> dict:
+        """SGLang's ``/abort_request``: the requests named ``rid`` (or all, ``abort_all``) end where they are; each
+        choice answers with what it generated so far and finish reason ``abort`` (an RL trainer's partial rollouts
+        at a weight update)."""
+        if not req.rid and not req.abort_all:
+            raise ApiError(400, "give the rid of the request(s) to abort, or abort_all", param="rid")
+        with self._lock:
+            fans = [f for f in self.running if req.abort_all or f.rid == req.rid]
+        for f in fans:
+            f.abort()
+        self.m_aborted.inc(len(fans))
+        return {"aborted": len(fans)}
 
     # --- request -> tokens and sampling ---------------------------------------------------------------------
     def _prompts(self, req, kind: str) -> list[Prompt]:
@@ -602,7 +629,7 @@ class Frontend:
         try:
             while True:
                 ev = await events.get()
-                if ev is None:
+                if ev is None or (fan.aborted and isinstance(ev, BaseException)):
                     break
                 if isinstance(ev, BaseException):
                     if isinstance(ev, OverloadedError):
@@ -635,12 +662,18 @@ class Frontend:
                     yield text[emitted:safe], [ev.token_id] if ev.token_id >= 0 else [], lp
                     emitted = safe
                 if ev.finish_reason:
-                    outcome.finish_reason = "length" if ev.finish_reason == "length" else "stop"
+                    outcome.finish_reason = ev.finish_reason if ev.finish_reason in ("length", "abort") else "stop"
                     outcome.cached_tokens, outcome.path = ev.num_cached_tokens, ev.path
                     outcome.storage_bytes = ev.storage_bytes
                     finished = True
                     fan.release(early=False)
                     break
+            if not finished and fan.aborted:  # /abort_request: the text so far (no stop string was in it)
+                text += detok.flush()
+                if len(text) > emitted:
+                    yield text[emitted:], [], None
+                outcome.finish_reason, finished = "abort", True
+                fan.release(early=False)
             if not finished:
                 raise ApiError(500, "generation ended without a finish reason", "server_error")
             self._observe(outcome, len(prompt) if index == 0 else 0, start, first, last)  # the prompt ran once

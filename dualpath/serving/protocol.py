@@ -546,6 +546,14 @@ class UpdateWeightsRequest(BaseModel):
     timeout: float = Field(default=600.0, gt=0, le=86400)
 
 
+class AbortRequest(BaseModel):
+    """``/abort_request`` (SGLang's): end the requests sent with ``rid`` (``/generate``'s), or every one."""
+
+    model_config = ConfigDict(extra="forbid")
+    rid: str = ""
+    abort_all: bool = False
+
+
 def parse(model_cls, body: bytes):
     """Parse and validate a request body; raise ``RequestError`` naming the offending field."""
     try:

@@ -1,14 +1,24 @@
 """Storage read accounting for one node: what waits, what is in flight, what completed, and an optional cap.
 
 The scheduler balances nodes by their read queue in tokens (the paper's read_q): bytes waiting or being read,
-over the KV bytes of one token (all layers), so a layer-range read counts for its share of its tokens. The cap is a token bucket on bytes per second, used to emulate each node's storage NIC
-when several "nodes" share one machine in tests and benchmarks; it is off by default.
+over the KV bytes of one token (all layers), so a layer-range read counts for its share of its tokens. The cap is
+a token bucket on bytes per second, used to emulate each node's storage NIC when several "nodes" share one machine
+in tests and benchmarks; it is off by default.
+
+The accounting also keeps the intervals of its last ``READ_RATE_WINDOW_S`` seconds during which its queue was not
+empty, with the tokens read in each, so the scheduler can measure how fast a node's read queue drains while it has
+work (the paper's alpha, live) instead of trusting a start-up probe that saw an idle disk.
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+
+READ_RATE_WINDOW_S = 10.0  # the drain intervals reported: those of the last 10 s
+_MERGE_GAP_S = 0.005  # a queue that empties and refills within 5 ms stays one interval (a layer loop's reads)
+_MAX_INTERVALS = 32  # beyond this the oldest two merge (their gap counts as busy: the rate only errs low)
 
 
 @dataclass(frozen=True)
@@ -21,8 +31,9 @@ class ReadSnapshot:
 
 
 class ReadAccounting:
-    def __init__(self, bandwidth_bps: float = 0.0, bytes_per_token: float = 1.0):
+    def __init__(self, bandwidth_bps: float = 0.0, bytes_per_token: float = 1.0, clock=time.monotonic):
         self.bandwidth_bps = float(bandwidth_bps)
+        self.clock = clock  # monotonic and system-wide: the intervals of one node's engines share a time base
         self.bytes_per_token = float(bytes_per_token)
         self._lock = threading.Lock()
         self._waiting_blocks = self._waiting_bytes = 0
@@ -32,9 +43,17 @@ class ReadAccounting:
         self._stamp = time.monotonic()
         # A 50 ms burst keeps the rate smooth without starving a single large block.
         self._burst = self.bandwidth_bps * 0.05
+        # [start, end, tokens read] while the queue was not empty, oldest first; while it is not empty the last
+        # one is open (its end is not yet known)
+        self._intervals: deque[list[float]] = deque()
+
+    def _pending(self) -> int:
+        return self._waiting_blocks + self._inflight_blocks
 
     def enqueue(self, num_blocks: int, nbytes: int) -> None:
         with self._lock:
+            if num_blocks and not self._pending():
+                self._open_interval()
             self._waiting_blocks += num_blocks
             self._waiting_bytes += nbytes
 
@@ -54,6 +73,35 @@ class ReadAccounting:
             if ok:
                 self._done_bytes += nbytes
                 self._done_blocks += 1
+            if self._intervals:  # (a read that was never enqueued has none)
+                if ok:
+                    self._intervals[-1][2] += nbytes / self.bytes_per_token
+                if not self._pending():
+                    self._intervals[-1][1] = self.clock()
+
+    def _open_interval(self) -> None:
+        now = self.clock()
+        if self._intervals and now - self._intervals[-1][1] <= _MERGE_GAP_S:
+            return  # the last interval goes on
+        self._intervals.append([now, now, 0.0])
+        if len(self._intervals) > _MAX_INTERVALS:
+            start, _, tokens = self._intervals.popleft()
+            self._intervals[0][0] = start
+            self._intervals[0][2] += tokens
+
+    def drain_intervals(self, window_s: float = READ_RATE_WINDOW_S) -> list[list[float]]:
+        """``[start, end, tokens]`` of each interval in the last ``window_s`` seconds during which reads were
+        waiting or in flight (an open one ends now), and the tokens read in it: the read queue drained at
+        ``tokens / (end - start)`` while it had work. Engines send these with every load report (the whole window
+        each time, so a lost report loses nothing)."""
+        with self._lock:
+            now = self.clock()
+            while len(self._intervals) > (1 if self._pending() else 0) and self._intervals[0][1] < now - window_s:
+                self._intervals.popleft()
+            out = [list(i) for i in self._intervals]
+            if out and self._pending():
+                out[-1][1] = now
+            return out
 
     def _throttle(self, nbytes: int) -> None:
         if self.bandwidth_bps <= 0:
