@@ -509,7 +509,8 @@ class ClusterClient:
 
     def generate_choices(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                          mode: str = "") -> list[GenerationResult]:
-        """Every choice of one request (``sampling.n``), in choice order."""
+        """Every choice of one request (``sampling.n``), in choice order. A choice a weight update aborted
+        (``update_weights(abort=True)``) ends with finish reason ``abort`` and the tokens it had."""
         start = time.perf_counter()
         times: list[list[float]] = [[] for _ in range(sampling.n)]
         tokens, logprobs = [[] for _ in range(sampling.n)], [[] for _ in range(sampling.n)]

@@ -86,7 +86,7 @@ class EngineLoad:
     prefill_busy_s: float = 0.0  # seconds spent in prefill attention since the last report (PEs)
     prefill_tokens: int = 0  # the new tokens computed in those seconds
     storage_read_bytes: int = 0  # completed storage read bytes since the last report
-    # [start, end, tokens read] of the last 10 s while this engine's read queue had work (its monotonic clock,
+    # [start, end, tokens read] of the last 10 s while blocks waited for this engine's reads (its monotonic clock,
     # shared by the node's engines; ReadAccounting.drain_intervals); none when its alpha is pinned by a flag
     read_intervals: list[list[float]] = field(default_factory=list)
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)

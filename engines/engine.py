@@ -194,14 +194,15 @@ class Engine:
 
     def alpha_tokens(self) -> int:
         """Tokens this node reads from storage in 3 s: pinned, else from the configured cap, else probed. Unless
-        pinned, the scheduler replaces it with the rate this node's reads drain at (``read_intervals``)."""
+        pinned, the scheduler replaces it with the rate this node reads at while storage is its bottleneck
+        (``read_intervals``)."""
         if self.cfg.alpha_tokens:
             return self.cfg.alpha_tokens
         bps = self.cfg.storage.read_bandwidth_bps
         if not bps:
             bps = self._measure_read_bps()
-            log.info("storage reads measured at %.0f MB/s at start (the scheduler takes the rate reads drain at "
-                     "once they run for a second; --alpha-tokens pins it)", bps / 1e6)
+            log.info("storage reads measured at %.0f MB/s at start (the scheduler goes by the rate measured once "
+                     "blocks wait to be read for a second; --alpha-tokens pins it)", bps / 1e6)
         return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
 
     def _measure_read_bps(self, nbytes: int = 32 << 20, max_blocks: int = 64) -> float:

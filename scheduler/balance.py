@@ -1,7 +1,7 @@
 """Balance over sliding windows: storage-read bytes across nodes and prefill attention time across the prefill
 engines of a group, each as max/avg (1.0 is perfect balance). The paper reports 1.18 for storage reads with its
 scheduler (1.53 with round-robin) and 1.06 for attention time. Also a node's storage read rate, from the intervals
-its engines' read queues had work."""
+its engines had blocks waiting to be read."""
 from __future__ import annotations
 
 import threading
@@ -62,13 +62,13 @@ def max_over_avg(values) -> float:
     return max(values) / avg if avg > 0 else 1.0
 
 
-MIN_DRAIN_S = 1.0  # seconds of a node's last ten with reads queued before their rate replaces the start-up probe
+MIN_DRAIN_S = 1.0  # seconds of a node's last ten with blocks waiting before their rate replaces the start-up probe
 
 
 def drain_rate(intervals) -> tuple[float, float]:
     """(tokens read, seconds) over the ``[start, end, tokens]`` drain intervals of a node's engines
     (``ReadAccounting.drain_intervals``): the seconds are those of their union, when at least one engine of the
-    node had reads waiting or in flight. Engines of one node share the disk or NIC, so reads that overlap count
+    node had blocks waiting to be read. Engines of one node share the disk or NIC, so reads that overlap count
     their time once, and ``tokens / seconds`` is the node's rate, not a sum of shares nor one engine's share."""
     tokens, busy, end = 0.0, 0.0, float("-inf")
     for start, stop, read in sorted(intervals):
@@ -80,7 +80,7 @@ def drain_rate(intervals) -> tuple[float, float]:
 
 
 def measured_alpha(intervals, min_drain_s: float = MIN_DRAIN_S) -> int:
-    """Tokens the node reads in 3 s (the paper's alpha), as its read queues drained lately, or 0 (not measured)
-    when they had work for under ``min_drain_s``: a few short reads measure latency, not bandwidth."""
+    """Tokens the node reads in 3 s (the paper's alpha), as it read lately while blocks waited, or 0 (not
+    measured) when they waited for under ``min_drain_s``: a few short waits measure too little to go by."""
     tokens, busy = drain_rate(intervals)
     return int(3 * tokens / busy) if busy >= min_drain_s and tokens > 0 else 0

@@ -699,7 +699,7 @@ class SchedulerCore:
         return n
 
     def live_alpha(self, node: str) -> int:
-        """The node's alpha as its read queues drained in the last 10 s (0: too few reads to tell; the engines'
+        """The node's alpha as it read in the last 10 s while blocks waited (0: too little to tell; the engines'
         start-up probe or pinned value stands). Recomputed at most every 0.5 s: pulls ask for nodes far more often
         than reads change the answer."""
         now = self.clock()

@@ -31,6 +31,14 @@ class Cut(ScriptedHandle):
             yield replace(ev, finish_reason="length") if ev.finish_reason else ev
 
 
+class Aborted(ScriptedHandle):
+    """A reply ended by /abort_request."""
+
+    def events(self):
+        for ev in super().events():
+            yield replace(ev, finish_reason="abort") if ev.finish_reason else ev
+
+
 class Empty(ScriptedHandle):
     """A reply whose first event ends it (an end-of-sequence token, not shown)."""
 
@@ -161,6 +169,11 @@ def test_a_cut_reply_is_incomplete_and_stored_responses_can_be_read_and_deleted(
     assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"]["reason"] == \
         "max_output_tokens"
     validate("ResponseIncompleteEvent", last)
+    fake.reply = lambda s: Aborted([tok.encode("one two", add_special_tokens=False)])
+    aborted = http.post("/v1/responses", json={"model": "m", "input": "count"}).json()
+    validate("Response", aborted)
+    assert aborted["status"] == "incomplete" and aborted["incomplete_details"] is None
+    assert aborted["output"][0]["status"] == "incomplete" and aborted["output"][0]["content"][0]["text"] == "one two"
     fake.reply = "ok"
     rid = body["id"]
     assert http.get(f"/v1/responses/{rid}").json() == body

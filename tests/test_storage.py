@@ -256,8 +256,8 @@ def test_read_accounting_and_bandwidth_cap(tmp_path):
 
 
 def test_drain_intervals_measure_the_rate_reads_drain_at_not_the_idle_time_between(tmp_path):
-    """Real reads through a 25 KB/s cap, in two bursts 0.4 s apart: two intervals, every token read counted, and
-    tokens over their summed length is the cap's rate (the idle gap between them would halve it)."""
+    """Real reads through a 25 KB/s cap, in two bursts 0.4 s apart: two intervals while blocks waited for the cap,
+    and the tokens read in them over their summed length is the cap's rate (the idle gap would nearly halve it)."""
     per_token = GEOM.full_block_bytes / GEOM.block_size
     acct = ReadAccounting(bandwidth_bps=25_000, bytes_per_token=per_token)
     s = FsStorage(tmp_path, GEOM, FP, StorageConfig(io_threads=4), acct)
@@ -268,43 +268,58 @@ def test_drain_intervals_measure_the_rate_reads_drain_at_not_the_idle_time_betwe
         assert s.read(part, empty(6)).result() == [None] * 6
         time.sleep(0.4)
     intervals = acct.drain_intervals()
-    assert len(intervals) == 2 and sum(t for *_, t in intervals) == 12 * GEOM.block_size
+    assert len(intervals) == 2  # (each burst's last reads finish once nothing waits: not counted)
     tokens, seconds = drain_rate(intervals)
     assert 0.75 * 25_000 < tokens * per_token / seconds < 1.3 * 25_000  # (each burst starts with 50 ms free)
     assert intervals[1][0] - intervals[0][1] >= 0.4
 
 
-def test_drain_intervals_merge_short_gaps_cap_their_number_and_keep_ten_seconds():
+def test_drain_intervals_count_the_time_blocks_wait_and_the_tokens_read_meanwhile():
+    """One I/O thread (the tests' clock): while blocks wait for it, each read it finishes counts; the last block's,
+    read after nothing waits, does not, as the first started before the waiting: 1 token a second is the rate."""
     clock = Clock()
     acct = ReadAccounting(bytes_per_token=10.0, clock=clock)
 
-    def burst(nbytes, seconds, ok=True):
-        acct.enqueue(1, nbytes)
-        acct.start(nbytes)
-        clock.t += seconds
-        acct.finish(nbytes, ok)
+    def burst(blocks, seconds, ok=True):
+        acct.enqueue(blocks, 10 * blocks)
+        for _ in range(blocks):
+            acct.start(10)
+            clock.t += seconds
+            acct.finish(10, ok)
 
-    burst(100, 1.0)
-    clock.t += 0.002  # the queue refills at once: the same interval goes on
-    burst(200, 1.0, ok=False)  # a failed read drains the queue but reads no tokens
-    assert acct.drain_intervals() == [[0.0, 2.002, 10.0]]
-    clock.t += 1.0
-    acct.enqueue(1, 50)  # in flight now: the open interval ends at the present
+    burst(1, 1.0)  # a read that never waited for a thread: latency, no measure
+    assert acct.drain_intervals() == []
+    burst(3, 1.0)
+    assert acct.drain_intervals() == [[1.0, 3.0, 2.0]]
+    burst(2, 0.5, ok=False)  # failed reads finish no tokens: its waiting measured nothing
+    assert acct.drain_intervals() == [[1.0, 3.0, 2.0]]
+    acct.enqueue(2, 20)
+    acct.start(10)
     clock.t += 0.5
-    assert acct.drain_intervals()[-1] == [3.002, 3.502, 0.0]
-    acct.start(50)
-    acct.finish(50)
+    acct.finish(10)
+    acct.start(10)  # nothing waits: the interval ends...
+    clock.t += 0.002
+    acct.enqueue(2, 20)  # ...and goes on, blocks waiting again within 5 ms
+    acct.start(10)
+    clock.t += 0.5
+    acct.finish(10)
+    assert acct.drain_intervals()[-1] == [5.0, 6.002, 2.0]  # waiting now: the open interval ends at the present
+    acct.start(10)
+    acct.finish(10)
+    acct.finish(10)
     for _ in range(40):
         clock.t += 0.1
-        burst(10, 0.01)
-    intervals = acct.drain_intervals()
-    assert len(intervals) == 32 and sum(t for *_, t in intervals) == 10 + 5 + 40
-    assert intervals[0][0] == 0.0  # the oldest merged, never dropped while in the window
+        burst(2, 0.01)
+    intervals = acct.drain_intervals()  # the newest 32: merged, the old ones' idle gaps would count as reading
+    assert len(intervals) == 32 and sum(t for *_, t in intervals) == 32
+    assert abs(sum(e - s for s, e, _ in intervals) - 32 * 0.01) < 1e-9
     clock.t += 20
     assert acct.drain_intervals() == []
-    acct.enqueue(1, 10)
-    clock.t += 30  # a read in flight longer than the window is still reported
-    assert acct.drain_intervals() == [[clock.t - 30, clock.t, 0.0]]
+    acct.enqueue(2, 20)
+    acct.start(10)
+    clock.t += 30  # blocks waiting longer than the window are still reported
+    acct.finish(10)
+    assert acct.drain_intervals() == [[clock.t - 30, clock.t, 1.0]]
 
 
 

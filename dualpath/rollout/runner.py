@@ -185,6 +185,9 @@ class Rollout:
         start = time.perf_counter() - self.t0
         results = self.client.generate_choices(context, sampling, mode=self.cfg.mode)
         end = time.perf_counter() - self.t0
+        if any(res.finish_reason == "abort" for res in results):  # the round is not what the trace asked for
+            raise DualPathError(f"agent {agent.id}: round {i} was aborted (a weight update's abort_all_requests); "
+                                "the agent runs again on resume")
         for s, res in zip(samples, results):
             self._write(out, {**base, "sample": s, "prompt_tokens": len(context),
                               "cached_tokens": res.num_cached_tokens, "completion_tokens": len(res.token_ids),

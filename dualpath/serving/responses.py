@@ -26,6 +26,7 @@ from dualpath.serving.protocol import ChatRequest
 PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "dualpath")
 # A chat field's name as the Responses API calls it (errors name what the client sent)
+CUT_SHORT = ("length", "abort")  # finish reasons that leave a response incomplete
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 LOGPROBS = "message.output_text.logprobs"
 NOTHING_TO_INCLUDE = {"reasoning.encrypted_content"}  # no reasoning items are ever produced
@@ -235,12 +236,15 @@ class ResponseCall:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def envelope(self, status: str, output: list[dict], usage: Optional[dict], error: Optional[dict] = None) -> dict:
+    def envelope(self, status: str, output: list[dict], usage: Optional[dict], error: Optional[dict] = None,
+                 finish: Optional[str] = None) -> dict:
         r = self.req
+        # an aborted reply (/abort_request, a weight update's) is incomplete for none of the schema's reasons
+        details = {"reason": "max_output_tokens"} if status == "incomplete" and finish != "abort" else None
         fmt = (r.text or {}).get("format") or {"type": "text"}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "incomplete_details": details,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
@@ -254,13 +258,14 @@ class ResponseCall:
     def from_chat(self, body: dict, block_size: int) -> dict:
         """The response object of a finished chat completion."""
         choice = body["choices"][0]
-        message, done = choice["message"], choice["finish_reason"] != "length"
+        message, done = choice["message"], choice["finish_reason"] not in CUT_SHORT
         lps = (choice.get("logprobs") or {}).get("content") or []
         calls, thought = message.get("tool_calls") or [], message.get("reasoning_content")
         output = [reasoning_item(thought, done)] if thought else []
         output += [message_item(message["content"] or "", lps, done)] if message["content"] or not calls else []
         output += [call_item(c) for c in calls]
-        return self.envelope("completed" if done else "incomplete", output, usage(body["usage"], block_size))
+        return self.envelope("completed" if done else "incomplete", output, usage(body["usage"], block_size),
+                             finish=choice["finish_reason"])
 
     def conversation(self, response: dict) -> list[dict]:
         """The messages a later turn continues: the history, this input and this response's output."""
@@ -410,7 +415,8 @@ class ResponseEvents:
     def _close_thought(self) -> list[dict]:
         if self.thought is None:
             return []
-        item, i = reasoning_item(self.thought["_text"], self.finish != "length", self.thought["id"]), len(self.output)
+        item = reasoning_item(self.thought["_text"], self.finish not in CUT_SHORT, self.thought["id"])
+        i = len(self.output)
         self.output.append(item)
         self.thought = None
         return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
@@ -436,7 +442,7 @@ class ResponseEvents:
         if self.text is None:
             return []
         text, where = self.text["_text"], self._where()
-        item = message_item(text, self.lps, self.finish != "length", self.text["id"])
+        item = message_item(text, self.lps, self.finish not in CUT_SHORT, self.text["id"])
         part = item["content"][0]
         self.output.append(item)
         self.text = None
@@ -461,7 +467,7 @@ class ResponseEvents:
     def _close_call(self) -> list[dict]:
         if self.call_open is None:
             return []
-        item, i = {**self.call_open, "status": "completed" if self.finish != "length" else "incomplete"}, \
+        item, i = {**self.call_open, "status": "completed" if self.finish not in CUT_SHORT else "incomplete"}, \
             len(self.output)
         self.output.append(item)
         self.call_open = None
@@ -475,8 +481,8 @@ class ResponseEvents:
         answered = self.text is not None or any(o["type"] != "reasoning" for o in self.output)
         out += [] if answered else self._open_text()  # no answer and no call: one empty message
         out += self._close_text()
-        status = "incomplete" if self.finish == "length" else "completed"
-        response = self.call.envelope(status, self.output, self.usage)
+        status = "incomplete" if self.finish in CUT_SHORT else "completed"
+        response = self.call.envelope(status, self.output, self.usage, finish=self.finish)
         return response, out + [self._event(f"response.{status}", response=response)]
 
     def fail(self, message: str, code: Optional[str]) -> list[dict]:

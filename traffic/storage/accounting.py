@@ -5,9 +5,13 @@ over the KV bytes of one token (all layers), so a layer-range read counts for it
 a token bucket on bytes per second, used to emulate each node's storage NIC when several "nodes" share one machine
 in tests and benchmarks; it is off by default.
 
-The accounting also keeps the intervals of its last ``READ_RATE_WINDOW_S`` seconds during which its queue was not
-empty, with the tokens read in each, so the scheduler can measure how fast a node's read queue drains while it has
-work (the paper's alpha, live) instead of trusting a start-up probe that saw an idle disk.
+The accounting also keeps the intervals of its last ``READ_RATE_WINDOW_S`` seconds during which blocks waited for
+an I/O thread (or for the cap), with the tokens whose reads finished in each, so the scheduler can measure how fast
+the node reads while storage is the bottleneck (the paper's alpha, live) instead of trusting a start-up probe that
+saw an idle disk. Only waiting counts: a read of a few blocks that never queues is latency, not bandwidth. While
+blocks wait every I/O thread is busy, so the tokens finished over that time are the node's rate at full
+concurrency (the last blocks of a burst finish after the waiting ends and are not counted, as its first blocks
+started before it began: the two even out).
 """
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 
 READ_RATE_WINDOW_S = 10.0  # the drain intervals reported: those of the last 10 s
-_MERGE_GAP_S = 0.005  # a queue that empties and refills within 5 ms stays one interval (a layer loop's reads)
-_MAX_INTERVALS = 32  # beyond this the oldest two merge (their gap counts as busy: the rate only errs low)
+_MERGE_GAP_S = 0.005  # waiting that stops and starts again within 5 ms stays one interval (a layer loop's reads)
+_MAX_INTERVALS = 32  # beyond this the oldest goes (merged, the idle gaps between them would count as reading)
 
 
 @dataclass(frozen=True)
@@ -43,16 +47,13 @@ class ReadAccounting:
         self._stamp = time.monotonic()
         # A 50 ms burst keeps the rate smooth without starving a single large block.
         self._burst = self.bandwidth_bps * 0.05
-        # [start, end, tokens read] while the queue was not empty, oldest first; while it is not empty the last
-        # one is open (its end is not yet known)
+        # [start, end, tokens read] while blocks waited, oldest first; while some wait the last one is open (its
+        # end is not yet known)
         self._intervals: deque[list[float]] = deque()
-
-    def _pending(self) -> int:
-        return self._waiting_blocks + self._inflight_blocks
 
     def enqueue(self, num_blocks: int, nbytes: int) -> None:
         with self._lock:
-            if num_blocks and not self._pending():
+            if num_blocks and not self._waiting_blocks:
                 self._open_interval()
             self._waiting_blocks += num_blocks
             self._waiting_bytes += nbytes
@@ -65,6 +66,10 @@ class ReadAccounting:
             self._waiting_bytes -= nbytes
             self._inflight_blocks += 1
             self._inflight_bytes += nbytes
+            if not self._waiting_blocks and self._intervals:  # (a read that was never enqueued has none)
+                self._intervals[-1][1] = self.clock()
+                if not self._intervals[-1][2]:  # no read finished while blocks waited: it measured nothing
+                    self._intervals.pop()
 
     def finish(self, nbytes: int, ok: bool = True) -> None:
         with self._lock:
@@ -73,11 +78,8 @@ class ReadAccounting:
             if ok:
                 self._done_bytes += nbytes
                 self._done_blocks += 1
-            if self._intervals:  # (a read that was never enqueued has none)
-                if ok:
-                    self._intervals[-1][2] += nbytes / self.bytes_per_token
-                if not self._pending():
-                    self._intervals[-1][1] = self.clock()
+            if ok and self._waiting_blocks and self._intervals:
+                self._intervals[-1][2] += nbytes / self.bytes_per_token
 
     def _open_interval(self) -> None:
         now = self.clock()
@@ -85,21 +87,19 @@ class ReadAccounting:
             return  # the last interval goes on
         self._intervals.append([now, now, 0.0])
         if len(self._intervals) > _MAX_INTERVALS:
-            start, _, tokens = self._intervals.popleft()
-            self._intervals[0][0] = start
-            self._intervals[0][2] += tokens
+            self._intervals.popleft()
 
     def drain_intervals(self, window_s: float = READ_RATE_WINDOW_S) -> list[list[float]]:
-        """``[start, end, tokens]`` of each interval in the last ``window_s`` seconds during which reads were
-        waiting or in flight (an open one ends now), and the tokens read in it: the read queue drained at
-        ``tokens / (end - start)`` while it had work. Engines send these with every load report (the whole window
-        each time, so a lost report loses nothing)."""
+        """``[start, end, tokens]`` of each interval in the last ``window_s`` seconds during which blocks waited
+        to be read (an open one ends now), and the tokens whose reads finished in it: storage read
+        ``tokens / (end - start)`` while it was the bottleneck. Engines send these with every load report (the
+        whole window each time, so a lost report loses nothing)."""
         with self._lock:
-            now = self.clock()
-            while len(self._intervals) > (1 if self._pending() else 0) and self._intervals[0][1] < now - window_s:
+            now, waiting = self.clock(), self._waiting_blocks > 0
+            while len(self._intervals) > waiting and self._intervals[0][1] < now - window_s:
                 self._intervals.popleft()
             out = [list(i) for i in self._intervals]
-            if out and self._pending():
+            if out and waiting:
                 out[-1][1] = now
             return out
 
