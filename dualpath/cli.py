@@ -101,7 +101,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "index_blocks", "storage_read_bytes",
-            "node_alpha_tokens", "weights_version", "engines")
+            "node_alpha_tokens", "weights_version", "paused", "held", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
@@ -422,6 +422,8 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-dir", default=None,
                    help="where stored /v1/responses live, one file each, shared by every frontend (serve's default: "
                         "beside the KV store; frontend's: this process's memory)")
+    p.add_argument("--health-generate-timeout", type=float, default=20.0,
+                   help="seconds /health_generate waits for its one token before answering 503")
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds a stopping server (SIGTERM, Ctrl-C) lets requests in flight finish while refusing "
                         "new ones; those still running then are cut")

@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, WeightUpdate, \
-    WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.messages import Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, \
+    WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
@@ -472,6 +472,12 @@ class ClusterClient:
         if reply.fingerprint:
             self.model_changed(reply.fingerprint)
         return reply
+
+    def hold(self, on: bool, abort: bool = False, wait_s: float = 0.0) -> HoldReply:
+        """Pause generation (``on``: the scheduler hands no request to an engine; with ``abort`` every request in
+        flight ends now, its choices with finish reason abort; else wait up to ``wait_s`` for those on engines to
+        finish), or go on again."""
+        return self.scheduler.call("Hold", Hold(on, abort, wait_s), timeout=wait_s + 30)
 
     def block_size(self) -> int:
         """The model's KV block size in tokens, known once a request was submitted (0 before)."""

@@ -269,6 +269,23 @@ class WeightUpdateReply:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """To the scheduler: stop handing requests to engines (``on``; with ``abort`` every request in flight ends now,
+    else wait up to ``wait_s`` for those on engines to finish), or go on again (not ``on``)."""
+
+    on: bool
+    abort: bool = False
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HoldReply:
+    held: bool
+    aborted: int = 0  # requests ended by ``abort``
+    drained: bool = True  # no request is on an engine (false: some still ran when ``wait_s`` ran out)
+
+
+@dataclass(frozen=True)
 class Stats:
     data: dict
 

@@ -202,6 +202,7 @@ def _methods():
         "Cancel": Method(m.RequestRef, m.Ack),
         "Stats": Method(m.RequestRef, m.Stats),
         "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
+        "Hold": Method(m.Hold, m.HoldReply),
     }
     engine = {
         "Health": Method(m.RequestRef, m.Ack),

@@ -190,7 +190,9 @@ class SchedulerCore:
         self.cancelled_for: dict[str, list[str]] = {}  # engine -> work ids it must drop
         self.fingerprint: bytes | None = None
         self.weights_version = ""  # the label of the weights last loaded by an update
+        self.weights_path = ""  # the checkpoint they came from ("": the ones the engines started with)
         self.paused = False  # a weight update runs: no request is handed to an engine
+        self.held = False  # the same, asked for (``hold``: vLLM's /pause) until ``release``; an update keeps it
         self.block_size = 0
         self.max_model_len = 0
         self.lock = threading.RLock()
@@ -385,10 +387,14 @@ class SchedulerCore:
             r = self.requests.get(request_id)
             if r is None:
                 return
-            for eid in (r.pe, r.de):
-                if eid:
-                    self.cancelled_for.setdefault(eid, []).append(r.work_id)
+            self._cancel_on_engines(r)
             self._drop(request_id, SubmitEvent("failed", request_id, error=reason))
+
+    def _cancel_on_engines(self, r: RequestRecord) -> None:
+        """The engines holding ``r`` drop it (told on their group's next pull)."""
+        for eid in (r.pe, r.de):
+            if eid:
+                self.cancelled_for.setdefault(eid, []).append(r.work_id)
 
     def _unqueue(self, rid: str) -> None:
         r = self.requests[rid]
@@ -446,28 +452,47 @@ class SchedulerCore:
                 if not (r.pe or r.de):
                     continue
                 if r.streaming:
-                    for eid in (r.pe, r.de):
-                        if eid:
-                            self.cancelled_for.setdefault(eid, []).append(r.work_id)
+                    self._cancel_on_engines(r)
                     self._fail(rid, "aborted: the model's weights are being updated", aborted=True)
                     ended += 1
                 else:
                     self._retry(rid, "the model's weights are being updated")
             return ended
 
+    def hold(self, abort: bool = False) -> int:
+        """Stop handing requests to engines until ``release`` (vLLM's /pause, SGLang's /pause_generation: a trainer
+        about to change the weights its own way); requests keep being accepted and queue. With ``abort`` every
+        request in flight ends now, queued or on engines: its choices end with finish reason abort and the tokens
+        they had. Returns how many ended. A weight update meanwhile leaves the cluster held."""
+        with self.lock:
+            self.held = True
+            if not abort:
+                return 0
+            ended = list(self.requests.items())
+            for rid, r in ended:
+                self._cancel_on_engines(r)
+                self._fail(rid, "aborted: generation was paused (/pause)", aborted=True)
+            return len(ended)
+
+    def release(self) -> None:
+        with self.lock:
+            self.held = False
+
     def drained(self) -> bool:
         """No request is on an engine and every cancellation went out (engines may still be dropping it)."""
         with self.lock:
             return not self.cancelled_for and not any(r.pe or r.de for r in self.requests.values())
 
-    def resume(self, fingerprint: bytes | None = None, version: str = "", loaded: Collection[str] = ()) -> None:
+    def resume(self, fingerprint: bytes | None = None, version: str = "", loaded: Collection[str] = (),
+               path: str = "") -> None:
         """End a pause. With the fingerprint of new weights and the engines that ``loaded`` them: any other engine
         is counted gone (it serves other weights), the index starts over (rebuilt from what is stored for the new
-        weights) and every queued request is hashed again, so no block of the old weights can hit."""
+        weights) and every queued request is hashed again, so no block of the old weights can hit. ``path``: the
+        checkpoint the new weights came from (``stats``' ``weights_path``)."""
         changed = fingerprint is not None and fingerprint != self.fingerprint
         with self.lock:
             if fingerprint is not None:
-                self.weights_version = version
+                self.weights_version, self.weights_path = version, path
                 for eid, e in list(self.engines.items()):
                     if e.alive and eid not in loaded:
                         self._engine_gone(eid, "it did not load the new weights")
@@ -515,7 +540,7 @@ class SchedulerCore:
                 if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
-                if not self.paused:  # the one gate: the prefill queue holds only what a decode engine took
+                if not (self.paused or self.held):  # the one gate: the prefill queue holds what a decode engine took
                     self._assign_decode(group_id, group, pulling)
                 return PullReply({}, cancelled, list(members), rejoin, unknown)
             return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
@@ -729,7 +754,8 @@ class SchedulerCore:
             return {
                 **self.counters,
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
-                "weights_version": self.weights_version, "paused": self.paused,
+                "weights_version": self.weights_version, "weights_path": self.weights_path, "paused": self.paused,
+                "held": self.held,
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "index_blocks": len(self.index),

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError, UnavailableError
-from dualpath.messages import Ack, EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, RequestRef, \
-    SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
+from dualpath.messages import Ack, EngineInfo, EngineLoad, Hold, HoldReply, PullReply, PullRequest, RegisterReply, \
+    RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
-from scheduler.weights import update_weights
+from scheduler.weights import drained_by, update_weights
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,15 @@ class SchedulerService:
             return await update_weights(self.core, req)
         finally:
             self._updating = False
+
+    async def Hold(self, req: Hold, ctx) -> HoldReply:
+        """Generation paused or going on again (``SchedulerCore.hold``, ``release``)."""
+        if not req.on:
+            self.core.release()
+            return HoldReply(False)
+        aborted = self.core.hold(req.abort)
+        drained = await drained_by(self.core, time.monotonic() + req.wait_s)
+        return HoldReply(True, aborted, drained)
 
     async def Session(self, requests, ctx):
         """Batches in, batches out. Requests still open when the session ends are cancelled."""

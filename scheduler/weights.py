@@ -48,7 +48,7 @@ async def update_weights(core: SchedulerCore, req: WeightUpdate, load_on=_load_o
         by_id, error = await _drain_and_load(core, req, load_on, start + req.timeout_s)
     finally:  # also when cancelled: the cluster never stays paused
         fp, loaded = _agreed(by_id)
-        core.resume(bytes.fromhex(fp) if fp else None, req.version, loaded)
+        core.resume(bytes.fromhex(fp) if fp else None, req.version, loaded, req.model_path)
     seconds = time.monotonic() - start
     if not fp:
         error = error or _summary({eid: r.error for eid, r in by_id.items()})
@@ -61,15 +61,22 @@ async def update_weights(core: SchedulerCore, req: WeightUpdate, load_on=_load_o
     return WeightUpdateReply(not failed, _summary(failed), fp, req.version, len(loaded), aborted, seconds)
 
 
+async def drained_by(core: SchedulerCore, deadline: float) -> bool:
+    """Whether no request is on an engine by ``deadline`` (monotonic; admission is paused, so this comes)."""
+    while not core.drained():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 async def _drain_and_load(core: SchedulerCore, req: WeightUpdate, load_on,
                           deadline: float) -> tuple[dict[str, WeightUpdateReply], str]:
     """Wait until no request is on an engine, check the checkpoint on every engine, then load it on every engine:
     ``(engine id -> its load reply, "")``, or ``({}, why nothing was loaded)``."""
-    while not core.drained():
-        if time.monotonic() > deadline:
-            return {}, f"requests still ran after {req.timeout_s:g} s; the weights are unchanged (pass abort to " \
-                       "end them)"
-        await asyncio.sleep(0.05)
+    if not await drained_by(core, deadline):
+        return {}, f"requests still ran after {req.timeout_s:g} s; the weights are unchanged (pass abort to " \
+                   "end them)"
     engines = {e.info.engine_id: e.info.control_address for e in core.engines.values() if e.alive}
     if not engines:
         return {}, "no engine is registered"

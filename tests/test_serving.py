@@ -3,8 +3,10 @@ streaming, equality with the single-process reference in every read-path mode, e
 client disconnects."""
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -65,7 +67,7 @@ def tiny(tiny_dirs, tmp_path_factory):
     server = ServeProcess("--model", str(tiny_dirs["llama"]), "--block-size", str(BS), "--buffer-bytes", str(8 << 20),
                           "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048", "--kv-store", str(kv),
                           "--api-key", KEY, "--max-concurrent-requests", "3", "--max-body-bytes", str(1 << 20),
-                          "--max-model-len", "512", "--torch-threads", "1")
+                          "--max-model-len", "512", "--torch-threads", "1", "--health-generate-timeout", "2")
     yield server
     children = server.children()
     assert server.stop() == 0, server.log_tail()
@@ -454,6 +456,39 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(tiny, path, body
     assert metric(tiny, "dualpath_requests_in_flight") == 0
     health = raw(tiny, "/health", method="GET")
     assert health.status_code == 200
+
+
+def engines_of(server, role: str) -> list[int]:
+    return [pid for pid in server.children()
+            if f"--role\0{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_health_generate_runs_a_token_through_the_cluster_and_tells_a_wedged_engine(tiny, tiny_dirs):
+    """/health stays 200 while the prefill engine's process is stopped (it is still registered: a wedged loop
+    looks like that); /health_generate is 503 within its 2 s, and 200 again once the engine runs."""
+    before = metric(tiny, "dualpath_prompt_tokens_total")
+    assert raw(tiny, "/health_generate", method="GET").status_code == 200
+    assert metric(tiny, "dualpath_prompt_tokens_total") == before  # a probe is not usage
+    info = raw(tiny, "/get_model_info", method="GET").json()
+    assert info["model_path"] == str(tiny_dirs["llama"]) and info["model_type"] == "llama"
+    assert raw(tiny, "/version", method="GET").json()["version"]
+    prefill = engines_of(tiny, "prefill")
+    assert prefill
+    for pid in prefill:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        probe = raw(tiny, "/health_generate", method="GET")
+        waited = time.monotonic() - start
+        assert raw(tiny, "/health", method="GET").status_code == 200
+    finally:
+        for pid in prefill:
+            os.kill(pid, signal.SIGCONT)
+    assert probe.status_code == 503 and "no token within 2 s" in probe.json()["error"] and 1.5 < waited < 8
+    deadline = time.monotonic() + 30
+    while raw(tiny, "/health_generate", method="GET").status_code != 200:
+        assert time.monotonic() < deadline, "the cluster did not answer the probe again"
+    assert raw(tiny, "/v1/completions", {"model": "llama", "prompt": "again", "max_tokens": 4}).status_code == 200
 
 
 @pytest.fixture(scope="module")

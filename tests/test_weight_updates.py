@@ -152,6 +152,47 @@ def test_abort_requeues_requests_not_generating_and_ends_those_generating():
     assert "failed" not in [e.kind for e in waiting.queue]  # it runs again once the update is done
 
 
+def test_a_held_scheduler_outlasts_a_weight_update_and_goes_on_when_released():
+    core, engines = make_core("dualpath", Clock())
+    submit(core, "r0")
+    pull_all(core, engines)
+    assert core.hold() == 0 and core.stats()["held"]
+    submit(core, "r1")
+    pull_all(core, engines, times=3)
+    assert assigned(core, "r0") and not assigned(core, "r1")  # what was on engines goes on
+    finish(engines, "r0")
+    pull_all(core, engines)
+    assert core.drained()
+    core.pause()
+    core.resume(b"\x07" * 16, "step-2", loaded=list(engines), path="/ckpt/step-2")  # an update meanwhile
+    pull_all(core, engines, times=3)
+    assert not assigned(core, "r1") and core.stats()["weights_path"] == "/ckpt/step-2"
+    core.release()
+    pull_all(core, engines)
+    assert assigned(core, "r1") and not core.stats()["held"]
+
+
+def test_a_hold_with_abort_ends_every_request_in_flight_queued_or_on_engines():
+    core, engines = make_core("dualpath", Clock())
+    on_engines, queued = submit(core, "gen"), submit(core, "wait")
+    pull_all(core, engines)
+    pe, de = core.requests["gen"].pe, core.requests["gen"].de
+    core.requests["wait"].pe = core.requests["wait"].de = None  # (as if not yet routed)
+    assert core.hold(abort=True) == 2 and not core.requests
+    for events in (on_engines, queued):
+        last = list(events.queue)[-1]
+        assert last.kind == "failed" and last.aborted and "paused" in last.error
+    assert "gen.0" in core.cancelled_for[pe] and "gen.0" in core.cancelled_for[de]
+    pull_all(core, engines, times=1)
+    assert core.drained()
+    submit(core, "later")  # accepted while held: it waits for the release
+    pull_all(core, engines)
+    assert not assigned(core, "later")
+    core.release()
+    pull_all(core, engines)
+    assert assigned(core, "later")
+
+
 def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load():
     core, engines = make_core("dualpath", Clock())
     old, new = core.fingerprint, b"\x07" * 16
@@ -407,6 +448,64 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[:len(out["output_ids"])]
         after = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {**long, "max_new_tokens": 8}})
         assert after.json()["output_ids"] == want[:8]
+    front.client.close()
+
+
+def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluster, tiny_dirs):
+    """vLLM's /pause, /resume and /is_paused, SGLang's /pause_generation and /continue_generation: abort ends a
+    streamed reply with its tokens so far; a request sent while paused waits, through a weight update, and runs
+    after the resume; mode wait returns once the reply on the engines finished whole."""
+    c, client, _ = cluster
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
+                                    health_generate_timeout_s=5))
+    n = 512 - len(PROMPT)
+    reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
+    want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    long = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    got = {}
+    with TestClient(front.app) as http:
+        assert http.post("/pause?mode=keep").status_code == 400
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 400
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        with http.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True, "sampling_params": long}) as r:
+            lines = r.iter_lines()
+            first = sse([next(x for x in lines if x.startswith("data: "))])
+            paused = http.post("/pause")
+            out = (first + sse(lines))[-1]
+        assert paused.json() == {"status": "paused", "num_aborted_requests": 1}
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[:len(out["output_ids"])]
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        probe = http.get("/health_generate")
+        assert probe.status_code == 503 and "/pause" in probe.json()["error"]
+
+        waiting = threading.Thread(target=lambda: got.setdefault("held", http.post("/v1/completions", json={
+            "model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})))
+        waiting.start()
+        update = http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"])})
+        assert update.status_code == 200 and http.get("/is_paused").json() == {"is_paused": True}
+        waiting.join(1.0)
+        assert waiting.is_alive() and client.stats()["in_flight"] == 1  # queued, not lost
+        assert http.post("/resume").json() == {"status": "resumed"}
+        waiting.join(60)
+        assert got["held"].json()["choices"][0]["text"] == reference.generate(PROMPT, GREEDY)[0].text
+
+        some = {**long, "max_new_tokens": 24}
+        stream = threading.Thread(target=lambda: got.setdefault("whole", http.post("/generate", json={
+            "input_ids": PROMPT, "sampling_params": some})))
+        since = time.perf_counter()
+        stream.start()
+        deadline = time.monotonic() + 30
+        while front.last_token_at < since and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it generates (a request still queued would wait for the resume)
+        assert http.post("/pause?mode=wait&timeout=60").json()["num_aborted_requests"] == 0
+        stream.join(30)
+        assert client.stats()["in_flight"] == 0
+        assert got["whole"].json()["output_ids"] == want[:24]  # it finished, whole
+        assert http.post("/continue_generation").json() == {"status": "resumed"}
+        assert http.post("/pause_generation").json()["status"] == "paused"  # no body: mode abort
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert http.get("/health_generate").status_code == 200
     front.client.close()
 
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP frontend (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/responses`` (``dualpath.serving.responses``: a chat underneath), vLLM's ``/tokenize`` and ``/detokenize``,
-``/health`` and Prometheus ``/metrics``.
+SGLang's native endpoints (``dualpath.serving.native``), ``/health`` and the other self-reports
+(``dualpath.serving.probes``) and Prometheus ``/metrics``.
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
@@ -37,8 +38,11 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
 from dualpath.serving.native import NativeApi
+from dualpath.serving.control import PAUSE_WAIT_S, Control
+from dualpath.serving.probes import Probes
 from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, UpdateWeightsRequest, error_body, parse)
+                                       PauseGenerationRequest, TokenizeRequest, UpdateWeightsRequest, error_body,
+                                       parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
@@ -66,6 +70,7 @@ class FrontendConfig:
     chat_template: str | None = None  # renders chats instead of the checkpoint's template (--chat-template)
     tool_call_parser: str = "auto"  # the tool-call markup (dualpath.serving.tools.TOOL_PARSERS); auto: the template's
     migration_limit: int = 3  # times a reply may move off decode engines that die while generating it (0: fail)
+    health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
 
 
 class Frontend:
@@ -110,6 +115,9 @@ class Frontend:
         self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
             else MemoryResponses(cfg.max_stored_responses)
         self.native = NativeApi(self)  # SGLang's /generate
+        self.probes = Probes(self)  # /health and the like
+        self.control = Control(self)  # /pause and /resume
+        self.last_token_at = 0.0  # perf_counter of the last token any generation received (/health_generate)
         self.app = self._build()
 
     # --- app ------------------------------------------------------------------------------------------------
@@ -133,11 +141,29 @@ class Frontend:
 
         @app.get("/health")
         async def health():
-            try:
-                ready = (await asyncio.to_thread(self.client.stats)).get("ready", False)
-            except DualPathError:
-                ready = False
-            return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+            return await self.probes.health()
+
+        @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
+        async def ping():
+            return await self.probes.health()
+
+        @app.get("/health_generate")
+        async def health_generate():
+            return await self.probes.health_generate()
+
+        @app.get("/version")
+        async def version():
+            return self.probes.version()
+
+        @app.get("/get_model_info")
+        async def model_info(request: Request):
+            self._auth(request)
+            return await self.probes.model_info()
+
+        @app.get("/get_server_info")
+        async def server_info(request: Request):
+            self._auth(request)
+            return await self.probes.server_info()
 
         @app.get("/metrics")
         async def metrics():
@@ -205,16 +231,48 @@ class Frontend:
         async def update_weights(request: Request):
             return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights)
 
+        @app.post("/pause")  # vLLM's
+        async def pause(request: Request, mode: str = "abort", wait_for_inflight_requests: bool = False,
+                        clear_cache: bool = True, timeout: float = PAUSE_WAIT_S):  # clear_cache: nothing to clear
+            return await self._control(request, "pause", self.control.pause(mode, wait_for_inflight_requests, timeout))
+
+        @app.post("/resume")
+        async def resume(request: Request):
+            return await self._control(request, "resume", self.control.resume())
+
+        @app.get("/is_paused")
+        async def is_paused(request: Request):
+            return await self._control(request, "is_paused", self.control.is_paused())
+
+        @app.post("/pause_generation")  # SGLang's
+        async def pause_generation(request: Request):
+            return await self._utility(request, "pause_generation", PauseGenerationRequest,
+                                       self.control.pause_generation)
+
+        @app.post("/continue_generation")
+        async def continue_generation(request: Request):
+            return await self._control(request, "continue_generation", self.control.resume())
+
         @app.get("/get_weight_version")
         async def weight_version(request: Request):
             self._auth(request)
-            try:
-                stats = await asyncio.to_thread(self.client.stats)
-            except DualPathError as e:
-                raise ApiError(503, f"the scheduler did not answer: {e}") from None
-            return {"weight_version": stats.get("weights_version", ""), "fingerprint": stats.get("fingerprint", "")}
+            return await self.probes.weight_version()
 
         return app
+
+    async def _control(self, request: Request, name: str, answer) -> JSONResponse:
+        """An administrative request without a body (``answer`` is the coroutine that answers it; closed unrun
+        when the key is wrong)."""
+        status = 200
+        try:
+            self._auth(request)
+            return JSONResponse(await answer)
+        except ApiError as e:
+            status = e.status
+            return e.response()
+        finally:
+            answer.close()  # a no-op once awaited
+            self.m_requests.inc(endpoint=name, status=status)
 
     async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
         """A request that is not a generation (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer``
@@ -223,7 +281,7 @@ class Frontend:
         try:
             self._auth(request)
             try:
-                req = parse(model_cls, await request.body())
+                req = parse(model_cls, await request.body() or b"{}")  # no body: every field's default
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             if getattr(req, "model", None) is not None:
@@ -639,7 +697,7 @@ class Frontend:
                     raise ApiError(500, f"generation failed: {ev}", "server_error")
                 lp = None
                 if ev.token_id >= 0:
-                    now = time.perf_counter()
+                    now = self.last_token_at = time.perf_counter()
                     first, last = first or now, now
                     outcome.completion_tokens += 1
                     text += detok.add(ev.token_id)

@@ -554,6 +554,14 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
+class PauseGenerationRequest(BaseModel):
+    """``/pause_generation`` (SGLang's). Only ``abort`` is taken: its ``retract`` and ``in_place`` keep requests on
+    the engines frozen, which these engines cannot (a 400 says so)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
 def parse(model_cls, body: bytes):
     """Parse and validate a request body; raise ``RequestError`` naming the offending field."""
     try:

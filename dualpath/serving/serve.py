@@ -124,6 +124,13 @@ def frontend_options(args) -> dict:
                 migration_limit=args.migration_limit)
 
 
+def http_options(args) -> dict:
+    """The HTTP server's limits from the command line (serve and frontend)."""
+    return dict(max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                default_max_tokens=args.default_max_tokens, max_stored_responses=args.max_stored_responses,
+                health_generate_timeout_s=args.health_generate_timeout)
+
+
 def serve(args) -> int:
     from dualpath.serving.openai_api import Frontend, FrontendConfig
 
@@ -133,12 +140,8 @@ def serve(args) -> int:
         api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
         frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir,
                                            cluster.scheduler_address, max_len, api_key,
-                                           max_body_bytes=args.max_body_bytes,
-                                           max_concurrent_requests=args.max_concurrent_requests,
-                                           default_max_tokens=args.default_max_tokens,
-                                           max_stored_responses=args.max_stored_responses,
                                            responses_dir=args.responses_dir or responses_beside(args.kv_store),
-                                           **options))
+                                           **http_options(args), **options))
 
         def ready(port: int) -> None:
             url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
@@ -163,11 +166,8 @@ def frontend_main(args) -> int:
     max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
     frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, args.scheduler,
                                        max_len, args.api_key or os.environ.get("DUALPATH_API_KEY"),
-                                       max_body_bytes=args.max_body_bytes,
-                                       max_concurrent_requests=args.max_concurrent_requests,
-                                       default_max_tokens=args.default_max_tokens,
-                                       max_stored_responses=args.max_stored_responses,
-                                       responses_dir=args.responses_dir, **frontend_options(args)))
+                                       responses_dir=args.responses_dir, **http_options(args),
+                                       **frontend_options(args)))
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)

@@ -1,0 +1,62 @@
+"""Pausing generation, for RL trainers and operators: vLLM's ``POST /pause`` (``mode`` abort or wait), ``POST
+/resume`` and ``GET /is_paused``; SGLang's ``POST /pause_generation`` (mode abort) and ``POST /continue_generation``.
+
+The scheduler holds the cluster (``SchedulerCore.hold``): it hands no request to an engine until resumed, while
+requests keep being accepted and wait in its queue (nothing accepted is lost). ``abort`` ends every request in
+flight at once, this frontend's and every other's, queued or generating: each choice answers with what it
+generated and finish reason ``abort`` (a trainer's partial rollouts). ``wait`` returns once no request is on an
+engine; requests still queued then run after the resume. A weight update while paused
+(``/update_weights_from_disk``) loads the weights and leaves the cluster paused. vLLM's ``keep`` and SGLang's
+``retract`` and ``in_place`` freeze requests on the engines, which these cannot: a 400 says so. ``clear_cache``
+needs nothing: stored KV is keyed by the weights' fingerprint, so no block of old weights can hit new ones.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from dualpath.errors import DualPathError
+from dualpath.messages import HoldReply
+from dualpath.serving.choices import ApiError
+from dualpath.serving.protocol import PauseGenerationRequest
+
+PAUSE_WAIT_S = 600.0  # how long mode "wait" waits by default for the requests on engines to finish
+FROZEN = "freezes requests on the engines, which they cannot; 'abort' ends them now, 'wait' lets them finish"
+
+
+class Control:
+    def __init__(self, front):
+        self.front = front
+
+    async def _hold(self, on: bool, abort: bool = False, wait_s: float = 0.0) -> HoldReply:
+        try:
+            return await asyncio.to_thread(self.front.client.hold, on, abort, wait_s)
+        except DualPathError as e:
+            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+
+    async def pause(self, mode: str = "abort", wait_for_inflight_requests: bool = False,
+                    timeout: float = PAUSE_WAIT_S) -> dict:
+        """vLLM's: ``wait_for_inflight_requests`` (deprecated there) means mode "wait"; ``timeout`` bounds that
+        wait (a 504 once it runs out, the cluster staying paused)."""
+        mode = "wait" if wait_for_inflight_requests else mode
+        if mode not in ("abort", "wait"):
+            raise ApiError(400, f"mode {mode!r} {FROZEN}" if mode == "keep" else
+                           f"mode must be 'abort' or 'wait', not {mode!r}", param="mode")
+        if not timeout > 0:
+            raise ApiError(400, "timeout must be a positive number of seconds", param="timeout")
+        reply = await self._hold(True, mode == "abort", timeout if mode == "wait" else 0.0)
+        if not reply.drained and mode == "wait":
+            raise ApiError(504, f"requests still ran on engines after {timeout:g} s; generation stays paused (POST "
+                                "/resume goes on, /pause?mode=abort ends them)", "server_error")
+        return {"status": "paused", "num_aborted_requests": reply.aborted}
+
+    async def pause_generation(self, req: PauseGenerationRequest) -> dict:
+        if req.mode != "abort":
+            raise ApiError(400, f"mode {req.mode!r} {FROZEN.split(';')[0]}; only 'abort' is taken", param="mode")
+        return await self.pause("abort")
+
+    async def resume(self) -> dict:
+        await self._hold(False)
+        return {"status": "resumed"}
+
+    async def is_paused(self) -> dict:
+        return {"is_paused": bool((await self.front.probes.stats()).get("held", False))}
