@@ -1,6 +1,7 @@
 """Soak: agents hammer ``dualpath serve`` for a while with what real clients send — multi-turn chats that grow,
 streams they walk away from, parallel samples, JSON mode, patterns and choices, repeated turns and malformed
-requests — under a KV store cap small enough that blocks are evicted while other requests are about to load them.
+requests, with health probes (``/health_generate``) and an operator's short pauses (``/pause?mode=wait``) among
+them — under a KV store cap small enough that blocks are evicted while other requests are about to load them.
 Then it checks that nothing leaked and nothing went wrong:
 
 - no 5xx, and every bad request a 4xx naming it; the server healthy at the end;
@@ -28,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import print_table, write_result  # noqa: E402
 
-ACTIONS = (("chat", 0.51), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
-           ("json_mode", 0.04), ("pattern", 0.04), ("bad", 0.03))
+ACTIONS = (("chat", 0.47), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
+           ("json_mode", 0.04), ("pattern", 0.04), ("bad", 0.03), ("probe", 0.025), ("pause", 0.015))
 PATTERNS = ((r"(PASS|FAIL): [a-z ]{1,24}\.", {}), (r"\d{1,4}", {}),
             (None, {"guided_choice": ["retry", "skip", "abort the build"]}),
             (None, {"response_format": {"type": "json_schema", "json_schema": {"name": "step", "schema": {
@@ -138,6 +139,24 @@ class Agent:
             value = json.loads(text)
             if not re.fullmatch(r"[a-z]+-\d{1,3}", value["step"]) or len(value["why"]) > 30:
                 raise AssertionError(f"{text!r} breaks the schema's string rules")
+
+    def probe(self, http) -> None:
+        """/health_generate: 200, or 503 only while another agent has generation paused."""
+        r = http.get("/health_generate")
+        if r.status_code == 503 and "paused" in r.json().get("error", ""):
+            return  # told as it should be (not a 5xx of the soak's)
+        self.stats.status(r.status_code)
+        if r.status_code != 200:
+            raise AssertionError(f"/health_generate: {r.status_code} {r.text[:200]}")
+
+    def pause(self, http) -> None:
+        """An operator's pause that lets what runs finish (mode wait): the others' requests wait in the queue."""
+        r = http.post("/pause", params={"mode": "wait", "timeout": 60})
+        self.stats.status(r.status_code)
+        time.sleep(self.rng.uniform(0.05, 0.5))
+        http.post("/resume").raise_for_status()  # another agent's pause may have ended this one: a no-op then
+        if r.status_code != 200 or r.json().get("num_aborted_requests") != 0:
+            raise AssertionError(f"/pause?mode=wait: {r.status_code} {r.text[:200]}")
 
     def bad(self, http) -> None:
         self._post(http, dict(self.rng.choice(BAD)), want=400)

@@ -478,7 +478,7 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled(front):
         req = CompletionRequest.model_validate({"model": "m", "prompt": ["hi", "ho"], "n": 2})
         prompts = frontend._prompts(req, "completions")
         gens = await frontend._start(req, prompts, [SamplingParams(max_tokens=10_000, n=2)] * 2)
-        return await frontend._collect(Gone(), gens, req, "completions", prompts)
+        return await frontend._collect(Gone(), gens, req, "completions", prompts, "cmpl-test")
 
     assert asyncio.run(collect()) is None  # the endpoint answers 499
     assert len(handles) == 2 and all(h.cancelled.is_set() for h in handles)  # both prompts' requests

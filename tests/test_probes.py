@@ -148,3 +148,28 @@ def test_server_info_and_version(tiny_dirs, tmp_path):
     assert http.get("/ping").status_code == http.post("/ping").status_code == 200
     fake.stats = lambda: {"ready": False}
     assert http.get("/ping").status_code == 503
+
+
+# --- request ids ------------------------------------------------------------------------------------------------
+def test_a_clients_request_id_names_the_response_and_the_submission(front):
+    http, fake, _ = front
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    r = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "chatcmpl-trace-42"
+    with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True},
+                     headers={"X-Request-Id": "trace-42"}) as s:
+        ids = {json.loads(ln[6:])["id"] for ln in s.iter_lines() if ln.startswith("data: {")}
+    assert s.headers["x-request-id"] == "trace-42" and ids == {"cmpl-trace-42"}
+    first, second = fake.request_ids[-2:]
+    assert first.startswith("trace-42-") and second.startswith("trace-42-") and first != second  # reused: unique
+
+
+@pytest.mark.parametrize("given", [None, "has spaces", "x" * 129, "a/b", "<script>"])
+def test_without_a_usable_request_id_one_is_made(front, given):
+    http, fake, _ = front
+    headers = {"X-Request-Id": given} if given else {}
+    r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8}, headers=headers)
+    made = r.headers["x-request-id"]
+    assert made != given and len(made) == 32 and r.json()["id"] == f"cmpl-{made}"
+    assert fake.request_ids[-1].startswith(made + "-")
+    assert http.get("/health").headers["x-request-id"]  # every response carries one

@@ -58,10 +58,11 @@ class ScriptedClient:
     choice's first event when they are asked for); the prompts and sampling parameters it was sent are kept."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
+        self.tokenizer, self.reply, self.prompts, self.samplings, self.request_ids = tokenizer, "", [], [], []
 
     def start(self, prompt, sampling, request_id=None, mode=""):
         self.prompts.append(list(prompt))
+        self.request_ids.append(request_id)
         self.samplings.append(sampling)
         replies = []
         for i in range(sampling.n):

@@ -63,7 +63,8 @@ class NativeApi:
             samplings = [self.front._sampling(comp, "completions", p) for p in prompts]
             single = comp.n == 1 and (isinstance(req.text, str) or isinstance((req.input_ids or [[]])[0], int))
             answer = _Answers(self.front.tokenizer, req, comp, prompts, samplings, time.perf_counter())
-            gens = await self.front._start(comp, prompts, samplings, answer.given_rids)  # from here on they close
+            gens = await self.front._start(comp, prompts, samplings, answer.given_rids,  # from here on they close
+                                           label=request.state.request_id)
             if req.stream:
                 return StreamingResponse(answer.events(gens), media_type="text/event-stream")
             got = await self.front.gather(request, gens)

@@ -73,6 +73,39 @@ class FrontendConfig:
     health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
 
 
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def usable_request_id(value: str) -> bool:
+    """A client's ``X-Request-Id`` is taken when it is short and plain (it goes into logs and response ids)."""
+    return 0 < len(value) <= 128 and set(value) <= REQUEST_ID_CHARS
+
+
+class RequestIds:
+    """ASGI middleware: every HTTP request's id, the client's ``X-Request-Id`` when usable (vLLM's and OpenAI's
+    header) or a new one, in ``request.state.request_id`` and the response's ``X-Request-Id``. Pure ASGI, so
+    streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == REQUEST_ID_HEADER.encode()), "")
+        rid = given if usable_request_id(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class Frontend:
     def __init__(self, cfg: FrontendConfig, client: ClusterClient | None = None, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
@@ -123,6 +156,7 @@ class Frontend:
     # --- app ------------------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="DualPath", docs_url=None, redoc_url=None)
+        app.add_middleware(RequestIds)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
@@ -364,13 +398,15 @@ class Frontend:
             chat_kind = "completions" if kind == "completions" else "chat"
             prompts = self._prompts(req, chat_kind)
             samplings = [self._sampling(req, chat_kind, p) for p in prompts]
-            gens = await self._start(req, prompts, samplings)
+            label = request.state.request_id
+            gens = await self._start(req, prompts, samplings, label=label)
+            rid = f"{'chatcmpl' if chat_kind == 'chat' else 'cmpl'}-{label}"  # vLLM's ids, from X-Request-Id
             if req.stream:
-                chunks = self._chunks(gens, req, chat_kind, prompts)
+                chunks = self._chunks(gens, req, chat_kind, prompts, rid)
                 events = self._sse(chunks) if call is None else \
                     event_stream(call, chunks, self.client.block_size(), self._respond)
                 return StreamingResponse(events, media_type="text/event-stream")
-            answer = await self._collect(request, gens, req, chat_kind, prompts)
+            answer = await self._collect(request, gens, req, chat_kind, prompts, rid)
             if answer is None:
                 return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
             if call is not None:
@@ -429,10 +465,12 @@ class Frontend:
         return response
 
     async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams],
-                     rids: list[str] | None = None) -> list:
+                     rids: list[str] | None = None, label: str = "") -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
         one generator per choice (``_generate``), prompt after prompt. Admission counts every choice. ``rids``:
-        each prompt's id for ``/abort_request`` (SGLang's ``rid``; default: the request's own id)."""
+        each prompt's id for ``/abort_request`` (SGLang's ``rid``; default: the request's own id). ``label``: the
+        HTTP request's id, which begins each prompt's id at the scheduler and engines (their logs name it; a
+        random suffix keeps ids unique when clients reuse theirs)."""
         k = req.samples()
         total = k * len(prompts)
         if total > self.cfg.max_concurrent_requests:
@@ -448,7 +486,8 @@ class Frontend:
         gens, loop = [], asyncio.get_running_loop()
         try:
             for j, (p, sampling) in enumerate(zip(prompts, samplings)):
-                handle = await asyncio.to_thread(self.client.start, p.ids, sampling, None, mode)
+                sid = f"{label}-{uuid.uuid4().hex[:8]}" if label else None
+                handle = await asyncio.to_thread(self.client.start, p.ids, sampling, sid, mode)
                 fan = Fanout(handle, k, loop, rids[j] if rids else "", self._finished)
                 with self._lock:
                     self.running.add(fan)
@@ -812,16 +851,17 @@ class Frontend:
             pos += len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt]) -> dict | None:
-        """The whole response's body once every choice is done; None if the client left first (its request is
-        cancelled)."""
+    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt],
+                       rid: str) -> dict | None:
+        """The whole response's body (``rid`` its id) once every choice is done; None if the client left first (its
+        request is cancelled)."""
         got = await self.gather(request, gens)
         if got is None:
             return None
         texts, lps, ids, outcomes = got
         every = outcomes  # usage counts best_of's unreturned candidates too
         texts, lps, outcomes, ids = best(req.n, req.samples(), texts, lps, outcomes, ids)
-        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        created = int(time.time())
         choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -944,10 +984,10 @@ class Frontend:
             await chunks.aclose()
         yield "data: [DONE]\n\n"
 
-    async def _chunks(self, gens: list, req, kind: str, prompts: list[Prompt]):
-        """Chunk bodies of every choice, interleaved as their tokens come (each chunk names its choice); usage, when
-        asked, once at the end. A generation's error is raised (``ApiError``)."""
-        rid, created = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    async def _chunks(self, gens: list, req, kind: str, prompts: list[Prompt], rid: str):
+        """Chunk bodies of every choice (``rid`` the response's id), interleaved as their tokens come (each chunk
+        names its choice); usage, when asked, once at the end. A generation's error is raised (``ApiError``)."""
+        created = int(time.time())
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
 
