@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, \
+from dualpath.messages import Ack, Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, \
     WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
@@ -478,6 +478,11 @@ class ClusterClient:
         flight ends now, its choices with finish reason abort; else wait up to ``wait_s`` for those on engines to
         finish), or go on again."""
         return self.scheduler.call("Hold", Hold(on, abort, wait_s), timeout=wait_s + 30)
+
+    def flush_cache(self) -> Ack:
+        """Remove every stored block of the served weights, so the next requests compute their prompts whole (a
+        benchmark's cold start); refused (``ok`` false, ``error`` why) while requests are in flight."""
+        return self.scheduler.call("FlushCache", RequestRef(""), timeout=60)
 
     def block_size(self) -> int:
         """The model's KV block size in tokens, known once a request was submitted (0 before)."""

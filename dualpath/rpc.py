@@ -203,6 +203,7 @@ def _methods():
         "Stats": Method(m.RequestRef, m.Stats),
         "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
         "Hold": Method(m.Hold, m.HoldReply),
+        "FlushCache": Method(m.RequestRef, m.Ack),
     }
     engine = {
         "Health": Method(m.RequestRef, m.Ack),

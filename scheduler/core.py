@@ -198,7 +198,7 @@ class SchedulerCore:
         self.lock = threading.RLock()
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
-                         "prompt_tokens": 0, "kv_load_failures": 0}
+                         "prompt_tokens": 0, "kv_load_failures": 0, "cache_flushes": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -245,7 +245,7 @@ class SchedulerCore:
         """List what storage holds for the cluster's model, on a thread of its own: the first engine's registration
         (and every request) must not wait for minutes of directory listing on a large store. A block evicted while
         the listing runs may come back as a stale entry; its load then fails and is recomputed, as any miss is."""
-        root = Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
+        root = self._store_root()
 
         def run():
             try:
@@ -254,6 +254,9 @@ class SchedulerCore:
                 log.warning("cannot rebuild the block index from %s: %s", root, e)
         self.index_rebuild = threading.Thread(target=run, name="index-rebuild", daemon=True)
         self.index_rebuild.start()
+
+    def _store_root(self) -> Path:
+        return Path(self.config.kv_store).expanduser() if self.config.kv_store else default_kv_store()
 
     def members(self, group: str) -> list[list[str]]:
         return sorted([e.info.engine_id, e.info.control_address] for e in self.by_group.get(group, ()) if e.alive)
@@ -477,6 +480,20 @@ class SchedulerCore:
     def release(self) -> None:
         with self.lock:
             self.held = False
+
+    def flush(self, remove: Callable[[Path, bytes], object]) -> str:
+        """Forget every stored block of the served weights (SGLang's /flush_cache, vLLM's /reset_prefix_cache: a
+        benchmark's cold start): ``remove(root, fingerprint)`` deletes them from storage and the index starts empty.
+        Refused ("" on success, else why) while requests are in flight: they may be loading those blocks."""
+        with self.lock:
+            if self.requests:
+                return f"{len(self.requests)} request(s) in flight; flush when none is"
+            if self.fingerprint is None:
+                return "no engine has registered the model yet"
+            remove(self._store_root(), self.fingerprint)
+            self.index = BlockIndex()
+            self.counters["cache_flushes"] += 1
+            return ""
 
     def drained(self) -> bool:
         """No request is on an engine and every cancellation went out (engines may still be dropping it)."""

@@ -85,6 +85,13 @@ class SchedulerService:
         drained = await drained_by(self.core, time.monotonic() + req.wait_s)
         return HoldReply(True, aborted, drained)
 
+    async def FlushCache(self, ref: RequestRef, ctx) -> Ack:
+        """Every stored block of the served weights removed (``SchedulerCore.flush``); refused while requests run."""
+        from traffic.storage.fs import remove_stored  # imports torch, which a scheduler otherwise does without
+
+        why = self.core.flush(remove_stored)
+        return Ack(not why, why)
+
     async def Session(self, requests, ctx):
         """Batches in, batches out. Requests still open when the session ends are cancelled."""
         outbox: list[SubmitEvent] = []

@@ -13,7 +13,7 @@ from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullErr
 from dualpath.geometry import KVGeometry
 from dualpath.paths import auto_store_capacity, parse_size
 from traffic.storage import ReadAccounting, make_storage
-from traffic.storage.fs import FsStorage
+from traffic.storage.fs import FsStorage, remove_stored
 from scheduler.balance import drain_rate
 
 
@@ -149,6 +149,23 @@ def test_concurrent_writers_of_one_block_leave_one_valid_file(tmp_path):
     assert any(torch.equal(out[0], v) for v in versions)
     leftovers = [p for p in stores[0].dir.rglob("*") if p.name.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_removing_a_models_blocks_is_atomic_and_later_writes_store_again(tmp_path):
+    """``remove_stored`` (a flush, and ``destroy`` after new weights): readers find each block whole or missing, a
+    writer that kept its backend stores into a new directory, other models' blocks stay."""
+    s, other = store(tmp_path), make_storage(StorageConfig(root=str(tmp_path)), GEOM, bytes(16))
+    ks, bs = keys(6), blocks(6)
+    assert s.write(ks, bs).result() == [None] * 6 and other.write(ks[:1], bs[:1]).result() == [None]
+    assert remove_stored(tmp_path, FP, background=False) and not remove_stored(tmp_path, FP)
+    assert s.contains(ks) == [False] * 6 and other.contains(ks[:1]) == [True]
+    assert all(isinstance(e, BlockMissingError) for e in s.read(ks, empty(6)).result())
+    assert s.write(ks[:2], bs[:2]).result() == [None, None]  # the directory is made again
+    out = empty(2)
+    assert s.read(ks[:2], out).result() == [None, None] and all(torch.equal(a, b) for a, b in zip(out, bs))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([FP.hex(), bytes(16).hex()])  # nothing aside left
+    s.destroy()
+    assert not (tmp_path / FP.hex()).exists() and other.contains(ks[:1]) == [True]
 
 
 def test_contains_over_ten_thousand_keys(tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,6 +192,20 @@ def test_a_hold_with_abort_ends_every_request_in_flight_queued_or_on_engines():
     core.release()
     pull_all(core, engines)
     assert assigned(core, "later")
+
+
+def test_a_flush_empties_the_index_and_removes_the_stored_blocks_only_when_idle():
+    core, engines = make_core("dualpath", Clock())
+    core.index.add(block_hashes(list(range(100)), core.fingerprint, BS))
+    removed = []
+    submit(core, "r0")
+    assert "1 request(s) in flight" in core.flush(lambda *a: removed.append(a))
+    assert not removed and len(core.index) == 6
+    core.cancel("r0")
+    assert core.flush(lambda *a: removed.append(a)) == ""
+    assert removed == [(Path("/nonexistent"), core.fingerprint)] and len(core.index) == 0
+    assert core.stats()["cache_flushes"] == 1
+    assert submit(core, "r1").get().num_hit_tokens == 0
 
 
 def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load():
@@ -506,6 +521,42 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
         assert http.post("/pause_generation").json()["status"] == "paused"  # no body: mode abort
         assert http.post("/resume").json() == {"status": "resumed"}
         assert http.get("/health_generate").status_code == 200
+    front.client.close()
+
+
+def test_flush_cache_makes_the_next_request_compute_its_prompt_whole(cluster, tiny_dirs):
+    """SGLang's /flush_cache and vLLM's /reset_prefix_cache: refused while a request runs; then the prompt's blocks
+    are gone from the store and the index (the next request loads nothing, answers the same) and are stored again."""
+    c, client, kv = cluster
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512))
+    prompt = [(i * 7) % 250 + 3 for i in range(70)]
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    with TestClient(front.app) as http:
+        def turn():
+            out = http.post("/v1/completions", json=body).json()
+            return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        text, _ = turn()
+        assert turn() == (text, 64)
+        assert http.post("/pause").status_code == 200  # a request that waits keeps the flush off
+        queued = threading.Thread(target=turn)
+        queued.start()
+        deadline = time.monotonic() + 10
+        while not client.stats()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        busy = http.post("/flush_cache")
+        assert busy.status_code == 400 and "1 request(s) in flight" in busy.json()["error"]["message"]
+        http.post("/resume")
+        queued.join(30)
+        while client.stats()["in_flight"] and time.monotonic() < deadline + 30:
+            time.sleep(0.02)  # its engines' last report may still be on its way
+        flushed = http.post("/flush_cache")
+        assert flushed.status_code == 200 and flushed.json()["success"], flushed.json()
+        assert not (kv / client.stats()["fingerprint"]).exists() and client.stats()["index_blocks"] == 0
+        assert turn() == (text, 0)  # computed whole, the same answer
+        assert turn() == (text, 64)  # stored again
+        assert http.post("/reset_prefix_cache").json()["success"] and turn() == (text, 0)
+        assert client.stats()["cache_flushes"] == 2
     front.client.close()
 
 

@@ -1,5 +1,6 @@
-"""Pausing generation, for RL trainers and operators: vLLM's ``POST /pause`` (``mode`` abort or wait), ``POST
-/resume`` and ``GET /is_paused``; SGLang's ``POST /pause_generation`` (mode abort) and ``POST /continue_generation``.
+"""Pausing generation and flushing the KV store, for RL trainers, operators and benchmarks: vLLM's ``POST /pause``
+(``mode`` abort or wait), ``POST /resume`` and ``GET /is_paused``; SGLang's ``POST /pause_generation`` (mode abort)
+and ``POST /continue_generation``.
 
 The scheduler holds the cluster (``SchedulerCore.hold``): it hands no request to an engine until resumed, while
 requests keep being accepted and wait in its queue (nothing accepted is lost). ``abort`` ends every request in
@@ -9,6 +10,9 @@ engine; requests still queued then run after the resume. A weight update while p
 (``/update_weights_from_disk``) loads the weights and leaves the cluster paused. vLLM's ``keep`` and SGLang's
 ``retract`` and ``in_place`` freeze requests on the engines, which these cannot: a 400 says so. ``clear_cache``
 needs nothing: stored KV is keyed by the weights' fingerprint, so no block of old weights can hit new ones.
+
+SGLang's ``/flush_cache`` and vLLM's ``/reset_prefix_cache`` empty the prefix cache, which here is the KV store:
+every stored block of the served weights is removed (a benchmark's cold start), refused while requests run.
 """
 from __future__ import annotations
 
@@ -57,6 +61,17 @@ class Control:
     async def resume(self) -> dict:
         await self._hold(False)
         return {"status": "resumed"}
+
+    async def flush_cache(self) -> dict:
+        """SGLang's ``/flush_cache``, vLLM's ``/reset_prefix_cache``: the KV store forgets the served weights'
+        blocks (``ClusterClient.flush_cache``); a 400 while requests run, as SGLang's."""
+        try:
+            ack = await asyncio.to_thread(self.front.client.flush_cache)
+        except DualPathError as e:
+            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        if not ack.ok:
+            raise ApiError(400, f"cache not flushed: {ack.error}")
+        return {"success": True, "message": "cache flushed: every stored KV block of the served weights is removed"}
 
     async def is_paused(self) -> dict:
         return {"is_paused": bool((await self.front.probes.stats()).get("held", False))}

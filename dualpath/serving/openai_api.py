@@ -287,6 +287,14 @@ class Frontend:
         async def continue_generation(request: Request):
             return await self._control(request, "continue_generation", self.control.resume())
 
+        @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's (GET in older releases)
+        async def flush_cache(request: Request):
+            return await self._control(request, "flush_cache", self.control.flush_cache())
+
+        @app.post("/reset_prefix_cache")  # vLLM's
+        async def reset_prefix_cache(request: Request):
+            return await self._control(request, "reset_prefix_cache", self.control.flush_cache())
+
         @app.get("/get_weight_version")
         async def weight_version(request: Request):
             self._auth(request)

@@ -218,7 +218,7 @@ class FsStorage(StorageBackend):
             return None
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)  # the model's directory too, after ``remove_stored``
             self._write_file(tmp, pack_header(self.geometry, self.fingerprint, key, block), block)
             os.rename(tmp, path)
         except OSError as e:
@@ -299,7 +299,25 @@ class FsStorage(StorageBackend):
 
     def destroy(self) -> None:
         self.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        remove_stored(self.dir.parent, self.fingerprint, background=False)
+
+
+def remove_stored(root: Path, fingerprint: BlockHash, background: bool = True) -> bool:
+    """Remove every block stored under ``root`` for the model ``fingerprint``; whether there were any. The model's
+    directory is renamed aside first (one atomic step: a reader finds each block whole or missing, and writes after
+    it start a new directory), then deleted, on a thread of its own with ``background``."""
+    model_dir = Path(root) / fingerprint.hex()
+    aside = model_dir.with_name(f".{model_dir.name}.removing.{os.getpid()}.{time.monotonic_ns()}")
+    try:
+        os.rename(model_dir, aside)
+    except FileNotFoundError:
+        return False
+    if background:
+        threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True,
+                         name="kv-remove").start()
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
+    return True
 
 
 def list_stored_keys(model_dir: Path) -> Iterator[BlockHash]:
