@@ -474,9 +474,9 @@ class ClusterClient:
         return reply
 
     def hold(self, on: bool, abort: bool = False, wait_s: float = 0.0) -> HoldReply:
-        """Pause generation (``on``: the scheduler hands no request to an engine; with ``abort`` every request in
-        flight ends now, its choices with finish reason abort; else wait up to ``wait_s`` for those on engines to
-        finish), or go on again."""
+        """Pause generation (``on``: the scheduler hands no request sent from now on to an engine; with ``abort``
+        every request in flight ends now, its choices with finish reason abort; else wait up to ``wait_s`` for those
+        sent before to end), or go on again."""
         return self.scheduler.call("Hold", Hold(on, abort, wait_s), timeout=wait_s + 30)
 
     def flush_cache(self) -> Ack:

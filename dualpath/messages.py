@@ -270,8 +270,8 @@ class WeightUpdateReply:
 
 @dataclass(frozen=True)
 class Hold:
-    """To the scheduler: stop handing requests to engines (``on``; with ``abort`` every request in flight ends now,
-    else wait up to ``wait_s`` for those on engines to finish), or go on again (not ``on``)."""
+    """To the scheduler: hand no request sent from now on to an engine (``on``; with ``abort`` every request in
+    flight ends now, else wait up to ``wait_s`` for those sent before to end), or go on again (not ``on``)."""
 
     on: bool
     abort: bool = False
@@ -282,7 +282,7 @@ class Hold:
 class HoldReply:
     held: bool
     aborted: int = 0  # requests ended by ``abort``
-    drained: bool = True  # no request is on an engine (false: some still ran when ``wait_s`` ran out)
+    drained: bool = True  # every request sent before the hold ended (false: some still ran when ``wait_s`` ran out)
 
 
 @dataclass(frozen=True)

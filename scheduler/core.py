@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Collection, Iterator
+from typing import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from dualpath.config import SchedulerConfig
@@ -164,6 +164,7 @@ class RequestRecord:
     path: str = ""
     streaming: bool = False
     submitted_at: float = 0.0
+    seq: int = 0  # its place in the order of submissions (a hold lets the earlier ones run)
 
     @property
     def work_id(self) -> str:
@@ -192,7 +193,8 @@ class SchedulerCore:
         self.weights_version = ""  # the label of the weights last loaded by an update
         self.weights_path = ""  # the checkpoint they came from ("": the ones the engines started with)
         self.paused = False  # a weight update runs: no request is handed to an engine
-        self.held = False  # the same, asked for (``hold``: vLLM's /pause) until ``release``; an update keeps it
+        # ``hold`` (vLLM's /pause) until ``release``: requests submitted from this seq on are not handed out
+        self.held_from: int | None = None
         self.block_size = 0
         self.max_model_len = 0
         self.lock = threading.RLock()
@@ -349,7 +351,8 @@ class SchedulerCore:
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             hit = self._hit_blocks(hashes, n, params)
-            r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock())
+            r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock(),
+                              seq=self.counters["submitted"])
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
             self.global_queue.append(spec.request_id)
@@ -462,13 +465,19 @@ class SchedulerCore:
                     self._retry(rid, "the model's weights are being updated")
             return ended
 
+    @property
+    def held(self) -> bool:
+        return self.held_from is not None
+
     def hold(self, abort: bool = False) -> int:
-        """Stop handing requests to engines until ``release`` (vLLM's /pause, SGLang's /pause_generation: a trainer
-        about to change the weights its own way); requests keep being accepted and queue. With ``abort`` every
-        request in flight ends now, queued or on engines: its choices end with finish reason abort and the tokens
-        they had. Returns how many ended. A weight update meanwhile leaves the cluster held."""
+        """Hand no request submitted from now on to an engine until ``release`` (vLLM's /pause, SGLang's
+        /pause_generation: a trainer about to change the weights); they are accepted and queue. Those submitted
+        before run to their end (``hold_drained`` says when), or with ``abort`` every request in flight ends now,
+        queued or on engines: its choices end with finish reason abort and the tokens they had. Returns how many
+        ended. A weight update meanwhile leaves the cluster held."""
         with self.lock:
-            self.held = True
+            if self.held_from is None:  # a second hold keeps the first one's line
+                self.held_from = self.counters["submitted"]
             if not abort:
                 return 0
             ended = list(self.requests.items())
@@ -479,7 +488,19 @@ class SchedulerCore:
 
     def release(self) -> None:
         with self.lock:
-            self.held = False
+            self.held_from = None
+
+    def hold_drained(self) -> bool:
+        """Every request submitted before the hold ended and every cancellation went out."""
+        with self.lock:
+            line = self.held_from if self.held_from is not None else self.counters["submitted"]
+            return not self.cancelled_for and not any(r.seq < line for r in self.requests.values())
+
+    def _handed_out(self, rids: Iterable[str]) -> Iterator[str]:
+        """The queued requests that may go to engines now (while held: those submitted before the hold)."""
+        if self.held_from is None:
+            return iter(rids)
+        return (rid for rid in rids if self.requests[rid].seq < self.held_from)
 
     def flush(self, remove: Callable[[Path, bytes], object]) -> str:
         """Forget every stored block of the served weights (SGLang's /flush_cache, vLLM's /reset_prefix_cache: a
@@ -557,7 +578,7 @@ class SchedulerCore:
                 if self.cancelled_for else []
             self._route()
             if group[0].info.role is Role.DECODE:
-                if not (self.paused or self.held):  # the one gate: the prefill queue holds what a decode engine took
+                if not self.paused:  # the one gate (and _handed_out's): the prefill queue holds what a DE took
                     self._assign_decode(group_id, group, pulling)
                 return PullReply({}, cancelled, list(members), rejoin, unknown)
             return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
@@ -683,7 +704,7 @@ class SchedulerCore:
         private = self.private.get(group_id, Fifo())
         if not private:  # nothing to place: skip building the group's states
             return
-        waiting = Lazy(self.queued(self.requests[rid]) for rid in private)
+        waiting = Lazy(self.queued(self.requests[rid]) for rid in self._handed_out(private))
         states = [self._state(e) for e in group]  # phase 1 chose the group
         for work_id, eid in list(self.policy.assign_decode(waiting, states, pulling)):  # done reading private
             rid = self.by_work[work_id]

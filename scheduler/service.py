@@ -82,7 +82,7 @@ class SchedulerService:
             self.core.release()
             return HoldReply(False)
         aborted = self.core.hold(req.abort)
-        drained = await drained_by(self.core, time.monotonic() + req.wait_s)
+        drained = await drained_by(self.core.hold_drained, time.monotonic() + req.wait_s)
         return HoldReply(True, aborted, drained)
 
     async def FlushCache(self, ref: RequestRef, ctx) -> Ack:

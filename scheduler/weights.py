@@ -61,9 +61,9 @@ async def update_weights(core: SchedulerCore, req: WeightUpdate, load_on=_load_o
     return WeightUpdateReply(not failed, _summary(failed), fp, req.version, len(loaded), aborted, seconds)
 
 
-async def drained_by(core: SchedulerCore, deadline: float) -> bool:
-    """Whether no request is on an engine by ``deadline`` (monotonic; admission is paused, so this comes)."""
-    while not core.drained():
+async def drained_by(drained, deadline: float) -> bool:
+    """Whether ``drained()`` (``SchedulerCore.drained`` or ``hold_drained``) holds by ``deadline`` (monotonic)."""
+    while not drained():
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.05)
@@ -74,7 +74,7 @@ async def _drain_and_load(core: SchedulerCore, req: WeightUpdate, load_on,
                           deadline: float) -> tuple[dict[str, WeightUpdateReply], str]:
     """Wait until no request is on an engine, check the checkpoint on every engine, then load it on every engine:
     ``(engine id -> its load reply, "")``, or ``({}, why nothing was loaded)``."""
-    if not await drained_by(core, deadline):
+    if not await drained_by(core.drained, deadline):
         return {}, f"requests still ran after {req.timeout_s:g} s; the weights are unchanged (pass abort to " \
                    "end them)"
     engines = {e.info.engine_id: e.info.control_address for e in core.engines.values() if e.alive}

@@ -173,6 +173,23 @@ def test_a_held_scheduler_outlasts_a_weight_update_and_goes_on_when_released():
     assert assigned(core, "r1") and not core.stats()["held"]
 
 
+def test_a_hold_lets_requests_sent_before_it_run_even_those_still_queued():
+    core, engines = make_core("dualpath", Clock())
+    submit(core, "early")  # queued: no engine has pulled it yet
+    core.hold()
+    submit(core, "late")
+    assert not core.hold_drained()
+    pull_all(core, engines)
+    assert assigned(core, "early") and not assigned(core, "late")
+    finish(engines, "early")
+    pull_all(core, engines)
+    assert "early" not in core.requests and core.hold_drained() and not assigned(core, "late")
+    core.hold()  # again: the first one's line stands
+    core.release()
+    pull_all(core, engines)
+    assert assigned(core, "late")
+
+
 def test_a_hold_with_abort_ends_every_request_in_flight_queued_or_on_engines():
     core, engines = make_core("dualpath", Clock())
     on_engines, queued = submit(core, "gen"), submit(core, "wait")
@@ -469,7 +486,7 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
 def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluster, tiny_dirs):
     """vLLM's /pause, /resume and /is_paused, SGLang's /pause_generation and /continue_generation: abort ends a
     streamed reply with its tokens so far; a request sent while paused waits, through a weight update, and runs
-    after the resume; mode wait returns once the reply on the engines finished whole."""
+    after the resume; mode wait returns once the request sent before it finished whole."""
     c, client, _ = cluster
     front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
                                     health_generate_timeout_s=5))
@@ -508,15 +525,14 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
         some = {**long, "max_new_tokens": 24}
         stream = threading.Thread(target=lambda: got.setdefault("whole", http.post("/generate", json={
             "input_ids": PROMPT, "sampling_params": some})))
-        since = time.perf_counter()
         stream.start()
         deadline = time.monotonic() + 30
-        while front.last_token_at < since and time.monotonic() < deadline:
-            time.sleep(0.01)  # until it generates (a request still queued would wait for the resume)
+        while not client.stats()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.005)  # the scheduler has it (queued or generating: either way it runs before the pause)
         assert http.post("/pause?mode=wait&timeout=60").json()["num_aborted_requests"] == 0
+        assert client.stats()["in_flight"] == 0  # it ended before the pause returned
         stream.join(30)
-        assert client.stats()["in_flight"] == 0
-        assert got["whole"].json()["output_ids"] == want[:24]  # it finished, whole
+        assert got["whole"].json()["output_ids"] == want[:24]  # whole
         assert http.post("/continue_generation").json() == {"status": "resumed"}
         assert http.post("/pause_generation").json()["status"] == "paused"  # no body: mode abort
         assert http.post("/resume").json() == {"status": "resumed"}

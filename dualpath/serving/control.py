@@ -2,14 +2,15 @@
 (``mode`` abort or wait), ``POST /resume`` and ``GET /is_paused``; SGLang's ``POST /pause_generation`` (mode abort)
 and ``POST /continue_generation``.
 
-The scheduler holds the cluster (``SchedulerCore.hold``): it hands no request to an engine until resumed, while
-requests keep being accepted and wait in its queue (nothing accepted is lost). ``abort`` ends every request in
+The scheduler holds the cluster (``SchedulerCore.hold``): it hands no request sent from then on to an engine until
+resumed; they are accepted and wait in its queue (nothing accepted is lost). ``abort`` ends every request in
 flight at once, this frontend's and every other's, queued or generating: each choice answers with what it
-generated and finish reason ``abort`` (a trainer's partial rollouts). ``wait`` returns once no request is on an
-engine; requests still queued then run after the resume. A weight update while paused
-(``/update_weights_from_disk``) loads the weights and leaves the cluster paused. vLLM's ``keep`` and SGLang's
-``retract`` and ``in_place`` freeze requests on the engines, which these cannot: a 400 says so. ``clear_cache``
-needs nothing: stored KV is keyed by the weights' fingerprint, so no block of old weights can hit new ones.
+generated and finish reason ``abort`` (a trainer's partial rollouts). ``wait`` lets every request sent before the
+pause run to its end, queued ones too, and returns when they have (a trainer awaits its rollouts, then updates).
+A weight update while paused (``/update_weights_from_disk``) loads the weights and leaves the cluster paused.
+vLLM's ``keep`` and SGLang's ``retract`` and ``in_place`` freeze requests on the engines, which these cannot: a 400
+says so. ``clear_cache`` needs nothing: stored KV is keyed by the weights' fingerprint, so no block of old weights
+can hit new ones.
 
 SGLang's ``/flush_cache`` and vLLM's ``/reset_prefix_cache`` empty the prefix cache, which here is the KV store:
 every stored block of the served weights is removed (a benchmark's cold start), refused while requests run.
@@ -49,8 +50,8 @@ class Control:
             raise ApiError(400, "timeout must be a positive number of seconds", param="timeout")
         reply = await self._hold(True, mode == "abort", timeout if mode == "wait" else 0.0)
         if not reply.drained and mode == "wait":
-            raise ApiError(504, f"requests still ran on engines after {timeout:g} s; generation stays paused (POST "
-                                "/resume goes on, /pause?mode=abort ends them)", "server_error")
+            raise ApiError(504, f"requests sent before the pause still ran after {timeout:g} s; generation stays "
+                                "paused (POST /resume goes on, /pause?mode=abort ends them)", "server_error")
         return {"status": "paused", "num_aborted_requests": reply.aborted}
 
     async def pause_generation(self, req: PauseGenerationRequest) -> dict:
