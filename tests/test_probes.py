@@ -173,3 +173,13 @@ def test_without_a_usable_request_id_one_is_made(front, given):
     assert made != given and len(made) == 32 and r.json()["id"] == f"cmpl-{made}"
     assert fake.request_ids[-1].startswith(made + "-")
     assert http.get("/health").headers["x-request-id"]  # every response carries one
+
+
+@pytest.mark.parametrize("query, why", [("mode=keep", "freezes requests"), ("mode=later", "'abort' or 'wait'"),
+                                        ("mode=wait&timeout=0", "timeout"), ("mode=wait&timeout=inf", "timeout"),
+                                        ("timeout=nan", "timeout")])
+def test_pauses_it_cannot_make_are_400s_and_hold_nothing(front, query, why):
+    http, fake, _ = front
+    fake.hold = lambda *a: pytest.fail("held")
+    r = http.post(f"/pause?{query}")
+    assert r.status_code == 400 and why in r.json()["error"]["message"]

@@ -24,7 +24,8 @@ from dualpath.messages import HoldReply
 from dualpath.serving.choices import ApiError
 from dualpath.serving.protocol import PauseGenerationRequest
 
-PAUSE_WAIT_S = 600.0  # how long mode "wait" waits by default for the requests on engines to finish
+PAUSE_WAIT_S = 600.0  # how long mode "wait" waits by default for the requests sent before the pause to end
+MAX_WAIT_S = 86400.0
 FROZEN = "freezes requests on the engines, which they cannot; 'abort' ends them now, 'wait' lets them finish"
 
 
@@ -46,8 +47,8 @@ class Control:
         if mode not in ("abort", "wait"):
             raise ApiError(400, f"mode {mode!r} {FROZEN}" if mode == "keep" else
                            f"mode must be 'abort' or 'wait', not {mode!r}", param="mode")
-        if not timeout > 0:
-            raise ApiError(400, "timeout must be a positive number of seconds", param="timeout")
+        if not 0 < timeout <= MAX_WAIT_S:
+            raise ApiError(400, f"timeout must be a number of seconds in (0, {MAX_WAIT_S:g}]", param="timeout")
         reply = await self._hold(True, mode == "abort", timeout if mode == "wait" else 0.0)
         if not reply.drained and mode == "wait":
             raise ApiError(504, f"requests sent before the pause still ran after {timeout:g} s; generation stays "
