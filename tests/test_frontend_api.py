@@ -389,6 +389,27 @@ def test_models_list_carries_the_context_length(front):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_every_served_name_is_listed_and_taken_and_responses_name_the_first(tiny_dirs, tmp_path):
+    """vLLM's ``--served-model-name a b``: requests may name either; responses name the first."""
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, model_aliases=("org/alias",))
+    fake.reply = "ok"
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["m", "org/alias"]
+    assert http.get("/v1/models/org/alias").json()["id"] == "org/alias"
+    r = http.post("/v1/completions", json={"model": "org/alias", "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["model"] == "m"
+    r = http.post("/v1/completions", json={"model": "other", "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 404 and "'m' or 'org/alias'" in r.json()["error"]["message"]
+
+
+def test_served_names_from_the_command_line_and_a_config_file(tmp_path):
+    from argparse import Namespace
+
+    from dualpath.serving.serve import served_names
+    assert served_names(Namespace(served_model_name=["a", "b"]), str(tmp_path)) == ("a", "b")
+    assert served_names(Namespace(served_model_name="a"), str(tmp_path)) == ("a",)  # YAML's one name
+    assert served_names(Namespace(served_model_name=None), str(tmp_path / "ckpt")) == ("ckpt",)
+
+
 def by_seed(sampling):
     return f"seed {sampling.seed}"
 

@@ -213,7 +213,7 @@ def batch_main(args) -> int:
     """``dualpath run-batch``: a cluster started here (or ``--scheduler``'s), the frontend in this process."""
     from dualpath.cli import _model_dir
     from dualpath.serving.openai_api import Frontend, FrontendConfig
-    from dualpath.serving.serve import cluster_from_args, frontend_options, model_name
+    from dualpath.serving.serve import cluster_from_args, frontend_options, served_names
     from engines.models import open_checkpoint
 
     try:  # an unreadable or empty input fails before a cluster starts
@@ -229,8 +229,9 @@ def batch_main(args) -> int:
         else:
             cluster, model_dir, max_len = cluster_from_args(args)
             scheduler = cluster.scheduler_address
-        frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, scheduler,
-                                           max_len, default_max_tokens=args.default_max_tokens,
+        names = served_names(args, model_dir)
+        frontend = Frontend(FrontendConfig(names[0], model_dir, scheduler, max_len, model_aliases=names[1:],
+                                           default_max_tokens=args.default_max_tokens,
                                            max_stored_responses=0, **options))
         summary = run_batch(frontend.app, args.input, args.output, BatchConfig(max_concurrency=args.max_concurrency),
                             progress=not args.no_progress)

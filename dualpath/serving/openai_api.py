@@ -71,6 +71,7 @@ class FrontendConfig:
     tool_call_parser: str = "auto"  # the tool-call markup (dualpath.serving.tools.TOOL_PARSERS); auto: the template's
     migration_limit: int = 3  # times a reply may move off decode engines that die while generating it (0: fail)
     health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
+    model_aliases: tuple[str, ...] = ()  # other names requests may give the model (responses name model_name)
 
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -207,13 +208,14 @@ class Frontend:
         @app.get("/v1/models")
         async def models(request: Request):
             self._auth(request)
-            return {"object": "list", "data": [self._model_card()]}
+            return {"object": "list", "data": [self._model_card(n) for n in (self.cfg.model_name,
+                                                                             *self.cfg.model_aliases)]}
 
         @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; a name may hold slashes ("Qwen/Qwen2.5-7B")
         async def model(name: str, request: Request):
             self._auth(request)
             self._check_model(name)
-            return self._model_card()
+            return self._model_card(name)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -369,13 +371,15 @@ class Frontend:
                              "engines": reply.engines, "num_aborted_requests": reply.aborted,
                              "seconds": round(reply.seconds, 3)}, status)
 
-    def _model_card(self) -> dict:
-        return {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "dualpath",
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "dualpath",
+                "root": self.cfg.model_dir,  # vLLM's: what each served name is
                 "max_model_len": self.cfg.max_model_len}  # vLLM's extra field, which clients size prompts by
 
     def _check_model(self, name: str) -> None:
-        if name != self.cfg.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
+        if name != self.cfg.model_name and name not in self.cfg.model_aliases:
+            names = " or ".join(repr(n) for n in (self.cfg.model_name, *self.cfg.model_aliases))
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
 
     def _auth(self, request: Request) -> None:

@@ -34,6 +34,13 @@ def model_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
 
+def served_names(args, model_dir: str) -> tuple[str, ...]:
+    """``--served-model-name``'s names (one or more; a YAML config may give one as a string), else the directory's."""
+    given = getattr(args, "served_model_name", None)
+    names = tuple([given] if isinstance(given, str) else given or ())
+    return names or (model_name(model_dir),)
+
+
 def frontend_server(frontend_app, host: str, port: int, drain_s: float):
     """A uvicorn server on a socket we bound (so port 0 works and the real port is known before it starts); once
     told to exit it accepts nothing new and lets requests in flight finish, for up to ``drain_s`` seconds."""
@@ -138,8 +145,9 @@ def serve(args) -> int:
     cluster, model_dir, max_len = cluster_from_args(args)
     try:
         api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
-        frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir,
-                                           cluster.scheduler_address, max_len, api_key,
+        names = served_names(args, model_dir)
+        frontend = Frontend(FrontendConfig(names[0], model_dir, cluster.scheduler_address, max_len, api_key,
+                                           model_aliases=names[1:],
                                            responses_dir=args.responses_dir or responses_beside(args.kv_store),
                                            **http_options(args), **options))
 
@@ -164,8 +172,9 @@ def frontend_main(args) -> int:
 
     model_dir = _model_dir(args.model)
     max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
-    frontend = Frontend(FrontendConfig(args.served_model_name or model_name(model_dir), model_dir, args.scheduler,
-                                       max_len, args.api_key or os.environ.get("DUALPATH_API_KEY"),
+    names = served_names(args, model_dir)
+    frontend = Frontend(FrontendConfig(names[0], model_dir, args.scheduler, max_len,
+                                       args.api_key or os.environ.get("DUALPATH_API_KEY"), model_aliases=names[1:],
                                        responses_dir=args.responses_dir, **http_options(args),
                                        **frontend_options(args)))
 
