@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import Ack, Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, TokenEvent, \
-    WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.messages import Abort, Ack, Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, \
+    TokenEvent, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
@@ -171,8 +171,8 @@ class RequestHandle:
     """One submitted request: its token events, and a way to cancel it from any thread."""
 
     def __init__(self, client: "ClusterClient", request_id: str, token_ids: list[int], sampling: SamplingParams,
-                 mode: str, migrations: int):
-        self.client, self.request_id, self.base_id = client, request_id, request_id
+                 mode: str, migrations: int, label: str = ""):
+        self.client, self.request_id, self.base_id, self.label = client, request_id, request_id, label
         self.token_ids, self.sampling, self.mode = token_ids, sampling, mode
         self.migrations = migrations  # how many more times the reply may move off a lost decode engine
         self.queue: queue.Queue = queue.Queue()
@@ -194,7 +194,7 @@ class RequestHandle:
         self.session = self.client.session()
         hashes, fingerprint = self.client._hashes(self.token_ids)
         self.session.submit(SubmitRequest(self.request_id, pack_tokens(self.token_ids), self.sampling.to_dict(),
-                                          self.mode, hashes, fingerprint), self._listen)
+                                          self.mode, hashes, fingerprint, self.label), self._listen)
 
     def _resubmit(self) -> None:
         """The scheduler session ended before this request got to a decode engine (the scheduler restarted, or the
@@ -373,7 +373,7 @@ class RequestHandle:
                          prompt_logprobs=None if tokens else p.prompt_logprobs,
                          num_resumed_tokens=p.num_resumed_tokens + len(tokens))
         return self.client._start(self.token_ids + tokens, params, f"{self.request_id}+{choice}", self.mode,
-                                  self.migrations - 1)
+                                  self.migrations - 1, self.label)
 
     def _own(self, ev: TokenEvent) -> TokenEvent:
         """``ev`` with this request's usage numbers: its prompt's tokens and how many of them were loaded (the
@@ -479,6 +479,11 @@ class ClusterClient:
         sent before to end), or go on again."""
         return self.scheduler.call("Hold", Hold(on, abort, wait_s), timeout=wait_s + 30)
 
+    def abort(self, label: str = "", every: bool = False) -> int:
+        """End the requests labelled ``label`` (every request with ``every``) in flight anywhere in the cluster, where
+        they are: their choices finish with the tokens they had, reason abort. Returns how many ended."""
+        return self.scheduler.call("Abort", Abort(label, every), timeout=30).aborted
+
     def flush_cache(self) -> Ack:
         """Remove every stored block of the served weights, so the next requests compute their prompts whole (a
         benchmark's cold start); refused (``ok`` false, ``error`` why) while requests are in flight."""
@@ -489,13 +494,14 @@ class ClusterClient:
         return self._model[1] if self._model else 0
 
     def start(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-              mode: str = "") -> "RequestHandle":
-        """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it."""
-        return self._start(token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit)
+              mode: str = "", label: str = "") -> "RequestHandle":
+        """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it.
+        ``label``: a name it shares with others (``abort`` ends every request of a label)."""
+        return self._start(token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit, label)
 
     def _start(self, token_ids: list[int], sampling: SamplingParams, request_id: str, mode: str,
-               migrations: int) -> "RequestHandle":
-        handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations)
+               migrations: int, label: str = "") -> "RequestHandle":
+        handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations, label)
         handle._submit()
         return handle
 

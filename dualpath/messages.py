@@ -105,6 +105,7 @@ class SubmitRequest:
     mode: str = ""  # a read-path mode for this request only ("" = the scheduler's)
     block_hashes: bytes = b""  # the prompt's chained block hashes, if the submitter computed them (packed)
     fingerprint: str = ""  # hex: the model fingerprint those hashes chain from (the weights may have changed since)
+    label: str = ""  # the submitter's name for it (an HTTP request's id, SGLang's rid): what ``Abort`` matches
 
     @property
     def num_tokens(self) -> int:
@@ -266,6 +267,20 @@ class WeightUpdateReply:
     aborted: int = 0  # requests ended (those generating) by ``abort``
     seconds: float = 0.0
     busy: bool = False  # an engine's refusal because it still holds work (the scheduler asks again)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """To the scheduler: end the requests in flight labelled ``label`` (every one with ``every``) where they are:
+    their choices finish with the tokens they had, reason abort (SGLang's /abort_request, cluster-wide)."""
+
+    label: str = ""
+    every: bool = False
+
+
+@dataclass(frozen=True)
+class AbortReply:
+    aborted: int = 0  # requests ended
 
 
 @dataclass(frozen=True)

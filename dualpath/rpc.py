@@ -204,6 +204,7 @@ def _methods():
         "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
         "Hold": Method(m.Hold, m.HoldReply),
         "FlushCache": Method(m.RequestRef, m.Ack),
+        "Abort": Method(m.Abort, m.AbortReply),
     }
     engine = {
         "Health": Method(m.RequestRef, m.Ack),

@@ -478,12 +478,16 @@ class SchedulerCore:
         with self.lock:
             if self.held_from is None:  # a second hold keeps the first one's line
                 self.held_from = self.counters["submitted"]
-            if not abort:
-                return 0
-            ended = list(self.requests.items())
+            return self.abort(None, "generation was paused (/pause)") if abort else 0
+
+    def abort(self, label: str | None, why: str = "/abort_request") -> int:
+        """End the requests in flight labelled ``label`` (None: every one), queued or on engines: their choices
+        finish with the tokens they had, reason abort, and their engines drop them. Returns how many ended."""
+        with self.lock:
+            ended = [(rid, r) for rid, r in self.requests.items() if label is None or r.spec.label == label]
             for rid, r in ended:
                 self._cancel_on_engines(r)
-                self._fail(rid, "aborted: generation was paused (/pause)", aborted=True)
+                self._fail(rid, f"aborted: {why}", aborted=True)
             return len(ended)
 
     def release(self) -> None:

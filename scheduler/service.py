@@ -15,8 +15,8 @@ import time
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError, UnavailableError
-from dualpath.messages import Ack, EngineInfo, EngineLoad, Hold, HoldReply, PullReply, PullRequest, RegisterReply, \
-    RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
+from dualpath.messages import Abort, AbortReply, Ack, EngineInfo, EngineLoad, Hold, HoldReply, PullReply, PullRequest, \
+    RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
@@ -84,6 +84,9 @@ class SchedulerService:
         aborted = self.core.hold(req.abort)
         drained = await drained_by(self.core.hold_drained, time.monotonic() + req.wait_s)
         return HoldReply(True, aborted, drained)
+
+    async def Abort(self, req: Abort, ctx) -> AbortReply:
+        return AbortReply(self.core.abort(None if req.every else req.label))
 
     async def FlushCache(self, ref: RequestRef, ctx) -> Ack:
         """Every stored block of the served weights removed (``SchedulerCore.flush``); refused while requests run."""

@@ -107,13 +107,14 @@ class ScriptedClient:
     each continuation with ``script(choice)``'s events."""
 
     def __init__(self, script):
-        self.script, self.started, self.moved = script, [], []
+        self.script, self.started, self.moved, self.labels = script, [], [], []
         self.lock = threading.Lock()
 
-    def _start(self, tokens, params, request_id, mode, migrations):
+    def _start(self, tokens, params, request_id, mode, migrations, label=""):
         choice = int(request_id.rsplit("+", 1)[1])
         with self.lock:
             self.started.append((choice, tokens, params, mode, migrations))
+            self.labels.append(label)
         return ScriptedHandle(request_id, self.script(choice))
 
     def _migrated(self, request_id, why, resumed):
@@ -146,9 +147,10 @@ def test_the_unfinished_choices_go_on_where_they_were_and_come_back_as_one_strea
                                   num_cached_tokens=64 if choice == 2 else 48, path="de")]
 
     client = ScriptedClient(script)
-    handle = RequestHandle(client, "r", prompt, params, "de", migrations=2)
+    handle = RequestHandle(client, "r", prompt, params, "de", migrations=2, label="rollout-3")
     state = [delivered([1, 2], done=True), delivered([3, 4, 5], ending="length"), delivered([6] * 7), _Delivered()]
     out = list(handle._move(state, EngineLost("lost")))
+    assert client.labels == ["rollout-3"] * 2  # an abort of its label ends the continuations too
     started = sorted(client.started, key=lambda s: s[0])
     assert [(c, t[50:], p.n, p.seed, p.num_resumed_tokens, p.prompt_logprobs, mode, m)
             for c, t, p, mode, m in started] == [(2, [6] * 7, 1, 12, 7, None, "de", 1), (3, [], 1, 13, 0, 1, "de", 1)]

@@ -58,11 +58,13 @@ class ScriptedClient:
     choice's first event when they are asked for); the prompts and sampling parameters it was sent are kept."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.reply, self.prompts, self.samplings, self.request_ids = tokenizer, "", [], [], []
+        self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
+        self.request_ids, self.labels, self.aborts = [], [], []
 
-    def start(self, prompt, sampling, request_id=None, mode=""):
+    def start(self, prompt, sampling, request_id=None, mode="", label=""):
         self.prompts.append(list(prompt))
         self.request_ids.append(request_id)
+        self.labels.append(label)
         self.samplings.append(sampling)
         replies = []
         for i in range(sampling.n):
@@ -79,6 +81,10 @@ class ScriptedClient:
 
     def stats(self):
         return {"ready": True}
+
+    def abort(self, label="", every=False):
+        self.aborts.append((label, every))
+        return 0
 
     def block_size(self):
         return 16

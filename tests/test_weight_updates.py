@@ -173,6 +173,16 @@ def test_a_held_scheduler_outlasts_a_weight_update_and_goes_on_when_released():
     assert assigned(core, "r1") and not core.stats()["held"]
 
 
+def test_abort_matches_labels_or_ends_every_request():
+    core, engines = make_core("dualpath", Clock())
+    a, b = submit(core, "r0", label="rollout-1"), submit(core, "r1", label="rollout-2")
+    submit(core, "r2", label="rollout-2")
+    pull_all(core, engines)
+    assert core.abort("nobody") == 0 and core.abort("rollout-1") == 1
+    assert list(a.queue)[-1].aborted and set(core.requests) == {"r1", "r2"}
+    assert core.abort(None) == 2 and not core.requests and list(b.queue)[-1].aborted
+
+
 def test_a_hold_lets_requests_sent_before_it_run_even_those_still_queued():
     core, engines = make_core("dualpath", Clock())
     submit(core, "early")  # queued: no engine has pulled it yet
@@ -447,7 +457,7 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         batch.start()
         completion.start()
         deadline = time.monotonic() + 30
-        while len(front.running) < 3 and time.monotonic() < deadline:
+        while client.stats()["in_flight"] < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # some tokens
         assert http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 3}
@@ -459,7 +469,7 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
             assert o["meta_info"]["finish_reason"]["type"] == "abort" and o["output_ids"] == want[:len(o["output_ids"])]
         choice = got["completion"].json()["choices"][0]
         assert choice["finish_reason"] == "abort" and len(choice["text"]) < n
-        assert not front.running and front.in_flight == 0
+        assert front.in_flight == 0
         deadline = time.monotonic() + 10
         while client.stats()["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -481,6 +491,39 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         after = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {**long, "max_new_tokens": 8}})
         assert after.json()["output_ids"] == want[:8]
     front.client.close()
+
+
+def test_abort_request_ends_requests_sent_through_another_frontend(cluster, tiny_dirs):
+    """Frontends behind a load balancer: a trainer's /abort_request reaches one of them, and the scheduler ends the
+    requests it names whichever frontend they came through (an OpenAI request by its X-Request-Id), each with the
+    tokens it had."""
+    c, client, _ = cluster
+    cfg = FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512)
+    one, two = Frontend(cfg), Frontend(cfg)
+    n = 512 - len(PROMPT)
+    want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    got = {}
+    with TestClient(one.app) as a, TestClient(two.app) as b:
+        for name, rid in (("by rid", "rollout-7"), ("every", "rollout-8")):
+            since = time.perf_counter()
+            t = threading.Thread(target=lambda: got.setdefault(name, a.post(
+                "/v1/completions", json=body, headers={"X-Request-Id": rid})))
+            t.start()
+            deadline = time.monotonic() + 30
+            while one.last_token_at < since and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ask = {"rid": "rollout-7"} if name == "by rid" else {"abort_all": True}
+            assert b.post("/abort_request", json=ask).json() == {"aborted": 1}
+            t.join(30)
+            choice = got[name].json()["choices"][0]
+            assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < n
+            assert choice["token_ids"] == want[:len(choice["token_ids"])]
+        assert 'dualpath_requests_aborted_total 2' in b.get("/metrics").text and one.in_flight == 0
+    one.client.close()
+    two.client.close()
 
 
 def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluster, tiny_dirs):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 from fastapi.responses import JSONResponse
 
@@ -88,20 +87,10 @@ class Fanout:
     stream). Each choice lets go of it once (``release``); the request is cancelled when the last one does, if any
     let go early (a stop string, an error, a client gone): only the engines' own finishes need no cancel."""
 
-    def __init__(self, handle, n: int, loop: asyncio.AbstractEventLoop, rid: str = "",
-                 closed: Callable[["Fanout"], None] | None = None):
+    def __init__(self, handle, n: int, loop: asyncio.AbstractEventLoop):
         self.handle, self.queues = handle, [asyncio.Queue() for _ in range(n)]
-        self.rid = rid or handle.request_id  # what ``/abort_request`` names it by
         self._open, self._early, self._lock = n, False, threading.Lock()
-        self._closed = closed  # called once every choice let go
-        self.aborted = False
         threading.Thread(target=self._pump, args=(loop,), daemon=True, name=f"http-{handle.request_id}").start()
-
-    def abort(self) -> None:
-        """End the request where it is (SGLang's ``/abort_request``): its choices finish with what they generated
-        so far, reason ``abort``, rather than failing."""
-        self.aborted = True
-        self.handle.cancel()
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -118,12 +107,9 @@ class Fanout:
         with self._lock:
             self._open -= 1
             self._early = self._early or early
-            last = self._open == 0
-            cancel = last and self._early and not self.aborted
+            cancel = self._open == 0 and self._early
         if cancel:
             self.handle.cancel()
-        if last and self._closed is not None:
-            self._closed(self)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:

@@ -140,7 +140,7 @@ class _Answers:
         self.start = start
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
         self.rids = [r or f"gen-{start:.6f}-{i}" for i, r in enumerate(rids)]
-        self.given_rids = [r or "" for r in rids]  # what /abort_request names them by (none: not by rid)
+        self.given_rids = [r or "" for r in rids]  # what /abort_request names them by (none: the X-Request-Id)
 
     def one(self, i: int, text: str, lps: list, ids: list[int], outcome: Outcome | None) -> dict:
         p = i // self.comp.n

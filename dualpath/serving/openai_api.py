@@ -120,7 +120,6 @@ class Frontend:
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
-        self.running: set[Fanout] = set()  # requests being generated (what /abort_request looks in; under _lock)
         self._compiled: OrderedDict = OrderedDict()  # grammars known to compile (COMPILED_KEPT most recent)
         m = self.metrics = Registry()
         self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
@@ -480,9 +479,9 @@ class Frontend:
                      rids: list[str] | None = None, label: str = "") -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
         one generator per choice (``_generate``), prompt after prompt. Admission counts every choice. ``rids``:
-        each prompt's id for ``/abort_request`` (SGLang's ``rid``; default: the request's own id). ``label``: the
-        HTTP request's id, which begins each prompt's id at the scheduler and engines (their logs name it; a
-        random suffix keeps ids unique when clients reuse theirs)."""
+        each prompt's name for ``/abort_request`` (SGLang's ``rid``; default: ``label``). ``label``: the HTTP
+        request's id, which begins each prompt's id at the scheduler and engines (their logs name it; a random
+        suffix keeps ids unique when clients reuse theirs)."""
         k = req.samples()
         total = k * len(prompts)
         if total > self.cfg.max_concurrent_requests:
@@ -499,10 +498,9 @@ class Frontend:
         try:
             for j, (p, sampling) in enumerate(zip(prompts, samplings)):
                 sid = f"{label}-{uuid.uuid4().hex[:8]}" if label else None
-                handle = await asyncio.to_thread(self.client.start, p.ids, sampling, sid, mode)
-                fan = Fanout(handle, k, loop, rids[j] if rids else "", self._finished)
-                with self._lock:
-                    self.running.add(fan)
+                name = (rids[j] if rids else "") or label
+                handle = await asyncio.to_thread(self.client.start, p.ids, sampling, sid, mode, name)
+                fan = Fanout(handle, k, loop)
                 gens += [Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
         except BaseException as e:
             for g in gens:  # the prompts already submitted are cancelled
@@ -519,22 +517,19 @@ class Frontend:
         with self._lock:
             self.in_flight -= 1
 
-    def _finished(self, fan: Fanout) -> None:
-        with self._lock:
-            self.running.discard(fan)
-
-    def _abort(self, req: AbortRequest) -> dict:
-        """SGLang's ``/abort_request``: the requests named ``rid`` (or all, ``abort_all``) end where they are; each
-        choice answers with what it generated so far and finish reason ``abort`` (an RL trainer's partial rollouts
-        at a weight update)."""
+    async def _abort(self, req: AbortRequest) -> dict:
+        """SGLang's ``/abort_request``: the requests named ``rid`` (``/generate``'s rid, or another endpoint's
+        X-Request-Id), or all (``abort_all``), end where they are, whichever frontend they came through (the
+        scheduler ends them); each choice answers with what it generated so far and finish reason ``abort`` (an RL
+        trainer's partial rollouts at a weight update)."""
         if not req.rid and not req.abort_all:
             raise ApiError(400, "give the rid of the request(s) to abort, or abort_all", param="rid")
-        with self._lock:
-            fans = [f for f in self.running if req.abort_all or f.rid == req.rid]
-        for f in fans:
-            f.abort()
-        self.m_aborted.inc(len(fans))
-        return {"aborted": len(fans)}
+        try:
+            n = await asyncio.to_thread(self.client.abort, req.rid, req.abort_all)
+        except DualPathError as e:
+            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        self.m_aborted.inc(n)
+        return {"aborted": n}
 
     # --- request -> tokens and sampling ---------------------------------------------------------------------
     def _prompts(self, req, kind: str) -> list[Prompt]:
@@ -738,7 +733,7 @@ class Frontend:
         try:
             while True:
                 ev = await events.get()
-                if ev is None or (fan.aborted and isinstance(ev, BaseException)):
+                if ev is None:
                     break
                 if isinstance(ev, BaseException):
                     if isinstance(ev, OverloadedError):
@@ -777,12 +772,6 @@ class Frontend:
                     finished = True
                     fan.release(early=False)
                     break
-            if not finished and fan.aborted:  # /abort_request: the text so far (no stop string was in it)
-                text += detok.flush()
-                if len(text) > emitted:
-                    yield text[emitted:], [], None
-                outcome.finish_reason, finished = "abort", True
-                fan.release(early=False)
             if not finished:
                 raise ApiError(500, "generation ended without a finish reason", "server_error")
             self._observe(outcome, len(prompt) if index == 0 else 0, start, first, last)  # the prompt ran once
