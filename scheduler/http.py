@@ -23,6 +23,10 @@ def render(stats: dict) -> str:
     for name in ("global_queue", "decode_queue", "prefill_queue", "in_flight"):
         q.set(stats.get(name, 0), queue=name)
     r.gauge("scheduler_engines_alive", "Engines reporting").set(stats.get("engines_alive", 0))
+    paused = r.gauge("scheduler_generation_paused", "1 while no request is handed to engines, by why: a weight "
+                     "update, or /pause (until /resume)", ["why"])
+    paused.set(int(stats.get("paused", False)), why="weight_update")
+    paused.set(int(stats.get("held", False)), why="pause")
     r.gauge("scheduler_index_blocks", "Blocks in the stored-KV index").set(stats.get("index_blocks", 0))
     rq = r.gauge("node_read_queue_tokens", "Storage read queue per node, in tokens", ["node"])
     for node, v in stats.get("node_read_q_tokens", {}).items():

@@ -23,6 +23,7 @@ from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from engines.models import open_checkpoint
+from scheduler.http import render
 from scheduler.weights import update_weights
 from test_scheduler_core import BS, Clock, info, make_core, pull
 
@@ -168,9 +169,11 @@ def test_a_held_scheduler_outlasts_a_weight_update_and_goes_on_when_released():
     core.resume(b"\x07" * 16, "step-2", loaded=list(engines), path="/ckpt/step-2")  # an update meanwhile
     pull_all(core, engines, times=3)
     assert not assigned(core, "r1") and core.stats()["weights_path"] == "/ckpt/step-2"
+    assert 'dualpath_scheduler_generation_paused{why="pause"} 1' in render(core.stats())
     core.release()
     pull_all(core, engines)
     assert assigned(core, "r1") and not core.stats()["held"]
+    assert 'dualpath_scheduler_generation_paused{why="pause"} 0' in render(core.stats())
 
 
 def test_abort_matches_labels_or_ends_every_request():
