@@ -515,7 +515,10 @@ class SchedulerCore:
                 return f"{len(self.requests)} request(s) in flight; flush when none is"
             if self.fingerprint is None:
                 return "no engine has registered the model yet"
-            remove(self._store_root(), self.fingerprint)
+            try:
+                remove(self._store_root(), self.fingerprint)
+            except OSError as e:  # the index stays: the blocks are still there
+                return f"the stored blocks could not be removed: {e}"
             self.index = BlockIndex()
             self.counters["cache_flushes"] += 1
             return ""

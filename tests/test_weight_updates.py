@@ -236,6 +236,13 @@ def test_a_flush_empties_the_index_and_removes_the_stored_blocks_only_when_idle(
     assert removed == [(Path("/nonexistent"), core.fingerprint)] and len(core.index) == 0
     assert core.stats()["cache_flushes"] == 1
     assert submit(core, "r1").get().num_hit_tokens == 0
+    core.cancel("r1")
+    core.index.add(block_hashes(list(range(100)), core.fingerprint, BS))
+
+    def refused(root, fp):
+        raise PermissionError(13, "Permission denied", str(root))
+    assert "could not be removed: [Errno 13] Permission denied" in core.flush(refused)
+    assert len(core.index) == 6  # what is still stored still hits
 
 
 def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load():
