@@ -399,6 +399,9 @@ def _frontend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="render chats with this Jinja template (a file, or the template itself) instead of the "
                         "checkpoint's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (vLLM's flag: a template runs in a Jinja sandbox, "
+                        "but any client can then spend the server's CPU on one)")
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
                    help="the markup of the model's tool calls; auto: recognised from the chat template")

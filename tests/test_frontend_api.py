@@ -223,6 +223,23 @@ def test_vllm_extras_that_are_not_implemented_or_out_of_range_are_400s(front, bo
                 **neutral).status_code == 200
 
 
+def test_a_requests_own_chat_template_renders_its_chat_when_the_server_trusts_them(tiny_dirs, tmp_path):
+    """vLLM's ``--trust-request-chat-template``: the request's template renders the chat (compiled once); one that
+    does not parse is a 400 naming it. Without the flag the field is refused (above)."""
+    http, fake, tok = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, trust_request_chat_template=True)
+    fake.reply = "ok"
+    own = "{% for m in messages %}<<{{ m.role }}: {{ m.content }}>>{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        assert post(http, "/v1/chat/completions", model="m", messages=messages, chat_template=own).status_code == 200
+        assert fake.prompts[-1] == tok.with_chat_template(own).apply_chat_template(messages)
+        assert tok.decode(fake.prompts[-1]) == "<<user: hi>>"
+    assert post(http, "/v1/chat/completions", model="m", messages=messages).status_code == 200
+    assert fake.prompts[-1] == tok.apply_chat_template(messages)  # the server's own again
+    r = post(http, "/v1/chat/completions", model="m", messages=messages, chat_template="{% for %}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", dict(prompt="hi", logit_bias={str(10**6): 5}), "logit_bias"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"a": 1}), "logit_bias"),

@@ -51,7 +51,7 @@ from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_mark
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 
 log = logging.getLogger(__name__)
-COMPILED_KEPT = 256  # schemas and patterns a frontend remembers as compiling
+COMPILED_KEPT = 256  # schemas, patterns and request chat templates a frontend remembers as compiling
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class FrontendConfig:
     migration_limit: int = 3  # times a reply may move off decode engines that die while generating it (0: fail)
     health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
     model_aliases: tuple[str, ...] = ()  # other names requests may give the model (responses name model_name)
+    trust_request_chat_template: bool = False  # render a chat request's own chat_template (vLLM's flag)
 
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -120,7 +121,7 @@ class Frontend:
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._compiled: OrderedDict = OrderedDict()  # grammars known to compile (COMPILED_KEPT most recent)
+        self._compiled: OrderedDict = OrderedDict()  # grammars known to compile, request templates (``_kept``)
         m = self.metrics = Registry()
         self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
                                     ["endpoint", "status"])
@@ -556,8 +557,23 @@ class Frontend:
         return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
-        return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
-                                                  **self._tools(req))
+        renderer = self._renderer(getattr(req, "chat_template", None))
+        return renderer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
+                                            **self._tools(req))
+
+    def _renderer(self, template: str | None) -> Tokenizer:
+        """The tokenizer that renders a chat: the server's, or with a request's own template (vLLM's
+        ``--trust-request-chat-template``: a template runs in a Jinja sandbox, but can still spend the server's CPU).
+        The COMPILED_KEPT most recent templates stay compiled."""
+        if template is None:
+            return self.tokenizer
+        if not self.cfg.trust_request_chat_template:
+            raise RequestError("a request's own chat_template is rendered only with --trust-request-chat-template",
+                               field="chat_template")
+        try:
+            return self._kept(("template", template), lambda: self.tokenizer.with_chat_template(template))
+        except CheckpointError as e:
+            raise RequestError(str(e), field="chat_template") from None
 
     def _known_ids(self, ids, field: str) -> list[int]:
         vocab = self.tokenizer.vocab_size
@@ -668,16 +684,26 @@ class Frontend:
         """Compile what the engines will compile (its errors are the request's: a 400, not a failed generation).
         Agents send the same few schemas and patterns again and again: what compiled lately is not compiled again
         (a 1,500-way choice takes 0.2 s)."""
-        key = (kind, what if kind != "schema" else json.dumps(what, sort_keys=True))
+        compile_ = {"regex": Grammar.pattern, "grammar": Grammar.ebnf, "schema": Grammar.compile}[kind]
+
+        def compiles() -> bool:  # kept as known to compile, not the compiled grammar (the engines compile their own)
+            compile_(what)
+            return True
+        self._kept((kind, what if kind != "schema" else json.dumps(what, sort_keys=True)), compiles)
+
+    def _kept(self, key, make):
+        """``make()``'s value for ``key``, made again only once it left the COMPILED_KEPT most recent keys (what
+        ``make`` raises is raised, nothing kept)."""
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
-                return
-        {"regex": Grammar.pattern, "grammar": Grammar.ebnf, "schema": Grammar.compile}[kind](what)
+                return self._compiled[key]
+        value = make()
         with self._lock:
-            self._compiled[key] = True
+            self._compiled[key] = value
             if len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
+        return value
 
     def _forced_call(self, req: ChatRequest) -> dict:
         """Sampling fields that make the reply one call to a tool (``tool_choice`` "required" or named): the

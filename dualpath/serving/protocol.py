@@ -15,7 +15,7 @@ from dualpath.serving.tools import template_arguments
 
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
 NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "logits_processors": (None, []),
-           "documents": (None, []), "chat_template": (None,)}
+           "documents": (None, [])}
 
 
 class Extension(BaseModel):
@@ -189,8 +189,7 @@ class _Common(BaseModel):
             raise ValueError(f"bad_words takes up to {MAX_BAD_WORDS // 2} non-blank strings")
         return v
 
-    @field_validator("use_beam_search", "length_penalty", "logits_processors", "documents", "chat_template",
-                     check_fields=False)
+    @field_validator("use_beam_search", "length_penalty", "logits_processors", "documents", check_fields=False)
     @classmethod
     def _not_implemented(cls, v, info):
         if v not in NEUTRAL[info.field_name]:
@@ -415,8 +414,8 @@ class ChatRequest(_Common, ChatRendering):
     modalities: Optional[list[str]] = None
     echo: Literal[False] = False  # vLLM's chat extras, refused when set: the last message echoed, ...
     add_special_tokens: Literal[False] = False  # ... special tokens added to the rendered chat, ...
-    documents: Optional[list[Any]] = None  # ... a RAG template's documents ...
-    chat_template: Optional[str] = None  # ... and a template of the request's own
+    documents: Optional[list[Any]] = None  # ... and a RAG template's documents
+    chat_template: Optional[str] = None  # a template of the request's own (--trust-request-chat-template)
 
     @field_validator("modalities")
     @classmethod

@@ -128,7 +128,7 @@ def frontend_options(args) -> dict:
 
     return dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                 chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
-                migration_limit=args.migration_limit)
+                trust_request_chat_template=args.trust_request_chat_template, migration_limit=args.migration_limit)
 
 
 def http_options(args) -> dict:
