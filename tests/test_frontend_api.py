@@ -207,6 +207,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
     (dict(logits_processors=["a.b"]), "logits_processors"),
     (dict(echo=True), "echo"),
     (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
+    (dict(documents=["not an object"]), "documents"),
     (dict(chat_template="{{ messages }}"), "chat_template"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1], response_format={"type": "json_object"}), "allowed_token_ids"),
@@ -238,6 +239,11 @@ def test_a_requests_own_chat_template_renders_its_chat_when_the_server_trusts_th
     assert fake.prompts[-1] == tok.apply_chat_template(messages)  # the server's own again
     r = post(http, "/v1/chat/completions", model="m", messages=messages, chat_template="{% for %}")
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    rag = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[-1].content }}"
+    docs = [{"title": "a", "text": "alpha"}, {"title": "b", "text": "beta"}]
+    assert post(http, "/v1/chat/completions", model="m", messages=messages, chat_template=rag,
+                documents=docs).status_code == 200
+    assert tok.decode(fake.prompts[-1]) == "[a: alpha][b: beta]hi"  # vLLM's documents, for RAG templates
 
 
 @pytest.mark.parametrize("path, body, param", [

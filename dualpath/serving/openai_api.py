@@ -559,7 +559,19 @@ class Frontend:
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         renderer = self._renderer(getattr(req, "chat_template", None))
         return renderer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
-                                            **self._tools(req))
+                                            **self._documents(req, renderer), **self._tools(req))
+
+    @staticmethod
+    def _documents(req, renderer: Tokenizer) -> dict:
+        """The template's ``documents`` variable (vLLM's, for RAG templates such as Command R's); refused where the
+        template would drop them unread."""
+        docs = getattr(req, "documents", None)
+        if not docs:
+            return {}
+        if "documents" not in (renderer.chat_template or ""):
+            raise RequestError("this model's chat template does not read documents; put them in a message",
+                               field="documents")
+        return {"documents": docs}
 
     def _renderer(self, template: str | None) -> Tokenizer:
         """The tokenizer that renders a chat: the server's, or with a request's own template (vLLM's

@@ -14,8 +14,7 @@ from dualpath.serving.tools import template_arguments
 
 
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)
-NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "logits_processors": (None, []),
-           "documents": (None, [])}
+NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "logits_processors": (None, [])}
 
 
 class Extension(BaseModel):
@@ -189,7 +188,7 @@ class _Common(BaseModel):
             raise ValueError(f"bad_words takes up to {MAX_BAD_WORDS // 2} non-blank strings")
         return v
 
-    @field_validator("use_beam_search", "length_penalty", "logits_processors", "documents", check_fields=False)
+    @field_validator("use_beam_search", "length_penalty", "logits_processors", check_fields=False)
     @classmethod
     def _not_implemented(cls, v, info):
         if v not in NEUTRAL[info.field_name]:
@@ -381,8 +380,8 @@ class ChatRendering(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, v):
-        taken = sorted(set(v or ()) & {"messages", "tools", "add_generation_prompt", "continue_final", "bos_token",
-                                             "eos_token"})
+        taken = sorted(set(v or ()) & {"messages", "tools", "documents", "add_generation_prompt", "continue_final",
+                                       "bos_token", "eos_token"})
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here")
         return v
@@ -412,9 +411,9 @@ class ChatRequest(_Common, ChatRendering):
     functions: Optional[list[Any]] = None  # the deprecated form of tools
     function_call: Optional[Any] = None
     modalities: Optional[list[str]] = None
-    echo: Literal[False] = False  # vLLM's chat extras, refused when set: the last message echoed, ...
-    add_special_tokens: Literal[False] = False  # ... special tokens added to the rendered chat, ...
-    documents: Optional[list[Any]] = None  # ... and a RAG template's documents
+    echo: Literal[False] = False  # vLLM's chat extras, refused when set: the last message echoed, and special ...
+    add_special_tokens: Literal[False] = False  # ... tokens added to the rendered chat
+    documents: Optional[list[dict[str, Any]]] = None  # a RAG template's documents (its ``documents`` variable)
     chat_template: Optional[str] = None  # a template of the request's own (--trust-request-chat-template)
 
     @field_validator("modalities")
