@@ -40,6 +40,7 @@ from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Pro
 from dualpath.serving.native import NativeApi
 from dualpath.serving.control import PAUSE_WAIT_S, Control
 from dualpath.serving.probes import Probes
+from dualpath.serving.request_ids import RequestIds
 from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
                                        PauseGenerationRequest, TokenizeRequest, UpdateWeightsRequest, error_body,
                                        parse)
@@ -73,39 +74,6 @@ class FrontendConfig:
     health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
     model_aliases: tuple[str, ...] = ()  # other names requests may give the model (responses name model_name)
     trust_request_chat_template: bool = False  # render a chat request's own chat_template (vLLM's flag)
-
-
-REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
-
-
-def usable_request_id(value: str) -> bool:
-    """A client's ``X-Request-Id`` is taken when it is short and plain (it goes into logs and response ids)."""
-    return 0 < len(value) <= 128 and set(value) <= REQUEST_ID_CHARS
-
-
-class RequestIds:
-    """ASGI middleware: every HTTP request's id, the client's ``X-Request-Id`` when usable (vLLM's and OpenAI's
-    header) or a new one, in ``request.state.request_id`` and the response's ``X-Request-Id``. Pure ASGI, so
-    streamed responses and disconnects pass through untouched."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == REQUEST_ID_HEADER.encode()), "")
-        rid = given if usable_request_id(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (REQUEST_ID_HEADER.encode(), rid.encode())]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 class Frontend:
