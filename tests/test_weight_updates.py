@@ -629,6 +629,25 @@ def test_flush_cache_makes_the_next_request_compute_its_prompt_whole(cluster, ti
     front.client.close()
 
 
+def test_the_command_line_pauses_resumes_aborts_and_flushes_a_cluster(cluster, capsys):
+    """``dualpath pause|resume|abort|flush-cache --scheduler``: the same through the scheduler, for jobs without a
+    frontend (``dualpath rollout``)."""
+    from dualpath.cli import main
+
+    c, client, _ = cluster
+    sched = ["--scheduler", c.scheduler_address]
+    assert main(["pause", *sched, "--timeout", "30"]) == 0 and client.stats()["held"]
+    assert main(["flush-cache", *sched]) == 0  # idle, so the store can go
+    assert main(["resume", *sched]) == 0 and not client.stats()["held"]
+    assert main(["abort", "--all", *sched]) == 0
+    assert main(["abort", "--rid", "nobody", *sched]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["paused; 0 requests aborted", "cache flushed", "resumed", "0 requests aborted",
+                   "0 requests aborted"]
+    assert main(["pause", "--scheduler", "127.0.0.1:1"]) == 1  # no scheduler there: an error, not a hang
+    assert "error:" in capsys.readouterr().err
+
+
 def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
     from dualpath.config import StorageConfig
     from dualpath.geometry import KVGeometry
