@@ -295,7 +295,6 @@ class Hold:
 
 @dataclass(frozen=True)
 class HoldReply:
-    held: bool
     aborted: int = 0  # requests ended by ``abort``
     drained: bool = True  # every request sent before the hold ended (false: some still ran when ``wait_s`` ran out)
 

@@ -80,10 +80,10 @@ class SchedulerService:
         """Generation paused or going on again (``SchedulerCore.hold``, ``release``)."""
         if not req.on:
             self.core.release()
-            return HoldReply(False)
+            return HoldReply()
         aborted = self.core.hold(req.abort)
         drained = await drained_by(self.core.hold_drained, time.monotonic() + req.wait_s)
-        return HoldReply(True, aborted, drained)
+        return HoldReply(aborted, drained)
 
     async def Abort(self, req: Abort, ctx) -> AbortReply:
         return AbortReply(self.core.abort(None if req.every else req.label))

@@ -17,11 +17,9 @@ every stored block of the served weights is removed (a benchmark's cold start), 
 """
 from __future__ import annotations
 
-import asyncio
-
-from dualpath.errors import DualPathError
 from dualpath.messages import HoldReply
 from dualpath.serving.choices import ApiError
+from dualpath.serving.probes import ask_scheduler
 from dualpath.serving.protocol import PauseGenerationRequest
 
 PAUSE_WAIT_S = 600.0  # how long mode "wait" waits by default for the requests sent before the pause to end
@@ -34,10 +32,7 @@ class Control:
         self.front = front
 
     async def _hold(self, on: bool, abort: bool = False, wait_s: float = 0.0) -> HoldReply:
-        try:
-            return await asyncio.to_thread(self.front.client.hold, on, abort, wait_s)
-        except DualPathError as e:
-            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        return await ask_scheduler(self.front.client.hold, on, abort, wait_s)
 
     async def pause(self, mode: str = "abort", wait_for_inflight_requests: bool = False,
                     timeout: float = PAUSE_WAIT_S) -> dict:
@@ -67,10 +62,7 @@ class Control:
     async def flush_cache(self) -> dict:
         """SGLang's ``/flush_cache``, vLLM's ``/reset_prefix_cache``: the KV store forgets the served weights'
         blocks (``ClusterClient.flush_cache``); a 400 while requests run, as SGLang's."""
-        try:
-            ack = await asyncio.to_thread(self.front.client.flush_cache)
-        except DualPathError as e:
-            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        ack = await ask_scheduler(self.front.client.flush_cache)
         if not ack.ok:
             raise ApiError(400, f"cache not flushed: {ack.error}")
         return {"success": True, "message": "cache flushed: every stored KV block of the served weights is removed"}

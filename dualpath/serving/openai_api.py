@@ -39,7 +39,7 @@ from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Pro
                                       merge)
 from dualpath.serving.native import NativeApi
 from dualpath.serving.control import PAUSE_WAIT_S, Control
-from dualpath.serving.probes import Probes
+from dualpath.serving.probes import Probes, ask_scheduler
 from dualpath.serving.request_ids import RequestIds
 from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
                                        PauseGenerationRequest, TokenizeRequest, UpdateWeightsRequest, error_body,
@@ -273,34 +273,12 @@ class Frontend:
         return app
 
     async def _control(self, request: Request, name: str, answer) -> JSONResponse:
-        """An administrative request without a body (``answer`` is the coroutine that answers it; closed unrun
-        when the key is wrong)."""
+        """A request that is not a generation, once its key is checked: ``answer`` is the coroutine that gives its
+        JSON body or its response (closed unrun when the key is wrong); counted in ``http_requests_total``."""
         status = 200
         try:
             self._auth(request)
-            return JSONResponse(await answer)
-        except ApiError as e:
-            status = e.status
-            return e.response()
-        finally:
-            answer.close()  # a no-op once awaited
-            self.m_requests.inc(endpoint=name, status=status)
-
-    async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
-        """A request that is not a generation (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer``
-        gives a JSON body, or (awaited) a response."""
-        status = 200
-        try:
-            self._auth(request)
-            try:
-                req = parse(model_cls, await request.body() or b"{}")  # no body: every field's default
-            except RequestError as e:
-                raise ApiError(400, str(e), param=e.field) from None
-            if getattr(req, "model", None) is not None:
-                self._check_model(req.model)
-            out = answer(req)
-            if inspect.isawaitable(out):
-                out = await out
+            out = await answer
             if isinstance(out, JSONResponse):
                 status = out.status_code
                 return out
@@ -309,7 +287,23 @@ class Frontend:
             status = e.status
             return e.response()
         finally:
+            answer.close()  # a no-op once awaited
             self.m_requests.inc(endpoint=name, status=status)
+
+    async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
+        """One with a body (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer(req)`` gives a JSON
+        body, or (awaited) a response."""
+        async def parsed_and_answered():
+            try:
+                req = parse(model_cls, await request.body() or b"{}")  # no body: every field's default
+            except RequestError as e:
+                raise ApiError(400, str(e), param=e.field) from None
+            if getattr(req, "model", None) is not None:
+                self._check_model(req.model)
+            out = answer(req)
+            return await out if inspect.isawaitable(out) else out
+
+        return await self._control(request, name, parsed_and_answered())
 
     def _tokenize(self, req: TokenizeRequest) -> dict:
         try:
@@ -493,10 +487,7 @@ class Frontend:
         trainer's partial rollouts at a weight update)."""
         if not req.rid and not req.abort_all:
             raise ApiError(400, "give the rid of the request(s) to abort, or abort_all", param="rid")
-        try:
-            n = await asyncio.to_thread(self.client.abort, req.rid, req.abort_all)
-        except DualPathError as e:
-            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        n = await ask_scheduler(self.client.abort, req.rid, req.abort_all)
         self.m_aborted.inc(n)
         return {"aborted": n}
 

@@ -38,10 +38,7 @@ class Probes:
 
     async def stats(self) -> dict:
         """The scheduler's ``stats`` (a 503 ``ApiError`` when it does not answer)."""
-        try:
-            return await asyncio.to_thread(self.front.client.stats)
-        except DualPathError as e:
-            raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+        return await ask_scheduler(self.front.client.stats)
 
     async def health(self) -> JSONResponse:
         try:
@@ -66,15 +63,16 @@ class Probes:
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._one_token())
             self._probe.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if unawaited
-        probe, deadline = self._probe, since + self.front.cfg.health_generate_timeout_s
+        probe, timeout = self._probe, self.front.cfg.health_generate_timeout_s
+        late = f"no token within {timeout:g} s"
         while not probe.done() and self.front.last_token_at <= since:
-            left = deadline - time.perf_counter()
+            left = since + timeout - time.perf_counter()
             if left <= 0:
-                return _unhealthy(f"no token within {self.front.cfg.health_generate_timeout_s:g} s", since)
+                return _unhealthy(late, since)
             await asyncio.wait({probe}, timeout=min(POLL_S, left))
         failed = probe.exception() if probe.done() and not probe.cancelled() else None
-        if isinstance(failed, asyncio.TimeoutError):
-            return _unhealthy(f"no token within {self.front.cfg.health_generate_timeout_s:g} s", since)
+        if isinstance(failed, asyncio.TimeoutError):  # a shared probe begun earlier ran out first
+            return _unhealthy(late, since)
         if failed is not None:
             return _unhealthy(f"the probe's generation failed: {failed}", since)
         return JSONResponse({"status": "ok", "seconds": round(time.perf_counter() - since, 4)})
@@ -124,6 +122,15 @@ class Probes:
         return {"version": dualpath.__version__}
 
 
+async def ask_scheduler(call, *args):
+    """``call(*args)``, a blocking ``ClusterClient`` call, on a worker thread; a 503 when the scheduler does not
+    answer."""
+    try:
+        return await asyncio.to_thread(call, *args)
+    except DualPathError as e:
+        raise ApiError(503, f"the scheduler did not answer: {e}", "server_error") from None
+
+
 def _first_token(handle) -> None:
     """Until the handle's first token or end (closing its events there lets go of the request)."""
     events = handle.events()
@@ -133,9 +140,7 @@ def _first_token(handle) -> None:
                 return
         raise DualPathError("the probe's stream ended without a token")
     finally:
-        close = getattr(events, "close", None)
-        if close is not None:
-            close()
+        events.close()
 
 
 def _unhealthy(why: str, since: float) -> JSONResponse:
