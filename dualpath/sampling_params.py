@@ -11,6 +11,7 @@ MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every st
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
 MAX_BAD_WORDS = 128  # token sequences per request (a step looks up the reply's tail once per distinct length)
 MAX_BAD_WORD_TOKENS = 32
+MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every engine
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class SamplingParams:
     Text: ``skip_special_tokens`` leaves special tokens out of the text (their ids stay in the output);
     ``include_stop_str_in_output`` keeps the stop string that ended the reply at the end of its text.
 
+    ``cache_salt`` (vLLM's): the request's stored KV is its salt's alone. Its block hashes chain from the salted
+    fingerprint (``dualpath.geometry.chain_root``), so it hits only blocks stored by requests with the same salt,
+    and they only its: tenants who cannot learn each other's salts cannot tell each other's prompts by their hits.
+    The reply is the same with any salt. "" (the default): the store every unsalted request shares.
+
     ``num_resumed_tokens``: the prompt's last that many tokens are this reply's own, generated before, and the
     request continues it (a reply moved off a decode engine that died: ``dualpath.client``). They count toward
     ``max_tokens`` and ``min_tokens``, penalties and stop strings read them as reply, a structured reply's grammar
@@ -98,6 +104,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     num_resumed_tokens: int = 0
+    cache_salt: str = ""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -136,6 +143,9 @@ class SamplingParams:
         if not 0 <= self.num_resumed_tokens < self.max_tokens:
             raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
                                field="num_resumed_tokens")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
+                               field="cache_salt")
         if self.num_resumed_tokens and (self.n > 1 or self.prompt_logprobs is not None):
             raise RequestError("a resumed reply is one choice without prompt logprobs", field="num_resumed_tokens")
         self._check_adjustments()

@@ -212,7 +212,7 @@ class DecodeEngine(Engine):
             self.outbox.add("failed", [rid, f"structured output: {e}"])
             self._drop(rid, f"structured output: {e}")
             return
-        hashes = block_hashes(prompt, self.fingerprint, g.block_size)
+        hashes = block_hashes(prompt, self.fingerprint, g.block_size, salt=params.cache_salt)
         h.choices = [Choice(s, list(hashes), len(prompt) // g.block_size) for s in seqs]
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
                   "path": msg.path, "storage_bytes": msg.storage_bytes}
@@ -286,7 +286,7 @@ class DecodeEngine(Engine):
         tokens = seq.token_ids
         parent = c.hashes[c.persisted - 1] if c.persisted else None
         new_keys = block_hashes(tokens[c.persisted * g.block_size:full * g.block_size], self.fingerprint,
-                                g.block_size, parent=parent)
+                                g.block_size, parent=parent, salt=seq.params.cache_salt)
         with self.lock:
             table = torch.tensor(self.cache.block_table(seq.seq_id)[c.persisted:full], device=self.device)
             blocks = cache_to_full_blocks(self.cache.storage, table, g)

@@ -347,7 +347,7 @@ class SchedulerCore:
                                    f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
             # a submitter that names no fingerprint vouches for its hashes (the simulator's synthetic prompts)
             stale = bool(spec.fingerprint) and spec.fingerprint != self.fingerprint.hex()
-            hashes = spec.block_hashes if spec.block_hashes and not stale else self._hash(spec.tokens)
+            hashes = spec.block_hashes if spec.block_hashes and not stale else self._hash(spec.tokens, params)
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             hit = self._hit_blocks(hashes, n, params)
@@ -363,8 +363,9 @@ class SchedulerCore:
                                fingerprint=self.fingerprint.hex() if stale else ""))
             return events
 
-    def _hash(self, tokens: bytes) -> bytes:
-        return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size))
+    def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
+        return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size,
+                                      salt=params.cache_salt))
 
     def _hit_blocks(self, hashes: bytes, n: int, params: SamplingParams) -> int:
         """Leading prompt blocks stored. At least one prompt token is always computed (its logits give the first
@@ -546,7 +547,7 @@ class SchedulerCore:
             if changed:
                 self.fingerprint, self.index = fingerprint, BlockIndex()
                 for r in self.requests.values():  # all queued: a drained cluster holds none on engines
-                    r.hashes = self._hash(r.spec.tokens)
+                    r.hashes = self._hash(r.spec.tokens, r.params)
                     hit = self._hit_blocks(r.hashes, r.spec.num_tokens, r.params)
                     self.counters["hit_tokens"] += (hit - r.hit_blocks) * self.block_size
                     r.hit_blocks = hit

@@ -159,6 +159,35 @@ def test_every_full_block_is_stored_and_only_full_ones(cluster, reference, tiny_
     assert len(usage) == len(engines) and all(0 <= u <= 1 for u in usage)
 
 
+def test_salted_conversations_hit_only_their_own_salts_blocks(cluster, reference, tiny_dirs):
+    """vLLM's cache_salt: a tenant's turns hit what its own earlier turns stored (prompt and reply blocks, chained
+    from the salted root by the decode engine), never another salt's or the unsalted store; replies are alike."""
+    c, client, kv = cluster
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    fp = model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest)
+    prompt, appends = conversation(301, 1)
+    want = reference.generate(prompt, GREEDY)[0].token_ids
+    first = client.generate(prompt, replace(GREEDY, cache_salt="tenant-a"))
+    assert first.token_ids == want and first.num_cached_tokens == 0
+    for salt, hit in (("tenant-b", False), ("", False), ("tenant-a", True)):
+        got = client.generate(prompt, replace(GREEDY, cache_salt=salt), mode="dualpath")
+        assert got.token_ids == want, salt
+        assert got.num_cached_tokens == (len(prompt) - 1) // BS * BS * hit, salt
+    stored = set(list_stored_keys(kv / fp.hex()))
+    for salt in ("tenant-a", "tenant-b", ""):
+        assert set(block_hashes(prompt, fp, BS, salt=salt)) <= stored
+    turn2 = prompt + first.token_ids + appends[0]
+    with_kv = prompt + first.token_ids[:-1]  # the reply's full blocks are stored under tenant-a's chain too
+    assert set(block_hashes(with_kv, fp, BS, salt="tenant-a")) <= stored
+    got = client.generate(turn2, replace(GREEDY, cache_salt="tenant-a"))
+    assert got.token_ids == reference.generate(turn2, GREEDY)[0].token_ids
+    assert got.num_cached_tokens == len(with_kv) // BS * BS
+    short = prompt[:BS - 5]  # no full block: the reply's first one starts the chain, from the salted root
+    got = client.generate(short, replace(GREEDY, cache_salt="tenant-c"))
+    first_block = block_hashes(short + got.token_ids, fp, BS, salt="tenant-c")[:1]
+    assert set(first_block) <= set(list_stored_keys(kv / fp.hex()))
+
+
 def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference, tiny_dirs):
     c, client, kv = cluster
     ckpt = open_checkpoint(tiny_dirs["llama"])

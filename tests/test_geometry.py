@@ -3,7 +3,7 @@ from hypothesis import given, settings, strategies as st
 
 from dualpath.config import ModelConfig
 from dualpath.errors import ConfigError
-from dualpath.geometry import KVGeometry, block_hashes, model_fingerprint
+from dualpath.geometry import KVGeometry, block_hashes, chain_root, model_fingerprint
 
 FP = b"f" * 16
 
@@ -78,3 +78,17 @@ def test_fingerprint_covers_dtype_block_size_and_weights(tiny_dirs):
     assert base == model_fingerprint(cfg, "float32", 64, "w1")
     assert len({base, model_fingerprint(cfg, "bfloat16", 64, "w1"), model_fingerprint(cfg, "float32", 32, "w1"),
                 model_fingerprint(cfg, "float32", 64, "w2")}) == 4
+
+
+def test_a_salt_starts_its_own_chain_that_no_unsalted_block_can_join():
+    toks = list(range(64 * 3))
+    base = block_hashes(toks, FP, 64)
+    a, b = block_hashes(toks, FP, 64, salt="tenant-a"), block_hashes(toks, FP, 64, salt="tenant-b")
+    assert chain_root(FP) == FP and block_hashes(toks, FP, 64, salt="") == base
+    assert len({*base, *a, *b}) == 9  # no block is shared across salts
+    assert block_hashes(toks[64:], FP, 64, parent=a[0], salt="ignored") == a[1:]  # the parent carries the salt
+    # A salt spelling a token block's bytes ("aaaa" is token 0x61616161) does not root the chain at that block's
+    # hash: the salted root is a personalized hash, not the chain's own step.
+    spelled = [0x61616161] * 64
+    assert chain_root(FP, "a" * 256) != block_hashes(spelled, FP, 64)[0]
+    assert chain_root(FP, "a" * 256) != chain_root(b"g" * 16, "a" * 256)  # and it follows the fingerprint

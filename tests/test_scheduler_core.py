@@ -390,3 +390,22 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
     assert 'dualpath_node_storage_read_tokens_per_second{node="n0"} 10' in text
     assert 'dualpath_node_storage_read_rate_measured{node="n1"} 1' in text
     assert turn("r2", []) == 8  # the engines' windows emptied: the probe's rate again
+
+
+def test_a_salted_prompt_hits_only_the_blocks_stored_under_its_salt():
+    """The scheduler hashes an unhashed prompt from its salt's root (``SamplingParams.cache_salt``), so blocks a
+    decode engine stored for one salt are hits for that salt alone."""
+    from dataclasses import replace
+
+    from dualpath.geometry import block_hashes
+    from dualpath.messages import pack_keys
+
+    core, engines = make_core("dualpath", Clock())
+    prompt = list(range(4 * BS + 3))
+    stored = block_hashes(prompt, core.fingerprint, BS, salt="tenant-a")
+    core.report(replace(engines["d0"].load(), stored_keys=pack_keys(stored)))
+    for rid, salt, hit in (("a", "tenant-a", 4), ("b", "tenant-b", 0), ("plain", "", 0)):
+        core.submit(SubmitRequest(rid, pack_tokens(prompt), SamplingParams(max_tokens=4, cache_salt=salt).to_dict()))
+        assert core.requests[rid].hit_blocks == hit, salt
+    with pytest.raises(RequestError, match="cache_salt"):
+        SamplingParams(cache_salt="s" * 1025)

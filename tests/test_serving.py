@@ -164,6 +164,31 @@ def test_a_responses_conversation_equals_the_reference_and_its_second_turn_loads
     validate("Response", r2.model_dump(mode="json", exclude_unset=True))
 
 
+def test_a_cache_salt_keeps_a_tenants_stored_kv_its_own(tiny, reference):
+    """vLLM's cache_salt on chats and responses: the same conversation hits storage under its own salt only, and
+    the replies are the unsalted reference's."""
+    c = client(tiny)
+    messages = [{"role": "user", "content": "a private question about the weather, asked twice " * 2}]
+    want = reference.generate(reference.tokenizer.apply_chat_template(messages),
+                              SamplingParams(temperature=0, max_tokens=6))[0].text
+
+    def cached(salt: str) -> int:
+        r = c.chat.completions.create(model="llama", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"cache_salt": salt})
+        assert r.choices[0].message.content == want
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached("tenant-a"), cached("tenant-b")] == [0, 0]
+    assert cached("tenant-a") >= BS
+    r1 = c.responses.create(model="llama", input="salted turns " * 4, max_output_tokens=4, temperature=0,
+                            extra_body={"cache_salt": "tenant-c"})
+    assert r1.usage.input_tokens_details.cached_tokens == 0
+    again = [c.responses.create(model="llama", input="and then?", previous_response_id=r1.id, max_output_tokens=4,
+                                temperature=0, extra_body=extra).usage.input_tokens_details.cached_tokens
+             for extra in ({"cache_salt": "tenant-d"}, {"cache_salt": "tenant-c"})]
+    assert again[0] == 0 and again[1] >= BS
+
+
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mode):
     """The prefill engine masks the first token, the decode engine replays it into its guide and masks the rest:
@@ -378,6 +403,9 @@ def test_error_cases_return_openai_errors_and_the_server_keeps_serving(tiny):
         (dict(body=b"{" + b" " * (2 << 20) + b"}"), 413, None),
         (dict(body={"model": "llama", "prompt": ["a", "b", "c", "d"]}, path="/v1/completions"), 400, "prompt"),
         (dict(body={"model": "llama", "prompt": "a", "n": 4}, path="/v1/completions"), 400, "n"),
+        (dict(body={"model": "llama", "prompt": "a", "cache_salt": ""}, path="/v1/completions"), 400, "cache_salt"),
+        (dict(body={"model": "llama", "input": "a", "cache_salt": "s" * 1025}, path="/v1/responses"), 400,
+         "cache_salt"),
     ]
     for kw, status, param in cases:
         r = raw(tiny, kw.pop("path", "/v1/chat/completions"), kw["body"], hdrs=kw.get("hdrs"))

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
-from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGIT_BIAS
+from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS
 
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 from dualpath.serving.tools import template_arguments
@@ -122,6 +122,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # each prompt token's logprob and top-k (no stream)
+    cache_salt: Optional[str] = Field(None, max_length=MAX_CACHE_SALT)  # vLLM's: stored KV only this salt's share
     # ...these refused unless neutral (never ignored); spaces_between_special_tokens is ignored as vLLM does for
     # fast tokenizers (the only kind loaded here)
     use_beam_search: bool = False
@@ -193,6 +194,13 @@ class _Common(BaseModel):
     def _not_implemented(cls, v, info):
         if v not in NEUTRAL[info.field_name]:
             raise ValueError(f"{info.field_name} is not supported (only {NEUTRAL[info.field_name][0]!r})")
+        return v
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v):
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string if given")
         return v
 
     @field_validator("truncate_prompt_tokens")
@@ -283,7 +291,7 @@ class _Common(BaseModel):
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps(),
-                    n=self.samples())
+                    n=self.samples(), cache_salt=self.cache_salt or "")
 
     def samples(self) -> int:
         """Choices sampled per prompt."""
