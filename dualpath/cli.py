@@ -50,7 +50,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
                                   max_queued_requests=args.max_queued, http_port=args.http_port,
-                                  recompute_slow_hits=not args.load_every_hit), args.ready_file)
+                                  recompute_slow_hits=not args.load_every_hit,
+                                  scheduling_policy=args.scheduling_policy), args.ready_file)
     return 0
 
 
@@ -257,6 +258,14 @@ def _dtype_args(p: argparse.ArgumentParser) -> None:
                         "half of bfloat16's bytes)")
 
 
+def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:
+    from dualpath.config import SCHEDULING_POLICIES
+
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="the scheduler's queue order: fcfs (first come, first served; a request's priority is "
+                        "refused) or priority (by each request's priority, lower first; vLLM's flag)")
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
@@ -270,6 +279,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
     p.add_argument("--load-every-hit", action="store_true",
                    help="always load a stored prefix, even when recomputing it would be sooner")
+    _scheduling_policy_arg(p)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--buffer-bytes", type=int, default=256 << 20)
     p.add_argument("--cache-bytes", type=int, default=1 << 30)
@@ -524,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--load-every-hit", action="store_true",
                     help="always load a request's whole stored prefix (the paper's systems), even when recomputing "
                          "it would end the prefill sooner (a deep storage read queue, a slow store)")
+    _scheduling_policy_arg(sc)
     sc.add_argument("--ready-file", help=argparse.SUPPRESS)
     sc.set_defaults(func=cmd_scheduler)
 

@@ -25,6 +25,7 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}
 # vLLM's --kv-cache-dtype values -> the cache's dtype (auto: the model's)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KERNEL_BACKENDS = ("auto", "torch", "triton")  # see kernels.attention.choose_backend
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the order the scheduler's queues keep (SchedulerConfig)
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,11 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The central scheduler. ``mode`` picks read paths (dualpath, pe, de, basic, split); ``policy`` places
-    requests; an engine silent for ``heartbeat_timeout_s`` is declared dead and its requests re-queued."""
+    requests; an engine silent for ``heartbeat_timeout_s`` is declared dead and its requests re-queued.
+    ``scheduling_policy`` orders its queues: "fcfs" by arrival (a request with a priority is refused, as vLLM
+    refuses it: clients cannot jump the queue unless the operator lets them), "priority" by
+    ``SamplingParams.priority`` (lower first; arrival order within one; strict, so a steady stream of urgent
+    requests can keep others waiting)."""
 
     host: str = "0.0.0.0"
     port: int = 0
@@ -345,6 +350,12 @@ class SchedulerConfig:
     max_assignments_per_pull: int = 256  # bounds a pull's reply (assignments carry their prompts)
     http_port: int = -1  # /health and /metrics (-1: none, 0: any free port)
     recompute_slow_hits: bool = True  # recompute a stored prefix when loading it would take longer
+    scheduling_policy: str = "fcfs"  # "priority": queues order requests by SamplingParams.priority (vLLM's flag)
+
+    def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                              f"got {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)

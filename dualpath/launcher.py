@@ -30,6 +30,7 @@ class ClusterSpec:
     mode: str = "dualpath"
     policy: str = "dualpath"
     load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix that is slow to load
+    scheduling_policy: str = "fcfs"  # see SchedulerConfig.scheduling_policy
     transport: str = "shm"
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
@@ -207,7 +208,8 @@ class LocalCluster(Supervisor):
     def _start_scheduler(self, port: int, timeout: float) -> None:
         s = self.spec
         args = ["scheduler", "--host", s.host, "--port", str(port), "--mode", s.mode, "--policy", s.policy,
-                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(s.scheduler_http_port)]
+                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(s.scheduler_http_port),
+                "--scheduling-policy", s.scheduling_policy]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.load_every_hit:

@@ -65,6 +65,10 @@ class SamplingParams:
     and they only its: tenants who cannot learn each other's salts cannot tell each other's prompts by their hits.
     The reply is the same with any salt. "" (the default): the store every unsalted request shares.
 
+    ``priority`` (vLLM's): where the request waits in the scheduler's queues, lower first, when the scheduler runs
+    ``--scheduling-policy priority`` (otherwise one that is not 0 is refused). It orders who is handed to engines
+    next; a request already on an engine is not preempted.
+
     ``num_resumed_tokens``: the prompt's last that many tokens are this reply's own, generated before, and the
     request continues it (a reply moved off a decode engine that died: ``dualpath.client``). They count toward
     ``max_tokens`` and ``min_tokens``, penalties and stop strings read them as reply, a structured reply's grammar
@@ -105,6 +109,7 @@ class SamplingParams:
     n: int = 1
     num_resumed_tokens: int = 0
     cache_salt: str = ""
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -143,6 +148,8 @@ class SamplingParams:
         if not 0 <= self.num_resumed_tokens < self.max_tokens:
             raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
                                field="num_resumed_tokens")
+        if not isinstance(self.priority, int) or not -2 ** 31 <= self.priority < 2 ** 31:
+            raise RequestError(f"priority must be a 32-bit integer, got {self.priority!r}", field="priority")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
                                field="cache_salt")

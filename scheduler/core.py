@@ -9,6 +9,7 @@ about an abandoned attempt can never touch a retry.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import queue
@@ -34,46 +35,66 @@ log = logging.getLogger(__name__)
 
 
 class Fifo:
-    """An ordered set of request ids: O(1) append, push-front, remove and membership; FIFO iteration. Each id may
-    carry a weight (a private queue's tokens), summed in ``weight``."""
+    """An ordered set of request ids: lower ranks first (a request's priority: vLLM's order), arrival order within a
+    rank; O(1) append, push-front, remove and membership (a rank that appears or empties is sorted in or out of the
+    few present). Each id may carry a weight (a private queue's tokens), summed in ``weight``."""
 
     def __init__(self):
-        self._d: OrderedDict[str, int] = OrderedDict()
+        self._levels: dict[int, OrderedDict[str, int]] = {}  # rank -> its ids, in order, with their weights
+        self._rank: dict[str, int] = {}
+        self._ranks: list[int] = []  # those present, ascending
         self.weight = 0
 
-    def append(self, rid: str, weight: int = 0) -> None:
-        self.weight += weight - self._d.get(rid, 0)
-        self._d[rid] = weight  # an id already queued keeps its place
+    def append(self, rid: str, weight: int = 0, rank: int = 0) -> None:
+        if rid in self._rank:  # an id already queued keeps its place
+            level = self._levels[self._rank[rid]]
+            self.weight += weight - level[rid]
+            level[rid] = weight
+            return
+        if rank not in self._levels:
+            self._levels[rank] = OrderedDict()
+            bisect.insort(self._ranks, rank)
+        self._levels[rank][rid] = weight
+        self._rank[rid] = rank
+        self.weight += weight
 
-    def appendleft(self, rid: str, weight: int = 0) -> None:
-        self.append(rid, weight)
-        self._d.move_to_end(rid, last=False)
+    def appendleft(self, rid: str, weight: int = 0, rank: int = 0) -> None:
+        """First of its rank (a retry goes before the requests that arrived after it)."""
+        self.append(rid, weight, rank)
+        self._levels[self._rank[rid]].move_to_end(rid, last=False)
 
     def remove(self, rid: str) -> None:
-        self.weight -= self._d.pop(rid)
+        rank = self._rank.pop(rid)
+        level = self._levels[rank]
+        self.weight -= level.pop(rid)
+        if not level:
+            del self._levels[rank]
+            self._ranks.remove(rank)
 
     def discard(self, rid: str) -> None:
-        self.weight -= self._d.pop(rid, 0)
+        if rid in self._rank:
+            self.remove(rid)
 
     def popleft(self) -> str:
-        rid, weight = self._d.popitem(last=False)
-        self.weight -= weight
+        rid = self.first()
+        self.remove(rid)
         return rid
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self._d
+        return rid in self._rank
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._d)  # live: callers finish iterating before they add or remove
+        # live: callers finish iterating before they add or remove
+        return itertools.chain.from_iterable(self._levels[r] for r in self._ranks)
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self._rank)
 
     def __bool__(self) -> bool:
-        return bool(self._d)
+        return bool(self._rank)
 
     def first(self) -> str:
-        return next(iter(self._d))
+        return next(iter(self._levels[self._ranks[0]]))
 
 
 class Lazy:
@@ -169,6 +190,11 @@ class RequestRecord:
     @property
     def work_id(self) -> str:
         return f"{self.spec.request_id}.{self.attempt}"
+
+    @property
+    def rank(self) -> int:
+        """Where it queues: lower first (``SamplingParams.priority``; all 0 under first-come-first-served)."""
+        return self.params.priority
 
 
 class SchedulerCore:
@@ -309,7 +335,7 @@ class SchedulerCore:
             orphans = self.private.pop(e.group, Fifo())  # the whole group left: back to the global queue
             for rid in reversed(list(orphans)):
                 self.requests[rid].group = None
-                self.global_queue.appendleft(rid)
+                self.global_queue.appendleft(rid, rank=self.requests[rid].rank)
         if e.info.role is Role.PREFILL:
             self.busy_window.forget(eid)
         if not any(x.alive for x in self.by_node.get(e.info.node_id, ())):
@@ -338,6 +364,9 @@ class SchedulerCore:
                 raise RequestError(f"prompt ({n - params.num_resumed_tokens} tokens) plus max_tokens "
                                    f"({params.max_tokens}) exceeds the model's context of {self.max_model_len}",
                                    field="max_tokens")
+            if params.priority and self.config.scheduling_policy != "priority":
+                raise RequestError("priority scheduling is not enabled: start the scheduler with "
+                                   "--scheduling-policy priority", field="priority")
             if params.num_resumed_tokens >= n:
                 raise RequestError(f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
                                    field="num_resumed_tokens")
@@ -355,7 +384,7 @@ class SchedulerCore:
                               seq=self.counters["submitted"])
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
-            self.global_queue.append(spec.request_id)
+            self.global_queue.append(spec.request_id, rank=r.rank)
             self.counters["submitted"] += 1
             self.counters["prompt_tokens"] += n
             self.counters["hit_tokens"] += hit * self.block_size
@@ -441,7 +470,7 @@ class SchedulerCore:
         r.attempt += 1
         r.pe = r.de = None
         self.by_work[r.work_id] = rid
-        self.global_queue.appendleft(rid)
+        self.global_queue.appendleft(rid, rank=r.rank)
         self.counters["retried"] += 1
         log.info("request %s retried (%s)", rid, why)
 
@@ -704,7 +733,7 @@ class SchedulerCore:
                 break
             self.global_queue.popleft()
             r.group = g
-            self.private.setdefault(g, Fifo()).append(rid, r.spec.num_tokens)
+            self.private.setdefault(g, Fifo()).append(rid, r.spec.num_tokens, r.rank)
             totals[g] += r.spec.num_tokens
 
     def _assign_decode(self, group_id: str, group: list[EngineRecord], pulling: set[str]) -> None:
@@ -722,7 +751,7 @@ class SchedulerCore:
             self.engines[eid].outstanding.add(work_id, n, self._decode_tokens(r))
             private.remove(rid)
             r.group = None
-            self.prefill_queue.append(rid)
+            self.prefill_queue.append(rid, rank=r.rank)
 
     def _node_states(self) -> "_Nodes":
         return _Nodes(self)

@@ -12,7 +12,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
-from dualpath.errors import DualPathError
+from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from engines.models import open_checkpoint
@@ -186,6 +186,45 @@ def test_salted_conversations_hit_only_their_own_salts_blocks(cluster, reference
     got = client.generate(short, replace(GREEDY, cache_salt="tenant-c"))
     first_block = block_hashes(short + got.token_ids, fp, BS, salt="tenant-c")[:1]
     assert set(first_block) <= set(list_stored_keys(kv / fp.hex()))
+
+
+def test_a_priority_is_refused_by_a_first_come_first_served_scheduler(cluster):
+    _, client, _ = cluster
+    with pytest.raises(RequestError, match="--scheduling-policy priority"):
+        client.generate(conversation(302, 1)[0], replace(GREEDY, priority=-1))
+
+
+def test_a_priority_scheduler_hands_the_most_urgent_request_to_a_full_cluster_first(tiny_dirs, tmp_path, reference):
+    """One decode engine with room for one reply at a time (336 tokens; each reserves 208): requests sent while
+    generation is held run one after another when it resumes, the most urgent (lowest priority) first and equal
+    priorities in arrival order; each reply is the reference's."""
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, cache_bytes=256 << 10, scheduling_policy="priority")
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        client.hold(True)
+        sent = [("late-1", 5), ("late-2", 5), ("urgent", -3), ("normal", 0)]
+        handles, finished = {}, []
+        for i, (rid, priority) in enumerate(sent):
+            prompt = conversation(310 + i, 1)[0] * 2
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, priority=priority)
+            handles[rid] = (prompt, params, client.start(prompt, params, rid))
+
+        def consume(rid):
+            tokens = [ev.token_id for ev in handles[rid][2].events() if ev.token_id >= 0]
+            finished.append((time.monotonic(), rid, tokens))
+
+        threads = [threading.Thread(target=consume, args=(rid,)) for rid in handles]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)  # all four are queued behind the hold
+        client.hold(False)
+        for th in threads:
+            th.join(timeout=120)
+        assert [rid for _, rid, _ in sorted(finished)] == ["urgent", "normal", "late-1", "late-2"]
+        for _, rid, tokens in finished:
+            prompt, params, _ = handles[rid]
+            assert tokens == reference.generate(prompt, replace(params, priority=0))[0].token_ids, rid
+        client.close()
 
 
 def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference, tiny_dirs):

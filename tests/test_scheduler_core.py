@@ -409,3 +409,57 @@ def test_a_salted_prompt_hits_only_the_blocks_stored_under_its_salt():
         assert core.requests[rid].hit_blocks == hit, salt
     with pytest.raises(RequestError, match="cache_salt"):
         SamplingParams(cache_salt="s" * 1025)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "appendleft", "remove", "popleft"]), st.integers(0, 7),
+                          st.integers(-2, 2), st.integers(0, 50)), max_size=60))
+def test_a_ranked_fifo_orders_by_rank_then_arrival_and_keeps_its_weight(ops):
+    """``Fifo`` against a sorted list: lower ranks first; append keeps an id's place; appendleft puts it first of
+    its rank."""
+    from scheduler.core import Fifo
+
+    q, model, clock = Fifo(), {}, itertools.count()  # model: id -> (rank, order key, weight)
+    for op, i, rank, weight in ops:
+        rid = f"r{i}"
+        if op == "append":
+            old = model.get(rid)
+            model[rid] = (old[0], old[1], weight) if old else (rank, next(clock), weight)
+            q.append(rid, weight, rank)
+        elif op == "appendleft":
+            old = model.get(rid)
+            r = old[0] if old else rank
+            model[rid] = (r, -next(clock), weight)
+            q.appendleft(rid, weight, rank)
+        elif op == "remove" and rid in model:
+            del model[rid]
+            q.remove(rid)
+        elif op == "popleft" and model:
+            head = min(model, key=lambda k: model[k][:2])
+            assert q.popleft() == head
+            del model[head]
+        assert list(q) == sorted(model, key=lambda k: model[k][:2])
+        assert len(q) == len(model) and q.weight == sum(w for _, _, w in model.values())
+        assert all(k in q for k in model) and bool(q) == bool(model)
+
+
+def test_a_priority_scheduler_places_and_prefills_the_lowest_priority_first():
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
+                                         scheduling_policy="priority"), make_policy("dualpath"), Clock())
+    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+                                             SimEngine(info("d0", Role.DECODE, "n1", capacity=400)))}
+    for e in engines.values():
+        assert core.register(e.info).ok
+    for rid, priority in (("a", 2), ("b", 0), ("c", -1), ("d", 0), ("e", 2)):
+        core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=20,
+                                                                               priority=priority).to_dict()))
+    order = []
+    for _ in range(6):  # room for three at a time on the decode engine; each round frees it
+        pull(core, engines, "d0")
+        order += [a.request_id.split(".")[0] for a in pull(core, engines, "p0").assignments.get("p0", [])]
+        for e in engines.values():
+            e.finished, e.held = list(e.held), {}
+    assert order == ["c", "b", "d", "a", "e"]
+    fcfs, _ = make_core("dualpath", Clock())
+    with pytest.raises(RequestError, match="priority scheduling is not enabled"):
+        fcfs.submit(SubmitRequest("x", pack_tokens(range(10)), SamplingParams(priority=1).to_dict()))

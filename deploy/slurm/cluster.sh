@@ -28,6 +28,7 @@
 : "${DUALPATH_DRAIN_TIMEOUT:=50}"                 # seconds the stopping frontend lets requests finish (< dp_stop's 60)
 : "${DUALPATH_SCHEDULER_PORT:=50051}"
 : "${DUALPATH_SCHEDULER_HTTP_PORT:=9400}"         # the scheduler's /metrics
+: "${DUALPATH_SCHEDULING_POLICY:=fcfs}"           # or priority: requests' priority field orders the queues
 : "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
 : "${DUALPATH_FRONTEND_ARGS:=}"                   # more `dualpath frontend` options, e.g. "--tool-call-parser hermes"
 : "${DUALPATH_START_TIMEOUT:=900}"
@@ -99,7 +100,8 @@ dualpath_cluster_up() {
   dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
 
   "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
-    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" >"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
+    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" \
+    >"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
   DP_SCHEDULER=$!; DP_PIDS+=($!)
   dp_start_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np"
   dp_start_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd"

@@ -123,6 +123,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # each prompt token's logprob and top-k (no stream)
     cache_salt: Optional[str] = Field(None, max_length=MAX_CACHE_SALT)  # vLLM's: stored KV only this salt's share
+    priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)  # vLLM's: lower waits less (--scheduling-policy priority)
     # ...these refused unless neutral (never ignored); spaces_between_special_tokens is ignored as vLLM does for
     # fast tokenizers (the only kind loaded here)
     use_beam_search: bool = False
@@ -291,7 +292,7 @@ class _Common(BaseModel):
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                     include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps(),
-                    n=self.samples(), cache_salt=self.cache_salt or "")
+                    n=self.samples(), cache_salt=self.cache_salt or "", priority=self.priority)
 
     def samples(self) -> int:
         """Choices sampled per prompt."""

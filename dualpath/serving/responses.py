@@ -24,7 +24,8 @@ from dualpath.serving.protocol import ChatRequest
 
 # Sampling fields the chat endpoint takes that the Responses API lacks (vLLM's Responses endpoint takes them too)
 PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-               "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "dualpath")
+               "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "priority",
+               "dualpath")
 # A chat field's name as the Responses API calls it (errors name what the client sent)
 CUT_SHORT = ("length", "abort")  # finish reasons that leave a response incomplete
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}

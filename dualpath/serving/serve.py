@@ -101,7 +101,7 @@ def cluster_from_args(args):
     threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // engines) if args.device == "cpu" else 0)
     spec = ClusterSpec(
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
-        load_every_hit=args.load_every_hit,
+        load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
