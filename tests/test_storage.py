@@ -168,6 +168,30 @@ def test_removing_a_models_blocks_is_atomic_and_later_writes_store_again(tmp_pat
     assert not (tmp_path / FP.hex()).exists() and other.contains(ks[:1]) == [True]
 
 
+def test_a_store_whose_directory_was_removed_recounts_within_a_second_not_at_its_rescan(tmp_path):
+    """Another process's flush (the scheduler's ``remove_stored``) replaces the model's directory: the engine's store
+    sees that within ``DIR_CHECK_S`` and counts again, though its next rescan is a day away, so its reports (and the
+    cap's evictions) stop counting the removed blocks."""
+    from traffic.storage.fs import DIR_CHECK_S
+
+    s = store(tmp_path, rescan_s=86400.0)
+    per_file = s.file_bytes
+    s.write(keys(5), blocks(5)).result()
+    assert s.usage()["used_bytes"] == 5 * per_file
+    assert remove_stored(tmp_path, FP, background=False)
+    used = []
+    deadline = time.monotonic() + DIR_CHECK_S + 3
+    while time.monotonic() < deadline and (not used or used[-1]):
+        used.append(s.usage()["used_bytes"])
+        time.sleep(0.05)
+    assert used[0] == 5 * per_file and used[-1] == 0  # stale at first, then counted
+    s.write(keys(2, salt=3), blocks(2)).result()  # a new directory: counted once more, from what it holds
+    time.sleep(DIR_CHECK_S + 0.1)
+    s.usage()
+    time.sleep(0.2)
+    assert s.usage()["used_bytes"] == 2 * per_file
+
+
 def test_contains_over_ten_thousand_keys(tmp_path):
     s = store(tmp_path)
     small = KVGeometry(1, 1, 1, "float32")

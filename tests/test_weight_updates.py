@@ -622,6 +622,10 @@ def test_flush_cache_makes_the_next_request_compute_its_prompt_whole(cluster, ti
         flushed = http.post("/flush_cache")
         assert flushed.status_code == 200 and flushed.json()["success"], flushed.json()
         assert not (kv / client.stats()["fingerprint"]).exists() and client.stats()["index_blocks"] == 0
+        deadline = time.monotonic() + 4  # the engines see their directory gone (fs.DIR_CHECK_S) and count again
+        while any(e["storage_used_bytes"] for e in client.stats()["engines"].values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [e["storage_used_bytes"] for e in client.stats()["engines"].values()] == [0] * len(c.engine_addresses)
         assert turn() == (text, 0)  # computed whole, the same answer
         assert turn() == (text, 64)  # stored again
         assert http.post("/reset_prefix_cache").json()["success"] and turn() == (text, 0)

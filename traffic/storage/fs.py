@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"DPKV"
 FORMAT_VERSION = 1
+DIR_CHECK_S = 1.0  # how often a store looks whether its model directory was replaced (a flush: recount at once)
 _HEAD = struct.Struct(f"<4sHHIQ{HASH_BYTES}s{HASH_BYTES}s")  # magic, version, header bytes, layers, layer bytes,
 # fingerprint, key; then one u64 checksum per layer, then a u64 checksum of everything before it.
 
@@ -77,6 +78,7 @@ class FsStorage(StorageBackend):
         self._lock = threading.Lock()
         self._on_evict = None
         self._used, self._next_count, self._counting = 0, 0.0, True
+        self._counted_dir, self._dir_checked_at = None, 0.0  # the directory the count is of (st_dev, st_ino)
         self._count()
 
     # --- paths ----------------------------------------------------------------------------------------------
@@ -97,33 +99,42 @@ class FsStorage(StorageBackend):
             try:
                 self._pool.submit(self._count)
             except RuntimeError:  # closed (an engine's last report): the count stands
-                self._counted(self._used, time.monotonic())
+                self._counted(self._used, time.monotonic(), self._counted_dir)
         with self._lock:
             used = self._used
         return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
                 "num_blocks": used // self.file_bytes}
 
     def _count_due(self) -> bool:
-        """Claims the next count if one is due (one at a time)."""
+        """Claims the next count if one is due (one at a time): every ``rescan_s``, or at once when the model's
+        directory is another than the one counted (``remove_stored`` renamed it away: the count is of nothing)."""
         with self._lock:
-            if self._counting or time.monotonic() < self._next_count:
+            now = time.monotonic()
+            if self._counting or (now < self._next_count and not self._dir_replaced(now)):
                 return False
             self._counting = True
             return True
 
+    def _dir_replaced(self, now: float) -> bool:
+        if now < self._dir_checked_at + DIR_CHECK_S:
+            return False
+        self._dir_checked_at = now
+        return _dir_identity(self.dir) != self._counted_dir
+
     def _count(self) -> None:
         """Count the stored blocks (the caller claimed the count)."""
-        start = time.monotonic()
+        start, where = time.monotonic(), _dir_identity(self.dir)
         n = 0
         try:
             n = sum(1 for _ in self.list_keys())
         finally:
-            self._counted(n * self.file_bytes, start)
+            self._counted(n * self.file_bytes, start, where)
 
-    def _counted(self, used: int, start: float) -> None:
+    def _counted(self, used: int, start: float, where: tuple[int, int] | None) -> None:
         now = time.monotonic()
         with self._lock:
             self._used, self._counting = used, False
+            self._counted_dir = where
             self._next_count = now + max(self.config.rescan_s, 20 * (now - start))
 
     # --- reads ----------------------------------------------------------------------------------------------
@@ -318,6 +329,14 @@ def remove_stored(root: Path, fingerprint: BlockHash, background: bool = True) -
     else:
         shutil.rmtree(aside, ignore_errors=True)
     return True
+
+
+def _dir_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def list_stored_keys(model_dir: Path) -> Iterator[BlockHash]:
