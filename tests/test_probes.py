@@ -151,6 +151,24 @@ def test_server_info_and_version(tiny_dirs, tmp_path):
     assert http.get("/ping").status_code == 503
 
 
+def test_load_counts_the_generations_in_flight(front):
+    """vLLM's ``/load``: what a load balancer reads (no key needed, as ``/version``)."""
+    http, fake, _ = front
+    stuck = StuckHandle()
+    fake.reply = lambda _s: stuck
+    assert http.get("/load").json() == {"server_load": 0}
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "n": 2}
+    waiting = threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": body})
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while http.get("/load").json()["server_load"] != 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert http.get("/load").json() == {"server_load": 2}  # each choice is a generation
+    stuck.cancel()
+    waiting.join(10)
+    assert http.get("/load").json() == {"server_load": 0}
+
+
 # --- request ids ------------------------------------------------------------------------------------------------
 def test_a_clients_request_id_names_the_response_and_the_submission(front):
     http, fake, _ = front

@@ -158,6 +158,10 @@ class Frontend:
         async def version():
             return self.probes.version()
 
+        @app.get("/load")  # vLLM's (--enable-server-load-tracking; always on here): a load balancer's input
+        async def load():
+            return {"server_load": self.in_flight}
+
         @app.get("/get_model_info")
         async def model_info(request: Request):
             self._auth(request)
