@@ -66,6 +66,10 @@ class EngineInfo:
     group_id: str = ""  # engines of one node and role; "" = a group of its own
     alpha_tokens: int = 0  # tokens this engine's node reads from storage in 3 s (0: unknown)
     beta_tokens: int = 0  # prefill engines: tokens the device prefills in 5 s (0: unknown)
+    # the weights an update loaded since the engine started ("": those of ``model``): a restarted scheduler's
+    # /get_weight_version and /get_model_info still tell the truth
+    weights_version: str = ""
+    weights_path: str = ""
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ class Engine:
         self.storage = self._open_storage(self.fingerprint)
         self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
         self.updating = False  # loading new weights: no work is admitted (set and read under admission_lock)
+        self.weights = ("", "")  # (checkpoint, version) an update loaded; ("", ""): the ones it started with
         self.outbox = Outbox()
         self.stopping = threading.Event()
         self.members: list[list[str]] = []  # the group: [engine id, control address]
@@ -233,7 +234,8 @@ class Engine:
             self.transport.address(), [r.to_dict() for r in self.transport.regions()], self.buffer_region,
             self.buffer.num_slots, self.geometry.block_size, self.geometry.num_layers, self.fingerprint.hex(),
             self.capacity_tokens(), self.cfg.model, self.max_model_len, list(self.model_config.eos_token_ids),
-            self.cfg.group_id, self.alpha, self.beta_tokens())
+            self.cfg.group_id, self.alpha, self.beta_tokens(), weights_path=self.weights[0],
+            weights_version=self.weights[1])
 
     def register(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -452,6 +454,7 @@ class Engine:
                 old, self.fingerprint = self.storage, fp
                 self.storage = self.traffic.storage = self._open_storage(fp)
                 threading.Thread(target=old.destroy, daemon=True, name="kv-retire").start()
+            self.weights = (model_path, version)
             log.info("engine %s serves %s (version %r, fingerprint %s)", self.engine_id, model_path, version,
                      fp.hex()[:12])
             return fp

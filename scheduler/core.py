@@ -247,6 +247,8 @@ class SchedulerCore:
                                             "the cluster")
             first = self.fingerprint is None
             self.fingerprint, self.block_size, self.max_model_len = fp, info.block_size, info.max_model_len
+            if first and info.weights_version + info.weights_path:  # this scheduler restarted after an update
+                self.weights_version, self.weights_path = info.weights_version, info.weights_path
             old = self.engines.get(info.engine_id)
             if old is not None and old.alive:
                 self._engine_gone(info.engine_id, "re-registered")
@@ -572,7 +574,8 @@ class SchedulerCore:
                     if e.alive and eid not in loaded:
                         self._engine_gone(eid, "it did not load the new weights")
                     elif eid in loaded:
-                        e.info = replace(e.info, fingerprint=fingerprint.hex())
+                        e.info = replace(e.info, fingerprint=fingerprint.hex(), weights_version=version,
+                                         weights_path=path)
             if changed:
                 self.fingerprint, self.index = fingerprint, BlockIndex()
                 for r in self.requests.values():  # all queued: a drained cluster holds none on engines

@@ -23,6 +23,7 @@ from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from engines.models import open_checkpoint
+from scheduler.core import SchedulerCore
 from scheduler.http import render
 from scheduler.weights import update_weights
 from test_scheduler_core import BS, Clock, info, make_core, pull
@@ -315,6 +316,20 @@ def test_engines_that_fail_to_load_leave_the_cluster():
     assert sorted(eid for eid, e in core.engines.items() if e.alive) == ["d0", "d1", "p0"]
 
 
+def test_a_restarted_scheduler_learns_the_weights_version_from_its_engines():
+    """Engines say at registration which update they last loaded (its checkpoint and version); a scheduler that
+    restarted after the update reports them, where it would have said the engines' starting weights."""
+    core, engines = make_core("dualpath", Clock())
+    run_update(core, FakeEngines())
+    restarted = SchedulerCore(core.config, core.policy, Clock())
+    for e in core.engines.values():  # the infos as the engines now give them (the update replaced the scheduler's)
+        assert e.info.weights_version == "v9" and restarted.register(e.info).ok
+    stats = restarted.stats()
+    assert (stats["weights_version"], stats["weights_path"], stats["fingerprint"]) == ("v9", "/ckpt", "ee" * 16)
+    untouched = SchedulerCore(core.config, core.policy, Clock())
+    assert untouched.register(engines["d0"].info).ok and untouched.stats()["weights_version"] == ""
+
+
 def test_an_update_waits_for_requests_in_flight_until_its_timeout():
     core, engines = make_core("dualpath", Clock())
     submit(core, "r0")
@@ -388,6 +403,14 @@ def test_a_cluster_serves_new_weights_and_no_block_of_the_old_hits(cluster, tiny
     assert refused.error.startswith("decode-0, decode-1, prefill-0: ") and "hidden_size" in refused.error
     assert client.generate(turn3, GREEDY).token_ids == again.token_ids  # still the new weights, all engines
     assert client.stats()["engines_alive"] == 3 and client.stats()["weights_version"] == "step-1"
+
+    c.restart_scheduler()  # it learns what the engines serve from their registrations
+    deadline = time.monotonic() + 30
+    while client.stats()["engines_alive"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = client.stats()
+    assert (stats["weights_version"], stats["weights_path"]) == ("step-1", str(second["llama"])), stats
+    assert client.generate(turn3, GREEDY).token_ids == again.token_ids
 
 
 def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny_dirs, second):
