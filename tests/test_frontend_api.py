@@ -208,6 +208,7 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
     (dict(echo=True), "echo"),
     (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
     (dict(documents=["not an object"]), "documents"),
+    (dict(reasoning_effort="high"), "reasoning_effort"), (dict(reasoning_effort="max"), "reasoning_effort"),
     (dict(chat_template="{{ messages }}"), "chat_template"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1], response_format={"type": "json_object"}), "allowed_token_ids"),
@@ -244,6 +245,22 @@ def test_a_requests_own_chat_template_renders_its_chat_when_the_server_trusts_th
     assert post(http, "/v1/chat/completions", model="m", messages=messages, chat_template=rag,
                 documents=docs).status_code == 200
     assert tok.decode(fake.prompts[-1]) == "[a: alpha][b: beta]hi"  # vLLM's documents, for RAG templates
+
+
+def test_reasoning_effort_is_the_templates_variable_on_chats_and_responses(tiny_dirs, tmp_path):
+    """OpenAI's ``reasoning_effort`` (and the Responses API's ``reasoning.effort``) reach a template that reads it
+    (gpt-oss's does); ``chat_template_kwargs`` still win; a template without it refuses it (above)."""
+    template = "[{{ reasoning_effort | default('medium') }}]{{ messages[-1].content }}"
+    http, fake, tok = serve(tiny_dirs, tmp_path, template)
+    fake.reply = "ok"
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, want in ((dict(), "[medium]hi"), (dict(reasoning_effort="high"), "[high]hi"),
+                        (dict(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}), "[low]hi")):
+        assert post(http, "/v1/chat/completions", model="m", messages=messages, **extra).status_code == 200
+        assert tok.decode(fake.prompts[-1]) == want
+    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
+    assert r.status_code == 200 and tok.decode(fake.prompts[-1]) == "[minimal]hi"
+    assert r.json()["reasoning"] == {"effort": "minimal", "summary": None}
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -199,7 +199,9 @@ def test_an_empty_reply_is_one_empty_message(front):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "not supported"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "takes no reasoning_effort"),  # the template reads none
+    ({"reasoning": {"effort": "extreme"}}, "reasoning", "should be 'none', 'minimal'"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning", "only effort"),
     ({"truncation": "middle"}, "truncation", "disabled"),
     ({"background": True}, "background", "not supported"),
     ({"include": ["file_search_call.results"]}, "include", "cannot be included"),

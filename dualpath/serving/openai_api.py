@@ -521,8 +521,20 @@ class Frontend:
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         renderer = self._renderer(getattr(req, "chat_template", None))
-        return renderer.apply_chat_template([m.for_template() for m in req.messages], **req.render_options(),
-                                            **self._documents(req, renderer), **self._tools(req))
+        variables = {**self._effort(req, renderer), **req.render_options(), **self._documents(req, renderer),
+                     **self._tools(req)}  # chat_template_kwargs may set reasoning_effort too (vLLM's way for some)
+        return renderer.apply_chat_template([m.for_template() for m in req.messages], **variables)
+
+    @staticmethod
+    def _effort(req, renderer: Tokenizer) -> dict:
+        """OpenAI's ``reasoning_effort`` as the template's variable of that name (gpt-oss's, say); refused, as OpenAI
+        refuses it for models that do not reason, where the template never reads it."""
+        effort = getattr(req, "reasoning_effort", None)
+        if effort is None:
+            return {}
+        if "reasoning_effort" not in (renderer.chat_template or ""):
+            raise RequestError("this model's chat template takes no reasoning_effort", field="reasoning_effort")
+        return {"reasoning_effort": effort}
 
     @staticmethod
     def _documents(req, renderer: Tokenizer) -> dict:

@@ -377,6 +377,9 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+
+
 class ChatRendering(BaseModel):
     """How a chat is rendered into a prompt (vLLM's extras): ``continue_final_message`` leaves the last message open
     for the model to continue (an assistant reply's start, say), which implies no generation prompt;
@@ -423,6 +426,7 @@ class ChatRequest(_Common, ChatRendering):
     echo: Literal[False] = False  # vLLM's chat extras, refused when set: the last message echoed, and special ...
     add_special_tokens: Literal[False] = False  # ... tokens added to the rendered chat
     documents: Optional[list[dict[str, Any]]] = None  # a RAG template's documents (its ``documents`` variable)
+    reasoning_effort: Optional[Literal[REASONING_EFFORTS]] = None  # OpenAI's: the template's ``reasoning_effort``
     chat_template: Optional[str] = None  # a template of the request's own (--trust-request-chat-template)
 
     @field_validator("modalities")

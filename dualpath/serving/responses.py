@@ -26,9 +26,10 @@ from dualpath.serving.protocol import ChatRequest
 PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
                "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "priority",
                "dualpath")
-# A chat field's name as the Responses API calls it (errors name what the client sent)
 CUT_SHORT = ("length", "abort")  # finish reasons that leave a response incomplete
-FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+# A chat field's name as the Responses API calls it (errors name what the client sent)
+FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
+               "reasoning_effort": "reasoning"}
 LOGPROBS = "message.output_text.logprobs"
 NOTHING_TO_INCLUDE = {"reasoning.encrypted_content"}  # no reasoning items are ever produced
 
@@ -66,9 +67,11 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("reasoning")
     @classmethod
-    def _no_reasoning(cls, v):
-        if v and any(x is not None for x in v.values()):
-            raise ValueError("reasoning options are not supported by this model")
+    def _effort_only(cls, v):
+        """``effort`` becomes the chat's ``reasoning_effort`` (refused there unless the template reads it); no
+        summaries of the reasoning are written."""
+        if v and any(x is not None for k, x in v.items() if k != "effort"):
+            raise ValueError("reasoning: only effort is supported (no summaries)")
         return v
 
     @field_validator("background", "conversation", "prompt")
@@ -105,6 +108,8 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
         body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
+    if (req.reasoning or {}).get("effort") is not None:
+        body["reasoning_effort"] = req.reasoning["effort"]
     if req.wants_logprobs():
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
@@ -248,7 +253,7 @@ class ResponseCall:
                 "incomplete_details": details,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": r.previous_response_id, "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
                 "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
                 "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
                 "tools": [_echoed_tool(t) for t in r.tools or ()],
