@@ -308,9 +308,10 @@ class PrefillEngine(Engine):
                 self.cond.wait_for(lambda: self.ready or self.stopping.is_set(), timeout=0.1)
                 if not self.ready:
                     continue
+                order = self._batchable()
                 queue = [Pending(w, self.jobs[w].computed, self.jobs[w].n_prompt - self.jobs[w].computed)
-                         for w in self._batchable()]
-                basic = not self.jobs[self.ready[0]].a.layerwise
+                         for w in order]
+                basic = not self.jobs[order[0]].a.layerwise
                 ws = self._basic_workspace() if basic else self.workspace
                 batch = form_batch(queue, self.cost, self.cfg.compute_quota_s, self.geometry.block_size,
                                    max_blocks=ws.blocks)
@@ -321,9 +322,12 @@ class PrefillEngine(Engine):
 
     def _batchable(self) -> list[str]:
         """Ready work whose hit is loaded, so storage never stalls the compute of loaded work; when none is
-        loaded, the head alone, so an idle engine starts it layer by layer as its hit arrives."""
-        loaded = [w for w in self.ready if self.jobs[w].loaded]
-        return loaded or [self.ready[0]]
+        loaded, the head alone, so an idle engine starts it layer by layer as its hit arrives. Most urgent first
+        (``SamplingParams.priority``; the sort is stable, so arrival order within a priority, and all of it under
+        first come, first served): work the scheduler handed over ahead of an urgent request waits behind it."""
+        ready = sorted(self.ready, key=lambda w: self.jobs[w].params.priority)
+        loaded = [w for w in ready if self.jobs[w].loaded]
+        return loaded or ready[:1]
 
     def _basic_workspace(self) -> Workspace:
         if self.basic_workspace is None:

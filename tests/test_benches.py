@@ -35,6 +35,15 @@ def test_small_benches_run(script, args, tmp_path):
     assert result["benchmark"]
 
 
+def test_the_priority_bench_shows_urgent_turns_jumping_an_overloaded_queue(tmp_path):
+    """Simulated time, so deterministic: at 1.5x the capacity the urgent agents' turns start within a second under
+    priority scheduling, where first come, first served keeps them ~10 s like everyone else's."""
+    result = run_bench("priority.py", "--seconds", "40", "--loads", "1.5", "--out", str(tmp_path / "r.json"))
+    fcfs, prio = result["rows"]
+    assert (fcfs["policy"], prio["policy"]) == ("fcfs", "priority")
+    assert prio["urgent_ttft_p50_s"] < 1.0 < 5.0 < fcfs["urgent_ttft_p50_s"] and prio["urgent_p50_vs_fcfs"] < 0.2
+
+
 @pytest.mark.slow  # ~7 s; structured output itself is test_guided's
 def test_guided_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",

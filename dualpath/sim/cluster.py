@@ -8,7 +8,8 @@ What is modelled (and what is not):
   the real engines' (seq, tok, the node's storage read queue in tokens, free KV tokens, held requests, finished
   ones and the blocks they stored).
 * A prefill GPU runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
-  the form the real engines fit at start-up. Layerwise prefill starts computing when the request's read starts and
+  the form the real engines fit at start-up, the most urgent ready one next (``SamplingParams.priority``; FIFO
+  within a priority, as the real engines batch). Layerwise prefill starts computing when the request's read starts and
   ends no earlier than one layer's compute after the read ends; whole-KV (``basic``) prefill starts after the read.
 * A request's hit KV is one flow over every link its read path crosses (``links.PE_PATH`` / ``DE_PATH``, storage
   included), sharing links max-min fairly with all other flows: the fluid view of a layer-pipelined transfer.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 import math
 import random
 import sys
@@ -71,6 +73,7 @@ class SimConfig:
     pull_jitter: float = 0.2
     seed: int = 0
     every_pull: bool = False  # send every pull with every engine's report (same decisions, slower: for tests)
+    scheduling_policy: str = "fcfs"  # SchedulerConfig's: "priority" orders the queues by the agents' priorities
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -87,6 +90,7 @@ class Agent:
     next_round: int = 0
     finished_at: float = 0.0
     start: float = 0.0  # when its first round is submitted (online runs: the arrival time)
+    priority: int = 0  # every round's SamplingParams.priority
 
 
 @dataclass
@@ -113,6 +117,10 @@ class SimEngine:
     held_tokens: int = 0  # Σ tokens(held request) (decode: generation counted as it is settled)
     reserved: int = 0  # Σ prompt + gen over ``held``: the KV the engine has promised
     busy_until: float = 0.0
+    # prefill: requests whose compute may start, a heap of (priority, order, work, request, read start, read end),
+    # and whether the GPU runs one (its end event may be due at ``busy_until`` = now and not yet have fired)
+    ready: list = field(default_factory=list)
+    computing: bool = False
     # Decode runs in segments of steps with a fixed membership: ``seg_steps`` steps from ``seg_start`` with
     # ``running`` as it was then, ending at the first finish (or earlier, at a step boundary, when a request joins).
     seg_start: float = 0.0
@@ -176,11 +184,12 @@ class SimResult:
     tpot_s: list[float] = field(default_factory=list)  # per request: decode time per token after the first
     ttft_at: list[float] = field(default_factory=list)  # when each ttft_s entry's first token came
     tpot_at: list[float] = field(default_factory=list)  # when each tpot_s entry's request finished
+    ttft_agent: list[int] = field(default_factory=list)  # whose turn each ttft_s entry is (the agent's index)
 
 
 class ClusterSim:
     def __init__(self, cfg: SimConfig, rounds_per_agent: list[list[tuple[int, int]]],
-                 starts: list[float] | None = None):
+                 starts: list[float] | None = None, priorities: list[int] | None = None):
         self.cfg = cfg
         mode, policy, self.layerwise, self.reads = SYSTEMS[cfg.system]
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
@@ -190,19 +199,22 @@ class ClusterSim:
         caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
         self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", mode=mode, policy=policy,
-                                                  heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9),
+                                                  heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9,
+                                                  scheduling_policy=cfg.scheduling_policy),
                                   make_policy(policy), clock=lambda net=self.loop.net: net.now)
         self.engines: dict[str, SimEngine] = {}
         self.groups: dict[str, list[SimEngine]] = {}  # node -> its engines (a group pulls for all of them)
         for node in nodes:
             for g in range(cfg.hardware.gpus):
                 self._register(node, g)
-        self.agents = [Agent(i, r, start=starts[i] if starts else 0.0) for i, r in enumerate(rounds_per_agent)]
+        self.agents = [Agent(i, r, start=starts[i] if starts else 0.0, priority=priorities[i] if priorities else 0)
+                       for i, r in enumerate(rounds_per_agent)]
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
         self.by_id: dict[str, SimRequest] = {}  # submitted, not yet assigned: by request id (a run keeps no history)
         self.ttft: list[float] = []
         self.tpot: list[float] = []
         self.ttft_at: list[float] = []
+        self.ttft_agent: list[int] = []
         self.tpot_at: list[float] = []
         self.prefill_busy_s = 0.0  # GPU seconds of prefill compute, all prefill GPUs
         self.read_bytes: dict[str, float] = {}
@@ -210,10 +222,11 @@ class ClusterSim:
         self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
         self.queued_bytes: dict[str, float] = {}
         self.reported_q: dict[str, int] = {}  # group -> the read queue its last report gave
-        self._sampling: dict[int, dict] = {}  # generation length -> sampling parameters
+        self._sampling: dict[tuple[int, int], dict] = {}  # (generation length, priority) -> sampling parameters
         self._routes: dict[tuple, tuple] = {}  # (path, prefill GPU, decode GPU) -> the links a read crosses
         self.turns = 0
         self._joined = 0  # requests that joined a decode batch (their join order)
+        self._ready_order = itertools.count()  # the order prefill work became ready (ties within a priority)
         self.rng = random.Random(cfg.seed)
 
     # --- set-up -----------------------------------------------------------------------------------------------
@@ -239,9 +252,10 @@ class ClusterSim:
         rid = f"a{agent.index}.r{agent.next_round}"
         req = SimRequest(agent, prompt, gen, self.loop.now)
         self.by_id[rid] = req
-        sampling = self._sampling.get(gen)
+        sampling = self._sampling.get((gen, agent.priority))
         if sampling is None:  # one per generation length: building and checking them per turn cost ~10 us
-            sampling = self._sampling[gen] = SamplingParams(max_tokens=gen, ignore_eos=True).to_dict()
+            sampling = self._sampling[gen, agent.priority] = SamplingParams(max_tokens=gen, ignore_eos=True,
+                                                                            priority=agent.priority).to_dict()
         self.core.submit(SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
                          lambda ev, r=req: self._on_event(ev, r))
 
@@ -354,7 +368,15 @@ class ClusterSim:
             self.loop.transfer(flow, size, route, done)
 
     def _compute(self, pe: SimEngine, work: str, req: SimRequest, read_start: float, read_end: float) -> None:
-        """Queue the request's prefill on its GPU (FIFO); when it may start depends on the prefill kind."""
+        """Queue the request's prefill on its GPU, which runs one at a time: the most urgent ready one next, in the
+        order they became ready within a priority (the real engine's batch order: ``PrefillEngine._batchable``)."""
+        heapq.heappush(pe.ready, (req.agent.priority, next(self._ready_order), work, req, read_start, read_end))
+        if not pe.computing:
+            self._next_prefill(pe)
+
+    def _next_prefill(self, pe: SimEngine) -> None:
+        """Start the GPU's next prefill; when it may start depends on the prefill kind."""
+        _, _, work, req, read_start, read_end = heapq.heappop(pe.ready)
         t = self.cfg.engine.prefill.predict([(req.hit_tokens, req.prompt - req.hit_tokens)])
         if self.layerwise:  # layers compute as they arrive: done one layer after the read at the earliest
             begin = max(pe.busy_until, read_start)
@@ -363,14 +385,22 @@ class ClusterSim:
             begin = max(pe.busy_until, read_end)
             end = begin + t
         pe.busy_until = max(end, self.loop.now)
+        pe.computing = True
         self.prefill_busy_s += t
-        self.loop.at(pe.busy_until, lambda: self._hand_off(pe, work))
+        self.loop.at(pe.busy_until, lambda: self._prefilled(pe, work))
+
+    def _prefilled(self, pe: SimEngine, work: str) -> None:
+        pe.computing = False
+        self._hand_off(pe, work)
+        if pe.ready:
+            self._next_prefill(pe)
 
     def _hand_off(self, pe: SimEngine, work: str) -> None:
         req = pe.release(work)
         req.prefill_done = self.loop.now
         self.ttft.append(self.loop.now - req.submitted)
         self.ttft_at.append(self.loop.now)
+        self.ttft_agent.append(req.agent.index)
         de = self.engines[req.de]
         req.generated = 1
         de.held_tokens += 1
@@ -478,7 +508,7 @@ class ClusterSim:
             gc.set_threshold(*thresholds)
         jct = max((a.finished_at for a in self.agents), default=0.0)
         return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot,
-                         self.ttft_at, self.tpot_at)
+                         self.ttft_at, self.tpot_at, self.ttft_agent)
 
 
 @dataclass(frozen=True)
