@@ -42,6 +42,9 @@ def test_sampling_params_reach_the_engines_under_their_own_names(front):
     assert fake.samplings[-1].max_tokens == 30
     http.post("/generate", json={"text": "x", "sampling_params": {}})
     assert fake.samplings[-1].max_tokens == 128 and fake.samplings[-1].temperature == 1.0  # SGLang's defaults
+    assert fake.samplings[-1].priority == 0
+    http.post("/generate", json={"text": "x", "priority": 3})
+    assert fake.samplings[-1].priority == -3  # SGLang runs higher priorities first, the scheduler lower ones
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     for key, value, field in [("json_schema", json.dumps(schema), "json_schema"), ("regex", "[0-9]+", "regex"),
                               ("ebnf", 'root ::= "yes" | "no"', "grammar")]:

@@ -41,6 +41,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False
+    priority: Optional[int] = None  # SGLang's: higher first (its default order), so the completion's is its negation
 
 
 class NativeApi:
@@ -113,7 +114,8 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
             raise RequestError(f"sampling_params.json_schema: not JSON ({e})", field="sampling_params") from None
     body = {"model": model, "prompt": req.text if req.text is not None else req.input_ids, **fields,
             "logprobs": req.top_logprobs_num if req.return_logprob else None,
-            "prompt_logprobs": req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None}
+            "prompt_logprobs": req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None,
+            "priority": -(req.priority or 0)}
     try:
         return parse(CompletionRequest, json.dumps(body).encode())
     except RequestError as e:
