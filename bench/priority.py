@@ -8,7 +8,12 @@ highest arrival rate whose mean TTFT meets the paper's 4 s objective, first come
 first served (the baseline). Reported: time to first token of the urgent and the other turns over the run's second
 half, and the urgent turns' median TTFT under priority as a fraction of first come, first served.
 
-    python bench/priority.py [--loads 0.8,1.2] [--seconds 200] [--out bench/results/priority.json]
+Offline (``--offline-agents``, a rollout job's closed loop: every agent starts at once): the job's completion time
+with ``dualpath rollout --longest-first`` (each round's priority minus its agent's rounds left) against first come,
+first served, on the same trace, for each of ``--offline-seeds`` traces.
+
+    python bench/priority.py [--loads 0.8,1.2] [--seconds 200] [--offline-agents 400]
+                             [--out bench/results/priority.json]
 """
 from __future__ import annotations
 
@@ -38,6 +43,23 @@ def ttfts(result, urgent, since: float) -> tuple[list[float], list[float]]:
     return mine, others
 
 
+def offline_jct(cfg, args, seed: int) -> dict:
+    """A rollout job's completion time, first come, first served and longest first, on one trace."""
+    from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.sim.cluster import ClusterSim
+
+    rounds, _ = trace_shapes(args.preset, args.offline_agents, 1.0, args.offline_turns_scale, seed)
+    t = time.perf_counter()
+    jct = {}
+    for name, c in (("fcfs", cfg), ("longest_first", replace(cfg, scheduling_policy="priority", longest_first=True))):
+        jct[name] = ClusterSim(c, rounds).run().jct_s
+    print(f"  offline seed {seed}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    turns = [len(r) for r in rounds]
+    return {"seed": seed, "agents": args.offline_agents, "turns_min": min(turns), "turns_max": max(turns),
+            "jct_fcfs_s": jct["fcfs"], "jct_longest_first_s": jct["longest_first"],
+            "jct_ratio": jct["longest_first"] / jct["fcfs"]}
+
+
 def main() -> int:
     from dualpath.rollout.tracegen import trace_shapes
     from dualpath.sim.cluster import ClusterSim, SimConfig, online_capacity
@@ -53,6 +75,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=200.0, help="simulated seconds per run")
     ap.add_argument("--urgent-every", type=int, default=10, help="agent i is urgent when i % N == 0")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--offline-agents", type=int, default=400, help="agents of the offline part (0: skip it)")
+    ap.add_argument("--offline-turns-scale", type=float, default=0.3, help="its agents' turns (32k: 60 -> 18)")
+    ap.add_argument("--offline-seeds", type=int, default=3, help="traces of the offline part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -88,10 +113,14 @@ def main() -> int:
         r["other_p50_vs_fcfs"] = r["other_ttft_p50_s"] / base["other_ttft_p50_s"]
     print_table(rows, ["load", "policy", "urgent_turns", "urgent_ttft_p50_s", "urgent_ttft_p90_s", "other_ttft_p50_s",
                        "other_ttft_p90_s", "urgent_p50_vs_fcfs", "other_p50_vs_fcfs"])
+    offline = [offline_jct(cfg, args, seed) for seed in range(args.offline_seeds)] if args.offline_agents else []
+    if offline:
+        print_table(offline, ["seed", "agents", "turns_min", "turns_max", "jct_fcfs_s", "jct_longest_first_s",
+                              "jct_ratio"])
     path = write_result("priority", {"model": args.model, "prefill_nodes": args.prefill, "decode_nodes": args.decode,
                                      "preset": args.preset, "turns_scale": args.turns_scale, "seconds": args.seconds,
                                      "urgent_every": args.urgent_every, "capacity_agents_per_s": capacity,
-                                     "rows": rows}, args.out)
+                                     "rows": rows, "offline": offline}, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -631,6 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="samples per agent (GRPO's groups): the first round one request with n choices, "
                          "each continuing on its own; needs --temperature > 0")
     ro.add_argument("--max-concurrency", type=int, default=None, help="agents (groups) in flight at once")
+    ro.add_argument("--longest-first", action="store_true",
+                    help="agents with the most rounds left go first (each round's priority; the cluster started "
+                         "here orders by them; a --scheduler must run --scheduling-policy priority): the job ends "
+                         "with its longest agent, so this shortens it")
     ro.add_argument("--skip-invalid", action="store_true", help="skip malformed lines instead of failing")
     ro.add_argument("--no-progress", action="store_true")
     _cluster_args(ro)

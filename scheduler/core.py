@@ -833,7 +833,7 @@ class SchedulerCore:
                 **self.counters,
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
                 "weights_version": self.weights_version, "weights_path": self.weights_path, "paused": self.paused,
-                "held": self.held,
+                "held": self.held, "scheduling_policy": self.config.scheduling_policy,
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "index_blocks": len(self.index),

@@ -35,13 +35,17 @@ def test_small_benches_run(script, args, tmp_path):
     assert result["benchmark"]
 
 
-def test_the_priority_bench_shows_urgent_turns_jumping_an_overloaded_queue(tmp_path):
+def test_the_priority_bench_shows_urgent_turns_jumping_a_queue_and_longest_first_shortening_a_job(tmp_path):
     """Simulated time, so deterministic: at 1.5x the capacity the urgent agents' turns start within a second under
-    priority scheduling, where first come, first served keeps them ~10 s like everyone else's."""
-    result = run_bench("priority.py", "--seconds", "40", "--loads", "1.5", "--out", str(tmp_path / "r.json"))
+    priority scheduling, where first come, first served keeps them ~10 s like everyone else's; an offline job run
+    longest first ends sooner (0.82x here)."""
+    result = run_bench("priority.py", "--seconds", "40", "--loads", "1.5", "--offline-agents", "150",
+                       "--offline-seeds", "1", "--out", str(tmp_path / "r.json"))
     fcfs, prio = result["rows"]
     assert (fcfs["policy"], prio["policy"]) == ("fcfs", "priority")
     assert prio["urgent_ttft_p50_s"] < 1.0 < 5.0 < fcfs["urgent_ttft_p50_s"] and prio["urgent_p50_vs_fcfs"] < 0.2
+    (offline,) = result["offline"]  # a rollout job of 2- to 55-turn agents ends with its longest one
+    assert offline["jct_ratio"] < 0.9, offline
 
 
 @pytest.mark.slow  # ~7 s; structured output itself is test_guided's

@@ -78,7 +78,7 @@ def test_generated_trajectories_end_near_max_len_with_front_loaded_growth():
 def cluster(tiny_dirs, tmp_path_factory):
     spec = ClusterSpec(model=str(tiny_dirs["llama"]), block_size=16, kv_store=str(tmp_path_factory.mktemp("kv")),
                        buffer_bytes=8 << 20, cache_bytes=32 << 20, workspace_tokens=2048,
-                       cost_model="0.001,0.0001,0")
+                       cost_model="0.001,0.0001,0", scheduling_policy="priority")  # (longest-first's)
     with LocalCluster(spec, run_dir=str(tmp_path_factory.mktemp("run"))) as c:
         yield c
 
@@ -122,6 +122,53 @@ def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
         return {(r["agent"], r["round"]): r["output"] for r in recs}
 
     assert per_agent(out) == per_agent(tmp_path / "clean.jsonl")
+
+
+class RecordingClient:
+    """Test double of ``ClusterClient`` for the runner: answers every round with its forced length, recording each
+    request's (agent's first token, round's priority) in order."""
+
+    def __init__(self, policy: str):
+        self.policy, self.sent = policy, []
+
+    def stats(self):
+        return {"scheduling_policy": self.policy}
+
+    def generate_choices(self, context, sampling, mode=""):
+        from dualpath.client import GenerationResult
+
+        self.sent.append((context[0], sampling.priority))
+        return [GenerationResult("r", [3] * sampling.max_tokens, "length") for _ in range(sampling.n)]
+
+
+def test_longest_first_sends_the_agents_with_most_rounds_left_first(tmp_path):
+    """Each round's priority is minus the rounds its agent has left (this one included), and agents start longest
+    first under max_concurrency; a scheduler that does not order by priority is refused before anything runs."""
+    from dualpath.rollout.trajectory import Round, Trajectory
+
+    ts = [Trajectory(f"t{k}", tuple(Round((100 + k,), generate=1) for _ in range(n))) for k, n in enumerate((2, 4, 1))]
+    client = RecordingClient("priority")
+    Rollout(client, RolloutConfig(longest_first=True, max_concurrency=1)).run(ts, tmp_path / "o.jsonl", progress=False)
+    assert client.sent == [(101, -4), (101, -3), (101, -2), (101, -1), (100, -2), (100, -1), (102, -1)]
+    plain = RecordingClient("fcfs")
+    Rollout(plain, RolloutConfig(max_concurrency=1)).run(ts, tmp_path / "p.jsonl", progress=False)
+    assert [p for _, p in plain.sent] == [0] * 7 and [t for t, _ in plain.sent][:2] == [100, 100]
+    with pytest.raises(DualPathError, match="--scheduling-policy priority"):
+        Rollout(plain, RolloutConfig(longest_first=True)).run(ts, tmp_path / "q.jsonl", progress=False)
+
+
+def test_longest_first_through_the_cli_changes_no_result(cluster, tmp_path):
+    ts, _ = generate_trace("64k", 4, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=5)
+    traj = tmp_path / "t.jsonl"
+    write_trajectories(traj, ts)
+    cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "rollout", str(traj),
+           "--scheduler", cluster.scheduler_address, "--no-progress"]
+    outputs = []
+    for name, extra in (("plain", []), ("longest", ["--longest-first", "--max-concurrency", "2"])):
+        subprocess.run(cmd + ["--out", str(tmp_path / f"{name}.jsonl"), *extra], check=True, timeout=300)
+        recs = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        outputs.append({(r["agent"], r["round"]): r["output"] for r in recs})
+    assert outputs[0] == outputs[1] and len(outputs[0]) == sum(len(t.rounds) for t in ts)
 
 
 def test_resume_refuses_results_of_other_trajectories(tmp_path):

@@ -17,7 +17,10 @@ def rollout_main(args) -> int:
         print("no trajectories to run")
         return 1
     cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
-                        agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size)
+                        agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size,
+                        longest_first=args.longest_first)
+    if args.longest_first and not args.scheduler:
+        args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities
     cluster = None
     try:
         if args.scheduler:

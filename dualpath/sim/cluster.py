@@ -74,6 +74,7 @@ class SimConfig:
     seed: int = 0
     every_pull: bool = False  # send every pull with every engine's report (same decisions, slower: for tests)
     scheduling_policy: str = "fcfs"  # SchedulerConfig's: "priority" orders the queues by the agents' priorities
+    longest_first: bool = False  # each round's priority is minus its agent's rounds left (RolloutConfig's)
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -90,7 +91,7 @@ class Agent:
     next_round: int = 0
     finished_at: float = 0.0
     start: float = 0.0  # when its first round is submitted (online runs: the arrival time)
-    priority: int = 0  # every round's SamplingParams.priority
+    priority: int = 0  # every round's SamplingParams.priority (unless SimConfig.longest_first)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class SimRequest:
     generated: int = 0  # decode: settled at hand-off and at finish (while running: ``base`` + the engine's steps)
     done: float = 0.0
     base: int = 0  # decode: generated - the engine's steps, fixed while it runs
+    priority: int = 0  # its SamplingParams.priority
 
 
 @dataclass
@@ -250,12 +252,13 @@ class ClusterSim:
         bs = self.cfg.block_size
         keys = block_keys(agent.index, 0, prompt // bs)
         rid = f"a{agent.index}.r{agent.next_round}"
-        req = SimRequest(agent, prompt, gen, self.loop.now)
+        priority = agent.next_round - len(agent.rounds) if self.cfg.longest_first else agent.priority
+        req = SimRequest(agent, prompt, gen, self.loop.now, priority=priority)
         self.by_id[rid] = req
-        sampling = self._sampling.get((gen, agent.priority))
-        if sampling is None:  # one per generation length: building and checking them per turn cost ~10 us
-            sampling = self._sampling[gen, agent.priority] = SamplingParams(max_tokens=gen, ignore_eos=True,
-                                                                            priority=agent.priority).to_dict()
+        sampling = self._sampling.get((gen, priority))
+        if sampling is None:  # one per (generation length, priority): building and checking them cost ~10 us a turn
+            sampling = self._sampling[gen, priority] = SamplingParams(max_tokens=gen, ignore_eos=True,
+                                                                      priority=priority).to_dict()
         self.core.submit(SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
                          lambda ev, r=req: self._on_event(ev, r))
 
@@ -370,7 +373,7 @@ class ClusterSim:
     def _compute(self, pe: SimEngine, work: str, req: SimRequest, read_start: float, read_end: float) -> None:
         """Queue the request's prefill on its GPU, which runs one at a time: the most urgent ready one next, in the
         order they became ready within a priority (the real engine's batch order: ``PrefillEngine._batchable``)."""
-        heapq.heappush(pe.ready, (req.agent.priority, next(self._ready_order), work, req, read_start, read_end))
+        heapq.heappush(pe.ready, (req.priority, next(self._ready_order), work, req, read_start, read_end))
         if not pe.computing:
             self._next_prefill(pe)
 
