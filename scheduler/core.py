@@ -96,6 +96,9 @@ class Fifo:
     def first(self) -> str:
         return next(iter(self._levels[self._ranks[0]]))
 
+    def by_rank(self) -> dict[int, int]:
+        return {r: len(self._levels[r]) for r in self._ranks}
+
 
 class Lazy:
     """A sequence built on demand from an iterator (policies walk a queue's head and stop early; re-iteration
@@ -836,6 +839,7 @@ class SchedulerCore:
                 "held": self.held, "scheduling_policy": self.config.scheduling_policy,
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
+                "waiting_by_priority": self._waiting_by_priority(),
                 "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
                 "engines_alive_by_role": {r.value: len(ids) for r, ids in self.alive_ids.items()},
@@ -850,6 +854,14 @@ class SchedulerCore:
                 "engines": {eid: self._engine_view(e) for eid, e in self.engines.items() if e.alive},
                 **self.balance(),
             }
+
+    def _waiting_by_priority(self) -> dict[str, int]:
+        """Requests in the scheduler's queues (not yet on engines) by priority (text keys: the stats are JSON)."""
+        out: dict[str, int] = {}
+        for q in (self.global_queue, self.prefill_queue, *self.private.values()):
+            for rank, n in q.by_rank().items():
+                out[str(rank)] = out.get(str(rank), 0) + n
+        return out
 
     @staticmethod
     def _engine_view(e: EngineRecord) -> dict:

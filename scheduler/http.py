@@ -22,6 +22,10 @@ def render(stats: dict) -> str:
     q = r.gauge("scheduler_queue_length", "Requests waiting", ["queue"])
     for name in ("global_queue", "decode_queue", "prefill_queue", "in_flight"):
         q.set(stats.get(name, 0), queue=name)
+    waiting = r.gauge("scheduler_waiting_by_priority", "Requests in the scheduler's queues by priority (lower runs "
+                      "first under --scheduling-policy priority)", ["priority"])
+    for priority, n in sorted(stats.get("waiting_by_priority", {}).items(), key=lambda kv: int(kv[0])):
+        waiting.set(n, priority=priority)
     r.gauge("scheduler_engines_alive", "Engines reporting").set(stats.get("engines_alive", 0))
     paused = r.gauge("scheduler_generation_paused", "1 while no request is handed to engines, by why: a weight "
                      "update, or /pause (until /resume)", ["why"])

@@ -453,13 +453,15 @@ def test_a_priority_scheduler_places_and_prefills_the_lowest_priority_first():
     for rid, priority in (("a", 2), ("b", 0), ("c", -1), ("d", 0), ("e", 2)):
         core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=20,
                                                                                priority=priority).to_dict()))
+    assert core.stats()["waiting_by_priority"] == {"-1": 1, "0": 2, "2": 2}
+    assert 'dualpath_scheduler_waiting_by_priority{priority="-1"} 1.0' in render(core.stats()).splitlines()
     order = []
     for _ in range(6):  # room for three at a time on the decode engine; each round frees it
         pull(core, engines, "d0")
         order += [a.request_id.split(".")[0] for a in pull(core, engines, "p0").assignments.get("p0", [])]
         for e in engines.values():
             e.finished, e.held = list(e.held), {}
-    assert order == ["c", "b", "d", "a", "e"]
+    assert order == ["c", "b", "d", "a", "e"] and core.stats()["waiting_by_priority"] == {}
     fcfs, _ = make_core("dualpath", Clock())
     with pytest.raises(RequestError, match="priority scheduling is not enabled"):
         fcfs.submit(SubmitRequest("x", pack_tokens(range(10)), SamplingParams(priority=1).to_dict()))
