@@ -102,8 +102,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "scheduling_policy",
-            "waiting_by_priority", "index_blocks", "storage_read_bytes", "node_alpha_tokens", "weights_version", "paused",
-            "held", "engines")
+            "waiting_by_priority", "index_blocks", "storage_read_bytes", "node_alpha_tokens", "weights_version",
+            "paused", "held", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
