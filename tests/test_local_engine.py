@@ -104,3 +104,28 @@ def test_cache_slots_follow_the_block_table(start, n, spacer):
     cache.reserve("s", start + n)
     table = cache.block_table("s")
     assert cache.slots("s", start, n) == [table[p // 8] * 8 + p % 8 for p in range(start, start + n)]
+
+
+def test_generation_config_end_tokens_end_replies_as_in_transformers(tiny_dirs, tmp_path):
+    """An end token named only in ``generation_config.json`` (Llama 3's and Qwen2.5's instruct checkpoints name
+    their end of turn there) ends a reply, as transformers' ``generate`` ends it; ``ignore_eos`` still runs on."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], d)
+    prompt, greedy = [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=12)
+    free = LLM(str(d), block_size=16).generate(prompt, greedy)[0].token_ids
+    end = free[3]
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], end]}))
+    llm = LLM(str(d), block_size=16)
+    out = llm.generate(prompt, greedy)[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(end) + 1]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    assert out.token_ids == want
+    assert llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids == free

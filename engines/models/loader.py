@@ -1,6 +1,7 @@
 """Reading a Hugging Face checkpoint directory: ``config.json`` and single or sharded ``*.safetensors``."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -96,4 +97,21 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
         hf = json.loads(cfg_file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
-    return Checkpoint(path=path, hf_config=hf, config=ModelConfig.from_hf(hf), weight_files=_weight_files(path))
+    config = ModelConfig.from_hf(hf)
+    config = dataclasses.replace(config, eos_token_ids=_end_tokens(config.eos_token_ids, path))
+    return Checkpoint(path=path, hf_config=hf, config=config, weight_files=_weight_files(path))
+
+
+def _end_tokens(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
+    """``config.json``'s end tokens and ``generation_config.json``'s, in that order, each once: what generation
+    stops at, as transformers' ``generate`` and vLLM take it (Llama 3's and Qwen2.5's instruct checkpoints name
+    their end-of-turn token only there, so a reply would otherwise run past it)."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.is_file():
+        return eos
+    try:
+        more = json.loads(gen_file.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{gen_file}: not a JSON object ({e})") from None
+    more = more if isinstance(more, list) else [] if more is None else [more]
+    return tuple(dict.fromkeys([*eos, *(int(t) for t in more)]))
