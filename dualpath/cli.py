@@ -449,6 +449,10 @@ def _frontend_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "qwen3_coder", "llama3_json", "deepseek_v3", "deepseek_v31", "none"],
                    help="the markup of the model's tool calls; auto: recognised from the chat template")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for fields a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens as max_tokens): auto, the model's generation_config.json; "
+                        "vllm, none (the server's defaults); or a directory holding one (vLLM's flag)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a reply may move to another decode engine when its own dies while generating it, "
                         "going on from the tokens already sent (0: such requests fail)")

@@ -1,10 +1,12 @@
 """Per-request sampling parameters: plain, frozen, validated data that crosses process boundaries."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-from dualpath.errors import RequestError
+from dualpath.errors import CheckpointError, RequestError
 from dualpath.grammar import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
@@ -12,6 +14,7 @@ MAX_CHOICES = 16  # n: every choice is a row of the decode batch
 MAX_BAD_WORDS = 128  # token sequences per request (a step looks up the reply's tail once per distinct length)
 MAX_BAD_WORD_TOKENS = 32
 MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every engine
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's, + max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -238,3 +241,27 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def model_defaults(where: str, model_dir: str | Path) -> dict:
+    """The sampling a checkpoint's ``generation_config.json`` recommends (vLLM's ``--generation-config``): its
+    temperature, top_p, top_k, min_p and repetition_penalty, and max_new_tokens as ``max_tokens``, for the fields a
+    request leaves out. ``where``: "auto" (the model's directory; none there is no defaults), "vllm" (none: the
+    server's own defaults), or a directory holding one."""
+    if where == "vllm":
+        return {}
+    path = Path(model_dir if where == "auto" else where) / "generation_config.json"
+    if not path.is_file():
+        if where != "auto":
+            raise CheckpointError(f"{path}: no generation_config.json there (--generation-config)")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        out = {k: data[k] for k in GENERATION_DEFAULTS if data.get(k) is not None}
+        if data.get("max_new_tokens"):
+            out["max_tokens"] = int(data["max_new_tokens"])
+        fields = SamplingParams.__dataclass_fields__
+        SamplingParams(**{k: v for k, v in out.items() if k in fields})  # values it would refuse: refused now
+    except (ValueError, TypeError, AttributeError, RequestError) as e:
+        raise CheckpointError(f"{path}: unusable sampling defaults ({e})") from None
+    return out

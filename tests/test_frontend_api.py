@@ -772,3 +772,39 @@ def test_logprob_bytes_are_each_tokens_own_so_a_split_character_joins_whole(fron
     content = http.front._chat_logprobs([{"token_id": t, "logprob": -1.0, "top": ()} for t in ids])["content"]
     assert bytes(b for c in content for b in c["bytes"]).decode() == "é🤖"
     assert any(c["token"] == "\ufffd" for c in content)
+
+
+def test_the_models_generation_config_fills_the_sampling_a_request_leaves_out(tiny_dirs, tmp_path):
+    """vLLM's ``--generation-config``: the checkpoint's recommended temperature, top_p, top_k, min_p and
+    repetition_penalty, and max_new_tokens as the default max_tokens, where a request does not set them; what a
+    request sets wins; ``vllm`` turns them off; a directory without a usable file is a clear error."""
+    from dualpath.errors import CheckpointError
+    from dualpath.sampling_params import model_defaults
+    from test_tools import HERMES_TEMPLATE, serve
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                             "repetition_penalty": 1.05, "max_new_tokens": 7,
+                                                             "eos_token_id": 2, "do_sample": True}))
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, generation_config=str(gen))
+    fake.reply = "ok"
+    messages = [{"role": "user", "content": "hi"}]
+    assert post(http, "/v1/chat/completions", model="m", messages=messages).status_code == 200
+    s = fake.samplings[-1]
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.min_p, s.max_tokens) == (0.6, 0.95, 20, 1.05,
+                                                                                                0.0, 7)
+    assert post(http, "/v1/completions", model="m", prompt="hi", temperature=0, top_k=0, max_tokens=3).status_code \
+        == 200
+    s = fake.samplings[-1]
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.95, 0, 3)
+    assert http.post("/v1/responses", json={"model": "m", "input": "hi", "top_p": 0.5}).status_code == 200
+    assert (fake.samplings[-1].temperature, fake.samplings[-1].top_p) == (0.6, 0.5)
+    assert model_defaults("vllm", gen) == {} and model_defaults("auto", tmp_path) == {}
+    assert model_defaults("auto", gen) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
+                                           "max_tokens": 7}
+    (gen / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(CheckpointError, match="unusable sampling defaults"):
+        model_defaults(str(gen), "")
+    with pytest.raises(CheckpointError, match="no generation_config.json"):
+        model_defaults(str(tmp_path / "nowhere"), "")

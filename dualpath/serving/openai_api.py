@@ -34,7 +34,7 @@ from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
 from dualpath.regex import choice_pattern
 from dualpath.metrics import CONTENT_TYPE, Registry
-from dualpath.sampling_params import SamplingParams
+from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
 from dualpath.serving.native import NativeApi
@@ -74,6 +74,7 @@ class FrontendConfig:
     health_generate_timeout_s: float = 20.0  # /health_generate's wait for a token (SGLang's default)
     model_aliases: tuple[str, ...] = ()  # other names requests may give the model (responses name model_name)
     trust_request_chat_template: bool = False  # render a chat request's own chat_template (vLLM's flag)
+    generation_config: str = "auto"  # sampling defaults: the model's generation_config.json, "vllm" none, or a dir
 
 
 class Frontend:
@@ -86,6 +87,10 @@ class Frontend:
         self.tool_markup = tool_markup(self.tokenizer.chat_template, cfg.tool_call_parser)
         self.reasons = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and
                                                            knows_thinking(self.tokenizer.chat_template))
+        self.defaults = model_defaults(cfg.generation_config, cfg.model_dir)  # for the fields a request leaves out
+        if self.defaults:
+            log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
+                     self.defaults)
         self.created = int(time.time())
         self.in_flight = 0
         self._lock = threading.Lock()
@@ -619,13 +624,15 @@ class Frontend:
         if wanted is not None and wanted > room:
             raise ApiError(400, f"prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the model's context "
                                 f"of {self.cfg.max_model_len}", param="max_tokens", code="context_length_exceeded")
-        max_tokens = wanted or min(room, self.cfg.default_max_tokens)
+        max_tokens = wanted or min(room, self.defaults.get("max_tokens", self.cfg.default_max_tokens))
+        fields = req.sampling_fields()
+        fields.update({k: v for k, v in self.defaults.items() if k in fields and k not in req.model_fields_set})
         if kind == "chat":
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:  # best_of ranks its candidates by their tokens' logprobs
             logprobs = req.logprobs if req.logprobs is not None or req.samples() == req.n else 0
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **req.sampling_fields(),
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields,
                                   stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
                                   logit_bias=self._known_bias(req.bias_pairs()),
                                   allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),

@@ -124,11 +124,15 @@ def cluster_from_args(args):
 def frontend_options(args) -> dict:
     """The frontend's chat and client settings from the command line (a template file read now: a bad one fails
     before any engine starts)."""
+    from dualpath.sampling_params import model_defaults
     from dualpath.tokenizer import load_chat_template
 
+    if args.generation_config not in ("auto", "vllm"):
+        model_defaults(args.generation_config, "")  # a directory without a usable one fails here
     return dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                 chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
-                trust_request_chat_template=args.trust_request_chat_template, migration_limit=args.migration_limit)
+                trust_request_chat_template=args.trust_request_chat_template, migration_limit=args.migration_limit,
+                generation_config=args.generation_config)
 
 
 def http_options(args) -> dict:
