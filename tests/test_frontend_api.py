@@ -798,8 +798,9 @@ def test_the_models_generation_config_fills_the_sampling_a_request_leaves_out(ti
         == 200
     s = fake.samplings[-1]
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.95, 0, 3)
-    assert http.post("/v1/responses", json={"model": "m", "input": "hi", "top_p": 0.5}).status_code == 200
+    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "top_p": 0.5})
     assert (fake.samplings[-1].temperature, fake.samplings[-1].top_p) == (0.6, 0.5)
+    assert (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.5)  # what the response ran with
     assert model_defaults("vllm", gen) == {} and model_defaults("auto", tmp_path) == {}
     assert model_defaults("auto", gen) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
                                            "max_tokens": 7}

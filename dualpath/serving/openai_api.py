@@ -374,7 +374,8 @@ class Frontend:
                              "responses": ResponsesRequest}[kind], body)
                 self._check_model(req.model)
                 if kind == "responses":
-                    call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id))
+                    call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id),
+                                        self.defaults)
                     req = await asyncio.to_thread(self._fitted, call)  # renders the chat a few times
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None

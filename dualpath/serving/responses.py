@@ -239,6 +239,7 @@ class ResponseCall:
     req: ResponsesRequest
     model: str
     history: list[dict]
+    defaults: dict = field(default_factory=dict)  # the server's sampling defaults (the model's generation config)
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -255,10 +256,11 @@ class ResponseCall:
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
-                "store": r.store, "temperature": 1.0 if r.temperature is None else r.temperature,
+                "store": r.store,
+                "temperature": self.defaults.get("temperature", 1.0) if r.temperature is None else r.temperature,
                 "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
                 "tools": [_echoed_tool(t) for t in r.tools or ()],
-                "top_logprobs": r.top_logprobs or 0, "top_p": 1.0 if r.top_p is None else r.top_p,
+                "top_logprobs": r.top_logprobs or 0, "top_p": self.defaults.get("top_p", 1.0) if r.top_p is None else r.top_p,
                 "truncation": r.truncation or "disabled", "metadata": r.metadata or {},
                 **({"usage": usage} if usage is not None else {})}  # none until the end (the schema has no null)
 
