@@ -260,7 +260,8 @@ class ResponseCall:
                 "temperature": self.defaults.get("temperature", 1.0) if r.temperature is None else r.temperature,
                 "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
                 "tools": [_echoed_tool(t) for t in r.tools or ()],
-                "top_logprobs": r.top_logprobs or 0, "top_p": self.defaults.get("top_p", 1.0) if r.top_p is None else r.top_p,
+                "top_logprobs": r.top_logprobs or 0,
+                "top_p": self.defaults.get("top_p", 1.0) if r.top_p is None else r.top_p,
                 "truncation": r.truncation or "disabled", "metadata": r.metadata or {},
                 **({"usage": usage} if usage is not None else {})}  # none until the end (the schema has no null)
 
