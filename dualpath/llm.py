@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from dualpath.config import CacheConfig, EngineConfig, SpeculativeConfig
 from dualpath.geometry import KVGeometry
-from dualpath.sampling_params import SamplingParams
+from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.tokenizer import Tokenizer
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
@@ -43,14 +43,16 @@ class LLM:
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
     which changes no output (``dualpath.config.SpeculativeConfig``). ``kv_cache_dtype`` (vLLM's ``auto`` or
-    ``fp8``) is the cache's dtype (``dualpath.config.EngineConfig``).
+    ``fp8``) is the cache's dtype (``dualpath.config.EngineConfig``). ``generation_config`` (vLLM's): where the
+    sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the checkpoint's
+    ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a directory.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", generation_config: str = "auto"):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
@@ -68,6 +70,11 @@ class LLM:
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
                                   self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)
         self._ids = itertools.count()
+        self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no ``SamplingParams`` (vLLM's method)."""
+        return self._default_sampling
 
     def update_weights(self, model: str) -> str:
         """Load checkpoint ``model``'s weights in place of the current ones (an RL trainer's new policy: the same
@@ -83,7 +90,7 @@ class LLM:
         ``sampling.n`` choices one after another (``RequestOutput.index``), its KV computed once for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        sampling = sampling or SamplingParams()
+        sampling = sampling or self._default_sampling
         gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
         firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling, gens()) for p in prompts]
         seqs = [c for s in firsts for c in (s, *s.forks)]  # the engine empties ``forks`` as it forks them

@@ -129,3 +129,20 @@ def test_generation_config_end_tokens_end_replies_as_in_transformers(tiny_dirs, 
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     assert out.token_ids == want
     assert llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids == free
+
+
+def test_generate_without_sampling_params_uses_the_generation_config(tiny_dirs, tmp_path):
+    """vLLM's ``LLM``: ``generate`` with no ``SamplingParams`` samples as the checkpoint's generation config says
+    (here greedy with 5 new tokens); ``generation_config="vllm"`` keeps ``SamplingParams``' own defaults."""
+    import json
+    import shutil
+
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "max_new_tokens": 5}))
+    llm = LLM(str(d), block_size=16)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    out = llm.generate([5, 6, 7])[0]
+    assert out.token_ids == llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=5))[0].token_ids
+    assert LLM(str(d), block_size=16, generation_config="vllm").get_default_sampling_params() == SamplingParams()
