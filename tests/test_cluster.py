@@ -320,7 +320,15 @@ def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_sam
         client = ClusterClient(c.scheduler_address, timeout=60, on_migration=moved.append)
         streaming = threading.Semaphore(0)
         cases = [(conversation(300 + i, 1)[0], p) for i, p in enumerate(MOVING)]
-        outcomes, took = replies_while(client, cases, streaming, lambda: c.kill("decode-0"))
+
+        def kill_once_prompts_are_stored():  # (a loaded machine may not have reported its writes yet)
+            blocks = sum(len(prompt) // BS for prompt, _ in cases)
+            deadline = time.monotonic() + 20
+            while client.stats()["index_blocks"] < blocks and time.monotonic() < deadline:
+                time.sleep(0.02)
+            c.kill("decode-0")
+
+        outcomes, took = replies_while(client, cases, streaming, kill_once_prompts_are_stored)
         assert moved, "no reply was on the killed engine"
         assert client.stats()["engines_alive_by_role"]["decode"] == 1 and took < 25
         pid = c.child("decode-0").proc.pid  # what it could not unlink itself went with it
