@@ -60,3 +60,11 @@ def test_missing_config_field_and_quantized(tmp_path, tiny_dirs):
     (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(CheckpointError, match="fp8"):
         load_model(d)
+
+
+@pytest.mark.parametrize("body", ['{"eos_token_id": ["x"]}', '[1, 2]', '{"eos_token_id": {"a": 1}}', "{not json"])
+def test_a_bad_generation_config_is_named(tmp_path, tiny_dirs, body):
+    d = _copy(tiny_dirs["llama"], tmp_path / "m")
+    (d / "generation_config.json").write_text(body)
+    with pytest.raises(CheckpointError, match="generation_config.json: not a JSON object with integer eos"):
+        load_model(d)

@@ -111,7 +111,7 @@ def _end_tokens(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
         return eos
     try:
         more = json.loads(gen_file.read_text()).get("eos_token_id")
-    except (ValueError, AttributeError) as e:
-        raise CheckpointError(f"{gen_file}: not a JSON object ({e})") from None
-    more = more if isinstance(more, list) else [] if more is None else [more]
-    return tuple(dict.fromkeys([*eos, *(int(t) for t in more)]))
+        more = [int(t) for t in (more if isinstance(more, list) else [] if more is None else [more])]
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{gen_file}: not a JSON object with integer eos_token_id(s) ({e})") from None
+    return tuple(dict.fromkeys([*eos, *more]))
