@@ -51,7 +51,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
                                   max_queued_requests=args.max_queued, http_port=args.http_port,
                                   recompute_slow_hits=not args.load_every_hit,
-                                  scheduling_policy=args.scheduling_policy), args.ready_file)
+                                  scheduling_policy=args.scheduling_policy,
+                                  priority_preemption=not args.disable_priority_preemption), args.ready_file)
     return 0
 
 
@@ -102,8 +103,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "scheduling_policy",
-            "waiting_by_priority", "index_blocks", "storage_read_bytes", "node_alpha_tokens", "weights_version",
-            "paused", "held", "engines")
+            "waiting_by_priority", "preempted", "index_blocks", "storage_read_bytes", "node_alpha_tokens",
+            "weights_version", "paused", "held", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
@@ -265,6 +266,9 @@ def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="the scheduler's queue order: fcfs (first come, first served; a request's priority is "
                         "refused) or priority (by each request's priority, lower first; vLLM's flag)")
+    p.add_argument("--disable-priority-preemption", action="store_true",
+                   help="under --scheduling-policy priority, never end a generating reply to make room for a more "
+                        "urgent request (SGLang's flag; by default the reply is handed back and continued later)")
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,13 @@ class SessionLost(DualPathError):
 
 
 class EngineLost(DualPathError):
-    """A request's decode engine died or is stopping while generating it (the client may move the reply)."""
+    """A request's decode engine died or is stopping while generating it (the client may move the reply), or,
+    ``preempted``, handed it back to make room for a more urgent request (the reply goes on, whatever the
+    migration limit)."""
+
+    def __init__(self, message: str, preempted: bool = False):
+        super().__init__(message)
+        self.preempted = preempted
 
 
 class Aborted(DualPathError):
@@ -268,7 +274,7 @@ class RequestHandle:
                 for tok in stream:
                     # the engine is stopping, or (the session gone, so no retry will come) it dropped the reply
                     if tok.engine_lost or (tok.finish_reason == "abort" and self.got_tokens and self.session_lost):
-                        raise EngineLost(f"request {self.request_id}: {tok.error}")
+                        raise EngineLost(f"request {self.request_id}: {tok.error}", tok.preempted)
                     if tok.finish_reason == "abort" and not self.got_tokens:
                         break  # the attempt was dropped before producing anything: wait for a retry
                     if tok.finish_reason == "abort":  # the scheduler's word on it (an abort of its own?) is near
@@ -301,13 +307,13 @@ class RequestHandle:
                 raise SessionLost(ev.error)
             if ev.kind == "failed":
                 if ev.engine_lost:
-                    raise EngineLost(f"request {self.request_id} failed: {ev.error}")
+                    raise EngineLost(f"request {self.request_id} failed: {ev.error}", ev.preempted)
                 if ev.error.startswith("unavailable"):
                     if self.lost_at is not None:  # a scheduler just restarted, its engines not yet back
                         raise SessionLost(ev.error)
                     raise OverloadedError(ev.error.split(": ", 1)[-1])
                 if ev.error.startswith("invalid"):
-                    raise RequestError(ev.error.split(": ", 1)[-1])
+                    raise RequestError(ev.error.split(": ", 1)[-1], field=ev.param or None)
                 raise (Aborted if ev.aborted else DualPathError)(f"request {self.request_id} failed: {ev.error}")
             if ev.kind == "assigned":
                 self.lost_at = None
@@ -323,9 +329,10 @@ class RequestHandle:
                 break
             if ev.kind == "assigned":  # started over elsewhere: the reply moves on from what was delivered
                 return EngineLost(f"request {self.request_id} was moved off {ev.decode_engine or 'its engine'}")
+            if ev.kind == "failed" and ev.engine_lost:
+                return EngineLost(f"request {self.request_id} failed: {ev.error}", ev.preempted)
             if ev.kind == "failed":
-                kind = EngineLost if ev.engine_lost else Aborted if ev.aborted else DualPathError
-                return kind(f"request {self.request_id} failed: {ev.error}")
+                return (Aborted if ev.aborted else DualPathError)(f"request {self.request_id} failed: {ev.error}")
             if ev.kind == "lost":  # and, with it, any retry: the reply moves on from what was delivered
                 return EngineLost(f"request {self.request_id}: {ev.error}")
         return DualPathError(otherwise or f"request {self.request_id}: its stream ended early (the scheduler gave up "
@@ -342,15 +349,16 @@ class RequestHandle:
     def _move(self, delivered: list[_Delivered], lost: EngineLost) -> Iterator[TokenEvent]:
         """The reply's events after its decode engine was lost: the finish events of choices whose last token
         ended them, then the unfinished choices' continuations, each a request of its own."""
-        if self.migrations <= 0 or self.cancelled:
+        if (self.migrations <= 0 and not lost.preempted) or self.cancelled:
             raise DualPathError(str(lost))
         going = [i for i, d in enumerate(delivered) if not d.ending and not d.done]
         yield from self._ends(delivered, "", more=bool(going))
         if not going:
             return
         left = len(going)
-        self.client._migrated(self.request_id, lost, {i: len(delivered[i].tokens) for i in going})
-        self.moved[:] = [self._continuation(i, delivered[i].tokens) for i in going]
+        if not lost.preempted:  # a preempted reply goes on without spending a move
+            self.client._migrated(self.request_id, lost, {i: len(delivered[i].tokens) for i in going})
+        self.moved[:] = [self._continuation(i, delivered[i].tokens, lost.preempted) for i in going]
         if self.cancelled:  # ``cancel`` ran meanwhile, before these existed
             for h in self.moved:
                 h.cancel()
@@ -365,15 +373,15 @@ class RequestHandle:
                 for h in self.moved:
                     h.cancel()
 
-    def _continuation(self, choice: int, tokens: list[int]) -> "RequestHandle":
+    def _continuation(self, choice: int, tokens: list[int], preempted: bool) -> "RequestHandle":
         """Choice ``choice`` as a request of its own that goes on after ``tokens``, the ones it delivered (its
-        prompt's logprobs came with the first of them)."""
+        prompt's logprobs came with the first of them), with one move less unless it was ``preempted``."""
         p = self.sampling
         params = replace(p, n=1, seed=None if p.seed is None else p.seed + choice,
                          prompt_logprobs=None if tokens else p.prompt_logprobs,
                          num_resumed_tokens=p.num_resumed_tokens + len(tokens))
         return self.client._start(self.token_ids + tokens, params, f"{self.request_id}+{choice}", self.mode,
-                                  self.migrations - 1, self.label)
+                                  self.migrations - (not preempted), self.label)
 
     def _own(self, ev: TokenEvent) -> TokenEvent:
         """``ev`` with this request's usage numbers: its prompt's tokens and how many of them were loaded (the

@@ -337,7 +337,9 @@ class SchedulerConfig:
     ``scheduling_policy`` orders its queues: "fcfs" by arrival (a request with a priority is refused, as vLLM
     refuses it: clients cannot jump the queue unless the operator lets them), "priority" by
     ``SamplingParams.priority`` (lower first; arrival order within one; strict, so a steady stream of urgent
-    requests can keep others waiting)."""
+    requests can keep others waiting), and a request no decode engine has room for preempts less urgent replies
+    (``SchedulerCore._preempt_for``) unless ``priority_preemption`` is off (SGLang's
+    ``--disable-priority-preemption``)."""
 
     host: str = "0.0.0.0"
     port: int = 0
@@ -351,6 +353,7 @@ class SchedulerConfig:
     http_port: int = -1  # /health and /metrics (-1: none, 0: any free port)
     recompute_slow_hits: bool = True  # recompute a stored prefix when loading it would take longer
     scheduling_policy: str = "fcfs"  # "priority": queues order requests by SamplingParams.priority (vLLM's flag)
+    priority_preemption: bool = True  # under "priority": a request no decode engine has room for preempts
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -31,6 +31,7 @@ class ClusterSpec:
     policy: str = "dualpath"
     load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix that is slow to load
     scheduling_policy: str = "fcfs"  # see SchedulerConfig.scheduling_policy
+    priority_preemption: bool = True  # see SchedulerConfig.priority_preemption
     transport: str = "shm"
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the device cuda:i
@@ -214,6 +215,8 @@ class LocalCluster(Supervisor):
             args += ["--kv-store", s.kv_store]
         if s.load_every_hit:
             args.append("--load-every-hit")
+        if not s.priority_preemption:
+            args.append("--disable-priority-preemption")
         sched = self.spawn("scheduler", args)
         self.wait_ready([sched], timeout)
         port, http = sched.ready_path.read_text().split()

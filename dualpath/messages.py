@@ -132,6 +132,8 @@ class SubmitEvent:
     fingerprint: str = ""  # on "accepted", when the submitter hashed with a stale fingerprint: the current one
     engine_lost: bool = False  # on "failed": its decode engine died while generating (the reply may continue)
     aborted: bool = False  # on "failed": ended by an abort (a weight update's): the reply so far stands, unfinished
+    preempted: bool = False  # on "failed" with engine_lost: handed back for a more urgent request (it goes on)
+    param: str = ""  # on "failed" for an invalid request: the request field at fault (HTTP errors' ``param``)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,9 @@ class PullReply:
     # engines this scheduler never registered (it restarted): they register, keeping their work (its submitters
     # stream it from the decode engines; the scheduler holds no part of it)
     unknown: list[str] = field(default_factory=list)
+    # decode engines: work ids to hand back to their submitters to go on later (priority scheduling made room for
+    # a more urgent request: ``SchedulerCore._preempt_for``); what they generated is stored first
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,7 @@ class TokenEvent:
     final: bool = True  # with finish_reason: the request's last event (False: only this choice finished)
     ending: str = ""  # on a token that ended its choice: the finish reason its finish event will bring
     engine_lost: bool = False  # with finish_reason "abort": the engine is stopping; the reply goes on elsewhere
+    preempted: bool = False  # with engine_lost: ended for a more urgent request; it goes on (not a migration)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,8 @@ class SamplingParams:
 
     ``priority`` (vLLM's): where the request waits in the scheduler's queues, lower first, when the scheduler runs
     ``--scheduling-policy priority`` (otherwise one that is not 0 is refused). It orders who is handed to engines
-    next; a request already on an engine is not preempted.
+    next, and one that finds no decode engine with room has less urgent generating replies handed back to make it
+    (they go on later from where they were: ``dualpath.client``).
 
     ``num_resumed_tokens``: the prompt's last that many tokens are this reply's own, generated before, and the
     request continues it (a reply moved off a decode engine that died: ``dualpath.client``). They count toward

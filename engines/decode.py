@@ -167,6 +167,9 @@ class DecodeEngine(Engine):
     def on_cancel(self, work_id: str, reason: str) -> None:
         self.inbox.put(("drop", work_id, reason))
 
+    def on_preempt(self, work_id: str) -> None:
+        self.inbox.put(("preempt", work_id))
+
     # --- the decode loop ------------------------------------------------------------------------------------
     def loop(self) -> None:
         while not self.stopping.is_set():
@@ -182,6 +185,8 @@ class DecodeEngine(Engine):
         while True:
             if item[0] == "admit":
                 self._admit(item[1])
+            elif item[0] == "preempt":
+                self._preempt(item[1])
             else:
                 self._drop(item[1], item[2])
             try:
@@ -352,12 +357,7 @@ class DecodeEngine(Engine):
             for c in h.choices:
                 if not c.done:
                     self._persist(h, c)
-        deadline = time.monotonic() + HAND_BACK_STORE_S
-        for fut in (f for h in held for f in h.stores):
-            try:
-                fut.result(max(0.0, deadline - time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - what is not stored is computed again by the continuation
-                log.warning("stopping: a store did not finish (%s); its blocks will be computed again", e)
+        _await_stores([f for h in held for f in h.stores], "stopping")
         super().leave()
         why = f"decode engine {self.engine_id} is stopping"
         for h in held:
@@ -367,18 +367,47 @@ class DecodeEngine(Engine):
 
     def _drop(self, work_id: str, reason: str) -> None:
         with self.lock:
-            h = self.held_.pop(work_id, None)
+            h = self.held_.get(work_id)
             if h is None:  # never prepared here; a submitter may already be waiting on its stream
                 self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
                 return
+        self._free(h)
+        self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
+        log.info("%s dropped: %s", work_id, reason)
+
+    def _free(self, h: Held) -> None:
+        """Forget ``h``: its rows leave the batch, its device blocks and buffer slots are free."""
+        with self.lock:
+            self.held_.pop(h.work_id, None)
             h.cancelled = True
             for c in h.choices:
                 self.local.release(c.seq)
             for i in range(h.n):
-                self.cache.free(choice_id(work_id, i))
-        self.buffer.free_owner(work_id)
-        self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
-        log.info("%s dropped: %s", work_id, reason)
+                self.cache.free(choice_id(h.work_id, i))
+        self.buffer.free_owner(h.work_id)
+
+    def _preempt(self, work_id: str) -> None:
+        """Hand a reply back (priority scheduling needs its memory for a more urgent request): the full blocks its
+        choices have are stored, its memory is freed at once, and once the blocks are indexed its stream ends telling
+        the submitter to go on from what it delivered (``TokenEvent.preempted``; ``dualpath.client`` continues it)."""
+        with self.lock:
+            h = self.held_.get(work_id)
+            if h is None or h.cancelled or not h.choices or not h.unfinished:
+                return  # it ended meanwhile (or is not generating yet: the scheduler names only started ones)
+        for c in h.choices:  # (the decode loop calls this: no step races it)
+            if not c.done:
+                self._persist(h, c)
+        self._free(h)
+        threading.Thread(target=self._hand_back, args=(h,), daemon=True, name=f"preempt-{work_id}").start()
+
+    def _hand_back(self, h: Held) -> None:
+        why = f"preempted on decode engine {self.engine_id} for a more urgent request"
+        _await_stores(h.stores, "preempting")
+        self.outbox.add("failed", [h.work_id, why])
+        self.report_now()  # the scheduler drops it and indexes its blocks before its continuation arrives
+        self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True,
+                                               preempted=True))
+        log.info("%s handed back: %s", h.work_id, why)
 
     # --- streams --------------------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None,
@@ -403,6 +432,17 @@ class DecodeEngine(Engine):
         finally:
             if not ended and not self.stopping.is_set():
                 self.inbox.put(("drop", ref.request_id, "client disconnected"))
+
+
+def _await_stores(stores: list[Future], why: str) -> None:
+    """Wait (``HAND_BACK_STORE_S`` in all) for the stores of replies being handed back, so their continuations
+    load what they generated; what is not stored by then is computed again."""
+    deadline = time.monotonic() + HAND_BACK_STORE_S
+    for fut in stores:
+        try:
+            fut.result(max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - what is not stored is computed again by the continuation
+            log.warning("%s: a store did not finish (%s); its blocks will be computed again", why, e)
 
 
 def _generators(msg: PrefillDoneMsg, n: int) -> list[torch.Generator | None]:

@@ -152,6 +152,9 @@ class Engine:
     def on_cancel(self, work_id: str, reason: str) -> None:
         """Drop everything held for ``work_id``."""
 
+    def on_preempt(self, work_id: str) -> None:
+        """Hand ``work_id`` back to its submitter to go on later (decode engines; the scheduler names only theirs)."""
+
     def loop(self) -> None:
         """The engine's main loop; returns when ``stopping`` is set."""
         self.stopping.wait()
@@ -347,11 +350,12 @@ class Engine:
         addresses = dict((m[0], m[1]) for m in self.members)
         for eid, work in reply.assignments.items():
             if eid != self.engine_id:
-                self._forward(eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled))
-        if reply.cancelled:
+                self._forward(eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled,
+                                                                 preempted=reply.preempted))
+        if reply.cancelled or reply.preempted:  # work ids: each member acts on its own
             for eid, addr in addresses.items():
                 if eid != self.engine_id and eid not in reply.assignments:
-                    self._forward(eid, addr, PullReply({}, reply.cancelled))
+                    self._forward(eid, addr, PullReply({}, reply.cancelled, preempted=reply.preempted))
 
     def _forward(self, eid: str, address: str | None, reply: PullReply) -> None:
         """Hand a member its work; if it cannot take it, report the work failed so the scheduler retries it."""
@@ -416,6 +420,8 @@ class Engine:
     def _apply(self, reply: PullReply) -> None:
         for w in reply.cancelled:
             self.on_cancel(w, "cancelled by the scheduler")
+        for w in reply.preempted:
+            self.on_preempt(w)
         for a in reply.assignments.get(self.engine_id, []):
             self.on_assignment(a)
 

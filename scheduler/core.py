@@ -29,7 +29,7 @@ from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
 from scheduler.balance import WindowedSums, max_over_avg, measured_alpha
 from scheduler.index import BlockIndex
-from scheduler.policy import EngineState, NodeState, Policy, QueuedRequest
+from scheduler.policy import EngineState, NodeState, Policy, QueuedRequest, Running, preemption
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class EngineRecord:
     group: str = field(init=False)  # the engine group it pulls with (itself when it has none)
     prefilled: tuple[float, float] = (0.0, 0.0)  # prefill engines: (tokens, seconds) of recent prefills, decaying
     read_intervals: list[list[float]] = field(default_factory=list)  # its last report's storage drain intervals
+    decoding: set[str] = field(default_factory=set)  # decode engines: requests generating there (reported started)
 
     def measured_beta(self) -> int:
         """Tokens it prefills in 5 s, from its recent prefills (0 until it has prefilled a few blocks' worth)."""
@@ -218,6 +219,8 @@ class SchedulerCore:
         self.private: dict[str, Fifo] = {}  # decode group -> its private queue
         self.prefill_queue = Fifo()
         self.cancelled_for: dict[str, list[str]] = {}  # engine -> work ids it must drop
+        self.preempt_for: dict[str, list[str]] = {}  # decode engine -> work ids it must hand back (preemption)
+        self.preempting: set[str] = set()  # requests told to hand back, until their engines report them ended
         self.fingerprint: bytes | None = None
         self.weights_version = ""  # the label of the weights last loaded by an update
         self.weights_path = ""  # the checkpoint they came from ("": the ones the engines started with)
@@ -229,7 +232,7 @@ class SchedulerCore:
         self.lock = threading.RLock()
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
-                         "prompt_tokens": 0, "kv_load_failures": 0, "cache_flushes": 0}
+                         "prompt_tokens": 0, "kv_load_failures": 0, "cache_flushes": 0, "preempted": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -326,6 +329,7 @@ class SchedulerCore:
         e = self.engines[eid]
         e.alive = False
         self.alive_ids[e.info.role].discard(eid)
+        self.preempt_for.pop(eid, None)
         self._roster_changed(e.info.role)
         # (once generating, a request's prefill engine is done with it)
         mine = [(rid, r) for rid, r in self.requests.items() if r.de == eid or (r.pe == eid and not r.streaming)]
@@ -389,7 +393,9 @@ class SchedulerCore:
                               seq=self.counters["submitted"])
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
-            self.global_queue.append(spec.request_id, rank=r.rank)
+            # a reply going on (moved off a lost engine, or preempted) was admitted before the requests of its rank
+            (self.global_queue.appendleft if params.num_resumed_tokens else self.global_queue.append)(
+                spec.request_id, rank=r.rank)
             self.counters["submitted"] += 1
             self.counters["prompt_tokens"] += n
             self.counters["hit_tokens"] += hit * self.block_size
@@ -449,6 +455,9 @@ class SchedulerCore:
         self._unqueue(rid)
         r = self.requests.pop(rid)
         self.by_work.pop(r.work_id, None)
+        self.preempting.discard(rid)
+        if r.de in self.engines:
+            self.engines[r.de].decoding.discard(rid)
         for eid in (r.pe, r.de):
             if eid in self.engines:
                 self.engines[eid].outstanding.discard(r.work_id)
@@ -623,7 +632,9 @@ class SchedulerCore:
             if group[0].info.role is Role.DECODE:
                 if not self.paused:  # the one gate (and _handed_out's): the prefill queue holds what a DE took
                     self._assign_decode(group_id, group, pulling)
-                return PullReply({}, cancelled, list(members), rejoin, unknown)
+                preempted = [w for e in group for w in self.preempt_for.pop(e.info.engine_id, [])] \
+                    if self.preempt_for else []
+                return PullReply({}, cancelled, list(members), rejoin, unknown, preempted)
             return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
 
     def _view(self, group_id: str) -> tuple[list[EngineRecord], set[str], list[list[str]]]:
@@ -641,7 +652,8 @@ class SchedulerCore:
         it leaves such pulls out.)"""
         with self.lock:
             group = self.by_group.get(group_id, ())
-            if self.global_queue or any(e.info.engine_id in self.cancelled_for for e in group):
+            if self.global_queue or any(e.info.engine_id in self.cancelled_for or e.info.engine_id in self.preempt_for
+                                        for e in group):
                 return False
             if group and group[0].info.role is Role.DECODE:
                 return not self.private.get(group_id)
@@ -687,6 +699,8 @@ class SchedulerCore:
             rid = self.by_work.get(w)
             if rid is not None:
                 self.requests[rid].streaming = True
+                if self.requests[rid].de == load.engine_id:
+                    e.decoding.add(rid)
         for w in load.finished:
             rid = self.by_work.get(w)
             if rid is not None:
@@ -696,7 +710,10 @@ class SchedulerCore:
             rid = self.by_work.get(w)
             if rid is None:
                 continue
-            if e.info.role is Role.DECODE and self.requests[rid].streaming:
+            if e.info.role is Role.DECODE and rid in self.preempting:  # handed back as told: its submitter
+                self.counters["preempted"] += 1  # continues it (dualpath.client)
+                self._drop(rid, SubmitEvent("failed", rid, error=reason, engine_lost=True, preempted=True))
+            elif e.info.role is Role.DECODE and self.requests[rid].streaming:
                 self._fail(rid, reason)
             else:
                 self._retry(rid, reason)
@@ -758,6 +775,30 @@ class SchedulerCore:
             private.remove(rid)
             r.group = None
             self.prefill_queue.append(rid, rank=r.rank)
+        if private and self.config.scheduling_policy == "priority" and self.config.priority_preemption:
+            self._preempt_for(private, states, pulling)
+
+    def _preempt_for(self, private: Fifo, states: list[EngineState], pulling: set[str]) -> None:
+        """Priority scheduling: when the first request of a decode group's queue fits none of its engines
+        (``states``, after this pull's placements), replies less urgent than it end on one engine to make room
+        (``policy.preemption``). The engine stores what they generated and hands them back; their submitters
+        continue them from there (``dualpath.client``), queued first of their priority. One preemption at a time
+        per group: the next waits until the engine has reported the replies it was told to hand back ended."""
+        head = next(iter(self._handed_out(private)), None)
+        if head is None or any(self.requests[rid].de in pulling for rid in self.preempting):
+            return
+        r = self.requests[head]
+        running = {s.engine_id: [Running(x.work_id, x.rank, x.seq, self._decode_tokens(x))
+                                 for x in map(self.requests.__getitem__, self.engines[s.engine_id].decoding)
+                                 if x.rank > r.rank]  # (only these may be ended)
+                   for s in states if s.engine_id in pulling}
+        free = {s.engine_id: s.free_tokens for s in states if s.engine_id in pulling}
+        eid, victims = preemption(self._decode_tokens(r), r.rank, free, running)
+        for w in victims:
+            self.preempting.add(self.by_work[w])
+            self.preempt_for.setdefault(eid, []).append(w)
+        if victims:
+            log.info("preempting %d request(s) on %s for %s (priority %d)", len(victims), eid, head, r.rank)
 
     def _node_states(self) -> "_Nodes":
         return _Nodes(self)

@@ -117,6 +117,36 @@ def add_read(choice: PathChoice, r: QueuedRequest, pe_node: NodeState, de_node: 
     de_node.recent_read += loaded - pe_share
 
 
+@dataclass(frozen=True)
+class Running:
+    """A reply a decode engine generates, as preemption sees it."""
+
+    work_id: str
+    rank: int  # its priority: lower is more urgent
+    seq: int  # its place in the order of submissions
+    reserve_tokens: int  # the device memory it holds (prompt and generation budget): freed when it ends
+
+
+def preemption(need: int, rank: int, free: dict[str, int], running: dict[str, list[Running]]) -> tuple[str, list[str]]:
+    """Priority scheduling's preemption (vLLM's order): the engine, of ``free`` (engine -> its free tokens), where
+    ending the fewest replies less urgent than ``rank`` makes room for ``need`` tokens, and those replies' work ids,
+    the least urgent first and the latest submitted first among equals. ``("", [])`` when no engine can make room
+    that way (or one already has it: nothing needs ending)."""
+    best: tuple[str, list[str]] = ("", [])
+    for eid, room in free.items():
+        if room >= need:
+            return "", []
+        victims = []
+        for v in sorted((v for v in running.get(eid, ()) if v.rank > rank), key=lambda v: (-v.rank, -v.seq)):
+            victims.append(v.work_id)
+            room += v.reserve_tokens
+            if room >= need:
+                break
+        if room >= need and (not best[1] or len(victims) < len(best[1])):
+            best = (eid, victims)
+    return best
+
+
 RECOMPUTE_GAIN = 0.75  # recompute a hit only if that ends the prefill in at most this share of the time
 
 

@@ -28,9 +28,11 @@ _TERMINAL = ("finished", "failed")
 HEALTH_TIMEOUT_S = 3.0  # a dead process refuses at once; this bounds a hung host
 
 
-def _refusal(e: RequestError) -> str:
-    """A submission's refusal as submitters read it: "unavailable: ..." (retry later) or "invalid: ..."."""
-    return f"{'unavailable' if isinstance(e, UnavailableError) else 'invalid'}: {e}"
+def _refusal(request_id: str, e: RequestError) -> SubmitEvent:
+    """A submission's refusal as submitters read it: "unavailable: ..." (retry later) or "invalid: ...", with the
+    field at fault."""
+    kind = "unavailable" if isinstance(e, UnavailableError) else "invalid"
+    return SubmitEvent("failed", request_id, error=f"{kind}: {e}", param=e.field or "")
 
 
 class SchedulerService:
@@ -114,7 +116,7 @@ class SchedulerService:
                         self.core.submit(req, notify)
                         mine.add(req.request_id)
                     except RequestError as e:
-                        notify(SubmitEvent("failed", req.request_id, error=_refusal(e)))
+                        notify(_refusal(req.request_id, e))
                 for rid in batch.cancels:
                     self.core.cancel(rid, "cancelled by the submitter")
                 for eid in batch.unreachable:
@@ -165,7 +167,7 @@ class SchedulerService:
         try:
             self.core.submit(req, events.put_nowait)
         except RequestError as e:
-            yield SubmitEvent("failed", req.request_id, error=_refusal(e))
+            yield _refusal(req.request_id, e)
             return
         done, closed = False, lambda: events.put_nowait(None)
         self._open.add(closed)

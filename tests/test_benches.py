@@ -100,6 +100,17 @@ def test_migration_bench_runs(tiny_dirs, tmp_path):
     assert moved["sent_again"] == 0 and moved["migrations"] == moved["on_killed_engine"] >= 1
 
 
+@pytest.mark.slow  # two servers, a few background replies each
+def test_preemption_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("preemption.py", "--model", str(tiny_dirs["llama"]), "--background", "2",
+                       "--background-prompt", "60", "--background-tokens", "300", "--urgent", "2",
+                       "--urgent-prompt", "20", "--urgent-tokens", "4", "--interval", "1",
+                       "--out", str(tmp_path / "p.json"), timeout=400)
+    preempting, waiting = result["rows"]
+    assert preempting["preempted"] >= 1 and waiting["preempted"] == 0 and preempting["failed"] == 0
+    assert result["replies_identical"] and result["replies_compared"] >= 4
+
+
 @pytest.mark.slow  # a cluster start and the floor's process
 def test_startup_bench_runs(tmp_path):
     result = run_bench("startup.py", "--starts", "tests", "--repeats", "1", "--out", str(tmp_path / "st.json"))

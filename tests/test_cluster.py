@@ -227,6 +227,43 @@ def test_a_priority_scheduler_hands_the_most_urgent_request_to_a_full_cluster_fi
         client.close()
 
 
+def test_an_urgent_request_preempts_a_reply_which_then_goes_on_unchanged(tiny_dirs, tmp_path, reference):
+    """One decode engine with room for one reply at a time (336 tokens; the background reply reserves 256, the
+    urgent one 96): an urgent request sent while a less urgent reply generates has that reply handed back (its
+    blocks stored), runs first, and the reply goes on from where it was, token for token the reference's, without
+    spending a move (the client allows none) and loading what it had generated."""
+    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, cache_bytes=256 << 10, scheduling_policy="priority")
+    with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120, migration_limit=0)
+        bg_prompt, urgent_prompt = conversation(330, 1)[0], conversation(331, 1)[0]
+        bg_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, priority=5)
+        urgent_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, priority=-1)
+        got, ended, results = [], {}, []
+
+        def background():
+            for ev in client.start(bg_prompt, bg_params, "bg").events():
+                got.extend([ev.token_id] if ev.token_id >= 0 else [])
+                results.extend([ev] if ev.finish_reason else [])
+            ended["bg"] = time.monotonic()
+
+        th = threading.Thread(target=background)
+        th.start()
+        deadline = time.monotonic() + 60
+        while len(got) < 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        urgent = client.generate(urgent_prompt, urgent_params)
+        ended["urgent"] = time.monotonic()
+        th.join(timeout=120)
+        assert 8 <= len(got) and ended["urgent"] < ended["bg"], (len(got), ended)
+        assert urgent.token_ids == reference.generate(urgent_prompt, replace(urgent_params, priority=0))[0].token_ids
+        assert got == reference.generate(bg_prompt, replace(bg_params, priority=0))[0].token_ids
+        assert results[-1].finish_reason == "length"
+        stats = client.stats()
+        assert stats["preempted"] == 1 and stats["failed"] == 0
+        assert results[-1].num_cached_tokens >= len(bg_prompt) // BS * BS  # (its usage: loaded of the prompt)
+        client.close()
+
+
 def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference, tiny_dirs):
     c, client, kv = cluster
     ckpt = open_checkpoint(tiny_dirs["llama"])

@@ -26,7 +26,8 @@ VALUES = {
     "sriov-cpu": ["--set", "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
                   "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
                   "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
-                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8"],
+                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,"
+                  "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption}"],
 }
 
 # The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses (from the CRD's openAPIV3Schema).
@@ -112,6 +113,9 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it
                 assert args.tool_call_parser == ("hermes" if name == "sriov-cpu" else "auto")
+            if args.command == "scheduler":  # and scheduler.extraArgs the scheduler
+                assert args.disable_priority_preemption == (name == "sriov-cpu")
+                assert args.scheduling_policy == ("priority" if name == "sriov-cpu" else "fcfs")
     assert {"scheduler", "frontend", "node", "status"} <= seen
 
 

@@ -192,3 +192,20 @@ def test_a_policy_that_recomputes_charges_the_reading_node_and_the_engine_for_wh
     (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill(
         [r], engines, {"p0"}, {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, {"p0": "n-p0"}, BS)
     assert d.path == PathChoice(ReadPath.PE)
+
+
+def test_preemption_ends_the_fewest_least_urgent_latest_replies_on_one_engine():
+    """vLLM's order: the least urgent reply first, the latest submitted among equals; only replies less urgent than
+    the waiting one, on the engine where the fewest make room, and none when an engine already has room."""
+    from scheduler.policy import Running, preemption
+
+    running = {"d0": [Running("a", 5, 0, 300), Running("b", 5, 1, 100), Running("c", 0, 2, 900)],
+               "d1": [Running("x", 1, 3, 200), Running("y", 2, 4, 200), Running("u", -1, 5, 900)]}
+    # d0: b (latest of rank 5) then a frees 400 of 500 needed: not enough; d1: y then x frees 400 + 100 free
+    assert preemption(500, 0, {"d0": 50, "d1": 100}, running) == ("d1", ["y", "x"])
+    assert preemption(150, 0, {"d0": 50, "d1": 0}, running) == ("d0", ["b"])  # d1's y would too: the first wins ties
+    assert preemption(300, 0, {"d0": 50, "d1": 0}, running) == ("d0", ["b", "a"])
+    assert preemption(300, 0, {"d0": 0, "d1": 150}, running) == ("d1", ["y"])  # one victim on d1 beats two on d0
+    assert preemption(300, 5, {"d0": 0, "d1": 0}, running) == ("", [])  # nothing is less urgent than rank 5
+    assert preemption(100, 0, {"d0": 100, "d1": 0}, running) == ("", [])  # d0 has room: nothing needs ending
+    assert preemption(5000, -9, {"d0": 0, "d1": 0}, running) == ("", [])  # ending everything would not make room

@@ -465,3 +465,50 @@ def test_a_priority_scheduler_places_and_prefills_the_lowest_priority_first():
     fcfs, _ = make_core("dualpath", Clock())
     with pytest.raises(RequestError, match="priority scheduling is not enabled"):
         fcfs.submit(SubmitRequest("x", pack_tokens(range(10)), SamplingParams(priority=1).to_dict()))
+
+
+def test_a_request_that_fits_no_decode_engine_has_a_less_urgent_reply_handed_back_once():
+    """Priority scheduling's preemption: an urgent request that fits nowhere has the decode engine hand back a
+    less urgent generating reply (once: the order is not repeated while it is carried out); its handing back fails
+    it ``engine_lost`` for its submitter to continue, and the urgent one takes the memory it freed. The continuation
+    queues first of its priority. Under fcfs, or with preemption off, nothing is preempted."""
+    from dataclasses import replace
+
+    def setup(policy, preemption):
+        core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9, scheduling_policy=policy,
+                                             priority_preemption=preemption), make_policy("dualpath"), Clock())
+        engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+                                                 SimEngine(info("d0", Role.DECODE, "n1", capacity=400)))}
+        for e in engines.values():
+            assert core.register(e.info).ok
+        return core, engines
+
+    def submit(core, rid, priority, resumed=0, events=None):
+        params = SamplingParams(max_tokens=100 + resumed, priority=priority, num_resumed_tokens=resumed)
+        core.submit(SubmitRequest(rid, pack_tokens(range(100 + resumed)), params.to_dict()),
+                    (events if events is not None else []).append)
+
+    for policy, preemption in (("priority", True), ("priority", False), ("fcfs", True)):
+        core, engines = setup(policy, preemption)
+        bg_events = []
+        submit(core, "bg", 5 if policy == "priority" else 0, events=bg_events)
+        for _ in range(3):  # placed, prefilled, reported started
+            pull(core, engines, "d0"), pull(core, engines, "p0")
+        assert core.requests["bg"].streaming
+        submit(core, "urgent", -1 if policy == "priority" else 0)  # 208 tokens of 400, 208 held by bg
+        replies = [pull(core, engines, "d0") for _ in range(3)]
+        if policy == "fcfs" or not preemption:
+            assert not any(r.preempted for r in replies) and core.requests["urgent"].de is None
+            continue
+        assert [r.preempted for r in replies] == [["bg.0"], [], []]
+        assert core.requests["urgent"].de is None  # the memory is not free yet
+        engines["d0"].held.pop("bg.0")
+        core.report(replace(engines["d0"].load(), failed=[["bg.0", "preempted on d0"]]))
+        assert bg_events[-1].kind == "failed" and bg_events[-1].engine_lost and "bg" not in core.requests
+        assert core.stats()["preempted"] == 1 and core.counters["failed"] == 0
+        assert "dualpath_scheduler_preempted_total 1.0" in render(core.stats()).splitlines()
+        pull(core, engines, "d0")
+        assert core.requests["urgent"].de == "d0"
+        submit(core, "other", 5)
+        submit(core, "bg+0", 5, resumed=10)  # bg's continuation: it goes on before "other"
+        assert list(core.global_queue) == ["bg+0", "other"]

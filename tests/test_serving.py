@@ -406,8 +406,9 @@ def test_error_cases_return_openai_errors_and_the_server_keeps_serving(tiny):
         (dict(body={"model": "llama", "prompt": "a", "cache_salt": ""}, path="/v1/completions"), 400, "cache_salt"),
         (dict(body={"model": "llama", "input": "a", "cache_salt": "s" * 1025}, path="/v1/responses"), 400,
          "cache_salt"),
-        (dict(body={"model": "llama", "prompt": "a", "priority": 1}, path="/v1/completions"), 400, None),  # fcfs
-        (dict(body={"text": "a", "priority": 1}, path="/generate"), 400, None),
+        (dict(body={"model": "llama", "prompt": "a", "priority": 1}, path="/v1/completions"), 400,
+         "priority"),  # fcfs: the scheduler's refusal names the field
+        (dict(body={"text": "a", "priority": 1}, path="/generate"), 400, "priority"),
         (dict(body={"model": "llama", "prompt": "a", "priority": 2 ** 31}, path="/v1/completions"), 400, "priority"),
     ]
     for kw, status, param in cases:

@@ -31,6 +31,7 @@
 : "${DUALPATH_SCHEDULING_POLICY:=fcfs}"           # or priority: requests' priority field orders the queues
 : "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
 : "${DUALPATH_FRONTEND_ARGS:=}"                   # more `dualpath frontend` options, e.g. "--tool-call-parser hermes"
+: "${DUALPATH_SCHEDULER_ARGS:=}"                  # more `dualpath scheduler` options, e.g. "--disable-priority-preemption"
 : "${DUALPATH_START_TIMEOUT:=900}"
 : "${DUALPATH_RUN_DIR:=$DUALPATH_SHARED_DIR/run-${SLURM_JOB_ID:-local}}"  # logs, and the endpoint file
 : "${DUALPATH:=dualpath}"                         # the command (a venv's bin/dualpath, or a container wrapper)
@@ -100,7 +101,7 @@ dualpath_cluster_up() {
   dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
 
   "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
-    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" \
+    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" $DUALPATH_SCHEDULER_ARGS \
     >"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
   DP_SCHEDULER=$!; DP_PIDS+=($!)
   dp_start_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np"

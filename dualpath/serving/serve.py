@@ -102,6 +102,7 @@ def cluster_from_args(args):
     spec = ClusterSpec(
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
+        priority_preemption=not args.disable_priority_preemption,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
