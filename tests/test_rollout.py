@@ -171,6 +171,29 @@ def test_longest_first_through_the_cli_changes_no_result(cluster, tmp_path):
     assert outputs[0] == outputs[1] and len(outputs[0]) == sum(len(t.rounds) for t in ts)
 
 
+def test_a_longest_first_job_starts_its_cluster_ordering_by_priority_without_preempting(tmp_path, monkeypatch):
+    """The job's gain was measured as a queue order: its own cluster orders by priority and does not preempt (a
+    preempted reply reloads its context); without --longest-first the cluster's defaults stand."""
+    from dualpath.cli import build_parser
+    from dualpath.rollout.cli import rollout_main
+    from dualpath.serving import serve
+
+    ts, _ = generate_trace("64k", 2, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=5)
+    write_trajectories(tmp_path / "t.jsonl", ts)
+    seen = []
+
+    def no_cluster(args):
+        seen.append((args.scheduling_policy, args.disable_priority_preemption))
+        raise RuntimeError("no cluster in this test")
+
+    monkeypatch.setattr(serve, "cluster_from_args", no_cluster)
+    for extra in (["--longest-first"], []):
+        args = build_parser().parse_args(["rollout", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "o"), *extra])
+        with pytest.raises(RuntimeError, match="no cluster"):
+            rollout_main(args)
+    assert seen == [("priority", True), ("fcfs", False)]
+
+
 def test_resume_refuses_results_of_other_trajectories(tmp_path):
     ts, _ = generate_trace("64k", 3, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=1)
     other, _ = generate_trace("64k", 3, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=2)

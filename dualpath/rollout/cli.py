@@ -20,7 +20,8 @@ def rollout_main(args) -> int:
                         agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size,
                         longest_first=args.longest_first)
     if args.longest_first and not args.scheduler:
-        args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities
+        args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities,
+        args.disable_priority_preemption = True  # as measured: without preempting (each one reloads a context)
     cluster = None
     try:
         if args.scheduler:
