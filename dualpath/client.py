@@ -225,6 +225,8 @@ class RequestHandle:
             if self.active and self.got_tokens:
                 return  # its decode engine streams the reply whatever became of the scheduler
         self.queue.put(ev)
+        if ev.preempted and self.active and self.got_tokens:
+            return  # its engine ends the stream itself once it has sent the tokens before the hand-back: read them
         if ev.kind in ("failed", "assigned", "lost") and self.active:
             self.active[0].cancel()  # retried elsewhere, given up or to be sent again: stop waiting on this attempt
 

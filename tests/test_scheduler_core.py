@@ -1,5 +1,6 @@
 """The scheduler's bookkeeping driven directly (no sockets): random workloads against simulated engines."""
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -33,7 +34,7 @@ class SimEngine:
     """What an engine would report: held work ids (with their tokens and reserves) and finished ones."""
 
     def __init__(self, inf: EngineInfo):
-        self.info, self.held, self.finished = inf, {}, []
+        self.info, self.held, self.finished, self.failed = inf, {}, [], []
         self.read_intervals = []  # its storage read queue's drain intervals (ReadAccounting.drain_intervals)
 
     def load(self):
@@ -42,7 +43,7 @@ class SimEngine:
         return EngineLoad(self.info.engine_id, len(self.held), sum(t for t, _ in self.held.values()), 0,
                           self.info.capacity_tokens - used, request_ids=list(self.held),
                           finished=self.finished, started=list(self.held) if decode else [],
-                          read_intervals=self.read_intervals)
+                          failed=self.failed, read_intervals=self.read_intervals)
 
 
 def make_core(policy, clock, groups=False):
@@ -64,7 +65,11 @@ def pull(core, engines, group):
     members = [e for e in engines.values() if (e.info.group_id or e.info.engine_id) == group]
     reply = core.pull(group, [e.load() for e in members])
     for e in members:
-        e.finished = []
+        e.finished, e.failed = [], []
+    for w in reply.preempted:  # handed back: reported at the engine's next pull
+        for e in members:
+            if e.held.pop(w, None) is not None:
+                e.failed.append([w, "preempted"])
     for eid, work in reply.assignments.items():
         for a in work:
             n = len(a.tokens) // 4
@@ -145,6 +150,93 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
     assert all(not q for q in core.private.values())
     assert all(not rec.outstanding for rec in core.engines.values()), "leaked accounting"
     assert core.counters["finished"] == submitted
+
+
+OP_NAMES = ["submit", "pull d0", "pull d1", "pull p0", "finish"]
+OPS = st.sampled_from(OP_NAMES)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(OPS, st.integers(0, 10 ** 6)), min_size=40, max_size=80))
+def test_preemption_under_random_workloads_overcommits_nothing_and_every_reply_ends_once(ops):
+    """Priority scheduling with preemption against simulated engines that hand back what they are told to; the
+    submitter continues each preempted reply as a request of its own (``dualpath.client``). Invariants: no engine
+    over-committed, victims are less urgent than a request waiting for their group, every original request ends
+    exactly once (itself or its last continuation), and the accounting drains."""
+    random_preemption_run(ops)
+
+
+def test_a_seeded_random_workload_preempts():
+    """(So the invariants above are known to be checked on preemptions: hypothesis's examples may have none.)"""
+    rng = random.Random(1)
+    ops = [(rng.choice(OP_NAMES), rng.randrange(10 ** 6)) for _ in range(80)]
+    assert random_preemption_run(ops) >= 1
+
+
+def random_preemption_run(ops) -> int:
+    """The workload of ``ops`` (see the test above); how many replies were handed back."""
+    clock = Clock()
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
+                                         scheduling_policy="priority"), make_policy("dualpath"), clock)
+    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+                                             SimEngine(info("d0", Role.DECODE, "n1", capacity=800)),
+                                             SimEngine(info("d1", Role.DECODE, "n2", capacity=800)))}
+    for e in engines.values():
+        assert core.register(e.info).ok
+    ended, handed_back, originals = {}, [0], []
+
+    def submit(rid, n, priority, resumed=0):
+        params = SamplingParams(max_tokens=40, priority=priority, num_resumed_tokens=resumed)
+        core.submit(SubmitRequest(rid, pack_tokens(range(n + resumed)), params.to_dict()),
+                    lambda ev, rid=rid, n=n, p=priority, k=resumed: on_event(rid, n, p, k, ev))
+
+    def on_event(rid, n, priority, resumed, ev):
+        if ev.kind == "failed" and ev.preempted:  # the client goes on from a few more tokens
+            handed_back[0] += 1
+            submit(f"{rid}+", n, priority, min(resumed + 3, 39))
+        elif ev.kind in ("finished", "failed"):
+            origin = rid.split("+")[0]
+            assert origin not in ended, f"{origin} ended twice"
+            ended[origin] = ev.kind
+
+    def step(op, x):
+        clock.t += 0.01
+        if op == "submit":
+            originals.append(f"r{len(originals)}")
+            r = random.Random(x)  # (spread: hypothesis favours small numbers)
+            submit(originals[-1], r.randrange(100, 600), r.choice([-1, 0, 1]))
+        elif op.startswith("pull"):
+            waiting = {rid: core.requests[rid].rank for q in (core.global_queue, *core.private.values()) for rid in q}
+            reply = pull(core, engines, op.split()[1])
+            for w in reply.preempted:
+                victim = core.requests[core.by_work[w]]
+                assert waiting and victim.rank > min(waiting.values()), "a reply preempted for nothing more urgent"
+        else:
+            decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
+            if decoders:
+                e = decoders[x % len(decoders)]
+                w = sorted(e.held)[x % len(e.held)]
+                e.held.pop(w)
+                e.finished.append(w)
+                engines["p0"].held.pop(w, None)
+        check(core, engines)
+
+    for op, x in ops:
+        step(op, x)
+    for i in range(600):  # drain
+        if not core.requests:
+            break
+        for g in ("d0", "d1", "p0"):
+            step(f"pull {g}", i)
+        step("finish", i)
+        engines["p0"].held.clear()
+    for g in ("d0", "d1", "p0"):
+        pull(core, engines, g)
+    assert not core.requests and not core.preempting and not core.preempt_for
+    assert sorted(ended) == sorted(originals) and set(ended.values()) <= {"finished"}
+    assert core.stats()["preempted"] == handed_back[0] and core.counters["failed"] == 0
+    assert all(not rec.outstanding and not rec.decoding for rec in core.engines.values()), "leaked accounting"
+    return handed_back[0]
 
 
 def test_a_dead_decode_group_returns_its_private_queue_and_requests_are_retried():
@@ -496,7 +588,7 @@ def test_a_request_that_fits_no_decode_engine_has_a_less_urgent_reply_handed_bac
             pull(core, engines, "d0"), pull(core, engines, "p0")
         assert core.requests["bg"].streaming
         submit(core, "urgent", -1 if policy == "priority" else 0)  # 208 tokens of 400, 208 held by bg
-        replies = [pull(core, engines, "d0") for _ in range(3)]
+        replies = [core.pull("d0", [engines["d0"].load()]) for _ in range(3)]  # an engine slow to hand back
         if policy == "fcfs" or not preemption:
             assert not any(r.preempted for r in replies) and core.requests["urgent"].de is None
             continue
