@@ -402,11 +402,13 @@ class DecodeEngine(Engine):
 
     def _hand_back(self, h: Held) -> None:
         why = f"preempted on decode engine {self.engine_id} for a more urgent request"
-        _await_stores(h.stores, "preempting")
-        self.outbox.add("failed", [h.work_id, why])
-        self.report_now()  # the scheduler drops it and indexes its blocks before its continuation arrives
-        self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True,
-                                               preempted=True))
+        try:
+            _await_stores(h.stores, "preempting")
+            self.outbox.add("failed", [h.work_id, why])
+            self.report_now()  # the scheduler drops it and indexes its blocks before its continuation arrives
+        finally:  # whatever happened, the reader learns to go on
+            self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True,
+                                                   preempted=True))
         log.info("%s handed back: %s", h.work_id, why)
 
     # --- streams --------------------------------------------------------------------------------------------
