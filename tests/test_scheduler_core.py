@@ -76,8 +76,21 @@ def pull(core, engines, group):
             engines[eid].held[a.request_id] = (n, 0)
             de = engines[a.decode.engine_id]
             p = SamplingParams.from_dict(a.sampling)  # the decode engine holds it from prefill on, every choice
-            de.held[a.request_id] = (n, choice_blocks(BS, n, n + p.max_tokens, p.n) * BS)
+            de.held[a.request_id] = (n, choice_blocks(BS, n, n + p.max_new_tokens, p.n) * BS)
     return reply
+
+
+def finish_one(engines, x: int) -> None:
+    """A decode engine (picked by ``x``) finishes one of its requests (picked by ``x``)."""
+    decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
+    if decoders:
+        e = decoders[x % len(decoders)]
+        w = sorted(e.held)[x % len(e.held)]
+        e.held.pop(w)
+        e.finished.append(w)
+        for p in engines.values():  # the prefill engine handed it over long ago
+            if p.info.role is Role.PREFILL:
+                p.held.pop(w, None)
 
 
 def check(core, engines):
@@ -90,7 +103,7 @@ def check(core, engines):
         assert q.weight == sum(core.requests[rid].spec.num_tokens for rid in q), g
     for e in engines.values():
         if e.info.role is Role.DECODE:
-            reserved = sum(choice_blocks(BS, r.spec.num_tokens, r.spec.num_tokens + r.params.max_tokens,
+            reserved = sum(choice_blocks(BS, r.spec.num_tokens, r.spec.num_tokens + r.params.max_new_tokens,
                                          r.params.n) * BS for r in core.requests.values() if r.de == e.info.engine_id)
             assert reserved <= e.info.capacity_tokens, f"{e.info.engine_id} over-committed"
 
@@ -120,15 +133,7 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
                                   {k: list(q) for k, q in core.private.items()})
             pull(core, engines, g)
         else:
-            decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
-            if decoders:
-                e = decoders[x % len(decoders)]
-                w = sorted(e.held)[x % len(e.held)]
-                e.held.pop(w)
-                e.finished.append(w)
-                for p in engines.values():  # the prefill engine handed it over long ago
-                    if p.info.role is Role.PREFILL:
-                        p.held.pop(w, None)
+            finish_one(engines, x)
         check(core, engines)
     # drain: engines keep pulling and finishing until nothing is left
     for _ in range(400):
@@ -156,7 +161,7 @@ OP_NAMES = ["submit", "pull d0", "pull d1", "pull p0", "finish"]
 OPS = st.sampled_from(OP_NAMES)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(OPS, st.integers(0, 10 ** 6)), min_size=40, max_size=80))
 def test_preemption_under_random_workloads_overcommits_nothing_and_every_reply_ends_once(ops):
     """Priority scheduling with preemption against simulated engines that hand back what they are told to; the
@@ -212,13 +217,7 @@ def random_preemption_run(ops) -> int:
                 victim = core.requests[core.by_work[w]]
                 assert waiting and victim.rank > min(waiting.values()), "a reply preempted for nothing more urgent"
         else:
-            decoders = [e for e in engines.values() if e.info.role is Role.DECODE and e.held]
-            if decoders:
-                e = decoders[x % len(decoders)]
-                w = sorted(e.held)[x % len(e.held)]
-                e.held.pop(w)
-                e.finished.append(w)
-                engines["p0"].held.pop(w, None)
+            finish_one(engines, x)
         check(core, engines)
 
     for op, x in ops:
