@@ -163,7 +163,9 @@ class EngineRecord:
     group: str = field(init=False)  # the engine group it pulls with (itself when it has none)
     prefilled: tuple[float, float] = (0.0, 0.0)  # prefill engines: (tokens, seconds) of recent prefills, decaying
     read_intervals: list[list[float]] = field(default_factory=list)  # its last report's storage drain intervals
-    decoding: set[str] = field(default_factory=set)  # decode engines: requests generating there (reported started)
+    # decode engines: requests generating there (reported started): an index of ``SchedulerCore.requests`` that
+    # preemption reads on a full group's pulls, kept so that costs the group's replies, not every request
+    decoding: set[str] = field(default_factory=set)
 
     def measured_beta(self) -> int:
         """Tokens it prefills in 5 s, from its recent prefills (0 until it has prefilled a few blocks' worth)."""
