@@ -20,14 +20,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
               kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config, lora_modules={m.name: m.path for m in args.lora_modules})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params)
+        outs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params, lora_request=args.lora)
         prompts = args.chat
     else:
-        outs = llm.generate(args.prompt, params)
+        outs = llm.generate(args.prompt, params, lora_request=args.lora)
         prompts = args.prompt
     for k, o in enumerate(outs):  # a prompt's n choices one after another
         head = f"> {prompts[k // args.n]}\n" if o.index == 0 else ""
@@ -68,6 +68,7 @@ def engine_config(args: argparse.Namespace):
                             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
                             max_num_seqs=args.max_num_seqs,
                             speculative=SpeculativeConfig.parse(args.speculative_config),
+                            lora_modules=tuple(args.lora_modules),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
@@ -229,6 +230,23 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default="", type=_speculative,
                    help='speculative decoding by prompt lookup, vLLM\'s JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (outputs are unchanged)')
+    _lora_arg(p)
+
+
+def _lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=(), type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve beside the base model: a request names one as "
+                        "its model (vLLM's flag)")
+
+
+def _lora_module(text: str):
+    from dualpath.errors import ConfigError
+    from dualpath.lora import LoraModule
+
+    try:
+        return LoraModule.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _speculative(text: str) -> str:
@@ -529,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     _dtype_args(g)
     _kernels_arg(g)
+    g.add_argument("--lora", default=None, help="generate under this LoRA adapter (a --lora-modules name, or a PEFT "
+                                                "directory)")
     g.set_defaults(func=cmd_generate)
 
     sc = sub.add_parser("scheduler", help="run the central scheduler (gRPC)")
@@ -644,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="agents with the most rounds left go first (each round's priority; the cluster started "
                          "here orders by them; a --scheduler must run --scheduling-policy priority): the job ends "
                          "with its longest agent, so this shortens it")
+    ro.add_argument("--lora", default=None,
+                    help="run every round under this LoRA adapter: a --lora-modules name (the cluster this job starts "
+                         "loads them), or the PEFT directory a running cluster's engines loaded")
     ro.add_argument("--skip-invalid", action="store_true", help="skip malformed lines instead of failing")
     ro.add_argument("--no-progress", action="store_true")
     _cluster_args(ro)
@@ -738,6 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fe = sub.add_parser("frontend", help="the OpenAI-compatible HTTP server for a running scheduler")
     _frontend_args(fe)
+    _lora_arg(fe)
     fe.add_argument("--scheduler", required=True, help="scheduler host:port")
     fe.set_defaults(func=cmd_frontend)
 

@@ -198,7 +198,7 @@ class RequestHandle:
 
     def _submit(self) -> None:
         self.session = self.client.session()
-        hashes, fingerprint = self.client._hashes(self.token_ids, self.sampling.cache_salt)
+        hashes, fingerprint = self.client._hashes(self.token_ids, self.sampling.cache_salt, self.sampling.adapter)
         self.session.submit(SubmitRequest(self.request_id, pack_tokens(self.token_ids), self.sampling.to_dict(),
                                           self.mode, hashes, fingerprint, self.label), self._listen)
 
@@ -455,8 +455,9 @@ class ClusterClient:
     def stats(self) -> dict:
         return self.scheduler.call("Stats", RequestRef(""), timeout=10).data
 
-    def _hashes(self, token_ids: list[int], salt: str = "") -> tuple[bytes, str]:
-        """The prompt's block hashes (salted with ``salt``: ``SamplingParams.cache_salt``), computed here so the
+    def _hashes(self, token_ids: list[int], salt: str = "", adapter: str = "") -> tuple[bytes, str]:
+        """The prompt's block hashes (chained from ``salt`` and ``adapter``: ``SamplingParams.cache_salt`` and
+        ``SamplingParams.adapter``), computed here so the
         scheduler spends no time on them, and the fingerprint they chain from (if the weights changed meanwhile, the
         scheduler hashes again and says so)."""
         if self._model is None:
@@ -465,7 +466,7 @@ class ClusterClient:
                 return b"", ""
             self._model = (bytes.fromhex(data["fingerprint"]), data["block_size"])
         fp, bs = self._model
-        return pack_keys(block_hashes(token_ids, fp, bs, salt=salt)), fp.hex()
+        return pack_keys(block_hashes(token_ids, fp, bs, salt=salt, adapter=adapter)), fp.hex()
 
     def model_changed(self, fingerprint: str) -> None:
         if self._model is not None:

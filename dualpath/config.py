@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dualpath.errors import CheckpointError, ConfigError
+from dualpath.lora import LoraModule
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -311,6 +312,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora_modules: tuple[LoraModule, ...] = ()  # LoRA adapters loaded at start (requests name them by identity)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -109,29 +109,34 @@ def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_d
     return hashlib.blake2b(payload.encode(), digest_size=HASH_BYTES).digest()
 
 
-def chain_root(fingerprint: BlockHash, salt: str = "") -> BlockHash:
+def chain_root(fingerprint: BlockHash, salt: str = "", adapter: str = "") -> BlockHash:
     """What a prompt's chain starts from: the fingerprint, or for a salted request (vLLM's ``cache_salt``) a hash of
     it and the salt, personalized so that no token block's hash can equal it. Requests share stored blocks only if
-    their salts are equal: a tenant's prompts never hit (so cannot be probed through) another tenant's."""
-    if not salt:
-        return fingerprint
-    return hashlib.blake2b(fingerprint + salt.encode(), digest_size=HASH_BYTES, person=b"dualpath-salt").digest()
+    their salts are equal: a tenant's prompts never hit (so cannot be probed through) another tenant's. A request
+    run under a LoRA adapter (``adapter``: its identity, ``dualpath.lora``) chains from a hash of that root and the
+    identity under a personalization of its own: its KV, computed with other weights, is only its adapter's."""
+    root = fingerprint
+    if salt:
+        root = hashlib.blake2b(root + salt.encode(), digest_size=HASH_BYTES, person=b"dualpath-salt").digest()
+    if adapter:
+        root = hashlib.blake2b(root + adapter.encode(), digest_size=HASH_BYTES, person=b"dualpath-lora").digest()
+    return root
 
 
 def block_hashes(token_ids: Sequence[int], fingerprint: BlockHash, block_size: int,
-                 parent: BlockHash | None = None, salt: str = "") -> list[BlockHash]:
+                 parent: BlockHash | None = None, salt: str = "", adapter: str = "") -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1} || tokens_i)``, ``h_{-1}`` =
-    ``chain_root(fingerprint, salt)``.
+    ``chain_root(fingerprint, salt, adapter)``.
 
     A trailing partial block gets no hash. ``parent`` continues a chain whose earlier blocks were hashed
-    already (then ``token_ids`` starts at a block boundary, and the salt is in ``parent`` already).
+    already (then ``token_ids`` starts at a block boundary, and the salt and adapter are in ``parent`` already).
     """
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
     raw = np.asarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
     step = block_size * 4
-    h = parent if parent is not None else chain_root(fingerprint, salt)
+    h = parent if parent is not None else chain_root(fingerprint, salt, adapter)
     out = []
     for i in range(n_full):
         h = hashlib.blake2b(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.errors import DualPathError
+from dualpath.lora import LoraModule
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ClusterSpec:
     kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
     speculative_config: str = ""  # see EngineConfig.speculative (vLLM's JSON; "" off)
+    lora_modules: tuple[LoraModule, ...] = ()  # see EngineConfig.lora_modules
     block_size: int = 64
     buffer_bytes: int = 256 << 20
     cache_bytes: int = 1 << 30
@@ -183,6 +185,8 @@ class LocalCluster(Supervisor):
             args.append("--enforce-eager")
         if s.speculative_config:
             args += ["--speculative-config", s.speculative_config]
+        if s.lora_modules:
+            args += ["--lora-modules", *(f"{m.name}={m.path}" for m in s.lora_modules)]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.cost_model:

@@ -4,6 +4,7 @@ This is the reference the disaggregated runtime must match token for token.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Sequence as Seq
@@ -46,13 +47,18 @@ class LLM:
     ``fp8``) is the cache's dtype (``dualpath.config.EngineConfig``). ``generation_config`` (vLLM's): where the
     sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the checkpoint's
     ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a directory.
+    ``lora_modules`` (name -> PEFT directory) are LoRA adapters loaded at once; ``generate``, ``chat`` and
+    ``logits`` run a request under one when given its name or any adapter's directory as ``lora_request``
+    (loaded on first use, as vLLM's ``LoRARequest``; ``generate`` also takes one per prompt, None for the base
+    model, and decodes them in one batch), and the base model without.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
                  kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
-                 kv_cache_dtype: str = "auto", generation_config: str = "auto"):
+                 kv_cache_dtype: str = "auto", generation_config: str = "auto",
+                 lora_modules: dict[str, str] | None = None):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
@@ -71,6 +77,15 @@ class LLM:
                                   self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)
         self._ids = itertools.count()
         self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
+        self.adapters = {name: self.model.add_adapter(path) for name, path in (lora_modules or {}).items()}
+
+    def _adapter(self, lora_request: str | None) -> str:
+        """The identity of the adapter named (or at the directory) ``lora_request``; "" for None."""
+        if not lora_request:
+            return ""
+        if lora_request not in self.adapters:
+            self.adapters[lora_request] = self.model.add_adapter(lora_request)
+        return self.adapters[lora_request]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no ``SamplingParams`` (vLLM's method)."""
@@ -85,14 +100,20 @@ class LLM:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]], sampling: SamplingParams | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: str | Seq[str | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs are in prompt order, a prompt's
         ``sampling.n`` choices one after another (``RequestOutput.index``), its KV computed once for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling = sampling or self._default_sampling
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, str) else \
+            list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        params = [dataclasses.replace(sampling, adapter=self._adapter(lora)) for lora in loras]
         gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
-        firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), sampling, gens()) for p in prompts]
+        firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), s, gens())
+                  for p, s in zip(prompts, params)]
         seqs = [c for s in firsts for c in (s, *s.forks)]  # the engine empties ``forks`` as it forks them
         for s in firsts:
             self.engine.add(s)
@@ -103,14 +124,14 @@ class LLM:
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling: SamplingParams | None = None,
              use_tqdm: bool = False, tools: Seq[dict] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, lora_request: str | None = None) -> list[RequestOutput]:
         """Apply the checkpoint's chat template (or ``chat_template``) to one conversation or a list of them, then
         generate. ``tools`` (OpenAI's form) go to the template, as Hugging Face's ``apply_chat_template`` passes
         them; the reply's calls are in its text (``dualpath.serving.tools.ToolCallSplitter`` finds them)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = {"tools": list(tools)} if tools else {}
         tok = self.tokenizer.with_chat_template(chat_template) if chat_template is not None else self.tokenizer
-        return self.generate([tok.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm)
+        return self.generate([tok.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm, lora_request)
 
     def _output(self, s: Sequence) -> RequestOutput:
         text = s.stop_text if s.stop_text is not None else \
@@ -120,11 +141,11 @@ class LLM:
         return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps, plps, s.index)
 
     @torch.inference_mode()
-    def logits(self, prompt: str | Seq[int]) -> torch.Tensor:
+    def logits(self, prompt: str | Seq[int], lora_request: str | None = None) -> torch.Tensor:
         """Logits of every position of one prompt in a single forward (float32), for checks and scoring."""
         from engines.models.base import ForwardBatch
 
         ids = self._prompt_ids(prompt)
-        logits, _ = self.model.forward_all(torch.tensor(ids, device=self.config.device),
-                                           ForwardBatch((0,), (len(ids),)), all_logits=True)
+        batch = ForwardBatch((0,), (len(ids),), (self._adapter(lora_request),))
+        logits, _ = self.model.forward_all(torch.tensor(ids, device=self.config.device), batch, all_logits=True)
         return logits

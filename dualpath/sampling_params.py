@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ MAX_CHOICES = 16  # n: every choice is a row of the decode batch
 MAX_BAD_WORDS = 128  # token sequences per request (a step looks up the reply's tail once per distinct length)
 MAX_BAD_WORD_TOKENS = 32
 MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every engine
+ADAPTER_ID = re.compile(r"[0-9a-f]{64}")  # a LoRA adapter's identity (dualpath.lora.adapter_digest)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's, + max_new_tokens
 
 
@@ -68,6 +70,10 @@ class SamplingParams:
     and they only its: tenants who cannot learn each other's salts cannot tell each other's prompts by their hits.
     The reply is the same with any salt. "" (the default): the store every unsalted request shares.
 
+    ``adapter``: the identity of the LoRA adapter the request runs under (``dualpath.lora``: a frontend or ``LLM``
+    turns an adapter's name into it); "" the base model. Engines without that adapter refuse the request, and its
+    stored KV chains from the identity, so it is that adapter's alone.
+
     ``priority`` (vLLM's): where the request waits in the scheduler's queues, lower first, when the scheduler runs
     ``--scheduling-policy priority`` (otherwise one that is not 0 is refused). It orders who is handed to engines
     next, and one that finds no decode engine with room has less urgent generating replies handed back to make it
@@ -114,6 +120,7 @@ class SamplingParams:
     num_resumed_tokens: int = 0
     cache_salt: str = ""
     priority: int = 0
+    adapter: str = ""
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -157,6 +164,9 @@ class SamplingParams:
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
                                field="cache_salt")
+        if self.adapter and not ADAPTER_ID.fullmatch(self.adapter):
+            raise RequestError(f"adapter must be a LoRA adapter's identity (64 hex digits), got {self.adapter!r}",
+                               field="model")
         if self.num_resumed_tokens and (self.n > 1 or self.prompt_logprobs is not None):
             raise RequestError("a resumed reply is one choice without prompt logprobs", field="num_resumed_tokens")
         self._check_adjustments()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dualpath.errors import DualPathError, OutOfBlocksError
+from dualpath.errors import DualPathError, OutOfBlocksError, RequestError
 from dualpath.geometry import BlockHash, block_hashes, choice_blocks
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
@@ -201,6 +201,12 @@ class DecodeEngine(Engine):
         params = SamplingParams.from_dict(msg.sampling)
         if not self.guides_ready(params, lambda: self.inbox.put(("admit", msg)), stop_strings=True):
             return
+        try:
+            self.model.check_adapter(params.adapter)
+        except RequestError as e:
+            self.outbox.add("failed", [rid, str(e)])
+            self._drop(rid, str(e))
+            return
         if params.stop and self.local.tokenizer is None:  # stop strings end a choice here (None: the load failed,
             self.local.tokenizer = self._tokenizer  # and the frontend's match cancels the request as before)
         prompt = unpack_tokens(msg.tokens)
@@ -217,7 +223,7 @@ class DecodeEngine(Engine):
             self.outbox.add("failed", [rid, f"structured output: {e}"])
             self._drop(rid, f"structured output: {e}")
             return
-        hashes = block_hashes(prompt, self.fingerprint, g.block_size, salt=params.cache_salt)
+        hashes = block_hashes(prompt, self.fingerprint, g.block_size, salt=params.cache_salt, adapter=params.adapter)
         h.choices = [Choice(s, list(hashes), len(prompt) // g.block_size) for s in seqs]
         h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
                   "path": msg.path, "storage_bytes": msg.storage_bytes}
@@ -291,7 +297,8 @@ class DecodeEngine(Engine):
         tokens = seq.token_ids
         parent = c.hashes[c.persisted - 1] if c.persisted else None
         new_keys = block_hashes(tokens[c.persisted * g.block_size:full * g.block_size], self.fingerprint,
-                                g.block_size, parent=parent, salt=seq.params.cache_salt)
+                                g.block_size, parent=parent, salt=seq.params.cache_salt,
+                                adapter=seq.params.adapter)
         with self.lock:
             table = torch.tensor(self.cache.block_table(seq.seq_id)[c.persisted:full], device=self.device)
             blocks = cache_to_full_blocks(self.cache.storage, table, g)

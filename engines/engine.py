@@ -80,6 +80,8 @@ class Engine:
         ckpt = open_checkpoint(cfg.model)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
+        for m in cfg.engine.lora_modules:
+            log.info("LoRA adapter %s (%s) loaded as %s", m.name, m.path, self.model.add_adapter(m.path)[:12])
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
         self.model_dir = ckpt.path
         self._tokenizer: Tokenizer | None = None

@@ -35,7 +35,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
         """Feed each sequence its next ``new_lens[i]`` tokens; returns logits of each one's last fed token."""
-        if self.graphs is not None and all(n == 1 for n in new_lens):
+        # LoRA rows run eagerly: a captured step has no rows per adapter (``ForwardContext.lora``)
+        if self.graphs is not None and all(n == 1 for n in new_lens) and not any(s.params.adapter for s in seqs):
             tables = [self.cache.block_table(s.seq_id) for s in seqs]
             if self.graphs.fits(len(seqs), max(map(len, tables))):
                 return self._decode_graph(seqs, tables)
@@ -57,7 +58,8 @@ class ModelRunner:
     def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]]):
         """Run every layer over tokens ``fed[i]`` at sequence i's next positions, writing their KV into the cache:
         ``(hidden states of every fed token, the batch)``."""
-        batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens))
+        batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens),
+                             tuple(s.params.adapter for s in seqs))
         ids = np.concatenate([np.asarray(f, dtype=np.int64) for f in fed])
         slots = np.concatenate([np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64)
                                 for s, n in zip(seqs, new_lens)])
@@ -126,6 +128,7 @@ class LocalEngine:
         if 1 + len(seq.forks) > self.max_num_seqs:
             raise RequestError(f"n ({1 + len(seq.forks)}) exceeds max_num_seqs ({self.max_num_seqs})", field="n")
         check_token_ids(seq.params, self.vocab_size)
+        self.runner.model.check_adapter(seq.params.adapter)
         if seq.params.structured and self.guides is None:
             raise RequestError("structured output needs the engine's tokenizer", field="response_format")
         for s in (seq, *seq.forks):

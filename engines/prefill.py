@@ -200,6 +200,7 @@ class PrefillEngine(Engine):
                   hit_tokens=len(keys) * self.geometry.block_size)
         try:
             check_token_ids(params, self.model_config.vocab_size)
+            self.model.check_adapter(params.adapter)
             if params.prompt_logprobs is not None and a.num_hit_blocks:
                 raise RequestError("prompt_logprobs needs the whole prompt computed, not loaded")
         except RequestError as e:
@@ -374,7 +375,7 @@ class PrefillEngine(Engine):
         for c, n in zip(cached, new):
             bases.append(base)
             base += g.num_blocks(c + n)
-        batch = ForwardBatch(tuple(cached), tuple(new))
+        batch = ForwardBatch(tuple(cached), tuple(new), tuple(j.params.adapter for j, _ in jobs))
         ids = np.concatenate([np.asarray(j.token_ids[c:c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
         # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
         slots = np.repeat(np.asarray(bases) * g.block_size, new) + batch.positions()

@@ -407,7 +407,7 @@ class SchedulerCore:
 
     def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
         return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size,
-                                      salt=params.cache_salt))
+                                      salt=params.cache_salt, adapter=params.adapter))
 
     def _hit_blocks(self, hashes: bytes, n: int, params: SamplingParams) -> int:
         """Leading prompt blocks stored. At least one prompt token is always computed (its logits give the first

@@ -23,6 +23,18 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    """Two random LoRA adapters (PEFT's files) of the tiny Llama: "sql" trains every projection, "poet" only q and v
+    (rsLoRA's scale)."""
+    from dualpath.checkpoints.tiny import build_tiny_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {"sql": build_tiny_adapter(root / "sql", tiny_dirs["llama"], seed=3),
+            "poet": build_tiny_adapter(root / "poet", tiny_dirs["llama"], seed=4, rank=8,
+                                       targets=("q_proj", "v_proj"), rslora=True, std=0.3)}
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, converted once into the user cache directory (as ``dualpath serve`` does)."""
     from dualpath.checkpoints.smollm2 import default_model_dir

@@ -67,6 +67,13 @@ def test_spec_decode_bench_runs(tiny_dirs, tmp_path):
     assert len(result["rows"]) == 6 and all(r["identical"] for r in result["rows"])
 
 
+@pytest.mark.slow  # ~5 s; the adapters' numerics are test_lora's
+def test_lora_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("lora.py", "--model", str(tiny_dirs["llama"]), "--max-tokens", "6", "--batch", "3",
+                       "--prompt-tokens", "64", "--repeats", "1", "--out", str(tmp_path / "lora.json"))
+    assert len(result["rows"]) == 3 and result["mixed_identical_to_alone"] and result["adapter_changes_replies"]
+
+
 @pytest.mark.slow  # ~25 s: a server start, 6 s of agents, the settle; bench/soak.py is the real run
 def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dualpath.cli import build_parser
+from dualpath.lora import LoraModule
 from k8s_tools import helm_binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +28,11 @@ VALUES = {
                   "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
                   "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
                   "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,"
-                  "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption}"],
+                  "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption},"
+                  "model.loraModules={sql=/models/sql}"],
 }
+
+LORA = (LoraModule("sql", "/models/sql"),)
 
 # The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses (from the CRD's openAPIV3Schema).
 SERVICE_MONITOR = {
@@ -110,9 +114,11 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 engine = parser.parse_args(["engine", "--role", args.role, "--scheduler", args.scheduler, *extra])
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
                 assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
+                assert tuple(engine.lora_modules) == (LORA if name == "sriov-cpu" else ())
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it
                 assert args.tool_call_parser == ("hermes" if name == "sriov-cpu" else "auto")
+                assert tuple(args.lora_modules) == (LORA if name == "sriov-cpu" else ())  # model.loraModules too
             if args.command == "scheduler":  # and scheduler.extraArgs the scheduler
                 assert args.disable_priority_preemption == (name == "sriov-cpu")
                 assert args.scheduling_policy == ("priority" if name == "sriov-cpu" else "fcfs")

@@ -129,3 +129,25 @@ def test_bad_requests_are_400s_naming_sglangs_field(front, body, param, why):
     r = http.post("/generate", json=body)
     assert r.status_code == 400, r.json()
     assert r.json()["error"]["param"] == param and why in r.json()["error"]["message"], r.json()
+
+
+def test_lora_path_names_a_served_adapter(tiny_dirs, tiny_adapters, tmp_path):
+    """SGLang's ``lora_path``: the request runs under that served adapter (its identity in the engines' sampling),
+    a list must name one adapter, and an unknown one is a 400 naming the field."""
+    from dualpath.lora import LoraModule, adapter_digest
+
+    modules = tuple(LoraModule(k, str(p)) for k, p in tiny_adapters.items())
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, lora_modules=modules)
+    fake.reply = "ok"
+    assert http.post("/generate", json={"text": "x", "lora_path": "sql"}).status_code == 200
+    assert fake.samplings[-1].adapter == adapter_digest(tiny_adapters["sql"])
+    assert http.post("/generate", json={"text": ["x", "y"], "lora_path": ["poet", "poet"]}).status_code == 200
+    assert fake.samplings[-1].adapter == adapter_digest(tiny_adapters["poet"])
+    http.post("/generate", json={"text": "x"})
+    assert fake.samplings[-1].adapter == ""
+    for bad in ("nope", ["sql", "poet"]):
+        r = http.post("/generate", json={"text": ["x", "y"], "lora_path": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.json()
+    assert "'sql'" in http.post("/generate", json={"text": "x", "lora_path": "nope"}).json()["error"]["message"]
+    models = http.get("/v1/models").json()["data"]
+    assert [(m["id"], m["parent"]) for m in models] == [("m", None), ("sql", "m"), ("poet", "m")]

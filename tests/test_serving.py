@@ -62,10 +62,11 @@ def validate_completion_chunk(body) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dirs, tmp_path_factory):
+def tiny(tiny_dirs, tiny_adapters, tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
     server = ServeProcess("--model", str(tiny_dirs["llama"]), "--block-size", str(BS), "--buffer-bytes", str(8 << 20),
                           "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048", "--kv-store", str(kv),
+                          "--lora-modules", *(f"{k}={p}" for k, p in tiny_adapters.items()),
                           "--api-key", KEY, "--max-concurrent-requests", "3", "--max-body-bytes", str(1 << 20),
                           "--max-model-len", "512", "--torch-threads", "1", "--health-generate-timeout", "2")
     yield server
@@ -187,6 +188,39 @@ def test_a_cache_salt_keeps_a_tenants_stored_kv_its_own(tiny, reference):
                                 temperature=0, extra_body=extra).usage.input_tokens_details.cached_tokens
              for extra in ({"cache_salt": "tenant-d"}, {"cache_salt": "tenant-c"})]
     assert again[0] == 0 and again[1] >= BS
+
+
+def test_lora_adapters_are_served_as_models_with_stored_kv_of_their_own(tiny, reference, tiny_adapters):
+    """``--lora-modules``: each adapter is a model of its own (listed with its parent; replies name it) whose replies
+    are the reference's under that adapter, decoded beside the base model; its turns hit only the KV its own
+    turns stored, so the base model and the other adapter never load KV computed with other weights."""
+    c = client(tiny)
+    cards = {m.id: m for m in c.models.list().data}
+    assert cards["sql"].model_extra["parent"] == "llama" and cards["sql"].model_extra["root"] == \
+        str(tiny_adapters["sql"]) and cards["llama"].model_extra["parent"] is None
+    messages = [{"role": "user", "content": "one question for three models, asked more than once " * 2}]
+    ids = reference.tokenizer.apply_chat_template(messages)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = {m: reference.generate(ids, greedy, lora_request=str(tiny_adapters[m]) if m != "llama" else None)[0].text
+            for m in ("llama", "sql", "poet")}
+    assert len(set(want.values())) == 3
+
+    def ask(model: str):
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.model == model and r.choices[0].message.content == want[model], model
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    first = {m: ask(m) for m in ("sql", "llama", "poet")}
+    assert first == {"sql": 0, "llama": 0, "poet": 0}  # the prompt's KV differs under each: no one's hit
+    assert ask("poet") >= BS and ask("sql") >= BS
+    with c.chat.completions.create(model="sql", messages=messages, max_tokens=8, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True}) as stream:
+        chunks = list(stream)
+    assert {ch.model for ch in chunks} == {"sql"}
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want["sql"]
+    with pytest.raises(openai.NotFoundError, match="'sql' or 'poet'"):
+        c.completions.create(model="sq1", prompt="hi", max_tokens=2)
 
 
 @pytest.mark.parametrize("mode", ["pe", "de"])

@@ -704,7 +704,7 @@ def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(t
                                       "--migration-limit", "0", "--trust-request-chat-template"])
     assert frontend_options(args) == dict(reasoning_parser="auto", tool_call_parser="hermes",
                                           chat_template=HERMES_TEMPLATE, migration_limit=0,
-                                          trust_request_chat_template=True, generation_config="auto")
+                                          trust_request_chat_template=True, generation_config="auto", lora_modules=())
     assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
     with pytest.raises(CheckpointError, match="neither a file nor"):
         load_chat_template(str(tmp_path / "missing.jinja"))

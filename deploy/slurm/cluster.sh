@@ -20,6 +20,7 @@
 : "${DUALPATH_KV_STORE:=$DUALPATH_SHARED_DIR/kv}" # the KV store: must be the same files on every node
 : "${DUALPATH_STORAGE_CAPACITY:=0}"               # its cap, e.g. 50T (LRU eviction past it; 0: none, the mount's quota)
 : "${DUALPATH_MODEL:=}"                           # checkpoint directory on the shared mount (default: SmolLM2)
+: "${DUALPATH_LORA_MODULES:=}"                    # LoRA adapters served as models: "NAME=PATH ..." on the shared mount
 : "${DUALPATH_TRANSPORT:=ucx}"                    # ucx, nixl or verbs across nodes
 : "${DUALPATH_KV_SL:=2}"                          # InfiniBand service level of KV traffic (deploy/qos)
 : "${DUALPATH_KV_TC:=0}"                          # RoCE traffic class of KV traffic (DSCP << 2)
@@ -57,7 +58,7 @@ dp_model_args() {
   if [ -z "$DUALPATH_MODEL" ]; then  # convert the default model once, onto the shared mount every node reads
     DUALPATH_MODEL=$("$DUALPATH" convert-default-model --dir "$DUALPATH_SHARED_DIR/models" | tail -n 1)
   fi
-  echo "--model $DUALPATH_MODEL"
+  echo "--model $DUALPATH_MODEL${DUALPATH_LORA_MODULES:+ --lora-modules $DUALPATH_LORA_MODULES}"
 }
 
 # One srun step per role: NODES (comma list), one task per GPU; each task is one engine named role-node-index.

@@ -94,3 +94,39 @@ def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_
     model.save_pretrained(path, **kwargs)
     write_byte_tokenizer(path)
     return path
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_adapter(path: str | Path, base: str | Path, seed: int = 0, rank: int = 4, alpha: float = 8.0,
+                       targets: tuple[str, ...] = LORA_TARGETS, rslora: bool = False, std: float = 0.1) -> Path:
+    """Write a random PEFT LoRA adapter for the Llama-family checkpoint ``base`` (its files as PEFT saves them)
+    and return its directory. B is random too (PEFT starts it at zero, a no-op), so the adapter changes every
+    logit; deterministic for a given seed."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, base = Path(path), Path(base)
+    path.mkdir(parents=True, exist_ok=True)
+    shapes = {}
+    for file in sorted(base.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key in sorted(shapes):
+        parts = key.split(".")
+        if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[4] in targets and parts[5] == "weight":
+            out, inp = shapes[key]
+            stem = f"base_model.model.{key[:-len('.weight')]}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * std
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * std
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": rank,
+        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
+        "use_rslora": rslora, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}, indent=1))
+    return path

@@ -18,7 +18,7 @@ def rollout_main(args) -> int:
         return 1
     cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
                         agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size,
-                        longest_first=args.longest_first)
+                        longest_first=args.longest_first, adapter=rollout_adapter(args))
     if args.longest_first and not args.scheduler:
         args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities,
         args.disable_priority_preemption = True  # as measured: without preempting (each one reloads a context)
@@ -46,6 +46,18 @@ def rollout_main(args) -> int:
     print("  ".join(f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
     print(f"results: {args.out}; summary: {path}")
     return 1 if summary.get("agents_failed") else 0
+
+
+def rollout_adapter(args) -> str:
+    """``--lora``'s identity: a ``--lora-modules`` name's, else a PEFT directory's ("" without one)."""
+    from dualpath.lora import adapter_digest, read_adapter_config
+    from dualpath.serving.serve import lora_modules
+
+    if not args.lora:
+        return ""
+    path = {m.name: m.path for m in lora_modules(args)}.get(args.lora, args.lora)
+    read_adapter_config(path)  # a CheckpointError naming the file, before any engine starts
+    return adapter_digest(path)
 
 
 def trace_main(args) -> int:

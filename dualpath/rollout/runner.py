@@ -51,6 +51,7 @@ class RolloutConfig:
     # does, so serving the stragglers first shortens it (bench/priority.py's offline part, simulated: 0.69-0.73x
     # the JCT). Needs a scheduler run with --scheduling-policy priority; the results are the same.
     longest_first: bool = False
+    adapter: str = ""  # every round runs under this LoRA adapter (its identity, SamplingParams.adapter); "": the base
 
     def __post_init__(self):
         if not 1 <= self.group_size <= MAX_CHOICES:
@@ -82,11 +83,13 @@ def make_agents(trajectories: list[Trajectory], cfg: RolloutConfig) -> list[Agen
 
 def agent_digest(agent: Agent, cfg: RolloutConfig = RolloutConfig()) -> str:
     """A fingerprint of what the agent sends and how it samples: resuming checks that earlier results came from the
-    same rounds, temperature, seed and group size."""
+    same rounds, temperature, seed, group size and LoRA adapter."""
     rounds = [[list(r.append) if not isinstance(r.append, str) else r.append, r.generate, r.max_tokens]
               for r in agent.rounds]
     if cfg.temperature or cfg.group_size > 1:  # greedy single samples keep the digest they always had
         rounds.append([cfg.temperature, cfg.seed, cfg.group_size])
+    if cfg.adapter:
+        rounds.append(["adapter", cfg.adapter])
     return hashlib.blake2b(json.dumps(rounds).encode(), digest_size=8).hexdigest()
 
 
@@ -149,9 +152,9 @@ class Rollout:
         priority = i - len(agent.rounds) if self.cfg.longest_first else 0
         if r.forced:
             return SamplingParams(max_tokens=r.generate, ignore_eos=True, temperature=self.cfg.temperature, seed=seed,
-                                  n=n, priority=priority)
+                                  n=n, priority=priority, adapter=self.cfg.adapter)
         return SamplingParams(max_tokens=r.max_tokens, temperature=self.cfg.temperature, seed=seed, n=n,
-                              priority=priority)
+                              priority=priority, adapter=self.cfg.adapter)
 
     def _agent(self, agent: Agent, out, bar) -> None:
         """The first round for every sample of the group at once, then each sample's other rounds on its own."""

@@ -42,6 +42,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     priority: Optional[int] = None  # SGLang's: higher first (its default order), so the completion's is its negation
+    lora_path: Optional[Union[str, list[str]]] = None  # SGLang's: a served LoRA adapter's name (one for every prompt)
 
 
 class NativeApi:
@@ -57,7 +58,7 @@ class NativeApi:
                 raise ApiError(413, f"request body of {len(body)} bytes exceeds {self.front.cfg.max_body_bytes}")
             try:
                 req = parse(GenerateRequest, body)
-                comp = _as_completion(req, self.front.cfg.model_name)
+                comp = _as_completion(req, _model(req, self.front.cfg.model_name, self.front.adapters))
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             prompts = self.front._prompts(comp, "completions")
@@ -81,6 +82,17 @@ class NativeApi:
             return e.response()
         finally:
             self.front.m_requests.inc(endpoint="generate", status=status)
+
+
+def _model(req: GenerateRequest, base: str, adapters: dict[str, str]) -> str:
+    """The model a request runs on: the base, or the served LoRA adapter its ``lora_path`` names."""
+    names = [req.lora_path] if isinstance(req.lora_path, str) else req.lora_path or [None]
+    if any(n != names[0] for n in names):
+        raise RequestError("lora_path: one adapter for every prompt (a list must repeat one)", field="lora_path")
+    if names[0] is not None and names[0] not in adapters:
+        known = ", ".join(repr(n) for n in adapters) or "none (--lora-modules)"
+        raise RequestError(f"lora_path: no LoRA adapter {names[0]!r} is served; served: {known}", field="lora_path")
+    return names[0] or base
 
 
 def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dualpath.client import ClusterClient, OverloadedError
 from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
+from dualpath.lora import LoraModule, adapter_table
 from dualpath.regex import choice_pattern
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams, model_defaults
@@ -75,6 +76,7 @@ class FrontendConfig:
     model_aliases: tuple[str, ...] = ()  # other names requests may give the model (responses name model_name)
     trust_request_chat_template: bool = False  # render a chat request's own chat_template (vLLM's flag)
     generation_config: str = "auto"  # sampling defaults: the model's generation_config.json, "vllm" none, or a dir
+    lora_modules: tuple[LoraModule, ...] = ()  # LoRA adapters requests may name as their model (the engines' too)
 
 
 class Frontend:
@@ -88,6 +90,7 @@ class Frontend:
         self.reasons = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and
                                                            knows_thinking(self.tokenizer.chat_template))
         self.defaults = model_defaults(cfg.generation_config, cfg.model_dir)  # for the fields a request leaves out
+        self.adapters = adapter_table(cfg.lora_modules, (cfg.model_name, *cfg.model_aliases))  # name -> identity
         if self.defaults:
             log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
                      self.defaults)
@@ -186,7 +189,7 @@ class Frontend:
         async def models(request: Request):
             self._auth(request)
             return {"object": "list", "data": [self._model_card(n) for n in (self.cfg.model_name,
-                                                                             *self.cfg.model_aliases)]}
+                                                                             *self.cfg.model_aliases, *self.adapters)]}
 
         @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; a name may hold slashes ("Qwen/Qwen2.5-7B")
         async def model(name: str, request: Request):
@@ -343,15 +346,23 @@ class Frontend:
                              "seconds": round(reply.seconds, 3)}, status)
 
     def _model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "dualpath",
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "dualpath",
                 "root": self.cfg.model_dir,  # vLLM's: what each served name is
-                "max_model_len": self.cfg.max_model_len}  # vLLM's extra field, which clients size prompts by
+                "parent": None, "max_model_len": self.cfg.max_model_len}  # which clients size prompts by
+        module = next((m for m in self.cfg.lora_modules if m.name == name), None)
+        if module is not None:  # vLLM's card of a LoRA adapter: its directory, and the model it adapts
+            card.update(root=module.path, parent=self.cfg.model_name)
+        return card
 
     def _check_model(self, name: str) -> None:
-        if name != self.cfg.model_name and name not in self.cfg.model_aliases:
-            names = " or ".join(repr(n) for n in (self.cfg.model_name, *self.cfg.model_aliases))
+        if name != self.cfg.model_name and name not in self.cfg.model_aliases and name not in self.adapters:
+            names = " or ".join(repr(n) for n in (self.cfg.model_name, *self.cfg.model_aliases, *self.adapters))
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
+
+    def _reply_model(self, req) -> str:
+        """The ``model`` a reply names: the adapter asked for (as vLLM names it), else the first served name."""
+        return req.model if req.model in self.adapters else self.cfg.model_name
 
     def _auth(self, request: Request) -> None:
         if not self.cfg.api_key:
@@ -374,7 +385,7 @@ class Frontend:
                              "responses": ResponsesRequest}[kind], body)
                 self._check_model(req.model)
                 if kind == "responses":
-                    call = ResponseCall(req, self.cfg.model_name, await self._history(req.previous_response_id),
+                    call = ResponseCall(req, self._reply_model(req), await self._history(req.previous_response_id),
                                         self.defaults)
                     req = await asyncio.to_thread(self._fitted, call)  # renders the chat a few times
             except RequestError as e:
@@ -638,6 +649,7 @@ class Frontend:
                                   logit_bias=self._known_bias(req.bias_pairs()),
                                   allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
                                   bad_words=self._bad_word_ids(req.bad_words or ()),
+                                  adapter=self.adapters.get(req.model, ""),
                                   **self._structured(req, kind, self._thinking(kind, prompt)))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
@@ -887,7 +899,7 @@ class Frontend:
         choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
                    for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
         body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": created, "model": self.cfg.model_name, "choices": choices,
+                "created": created, "model": self._reply_model(req), "choices": choices,
                 "usage": self._usage(req, prompts, every)}
         if req.return_token_ids:  # vLLM's places: a chat's prompt at the top, a completion's in each choice
             for i, c in enumerate(choices):
@@ -1018,7 +1030,7 @@ class Frontend:
         n_prompt, generated = sum(len(p.ids) for p in prompts), [0]  # completion tokens so far, every choice's
 
         def chunk(choice: dict | None, usage: dict | None = None) -> dict:
-            body = {"id": rid, "object": obj, "created": created, "model": self.cfg.model_name,
+            body = {"id": rid, "object": obj, "created": created, "model": self._reply_model(req),
                     "choices": [choice] if choice else []}
             if usage is None and running and choice:  # vLLM's continuous_usage_stats: the request's so far
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": generated[0],

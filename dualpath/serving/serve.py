@@ -88,6 +88,14 @@ def run_frontend(frontend, host: str, port: int, drain_s: float, on_ready=lambda
     asyncio.run(main())
 
 
+def lora_modules(args) -> tuple:
+    """``--lora-modules`` (a YAML config gives them as ``name=path`` strings)."""
+    from dualpath.lora import LoraModule
+
+    given = getattr(args, "lora_modules", ()) or ()
+    return tuple(m if isinstance(m, LoraModule) else LoraModule.parse(m) for m in given)
+
+
 def cluster_from_args(args):
     """The single-host cluster the command-line options describe (``serve``, ``rollout``), started."""
     from dualpath.cli import _model_dir
@@ -105,7 +113,7 @@ def cluster_from_args(args):
         priority_preemption=not args.disable_priority_preemption,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, lora_modules=lora_modules(args),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
         storage_capacity=store_capacity(args),
@@ -133,7 +141,7 @@ def frontend_options(args) -> dict:
     return dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                 chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                 trust_request_chat_template=args.trust_request_chat_template, migration_limit=args.migration_limit,
-                generation_config=args.generation_config)
+                generation_config=args.generation_config, lora_modules=lora_modules(args))
 
 
 def http_options(args) -> dict:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dualpath.config import ModelConfig
-from dualpath.errors import CheckpointError
+from dualpath.errors import CheckpointError, RequestError
+from engines.lora import AdapterRows, LoraWeights, Target, load_adapter
 from engines.models.loader import Checkpoint
 from kernels.attention import CachedRows
 from kernels.norm import rms_norm
@@ -33,14 +34,28 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq$)|(^model\.layers\.(\d+)\.)")
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """One forward's shape: sequence i has ``cached_lens[i]`` cached tokens then ``new_lens[i]`` new ones."""
+    """One forward's shape: sequence i has ``cached_lens[i]`` cached tokens then ``new_lens[i]`` new ones, and runs
+    under the LoRA adapter ``adapters[i]`` (its identity; "" or no ``adapters`` at all: the base model)."""
 
     cached_lens: tuple[int, ...]
     new_lens: tuple[int, ...]
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if len(self.cached_lens) != len(self.new_lens) or any(n < 1 for n in self.new_lens):
-            raise ValueError(f"bad forward batch: cached {self.cached_lens}, new {self.new_lens}")
+        if len(self.cached_lens) != len(self.new_lens) or any(n < 1 for n in self.new_lens) or \
+                len(self.adapters) not in (0, len(self.new_lens)):
+            raise ValueError(f"bad forward batch: cached {self.cached_lens}, new {self.new_lens}, adapters "
+                             f"{self.adapters}")
+
+    def adapter_rows(self) -> list[tuple[str, np.ndarray]]:
+        """Each adapter the batch uses and the indices of its sequences' new tokens in the packed batch."""
+        rows: dict[str, list[np.ndarray]] = {}
+        start = 0
+        for adapter, n in zip(self.adapters, self.new_lens):
+            if adapter:
+                rows.setdefault(adapter, []).append(np.arange(start, start + n))
+            start += n
+        return [(a, np.concatenate(r)) for a, r in rows.items()]
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +87,7 @@ class ForwardContext:
     sin: torch.Tensor
     cached_lens: torch.Tensor  # [B] int32
     cu_new: torch.Tensor  # [B + 1] int32
+    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
 
 
 @dataclass(frozen=True)
@@ -129,15 +145,23 @@ class CausalLM(nn.Module, ABC):
         self.norm = param(config.hidden_size)
         if not config.tie_word_embeddings:
             self.lm_head = param(config.vocab_size, config.hidden_size)
+        self.adapters: dict[str, LoraWeights] = {}  # identity -> weights (``add_adapter``)
 
     # --- forward -----------------------------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> ForwardContext:
-        """The batch's shared values; its integers reach the device in one copy."""
+        """The batch's shared values; its integers (the adapters' rows too) reach the device in one copy."""
         t, b = batch.num_tokens, len(batch.new_lens)
+        lora = batch.adapter_rows() if batch.adapters else []
         ints = np.concatenate([batch.positions(), np.array(batch.cached_lens, dtype=np.int32),
-                               np.cumsum([0, *batch.new_lens], dtype=np.int32)])
+                               np.cumsum([0, *batch.new_lens], dtype=np.int32),
+                               *[rows.astype(np.int32) for _, rows in lora]])
         dev = torch.from_numpy(ints).to(self.embed_tokens.device)
-        return self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:])
+        ctx = self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:t + 2 * b + 1])
+        at = t + 2 * b + 1
+        for adapter, rows in lora:
+            ctx.lora += (AdapterRows(self._adapter(adapter), dev[at:at + len(rows)] if len(rows) < t else None),)
+            at += len(rows)
+        return ctx
 
     def begin_decode(self, positions: torch.Tensor) -> ForwardContext:
         """``begin`` for one new token per sequence at ``positions`` already on the device (a CUDA graph's static
@@ -149,6 +173,32 @@ class CausalLM(nn.Module, ABC):
     def _context(self, positions, new_lens, cached_lens, cu_new) -> ForwardContext:
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.rope_attention_factor, self.embed_tokens.dtype)
         return ForwardContext(tuple(new_lens), cos, sin, cached_lens, cu_new)
+
+    # --- LoRA adapters -----------------------------------------------------------------------------------
+    def lora_targets(self) -> dict[str, Target] | None:
+        """PEFT target module name -> where it lands in this architecture; None: no adapters for it."""
+        return None
+
+    def add_adapter(self, path) -> str:
+        """Load the PEFT LoRA adapter at ``path`` (``CheckpointError`` if it does not fit this model); returns its
+        identity, which requests name it by (``SamplingParams.adapter``)."""
+        targets = self.lora_targets()
+        if targets is None:
+            raise CheckpointError(f"{path}: LoRA adapters are not supported for {self.config.architecture} models")
+        weights = load_adapter(path, targets, self.config.num_layers, self.embed_tokens.device,
+                               self.embed_tokens.dtype)
+        self.adapters[weights.digest] = weights
+        return weights.digest
+
+    def check_adapter(self, adapter: str) -> None:
+        """``RequestError`` unless a request with this adapter identity can run here."""
+        if adapter and adapter not in self.adapters:
+            raise RequestError(f"this engine has no LoRA adapter {adapter[:12]} (its files differ from what the "
+                               f"frontend read, or the engine was started without it)", field="model")
+
+    def _adapter(self, adapter: str) -> LoraWeights:
+        self.check_adapter(adapter)
+        return self.adapters[adapter]
 
     @property
     def graph_safe(self) -> bool:

@@ -11,6 +11,7 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
+from engines.lora import Target, add_lora
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, gqa_split, varlen_attention
@@ -47,15 +48,26 @@ class LlamaForCausalLM(CausalLM):
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
         c, w = self.config, self.layers[layer]
         t, backend = hidden.shape[0], self.kernels
-        qkv = linear(rms_norm(hidden, w.input_norm, c.rms_norm_eps, backend), w.qkv_w, w.qkv_b)
+        lora = ctx.lora
+        x = rms_norm(hidden, w.input_norm, c.rms_norm_eps, backend)
+        qkv = add_lora(linear(x, w.qkv_w, w.qkv_b), x, lora, layer, "qkv")
         q, new_kv = rope_qkv(qkv, ctx.cos, ctx.sin, c.num_heads, c.num_kv_heads, c.head_dim, backend)
         attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, backend, ctx.cu_new)
-        x, hidden = add_rms_norm(linear(attn.reshape(t, -1), w.o_w, w.o_b), hidden, w.post_norm, c.rms_norm_eps,
-                                 backend)
+        attn = attn.reshape(t, -1)
+        o = add_lora(linear(attn, w.o_w, w.o_b), attn, lora, layer, "o")
+        x, hidden = add_rms_norm(o, hidden, w.post_norm, c.rms_norm_eps, backend)
+        act = silu_and_mul(add_lora(linear(x, w.gate_up_w, w.gate_up_b), x, lora, layer, "gate_up"), backend)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: add_linear may write the MLP's output into it
-        hidden = add_linear(hidden, silu_and_mul(linear(x, w.gate_up_w, w.gate_up_b), backend), w.down_w, w.down_b,
-                            backend)
+        hidden = add_lora(add_linear(hidden, act, w.down_w, w.down_b, backend), act, lora, layer, "down")
         return hidden, new_kv
+
+    def lora_targets(self) -> dict[str, Target]:
+        c = self.config
+        h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        return {"q_proj": Target("qkv", 0, q, h), "k_proj": Target("qkv", q, q + kv, h),
+                "v_proj": Target("qkv", q + kv, q + 2 * kv, h), "o_proj": Target("o", 0, h, q),
+                "gate_proj": Target("gate_up", 0, inter, h), "up_proj": Target("gate_up", inter, 2 * inter, h),
+                "down_proj": Target("down", 0, h, inter)}
 
     def weight_specs(self) -> Iterator[WeightSpec]:
         yield from super().weight_specs()

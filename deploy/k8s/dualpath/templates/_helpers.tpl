@@ -40,6 +40,12 @@ imagePullPolicy: {{ .Values.image.pullPolicy }}
 - --max-model-len
 - {{ .Values.model.maxModelLen | quote }}
 {{- end }}
+{{- with .Values.model.loraModules }}
+- --lora-modules
+{{- range . }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* The fabric lane settings every process inherits (KV on its SL / traffic class, NCCL off it). */}}

@@ -1,0 +1,120 @@
+"""LoRA adapter weights on the device and their part of a forward.
+
+An adapter's targets are folded onto the model's fused projections (q, k and v into ``qkv``; gate and up into
+``gate_up``): per layer and fused projection one ``A`` ``[R, in]`` (the targets' A matrices stacked) and one ``B``
+``[out, R]`` (theirs placed block-diagonally at each target's output rows, the scale folded in), so a projection's
+delta is two small GEMMs whatever number of its parts the adapter trains. Rows of a batch take their own
+sequence's adapter (``AdapterRows``): one batch mixes the base model and any number of adapters.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dualpath.errors import CheckpointError
+from dualpath.lora import ADAPTER_WEIGHTS, adapter_digest, read_adapter_config
+
+# PEFT's tensor names: base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.default)?\.weight$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a PEFT target module lands: our fused projection, its output rows ``[start, end)``, its inputs."""
+
+    module: str
+    start: int
+    end: int
+    in_features: int
+
+
+@dataclass
+class LoraWeights:
+    """One adapter on the device: ``layers[l][module] = (A, B)`` for each fused projection it changes."""
+
+    digest: str
+    path: str
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class AdapterRows:
+    """The rows of a batch (indices into its packed new tokens, on the device) that run under ``weights``; None:
+    every row (no gather and scatter)."""
+
+    weights: LoraWeights
+    rows: torch.Tensor | None
+
+
+def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, device: torch.device,
+                 dtype: torch.dtype) -> LoraWeights:
+    """Read a PEFT LoRA adapter for a model whose target modules are ``targets``; ``CheckpointError`` naming the
+    file for anything it cannot compute exactly (an unknown tensor, a shape that does not fit, DoRA...)."""
+    from safetensors import safe_open
+
+    cfg, file = read_adapter_config(path), Path(path) / ADAPTER_WEIGHTS
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                m = _KEY.match(key)
+                if m is None or m.group(2) not in targets or int(m.group(1)) >= num_layers:
+                    raise CheckpointError(f"{file}: tensor {key} is not a LoRA matrix of this model's "
+                                          f"{', '.join(targets)} in layers 0-{num_layers - 1}")
+                found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a missing or damaged file
+        raise CheckpointError(f"{file}: cannot read the LoRA adapter's weights ({e})") from None
+    if not found:
+        raise CheckpointError(f"{file}: holds no LoRA matrices")
+    layers: list[dict] = [{} for _ in range(num_layers)]
+    for layer in range(num_layers):
+        for module in dict.fromkeys(t.module for t in targets.values()):
+            parts = [(name, found[layer, name]) for name, t in targets.items()
+                     if t.module == module and (layer, name) in found]
+            if parts:
+                layers[layer][module] = _fuse(file, layer, parts, targets, cfg.scale, device, dtype)
+    return LoraWeights(adapter_digest(path), str(path), layers)
+
+
+def _fuse(file, layer, parts, targets, scale, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused projection's ``(A [R, in], B [out, R])`` from its trained parts (B zero where a part is not)."""
+    rank = 0
+    for name, ab in parts:
+        t, a, b = targets[name], ab.get("A"), ab.get("B")
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != t.in_features or \
+                b.shape != (t.end - t.start, a.shape[0]):
+            shapes = {k: list(v.shape) for k, v in ab.items()}
+            raise CheckpointError(f"{file}: layer {layer} {name}: LoRA matrices {shapes} do not fit a "
+                                  f"{t.in_features} -> {t.end - t.start} projection")
+        rank += a.shape[0]
+    out = max(t.end for t in targets.values() if t.module == targets[parts[0][0]].module)
+    a_all = torch.cat([ab["A"].to(torch.float32) for _, ab in parts])
+    b_all = torch.zeros(out, rank, dtype=torch.float32)
+    col = 0
+    for name, ab in parts:
+        t, r = targets[name], ab["A"].shape[0]
+        b_all[t.start:t.end, col:col + r] = ab["B"].to(torch.float32) * scale
+        col += r
+    return a_all.to(device, dtype).contiguous(), b_all.to(device, dtype).contiguous()
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, adapters: tuple[AdapterRows, ...], layer: int,
+             module: str) -> torch.Tensor:
+    """``out[rows] += B(A(x[rows]))`` for each adapter's rows that trains ``module`` in ``layer``; ``out`` must be
+    the caller's own tensor (it is written in place). Rows without an adapter are untouched."""
+    for ad in adapters:
+        ab = ad.weights.layers[layer].get(module)
+        if ab is None:
+            continue
+        if ad.rows is None:
+            out.add_(F.linear(F.linear(x, ab[0]), ab[1]))
+        else:
+            out.index_add_(0, ad.rows, F.linear(F.linear(x.index_select(0, ad.rows), ab[0]), ab[1]))
+    return out
