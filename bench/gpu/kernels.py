@@ -19,6 +19,8 @@
              prefill with all KV on the device (<= 1.10x); and with the buffer's slots scattered (report)
   moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference (report only)
   sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
+  lora       the model part's ``LLM`` under one rank-16 LoRA adapter, and a batch split between the base model and two,
+             against the base model (report only)
 
 The parts run in the order pipeline and moe before the model parts (slowest last), each writing the JSON when done.
 
@@ -463,10 +465,47 @@ def bench_moe(p, dev, smoke: bool) -> dict:
                      "rel_err_vs_reference": rel_err(fused(), ref().double())})
     return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows}
 
+def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
+    """``LLM`` (Triton kernels, decode on CUDA graphs) with every prompt under one random rank-16 LoRA adapter of every
+    projection, and with the batch split between the base model and two adapters, against the base model alone, same
+    engine (reports only). Steps with adapter rows decode eagerly: the decode ratio includes losing the graphs."""
+    from dualpath import SamplingParams
+    from dualpath.checkpoints.tiny import build_tiny_adapter
+
+    path, w = llama_1b(work, smoke), ModelWork.make(smoke)
+    adapters = {k: str(build_tiny_adapter(work / f"lora-{k}", path, seed=i, rank=16, alpha=32.0, std=0.01))
+                for i, k in enumerate(("a", "b"))}
+    llm = make_llm(p, dev, smoke, path, w, "triton", False)
+    for k, a in adapters.items():
+        llm.adapters[k] = llm.model.add_adapter(a)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
+    cases = {"base": None, "one_adapter": "a", "mixed": (None, "a", "b")}
+    rows, outputs = {}, {}
+    for name, lora in cases.items():
+        pick = lambda n: [lora[i % 3] for i in range(n)] if isinstance(lora, tuple) else lora  # noqa: E731
+        t_pre = timed(lambda: llm.generate(w.pre.tolist(), one, lora_request=pick(len(w.pre))), dev, iters=3,
+                      warmup=1)
+        t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one, lora_request=pick(len(w.dec))), dev, iters=1,
+                          warmup=0)
+        t_dec = timed(lambda: outputs.__setitem__(name, llm.generate(w.dec.tolist(), many,
+                                                                     lora_request=pick(len(w.dec)))), dev, iters=1,
+                      warmup=0)
+        rows[name] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
+                      "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre)}
+    for row in rows.values():
+        for k in ("prefill", "decode"):
+            row[f"{k}_vs_base"] = row[f"{k}_tokens_per_s"] / rows["base"][f"{k}_tokens_per_s"]
+    changed = [o.token_ids for o in outputs["one_adapter"]] != [o.token_ids for o in outputs["base"]]
+    llm = None
+    release(dev)
+    return {"systems": rows, "adapter_changes_outputs": changed, "rank": 16,
+            "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]}}
+
 
 # the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
 PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "sampling",
-         "model", "model_eager")
+         "model", "model_eager", "lora")
 
 
 def _time_vs(result: dict, base: str, part: str) -> float | None:
@@ -511,6 +550,8 @@ def main(argv=None) -> dict:
             elif part == "model_eager":
                 ours = result.get("model", {}).get("systems", {}).get("dualpath_triton", {})
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
+            elif part == "lora":
+                result[part] = bench_lora(p, dev, args.smoke, work)
             elif part == "moe":
                 result[part] = bench_moe(p, dev, args.smoke)
             elif part == "sampling":
@@ -554,6 +595,8 @@ def main(argv=None) -> dict:
          "target": "<= 1.10"},
         {"what": "  with the buffer's slots scattered", "value": result.get("pipeline", {}).get("scattered_ratio"),
          "target": "(report)"},
+        {"what": "LoRA adapter decode ÷ base model", "target": "(report)",
+         "value": result.get("lora", {}).get("systems", {}).get("one_adapter", {}).get("decode_vs_base")},
     ]
     print_table(summary, ["what", "value", "target"])
     for part in PARTS:

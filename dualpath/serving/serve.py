@@ -133,11 +133,14 @@ def cluster_from_args(args):
 def frontend_options(args) -> dict:
     """The frontend's chat and client settings from the command line (a template file read now: a bad one fails
     before any engine starts)."""
+    from dualpath.lora import read_adapter_config
     from dualpath.sampling_params import model_defaults
     from dualpath.tokenizer import load_chat_template
 
     if args.generation_config not in ("auto", "vllm"):
         model_defaults(args.generation_config, "")  # a directory without a usable one fails here
+    for m in lora_modules(args):  # so does an adapter whose config cannot be served
+        read_adapter_config(m.path)
     return dict(reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                 chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                 trust_request_chat_template=args.trust_request_chat_template, migration_limit=args.migration_limit,
