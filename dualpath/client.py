@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes
-from dualpath.messages import Abort, Ack, Hold, HoldReply, RequestRef, SessionIn, SubmitEvent, SubmitRequest, \
-    TokenEvent, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.messages import Abort, Ack, AdapterLoad, AdapterLoadReply, Hold, HoldReply, RequestRef, SessionIn, \
+    SubmitEvent, SubmitRequest, TokenEvent, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.sampling_params import SamplingParams
 
@@ -471,6 +471,11 @@ class ClusterClient:
     def model_changed(self, fingerprint: str) -> None:
         if self._model is not None:
             self._model = (bytes.fromhex(fingerprint), self._model[1])
+
+    def load_adapter(self, path: str, timeout: float = 120.0) -> AdapterLoadReply:
+        """Have every engine load the PEFT LoRA adapter at ``path`` (and every engine that joins later); the reply
+        says whether all did and the adapter's identity, which requests name it by (``SamplingParams.adapter``)."""
+        return self.scheduler.call("LoadAdapter", AdapterLoad(path, timeout), timeout=timeout + 30)
 
     def update_weights(self, model_path: str, version: str = "", timeout: float = 600.0,
                        abort: bool = False) -> WeightUpdateReply:

@@ -183,6 +183,7 @@ class RegisterReply:
     ok: bool
     error: str = ""
     members: list[list[str]] = field(default_factory=list)  # the engine's group as the scheduler knows it
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded at runtime: a joining engine loads them
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,23 @@ class WeightUpdate:
     timeout_s: float = 600.0  # for the requests in flight to finish, then for the engines to load
     abort: bool = False
     check_only: bool = False  # to an engine: only check the checkpoint fits (the scheduler asks all before any loads)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """Load the PEFT LoRA adapter at ``path`` (vLLM's ``/v1/load_lora_adapter``). To the scheduler: on every engine,
+    and on every engine that joins later. To an engine: now (requests it runs meanwhile are unaffected)."""
+
+    path: str
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class AdapterLoadReply:
+    ok: bool
+    error: str = ""
+    digest: str = ""  # the adapter's identity (dualpath.lora.adapter_digest) as the engines loaded it
+    engines: int = 0  # engines that loaded it
 
 
 @dataclass(frozen=True)

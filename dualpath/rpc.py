@@ -202,6 +202,7 @@ def _methods():
         "Cancel": Method(m.RequestRef, m.Ack),
         "Stats": Method(m.RequestRef, m.Stats),
         "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
+        "LoadAdapter": Method(m.AdapterLoad, m.AdapterLoadReply),
         "Hold": Method(m.Hold, m.HoldReply),
         "FlushCache": Method(m.RequestRef, m.Ack),
         "Abort": Method(m.Abort, m.AbortReply),
@@ -216,6 +217,7 @@ def _methods():
         "Stream": Method(m.RequestRef, m.TokenEvent, streaming=True),
         "Cancel": Method(m.RequestRef, m.Ack),
         "UpdateWeights": Method(m.WeightUpdate, m.WeightUpdateReply),
+        "LoadAdapter": Method(m.AdapterLoad, m.AdapterLoadReply),
     }
     return scheduler, engine
 

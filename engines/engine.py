@@ -23,8 +23,8 @@ import torch
 from dualpath.config import EngineProcessConfig
 from dualpath.errors import CheckpointError, DualPathError, EngineBusyError
 from dualpath.geometry import KVGeometry, model_fingerprint
-from dualpath.messages import Ack, Assignment, EngineInfo, EngineLoad, PullReply, PullRequest, RequestRef, Role, \
-    WeightUpdate, WeightUpdateReply, pack_keys
+from dualpath.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, EngineInfo, EngineLoad, PullReply, \
+    PullRequest, RequestRef, Role, WeightUpdate, WeightUpdateReply, pack_keys
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
@@ -80,8 +80,9 @@ class Engine:
         ckpt = open_checkpoint(cfg.model)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
+        self.adapter_paths: set[str] = set()  # LoRA adapters loaded (at start, or since: ``LoadAdapter``)
         for m in cfg.engine.lora_modules:
-            log.info("LoRA adapter %s (%s) loaded as %s", m.name, m.path, self.model.add_adapter(m.path)[:12])
+            self._load_adapter(m.path, m.name)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
         self.model_dir = ckpt.path
         self._tokenizer: Tokenizer | None = None
@@ -254,8 +255,17 @@ class Engine:
                 time.sleep(0.2)
         if not ack.ok:
             raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
+        for path in ack.adapters:  # loaded into the cluster at runtime: this engine must serve them too
+            if path not in self.adapter_paths:
+                self._load_adapter(path)
         self.members = ack.members
         self.registered = True
+
+    def _load_adapter(self, path: str, name: str = "") -> str:
+        digest = self.model.add_adapter(path)
+        self.adapter_paths.add(path)
+        log.info("LoRA adapter %s (%s) loaded as %s", name or path, path, digest[:12])
+        return digest
 
     def load(self) -> tuple[EngineLoad, dict]:
         held = self.held()
@@ -477,6 +487,13 @@ class Engine:
             return WeightUpdateReply(False, str(e), busy=isinstance(e, EngineBusyError))
         return WeightUpdateReply(True, fingerprint=fp.hex(), version=req.version, engines=1,
                                  seconds=time.perf_counter() - start)
+
+    def LoadAdapter(self, req: AdapterLoad, ctx) -> AdapterLoadReply:
+        """A LoRA adapter, loaded beside the work in flight (a new identity: nothing running uses it yet)."""
+        try:
+            return AdapterLoadReply(True, digest=self._load_adapter(req.path), engines=1)
+        except CheckpointError as e:
+            return AdapterLoadReply(False, str(e))
 
     # --- control RPCs ---------------------------------------------------------------------------------------
     def Health(self, ref: RequestRef, ctx) -> Ack:

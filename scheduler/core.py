@@ -226,6 +226,7 @@ class SchedulerCore:
         self.fingerprint: bytes | None = None
         self.weights_version = ""  # the label of the weights last loaded by an update
         self.weights_path = ""  # the checkpoint they came from ("": the ones the engines started with)
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at runtime: path -> identity (joiners load them)
         self.paused = False  # a weight update runs: no request is handed to an engine
         # ``hold`` (vLLM's /pause) until ``release``: requests submitted from this seq on are not handed out
         self.held_from: int | None = None
@@ -277,7 +278,7 @@ class SchedulerCore:
             self._rebuild_index(fp)
         log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id,
                  rec.group)
-        return RegisterReply(True, members=members)
+        return RegisterReply(True, members=members, adapters=list(self.adapters))
 
     def _rebuild_index(self, fingerprint: bytes) -> None:
         """List what storage holds for the cluster's model, on a thread of its own: the first engine's registration

@@ -15,12 +15,13 @@ import time
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError, UnavailableError
-from dualpath.messages import Abort, AbortReply, Ack, EngineInfo, EngineLoad, Hold, HoldReply, PullReply, PullRequest, \
-    RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, WeightUpdate, WeightUpdateReply
+from dualpath.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadReply, EngineInfo, EngineLoad, Hold, \
+    HoldReply, PullReply, PullRequest, RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, \
+    WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from scheduler.core import SchedulerCore
 from scheduler.policy import make_policy
-from scheduler.weights import drained_by, update_weights
+from scheduler.weights import drained_by, load_adapter, update_weights
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class SchedulerService:
             return await update_weights(self.core, req)
         finally:
             self._updating = False
+
+    async def LoadAdapter(self, req: AdapterLoad, ctx) -> AdapterLoadReply:
+        """A LoRA adapter on every engine (``scheduler.weights.load_adapter``)."""
+        return await load_adapter(self.core, req)
 
     async def Hold(self, req: Hold, ctx) -> HoldReply:
         """Generation paused or going on again (``SchedulerCore.hold``, ``release``)."""

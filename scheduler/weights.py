@@ -1,4 +1,5 @@
-"""A weight update across the cluster (``WeightUpdate`` to the scheduler), run on the scheduler's event loop.
+"""A weight update across the cluster (``WeightUpdate`` to the scheduler), and a LoRA adapter loaded on every engine
+(``AdapterLoad``), run on the scheduler's event loop.
 
 Pause admission (``SchedulerCore.pause``), wait until no request is on an engine, have every engine load the
 weights at once, then resume with the fingerprint they report. Nothing accepted is lost: requests that arrive
@@ -13,7 +14,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from dualpath.messages import WeightUpdate, WeightUpdateReply
+from dualpath.messages import AdapterLoad, AdapterLoadReply, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, Client, RpcError
 from scheduler.core import SchedulerCore
 
@@ -38,6 +39,36 @@ def _load_on(address: str, req: WeightUpdate, deadline: float) -> WeightUpdateRe
             time.sleep(BUSY_RETRY_S)
     finally:
         client.close()
+
+
+def _adapter_on(address: str, req: AdapterLoad, deadline: float) -> AdapterLoadReply:
+    """Ask one engine to load the adapter (blocking: run on a worker thread)."""
+    client = Client("Engine", ENGINE_METHODS, address)
+    try:
+        return client.call("LoadAdapter", req, timeout=max(0.1, deadline - time.monotonic()))
+    except RpcError as e:
+        return AdapterLoadReply(False, str(e))
+    finally:
+        client.close()
+
+
+async def load_adapter(core: SchedulerCore, req: AdapterLoad, load_on=_adapter_on) -> AdapterLoadReply:
+    """The adapter on every live engine, at once, with nothing paused: a new adapter is a new identity, so no
+    request in flight runs under it. Remembered (for engines that join later) once every engine loaded the same
+    bytes; an engine that could not keeps serving the rest."""
+    engines = {e.info.engine_id: e.info.control_address for e in core.engines.values() if e.alive}
+    if not engines:
+        return AdapterLoadReply(False, "no engine is registered")
+    by_id = await _on_all(load_on, engines, req, time.monotonic() + req.timeout_s)
+    failed = {eid: r.error for eid, r in by_id.items() if not r.ok}
+    digests = {r.digest for r in by_id.values() if r.ok}
+    if failed or len(digests) != 1:
+        return AdapterLoadReply(False, _summary(failed) or f"the engines read different bytes of {req.path}",
+                                engines=len(by_id) - len(failed))
+    digest = digests.pop()
+    core.adapters[req.path] = digest
+    log.info("LoRA adapter %s (%s) loaded on %d engines", req.path, digest[:12], len(by_id))
+    return AdapterLoadReply(True, digest=digest, engines=len(by_id))
 
 
 async def update_weights(core: SchedulerCore, req: WeightUpdate, load_on=_load_on) -> WeightUpdateReply:
@@ -106,7 +137,7 @@ def _agreed(by_id: dict[str, WeightUpdateReply]) -> tuple[str, list[str]]:
     return fp, [eid for eid, r in by_id.items() if r.ok and r.fingerprint == fp]
 
 
-async def _on_all(load_on, engines: dict[str, str], req: WeightUpdate, deadline: float) -> dict[str, WeightUpdateReply]:
-    """``req`` to every engine at once (engine id -> control address), each on a worker thread."""
+async def _on_all(load_on, engines: dict[str, str], req, deadline: float) -> dict:
+    """``req`` to every engine at once (engine id -> control address), each on a worker thread: engine id -> reply."""
     replies = await asyncio.gather(*(asyncio.to_thread(load_on, a, req, deadline) for a in engines.values()))
     return dict(zip(engines, replies))

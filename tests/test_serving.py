@@ -223,6 +223,39 @@ def test_lora_adapters_are_served_as_models_with_stored_kv_of_their_own(tiny, re
         c.completions.create(model="sq1", prompt="hi", max_tokens=2)
 
 
+def test_a_lora_adapter_loaded_at_runtime_is_served_until_unloaded(tiny, reference, tiny_dirs, tmp_path):
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (SGLang's paths too): every engine loads it,
+    requests then name it and get the reference's reply under it; a name in use or an adapter that cannot be served
+    is a 400 and changes nothing; once unloaded the name is unknown again."""
+    from dualpath.checkpoints.tiny import build_tiny_adapter
+
+    chef = str(build_tiny_adapter(tmp_path / "chef", tiny_dirs["llama"], seed=9, targets=("o_proj", "down_proj")))
+    dora = shutil.copytree(chef, tmp_path / "dora")
+    (dora / "adapter_config.json").write_text(json.dumps({**json.loads((dora / "adapter_config.json").read_text()),
+                                                          "use_dora": True}))
+    c, prompt = client(tiny), "a dish for the runtime adapter " * 2
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="chef", prompt=prompt, max_tokens=4)
+    bad = [raw(tiny, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": chef}),
+           raw(tiny, "/load_lora_adapter", {"lora_name": "chef2", "lora_path": str(dora)}),
+           raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef3", "lora_path": str(tmp_path / "none")})]
+    assert [(r.status_code, r.json()["error"]["param"]) for r in bad] == [(400, "lora_name"), (400, "lora_path"),
+                                                                           (400, "lora_path")], [r.text for r in bad]
+    r = raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef", "lora_path": chef})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert c.models.retrieve("chef").model_extra["root"] == chef
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = reference.generate(reference.tokenizer.encode(prompt), greedy, lora_request=chef)[0].text
+    assert want != reference.generate(reference.tokenizer.encode(prompt), greedy)[0].text
+    got = c.completions.create(model="chef", prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want and got.model == "chef"
+    assert raw(tiny, "/unload_lora_adapter", {"lora_name": "chef"}).status_code == 200
+    assert raw(tiny, "/v1/unload_lora_adapter", {"lora_name": "chef"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="chef", prompt=prompt, max_tokens=4)
+
+
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_json_mode_through_the_cluster_equals_the_reference(tiny, reference, mode):
     """The prefill engine masks the first token, the decode engine replays it into its guide and masks the rest:

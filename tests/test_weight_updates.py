@@ -316,6 +316,34 @@ def test_engines_that_fail_to_load_leave_the_cluster():
     assert sorted(eid for eid, e in core.engines.items() if e.alive) == ["d0", "d1", "p0"]
 
 
+def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
+    """``/v1/load_lora_adapter`` at the scheduler: every live engine at once, nothing paused; remembered only when every
+    engine loaded the same bytes, and then listed in every later registration's reply."""
+    from dualpath.messages import AdapterLoad, AdapterLoadReply
+    from scheduler.weights import load_adapter
+
+    core, engines = make_core("dualpath", Clock())
+    calls = []
+
+    def fake(bad=(), other=()):
+        def load_on(address, req, deadline):
+            eid = address.split(":")[0]
+            calls.append(eid)
+            if eid in bad:
+                return AdapterLoadReply(False, "no such directory")
+            return AdapterLoadReply(True, digest=("b" if eid in other else "a") * 64, engines=1)
+        return load_on
+
+    reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake(bad={"d1"})))
+    assert not reply.ok and reply.error == "d1: no such directory" and reply.engines == 4 and not core.adapters
+    assert sorted(calls) == ["d0", "d1", "d2", "p0", "p1"] and not core.paused
+    reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake(other={"p0"})))
+    assert not reply.ok and "different bytes" in reply.error and not core.adapters
+    reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake()))
+    assert reply.ok and reply.digest == "a" * 64 and reply.engines == 5 and core.adapters == {"/lora/x": "a" * 64}
+    assert core.register(info("d9", Role.DECODE, "n9")).adapters == ["/lora/x"]
+
+
 def test_a_restarted_scheduler_learns_the_weights_version_from_its_engines():
     """Engines say at registration which update they last loaded (its checkpoint and version); a scheduler that
     restarted after the update reports them, where it would have said the engines' starting weights."""

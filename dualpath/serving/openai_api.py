@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dualpath.client import ClusterClient, OverloadedError
 from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
-from dualpath.lora import LoraModule, adapter_table
+from dualpath.lora import LoraModule, adapter_digest, adapter_table, read_adapter_config
 from dualpath.regex import choice_pattern
 from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams, model_defaults
@@ -43,8 +43,8 @@ from dualpath.serving.control import PAUSE_WAIT_S, Control
 from dualpath.serving.probes import Probes, ask_scheduler
 from dualpath.serving.request_ids import RequestIds
 from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                       PauseGenerationRequest, TokenizeRequest, UpdateWeightsRequest, error_body,
-                                       parse)
+                                       LoadLoraRequest, PauseGenerationRequest, TokenizeRequest, UnloadLoraRequest,
+                                       UpdateWeightsRequest, error_body, parse)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
@@ -91,6 +91,7 @@ class Frontend:
                                                            knows_thinking(self.tokenizer.chat_template))
         self.defaults = model_defaults(cfg.generation_config, cfg.model_dir)  # for the fields a request leaves out
         self.adapters = adapter_table(cfg.lora_modules, (cfg.model_name, *cfg.model_aliases))  # name -> identity
+        self.adapter_dirs = {m.name: m.path for m in cfg.lora_modules}  # name -> PEFT directory (``/v1/models``)
         if self.defaults:
             log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
                      self.defaults)
@@ -247,6 +248,12 @@ class Frontend:
         async def update_weights(request: Request):
             return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights)
 
+        for prefix in ("/v1", ""):  # vLLM's paths, and SGLang's
+            app.post(f"{prefix}/load_lora_adapter")(self._adapter_endpoint("load_lora_adapter", LoadLoraRequest,
+                                                                           self._load_adapter))
+            app.post(f"{prefix}/unload_lora_adapter")(self._adapter_endpoint("unload_lora_adapter", UnloadLoraRequest,
+                                                                             self._unload_adapter))
+
         @app.post("/pause")  # vLLM's
         async def pause(request: Request, mode: str = "abort", wait_for_inflight_requests: bool = False,
                         clear_cache: bool = True, timeout: float = PAUSE_WAIT_S):  # clear_cache: nothing to clear
@@ -345,13 +352,48 @@ class Frontend:
                              "engines": reply.engines, "num_aborted_requests": reply.aborted,
                              "seconds": round(reply.seconds, 3)}, status)
 
+    def _adapter_endpoint(self, name: str, model_cls, answer):
+        async def endpoint(request: Request):
+            return await self._utility(request, name, model_cls, answer)
+        return endpoint
+
+    async def _load_adapter(self, req: LoadLoraRequest) -> JSONResponse:
+        """Every engine loads the adapter (and every engine that joins later); then requests may name it. 400 for an
+        adapter that cannot be served or a name in use, 500 when an engine could not load it."""
+        if req.lora_name in self.adapters or req.lora_name in (self.cfg.model_name, *self.cfg.model_aliases):
+            raise ApiError(400, f"the model name {req.lora_name!r} is in use; unload it first", param="lora_name")
+        try:
+            await asyncio.to_thread(read_adapter_config, req.lora_path)
+            digest = await asyncio.to_thread(adapter_digest, req.lora_path)
+        except CheckpointError as e:
+            raise ApiError(400, str(e), param="lora_path") from None
+        try:
+            reply = await asyncio.to_thread(self.client.load_adapter, req.lora_path)
+        except DualPathError as e:
+            raise ApiError(503, f"the scheduler did not answer: {e}") from None
+        if not reply.ok or reply.digest != digest:
+            raise ApiError(500, reply.error or f"the engines read other bytes of {req.lora_path} than this frontend")
+        self.adapters[req.lora_name], self.adapter_dirs[req.lora_name] = digest, req.lora_path
+        log.info("serving LoRA adapter %s (%s) on %d engines", req.lora_name, req.lora_path, reply.engines)
+        return JSONResponse({"success": True,
+                             "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."})
+
+    def _unload_adapter(self, req: UnloadLoraRequest) -> JSONResponse:
+        """Requests may no longer name the adapter (those running under it finish); the engines keep its weights
+        until they stop, so a request already queued under it still runs."""
+        if req.lora_name not in self.adapters:
+            raise ApiError(404, f"the LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
+                           code="model_not_found")
+        del self.adapters[req.lora_name], self.adapter_dirs[req.lora_name]
+        return JSONResponse({"success": True,
+                             "message": f"Success: LoRA adapter '{req.lora_name}' removed successfully."})
+
     def _model_card(self, name: str) -> dict:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "dualpath",
                 "root": self.cfg.model_dir,  # vLLM's: what each served name is
                 "parent": None, "max_model_len": self.cfg.max_model_len}  # which clients size prompts by
-        module = next((m for m in self.cfg.lora_modules if m.name == name), None)
-        if module is not None:  # vLLM's card of a LoRA adapter: its directory, and the model it adapts
-            card.update(root=module.path, parent=self.cfg.model_name)
+        if name in self.adapter_dirs:  # vLLM's card of a LoRA adapter: its directory, and the model it adapts
+            card.update(root=self.adapter_dirs[name], parent=self.cfg.model_name)
         return card
 
     def _check_model(self, name: str) -> None:

@@ -557,6 +557,20 @@ class UpdateWeightsRequest(BaseModel):
     timeout: float = Field(default=600.0, gt=0, le=86400)
 
 
+class LoadLoraRequest(BaseModel):
+    """``/v1/load_lora_adapter`` (vLLM's; SGLang's ``/load_lora_adapter`` takes the same): serve the PEFT adapter at
+    ``lora_path``, which every engine's node can read, as the model ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")  # vLLM's load_inplace and SGLang's pinned: nothing to do here
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1)
+
+
 class AbortRequest(BaseModel):
     """``/abort_request`` (SGLang's): end the requests sent with ``rid`` (``/generate``'s), or every one."""
 
