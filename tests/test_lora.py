@@ -288,3 +288,21 @@ def test_serve_refuses_an_unservable_adapter_before_any_engine_starts(tiny_adapt
     args = build_parser().parse_args(["serve", "--lora-modules", f"sql={tiny_adapters['sql']}", f"d={bad}"])
     with pytest.raises(CheckpointError, match="DoRA"):
         frontend_options(args)
+
+
+def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny_dirs, tiny_adapters):
+    """``Engine.register``: the scheduler's reply lists the adapters loaded since the cluster started; the engine
+    loads those it lacks before it takes work (its model and the registration, the rest of the engine left out)."""
+    from dualpath.messages import RegisterReply
+    from engines.engine import Engine
+
+    class Scheduler:
+        def call(self, method, info, timeout):
+            return RegisterReply(True, adapters=[str(tiny_adapters["sql"]), str(tiny_adapters["poet"])])
+
+    engine = Engine.__new__(Engine)
+    engine.model = load_model(tiny_dirs["llama"], "cpu", torch.float32, "torch")
+    engine.scheduler, engine.info, engine.adapter_paths = Scheduler(), lambda: None, {str(tiny_adapters["poet"])}
+    engine.register()
+    assert set(engine.model.adapters) == {adapter_digest(tiny_adapters["sql"])}  # poet: loaded already
+    assert engine.registered and engine.adapter_paths == {str(p) for p in tiny_adapters.values()}
