@@ -232,6 +232,27 @@ def test_a_rollout_runs_every_round_under_its_adapter(tiny_adapters, tmp_path):
     assert rollout_adapter(parse("--lora", str(tiny_adapters["sql"]))) == sql and rollout_adapter(parse()) == ""
     with pytest.raises(CheckpointError, match="adapter_config.json"):
         rollout_adapter(parse("--lora", "sq1"))
+    from dualpath.errors import DualPathError
+    from dualpath.messages import AdapterLoadReply
+    from dualpath.rollout.cli import ensure_adapter
+
+    class Client:  # the scheduler's LoadAdapter, answering as its engines would
+        def __init__(self, digest):
+            self.digest, self.loaded = digest, []
+
+        def load_adapter(self, path):
+            self.loaded.append(path)
+            return AdapterLoadReply(bool(self.digest), "" if self.digest else "no such directory", self.digest)
+
+    started_with = Client(sql)  # a --lora-modules name: the cluster's engines have it
+    ensure_adapter(started_with, parse("--lora-modules", f"sql={tiny_adapters['sql']}", "--lora", "sql"), sql)
+    assert started_with.loaded == []
+    latest = Client(sql)  # a trainer's newest adapter directory: loaded on every engine first
+    ensure_adapter(latest, parse("--lora", str(tiny_adapters["sql"])), sql)
+    assert latest.loaded == [str(tiny_adapters["sql"])]
+    for client in (Client(""), Client("f" * 64)):
+        with pytest.raises(DualPathError, match="could not load"):
+            ensure_adapter(client, parse("--lora", str(tiny_adapters["sql"])), sql)
     agent = Agent("a", "a", (Round((1, 2, 3), generate=4),))
     cfg = RolloutConfig(adapter=sql)
     assert Rollout(None, cfg)._sampling(agent, 0, 0, agent.rounds[0], 1).adapter == sql

@@ -34,6 +34,7 @@ def rollout_main(args) -> int:
         tokenizer = Tokenizer(model_dir) if model_dir else None
         cfg = dataclasses.replace(cfg, max_model_len=max_len or 0)
         client = ClusterClient(scheduler)
+        ensure_adapter(client, args, cfg.adapter)
         summary = Rollout(client, cfg, tokenizer).run(trajectories, args.out, progress=not args.no_progress)
         client.close()
     finally:
@@ -51,13 +52,33 @@ def rollout_main(args) -> int:
 def rollout_adapter(args) -> str:
     """``--lora``'s identity: a ``--lora-modules`` name's, else a PEFT directory's ("" without one)."""
     from dualpath.lora import adapter_digest, read_adapter_config
-    from dualpath.serving.serve import lora_modules
 
     if not args.lora:
         return ""
-    path = {m.name: m.path for m in lora_modules(args)}.get(args.lora, args.lora)
+    path = _named(args).get(args.lora, args.lora)
     read_adapter_config(path)  # a CheckpointError naming the file, before any engine starts
     return adapter_digest(path)
+
+
+def _named(args) -> dict[str, str]:
+    """``--lora-modules`` as name -> directory."""
+    from dualpath.serving.serve import lora_modules
+
+    return {m.name: m.path for m in lora_modules(args)}
+
+
+def ensure_adapter(client, args, digest: str) -> None:
+    """A ``--lora`` directory the cluster's engines did not start with is loaded on all of them first (an RL
+    trainer's latest adapter: ``rollout --scheduler ... --lora /ckpt/step-17``); ``DualPathError`` if they could
+    not, or read other bytes than this job did."""
+    from dualpath.errors import DualPathError
+
+    if not digest or args.lora in _named(args):
+        return
+    reply = client.load_adapter(args.lora)
+    if not reply.ok or reply.digest != digest:
+        raise DualPathError(f"the engines could not load the LoRA adapter {args.lora}: "
+                            f"{reply.error or 'they read other bytes than this job'}")
 
 
 def trace_main(args) -> int:
