@@ -149,5 +149,6 @@ def test_lora_path_names_a_served_adapter(tiny_dirs, tiny_adapters, tmp_path):
         r = http.post("/generate", json={"text": ["x", "y"], "lora_path": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.json()
     assert "'sql'" in http.post("/generate", json={"text": "x", "lora_path": "nope"}).json()["error"]["message"]
+    assert 'dualpath_lora_requests_total{adapter="poet"} 1.0' in http.get("/metrics").text
     models = http.get("/v1/models").json()["data"]
     assert [(m["id"], m["parent"]) for m in models] == [("m", None), ("sql", "m"), ("poet", "m")]

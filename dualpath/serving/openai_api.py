@@ -103,6 +103,8 @@ class Frontend:
         self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
                                     ["endpoint", "status"])
         self.m_prompt = m.counter("prompt_tokens_total", "Prompt tokens of finished requests")
+        self.m_lora = m.counter("lora_requests_total", "Generation requests by the LoRA adapter they name",
+                                ["adapter"])
         self.m_completion = m.counter("completion_tokens_total", "Generated tokens")
         self.m_cached = m.counter("cached_tokens_total", "Prompt tokens whose KV came from storage, by read path",
                                   ["path"])
@@ -519,6 +521,8 @@ class Frontend:
                 raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             self.in_flight += total
+        if req.model in self.adapters:
+            self.m_lora.inc(adapter=req.model)
         mode = (req.dualpath.mode or "") if req.dualpath else ""
         gens, loop = [], asyncio.get_running_loop()
         try:
