@@ -327,3 +327,13 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
     engine.register()
     assert set(engine.model.adapters) == {adapter_digest(tiny_adapters["sql"])}  # poet: loaded already
     assert engine.registered and engine.adapter_paths == {str(p) for p in tiny_adapters.values()}
+
+
+def test_the_generate_command_runs_under_an_adapter(tiny_dirs, tiny_adapters, capsys):
+    from dualpath.cli import main
+
+    llm = LLM(str(tiny_dirs["llama"]), block_size=16)
+    want = llm.generate("ab", SamplingParams(temperature=0, max_tokens=5), lora_request=str(tiny_adapters["sql"]))
+    base = ["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "ab", "--max-tokens", "5"]
+    assert main(base + ["--lora-modules", f"sql={tiny_adapters['sql']}", "--lora", "sql"]) == 0
+    assert capsys.readouterr().out == f"> ab\n{want[0].text}\n[5 tokens, length]\n"

@@ -219,6 +219,9 @@ def test_lora_adapters_are_served_as_models_with_stored_kv_of_their_own(tiny, re
         chunks = list(stream)
     assert {ch.model for ch in chunks} == {"sql"}
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want["sql"]
+    r = c.responses.create(model="poet", input=messages[0]["content"], max_output_tokens=8, temperature=0,
+                           extra_body={"ignore_eos": True})
+    assert r.model == "poet" and r.output_text == want["poet"]
     with pytest.raises(openai.NotFoundError, match="'sql' or 'poet'"):
         c.completions.create(model="sq1", prompt="hi", max_tokens=2)
 
