@@ -70,6 +70,7 @@ class EngineInfo:
     # /get_weight_version and /get_model_info still tell the truth
     weights_version: str = ""
     weights_path: str = ""
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded at runtime (a new scheduler learns them)
 
 
 @dataclass(frozen=True)

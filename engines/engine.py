@@ -81,6 +81,7 @@ class Engine:
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.adapter_paths: set[str] = set()  # LoRA adapters loaded (at start, or since: ``LoadAdapter``)
+        self.runtime_adapters: list[str] = []  # those loaded since (told at registration: a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
@@ -241,7 +242,7 @@ class Engine:
             self.buffer.num_slots, self.geometry.block_size, self.geometry.num_layers, self.fingerprint.hex(),
             self.capacity_tokens(), self.cfg.model, self.max_model_len, list(self.model_config.eos_token_ids),
             self.cfg.group_id, self.alpha, self.beta_tokens(), weights_path=self.weights[0],
-            weights_version=self.weights[1])
+            weights_version=self.weights[1], adapters=list(self.runtime_adapters))
 
     def register(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -257,12 +258,14 @@ class Engine:
             raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
         for path in ack.adapters:  # loaded into the cluster at runtime: this engine must serve them too
             if path not in self.adapter_paths:
-                self._load_adapter(path)
+                self._load_adapter(path, runtime=True)
         self.members = ack.members
         self.registered = True
 
-    def _load_adapter(self, path: str, name: str = "") -> str:
+    def _load_adapter(self, path: str, name: str = "", runtime: bool = False) -> str:
         digest = self.model.add_adapter(path)
+        if runtime and path not in self.runtime_adapters:
+            self.runtime_adapters.append(path)
         self.adapter_paths.add(path)
         log.info("LoRA adapter %s (%s) loaded as %s", name or path, path, digest[:12])
         return digest
@@ -491,7 +494,7 @@ class Engine:
     def LoadAdapter(self, req: AdapterLoad, ctx) -> AdapterLoadReply:
         """A LoRA adapter, loaded beside the work in flight (a new identity: nothing running uses it yet)."""
         try:
-            return AdapterLoadReply(True, digest=self._load_adapter(req.path), engines=1)
+            return AdapterLoadReply(True, digest=self._load_adapter(req.path, runtime=True), engines=1)
         except CheckpointError as e:
             return AdapterLoadReply(False, str(e))
 

@@ -258,6 +258,8 @@ class SchedulerCore:
             self.fingerprint, self.block_size, self.max_model_len = fp, info.block_size, info.max_model_len
             if first and info.weights_version + info.weights_path:  # this scheduler restarted after an update
                 self.weights_version, self.weights_path = info.weights_version, info.weights_path
+            for path in info.adapters:  # loaded at runtime before this scheduler (re)started: joiners load them too
+                self.adapters.setdefault(path, "")
             old = self.engines.get(info.engine_id)
             if old is not None and old.alive:
                 self._engine_gone(info.engine_id, "re-registered")

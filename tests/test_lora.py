@@ -324,9 +324,11 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
     engine = Engine.__new__(Engine)
     engine.model = load_model(tiny_dirs["llama"], "cpu", torch.float32, "torch")
     engine.scheduler, engine.info, engine.adapter_paths = Scheduler(), lambda: None, {str(tiny_adapters["poet"])}
+    engine.runtime_adapters = []
     engine.register()
     assert set(engine.model.adapters) == {adapter_digest(tiny_adapters["sql"])}  # poet: loaded already
     assert engine.registered and engine.adapter_paths == {str(p) for p in tiny_adapters.values()}
+    assert engine.runtime_adapters == [str(tiny_adapters["sql"])]  # what it tells a scheduler that restarts
 
 
 def test_the_generate_command_runs_under_an_adapter(tiny_dirs, tiny_adapters, capsys):

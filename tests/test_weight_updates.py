@@ -342,6 +342,9 @@ def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
     reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake()))
     assert reply.ok and reply.digest == "a" * 64 and reply.engines == 5 and core.adapters == {"/lora/x": "a" * 64}
     assert core.register(info("d9", Role.DECODE, "n9")).adapters == ["/lora/x"]
+    fresh, _ = make_core("dualpath", Clock())  # a restarted scheduler: its engines tell it what they loaded
+    fresh.register(replace(info("d8", Role.DECODE, "n8"), adapters=["/lora/y"]))
+    assert fresh.register(info("d7", Role.DECODE, "n7")).adapters == ["/lora/y"]
 
 
 def test_a_restarted_scheduler_learns_the_weights_version_from_its_engines():
