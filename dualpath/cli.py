@@ -105,7 +105,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         client.close()
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "scheduling_policy",
             "waiting_by_priority", "preempted", "index_blocks", "storage_read_bytes", "node_alpha_tokens",
-            "weights_version", "paused", "held", "engines")
+            "weights_version", "lora_adapters", "paused", "held", "engines")
     text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1

@@ -883,6 +883,7 @@ class SchedulerCore:
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
                 "weights_version": self.weights_version, "weights_path": self.weights_path, "paused": self.paused,
                 "held": self.held, "scheduling_policy": self.config.scheduling_policy,
+                "lora_adapters": sorted(self.adapters),  # loaded at runtime (those engines started with: their own)
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "waiting_by_priority": self._waiting_by_priority(),

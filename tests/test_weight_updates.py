@@ -341,6 +341,7 @@ def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
     assert not reply.ok and "different bytes" in reply.error and not core.adapters
     reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake()))
     assert reply.ok and reply.digest == "a" * 64 and reply.engines == 5 and core.adapters == {"/lora/x": "a" * 64}
+    assert core.stats()["lora_adapters"] == ["/lora/x"]  # dualpath status shows them
     assert core.register(info("d9", Role.DECODE, "n9")).adapters == ["/lora/x"]
     fresh, _ = make_core("dualpath", Clock())  # a restarted scheduler: its engines tell it what they loaded
     fresh.register(replace(info("d8", Role.DECODE, "n8"), adapters=["/lora/y"]))
