@@ -13,21 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from common import print_table, write_result  # noqa: E402
-
-
-def best(fn, repeats: int) -> tuple[float, object]:
-    """Fastest of ``repeats`` timed calls and the last call's result."""
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
+from common import best_of, print_table, write_result  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -61,11 +50,14 @@ def main(argv=None) -> dict:
              "mixed (base, a, b)": [(None, "a", "b")[i % 3] for i in range(args.batch)]}
     rows = []
     for name, loras in cases.items():
-        prefill_s, _ = best(lambda: llm.generate(long_prompt, one, lora_request=loras[1 % len(loras)]), args.repeats)
-        decode_s, outs = best(lambda: llm.generate(prompts, greedy, lora_request=loras), args.repeats)
+        got = {}
+        prefill_s = best_of(lambda: llm.generate(long_prompt, one, lora_request=loras[1 % len(loras)]), args.repeats,
+                            warmup=0)
+        decode_s = best_of(lambda: got.update(outs=llm.generate(prompts, greedy, lora_request=loras)), args.repeats,
+                           warmup=0)
         rows.append({"case": name, "prefill_s": prefill_s, "prefill_tok_s": args.prompt_tokens / prefill_s,
                      "decode_s": decode_s, "decode_tok_s": args.batch * args.max_tokens / decode_s,
-                     "outputs": [o.token_ids for o in outs]})
+                     "outputs": [o.token_ids for o in got["outs"]]})
     base = rows[0]
     for r in rows:
         r["prefill_ratio"] = r["prefill_tok_s"] / base["prefill_tok_s"]

@@ -41,11 +41,10 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """What the engines compute from an adapter's config: ``delta(x) = scale × B(A(x))`` on each target."""
+    """What the engines take from an adapter's config: ``delta(x) = scale × B(A(x))`` on each target (the targets
+    and ranks are read from the tensors themselves)."""
 
-    rank: int
     scale: float
-    target_modules: tuple[str, ...]
 
 
 def read_adapter_config(path: str | Path) -> AdapterConfig:
@@ -66,10 +65,7 @@ def read_adapter_config(path: str | Path) -> AdapterConfig:
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise CheckpointError(f"{file}: r must be a positive integer and lora_alpha a number, got {rank!r}, "
                               f"{alpha!r}")
-    targets = raw.get("target_modules") or ()
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    scale = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
-    return AdapterConfig(rank, float(scale), targets)
+    return AdapterConfig(float(alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank))
 
 
 def adapter_digest(path: str | Path) -> str:

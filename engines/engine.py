@@ -80,8 +80,7 @@ class Engine:
         ckpt = open_checkpoint(cfg.model)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
-        self.adapter_paths: set[str] = set()  # LoRA adapters loaded (at start, or since: ``LoadAdapter``)
-        self.runtime_adapters: list[str] = []  # those loaded since (told at registration: a new scheduler learns them)
+        self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
         self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
@@ -256,8 +255,9 @@ class Engine:
                 time.sleep(0.2)
         if not ack.ok:
             raise DualPathError(f"the scheduler refused engine {self.engine_id}: {ack.error}")
+        started_with = {m.path for m in self.cfg.engine.lora_modules}
         for path in ack.adapters:  # loaded into the cluster at runtime: this engine must serve them too
-            if path not in self.adapter_paths:
+            if path not in started_with and path not in self.runtime_adapters:
                 self._load_adapter(path, runtime=True)
         self.members = ack.members
         self.registered = True
@@ -266,7 +266,6 @@ class Engine:
         digest = self.model.add_adapter(path)
         if runtime and path not in self.runtime_adapters:
             self.runtime_adapters.append(path)
-        self.adapter_paths.add(path)
         log.info("LoRA adapter %s (%s) loaded as %s", name or path, path, digest[:12])
         return digest
 

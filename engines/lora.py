@@ -38,7 +38,6 @@ class LoraWeights:
     """One adapter on the device: ``layers[l][module] = (A, B)`` for each fused projection it changes."""
 
     digest: str
-    path: str
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
@@ -80,7 +79,7 @@ def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, 
                      if t.module == module and (layer, name) in found]
             if parts:
                 layers[layer][module] = _fuse(file, layer, parts, targets, cfg.scale, device, dtype)
-    return LoraWeights(adapter_digest(path), str(path), layers)
+    return LoraWeights(adapter_digest(path), layers)
 
 
 def _fuse(file, layer, parts, targets, scale, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,7 +226,7 @@ class SchedulerCore:
         self.fingerprint: bytes | None = None
         self.weights_version = ""  # the label of the weights last loaded by an update
         self.weights_path = ""  # the checkpoint they came from ("": the ones the engines started with)
-        self.adapters: dict[str, str] = {}  # LoRA adapters loaded at runtime: path -> identity (joiners load them)
+        self.adapters: list[str] = []  # LoRA adapters loaded at runtime, their paths in load order (joiners load them)
         self.paused = False  # a weight update runs: no request is handed to an engine
         # ``hold`` (vLLM's /pause) until ``release``: requests submitted from this seq on are not handed out
         self.held_from: int | None = None
@@ -258,8 +258,8 @@ class SchedulerCore:
             self.fingerprint, self.block_size, self.max_model_len = fp, info.block_size, info.max_model_len
             if first and info.weights_version + info.weights_path:  # this scheduler restarted after an update
                 self.weights_version, self.weights_path = info.weights_version, info.weights_path
-            for path in info.adapters:  # loaded at runtime before this scheduler (re)started: joiners load them too
-                self.adapters.setdefault(path, "")
+            # adapters loaded at runtime before this scheduler (re)started: joiners load them too
+            self.adapters += [p for p in info.adapters if p not in self.adapters]
             old = self.engines.get(info.engine_id)
             if old is not None and old.alive:
                 self._engine_gone(info.engine_id, "re-registered")
@@ -883,7 +883,7 @@ class SchedulerCore:
                 "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
                 "weights_version": self.weights_version, "weights_path": self.weights_path, "paused": self.paused,
                 "held": self.held, "scheduling_policy": self.config.scheduling_policy,
-                "lora_adapters": sorted(self.adapters),  # loaded at runtime (those engines started with: their own)
+                "lora_adapters": list(self.adapters),  # loaded at runtime (those engines started with: their own)
                 "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
                 "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
                 "waiting_by_priority": self._waiting_by_priority(),

@@ -66,7 +66,8 @@ async def load_adapter(core: SchedulerCore, req: AdapterLoad, load_on=_adapter_o
         return AdapterLoadReply(False, _summary(failed) or f"the engines read different bytes of {req.path}",
                                 engines=len(by_id) - len(failed))
     digest = digests.pop()
-    core.adapters[req.path] = digest
+    if req.path not in core.adapters:
+        core.adapters.append(req.path)
     log.info("LoRA adapter %s (%s) loaded on %d engines", req.path, digest[:12], len(by_id))
     return AdapterLoadReply(True, digest=digest, engines=len(by_id))
 

@@ -314,6 +314,8 @@ def test_serve_refuses_an_unservable_adapter_before_any_engine_starts(tiny_adapt
 def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny_dirs, tiny_adapters):
     """``Engine.register``: the scheduler's reply lists the adapters loaded since the cluster started; the engine
     loads those it lacks before it takes work (its model and the registration, the rest of the engine left out)."""
+    from types import SimpleNamespace
+
     from dualpath.messages import RegisterReply
     from engines.engine import Engine
 
@@ -323,12 +325,15 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
 
     engine = Engine.__new__(Engine)
     engine.model = load_model(tiny_dirs["llama"], "cpu", torch.float32, "torch")
-    engine.scheduler, engine.info, engine.adapter_paths = Scheduler(), lambda: None, {str(tiny_adapters["poet"])}
-    engine.runtime_adapters = []
+    engine.scheduler, engine.info, engine.runtime_adapters = Scheduler(), lambda: None, []
+    engine.cfg = SimpleNamespace(engine=SimpleNamespace(lora_modules=(LoraModule("poet", str(tiny_adapters["poet"])),)))
     engine.register()
-    assert set(engine.model.adapters) == {adapter_digest(tiny_adapters["sql"])}  # poet: loaded already
-    assert engine.registered and engine.adapter_paths == {str(p) for p in tiny_adapters.values()}
-    assert engine.runtime_adapters == [str(tiny_adapters["sql"])]  # what it tells a scheduler that restarts
+    assert set(engine.model.adapters) == {adapter_digest(tiny_adapters["sql"])}  # poet: it started with it
+    assert engine.registered and engine.runtime_adapters == [str(tiny_adapters["sql"])]  # told to a new scheduler
+    loaded = engine.model.adapters[adapter_digest(tiny_adapters["sql"])]
+    engine.register()  # a second registration (a restarted scheduler) loads nothing again
+    assert engine.model.adapters[adapter_digest(tiny_adapters["sql"])] is loaded
+    assert engine.runtime_adapters == [str(tiny_adapters["sql"])]
 
 
 def test_the_generate_command_runs_under_an_adapter(tiny_dirs, tiny_adapters, capsys):

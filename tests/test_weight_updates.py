@@ -340,7 +340,7 @@ def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
     reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake(other={"p0"})))
     assert not reply.ok and "different bytes" in reply.error and not core.adapters
     reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake()))
-    assert reply.ok and reply.digest == "a" * 64 and reply.engines == 5 and core.adapters == {"/lora/x": "a" * 64}
+    assert reply.ok and reply.digest == "a" * 64 and reply.engines == 5 and core.adapters == ["/lora/x"]
     assert core.stats()["lora_adapters"] == ["/lora/x"]  # dualpath status shows them
     assert core.register(info("d9", Role.DECODE, "n9")).adapters == ["/lora/x"]
     fresh, _ = make_core("dualpath", Clock())  # a restarted scheduler: its engines tell it what they loaded

@@ -292,12 +292,13 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
     return rows
 
 
-def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool):
+def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool, lora_modules=None):
     from dualpath import LLM
 
     return LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
                block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
-               max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel())
+               max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel(),
+               lora_modules=lora_modules)
 
 
 def release(dev: torch.device) -> None:
@@ -475,9 +476,7 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
     path, w = llama_1b(work, smoke), ModelWork.make(smoke)
     adapters = {k: str(build_tiny_adapter(work / f"lora-{k}", path, seed=i, rank=16, alpha=32.0, std=0.01))
                 for i, k in enumerate(("a", "b"))}
-    llm = make_llm(p, dev, smoke, path, w, "triton", False)
-    for k, a in adapters.items():
-        llm.adapters[k] = llm.model.add_adapter(a)
+    llm = make_llm(p, dev, smoke, path, w, "triton", False, lora_modules=adapters)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
     cases = {"base": None, "one_adapter": "a", "mixed": (None, "a", "b")}

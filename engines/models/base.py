@@ -151,7 +151,7 @@ class CausalLM(nn.Module, ABC):
     def begin(self, batch: ForwardBatch) -> ForwardContext:
         """The batch's shared values; its integers (the adapters' rows too) reach the device in one copy."""
         t, b = batch.num_tokens, len(batch.new_lens)
-        lora = batch.adapter_rows() if batch.adapters else []
+        lora = batch.adapter_rows() if any(batch.adapters) else []  # most steps: the base model alone
         ints = np.concatenate([batch.positions(), np.array(batch.cached_lens, dtype=np.int32),
                                np.cumsum([0, *batch.new_lens], dtype=np.int32),
                                *[rows.astype(np.int32) for _, rows in lora]])
