@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
@@ -66,7 +68,9 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek-V3 mixture of experts: grouped top-k over sigmoid scores with a correction bias."""
+    """Mixture of experts. ``scoring`` "sigmoid": DeepSeek-V3's grouped top-k over sigmoid scores with a
+    correction bias; "softmax": Qwen3-MoE's top-k of softmax probabilities (no groups, bias or shared experts).
+    Layers below ``first_dense_layers`` and those in ``dense_layers`` keep a dense MLP."""
 
     num_experts: int
     num_experts_per_tok: int
@@ -77,11 +81,13 @@ class MoEConfig:
     routed_scaling_factor: float
     norm_topk_prob: bool
     first_dense_layers: int
+    scoring: str = "sigmoid"
+    dense_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "qwen2" or "deepseek_v3"
+    architecture: str  # "llama", "qwen2", "qwen3", "qwen3_moe" or "deepseek_v3"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -101,6 +107,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    sliding_window: int | None = None  # Mistral's attention window; only contexts within it are served
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -110,7 +118,18 @@ class ModelConfig:
         return 2 * self.num_kv_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and layer >= self.moe.first_dense_layers
+        m = self.moe
+        return m is not None and layer >= m.first_dense_layers and layer not in m.dense_layers
+
+    def context_limit(self, max_model_len: int | None = None) -> int:
+        """The longest sequence served: ``max_model_len`` (None or 0: the model's own limit). Beyond a sliding
+        window full attention is no longer the model's attention, so a longer limit is a ``ConfigError``."""
+        window = self.sliding_window
+        limit = max_model_len or min(self.max_position_embeddings, window or self.max_position_embeddings)
+        if window is not None and limit > window:
+            raise ConfigError(f"max_model_len {limit} exceeds the model's sliding window of {window} tokens; "
+                              f"sliding-window attention is not supported, so at most {window} tokens are served")
+        return limit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,7 +148,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) are not supported; "
                 "convert the weights to bfloat16 first")
-        if hf.get("use_sliding_window"):
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
             raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
         try:
             return _parse_hf(arch, hf)
@@ -185,9 +204,11 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
         rope = _rope_from_hf(hf, mla.qk_rope_head_dim, interleaved=bool(hf.get("rope_interleave", True)))
         num_kv_heads = num_heads
     else:
+        moe = _qwen3_moe(hf) if arch == "qwen3_moe" else None
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         rope = _rope_from_hf(hf, int(head_dim * hf.get("partial_rotary_factor", 1.0)), interleaved=False)
         num_kv_heads = hf.get("num_key_value_heads") or num_heads
+    qwen3 = arch in ("qwen3", "qwen3_moe")
     qkv_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
     return ModelConfig(
         architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
@@ -195,10 +216,24 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
         intermediate_size=hf["intermediate_size"], rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096), rope=rope,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        o_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
+        o_bias=(arch == "llama" or qwen3) and bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)), mla=mla, moe=moe,
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf), hidden_act=hf.get("hidden_act", "silu"),
+        qk_norm=qwen3, sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
     )
+
+
+def _qwen3_moe(hf: dict) -> MoEConfig | None:
+    """Qwen3-MoE's experts: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (None: no experts)."""
+    layers, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1, hf.get("mlp_only_layers") or ()
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # Qwen's name, or transformers 5's
+    if not experts:
+        return None
+    return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"], num_groups=1,
+                     topk_group=1, moe_intermediate_size=hf["moe_intermediate_size"], num_shared_experts=0,
+                     routed_scaling_factor=1.0, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                     first_dense_layers=0, scoring="softmax",
+                     dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step))
 
 
 @dataclass(frozen=True)

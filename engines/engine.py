@@ -83,7 +83,7 @@ class Engine:
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
-        self.max_model_len = cfg.max_model_len or ckpt.config.max_position_embeddings
+        self.max_model_len = ckpt.config.context_limit(cfg.max_model_len)
         self.model_dir = ckpt.path
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: Exception | None = None  # a failed load is not retried

@@ -103,7 +103,7 @@ class LocalEngine:
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps, draft tokens fed, kept
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_model_len = model.config.context_limit(max_model_len)
         graphs = make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
         self.runner = ModelRunner(model, cache, graphs)
         self.eos_ids = model.config.eos_token_ids

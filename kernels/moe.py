@@ -1,4 +1,5 @@
-"""DeepSeek-V3 mixture-of-experts routing and the routed-expert forward."""
+"""Mixture-of-experts routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3-MoE's softmax top-k) and the
+routed-expert forward."""
 from __future__ import annotations
 
 import torch
@@ -27,6 +28,16 @@ def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """Qwen3-MoE routing: the top-k experts by softmax probability (float32), their probabilities as weights,
+    renormalized to sum to one if asked. Returns ``(weights [T, k], expert_ids [T, k])``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k=top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

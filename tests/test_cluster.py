@@ -112,6 +112,22 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
+def test_a_qwen3_moe_cluster_matches_the_reference_on_both_read_paths(tiny_dirs, tmp_path):
+    """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between) through engine processes: its
+    stored KV read by the prefill engine and through the decode engine gives the single-process tokens."""
+    model = tiny_dirs["qwen3_moe"]
+    reference = LLM(str(model), block_size=BS)
+    with LocalCluster(spec(model, tmp_path / "kv", num_decode=1), run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        try:
+            for mode in ("pe", "de"):
+                results = run_conversation(client, reference, seed=40 + len(mode), turns=3, mode=mode)
+                assert [got.token_ids for _, got, _ in results] == [want for _, _, want in results], mode
+                assert all(got.num_cached_tokens > 0 and got.path == mode for _, got, _ in results[1:]), mode
+        finally:
+            client.close()
+
+
 @pytest.mark.parametrize("mode", ["pe", "de"])
 def test_a_schema_the_engines_cannot_enforce_fails_its_request_clearly(cluster, reference, mode):
     """A client that skips the frontend's checks: the prefill engine refuses the grammar, the request fails with the

@@ -34,6 +34,7 @@ def test_graphs_only_where_they_can_be_captured(tiny_dirs):
     assert not use_decode_graphs(llama, torch.device("cuda"), True)  # enforce_eager
     assert not use_decode_graphs(load_model(tiny_dirs["llama"], "cpu", kernels="torch"), torch.device("cuda"), False)
     assert load_model(tiny_dirs["deepseek_v3"], "cpu", kernels="triton").graph_safe  # fused MoE kernels
+    assert load_model(tiny_dirs["qwen3_moe"], "cpu", kernels="triton").graph_safe  # softmax routing: no host work
     assert not load_model(tiny_dirs["deepseek_v3"], "cpu", kernels="torch").graph_safe  # asks which experts run
 
 

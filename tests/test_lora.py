@@ -40,15 +40,24 @@ def merged_checkpoint(base, adapter, out):
     return out
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 @pytest.fixture(scope="module")
-def qwen_adapter(tiny_dirs, tmp_path_factory):
-    """Qwen2 (q/k/v biases, tied embeddings): an adapter of the attention projections only."""
-    return build_tiny_adapter(tmp_path_factory.mktemp("qwen-lora"), tiny_dirs["qwen2"], seed=5,
-                              targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+def other_adapters(tiny_dirs, tmp_path_factory):
+    """(base, adapter) of the other architectures: Qwen2 (q/k/v biases, tied embeddings) and Qwen3-MoE (its
+    experts are no target) under attention adapters, Qwen3 (per-head q/k norms, head_dim apart from hidden / heads)
+    under one of every projection."""
+    root = tmp_path_factory.mktemp("other-lora")
+    return {"qwen": (tiny_dirs["qwen2"], build_tiny_adapter(root / "qwen", tiny_dirs["qwen2"], seed=5,
+                                                            targets=ATTENTION)),
+            "qwen3": (tiny_dirs["qwen3"], build_tiny_adapter(root / "qwen3", tiny_dirs["qwen3"], seed=6)),
+            "qwen3_moe": (tiny_dirs["qwen3_moe"], build_tiny_adapter(root / "qwen3_moe", tiny_dirs["qwen3_moe"],
+                                                                     seed=7, targets=ATTENTION))}
 
 
-def _case(name, tiny_dirs, tiny_adapters, qwen_adapter):
-    return (tiny_dirs["qwen2"], qwen_adapter) if name == "qwen" else (tiny_dirs["llama"], tiny_adapters[name])
+def _case(name, tiny_dirs, tiny_adapters, other_adapters):
+    return other_adapters[name] if name in other_adapters else (tiny_dirs["llama"], tiny_adapters[name])
 
 
 def _ours(base, adapter, ids):
@@ -58,12 +67,12 @@ def _ours(base, adapter, ids):
     return logits
 
 
-@pytest.mark.parametrize("name", ["sql", "poet", "qwen"])
-def test_an_adapter_computes_what_peft_computes(name, tiny_dirs, tiny_adapters, qwen_adapter):
+@pytest.mark.parametrize("name", ["sql", "poet", "qwen", "qwen3", "qwen3_moe"])
+def test_an_adapter_computes_what_peft_computes(name, tiny_dirs, tiny_adapters, other_adapters):
     peft = pytest.importorskip("peft")
     import transformers
 
-    base, adapter = _case(name, tiny_dirs, tiny_adapters, qwen_adapter)
+    base, adapter = _case(name, tiny_dirs, tiny_adapters, other_adapters)
     ids = torch.randint(0, 320, (45,))
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
@@ -74,11 +83,12 @@ def test_an_adapter_computes_what_peft_computes(name, tiny_dirs, tiny_adapters, 
     assert rel_err(without, ref) > 100 * TOL  # the adapter changes the model: the check above could fail
 
 
-@pytest.mark.parametrize("name", ["sql", "poet", "qwen"])
-def test_an_adapter_computes_what_its_merged_weights_compute(name, tiny_dirs, tiny_adapters, qwen_adapter, tmp_path):
+@pytest.mark.parametrize("name", ["sql", "poet", "qwen", "qwen3"])
+def test_an_adapter_computes_what_its_merged_weights_compute(name, tiny_dirs, tiny_adapters, other_adapters,
+                                                             tmp_path):
     import transformers
 
-    base, adapter = _case(name, tiny_dirs, tiny_adapters, qwen_adapter)
+    base, adapter = _case(name, tiny_dirs, tiny_adapters, other_adapters)
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_checkpoint(base, adapter, tmp_path / "m"),
                                                                dtype=torch.float32)
     ids = torch.randint(0, 320, (33,))
@@ -170,6 +180,10 @@ def test_adapter_tensors_that_do_not_fit_are_refused(tiny_dirs, tiny_adapters, t
     deepseek = load_model(tiny_dirs["deepseek_v3"], "cpu", torch.float32, "torch")
     with pytest.raises(CheckpointError, match="not supported for deepseek_v3"):
         deepseek.add_adapter(tiny_adapters["sql"])
+    moe = load_model(tiny_dirs["qwen3_moe"], "cpu", torch.float32, "torch")  # its one dense MLP (layer 1) too
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj.* not a LoRA matrix of this model's "
+                                              r"q_proj, k_proj, v_proj, o_proj in"):
+        moe.add_adapter(build_tiny_adapter(tmp_path / "moe-mlp", tiny_dirs["qwen3_moe"], targets=("down_proj",)))
 
 
 def test_a_request_for_an_adapter_the_engine_lacks_is_refused(tiny_dirs):

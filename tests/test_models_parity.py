@@ -100,3 +100,54 @@ def test_bfloat16_stays_close(arch, tiny_dirs):
     a, _ = ref.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)
     b, _ = bf.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)
     assert rel_err(b, a) < 2e-2
+
+
+def test_qwen3_moe_layouts_and_unnormalized_routing_match_transformers(tmp_path):
+    """Qwen3-MoE as its own config.json spells it (``num_experts``, which transformers 5 saves as
+    ``num_local_experts``): experts on every second layer (``decoder_sparse_step``) but one in ``mlp_only_layers``,
+    routing weights left unnormalized (``norm_topk_prob`` false, Qwen3-30B-A3B's published default)."""
+    import json
+
+    import transformers
+
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+
+    d = build_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=2, num_hidden_layers=4, decoder_sparse_step=2,
+                              mlp_only_layers=[3], norm_topk_prob=False)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (d / "config.json").write_text(json.dumps(cfg))
+    model = load_model(d)
+    assert [model.config.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert model.config.moe.num_experts == 8 and not model.config.moe.norm_topk_prob
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = prompts(4)[1]
+    ours, _ = model.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert rel_err(ours, ref) < 1e-4
+
+
+def test_a_sliding_window_bounds_the_context_served(tmp_path, tiny_dirs):
+    """Mistral's sliding window: within it full attention is the model's attention, so contexts up to the window
+    are served (the default limit) and a longer ``max_model_len`` is refused, naming the window."""
+    import json
+    import shutil
+
+    from dualpath import LLM
+    from dualpath.errors import CheckpointError, ConfigError
+
+    d = shutil.copytree(tiny_dirs["llama"], tmp_path / "mistral")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
+                                               "model_type": "mistral", "sliding_window": 64}))
+    assert LLM(str(d), block_size=16).engine.max_model_len == 64
+    assert LLM(str(d), block_size=16, max_model_len=48).engine.max_model_len == 48
+    with pytest.raises(ConfigError, match="exceeds the model's sliding window of 64 tokens"):
+        LLM(str(d), block_size=16, max_model_len=128)
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
+                                               "model_type": "mistral", "sliding_window": None}))
+    assert LLM(str(d), block_size=16).engine.max_model_len == cfg["max_position_embeddings"]
+    (d / "config.json").write_text(json.dumps({**cfg, "layer_types": ["sliding_attention"] * 3}))
+    with pytest.raises(CheckpointError, match="sliding-window attention"):
+        load_model(d)

@@ -308,7 +308,7 @@ def test_row_writes_cast_to_the_cache_dtype():
 # ~12 s (llama) and ~13 s (deepseek_v3) in the interpreter; by default the kernels' own tests run, and a model's
 # decode steps on them (test_decode_graphs); bench/gpu/run.sh runs these on a GPU
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
     """Whole models, paged cache, chunked prefill, batched decode: the kernels change no greedy token."""
     from dualpath.llm import LLM
@@ -324,7 +324,7 @@ def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
     assert outs["triton"] == outs["torch"]
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.slow)])  # MLA: -m slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkeypatch, arch):
     """On the Triton kernels a layer reads its batch's lengths from the forward context (one copy per forward)
     and MoE layers run the fused kernels (the torch reference asks the host which experts run), so the host never

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints (Llama, Qwen2, DeepSeek-V3) built through Hugging Face transformers, for tests.
+"""Tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) built through Hugging Face transformers,
+for tests.
 
 Each is a real checkpoint directory: ``config.json``, safetensors weights (optionally sharded), a byte-level
 ``tokenizer.json`` (every byte is a token, plus ChatML specials) and a chat template. transformers is only
@@ -61,6 +62,14 @@ def _hf_config(arch: str, **overrides):
         cfg = dict(common, num_key_value_heads=2, tie_word_embeddings=True,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         return transformers.Qwen2Config(**{**cfg, **overrides})
+    if arch in ("qwen3", "qwen3_moe"):  # head_dim apart from hidden_size / heads, as Qwen3's models have it
+        cfg = dict(common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=arch == "qwen3",
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        if arch == "qwen3":
+            return transformers.Qwen3Config(**{**cfg, **overrides})
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[1])  # layer 1 keeps a dense MLP
+        return transformers.Qwen3MoeConfig(**{**cfg, **overrides})
     if arch == "deepseek_v3":
         cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
                    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,

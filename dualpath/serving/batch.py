@@ -225,7 +225,7 @@ def batch_main(args) -> int:
     try:
         if args.scheduler:
             scheduler, model_dir = args.scheduler, _model_dir(args.model)
-            max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
+            max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
         else:
             cluster, model_dir, max_len = cluster_from_args(args)
             scheduler = cluster.scheduler_address

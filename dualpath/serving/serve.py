@@ -104,7 +104,7 @@ def cluster_from_args(args):
     from engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
-    max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
+    max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
     engines = args.prefill + args.decode
     threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // engines) if args.device == "cpu" else 0)
     spec = ClusterSpec(
@@ -187,7 +187,7 @@ def frontend_main(args) -> int:
     from engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
-    max_len = args.max_model_len or open_checkpoint(model_dir).config.max_position_embeddings
+    max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
     names = served_names(args, model_dir)
     frontend = Frontend(FrontendConfig(names[0], model_dir, args.scheduler, max_len,
                                        args.api_key or os.environ.get("DUALPATH_API_KEY"), model_aliases=names[1:],

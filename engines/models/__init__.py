@@ -17,6 +17,8 @@ from kernels.attention import choose_backend
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
 }
 

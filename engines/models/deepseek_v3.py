@@ -12,10 +12,9 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
-from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
-from kernels.activation import silu_and_mul
+from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
 from kernels.attention import CachedRows, mla_attention
-from kernels.moe import grouped_topk, routed_experts
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, softmax_scale_factor
 
@@ -34,31 +33,6 @@ class MLAttention(nn.Module):
         self.kv_a_norm = param(m.kv_lora_rank)
         self.kv_b_w = param(c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         self.o_w = param(h, c.num_heads * m.v_head_dim)
-
-
-class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_up_w = param(2 * inter, hidden)
-        self.down_w = param(hidden, inter)
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor, backend: str) -> torch.Tensor:
-        """``residual + mlp(x)`` (``add_linear``: on the fused path the sum is the down projection's epilogue,
-        written over ``residual``, which the caller owns)."""
-        return add_linear(residual, silu_and_mul(linear(x, self.gate_up_w), backend), self.down_w, None, backend)
-
-
-class MoE(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        e = c.moe
-        self.router_w = param(e.num_experts, c.hidden_size, dtype=torch.float32)
-        self.router_bias = param(e.num_experts, dtype=torch.float32)
-        # routed experts stacked, so a fused kernel can index them by expert id: [E, 2I, H] (gate | up), [E, H, I]
-        self.experts_gate_up = param(e.num_experts, 2 * e.moe_intermediate_size, c.hidden_size)
-        self.experts_down = param(e.num_experts, c.hidden_size, e.moe_intermediate_size)
-        self.shared = DenseMLP(c.hidden_size, e.moe_intermediate_size * e.num_shared_experts) \
-            if e.num_shared_experts else None
 
 
 class DeepseekV3Layer(nn.Module):
@@ -99,13 +73,6 @@ class DeepseekV3ForCausalLM(CausalLM):
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new)
         return linear(out.reshape(t, -1), w.o_w), new_kv
 
-    def _moe(self, w: MoE, x: torch.Tensor) -> torch.Tensor:
-        e = self.config.moe
-        weights, ids = grouped_topk(linear(x.float(), w.router_w), w.router_bias, e.num_groups, e.topk_group,
-                                    e.num_experts_per_tok, e.norm_topk_prob, e.routed_scaling_factor)
-        out = routed_experts(x, weights, ids, w.experts_gate_up, w.experts_down, self.kernels)  # a fresh sum
-        return w.shared.add_to(out, x, self.kernels) if w.shared is not None else out
-
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
         c, w = self.config, self.layers[layer]
@@ -113,11 +80,10 @@ class DeepseekV3ForCausalLM(CausalLM):
                                        cached_kv)
         x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: the dense MLP may write its output into it
-        hidden = hidden + self._moe(w.mlp, x) if isinstance(w.mlp, MoE) else w.mlp.add_to(hidden, x, self.kernels)
-        return hidden, new_kv
+        return w.mlp.add_to(hidden, x, self.kernels), new_kv
 
     def float32_params(self) -> Sequence[str]:
-        return [n for n, _ in self.named_parameters() if n.endswith(("router_w", "router_bias"))]
+        return router_params(self)
 
     def weight_specs(self) -> Iterator[WeightSpec]:
         yield from super().weight_specs()
@@ -141,25 +107,6 @@ class DeepseekV3ForCausalLM(CausalLM):
                                              (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),))
             yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),))
             if c.is_moe_layer(i):
-                yield from self._moe_specs(p + "mlp.", src + "mlp.")
+                yield from moe_specs(c, p + "mlp.", src + "mlp.")
             else:
-                yield from _mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size)
-
-    def _moe_specs(self, p: str, src: str) -> Iterator[WeightSpec]:
-        c, e = self.config, self.config.moe
-        yield WeightSpec(p + "router_w", ((src + "gate.weight", (e.num_experts, c.hidden_size)),))
-        yield WeightSpec(p + "router_bias", ((src + "gate.e_score_correction_bias", (e.num_experts,)),))
-        h, inter, ex = c.hidden_size, e.moe_intermediate_size, range(e.num_experts)
-        yield WeightSpec(p + "experts_gate_up", tuple((f"{src}experts.{j}.{w}_proj.weight", (inter, h))
-                                                      for j in ex for w in ("gate", "up")), "stack", per_item=2)
-        yield WeightSpec(p + "experts_down", tuple((f"{src}experts.{j}.down_proj.weight", (h, inter)) for j in ex),
-                         "stack")
-        if e.num_shared_experts:
-            yield from _mlp_specs(p + "shared.", src + "shared_experts.", c.hidden_size,
-                                  e.moe_intermediate_size * e.num_shared_experts)
-
-
-def _mlp_specs(p: str, src: str, hidden: int, inter: int) -> Iterator[WeightSpec]:
-    yield WeightSpec(p + "gate_up_w", ((src + "gate_proj.weight", (inter, hidden)),
-                                       (src + "up_proj.weight", (inter, hidden))), "cat")
-    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),))
+                yield from mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size)
