@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,18 +53,35 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's sparse attention (DSA): a lightning indexer of ``num_heads`` heads scores every earlier token
+    against a ``head_dim``-wide key of its own, and each query attends to its ``topk`` best-scoring tokens only."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds ``kv_lora_rank + qk_rope_head_dim`` per token."""
+    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds ``kv_lora_rank + qk_rope_head_dim`` per token,
+    and with a sparse-attention ``indexer`` (V3.2) the indexer's key after them."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    indexer: IndexerConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def key_width(self) -> int:
+        """Elements of the attention's shared key (latent and rope key), the front of a cached row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "qwen2", "qwen3", "qwen3_moe" or "deepseek_v3"
+    architecture: str  # "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3" or "deepseek_v32"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -112,9 +130,10 @@ class ModelConfig:
 
     @property
     def kv_elems_per_token(self) -> int:
-        """Elements of one token's KV in one layer: K and V of every KV head, or MLA's latent plus rope key."""
+        """Elements of one token's KV in one layer: K and V of every KV head, or MLA's latent plus rope key (and
+        the sparse-attention indexer's key)."""
         if self.mla is not None:
-            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            return self.mla.key_width + (self.mla.indexer.head_dim if self.mla.indexer else 0)
         return 2 * self.num_kv_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -187,17 +206,18 @@ def _rope_from_hf(hf: dict, rotary_dim: int, interleaved: bool) -> RopeConfig:
 def _parse_hf(arch: str, hf: dict) -> ModelConfig:
     num_heads = hf["num_attention_heads"]
     mla = moe = None
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v32"):
         mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                         qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                        v_head_dim=hf["v_head_dim"])
+                        v_head_dim=hf["v_head_dim"], indexer=_indexer(hf) if arch == "deepseek_v32" else None)
         moe = MoEConfig(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
                         num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
                         moe_intermediate_size=hf["moe_intermediate_size"],
                         num_shared_experts=hf.get("n_shared_experts") or 0,
                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                        first_dense_layers=hf.get("first_k_dense_replace") or 0)
+                        first_dense_layers=hf.get("first_k_dense_replace") or 0,
+                        dense_layers=tuple(i for i, t in enumerate(hf.get("mlp_layer_types") or ()) if t == "dense"))
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise CheckpointError("only DeepSeek-V3 routing (sigmoid scores, noaux_tc) is supported")
         head_dim = mla.qk_rope_head_dim
@@ -221,6 +241,19 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf), hidden_act=hf.get("hidden_act", "silu"),
         qk_norm=qwen3, sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
     )
+
+
+def _indexer(hf: dict) -> IndexerConfig:
+    """DeepSeek-V3.2's indexer; its queries come from the query latent, so the model must have one."""
+    if not hf.get("q_lora_rank"):
+        raise CheckpointError("DeepSeek-V3.2's sparse-attention indexer reads the query latent: q_lora_rank is needed")
+    if set(hf.get("layer_types") or ()) - {"indexed_attention"}:
+        raise CheckpointError(f"layer types {sorted(set(hf['layer_types']))} are not supported (indexed_attention "
+                              "in every layer is)")
+    index = IndexerConfig(num_heads=hf["index_n_heads"], head_dim=hf["index_head_dim"], topk=hf["index_topk"])
+    if index.head_dim < hf["qk_rope_head_dim"] or min(index.num_heads, index.topk) < 1:
+        raise CheckpointError(f"degenerate sparse-attention indexer {index}")
+    return index
 
 
 def _qwen3_moe(hf: dict) -> MoEConfig | None:

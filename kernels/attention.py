@@ -105,11 +105,13 @@ def consecutive_tables(first_blocks: Sequence[int], num_blocks: Sequence[int], d
 CachedRows = Union[Sequence[torch.Tensor], PagedKV]
 
 
-def _rows(cached: CachedRows, i: int) -> torch.Tensor:
+def cached_rows(cached: CachedRows, i: int) -> torch.Tensor:
+    """Sequence ``i``'s cached rows ``[C_i, kv_elems]`` (a gather, from a paged cache with its lengths on the host)."""
     return cached.rows(i) if isinstance(cached, PagedKV) else cached[i]
 
 
-def _cache_dtype(cached: CachedRows, new_rows: torch.Tensor) -> torch.dtype:
+def cache_dtype(cached: CachedRows, new_rows: torch.Tensor) -> torch.dtype:
+    """The dtype the cache holds rows in (``new_rows``' own when nothing is cached)."""
     if isinstance(cached, PagedKV):
         return cached.cache.dtype
     return cached[0].dtype if len(cached) else new_rows.dtype
@@ -131,19 +133,20 @@ def _padded_rows(cached: CachedRows, like: torch.Tensor) -> tuple[torch.Tensor, 
     return rows, torch.tensor(lens, device=like.device)
 
 
-def _causal_offset_mask(n_new: int, n_cached: int, device) -> torch.Tensor:
+def causal_offset_mask(n_new: int, n_cached: int, device) -> torch.Tensor:
+    """``[n_new, n_cached + n_new]``: which keys (cached, then new) each new token may see."""
     # Query i (at absolute position n_cached + i) may see keys 0 .. n_cached + i.
     return torch.ones(n_new, n_cached + n_new, dtype=torch.bool, device=device).tril(diagonal=n_cached)
 
 
-def _attend_one(q, k, v, n_cached: int, scale: float) -> torch.Tensor:
-    # q [n, Hq, D]; k [L, Hk, D]; v [L, Hk, Dv] -> [n, Hq, Dv]
+def _attend_one(q, k, v, n_cached: int, scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    # q [n, Hq, D]; k [L, Hk, D]; v [L, Hk, Dv] -> [n, Hq, Dv]; ``allowed`` [n, L]: the keys each query sees
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
-    if n_cached == 0:
+    if n_cached == 0 and allowed is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[0] > 1, scale=scale, enable_gqa=gqa)
     else:
-        mask = _causal_offset_mask(q.shape[0], n_cached, q.device)
+        mask = causal_offset_mask(q.shape[0], n_cached, q.device) if allowed is None else allowed
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
@@ -165,28 +168,30 @@ def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float) -> 
 
 def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
                      new_lens: Sequence[int], scale: float, backend: str = "torch",
-                     cu_new: torch.Tensor | None = None) -> torch.Tensor:
+                     cu_new: torch.Tensor | None = None,
+                     allowed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for packed new tokens over per-sequence cached rows.
 
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
     Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged, and with
     ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
-    nothing between host and device.
+    nothing between host and device. ``allowed`` (sparse attention; the torch reference on any backend): per
+    sequence a bool ``[n_i, C_i + n_i]`` of the keys each new token sees, in place of the causal mask.
     """
-    new_rows = as_cached(new_rows, _cache_dtype(cached, new_rows))
-    if backend == "triton":
+    new_rows = as_cached(new_rows, cache_dtype(cached, new_rows))
+    if backend == "triton" and allowed is None:
         return _triton(q, new_rows, cached, split, new_lens, scale, cu_new)
     if isinstance(cached, PagedKV):
         cached = cached.on_host()
-    if len(new_lens) > 1 and all(n == 1 for n in new_lens):
+    if len(new_lens) > 1 and all(n == 1 for n in new_lens) and allowed is None:
         return _decode(q, new_rows, cached, split, scale)
     outs, start = [], 0
     for i, n in enumerate(new_lens):
         sl = slice(start, start + n)
-        c = _rows(cached, i).to(q.dtype)
+        c = cached_rows(cached, i).to(q.dtype)
         rows = torch.cat([c, new_rows[sl].to(q.dtype)]) if c.shape[0] else new_rows[sl]
         k, v = split(rows)
-        outs.append(_attend_one(q[sl], k, v, c.shape[0], scale))
+        outs.append(_attend_one(q[sl], k, v, c.shape[0], scale, None if allowed is None else allowed[i]))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -207,22 +212,24 @@ def gqa_split(num_kv_heads: int, head_dim: int) -> RowLayout:
     return RowLayout(num_kv_heads, head_dim, num_kv_heads * head_dim, head_dim)
 
 
-def mla_split(kv_lora_rank: int, row_width: int) -> RowLayout:
-    """Rows ``[latent | rope key]``: one shared key (the whole row) whose value is the latent."""
-    return RowLayout(1, row_width, 0, kv_lora_rank)
+def mla_split(kv_lora_rank: int, key_width: int) -> RowLayout:
+    """Rows ``[latent | rope key | ...]``: one shared key (the first ``key_width`` elements) whose value is the
+    latent. What follows the key (DeepSeek-V3.2's indexer key) is not attended over."""
+    return RowLayout(1, key_width, 0, kv_lora_rank)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows,
                   new_lens: Sequence[int], w_uk: torch.Tensor, w_uv: torch.Tensor, kv_lora_rank: int,
-                  scale: float, backend: str = "torch", cu_new: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, backend: str = "torch", cu_new: torch.Tensor | None = None,
+                  allowed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Multi-head latent attention in absorbed form over the cached latent.
 
-    A row ``[c_kv (kv_lora_rank) | k_pe (rope dim)]`` is the single shared key (queries are
-    ``[q_nope · W_UK | q_pe]``) and its latent the shared value, mapped back per head by ``W_UV``.
-    q_nope ``[T, H, dn]``, q_pe ``[T, H, dr]``, new_rows ``[T, R + dr]``, w_uk ``[H, dn, R]``, w_uv ``[H, dv, R]``.
-    Returns ``[T, H, dv]``. ``backend`` and ``cu_new`` as in ``varlen_attention``.
+    A row ``[c_kv (kv_lora_rank) | k_pe (rope dim) | ...]`` starts with the single shared key (queries are
+    ``[q_nope · W_UK | q_pe]``) and its latent is the shared value, mapped back per head by ``W_UV``.
+    q_nope ``[T, H, dn]``, q_pe ``[T, H, dr]``, new_rows ``[T, >= R + dr]``, w_uk ``[H, dn, R]``, w_uv
+    ``[H, dv, R]``. Returns ``[T, H, dv]``. ``backend``, ``cu_new`` and ``allowed`` as in ``varlen_attention``.
     """
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
-    out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, new_rows.shape[-1]), new_lens, scale,
-                               backend, cu_new)
+    out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, q.shape[-1]), new_lens, scale,
+                               backend, cu_new, allowed)
     return torch.einsum("thr,hvr->thv", out_lat, w_uv)

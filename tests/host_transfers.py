@@ -26,6 +26,21 @@ def host_transfers():
         yield seen
 
 
+def transfers_in_layers(monkeypatch: pytest.MonkeyPatch, model) -> list:
+    """Watch every ``model.forward_layer`` call from now on: returns the list ``host_transfers`` fills inside them."""
+    inside: list[tuple[str, str, int]] = []
+    layers = model.forward_layer
+
+    def layer(*a, **k):
+        with host_transfers() as seen:
+            out = layers(*a, **k)
+        inside.extend(seen)
+        return out
+
+    monkeypatch.setattr(model, "forward_layer", layer)
+    return inside
+
+
 def _spy(mp: pytest.MonkeyPatch, seen: list) -> None:
     def note(name: str) -> None:
         caller = sys._getframe(2).f_code

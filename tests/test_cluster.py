@@ -112,10 +112,12 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
-def test_a_qwen3_moe_cluster_matches_the_reference_on_both_read_paths(tiny_dirs, tmp_path):
-    """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between) through engine processes: its
-    stored KV read by the prefill engine and through the decode engine gives the single-process tokens."""
-    model = tiny_dirs["qwen3_moe"]
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v32"])
+def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
+    """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between) and DeepSeek-V3.2 (sparse
+    attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) through engine
+    processes: stored KV read by the prefill engine and through the decode engine gives the single-process tokens."""
+    model = tiny_dirs[arch]
     reference = LLM(str(model), block_size=BS)
     with LocalCluster(spec(model, tmp_path / "kv", num_decode=1), run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)

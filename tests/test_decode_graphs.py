@@ -36,6 +36,7 @@ def test_graphs_only_where_they_can_be_captured(tiny_dirs):
     assert load_model(tiny_dirs["deepseek_v3"], "cpu", kernels="triton").graph_safe  # fused MoE kernels
     assert load_model(tiny_dirs["qwen3_moe"], "cpu", kernels="triton").graph_safe  # softmax routing: no host work
     assert not load_model(tiny_dirs["deepseek_v3"], "cpu", kernels="torch").graph_safe  # asks which experts run
+    assert not load_model(tiny_dirs["deepseek_v32"], "cpu", kernels="triton").graph_safe  # the indexer's choice
 
 
 @pytest.mark.parametrize("kernels,reads_host", [("triton", False), ("torch", True)])

@@ -29,6 +29,8 @@ def test_mla_geometry_uses_latent_plus_rope_dims(tiny_dirs):
 
     cfg = ModelConfig.from_hf(json.loads((tiny_dirs["deepseek_v3"] / "config.json").read_text()))
     assert cfg.kv_elems_per_token == 32 + 16
+    sparse = ModelConfig.from_hf(json.loads((tiny_dirs["deepseek_v32"] / "config.json").read_text()))
+    assert sparse.kv_elems_per_token == 32 + 16 + 32 and sparse.mla.key_width == 32 + 16  # + the indexer's key
     gqa = ModelConfig.from_hf(json.loads((tiny_dirs["llama"] / "config.json").read_text()))
     assert gqa.kv_elems_per_token == 2 * 2 * 16
 

@@ -65,7 +65,7 @@ def float64_prompt_logprobs(model_dir, tokens: list[int]) -> torch.Tensor:
     return lps[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32"])
 def test_prompt_logprobs_against_a_float64_reference(tiny_dirs, arch):
     """Prefilled in chunks of 16 over an e4m3 paged cache: every prompt token's logprob equals the float64
     reference's within 1e-4 (seen: 9e-7; without the rounding the gap is ~5e-2)."""

@@ -97,6 +97,8 @@ def test_bfloat16_stays_close(arch, tiny_dirs):
     ref = load_model(tiny_dirs[arch])
     bf = load_model(tiny_dirs[arch], dtype="bfloat16")
     ids = prompts(2)[2]
+    if arch == "deepseek_v32":  # past index_topk (16) a rounding can flip the tokens a query attends to: there
+        ids = ids[:16]  # transformers' own bfloat16 logits differ from its float32 ones by 8%
     a, _ = ref.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)
     b, _ = bf.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)
     assert rel_err(b, a) < 2e-2

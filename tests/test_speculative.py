@@ -59,7 +59,7 @@ def pair(tiny_dirs):
     """Plain and speculative runtimes of one model."""
     return {arch: (LLM(str(tiny_dirs[arch]), block_size=BS), LLM(str(tiny_dirs[arch]), block_size=BS,
                                                                   speculative_config=SPEC))
-            for arch in ("llama", "deepseek_v3")}
+            for arch in ("llama", "deepseek_v3", "deepseek_v32")}
 
 
 def same(plain, spec, params, prompts=PROMPTS):
@@ -108,8 +108,11 @@ def test_bad_words_hold_under_speculation(pair):
     assert got != free and not any(tuple(got[i:i + len(w)]) == w for w in words for i in range(len(got)))
 
 
-def test_mla_models_too(pair):
-    plain, spec = pair["deepseek_v3"]
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_models_too(pair, arch):
+    """DeepSeek-V3.2 too: a step verifying drafts scores them in one forward, and each row's sparse choice is the
+    one its plain decode step makes."""
+    plain, spec = pair[arch]
     same(plain, spec, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert spec.engine.spec_stats["accepted"] > 0
 

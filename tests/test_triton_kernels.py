@@ -308,7 +308,7 @@ def test_row_writes_cast_to_the_cache_dtype():
 # ~12 s (llama) and ~13 s (deepseek_v3) in the interpreter; by default the kernels' own tests run, and a model's
 # decode steps on them (test_decode_graphs); bench/gpu/run.sh runs these on a GPU
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "deepseek_v32"])
 def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
     """Whole models, paged cache, chunked prefill, batched decode: the kernels change no greedy token."""
     from dualpath.llm import LLM
@@ -336,7 +336,7 @@ def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkey
     from engines.local import ModelRunner
     from engines.models import load_model
     from engines.sequence import Sequence
-    from host_transfers import host_transfers
+    from host_transfers import transfers_in_layers
 
     model = load_model(tiny_dirs[arch], DEVICE, kernels="triton")
     cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
@@ -345,16 +345,7 @@ def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkey
         cache.reserve(s.seq_id, s.num_tokens + 1)
     runner = ModelRunner(model, cache)
     runner.forward(seqs, [5, 3])  # cached parts for the next forward
-    layers = model.forward_layer
-    inside = []
-
-    def layer(*a, **k):
-        with host_transfers() as seen:
-            out = layers(*a, **k)
-        inside.extend(seen)
-        return out
-
-    monkeypatch.setattr(model, "forward_layer", layer)
+    inside = transfers_in_layers(monkeypatch, model)
     runner.forward(seqs, [15, 3])  # prefill over cached tokens
     runner.forward(seqs[1:], [1])  # decode
     assert inside == []

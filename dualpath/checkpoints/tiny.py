@@ -1,5 +1,5 @@
-"""Tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) built through Hugging Face transformers,
-for tests.
+"""Tiny random checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2) built through Hugging Face
+transformers, for tests.
 
 Each is a real checkpoint directory: ``config.json``, safetensors weights (optionally sharded), a byte-level
 ``tokenizer.json`` (every byte is a token, plus ChatML specials) and a chat template. transformers is only
@@ -70,7 +70,7 @@ def _hf_config(arch: str, **overrides):
         cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[1])  # layer 1 keeps a dense MLP
         return transformers.Qwen3MoeConfig(**{**cfg, **overrides})
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "deepseek_v32"):
         cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
                    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
                    n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -78,7 +78,14 @@ def _hf_config(arch: str, **overrides):
                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
                                     "mscale": 1.0, "mscale_all_dim": 1.0})
-        return transformers.DeepseekV3Config(**{**cfg, **overrides})
+        if arch == "deepseek_v3":
+            return transformers.DeepseekV3Config(**{**cfg, **overrides})
+        # An indexer that keeps 16 tokens, so tests' prompts of a few dozen tokens attend sparsely. Where scores
+        # tie at the cut transformers' topk picks any (our kernel the earliest), so ties are made rare: 16 heads
+        # (a key scores exactly 0 when all of them score it below zero), and no pad token (whose embedding row
+        # transformers zeroes: all of its query's scores would be 0)
+        cfg.update(index_n_heads=16, index_head_dim=32, index_topk=16, pad_token_id=None)
+        return transformers.DeepseekV32Config(**{**cfg, **overrides})
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
@@ -94,7 +101,7 @@ def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_
     config = _hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if arch == "deepseek_v3":  # random correction biases with enough spread that routing
+    if arch.startswith("deepseek"):  # random correction biases with enough spread that routing
         # exercises them and bfloat16 rounding does not flip expert choices
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -20,6 +20,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "deepseek_v32": DeepseekV3ForCausalLM,
 }
 
 

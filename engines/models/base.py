@@ -87,7 +87,8 @@ class ForwardContext:
     sin: torch.Tensor
     cached_lens: torch.Tensor  # [B] int32
     cu_new: torch.Tensor  # [B + 1] int32
-    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
+    lora: tuple[AdapterRows, ...] = ()
+    max_seen: int | None = None  # the most tokens a query sees (cached + new), where the host knows it  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class CausalLM(nn.Module, ABC):
                                *[rows.astype(np.int32) for _, rows in lora]])
         dev = torch.from_numpy(ints).to(self.embed_tokens.device)
         ctx = self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:t + 2 * b + 1])
+        ctx.max_seen = max(c + n for c, n in zip(batch.cached_lens, batch.new_lens))
         at = t + 2 * b + 1
         for adapter, rows in lora:
             ctx.lora += (AdapterRows(self._adapter(adapter), dev[at:at + len(rows)] if len(rows) < t else None),)

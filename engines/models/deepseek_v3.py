@@ -1,7 +1,13 @@
-"""DeepSeek-V3: multi-head latent attention over a cached latent, and MoE with dense first layers.
+"""DeepSeek-V3 and V3.2: multi-head latent attention over a cached latent, and MoE with dense first layers.
 
-KV row of one token in one layer: ``[c_kv (kv_lora_rank), after kv_a_layernorm | k_pe (rope dim), after RoPE]``.
-Attention runs in absorbed form (queries mapped into the latent space), so the latent is never expanded.
+KV row of one token in one layer: ``[c_kv (kv_lora_rank), after kv_a_layernorm | k_pe (rope dim), after RoPE]``,
+and for V3.2 then ``[indexer key (index head dim), after its LayerNorm and RoPE]``. Attention runs in absorbed form
+(queries mapped into the latent space), so the latent is never expanded.
+
+V3.2's sparse attention (DSA): a lightning indexer picks the ``index_topk`` earlier tokens each query attends to
+(``kernels.sparse_attention``). Its keys ride in the KV row, so they are stored, loaded and sent with the rest of
+the KV. A batch in which no query sees more than ``index_topk`` tokens attends densely (exactly the same result)
+on any kernels; the sparse choice runs on the torch reference, so V3.2 decode steps are not CUDA graphs.
 """
 from __future__ import annotations
 
@@ -14,9 +20,28 @@ from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
+import torch.nn.functional as F
+
 from kernels.attention import CachedRows, mla_attention
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, softmax_scale_factor
+from kernels.sparse_attention import needs_selection, select_tokens
+
+_INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm (fixed in DeepSeek's code, not in config.json)
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: queries from the query latent, one shared key, per-head weights."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        m, h = c.mla, c.hidden_size
+        i = m.indexer
+        self.q_w = param(i.num_heads * i.head_dim, m.q_lora_rank)
+        self.k_w = param(i.head_dim, h)
+        self.k_norm_w = param(i.head_dim)
+        self.k_norm_b = param(i.head_dim)
+        self.weights_w = param(i.num_heads, h)
 
 
 class MLAttention(nn.Module):
@@ -33,6 +58,8 @@ class MLAttention(nn.Module):
         self.kv_a_norm = param(m.kv_lora_rank)
         self.kv_b_w = param(c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         self.o_w = param(h, c.num_heads * m.v_head_dim)
+        if m.indexer:
+            self.indexer = Indexer(c)
 
 
 class DeepseekV3Layer(nn.Module):
@@ -57,21 +84,41 @@ class DeepseekV3ForCausalLM(CausalLM):
         c, m = self.config, self.config.mla
         t, nh = x.shape[0], c.num_heads
         if m.q_lora_rank:
-            q = linear(rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps, self.kernels), w.q_b_w)
+            q_lat = rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps, self.kernels)
+            q = linear(q_lat, w.q_b_w)
         else:
             q = linear(x, w.q_w)
         q = q.view(t, nh, m.qk_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
         ckv, r, dr = linear(x, w.kv_a_w), m.kv_lora_rank, m.qk_rope_head_dim
-        new_kv = torch.empty_like(ckv)  # the KV row [normed latent | rotated k_pe], each part written in place
+        # the KV row [normed latent | rotated k_pe | indexer key], each part written in place
+        new_kv = ckv.new_empty(t, c.kv_elems_per_token)
         rms_norm(ckv[:, :r], w.kv_a_norm, c.rms_norm_eps, self.kernels, out=new_kv[:, :r])
         apply_rope(ckv[:, r:].view(t, 1, dr), ctx.cos, ctx.sin, c.rope.interleaved, self.kernels,
-                   out=new_kv[:, r:].view(t, 1, dr))
+                   out=new_kv[:, r:m.key_width].view(t, 1, dr))
         q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved, self.kernels)
+        allowed = self._index(w.indexer, x, q_lat, ctx, cached_kv, new_kv) if m.indexer else None
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
-                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new)
+                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new,
+                            allowed)
         return linear(out.reshape(t, -1), w.o_w), new_kv
+
+    def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows,
+               new_kv: torch.Tensor) -> list[torch.Tensor] | None:
+        """Write the new tokens' indexer keys into their KV rows; return which keys each query attends to (None:
+        all it sees). The indexer rotates the first rope dims of its queries and key unpaired (not interleaved)."""
+        m, t = self.config.mla, x.shape[0]
+        i = m.indexer
+        key = new_kv[:, m.key_width:]
+        k = F.layer_norm(linear(x, w.k_w), (i.head_dim,), w.k_norm_w, w.k_norm_b, _INDEXER_NORM_EPS)
+        apply_rope(k.view(t, 1, i.head_dim), ctx.cos, ctx.sin, False, self.kernels, out=key.view(t, 1, i.head_dim))
+        if not needs_selection(cached_kv, ctx.new_lens, i.topk, ctx.max_seen):
+            return None
+        q = apply_rope(linear(q_lat, w.q_w).view(t, i.num_heads, i.head_dim), ctx.cos, ctx.sin, False,
+                       self.kernels)
+        weights = linear(x, w.weights_w).float() * i.num_heads ** -0.5
+        return select_tokens(q, weights, key, cached_kv, m.key_width, ctx.new_lens, i.topk, i.head_dim ** -0.5)
 
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +128,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: the dense MLP may write its output into it
         return w.mlp.add_to(hidden, x, self.kernels), new_kv
+
+    @property
+    def graph_safe(self) -> bool:
+        return super().graph_safe and self.config.mla.indexer is None  # the indexer's choice is host work
 
     def float32_params(self) -> Sequence[str]:
         return router_params(self)
@@ -106,7 +157,18 @@ class DeepseekV3ForCausalLM(CausalLM):
             yield WeightSpec(a + "kv_b_w", ((sa + "kv_b_proj.weight",
                                              (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),))
             yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),))
+            if m.indexer:
+                yield from _indexer_specs(m, h, a + "indexer.", sa + "indexer.")
             if c.is_moe_layer(i):
                 yield from moe_specs(c, p + "mlp.", src + "mlp.")
             else:
                 yield from mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size)
+
+
+def _indexer_specs(m, h: int, p: str, src: str) -> Iterator[WeightSpec]:
+    i = m.indexer
+    yield WeightSpec(p + "q_w", ((src + "wq_b.weight", (i.num_heads * i.head_dim, m.q_lora_rank)),))
+    yield WeightSpec(p + "k_w", ((src + "wk.weight", (i.head_dim, h)),))
+    yield WeightSpec(p + "k_norm_w", ((src + "k_norm.weight", (i.head_dim,)),))
+    yield WeightSpec(p + "k_norm_b", ((src + "k_norm.bias", (i.head_dim,)),))
+    yield WeightSpec(p + "weights_w", ((src + "weights_proj.weight", (i.num_heads, h)),))

@@ -1,0 +1,152 @@
+"""DeepSeek-V3.2's sparse attention: the indexer's choice of tokens against a float64 brute force, attention over
+the chosen tokens, and what the model refuses. (The model against transformers: test_models_parity.py.)"""
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dualpath.config import ModelConfig
+from dualpath.errors import CheckpointError
+from engines.models import ForwardBatch, load_model
+from kernels import sparse_attention
+from kernels.attention import PagedKV, mla_attention
+from kernels.sparse_attention import needs_selection, select_tokens
+
+H, D, OFF, WIDTH, BS = 3, 8, 5, 5 + 8 + 2, 4  # indexer heads, key width, where keys start in a row, row width
+
+
+def check_choice(chosen, q, w, keys, n_cached, topk, scale):
+    """Per query, in float64: it chose ``topk`` of the keys it sees (all, if it sees no more), and none it passed
+    over scores higher than one it chose. (Ties are common: a key every head scores below zero scores 0.)"""
+    q, w, keys = q.double(), w.double(), keys.double()
+    for j in range(q.shape[0]):
+        seen = n_cached + j + 1
+        score = (w[j, :, None] * torch.relu(q[j] @ keys[:seen].T * scale)).sum(0)
+        mine = chosen[j, :seen]
+        assert int(mine.sum()) == min(topk, seen) and not chosen[j, seen:].any()
+        if seen > topk:
+            assert score[mine].min() >= score[~mine].max() - 1e-9
+
+
+def paged(rows: list[torch.Tensor]) -> PagedKV:
+    """The rows in a paged cache, blocks in reverse order so that a table is not the identity."""
+    cache, tables, top = torch.randn(40, BS, WIDTH), [], 39
+    for r in rows:
+        blocks = list(range(top, top - (r.shape[0] // BS + 1), -1))
+        top -= len(blocks)
+        flat = cache[blocks].reshape(-1, WIDTH)
+        flat[: r.shape[0]] = r
+        cache[blocks] = flat.view(-1, BS, WIDTH)
+        tables.append(blocks)
+    width = max(map(len, tables))
+    return PagedKV(cache, torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables]), [r.shape[0] for r in rows])
+
+
+@pytest.mark.parametrize("form", ["rows", "paged"])
+@pytest.mark.parametrize("score_elems", [1 << 26, 64])  # 64: queries are scored a few rows at a time
+def test_the_chosen_tokens_are_the_best_scoring_ones(monkeypatch, form, score_elems):
+    monkeypatch.setattr(sparse_attention, "_SCORE_ELEMS", score_elems)
+    topk, scale = 6, D ** -0.5
+    lens = [(0, 3), (0, 11), (9, 1), (2, 5), (30, 4), (4, 1)]  # (cached, new): within topk, beyond, decode rows
+    cached = [torch.randn(c, WIDTH) for c, _ in lens]
+    new_lens = [n for _, n in lens]
+    t = sum(new_lens)
+    q, w, new_keys = torch.randn(t, H, D), torch.randn(t, H), torch.randn(t, D)
+    got = select_tokens(q, w, new_keys, paged(cached) if form == "paged" else cached, OFF, new_lens, topk, scale)
+    start = 0
+    for i, (c, n) in enumerate(lens):
+        keys = torch.cat([cached[i][:, OFF:OFF + D], new_keys[start:start + n]])
+        check_choice(got[i], q[start:start + n], w[start:start + n], keys, c, topk, scale)
+        start += n
+    assert needs_selection(cached, new_lens, topk)
+    assert not needs_selection(cached[:1] + cached[3:4], [3, 4], topk)  # 3 and 2 + 4 tokens: dense is exact
+
+
+def test_attention_over_the_chosen_tokens_against_float64():
+    """MLA over rows ``[latent | rope key | indexer key]`` restricted to a mask: the indexer key columns are not
+    attended over, and every query sees exactly its chosen tokens."""
+    h, dn, dr, dv, r, di = 3, 8, 4, 6, 12, 7
+    w_kv_b = torch.randn(h, dn + dv, r) * 0.3
+    new_lens, n_cached = [3, 1], [6, 9]
+    cached = [torch.randn(c, r + dr + di) for c in n_cached]
+    new = torch.randn(4, r + dr + di)
+    q_nope, q_pe = torch.randn(4, h, dn), torch.randn(4, h, dr)
+    allowed = [torch.rand(n, c + n) < 0.5 for c, n in zip(n_cached, new_lens)]
+    for a in allowed:
+        a[:, 0] = True  # every query sees at least one token
+    out = mla_attention(q_nope, q_pe, new, cached, new_lens, w_kv_b[:, :dn], w_kv_b[:, dn:], r, 0.2,
+                        allowed=allowed)
+    start = 0
+    for i, n in enumerate(new_lens):
+        lat = torch.cat([cached[i], new[start:start + n]]).double()[:, : r + dr]
+        keys = torch.cat([torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double()),
+                          lat[:, None, r:].expand(-1, h, -1)], -1)
+        vals = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, dn:].double())
+        q = torch.cat([q_nope[start:start + n], q_pe[start:start + n]], -1).double()
+        s = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
+        ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed[i], float("-inf")).softmax(-1), vals)
+        assert (out[start:start + n].double() - ref).abs().max() < 1e-4
+        start += n
+
+
+def test_the_indexer_changes_the_answer_past_topk(tiny_dirs):
+    """The parity tests could fail: attending densely (a topk no prompt reaches) moves the logits of tokens
+    beyond the 16th by far more than the 1e-4 the sparse model is held to against transformers."""
+    model = load_model(tiny_dirs["deepseek_v32"])
+    ids = torch.arange(3, 43)
+    sparse, _ = model.forward_all(ids, ForwardBatch((0,), (40,)), all_logits=True)
+    m = model.config.mla
+    model.config = replace(model.config, mla=replace(m, indexer=replace(m.indexer, topk=4096)))
+    dense, _ = model.forward_all(ids, ForwardBatch((0,), (40,)), all_logits=True)
+    assert torch.allclose(sparse[:16], dense[:16], atol=1e-5)  # no query sees more than 16 tokens there
+    assert ((sparse[16:] - dense[16:]).norm() / dense[16:].norm()) > 1e-2
+
+
+def _config(tiny_dirs, **changes):
+    hf = json.loads((tiny_dirs["deepseek_v32"] / "config.json").read_text())
+    return {**hf, **changes}
+
+
+def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs, tmp_path):
+    with pytest.raises(CheckpointError, match="q_lora_rank"):
+        ModelConfig.from_hf(_config(tiny_dirs, q_lora_rank=None))
+    with pytest.raises(CheckpointError, match="layer types"):
+        ModelConfig.from_hf(_config(tiny_dirs, layer_types=["indexed_attention", "full_attention", "full_attention"]))
+    with pytest.raises(CheckpointError, match="index_topk"):
+        ModelConfig.from_hf({k: v for k, v in _config(tiny_dirs).items() if k != "index_topk"})
+    d = shutil.copytree(tiny_dirs["deepseek_v32"], tmp_path / "m")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.2.self_attn.indexer.k_norm.bias"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.2\.self_attn\.indexer\.k_norm\.bias"):
+        load_model(d)
+
+
+def test_within_topk_the_triton_layer_loop_copies_nothing_and_past_it_matches_the_reference(tiny_dirs, monkeypatch):
+    """While no query sees more than index_topk (16) tokens, DeepSeek-V3.2 attends densely on the Triton kernels
+    and its layer loop makes no host transfers (the batch's longest context comes from the host); past that its
+    attention runs on the torch reference, and either way the logits are the torch backend's."""
+    from dualpath.geometry import KVGeometry
+    from dualpath.sampling_params import SamplingParams
+    from engines.kv_cache import PagedKVCache
+    from engines.local import ModelRunner
+    from engines.sequence import Sequence
+    from host_transfers import transfers_in_layers
+
+    runs = {}
+    for kernels in ("torch", "triton"):
+        model = load_model(tiny_dirs["deepseek_v32"], "cpu", kernels=kernels)
+        cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", 16), 32, "cpu")
+        seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for i, n in enumerate((30, 7))]
+        for s in seqs:
+            cache.reserve(s.seq_id, s.num_tokens + 1)
+        runner, inside = ModelRunner(model, cache), transfers_in_layers(monkeypatch, model)
+        dense = [runner.forward(seqs, [5, 3]), runner.forward(seqs, [7, 3])]  # 12 and 6 tokens seen
+        assert not inside or kernels == "torch"
+        sparse = runner.forward(seqs, [18, 1])  # 30 seen: the indexer chooses
+        runs[kernels] = torch.cat([*dense, sparse])
+    assert torch.allclose(runs["triton"], runs["torch"], atol=1e-4, rtol=1e-4)
