@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from dualpath.config import KERNEL_BACKENDS
 from dualpath.errors import ConfigError
 from kernels.kv_move import as_cached, gather_tokens
+from kernels.sparse_attention import IndexQuery
 
 
 def choose_backend(name: str, device: torch.device | str) -> str:
@@ -105,13 +106,11 @@ def consecutive_tables(first_blocks: Sequence[int], num_blocks: Sequence[int], d
 CachedRows = Union[Sequence[torch.Tensor], PagedKV]
 
 
-def cached_rows(cached: CachedRows, i: int) -> torch.Tensor:
-    """Sequence ``i``'s cached rows ``[C_i, kv_elems]`` (a gather, from a paged cache with its lengths on the host)."""
+def _rows(cached: CachedRows, i: int) -> torch.Tensor:
     return cached.rows(i) if isinstance(cached, PagedKV) else cached[i]
 
 
-def cache_dtype(cached: CachedRows, new_rows: torch.Tensor) -> torch.dtype:
-    """The dtype the cache holds rows in (``new_rows``' own when nothing is cached)."""
+def _cache_dtype(cached: CachedRows, new_rows: torch.Tensor) -> torch.dtype:
     if isinstance(cached, PagedKV):
         return cached.cache.dtype
     return cached[0].dtype if len(cached) else new_rows.dtype
@@ -133,8 +132,7 @@ def _padded_rows(cached: CachedRows, like: torch.Tensor) -> tuple[torch.Tensor, 
     return rows, torch.tensor(lens, device=like.device)
 
 
-def causal_offset_mask(n_new: int, n_cached: int, device) -> torch.Tensor:
-    """``[n_new, n_cached + n_new]``: which keys (cached, then new) each new token may see."""
+def _causal_offset_mask(n_new: int, n_cached: int, device) -> torch.Tensor:
     # Query i (at absolute position n_cached + i) may see keys 0 .. n_cached + i.
     return torch.ones(n_new, n_cached + n_new, dtype=torch.bool, device=device).tril(diagonal=n_cached)
 
@@ -146,52 +144,59 @@ def _attend_one(q, k, v, n_cached: int, scale: float, allowed: torch.Tensor | No
     if n_cached == 0 and allowed is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[0] > 1, scale=scale, enable_gqa=gqa)
     else:
-        mask = causal_offset_mask(q.shape[0], n_cached, q.device) if allowed is None else allowed
+        mask = _causal_offset_mask(q.shape[0], n_cached, q.device) if allowed is None else allowed
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
 
-def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float) -> torch.Tensor:
+def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float,
+            index: IndexQuery | None = None) -> torch.Tensor:
     # One query per sequence: each new row goes in the slot after its sequence's cached rows, then one masked
-    # attention over the padded batch.
+    # attention over the padded batch (sparse: over the rows the indexer chose, gathered).
     rows, lens = _padded_rows(cached, new_rows)
     rows = rows.to(q.dtype)
     b = rows.shape[0]
     rows[torch.arange(b, device=rows.device), lens] = new_rows.to(q.dtype)
+    if index is not None and rows.shape[1] > index.topk:
+        idx, mask = index.choose_decode(rows, lens)
+        rows = rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
+    else:
+        mask = torch.arange(rows.shape[1], device=rows.device)[None, :] <= lens[:, None]
     k, v = split(rows)
-    mask = torch.arange(rows.shape[1], device=rows.device)[None, :] <= lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[2])
-    return out[:, :, 0, :]
+    # a KV head's query heads are its one-token queries (not an expansion of K and V to every query head, which
+    # for MLA's single shared head at 32K tokens would take gigabytes)
+    hq, hk = q.shape[1], k.shape[2]
+    out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, q.shape[-1]), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, hq, -1)
 
 
 def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
                      new_lens: Sequence[int], scale: float, backend: str = "torch",
-                     cu_new: torch.Tensor | None = None,
-                     allowed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                     cu_new: torch.Tensor | None = None, index: IndexQuery | None = None) -> torch.Tensor:
     """Attention for packed new tokens over per-sequence cached rows.
 
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
     Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged, and with
     ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
-    nothing between host and device. ``allowed`` (sparse attention; the torch reference on any backend): per
-    sequence a bool ``[n_i, C_i + n_i]`` of the keys each new token sees, in place of the causal mask.
+    nothing between host and device. ``index`` (DeepSeek-V3.2's sparse attention; the torch reference on any
+    backend): each new token attends to the tokens the indexer chooses for it, not to all it sees.
     """
-    new_rows = as_cached(new_rows, cache_dtype(cached, new_rows))
-    if backend == "triton" and allowed is None:
+    new_rows = as_cached(new_rows, _cache_dtype(cached, new_rows))
+    if backend == "triton" and index is None:
         return _triton(q, new_rows, cached, split, new_lens, scale, cu_new)
     if isinstance(cached, PagedKV):
         cached = cached.on_host()
-    if len(new_lens) > 1 and all(n == 1 for n in new_lens) and allowed is None:
-        return _decode(q, new_rows, cached, split, scale)
+    if len(new_lens) > 1 and all(n == 1 for n in new_lens):
+        return _decode(q, new_rows, cached, split, scale, index)
     outs, start = [], 0
     for i, n in enumerate(new_lens):
         sl = slice(start, start + n)
-        c = cached_rows(cached, i).to(q.dtype)
+        c = _rows(cached, i).to(q.dtype)
         rows = torch.cat([c, new_rows[sl].to(q.dtype)]) if c.shape[0] else new_rows[sl]
         k, v = split(rows)
-        outs.append(_attend_one(q[sl], k, v, c.shape[0], scale, None if allowed is None else allowed[i]))
+        allowed = None if index is None else index.choose(rows, c.shape[0], sl)
+        outs.append(_attend_one(q[sl], k, v, c.shape[0], scale, allowed))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -221,15 +226,15 @@ def mla_split(kv_lora_rank: int, key_width: int) -> RowLayout:
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows,
                   new_lens: Sequence[int], w_uk: torch.Tensor, w_uv: torch.Tensor, kv_lora_rank: int,
                   scale: float, backend: str = "torch", cu_new: torch.Tensor | None = None,
-                  allowed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                  index: IndexQuery | None = None) -> torch.Tensor:
     """Multi-head latent attention in absorbed form over the cached latent.
 
     A row ``[c_kv (kv_lora_rank) | k_pe (rope dim) | ...]`` starts with the single shared key (queries are
     ``[q_nope · W_UK | q_pe]``) and its latent is the shared value, mapped back per head by ``W_UV``.
     q_nope ``[T, H, dn]``, q_pe ``[T, H, dr]``, new_rows ``[T, >= R + dr]``, w_uk ``[H, dn, R]``, w_uv
-    ``[H, dv, R]``. Returns ``[T, H, dv]``. ``backend``, ``cu_new`` and ``allowed`` as in ``varlen_attention``.
+    ``[H, dv, R]``. Returns ``[T, H, dv]``. ``backend``, ``cu_new`` and ``index`` as in ``varlen_attention``.
     """
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
     out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, q.shape[-1]), new_lens, scale,
-                               backend, cu_new, allowed)
+                               backend, cu_new, index)
     return torch.einsum("thr,hvr->thv", out_lat, w_uv)

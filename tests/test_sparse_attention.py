@@ -12,7 +12,7 @@ from dualpath.errors import CheckpointError
 from engines.models import ForwardBatch, load_model
 from kernels import sparse_attention
 from kernels.attention import PagedKV, mla_attention
-from kernels.sparse_attention import needs_selection, select_tokens
+from kernels.sparse_attention import IndexQuery
 
 H, D, OFF, WIDTH, BS = 3, 8, 5, 5 + 8 + 2, 4  # indexer heads, key width, where keys start in a row, row width
 
@@ -44,51 +44,73 @@ def paged(rows: list[torch.Tensor]) -> PagedKV:
     return PagedKV(cache, torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables]), [r.shape[0] for r in rows])
 
 
-@pytest.mark.parametrize("form", ["rows", "paged"])
-@pytest.mark.parametrize("score_elems", [1 << 26, 64])  # 64: queries are scored a few rows at a time
-def test_the_chosen_tokens_are_the_best_scoring_ones(monkeypatch, form, score_elems):
+@pytest.mark.parametrize("score_elems", [1 << 26, 64])  # 64: queries are scored a few at a time
+def test_the_chosen_tokens_are_the_best_scoring_ones(monkeypatch, score_elems):
+    """Prefill rows (within topk, beyond it, one token over a cached part) and a padded decode batch."""
     monkeypatch.setattr(sparse_attention, "_SCORE_ELEMS", score_elems)
     topk, scale = 6, D ** -0.5
-    lens = [(0, 3), (0, 11), (9, 1), (2, 5), (30, 4), (4, 1)]  # (cached, new): within topk, beyond, decode rows
-    cached = [torch.randn(c, WIDTH) for c, _ in lens]
-    new_lens = [n for _, n in lens]
-    t = sum(new_lens)
-    q, w, new_keys = torch.randn(t, H, D), torch.randn(t, H), torch.randn(t, D)
-    got = select_tokens(q, w, new_keys, paged(cached) if form == "paged" else cached, OFF, new_lens, topk, scale)
-    start = 0
-    for i, (c, n) in enumerate(lens):
-        keys = torch.cat([cached[i][:, OFF:OFF + D], new_keys[start:start + n]])
-        check_choice(got[i], q[start:start + n], w[start:start + n], keys, c, topk, scale)
+    lens = [(0, 3), (0, 11), (9, 1), (2, 5), (30, 4)]  # (cached, new)
+    rows = [torch.randn(c + n, WIDTH) for c, n in lens]
+    q, w = torch.randn(sum(n for _, n in lens), H, D), torch.randn(sum(n for _, n in lens), H)
+    index, start = IndexQuery(q, w, OFF, topk, scale), 0
+    for (c, n), r in zip(lens, rows):
+        sl = slice(start, start + n)
+        check_choice(index.choose(r, c, sl), q[sl], w[sl], r[:, OFF:OFF + D], c, topk, scale)
         start += n
-    assert needs_selection(cached, new_lens, topk)
-    assert not needs_selection(cached[:1] + cached[3:4], [3, 4], topk)  # 3 and 2 + 4 tokens: dense is exact
+    seen = torch.tensor([3, 0, 9, 20, 5])  # decode: sequence b sees rows 0 .. seen[b]
+    padded = torch.randn(5, 21, WIDTH)
+    dq, dw = torch.randn(5, H, D), torch.randn(5, H)
+    idx, real = IndexQuery(dq, dw, OFF, topk, scale).choose_decode(padded, seen)
+    assert idx.shape == real.shape == (5, topk)
+    for b in range(5):
+        chosen = torch.zeros(1, 21, dtype=torch.bool)
+        chosen[0, idx[b][real[b]]] = True
+        assert int(real[b].sum()) == len(set(idx[b][real[b]].tolist()))  # no row twice
+        check_choice(chosen, dq[b:b + 1], dw[b:b + 1], padded[b, :, OFF:OFF + D], int(seen[b]), topk, scale)
 
 
-def test_attention_over_the_chosen_tokens_against_float64():
-    """MLA over rows ``[latent | rope key | indexer key]`` restricted to a mask: the indexer key columns are not
-    attended over, and every query sees exactly its chosen tokens."""
-    h, dn, dr, dv, r, di = 3, 8, 4, 6, 12, 7
+def test_ties_at_the_cut_go_to_the_earliest_tokens():
+    """A query whose every score is 0 (its hidden state, hence its queries, all zero) keeps the first topk tokens,
+    whatever the row's length: so chunked and whole prefills choose alike."""
+    index = IndexQuery(torch.zeros(2, H, D), torch.randn(2, H), OFF, 4, 1.0)
+    rows = torch.randn(20, WIDTH)
+    for n_cached in (10, 18):
+        chosen = index.choose(rows[: n_cached + 2], n_cached, slice(0, 2))
+        assert chosen[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    idx, real = index.choose_decode(rows[None].expand(2, -1, -1), torch.tensor([19, 7]))
+    assert idx.tolist() == [[0, 1, 2, 3]] * 2 and real.all()
+
+
+@pytest.mark.parametrize("form", ["rows", "paged"])
+def test_sparse_attention_against_float64(form):
+    """MLA over rows ``[latent | rope key | indexer key]``, prefill rows and a decode batch, from row lists or a
+    paged cache: each query attends to exactly the tokens the indexer chose (the indexer key columns are not
+    attended over), within 1e-4 of float64."""
+    h, dn, dv, r = 3, 8, 6, 5  # the latent is r = OFF - 2 wide, the rope key 2
+    dr = OFF - r
     w_kv_b = torch.randn(h, dn + dv, r) * 0.3
-    new_lens, n_cached = [3, 1], [6, 9]
-    cached = [torch.randn(c, r + dr + di) for c in n_cached]
-    new = torch.randn(4, r + dr + di)
-    q_nope, q_pe = torch.randn(4, h, dn), torch.randn(4, h, dr)
-    allowed = [torch.rand(n, c + n) < 0.5 for c, n in zip(n_cached, new_lens)]
-    for a in allowed:
-        a[:, 0] = True  # every query sees at least one token
-    out = mla_attention(q_nope, q_pe, new, cached, new_lens, w_kv_b[:, :dn], w_kv_b[:, dn:], r, 0.2,
-                        allowed=allowed)
-    start = 0
-    for i, n in enumerate(new_lens):
-        lat = torch.cat([cached[i], new[start:start + n]]).double()[:, : r + dr]
-        keys = torch.cat([torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double()),
-                          lat[:, None, r:].expand(-1, h, -1)], -1)
-        vals = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, dn:].double())
-        q = torch.cat([q_nope[start:start + n], q_pe[start:start + n]], -1).double()
-        s = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
-        ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~allowed[i], float("-inf")).softmax(-1), vals)
-        assert (out[start:start + n].double() - ref).abs().max() < 1e-4
-        start += n
+    for lens in ([(6, 3), (9, 1), (0, 12)], [(9, 1), (0, 1), (20, 1), (3, 1)]):  # prefill; a decode batch
+        cached = [torch.randn(c, WIDTH) for c, _ in lens]
+        new_lens = [n for _, n in lens]
+        t = sum(new_lens)
+        new, q_nope, q_pe = torch.randn(t, WIDTH), torch.randn(t, h, dn), torch.randn(t, h, dr)
+        index = IndexQuery(torch.randn(t, H, D), torch.randn(t, H), OFF, 6, D ** -0.5)
+        out = mla_attention(q_nope, q_pe, new, paged(cached) if form == "paged" else cached, new_lens,
+                            w_kv_b[:, :dn], w_kv_b[:, dn:], r, 0.2, index=index)
+        start = 0
+        for i, (c, n) in enumerate(lens):
+            sl = slice(start, start + n)
+            rows = torch.cat([cached[i], new[sl]])
+            chosen = index.choose(rows, c, sl)
+            lat = rows.double()[:, :OFF]
+            keys = torch.cat([torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double()),
+                              lat[:, None, r:].expand(-1, h, -1)], -1)
+            vals = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, dn:].double())
+            q = torch.cat([q_nope[sl], q_pe[sl]], -1).double()
+            s = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
+            ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~chosen, float("-inf")).softmax(-1), vals)
+            assert (out[sl].double() - ref).abs().max() < 1e-4, (lens, i)
+            start += n
 
 
 def test_the_indexer_changes_the_answer_past_topk(tiny_dirs):

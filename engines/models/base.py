@@ -87,8 +87,8 @@ class ForwardContext:
     sin: torch.Tensor
     cached_lens: torch.Tensor  # [B] int32
     cu_new: torch.Tensor  # [B + 1] int32
-    lora: tuple[AdapterRows, ...] = ()
-    max_seen: int | None = None  # the most tokens a query sees (cached + new), where the host knows it  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
+    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
+    max_seen: int | None = None  # the most tokens a query sees (cached + new); None: unknown on the host
 
 
 @dataclass(frozen=True)

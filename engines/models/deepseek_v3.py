@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels.attention import CachedRows, mla_attention
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, softmax_scale_factor
-from kernels.sparse_attention import needs_selection, select_tokens
+from kernels.sparse_attention import IndexQuery
 
 _INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm (fixed in DeepSeek's code, not in config.json)
 
@@ -97,28 +97,29 @@ class DeepseekV3ForCausalLM(CausalLM):
         apply_rope(ckv[:, r:].view(t, 1, dr), ctx.cos, ctx.sin, c.rope.interleaved, self.kernels,
                    out=new_kv[:, r:m.key_width].view(t, 1, dr))
         q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved, self.kernels)
-        allowed = self._index(w.indexer, x, q_lat, ctx, cached_kv, new_kv) if m.indexer else None
+        index = self._index(w.indexer, x, q_lat, ctx, new_kv) if m.indexer else None
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new,
-                            allowed)
+                            index)
         return linear(out.reshape(t, -1), w.o_w), new_kv
 
-    def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows,
-               new_kv: torch.Tensor) -> list[torch.Tensor] | None:
-        """Write the new tokens' indexer keys into their KV rows; return which keys each query attends to (None:
-        all it sees). The indexer rotates the first rope dims of its queries and key unpaired (not interleaved)."""
+    def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext,
+               new_kv: torch.Tensor) -> IndexQuery | None:
+        """Write the new tokens' indexer keys into their KV rows; return the indexer's queries (None: no query
+        sees more than topk tokens, so each attends to all it sees). The indexer rotates the first rope dims of
+        its queries and key unpaired (not interleaved)."""
         m, t = self.config.mla, x.shape[0]
         i = m.indexer
         key = new_kv[:, m.key_width:]
         k = F.layer_norm(linear(x, w.k_w), (i.head_dim,), w.k_norm_w, w.k_norm_b, _INDEXER_NORM_EPS)
         apply_rope(k.view(t, 1, i.head_dim), ctx.cos, ctx.sin, False, self.kernels, out=key.view(t, 1, i.head_dim))
-        if not needs_selection(cached_kv, ctx.new_lens, i.topk, ctx.max_seen):
+        if ctx.max_seen is not None and ctx.max_seen <= i.topk:
             return None
         q = apply_rope(linear(q_lat, w.q_w).view(t, i.num_heads, i.head_dim), ctx.cos, ctx.sin, False,
                        self.kernels)
         weights = linear(x, w.weights_w).float() * i.num_heads ** -0.5
-        return select_tokens(q, weights, key, cached_kv, m.key_width, ctx.new_lens, i.topk, i.head_dim ** -0.5)
+        return IndexQuery(q, weights, m.key_width, i.topk, i.head_dim ** -0.5)
 
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
                       cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
