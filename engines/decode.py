@@ -229,7 +229,9 @@ class DecodeEngine(Engine):
                   "path": msg.path, "storage_bytes": msg.storage_bytes}
         self._store_prompt(h, hashes, msg.num_cached_tokens // g.block_size)
         self.outbox.add("started", rid)
-        self.report_soon()
+        # the scheduler knows the reply streams before its first token leaves: a weight update's abort then ends it
+        # (from a reply it believes has not started, it would requeue it, and the client go on on the new weights)
+        self.report_now(timeout=1.0)
         for c in h.choices:
             with self.lock:
                 running = not c.seq.finished and self.local.admit_prefilled(c.seq)
