@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from dualpath.config import KERNEL_BACKENDS
 from dualpath.errors import ConfigError
 from kernels.kv_move import as_cached, gather_tokens
-from kernels.sparse_attention import IndexQuery
+from kernels.sparse_attention import IndexQuery, listed
+
+# Sparse prefill over more than this many times topk tokens gathers each query's chosen rows (attention then costs
+# topk per query); below, it masks the dense scores (each gathered row is a copy). On CPU, 16 query heads, topk
+# 2,048: masking is 2.2x faster at 4K tokens, even at 16K, and gathering 2x faster at 32K (bench/sparse_attention.py)
+_GATHER_FROM = 8
+_GATHER_ELEMS = 1 << 26  # rows gathered per chunk of queries, at most
 
 
 def choose_backend(name: str, device: torch.device | str) -> str:
@@ -162,13 +168,27 @@ def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float,
         rows = rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
     else:
         mask = torch.arange(rows.shape[1], device=rows.device)[None, :] <= lens[:, None]
+    return _attend_each(q, rows, mask, split, scale)
+
+
+def _attend_each(q, rows, mask, split: RowLayout, scale: float) -> torch.Tensor:
+    """Query ``b`` (``q [B, Hq, D]``, all its heads) attends to its own rows ``rows[b]`` (``[B, L, W]``) where
+    ``mask[b]``. A KV head's query heads are its queries: K and V are not expanded to every query head (for MLA's
+    one shared head at 32K tokens that would take gigabytes)."""
     k, v = split(rows)
-    # a KV head's query heads are its one-token queries (not an expansion of K and V to every query head, which
-    # for MLA's single shared head at 32K tokens would take gigabytes)
-    hq, hk = q.shape[1], k.shape[2]
+    b, hq, hk = q.shape[0], q.shape[1], k.shape[2]
     out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, q.shape[-1]), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(b, hq, -1)
+
+
+def _attend_chosen(q, rows, chosen: torch.Tensor, k: int, split: RowLayout, scale: float) -> torch.Tensor:
+    """Sparse prefill: each query (``q [n, Hq, D]``) over the at most ``k`` of ``rows`` that ``chosen [n, L]``
+    marks, gathered."""
+    idx, real = listed(chosen, k)
+    step = max(1, _GATHER_ELEMS // (k * rows.shape[-1]))
+    return torch.cat([_attend_each(q[r:r + step], rows[idx[r:r + step]], real[r:r + step], split, scale)
+                      for r in range(0, q.shape[0], step)])
 
 
 def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
@@ -194,9 +214,12 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
         sl = slice(start, start + n)
         c = _rows(cached, i).to(q.dtype)
         rows = torch.cat([c, new_rows[sl].to(q.dtype)]) if c.shape[0] else new_rows[sl]
-        k, v = split(rows)
         allowed = None if index is None else index.choose(rows, c.shape[0], sl)
-        outs.append(_attend_one(q[sl], k, v, c.shape[0], scale, allowed))
+        if allowed is not None and rows.shape[0] > _GATHER_FROM * index.topk:
+            outs.append(_attend_chosen(q[sl], rows, allowed, index.topk, split, scale))
+        else:
+            k, v = split(rows)
+            outs.append(_attend_one(q[sl], k, v, c.shape[0], scale, allowed))
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

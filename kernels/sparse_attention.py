@@ -63,8 +63,7 @@ class IndexQuery:
         for r in range(0, b, step):
             scores = torch.relu(torch.einsum("bhd,bld->bhl", q[r:r + step], self._keys(rows[r:r + step])) * self.scale)
             score = torch.einsum("bh,bhl->bl", w[r:r + step], scores).masked_fill(~seen[r:r + step], float("-inf"))
-            chosen = _top(score, k).to(torch.int8)  # exactly k per row; a stable sort lists them (no host sync)
-            idx[r:r + step] = torch.sort(chosen, dim=-1, descending=True, stable=True).indices[:, :k]
+            idx[r:r + step] = listed(_top(score, k), k)[0]  # exactly k per row
         return idx, seen.gather(1, idx)
 
     def _keys(self, rows: torch.Tensor) -> torch.Tensor:
@@ -72,6 +71,13 @@ class IndexQuery:
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.promote_types(self.q.dtype, torch.float32))
+
+
+def listed(chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bool ``[N, L]`` with at most ``k`` true per row as indices ``[N, k]`` (the true ones in order, then
+    padding) and which of them are true ``[N, k]``. A stable sort, so no host sync."""
+    idx = torch.sort(chosen.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :k]
+    return idx, chosen.gather(1, idx)
 
 
 def _top(score: torch.Tensor, k: int) -> torch.Tensor:

@@ -29,7 +29,8 @@ def test_layer_overlap_bench_runs(tiny_dirs, tmp_path):
 @pytest.mark.parametrize("script, args", [
     ("sampling.py", ["--batch", "4", "--vocab", "300", "--prompt", "32", "--output", "8"]),
     ("storage_read.py", ["--blocks", "8"]),
-    ("sparse_attention.py", ["--contexts", "64", "--batch", "2", "--heads", "2", "--topk", "16", "--repeats", "1"]),
+    ("sparse_attention.py", ["--contexts", "64", "--batch", "2", "--prefill", "8", "--heads", "2", "--topk", "16",
+                             "--repeats", "1"]),
 ])
 def test_small_benches_run(script, args, tmp_path):
     result = run_bench(script, *args, "--out", str(tmp_path / "r.json"))

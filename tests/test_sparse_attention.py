@@ -10,7 +10,7 @@ import torch
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from engines.models import ForwardBatch, load_model
-from kernels import sparse_attention
+from kernels import attention, sparse_attention
 from kernels.attention import PagedKV, mla_attention
 from kernels.sparse_attention import IndexQuery
 
@@ -81,11 +81,15 @@ def test_ties_at_the_cut_go_to_the_earliest_tokens():
     assert idx.tolist() == [[0, 1, 2, 3]] * 2 and real.all()
 
 
-@pytest.mark.parametrize("form", ["rows", "paged"])
-def test_sparse_attention_against_float64(form):
+@pytest.mark.parametrize("form, gather", [("rows", False), ("paged", False), ("rows", True), ("paged", True)])
+def test_sparse_attention_against_float64(monkeypatch, form, gather):
     """MLA over rows ``[latent | rope key | indexer key]``, prefill rows and a decode batch, from row lists or a
     paged cache: each query attends to exactly the tokens the indexer chose (the indexer key columns are not
-    attended over), within 1e-4 of float64."""
+    attended over), within 1e-4 of float64. A prefill masks the dense scores, or (``gather``, as past 8 x topk
+    tokens) gathers each query's chosen rows, here one query at a time."""
+    if gather:
+        monkeypatch.setattr(attention, "_GATHER_FROM", 1)
+        monkeypatch.setattr(attention, "_GATHER_ELEMS", 50)
     h, dn, dv, r = 3, 8, 6, 5  # the latent is r = OFF - 2 wide, the rope key 2
     dr = OFF - r
     w_kv_b = torch.randn(h, dn + dv, r) * 0.3
