@@ -40,14 +40,12 @@ class IndexQuery:
         causal = torch.ones(n, rows.shape[0], dtype=torch.bool, device=rows.device).tril(diagonal=n_cached)
         if rows.shape[0] <= self.topk:
             return causal
-        keys = self._keys(rows)
-        q, w = self._cast(self.q[sl]), self._cast(self.weights[sl])
+        keys, q, w = self._keys(rows), self._cast(self.q[sl]), self._cast(self.weights[sl])
         step = max(1, _SCORE_ELEMS // (q.shape[1] * keys.shape[0]))
         chosen = torch.empty_like(causal)
         for r in range(0, n, step):
-            scores = torch.relu(torch.einsum("nhd,ld->nhl", q[r:r + step], keys) * self.scale)
-            score = torch.einsum("nh,nhl->nl", w[r:r + step], scores)
-            chosen[r:r + step] = _top(score.masked_fill(~causal[r:r + step], float("-inf")), self.topk)
+            score = self._score(q[r:r + step], w[r:r + step], keys, causal[r:r + step])
+            chosen[r:r + step] = _top(score, self.topk)
         return chosen & causal  # a query seeing fewer than topk keys also "chose" some it may not see
 
     def choose_decode(self, rows: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +59,15 @@ class IndexQuery:
         step = max(1, _SCORE_ELEMS // (q.shape[1] * length))
         idx = torch.empty(b, k, dtype=torch.long, device=rows.device)
         for r in range(0, b, step):
-            scores = torch.relu(torch.einsum("bhd,bld->bhl", q[r:r + step], self._keys(rows[r:r + step])) * self.scale)
-            score = torch.einsum("bh,bhl->bl", w[r:r + step], scores).masked_fill(~seen[r:r + step], float("-inf"))
+            score = self._score(q[r:r + step], w[r:r + step], self._keys(rows[r:r + step]), seen[r:r + step])
             idx[r:r + step] = listed(_top(score, k), k)[0]  # exactly k per row
         return idx, seen.gather(1, idx)
+
+    def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Queries ``q [N, H, D]`` (head weights ``w [N, H]``) over keys ``[L, D]`` shared by all, or ``[N, L, D]``
+        each its own: scores ``[N, L]``, -inf where not ``visible``."""
+        scores = torch.relu(q @ keys.transpose(-1, -2) * self.scale)  # [N, H, L]
+        return torch.einsum("nh,nhl->nl", w, scores).masked_fill(~visible, float("-inf"))
 
     def _keys(self, rows: torch.Tensor) -> torch.Tensor:
         return self._cast(rows[..., self.key_offset: self.key_offset + self.q.shape[-1]])

@@ -1,7 +1,6 @@
 """DeepSeek-V3.2's sparse attention: the indexer's choice of tokens against a float64 brute force, attention over
 the chosen tokens, and what the model refuses. (The model against transformers: test_models_parity.py.)"""
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -135,21 +134,13 @@ def _config(tiny_dirs, **changes):
     return {**hf, **changes}
 
 
-def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs, tmp_path):
+def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs):
     with pytest.raises(CheckpointError, match="q_lora_rank"):
         ModelConfig.from_hf(_config(tiny_dirs, q_lora_rank=None))
     with pytest.raises(CheckpointError, match="layer types"):
         ModelConfig.from_hf(_config(tiny_dirs, layer_types=["indexed_attention", "full_attention", "full_attention"]))
     with pytest.raises(CheckpointError, match="index_topk"):
         ModelConfig.from_hf({k: v for k, v in _config(tiny_dirs).items() if k != "index_topk"})
-    d = shutil.copytree(tiny_dirs["deepseek_v32"], tmp_path / "m")
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(d / "model.safetensors")
-    del tensors["model.layers.2.self_attn.indexer.k_norm.bias"]
-    save_file(tensors, d / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.2\.self_attn\.indexer\.k_norm\.bias"):
-        load_model(d)
 
 
 def test_within_topk_the_triton_layer_loop_copies_nothing_and_past_it_matches_the_reference(tiny_dirs, monkeypatch):

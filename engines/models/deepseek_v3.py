@@ -14,14 +14,13 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
-import torch.nn.functional as F
-
 from kernels.attention import CachedRows, mla_attention
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, softmax_scale_factor
