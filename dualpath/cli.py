@@ -43,6 +43,13 @@ def cmd_convert_default_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+
+    print(quantize_checkpoint(args.src, args.dst, tuple(args.block)))
+    return 0
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from dualpath.config import SchedulerConfig
     from engines.main import run_scheduler
@@ -768,6 +775,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert-default-model", help="convert SmolLM2-135M-Instruct from its GGUF (done once)")
     c.add_argument("--dir", help="models directory (default: the user cache directory)")
     c.set_defaults(func=cmd_convert_default_model)
+
+    q = sub.add_parser("quantize", help="write a checkpoint's linear weights as block-scaled FP8 (DeepSeek's and "
+                                        "Qwen's FP8 format): half of bfloat16's weight bytes")
+    q.add_argument("src", help="checkpoint directory (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3/V3.2)")
+    q.add_argument("dst", help="the new checkpoint directory (must not exist)")
+    q.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"),
+                   help="elements per scale: output rows by input columns, multiples of 16 (default 128 128)")
+    q.set_defaults(func=cmd_quantize)
     return ap
 
 

@@ -104,6 +104,21 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class WeightQuantConfig:
+    """Block-scaled FP8 weights, as DeepSeek-V3/V3.2 and Qwen3's FP8 checkpoints ship them (``quant_method: fp8``,
+    ``weight_block_size``): a linear weight ``W [N, K]`` is stored as e4m3 values with one float32
+    ``weight_scale_inv`` per ``block`` (rows, columns), ``W = q × scale``. Tensors stored without a scale (norms,
+    embeddings, routers) are plain. Activations stay in the model's dtype (w8a16: ``kernels.fp8``)."""
+
+    block: tuple[int, int] = (128, 128)
+
+    def __post_init__(self):
+        if any(b < 16 or b % 16 for b in self.block):
+            raise CheckpointError(f"FP8 weight_block_size {list(self.block)} is not supported: each side must be a "
+                                  "multiple of 16 (the kernels' smallest tile; checkpoints use 128)")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # "llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3" or "deepseek_v32"
     vocab_size: int
@@ -127,6 +142,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
     sliding_window: int | None = None  # Mistral's attention window; only contexts within it are served
+    quant: WeightQuantConfig | None = None  # FP8 weights (None: every weight in the checkpoint's float dtype)
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -163,10 +179,6 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = known[0]
-        if hf.get("quantization_config"):
-            raise CheckpointError(
-                f"quantized checkpoints ({hf['quantization_config'].get('quant_method', '?')}) are not supported; "
-                "convert the weights to bfloat16 first")
         if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
             raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
         try:
@@ -240,7 +252,27 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
         mlp_bias=bool(hf.get("mlp_bias", False)), mla=mla, moe=moe,
         bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf), hidden_act=hf.get("hidden_act", "silu"),
         qk_norm=qwen3, sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
+        quant=_quantization(hf.get("quantization_config")),
     )
+
+
+def _quantization(q: dict | None) -> WeightQuantConfig | None:
+    """``quantization_config``: block-scaled FP8 (e4m3, dynamic activations) is served; other formats are refused
+    with what they are, before any tensor is read."""
+    if not q:
+        return None
+    method, block = q.get("quant_method", "?"), q.get("weight_block_size")
+    if method != "fp8":
+        raise CheckpointError(f"quantized checkpoints ({method}) are not supported: block-scaled FP8 (quant_method "
+                              "fp8 with weight_block_size, DeepSeek's and Qwen's FP8 releases) is; or convert the "
+                              "weights to bfloat16")
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"FP8 checkpoints in fmt {q.get('fmt')!r} with {q.get('activation_scheme')!r} "
+                              "activation scales are not supported (e4m3 with dynamic activations is)")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"FP8 checkpoints without a weight_block_size of two positive integers (got {block!r}, "
+                              "per-tensor scales) are not supported; block-scaled ones are")
+    return WeightQuantConfig(block=tuple(block))
 
 
 def _indexer(hf: dict) -> IndexerConfig:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
+from kernels.fp8 import Fp8Weight, Weight
 
 
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int, topk_group: int,
@@ -40,12 +41,12 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     return weights, ids
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight,
+                   backend: str = "torch") -> torch.Tensor:
     """Sum over each token's chosen experts of ``weight × expert(x)``, an expert being ``down(silu(gate(x)) × up(x))``
-    with stacked weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``. The torch
-    reference runs only the experts chosen (the host learns which); ``triton`` runs the fused kernels
-    (``kernels.triton_moe``), which never ask."""
+    with stacked weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, tensors or
+    block-scaled FP8 (``kernels.fp8``). The torch reference runs only the experts chosen (the host learns which),
+    dequantizing those; ``triton`` runs the fused kernels (``kernels.triton_moe``), which never ask."""
     if backend == "triton":
         from kernels.triton_moe import fused_moe
 
@@ -53,7 +54,12 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     out = torch.zeros_like(x)
     for expert in torch.unique(ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(ids == expert)
-        y = F.linear(silu_and_mul(F.linear(x[token_idx], gate_up[expert])), down[expert])
+        y = F.linear(silu_and_mul(F.linear(x[token_idx], _expert(gate_up, expert, x.dtype))),
+                     _expert(down, expert, x.dtype))
         y = y * weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
+
+
+def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return w.expert(e).dequantize(dtype) if isinstance(w, Fp8Weight) else w[e]

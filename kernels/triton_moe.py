@@ -6,15 +6,20 @@ The (token, expert) pairs are sorted by expert on the device and each expert's r
 ``block_m`` rows, within a bound known from shapes alone (``T × k + E × (block_m - 1)`` rows), so every row block
 belongs to one expert (or none, past the used rows). Kernel 1 computes ``silu(x @ gate^T) × (x @ up^T)`` for a
 row block and a column block of the expert's intermediate size; kernel 2 multiplies by ``down^T`` and the pair's
-routing weight into the pair's own output row; a token's k rows are then summed (in float32).
+routing weight into the pair's own output row; a token's k rows are then summed (in float32). Block-scaled FP8
+experts (``kernels.fp8``) are dequantized tile by tile as ``kernels.triton_fp8`` does.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import Fp8Weight, Weight
 from kernels.triton_attention import _dot, exact_products
+from kernels.triton_fp8 import fp8_tile, native_fp8, weight_bytes
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +51,24 @@ def _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_we, stride_wn,
-                   stride_ar, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _expert_tile(w_e, s_e, rows, kk, k0, mask, stride_wn, stride_sn, dtype, QN: tl.constexpr, QK: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr):
+    """The expert's weight rows ``rows`` at columns ``kk``, transposed (``[BLOCK_K, rows]``); block-scaled FP8
+    ones (``HAS_SCALE``) dequantized to ``dtype`` (``fp8_tile``: a K tile lies in one scale block)."""
+    ptrs = w_e + rows[None, :] * stride_wn + kk[:, None]
+    if HAS_SCALE:
+        w = fp8_tile(ptrs, mask, tl.load(s_e + (rows // QN).to(tl.int64) * stride_sn + k0 // QK)[None, :], dtype,
+                     NATIVE)
+    else:
+        w = tl.load(ptrs, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_we,
+                   stride_wn, stride_se, stride_sn, stride_ar, K_TOP: tl.constexpr, QN: tl.constexpr,
+                   QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One program: a row block (one expert's pairs) by BLOCK_N intermediate columns: silu(gate) × up."""
     e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
     if e < 0:
@@ -57,7 +77,9 @@ def _moe_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, s
     tok = (pair // K_TOP).to(tl.int64)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
-    w_e = w_ptr + e.to(tl.int64) * stride_we
+    gate_rows, up_rows = tl.where(col_ok, cols, 0), tl.where(col_ok, I + cols, 0)  # in range: their scales load
+    w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
+    dtype = x_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -65,8 +87,9 @@ def _moe_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, s
         k_ok = kk < H
         x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_e + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_e + (I + cols)[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+        wg = _expert_tile(w_e, s_e, gate_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
+                          NATIVE)
+        wu = _expert_tile(w_e, s_e, up_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE, NATIVE)
         gate += _dot(x, wg, IEEE)
         up += _dot(x, wu, IEEE)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -75,8 +98,9 @@ def _moe_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, s
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n_pairs, H, I, stride_ar,
-                     stride_we, stride_wn, stride_or, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _moe_down_kernel(act_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n_pairs, H, I, stride_ar,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_or, QN: tl.constexpr, QK: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One program: a row block by BLOCK_N hidden columns: (act @ down^T) × the pair's routing weight, into the
     pair's output row."""
@@ -86,42 +110,60 @@ def _moe_down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n
     nb = tl.program_id(1)
     cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    w_e = w_ptr + e.to(tl.int64) * stride_we
+    w_rows = tl.where(col_ok, cols, 0)
+    w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < I
         a = tl.load(act_ptr + rows[:, None] * stride_ar + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        wd = tl.load(w_e + cols[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wd = _expert_tile(w_e, s_e, w_rows, kk, k0, k_ok[:, None] & col_ok[None, :], stride_wn, stride_sn,
+                          act_ptr.dtype.element_ty, QN, QK, HAS_SCALE, NATIVE)
         acc += _dot(a, wd, IEEE)
     acc *= tl.load(route_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_or + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
 
 
-def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, block_m: int | None = None, block_n: int = 64, block_k: int = 64,
+def _operand(w: Weight, native: bool) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+    """(weights as the kernels read them, scales or None, scale block) of stacked experts."""
+    if isinstance(w, Fp8Weight):
+        return weight_bytes(w, native).contiguous(), w.scale.float().contiguous(), w.block
+    return w.contiguous(), None, (1, 1)
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight,
+              block_m: int | None = None, block_n: int = 64, block_k: int = 64, native: bool | None = None,
               **launch) -> torch.Tensor:
     """``sum_j weights[t, j] × expert_{ids[t, j]}(x[t])`` for x ``[T, H]``, ``weights``/``ids`` ``[T, k]``,
-    ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``. Returns ``[T, H]`` in x's dtype.
-    ``block_m`` None: rows per block by the pairs per expert (16 for decode batches, up to 64)."""
+    ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, each a tensor or block-scaled FP8
+    (``kernels.fp8``; an FP8 ``gate_up``'s gate/up boundary on a scale block's edge). Returns ``[T, H]`` in x's
+    dtype. ``block_m`` None: rows per block by the pairs per expert (16 for decode batches, up to 64); ``native``
+    as in ``kernels.triton_fp8.w8a16_linear``."""
     t, h = x.shape
     k, (e, two_i, _) = ids.shape[1], gate_up.shape
     inter, n = two_i // 2, t * ids.shape[1]
     if t == 0:
         return torch.zeros_like(x)
     block_m = block_m or min(64, max(16, triton.next_power_of_2(triton.cdiv(n, e))))
+    native = native_fp8(x.device) if native is None else native
+    (wg, sg, qg), (wd, sd, qd) = _operand(gate_up, native), _operand(down, native)
+    for q, s in ((qg, sg), (qd, sd)):
+        block_k = math.gcd(block_k, q[1]) if s is not None else block_k  # a K tile within one scale block
     pair_of_row, expert_of_block = align(ids, e, block_m)
     rows = pair_of_row.shape[0]
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    x = x.contiguous()
     route = weights.reshape(-1).float().contiguous()
     ieee = exact_products(x.dtype)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
-        x, gate_up, pair_of_row, expert_of_block, act, n, h, inter, x.stride(0), gate_up.stride(0),
-        gate_up.stride(1), act.stride(0), K_TOP=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
-        **launch)
+        x, wg, route if sg is None else sg, pair_of_row, expert_of_block, act, n, h, inter, x.stride(0), wg.stride(0),
+        wg.stride(1), 0 if sg is None else sg.stride(0), 0 if sg is None else sg.stride(1), act.stride(0), K_TOP=k,
+        QN=qg[0], QK=qg[1], HAS_SCALE=sg is not None, NATIVE=native, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, IEEE=ieee, **launch)
     out = torch.empty(n, h, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(rows // block_m, triton.cdiv(h, block_n))](
-        act, down, pair_of_row, expert_of_block, route, out, n, h, inter, act.stride(0), down.stride(0),
-        down.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
+        act, wd, route if sd is None else sd, pair_of_row, expert_of_block, route, out, n, h, inter, act.stride(0),
+        wd.stride(0), wd.stride(1), 0 if sd is None else sd.stride(0), 0 if sd is None else sd.stride(1),
+        out.stride(0), QN=qd[0], QK=qd[1], HAS_SCALE=sd is not None, NATIVE=native, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
     return out.view(t, k, h).sum(1).to(x.dtype)

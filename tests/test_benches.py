@@ -92,6 +92,12 @@ def test_kv_fp8_bench_accuracy_part_runs(tiny_dirs, tmp_path):
     assert [r["positions"] for r in result["accuracy"]] == [result["accuracy"][0]["positions"]] * 3
 
 
+def test_fp8_weights_bench_runs(tiny_dirs, tmp_path):
+    result = run_bench("fp8_weights.py", "--model", str(tiny_dirs["llama"]), "--block", "16", "16",
+                       "--reply-tokens", "4", "--out", str(tmp_path / "w.json"))
+    assert 0.3 < result["memory"]["fp8_vs_bf16"] < 0.6 and len(result["accuracy"]) == 4
+
+
 @pytest.mark.slow  # two server starts
 def test_kv_fp8_bench_serving_part_runs(tiny_dirs, tmp_path):
     result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--agents", "1", "--turns", "2",

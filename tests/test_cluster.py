@@ -112,12 +112,17 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v32", "deepseek_v3-fp8"])
 def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
-    """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between) and DeepSeek-V3.2 (sparse
-    attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) through engine
-    processes: stored KV read by the prefill engine and through the decode engine gives the single-process tokens."""
-    model = tiny_dirs[arch]
+    """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between), DeepSeek-V3.2 (sparse
+    attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3's
+    FP8 checkpoint (``dualpath quantize``, blocks of 16) through engine processes: stored KV read by the prefill
+    engine and through the decode engine gives the single-process tokens."""
+    model = tiny_dirs[arch.removesuffix("-fp8")]
+    if arch.endswith("-fp8"):
+        from dualpath.checkpoints.fp8 import quantize_checkpoint
+
+        model = quantize_checkpoint(model, tmp_path / "fp8", (16, 16), progress=False)
     reference = LLM(str(model), block_size=BS)
     with LocalCluster(spec(model, tmp_path / "kv", num_decode=1), run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)

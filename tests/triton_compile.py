@@ -30,7 +30,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import triton_attention as ta, triton_elementwise as te, triton_kv, triton_moe  # noqa: E402
+from kernels import triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe  # noqa: E402
+from kernels.fp8 import Fp8Weight  # noqa: E402
 from kernels.attention import gqa_split, mla_split  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
@@ -99,7 +100,7 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
                triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
-               te._rope_kernel, te._silu_mul_kernel)
+               te._rope_kernel, te._silu_mul_kernel, triton_fp8._w8a16_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32, f8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -132,6 +133,19 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     for t in (4, 512):  # a decode batch (16-row blocks) and a prefill chunk (64-row blocks)
         ids = torch.arange(t * 8).reshape(t, 8) % 8
         triton_moe.fused_moe(torch.zeros(t, 7168, dtype=bf16), torch.rand(t, 8), ids, gate_up, down)
+    for native in (True, False) if fp8 else (False,):  # FP8 weights: e4m3 converted by the GPU, or as bytes
+        what = f"fp8 weights {'native' if native else 'as bytes'}"
+        ex = Fp8Weight(torch.empty(8, 4096, 7168, dtype=f8), torch.empty(8, 32, 56), (128, 128))
+        for t in (4, 512):
+            ids = torch.arange(t * 8).reshape(t, 8) % 8
+            triton_moe.fused_moe(torch.zeros(t, 7168, dtype=bf16), torch.rand(t, 8), ids, ex,
+                                 Fp8Weight(torch.empty(8, 7168, 2048, dtype=f8), torch.empty(8, 56, 16), (128, 128)),
+                                 native=native)
+        w = Fp8Weight(torch.empty(6144, 4096, dtype=f8), torch.empty(48, 32), (128, 128))  # Llama-3-8B's qkv
+        for m, splits in ((4, 8), (512, 1)):  # a decode step split along K, a prefill chunk
+            triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, num_splits=splits, native=native)
+            triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, torch.zeros(6144, dtype=bf16),
+                                    torch.zeros(m, 6144, dtype=bf16), num_splits=splits, native=native)
     for hidden, inter, hq, hk, d in ((4096, 14336, 32, 8, 128), (2048, 5632, 32, 4, 64), (7168, 18432, 128, 1, 64)):
         what = f"layer element-wise {hidden}/{inter} {hq}/{hk}x{d} bf16"  # Llama-3-8B, TinyLlama, DeepSeek-V3
         x = torch.zeros(3, hidden, dtype=bf16)
@@ -168,7 +182,7 @@ def _compile(i: int, target: GPUTarget) -> dict:
         out = compile_launch(fn, a, dict(kw), target)
         out["fits"] = out["shared_bytes"] <= SHARED_LIMIT.get(target.arch, 232448)
     except Exception as e:  # noqa: BLE001 - report every launch, then fail
-        out = {"kernel": fn.__name__, "error": f"{type(e).__name__}: {str(e)[:300]}", "fits": False}
+        out = {"kernel": fn.__name__, "error": f"{type(e).__name__}: {str(e)[-600:]}", "fits": False}
     return out | {"case": what}
 
 

@@ -17,7 +17,13 @@
   pipeline   prefill of 512 new tokens over 32K cached whose KV streams layer by layer from the engine's pinned DRAM
              buffer of Full Block slots (BufferPool.layer_to_device on LayerCopies' copy stream) against the same
              prefill with all KV on the device (<= 1.10x); and with the buffer's slots scattered (report)
-  moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference (report only)
+  moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference, and with FP8
+             experts (blocks of 128) against the bfloat16 ones (report only)
+  fp8_gemm   the w8a16 GEMM over block-scaled FP8 weights (Llama-3-8B's projections) against cuBLAS over the
+             bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; and a small
+             sweep of K splits and column tiles at decode sizes (report only)
+  fp8_model  the model part's ``LLM`` on its checkpoint quantized by ``dualpath quantize`` (blocks of 128): prefill
+             and decode tokens/s against the bfloat16 model's (report only)
   sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
   lora       the model part's ``LLM`` under one rank-16 LoRA adapter, and a batch split between the base model and two,
              against the base model (report only)
@@ -53,6 +59,7 @@ from timeline import timeline  # noqa: E402
 
 from kernels import triton_attention as ta  # noqa: E402
 from kernels.attention import PagedKV, gqa_split, varlen_attention  # noqa: E402
+from kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
 from kernels.kv_move import as_cached  # noqa: E402
 
 BIG = dict(batch=64, ctx=32768, hk=8, hq=32, d=128, bs=64, new=512, copy_bytes=4 << 30,
@@ -454,6 +461,8 @@ def bench_moe(p, dev, smoke: bool) -> dict:
     h, inter, e, k = (64, 32, 8, 2) if smoke else (7168, 2048, 64, 8)
     gate_up = torch.randn(e, 2 * inter, h, dtype=torch.bfloat16, device=dev) * 0.02
     down = torch.randn(e, h, inter, dtype=torch.bfloat16, device=dev) * 0.02
+    block = (16, 16) if smoke else (128, 128)
+    gate_up8, down8 = (Fp8Weight(*quantize_blocks(t, block), block) for t in (gate_up, down))
     rows = []
     for t in (4, 16) if smoke else (64, 2048):
         x = torch.randn(t, h, dtype=torch.bfloat16, device=dev)
@@ -461,9 +470,14 @@ def bench_moe(p, dev, smoke: bool) -> dict:
         w = torch.rand(t, k, device=dev)
         fused = lambda: routed_experts(x, w, ids, gate_up, down, backend="triton")  # noqa: E731
         ref = lambda: routed_experts(x, w, ids, gate_up, down)  # noqa: E731
-        t_fused, t_ref = timed(fused, dev, iters=5), timed(ref, dev, iters=5)
+        fp8 = lambda: routed_experts(x, w, ids, gate_up8, down8, backend="triton")  # noqa: E731
+        t_fused, t_ref, t_fp8 = timed(fused, dev, iters=5), timed(ref, dev, iters=5), timed(fp8, dev, iters=5)
         rows.append({"tokens": t, "fused_seconds": t_fused, "reference_seconds": t_ref, "speedup": t_ref / t_fused,
-                     "rel_err_vs_reference": rel_err(fused(), ref().double())})
+                     "rel_err_vs_reference": rel_err(fused(), ref().double()), "fp8_fused_seconds": t_fp8,
+                     "fp8_time_vs_bf16": t_fp8 / t_fused,
+                     "fp8_rel_err_vs_float64": rel_err(fp8(), routed_experts(
+                         x.double(), w.double(), ids, gate_up8.dequantize(torch.float64),
+                         down8.dequantize(torch.float64)))})
     return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows}
 
 def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
@@ -502,9 +516,63 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
             "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]}}
 
 
+def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
+    """``x @ W^T`` for W block-scaled FP8 (the w8a16 kernel: 1 byte a weight) against cuBLAS over W in bfloat16 (2
+    bytes), Llama-3-8B's projections, from decode rows to a prefill chunk; the kernel's weight bytes/s ÷ copy for
+    the decode sizes (bandwidth-bound); at 16 rows a sweep of K splits and column tiles."""
+    from kernels.triton_fp8 import w8a16_linear
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    if smoke:
+        shapes = {"qkv": (96, 64), "down": (64, 160)}
+    block = (16, 16) if smoke else (128, 128)
+    rows, sweep = [], []
+    for name, (n, k) in shapes.items():
+        w16 = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+        w8 = Fp8Weight(*quantize_blocks(w16, block), block)
+        for m in (1, 16, 64, 512, 4096) if not smoke else (1, 16, 40):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            t16 = timed(lambda: torch.nn.functional.linear(x, w16), dev, iters=20)
+            t8 = timed(lambda: w8a16_linear(x, w8), dev, iters=20)
+            ref = x.double() @ w8.dequantize(torch.float64).t()
+            rows.append({"proj": name, "n": n, "k": k, "rows": m, "bf16_cublas_s": t16, "fp8_s": t8,
+                         "fp8_time_vs_bf16": t8 / t16, "fp8_weight_bytes_per_s_vs_copy": n * k / t8 / copy_bw,
+                         "rel_err": rel_err(w8a16_linear(x, w8), ref)})
+        x = torch.randn(16, k, dtype=torch.bfloat16, device=dev)
+        for splits in (1, 2, 4, 8):
+            for bn in (32, 64, 128):
+                try:
+                    t8 = timed(lambda: w8a16_linear(x, w8, num_splits=splits, block_n=bn), dev, iters=20)
+                except Exception as e:  # noqa: BLE001 - a configuration that does not fit is a row, not the end
+                    sweep.append({"proj": name, "splits": splits, "block_n": bn, "error": str(e)[:200]})
+                    continue
+                sweep.append({"proj": name, "splits": splits, "block_n": bn, "seconds": t8})
+    decode = [r for r in rows if r["rows"] <= 16]
+    return {"rows": rows, "sweep_rows_16": sweep, "block": list(block),
+            "decode_time_vs_bf16_mean": sum(r["fp8_time_vs_bf16"] for r in decode) / len(decode)}
+
+
+def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
+    """The model part's ``LLM`` (Triton kernels, decode on graphs) on the 1.1B checkpoint quantized to FP8 against the
+    bfloat16 one (the model part's numbers from this run, or measured here)."""
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+
+    path, w = llama_1b(work, smoke), ModelWork.make(smoke)
+    fp8 = work / "llama1b-fp8"
+    if not fp8.exists():
+        quantize_checkpoint(path, fp8, (16, 16) if smoke else (128, 128), progress=False)
+    rows = llm_rows(p, dev, smoke, fp8, w, (("triton_fp8", "triton", False),), profile=False)
+    if not bf16:
+        bf16 = llm_rows(p, dev, smoke, path, w, (("triton", "triton", False),), profile=False)["dualpath_triton"]
+    ours = rows["dualpath_triton_fp8"]
+    return {"systems": {**rows, "dualpath_triton": bf16},
+            "prefill_vs_bf16": ours["prefill_tokens_per_s"] / bf16["prefill_tokens_per_s"],
+            "decode_vs_bf16": ours["decode_tokens_per_s"] / bf16["decode_tokens_per_s"]}
+
+
 # the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
-PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "sampling",
-         "model", "model_eager", "lora")
+PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "fp8_gemm",
+         "sampling", "model", "fp8_model", "model_eager", "lora")
 
 
 def _time_vs(result: dict, base: str, part: str) -> float | None:
@@ -549,6 +617,11 @@ def main(argv=None) -> dict:
             elif part == "model_eager":
                 ours = result.get("model", {}).get("systems", {}).get("dualpath_triton", {})
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
+            elif part == "fp8_gemm":
+                result[part] = bench_fp8_gemm(p, dev, args.smoke, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"])
+            elif part == "fp8_model":
+                bf16 = result.get("model", {}).get("systems", {}).get("dualpath_triton")
+                result[part] = bench_fp8_model(p, dev, args.smoke, work, bf16)
             elif part == "lora":
                 result[part] = bench_lora(p, dev, args.smoke, work)
             elif part == "moe":
@@ -587,6 +660,14 @@ def main(argv=None) -> dict:
          "target": "(report)"},
         {"what": "MoE fused ÷ reference speed (decode)",
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
+        {"what": "MoE FP8 experts ÷ bf16 time (decode)",
+         "value": (result.get("moe", {}).get("rows") or [{}])[0].get("fp8_time_vs_bf16"), "target": "(report)"},
+        {"what": "w8a16 GEMM ÷ cuBLAS bf16 time (<= 16 rows)",
+         "value": result.get("fp8_gemm", {}).get("decode_time_vs_bf16_mean"), "target": "(report)"},
+        {"what": "FP8 model prefill ÷ bf16 model", "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),
+         "target": "(report)"},
+        {"what": "FP8 model decode ÷ bf16 model", "value": result.get("fp8_model", {}).get("decode_vs_bf16"),
+         "target": "(report)"},
         {"what": "sampler, top-p/top-k batch ÷ row by row",
          "value": next((r["speedup"] for r in result.get("sampling", {}).get("rows", []) if r["mix"] == "top_p_top_k"),
                        None), "target": "(report)"},

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the kernels issue, on one CUDA machine (its own python3 with torch, triton, transformers,
-# pytest): the kernel tests on CUDA, then the benchmarks of bench/gpu/kernels.py. ~3 minutes on an H200, at most 7.5
+# pytest): the kernel tests on CUDA, then the benchmarks of bench/gpu/kernels.py. ~4 minutes on an H200, at most 7.8
 # (TESTS_LIMIT_S + BENCH_LIMIT_S; the benchmarks write their JSON after every part, so a limit loses only the part it
 # cut). Extra arguments go to kernels.py (e.g. --only model).
 #   OUT=/some/dir bash bench/gpu/run.sh      (default OUT: bench/results/gpu)
@@ -18,8 +18,9 @@ timing=(); python3 -c "import pytest_timeout" 2>/dev/null && timing=(--timeout 6
 timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" "${timing[@]}" \
     tests/test_triton_kernels.py tests/test_triton_elementwise.py tests/test_layer_copies.py \
     tests/test_strided_copy.py tests/test_decode_graphs.py tests/test_kernels.py tests/test_sampling.py \
+    tests/test_fp8_weights.py \
     2>&1 | tail -40 | tee "$OUT/tests.log"
 echo "tests: ${SECONDS} s"
-timeout "${BENCH_LIMIT_S:-300}" python3 bench/gpu/kernels.py --out "$OUT/gpu_kernels.json" "$@" 2>&1 | tail -60 \
+timeout "${BENCH_LIMIT_S:-320}" python3 bench/gpu/kernels.py --out "$OUT/gpu_kernels.json" "$@" 2>&1 | tail -60 \
     | tee "$OUT/bench.log"
 echo "run.sh: ${SECONDS} s in all" | tee -a "$OUT/bench.log"

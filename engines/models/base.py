@@ -21,8 +21,10 @@ from torch import nn
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError, RequestError
 from engines.lora import AdapterRows, LoraWeights, Target, load_adapter
+from engines.models.fp8 import SCALE_SUFFIX, Fp8Param, read_plain, scaled, source_problems, stays_fp8
 from engines.models.loader import Checkpoint
 from kernels.attention import CachedRows
+from kernels.fp8 import fp8_linear
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -95,12 +97,15 @@ class ForwardContext:
 class WeightSpec:
     """Our parameter ``param`` is built from checkpoint tensors ``sources`` (name, expected shape) by ``op``:
     ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim; item i is the
-    concatenation of sources ``i × per_item`` onwards, e.g. an expert's gate and up projections)."""
+    concatenation of sources ``i × per_item`` onwards, e.g. an expert's gate and up projections). ``fp8``: the
+    model reads it only through ``linear``, ``add_linear`` or the MoE, so FP8 sources may stay FP8
+    (``engines.models.fp8``)."""
 
     param: str
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     op: str = "copy"
     per_item: int = 1
+    fp8: bool = False
 
 
 @torch.no_grad()
@@ -119,15 +124,22 @@ def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None = None,
+           backend: str = "torch") -> torch.Tensor:
+    """``x @ w^T + b``; an FP8 weight on ``backend``'s kernel (``kernels.fp8``)."""
+    if isinstance(w, Fp8Param):
+        return fp8_linear(x, w.weight, b, backend)
     return F.linear(x, w, b)
 
 
-def add_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+def add_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None,
                backend: str) -> torch.Tensor:
-    """``residual + linear(x, w, b)``. On the fused path ("triton") without a bias the sum is the GEMM's own
-    epilogue (``addmm_``, beta = 1: one rounding, no add kernel), written over ``residual``: callers pass a
-    residual stream no one else holds. The torch reference rounds the product, then the sum, as transformers."""
+    """``residual + linear(x, w, b)``. On the fused path ("triton"), without a bias or with an FP8 weight (whose
+    kernel adds the bias too), the sum is the GEMM's own epilogue (``addmm_``, beta = 1: one rounding, no add
+    kernel), written over ``residual``: callers pass a residual stream no one else holds. The torch reference rounds
+    the product, then the sum, as transformers."""
+    if isinstance(w, Fp8Param):
+        return fp8_linear(x, w.weight, b, backend, residual)
     if backend == "triton" and b is None:
         return residual.addmm_(x, w.t())
     return residual + linear(x, w, b)
@@ -253,10 +265,14 @@ class CausalLM(nn.Module, ABC):
     def load_checkpoint(self, ckpt: Checkpoint, device: torch.device | str) -> None:
         """Allocate real storage and fill every parameter from ``ckpt``, checking names and shapes.
 
-        Parameters keep the dtypes they were given (``cast_``) before loading. Every problem is collected first,
-        so one error lists all missing and misshapen tensors.
+        Parameters keep the dtypes they were given (``cast_``) before loading, but those a block-scaled FP8
+        checkpoint lets stay FP8 (``engines.models.fp8.stays_fp8``), which become ``Fp8Param`` modules. Every
+        problem is collected first, so one error lists all missing and misshapen tensors.
         """
         self._check(ckpt)
+        for spec in self.weight_specs():
+            if stays_fp8(spec, ckpt):
+                self._hold_fp8(spec.param, ckpt.config.quant.block)
         self.to_empty(device=device)
         self.inv_freq = rope_inv_freq(self.config.rope)[0].to(device)
         self._fill(ckpt)
@@ -281,32 +297,61 @@ class CausalLM(nn.Module, ABC):
             raise CheckpointError(f"{ckpt.path}: cannot read its tensors ({e})") from None
 
     def _check(self, ckpt: Checkpoint) -> None:
-        """Raise ``CheckpointError`` listing every tensor the model needs that ``ckpt`` lacks or shapes otherwise;
-        warn about tensors it has that nothing uses."""
+        """Raise ``CheckpointError`` listing every tensor the model needs that ``ckpt`` lacks or shapes otherwise
+        (their FP8 scales included; a parameter already held FP8 needs FP8 sources); warn about tensors it has that
+        nothing uses."""
         available = ckpt.tensor_files
         used: set[str] = set()
         problems: list[str] = []
         for spec in self.weight_specs():
+            held_fp8 = isinstance(self._target(spec.param), Fp8Param)
             for name, shape in spec.sources:
-                used.add(name)
+                used.update((name, name + SCALE_SUFFIX))
                 if name not in available:
                     problems.append(f"missing tensor {name}")
                 elif (got := ckpt.tensor_shape(name)) != shape:
                     problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+                elif held_fp8 and not scaled(ckpt, name):
+                    problems.append(f"tensor {name} is not FP8 (no {name}{SCALE_SUFFIX}) but the model holds it in "
+                                    "FP8")
+                else:
+                    problems += source_problems(ckpt, name, shape)
         if problems:
             head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")
         self._warn_unused(set(available) - used)
 
+    def _target(self, param: str) -> torch.Tensor | Fp8Param:
+        """What a ``WeightSpec.param`` names: a parameter, or the ``Fp8Param`` that took its place."""
+        module, _, name = param.rpartition(".")
+        return getattr(self.get_submodule(module), name)
+
+    def _hold_fp8(self, param: str, block: tuple[int, int]) -> None:
+        """Put an ``Fp8Param`` of parameter ``param``'s shape where it stood (before storage is allocated)."""
+        module, _, name = param.rpartition(".")
+        owner = self.get_submodule(module)
+        shape = tuple(getattr(owner, name).shape)
+        delattr(owner, name)
+        setattr(owner, name, Fp8Param(shape, block))
+
     def _fill(self, ckpt: Checkpoint, digest=None) -> None:
-        """Read every source tensor (feeding its name and bytes to ``digest``) and assemble the parameters."""
-        for spec in self.weight_specs():
-            parts = [ckpt.read_tensor(name) for name, _ in spec.sources]
+        """Read every source tensor (feeding its name and bytes to ``digest``) and assemble the parameters: an
+        ``Fp8Param`` from the FP8 values and their scales, any other from plain or dequantized sources."""
+
+        def read(name: str) -> torch.Tensor:
+            t = ckpt.read_tensor(name)
             if digest is not None:
-                for (name, _), t in zip(spec.sources, parts):
-                    digest.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
-                    digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            _assemble(spec, parts, self.get_parameter(spec.param))
+                digest.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+                digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            return t
+
+        for spec in self.weight_specs():
+            target, names = self._target(spec.param), [name for name, _ in spec.sources]
+            if isinstance(target, Fp8Param):
+                _assemble(spec, [read(n) for n in names], target.q)
+                _assemble(spec, [read(n + SCALE_SUFFIX) for n in names], target.scale)
+            else:
+                _assemble(spec, [read_plain(ckpt, n, read) for n in names], target)
 
     def _warn_unused(self, unused: set[str]) -> None:
         surprising = []

@@ -83,13 +83,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         c, m = self.config, self.config.mla
         t, nh = x.shape[0], c.num_heads
         if m.q_lora_rank:
-            q_lat = rms_norm(linear(x, w.q_a_w), w.q_a_norm, c.rms_norm_eps, self.kernels)
-            q = linear(q_lat, w.q_b_w)
+            q_lat = rms_norm(linear(x, w.q_a_w, None, self.kernels), w.q_a_norm, c.rms_norm_eps, self.kernels)
+            q = linear(q_lat, w.q_b_w, None, self.kernels)
         else:
-            q = linear(x, w.q_w)
+            q = linear(x, w.q_w, None, self.kernels)
         q = q.view(t, nh, m.qk_head_dim)
         q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-        ckv, r, dr = linear(x, w.kv_a_w), m.kv_lora_rank, m.qk_rope_head_dim
+        ckv, r, dr = linear(x, w.kv_a_w, None, self.kernels), m.kv_lora_rank, m.qk_rope_head_dim
         # the KV row [normed latent | rotated k_pe | indexer key], each part written in place
         new_kv = ckv.new_empty(t, c.kv_elems_per_token)
         rms_norm(ckv[:, :r], w.kv_a_norm, c.rms_norm_eps, self.kernels, out=new_kv[:, :r])
@@ -101,7 +101,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new,
                             index)
-        return linear(out.reshape(t, -1), w.o_w), new_kv
+        return linear(out.reshape(t, -1), w.o_w, None, self.kernels), new_kv
 
     def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext,
                new_kv: torch.Tensor) -> IndexQuery | None:
@@ -111,13 +111,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         m, t = self.config.mla, x.shape[0]
         i = m.indexer
         key = new_kv[:, m.key_width:]
-        k = F.layer_norm(linear(x, w.k_w), (i.head_dim,), w.k_norm_w, w.k_norm_b, _INDEXER_NORM_EPS)
+        k = F.layer_norm(linear(x, w.k_w, None, self.kernels), (i.head_dim,), w.k_norm_w, w.k_norm_b, _INDEXER_NORM_EPS)
         apply_rope(k.view(t, 1, i.head_dim), ctx.cos, ctx.sin, False, self.kernels, out=key.view(t, 1, i.head_dim))
         if ctx.max_seen is not None and ctx.max_seen <= i.topk:
             return None
-        q = apply_rope(linear(q_lat, w.q_w).view(t, i.num_heads, i.head_dim), ctx.cos, ctx.sin, False,
-                       self.kernels)
-        weights = linear(x, w.weights_w).float() * i.num_heads ** -0.5
+        q = linear(q_lat, w.q_w, None, self.kernels).view(t, i.num_heads, i.head_dim)
+        q = apply_rope(q, ctx.cos, ctx.sin, False, self.kernels)
+        weights = linear(x, w.weights_w, None, self.kernels).float() * i.num_heads ** -0.5
         return IndexQuery(q, weights, m.key_width, i.topk, i.head_dim ** -0.5)
 
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
@@ -146,17 +146,18 @@ class DeepseekV3ForCausalLM(CausalLM):
             yield WeightSpec(p + "input_norm", ((src + "input_layernorm.weight", (h,)),))
             yield WeightSpec(p + "post_norm", ((src + "post_attention_layernorm.weight", (h,)),))
             if m.q_lora_rank:
-                yield WeightSpec(a + "q_a_w", ((sa + "q_a_proj.weight", (m.q_lora_rank, h)),))
+                yield WeightSpec(a + "q_a_w", ((sa + "q_a_proj.weight", (m.q_lora_rank, h)),), fp8=True)
                 yield WeightSpec(a + "q_a_norm", ((sa + "q_a_layernorm.weight", (m.q_lora_rank,)),))
-                yield WeightSpec(a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),))
+                yield WeightSpec(a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),),
+                                 fp8=True)
             else:
-                yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),))
+                yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),), fp8=True)
             yield WeightSpec(a + "kv_a_w", ((sa + "kv_a_proj_with_mqa.weight",
-                                             (m.kv_lora_rank + m.qk_rope_head_dim, h)),))
+                                             (m.kv_lora_rank + m.qk_rope_head_dim, h)),), fp8=True)
             yield WeightSpec(a + "kv_a_norm", ((sa + "kv_a_layernorm.weight", (m.kv_lora_rank,)),))
             yield WeightSpec(a + "kv_b_w", ((sa + "kv_b_proj.weight",
                                              (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),))
-            yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),))
+            yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),), fp8=True)
             if m.indexer:
                 yield from _indexer_specs(m, h, a + "indexer.", sa + "indexer.")
             if c.is_moe_layer(i):
@@ -167,8 +168,8 @@ class DeepseekV3ForCausalLM(CausalLM):
 
 def _indexer_specs(m, h: int, p: str, src: str) -> Iterator[WeightSpec]:
     i = m.indexer
-    yield WeightSpec(p + "q_w", ((src + "wq_b.weight", (i.num_heads * i.head_dim, m.q_lora_rank)),))
-    yield WeightSpec(p + "k_w", ((src + "wk.weight", (i.head_dim, h)),))
+    yield WeightSpec(p + "q_w", ((src + "wq_b.weight", (i.num_heads * i.head_dim, m.q_lora_rank)),), fp8=True)
+    yield WeightSpec(p + "k_w", ((src + "wk.weight", (i.head_dim, h)),), fp8=True)
     yield WeightSpec(p + "k_norm_w", ((src + "k_norm.weight", (i.head_dim,)),))
     yield WeightSpec(p + "k_norm_b", ((src + "k_norm.bias", (i.head_dim,)),))
-    yield WeightSpec(p + "weights_w", ((src + "weights_proj.weight", (i.num_heads, h)),))
+    yield WeightSpec(p + "weights_w", ((src + "weights_proj.weight", (i.num_heads, h)),), fp8=True)

@@ -14,7 +14,7 @@ from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from engines.lora import Target, add_lora
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
-from engines.models.moe import MoE, moe_specs, router_params
+from engines.models.moe import MoE, mlp_specs, moe_specs, router_params
 from kernels.activation import silu_and_mul
 from kernels.attention import CachedRows, gqa_split, varlen_attention
 from kernels.norm import add_rms_norm, rms_norm
@@ -56,17 +56,17 @@ class LlamaForCausalLM(CausalLM):
         t, backend = hidden.shape[0], self.kernels
         lora = ctx.lora
         x = rms_norm(hidden, w.input_norm, c.rms_norm_eps, backend)
-        qkv = add_lora(linear(x, w.qkv_w, w.qkv_b), x, lora, layer, "qkv")
+        qkv = add_lora(linear(x, w.qkv_w, w.qkv_b, backend), x, lora, layer, "qkv")
         if c.qk_norm:
             self._norm_heads(qkv, w)
         q, new_kv = rope_qkv(qkv, ctx.cos, ctx.sin, c.num_heads, c.num_kv_heads, c.head_dim, backend)
         attn = varlen_attention(q, new_kv, cached_kv, self.split, ctx.new_lens, self.scale, backend, ctx.cu_new)
         attn = attn.reshape(t, -1)
-        o = add_lora(linear(attn, w.o_w, w.o_b), attn, lora, layer, "o")
+        o = add_lora(linear(attn, w.o_w, w.o_b, backend), attn, lora, layer, "o")
         x, hidden = add_rms_norm(o, hidden, w.post_norm, c.rms_norm_eps, backend)
         if w.moe is not None:
             return w.moe.add_to(hidden, x, backend), new_kv
-        act = silu_and_mul(add_lora(linear(x, w.gate_up_w, w.gate_up_b), x, lora, layer, "gate_up"), backend)
+        act = silu_and_mul(add_lora(linear(x, w.gate_up_w, w.gate_up_b, backend), x, lora, layer, "gate_up"), backend)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: add_linear may write the MLP's output into it
         hidden = add_lora(add_linear(hidden, act, w.down_w, w.down_b, backend), act, lora, layer, "down")
         return hidden, new_kv
@@ -103,11 +103,11 @@ class LlamaForCausalLM(CausalLM):
             yield WeightSpec(p + "input_norm", ((f"model.layers.{i}.input_layernorm.weight", (h,)),))
             yield WeightSpec(p + "post_norm", ((f"model.layers.{i}.post_attention_layernorm.weight", (h,)),))
             yield WeightSpec(p + "qkv_w", ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
-                                           (a + "v_proj.weight", (kv, h))), "cat")
+                                           (a + "v_proj.weight", (kv, h))), "cat", fp8=True)
             if c.qkv_bias:
                 yield WeightSpec(p + "qkv_b", ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)),
                                                (a + "v_proj.bias", (kv,))), "cat")
-            yield WeightSpec(p + "o_w", ((a + "o_proj.weight", (h, q)),))
+            yield WeightSpec(p + "o_w", ((a + "o_proj.weight", (h, q)),), fp8=True)
             if c.o_bias:
                 yield WeightSpec(p + "o_b", ((a + "o_proj.bias", (h,)),))
             if c.qk_norm:
@@ -116,9 +116,7 @@ class LlamaForCausalLM(CausalLM):
             if c.is_moe_layer(i):
                 yield from moe_specs(c, p + "moe.", m)
                 continue
-            yield WeightSpec(p + "gate_up_w", ((m + "gate_proj.weight", (inter, h)),
-                                               (m + "up_proj.weight", (inter, h))), "cat")
-            yield WeightSpec(p + "down_w", ((m + "down_proj.weight", (h, inter)),))
+            yield from mlp_specs(p, m, h, inter)
             if c.mlp_bias:
                 yield WeightSpec(p + "gate_up_b", ((m + "gate_proj.bias", (inter,)), (m + "up_proj.bias", (inter,))),
                                  "cat")

@@ -34,16 +34,25 @@ class Checkpoint:
     @cached_property
     def tensor_files(self) -> dict[str, Path]:
         """Tensor name -> the file holding it."""
-        out: dict[str, Path] = {}
+        return {name: f for name, (f, _, _) in self._headers.items()}
+
+    @cached_property
+    def _headers(self) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+        """Tensor name -> (file, safetensors dtype such as ``BF16`` or ``F8_E4M3``, shape), each file's header read
+        once."""
+        out: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
         for f in self.weight_files:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    out[name] = f
+                    t = sf.get_slice(name)
+                    out[name] = (f, t.get_dtype(), tuple(t.get_shape()))
         return out
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self.tensor_files[name]), framework="pt") as sf:
-            return tuple(sf.get_slice(name).get_shape())
+        return self._headers[name][2]
+
+    def tensor_dtype(self, name: str) -> str:
+        return self._headers[name][1]
 
     def read_tensor(self, name: str) -> torch.Tensor:
         with safe_open(str(self.tensor_files[name]), framework="pt") as sf:

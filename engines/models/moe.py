@@ -9,6 +9,7 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from engines.models.base import WeightSpec, add_linear, linear, param
+from engines.models.fp8 import as_weight
 from kernels.activation import silu_and_mul
 from kernels.moe import grouped_topk, routed_experts, softmax_topk
 
@@ -22,7 +23,8 @@ class DenseMLP(nn.Module):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor, backend: str) -> torch.Tensor:
         """``residual + mlp(x)`` (``add_linear``: on the fused path the sum is the down projection's epilogue,
         written over ``residual``, which the caller owns)."""
-        return add_linear(residual, silu_and_mul(linear(x, self.gate_up_w), backend), self.down_w, None, backend)
+        act = silu_and_mul(linear(x, self.gate_up_w, None, backend), backend)
+        return add_linear(residual, act, self.down_w, None, backend)
 
 
 class MoE(nn.Module):
@@ -47,7 +49,8 @@ class MoE(nn.Module):
                                         e.norm_topk_prob, e.routed_scaling_factor)
         else:
             weights, ids = softmax_topk(logits, e.num_experts_per_tok, e.norm_topk_prob)
-        out = routed_experts(x, weights, ids, self.experts_gate_up, self.experts_down, backend)  # a fresh sum
+        out = routed_experts(x, weights, ids, as_weight(self.experts_gate_up), as_weight(self.experts_down),
+                             backend)  # a fresh sum
         out = self.shared.add_to(out, x, backend) if self.shared is not None else out
         return residual + out
 
@@ -61,17 +64,17 @@ def moe_specs(c: ModelConfig, p: str, src: str) -> Iterator[WeightSpec]:
         yield WeightSpec(p + "router_bias", ((src + "gate.e_score_correction_bias", (e.num_experts,)),))
     ex = range(e.num_experts)
     yield WeightSpec(p + "experts_gate_up", tuple((f"{src}experts.{j}.{w}_proj.weight", (inter, h))
-                                                  for j in ex for w in ("gate", "up")), "stack", per_item=2)
+                                                  for j in ex for w in ("gate", "up")), "stack", per_item=2, fp8=True)
     yield WeightSpec(p + "experts_down", tuple((f"{src}experts.{j}.down_proj.weight", (h, inter)) for j in ex),
-                     "stack")
+                     "stack", fp8=True)
     if e.num_shared_experts:
         yield from mlp_specs(p + "shared.", src + "shared_experts.", h, inter * e.num_shared_experts)
 
 
 def mlp_specs(p: str, src: str, hidden: int, inter: int) -> Iterator[WeightSpec]:
     yield WeightSpec(p + "gate_up_w", ((src + "gate_proj.weight", (inter, hidden)),
-                                       (src + "up_proj.weight", (inter, hidden))), "cat")
-    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),))
+                                       (src + "up_proj.weight", (inter, hidden))), "cat", fp8=True)
+    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),), fp8=True)
 
 
 def router_params(model: nn.Module) -> list[str]:

@@ -1,0 +1,138 @@
+"""The w8a16 GEMM for block-scaled FP8 weights (``kernels.fp8``) on CUDA: ``x @ W^T`` with W read as e4m3 bytes
+and dequantized tile by tile in registers, so a weight-bound decode step reads half of bfloat16's bytes. Tests run
+it on CPU under ``TRITON_INTERPRET=1`` against float64.
+
+A K tile never straddles two scale blocks (``BLOCK_K`` divides the scale block's ``bk``), so each tile needs one
+scale per output column. Each weight element is ``(q × scale)`` rounded to x's dtype, as the reference does. GPUs
+before compute capability 8.9 have no e4m3 conversion: there the bytes are widened by bit arithmetic
+(``fp8_tile``). A grid of few programs (decode: few rows, so few row blocks) splits K across programs, whose
+float32 partial sums are added once at the end.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import Fp8Weight
+from kernels.triton_attention import _dot, exact_products
+
+
+@triton.jit
+def fp8_tile(w_ptrs, mask, scale, dtype, NATIVE: tl.constexpr):
+    """The e4m3 weights at ``w_ptrs`` times ``scale`` (broadcast over the tile) in float32, rounded once to
+    ``dtype``. Not ``NATIVE``: ``w_ptrs`` are bytes, moved into a float16's bits (sign, then exponent and mantissa
+    shifted to its top), which reads 2^-8 of the e4m3 value for normals and subnormals alike (float16's exponent
+    bias is 8 more), so the scale takes the 2^8 back: exact, as the conversion is."""
+    if NATIVE:
+        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * scale
+    else:
+        b = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint16)
+        w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True).to(tl.float32) * (scale * 256.0)
+    return w.to(dtype)
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
+                  stride_os, QN: tl.constexpr, QK: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr,
+                  PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NATIVE: tl.constexpr, IEEE: tl.constexpr):
+    """One program: BLOCK_M rows by BLOCK_N output columns over K_SPLIT of K (split ``program_id(2)``).
+    ``PARTIAL``: store the float32 sum at ``out + split × stride_os`` for the caller to add; otherwise the epilogue:
+    bias, ``ADD_OUT`` (out += the product: the residual), one rounding."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    s_row = s_ptr + (cols // QN).to(tl.int64) * stride_sn
+    k_start = tl.program_id(2) * K_SPLIT
+    k_end = tl.minimum(K, k_start + K_SPLIT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_end
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        s = tl.load(s_row + k0 // QK, mask=col_ok, other=0.0)
+        w = fp8_tile(w_ptr + cols64[None, :] * stride_wn + kk[:, None], k_ok[:, None] & col_ok[None, :], s[None, :],
+                     x_ptr.dtype.element_ty, NATIVE)
+        acc += _dot(x, w, IEEE)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(2) * stride_os + rows64[:, None] * stride_om + cols[None, :], acc, mask=mask)
+        return
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+    if ADD_OUT:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 itself (compute capability 8.9 and up); the interpreter does."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def weight_bytes(w: Fp8Weight, native: bool | None = None) -> torch.Tensor:
+    """What the kernels read ``w.q`` as: e4m3, or its bytes where the GPU has no e4m3 conversion."""
+    native = native_fp8(w.q.device) if native is None else native
+    return w.q if native else w.q.view(torch.uint8)
+
+
+def _num_splits(programs: int, k: int, block_k: int, device: torch.device) -> int:
+    """Splits of K that give the GPU about two programs per multiprocessor when the output tiles alone do not (a
+    decode step's few rows), each split at least 8 K tiles; 1 off CUDA and for big grids."""
+    if device.type != "cuda":
+        return 1
+    want = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(want // programs, k // (8 * block_k)))
+
+
+def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                 block_k: int | None = None, num_splits: int | None = None, native: bool | None = None,
+                 **launch) -> torch.Tensor:
+    """``x [..., K] @ W^T + bias`` in x's dtype for ``W [N, K]`` block-scaled FP8; with ``residual`` (x's shape but
+    N wide, contiguous rows) the sum is written over it and returned. Tiles by default: 16 rows for decode-sized
+    batches (up to 64 for prefill), 64 columns, 64 of K (fewer where bk is not a multiple of 64); ``num_splits``
+    None: by the grid's size (``_num_splits``); ``native`` None: by the device (``native_fp8``)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n, block = w.q.shape[0], w.block
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if residual is not None:
+        out = residual.view(-1, n)
+        if out.stride(1) != 1:
+            raise ValueError("w8a16_linear writes over residual: its rows must be contiguous")
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
+    block_n = block_n or 64
+    block_k = block_k or math.gcd(64, block[1])
+    if block[1] % block_k or block_k < 16:
+        raise ValueError(f"the K tile ({block_k}) must divide the scale block {block[1]} and be at least 16")
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    splits = num_splits or _num_splits(grid[0] * grid[1], k, block_k, x.device)
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    native = native_fp8(x.device) if native is None else native
+    q, scale = weight_bytes(w, native).contiguous(), w.scale.float().contiguous()
+    dest = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _w8a16_kernel[(*grid, splits)](
+        x2, q, scale, bias if bias is not None else scale, dest, m, n, k, k_split, x2.stride(0), q.stride(0),
+        scale.stride(0), dest.stride(-2), dest.stride(0), QN=block[0], QK=block[1], HAS_BIAS=bias is not None,
+        ADD_OUT=residual is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        NATIVE=native, IEEE=exact_products(x.dtype), **launch)
+    if splits > 1:  # the epilogue of the split sums: bias and residual added in float32, one rounding
+        acc = dest.sum(0)
+        if bias is not None:
+            acc += bias.float()
+        if residual is not None:
+            acc += out.float()
+        out.copy_(acc)
+    return out.view(*lead, n)

@@ -1,0 +1,335 @@
+"""Block-scaled FP8 weights (DeepSeek's and Qwen's FP8 checkpoints, ``dualpath quantize``): the w8a16 kernels against
+float64, whole models against transformers loading the same FP8 checkpoint, and what is refused.
+
+Kernel tolerance as in test_triton_kernels: max |out - ref| / max |ref| under 1e-3 for float32 activations, 2e-2
+for bfloat16 (the reference multiplies the exactly dequantized weights in float64). Models: relative error of the
+logits under 1e-4 in float32, where FP8 moves them by 7-16% from the unquantized model (asserted, so the
+comparison could fail).
+"""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from dualpath.errors import CheckpointError
+from engines.models import ForwardBatch, load_model
+from grid import covering
+from kernels.fp8 import FP8, Fp8Weight, fp8_linear, quantize_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+BLOCK = (16, 16)  # the tiny models' dims are multiples of 16, so transformers' dequantization reads them too
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "the kernel left outputs unwritten"
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def fp8_weight(n: int, k: int, block: tuple[int, int], experts: int | None = None) -> Fp8Weight:
+    shape = (n, k) if experts is None else (experts, n, k)
+    q, scale = quantize_blocks(torch.randn(*shape) * torch.rand(*shape[:-2], n, 1) * 3, block)
+    return Fp8Weight(q.to(DEVICE), scale.to(DEVICE), block)
+
+
+def test_quantized_blocks_round_to_e4m3_within_half_a_step():
+    """Partial edge blocks (40 x 72 in blocks of 16 x 32): every element within e4m3's half step of itself (2^-4
+    relative for normal values, 2^-10 of the block's scale for subnormal ones); each block's largest magnitude
+    lands on 448; an all-zero block gets scale 1."""
+    w = torch.randn(40, 72, dtype=torch.float64) * torch.logspace(-3, 1, 40, dtype=torch.float64)[:, None]
+    w[32:, 64:] = 0
+    q, scale = quantize_blocks(w, (16, 32))
+    assert q.dtype == FP8 and scale.shape == (3, 3)
+    deq = Fp8Weight(q, scale, (16, 32)).dequantize(torch.float64)
+    step = scale.double().repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :72]
+    assert ((deq - w).abs() <= torch.maximum(w.abs() * 2 ** -4, step * 2 ** -10) * (1 + 1e-6)).all()
+    assert scale[2, 2] == 1 and q[32:, 64:].float().eq(0).all()
+    assert q[:32].float().abs().amax() == 448
+
+
+@pytest.mark.parametrize(*covering("dtype,m,native,splits,epilogue", [
+    [torch.float32, torch.bfloat16], [1, 5, 33], [True, False], [1, 3], ["none", "bias", "residual", "both"]]))
+def test_w8a16_kernel_against_float64(dtype, m, native, splits, epilogue):
+    """x @ W^T over FP8 W of 72 x 100 in blocks of 32 (partial blocks both ways; the K tile 32), decode-sized and
+    prefill-sized rows, the GPU's e4m3 conversion and the byte-widening one (``native``), K split across programs,
+    bias and a residual written over."""
+    from kernels.triton_fp8 import w8a16_linear
+
+    w = fp8_weight(72, 100, (32, 32))
+    x = torch.randn(m, 100, dtype=dtype, device=DEVICE)
+    bias = torch.randn(72, dtype=dtype, device=DEVICE) if epilogue in ("bias", "both") else None
+    residual = torch.randn(m, 72, dtype=dtype, device=DEVICE) if epilogue in ("residual", "both") else None
+    ref = x.double() @ w.dequantize(torch.float64).t()
+    ref += 0 if bias is None else bias.double()
+    ref += 0 if residual is None else residual.double()
+    out = w8a16_linear(x, w, bias, None if residual is None else residual.clone(), native=native, num_splits=splits)
+    assert out.dtype == dtype and rel_err(out, ref) < TOL[dtype]
+    assert rel_err(fp8_linear(x, w, bias, "torch", residual), ref) < TOL[dtype]  # the reference path
+
+
+def test_w8a16_kernel_with_deepseek_blocks():
+    """Blocks of 128 (DeepSeek's, Qwen's): K tiles of 64, two per scale block; N and K past a block edge."""
+    from kernels.triton_fp8 import w8a16_linear
+
+    w = fp8_weight(136, 200, (128, 128))
+    x = torch.randn(3, 200, device=DEVICE)
+    assert rel_err(w8a16_linear(x, w), x.double() @ w.dequantize(torch.float64).t()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize(*covering("dtype,t,native", [[torch.float32, torch.bfloat16], [1, 5, 37], [True, False]]))
+def test_fused_moe_with_fp8_experts_against_float64(dtype, t, native):
+    """Routed experts with FP8 gate/up and down (hidden 48, intermediate 32, blocks of 16), skewed routing, against
+    the per-expert reference over the dequantized weights in float64; the torch reference path too."""
+    from kernels.moe import routed_experts
+
+    e, k, h, inter = 8, 2, 48, 32
+    gate_up, down = fp8_weight(2 * inter, h, (16, 16), e), fp8_weight(h, inter, (16, 16), e)
+    x = torch.randn(t, h, dtype=dtype, device=DEVICE)
+    first = torch.where(torch.rand(t) < 0.7, 0, torch.randint(1, 4, (t,)))
+    ids = torch.stack([first, first + 1 + torch.randint(0, 4, (t,))], 1).to(DEVICE)
+    weights = torch.rand(t, k, device=DEVICE)
+    ref = routed_experts(x.double(), weights.double(), ids, gate_up.dequantize(torch.float64),
+                         down.dequantize(torch.float64))
+    from kernels.triton_moe import fused_moe
+
+    assert rel_err(fused_moe(x, weights, ids, gate_up, down, native=native), ref) < TOL[dtype]
+    assert rel_err(routed_experts(x, weights, ids, gate_up, down), ref) < TOL[dtype]
+
+
+# --- whole models ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp8_dirs(tiny_dirs, tmp_path_factory) -> dict:
+    """Every tiny checkpoint quantized by ``dualpath quantize``'s function (blocks of 16)."""
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8")
+    return {a: quantize_checkpoint(tiny_dirs[a], root / a, BLOCK, progress=False) for a in ARCHS}
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.forward_all(ids, ForwardBatch((0,), (len(ids),)), all_logits=True)[0]
+
+
+def hf_model(path):
+    """transformers' model of an FP8 checkpoint, its weights dequantized at load (what it does without a GPU; asked
+    for, so that a GPU machine runs the same comparison on the CPU)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(
+            weight_block_size=BLOCK, dequantize=True)).eval()
+
+
+def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(path)(ids[None]).logits[0]
+
+
+def model_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_checkpoints_match_transformers(arch, tiny_dirs, fp8_dirs):
+    """Each architecture's FP8 checkpoint: the linear weights held in FP8 (DeepSeek's absorbed kv_b_proj
+    dequantized at load), logits equal to transformers' on the same files, and far from the unquantized model's."""
+    from engines.models.fp8 import Fp8Param
+
+    model = load_model(fp8_dirs[arch])
+    held = {n.rsplit(".", 2)[-2] for n, p in model.named_parameters() if p.dtype == FP8}
+    expected = {"llama": {"qkv_w", "o_w", "gate_up_w", "down_w"}, "qwen2": {"qkv_w", "o_w", "gate_up_w", "down_w"},
+                "qwen3": {"qkv_w", "o_w", "gate_up_w", "down_w"},
+                "qwen3_moe": {"qkv_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"}}.get(
+        arch, {"q_a_w", "q_b_w", "kv_a_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"}
+        | ({"q_w", "k_w", "weights_w"} if arch == "deepseek_v32" else set()))
+    assert held == expected
+    if arch.startswith("deepseek"):
+        assert not isinstance(model.layers[0].attn.kv_b_w, Fp8Param)
+    ids = torch.randint(0, 256, (41 if arch != "deepseek_v32" else 30,), generator=torch.Generator().manual_seed(5))
+    ours = logits(model, ids)
+    assert model_rel_err(ours, hf_logits(fp8_dirs[arch], ids)) < 1e-4
+    assert model_rel_err(ours, logits(load_model(tiny_dirs[arch]), ids)) > 2e-2
+
+
+def test_fp8_greedy_generation_matches_transformers(fp8_dirs):
+    from dualpath import LLM, SamplingParams
+
+    prompt = list(range(40, 63))
+    out = LLM(str(fp8_dirs["llama"]), block_size=16).generate(prompt, SamplingParams(temperature=0, max_tokens=32))
+    ref = hf_model(fp8_dirs["llama"]).generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ref = ref[0, len(prompt):].tolist()
+    assert out[0].token_ids == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_fp8_weights_on_the_triton_kernels(arch, fp8_dirs):
+    """``kernels="triton"`` (the interpreter here): the w8a16 GEMM and the fused FP8 experts give every prompt
+    position the torch reference's logprobs and the same greedy tokens."""
+    from dualpath import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+    outs = [LLM(str(fp8_dirs[arch]), device=DEVICE, block_size=16, kernels=k).generate(list(range(60, 100)),
+                                                                                   params)[0]
+            for k in ("torch", "triton")]
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
+        assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_fp8_layer_loop_copies_nothing_between_host_and_device(fp8_dirs, monkeypatch):
+    """FP8 weights keep a layer free of host waits on the Triton kernels (a prefill over cached tokens and a decode
+    step), so decode steps stay CUDA graphs."""
+    from dualpath.geometry import KVGeometry
+    from dualpath.sampling_params import SamplingParams
+    from engines.kv_cache import PagedKVCache
+    from engines.local import ModelRunner
+    from engines.sequence import Sequence
+    from host_transfers import transfers_in_layers
+
+    model = load_model(fp8_dirs["qwen3_moe"], DEVICE, kernels="triton")
+    assert model.graph_safe
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", 16), 32, DEVICE)
+    seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for i, n in enumerate((20, 7))]
+    for s in seqs:
+        cache.reserve(s.seq_id, s.num_tokens + 1)
+    runner = ModelRunner(model, cache)
+    runner.forward(seqs, [5, 3])
+    inside = transfers_in_layers(monkeypatch, model)
+    runner.forward(seqs, [15, 3])
+    runner.forward(seqs[1:], [1])
+    assert inside == []
+
+
+def dequantized_copy(src, dst):
+    """``src`` with every FP8 weight written back as float32: the reference for shapes transformers cannot read."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    plain = {n: Fp8Weight(t, tensors[n + "_scale_inv"], tuple(json.loads((src / "config.json").read_text())[
+        "quantization_config"]["weight_block_size"])).dequantize() if n + "_scale_inv" in tensors else t
+        for n, t in tensors.items() if not n.endswith("_scale_inv")}
+    save_file(plain, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_parts_joined_off_a_block_edge_load_dequantized(tiny_dirs, tmp_path):
+    """Blocks of 48 rows: q_proj's 64 rows end inside a scale block, so the fused qkv weight cannot join their
+    scales and loads dequantized; o_proj (one source) stays FP8, its last block partial. Logits equal the model of
+    the dequantized weights."""
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+    from engines.models.fp8 import Fp8Param
+
+    fp8 = quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", (48, 16), progress=False)
+    model = load_model(fp8)
+    assert not isinstance(model.layers[0].qkv_w, Fp8Param) and isinstance(model.layers[0].o_w, Fp8Param)
+    ids = torch.randint(0, 256, (33,))
+    ref = logits(load_model(dequantized_copy(fp8, tmp_path / "plain")), ids)
+    assert model_rel_err(logits(model, ids), ref) < 1e-5
+
+
+def test_fp8_weights_in_bfloat16(fp8_dirs):
+    """bfloat16 activations over FP8 weights stay within bfloat16's error of the float32 model of the same file."""
+    ids = torch.randint(0, 256, (33,))
+    ref = logits(load_model(fp8_dirs["qwen3_moe"]), ids)
+    assert model_rel_err(logits(load_model(fp8_dirs["qwen3_moe"], dtype="bfloat16"), ids), ref) < 2e-2
+
+
+def test_an_fp8_model_holds_its_linear_weights_in_a_byte_each(tiny_dirs, fp8_dirs):
+    def nbytes(m):
+        return sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "layers." in n)
+
+    plain, fp8 = load_model(tiny_dirs["llama"], dtype="bfloat16"), load_model(fp8_dirs["llama"], dtype="bfloat16")
+    assert nbytes(fp8) < 0.55 * nbytes(plain)  # 1 byte for 2, the scales (1/256 of them, 4 bytes) and the norms
+
+
+def _edit(src, dst, tensors=None, config=None):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensors:
+        t = load_file(dst / "model.safetensors")
+        tensors(t)
+        save_file(t, dst / "model.safetensors")
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+NAME = "model.layers.1.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(config=lambda c: c.pop("quantization_config")), "has a _scale_inv but config.json has no quantization"),
+    (dict(tensors=lambda t: t.pop(NAME + "_scale_inv")), f"{NAME} is FP8 without a {NAME}_scale_inv"),
+    (dict(tensors=lambda t: t.update({NAME + "_scale_inv": torch.ones(3, 4)})), r"_scale_inv has shape \[3, 4\], "
+                                                                               r"expected \[4, 4\]"),
+    (dict(tensors=lambda t: t.update({NAME: t[NAME].float()})), "is stored as F32, not F8_E4M3"),
+    (dict(config=lambda c: c["quantization_config"].update(quant_method="gptq")), r"quantized checkpoints \(gptq\)"),
+    (dict(config=lambda c: c["quantization_config"].pop("weight_block_size")), "without a weight_block_size"),
+    (dict(config=lambda c: c["quantization_config"].update(activation_scheme="static")), "'static' activation"),
+    (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[16, 24])), "multiple of 16"),
+])
+def test_bad_fp8_checkpoints_are_named(edit, message, fp8_dirs, tmp_path):
+    with pytest.raises(CheckpointError, match=message):
+        load_model(_edit(fp8_dirs["llama"], tmp_path / "bad", **edit))
+
+
+def test_an_fp8_model_takes_fp8_weight_updates(tiny_dirs, fp8_dirs, tmp_path):
+    """New FP8 weights load in place (logits then equal a fresh load of them); an update that is not FP8 where the
+    model holds FP8 is refused before anything is copied."""
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+    from engines.models import reload_weights
+
+    model, ids = load_model(fp8_dirs["llama"]), torch.randint(0, 256, (20,))
+    before = logits(model, ids)
+    new = quantize_checkpoint(build_tiny_checkpoint(tmp_path / "new", "llama", seed=7), tmp_path / "new-fp8", BLOCK,
+                              progress=False)
+    reload_weights(model, new)
+    assert torch.equal(logits(model, ids), logits(load_model(new), ids))
+    def plain_o_proj(t):
+        t[NAME] = Fp8Weight(t[NAME], t.pop(NAME + "_scale_inv"), BLOCK).dequantize()
+
+    for bad in (_edit(fp8_dirs["llama"], tmp_path / "plain", config=lambda c: c.pop("quantization_config")),
+                _edit(fp8_dirs["llama"], tmp_path / "partly", tensors=plain_o_proj)):
+        with pytest.raises(CheckpointError, match="config differs in quant|o_proj.weight is not FP8"):
+            reload_weights(model, bad)
+        assert torch.equal(logits(model, ids), logits(load_model(new), ids))
+    reload_weights(model, fp8_dirs["llama"])
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_quantize_command(tiny_dirs, tmp_path, capsys):
+    """``dualpath quantize SRC DST --block 16 16`` writes a checkpoint that loads as FP8 (tokenizer and generation
+    config beside it); it refuses an existing destination and an already quantized source."""
+    from dualpath.cli import main
+
+    dst = tmp_path / "q"
+    assert main(["quantize", str(tiny_dirs["qwen2"]), str(dst), "--block", "16", "16"]) == 0
+    assert (dst / "tokenizer.json").exists() and (dst / "generation_config.json").exists()
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+    assert str(dst) in capsys.readouterr().out
+    assert load_model(dst).layers[0].qkv_w.q.dtype == FP8
+    assert main(["quantize", str(tiny_dirs["qwen2"]), str(dst)]) != 0
+    assert main(["quantize", str(dst), str(tmp_path / "again")]) != 0
+    assert "already quantized" in capsys.readouterr().err
+
+
+def test_sharded_quantized_checkpoint(tiny_dirs, tmp_path):
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+
+    one = quantize_checkpoint(tiny_dirs["deepseek_v3"], tmp_path / "one", BLOCK, progress=False)
+    many = quantize_checkpoint(tiny_dirs["deepseek_v3"], tmp_path / "many", BLOCK, progress=False,
+                               shard_bytes=100_000)
+    assert len(list(many.glob("*.safetensors"))) > 2 and (many / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, 256, (9,))
+    assert torch.equal(logits(load_model(one), ids), logits(load_model(many), ids))
