@@ -199,12 +199,12 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
     Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged, and with
     ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
-    nothing between host and device. ``index`` (DeepSeek-V3.2's sparse attention; the torch reference on any
-    backend): each new token attends to the tokens the indexer chooses for it, not to all it sees.
+    nothing between host and device. ``index`` (DeepSeek-V3.2's sparse attention; ``kernels.triton_sparse`` on
+    triton): each new token attends to the tokens the indexer chooses for it, not to all it sees.
     """
     new_rows = as_cached(new_rows, _cache_dtype(cached, new_rows))
-    if backend == "triton" and index is None:
-        return _triton(q, new_rows, cached, split, new_lens, scale, cu_new)
+    if backend == "triton":
+        return _triton(q, new_rows, cached, split, new_lens, scale, cu_new, index)
     if isinstance(cached, PagedKV):
         cached = cached.on_host()
     if len(new_lens) > 1 and all(n == 1 for n in new_lens):
@@ -224,11 +224,17 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float, cu_new):
+def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float, cu_new,
+            index: IndexQuery | None):
     from kernels import triton_attention as ta
 
     if not isinstance(cached, PagedKV):
         raise ValueError("the triton kernels read a paged cache: pass cached KV as PagedKV")
+    if index is not None:
+        from kernels.triton_sparse import sparse_attention
+
+        return sparse_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,
+                                index, cu_new)
     if all(n == 1 for n in new_lens):
         return ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, layout, scale)
     return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,

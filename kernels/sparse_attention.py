@@ -10,7 +10,8 @@ Scores are float32 (as transformers computes them; float64 for float64 inputs). 
 tokens: ``topk`` alone breaks them as it likes (differently for rows of other lengths), and they happen (a key
 every head scores below zero scores exactly 0), so without a rule a chunked prefill would choose other tokens than
 a whole one. The attention itself (``kernels.attention.varlen_attention``) reads the keys from the same rows it
-attends over, so new keys are scored as the cache holds them. This is the torch reference, on any device.
+attends over, so new keys are scored as the cache holds them. This is the torch reference; ``kernels.triton_sparse``
+scores with a kernel and chooses with ``_top`` and ``listed`` on the device.
 """
 from __future__ import annotations
 

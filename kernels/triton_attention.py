@@ -206,12 +206,9 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     lo = sp * chunk
     if lo >= total:
         return
-    kh = hg // HEAD_BLOCKS
-    offs_g = (hg % HEAD_BLOCKS) * G_BLOCK + tl.arange(0, G_BLOCK)
+    kh, heads, g_ok = _head_block(hg, GROUP, G_BLOCK, HEAD_BLOCKS)
     offs_a, offs_b = tl.arange(0, DA), DA + tl.arange(0, DB_PAD)
     offs_v, offs_n = tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
-    g_ok = offs_g < GROUP
-    heads = kh * GROUP + offs_g
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     qa, qb = _load_q(q_row, g_ok, offs_a, offs_b, D, HAS_B)
     m_i = tl.full([G_BLOCK], float("-inf"), tl.float32)
@@ -230,33 +227,55 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
         # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
         na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B,
                               V_IS_KA, dt)
-        ka += na
-        if HAS_B:
-            kb += nb
-        if not V_IS_KA:
-            v += nv
-        else:
-            v = ka
+        ka, kb, v = _joined(ka, kb, v, na, nb, nv, HAS_B, V_IS_KA)
         s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # base 2, as the scores
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + sp * stride_ps + offs_v[None, :], out,
-             mask=g_ok[:, None] & mask_v[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + sp, lse, mask=g_ok)
+    _store_split(part_ptr + b * stride_pb + sp * stride_ps, lse_ptr + b * stride_lb + sp, heads, g_ok, offs_v,
+                 mask_v, m_i, l_i, acc, stride_ph, stride_lh)
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, lse_ptr, cached_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
+def _head_block(hg, GROUP: tl.constexpr, G_BLOCK: tl.constexpr, HEAD_BLOCKS: tl.constexpr):
+    """A split program's KV head, its query heads (``G_BLOCK`` of the group, from block ``hg``) and which exist."""
+    kh = hg // HEAD_BLOCKS
+    offs_g = (hg % HEAD_BLOCKS) * G_BLOCK + tl.arange(0, G_BLOCK)
+    return kh, kh * GROUP + offs_g, offs_g < GROUP
+
+
+@triton.jit
+def _joined(ka, kb, v, na, nb, nv, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr):
+    """Two tiles of keys and values loaded under disjoint row masks (cached rows, new rows), as one."""
+    ka += na
+    if HAS_B:
+        kb += nb
+    if V_IS_KA:
+        v = ka
+    else:
+        v += nv
+    return ka, kb, v
+
+
+@triton.jit
+def _store_split(part_row, lse_row, heads, g_ok, offs_v, mask_v, m_i, l_i, acc, stride_ph, stride_lh):
+    """A split's partial output (normalized by its own sum) and its base-2 log-sum-exp, -inf where it saw no key."""
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # base 2, as the scores
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(part_row + heads[:, None] * stride_ph + offs_v[None, :], out, mask=g_ok[:, None] & mask_v[None, :])
+    tl.store(lse_row + heads * stride_lh, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, lse_ptr, totals_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
                           stride_lh, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
                           BLOCK_N: tl.constexpr, S_BLOCK: tl.constexpr,
-                          DV: tl.constexpr, DV_PAD: tl.constexpr):
-    """One program per (sequence, head): the splits that hold its keys, weighted by 2^(lse - max) (the splits'
-    log-sum-exps are base 2, as their scores). Splits past the sequence's end are never read, so a grid sized for
-    the longest possible sequence (a CUDA graph's) costs the reduce nothing; split 0 always holds the new token, so
-    the max is finite."""
+                          DV: tl.constexpr, DV_PAD: tl.constexpr, TOTAL_PLUS: tl.constexpr):
+    """One program per (query, head): the splits that hold its keys (``totals[b] + TOTAL_PLUS`` of them: a decode
+    step's cached lengths plus its new token, or the sparse kernels' key counts), weighted by 2^(lse - max) (the
+    splits' log-sum-exps are base 2, as their scores). Splits past the query's keys are never read, so a grid sized
+    for the longest possible sequence (a CUDA graph's) costs the reduce nothing; split 0 always holds a key, so the
+    max is finite."""
     b, h = tl.program_id(0), tl.program_id(1)
-    total = tl.load(cached_lens_ptr + b) + 1
+    total = tl.load(totals_ptr + b) + TOTAL_PLUS
     chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     n_splits = (total + chunk - 1) // chunk
     offs_s, offs_v = tl.arange(0, S_BLOCK), tl.arange(0, DV_PAD)
@@ -366,10 +385,8 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     group = hq // layout.num_kv_heads
     g_block = min(_pad(group), max(16, head_block))
     head_blocks = triton.cdiv(group, g_block)
-    per_split = b * layout.num_kv_heads * head_blocks
-    splits = num_splits or min(64, triton.next_power_of_2(triton.cdiv(32 * _multiprocessors(dev), per_split)))
-    part = torch.empty(b, hq, splits, layout.v_dim, dtype=torch.float32, device=dev)
-    lse = torch.empty(b, hq, splits, dtype=torch.float32, device=dev)
+    splits = num_splits or decode_splits(b * layout.num_kv_heads * head_blocks, dev)
+    part, lse = split_outputs(b, hq, splits, layout.v_dim, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     common = _common(cache, layout, q, launch)
     chunking = dict(NUM_SPLITS=splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n)
@@ -378,10 +395,27 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
         q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, **chunking, **common)
-    _decode_reduce_kernel[(b, hq)](part, lse, lens, out, part.stride(0), part.stride(1), part.stride(2),
-                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), **chunking,
-                                   S_BLOCK=min(16, triton.next_power_of_2(splits)), DV=layout.v_dim,
-                                   DV_PAD=common["DV_PAD"], num_warps=4)
+    return reduce_splits(part, lse, lens, 1, out, chunking, common["DV_PAD"])
+
+
+def decode_splits(programs_per_split: int, dev: torch.device) -> int:
+    """Splits of every query's keys for ~32 programs per streaming multiprocessor, at most 64."""
+    return min(64, triton.next_power_of_2(triton.cdiv(32 * _multiprocessors(dev), programs_per_split)))
+
+
+def split_outputs(rows: int, heads: int, splits: int, dv: int, dev: torch.device):
+    """Each split's partial output and base-2 log-sum-exp, float32."""
+    return (torch.empty(rows, heads, splits, dv, dtype=torch.float32, device=dev),
+            torch.empty(rows, heads, splits, dtype=torch.float32, device=dev))
+
+
+def reduce_splits(part, lse, totals, total_plus: int, out, chunking: dict, dv_pad: int) -> torch.Tensor:
+    """``_decode_reduce_kernel`` over ``split_outputs``: query b's ``totals[b] + total_plus`` keys were cut by
+    ``chunking``."""
+    _decode_reduce_kernel[(out.shape[0], out.shape[1])](
+        part, lse, totals, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), **chunking, S_BLOCK=min(16, triton.next_power_of_2(part.shape[2])),
+        DV=out.shape[2], DV_PAD=dv_pad, TOTAL_PLUS=total_plus, num_warps=4)
     return out
 
 

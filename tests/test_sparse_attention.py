@@ -14,6 +14,7 @@ from kernels.attention import PagedKV, mla_attention
 from kernels.sparse_attention import IndexQuery
 
 H, D, OFF, WIDTH, BS = 3, 8, 5, 5 + 8 + 2, 4  # indexer heads, key width, where keys start in a row, row width
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path's tests (the interpreter on CPU)
 
 
 def check_choice(chosen, q, w, keys, n_cached, topk, scale):
@@ -116,6 +117,74 @@ def test_sparse_attention_against_float64(monkeypatch, form, gather):
             start += n
 
 
+def _sparse_case(lens, dtype, bs):
+    """MLA rows ``[latent 16 | rope key 16 | indexer key 16]`` of sequences with (cached, new) ``lens``: queries,
+    new rows, the cached rows paged into blocks of ``bs`` (shuffled) and as lists, and an indexer keeping 6."""
+    from kernels.attention import mla_split
+
+    r, dr, d, h = 16, 16, 16, 3
+    width, new_lens = r + dr + d, [n for _, n in lens]
+    t = sum(new_lens)
+    cached = [torch.randn(c, width, device=DEVICE).to(dtype) for c, _ in lens]
+    need = [-(-c // bs) for c, _ in lens]
+    cache = torch.randn(sum(need) + 2, bs, width, device=DEVICE).to(dtype)
+    order, tables = torch.randperm(cache.shape[0]).tolist(), []
+    for c, rows, n in zip((c for c, _ in lens), cached, need):
+        blocks, order = order[:n], order[n:]
+        if c:
+            cache.view(-1, width)[torch.tensor([b * bs + i for b in blocks for i in range(bs)][:c])] = rows
+        tables.append(blocks + [0] * (max(need) - n))
+    index = IndexQuery(torch.randn(t, h, d, device=DEVICE).to(dtype), torch.randn(t, h, device=DEVICE), r + dr, 6,
+                       d ** -0.5)
+    return (torch.randn(t, 4, r + dr, device=DEVICE).to(dtype), torch.randn(t, width, device=DEVICE).to(dtype),
+            cached, PagedKV(cache, torch.tensor(tables, device=DEVICE), [c for c, _ in lens]), new_lens,
+            mla_split(r, r + dr), index)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8 cache"])
+@pytest.mark.parametrize("lens, bs", [([(6, 3), (9, 1), (0, 12), (30, 5)], 4),  # prefill rows over cached parts
+                                      ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16),  # a decode batch
+                                      ([(40, 9)], 16)])  # one sequence, its rows scored a few at a time
+def test_the_triton_sparse_path_matches_the_reference(monkeypatch, dtype, lens, bs):
+    """``kernels.triton_sparse`` (the interpreter here): the indexer's scores, the choice and MLA over the chosen
+    rows on the device give the torch reference's output (within 1e-3 for float32, 2e-2 for bfloat16, of its
+    magnitude), prefill rows seeing cached and their own new keys, a decode batch, odd block sizes; float32 queries
+    over an e4m3 cache (``--kv-cache-dtype fp8``: new rows attend and are scored as the cache holds them)."""
+    from kernels import triton_sparse
+
+    monkeypatch.setattr(triton_sparse, "_CHOICE_ELEMS", 200)  # a few query rows a chunk
+    fp8 = dtype == "fp8 cache"
+    dtype = torch.float32 if fp8 else dtype
+    q, new, cached, paged_kv, new_lens, split, index = _sparse_case(lens, dtype, bs)
+    if fp8:
+        cached = [c.to(torch.float8_e4m3fn) for c in cached]
+        paged_kv = PagedKV(paged_kv.cache.to(torch.float8_e4m3fn), paged_kv.block_tables, paged_kv.lens)
+    ref = attention.varlen_attention(q, new, cached, split, new_lens, 0.2, index=index)
+    out = attention.varlen_attention(q, new, paged_kv, split, new_lens, 0.2, backend="triton", index=index)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert not out.isnan().any() and float((out - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_the_triton_indexer_scores_against_float64():
+    """Every (query row, key position) the row sees scored as in float64; -inf at the positions it does not see,
+    up to the row's padded width."""
+    from kernels.triton_sparse import QueryRows, index_scores
+
+    lens = [(6, 3), (0, 5), (13, 1)]
+    q, new, cached, paged_kv, new_lens, split, index = _sparse_case(lens, torch.float32, 4)
+    cu = torch.tensor([0, 3, 8, 9], dtype=torch.int32, device=DEVICE)
+    rows = QueryRows(torch.tensor([6, 0, 13], dtype=torch.int32, device=DEVICE), cu, 9)
+    scores = index_scores(index, rows, new, paged_kv.cache, paged_kv.block_tables, 20)
+    for b, (c, n) in enumerate(lens):
+        keys = torch.cat([cached[b], new[cu[b]:cu[b] + n]])[:, 32:].double()
+        for j in range(n):
+            r, seen = int(cu[b]) + j, c + j + 1
+            want = (index.weights[r, :, None].double() * torch.relu(index.q[r].double() @ keys[:seen].T
+                                                                       * index.scale)).sum(0)
+            assert torch.allclose(scores[r, :seen].double(), want, rtol=1e-5, atol=1e-5)
+            assert scores[r, seen:].eq(float("-inf")).all()
+
+
 def test_the_indexer_changes_the_answer_past_topk(tiny_dirs):
     """The parity tests could fail: attending densely (a topk no prompt reaches) moves the logits of tokens
     beyond the 16th by far more than the 1e-4 the sparse model is held to against transformers."""
@@ -143,10 +212,11 @@ def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs):
         ModelConfig.from_hf({k: v for k, v in _config(tiny_dirs).items() if k != "index_topk"})
 
 
-def test_within_topk_the_triton_layer_loop_copies_nothing_and_past_it_matches_the_reference(tiny_dirs, monkeypatch):
-    """While no query sees more than index_topk (16) tokens, DeepSeek-V3.2 attends densely on the Triton kernels
-    and its layer loop makes no host transfers (the batch's longest context comes from the host); past that its
-    attention runs on the torch reference, and either way the logits are the torch backend's."""
+def test_the_triton_layer_loop_copies_nothing_and_matches_the_reference(tiny_dirs, monkeypatch):
+    """While no query sees more than index_topk (16) tokens, DeepSeek-V3.2 attends densely on the Triton kernels;
+    past that the indexer scores, chooses and MLA attends on the device (``kernels.triton_sparse``), a chunked
+    prefill and a decode step. Either way its layer loop makes no host transfers and the logits are the torch
+    backend's."""
     from dualpath.geometry import KVGeometry
     from dualpath.sampling_params import SamplingParams
     from engines.kv_cache import PagedKVCache
@@ -156,14 +226,14 @@ def test_within_topk_the_triton_layer_loop_copies_nothing_and_past_it_matches_th
 
     runs = {}
     for kernels in ("torch", "triton"):
-        model = load_model(tiny_dirs["deepseek_v32"], "cpu", kernels=kernels)
-        cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", 16), 32, "cpu")
-        seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for i, n in enumerate((30, 7))]
+        model = load_model(tiny_dirs["deepseek_v32"], DEVICE, kernels=kernels)
+        cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", 16), 32, DEVICE)
+        seqs = [Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2)) for i, n in enumerate((31, 9))]
         for s in seqs:
             cache.reserve(s.seq_id, s.num_tokens + 1)
         runner, inside = ModelRunner(model, cache), transfers_in_layers(monkeypatch, model)
         dense = [runner.forward(seqs, [5, 3]), runner.forward(seqs, [7, 3])]  # 12 and 6 tokens seen
+        sparse = [runner.forward(seqs, [18, 1]), runner.forward(seqs, [1, 1])]  # 30, 31 seen: the indexer chooses
         assert not inside or kernels == "torch"
-        sparse = runner.forward(seqs, [18, 1])  # 30 seen: the indexer chooses
-        runs[kernels] = torch.cat([*dense, sparse])
+        runs[kernels] = torch.cat([*dense, *sparse])
     assert torch.allclose(runs["triton"], runs["torch"], atol=1e-4, rtol=1e-4)

@@ -30,7 +30,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe  # noqa: E402
+from kernels import (triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe,  # noqa: E402
+                     triton_sparse)
+from kernels.sparse_attention import IndexQuery  # noqa: E402
 from kernels.fp8 import Fp8Weight  # noqa: E402
 from kernels.attention import gqa_split, mla_split  # noqa: E402
 
@@ -100,7 +102,8 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
                triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
-               te._rope_kernel, te._silu_mul_kernel, triton_fp8._w8a16_kernel)
+               te._rope_kernel, te._silu_mul_kernel, triton_fp8._w8a16_kernel, triton_sparse._index_score_kernel,
+               triton_sparse._sparse_split_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32, f8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -128,6 +131,13 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
         for cfg in decode_cfgs if tuned else decode_cfgs[:1]:
             ta.decode_attention(q[:2], new[:2], cache, tables, torch.tensor([5, 200], dtype=torch.int32), layout,
                                 0.1, **cfg)
+    for cache_dtype in (bf16, f8) if fp8 else (bf16,):  # DeepSeek-V3.2: 128 heads over the latent, its indexer
+        what = f"sparse mla 128 heads, indexer 64x128 bf16{' over fp8' if cache_dtype == f8 else ''}"
+        index = IndexQuery(torch.zeros(3, 64, 128, dtype=bf16), torch.zeros(3, 64), 576, 2048, 128 ** -0.5)
+        triton_sparse.sparse_attention(torch.zeros(3, 128, 576, dtype=bf16), torch.zeros(3, 704, dtype=cache_dtype),
+                                       torch.zeros(8, 64, 704, dtype=cache_dtype), torch.zeros(3, 4, dtype=torch.long),
+                                       torch.tensor([100, 200, 50], dtype=torch.int32), [1, 1, 1], mla_split(512, 576),
+                                       0.1, index)
     what = "moe 7168/2048 top-8 bf16"  # DeepSeek-V3's expert shapes (8 of its 256 experts: the same kernels)
     gate_up, down = torch.empty(8, 4096, 7168, dtype=bf16), torch.empty(8, 7168, 2048, dtype=bf16)
     for t in (4, 512):  # a decode batch (16-row blocks) and a prefill chunk (64-row blocks)

@@ -19,6 +19,10 @@
              prefill with all KV on the device (<= 1.10x); and with the buffer's slots scattered (report)
   moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference, and with FP8
              experts (blocks of 128) against the bfloat16 ones (report only)
+  sparse     DeepSeek-V3.2's sparse attention at 32K context (128 heads over the 512+64 latent, indexer 64 x 128,
+             top 2,048), bfloat16: a decode batch of 32 and a 512-token prefill on the Triton path (scores, choice and
+             attention on the device) against the dense Triton kernel over every token and the torch reference, with
+             the time split between scoring and choosing and attending (report only)
   fp8_gemm   the w8a16 GEMM over block-scaled FP8 weights (Llama-3-8B's projections) against cuBLAS over the
              bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; and a small
              sweep of K splits and column tiles at decode sizes (report only)
@@ -516,6 +520,48 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
             "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]}}
 
 
+def bench_sparse(p, dev, smoke: bool) -> dict:
+    """DeepSeek-V3.2's attention past its top-k: ``kernels.triton_sparse`` against MLA over every token on the dense
+    Triton kernels (what the choice saves) and the torch reference (what ran before), a decode batch and a prefill
+    chunk; errors against the reference over the same inputs."""
+    from kernels import triton_sparse
+    from kernels.attention import mla_split
+    from kernels.sparse_attention import IndexQuery
+
+    b, ctx, heads, r, dr, ih, idim, topk, new = (3, 100, 4, 16, 16, 4, 16, 16, 20) if smoke else \
+        (32, 32768, 128, 512, 64, 64, 128, 2048, 512)
+    layout, width, bf16 = mla_split(r, r + dr), r + dr + idim, torch.bfloat16
+    scale = (r + dr) ** -0.5
+    rows = {}
+    for name, lens, new_lens in (("decode", [ctx - 1] * b, [1] * b), ("prefill", [ctx], [new])):
+        t = sum(new_lens)
+        cached = paged_cache(lens, width, p["bs"], dev)
+        q = torch.randn(t, heads, r + dr, dtype=bf16, device=dev)
+        new_rows = torch.randn(t, width, dtype=bf16, device=dev)
+        index = IndexQuery(torch.randn(t, ih, idim, dtype=bf16, device=dev), torch.randn(t, ih, device=dev),
+                           r + dr, topk, idim ** -0.5)
+        cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        dlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        sparse = lambda: varlen_attention(q, new_rows, PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
+                                          layout, new_lens, scale, "triton", cu, index)
+        dense = lambda: varlen_attention(q, new_rows, PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
+                                         layout, new_lens, scale, "triton", cu)
+        reference = lambda: varlen_attention(q, new_rows, cached, layout, new_lens, scale, "torch", cu, index)  # noqa
+        query_rows = triton_sparse.QueryRows(dlens, cu, t)
+        n_keys = cached.block_tables.shape[1] * p["bs"] + max(new_lens)
+        choose = lambda: triton_sparse.choose(index, query_rows, new_rows, cached.cache,  # noqa: E731
+                                              cached.block_tables, n_keys)
+        row = {"queries": t, "context": ctx, "sparse_s": timed(sparse, dev, iters=5),
+               "choice_s": timed(choose, dev, iters=5), "dense_s": timed(dense, dev, iters=5),
+               "reference_s": timed(reference, dev, iters=1, warmup=1),
+               "rel_err_vs_reference": rel_err(sparse(), reference().double())}
+        row.update(sparse_vs_dense=row["sparse_s"] / row["dense_s"], sparse_vs_reference=row["sparse_s"] /
+                   row["reference_s"], choice_share=row["choice_s"] / row["sparse_s"])
+        rows[name] = row
+        release(dev)
+    return {"heads": heads, "latent": r, "rope": dr, "indexer": [ih, idim], "topk": topk, "rows": rows}
+
+
 def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
     """``x @ W^T`` for W block-scaled FP8 (the w8a16 kernel: 1 byte a weight) against cuBLAS over W in bfloat16 (2
     bytes), Llama-3-8B's projections, from decode rows to a prefill chunk; the kernel's weight bytes/s ÷ copy for
@@ -571,8 +617,8 @@ def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
 
 
 # the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
-PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "fp8_gemm",
-         "sampling", "model", "fp8_model", "model_eager", "lora")
+PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "sparse",
+         "fp8_gemm", "sampling", "model", "fp8_model", "model_eager", "lora")
 
 
 def _time_vs(result: dict, base: str, part: str) -> float | None:
@@ -617,6 +663,8 @@ def main(argv=None) -> dict:
             elif part == "model_eager":
                 ours = result.get("model", {}).get("systems", {}).get("dualpath_triton", {})
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
+            elif part == "sparse":
+                result[part] = bench_sparse(p, dev, args.smoke)
             elif part == "fp8_gemm":
                 result[part] = bench_fp8_gemm(p, dev, args.smoke, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"])
             elif part == "fp8_model":
@@ -662,6 +710,12 @@ def main(argv=None) -> dict:
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
         {"what": "MoE FP8 experts ÷ bf16 time (decode)",
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("fp8_time_vs_bf16"), "target": "(report)"},
+        {"what": "V3.2 sparse decode ÷ dense Triton time (32K)",
+         "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_dense"),
+         "target": "(report)"},
+        {"what": "V3.2 sparse decode ÷ torch reference time",
+         "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_reference"),
+         "target": "(report)"},
         {"what": "w8a16 GEMM ÷ cuBLAS bf16 time (<= 16 rows)",
          "value": result.get("fp8_gemm", {}).get("decode_time_vs_bf16_mean"), "target": "(report)"},
         {"what": "FP8 model prefill ÷ bf16 model", "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),

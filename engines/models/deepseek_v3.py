@@ -6,8 +6,9 @@ and for V3.2 then ``[indexer key (index head dim), after its LayerNorm and RoPE]
 
 V3.2's sparse attention (DSA): a lightning indexer picks the ``index_topk`` earlier tokens each query attends to
 (``kernels.sparse_attention``). Its keys ride in the KV row, so they are stored, loaded and sent with the rest of
-the KV. A batch in which no query sees more than ``index_topk`` tokens attends densely (exactly the same result)
-on any kernels; the sparse choice runs on the torch reference, so V3.2 decode steps are not CUDA graphs.
+the KV. A batch in which no query sees more than ``index_topk`` tokens attends densely (exactly the same result);
+past that, the choice and the attention run on the device (``kernels.triton_sparse`` on the Triton kernels), so
+V3.2's decode steps are CUDA graphs as V3's are.
 """
 from __future__ import annotations
 
@@ -128,10 +129,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: the dense MLP may write its output into it
         return w.mlp.add_to(hidden, x, self.kernels), new_kv
-
-    @property
-    def graph_safe(self) -> bool:
-        return super().graph_safe and self.config.mla.indexer is None  # the indexer's choice is host work
 
     def float32_params(self) -> Sequence[str]:
         return router_params(self)
