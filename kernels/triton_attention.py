@@ -350,8 +350,7 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
     out = q.new_empty(t, hq, layout.v_dim) if out is None else out
     if t == 0:
         return out
-    cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev) if cu_new is None \
-        else cu_new
+    cu = new_starts(new_lens, cu_new, dev)
     lens = _device_lens(cached_lens, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     group = hq // layout.num_kv_heads
@@ -383,8 +382,7 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
         return out
     lens = _device_lens(cached_lens, dev)
     group = hq // layout.num_kv_heads
-    g_block = min(_pad(group), max(16, head_block))
-    head_blocks = triton.cdiv(group, g_block)
+    g_block, head_blocks = head_blocking(group, head_block)
     splits = num_splits or decode_splits(b * layout.num_kv_heads * head_blocks, dev)
     part, lse = split_outputs(b, hq, splits, layout.v_dim, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
@@ -396,6 +394,20 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, **chunking, **common)
     return reduce_splits(part, lse, lens, 1, out, chunking, common["DV_PAD"])
+
+
+def new_starts(new_lens: Sequence[int], cu_new: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
+    """Where each sequence's new tokens start in the batch, and their end (int32 on the device): ``cu_new`` as
+    given (no copy), else from ``new_lens``."""
+    if cu_new is not None:
+        return cu_new
+    return torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev)
+
+
+def head_blocking(group: int, head_block: int) -> tuple[int, int]:
+    """Query heads per split program (up to ``head_block``, at least 16: a dot's rows) and programs per group."""
+    g_block = min(_pad(group), max(16, head_block))
+    return g_block, triton.cdiv(group, g_block)
 
 
 def decode_splits(programs_per_split: int, dev: torch.device) -> int:

@@ -12,7 +12,6 @@ attends to a row's chosen positions, looking each one up (block table, or its ne
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
@@ -23,7 +22,7 @@ from kernels.attention import RowLayout
 from kernels.sparse_attention import IndexQuery, _top, listed
 from kernels.triton_attention import (LOG2E, _chunk, _common, _device_lens, _dot, _head_block, _joined, _load_kv,
                                       _load_q, _online_softmax, _pad, _scores, _store_split, decode_splits,
-                                      exact_products, reduce_splits, split_outputs)
+                                      exact_products, head_blocking, new_starts, reduce_splits, split_outputs)
 
 _CHOICE_ELEMS = 1 << 24  # scores per chunk of query rows: the choice's sort holds 8 bytes for each
 
@@ -179,15 +178,12 @@ def sparse_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     out = q.new_empty(t, hq, layout.v_dim)
     if t == 0:
         return out
-    cu = torch.tensor([0, *itertools.accumulate(new_lens)], dtype=torch.int32, device=dev) if cu_new is None \
-        else cu_new
-    rows = QueryRows(_device_lens(cached_lens, dev), cu, t)
+    rows = QueryRows(_device_lens(cached_lens, dev), new_starts(new_lens, cu_new, dev), t)
     n_keys = block_tables.shape[1] * cache.shape[1] + max(new_lens)  # past any row's last key
     q, new_rows = q.contiguous(), new_rows.contiguous()
     picks, totals = choose(index, rows, new_rows, cache, block_tables, n_keys)
     group = hq // layout.num_kv_heads
-    g_block = min(_pad(group), max(16, head_block))
-    head_blocks = triton.cdiv(group, g_block)
+    g_block, head_blocks = head_blocking(group, head_block)
     splits = decode_splits(t * layout.num_kv_heads * head_blocks, dev)
     part, lse = split_outputs(t, hq, splits, layout.v_dim, dev)
     common = _common(cache, layout, q, launch)
