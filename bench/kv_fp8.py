@@ -39,11 +39,11 @@ def serve(kv_cache_dtype: str, args) -> dict:
             "cached_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)}
 
 
-def logprobs(model: str, dtype: str, kv_cache_dtype: str, max_tokens: int):
-    """Each prompt's prompt logprobs and greedy reply under one (model dtype, KV dtype)."""
+def logprobs(model: str, dtype: str, kv_cache_dtype: str, max_tokens: int, quantization: str | None = None):
+    """Each prompt's prompt logprobs and greedy reply under one (model dtype, KV dtype, weight quantization)."""
     from dualpath import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     convs = [[{"role": "user", "content": p}] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=0)
     return [([lp.logprob for lp in o.prompt_logprobs[1:]], o.token_ids) for o in llm.chat(convs, params)]

@@ -19,7 +19,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
-              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
               speculative_config=args.speculative_config, lora_modules={m.name: m.path for m in args.lora_modules})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
@@ -72,8 +72,8 @@ def engine_config(args: argparse.Namespace):
         role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
         engine=EngineConfig(device=args.device, dtype=args.dtype, kernels=args.kernels,
-                            kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
-                            max_num_seqs=args.max_num_seqs,
+                            kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+                            enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                             speculative=SpeculativeConfig.parse(args.speculative_config),
                             lora_modules=tuple(args.lora_modules),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
@@ -277,12 +277,15 @@ def _size(text: str) -> int:
 
 
 def _dtype_args(p: argparse.ArgumentParser) -> None:
-    from dualpath.config import DTYPE_BYTES, KV_CACHE_DTYPES
+    from dualpath.config import DTYPE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument("--dtype", default="float32", choices=list(DTYPE_BYTES), help="the model's dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's dtype, in memory, transfers and storage (auto: the model's; fp8: e4m3, "
                         "half of bfloat16's bytes)")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="quantize a plain checkpoint's linear weights as they load (fp8: block-scaled e4m3 in "
+                        "blocks of 128 x 128, half of bfloat16's bytes; a checkpoint already in FP8 loads as stored)")
 
 
 def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:

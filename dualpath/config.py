@@ -29,6 +29,7 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}
 # vLLM's --kv-cache-dtype values -> the cache's dtype (auto: the model's)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KERNEL_BACKENDS = ("auto", "torch", "triton")  # see kernels.attention.choose_backend
+QUANTIZATIONS = ("fp8",)  # vLLM's and SGLang's --quantization values served (EngineConfig.quantization)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order the scheduler's queues keep (SchedulerConfig)
 
 
@@ -401,7 +402,9 @@ class SpeculativeConfig:
 class EngineConfig:
     """One engine's runtime choices. ``dtype`` is the model's dtype; ``kv_cache_dtype`` (vLLM's values) the KV
     cache's, in device memory, DRAM buffers, transfers and storage alike: ``auto`` the model's, ``fp8`` e4m3
-    (half of bfloat16's bytes; values saturate at +-448, scale 1, as vLLM's default)."""
+    (half of bfloat16's bytes; values saturate at +-448, scale 1, as vLLM's default). ``quantization`` (vLLM's
+    ``--quantization fp8``): a checkpoint's plain linear weights are quantized as they load, to block-scaled FP8
+    in DeepSeek's blocks of 128 x 128 (``weight_quant``); None, or a checkpoint already in FP8, loads as stored."""
 
     device: str = "cpu"
     dtype: str = "float32"
@@ -413,8 +416,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_modules: tuple[LoraModule, ...] = ()  # LoRA adapters loaded at start (requests name them by identity)
+    quantization: str | None = None
 
     def __post_init__(self):
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.kernels not in KERNEL_BACKENDS:
@@ -430,6 +436,11 @@ class EngineConfig:
     def kv_dtype(self) -> str:
         """The KV cache's torch dtype name."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
+    @property
+    def weight_quant(self) -> WeightQuantConfig | None:
+        """What plain checkpoint weights are quantized to at load (``engines.models.open_checkpoint``)."""
+        return WeightQuantConfig() if self.quantization == "fp8" else None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class ClusterSpec:
     dtype: str = "float32"
     kernels: str = "auto"  # see EngineConfig.kernels
     kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
+    quantization: str | None = None  # see EngineConfig.quantization
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
     speculative_config: str = ""  # see EngineConfig.speculative (vLLM's JSON; "" off)
     lora_modules: tuple[LoraModule, ...] = ()  # see EngineConfig.lora_modules
@@ -183,6 +184,8 @@ class LocalCluster(Supervisor):
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
         if s.enforce_eager:
             args.append("--enforce-eager")
+        if s.quantization:
+            args += ["--quantization", s.quantization]
         if s.speculative_config:
             args += ["--speculative-config", s.speculative_config]
         if s.lora_modules:

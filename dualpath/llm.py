@@ -44,9 +44,11 @@ class LLM:
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
     which changes no output (``dualpath.config.SpeculativeConfig``). ``kv_cache_dtype`` (vLLM's ``auto`` or
-    ``fp8``) is the cache's dtype (``dualpath.config.EngineConfig``). ``generation_config`` (vLLM's): where the
-    sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the checkpoint's
-    ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a directory.
+    ``fp8``) is the cache's dtype; ``quantization`` (vLLM's ``"fp8"``) quantizes a plain checkpoint's linear
+    weights to block-scaled FP8 as they load (both ``dualpath.config.EngineConfig``). ``generation_config``
+    (vLLM's): where the sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the
+    checkpoint's ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a
+    directory.
     ``lora_modules`` (name -> PEFT directory) are LoRA adapters loaded at once; ``generate``, ``chat`` and
     ``logits`` run a request under one when given its name or any adapter's directory as ``lora_request``
     (loaded on first use, as vLLM's ``LoRARequest``; ``generate`` also takes one per prompt, None for the base
@@ -58,14 +60,14 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
                  kv_cache_dtype: str = "auto", generation_config: str = "auto",
-                 lora_modules: dict[str, str] | None = None):
+                 lora_modules: dict[str, str] | None = None, quantization: str | None = None):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
-                                   kv_cache_dtype=kv_cache_dtype,
+                                   kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes))
-        ckpt = open_checkpoint(model)
+        ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, device, dtype, kernels)
         self.tokenizer = Tokenizer(model)
@@ -94,7 +96,7 @@ class LLM:
     def update_weights(self, model: str) -> str:
         """Load checkpoint ``model``'s weights in place of the current ones (an RL trainer's new policy: the same
         config, other values); returns their sha256. The tokenizer stays the one loaded first."""
-        return reload_weights(self.model, model)
+        return reload_weights(self.model, model, self.config.weight_quant)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

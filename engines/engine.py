@@ -77,7 +77,7 @@ class Engine:
         self.node_id = cfg.node_id or self.engine_id
         self.device = torch.device(cfg.engine.device)
         self.dtype = getattr(torch, cfg.engine.dtype)
-        ckpt = open_checkpoint(cfg.model)
+        ckpt = open_checkpoint(cfg.model, cfg.engine.weight_quant)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
@@ -452,7 +452,7 @@ class Engine:
         weights (``CheckpointError``); failing halfway through the copy leaves a mix, so the engine stops.
         ``check_only``: raise what loading would raise before copying, load nothing."""
         if check_only:
-            open_update(self.model, model_path)
+            open_update(self.model, model_path, self.cfg.engine.weight_quant)
             return self.fingerprint
         with self.admission_lock():
             if self.updating or self.held():
@@ -460,7 +460,7 @@ class Engine:
             self.updating = True
         try:
             try:
-                digest = reload_weights(self.model, model_path)
+                digest = reload_weights(self.model, model_path, self.cfg.engine.weight_quant)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure mid-copy leaves weights no one asked for

@@ -95,7 +95,8 @@ def test_kv_fp8_bench_accuracy_part_runs(tiny_dirs, tmp_path):
 def test_fp8_weights_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("fp8_weights.py", "--model", str(tiny_dirs["llama"]), "--block", "16", "16",
                        "--reply-tokens", "4", "--out", str(tmp_path / "w.json"))
-    assert 0.3 < result["memory"]["fp8_vs_bf16"] < 0.6 and len(result["accuracy"]) == 4
+    assert 0.3 < result["memory"]["fp8_vs_bf16"] < 0.6 and 0.3 < result["memory"]["fp8_at_load_vs_bf16"] < 0.6
+    assert len(result["accuracy"]) == 5 and result["cpu_load"]["at_load_vs_bf16"] > 0
 
 
 @pytest.mark.slow  # two server starts

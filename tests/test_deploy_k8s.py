@@ -27,7 +27,7 @@ VALUES = {
     "sriov-cpu": ["--set", "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
                   "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
                   "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
-                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,"
+                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,engine.quantization=fp8,"
                   "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption},"
                   "model.loraModules={sql=/models/sql}"],
 }
@@ -114,6 +114,7 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 engine = parser.parse_args(["engine", "--role", args.role, "--scheduler", args.scheduler, *extra])
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
                 assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
+                assert engine.quantization == ("fp8" if name == "sriov-cpu" else None)
                 assert tuple(engine.lora_modules) == (LORA if name == "sriov-cpu" else ())
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it

@@ -164,16 +164,18 @@ def test_fp8_greedy_generation_matches_transformers(fp8_dirs):
     assert out[0].token_ids == ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
-def test_fp8_weights_on_the_triton_kernels(arch, fp8_dirs):
+@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen3_moe", None), ("qwen3_moe", "fp8"),
+                                               pytest.param("deepseek_v3", None, marks=pytest.mark.slow)])
+def test_fp8_weights_on_the_triton_kernels(arch, quantization, tiny_dirs, fp8_dirs):
     """``kernels="triton"`` (the interpreter here): the w8a16 GEMM and the fused FP8 experts give every prompt
-    position the torch reference's logprobs and the same greedy tokens."""
+    position the torch reference's logprobs and the same greedy tokens; stored FP8 checkpoints, and a plain one
+    quantized at load in DeepSeek's blocks of 128 (wider than the tiny model's dims: partial blocks)."""
     from dualpath import LLM, SamplingParams
 
+    path = str(tiny_dirs[arch] if quantization else fp8_dirs[arch])
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
-    outs = [LLM(str(fp8_dirs[arch]), device=DEVICE, block_size=16, kernels=k).generate(list(range(60, 100)),
-                                                                                   params)[0]
-            for k in ("torch", "triton")]
+    outs = [LLM(path, device=DEVICE, block_size=16, kernels=k, quantization=quantization).generate(
+        list(range(60, 100)), params)[0] for k in ("torch", "triton")]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4
@@ -333,3 +335,140 @@ def test_sharded_quantized_checkpoint(tiny_dirs, tmp_path):
     assert len(list(many.glob("*.safetensors"))) > 2 and (many / "model.safetensors.index.json").exists()
     ids = torch.randint(0, 256, (9,))
     assert torch.equal(logits(load_model(one), ids), logits(load_model(many), ids))
+
+
+# --- quantized at load (--quantization fp8) ----------------------------------------------------------------------
+def fp8_held(model) -> set[str]:
+    return {n.rsplit(".", 2)[-2] for n, p in model.named_parameters() if p.dtype == FP8}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_at_load_equals_the_quantized_checkpoint(arch, tiny_dirs, fp8_dirs):
+    """A plain checkpoint quantized as it loads, in the blocks ``dualpath quantize`` wrote the FP8 one in (every
+    join on a block edge in the tiny models): the same parameters held FP8 and bit-equal logits."""
+    from dualpath.config import WeightQuantConfig
+
+    model = load_model(tiny_dirs[arch], quantize=WeightQuantConfig(BLOCK))
+    stored = load_model(fp8_dirs[arch])
+    assert fp8_held(model) == fp8_held(stored) and fp8_held(model)
+    ids = torch.randint(0, 256, (30,))
+    assert torch.equal(logits(model, ids), logits(stored, ids))
+
+
+def test_quantized_at_load_in_default_blocks_joins_parts_first(tiny_dirs):
+    """DeepSeek's blocks of 128 over the tiny Llama (q_proj's 64 rows end inside a block): the fused q/k/v weight is
+    held FP8 all the same, quantized after joining (its values those of the joined float weight quantized), and
+    the logits move from the float model's by FP8's rounding, no more."""
+    from dualpath.config import WeightQuantConfig
+    from engines.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dirs["llama"], WeightQuantConfig())
+    assert ckpt.quantize_at_load and ckpt.config.quant.block == (128, 128)
+    model, plain = load_model(ckpt), load_model(tiny_dirs["llama"])
+    assert fp8_held(model) == {"qkv_w", "o_w", "gate_up_w", "down_w"}
+    q, scale = quantize_blocks(plain.layers[1].qkv_w, (128, 128))
+    assert torch.equal(model.layers[1].qkv_w.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(model.layers[1].qkv_w.scale, scale)
+    ids = torch.randint(0, 256, (33,))
+    assert 1e-3 < model_rel_err(logits(model, ids), logits(plain, ids)) < 0.2
+
+
+def test_quantization_changes_the_kv_fingerprint_and_leaves_fp8_checkpoints_as_stored(tiny_dirs, fp8_dirs):
+    """KV computed over weights quantized at load never hits KV of the float weights; an FP8 checkpoint opened with
+    ``quantize`` keeps its own blocks."""
+    from dualpath.config import WeightQuantConfig
+    from dualpath.geometry import model_fingerprint
+    from engines.models import open_checkpoint
+
+    def fingerprint(ckpt):
+        return model_fingerprint(ckpt.config, "bfloat16", 64, ckpt.weights_digest)
+
+    plain, quantized = open_checkpoint(tiny_dirs["qwen2"]), open_checkpoint(tiny_dirs["qwen2"], WeightQuantConfig())
+    assert fingerprint(plain) != fingerprint(quantized)
+    stored = open_checkpoint(fp8_dirs["qwen2"], WeightQuantConfig())
+    assert not stored.quantize_at_load and stored.config.quant.block == BLOCK
+
+
+def test_weight_updates_of_a_model_quantized_at_load(tiny_dirs, fp8_dirs, tmp_path):
+    """Plain updates are quantized as the model was (logits then equal a fresh quantized load); FP8 updates in its
+    blocks load as stored; an update opened without the quantization (its config has none) is refused."""
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+    from dualpath.config import WeightQuantConfig
+    from engines.models import reload_weights
+
+    quant, ids = WeightQuantConfig(BLOCK), torch.randint(0, 256, (20,))
+    model = load_model(tiny_dirs["llama"], quantize=quant)
+    new = build_tiny_checkpoint(tmp_path / "new", "llama", seed=7)
+    reload_weights(model, new, quant)
+    assert torch.equal(logits(model, ids), logits(load_model(new, quantize=quant), ids))
+    with pytest.raises(CheckpointError, match="config differs in quant"):
+        reload_weights(model, tiny_dirs["llama"])
+    reload_weights(model, fp8_dirs["llama"], quant)
+    assert torch.equal(logits(model, ids), logits(load_model(fp8_dirs["llama"]), ids))
+
+
+def test_fp8_checkpoint_off_block_edges_reloads_into_a_model_quantized_at_load(tiny_dirs, tmp_path):
+    """A model quantized at load in blocks of 48 holds q/k/v FP8, though a stored checkpoint in those blocks cannot
+    join them: loading it dequantizes those parts and quantizes the joined weight, like a plain load of its values."""
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+    from dualpath.config import WeightQuantConfig
+    from engines.models import reload_weights
+
+    quant = WeightQuantConfig((48, 16))
+    fp8 = quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", quant.block, progress=False)
+    model = load_model(tiny_dirs["llama"], quantize=quant)
+    reload_weights(model, fp8, quant)
+    ids = torch.randint(0, 256, (17,))
+    assert torch.equal(logits(model, ids), logits(load_model(dequantized_copy(fp8, tmp_path / "plain"),
+                                                             quantize=quant), ids))
+
+
+def test_quantization_option_reaches_every_engine(tiny_dirs):
+    """``--quantization fp8`` on ``engine``, ``serve`` (each engine it starts) and offline ``LLM``; other values
+    are refused."""
+    from dualpath import LLM, SamplingParams
+    from dualpath.cli import build_parser, engine_config
+    from dualpath.config import EngineConfig, WeightQuantConfig
+    from dualpath.errors import ConfigError
+    from dualpath.launcher import ClusterSpec, LocalCluster
+
+    parser = build_parser()
+    args = parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "fp8"])
+    assert engine_config(args).engine.weight_quant == WeightQuantConfig()
+    assert parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1"]).quantization is None
+    spawned = LocalCluster(ClusterSpec(model="m", quantization="fp8"))._engine_args("decode", 0, 0)
+    assert spawned[spawned.index("--quantization") + 1] == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "awq"])
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineConfig(quantization="int8")
+    llm = LLM(str(tiny_dirs["llama"]), block_size=16, quantization="fp8")
+    assert llm.model_config.quant == WeightQuantConfig() and fp8_held(llm.model)
+    assert len(llm.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
+
+
+def test_lora_adapters_over_weights_quantized_at_load(tiny_dirs, tiny_adapters, tmp_path):
+    """An adapter over FP8 base weights adds its product to the FP8 projection's: logits equal the same adapter over
+    the float model of the dequantized weights (every projection trained by "sql", q/k/v fused); on the Triton
+    kernels the adapter's requests get the torch reference's prompt logprobs."""
+    from dualpath import LLM, SamplingParams
+    from dualpath.checkpoints.fp8 import quantize_checkpoint
+    from dualpath.config import WeightQuantConfig
+
+    plain = dequantized_copy(quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", BLOCK, progress=False),
+                             tmp_path / "plain")
+    ids = torch.randint(0, 256, (29,))
+    out = []
+    for path, quant in ((tiny_dirs["llama"], WeightQuantConfig(BLOCK)), (plain, None)):
+        model = load_model(path, quantize=quant)
+        digest = model.add_adapter(tiny_adapters["sql"])
+        out.append(model.forward_all(ids, ForwardBatch((0,), (len(ids),), (digest,)), all_logits=True)[0])
+    assert model_rel_err(*out) < 1e-5
+
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    runs = [LLM(str(tiny_dirs["llama"]), device=DEVICE, block_size=16, kernels=k, quantization="fp8",
+                lora_modules={"sql": str(tiny_adapters["sql"])}).generate(ids.tolist(), params, lora_request="sql")[0]
+            for k in ("torch", "triton")]
+    assert runs[0].token_ids == runs[1].token_ids
+    for a, b in zip(runs[0].prompt_logprobs[1:], runs[1].prompt_logprobs[1:]):
+        assert abs(a.logprob - b.logprob) < 1e-4

@@ -719,3 +719,26 @@ def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
     assert store.write(keys, [torch.zeros(g.full_block_bytes, dtype=torch.uint8)] * 3).result() == [None] * 3
     store.destroy()
     assert not (tmp_path / ("02" * 16)).exists()
+
+
+def test_a_cluster_quantizing_at_load_serves_hits_and_updates_in_fp8(tiny_dirs, second, tmp_path):
+    """``--quantization fp8`` across real engine processes: replies equal the offline model quantized the same way,
+    the prefill and decode engines agree on the fingerprint (a later turn hits the first's blocks), and a plain
+    update is quantized as it loads."""
+    spec = ClusterSpec(model=str(tiny_dirs["llama"]), num_prefill=1, num_decode=1, block_size=BS, quantization="fp8",
+                       kv_store=str(tmp_path / "kv"), buffer_bytes=8 << 20, cache_bytes=16 << 20,
+                       workspace_tokens=2048, cost_model="0.001,0.0001,0")
+    old = LLM(str(tiny_dirs["llama"]), block_size=BS, quantization="fp8")
+    new = LLM(str(second["llama"]), block_size=BS, quantization="fp8")
+    with LocalCluster(spec, run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        first = client.generate(PROMPT, GREEDY)
+        assert first.token_ids == old.generate(PROMPT, GREEDY)[0].token_ids
+        plain = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(PROMPT, GREEDY)[0].token_ids
+        assert first.token_ids != plain  # FP8 moves this reply: the comparison above could fail
+        turn2 = PROMPT + first.token_ids + [5, 6]
+        got = client.generate(turn2, GREEDY)
+        assert got.num_cached_tokens == 48 and got.token_ids == old.generate(turn2, GREEDY)[0].token_ids
+        assert client.update_weights(str(second["llama"]), "step-1").ok
+        assert client.generate(turn2, GREEDY).token_ids == new.generate(turn2, GREEDY)[0].token_ids
+        client.close()

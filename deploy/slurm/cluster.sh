@@ -16,6 +16,7 @@
 : "${DUALPATH_GPUS_PER_TASK:=1}"                  # GPUs (gres) each engine task gets; 0 on nodes without GPUs
 : "${DUALPATH_DTYPE:=bfloat16}"
 : "${DUALPATH_KV_CACHE_DTYPE:=auto}"
+: "${DUALPATH_QUANTIZATION:=}"                    # fp8: a plain checkpoint's linear weights quantized at load
 : "${DUALPATH_SHARED_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/dualpath-shared}"  # a mount every node sees (3FS, Lustre, NFS)
 : "${DUALPATH_KV_STORE:=$DUALPATH_SHARED_DIR/kv}" # the KV store: must be the same files on every node
 : "${DUALPATH_STORAGE_CAPACITY:=0}"               # its cap, e.g. 50T (LRU eviction past it; 0: none, the mount's quota)
@@ -74,7 +75,7 @@ dp_start_engines() {
       --engine-id "$0-$SLURMD_NODENAME-$SLURM_LOCALID" --node-id "$SLURMD_NODENAME" --group-id "$0-$SLURMD_NODENAME" \
       --host "$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)" \
       --device "$DUALPATH_ENGINE_DEVICE" --dtype "$DUALPATH_DTYPE" --kv-cache-dtype "$DUALPATH_KV_CACHE_DTYPE" \
-      --transport "$DUALPATH_TRANSPORT" \
+      --transport "$DUALPATH_TRANSPORT" ${DUALPATH_QUANTIZATION:+--quantization "$DUALPATH_QUANTIZATION"} \
       --kv-store "$DUALPATH_KV_STORE" --storage-capacity "$DUALPATH_STORAGE_CAPACITY" \
       --kv-service-level "$DUALPATH_KV_SL" --kv-traffic-class "$DUALPATH_KV_TC" \
       --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" &
@@ -97,7 +98,7 @@ dualpath_cluster_up() {
   export DUALPATH_SCHEDULER="$head:$DUALPATH_SCHEDULER_PORT" DUALPATH_MODEL_ARGS
   export DUALPATH_ENGINE_DEVICE=$([ "$DUALPATH_DEVICE" = cuda ] && echo cuda:0 || echo "$DUALPATH_DEVICE")
   export DUALPATH DUALPATH_DTYPE DUALPATH_TRANSPORT DUALPATH_KV_STORE DUALPATH_STORAGE_CAPACITY DUALPATH_KV_SL DUALPATH_KV_TC DUALPATH_ENGINE_ARGS \
-    DUALPATH_RUN_DIR DUALPATH_KV_CACHE_DTYPE
+    DUALPATH_RUN_DIR DUALPATH_KV_CACHE_DTYPE DUALPATH_QUANTIZATION
   DUALPATH_MODEL_ARGS=$(dp_model_args) || return 1
   dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
 

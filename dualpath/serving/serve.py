@@ -112,7 +112,7 @@ def cluster_from_args(args):
         load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
         priority_preemption=not args.disable_priority_preemption,
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
-        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, lora_modules=lora_modules(args),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,

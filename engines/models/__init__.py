@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 
 import torch
 
-from dualpath.config import ModelConfig
+from dualpath.config import ModelConfig, WeightQuantConfig
 from dualpath.errors import CheckpointError
 from engines.models.base import CausalLM, ForwardBatch, ForwardContext
 from engines.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.loader import Checkpoint, open_checkpoint
 from kernels.attention import choose_backend
+from kernels.fp8 import FP8
+
+log = logging.getLogger(__name__)
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -25,24 +30,37 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 
 
 def load_model(ckpt: Checkpoint | str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.float32, kernels: str = "auto") -> CausalLM:
+               dtype: torch.dtype | str = torch.float32, kernels: str = "auto",
+               quantize: WeightQuantConfig | None = None) -> CausalLM:
     """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights; ``kernels`` as in
-    ``kernels.attention.choose_backend``."""
+    ``kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory)."""
     if not isinstance(ckpt, Checkpoint):
-        ckpt = open_checkpoint(ckpt)
+        ckpt = open_checkpoint(ckpt, quantize)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = MODEL_CLASSES[ckpt.config.architecture](ckpt.config, choose_backend(kernels, device))
     model.cast_(dtype)
+    start = time.perf_counter()
     model.load_checkpoint(ckpt, device)
+    _log_load(model, ckpt, time.perf_counter() - start)
     return model.eval()
 
 
-def open_update(model: CausalLM, model_dir: str | os.PathLike) -> Checkpoint:
+def _log_load(model: CausalLM, ckpt: Checkpoint, seconds: float) -> None:
+    """What the weights take on the device, and which are FP8 (vLLM's "model weights took ... GiB")."""
+    params = list(model.parameters())
+    fp8 = sum(p.numel() for p in params if p.dtype == FP8) / sum(p.numel() for p in params)
+    log.info("%s: %.1f MiB of weights on %s in %.1f s, %.0f%% of them FP8%s", ckpt.path.name,
+             sum(p.numel() * p.element_size() for p in params) / 2 ** 20, params[0].device, seconds, 100 * fp8,
+             " (quantized at load)" if ckpt.quantize_at_load else "")
+
+
+def open_update(model: CausalLM, model_dir: str | os.PathLike, quantize: WeightQuantConfig | None = None) -> Checkpoint:
     """Open checkpoint ``model_dir`` as new weights for ``model``: the same config in every field (not only the
-    shapes: a RoPE scaling or an end token changes what the weights mean) and every tensor present and shaped as
-    the model needs, or ``CheckpointError`` naming what differs. Reads headers only."""
-    ckpt = open_checkpoint(model_dir)
+    shapes: a RoPE scaling or an end token changes what the weights mean; the weights' format: plain weights
+    reach a model held in FP8 only through the ``quantize`` it was loaded with) and every tensor present and
+    shaped as the model needs, or ``CheckpointError`` naming what differs. Reads headers only."""
+    ckpt = open_checkpoint(model_dir, quantize)
     differ = [f.name for f in dataclasses.fields(ModelConfig)
               if getattr(ckpt.config, f.name) != getattr(model.config, f.name)]
     if differ:
@@ -52,10 +70,10 @@ def open_update(model: CausalLM, model_dir: str | os.PathLike) -> Checkpoint:
     return ckpt
 
 
-def reload_weights(model: CausalLM, model_dir: str | os.PathLike) -> str:
+def reload_weights(model: CausalLM, model_dir: str | os.PathLike, quantize: WeightQuantConfig | None = None) -> str:
     """Load the weights of checkpoint ``model_dir`` into ``model`` in place (``CausalLM.reload_weights``, after
     ``open_update``'s checks) and return their sha256."""
-    return model.reload_weights(open_update(model, model_dir))
+    return model.reload_weights(open_update(model, model_dir, quantize))
 
 
 __all__ = ["CausalLM", "Checkpoint", "ForwardBatch", "ForwardContext", "load_model", "open_checkpoint",

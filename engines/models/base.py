@@ -11,6 +11,7 @@ import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -21,10 +22,11 @@ from torch import nn
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError, RequestError
 from engines.lora import AdapterRows, LoraWeights, Target, load_adapter
-from engines.models.fp8 import SCALE_SUFFIX, Fp8Param, read_plain, scaled, source_problems, stays_fp8
+from engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
+    stays_fp8
 from engines.models.loader import Checkpoint
 from kernels.attention import CachedRows
-from kernels.fp8 import fp8_linear
+from kernels.fp8 import fp8_linear, quantize_blocks
 from kernels.norm import rms_norm
 from kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -108,15 +110,32 @@ class WeightSpec:
     fp8: bool = False
 
 
+def _joined(spec: WeightSpec, parts: list[torch.Tensor]) -> Iterator[tuple[int | EllipsisType, torch.Tensor]]:
+    """``spec``'s parameter from checkpoint tensors, as (where in the parameter, its value): a stack item by item
+    (no second copy of all experts), anything else whole (``...``)."""
+    if spec.op != "stack":
+        yield ..., parts[0] if spec.op == "copy" else torch.cat(parts)
+        return
+    for i in range(0, len(parts), spec.per_item):
+        item = parts[i:i + spec.per_item]
+        yield i // spec.per_item, item[0] if len(item) == 1 else torch.cat(item)
+
+
 @torch.no_grad()
 def _assemble(spec: WeightSpec, parts: list[torch.Tensor], target: torch.Tensor) -> None:
-    """Fill ``target`` from checkpoint tensors; a stack is filled item by item (no second copy of all experts)."""
-    if spec.op == "stack":
-        for i in range(0, len(parts), spec.per_item):
-            item = parts[i:i + spec.per_item]
-            target[i // spec.per_item].copy_(item[0] if len(item) == 1 else torch.cat(item))
-        return
-    target.copy_(parts[0] if spec.op == "copy" else torch.cat(parts))
+    """Fill ``target`` from checkpoint tensors."""
+    for at, value in _joined(spec, parts):
+        target[at].copy_(value)
+
+
+@torch.no_grad()
+def _quantize_into(spec: WeightSpec, parts: list[torch.Tensor], target: Fp8Param) -> None:
+    """Fill FP8 ``target`` from plain checkpoint tensors, each joined part (a stack item) quantized on the target's
+    device (what it gives does not depend on the device: one float32 division and one rounding per element)."""
+    for at, value in _joined(spec, parts):
+        q, scale = quantize_blocks(value.to(target.q.device), target.block)
+        target.q[at].copy_(q)
+        target.scale[at].copy_(scale)
 
 
 def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -311,7 +330,7 @@ class CausalLM(nn.Module, ABC):
                     problems.append(f"missing tensor {name}")
                 elif (got := ckpt.tensor_shape(name)) != shape:
                     problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
-                elif held_fp8 and not scaled(ckpt, name):
+                elif held_fp8 and not scaled(ckpt, name) and not ckpt.quantize_at_load:
                     problems.append(f"tensor {name} is not FP8 (no {name}{SCALE_SUFFIX}) but the model holds it in "
                                     "FP8")
                 else:
@@ -336,7 +355,8 @@ class CausalLM(nn.Module, ABC):
 
     def _fill(self, ckpt: Checkpoint, digest=None) -> None:
         """Read every source tensor (feeding its name and bytes to ``digest``) and assemble the parameters: an
-        ``Fp8Param`` from the FP8 values and their scales, any other from plain or dequantized sources."""
+        ``Fp8Param`` from the FP8 values and their scales where they join as stored, else quantized from the
+        joined plain (or dequantized) sources; any other parameter from plain or dequantized sources."""
 
         def read(name: str) -> torch.Tensor:
             t = ckpt.read_tensor(name)
@@ -347,9 +367,11 @@ class CausalLM(nn.Module, ABC):
 
         for spec in self.weight_specs():
             target, names = self._target(spec.param), [name for name, _ in spec.sources]
-            if isinstance(target, Fp8Param):
+            if isinstance(target, Fp8Param) and joins_stored_fp8(spec, ckpt):
                 _assemble(spec, [read(n) for n in names], target.q)
                 _assemble(spec, [read(n + SCALE_SUFFIX) for n in names], target.scale)
+            elif isinstance(target, Fp8Param):
+                _quantize_into(spec, [read_plain(ckpt, n, read) for n in names], target)
             else:
                 _assemble(spec, [read_plain(ckpt, n, read) for n in names], target)
 

@@ -5,7 +5,8 @@ stood.
 A source tensor is FP8 when the checkpoint has its ``<name>_scale_inv``. A parameter stays FP8 when the model reads
 it as a linear weight (``WeightSpec.fp8``) and every source is FP8 and joins the others at scale-block edges; any
 other FP8 source is dequantized at load into the model's dtype (e.g. DeepSeek's ``kv_b_proj``, which attention
-absorbs).
+absorbs). A checkpoint quantized at load (``Checkpoint.quantize_at_load``) holds every such parameter in FP8: its
+plain sources are joined, then quantized, so no join needs to meet a block edge.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def source_problems(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> list
     quant, is_fp8 = ckpt.config.quant, ckpt.tensor_dtype(name) == "F8_E4M3"
     if not scaled(ckpt, name):
         return [f"tensor {name} is FP8 without a {name}{SCALE_SUFFIX}"] if is_fp8 else []
-    if quant is None:
+    if quant is None or ckpt.quantize_at_load:
         return [f"tensor {name} has a {SCALE_SUFFIX} but config.json has no quantization_config"]
     if not is_fp8:
         return [f"tensor {name} has a {SCALE_SUFFIX} but is stored as {ckpt.tensor_dtype(name)}, not F8_E4M3"]
@@ -62,14 +63,21 @@ def source_problems(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> list
 
 
 def stays_fp8(spec, ckpt: Checkpoint) -> bool:
-    """Whether ``spec``'s parameter can be held FP8: read as a linear weight (``spec.fp8``), every source FP8, and
-    where sources are joined (a concatenation, or a stack's items) each part but the last ends on a scale-block
-    edge, so the joined scales are the joined weight's."""
-    quant = ckpt.config.quant
-    if quant is None or not spec.fp8 or not all(scaled(ckpt, n) for n, _ in spec.sources):
+    """Whether ``spec``'s parameter can be held FP8: read as a linear weight (``spec.fp8``), and quantized at load
+    or stored so (``joins_stored_fp8``)."""
+    if ckpt.config.quant is None or not spec.fp8:
         return False
-    per = spec.per_item if spec.op == "stack" else len(spec.sources)
-    return all(shape[0] % quant.block[0] == 0 for i, (_, shape) in enumerate(spec.sources) if (i + 1) % per)
+    return ckpt.quantize_at_load or joins_stored_fp8(spec, ckpt)
+
+
+def joins_stored_fp8(spec, ckpt: Checkpoint) -> bool:
+    """Whether ``spec``'s FP8 sources can be joined as they are stored: every source FP8, and where sources are
+    joined (a concatenation, or a stack's items) each part but the last ends on a scale-block edge, so the joined
+    scales are the joined weight's."""
+    if not all(scaled(ckpt, n) for n, _ in spec.sources):
+        return False
+    per, block = spec.per_item if spec.op == "stack" else len(spec.sources), ckpt.config.quant.block
+    return all(shape[0] % block[0] == 0 for i, (_, shape) in enumerate(spec.sources) if (i + 1) % per)
 
 
 def read_plain(ckpt: Checkpoint, name: str, read) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dualpath.config import ModelConfig
+from dualpath.config import ModelConfig, WeightQuantConfig
 from dualpath.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -24,12 +24,15 @@ _DIGEST_SAMPLE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint directory, parsed but not loaded. Tensors are read lazily, one at a time."""
+    """A checkpoint directory, parsed but not loaded. Tensors are read lazily, one at a time. ``quantize_at_load``:
+    the files are plain, and the linear weights are quantized to ``config.quant`` as the model loads them (vLLM's
+    ``--quantization fp8``; ``engines.models.fp8``)."""
 
     path: Path
     hf_config: dict
     config: ModelConfig
     weight_files: tuple[Path, ...]
+    quantize_at_load: bool = False
 
     @cached_property
     def tensor_files(self) -> dict[str, Path]:
@@ -97,7 +100,9 @@ def _weight_files(path: Path) -> tuple[Path, ...]:
     return files
 
 
-def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(model_dir: str | os.PathLike, quantize: WeightQuantConfig | None = None) -> Checkpoint:
+    """``model_dir`` parsed. ``quantize``: a checkpoint without ``quantization_config`` is served in that format,
+    its linear weights quantized at load; a quantized one is served as it is stored."""
     path = Path(model_dir).expanduser()
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -108,7 +113,11 @@ def open_checkpoint(model_dir: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
     config = ModelConfig.from_hf(hf)
     config = dataclasses.replace(config, eos_token_ids=_end_tokens(config.eos_token_ids, path))
-    return Checkpoint(path=path, hf_config=hf, config=config, weight_files=_weight_files(path))
+    at_load = quantize is not None and config.quant is None
+    if at_load:
+        config = dataclasses.replace(config, quant=quantize)
+    return Checkpoint(path=path, hf_config=hf, config=config, weight_files=_weight_files(path),
+                      quantize_at_load=at_load)
 
 
 def _end_tokens(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:
