@@ -26,8 +26,8 @@
   fp8_gemm   the w8a16 GEMM over block-scaled FP8 weights (Llama-3-8B's projections) against cuBLAS over the
              bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; and a small
              sweep of K splits and column tiles at decode sizes (report only)
-  fp8_model  the model part's ``LLM`` on its checkpoint quantized by ``dualpath quantize`` (blocks of 128): prefill
-             and decode tokens/s against the bfloat16 model's (report only)
+  fp8_model  the model part's ``LLM`` on its checkpoint quantized to FP8 as it loads (``--quantization fp8``, blocks of
+             128): prefill and decode tokens/s against the bfloat16 model's (report only)
   sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
   lora       the model part's ``LLM`` under one rank-16 LoRA adapter, and a batch split between the base model and two,
              against the base model (report only)
@@ -280,7 +280,8 @@ class ModelWork:
         return self.dec.shape[0] * (self.gen - 1) / max(t_dec - t_dec_prefill, 1e-9)
 
 
-def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool) -> dict:
+def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool,
+             quantization: str | None = None) -> dict:
     """Prefill and decode tokens/s of ``LLM`` for each (name, kernels, enforce_eager) in ``systems``, one at a time
     (each one's KV cache freed before the next is made); ``profile``: also where one prefill's GPU time goes."""
     from dualpath import SamplingParams
@@ -289,7 +290,7 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
     many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
     rows = {}
     for name, kernels, eager in systems:
-        llm = make_llm(p, dev, smoke, path, w, kernels, eager)
+        llm = make_llm(p, dev, smoke, path, w, kernels, eager, quantization=quantization)
         t_pre = timed(lambda: llm.generate(w.pre.tolist(), one), dev, iters=3, warmup=1)
         t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one), dev, iters=1, warmup=0)
         t_dec = timed(lambda: llm.generate(w.dec.tolist(), many), dev, iters=1, warmup=0)
@@ -303,13 +304,14 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
     return rows
 
 
-def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool, lora_modules=None):
+def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool, lora_modules=None,
+             quantization: str | None = None):
     from dualpath import LLM
 
     return LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
                block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
                max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel(),
-               lora_modules=lora_modules)
+               lora_modules=lora_modules, quantization=quantization)
 
 
 def release(dev: torch.device) -> None:
@@ -599,15 +601,10 @@ def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
 
 
 def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
-    """The model part's ``LLM`` (Triton kernels, decode on graphs) on the 1.1B checkpoint quantized to FP8 against the
-    bfloat16 one (the model part's numbers from this run, or measured here)."""
-    from dualpath.checkpoints.fp8 import quantize_checkpoint
-
+    """The model part's ``LLM`` (Triton kernels, decode on graphs) on the 1.1B checkpoint quantized to FP8 as it loads
+    against the bfloat16 one (the model part's numbers from this run, or measured here)."""
     path, w = llama_1b(work, smoke), ModelWork.make(smoke)
-    fp8 = work / "llama1b-fp8"
-    if not fp8.exists():
-        quantize_checkpoint(path, fp8, (16, 16) if smoke else (128, 128), progress=False)
-    rows = llm_rows(p, dev, smoke, fp8, w, (("triton_fp8", "triton", False),), profile=False)
+    rows = llm_rows(p, dev, smoke, path, w, (("triton_fp8", "triton", False),), profile=False, quantization="fp8")
     if not bf16:
         bf16 = llm_rows(p, dev, smoke, path, w, (("triton", "triton", False),), profile=False)["dualpath_triton"]
     ours = rows["dualpath_triton_fp8"]
