@@ -76,7 +76,8 @@ def engine_config(args: argparse.Namespace):
                             enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                             speculative=SpeculativeConfig.parse(args.speculative_config),
                             lora_modules=tuple(args.lora_modules),
-                            cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes)),
+                            cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes,
+                                              gpu_memory_utilization=args.gpu_memory_utilization)),
         transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
         storage=StorageConfig(backend=args.storage_backend, root=args.kv_store,
@@ -288,6 +289,15 @@ def _dtype_args(p: argparse.ArgumentParser) -> None:
                         "blocks of 128 x 128, half of bfloat16's bytes; a checkpoint already in FP8 loads as stored)")
 
 
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-bytes", type=int, default=0,
+                   help="the decode engines' paged KV cache in bytes (0: on CUDA --gpu-memory-utilization of the "
+                        "device less the weights and activations, on a CPU 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the share of each decode engine's GPU its weights, activations and KV cache may take, when "
+                        "--cache-bytes is 0 (vLLM's option)")
+
+
 def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:
     from dualpath.config import SCHEDULING_POLICIES
 
@@ -315,7 +325,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     _scheduling_policy_arg(p)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--buffer-bytes", type=int, default=256 << 20)
-    p.add_argument("--cache-bytes", type=int, default=1 << 30)
+    _cache_args(p)
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--storage-capacity", default="auto", type=lambda t: t if t == "auto" else _size(t),
                    help="KV store cap (20G, 512MiB, bytes; least recently used blocks evicted past it): 0 for none, "
@@ -635,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--storage-read-bps", type=float, default=0.0, help="cap this node's storage reads (bytes/s)")
     e.add_argument("--block-size", type=int, default=64)
     e.add_argument("--buffer-bytes", type=int, default=256 << 20)
-    e.add_argument("--cache-bytes", type=int, default=1 << 30, help="paged KV cache size (decode engines)")
+    _cache_args(e)
     e.add_argument("--workspace-tokens", type=int, default=16384, help="KV tokens per layer slot (prefill)")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--compute-quota-ms", type=float, default=300.0)

@@ -304,15 +304,22 @@ def _qwen3_moe(hf: dict) -> MoEConfig | None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """KV block geometry choices and how much device memory the paged cache takes."""
+    """KV block geometry choices and how much device memory the paged cache takes: ``num_device_blocks`` blocks,
+    else ``device_memory_bytes``, else (both 0) on CUDA ``gpu_memory_utilization`` of the device less what the
+    engine holds and its activations need (vLLM's rule; ``engines.memory``), on a CPU 1 GiB."""
 
     block_size: int = 64
-    num_device_blocks: int = 0  # 0: derive from device_memory_bytes
-    device_memory_bytes: int = 1 << 30
+    num_device_blocks: int = 0
+    device_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if min(self.num_device_blocks, self.device_memory_bytes) < 0:
+            raise ConfigError("num_device_blocks and device_memory_bytes must not be negative")
 
 
 @dataclass(frozen=True)

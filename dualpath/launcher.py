@@ -45,7 +45,8 @@ class ClusterSpec:
     lora_modules: tuple[LoraModule, ...] = ()  # see EngineConfig.lora_modules
     block_size: int = 64
     buffer_bytes: int = 256 << 20
-    cache_bytes: int = 1 << 30
+    cache_bytes: int = 0  # see CacheConfig.device_memory_bytes (0: automatic)
+    gpu_memory_utilization: float = 0.9  # see CacheConfig.gpu_memory_utilization
     workspace_tokens: int = 16384
     storage_read_bps: float = 0.0
     storage_capacity: int = 0  # bytes of KV kept in the store (0: no cap)
@@ -178,7 +179,8 @@ class LocalCluster(Supervisor):
                 "--device", device, "--dtype", s.dtype, "--kv-cache-dtype", s.kv_cache_dtype,
                 "--kernels", s.kernels, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
-                "--cache-bytes", str(s.cache_bytes), "--workspace-tokens", str(s.workspace_tokens),
+                "--cache-bytes", str(s.cache_bytes), "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+                "--workspace-tokens", str(s.workspace_tokens),
                 "--storage-read-bps", str(s.storage_read_bps), "--storage-capacity", str(s.storage_capacity),
                 "--compute-quota-ms", str(s.compute_quota_ms),
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]

@@ -18,6 +18,7 @@ from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.tokenizer import Tokenizer
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
+from engines.memory import cache_blocks
 from engines.models import load_model, open_checkpoint, reload_weights
 from engines.sampler import TokenLogprob, make_generator
 from engines.sequence import Sequence
@@ -39,7 +40,9 @@ class RequestOutput:
 class LLM:
     """A model and a paged KV cache in this process.
 
-    ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; ``block_size`` is the KV block geometry shared
+    ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; both 0 (the default): on CUDA
+    ``gpu_memory_utilization`` of the device less the weights and the activations of the largest forward (vLLM's
+    rule), on a CPU 1 GiB (``engines.memory``); ``block_size`` is the KV block geometry shared
     with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
@@ -56,24 +59,26 @@ class LLM:
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
-                 kv_cache_bytes: int = 1 << 30, num_kv_blocks: int = 0, max_num_seqs: int = 64,
+                 kv_cache_bytes: int = 0, num_kv_blocks: int = 0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
                  kv_cache_dtype: str = "auto", generation_config: str = "auto",
-                 lora_modules: dict[str, str] | None = None, quantization: str | None = None):
+                 lora_modules: dict[str, str] | None = None, quantization: str | None = None,
+                 gpu_memory_utilization: float = 0.9):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
-                                                     device_memory_bytes=kv_cache_bytes))
+                                                     device_memory_bytes=kv_cache_bytes,
+                                                     gpu_memory_utilization=gpu_memory_utilization))
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
         self.model = load_model(ckpt, device, dtype, kernels)
         self.tokenizer = Tokenizer(model)
         self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
         check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
-        num_blocks = num_kv_blocks or PagedKVCache.blocks_for_memory(self.geometry, kv_cache_bytes)
+        num_blocks = cache_blocks(self.config.cache, self.geometry, self.model, max_num_batched_tokens, device)
         self.cache = PagedKVCache(self.geometry, num_blocks, device)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
                                   self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)

@@ -32,6 +32,7 @@ from dualpath.sampling_params import SamplingParams
 from engines.engine import Engine
 from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
+from engines.memory import cache_blocks
 from engines.sampler import TokenLogprob
 from engines.sequence import Sequence, choice_id
 from engines.streams import StreamHub
@@ -78,7 +79,7 @@ class DecodeEngine(Engine):
 
     def setup(self) -> None:
         c = self.cfg.engine.cache
-        blocks = c.num_device_blocks or PagedKVCache.blocks_for_memory(self.geometry, c.device_memory_bytes)
+        blocks = cache_blocks(c, self.geometry, self.model, self.cfg.engine.max_num_batched_tokens, self.device)
         self.cache = PagedKVCache(self.geometry, blocks, self.device)
         self.local = LocalEngine(self.model, self.cache, self.cfg.engine.max_num_seqs,
                                  self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False,

@@ -18,6 +18,7 @@ from host_transfers import host_transfers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 16
+CACHE = 64 << 20  # KV cache bytes of each LLM (the default takes 0.9 of the GPU: one LLM at a time)
 
 
 def test_graph_batch_sizes():
@@ -177,7 +178,7 @@ def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
     outs = {}
     for eager in (True, False):
         llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
-                  enforce_eager=eager)
+                  enforce_eager=eager, kv_cache_bytes=CACHE)
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[False] == outs[True]
@@ -193,12 +194,14 @@ def test_captured_graphs_decode_with_weights_reloaded_in_place(tiny_dirs, tmp_pa
     other = build_tiny_checkpoint(tmp_path / "other", "llama", seed=2)
     prompts = [list(range(3, 40)), [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton")
+    llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
+              kv_cache_bytes=CACHE)
     assert llm.engine.runner.graphs is not None
     before = [o.token_ids for o in llm.generate(prompts, params)]
     llm.update_weights(str(other))
     after = [o.token_ids for o in llm.generate(prompts, params)]
-    fresh = LLM(str(other), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", enforce_eager=True)
+    fresh = LLM(str(other), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", enforce_eager=True,
+                kv_cache_bytes=CACHE)
     assert after == [o.token_ids for o in fresh.generate(prompts, params)] and after != before
 
 
@@ -210,7 +213,7 @@ def test_speculative_steps_beside_captured_graphs_change_no_output(tiny_dirs):
 
     prompts = [list(range(3, 40)), [5, 6, 7, 8] * 10]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    kw = dict(device="cuda", block_size=BS, max_num_seqs=8, kernels="triton")
+    kw = dict(device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", kv_cache_bytes=CACHE)
     plain = LLM(str(tiny_dirs["llama"]), **kw)
     spec = LLM(str(tiny_dirs["llama"]), speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1}, **kw)
     want = [o.token_ids for o in plain.generate(prompts, params)]

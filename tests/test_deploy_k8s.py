@@ -115,6 +115,8 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
                 assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
                 assert engine.quantization == ("fp8" if name == "sriov-cpu" else None)
+                assert engine.gpu_memory_utilization == 0.9 and engine.cache_bytes == (1 << 30 if name == "sriov-cpu"
+                                                                                       else 0)
                 assert tuple(engine.lora_modules) == (LORA if name == "sriov-cpu" else ())
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it

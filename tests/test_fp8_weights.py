@@ -21,6 +21,7 @@ from kernels.fp8 import FP8, Fp8Weight, fp8_linear, quantize_blocks
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 BLOCK = (16, 16)  # the tiny models' dims are multiples of 16, so transformers' dequantization reads them too
+CACHE = 64 << 20  # KV cache bytes of each LLM (on CUDA the default takes 0.9 of the GPU: one LLM at a time)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -174,8 +175,8 @@ def test_fp8_weights_on_the_triton_kernels(arch, quantization, tiny_dirs, fp8_di
 
     path = str(tiny_dirs[arch] if quantization else fp8_dirs[arch])
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
-    outs = [LLM(path, device=DEVICE, block_size=16, kernels=k, quantization=quantization).generate(
-        list(range(60, 100)), params)[0] for k in ("torch", "triton")]
+    outs = [LLM(path, device=DEVICE, block_size=16, kernels=k, quantization=quantization,
+                kv_cache_bytes=CACHE).generate(list(range(60, 100)), params)[0] for k in ("torch", "triton")]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4
@@ -467,8 +468,8 @@ def test_lora_adapters_over_weights_quantized_at_load(tiny_dirs, tiny_adapters, 
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
     runs = [LLM(str(tiny_dirs["llama"]), device=DEVICE, block_size=16, kernels=k, quantization="fp8",
-                lora_modules={"sql": str(tiny_adapters["sql"])}).generate(ids.tolist(), params, lora_request="sql")[0]
-            for k in ("torch", "triton")]
+                kv_cache_bytes=CACHE, lora_modules={"sql": str(tiny_adapters["sql"])}).generate(
+        ids.tolist(), params, lora_request="sql")[0] for k in ("torch", "triton")]
     assert runs[0].token_ids == runs[1].token_ids
     for a, b in zip(runs[0].prompt_logprobs[1:], runs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4

@@ -18,7 +18,7 @@ timing=(); python3 -c "import pytest_timeout" 2>/dev/null && timing=(--timeout 6
 timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" "${timing[@]}" \
     tests/test_triton_kernels.py tests/test_triton_elementwise.py tests/test_layer_copies.py \
     tests/test_strided_copy.py tests/test_decode_graphs.py tests/test_kernels.py tests/test_sampling.py \
-    tests/test_fp8_weights.py tests/test_sparse_attention.py \
+    tests/test_fp8_weights.py tests/test_sparse_attention.py tests/test_memory.py \
     2>&1 | tail -40 | tee "$OUT/tests.log"
 echo "tests: ${SECONDS} s"
 timeout "${BENCH_LIMIT_S:-320}" python3 bench/gpu/kernels.py --out "$OUT/gpu_kernels.json" "$@" 2>&1 | tail -60 \

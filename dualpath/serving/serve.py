@@ -115,6 +115,7 @@ def cluster_from_args(args):
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, lora_modules=lora_modules(args),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
         storage_capacity=store_capacity(args),
         compute_quota_ms=args.compute_quota_ms, max_model_len=max_len, torch_threads=threads,
