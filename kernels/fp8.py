@@ -78,10 +78,33 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, backend: str = "torch",
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias``, plus ``residual`` if given (on triton written over it, as ``add_linear`` does). The
-    reference rounds the product and then the sum; the kernel rounds once."""
+    reference rounds the product and then the sum; the kernel rounds once. On triton, a batch of prefill size
+    multiplies FP8 by FP8 (``kernels.triton_fp8.uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does."""
     if backend == "triton":
-        from kernels.triton_fp8 import w8a16_linear
+        from kernels.triton_fp8 import uses_w8a8, w8a16_linear, w8a8_linear
 
-        return w8a16_linear(x, w, bias, residual)
+        linear = w8a8_linear if uses_w8a8(x, w) else w8a16_linear
+        return linear(x, w, bias, residual)
     out = F.linear(x, w.dequantize(x.dtype), bias)
     return out if residual is None else residual + out
+
+
+def w8a8_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``w8a8_linear`` computes, in float64 over the values it multiplies: x's rows quantized in groups of the
+    weight's K block (``quantize_activations``), times the weight's values, bias and residual added, one rounding
+    to x's dtype."""
+    q, scale = quantize_activations(x.reshape(-1, x.shape[-1]), w.block[1])
+    xs = dequantize_blocks(q, scale, (1, w.block[1]), torch.float64)
+    out = xs @ w.dequantize(torch.float64).t()
+    if bias is not None:
+        out += bias.double()
+    if residual is not None:
+        out += residual.reshape(out.shape).double()
+    return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [M, K]`` as e4m3 with one float32 scale per row per ``group`` columns (DeepSeek's 1 x 128
+    activation blocks): ``quantize_blocks`` with blocks of one row."""
+    return quantize_blocks(x, (1, group))

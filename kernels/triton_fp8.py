@@ -7,6 +7,10 @@ scale per output column. Each weight element is ``(q × scale)`` rounded to x's 
 before compute capability 8.9 have no e4m3 conversion: there the bytes are widened by bit arithmetic
 (``fp8_tile``). A grid of few programs (decode: few rows, so few row blocks) splits K across programs, whose
 float32 partial sums are added once at the end.
+
+Batches of prefill size (``uses_w8a8``) take the w8a8 GEMM instead, DeepSeek's recipe for FP8 tensor cores: each
+row of x quantized to e4m3 per K block (``_act_quant_kernel``, one float32 scale per row and block), then every K
+tile's FP8 x FP8 product, exact in float32, scaled by the row's and the column's block scales and summed.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import Fp8Weight
+from kernels.fp8 import FP8, Fp8Weight
+from kernels.kv_move import FP8_MAX
 from kernels.triton_attention import _dot, exact_products
 
 
@@ -63,6 +68,13 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_
     if PARTIAL:
         tl.store(out_ptr + tl.program_id(2) * stride_os + rows64[:, None] * stride_om + cols[None, :], acc, mask=mask)
         return
+    _epilogue(acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS, ADD_OUT)
+
+
+@triton.jit
+def _epilogue(acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+              ADD_OUT: tl.constexpr):
+    """The float32 product plus bias and, ``ADD_OUT``, what out holds (the residual), rounded once into out."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows64[:, None] * stride_om + cols[None, :]
@@ -91,6 +103,18 @@ def _num_splits(programs: int, k: int, block_k: int, device: torch.device) -> in
     return max(1, min(want // programs, k // (8 * block_k)))
 
 
+def _rows_and_out(x: torch.Tensor, n: int, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as contiguous rows ``[M, K]``, and where their product goes: a new ``[M, n]`` tensor, or the residual's
+    rows, which the kernels write over."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if residual is None:
+        return x2, torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    out = residual.view(-1, n)
+    if out.stride(1) != 1:
+        raise ValueError("the FP8 GEMMs write over residual: its rows must be contiguous")
+    return x2, out
+
+
 def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
                  block_k: int | None = None, num_splits: int | None = None, native: bool | None = None,
@@ -99,16 +123,9 @@ def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     N wide, contiguous rows) the sum is written over it and returned. Tiles by default: 16 rows for decode-sized
     batches (up to 64 for prefill), 64 columns, 64 of K (fewer where bk is not a multiple of 64); ``num_splits``
     None: by the grid's size (``_num_splits``); ``native`` None: by the device (``native_fp8``)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    n, block = w.q.shape[0], w.block
-    x2 = x.reshape(-1, k).contiguous()
+    lead, k, n, block = x.shape[:-1], x.shape[-1], w.q.shape[0], w.block
+    x2, out = _rows_and_out(x, n, residual)
     m = x2.shape[0]
-    if residual is not None:
-        out = residual.view(-1, n)
-        if out.stride(1) != 1:
-            raise ValueError("w8a16_linear writes over residual: its rows must be contiguous")
-    else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
     block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
@@ -135,4 +152,110 @@ def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
         if residual is not None:
             acc += out.float()
         out.copy_(acc)
+    return out.view(*lead, n)
+
+
+W8A8_MIN_ROWS = 128  # rows from which a GEMM is compute-bound enough for FP8 tensor cores to pay (to be swept)
+E4M3_MAX = tl.constexpr(FP8_MAX)  # what a kernel may read of the module: constants
+
+
+def uses_w8a8(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether ``fp8_linear`` multiplies FP8 by FP8: a batch of at least ``W8A8_MIN_ROWS`` rows on a GPU with FP8
+    tensor cores (compute capability 8.9 and up; the interpreter too), K blocks a multiple of 32 (FP8 ``tl.dot``'s
+    least K)."""
+    return x.numel() >= W8A8_MIN_ROWS * x.shape[-1] and native_fp8(x.device) and w.block[1] % 32 == 0
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
+                      BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """Program (row, GROUPS groups of GROUP columns): each group's largest magnitude onto 448, as
+    ``kernels.fp8.quantize_blocks`` (scale 1 for an all-zero group; one correctly rounded division per element)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = tl.arange(0, BLOCK)
+    cols = g[:, None] * GROUP + c[None, :]
+    ok = (c[None, :] < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
+    q = round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -E4M3_MAX, E4M3_MAX))
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + g, scale, mask=g < NG)
+
+
+@triton.jit
+def round_e4m3(v):
+    """Float32 ``v`` (within +-448) rounded to the nearest e4m3 value, ties to even, still float32, so that the
+    conversion after it is exact: normals keep 3 mantissa bits (the carry of a round-up moves into the exponent),
+    subnormals (below 2^-6) are multiples of 2^-9 (the magnitude added to 1.5 x 2^14, whose float32 step is 2^-9,
+    then v's sign, -0 included). The GPU's conversion rounds so too; Triton's interpreter loses the carry, so tests
+    would not see the GPU's values."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    subnormal = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -0x80000000)
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.fp8.quantize_activations`` on the GPU: rows ``x [M, K]`` as e4m3 and per-group float32 scales."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    groups = max(1, min(triton.next_power_of_2(scale.shape[1]), 1024 // block))  # ~1024 elements a program
+    if m:
+        _act_quant_kernel[(m, triton.cdiv(scale.shape[1], groups))](
+            x, q, scale, k, scale.shape[1], x.stride(0), q.stride(0), scale.stride(0), GROUP=group, BLOCK=block,
+            GROUPS=groups)
+    return q, scale
+
+
+@triton.jit
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
+                 stride_wsn, stride_om, QN: tl.constexpr, QK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ADD_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program: BLOCK_M rows by BLOCK_N output columns over all of K. A K tile lies in one scale block
+    (``BLOCK_K`` divides ``QK``): its product is scaled by one scale per row and one per column. Epilogue as the
+    w8a16 kernel's: bias, ``ADD_OUT`` (the residual), one rounding."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    ws_row = ws_ptr + (cols // QN).to(tl.int64) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + cols64[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        xs = tl.load(xs_ptr + rows64 * stride_xsm + k0 // QK, mask=row_ok, other=0.0)
+        ws = tl.load(ws_row + k0 // QK, mask=col_ok, other=0.0)
+        acc += tl.dot(x, w, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    _epilogue(acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS, ADD_OUT)
+
+
+def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None, block_m: int = 64, block_n: int = 128,
+                block_k: int | None = None, **launch) -> torch.Tensor:
+    """``w8a16_linear``'s product with x quantized too (``kernels.fp8.w8a8_reference`` is what it computes): FP8
+    tensor cores for prefill-sized batches. Tiles by default 64 rows, 128 columns, K tiles of the scale block up
+    to 128."""
+    lead, k, n, block = x.shape[:-1], x.shape[-1], w.q.shape[0], w.block
+    block_k = block_k or math.gcd(128, block[1])
+    if block[1] % block_k or block_k < 32:
+        raise ValueError(f"the K tile ({block_k}) must divide the scale block {block[1]} and be at least 32")
+    x2, out = _rows_and_out(x, n, residual)
+    m = x2.shape[0]
+    if m == 0:
+        return out.view(*lead, n)
+    xq, xs = quantize_activations(x2, block[1])
+    q, scale = w.q.contiguous(), w.scale.float().contiguous()
+    _w8a8_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        xq, xs, q, scale, bias if bias is not None else scale, out, m, n, k, xq.stride(0), xs.stride(0),
+        q.stride(0), scale.stride(0), out.stride(0), QN=block[0], QK=block[1], HAS_BIAS=bias is not None,
+        ADD_OUT=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     return out.view(*lead, n)

@@ -27,11 +27,12 @@ def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
     assert kernels == {"_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_move_kernel",
                        "_moe_up_kernel", "_moe_down_kernel", "_rms_norm_kernel", "_rope_qkv_kernel",
                        "_rope_kernel", "_silu_mul_kernel", "_w8a16_kernel", "_index_score_kernel",
-                       "_sparse_split_kernel"}
+                       "_sparse_split_kernel"} | ({"_w8a8_kernel", "_act_quant_kernel"}  # FP8 tensor cores
+                                                  if target == "cuda:90" else set())
     assert {x["case"] for x in launches} >= {"gqa 32/8x128 bf16", "mla 128 heads 512+64 bf16",
                                              "moe 7168/2048 top-8 bf16", "cache row writes 2048 into fp8 (as bytes)"}
     # FP8 weights: e4m3 converted by the GPU from compute capability 8.9, as bytes (bit arithmetic) on any
     assert "fp8 weights as bytes" in {x["case"] for x in launches}
     fp8 = {"gqa 32/8x128 bf16 over fp8", "mla 128 heads 512+64 bf16 over fp8",  # e4m3 needs compute capability 8.9
-           "fp8 weights native", "sparse mla 128 heads, indexer 64x128 bf16 over fp8"}
+           "fp8 weights native", "sparse mla 128 heads, indexer 64x128 bf16 over fp8", "fp8 weights x fp8 activations"}
     assert fp8 <= {x["case"] for x in launches} if target == "cuda:90" else not fp8 & {x["case"] for x in launches}

@@ -102,8 +102,8 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     launches = []
     kernels = (ta._prefill_kernel, ta._decode_split_kernel, ta._decode_reduce_kernel, triton_kv._move_kernel,
                triton_moe._moe_up_kernel, triton_moe._moe_down_kernel, te._rms_norm_kernel, te._rope_qkv_kernel,
-               te._rope_kernel, te._silu_mul_kernel, triton_fp8._w8a16_kernel, triton_sparse._index_score_kernel,
-               triton_sparse._sparse_split_kernel)
+               te._rope_kernel, te._silu_mul_kernel, triton_fp8._w8a16_kernel, triton_fp8._w8a8_kernel,
+               triton_fp8._act_quant_kernel, triton_sparse._index_score_kernel, triton_sparse._sparse_split_kernel)
     for k in kernels:
         k.run = lambda *a, grid, warmup, _k=k, **kw: launches.append((_k, a, kw, what))
     bf16, f32, f8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -156,6 +156,11 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
             triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, num_splits=splits, native=native)
             triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, torch.zeros(6144, dtype=bf16),
                                     torch.zeros(m, 6144, dtype=bf16), num_splits=splits, native=native)
+    if fp8:  # prefill batches multiply FP8 by FP8 (activations quantized per row and K block)
+        what = "fp8 weights x fp8 activations"
+        triton_fp8.w8a8_linear(torch.zeros(512, 4096, dtype=bf16), w)
+        triton_fp8.w8a8_linear(torch.zeros(512, 4096, dtype=bf16), w, torch.zeros(6144, dtype=bf16),
+                               torch.zeros(512, 6144, dtype=bf16))
     for hidden, inter, hq, hk, d in ((4096, 14336, 32, 8, 128), (2048, 5632, 32, 4, 64), (7168, 18432, 128, 1, 64)):
         what = f"layer element-wise {hidden}/{inter} {hq}/{hk}x{d} bf16"  # Llama-3-8B, TinyLlama, DeepSeek-V3
         x = torch.zeros(3, hidden, dtype=bf16)

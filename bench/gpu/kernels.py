@@ -24,8 +24,9 @@
              attention on the device) against the dense Triton kernel over every token and the torch reference, with
              the time split between scoring and choosing and attending (report only)
   fp8_gemm   the w8a16 GEMM over block-scaled FP8 weights (Llama-3-8B's projections) against cuBLAS over the
-             bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; and a small
-             sweep of K splits and column tiles at decode sizes (report only)
+             bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; the w8a8 GEMM
+             (activations quantized too, FP8 tensor cores) from 64 rows, where ``fp8_linear`` switches to it at
+             ``W8A8_MIN_ROWS``; and a small sweep of K splits and column tiles at decode sizes (report only)
   fp8_model  the model part's ``LLM`` on its checkpoint quantized to FP8 as it loads (``--quantization fp8``, blocks of
              128): prefill and decode tokens/s against the bfloat16 model's (report only)
   sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
@@ -568,12 +569,13 @@ def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
     """``x @ W^T`` for W block-scaled FP8 (the w8a16 kernel: 1 byte a weight) against cuBLAS over W in bfloat16 (2
     bytes), Llama-3-8B's projections, from decode rows to a prefill chunk; the kernel's weight bytes/s ÷ copy for
     the decode sizes (bandwidth-bound); at 16 rows a sweep of K splits and column tiles."""
-    from kernels.triton_fp8 import w8a16_linear
+    from kernels.fp8 import w8a8_reference
+    from kernels.triton_fp8 import w8a8_linear, w8a16_linear
 
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     if smoke:
         shapes = {"qkv": (96, 64), "down": (64, 160)}
-    block = (16, 16) if smoke else (128, 128)
+    block = (32, 32) if smoke else (128, 128)  # the w8a8 GEMM's K tiles are at least 32
     rows, sweep = [], []
     for name, (n, k) in shapes.items():
         w16 = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
@@ -583,9 +585,15 @@ def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
             t16 = timed(lambda: torch.nn.functional.linear(x, w16), dev, iters=20)
             t8 = timed(lambda: w8a16_linear(x, w8), dev, iters=20)
             ref = x.double() @ w8.dequantize(torch.float64).t()
-            rows.append({"proj": name, "n": n, "k": k, "rows": m, "bf16_cublas_s": t16, "fp8_s": t8,
-                         "fp8_time_vs_bf16": t8 / t16, "fp8_weight_bytes_per_s_vs_copy": n * k / t8 / copy_bw,
-                         "rel_err": rel_err(w8a16_linear(x, w8), ref)})
+            row = {"proj": name, "n": n, "k": k, "rows": m, "bf16_cublas_s": t16, "fp8_s": t8,
+                   "fp8_time_vs_bf16": t8 / t16, "fp8_weight_bytes_per_s_vs_copy": n * k / t8 / copy_bw,
+                   "rel_err": rel_err(w8a16_linear(x, w8), ref)}
+            if m >= 40:
+                t88 = timed(lambda: w8a8_linear(x, w8), dev, iters=20)
+                row.update(w8a8_s=t88, w8a8_time_vs_bf16=t88 / t16, w8a8_time_vs_w8a16=t88 / t8,
+                           w8a8_rel_err=rel_err(w8a8_linear(x, w8), w8a8_reference(x.double(), w8)),
+                           w8a8_rel_err_vs_exact=rel_err(w8a8_linear(x, w8), ref))
+            rows.append(row)
         x = torch.randn(16, k, dtype=torch.bfloat16, device=dev)
         for splits in (1, 2, 4, 8):
             for bn in (32, 64, 128):
@@ -595,9 +603,11 @@ def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
                     sweep.append({"proj": name, "splits": splits, "block_n": bn, "error": str(e)[:200]})
                     continue
                 sweep.append({"proj": name, "splits": splits, "block_n": bn, "seconds": t8})
-    decode = [r for r in rows if r["rows"] <= 16]
+    decode, prefill = [r for r in rows if r["rows"] <= 16], [r for r in rows if r["rows"] >= 512]
     return {"rows": rows, "sweep_rows_16": sweep, "block": list(block),
-            "decode_time_vs_bf16_mean": sum(r["fp8_time_vs_bf16"] for r in decode) / len(decode)}
+            "decode_time_vs_bf16_mean": sum(r["fp8_time_vs_bf16"] for r in decode) / len(decode),
+            "prefill_w8a8_time_vs_bf16_mean": sum(r.get("w8a8_time_vs_bf16", 0) for r in prefill) /
+            max(1, len(prefill))}
 
 
 def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
@@ -715,6 +725,8 @@ def main(argv=None) -> dict:
          "target": "(report)"},
         {"what": "w8a16 GEMM ÷ cuBLAS bf16 time (<= 16 rows)",
          "value": result.get("fp8_gemm", {}).get("decode_time_vs_bf16_mean"), "target": "(report)"},
+        {"what": "w8a8 GEMM ÷ cuBLAS bf16 time (>= 512 rows)",
+         "value": result.get("fp8_gemm", {}).get("prefill_w8a8_time_vs_bf16_mean"), "target": "(report)"},
         {"what": "FP8 model prefill ÷ bf16 model", "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),
          "target": "(report)"},
         {"what": "FP8 model decode ÷ bf16 model", "value": result.get("fp8_model", {}).get("decode_vs_bf16"),
