@@ -115,16 +115,14 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v32", "deepseek_v3-fp8"])
 def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
     """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between), DeepSeek-V3.2 (sparse
-    attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3's
-    FP8 checkpoint (``dualpath quantize``, blocks of 16) through engine processes: stored KV read by the prefill
-    engine and through the decode engine gives the single-process tokens."""
-    model = tiny_dirs[arch.removesuffix("-fp8")]
-    if arch.endswith("-fp8"):
-        from dualpath.checkpoints.fp8 import quantize_checkpoint
-
-        model = quantize_checkpoint(model, tmp_path / "fp8", (16, 16), progress=False)
-    reference = LLM(str(model), block_size=BS)
-    with LocalCluster(spec(model, tmp_path / "kv", num_decode=1), run_dir=str(tmp_path / "run")) as c:
+    attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3
+    with its weights quantized to FP8 as the engines load them (``--quantization fp8``; equal to a stored FP8
+    checkpoint's, test_fp8_weights) through engine processes: stored KV read by the prefill engine and through the
+    decode engine gives the single-process tokens."""
+    model, quantization = tiny_dirs[arch.removesuffix("-fp8")], "fp8" if arch.endswith("-fp8") else None
+    reference = LLM(str(model), block_size=BS, quantization=quantization)
+    with LocalCluster(spec(model, tmp_path / "kv", num_decode=1, quantization=quantization),
+                      run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         try:
             for mode in ("pe", "de"):

@@ -721,6 +721,7 @@ def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
     assert not (tmp_path / ("02" * 16)).exists()
 
 
+@pytest.mark.slow  # a cluster of its own; test_cluster serves through engines quantizing at load by default
 def test_a_cluster_quantizing_at_load_serves_hits_and_updates_in_fp8(tiny_dirs, second, tmp_path):
     """``--quantization fp8`` across real engine processes: replies equal the offline model quantized the same way,
     the prefill and decode engines agree on the fingerprint (a later turn hits the first's blocks), and a plain
