@@ -37,9 +37,11 @@ def cache_blocks(cfg: CacheConfig, geometry: KVGeometry, model: CausalLM, max_ba
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     size = auto_cache_bytes(total, free, held, peak, cfg.gpu_memory_utilization, str(device))
-    log.info("KV cache on %s: %.2f GiB (%.0f%% of %.1f GiB less %.2f GiB held and %.2f GiB of activations)",
-             device, size / GiB, 100 * cfg.gpu_memory_utilization, total / GiB, held / GiB, peak / GiB)
-    return PagedKVCache.blocks_for_memory(geometry, size)
+    blocks = PagedKVCache.blocks_for_memory(geometry, size)
+    log.info("KV cache on %s: %.2f GiB, %d tokens (%.0f%% of %.1f GiB less %.2f GiB held and %.2f GiB of "
+             "activations)", device, size / GiB, blocks * geometry.block_size, 100 * cfg.gpu_memory_utilization,
+             total / GiB, held / GiB, peak / GiB)
+    return blocks
 
 
 def auto_cache_bytes(total: int, free: int, held: int, peak: int, utilization: float, device: str = "") -> int:
