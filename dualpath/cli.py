@@ -290,12 +290,19 @@ def _dtype_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-bytes", type=int, default=0,
-                   help="the decode engines' paged KV cache in bytes (0: on CUDA --gpu-memory-utilization of the "
-                        "device less the weights and activations, on a CPU 1 GiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--cache-bytes", type=_size, default=0,
+                   help="the decode engines' paged KV cache (40G, 512MiB, bytes; 0: on CUDA --gpu-memory-utilization "
+                        "of the device less the weights and activations, on a CPU 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=_share, default=0.9,
                    help="the share of each decode engine's GPU its weights, activations and KV cache may take, when "
                         "--cache-bytes is 0 (vLLM's option)")
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share of a device: in (0, 1]")
+    return value
 
 
 def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:

@@ -66,3 +66,21 @@ def test_an_llm_takes_its_share_of_the_gpu_and_runs_its_largest_batch(tiny_dirs)
     torch.cuda.empty_cache()
     with pytest.raises(ConfigError, match="no device memory left"):
         LLM(str(tiny_dirs["llama"]), device="cuda", gpu_memory_utilization=1e-6)
+
+
+def test_the_options_take_sizes_and_shares_and_reach_the_engines():
+    from dualpath.cli import build_parser, engine_config
+    from dualpath.launcher import ClusterSpec, LocalCluster
+
+    parser = build_parser()
+    args = parser.parse_args(["engine", "--role", "decode", "--scheduler", "x:1", "--cache-bytes", "2GiB",
+                              "--gpu-memory-utilization", "0.5"])
+    assert engine_config(args).engine.cache == CacheConfig(device_memory_bytes=2 * GiB, gpu_memory_utilization=0.5)
+    assert engine_config(parser.parse_args(["engine", "--role", "decode", "--scheduler", "x:1"])).engine.cache == \
+        CacheConfig()  # automatic
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--gpu-memory-utilization", bad])
+    spawned = LocalCluster(ClusterSpec(model="m", gpu_memory_utilization=0.7))._engine_args("decode", 0, 0)
+    assert spawned[spawned.index("--gpu-memory-utilization") + 1] == "0.7"
+    assert spawned[spawned.index("--cache-bytes") + 1] == "0"
