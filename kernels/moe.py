@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
-from kernels.fp8 import Fp8Weight, Weight
+from kernels.fp8 import Fp8Weight, Weight, as_fp8_activations
 
 
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int, topk_group: int,
@@ -63,3 +63,19 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
 
 def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     return w.expert(e).dequantize(dtype) if isinstance(w, Fp8Weight) else w[e]
+
+
+def routed_experts_w8a8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Fp8Weight,
+                        down: Fp8Weight, act_dtype: torch.dtype) -> torch.Tensor:
+    """What the fused kernels compute with FP8 activations (``kernels.triton_moe``'s w8a8), in x's dtype (float64
+    for a reference): the tokens quantized per row and gate/up K block, each pair's ``silu(gate) × up`` rounded to
+    ``act_dtype`` (as the kernels hold it) and quantized per row and down K block, times down, times the pair's
+    routing weight."""
+    xd = as_fp8_activations(x, gate_up.block[1]).to(x.dtype)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids.reshape(-1)).tolist():
+        token_idx, slot = torch.where(ids == expert)
+        act = silu_and_mul(F.linear(xd[token_idx], gate_up.expert(expert).dequantize(x.dtype))).to(act_dtype)
+        y = F.linear(as_fp8_activations(act, down.block[1]).to(x.dtype), down.expert(expert).dequantize(x.dtype))
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None].to(x.dtype))
+    return out

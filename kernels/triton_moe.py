@@ -7,7 +7,9 @@ The (token, expert) pairs are sorted by expert on the device and each expert's r
 belongs to one expert (or none, past the used rows). Kernel 1 computes ``silu(x @ gate^T) × (x @ up^T)`` for a
 row block and a column block of the expert's intermediate size; kernel 2 multiplies by ``down^T`` and the pair's
 routing weight into the pair's own output row; a token's k rows are then summed (in float32). Block-scaled FP8
-experts (``kernels.fp8``) are dequantized tile by tile as ``kernels.triton_fp8`` does.
+experts (``kernels.fp8``) are dequantized tile by tile as ``kernels.triton_fp8`` does; for a batch of prefill size
+(``uses_w8a8``) the tokens and the intermediate activations are quantized too, per row and K block, and both kernels
+multiply FP8 by FP8 (``kernels.triton_fp8.w8a8_linear``'s recipe).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from kernels.fp8 import Fp8Weight, Weight
 from kernels.triton_attention import _dot, exact_products
-from kernels.triton_fp8 import fp8_tile, native_fp8, weight_bytes
+from kernels.triton_fp8 import fp8_tile, native_fp8, quantize_activations, uses_w8a8, weight_bytes
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,11 +67,23 @@ def _expert_tile(w_e, s_e, rows, kk, k0, mask, stride_wn, stride_sn, dtype, QN: 
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_we,
-                   stride_wn, stride_se, stride_sn, stride_ar, K_TOP: tl.constexpr, QN: tl.constexpr,
-                   QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """One program: a row block (one expert's pairs) by BLOCK_N intermediate columns: silu(gate) × up."""
+def _scaled_dot(x, xs_ptr, xs_rows, k0, row_ok, w_e, s_e, rows, kk, mask, stride_xs, stride_wn, stride_sn,
+                QN: tl.constexpr, QK: tl.constexpr):
+    """FP8 rows ``x`` times the expert's FP8 weight rows ``rows`` at columns ``kk`` (a K tile in one scale block),
+    exact in float32, scaled by each row's and each weight row's block scale (w8a8)."""
+    w = tl.load(w_e + rows[None, :] * stride_wn + kk[:, None], mask=mask, other=0.0)
+    xs = tl.load(xs_ptr + xs_rows * stride_xs + k0 // QK, mask=row_ok, other=0.0)
+    ws = tl.load(s_e + (rows // QN).to(tl.int64) * stride_sn + k0 // QK)
+    return tl.dot(x, w, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_xs,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_ar, K_TOP: tl.constexpr, QN: tl.constexpr,
+                   QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, W8A8: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One program: a row block (one expert's pairs) by BLOCK_N intermediate columns: silu(gate) × up, in
+    ``act_ptr``'s dtype. ``W8A8``: x is the tokens in e4m3 with their block scales at ``xs_ptr``."""
     e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
@@ -79,7 +93,7 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, 
     col_ok = cols < I
     gate_rows, up_rows = tl.where(col_ok, cols, 0), tl.where(col_ok, I + cols, 0)  # in range: their scales load
     w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
-    dtype = x_ptr.dtype.element_ty
+    dtype = act_ptr.dtype.element_ty
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -87,23 +101,30 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, 
         k_ok = kk < H
         x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = _expert_tile(w_e, s_e, gate_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
-                          NATIVE)
-        wu = _expert_tile(w_e, s_e, up_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE, NATIVE)
-        gate += _dot(x, wg, IEEE)
-        up += _dot(x, wu, IEEE)
+        if W8A8:
+            gate += _scaled_dot(x, xs_ptr, tok, k0, ok, w_e, s_e, gate_rows, kk, w_mask, stride_xs, stride_wn,
+                                stride_sn, QN, QK)
+            up += _scaled_dot(x, xs_ptr, tok, k0, ok, w_e, s_e, up_rows, kk, w_mask, stride_xs, stride_wn,
+                              stride_sn, QN, QK)
+        else:
+            wg = _expert_tile(w_e, s_e, gate_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
+                              NATIVE)
+            wu = _expert_tile(w_e, s_e, up_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
+                              NATIVE)
+            gate += _dot(x, wg, IEEE)
+            up += _dot(x, wu, IEEE)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + rows[:, None] * stride_ar + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n_pairs, H, I, stride_ar,
-                     stride_we, stride_wn, stride_se, stride_sn, stride_or, QN: tl.constexpr, QK: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _moe_down_kernel(act_ptr, as_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n_pairs, H, I,
+                     stride_ar, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_or, QN: tl.constexpr,
+                     QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, W8A8: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """One program: a row block by BLOCK_N hidden columns: (act @ down^T) × the pair's routing weight, into the
-    pair's output row."""
+    pair's output row. ``W8A8``: act is in e4m3 with its block scales at ``as_ptr``."""
     e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
@@ -117,9 +138,14 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_ptr, out
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < I
         a = tl.load(act_ptr + rows[:, None] * stride_ar + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        wd = _expert_tile(w_e, s_e, w_rows, kk, k0, k_ok[:, None] & col_ok[None, :], stride_wn, stride_sn,
-                          act_ptr.dtype.element_ty, QN, QK, HAS_SCALE, NATIVE)
-        acc += _dot(a, wd, IEEE)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        if W8A8:
+            acc += _scaled_dot(a, as_ptr, rows, k0, ok, w_e, s_e, w_rows, kk, w_mask, stride_as, stride_wn, stride_sn,
+                               QN, QK)
+        else:
+            wd = _expert_tile(w_e, s_e, w_rows, kk, k0, w_mask, stride_wn, stride_sn, act_ptr.dtype.element_ty, QN,
+                              QK, HAS_SCALE, NATIVE)
+            acc += _dot(a, wd, IEEE)
     acc *= tl.load(route_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_or + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
 
@@ -133,12 +159,13 @@ def _operand(w: Weight, native: bool) -> tuple[torch.Tensor, torch.Tensor | None
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight,
               block_m: int | None = None, block_n: int = 64, block_k: int = 64, native: bool | None = None,
-              **launch) -> torch.Tensor:
+              w8a8: bool | None = None, **launch) -> torch.Tensor:
     """``sum_j weights[t, j] × expert_{ids[t, j]}(x[t])`` for x ``[T, H]``, ``weights``/``ids`` ``[T, k]``,
     ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, each a tensor or block-scaled FP8
     (``kernels.fp8``; an FP8 ``gate_up``'s gate/up boundary on a scale block's edge). Returns ``[T, H]`` in x's
     dtype. ``block_m`` None: rows per block by the pairs per expert (16 for decode batches, up to 64); ``native``
-    as in ``kernels.triton_fp8.w8a16_linear``."""
+    as in ``kernels.triton_fp8.w8a16_linear``; ``w8a8`` None: FP8 experts multiply FP8 tokens where
+    ``uses_w8a8`` says a batch is of prefill size (``kernels.moe.w8a8_reference`` is what that computes)."""
     t, h = x.shape
     k, (e, two_i, _) = ids.shape[1], gate_up.shape
     inter, n = two_i // 2, t * ids.shape[1]
@@ -147,23 +174,31 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     block_m = block_m or min(64, max(16, triton.next_power_of_2(triton.cdiv(n, e))))
     native = native_fp8(x.device) if native is None else native
     (wg, sg, qg), (wd, sd, qd) = _operand(gate_up, native), _operand(down, native)
+    if w8a8 is None:
+        w8a8 = native and all(isinstance(w, Fp8Weight) and uses_w8a8(x, w) for w in (gate_up, down))
+    elif w8a8 and not (native and sg is not None and sd is not None):
+        raise ValueError("w8a8 experts need FP8 weights on a GPU with FP8 tensor cores (compute capability 8.9+)")
     for q, s in ((qg, sg), (qd, sd)):
         block_k = math.gcd(block_k, q[1]) if s is not None else block_k  # a K tile within one scale block
+    block_k = max(block_k, 32) if w8a8 else block_k  # FP8 tl.dot's least K (the K blocks are multiples of 32)
     pair_of_row, expert_of_block = align(ids, e, block_m)
     rows = pair_of_row.shape[0]
     x = x.contiguous()
     route = weights.reshape(-1).float().contiguous()
     ieee = exact_products(x.dtype)
-    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    xq, xs = quantize_activations(x, qg[1]) if w8a8 else (x, route)
+    # w8a8 quantizes every row of act, so the padding rows the kernel never writes are zeros, not stale bytes
+    act = (torch.zeros if w8a8 else torch.empty)(rows, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
-        x, wg, route if sg is None else sg, pair_of_row, expert_of_block, act, n, h, inter, x.stride(0), wg.stride(0),
-        wg.stride(1), 0 if sg is None else sg.stride(0), 0 if sg is None else sg.stride(1), act.stride(0), K_TOP=k,
-        QN=qg[0], QK=qg[1], HAS_SCALE=sg is not None, NATIVE=native, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, IEEE=ieee, **launch)
+        xq, xs, wg, route if sg is None else sg, pair_of_row, expert_of_block, act, n, h, inter, xq.stride(0),
+        xs.stride(0), wg.stride(0), wg.stride(1), 0 if sg is None else sg.stride(0), 0 if sg is None else sg.stride(1),
+        act.stride(0), K_TOP=k, QN=qg[0], QK=qg[1], HAS_SCALE=sg is not None, NATIVE=native, W8A8=w8a8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
+    aq, as_ = quantize_activations(act, qd[1]) if w8a8 else (act, route)
     out = torch.empty(n, h, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(rows // block_m, triton.cdiv(h, block_n))](
-        act, wd, route if sd is None else sd, pair_of_row, expert_of_block, route, out, n, h, inter, act.stride(0),
-        wd.stride(0), wd.stride(1), 0 if sd is None else sd.stride(0), 0 if sd is None else sd.stride(1),
-        out.stride(0), QN=qd[0], QK=qd[1], HAS_SCALE=sd is not None, NATIVE=native, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
+        aq, as_, wd, route if sd is None else sd, pair_of_row, expert_of_block, route, out, n, h, inter, aq.stride(0),
+        as_.stride(0), wd.stride(0), wd.stride(1), 0 if sd is None else sd.stride(0),
+        0 if sd is None else sd.stride(1), out.stride(0), QN=qd[0], QK=qd[1], HAS_SCALE=sd is not None,
+        NATIVE=native, W8A8=w8a8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
     return out.view(t, k, h).sum(1).to(x.dtype)

@@ -161,6 +161,10 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
         triton_fp8.w8a8_linear(torch.zeros(512, 4096, dtype=bf16), w)
         triton_fp8.w8a8_linear(torch.zeros(512, 4096, dtype=bf16), w, torch.zeros(6144, dtype=bf16),
                                torch.zeros(512, 6144, dtype=bf16))
+        ids = torch.arange(512 * 8).reshape(512, 8) % 8
+        triton_moe.fused_moe(torch.zeros(512, 7168, dtype=bf16), torch.rand(512, 8), ids, ex,
+                             Fp8Weight(torch.empty(8, 7168, 2048, dtype=f8), torch.empty(8, 56, 16), (128, 128)),
+                             w8a8=True)
     for hidden, inter, hq, hk, d in ((4096, 14336, 32, 8, 128), (2048, 5632, 32, 4, 64), (7168, 18432, 128, 1, 64)):
         what = f"layer element-wise {hidden}/{inter} {hq}/{hk}x{d} bf16"  # Llama-3-8B, TinyLlama, DeepSeek-V3
         x = torch.zeros(3, hidden, dtype=bf16)

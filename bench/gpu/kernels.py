@@ -18,7 +18,7 @@
              buffer of Full Block slots (BufferPool.layer_to_device on LayerCopies' copy stream) against the same
              prefill with all KV on the device (<= 1.10x); and with the buffer's slots scattered (report)
   moe        DeepSeek-V3's routed experts: the fused Triton kernels against the torch reference, and with FP8
-             experts (blocks of 128) against the bfloat16 ones (report only)
+             experts (blocks of 128), w8a16 and w8a8, against the bfloat16 ones (report only)
   sparse     DeepSeek-V3.2's sparse attention at 32K context (128 heads over the 512+64 latent, indexer 64 x 128,
              top 2,048), bfloat16: a decode batch of 32 and a 512-token prefill on the Triton path (scores, choice and
              attention on the device) against the dense Triton kernel over every token and the torch reference, with
@@ -463,12 +463,14 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
 def bench_moe(p, dev, smoke: bool) -> dict:
     """DeepSeek-V3's routed experts (hidden 7168, intermediate 2048, top-8; 64 of its 256 experts to bound memory):
     the fused kernels against the torch reference's loop over chosen experts, a decode batch and a prefill chunk."""
-    from kernels.moe import routed_experts
+    from kernels.moe import routed_experts, routed_experts_w8a8
+    from kernels.triton_fp8 import W8A8_MIN_ROWS
+    from kernels.triton_moe import fused_moe
 
     h, inter, e, k = (64, 32, 8, 2) if smoke else (7168, 2048, 64, 8)
     gate_up = torch.randn(e, 2 * inter, h, dtype=torch.bfloat16, device=dev) * 0.02
     down = torch.randn(e, h, inter, dtype=torch.bfloat16, device=dev) * 0.02
-    block = (16, 16) if smoke else (128, 128)
+    block = (32, 32) if smoke else (128, 128)
     gate_up8, down8 = (Fp8Weight(*quantize_blocks(t, block), block) for t in (gate_up, down))
     rows = []
     for t in (4, 16) if smoke else (64, 2048):
@@ -477,15 +479,22 @@ def bench_moe(p, dev, smoke: bool) -> dict:
         w = torch.rand(t, k, device=dev)
         fused = lambda: routed_experts(x, w, ids, gate_up, down, backend="triton")  # noqa: E731
         ref = lambda: routed_experts(x, w, ids, gate_up, down)  # noqa: E731
-        fp8 = lambda: routed_experts(x, w, ids, gate_up8, down8, backend="triton")  # noqa: E731
+        fp8 = lambda: fused_moe(x, w, ids, gate_up8, down8, w8a8=False)  # noqa: E731
+        w8a8 = lambda: fused_moe(x, w, ids, gate_up8, down8, w8a8=True)  # noqa: E731
         t_fused, t_ref, t_fp8 = timed(fused, dev, iters=5), timed(ref, dev, iters=5), timed(fp8, dev, iters=5)
+        t_w8a8 = timed(w8a8, dev, iters=5)
         rows.append({"tokens": t, "fused_seconds": t_fused, "reference_seconds": t_ref, "speedup": t_ref / t_fused,
                      "rel_err_vs_reference": rel_err(fused(), ref().double()), "fp8_fused_seconds": t_fp8,
                      "fp8_time_vs_bf16": t_fp8 / t_fused,
                      "fp8_rel_err_vs_float64": rel_err(fp8(), routed_experts(
                          x.double(), w.double(), ids, gate_up8.dequantize(torch.float64),
-                         down8.dequantize(torch.float64)))})
-    return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows}
+                         down8.dequantize(torch.float64))),
+                     "w8a8_seconds": t_w8a8, "w8a8_time_vs_bf16": t_w8a8 / t_fused,
+                     "w8a8_time_vs_w8a16": t_w8a8 / t_fp8,
+                     "w8a8_rel_err_vs_float64": rel_err(w8a8(), routed_experts_w8a8(
+                         x.double(), w.double(), ids, gate_up8, down8, torch.bfloat16))})
+    return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows,
+            "w8a8_uses_from_tokens": W8A8_MIN_ROWS}
 
 def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
     """``LLM`` (Triton kernels, decode on CUDA graphs) with every prompt under one random rank-16 LoRA adapter of every
@@ -717,6 +726,8 @@ def main(argv=None) -> dict:
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
         {"what": "MoE FP8 experts ÷ bf16 time (decode)",
          "value": (result.get("moe", {}).get("rows") or [{}])[0].get("fp8_time_vs_bf16"), "target": "(report)"},
+        {"what": "MoE w8a8 experts ÷ bf16 time (prefill)",
+         "value": (result.get("moe", {}).get("rows") or [{}])[-1].get("w8a8_time_vs_bf16"), "target": "(report)"},
         {"what": "V3.2 sparse decode ÷ dense Triton time (32K)",
          "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_dense"),
          "target": "(report)"},
