@@ -86,12 +86,14 @@ def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     assert sum(r["count"] for r in result["rows"]) >= 10
 
 
+@pytest.mark.slow  # the default run's time: the kernels and models it runs are tested there
 def test_kv_fp8_bench_accuracy_part_runs(tiny_dirs, tmp_path):
     result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--skip-serving", "--reply-tokens", "4",
                        "--out", str(tmp_path / "f.json"))
     assert [r["positions"] for r in result["accuracy"]] == [result["accuracy"][0]["positions"]] * 3
 
 
+@pytest.mark.slow  # the default run's time: the kernels and models it runs are tested there
 def test_fp8_weights_bench_runs(tiny_dirs, tmp_path):
     result = run_bench("fp8_weights.py", "--model", str(tiny_dirs["llama"]), "--block", "16", "16",
                        "--reply-tokens", "4", "--out", str(tmp_path / "w.json"))
