@@ -94,7 +94,7 @@ def w8a8_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = No
     """What ``w8a8_linear`` computes, in float64 over the values it multiplies: x's rows quantized in groups of the
     weight's K block (``quantize_activations``), times the weight's values, bias and residual added, one rounding
     to x's dtype."""
-    out = as_fp8_activations(x.reshape(-1, x.shape[-1]), w.block[1]).double() @ w.dequantize(torch.float64).t()
+    out = as_fp8_activations(x.reshape(-1, x.shape[-1]), w.block[1]) @ w.dequantize(torch.float64).t()
     if bias is not None:
         out += bias.double()
     if residual is not None:
@@ -104,9 +104,9 @@ def w8a8_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = No
 
 def as_fp8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     """Rows ``x [M, K]`` as the w8a8 kernels multiply them: quantized (``quantize_activations``), then dequantized
-    exactly (in float64 for float64 ``x``, else float32)."""
+    exactly, in float64 (an e4m3 value times a float32 scale needs more than float32's mantissa)."""
     q, scale = quantize_activations(x.float(), group)
-    return dequantize_blocks(q, scale, (1, group), torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return dequantize_blocks(q, scale, (1, group), torch.float64)
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
