@@ -276,13 +276,18 @@ def _quantization(q: dict | None) -> WeightQuantConfig | None:
     return WeightQuantConfig(block=tuple(block))
 
 
+# a sparse-attention layer's name in config.json: transformers 5.24 writes the first, 5.17 and DeepSeek's and GLM's
+# published configs the second
+SPARSE_LAYER_TYPES = frozenset({"indexed_attention", "deepseek_sparse_attention"})
+
+
 def _indexer(hf: dict) -> IndexerConfig:
     """DeepSeek-V3.2's indexer; its queries come from the query latent, so the model must have one."""
     if not hf.get("q_lora_rank"):
         raise CheckpointError("DeepSeek-V3.2's sparse-attention indexer reads the query latent: q_lora_rank is needed")
-    if set(hf.get("layer_types") or ()) - {"indexed_attention"}:
-        raise CheckpointError(f"layer types {sorted(set(hf['layer_types']))} are not supported (indexed_attention "
-                              "in every layer is)")
+    if set(hf.get("layer_types") or ()) - SPARSE_LAYER_TYPES:
+        raise CheckpointError(f"layer types {sorted(set(hf['layer_types']))} are not supported (sparse attention "
+                              f"in every layer is: {' or '.join(sorted(SPARSE_LAYER_TYPES))})")
     index = IndexerConfig(num_heads=hf["index_n_heads"], head_dim=hf["index_head_dim"], topk=hf["index_topk"])
     if index.head_dim < hf["qk_rope_head_dim"] or min(index.num_heads, index.topk) < 1:
         raise CheckpointError(f"degenerate sparse-attention indexer {index}")

@@ -127,7 +127,7 @@ class LocalEngine:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
         if 1 + len(seq.forks) > self.max_num_seqs:
             raise RequestError(f"n ({1 + len(seq.forks)}) exceeds max_num_seqs ({self.max_num_seqs})", field="n")
-        check_token_ids(seq.params, self.vocab_size)
+        check_token_ids(seq.params, self.vocab_size, seq.prompt_ids)
         self.runner.model.check_adapter(seq.params.adapter)
         if seq.params.structured and self.guides is None:
             raise RequestError("structured output needs the engine's tokenizer", field="response_format")

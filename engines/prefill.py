@@ -199,7 +199,7 @@ class PrefillEngine(Engine):
         job = Job(a, params, gens, pe_blocks, unpack_tokens(a.tokens), keys,
                   hit_tokens=len(keys) * self.geometry.block_size)
         try:
-            check_token_ids(params, self.model_config.vocab_size)
+            check_token_ids(params, self.model_config.vocab_size, job.token_ids)
             self.model.check_adapter(params.adapter)
             if params.prompt_logprobs is not None and a.num_hit_blocks:
                 raise RequestError("prompt_logprobs needs the whole prompt computed, not loaded")

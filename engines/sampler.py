@@ -64,8 +64,12 @@ class TokenHistory:
         return torch.from_numpy(self._ids[:k]), torch.from_numpy(self._counts[:k])
 
 
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse token ids a request names that the model's logits do not have (the engines call it on admission)."""
+def check_token_ids(params: SamplingParams, vocab_size: int, prompt: Sequence[int] = ()) -> None:
+    """Refuse token ids a request names that the model's logits do not have (the engines call it on admission).
+    The prompt's too: on CUDA an embedding lookup past the table is a device-side assert, which ends the process
+    for every request, not only this one."""
+    if len(prompt) and (min(prompt) < 0 or max(prompt) >= vocab_size):
+        raise RequestError(f"prompt: token ids must be in [0, {vocab_size})", field="prompt")
     for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
                        ("allowed_token_ids", params.allowed_token_ids),
                        ("bad_words", [t for w in params.bad_words for t in w])):

@@ -70,7 +70,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     pad[..., :n, :k] = w.abs()
     tiles = pad.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # [..., Nb, bn, Kb, bk]
     amax = tiles.amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # over a tensor, not a Python number: CUDA torch multiplies by a number divisor's reciprocal, which is not
+    # correctly rounded, so the scales (and bytes) would differ from a CPU's and from the kernels'
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (w / expand_scale(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

@@ -3,10 +3,12 @@ and dequantized tile by tile in registers, so a weight-bound decode step reads h
 it on CPU under ``TRITON_INTERPRET=1`` against float64.
 
 A K tile never straddles two scale blocks (``BLOCK_K`` divides the scale block's ``bk``), so each tile needs one
-scale per output column. Each weight element is ``(q × scale)`` rounded to x's dtype, as the reference does. GPUs
-before compute capability 8.9 have no e4m3 conversion: there the bytes are widened by bit arithmetic
-(``fp8_tile``). A grid of few programs (decode: few rows, so few row blocks) splits K across programs, whose
-float32 partial sums are added once at the end.
+scale per output column, and it scales the tile's float32 product (``BLOCK_M x BLOCK_N``), not its weights
+(``BLOCK_K x BLOCK_N``): e4m3 values are exact in bfloat16, so the tile's products are x times the stored values,
+and the scale's one rounding is float32's. (The torch reference rounds each dequantized weight to x's dtype; the
+kernel is the closer to float64.) GPUs before compute capability 8.9 have no e4m3 conversion: there the bytes are
+widened by bit arithmetic (``fp8_tile``). A grid of few programs (decode: few rows, so few row blocks) splits K
+across programs, whose float32 partial sums are added once at the end.
 
 Batches of prefill size (``uses_w8a8``) take the w8a8 GEMM instead, DeepSeek's recipe for FP8 tensor cores: each
 row of x quantized to e4m3 per K block (``_act_quant_kernel``, one float32 scale per row and block), then every K
@@ -61,9 +63,9 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_
         x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         s = tl.load(s_row + k0 // QK, mask=col_ok, other=0.0)
-        w = fp8_tile(w_ptr + cols64[None, :] * stride_wn + kk[:, None], k_ok[:, None] & col_ok[None, :], s[None, :],
+        w = fp8_tile(w_ptr + cols64[None, :] * stride_wn + kk[:, None], k_ok[:, None] & col_ok[None, :], 1.0,
                      x_ptr.dtype.element_ty, NATIVE)
-        acc += _dot(x, w, IEEE)
+        acc += _dot(x, w, IEEE) * s[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if PARTIAL:
         tl.store(out_ptr + tl.program_id(2) * stride_os + rows64[:, None] * stride_om + cols[None, :], acc, mask=mask)
@@ -120,17 +122,22 @@ def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
                  block_k: int | None = None, num_splits: int | None = None, native: bool | None = None,
                  **launch) -> torch.Tensor:
     """``x [..., K] @ W^T + bias`` in x's dtype for ``W [N, K]`` block-scaled FP8; with ``residual`` (x's shape but
-    N wide, contiguous rows) the sum is written over it and returned. Tiles by default: 16 rows for decode-sized
-    batches (up to 64 for prefill), 64 columns, 64 of K (fewer where bk is not a multiple of 64); ``num_splits``
-    None: by the grid's size (``_num_splits``); ``native`` None: by the device (``native_fp8``)."""
+    N wide, contiguous rows) the sum is written over it and returned. Tiles by default (from an H200's sweep,
+    ``bench/gpu/fp8_tiles.py``): 16 rows for decode-sized batches (up to 64); up to 16 rows, 64 columns by 128 of K
+    (a weight row's 128 bytes a load) in 4 stages; above, 128 x 128 where N and K are both 4,096 or more, else
+    64 x 64 (smaller matrices need the smaller tiles' programs to fill the GPU), in 3 stages; K tiles fewer where
+    bk is not a multiple. ``num_splits`` None: by the grid's size (``_num_splits``); ``native`` None: by the
+    device (``native_fp8``)."""
     lead, k, n, block = x.shape[:-1], x.shape[-1], w.q.shape[0], w.block
     x2, out = _rows_and_out(x, n, residual)
     m = x2.shape[0]
     if m == 0:
         return out.view(*lead, n)
     block_m = block_m or min(64, max(16, triton.next_power_of_2(m)))
-    block_n = block_n or 64
-    block_k = block_k or math.gcd(64, block[1])
+    big = m > 16 and min(n, k) >= 4096
+    block_n = block_n or (128 if big else 64)
+    block_k = block_k or math.gcd(128 if m <= 16 or big else 64, block[1])
+    launch.setdefault("num_stages", 4 if m <= 16 else 3)
     if block[1] % block_k or block_k < 16:
         raise ValueError(f"the K tile ({block_k}) must divide the scale block {block[1]} and be at least 16")
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))

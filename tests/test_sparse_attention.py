@@ -204,6 +204,10 @@ def _config(tiny_dirs, **changes):
 
 
 def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs):
+    """...and both names transformers' versions give a sparse-attention layer are one."""
+    names = [ModelConfig.from_hf(_config(tiny_dirs, layer_types=[t] * 3))
+             for t in ("indexed_attention", "deepseek_sparse_attention")]
+    assert names[0] == names[1] and names[0].mla.indexer is not None
     with pytest.raises(CheckpointError, match="q_lora_rank"):
         ModelConfig.from_hf(_config(tiny_dirs, q_lora_rank=None))
     with pytest.raises(CheckpointError, match="layer types"):

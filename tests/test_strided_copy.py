@@ -72,6 +72,7 @@ def test_cuda_layer_copies_equal_block_by_block_copies(pin):
     stream = torch.cuda.Stream()
     for layer in range(3):
         out = torch.full((len(SLOTS) * 4, 6), float("nan"), dtype=torch.bfloat16, device="cuda")
+        stream.wait_stream(torch.cuda.current_stream())  # the fill first: the copy stream is the caller's to order
         p.layer_to_device(SLOTS, layer, out, stream)
         stream.synchronize()
         assert torch.equal(out.cpu().view(torch.uint8), reference(p, SLOTS, layer).view(torch.uint8))

@@ -156,6 +156,9 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
             triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, num_splits=splits, native=native)
             triton_fp8.w8a16_linear(torch.zeros(m, 4096, dtype=bf16), w, torch.zeros(6144, dtype=bf16),
                                     torch.zeros(m, 6144, dtype=bf16), num_splits=splits, native=native)
+        small = Fp8Weight(torch.empty(2560, 2048, dtype=f8), torch.empty(20, 16), (128, 128))  # the 1.1B's qkv
+        for m, x_k, weight in ((64, 4096, w), (64, 2048, small)):  # decode batches past 16 rows: both tiles
+            triton_fp8.w8a16_linear(torch.zeros(m, x_k, dtype=bf16), weight, native=native)
     if fp8:  # prefill batches multiply FP8 by FP8 (activations quantized per row and K block)
         what = "fp8 weights x fp8 activations"
         triton_fp8.w8a8_linear(torch.zeros(512, 4096, dtype=bf16), w)

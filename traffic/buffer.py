@@ -71,7 +71,8 @@ class BufferPool:
                         stream: "torch.cuda.Stream | None" = None) -> None:
         """Copy ``layer`` of ``slots`` into ``out`` (contiguous ``[len(slots) × block_size, kv_elems]``, any device),
         one strided copy per run of consecutive slots (``traffic.strided_copy``); on CUDA issued on ``stream``
-        from pinned memory, without blocking the host."""
+        from pinned memory, without blocking the host. The caller orders ``stream`` after whatever last used
+        ``out`` on another stream (``LayerCopies`` does, by slot events): the copies do not wait for it."""
         self._move_layer(slots, layer, out, to_host=False, stream=stream)
 
     def layer_from_device(self, slots: list[int], layer: int, rows: torch.Tensor) -> None:

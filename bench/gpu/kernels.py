@@ -23,12 +23,9 @@
              top 2,048), bfloat16: a decode batch of 32 and a 512-token prefill on the Triton path (scores, choice and
              attention on the device) against the dense Triton kernel over every token and the torch reference, with
              the time split between scoring and choosing and attending (report only)
-  fp8_gemm   the w8a16 GEMM over block-scaled FP8 weights (Llama-3-8B's projections) against cuBLAS over the
-             bfloat16 weights, from a decode step's rows to a prefill chunk's; weight bytes/s ÷ copy; the w8a8 GEMM
-             (activations quantized too, FP8 tensor cores) from 64 rows, where ``fp8_linear`` switches to it at
-             ``W8A8_MIN_ROWS``; and a small sweep of K splits and column tiles at decode sizes (report only)
   fp8_model  the model part's ``LLM`` on its checkpoint quantized to FP8 as it loads (``--quantization fp8``, blocks of
-             128): prefill and decode tokens/s against the bfloat16 model's (report only)
+             128): prefill and decode tokens/s against the bfloat16 model's (report only; the FP8 GEMMs alone, on
+             their device time: ``bench/gpu/fp8_tiles.py``)
   sampling   the engines' batched sampler against sampling a row at a time, 64 rows x 32K vocabulary (report only)
   lora       the model part's ``LLM`` under one rank-16 LoRA adapter, and a batch split between the base model and two,
              against the base model (report only)
@@ -574,51 +571,6 @@ def bench_sparse(p, dev, smoke: bool) -> dict:
     return {"heads": heads, "latent": r, "rope": dr, "indexer": [ih, idim], "topk": topk, "rows": rows}
 
 
-def bench_fp8_gemm(p, dev, smoke: bool, copy_bw: float) -> dict:
-    """``x @ W^T`` for W block-scaled FP8 (the w8a16 kernel: 1 byte a weight) against cuBLAS over W in bfloat16 (2
-    bytes), Llama-3-8B's projections, from decode rows to a prefill chunk; the kernel's weight bytes/s ÷ copy for
-    the decode sizes (bandwidth-bound); at 16 rows a sweep of K splits and column tiles."""
-    from kernels.fp8 import w8a8_reference
-    from kernels.triton_fp8 import w8a8_linear, w8a16_linear
-
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    if smoke:
-        shapes = {"qkv": (96, 64), "down": (64, 160)}
-    block = (32, 32) if smoke else (128, 128)  # the w8a8 GEMM's K tiles are at least 32
-    rows, sweep = [], []
-    for name, (n, k) in shapes.items():
-        w16 = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
-        w8 = Fp8Weight(*quantize_blocks(w16, block), block)
-        for m in (1, 16, 64, 512, 4096) if not smoke else (1, 16, 40):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
-            t16 = timed(lambda: torch.nn.functional.linear(x, w16), dev, iters=20)
-            t8 = timed(lambda: w8a16_linear(x, w8), dev, iters=20)
-            ref = x.double() @ w8.dequantize(torch.float64).t()
-            row = {"proj": name, "n": n, "k": k, "rows": m, "bf16_cublas_s": t16, "fp8_s": t8,
-                   "fp8_time_vs_bf16": t8 / t16, "fp8_weight_bytes_per_s_vs_copy": n * k / t8 / copy_bw,
-                   "rel_err": rel_err(w8a16_linear(x, w8), ref)}
-            if m >= 40:
-                t88 = timed(lambda: w8a8_linear(x, w8), dev, iters=20)
-                row.update(w8a8_s=t88, w8a8_time_vs_bf16=t88 / t16, w8a8_time_vs_w8a16=t88 / t8,
-                           w8a8_rel_err=rel_err(w8a8_linear(x, w8), w8a8_reference(x.double(), w8)),
-                           w8a8_rel_err_vs_exact=rel_err(w8a8_linear(x, w8), ref))
-            rows.append(row)
-        x = torch.randn(16, k, dtype=torch.bfloat16, device=dev)
-        for splits in (1, 2, 4, 8):
-            for bn in (32, 64, 128):
-                try:
-                    t8 = timed(lambda: w8a16_linear(x, w8, num_splits=splits, block_n=bn), dev, iters=20)
-                except Exception as e:  # noqa: BLE001 - a configuration that does not fit is a row, not the end
-                    sweep.append({"proj": name, "splits": splits, "block_n": bn, "error": str(e)[:200]})
-                    continue
-                sweep.append({"proj": name, "splits": splits, "block_n": bn, "seconds": t8})
-    decode, prefill = [r for r in rows if r["rows"] <= 16], [r for r in rows if r["rows"] >= 512]
-    return {"rows": rows, "sweep_rows_16": sweep, "block": list(block),
-            "decode_time_vs_bf16_mean": sum(r["fp8_time_vs_bf16"] for r in decode) / len(decode),
-            "prefill_w8a8_time_vs_bf16_mean": sum(r.get("w8a8_time_vs_bf16", 0) for r in prefill) /
-            max(1, len(prefill))}
-
-
 def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
     """The model part's ``LLM`` (Triton kernels, decode on graphs) on the 1.1B checkpoint quantized to FP8 as it loads
     against the bfloat16 one (the model part's numbers from this run, or measured here)."""
@@ -632,9 +584,9 @@ def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
             "decode_vs_bf16": ours["decode_tokens_per_s"] / bf16["decode_tokens_per_s"]}
 
 
-# the model parts last: the slowest (three checkpoints loaded, graphs captured), so a time limit costs the least
-PARTS = ("copy", "decode", "decode_fp8", "prefill", "prefill_fp8", "prefill_causal", "pipeline", "moe", "sparse",
-         "fp8_gemm", "sampling", "model", "fp8_model", "model_eager", "lora")
+# the issue's four targets first (a time limit then cuts only parts that report), each part after those it reads
+PARTS = ("copy", "decode", "prefill", "prefill_causal", "pipeline", "model", "model_eager", "decode_fp8",
+         "prefill_fp8", "moe", "fp8_model", "sparse", "sampling", "lora")
 
 
 def _time_vs(result: dict, base: str, part: str) -> float | None:
@@ -681,8 +633,6 @@ def main(argv=None) -> dict:
                 result[part] = bench_model_eager(p, dev, args.smoke, work, ours.get("decode_tokens_per_s"))
             elif part == "sparse":
                 result[part] = bench_sparse(p, dev, args.smoke)
-            elif part == "fp8_gemm":
-                result[part] = bench_fp8_gemm(p, dev, args.smoke, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"])
             elif part == "fp8_model":
                 bf16 = result.get("model", {}).get("systems", {}).get("dualpath_triton")
                 result[part] = bench_fp8_model(p, dev, args.smoke, work, bf16)
@@ -734,10 +684,6 @@ def main(argv=None) -> dict:
         {"what": "V3.2 sparse decode ÷ torch reference time",
          "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_reference"),
          "target": "(report)"},
-        {"what": "w8a16 GEMM ÷ cuBLAS bf16 time (<= 16 rows)",
-         "value": result.get("fp8_gemm", {}).get("decode_time_vs_bf16_mean"), "target": "(report)"},
-        {"what": "w8a8 GEMM ÷ cuBLAS bf16 time (>= 512 rows)",
-         "value": result.get("fp8_gemm", {}).get("prefill_w8a8_time_vs_bf16_mean"), "target": "(report)"},
         {"what": "FP8 model prefill ÷ bf16 model", "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),
          "target": "(report)"},
         {"what": "FP8 model decode ÷ bf16 model", "value": result.get("fp8_model", {}).get("decode_vs_bf16"),
