@@ -78,13 +78,14 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
         check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
+        # before the cache is sized and decode graphs are captured: both count these adapters
+        self.adapters = {name: self.model.add_adapter(path) for name, path in (lora_modules or {}).items()}
         num_blocks = cache_blocks(self.config.cache, self.geometry, self.model, max_num_batched_tokens, device)
         self.cache = PagedKVCache(self.geometry, num_blocks, device)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
                                   self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)
         self._ids = itertools.count()
         self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
-        self.adapters = {name: self.model.add_adapter(path) for name, path in (lora_modules or {}).items()}
 
     def _adapter(self, lora_request: str | None) -> str:
         """The identity of the adapter named (or at the directory) ``lora_request``; "" for None."""

@@ -35,11 +35,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
         """Feed each sequence its next ``new_lens[i]`` tokens; returns logits of each one's last fed token."""
-        # LoRA rows run eagerly: a captured step has no rows per adapter (``ForwardContext.lora``)
-        if self.graphs is not None and all(n == 1 for n in new_lens) and not any(s.params.adapter for s in seqs):
+        if self.graphs is not None and all(n == 1 for n in new_lens):
             tables = [self.cache.block_table(s.seq_id) for s in seqs]
-            if self.graphs.fits(len(seqs), max(map(len, tables))):
-                return self._decode_graph(seqs, tables)
+            adapters = [s.params.adapter for s in seqs]
+            if self.graphs.fits(len(seqs), max(map(len, tables)), adapters):
+                return self._decode_graph(seqs, tables, adapters)
         hidden, batch = self._layers(seqs, new_lens, [s.token_ids[s.num_computed:s.num_computed + n]
                                                       for s, n in zip(seqs, new_lens)])
         self._prompt_logprobs(seqs, new_lens, hidden)
@@ -83,11 +83,11 @@ class ModelRunner:
                                        self.model.compute_logits, s.params.prompt_logprobs)
             start += n
 
-    def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]]) -> torch.Tensor:
+    def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]], adapters: list[str]) -> torch.Tensor:
         positions = [s.num_computed for s in seqs]
         tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
         slots = [self.cache.slots(s.seq_id, p, 1)[0] for s, p in zip(seqs, positions)]
-        logits = self.graphs.run(tokens, positions, slots, tables)
+        logits = self.graphs.run(tokens, positions, slots, tables, adapters)
         for s in seqs:
             s.num_computed += 1
         return logits

@@ -44,10 +44,13 @@ class LoraWeights:
 @dataclass(frozen=True)
 class AdapterRows:
     """The rows of a batch (indices into its packed new tokens, on the device) that run under ``weights``; None:
-    every row (no gather and scatter)."""
+    every row (no gather and scatter). ``mask`` (a captured decode step's, ``engines.graphs``): every row is
+    computed and its product scaled by ``mask [rows, 1]`` (1: the adapter's rows, 0: the others), so the step's
+    shapes do not depend on which rows use the adapter."""
 
     weights: LoraWeights
     rows: torch.Tensor | None
+    mask: torch.Tensor | None = None
 
 
 def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, device: torch.device,
@@ -112,8 +115,10 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, adapters: tuple[AdapterRows, ..
         ab = ad.weights.layers[layer].get(module)
         if ab is None:
             continue
-        if ad.rows is None:
-            out.add_(F.linear(F.linear(x, ab[0]), ab[1]))
-        else:
+        if ad.rows is not None:
             out.index_add_(0, ad.rows, F.linear(F.linear(x.index_select(0, ad.rows), ab[0]), ab[1]))
+        elif ad.mask is not None:  # other rows add their (finite) product times 0: exactly nothing
+            out.addcmul_(F.linear(F.linear(x, ab[0]), ab[1]), ad.mask)
+        else:
+            out.add_(F.linear(F.linear(x, ab[0]), ab[1]))
     return out

@@ -54,6 +54,16 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, arc
     assert bool(reads) == reads_host, reads
 
 
+def test_the_captured_lora_step_reads_nothing_on_the_host(tiny_dirs, tiny_adapters):
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels="triton")
+    model.add_adapter(tiny_adapters["poet"])
+    cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
+    graphs = DecodeGraphs(model, cache, 8, 100, capture=False)
+    with torch.inference_mode(), host_transfers() as reads:
+        graphs._step(4, lora=True)
+    assert not reads, reads
+
+
 def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
     import engines.graphs as graphs_mod
 
@@ -75,10 +85,10 @@ def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
     assert len(seq.output_ids) == 3
 
 
-def _prefilled(model, prompts: list[list[int]], graphs_max_len: int = 0, capture: bool = False):
+def _prefilled(model, prompts: list[list[int]], graphs_max_len: int = 0, capture: bool = False, adapters=None):
     """A paged cache holding each prompt's KV (blocks shuffled by freeing a spacer), sequences ready to decode
-    their last prompt token next, and decode graphs of up to 8 sequences made before anything was cached (as an
-    engine makes them), or None."""
+    their last prompt token next (under ``adapters[i]``, identities, if given), and decode graphs of up to 8
+    sequences made before anything was cached (as an engine makes them), or None."""
     geom = KVGeometry.for_model(model.config, "float32", BS)
     cache = PagedKVCache(geom, 64, DEVICE)
     graphs = DecodeGraphs(model, cache, 8, graphs_max_len, capture) if graphs_max_len else None
@@ -86,13 +96,27 @@ def _prefilled(model, prompts: list[list[int]], graphs_max_len: int = 0, capture
     runner = ModelRunner(model, cache)
     seqs = []
     for i, p in enumerate(prompts):
-        s = Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        s = Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                adapter=adapters[i] if adapters else ""))
         cache.reserve(s.seq_id, len(p) + 1)
         if len(p) > 1:
             runner.forward([s], [len(p) - 1])
         seqs.append(s)
     cache.free("spacer")
     return cache, seqs, graphs
+
+
+def _decoded_twice(model, cache, seqs, graphs):
+    """One decode step eagerly, then the same step again through ``graphs`` from the same cache: (eager logits,
+    graph logits, eager KV written, graph KV written)."""
+    before = cache.storage.clone()
+    eager = ModelRunner(model, cache).forward(seqs, [1] * len(seqs))
+    eager_kv = cache.storage.clone()
+    cache.storage.copy_(before)
+    for s in seqs:
+        s.num_computed -= 1
+    got = ModelRunner(model, cache, graphs).forward(seqs, [1] * len(seqs)).clone()  # a view of the graphs' buffer
+    return eager, got, eager_kv, cache.storage
 
 
 # exact bucket, and 1 and 3 padding rows; triton at 3 and 5: 10-13 s in the interpreter. DeepSeek-V3.2 past its
@@ -107,17 +131,44 @@ def test_graph_step_matches_the_eager_step(tiny_dirs, kernels, n, arch):
     capture = DEVICE == "cuda" and kernels == "triton"  # the torch reference reads lengths on the host
     cache, seqs, graphs = _prefilled(model, prompts, graphs_max_len=200, capture=capture)
     before = cache.storage.clone()
-    eager = ModelRunner(model, cache).forward(seqs, [1] * n)
-    eager_kv = cache.storage.clone()
-    cache.storage.copy_(before)
-    for s in seqs:
-        s.num_computed -= 1
-    got = ModelRunner(model, cache, graphs).forward(seqs, [1] * n)
+    eager, got, eager_kv, graph_kv = _decoded_twice(model, cache, seqs, graphs)
     assert [s.num_computed for s in seqs] == [len(p) for p in prompts]
     assert (got - eager).abs().max() < 1e-4
-    written = cache.storage != before
-    assert torch.equal(written, eager_kv != before)  # the same slots, no others (padding rows change nothing)
-    assert (cache.storage - eager_kv).abs().max() < 1e-5
+    assert torch.equal(graph_kv != before, eager_kv != before)  # the same slots, no others (padding rows: nothing)
+    assert (graph_kv - eager_kv).abs().max() < 1e-5
+
+
+def test_lora_rows_replay_graphs_with_the_eager_logits(tiny_dirs, tiny_adapters, monkeypatch):
+    """A decode step mixing the base model and two adapters (3 rows in the graph of 4: a padding row repeats the
+    first) replays the LoRA graph, whose every row runs each adapter masked to its own rows, and equals the eager
+    step, which gathers each adapter's rows; adapters loaded after the capture, or past MAX_GRAPH_ADAPTERS, run
+    eagerly."""
+    import engines.graphs as graphs_mod
+
+    model = load_model(tiny_dirs["llama"], DEVICE, kernels="torch")
+    ids = [model.add_adapter(tiny_adapters[name]) for name in ("sql", "poet")]
+    prompts = [list(range(3, 3 + k)) for k in (16, 17, 33)]
+    cache, seqs, graphs = _prefilled(model, prompts, graphs_max_len=200, adapters=[ids[0], "", ids[1]])
+    assert graphs.adapters == tuple(ids)
+    steps = []
+    monkeypatch.setattr(graphs, "_step", lambda size, lora=False, step=graphs._step: (steps.append((size, lora)),
+                                                                                      step(size, lora)))
+    before = cache.storage.clone()
+    eager, got, eager_kv, graph_kv = _decoded_twice(model, cache, seqs, graphs)
+    assert steps == [(4, True)]
+    assert (got - eager).abs().max() < 1e-4
+    assert torch.equal(graph_kv != before, eager_kv != before) and (graph_kv - eager_kv).abs().max() < 1e-5
+    for s in seqs:  # the adapters change their rows: the masks are not all zeros
+        s.num_computed -= 1
+        s.params = SamplingParams(temperature=0, max_tokens=8)
+    base = ModelRunner(model, cache, graphs).forward(seqs, [1] * 3)
+    assert steps[-1] == (4, False) and (base[1] - got[1]).abs().max() < 1e-4
+    assert min((base[i] - got[i]).abs().max() for i in (0, 2)) > 1e-3
+    assert not graphs.fits(3, 3, ["an adapter loaded later"])
+    monkeypatch.setattr(graphs_mod, "MAX_GRAPH_ADAPTERS", 1)
+    first_only = DecodeGraphs(model, cache, 8, 200, capture=False)
+    assert first_only.adapters == (ids[0],) and first_only.fits(3, 3, [ids[0], ""]) and \
+        not first_only.fits(3, 3, [ids[1]])
 
 
 def test_graphs_fall_back_to_eager_beyond_their_sizes(tiny_dirs, monkeypatch):
@@ -181,6 +232,23 @@ def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
                   enforce_eager=eager, kv_cache_bytes=CACHE)
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_llm_replays_lora_graphs_with_the_eager_tokens(tiny_dirs, tiny_adapters):
+    """Requests under two adapters and the base model in one batch: the same tokens on graphs as eagerly."""
+    from dualpath.llm import LLM
+
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(100, 121))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
+                  enforce_eager=eager, kv_cache_bytes=CACHE, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+        assert (llm.engine.runner.graphs is None) == eager
+        assert eager or len(llm.engine.runner.graphs.adapters) == 2
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, lora_request=["sql", None, "poet"])]
     assert outs[False] == outs[True]
 
 
