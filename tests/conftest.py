@@ -13,6 +13,18 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def small_cpu_caches():
+    """In-process engines on CPU get 256 MiB KV caches, not the product's 1 GiB: the tests' prompts need a few
+    MiB, and each 1 GiB cache is zeroed page by page (0.3 s) and held until the collector frees it."""
+    import engines.memory
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engines.memory, "CPU_CACHE_BYTES", 256 << 20)
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Tiny random checkpoints of every supported architecture, built once per test session."""

@@ -75,9 +75,15 @@ def test_another_requests_token_answers_a_waiting_probe(front):
     stuck = StuckHandle()
     fake.reply = lambda _s: stuck
     http.front.cfg = replace(http.front.cfg, health_generate_timeout_s=3.0)
-    threading.Timer(0.4, lambda: setattr(http.front, "last_token_at", time.perf_counter())).start()
+    done = threading.Event()
+
+    def other_requests_tokens():  # one every 0.4 s, so one comes after the probe began however late it begins
+        while not done.wait(0.4):
+            http.front.last_token_at = time.perf_counter()
+    threading.Thread(target=other_requests_tokens, daemon=True).start()
     start = time.monotonic()
     r = http.get("/health_generate")
+    done.set()
     assert r.status_code == 200 and time.monotonic() - start < 2.5
     assert stuck.cancelled.wait(10)  # the probe's own generation is let go (at its timeout, at the latest)
 
