@@ -23,6 +23,11 @@ def best_of(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> floa
     return min(times)
 
 
+def rel_err(out, ref) -> float:
+    """Largest absolute error of ``out`` against ``ref`` (a float64 reference), over ``ref``'s largest magnitude."""
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
 def machine() -> dict:
     import torch
 

@@ -27,7 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-from common import machine, print_table  # noqa: E402
+from common import machine, print_table, rel_err  # noqa: E402
 
 from kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
 
@@ -78,10 +78,6 @@ def eager_time(fn, dev: torch.device) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t) / 10
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
 def weights(n: int, k: int, block, dev, copies: int):

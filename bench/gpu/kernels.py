@@ -30,7 +30,7 @@
   lora       the model part's ``LLM`` under one rank-16 LoRA adapter, and a batch split between the base model and two,
              against the base model (report only)
 
-The parts run in the order pipeline and moe before the model parts (slowest last), each writing the JSON when done.
+The parts run in ``PARTS``' order (the issue's four targets first), each writing the JSON when done.
 
     python bench/gpu/kernels.py --out OUT.json [--only decode prefill] [--smoke]
 
@@ -54,7 +54,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(Path(__file__).resolve().parent)]
-from common import machine, print_table  # noqa: E402
+from common import machine, print_table, rel_err  # noqa: E402
 from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402
 from sampling import run as sampling_rows  # noqa: E402
 from timeline import timeline  # noqa: E402
@@ -124,10 +124,6 @@ def idle_time(events) -> dict:
         return timeline((call.time_range.start, call.time_range.end), kernels)
     except Exception as e:  # noqa: BLE001 - a profiler without these fields costs this diagnosis, not the part
         return {"error": f"{type(e).__name__}: {e}"}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
 def paged_cache(lens: list[int], width: int, bs: int, dev, dtype=torch.bfloat16) -> PagedKV:
