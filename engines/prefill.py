@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ from engines.engine import Engine
 from engines.guided import Guide
 from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
+from engines.prefill_jobs import PrefillJobs
 from engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
 from kernels.attention import PagedKV, consecutive_tables
 from kernels.kv_move import cache_dtype, write_tokens
@@ -120,9 +120,7 @@ class PrefillEngine(Engine):
         self.workspace = self._workspace(2)
         self.copies = LayerCopies(self.device)  # hit KV host -> device on its own stream (CUDA)
         self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
-        self.jobs: dict[str, Job] = {}
-        self.ready: deque[str] = deque()
-        self.cond = threading.Condition()
+        self.jobs: PrefillJobs[Job] = PrefillJobs()  # the only place jobs are added, queued, cancelled, removed
         self.de_clients: dict[str, Client] = {}
         self.de_peers: dict[str, str] = {}  # decode engine -> the transport address we added it with
         self.cost = CostModel(*self.cfg.cost_model) if self.cfg.cost_model else self.profile()
@@ -141,11 +139,10 @@ class PrefillEngine(Engine):
 
     def held(self) -> dict[str, int]:
         """Work ids -> tokens still to compute (the prefill load the scheduler balances)."""
-        with self.cond:
-            return {w: j.n_prompt - max(j.computed, j.hit_tokens) for w, j in self.jobs.items()}
+        return {j.work_id: j.n_prompt - max(j.computed, j.hit_tokens) for j in self.jobs.live()}
 
     def admission_lock(self) -> threading.Condition:
-        return self.cond
+        return self.jobs.cond
 
     def beta_tokens(self) -> int:
         """Tokens this device prefills in 5 s, by the cost model (attention over cached tokens left out)."""
@@ -211,12 +208,8 @@ class PrefillEngine(Engine):
         except DualPathError as e:  # this checkpoint's tokenizer cannot be masked: the request fails, clearly
             self._fail(job, f"structured output: {e}")
             return
-        with self.cond:
-            admitted = not self.updating
-            if admitted:
-                self.jobs[a.request_id] = job
-        if not admitted:
-            self._fail(job, "the prefill engine is loading new weights")
+        if not self.jobs.admit(job, lambda: not self.updating):
+            self._fail(job, "the prefill engine is loading new weights" if self.updating else "already held")
             return
         threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
 
@@ -251,10 +244,8 @@ class PrefillEngine(Engine):
         # PE-side blocks count as intact until one of their layer reads says otherwise (then ``_restart``)
         self._set_hit(job, job.pe_blocks + reply.num_loaded_blocks)
         job.storage_bytes = (job.pe_blocks + reply.num_loaded_blocks) * g.full_block_bytes
-        with self.cond:
-            if a.request_id in self.jobs:
-                self.ready.append(a.request_id)
-                self.cond.notify_all()
+        if not self.jobs.requeue(job):
+            self._release(job, "cancelled while preparing")
 
     def _set_hit(self, job: Job, hit_blocks: int) -> None:
         """The request's usable hit: ``hit_blocks`` leading blocks; the rest is recomputed (and counted)."""
@@ -279,55 +270,73 @@ class PrefillEngine(Engine):
         job.head_sent = False
 
     def _fail(self, job: Job, reason: str) -> None:
-        log.warning("%s failed: %s", job.work_id, reason)
-        with self.cond:
-            self.jobs.pop(job.work_id, None)
-            if job.work_id in self.ready:
-                self.ready.remove(job.work_id)
-        self.buffer.free_owner(job.work_id)
-        self.outbox.add("failed", [job.work_id, reason])
-        self.report_soon()
-        client = self.de_clients.get(job.a.decode.engine_id)
+        """End a job the caller holds (a step's, or one never admitted): the scheduler hears it failed, unless it was
+        cancelled meanwhile (then the scheduler already dropped it)."""
+        if self.jobs.finish(job):
+            reason = f"cancelled ({reason})"
+        else:
+            log.warning("%s failed: %s", job.work_id, reason)
+            self.outbox.add("failed", [job.work_id, reason])
+            self.report_soon()
+        self._release(job, reason)
+
+    def _release(self, job: Job, reason: str, tell_decode: bool = True) -> None:
+        """Give back what an ended job holds here (and, ``tell_decode``, its decode engine's reservation). Its buffer
+        slots return only once no storage read can still land in them: a late read would overwrite the KV of the
+        request that takes them next."""
+        if self._loads_settled(job):
+            self.buffer.free_owner(job.work_id)
+        client = self.de_clients.get(job.a.decode.engine_id) if tell_decode else None
         if client is not None:
             try:
                 client.call("Release", RequestRef(job.work_id, reason), timeout=5)
             except DualPathError:
+                pass  # the decode engine's own cancel, or its restart, frees the reservation
+
+    def _loads_settled(self, job: Job) -> bool:
+        timeout = self.cfg.transport.op_timeout_s * 4
+        for fut in job.layer_loads:
+            try:
+                fut.result(timeout)
+            except TimeoutError:
+                log.error("%s: a storage read into its buffer slots did not end in %.0f s; the slots stay out of "
+                          "use", job.work_id, timeout)
+                return False
+            except Exception:  # noqa: BLE001 - a failed read is settled too
                 pass
+        return True
 
     def on_cancel(self, work_id: str, reason: str) -> None:
-        with self.cond:
-            job = self.jobs.pop(work_id, None)
-            if work_id in self.ready:
-                self.ready.remove(work_id)
+        job = self.jobs.cancel(work_id)  # None when a step holds it: that step releases it
         if job is not None:
-            self.buffer.free_owner(work_id)
+            self._release(job, reason, tell_decode=False)  # the scheduler cancels it at the decode engine itself
 
     # --- batches --------------------------------------------------------------------------------------------
     def loop(self) -> None:
         while not self.stopping.is_set():
-            with self.cond:
-                self.cond.wait_for(lambda: self.ready or self.stopping.is_set(), timeout=0.1)
-                if not self.ready:
-                    continue
-                order = self._batchable()
-                queue = [Pending(w, self.jobs[w].computed, self.jobs[w].n_prompt - self.jobs[w].computed)
-                         for w in order]
-                basic = not self.jobs[order[0]].a.layerwise
-                ws = self._basic_workspace() if basic else self.workspace
-                batch = form_batch(queue, self.cost, self.cfg.compute_quota_s, self.geometry.block_size,
-                                   max_blocks=ws.blocks)
-                for w, _ in batch:
-                    self.ready.remove(w)
-                jobs = [(self.jobs[w], n) for w, n in batch]
-            self._run(jobs, ws, basic)
+            jobs = self.jobs.take(self._choose, self.stopping)
+            if jobs:
+                basic = not jobs[0][0].a.layerwise
+                self._run(jobs, self._basic_workspace() if basic else self.workspace, basic)
 
-    def _batchable(self) -> list[str]:
+    def _choose(self, ready: list[Job]) -> list[tuple[Job, int]]:
+        """The next batch of ready jobs (each with its tokens to compute now), by the cost model under the quota."""
+        order = self._batchable(ready)
+        basic = not order[0].a.layerwise
+        ws = self._basic_workspace() if basic else self.workspace
+        by_id = {j.work_id: j for j in order}
+        batch = form_batch([Pending(j.work_id, j.computed, j.n_prompt - j.computed) for j in order], self.cost,
+                           self.cfg.compute_quota_s, self.geometry.block_size, max_blocks=ws.blocks)
+        return [(by_id[w], n) for w, n in batch]
+
+    @staticmethod
+    def _batchable(ready: list[Job]) -> list[Job]:
         """Ready work whose hit is loaded, so storage never stalls the compute of loaded work; when none is
         loaded, the head alone, so an idle engine starts it layer by layer as its hit arrives. Most urgent first
         (``SamplingParams.priority``; the sort is stable, so arrival order within a priority, and all of it under
         first come, first served): work the scheduler handed over ahead of an urgent request waits behind it."""
-        ready = sorted(self.ready, key=lambda w: self.jobs[w].params.priority)
-        loaded = [w for w in ready if self.jobs[w].loaded]
+        ready = sorted(ready, key=lambda j: j.params.priority)
+        loaded = [j for j in ready if j.loaded]
         return loaded or ready[:1]
 
     def _basic_workspace(self) -> Workspace:
@@ -343,11 +352,8 @@ class PrefillEngine(Engine):
             for job, _ in jobs:
                 if any(f.done() and any(r is not None for r in f.result()) for f in job.layer_loads):
                     self._restart(job)
-            with self.cond:
-                for job, _ in reversed(jobs):
-                    if job.work_id in self.jobs:
-                        self.ready.appendleft(job.work_id)
-                self.cond.notify_all()
+            for job, _ in reversed(jobs):
+                self._requeue(job)
             return
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
             log.exception("prefill batch failed")
@@ -359,12 +365,15 @@ class PrefillEngine(Engine):
             job.computed += n
             if job.a.path is ReadPath.PE:
                 job.local_tokens = job.computed
-        for job, _ in jobs:
+        for job, _ in reversed(jobs):
             if job.computed < job.n_prompt:
-                with self.cond:
-                    self.ready.appendleft(job.work_id)
-                    self.cond.notify_all()
+                self._requeue(job)
         self._hand_off(finals)
+
+    def _requeue(self, job: Job) -> None:
+        """Put a job a batch ran back at the head of the ready list: its next chunk, or the batch redone."""
+        if not self.jobs.requeue(job, front=True):
+            self._release(job, "cancelled during its prefill")
 
     @torch.inference_mode()
     def _prefill(self, jobs: list[tuple[Job, int]], ws: Workspace, basic: bool) -> list[tuple[Job, torch.Tensor]]:
@@ -509,6 +518,9 @@ class PrefillEngine(Engine):
             start += n
 
     def _send_done(self, job: Job, tokens: list[int], logprobs: list) -> None:
+        if self.jobs.cancelled(job.work_id):  # (a cancel during the call: the decode engine refuses the hand-off)
+            self._fail(job, "cancelled during its prefill")
+            return
         states = [g.get_state().numpy().tobytes().hex() for g in job.generators] \
             if not job.params.greedy else []
         path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
@@ -523,6 +535,5 @@ class PrefillEngine(Engine):
         except DualPathError as e:
             self._fail(job, f"hand-off to {job.a.decode.engine_id} failed: {e}")
             return
-        with self.cond:
-            self.jobs.pop(job.work_id, None)
+        self.jobs.finish(job)
         self.buffer.free_owner(job.work_id)

@@ -56,16 +56,15 @@ def test_fit_recovers_known_coefficients():
 def test_a_prefill_engine_batches_its_most_urgent_ready_work_first():
     """The prefill engine's ready work in batch order: loaded work by priority, arrival order within one (work the
     scheduler handed over before an urgent request waits behind it); with nothing loaded, the most urgent alone."""
-    from collections import deque
     from types import SimpleNamespace
 
     from dualpath.sampling_params import SamplingParams
     from engines.prefill import PrefillEngine
 
-    jobs = {w: SimpleNamespace(params=SamplingParams(priority=p), loaded=ok)
-            for w, p, ok in (("a", 0, True), ("b", 2, True), ("c", -1, True), ("d", 0, True), ("e", -5, False))}
-    engine = SimpleNamespace(ready=deque("abcde"), jobs=jobs)
-    assert PrefillEngine._batchable(engine) == ["c", "a", "d", "b"]
-    for job in jobs.values():
+    jobs = [SimpleNamespace(work_id=w, params=SamplingParams(priority=p), loaded=ok)
+            for w, p, ok in (("a", 0, True), ("b", 2, True), ("c", -1, True), ("d", 0, True), ("e", -5, False))]
+    order = lambda: [j.work_id for j in PrefillEngine._batchable(jobs)]  # noqa: E731
+    assert order() == ["c", "a", "d", "b"]
+    for job in jobs:
         job.loaded = False
-    assert PrefillEngine._batchable(engine) == ["e"]
+    assert order() == ["e"]

@@ -1,0 +1,141 @@
+"""A request cancelled at any point of its prefill (preparing, ready, in a running batch, between chunks) is gone for
+good: the engine loop goes on with other work, and the job's buffer slots are released once, by its last holder.
+
+The crash this guards against (issue 46): a client hung up while its long prompt was being prefilled in chunks;
+the engine put the partly prefilled job back on the ready list after the cancel removed it, and the loop died on
+``KeyError`` in the next batch's choice."""
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
+from dualpath.messages import Assignment, EngineInfo, ReadPath, Role
+from dualpath.sampling_params import SamplingParams
+from engines.prefill import Job, PrefillEngine
+from engines.prefill_jobs import PrefillJobs
+from engines.sampler import make_generator
+from traffic.buffer import BufferPool
+from traffic.transport import make_transport
+
+BS = 16
+
+
+def _job(w: str) -> SimpleNamespace:
+    return SimpleNamespace(work_id=w)
+
+
+def test_a_ready_job_cancelled_is_handed_to_the_canceller_once():
+    jobs, a = PrefillJobs(), _job("a")
+    assert jobs.admit(a) and jobs.requeue(a)
+    assert jobs.cancel("a") is a
+    assert jobs.cancel("a") is None and "a" not in jobs and list(jobs.live()) == []
+    assert jobs.take(lambda ready: [(j, 1) for j in ready], threading.Event(), wait_s=0.01) == []
+
+
+@pytest.mark.parametrize("gives_back", ["requeue", "finish"])
+def test_a_busy_job_cancelled_is_released_by_its_step_and_never_queued_again(gives_back):
+    jobs, a = PrefillJobs(), _job("a")
+    assert jobs.admit(a)  # busy: preparing
+    assert jobs.cancel("a") is None  # the step holds it: only recorded
+    assert jobs.cancelled("a") and "a" not in jobs and list(jobs.live()) == []
+    assert jobs.cancel("a") is None
+    if gives_back == "requeue":
+        assert jobs.requeue(a, front=True) is False  # refused: the caller releases it
+    else:
+        assert jobs.finish(a) is True
+    assert not jobs.cancelled("a")
+    assert jobs.take(lambda ready: [(j, 1) for j in ready], threading.Event(), wait_s=0.01) == []
+    assert jobs.admit(a)  # the id is free again (a retry of the request)
+
+
+def test_take_makes_jobs_busy_and_requeue_front_puts_them_first():
+    jobs = PrefillJobs()
+    a, b, c = _job("a"), _job("b"), _job("c")
+    for j in (a, b, c):
+        assert jobs.admit(j) and jobs.requeue(j)
+    batch = jobs.take(lambda ready: [(ready[0], 5)], threading.Event())
+    assert batch == [(a, 5)]
+    assert jobs.requeue(a, front=True)
+    assert jobs.take(lambda ready: [(j, 1) for j in ready], threading.Event()) == [(a, 1), (b, 1), (c, 1)]
+
+
+def test_admission_is_refused_when_not_allowed_or_already_held():
+    jobs, a = PrefillJobs(), _job("a")
+    assert not jobs.admit(a, lambda: False)
+    assert jobs.admit(a) and not jobs.admit(_job("a"))
+
+
+@pytest.fixture
+def engine(tiny_dirs, tmp_path):
+    cfg = EngineProcessConfig(
+        role="prefill", model=str(tiny_dirs["llama"]), scheduler="127.0.0.1:1", engine_id="t-pe",
+        engine=EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(block_size=BS)),
+        transport=TransportConfig(name="shm"), storage=StorageConfig(root=str(tmp_path / "kv"), io_threads=1),
+        buffer_bytes=4 << 20, workspace_tokens=256, cost_model=(0.0, 1e-4, 0.0), torch_threads=1)
+    pe = PrefillEngine(cfg)
+    de_t = make_transport(TransportConfig(name="shm"), "t-de")
+    de_mem = de_t.allocate(2 << 20)
+    de_region = de_t.register(de_mem).region_id
+    de_pool = BufferPool(pe.geometry, (2 << 20) // pe.geometry.full_block_bytes, de_mem)
+    de = EngineInfo("t-de", Role.DECODE, "n1", "127.0.0.1:1", "shm", de_t.address(),
+                    [r.to_dict() for r in de_t.regions()], de_region, de_pool.num_slots, BS,
+                    pe.geometry.num_layers, pe.fingerprint.hex(), 0)
+    pe.transport.add_peer("t-de", de_t.address(), de_t.regions())
+    try:
+        yield pe, de, de_pool
+    finally:
+        pe.stopping.set()
+        pe.stop()
+        de_t.close()
+
+
+def _ready_job(pe: PrefillEngine, de: EngineInfo, de_pool: BufferPool, w: str, n: int) -> Job:
+    """A job as ``_prepare`` leaves it: nothing stored, buffer slots here and at the decode engine, ready."""
+    g = pe.geometry
+    tokens = list(range(3, 3 + n))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    job = Job(Assignment(w, tokens, params.to_dict(), [], ReadPath.PE, True, de), params, [make_generator(params)],
+              0, tokens)
+    job.pe_slots = pe.buffer.allocate(g.num_blocks(n), w)
+    job.de_slots = de_pool.allocate(g.num_blocks(n), w)
+    assert pe.jobs.admit(job) and pe.jobs.requeue(job)
+    return job
+
+
+def test_a_cancel_during_a_chunk_leaves_the_engine_serving(engine):
+    """Chunked prefill, one block a batch; the first job is cancelled while its first chunk computes. The loop must
+    not run it again, must release its slots, and must go on to prefill the next job to its hand-off."""
+    pe, de, de_pool = engine
+    free_at_start = pe.buffer.num_free
+    pe._choose = lambda ready: [(ready[0], min(BS, ready[0].n_prompt - ready[0].computed))]
+    ran, handed = [], []
+    prefill = pe._prefill
+
+    def spied(jobs, ws, basic):
+        ran.append([j.work_id for j, _ in jobs])
+        if ran == [["gone"]]:
+            pe.on_cancel("gone", "client disconnected")  # the client hangs up mid-chunk
+        return prefill(jobs, ws, basic)
+
+    pe._prefill = spied
+    pe._hand_off = lambda finals: handed.extend(j.work_id for j, _ in finals)
+    gone = _ready_job(pe, de, de_pool, "gone", 3 * BS + 5)
+    loop = threading.Thread(target=pe.loop, daemon=True)
+    loop.start()
+    deadline = time.monotonic() + 30
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kept = _ready_job(pe, de, de_pool, "kept", 2 * BS + 3)
+    while "kept" not in handed and loop.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert loop.is_alive(), "the prefill loop died"
+    assert handed == ["kept"]
+    assert ran.count(["gone"]) == 1 and ["gone"] not in ran[1:]
+    assert "gone" not in pe.jobs and "gone" not in pe.buffer.leaks()
+    assert kept.computed == kept.n_prompt
+    pe.jobs.finish(kept)
+    pe.buffer.free_owner("kept")
+    assert pe.buffer.num_free == free_at_start
+    assert gone.computed == BS  # its one chunk ran; nothing after the cancel
