@@ -56,6 +56,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
+                                  engine_wait_timeout_s=args.engine_wait_timeout,
                                   max_queued_requests=args.max_queued, http_port=args.http_port,
                                   recompute_slow_hits=not args.load_every_hit,
                                   scheduling_policy=args.scheduling_policy,
@@ -78,7 +79,8 @@ def engine_config(args: argparse.Namespace):
                             lora_modules=tuple(args.lora_modules),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes,
                                               gpu_memory_utilization=args.gpu_memory_utilization)),
-        transport=TransportConfig(name=args.transport, host=args.host, kv_service_level=args.kv_service_level,
+        transport=TransportConfig(name=args.transport, host=args.host, listen_port=args.transport_port,
+                                  kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
         storage=StorageConfig(backend=args.storage_backend, root=args.kv_store,
                               capacity_bytes=args.storage_capacity, read_bandwidth_bps=args.storage_read_bps),
@@ -316,6 +318,12 @@ def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:
                         "urgent request (SGLang's flag; by default the reply is handed back and continued later)")
 
 
+def _engine_wait_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine-wait-timeout", type=float, default=60.0,
+                   help="seconds a request waits while no engine of a role it needs is alive (restarting) before it "
+                        "fails as unavailable (503); 0: refuse requests at once while a role has none")
+
+
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
@@ -342,8 +350,17 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=0, help="per engine (0: the cores shared out)")
     p.add_argument("--scheduler-port", type=int, default=0)
     p.add_argument("--scheduler-http-port", type=int, default=0, help="scheduler /metrics (-1: off)")
-    p.add_argument("--run-dir", default=None, help="where each process logs (default: a temporary directory)")
+    p.add_argument("--run-dir", default=None,
+                   help="where each process logs, NAME.log; an earlier run's logs there move to NAME.log.1 (3 kept) "
+                        "(default: a new temporary directory)")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="times an engine or the scheduler that exits or stops answering health checks is restarted "
+                        "in 10 minutes (with backoff from 1 s to 30 s); 0: never")
+    p.add_argument("--engine-port-range", default=None, metavar="LO-HI",
+                   help="give every engine its ports from this range, 3 each (control, then the transport's "
+                        "listeners), so a firewall or network policy can name them (default: any free port)")
+    _engine_wait_arg(p)
 
 
 def _hardware_args(p: argparse.ArgumentParser) -> None:
@@ -584,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--kv-store", help="the KV store directory engines use (to rebuild the block index)")
     sc.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
     sc.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
-    sc.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    sc.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                    help="seconds without a load report before an engine counts as gone and its requests move")
+    _engine_wait_arg(sc)
     sc.add_argument("--max-queued", type=int, default=4096)
     sc.add_argument("--http-port", type=int, default=-1, help="serve /health and /metrics here (0: any port)")
     sc.add_argument("--load-every-hit", action="store_true",
@@ -640,8 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--node-id", default="", help="engines on one node share its storage NIC (default: own node)")
     e.add_argument("--group-id", default="", help="engine group (default: a group of its own)")
     e.add_argument("--host", default="127.0.0.1", help="address peers reach this engine at")
-    e.add_argument("--port", type=int, default=0)
+    e.add_argument("--port", type=int, default=0, help="control (gRPC) port (0: any free port)")
     e.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
+    e.add_argument("--transport-port", type=int, default=0,
+                   help="the transport's listeners (ucx: this port and the next, one per priority class; 0: any)")
     e.add_argument("--kv-service-level", type=int, default=2)
     e.add_argument("--kv-traffic-class", type=int, default=0)
     e.add_argument("--rdma-device", default=None)

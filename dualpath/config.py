@@ -357,6 +357,7 @@ class TransportConfig:
 
     name: str = "shm"
     host: str = "127.0.0.1"
+    listen_port: int = 0  # transports that listen (ucx): this port and the next, one per priority class (0: any)
     chunk_bytes: int = 1 << 20
     op_timeout_s: float = 30.0
     kv_service_level: int = 2
@@ -472,6 +473,9 @@ class SchedulerConfig:
     mode: str = "dualpath"
     policy: str = "dualpath"
     heartbeat_timeout_s: float = 10.0
+    # the longest a request waits while a role has no engine alive (restarting) before it fails as unavailable;
+    # 0: requests are refused while a role has none
+    engine_wait_timeout_s: float = 60.0
     max_queued_requests: int = 4096
     max_attempts: int = 3
     max_assignments_per_pull: int = 256  # bounds a pull's reply (assignments carry their prompts)

@@ -1,7 +1,12 @@
-"""Start a scheduler and xPyD engine processes on this host, wait until every part is ready, stop them all.
+"""Start a scheduler and xPyD engine processes on this host, wait until every part is ready, keep them up, stop
+them all.
 
 Children learn the launcher's pid (``DUALPATH_PARENT_PID``) and ask the kernel to end them when it ends, so no
-process outlives the launcher, even one killed with SIGKILL. Each child logs to its own file in ``run_dir``.
+process outlives the launcher, even one killed with SIGKILL. Each child logs to its own file in ``run_dir``; the logs
+of an earlier run in the same directory are rotated (``NAME.log.1`` is the last run's). A child that exits, or stops
+answering its health check, is restarted with backoff up to a cap (``RestartPolicy``): a restarted engine registers
+again under its name and the scheduler moves its requests; a restarted scheduler listens on its old port, engines
+register with it keeping their work, and submitters resubmit what it had not yet handed to a decode engine.
 """
 from __future__ import annotations
 
@@ -14,13 +19,45 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from dualpath.errors import DualPathError
+from dualpath.errors import ConfigError, DualPathError
 from dualpath.lora import LoraModule
 
 log = logging.getLogger(__name__)
+PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
+KEEP_LOGS = 3  # earlier runs' logs kept beside the current one (NAME.log.1 .. NAME.log.3)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a supervisor brings back a child that exits, or fails ``health_failures`` health checks in a row (one
+    every ``health_interval_s``, each given ``health_timeout_s``): after ``backoff_s``, doubling per recent restart up
+    to ``max_backoff_s``, at most ``max_restarts`` times in ``window_s``; past that it stays down and says so.
+    ``max_restarts`` 0: never restarted (the process's own supervisor, Kubernetes or Slurm, does it)."""
+
+    max_restarts: int = 0
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 3
+
+    def delay(self, recent: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``LO-HI`` (inclusive) as two ports."""
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise ConfigError(f"a port range is LO-HI, got {text!r}") from None
+    if not 0 < lo <= hi < 65536:
+        raise ConfigError(f"port range {text} is not within 1-65535, low to high")
+    return lo, hi
 
 
 @dataclass(frozen=True)
@@ -55,6 +92,9 @@ class ClusterSpec:
     max_model_len: int = 0
     torch_threads: int = 1
     heartbeat_timeout_s: float = 10.0
+    engine_wait_timeout_s: float = 60.0  # see SchedulerConfig.engine_wait_timeout_s
+    restart: RestartPolicy = RestartPolicy()  # children brought back when they die (off by default: tests kill)
+    engine_ports: tuple[int, int] | None = None  # every engine's ports from this range (default: any free port)
     scheduler_http_port: int = -1  # the scheduler's /metrics (-1: none, 0: any free port)
     host: str = "127.0.0.1"
     scheduler_port: int = 0
@@ -69,6 +109,10 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     ready_path: Path
+    cmd: list[str] = field(default_factory=list)  # what (re)starts it
+    address: str = ""  # its control address once ready (health checks)
+    restarts: list[float] = field(default_factory=list)  # when it was restarted (monotonic)
+    retired: bool = False  # replaced on purpose (``restart_scheduler``): no longer watched
 
     def tail(self, n: int = 30) -> str:
         try:
@@ -78,30 +122,41 @@ class Child:
 
 
 class Supervisor:
-    """Child processes of this host: spawned with their own log and ready file, watched, stopped together."""
+    """Child processes of this host: spawned with their own log and ready file, watched (and, by ``restart``,
+    brought back), stopped together."""
 
-    def __init__(self, run_dir: str | None, torch_threads: int, log_level: str):
+    def __init__(self, run_dir: str | None, torch_threads: int, log_level: str,
+                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0):
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.torch_threads, self.log_level = torch_threads, log_level
+        self.restart, self.start_timeout = restart, start_timeout
         self.children: list[Child] = []
         self._stopping = False
+        self._stop_event = threading.Event()
+        self._spawn_lock = threading.Lock()  # a restart never starts a process after ``stop`` began
+        self._rotated: set[str] = set()
 
     def spawn(self, name: str, args: list[str], prefix: tuple[str, ...] = ()) -> Child:
         """Start ``dualpath ARGS --ready-file F`` (F before a ``--``: options after it belong to the engines of
         ``dualpath node``), behind ``prefix`` (e.g. ``ip netns exec NS``, which execs, so the parent stays us)."""
         log_path, ready = self.run_dir / f"{name}.log", self.run_dir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+        if name not in self._rotated:
+            self._rotated.add(name)
+            rotate_log(log_path)
         own = args[:args.index("--")] if "--" in args else args
         cmd = [*prefix, sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *own,
                "--ready-file", str(ready), *args[len(own):]]
-        with open(log_path, "a") as out:  # (a restarted part's log goes on)
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
-        child = Child(name, proc, log_path, ready)
+        child = Child(name, self._popen(cmd, log_path, ready), log_path, ready, cmd)
         self.children.append(child)
         return child
+
+    def _popen(self, cmd: list[str], log_path: Path, ready: Path) -> subprocess.Popen:
+        ready.unlink(missing_ok=True)
+        env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+        with open(log_path, "a") as out:  # (a restarted part's log goes on)
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
 
     def wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -113,14 +168,68 @@ class Supervisor:
                     raise DualPathError(f"{c.name} not ready after {timeout:.0f} s:\n{c.tail()}")
                 time.sleep(0.05)
 
-    def _watch(self) -> None:
-        reported = set()
-        while not self._stopping:
-            for c in self.children:
-                if c.proc.poll() is not None and c.name not in reported:
-                    reported.add(c.name)
-                    log.error("%s exited with %s; last lines:\n%s", c.name, c.proc.returncode, c.tail(15))
-            time.sleep(0.5)
+    def watch(self, children: list[Child] | None = None) -> None:
+        """Watch each child on a thread of its own: log an exit, and restart by ``self.restart``."""
+        for c in self.children if children is None else children:
+            threading.Thread(target=self._supervise, args=(c,), daemon=True, name=f"watch-{c.name}").start()
+
+    def _supervise(self, c: Child) -> None:
+        failures, next_check = 0, time.monotonic() + self.restart.health_interval_s
+        while not self._stop_event.wait(0.25) and not c.retired:
+            why = f"exited with {c.proc.returncode}" if c.proc.poll() is not None else ""
+            if not why and self.restart.max_restarts and time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.restart.health_interval_s
+                failures = 0 if self.healthy(c) else failures + 1
+                if failures >= self.restart.health_failures:
+                    why = f"did not answer {failures} health checks in a row"
+                    c.proc.kill()
+                    c.proc.wait(30)
+            if not why:
+                continue
+            if not self._recover(c, why):
+                return
+            failures, next_check = 0, time.monotonic() + self.restart.health_interval_s
+
+    def healthy(self, c: Child) -> bool:
+        """Whether ``c`` answers its health check (a role's own; every child counts as healthy by default)."""
+        return True
+
+    def _recover(self, c: Child, why: str) -> bool:
+        """Restart ``c`` after its backoff, if the policy allows; False when it stays down."""
+        policy, now = self.restart, time.monotonic()
+        _release(c)
+        c.restarts = [t for t in c.restarts if now - t < policy.window_s]
+        if len(c.restarts) >= policy.max_restarts:
+            more = f"; restarted {len(c.restarts)} times in {policy.window_s:.0f} s, it stays down" \
+                if policy.max_restarts else ""
+            log.error("%s %s%s; last lines:\n%s", c.name, why, more, c.tail(15))
+            return False
+        delay = policy.delay(len(c.restarts))
+        log.error("%s %s; restarting it in %.0f s (restart %d of at most %d in %.0f s); last lines:\n%s", c.name,
+                  why, delay, len(c.restarts) + 1, policy.max_restarts, policy.window_s, c.tail(15))
+        if self._stop_event.wait(delay):
+            return False
+        with self._spawn_lock:
+            if self._stopping:
+                return False
+            c.restarts.append(time.monotonic())
+            with open(c.log_path, "a") as out:
+                out.write(f"\n--- restarted by the supervisor ({why}) ---\n")
+            c.proc = self._popen(c.cmd, c.log_path, c.ready_path)
+        try:
+            self.wait_ready([c], self.start_timeout)
+        except DualPathError as e:
+            log.error("%s did not come back: %s", c.name, e)
+            if c.proc.poll() is None:
+                c.proc.kill()  # the watch loop sees the exit and tries again, within the cap
+                c.proc.wait(30)
+            return True
+        self.restarted(c)
+        log.warning("%s is back (pid %d)", c.name, c.proc.pid)
+        return True
+
+    def restarted(self, c: Child) -> None:
+        """``c`` is ready again (roles learn its new address here)."""
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -134,7 +243,9 @@ class Supervisor:
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM every child, wait, SIGKILL what remains: the engines, then the scheduler (an engine's last report,
         that it is leaving, finds the scheduler still there)."""
-        self._stopping = True
+        with self._spawn_lock:
+            self._stopping = True
+            self._stop_event.set()
         deadline = time.monotonic() + timeout
         for last in (False, True):
             group = [c for c in self.children if (c.name == "scheduler") == last]
@@ -150,6 +261,15 @@ class Supervisor:
                 _release(c)
 
 
+def rotate_log(path: Path, keep: int = KEEP_LOGS) -> None:
+    """Move an earlier run's ``path`` to ``path.1`` (and ``.1`` to ``.2``, ...), keeping ``keep``: a run's log holds
+    that run only."""
+    for i in range(keep, 0, -1):
+        older = path.with_name(f"{path.name}.{i - 1}") if i > 1 else path
+        if older.exists():
+            older.replace(path.with_name(f"{path.name}.{i}"))
+
+
 def _release(c: "Child") -> None:
     """What a stopped child could not clean up itself: its shared-memory segments."""
     from traffic.memory import remove_segments
@@ -163,18 +283,33 @@ class LocalCluster(Supervisor):
     """A scheduler and xPyD engines on this host."""
 
     def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
-        super().__init__(run_dir, spec.torch_threads, spec.log_level)
+        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart)
         self.spec = spec
         self.scheduler_address = ""
         self.scheduler_http = ""
         self.engine_addresses: dict[str, str] = {}
+        self._ports_used = 0  # engines given ports from ``spec.engine_ports`` so far
+
+    def _next_ports(self) -> tuple[int, int]:
+        """The next engine's (control port, first transport port): from the range, or (0, 0) for any free ones."""
+        if self.spec.engine_ports is None:
+            return 0, 0
+        lo, hi = self.spec.engine_ports
+        port = lo + PORTS_PER_ENGINE * self._ports_used
+        if port + PORTS_PER_ENGINE - 1 > hi:
+            raise ConfigError(f"--engine-port-range {lo}-{hi} has room for {(hi - lo + 1) // PORTS_PER_ENGINE} "
+                              f"engines ({PORTS_PER_ENGINE} ports each); engine {self._ports_used + 1} needs more")
+        self._ports_used += 1
+        return port, port + 1
 
     def _engine_args(self, role: str, index: int, device_index: int) -> list[str]:
         s = self.spec
         device = f"cuda:{device_index}" if s.device == "cuda" else s.device
         name = f"{role}-{index}"
         node = f"{role}-node{index // s.engines_per_node}"
+        port, transport_port = self._next_ports()
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
+                "--port", str(port), "--transport-port", str(transport_port),
                 "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
                 "--device", device, "--dtype", s.dtype, "--kv-cache-dtype", s.kv_cache_dtype,
                 "--kernels", s.kernels, "--transport", s.transport,
@@ -207,19 +342,20 @@ class LocalCluster(Supervisor):
                         for i in range(s.num_decode)]
             self.wait_ready(engines, timeout)
             for c in engines:
-                eid, addr = c.ready_path.read_text().split()
-                self.engine_addresses[eid] = addr
-            threading.Thread(target=self._watch, daemon=True, name="cluster-watch").start()
+                self.restarted(c)
+            self.start_timeout = timeout
+            self.watch()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_scheduler(self, port: int, timeout: float) -> None:
+    def _start_scheduler(self, port: int, timeout: float, http_port: int | None = None) -> Child:
         s = self.spec
+        http_port = s.scheduler_http_port if http_port is None else http_port
         args = ["scheduler", "--host", s.host, "--port", str(port), "--mode", s.mode, "--policy", s.policy,
-                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(s.scheduler_http_port),
-                "--scheduling-policy", s.scheduling_policy]
+                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(http_port),
+                "--engine-wait-timeout", str(s.engine_wait_timeout_s), "--scheduling-policy", s.scheduling_policy]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.load_every_hit:
@@ -228,19 +364,52 @@ class LocalCluster(Supervisor):
             args.append("--disable-priority-preemption")
         sched = self.spawn("scheduler", args)
         self.wait_ready([sched], timeout)
-        port, http = sched.ready_path.read_text().split()
-        self.scheduler_address = f"{s.host}:{port}"
-        self.scheduler_http = f"http://{s.host}:{http}" if int(http) >= 0 else ""
+        self.restarted(sched)
+        # a restart listens where engines and frontends already look
+        sched.cmd[sched.cmd.index("--port") + 1] = self.scheduler_address.rsplit(":", 1)[1]
+        sched.cmd[sched.cmd.index("--http-port") + 1] = self.scheduler_http.rsplit(":", 1)[1] \
+            if self.scheduler_http else str(http_port)
+        return sched
+
+    def restarted(self, c: Child) -> None:
+        if c.name == "scheduler":
+            port, http = c.ready_path.read_text().split()
+            c.address = self.scheduler_address = f"{self.spec.host}:{port}"
+            self.scheduler_http = f"http://{self.spec.host}:{http}" if int(http) >= 0 else ""
+        else:
+            eid, c.address = c.ready_path.read_text().split()
+            self.engine_addresses[eid] = c.address
+
+    def healthy(self, c: Child) -> bool:
+        """The engine's ``Health`` or the scheduler's ``Stats`` answered in time."""
+        from dualpath.messages import RequestRef
+        from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
+
+        if not c.address:
+            return True
+        service, methods, call = ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else \
+            ("Engine", ENGINE_METHODS, "Health")
+        client = Client(service, methods, c.address)
+        try:
+            client.call(call, RequestRef(""), timeout=self.restart.health_timeout_s)
+            return True
+        except RpcError as e:
+            log.warning("%s failed a health check: %s", c.name, e)
+            return False
+        finally:
+            client.close()
 
     def restart_scheduler(self, timeout: float = 60.0) -> None:
         """Start the scheduler again on its port (after it died, or stopping it first): the engines register with
         it again keeping their work, and clients submit again what it had not yet handed to a decode engine."""
         old = self.child("scheduler")
+        old.retired = True
         if old.proc.poll() is None:
             old.proc.terminate()
             old.proc.wait(30)
         self.children.remove(old)
-        self._start_scheduler(int(self.scheduler_address.rsplit(":", 1)[1]), timeout)
+        http = int(self.scheduler_http.rsplit(":", 1)[1]) if self.scheduler_http else -1
+        self.watch([self._start_scheduler(int(self.scheduler_address.rsplit(":", 1)[1]), timeout, http)])
 
     def add_engine(self, role: str, timeout: float = 120.0) -> str:
         """Start one more engine of ``role`` (the next index) and wait until it serves: a replacement in a rolling
@@ -249,8 +418,8 @@ class LocalCluster(Supervisor):
         first_device = self.spec.num_prefill if role == "decode" else 0
         child = self.spawn(f"{role}-{index}", self._engine_args(role, index, first_device + index))
         self.wait_ready([child], timeout)
-        eid, addr = child.ready_path.read_text().split()
-        self.engine_addresses[eid] = addr
+        self.restarted(child)
+        self.watch([child])
         return child.name
 
     def __enter__(self) -> "LocalCluster":

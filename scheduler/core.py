@@ -213,6 +213,9 @@ class SchedulerCore:
         self.by_node: dict[str, list[EngineRecord]] = {}
         self.by_group: dict[str, list[EngineRecord]] = {}
         self.alive_ids: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        # a role whose engines have all gone: since when, and the last one's departure (for errors and /health)
+        self.unserved_since: dict[Role, float] = {}
+        self.last_gone: dict[Role, str] = {}
         self._alive_sorted: dict[Role, list[EngineRecord]] = {}  # cache of alive(); dropped when alive_ids change
         self._views: dict[str, tuple] = {}  # group -> (alive members, their ids, members()); dropped likewise
         self.requests: dict[str, RequestRecord] = {}  # by request id
@@ -310,13 +313,38 @@ class SchedulerCore:
     def ready(self) -> bool:
         return bool(self.alive_ids[Role.PREFILL] and self.alive_ids[Role.DECODE])
 
+    def missing(self) -> list[str]:
+        """What keeps the cluster from serving, in words (empty when it can)."""
+        now, out = self.clock(), []
+        for role in (Role.PREFILL, Role.DECODE):
+            if self.alive_ids[role]:
+                continue
+            since = self.unserved_since.get(role)
+            out.append(f"no {role.value} engine has registered yet" if since is None else
+                       f"no {role.value} engine alive for {now - since:.0f} s ({self.last_gone[role]})")
+        return out
+
     def expire(self) -> None:
-        """Declare engines silent for longer than the heartbeat timeout dead."""
+        """Declare engines silent for longer than the heartbeat timeout dead; fail the requests that waited
+        ``engine_wait_timeout_s`` for a role with no engine alive."""
         now = self.clock()
         with self.lock:
             for eid, e in list(self.engines.items()):
                 if e.alive and now - e.last_seen > self.config.heartbeat_timeout_s:
                     self._engine_gone(eid, f"no load report for {now - e.last_seen:.1f} s")
+            if self.unserved_since and self.config.engine_wait_timeout_s > 0:
+                self._fail_unserved(now)
+
+    def _fail_unserved(self, now: float) -> None:
+        """A request waits for a missing role (its engines restarting) at most the bound, counted from when it
+        began to wait for it; then it fails as unavailable (a 503, or an error in its stream), never hangs."""
+        bound, why = self.config.engine_wait_timeout_s, None
+        for rid, r in list(self.requests.items()):
+            needs = [self.unserved_since[role] for role in self.unserved_since
+                     if role is Role.DECODE or not r.streaming]  # a generating reply needs no prefill engine
+            if needs and now - max(max(needs), r.submitted_at) > bound:
+                why = why or "; ".join(self.missing())
+                self._fail(rid, f"unavailable: waited {bound:.0f} s for an engine: {why}")
 
     def lost(self, eid: str, why: str) -> None:
         """Count engine ``eid`` gone now (it failed a health check), as a missed heartbeat would."""
@@ -326,6 +354,10 @@ class SchedulerCore:
 
     def _roster_changed(self, role: Role) -> None:
         """An engine of ``role`` joined or left: drop what is derived from who is alive."""
+        if self.alive_ids[role]:
+            self.unserved_since.pop(role, None)
+        else:
+            self.unserved_since.setdefault(role, self.clock())
         self._totals = None
         self._alive_sorted.pop(role, None)
         self._views.clear()
@@ -334,6 +366,7 @@ class SchedulerCore:
         e = self.engines[eid]
         e.alive = False
         self.alive_ids[e.info.role].discard(eid)
+        self.last_gone[e.info.role] = f"{eid} is gone: {why}"
         self.preempt_for.pop(eid, None)
         self._roster_changed(e.info.role)
         # (once generating, a request's prefill engine is done with it)
@@ -366,8 +399,8 @@ class SchedulerCore:
         params = SamplingParams.from_dict(spec.sampling)
         mode = Mode(spec.mode) if spec.mode else self.mode
         with self.lock:
-            if not self.ready():
-                raise UnavailableError("no prefill and decode engines are registered yet")
+            if not self.ready() and not self._can_wait():
+                raise UnavailableError("; ".join(self.missing()))
             if len(self.requests) >= self.config.max_queued_requests:
                 self.counters["rejected"] += 1
                 raise UnavailableError(f"scheduler overloaded: {len(self.requests)} requests in flight")
@@ -384,7 +417,8 @@ class SchedulerCore:
             if params.num_resumed_tokens >= n:
                 raise RequestError(f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
                                    field="num_resumed_tokens")
-            room = max(self.engines[e].info.capacity_tokens for e in self.alive_ids[Role.DECODE])
+            room = max(e.info.capacity_tokens for e in self.engines.values() if e.info.role is Role.DECODE and
+                       (e.alive or not self.alive_ids[Role.DECODE]))
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
                 raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
                                    f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
@@ -407,6 +441,12 @@ class SchedulerCore:
             notify(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size,
                                fingerprint=self.fingerprint.hex() if stale else ""))
             return events
+
+    def _can_wait(self) -> bool:
+        """Whether a request may queue although a role has no engine alive: every missing role had engines (they
+        are restarting) and waits are bounded."""
+        missing = [role for role in (Role.PREFILL, Role.DECODE) if not self.alive_ids[role]]
+        return self.config.engine_wait_timeout_s > 0 and all(role in self.unserved_since for role in missing)
 
     def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
         return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size,
@@ -890,6 +930,7 @@ class SchedulerCore:
                 "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
                 "engines_alive_by_role": {r.value: len(ids) for r, ids in self.alive_ids.items()},
+                "missing": self.missing(),  # what keeps it from serving, in words
                 "node_read_q_tokens": {n: s.read_q for n, s in nodes.items()},
                 "node_alpha_tokens": {n: s.alpha for n, s in nodes.items()},
                 "node_alpha_measured": {n: self.live_alpha(n) > 0 for n in nodes},

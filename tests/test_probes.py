@@ -113,7 +113,9 @@ def test_concurrent_probes_share_one_generation(front):
 
 
 @pytest.mark.parametrize("stats, why", [
-    ({"ready": False}, "does not have every engine"),
+    ({"ready": False}, "lacks engines"),
+    ({"ready": False, "missing": ["no prefill engine alive for 12 s (prefill-0 is gone: exited)"]},
+     "no prefill engine alive for 12 s (prefill-0 is gone: exited)"),
     ({"ready": True, "paused": True}, "weights are being updated"),
     (DualPathError("connection refused"), "did not answer"),
 ])
@@ -122,6 +124,16 @@ def test_a_cluster_that_cannot_serve_is_a_503_at_once(front, stats, why):
     fake.stats = (lambda: (_ for _ in ()).throw(stats)) if isinstance(stats, Exception) else (lambda: stats)
     r = http.get("/health_generate")
     assert r.status_code == 503 and why in r.json()["error"] and not fake.prompts
+
+
+def test_health_names_what_is_missing(front):
+    http, fake, _ = front
+    fake.stats = lambda: {"ready": False, "missing": ["no decode engine has registered yet"]}
+    r = http.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "unavailable",
+                                                 "missing": ["no decode engine has registered yet"]}
+    fake.stats = lambda: {"ready": True}
+    assert http.get("/health").json() == {"status": "ok"}
 
 
 def test_a_probe_that_cannot_be_submitted_is_a_503(front):

@@ -393,7 +393,7 @@ def test_a_restarted_scheduler_has_unknown_engines_register_keeping_their_work()
     core, engines = make_core("dualpath", clock)
     fresh = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"),
                           clock)
-    with pytest.raises(UnavailableError, match="no prefill and decode engines"):
+    with pytest.raises(UnavailableError, match="no prefill engine has registered yet; no decode engine"):
         fresh.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
     reply = fresh.pull("d0", [engines["d0"].load()], "d0")
     assert reply.unknown == ["d0"] and reply.rejoin == []
@@ -603,3 +603,61 @@ def test_a_request_that_fits_no_decode_engine_has_a_less_urgent_reply_handed_bac
         submit(core, "other", 5)
         submit(core, "bg+0", 5, resumed=10)  # bg's continuation: it goes on before "other"
         assert list(core.global_queue) == ["bg+0", "other"]
+
+
+def test_requests_wait_for_a_restarting_role_at_most_the_bound_and_then_fail_naming_it():
+    """Both prefill engines go silent (killed, restarting). Requests already queued, and new ones, are accepted
+    and wait; one waits at most ``engine_wait_timeout_s`` counted from when it began to wait, then fails as
+    unavailable with the missing role and the last engine's departure named; a generating reply is left alone.
+    Once a prefill engine registers again, what is left is served."""
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0, engine_wait_timeout_s=10.0)
+    events: dict[str, list] = {}
+    submit = lambda rid: core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=8)  # noqa: E731
+                                                   .to_dict()), events.setdefault(rid, []).append)
+    submit("gen")
+    for _ in range(3):
+        for g in ["d0", "d1", "d2", "p0", "p1"]:
+            pull(core, engines, g)
+    assert core.requests["gen"].streaming
+    submit("old")
+    clock.t += 1.5
+    for g in ["d0", "d1", "d2"]:
+        pull(core, engines, g)
+    core.expire()  # p0 and p1 silent past the heartbeat: no prefill engine
+    assert core.missing() == ["no prefill engine alive for 0 s (p1 is gone: no load report for 1.5 s)"]
+    assert not core.ready() and "old" in core.requests
+    clock.t += 6
+    submit("new")  # accepted: its role is restarting, and the wait is bounded
+    clock.t += 4.5
+    for g in ["d0", "d1", "d2"]:
+        pull(core, engines, g)
+    core.expire()
+    assert "old" not in core.requests and "new" in core.requests and "gen" in core.requests
+    ev = events["old"][-1]
+    assert ev.kind == "failed" and ev.error.startswith("unavailable: waited 10 s for an engine: no prefill engine")
+    assert "no load report" in ev.error and not ev.engine_lost
+    assert core.register(engines["p0"].info).ok and core.ready() and core.missing() == []
+    engines["p0"].held.clear()
+    for _ in range(3):
+        for g in ["d0", "d1", "d2", "p0"]:
+            pull(core, engines, g)
+    core.expire()
+    assert core.requests["new"].pe == "p0"
+
+
+def test_without_a_bound_or_before_any_engine_a_missing_role_refuses_submissions():
+    from dualpath.errors import UnavailableError
+
+    clock = Clock()
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", engine_wait_timeout_s=0), make_policy("dualpath"),
+                         clock)
+    spec = SubmitRequest("r", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict())
+    with pytest.raises(UnavailableError, match="no prefill engine has registered yet; no decode engine has"):
+        core.submit(spec)
+    assert core.register(info("d0", Role.DECODE, "n0")).ok
+    assert core.register(info("p0", Role.PREFILL, "n1")).ok
+    core.lost("p0", "its health check failed")
+    with pytest.raises(UnavailableError, match=r"no prefill engine alive for 0 s \(p0 is gone: its health check"):
+        core.submit(spec)

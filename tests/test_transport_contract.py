@@ -162,6 +162,24 @@ def test_dead_peer_errors_within_timeout(own_pair):
     assert time.monotonic() - start < CONFIG.op_timeout_s + 10
 
 
+@pytest.mark.parametrize("backend", ["shm", "ucx", "nixl"])
+def test_a_peer_restarted_under_its_name_is_reached_at_its_new_address(backend):
+    """An engine restarted by its supervisor comes back under its old name at a new address: ``add_peer`` with that
+    address must drop the old lanes and mappings, or every transfer goes to the dead process."""
+    peer, config, hub = _peer(backend)
+    me, mem, lid, rid, _ = _connected(peer, config, hub, "me")
+    try:
+        me.submit("peer", Op.READ, [Segment(lid, 0, rid, 0, 4096)]).wait(30)
+        peer.kill()
+        peer = PeerProcess(config, REGION_BYTES)
+        me.add_peer("peer", peer.address, peer.regions)
+        me.submit("peer", Op.READ, [Segment(lid, 0, peer.regions[0].region_id, 0, 8192)]).wait(30)
+        assert digest(mem.tensor[:8192]) == peer.digest(0, 8192)
+    finally:
+        me.close()
+        peer.stop()
+
+
 def test_high_priority_overtakes_bulk_low_priority(pair):
     """A small high-priority transfer submitted while a bulk low-priority one is moving finishes first. On a busy
     machine the bulk can finish before the urgent one is even submitted: that is no overtaking to judge, so the

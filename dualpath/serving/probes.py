@@ -41,11 +41,14 @@ class Probes:
         return await ask_scheduler(self.front.client.stats)
 
     async def health(self) -> JSONResponse:
+        """200 while the scheduler has an engine of each role; else 503 naming what is missing."""
         try:
-            ready = (await self.stats()).get("ready", False)
-        except ApiError:
-            ready = False
-        return JSONResponse({"status": "ok" if ready else "unavailable"}, 200 if ready else 503)
+            stats = await self.stats()
+        except ApiError as e:
+            return JSONResponse({"status": "unavailable", "missing": [str(e)]}, 503)
+        if stats.get("ready", False):
+            return JSONResponse({"status": "ok"}, 200)
+        return JSONResponse({"status": "unavailable", "missing": stats.get("missing", [])}, 503)
 
     async def health_generate(self) -> JSONResponse:
         """200 once a token came back (the probe's own, or any request's since the probe began); 503 when the
@@ -56,7 +59,7 @@ class Probes:
         except ApiError as e:
             return _unhealthy(str(e), since)
         if not stats.get("ready", False):
-            return _unhealthy("the scheduler does not have every engine it needs", since)
+            return _unhealthy("; ".join(stats.get("missing", [])) or "the scheduler lacks engines", since)
         if stats.get("paused", False) or stats.get("held", False):
             why = "the model's weights are being updated" if stats.get("paused") else "/pause (POST /resume goes on)"
             return _unhealthy(f"generation is paused: {why}", since)

@@ -99,7 +99,7 @@ def lora_modules(args) -> tuple:
 def cluster_from_args(args):
     """The single-host cluster the command-line options describe (``serve``, ``rollout``), started."""
     from dualpath.cli import _model_dir
-    from dualpath.launcher import ClusterSpec, LocalCluster
+    from dualpath.launcher import ClusterSpec, LocalCluster, RestartPolicy, parse_port_range
     from dualpath.paths import default_kv_store
     from engines.models import open_checkpoint
 
@@ -120,6 +120,8 @@ def cluster_from_args(args):
         storage_capacity=store_capacity(args),
         compute_quota_ms=args.compute_quota_ms, max_model_len=max_len, torch_threads=threads,
         host="127.0.0.1", scheduler_port=args.scheduler_port, scheduler_http_port=args.scheduler_http_port,
+        engine_wait_timeout_s=args.engine_wait_timeout, restart=RestartPolicy(max_restarts=args.max_restarts),
+        engine_ports=parse_port_range(args.engine_port_range) if args.engine_port_range else None,
         log_level=args.log_level.upper())
     cap = f"{spec.storage_capacity / 1e9:.1f} GB" if spec.storage_capacity else "no cap"
     print(f"starting {args.prefill} prefill and {args.decode} decode engine(s) of {model_name(model_dir)} on "

@@ -271,7 +271,13 @@ class Transport(ABC):
 
     # --- peers ----------------------------------------------------------------------------------------------
     def add_peer(self, peer: str, address: dict, regions: list[RegionDesc]) -> None:
-        """Learn a peer's address and regions (from its handshake). Lanes connect lazily on first use."""
+        """Learn a peer's address and regions (from its handshake). Lanes connect lazily on first use. A known peer
+        at a new address (a restarted engine under its old name) is forgotten first: its lanes and mappings name
+        the old process."""
+        with self._lock:
+            moved = self._peer_address.get(peer, address) != address
+        if moved:
+            self.remove_peer(peer)
         with self._lock:
             self._peer_address[peer] = address
             self._peer_regions[peer] = {r.region_id: r for r in regions}

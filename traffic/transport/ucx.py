@@ -56,7 +56,9 @@ class _Worker:
         self.worker.start_progress_thread(polling_mode=False)
         self.transport, self.priority = transport, priority
         self.server_eps: list = []
-        self.listener = ucx_api.UCXListener.create(worker=self.worker, port=0, cb_func=self._accept)
+        base = transport.config.listen_port  # HIGH on it, LOW on the next: every port known in advance
+        port = base + (priority is Priority.LOW) if base else 0
+        self.listener = ucx_api.UCXListener.create(worker=self.worker, port=port, cb_func=self._accept)
 
     def _accept(self, conn_request) -> None:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
