@@ -95,6 +95,7 @@ class EngineLoad:
     # shared by the node's engines; ReadAccounting.drain_intervals); none when its alpha is pinned by a flag
     read_intervals: list[list[float]] = field(default_factory=list)
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
+    kv_corrupt_removed: int = 0  # corrupt block files removed since the last report (to be stored again)
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)

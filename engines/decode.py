@@ -87,6 +87,10 @@ class DecodeEngine(Engine):
                                  speculative=self.cfg.engine.speculative)
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
+        # dropped before their hand-off: work id -> when its buffer slots are reused without word from its prefill
+        # engine (``_drop``); bounded by the longest a write or storage read into them may take
+        self.settling: dict[str, float] = {}
+        self.settle_s = self.cfg.transport.op_timeout_s * 4
         self.inbox: queue.Queue = queue.Queue()
         self.streams = StreamHub(self.server.loop)
 
@@ -155,7 +159,8 @@ class DecodeEngine(Engine):
         return PrepareReply(True, slots, 0), self.traffic.load(keys, slots[first:first + len(keys)])
 
     def Release(self, ref: RequestRef, ctx) -> Ack:
-        self.inbox.put(("drop", ref.request_id, ref.reason))
+        """Its prefill engine ended it, and nothing of it is in flight any more (its buffer slots may be reused)."""
+        self.inbox.put(("release", ref.request_id, ref.reason))
         return Ack()
 
     def PrefillDone(self, msg: PrefillDoneMsg, ctx) -> Ack:
@@ -175,6 +180,8 @@ class DecodeEngine(Engine):
     def loop(self) -> None:
         while not self.stopping.is_set():
             self._drain_inbox(block=not self.local.has_work())
+            if self.settling:
+                self._settle_overdue()
             if self.local.has_work():
                 self._step()
 
@@ -189,7 +196,7 @@ class DecodeEngine(Engine):
             elif item[0] == "preempt":
                 self._preempt(item[1])
             else:
-                self._drop(item[1], item[2])
+                self._drop(item[1], item[2], settled=item[0] == "release")
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -375,18 +382,37 @@ class DecodeEngine(Engine):
         if held:
             log.info("stopping: %d request(s) handed back to their submitters to go on elsewhere", len(held))
 
-    def _drop(self, work_id: str, reason: str) -> None:
+    def _drop(self, work_id: str, reason: str, settled: bool = False) -> None:
+        """End ``work_id``. ``settled``: its prefill engine says nothing of it is in flight. Otherwise, before its
+        hand-off, that engine may still be writing its prompt's KV into its buffer slots (and a storage read may
+        still be landing there): they stay out of use until that engine's ``Release``, or ``settle_s``."""
         with self.lock:
             h = self.held_.get(work_id)
-            if h is None:  # never prepared here; a submitter may already be waiting on its stream
-                self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
-                return
-        self._free(h)
+        if settled:
+            self._settle(work_id)
+        if h is not None:
+            in_flight = not settled and not h.choices
+            self._free(h, keep_buffer=in_flight)
+            if in_flight:
+                self.settling[work_id] = time.monotonic() + self.settle_s
+            log.info("%s dropped: %s", work_id, reason)
+        # (never prepared here, too: a submitter may already be waiting on its stream)
         self.streams.put(work_id, TokenEvent(work_id, finish_reason="abort", error=reason))
-        log.info("%s dropped: %s", work_id, reason)
 
-    def _free(self, h: Held) -> None:
-        """Forget ``h``: its rows leave the batch, its device blocks and buffer slots are free."""
+    def _settle(self, work_id: str) -> None:
+        if self.settling.pop(work_id, None) is not None:
+            self.buffer.free_owner(work_id)
+
+    def _settle_overdue(self) -> None:
+        now = time.monotonic()
+        for work_id in [w for w, at in self.settling.items() if at <= now]:
+            log.warning("%s: no word from its prefill engine in %.0f s; its buffer slots are reused", work_id,
+                        self.settle_s)
+            self._settle(work_id)
+
+    def _free(self, h: Held, keep_buffer: bool = False) -> None:
+        """Forget ``h``: its rows leave the batch, its device blocks are free, and its buffer slots unless
+        ``keep_buffer``."""
         with self.lock:
             self.held_.pop(h.work_id, None)
             h.cancelled = True
@@ -394,7 +420,8 @@ class DecodeEngine(Engine):
                 self.local.release(c.seq)
             for i in range(h.n):
                 self.cache.free(choice_id(h.work_id, i))
-        self.buffer.free_owner(h.work_id)
+        if not keep_buffer:
+            self.buffer.free_owner(h.work_id)
 
     def _preempt(self, work_id: str) -> None:
         """Hand a reply back (priority scheduling needs its memory for a more urgent request): the full blocks its

@@ -115,7 +115,7 @@ class Engine:
         self._rejoin_members: dict[str, bool] = {}  # members that must register again -> keep their work (leader)
         self._report_event = threading.Event()
         self._lock = threading.Lock()
-        self._read_bytes_reported = self._failures_reported = 0
+        self._read_bytes_reported = self._failures_reported = self._removed_reported = 0
         self._busy_reported = 0.0
         self.busy_s = 0.0  # prefill attention seconds (prefill engines)
         self.busy_tokens = 0  # the new tokens those seconds computed
@@ -278,24 +278,27 @@ class Engine:
         busy_tokens = self.busy_tokens - self._busy_tokens_reported
         fail_delta = self.kv_load_failures - self._failures_reported
         stored = self.storage.usage()
+        removed = stored.get("corrupt_removed", 0)
         load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
                           request_ids=list(held), started=items["started"], finished=items["finished"],
                           failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
                           prefill_tokens=busy_tokens,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
+                          kv_corrupt_removed=removed - self._removed_reported,
                           read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
                           traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
                           storage_used_bytes=stored["used_bytes"],
                           storage_capacity_bytes=stored["capacity_bytes"], leaving=self.leaving)
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "busy_tokens": self.busy_tokens,
-                      "failures": self.kv_load_failures}
+                      "failures": self.kv_load_failures, "removed": removed}
 
     def _delivered(self, marks: dict) -> None:
         self._read_bytes_reported, self._busy_reported = marks["read"], marks["busy"]
         self._busy_tokens_reported = marks["busy_tokens"]
         self._failures_reported = marks["failures"]
+        self._removed_reported = marks["removed"]
 
     def report_now(self, timeout: float = 10.0) -> None:
         """Send a load report straight to the scheduler (events that must not wait for the next pull)."""

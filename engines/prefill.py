@@ -280,13 +280,13 @@ class PrefillEngine(Engine):
             self.report_soon()
         self._release(job, reason)
 
-    def _release(self, job: Job, reason: str, tell_decode: bool = True) -> None:
-        """Give back what an ended job holds here (and, ``tell_decode``, its decode engine's reservation). Its buffer
-        slots return only once no storage read can still land in them: a late read would overwrite the KV of the
-        request that takes them next."""
+    def _release(self, job: Job, reason: str) -> None:
+        """Give back what an ended job holds here, then tell its decode engine nothing of it is in flight (it keeps
+        the job's buffer slots until then). Slots return only once no storage read can still land in them: a late
+        read would overwrite the KV of the request that takes them next."""
         if self._loads_settled(job):
             self.buffer.free_owner(job.work_id)
-        client = self.de_clients.get(job.a.decode.engine_id) if tell_decode else None
+        client = self.de_clients.get(job.a.decode.engine_id)
         if client is not None:
             try:
                 client.call("Release", RequestRef(job.work_id, reason), timeout=5)
@@ -308,8 +308,8 @@ class PrefillEngine(Engine):
 
     def on_cancel(self, work_id: str, reason: str) -> None:
         job = self.jobs.cancel(work_id)  # None when a step holds it: that step releases it
-        if job is not None:
-            self._release(job, reason, tell_decode=False)  # the scheduler cancels it at the decode engine itself
+        if job is not None:  # (off the pull thread: the decode engine's answer may take a while)
+            threading.Thread(target=self._release, args=(job, reason), daemon=True, name=f"cancel-{work_id}").start()
 
     # --- batches --------------------------------------------------------------------------------------------
     def loop(self) -> None:

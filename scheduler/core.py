@@ -238,7 +238,8 @@ class SchedulerCore:
         self.lock = threading.RLock()
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
-                         "prompt_tokens": 0, "kv_load_failures": 0, "cache_flushes": 0, "preempted": 0}
+                         "prompt_tokens": 0, "kv_load_failures": 0, "kv_corrupt_removed": 0,
+                         "cache_flushes": 0, "preempted": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -736,6 +737,7 @@ class SchedulerCore:
             tokens, seconds = e.prefilled  # older reports fade: the rate follows contention and prompt lengths
             e.prefilled = (0.8 * tokens + load.prefill_tokens, 0.8 * seconds + load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
+        self.counters["kv_corrupt_removed"] += load.kv_corrupt_removed
         if load.traffic:
             self.traffic[load.engine_id] = dict(load.traffic)
         if load.speculative:

@@ -311,6 +311,39 @@ def test_corrupt_or_missing_blocks_are_recomputed_and_counted(cluster, reference
         assert client.stats()["kv_load_failures"] > failures
 
 
+def test_corrupt_blocks_are_stored_again_so_their_hit_comes_back(cluster, reference, tiny_dirs):
+    """Damaged block files fail closed (the tokens are recomputed, the reply is the reference's) and are removed by
+    the engine that found them, so the decode engine's write of the recomputed blocks stores them again: the next
+    turn hits them as it did before the damage (a store that kept a damaged file would skip that write, and every
+    later turn would recompute the blocks)."""
+    _, client, kv = cluster
+    ckpt = open_checkpoint(tiny_dirs["llama"])
+    fp = model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest)
+    removed = client.stats()["kv_corrupt_removed"]
+    for seed, mode, damage in ((212, "pe", "flip"), (213, "de", "truncate")):
+        prompt = conversation(seed, 1)[0] + list(range(3, 23))  # 62, 63 tokens: 3 full blocks
+        want = reference.generate(prompt, GREEDY)[0].token_ids
+        client.generate(prompt, GREEDY, mode=mode)  # computes and stores the prompt's blocks
+        before = client.generate(prompt, GREEDY, mode=mode)
+        assert before.token_ids == want and before.num_cached_tokens >= 3 * BS, mode
+        for h in block_hashes(prompt, fp, BS)[:before.num_cached_tokens // BS]:
+            victim = kv / fp.hex() / h.hex()[:2] / f"{h.hex()}.kv"
+            data = victim.read_bytes()
+            if damage == "flip":
+                victim.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])  # the last layer's bytes
+            else:
+                victim.write_bytes(data[:len(data) // 2])
+        damaged = client.generate(prompt, GREEDY, mode=mode)
+        assert damaged.token_ids == want and damaged.num_cached_tokens == 0, mode  # every block failed closed
+        repaired = client.generate(prompt, GREEDY, mode=mode)
+        assert repaired.token_ids == want, mode
+        assert repaired.num_cached_tokens == before.num_cached_tokens, mode  # stored again by the damaged turn
+    deadline = time.monotonic() + 5  # the removals are counted in the engines' next reports (scheduler /metrics)
+    while client.stats()["kv_corrupt_removed"] < removed + 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats()["kv_corrupt_removed"] >= removed + 6  # 3 blocks damaged per path
+
+
 LONG = dict(max_tokens=300, ignore_eos=True)  # still going when an engine is killed
 # The sampled cases keep few candidates: a batch's rounding moves the logits in their last bits, and a draw that
 # close to a step of the distribution takes the neighbouring token (``engines.sampler.sample``): over the whole

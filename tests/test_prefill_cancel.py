@@ -139,3 +139,38 @@ def test_a_cancel_during_a_chunk_leaves_the_engine_serving(engine):
     pe.buffer.free_owner("kept")
     assert pe.buffer.num_free == free_at_start
     assert gone.computed == BS  # its one chunk ran; nothing after the cancel
+
+
+def test_a_decode_engine_keeps_a_cancelled_prompts_buffer_slots_until_its_prefill_engine_is_done(tiny_dirs, tmp_path):
+    """A cancel from the scheduler reaches the decode engine while the prefill engine may still be writing the
+    prompt's KV into the decode engine's buffer: its device blocks are freed at once, its buffer slots only when
+    the prefill engine's ``Release`` says nothing is in flight (or, without one, after ``settle_s``). Freed at
+    once, a late write would land in the next request's prompt."""
+    from dualpath.messages import PrepareRequest, RequestRef
+    from engines.decode import DecodeEngine
+
+    cfg = EngineProcessConfig(
+        role="decode", model=str(tiny_dirs["llama"]), scheduler="127.0.0.1:1", engine_id="t-de",
+        engine=EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(block_size=BS,
+                                                                             device_memory_bytes=8 << 20)),
+        transport=TransportConfig(name="shm"), storage=StorageConfig(root=str(tmp_path / "kv"), io_threads=1),
+        buffer_bytes=2 << 20, torch_threads=1)
+    de = DecodeEngine(cfg)
+    try:
+        free_slots, free_blocks = de.buffer.num_free, de.cache.num_free_blocks
+        for w in ("a", "b"):
+            reply, _ = de._reserve(PrepareRequest(w, 3 * BS, 0, b"", 8))
+            assert reply.ok
+        de._drop("a", "cancelled by the scheduler")  # before its hand-off: the prefill engine may be writing
+        assert "a" not in de.held_ and "a" in de.buffer.leaks()
+        de.Release(RequestRef("a", "cancelled during its prefill"), None)
+        de._drain_inbox(block=True)
+        assert "a" not in de.buffer.leaks() and not de.settling
+        de._drop("b", "cancelled by the scheduler")
+        assert "b" in de.buffer.leaks()
+        de.settling["b"] = 0.0  # its prefill engine died: no Release comes
+        de._settle_overdue()
+        assert de.buffer.num_free == free_slots and de.cache.num_free_blocks == free_blocks
+    finally:
+        de.stopping.set()
+        de.stop()

@@ -13,7 +13,7 @@ from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullErr
 from dualpath.geometry import KVGeometry
 from dualpath.paths import auto_store_capacity, parse_size
 from traffic.storage import ReadAccounting, make_storage
-from traffic.storage.fs import FsStorage, remove_stored
+from traffic.storage.fs import FsStorage, pack_header, remove_stored
 from scheduler.balance import drain_rate
 
 
@@ -127,6 +127,89 @@ def test_foreign_fingerprint_and_renamed_block_fail_closed(tmp_path):
     shutil.copy(a.path(k), a.path(other))
     [err] = a.read([other], empty(1)).result()
     assert isinstance(err, BlockCorruptError) and "does not match its name" in str(err)
+
+
+def _damage(path, s, case):
+    if case == "layer":
+        _flip(path, s.header_size + 2 * GEOM.layer_block_bytes + 5)
+    elif case == "truncated":
+        path.write_bytes(path.read_bytes()[:s.header_size + GEOM.layer_block_bytes])
+    elif case == "fingerprint":  # the header's model fingerprint (after magic, version, sizes, layers, layer bytes)
+        data = bytearray(path.read_bytes())
+        data[20:20 + len(FP)] = bytes(len(FP))
+        path.write_bytes(bytes(data))
+    elif case == "empty":
+        path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("case", ["layer", "truncated", "fingerprint", "empty"])
+@pytest.mark.parametrize("layers", [None, (2, 3)])
+def test_a_corrupt_block_is_removed_on_read_and_the_next_write_stores_it_again(tmp_path, case, layers):
+    """A block that fails to load has its file removed, so the next engine that computes it stores it (a write skips
+    a stored key: left in place, the damaged file would be recomputed on every later hit)."""
+    s, k = corrupt(tmp_path, lambda path, s: _damage(path, s, case))
+    b = blocks(1)[0]  # (what ``corrupt`` wrote)
+    assert s.write([k], [b]).result() == [None] and s.contains([k]) == [True]  # skipped: the damaged file stays
+    n = GEOM.layer_range(*layers)[1] if layers else GEOM.full_block_bytes
+    [err] = s.read([k], empty(1, n), layers=layers).result()
+    assert isinstance(err, BlockCorruptError) and err.key == k
+    assert s.contains([k]) == [False] and not s.path(k).exists()
+    assert s.usage()["corrupt_removed"] == 1 and s.usage()["used_bytes"] == 0
+    assert isinstance(s.read([k], empty(1)).result()[0], BlockMissingError)  # removed once: now a plain miss
+    assert s.usage()["corrupt_removed"] == 1
+    assert s.write([k], [b]).result() == [None]
+    out = empty(1)
+    assert s.read([k], out).result() == [None] and torch.equal(out[0], b)
+    assert s.usage()["used_bytes"] == s.file_bytes
+
+
+def test_a_corrupt_file_replaced_by_a_new_copy_before_its_removal_is_kept(tmp_path):
+    """The removal compares the file it read with the one the path names now: a good copy another writer renamed
+    into place between the two is kept."""
+    s, k = corrupt(tmp_path, lambda path, s: _flip(path, s.header_size + 1))
+    path, b = s.path(k), blocks(1)[0]
+    stale = os.stat(path)  # what the reader opened
+    other = store(tmp_path)  # another writer: its temporary file is made while the damaged one exists (a new inode)
+    other._write_file(path.with_name("new.tmp"), pack_header(GEOM, FP, k, b), b)
+    os.rename(path.with_name("new.tmp"), path)
+    assert os.stat(path).st_ino != stale.st_ino
+    assert not s._remove_corrupt(k, stale, BlockCorruptError("stale", k))
+    out = empty(1)
+    assert s.read([k], out).result() == [None] and torch.equal(out[0], b)
+    assert s.usage()["corrupt_removed"] == 0
+    assert s._remove_corrupt(k, os.stat(path), BlockCorruptError("current", k))  # the file read: removed
+    assert not path.exists() and s.usage()["corrupt_removed"] == 1
+
+
+def test_a_block_of_a_newer_format_is_not_removed(tmp_path):
+    """A file whose header has our magic and a later format version is a newer writer's block, not damage: it fails
+    to load here but stays."""
+    def newer(path, s):
+        data = bytearray(path.read_bytes())
+        data[4:6] = (99).to_bytes(2, "little")
+        path.write_bytes(bytes(data))
+
+    s, k = corrupt(tmp_path, newer)
+    [err] = s.read([k], empty(1)).result()
+    assert isinstance(err, BlockCorruptError) and "newer format" in str(err)
+    assert s.path(k).exists() and s.usage()["corrupt_removed"] == 0
+
+
+def test_a_corrupt_block_that_cannot_be_removed_is_said_once(tmp_path, monkeypatch, caplog):
+    """(A read-only mount, say): every hit fails closed and is recomputed; the warning is not repeated on each."""
+    from traffic.storage import fs
+
+    s, k = corrupt(tmp_path, lambda path, s: _flip(path, s.header_size + 1))
+
+    def refuse(path):
+        raise PermissionError(13, "read-only", str(path))
+
+    monkeypatch.setattr(fs.os, "unlink", refuse)
+    with caplog.at_level("WARNING", logger=fs.__name__):
+        for _ in range(3):
+            assert isinstance(s.read([k], empty(1)).result()[0], BlockCorruptError)
+    assert s.path(k).exists() and s.usage()["corrupt_removed"] == 0
+    assert len(caplog.records) == 1 and "cannot remove" in caplog.records[0].getMessage()
 
 
 def test_concurrent_writers_of_one_block_leave_one_valid_file(tmp_path):

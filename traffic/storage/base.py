@@ -3,7 +3,8 @@
 Who calls it: an engine's traffic manager (reads of hit blocks, writes of filled blocks) and the scheduler's
 index rebuild (``list_keys``). What an implementation may not do: return wrong bytes. A missing, short,
 foreign or corrupt block is reported per key as a typed error (``BlockMissingError``, ``BlockCorruptError``),
-so the engine recomputes those tokens instead; a full disk is reported (``StorageFullError``), never raised
+so the engine recomputes those tokens instead, and a corrupt one is removed, so the write of its recomputed bytes
+stores it again (a write of a stored key is a no-op); a full disk is reported (``StorageFullError``), never raised
 into the caller's thread.
 """
 from __future__ import annotations
@@ -46,7 +47,8 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def usage(self) -> dict:
-        """``{"used_bytes", "capacity_bytes", "num_blocks"}``."""
+        """``{"used_bytes", "capacity_bytes", "num_blocks", "corrupt_removed"}`` (the last: blocks this store found
+        corrupt on read and removed, since it opened)."""
 
     @abstractmethod
     def destroy(self) -> None:

@@ -1,17 +1,20 @@
 """``fs``: one file per Full Block under a root directory (local disk, or a shared mount: 3FS FUSE, Lustre,
 GPFS, NFS).
 
-File: ``<root>/<fingerprint>/<hash[:2]>/<hash>.kv`` = a header (magic, format version, header size, layer
-count, bytes per layer, model fingerprint, block hash, an xxh3-64 checksum per layer, and a checksum of the
-header itself), then the Layer Blocks, layer-major. A layer range is read with one ``preadv`` of exactly
-those bytes, straight into the caller's buffer, and verified by the per-layer checksums. Writes go to a
-temporary file that is renamed into place, so readers see a whole block or none, and concurrent writers of one
-block leave one valid file. Past ``capacity_bytes``, the least recently used blocks are evicted (reads touch
-their file's mtime, so the order holds across processes sharing the directory). Other processes write to the
-directory too (every decode engine of a node; every node on a shared mount), so the count of stored blocks is
-refreshed from the directory every ``rescan_s`` (and never more than 5% of the time): the cap holds to within what
-the other writers store in that interval, where counting only this process's writes would let the store grow to
-the capacity times the number of writers.
+File: ``<root>/<fingerprint>/<hash[:2]>/<hash>.kv`` = a header (magic, format version, header size, layer count,
+bytes per layer, model fingerprint, block hash, an xxh3-64 checksum per layer, and a checksum of the header itself),
+then the Layer Blocks, layer-major. A layer range is read with one ``preadv`` of exactly those bytes, straight into
+the caller's buffer, and verified by the per-layer checksums. Writes go to a temporary file that is renamed into
+place, so readers see a whole block or none, and concurrent writers of one block leave one valid file. A write of a
+block whose file exists is skipped, so a block found corrupt on read (short, a bad header, a failed checksum) has
+its file removed there and then (if its path still names the file read: a copy another writer renamed into place
+meanwhile stays), and the next engine that computes the block stores it again: damage costs one recompute, not a
+recompute on every later hit. Past ``capacity_bytes``, the least recently used blocks are evicted (reads touch their
+file's mtime, so the order holds across processes sharing the directory). Other processes write to the directory too
+(every decode engine of a node; every node on a shared mount), so the count of stored blocks is refreshed from the
+directory every ``rescan_s`` (and never more than 5% of the time): the cap holds to within what the other writers
+store in that interval, where counting only this process's writes would let the store grow to the capacity times the
+number of writers.
 """
 from __future__ import annotations
 
@@ -39,9 +42,15 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"DPKV"
 FORMAT_VERSION = 1
+WARNED_KEYS = 4096  # corrupt blocks that could not be removed, remembered as logged (then forgotten all at once)
 DIR_CHECK_S = 1.0  # how often a store looks whether its model directory was replaced (a flush: recount at once)
 _HEAD = struct.Struct(f"<4sHHIQ{HASH_BYTES}s{HASH_BYTES}s")  # magic, version, header bytes, layers, layer bytes,
 # fingerprint, key; then one u64 checksum per layer, then a u64 checksum of everything before it.
+
+
+class _NewerFormatError(BlockCorruptError):
+    """A block file of a later ``FORMAT_VERSION`` (a newer DualPath sharing the store): unreadable here, not
+    damaged, so it is not removed."""
 
 
 def layer_checksums(block: torch.Tensor, layer_bytes: int) -> list[int]:
@@ -77,6 +86,8 @@ class FsStorage(StorageBackend):
         self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
         self._lock = threading.Lock()
         self._on_evict = None
+        self.corrupt_removed = 0  # block files this store found corrupt on read and removed (to be stored again)
+        self._warned: set[BlockHash] = set()  # corrupt blocks that could not be removed, logged once
         self._used, self._next_count, self._counting = 0, 0.0, True
         self._counted_dir, self._dir_checked_at = None, 0.0  # the directory the count is of (st_dev, st_ino)
         self._count()
@@ -102,8 +113,9 @@ class FsStorage(StorageBackend):
                 self._counted(self._used, time.monotonic(), self._counted_dir)
         with self._lock:
             used = self._used
+            removed = self.corrupt_removed
         return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
-                "num_blocks": used // self.file_bytes}
+                "num_blocks": used // self.file_bytes, "corrupt_removed": removed}
 
     def _count_due(self) -> bool:
         """Claims the next count if one is due (one at a time): every ``rescan_s``, or at once when the model's
@@ -173,22 +185,64 @@ class FsStorage(StorageBackend):
         except FileNotFoundError:
             raise BlockMissingError(f"block {key.hex()} is not in storage", key) from None
         try:
-            header = bytearray(self.header_size)
-            if self._pread(fd, [header], 0) != self.header_size:
-                raise BlockCorruptError(f"block {key.hex()}: short header", key)
-            sums = self._check_header(key, bytes(header))
-            got = self._pread(fd, [dest.numpy()], self.header_size + offset)
-            if got != dest.numel():
-                raise BlockCorruptError(f"block {key.hex()}: short read ({got} of {dest.numel()} bytes)", key)
+            try:
+                header = bytearray(self.header_size)
+                if self._pread(fd, [header], 0) != self.header_size:
+                    raise BlockCorruptError(f"block {key.hex()}: short header", key)
+                sums = self._check_header(key, bytes(header))
+                got = self._pread(fd, [dest.numpy()], self.header_size + offset)
+                if got != dest.numel():
+                    raise BlockCorruptError(f"block {key.hex()}: short read ({got} of {dest.numel()} bytes)", key)
+                for layer, got_sum in zip(range(first, last), layer_checksums(dest, self.geometry.layer_block_bytes)):
+                    if got_sum != sums[layer]:
+                        raise BlockCorruptError(f"block {key.hex()}: checksum mismatch in layer {layer}", key)
+            except _NewerFormatError:
+                raise  # another writer's block, not a damaged one: left in place
+            except BlockCorruptError as e:
+                # while ``fd`` is open its inode cannot be reused: the identity compared is the file read
+                self._remove_corrupt(key, os.fstat(fd), e)
+                raise
         finally:
             os.close(fd)
-        for layer, got_sum in zip(range(first, last), layer_checksums(dest, self.geometry.layer_block_bytes)):
-            if got_sum != sums[layer]:
-                raise BlockCorruptError(f"block {key.hex()}: checksum mismatch in layer {layer}", key)
         try:
             os.utime(path)  # recency for LRU eviction, seen by every process sharing the directory
         except OSError:
             pass
+
+    def _remove_corrupt(self, key: BlockHash, read: os.stat_result, error: BlockCorruptError) -> bool:
+        """Remove the block file ``read`` (the ``fstat`` of the file that failed to load) if the block's path still
+        names it, so the next engine that computes the block stores it again (a write skips a block whose file
+        exists: left in place, a damaged file would be recomputed on every later hit, never repaired). A path that
+        names another file now (another writer renamed a new copy into place) is left alone. Whether it removed it.
+        A check-then-unlink, not atomic: a copy renamed into place between the two is removed too (a miss, which
+        is recomputed and stored again), never served wrong."""
+        path = self.path(key)
+        try:
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):
+                log.debug("block %s: a new copy replaced the corrupt file; kept", key.hex())
+                return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return False  # another reader removed it first
+        except OSError as e:  # (a read-only mount): said once per block, not on every hit
+            if self._warn_once(key):
+                log.warning("%s; cannot remove it (%s): it is recomputed on every hit until removed", error, e)
+            return False
+        with self._lock:
+            self._used = max(0, self._used - self.file_bytes)
+            self.corrupt_removed += 1
+        log.warning("%s; removed, so the next engine that computes the block stores it again", error)
+        return True
+
+    def _warn_once(self, key: BlockHash) -> bool:
+        with self._lock:
+            if key in self._warned:
+                return False
+            if len(self._warned) >= WARNED_KEYS:
+                self._warned.clear()
+            self._warned.add(key)
+            return True
 
     @staticmethod
     def _pread(fd: int, buffers: list, offset: int) -> int:
@@ -205,6 +259,8 @@ class FsStorage(StorageBackend):
     def _check_header(self, key: BlockHash, header: bytes) -> tuple[int, ...]:
         g = self.geometry
         magic, version, size, layers, lb, fp, stored_key = _HEAD.unpack_from(header)
+        if magic == MAGIC and version > FORMAT_VERSION:
+            raise _NewerFormatError(f"block {key.hex()}: written in a newer format ({version})", key)
         if magic != MAGIC or version != FORMAT_VERSION:
             raise BlockCorruptError(f"block {key.hex()}: not a DualPath KV block (format {version})", key)
         if fp != self.fingerprint:

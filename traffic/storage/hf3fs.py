@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dualpath.config import StorageConfig
-from dualpath.errors import BlockCorruptError, ConfigError, StorageError
+from dualpath.errors import ConfigError, StorageError
 from dualpath.geometry import BlockHash, KVGeometry
 from traffic.memory import HostMemory
 from traffic.storage.accounting import ReadAccounting
@@ -85,6 +85,6 @@ class Hf3fsStorage(FsStorage):
             n = min(view.numel(), max(0, got - pos))
             view[:n].copy_(ring.mem.tensor[pos:pos + n])
             pos += view.numel()
-        if got > want:
-            raise BlockCorruptError("3FS returned more bytes than asked")
+        if got > want:  # the client misbehaved, not the file (a corrupt block's file is removed: this one stays)
+            raise StorageError("3FS returned more bytes than asked")
         return got
