@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,10 +126,11 @@ class SamplingParams:
     adapter: str = ""
 
     def __post_init__(self):
+        _check_scalar_types(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         if not 1 <= self.n <= MAX_CHOICES:
             raise RequestError(f"n must be from 1 to {MAX_CHOICES}, got {self.n}", field="n")
         if self.max_tokens < 1:
@@ -154,14 +158,14 @@ class SamplingParams:
             raise RequestError("json_trigger needs json_prefix and json_object or json_schema", field="tools")
         if self.json_branches and self.json_schema is None:
             raise RequestError("json_branches need json_schema", field="tools")
-        if any(not s for s in self.stop):
-            raise RequestError("stop strings must not be empty", field="stop")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings", field="stop")
         if not 0 <= self.num_resumed_tokens < self.max_tokens:
             raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
                                field="num_resumed_tokens")
-        if not isinstance(self.priority, int) or not -2 ** 31 <= self.priority < 2 ** 31:
+        if not -2 ** 31 <= self.priority < 2 ** 31:
             raise RequestError(f"priority must be a 32-bit integer, got {self.priority!r}", field="priority")
-        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+        if len(self.cache_salt) > MAX_CACHE_SALT:
             raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
                                field="cache_salt")
         if self.adapter and not ADAPTER_ID.fullmatch(self.adapter):
@@ -182,13 +186,16 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", field="min_tokens")
-        bias = tuple(sorted((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        pairs = dict(self.logit_bias).items()
+        if not all(_is_number(t, numbers.Integral) and _is_number(b, numbers.Real) for t, b in pairs):
+            raise RequestError("logit_bias maps integer token ids to numeric biases", field="logit_bias")
+        bias = tuple(sorted((int(t), float(b)) for t, b in pairs))
         if len(bias) != len(self.logit_bias) or len(bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias takes up to {MAX_LOGIT_BIAS} distinct token ids", field="logit_bias")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
             raise RequestError("logit_bias maps token ids (>= 0) to biases in [-100, 100]", field="logit_bias")
         object.__setattr__(self, "logit_bias", bias)
-        allowed = tuple(int(t) for t in self.allowed_token_ids)
+        allowed = _token_ids(self.allowed_token_ids, "allowed_token_ids")
         if len(set(allowed)) != len(allowed) or any(t < 0 for t in allowed):
             raise RequestError("allowed_token_ids must be distinct token ids (>= 0)", field="allowed_token_ids")
         if allowed and self.structured:
@@ -197,7 +204,7 @@ class SamplingParams:
         self._check_bad_words()
 
     def _check_bad_words(self) -> None:
-        words = tuple(dict.fromkeys(tuple(int(t) for t in w) for w in self.bad_words))
+        words = tuple(dict.fromkeys(_token_ids(w, "bad_words") for w in self.bad_words))
         if len(words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in words):
             raise RequestError(f"bad_words takes up to {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens",
                                field="bad_words")
@@ -249,6 +256,51 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+def _is_number(v, kind: type) -> bool:
+    """Whether ``v`` is a ``kind`` number (``numbers.Integral`` or ``numbers.Real``: numpy's count too) and no bool,
+    which Python counts as an int: ``max_tokens=True`` is a caller's mistake, never 1."""
+    return isinstance(v, kind) and not isinstance(v, bool)
+
+
+def _token_ids(values, name: str) -> tuple[int, ...]:
+    """Token ids as plain ints; a bool, a float or a string is none (``int()`` would read ``True`` as 1)."""
+    if not all(_is_number(t, numbers.Integral) for t in values):
+        raise RequestError(f"{name} must be integer token ids", field=name)
+    return tuple(int(t) for t in values)
+
+
+# Each scalar annotation: the values it takes and their kind in words. A bool is no number (Python counts it an int)
+_KINDS = {int: (numbers.Integral, "an integer"), float: (numbers.Real, "a number"), bool: (bool, "a boolean"),
+          str: (str, "a string")}
+
+
+def _scalar_fields() -> dict[str, tuple[type, bool]]:
+    """Each scalar field of ``SamplingParams``: (its type, whether None is allowed)."""
+    out = {}
+    for name, hint in typing.get_type_hints(SamplingParams).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        base = next(a for a in args if a is not type(None))
+        if base in _KINDS:
+            out[name] = (base, type(None) in args)
+    return out
+
+
+SCALAR_FIELDS = _scalar_fields()
+
+
+def _check_scalar_types(p: SamplingParams) -> None:
+    """Refuse a scalar field holding another type (before any range check compares it), naming the field; keep
+    each as its plain Python type (numpy's numbers become Python's, which serialize)."""
+    for name, (base, optional) in SCALAR_FIELDS.items():
+        v = getattr(p, name)
+        if optional and v is None:
+            continue
+        accepted, kind = _KINDS[base]
+        if isinstance(v, bool) != (base is bool) or not isinstance(v, accepted):
+            raise RequestError(f"{name} must be {kind}{' or None' if optional else ''}, got {v!r}", field=name)
+        object.__setattr__(p, name, base(v))
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,6 +1,7 @@
 """The HTTP frontend's smaller surface, with a scripted test double in place of the cluster: OpenAI's penalties and
 logit bias and vLLM's extra sampling fields (``stop_token_ids``, ``ignore_eos``, ``repetition_penalty``, ``min_p``,
-``min_tokens``) reach the engines' sampling parameters, out-of-range values are a 400, fields that would change the
+``min_tokens``) reach the engines' sampling parameters, out-of-range values and values of another JSON type (a
+boolean for a number, a number for a boolean) are a 400 on every endpoint, fields that would change the
 answer but are not implemented are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
 import asyncio
@@ -282,6 +283,72 @@ def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     r = post(http, path, model="m", **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert not fake.prompts
+
+
+CHAT, COMPLETION, RESPONSE = (dict(model="m", messages=[{"role": "user", "content": "x"}]),
+                               dict(model="m", prompt="hi"), dict(model="m", input="hi"))
+# (endpoint, a valid body, a field, a value of the wrong JSON type for it, the field an error names): OpenAI's API
+# types every field strictly, a boolean is no number, a number no boolean, a string neither
+MISTYPED = [
+    *[("/v1/chat/completions", CHAT, f, v, f) for f, v in [
+        ("max_tokens", True), ("max_completion_tokens", True), ("n", True), ("temperature", True), ("top_p", False),
+        ("seed", True), ("top_logprobs", True), ("logprobs", 1), ("stream", 0), ("presence_penalty", True),
+        ("frequency_penalty", True), ("top_k", True), ("min_tokens", True), ("priority", True), ("min_p", True),
+        ("repetition_penalty", True), ("ignore_eos", 1), ("skip_special_tokens", "false"), ("temperature", "0.5"),
+        ("max_tokens", "5"), ("max_tokens", 5.0), ("n", 1.0), ("parallel_tool_calls", 1), ("logit_bias", {"5": True}),
+        ("stop_token_ids", [True]), ("allowed_token_ids", [1.0]), ("stop", 1),
+        ("messages", [{"role": "user", "content": 5}]),
+        ("stream_options", {"include_usage": 1}), ("dualpath", {"usage": 1}), ("add_generation_prompt", 1),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}),
+        ("structured_outputs", {"json_object": 1}), ("model", 1)]],
+    *[("/v1/completions", COMPLETION, f, v, f) for f, v in [
+        ("max_tokens", True), ("logprobs", True), ("n", True), ("best_of", True), ("echo", 1), ("seed", "1"),
+        ("temperature", True), ("prompt", [True, False]), ("add_special_tokens", 0), ("truncate_prompt_tokens", True),
+        ("prompt_logprobs", True), ("include_stop_str_in_output", 1)]],
+    *[("/v1/responses", RESPONSE, f, v, f) for f, v in [
+        ("max_output_tokens", True), ("temperature", True), ("top_p", True), ("top_logprobs", True), ("store", 1),
+        ("stream", 1), ("parallel_tool_calls", 1), ("seed", True), ("top_k", True), ("instructions", 1)]],
+    ("/tokenize", dict(prompt="hi"), "add_special_tokens", 1, "add_special_tokens"),
+    ("/tokenize", dict(), "prompt", 5, "prompt"),
+    ("/detokenize", dict(), "tokens", [True], "tokens"),
+    ("/generate", dict(text="hi"), "return_logprob", 1, "return_logprob"),
+    ("/generate", dict(text="hi"), "top_logprobs_num", True, "top_logprobs_num"),
+    ("/generate", dict(text="hi"), "input_ids", [True], "input_ids"),
+    ("/generate", dict(text="hi"), "sampling_params", {"max_new_tokens": True}, "sampling_params.max_new_tokens"),
+    ("/generate", dict(text="hi"), "sampling_params", {"temperature": True}, "sampling_params.temperature"),
+    ("/generate", dict(text="hi"), "sampling_params", {"ignore_eos": 1}, "sampling_params.ignore_eos"),
+    ("/abort_request", dict(), "abort_all", 1, "abort_all"),
+    ("/update_weights_from_disk", dict(model_path="/nowhere"), "timeout", True, "timeout"),
+    ("/update_weights_from_disk", dict(model_path="/nowhere"), "abort_all_requests", 1, "abort_all_requests"),
+    ("/v1/load_lora_adapter", dict(lora_path="/nowhere"), "lora_name", 5, "lora_name"),
+]
+
+
+@pytest.mark.parametrize("path, body, field, value, param", MISTYPED)
+def test_a_field_of_another_json_type_is_a_400_naming_it(front, path, body, field, value, param):
+    http, fake, _ = front
+    r = post(http, path, **{**body, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error", err
+    assert not fake.prompts
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 5, "logit_bias": {"5": 1}}),
+    ("/v1/completions", {**COMPLETION, "logprobs": 2, "echo": False, "seed": 0, "max_tokens": 5, "min_p": 0}),
+    ("/v1/responses", {**RESPONSE, "max_output_tokens": 5, "store": False}),
+    ("/generate", dict(text="hi", sampling_params={"max_new_tokens": 5}, return_logprob=False)),
+])
+def test_values_of_the_right_json_type_pass_and_an_integer_is_a_number(front, path, body):
+    http, fake, _ = front
+    fake.reply = "ok"
+    numbers = dict(temperature=1, top_p=1)  # JSON integers where numbers are asked
+    r = post(http, path, **({**body, "sampling_params": {**body["sampling_params"], **numbers}} if path == "/generate"
+                            else {**body, **numbers}))
+    assert r.status_code == 200, r.text
+    s = fake.samplings[-1]
+    assert (s.temperature, s.top_p, s.max_tokens) == (1.0, 1.0, 5) and type(s.temperature) is float
 
 
 class EchoHandle:

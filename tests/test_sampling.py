@@ -125,6 +125,25 @@ def test_invalid_params_name_the_field(bad):
     assert e.value.field == next(iter(bad))
 
 
+@pytest.mark.parametrize("bad", [dict(max_tokens=True), dict(n=True), dict(temperature=True), dict(seed=False),
+                                 dict(logprobs=True), dict(top_k=2.0), dict(top_p="0.5"), dict(priority=True),
+                                 dict(ignore_eos=1), dict(skip_special_tokens="yes"), dict(cache_salt=7),
+                                 dict(stop=[3]), dict(stop_token_ids=[True]), dict(allowed_token_ids=[1.0]),
+                                 dict(bad_words=[(True,)]), dict(logit_bias=[(5, True)])])
+def test_a_value_of_another_type_is_refused_naming_the_field(bad):
+    """A bool is no number (Python counts it an int), a number no bool, a string neither: never silently read."""
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**bad)
+    assert e.value.field == next(iter(bad)) and next(iter(bad)) in str(e.value)
+
+
+def test_numbers_of_any_numeric_type_are_kept_as_plain_python_ones():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=1, max_tokens=np.int64(5), seed=np.int32(3), top_p=np.float32(0.5))
+    assert (p.temperature, p.max_tokens, p.seed, p.top_p) == (1.0, 5, 3, 0.5)
+    assert type(p.temperature) is float and type(p.max_tokens) is int and type(p.seed) is int
+
+
 @pytest.mark.parametrize("bad", [dict(json_thinking="open"), dict(json_object=True, json_thinking="yes")])
 def test_thinking_first_needs_json_output_and_a_known_mode(bad):
     with pytest.raises(RequestError, match="json_thinking") as e:

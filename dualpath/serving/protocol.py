@@ -89,6 +89,11 @@ def _pattern(v, field: str) -> Optional[str]:
     return v
 
 
+def _asks(v) -> bool:
+    """Whether a structured_outputs entry asks for something: neither None nor False (0, though == False, is not)."""
+    return v is not None and v is not False
+
+
 def _choices(v, field: str) -> Optional[list[str]]:
     if v is not None and (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
         raise ValueError(f"{field} must be a non-empty list of strings")
@@ -229,17 +234,19 @@ class _Common(BaseModel):
     @field_validator("structured_outputs")
     @classmethod
     def _known_kinds(cls, v):
-        other = sorted(k for k, x in (v or {}).items() if x not in (None, False) and k not in STRUCTURED_KINDS)
+        other = sorted(k for k, x in (v or {}).items() if _asks(x) and k not in STRUCTURED_KINDS)
         if other:
             raise ValueError(f"structured_outputs {', '.join(other)} is not supported; {', '.join(STRUCTURED_KINDS)} "
                              f"are")
         v = dict(v or {})
+        if v.get("json_object") is not None and not isinstance(v["json_object"], bool):
+            raise ValueError("structured_outputs json_object must be a boolean")
         if v.get("json") is not None:
             v["json"] = _schema(v["json"], "structured_outputs json")
         v["regex"] = _pattern(v.get("regex"), "structured_outputs regex")
         v["grammar"] = _pattern(v.get("grammar"), "structured_outputs grammar")
         v["choice"] = _choices(v.get("choice"), "structured_outputs choice")
-        if sum(v.get(k) not in (None, False) for k in STRUCTURED_KINDS) > 1:
+        if sum(_asks(v.get(k)) for k in STRUCTURED_KINDS) > 1:
             raise ValueError(f"structured_outputs takes one of {', '.join(STRUCTURED_KINDS)}")
         return v
 
@@ -598,15 +605,22 @@ def parse(model_cls, body: bytes):
         raise RequestError(f"the body is not valid JSON: {e}") from None
     except RecursionError:
         raise RequestError("the body nests too deeply") from None
+    return validated(model_cls, data)
+
+
+def validated(model_cls, data: dict, names: Optional[dict[str, str]] = None):
+    """``data`` (decoded JSON) as a ``model_cls`` request, every field strictly typed as OpenAI's API types it: a
+    boolean is no number (``max_tokens: true`` is not 1), a number no boolean, a string neither, ``5.0`` no integer;
+    an integer is a valid float. A ``RequestError`` names the first offending field (as ``names`` calls it: another
+    API's name)."""
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(data, strict=True)  # strict reaches every nested model too
     except RecursionError:
         raise RequestError("the body nests too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        field = str(err["loc"][0]) if err["loc"] else None
-        raise RequestError(f"{loc or 'body'}: {err['msg']}", field=field) from None
+        loc = [(names or {}).get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(err["loc"])]
+        raise RequestError(f"{'.'.join(loc) or 'body'}: {err['msg']}", field=loc[0] if loc else None) from None
 
 
 def _check_unicode(node, where: tuple) -> None:

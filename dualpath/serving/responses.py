@@ -16,11 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dualpath.errors import RequestError
 from dualpath.serving.choices import ApiError
-from dualpath.serving.protocol import ChatRequest
+from dualpath.serving.protocol import ChatRequest, validated
 
 # Sampling fields the chat endpoint takes that the Responses API lacks (vLLM's Responses endpoint takes them too)
 PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
@@ -112,12 +112,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
         body["reasoning_effort"] = req.reasoning["effort"]
     if req.wants_logprobs():
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
-    try:
-        return ChatRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [FIELD_NAMES.get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(err["loc"])]
-        raise RequestError(f"{'.'.join(loc) or 'body'}: {err['msg']}", field=loc[0] if loc else None) from None
+    return validated(ChatRequest, body, FIELD_NAMES)
 
 
 def exchange_starts(chat: ChatRequest) -> list[int]:
