@@ -204,7 +204,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
         write_ready(args.ready_file, "ready\n")
     try:
-        return node.wait()
+        return node.wait(args.alive_file)
     finally:
         if args.ready_file:
             with contextlib.suppress(FileNotFoundError):
@@ -625,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--run-dir", default=None, help="engine logs (default: a temporary directory)")
     nd.add_argument("--start-timeout", type=float, default=600.0)
     nd.add_argument("--ready-file", default=None, help="written once every engine is ready (readiness probes)")
+    nd.add_argument("--alive-file", default=None,
+                    help="touched every 5 s while every engine runs and answers its health check (liveness probes "
+                         "read its age); an engine that exits or misses 3 checks in a row stops the node (exit 1)")
     nd.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then options for every `dualpath engine`")
     nd.set_defaults(func=cmd_node)
 

@@ -95,6 +95,7 @@ class ClusterSpec:
     engine_wait_timeout_s: float = 60.0  # see SchedulerConfig.engine_wait_timeout_s
     restart: RestartPolicy = RestartPolicy()  # children brought back when they die (off by default: tests kill)
     engine_ports: tuple[int, int] | None = None  # every engine's ports from this range (default: any free port)
+    env: tuple[tuple[str, str], ...] = ()  # more environment for every child (the chaos suite's failpoints)
     scheduler_http_port: int = -1  # the scheduler's /metrics (-1: none, 0: any free port)
     host: str = "127.0.0.1"
     scheduler_port: int = 0
@@ -126,11 +127,11 @@ class Supervisor:
     brought back), stopped together."""
 
     def __init__(self, run_dir: str | None, torch_threads: int, log_level: str,
-                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0):
+                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0, env: dict | None = None):
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.torch_threads, self.log_level = torch_threads, log_level
-        self.restart, self.start_timeout = restart, start_timeout
+        self.restart, self.start_timeout, self.env = restart, start_timeout, env or {}
         self.children: list[Child] = []
         self._stopping = False
         self._stop_event = threading.Event()
@@ -153,7 +154,7 @@ class Supervisor:
 
     def _popen(self, cmd: list[str], log_path: Path, ready: Path) -> subprocess.Popen:
         ready.unlink(missing_ok=True)
-        env = {**os.environ, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, **self.env, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
         with open(log_path, "a") as out:  # (a restarted part's log goes on)
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
@@ -191,8 +192,23 @@ class Supervisor:
             failures, next_check = 0, time.monotonic() + self.restart.health_interval_s
 
     def healthy(self, c: Child) -> bool:
-        """Whether ``c`` answers its health check (a role's own; every child counts as healthy by default)."""
-        return True
+        """Whether ``c`` answered its health check in time: an engine's ``Health``, the scheduler's ``Stats``."""
+        from dualpath.messages import RequestRef
+        from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
+
+        if not c.address:
+            return True
+        service, methods, call = ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else \
+            ("Engine", ENGINE_METHODS, "Health")
+        client = Client(service, methods, c.address)
+        try:
+            client.call(call, RequestRef(""), timeout=self.restart.health_timeout_s)
+            return True
+        except RpcError as e:
+            log.warning("%s failed a health check: %s", c.name, e)
+            return False
+        finally:
+            client.close()
 
     def _recover(self, c: Child, why: str) -> bool:
         """Restart ``c`` after its backoff, if the policy allows; False when it stays down."""
@@ -229,7 +245,8 @@ class Supervisor:
         return True
 
     def restarted(self, c: Child) -> None:
-        """``c`` is ready again (roles learn its new address here)."""
+        """``c`` is ready (again): learn its control address from its ready file (an engine's: ``ID ADDRESS``)."""
+        c.address = c.ready_path.read_text().split()[1]
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -283,7 +300,7 @@ class LocalCluster(Supervisor):
     """A scheduler and xPyD engines on this host."""
 
     def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
-        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart)
+        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart, env=dict(spec.env))
         self.spec = spec
         self.scheduler_address = ""
         self.scheduler_http = ""
@@ -377,27 +394,8 @@ class LocalCluster(Supervisor):
             c.address = self.scheduler_address = f"{self.spec.host}:{port}"
             self.scheduler_http = f"http://{self.spec.host}:{http}" if int(http) >= 0 else ""
         else:
-            eid, c.address = c.ready_path.read_text().split()
-            self.engine_addresses[eid] = c.address
-
-    def healthy(self, c: Child) -> bool:
-        """The engine's ``Health`` or the scheduler's ``Stats`` answered in time."""
-        from dualpath.messages import RequestRef
-        from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
-
-        if not c.address:
-            return True
-        service, methods, call = ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else \
-            ("Engine", ENGINE_METHODS, "Health")
-        client = Client(service, methods, c.address)
-        try:
-            client.call(call, RequestRef(""), timeout=self.restart.health_timeout_s)
-            return True
-        except RpcError as e:
-            log.warning("%s failed a health check: %s", c.name, e)
-            return False
-        finally:
-            client.close()
+            super().restarted(c)
+            self.engine_addresses[c.ready_path.read_text().split()[0]] = c.address
 
     def restart_scheduler(self, timeout: float = 60.0) -> None:
         """Start the scheduler again on its port (after it died, or stopping it first): the engines register with
@@ -448,7 +446,8 @@ class NodeSpec:
 
 
 class NodeEngines(Supervisor):
-    """Start a node's engines, wait for them, and end them all when one ends (the pod or job step restarts)."""
+    """Start a node's engines, wait for them, and end them all when one ends or stops answering its health checks
+    (the pod's container, or the job step, is restarted by Kubernetes or Slurm)."""
 
     def __init__(self, spec: NodeSpec, run_dir: str | None = None):
         threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // max(1, spec.engines))
@@ -468,22 +467,43 @@ class NodeEngines(Supervisor):
         try:
             children = [self.spawn(f"{self.spec.role}-{i}", self.engine_args(i)) for i in range(self.spec.engines)]
             self.wait_ready(children, timeout)
+            for c in children:
+                self.restarted(c)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait(self) -> int:
-        """Block until an engine exits (then stop the others) or ``stop`` is called; the exit code to report."""
-        while not self._stopping:
-            for c in self.children:
-                if c.proc.poll() is not None:
-                    log.error("%s exited with %s; stopping this node's engines:\n%s", c.name, c.proc.returncode,
-                              c.tail(15))
-                    self.stop()
-                    return c.proc.returncode or 1
-            time.sleep(0.5)
+    def wait(self, alive_file: str | None = None) -> int:
+        """Block until an engine exits or fails ``health_failures`` health checks in a row (then stop them all) or
+        ``stop`` is called; the exit code to report. ``alive_file`` is touched after every round of checks that all
+        engines passed (a liveness probe reads its age)."""
+        failures = {c.name: 0 for c in self.children}
+        next_check = 0.0
+        while not self._stop_event.wait(0.5):
+            exited = [c for c in self.children if c.proc.poll() is not None]
+            why = ", ".join(f"{c.name} exited with {c.proc.returncode}" for c in exited)
+            if not why and time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.restart.health_interval_s
+                why = self._check_round(failures)
+                if not why and alive_file:
+                    Path(alive_file).touch()
+            if why:
+                log.error("%s; stopping this node's engines", why)
+                self.stop()
+                return (exited[0].proc.returncode if exited else 1) or 1
         return 0
+
+    def _check_round(self, failures: dict[str, int]) -> str:
+        """One health check of every engine; why the node must stop ("" if it need not). A wedged engine is killed
+        at once: it cannot drain, and a SIGTERM would wait out ``stop``'s timeout."""
+        for c in self.children:
+            failures[c.name] = 0 if self.healthy(c) else failures[c.name] + 1
+        stuck = [c for c in self.children if failures[c.name] >= self.restart.health_failures]
+        for c in stuck:
+            c.proc.kill()
+        return f"{', '.join(c.name for c in stuck)} did not answer {self.restart.health_failures} health checks in " \
+               "a row" if stuck else ""
 
 
 __all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec", "Supervisor"]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import DualPathError, OutOfBlocksError, RequestError
+from dualpath.faults import failpoint
 from dualpath.geometry import BlockHash, block_hashes, choice_blocks
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
@@ -91,6 +92,7 @@ class DecodeEngine(Engine):
         # engine (``_drop``); bounded by the longest a write or storage read into them may take
         self.settling: dict[str, float] = {}
         self.settle_s = self.cfg.transport.op_timeout_s * 4
+        self.steps = 0  # decode steps run (with work)
         self.inbox: queue.Queue = queue.Queue()
         self.streams = StreamHub(self.server.loop)
 
@@ -156,7 +158,9 @@ class DecodeEngine(Engine):
         if not req.load_keys:
             return PrepareReply(True, slots, 0), None
         first, keys = req.first_load_block, unpack_keys(req.load_keys)
-        return PrepareReply(True, slots, 0), self.traffic.load(keys, slots[first:first + len(keys)])
+        load = self.traffic.load(keys, slots[first:first + len(keys)])
+        failpoint("decode.loading")
+        return PrepareReply(True, slots, 0), load
 
     def Release(self, ref: RequestRef, ctx) -> Ack:
         """Its prefill engine ended it, and nothing of it is in flight any more (its buffer slots may be reused)."""
@@ -164,6 +168,7 @@ class DecodeEngine(Engine):
         return Ack()
 
     def PrefillDone(self, msg: PrefillDoneMsg, ctx) -> Ack:
+        failpoint("decode.handoff")
         with self.lock:
             if msg.request_id not in self.held_:
                 return Ack(False, f"{msg.request_id} is not held here")
@@ -276,6 +281,9 @@ class DecodeEngine(Engine):
             self.buffer.free_owner(h.work_id)
 
     def _step(self) -> None:
+        self.steps += 1
+        if self.steps == 10:
+            failpoint("decode.decoding")
         with self.lock:
             self.local.promote()  # the rows this step decodes, so their tokens are emitted below
             before = {s.seq_id: len(s.output_ids) for s in self.local.running}

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dualpath.errors import DualPathError, RequestError, StorageError
+from dualpath.faults import failpoint
 from dualpath.geometry import FullBlockSlots, LayerMajorBlocks
 from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
     unpack_tokens
@@ -187,6 +188,7 @@ class PrefillEngine(Engine):
 
     # --- assignments ----------------------------------------------------------------------------------------
     def on_assignment(self, a: Assignment) -> None:
+        failpoint("prefill.queued")
         params = SamplingParams.from_dict(a.sampling)
         if not self.guides_ready(params, lambda: self.on_assignment(a)):
             return
@@ -232,6 +234,7 @@ class PrefillEngine(Engine):
             keys = job.hit_keys[:job.pe_blocks]
             if keys:  # layer by layer: the prefill may start once layer 0 is in
                 job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
+                failpoint("prefill.loading")
             reply = self._de(a).call("Prepare", PrepareRequest(
                 a.request_id, job.n_prompt, job.pe_blocks, b"".join(job.hit_keys[job.pe_blocks:]),
                 job.params.max_new_tokens, job.params.n), timeout=self.cfg.transport.op_timeout_s * 4)
@@ -435,6 +438,8 @@ class PrefillEngine(Engine):
             for layer in range(g.num_layers):
                 pipe.wait_layer(layer)
         for layer in range(g.num_layers):
+            if layer == g.num_layers // 2:
+                failpoint("prefill.prefilling")
             if not basic:
                 pipe.wait_layer(layer)
             self.copies.before_compute(layer)
@@ -521,6 +526,7 @@ class PrefillEngine(Engine):
         if self.jobs.cancelled(job.work_id):  # (a cancel during the call: the decode engine refuses the hand-off)
             self._fail(job, "cancelled during its prefill")
             return
+        failpoint("prefill.handoff")
         states = [g.get_state().numpy().tobytes().hex() for g in job.generators] \
             if not job.params.greedy else []
         path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value

@@ -317,12 +317,13 @@ class SchedulerCore:
     def missing(self) -> list[str]:
         """What keeps the cluster from serving, in words (empty when it can)."""
         now, out = self.clock(), []
-        for role in (Role.PREFILL, Role.DECODE):
-            if self.alive_ids[role]:
-                continue
-            since = self.unserved_since.get(role)
-            out.append(f"no {role.value} engine has registered yet" if since is None else
-                       f"no {role.value} engine alive for {now - since:.0f} s ({self.last_gone[role]})")
+        with self.lock:
+            for role in (Role.PREFILL, Role.DECODE):
+                if self.alive_ids[role]:
+                    continue
+                since = self.unserved_since.get(role)
+                out.append(f"no {role.value} engine has registered yet" if since is None else
+                           f"no {role.value} engine alive for {now - since:.0f} s ({self.last_gone[role]})")
         return out
 
     def expire(self) -> None:

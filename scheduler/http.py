@@ -99,8 +99,15 @@ def build_app(core: SchedulerCore) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ready = core.ready()
-        return JSONResponse({"status": "ok" if ready else "waiting for engines"}, 200 if ready else 503)
+        """Readiness: 200 while an engine of each role is alive; else 503 naming what is missing."""
+        if core.ready():
+            return JSONResponse({"status": "ok"}, 200)
+        return JSONResponse({"status": "unavailable", "missing": core.missing()}, 503)
+
+    @app.get("/live")
+    async def live():
+        """Liveness: the scheduler answers (missing engines are not its fault: a restart would not bring them)."""
+        return JSONResponse({"status": "alive"}, 200)
 
     @app.get("/metrics")
     async def metrics():

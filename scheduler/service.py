@@ -15,6 +15,7 @@ import time
 
 from dualpath.config import SchedulerConfig
 from dualpath.errors import RequestError, UnavailableError
+from dualpath.faults import failpoint
 from dualpath.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadReply, EngineInfo, EngineLoad, Hold, \
     HoldReply, PullReply, PullRequest, RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, \
     WeightUpdate, WeightUpdateReply
@@ -56,7 +57,10 @@ class SchedulerService:
         return self.core.register(info)
 
     async def Pull(self, req: PullRequest, ctx) -> PullReply:
-        return self.core.pull(req.group_id, req.loads, req.sender, req.unreachable)
+        reply = self.core.pull(req.group_id, req.loads, req.sender, req.unreachable)
+        if reply.assignments:
+            failpoint("scheduler.assign")
+        return reply
 
     async def Report(self, load: EngineLoad, ctx) -> Ack:
         self.core.report(load)

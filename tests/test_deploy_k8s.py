@@ -145,9 +145,15 @@ def test_topology_resources_and_probes(rendered):
         annotations = s["spec"]["template"]["metadata"].get("annotations", {})
         assert pod["hostNetwork"] is (name != "sriov-cpu")
         assert ("k8s.v1.cni.cncf.io/networks" in annotations) is (name == "sriov-cpu")
+        live = engine["livenessProbe"]["exec"]["command"]  # the file `dualpath node --alive-file` keeps fresh
+        assert "/tmp/dualpath-alive" in live[-1] and "/tmp/dualpath-alive" in engine["command"]
     fe = objs[("Deployment", "dp-dualpath-frontend")]
     probe = fe["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
     assert probe["httpGet"]["path"] == "/health"
+    # liveness asks whether the process answers: a cluster short of engines must not restart its frontend or scheduler
+    assert fe["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/live"
+    sched = objs[("Deployment", "dp-dualpath-scheduler")]["spec"]["template"]["spec"]["containers"][0]
+    assert sched["livenessProbe"]["httpGet"]["path"] == "/live" and sched["readinessProbe"]["httpGet"]["path"] == "/health"
     command = fe["spec"]["template"]["spec"]["containers"][0]["command"]  # the pod outlives the frontend's drain
     drain = float(command[command.index("--drain-timeout") + 1])
     assert fe["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 5 + 10

@@ -126,3 +126,35 @@ def test_past_the_restart_cap_a_waiting_request_fails_as_unavailable_within_the_
         assert "unavailable" in str(e.value) or "prefill-0 is gone" in str(e.value), e.value
         assert client.stats()["missing"][0].startswith("no prefill engine alive for")
         client.close()
+
+
+def test_a_node_whose_engine_stops_answering_exits_and_its_alive_file_goes_stale(tiny_dirs, tmp_path):
+    """``dualpath node`` (a Kubernetes pod's or Slurm step's engines): while its engines run and answer, the alive file
+    stays fresh (the liveness probe reads its age); one engine wedged (SIGSTOP) fails its health checks, the node
+    stops them all and exits 1, so the pod's container restarts."""
+    from dualpath.launcher import NodeEngines, NodeSpec
+
+    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=0, restart=RestartPolicy()),
+                      run_dir=str(tmp_path / "run")) as c:
+        engine_args = ("--model", str(tiny_dirs["llama"]), "--block-size", str(BS), "--kv-store", str(tmp_path / "kv"),
+                       "--buffer-bytes", str(8 << 20), "--cache-bytes", str(16 << 20))
+        node = NodeEngines(NodeSpec("decode", c.scheduler_address, engines=1, torch_threads=1, engine_args=engine_args),
+                           run_dir=str(tmp_path / "node"))
+        node.restart = RestartPolicy(health_interval_s=0.5, health_timeout_s=0.5, health_failures=2)
+        alive = tmp_path / "alive"
+        node.start(120)
+        try:
+            code: list = []
+            waiter = threading.Thread(target=lambda: code.append(node.wait(str(alive))), daemon=True)
+            waiter.start()
+            wait_for(alive.exists, "the alive file was never written")
+            first = alive.stat().st_mtime
+            wait_for(lambda: alive.stat().st_mtime > first, "the alive file is not kept fresh")
+            node.children[0].proc.send_signal(signal.SIGSTOP)
+            waiter.join(30)
+            assert code == [1] and all(ch.proc.poll() is not None for ch in node.children)
+            stale = alive.stat().st_mtime
+            time.sleep(1.2)
+            assert alive.stat().st_mtime == stale
+        finally:
+            node.stop()

@@ -157,6 +157,10 @@ class Frontend:
         async def health():
             return await self.probes.health()
 
+        @app.get("/live")  # liveness: this process answers (a cluster short of engines is /health's 503)
+        async def live():
+            return {"status": "alive"}
+
         @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
         async def ping():
             return await self.probes.health()

@@ -34,6 +34,7 @@ import xxhash
 
 from dualpath.config import StorageConfig
 from dualpath.errors import BlockCorruptError, BlockMissingError, StorageError, StorageFullError
+from dualpath.faults import failpoint
 from dualpath.geometry import HASH_BYTES, BlockHash, KVGeometry
 from traffic.storage.accounting import ReadAccounting
 from traffic.storage.base import Results, StorageBackend
@@ -179,6 +180,7 @@ class FsStorage(StorageBackend):
         return error
 
     def _read_block(self, key: BlockHash, dest: torch.Tensor, first: int, last: int, offset: int) -> None:
+        failpoint("storage.read")
         path = self.path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
