@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -180,12 +181,124 @@ def test_slurm_scripts_parse():
     assert os.access(ROOT / "deploy/slurm/dualpath.sbatch", os.X_OK)
 
 
+
 @needs_slurm
-@pytest.mark.slow  # ~16 s; a job part dying (at start-up) fails the job in the default run
+@pytest.mark.slow  # ~22 s: a whole job, the scheduler restarted
+def test_a_killed_scheduler_comes_back_on_its_port_and_the_job_keeps_serving(slurm, tiny_dirs, tmp_path):
+    sched_port = free_port()
+    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), tmp_path)
+    run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
+    job_out, marker = tmp_path / "job.out", f"scheduler --host 0.0.0.0 --port {sched_port} "
+    try:
+        url = wait_for(lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(), 300,
+                       "the endpoint", diagnose)
+        victim = int(leftovers(marker)[0].split()[0])
+        os.kill(victim, 9)
+        wait_for(lambda: "scheduler restarted" in job_out.read_text(), 60, "the scheduler's restart", diagnose)
+        assert "scheduler (process" in job_out.read_text() and "(restart 1 of at most 5" in job_out.read_text()
+        again = [int(line.split()[0]) for line in leftovers(marker)]
+        assert again and victim not in again, diagnose()
+        subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", f"127.0.0.1:{sched_port}",
+                        "--wait-prefill", "1", "--wait-decode", "1", "--timeout", "60"],  # the engines register again
+                       cwd=ROOT, capture_output=True, check=True, timeout=90)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "still there?"}],
+                                      max_tokens=4, temperature=0)
+        assert r.choices[0].message.content, diagnose()
+        assert slurm.job(job).get("JobState") == "RUNNING", diagnose()
+    finally:
+        slurm.run("scancel", "--batch", "--signal=TERM", job, check=False)
+    info = wait_job_end(slurm, job, diagnose)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", diagnose()
+    assert_clean_end(run_dir, tmp_path, [str(tmp_path / "shared"), f":{sched_port}"], diagnose, engines=2)
+
+
+# cluster.sh's supervision without Slurm: a "scheduler" that stays up, a "frontend" that exits 3 after 0.3 s.
+SUPERVISED = r"""
+set -uo pipefail
+source "$CLUSTER_SH"
+dp_run_steady() { sleep 300 & }
+dp_run_flaky() { bash -c 'echo started >>"$0"; sleep 0.3; exit 3' "$STARTS" & }
+trap dp_on_signal TERM INT
+dp_start scheduler dp_run_steady
+dp_start frontend dp_run_flaky
+dualpath_cluster_wait; rc=$?
+kill -0 "$DP_SCHEDULER" 2>/dev/null && echo "the scheduler was left running" >&2
+exit $rc
+"""
+
+
+def supervised(tmp_path: Path, max_restarts: int) -> tuple[subprocess.Popen, Path, Path]:
+    """Run SUPERVISED; its stderr (the dp_log lines) goes to the returned log, each start of the frontend to starts."""
+    log, starts = tmp_path / "supervised.log", tmp_path / "starts"
+    env = {**os.environ, "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"), "DUALPATH_RUN_DIR": str(tmp_path),
+           "DUALPATH_MAX_RESTARTS": str(max_restarts), "STARTS": str(starts)}
+    with open(log, "w") as err:
+        proc = subprocess.Popen(["bash", "-c", SUPERVISED], env=env, stderr=err, stdout=err)
+    return proc, log, starts
+
+
+def test_a_part_that_keeps_dying_is_restarted_with_backoff_up_to_the_cap(tmp_path):
+    proc, log, starts = supervised(tmp_path, max_restarts=2)
+    t0 = time.monotonic()
+    assert proc.wait(30) == 1, log.read_text()
+    took, text = time.monotonic() - t0, log.read_text()
+    assert starts.read_text().count("started") == 3, text  # the first start and 2 restarts
+    assert "frontend (process" in text and "exited with status 3; restarting it in 1 s (restart 1 of at most 2" in text
+    assert "restarting it in 2 s (restart 2 of at most 2 in 600 s)" in text, text
+    assert re.search(r"process \d+ \(frontend, status 3\) exited on its own after 2 restarts in 600 s; "
+                     "stopping the job", text), text
+    assert "shutting down" in text and "left running" not in text, text
+    assert took >= 3, took  # 1 s + 2 s of backoff
+
+
+def test_no_restarts_with_max_restarts_0_the_job_stops_at_once(tmp_path):
+    proc, log, starts = supervised(tmp_path, max_restarts=0)
+    assert proc.wait(30) == 1, log.read_text()
+    text = log.read_text()
+    assert re.search(r"process \d+ exited on its own; stopping the job", text), text
+    assert starts.read_text().count("started") == 1 and "restart" not in text, text
+    assert "shutting down" in text and "left running" not in text, text
+
+
+def test_a_shutdown_during_the_backoff_starts_nothing_more(tmp_path):
+    proc, log, starts = supervised(tmp_path, max_restarts=5)
+    try:
+        wait_for(lambda: "restarting it in 2 s" in log.read_text(), 20, "the second restart's backoff",
+                 log.read_text)
+        proc.send_signal(15)
+        assert proc.wait(10) == 0, log.read_text()  # the ordered shutdown, not the backoff's end
+    finally:
+        proc.kill()
+    time.sleep(2.5)
+    text = log.read_text()
+    assert starts.read_text().count("started") == 2, text
+    assert "shutting down" in text and "left running" not in text, text
+    assert text.count("frontend restarted") == 1, text
+
+
+
+def test_a_shutdown_signal_while_a_part_starts_stops_that_part_too(tmp_path):
+    """TERM between a part's launch and the record of its pid: the shutdown waits for the record, so it stops it."""
+    script = r"""
+set -uo pipefail
+source "$CLUSTER_SH"
+dp_run_steady() { sleep 300 & }
+dp_run_signaled() { sleep 301 & kill -TERM $$; sleep 0.2; }
+trap dp_on_signal TERM INT
+dp_start scheduler dp_run_steady
+dp_start frontend dp_run_signaled
+kill -0 "$DP_FRONTEND" 2>/dev/null && echo "the frontend was left running" >&2
+dp_start frontend dp_run_steady || echo "nothing started after the shutdown" >&2
+"""
+    env = {**os.environ, "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"), "DUALPATH_RUN_DIR": str(tmp_path)}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30).stderr
+    assert "shutting down" in out and "left running" not in out, out
+    assert "nothing started after the shutdown" in out, out
 def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
     sched_port = free_port()
-    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1),
-                 tmp_path)
+    env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), "DUALPATH_MAX_RESTARTS": "0"}
+    job = submit(slurm, "dualpath.sbatch", env, tmp_path)
     run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
     wait_for(lambda: (run_dir / "endpoint").exists(), 300, "the endpoint", diagnose)
     victim = [line.split()[0] for line in leftovers("decode-node2-0")]
@@ -199,6 +312,44 @@ def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_
     assert not left, left
     remove_segments(int(victim[0]))  # killed outright, it could not unlink its buffer (a job epilog's work)
     assert not orphan_segments(since=tmp_path.stat().st_ctime), "the engines stopped in order left shared memory"
+
+
+@needs_slurm
+@pytest.mark.slow  # ~20 s: a whole job, an engine step restarted
+def test_a_killed_engine_is_restarted_and_the_job_keeps_serving(slurm, tiny_dirs, tmp_path):
+    """SIGKILL a decode engine: its srun step ends, the batch shell runs it again on the same node under the same
+    engine name, and the endpoint serves again; scancel still ends the job in order with nothing left."""
+    sched_port = free_port()
+    job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), tmp_path)
+    run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
+    job_out = tmp_path / "job.out"
+    victim = None
+    try:
+        url = wait_for(lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(), 300,
+                       "the endpoint", diagnose)
+        victim = int(leftovers("decode-node2-0")[0].split()[0])
+        os.kill(victim, 9)
+        wait_for(lambda: "decode engine step restarted" in job_out.read_text(), 60, "the decode step's restart", diagnose)
+        assert "exited with status" in job_out.read_text() and "(restart 1 of at most 5 in 600 s)" in \
+            job_out.read_text(), diagnose()
+        assert slurm.job(job).get("JobState") == "RUNNING", diagnose()
+
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
+        messages = [{"role": "user", "content": "is the decode engine back after its restart? " * 3}]
+        r = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0)
+        want = reference.generate(reference.tokenizer.apply_chat_template(messages),
+                                  SamplingParams(temperature=0, max_tokens=8))[0]
+        assert r.choices[0].message.content == want.text
+        again = [int(line.split()[0]) for line in leftovers("decode-node2-0")]
+        assert again and victim not in again, diagnose()  # a new engine process under the old name served it
+        assert "ready on port" in (run_dir / "decode-node2-0.log").read_text().rsplit("engine task 0", 1)[1], diagnose()
+    finally:
+        slurm.run("scancel", "--batch", "--signal=TERM", job, check=False)
+    info = wait_job_end(slurm, job, diagnose)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", diagnose()
+    remove_segments(victim)  # killed outright, it could not unlink its buffer (a job epilog's work)
+    assert_clean_end(run_dir, tmp_path, [str(tmp_path / "shared"), f":{sched_port}"], diagnose, engines=2)
 
 
 @needs_slurm

@@ -8,7 +8,14 @@
 #
 # Shutdown: on SIGTERM (scancel --batch --signal=TERM, or --signal=B:TERM@120 before the time limit) the frontend
 # stops first (no new requests), then the engines (each drains and deregisters), then the scheduler; the batch
-# shell exits 0. A part that dies on its own takes the job down with a non-zero exit.
+# shell exits 0.
+#
+# Self-healing: a part that exits on its own while the job is not stopping (the scheduler, a role's engine step, the
+# frontend) is started again the same way, after a backoff of 1 s doubling per recent restart up to 30 s, at most
+# DUALPATH_MAX_RESTARTS times in 10 minutes per part; past that the job stops and exits 1. The scheduler comes back
+# on its port (engines register again keeping their work, the frontend resubmits what had not started); a role's
+# step comes back on the same nodes with the same engine names (--kill-on-bad-exit: one dead task ends its step, so
+# the role's engines restart together). DUALPATH_MAX_RESTARTS=0: any part dying stops the job at once.
 
 : "${DUALPATH_PREFILL_NODES:=1}"                   # nodes running prefill engines; the others run decode
 : "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # engines per node (one per GPU)
@@ -35,6 +42,7 @@
 : "${DUALPATH_FRONTEND_ARGS:=}"                   # more `dualpath frontend` options, e.g. "--tool-call-parser hermes"
 : "${DUALPATH_SCHEDULER_ARGS:=}"                  # more `dualpath scheduler` options, e.g. "--disable-priority-preemption"
 : "${DUALPATH_START_TIMEOUT:=900}"
+: "${DUALPATH_MAX_RESTARTS:=5}"                   # restarts of a part that exits on its own, per 10 min; 0: the job fails
 : "${DUALPATH_RUN_DIR:=$DUALPATH_SHARED_DIR/run-${SLURM_JOB_ID:-local}}"  # logs, and the endpoint file
 : "${DUALPATH:=dualpath}"                         # the command (a venv's bin/dualpath, or a container wrapper)
 
@@ -42,9 +50,15 @@ export NCCL_IB_SL="$DUALPATH_NCCL_SL" UCX_IB_SL="$DUALPATH_KV_SL" UCX_IB_TRAFFIC
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset DUALPATH_PARENT_PID
 
-DP_PIDS=()       # scheduler, frontend, engine steps: the job lives while all of them do
+declare -gA DP_PART=()      # the live process of each part: scheduler, prefill, decode (srun steps), frontend
+declare -gA DP_LAUNCH=()    # the command that (re)starts a part
+declare -gA DP_RESTARTS=()  # when ($SECONDS) each part was restarted
+DP_PIDS=()       # scheduler, frontend, engine steps (DP_PART's values): the job lives while all of them do
 DP_STEPS=()      # the engine srun steps (stopped before the scheduler)
+DP_SCHEDULER="" DP_FRONTEND=""
 DP_STOPPING=0
+DP_LAUNCHING=0 DP_SIGNALED=0  # a TERM/INT while a part is being started waits until its pid is recorded
+DP_RESTART_WINDOW=600         # seconds over which a part's restarts count (backoff and DUALPATH_MAX_RESTARTS)
 
 dp_log() { echo "[dualpath $(date +%H:%M:%S)] $*" >&2; }
 
@@ -63,13 +77,13 @@ dp_model_args() {
 }
 
 # One srun step per role: NODES (comma list), one task per GPU; each task is one engine named role-node-index.
-dp_start_engines() {
+dp_run_engines() {
   local role=$1 nodes=$2 count=$3
   dp_log "starting $role engines on $nodes ($DUALPATH_GPUS_PER_NODE per node)"
   srun --nodes="$count" --nodelist="$nodes" --ntasks-per-node="$DUALPATH_GPUS_PER_NODE" \
     $([ "$DUALPATH_GPUS_PER_TASK" -gt 0 ] && echo "--gpus-per-task=$DUALPATH_GPUS_PER_TASK") \
     --cpus-per-task=1 --kill-on-bad-exit=1 --job-name="dualpath-$role" \
-    bash -c 'exec >"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
+    bash -c 'exec >>"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
       echo "engine task $SLURM_LOCALID on $SLURMD_NODENAME: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
       exec "$DUALPATH" --log-level INFO engine --role "$0" --scheduler "$DUALPATH_SCHEDULER" \
       --engine-id "$0-$SLURMD_NODENAME-$SLURM_LOCALID" --node-id "$SLURMD_NODENAME" --group-id "$0-$SLURMD_NODENAME" \
@@ -79,15 +93,51 @@ dp_start_engines() {
       --kv-store "$DUALPATH_KV_STORE" --storage-capacity "$DUALPATH_STORAGE_CAPACITY" \
       --kv-service-level "$DUALPATH_KV_SL" --kv-traffic-class "$DUALPATH_KV_TC" \
       --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" &
-  DP_PIDS+=($!)
-  DP_STEPS+=($!)
+}
+
+dp_run_scheduler() {
+  "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
+    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" $DUALPATH_SCHEDULER_ARGS \
+    >>"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
+}
+
+dp_run_frontend() {
+  "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
+    --responses-dir "$DUALPATH_KV_STORE/responses" --drain-timeout "$DUALPATH_DRAIN_TIMEOUT" \
+    $DUALPATH_MODEL_ARGS $DUALPATH_FRONTEND_ARGS >>"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
+}
+
+# dp_start PART COMMAND...: run COMMAND (it starts PART's process in the background) and record that process as the
+# part's; never once a shutdown began (1). A TERM or INT meanwhile is held until then, so the shutdown stops it too.
+dp_start() {
+  local part=$1; shift
+  [ "$DP_STOPPING" = 0 ] || return 1
+  DP_LAUNCH[$part]="$*" DP_LAUNCHING=1
+  "$@"
+  DP_PART[$part]=$!
+  dp_sync_pids
+  DP_LAUNCHING=0
+  [ "$DP_SIGNALED" = 0 ] || { dualpath_cluster_down; return 1; }
+}
+
+dp_sync_pids() {  # DP_PIDS, DP_STEPS, DP_SCHEDULER, DP_FRONTEND: the parts' live processes
+  DP_PIDS=("${DP_PART[@]}")
+  DP_STEPS=(${DP_PART[prefill]:-} ${DP_PART[decode]:-})
+  DP_SCHEDULER=${DP_PART[scheduler]:-} DP_FRONTEND=${DP_PART[frontend]:-}
+}
+
+dp_on_signal() {  # TERM/INT: the ordered shutdown, once the part being started (if any) is recorded
+  if [ "$DP_LAUNCHING" = 1 ]; then DP_SIGNALED=1; else dualpath_cluster_down; fi
 }
 
 # Start scheduler, engines and frontend; return once every engine has registered and the frontend is up.
 dualpath_cluster_up() {
   mkdir -p "$DUALPATH_RUN_DIR" "$DUALPATH_KV_STORE"
   rm -f "$DUALPATH_RUN_DIR/endpoint"
-  trap dualpath_cluster_down TERM INT
+  case $DUALPATH_MAX_RESTARTS in
+    '' | *[!0-9]*) dp_log "DUALPATH_MAX_RESTARTS must be a whole number, got '$DUALPATH_MAX_RESTARTS'"; return 2 ;;
+  esac
+  trap dp_on_signal TERM INT
   mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   local np=$DUALPATH_PREFILL_NODES nd=$((${#nodes[@]} - DUALPATH_PREFILL_NODES))
   if [ "$np" -lt 1 ] || [ "$nd" -lt 1 ]; then
@@ -102,19 +152,13 @@ dualpath_cluster_up() {
   DUALPATH_MODEL_ARGS=$(dp_model_args) || return 1
   dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
 
-  "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
-    --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" $DUALPATH_SCHEDULER_ARGS \
-    >"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
-  DP_SCHEDULER=$!; DP_PIDS+=($!)
-  dp_start_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np"
-  dp_start_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd"
+  dp_start scheduler dp_run_scheduler || return 1
+  dp_start prefill dp_run_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np" || return 1
+  dp_start decode dp_run_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd" || return 1
   dp_wait_registered $((np * DUALPATH_GPUS_PER_NODE)) $((nd * DUALPATH_GPUS_PER_NODE)) || {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
-  "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
-    --responses-dir "$DUALPATH_KV_STORE/responses" --drain-timeout "$DUALPATH_DRAIN_TIMEOUT" \
-    $DUALPATH_MODEL_ARGS $DUALPATH_FRONTEND_ARGS >"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
-  DP_FRONTEND=$!; DP_PIDS+=($!)
+  dp_start frontend dp_run_frontend || return 1
   local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))
   until curl -sf "$url/health" >/dev/null 2>&1 || python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1])" "$url/health" 2>/dev/null; do
     if ! kill -0 "$DP_FRONTEND" 2>/dev/null || [ $SECONDS -gt $deadline ]; then
@@ -145,19 +189,59 @@ dp_wait_registered() {
   wait "$waiter"
 }
 
-# Block until a part exits on its own (exit 1) or a shutdown signal arrives (exit 0).
+# Keep the parts up until a shutdown signal (0), a part exits once more than it may be restarted (the job stops, 1),
+# or MAIN, if given (the rollout), exits (its status; the caller stops the cluster).
 dualpath_cluster_wait() {
+  local main=${1:-}
   while [ "$DP_STOPPING" = 0 ]; do
-    wait -n "${DP_PIDS[@]}" 2>/dev/null
+    wait -n ${main:+"$main"} "${DP_PIDS[@]}" 2>/dev/null
     [ "$DP_STOPPING" = 0 ] || break
-    for p in "${DP_PIDS[@]}"; do
-      if ! kill -0 "$p" 2>/dev/null; then
-        dp_log "process $p exited on its own; stopping the job"
-        dualpath_cluster_down; return 1
-      fi
-    done
+    if [ -n "$main" ] && ! kill -0 "$main" 2>/dev/null; then wait "$main"; return; fi
+    dp_heal || { [ -z "$main" ] || dp_stop "$main"; dualpath_cluster_down; return 1; }
   done
   return 0
+}
+
+dp_heal() {  # restart each part whose process exited; 1 when one may not be restarted any more
+  local part
+  for part in "${!DP_PART[@]}"; do
+    [ "$DP_STOPPING" = 0 ] || return 0
+    kill -0 "${DP_PART[$part]}" 2>/dev/null || dp_restart "$part" || return 1
+  done
+}
+
+# PART's process exited on its own: start it again after a backoff (1 s, doubling per restart in the last
+# DP_RESTART_WINDOW seconds, at most 30 s); 1 when it was restarted DUALPATH_MAX_RESTARTS times in that window.
+dp_restart() {
+  local part=$1 pid=${DP_PART[$1]} what=$1 rc n delay
+  case $part in prefill | decode) what="$part engine step" ;; esac
+  wait "$pid"; rc=$?
+  if [ "$DUALPATH_MAX_RESTARTS" = 0 ]; then dp_log "process $pid exited on its own; stopping the job"; return 1; fi
+  n=$(dp_recent_restarts "$part")
+  if [ "$n" -ge "$DUALPATH_MAX_RESTARTS" ]; then
+    dp_log "process $pid ($what, status $rc) exited on its own after $n restarts in $DP_RESTART_WINDOW s;" \
+      "stopping the job"
+    return 1
+  fi
+  delay=$((n >= 5 ? 30 : 1 << n))
+  dp_log "$what (process $pid) exited with status $rc; restarting it in $delay s" \
+    "(restart $((n + 1)) of at most $DUALPATH_MAX_RESTARTS in $DP_RESTART_WINDOW s)"
+  dp_sleep "$delay"
+  DP_RESTARTS[$part]+=" $SECONDS"
+  dp_start "$part" ${DP_LAUNCH[$part]} || return 0  # (a shutdown began meanwhile: it stays down)
+  dp_log "$what restarted (process ${DP_PART[$part]})"
+}
+
+dp_recent_restarts() {  # how often PART was restarted in the last DP_RESTART_WINDOW seconds
+  local t n=0
+  for t in ${DP_RESTARTS[$1]:-}; do [ $((SECONDS - t)) -ge "$DP_RESTART_WINDOW" ] || n=$((n + 1)); done
+  echo "$n"
+}
+
+dp_sleep() {  # sleep SECONDS; a shutdown signal cuts it short (its trap runs at once)
+  sleep "$1" &
+  local s=$!
+  wait "$s" 2>/dev/null || kill "$s" 2>/dev/null
 }
 
 dp_stop() {  # SIGTERM the PIDS, wait up to 60 s, then SIGKILL what is left
