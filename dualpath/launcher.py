@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dualpath.errors import ConfigError, DualPathError
 from dualpath.lora import LoraModule
+from dualpath.rpc import ensure_cluster_token
 
 log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
@@ -352,6 +353,7 @@ class LocalCluster(Supervisor):
 
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         s = self.spec
+        ensure_cluster_token()  # the cluster's internal plane is closed to whoever lacks it (children inherit it)
         try:
             self._start_scheduler(s.scheduler_port, timeout)
             engines = [self.spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]

@@ -96,6 +96,7 @@ class EngineLoad:
     read_intervals: list[list[float]] = field(default_factory=list)
     kv_load_failures: int = 0  # stored blocks found missing or corrupt since the last report (recomputed)
     kv_corrupt_removed: int = 0  # corrupt block files removed since the last report (to be stored again)
+    rpc_refused: int = 0  # calls to this engine refused for want of the cluster's credentials, since the last report
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)

@@ -2,13 +2,21 @@
 
 Every client call has a deadline; a peer that is gone surfaces as ``RpcError`` (a ``DualPathError``) naming the
 method and the address, never as a hang.
+
+The internal plane is closed to whoever lacks the cluster's credentials (``PlaneAuth``, from the environment every
+process of a cluster shares): a cluster token that every call carries and every server checks in constant time,
+and, where certificates are provisioned, mutual TLS. A call without them is refused (UNAUTHENTICATED) before any
+handler runs, and counted.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
 import os
+import secrets
+import stat
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -16,13 +24,89 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from dualpath.errors import DualPathError
+from dualpath.errors import ConfigError, DualPathError
 from dualpath.messages import from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE_ENV = "DUALPATH_RPC_KEEPALIVE_S"
 DEFAULT_KEEPALIVE_S = 10.0
+TOKEN_ENV, TOKEN_FILE_ENV = "DUALPATH_CLUSTER_TOKEN", "DUALPATH_CLUSTER_TOKEN_FILE"
+TLS_ENV = ("DUALPATH_TLS_CERT", "DUALPATH_TLS_KEY", "DUALPATH_TLS_CA")  # PEM files: this process's, and the CA's
+TOKEN_HEADER = "x-dualpath-token"
+
+
+@dataclass(frozen=True)
+class PlaneAuth:
+    """The credentials of the internal plane: ``token`` (every call carries it, every server checks it) and the PEM
+    bytes of mutual TLS (``cert``, ``key`` of this process; ``ca`` that signed every member's). Empty: open."""
+
+    token: str = ""
+    cert: bytes = b""
+    key: bytes = b""
+    ca: bytes = b""
+
+    @classmethod
+    def from_env(cls) -> "PlaneAuth":
+        """From ``DUALPATH_CLUSTER_TOKEN`` or ``DUALPATH_CLUSTER_TOKEN_FILE`` (a file only its owner may read) and,
+        all three or none, ``DUALPATH_TLS_CERT`` / ``_KEY`` / ``_CA``."""
+        token = os.environ.get(TOKEN_ENV, "")
+        if not token and os.environ.get(TOKEN_FILE_ENV):
+            token = _read_secret(os.environ[TOKEN_FILE_ENV], TOKEN_FILE_ENV).decode().strip()
+        paths = [os.environ.get(name, "") for name in TLS_ENV]
+        if any(paths) and not all(paths):
+            raise ConfigError(f"mutual TLS needs all of {', '.join(TLS_ENV)}")
+        pem = [_read_secret(path, name) if name.endswith("KEY") else open(path, "rb").read()
+               for path, name in zip(paths, TLS_ENV)] if all(paths) else [b"", b"", b""]
+        return cls(token, *pem)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_HEADER, self.token),) if self.token else ()
+
+
+def _read_secret(path: str, name: str) -> bytes:
+    """A secret's file, refused when others than its owner may read it (as ssh refuses such a key)."""
+    try:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"{name}: {path} is readable by others (mode {stat.filemode(mode)}); chmod 600 it")
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read {path}: {e.strerror}") from None
+
+
+def ensure_cluster_token() -> None:
+    """Give this process (and so every child it starts) a cluster token if its environment names none: a launcher's
+    own single-host cluster is then closed with no setup. One token per process: every cluster it starts shares it."""
+    if not os.environ.get(TOKEN_ENV) and not os.environ.get(TOKEN_FILE_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not carry the cluster token (compared in constant time), before its handler;
+    ``on_refused`` counts it."""
+
+    def __init__(self, service: str, token: str, on_refused: Callable[[], None] | None):
+        self.service, self.token, self.on_refused = service, token.encode(), on_refused
+
+    async def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.token):
+            return await continuation(details)
+        if self.on_refused is not None:
+            self.on_refused()
+        log.warning("%s refused %s: %s cluster token", self.service, details.method, "a wrong" if given else "no")
+        return grpc.unary_unary_rpc_method_handler(_deny)  # answers a call of any shape with the status alone
+
+
+async def _deny(request, ctx):
+    await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, "this call needs the cluster's token")
 
 
 def _options() -> list[tuple[str, int]]:
@@ -73,7 +157,8 @@ class ThreadedServer:
         self._thread.start()
         self.server = None
 
-    def start(self, methods: dict[str, Method], handler: Any, address: str) -> int:
+    def start(self, methods: dict[str, Method], handler: Any, address: str,
+              on_refused: Callable[[], None] | None = None, auth: PlaneAuth | None = None) -> int:
         wrapped = _Handlers()
         for name, m in methods.items():
             fn = getattr(handler, name, None)
@@ -88,7 +173,7 @@ class ThreadedServer:
             else:
                 setattr(wrapped, name, self._in_pool(fn))
         self.server, self.port = asyncio.run_coroutine_threadsafe(
-            serve_async(self.service, methods, wrapped, address), self.loop).result(30)
+            serve_async(self.service, methods, wrapped, address, auth, on_refused), self.loop).result(30)
         return self.port
 
     def _in_pool(self, fn):
@@ -113,10 +198,13 @@ class _Handlers:
     """The attributes ``serve_async`` looks up, set per method."""
 
 
-async def serve_async(service: str, methods: dict[str, Method], handler: Any,
-                      address: str = "0.0.0.0:0") -> tuple["grpc.aio.Server", int]:
+async def serve_async(service: str, methods: dict[str, Method], handler: Any, address: str = "0.0.0.0:0",
+                      auth: PlaneAuth | None = None,
+                      on_refused: Callable[[], None] | None = None) -> tuple["grpc.aio.Server", int]:
     """``serve`` for asyncio handlers (``async def`` methods, async generators for streams): thousands of open
-    streams cost coroutines, not threads."""
+    streams cost coroutines, not threads. ``auth`` (default: from the environment) closes it to callers without the
+    cluster's credentials; ``on_refused`` is called for each call refused."""
+    auth = PlaneAuth.from_env() if auth is None else auth
     table = {}
     for name, m in methods.items():
         fn = getattr(handler, name, None)
@@ -126,11 +214,20 @@ async def serve_async(service: str, methods: dict[str, Method], handler: Any,
         make = grpc.stream_stream_rpc_method_handler if m.bidi else \
             grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
         table[name] = make(fn, request_deserializer=deser, response_serializer=to_wire)
-    server = grpc.aio.server(options=_options())
+    check = _TokenCheck(service, auth.token, on_refused) if auth.token else None
+    server = grpc.aio.server(options=_options(), interceptors=[check] if check else None)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
-    port = server.add_insecure_port(address)
+    if auth.tls:
+        creds = grpc.ssl_server_credentials([(auth.key, auth.cert)], root_certificates=auth.ca,
+                                            require_client_auth=True)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise DualPathError(f"cannot listen on {address}")
+    if not auth.token and not auth.tls:
+        log.warning("%s listens on %s with no cluster token: any process that reaches it may call it (set %s)",
+                    service, address, TOKEN_ENV)
     await server.start()
     return server, port
 
@@ -138,9 +235,14 @@ async def serve_async(service: str, methods: dict[str, Method], handler: Any,
 class Client:
     """Calls ``service`` at ``address``: ``client.call("Method", request, timeout)`` or ``client.stream(...)``."""
 
-    def __init__(self, service: str, methods: dict[str, Method], address: str):
+    def __init__(self, service: str, methods: dict[str, Method], address: str, auth: PlaneAuth | None = None):
         self.service, self.methods, self.address = service, methods, address
-        self.channel = grpc.insecure_channel(address, options=_options())
+        self.auth = PlaneAuth.from_env() if auth is None else auth
+        if self.auth.tls:
+            creds = grpc.ssl_channel_credentials(self.auth.ca, self.auth.key, self.auth.cert)
+            self.channel = grpc.secure_channel(address, creds, options=_options())
+        else:
+            self.channel = grpc.insecure_channel(address, options=_options())
         self._stubs: dict[str, Callable] = {}
         for name, m in methods.items():
             make = self.channel.stream_stream if m.bidi else \
@@ -150,7 +252,7 @@ class Client:
 
     def call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
         try:
-            return self._stubs[method](request, timeout=timeout)
+            return self._stubs[method](request, timeout=timeout, metadata=self.auth.metadata)
         except grpc.RpcError as e:
             raise RpcError(f"{self.service}.{method} at {self.address} failed: {e.code().name}: {e.details()}",
                            e.code()) from None
@@ -158,7 +260,8 @@ class Client:
     def stream(self, method: str, request: Any, timeout: float | None = None) -> Iterator[Any]:
         """Iterate a server stream (or, for a bidi method, pass an iterator of requests); ``cancel()`` on the
         returned iterator stops it."""
-        return _Stream(self._stubs[method](request, timeout=timeout), f"{self.service}.{method} at {self.address}")
+        return _Stream(self._stubs[method](request, timeout=timeout, metadata=self.auth.metadata),
+                       f"{self.service}.{method} at {self.address}")
 
     def wait_ready(self, timeout: float) -> None:
         try:

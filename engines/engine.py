@@ -115,7 +115,7 @@ class Engine:
         self._rejoin_members: dict[str, bool] = {}  # members that must register again -> keep their work (leader)
         self._report_event = threading.Event()
         self._lock = threading.Lock()
-        self._read_bytes_reported = self._failures_reported = self._removed_reported = 0
+        self._read_bytes_reported = self._failures_reported = self._removed_reported = self._refused_reported = 0
         self._busy_reported = 0.0
         self.busy_s = 0.0  # prefill attention seconds (prefill engines)
         self.busy_tokens = 0  # the new tokens those seconds computed
@@ -124,8 +124,12 @@ class Engine:
         self.server = ThreadedServer("Engine")
         self.setup()
         self.alpha = self.alpha_tokens()
-        self.port = self.server.start(ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}")
+        self.rpc_refused = 0  # calls without the cluster's credentials (counted by the RPC server's thread)
+        self.port = self.server.start(ENGINE_METHODS, self, f"{cfg.host}:{cfg.port}", on_refused=self._refused)
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, cfg.scheduler)
+
+    def _refused(self) -> None:
+        self.rpc_refused += 1
 
     # --- role hooks -----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -286,19 +290,21 @@ class Engine:
                           prefill_tokens=busy_tokens,
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
                           kv_corrupt_removed=removed - self._removed_reported,
+                          rpc_refused=self.rpc_refused - self._refused_reported,
                           read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
                           traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
                           storage_used_bytes=stored["used_bytes"],
                           storage_capacity_bytes=stored["capacity_bytes"], leaving=self.leaving)
         return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
                       "busy_tokens": self.busy_tokens,
-                      "failures": self.kv_load_failures, "removed": removed}
+                      "failures": self.kv_load_failures, "removed": removed, "refused": self.rpc_refused}
 
     def _delivered(self, marks: dict) -> None:
         self._read_bytes_reported, self._busy_reported = marks["read"], marks["busy"]
         self._busy_tokens_reported = marks["busy_tokens"]
         self._failures_reported = marks["failures"]
         self._removed_reported = marks["removed"]
+        self._refused_reported = marks["refused"]
 
     def report_now(self, timeout: float = 10.0) -> None:
         """Send a load report straight to the scheduler (events that must not wait for the next pull)."""

@@ -13,6 +13,7 @@ import bisect
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -192,10 +193,13 @@ class RequestRecord:
     streaming: bool = False
     submitted_at: float = 0.0
     seq: int = 0  # its place in the order of submissions (a hold lets the earlier ones run)
+    # the unguessable part of its work ids: an engine's ``Stream`` of a work id is a capability held only by the
+    # submitter, told it by the scheduler, and the request's own engines (request ids are the clients' to choose)
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
 
     @property
     def work_id(self) -> str:
-        return f"{self.spec.request_id}.{self.attempt}"
+        return f"{self.spec.request_id}.{self.attempt}.{self.nonce}"
 
     @property
     def rank(self) -> int:
@@ -239,7 +243,7 @@ class SchedulerCore:
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
                          "prompt_tokens": 0, "kv_load_failures": 0, "kv_corrupt_removed": 0,
-                         "cache_flushes": 0, "preempted": 0}
+                         "cache_flushes": 0, "preempted": 0, "rpc_refused": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -313,6 +317,11 @@ class SchedulerCore:
 
     def ready(self) -> bool:
         return bool(self.alive_ids[Role.PREFILL] and self.alive_ids[Role.DECODE])
+
+    def refused_call(self) -> None:
+        """A call to the scheduler came without the cluster's credentials (``dualpath.rpc``)."""
+        with self.lock:
+            self.counters["rpc_refused"] += 1
 
     def missing(self) -> list[str]:
         """What keeps the cluster from serving, in words (empty when it can)."""
@@ -391,9 +400,12 @@ class SchedulerCore:
             self.read_window.forget(e.info.node_id)
 
     # --- requests -------------------------------------------------------------------------------------------
-    def submit(self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None):
+    def submit(self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None,
+               trust_hashes: bool = False):
         """Accept a request (or raise ``RequestError``). Events about it go to ``notify``; without one they go to a
-        ``queue.Queue``, which is returned."""
+        ``queue.Queue``, which is returned. The prompt's block hashes are computed here from its tokens, salt and
+        adapter: hashes a submitter sends are used only with ``trust_hashes`` (in-process callers whose prompts are
+        synthetic, the simulator), so no submitter can claim another tenant's stored KV for its own tokens."""
         events: queue.Queue | None = None
         if notify is None:
             events = queue.Queue()
@@ -424,9 +436,8 @@ class SchedulerCore:
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
                 raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
                                    f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
-            # a submitter that names no fingerprint vouches for its hashes (the simulator's synthetic prompts)
             stale = bool(spec.fingerprint) and spec.fingerprint != self.fingerprint.hex()
-            hashes = spec.block_hashes if spec.block_hashes and not stale else self._hash(spec.tokens, params)
+            hashes = spec.block_hashes if trust_hashes and spec.block_hashes else self._hash(spec.tokens, params)
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             hit = self._hit_blocks(hashes, n, params)
@@ -739,6 +750,7 @@ class SchedulerCore:
             e.prefilled = (0.8 * tokens + load.prefill_tokens, 0.8 * seconds + load.prefill_busy_s)
         self.counters["kv_load_failures"] += load.kv_load_failures
         self.counters["kv_corrupt_removed"] += load.kv_corrupt_removed
+        self.counters["rpc_refused"] += load.rpc_refused
         if load.traffic:
             self.traffic[load.engine_id] = dict(load.traffic)
         if load.speculative:

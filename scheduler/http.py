@@ -8,7 +8,8 @@ from dualpath.metrics import CONTENT_TYPE, Registry
 from scheduler.core import SchedulerCore
 
 _COUNTERS = ("submitted", "finished", "failed", "retried", "rejected", "hit_tokens", "recomputed_hit_tokens",
-             "prompt_tokens", "kv_load_failures", "kv_corrupt_removed", "cache_flushes", "preempted")
+             "prompt_tokens", "kv_load_failures", "kv_corrupt_removed", "cache_flushes", "preempted",
+             "rpc_refused")
 
 
 def render(stats: dict) -> str:

@@ -198,7 +198,8 @@ class SchedulerService:
 async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio.Event | None = None) -> None:
     core = SchedulerCore(config, make_policy(config.policy, recompute_slow_hits=config.recompute_slow_hits))
     service = SchedulerService(core)
-    server, port = await serve_async("Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}")
+    server, port = await serve_async("Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}",
+                                     on_refused=core.refused_call)
     http = None
     if config.http_port >= 0:
         import socket

@@ -404,6 +404,20 @@ def test_a_restarted_scheduler_has_unknown_engines_register_keeping_their_work()
     assert reply.rejoin == ["d0"] and reply.unknown == []
 
 
+def test_work_ids_are_not_guessable_from_request_ids():
+    """An engine streams a work id's tokens to whoever names it: the id is a capability, so it must carry what only
+    the scheduler chose (request ids are the clients'), and a retry gets a new attempt number, the same secret."""
+    clock = Clock()
+    core, engines = make_core("dualpath", clock)
+    for rid in ("a", "b"):
+        core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
+    a, b = core.requests["a"].work_id, core.requests["b"].work_id
+    assert a.startswith("a.0.") and b.startswith("b.0.") and len(a) == len("a.0.") + 16
+    assert a[4:] != b[4:]
+    core._retry("a", "a test")
+    assert core.requests["a"].work_id == f"a.1.{a[4:]}" and core.by_work[core.requests["a"].work_id] == "a"
+
+
 def test_the_block_index_rebuilds_in_the_background(tmp_path):
     """The first registration starts listing storage (minutes on a large store) and replies at once; the
     engine's heartbeat is not held up, and prompts find blocks as the listing adds them."""
@@ -465,7 +479,7 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
             e.read_intervals = intervals
         clock.t += 1.0  # past the measure's 0.5 s cache
         core.submit(SubmitRequest(rid, pack_tokens(range(8 * BS + 4)), SamplingParams(max_tokens=4).to_dict(),
-                                  block_hashes=keys))
+                                  block_hashes=keys), trust_hashes=True)  # synthetic keys, as the simulator's
         for g in ["d0", "p0"]:
             reply = pull(core, engines, g)
         (a,) = reply.assignments["p0"]
@@ -591,10 +605,11 @@ def test_a_request_that_fits_no_decode_engine_has_a_less_urgent_reply_handed_bac
         if policy == "fcfs" or not preemption:
             assert not any(r.preempted for r in replies) and core.requests["urgent"].de is None
             continue
-        assert [r.preempted for r in replies] == [["bg.0"], [], []]
+        bg = core.requests["bg"].work_id
+        assert [r.preempted for r in replies] == [[bg], [], []]
         assert core.requests["urgent"].de is None  # the memory is not free yet
-        engines["d0"].held.pop("bg.0")
-        core.report(replace(engines["d0"].load(), failed=[["bg.0", "preempted on d0"]]))
+        engines["d0"].held.pop(bg)
+        core.report(replace(engines["d0"].load(), failed=[[bg, "preempted on d0"]]))
         assert bg_events[-1].kind == "failed" and bg_events[-1].engine_lost and "bg" not in core.requests
         assert core.stats()["preempted"] == 1 and core.counters["failed"] == 0
         assert "dualpath_scheduler_preempted_total 1.0" in render(core.stats()).splitlines()

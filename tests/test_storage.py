@@ -60,6 +60,17 @@ def test_round_trip_full_blocks_and_layer_ranges(tmp_path):
     assert s.write(ks[:1], bs[:1]).result() == [None]  # idempotent
 
 
+def test_stored_blocks_are_readable_by_their_owner_only(tmp_path):
+    """Stored KV holds users' prompts (issue 54: files were world-readable): block files 0600, directories 0700."""
+    import stat
+
+    s = store(tmp_path)
+    assert s.write(keys(1), blocks(1)).result() == [None]
+    path = s.path(keys(1)[0])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(s.dir.stat().st_mode) == 0o700
+
+
 def test_missing_block_is_named(tmp_path):
     s = store(tmp_path)
     k = keys(1)[0]

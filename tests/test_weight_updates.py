@@ -264,17 +264,39 @@ def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load()
     assert core.register(replace(info("d2", Role.DECODE, "n4", capacity=1500), fingerprint=new.hex())).ok
 
 
-def test_hashes_from_a_stale_fingerprint_are_recomputed_and_the_submitter_told():
+def test_the_scheduler_hashes_every_prompt_itself_and_tells_a_stale_submitter():
+    """A submitter's hashes are never taken as given (one could claim another tenant's stored KV for its own
+    tokens, issue 54): they are computed from the tokens, salt and adapter, whatever fingerprint is named; only an
+    in-process caller with synthetic prompts (the simulator) passes ``trust_hashes``."""
     core, _ = make_core("dualpath", Clock())
     fp, tokens = core.fingerprint, list(range(40))
+    right = pack_keys(block_hashes(tokens, fp, BS))
     wrong = pack_keys(block_hashes(tokens, b"\x01" * 16, BS))
     events = submit(core, "stale", 40, block_hashes=wrong, fingerprint="01" * 16)
-    assert core.requests["stale"].hashes == pack_keys(block_hashes(tokens, fp, BS))
+    assert core.requests["stale"].hashes == right
     assert events.get().fingerprint == fp.hex()
-    events = submit(core, "current", 40, block_hashes=wrong, fingerprint=fp.hex())  # taken as given
-    assert core.requests["current"].hashes == wrong and events.get().fingerprint == ""
-    submit(core, "vouched", 40, block_hashes=wrong)  # the simulator names no fingerprint
+    events = submit(core, "current", 40, block_hashes=wrong, fingerprint=fp.hex())
+    assert core.requests["current"].hashes == right and events.get().fingerprint == ""
+    submit(core, "unnamed", 40, block_hashes=wrong)
+    assert core.requests["unnamed"].hashes == right
+    core.submit(SubmitRequest("vouched", pack_tokens(range(40)), SamplingParams(max_tokens=8).to_dict(),
+                              block_hashes=wrong), trust_hashes=True)
     assert core.requests["vouched"].hashes == wrong
+
+
+def test_another_tenants_hashes_sent_with_other_tokens_hit_nothing():
+    """The attack of issue 54: tenant A's prompt is stored under its salt; a submitter sends arbitrary tokens with
+    A's block hashes. Hashing its own tokens and salt, the scheduler finds no hit, so A's KV is never served."""
+    core, _ = make_core("dualpath", Clock())
+    secret = list(range(3, 3 + 64))
+    theirs = block_hashes(secret, core.fingerprint, BS, salt="tenant-a")
+    core.index.add(theirs)
+    submit(core, "a", 64, block_hashes=pack_keys(theirs))  # (range(64): not the secret's tokens either)
+    probe = SubmitRequest("probe", pack_tokens([7] * 64), SamplingParams(max_tokens=8).to_dict(),
+                          block_hashes=pack_keys(theirs), fingerprint=core.fingerprint.hex())
+    assert core.submit(probe).get().num_hit_tokens == 0
+    owner = SubmitRequest("owner", pack_tokens(secret), SamplingParams(max_tokens=8, cache_salt="tenant-a").to_dict())
+    assert core.submit(owner).get().num_hit_tokens == 48  # the last block is always computed
 
 
 # --- the update's steps (engines as a test double) -------------------------------------------------------------

@@ -260,7 +260,7 @@ class ClusterSim:
             sampling = self._sampling[gen, priority] = SamplingParams(max_tokens=gen, ignore_eos=True,
                                                                       priority=priority).to_dict()
         self.core.submit(SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
-                         lambda ev, r=req: self._on_event(ev, r))
+                         lambda ev, r=req: self._on_event(ev, r), trust_hashes=True)
 
     def _on_event(self, ev: SubmitEvent, req: SimRequest) -> None:
         if ev.kind == "finished":

@@ -79,7 +79,7 @@ class FsStorage(StorageBackend):
                  accounting: ReadAccounting | None = None):
         self.geometry, self.fingerprint, self.config = geometry, fingerprint, config
         self.dir = Path(root) / fingerprint.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.accounting = accounting or ReadAccounting(config.read_bandwidth_bps,
                                                        geometry.full_block_bytes / geometry.block_size)
         self.header_size = header_bytes(geometry)
@@ -287,7 +287,7 @@ class FsStorage(StorageBackend):
             return None
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)  # the model's directory too, after ``remove_stored``
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the model's directory too, after ``remove_stored``
             self._write_file(tmp, pack_header(self.geometry, self.fingerprint, key, block), block)
             os.rename(tmp, path)
         except OSError as e:
@@ -306,7 +306,7 @@ class FsStorage(StorageBackend):
         return None
 
     def _write_file(self, path: Path, header: bytes, block: torch.Tensor) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # users' prompts: for the cluster's user only
         try:
             data = [memoryview(header), memoryview(block.numpy())]
             written, want = 0, len(header) + block.numel()
