@@ -15,6 +15,7 @@ from dualpath.client import ClusterClient
 from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
+from cluster_calls import generate_during
 from engines.models import open_checkpoint
 from scheduler.http import render
 from traffic.memory import SEGMENT_PREFIX, SHM_DIR
@@ -491,25 +492,8 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
             prompt, appends = conversation(500 + i, 1)
             first = client.generate(prompt, GREEDY, mode="pe")
             prompts.append(prompt + first.token_ids + appends[0])
-        results, errors = {}, []
-
-        def one(i):
-            try:
-                results[i] = client.generate(prompts[i], GREEDY, mode="pe")
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        import time
-        time.sleep(0.5)
-        c.kill("prefill-0")
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a request hung"
-        assert not errors, errors
-        for i, got in results.items():
+        results = generate_during(client, prompts, GREEDY, lambda: c.kill("prefill-0"), after_s=0.5, mode="pe")
+        for i, got in enumerate(results):
             assert got.token_ids == reference.generate(prompts[i], GREEDY)[0].token_ids
         stats = client.stats()
         assert stats["retried"] >= 1

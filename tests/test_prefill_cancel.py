@@ -10,14 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
-from dualpath.messages import Assignment, EngineInfo, ReadPath, Role
+from dualpath.messages import Assignment, EngineInfo, ReadPath
 from dualpath.sampling_params import SamplingParams
 from engines.prefill import Job, PrefillEngine
 from engines.prefill_jobs import PrefillJobs
 from engines.sampler import make_generator
+from engine_doubles import engine_config, prefill_with_decode_peer
 from traffic.buffer import BufferPool
-from traffic.transport import make_transport
 
 BS = 16
 
@@ -69,26 +68,8 @@ def test_admission_is_refused_when_not_allowed_or_already_held():
 
 @pytest.fixture
 def engine(tiny_dirs, tmp_path):
-    cfg = EngineProcessConfig(
-        role="prefill", model=str(tiny_dirs["llama"]), scheduler="127.0.0.1:1", engine_id="t-pe",
-        engine=EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(block_size=BS)),
-        transport=TransportConfig(name="shm"), storage=StorageConfig(root=str(tmp_path / "kv"), io_threads=1),
-        buffer_bytes=4 << 20, workspace_tokens=256, cost_model=(0.0, 1e-4, 0.0), torch_threads=1)
-    pe = PrefillEngine(cfg)
-    de_t = make_transport(TransportConfig(name="shm"), "t-de")
-    de_mem = de_t.allocate(2 << 20)
-    de_region = de_t.register(de_mem).region_id
-    de_pool = BufferPool(pe.geometry, (2 << 20) // pe.geometry.full_block_bytes, de_mem)
-    de = EngineInfo("t-de", Role.DECODE, "n1", "127.0.0.1:1", "shm", de_t.address(),
-                    [r.to_dict() for r in de_t.regions()], de_region, de_pool.num_slots, BS,
-                    pe.geometry.num_layers, pe.fingerprint.hex(), 0)
-    pe.transport.add_peer("t-de", de_t.address(), de_t.regions())
-    try:
-        yield pe, de, de_pool
-    finally:
-        pe.stopping.set()
-        pe.stop()
-        de_t.close()
+    with prefill_with_decode_peer(tiny_dirs["llama"], tmp_path, BS) as (pe, peer):
+        yield pe, peer.info, peer.pool
 
 
 def _ready_job(pe: PrefillEngine, de: EngineInfo, de_pool: BufferPool, w: str, n: int) -> Job:
@@ -149,13 +130,7 @@ def test_a_decode_engine_keeps_a_cancelled_prompts_buffer_slots_until_its_prefil
     from dualpath.messages import PrepareRequest, RequestRef
     from engines.decode import DecodeEngine
 
-    cfg = EngineProcessConfig(
-        role="decode", model=str(tiny_dirs["llama"]), scheduler="127.0.0.1:1", engine_id="t-de",
-        engine=EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(block_size=BS,
-                                                                             device_memory_bytes=8 << 20)),
-        transport=TransportConfig(name="shm"), storage=StorageConfig(root=str(tmp_path / "kv"), io_threads=1),
-        buffer_bytes=2 << 20, torch_threads=1)
-    de = DecodeEngine(cfg)
+    de = DecodeEngine(engine_config("decode", tiny_dirs["llama"], tmp_path, BS, buffer_bytes=2 << 20))
     try:
         free_slots, free_blocks = de.buffer.num_free, de.cache.num_free_blocks
         for w in ("a", "b"):

@@ -6,36 +6,20 @@ import threading
 
 import torch
 
-from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
-from dualpath.messages import Assignment, EngineInfo, ReadPath, Role
+from dualpath.messages import Assignment, ReadPath
 from dualpath.sampling_params import SamplingParams
 from engines.models import ForwardBatch
-from engines.prefill import Job, PrefillEngine
+from engines.prefill import Job
 from engines.sampler import make_generator
 from kernels.kv_move import layer_tokens_from_full
-from traffic.buffer import BufferPool
-from traffic.transport import make_transport
+from engine_doubles import prefill_with_decode_peer
 
 BS = 16
 
 
 def test_sends_wait_for_compute_off_the_launching_thread(tiny_dirs, tmp_path):
-    cfg = EngineProcessConfig(
-        role="prefill", model=str(tiny_dirs["llama"]), scheduler="127.0.0.1:1", engine_id="t-pe",
-        engine=EngineConfig(device="cpu", dtype="float32", cache=CacheConfig(block_size=BS)),
-        transport=TransportConfig(name="shm"), storage=StorageConfig(root=str(tmp_path / "kv"), io_threads=1),
-        buffer_bytes=4 << 20, workspace_tokens=256, cost_model=(0.0, 1e-4, 0.0), torch_threads=1)
-    pe = PrefillEngine(cfg)
-    g = pe.geometry
-    de_t = make_transport(TransportConfig(name="shm"), "t-de")
-    try:
-        de_mem = de_t.allocate(2 << 20)
-        de_region = de_t.register(de_mem).region_id
-        de_pool = BufferPool(g, (2 << 20) // g.full_block_bytes, de_mem)
-        de = EngineInfo("t-de", Role.DECODE, "n1", "127.0.0.1:1", "shm", de_t.address(),
-                        [r.to_dict() for r in de_t.regions()], de_region, de_pool.num_slots, g.block_size,
-                        g.num_layers, pe.fingerprint.hex(), 0)
-        pe.transport.add_peer("t-de", de_t.address(), de_t.regions())
+    with prefill_with_decode_peer(tiny_dirs["llama"], tmp_path, BS) as (pe, peer):
+        g, de, de_pool = pe.geometry, peer.info, peer.pool
         tokens = list(range(3, 3 + 3 * BS + 5))  # a prompt with nothing stored: every token computed here
         params = SamplingParams(temperature=0, max_tokens=1)
         a = Assignment("r", tokens, params.to_dict(), [], ReadPath.PE, True, de)
@@ -61,6 +45,3 @@ def test_sends_wait_for_compute_off_the_launching_thread(tiny_dirs, tmp_path):
         for layer in range(g.num_layers):
             got = layer_tokens_from_full(full, layer, g)[:len(tokens)]
             assert torch.allclose(got, want[layer], atol=1e-5), layer
-    finally:
-        pe.stop()
-        de_t.close()

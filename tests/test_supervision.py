@@ -11,6 +11,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
 from dualpath.errors import ConfigError
 from dualpath.launcher import ClusterSpec, LocalCluster, RestartPolicy, parse_port_range, rotate_log
+from cluster_calls import generate_during
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -75,24 +76,8 @@ def test_dead_and_hung_parts_come_back_and_what_they_held_is_served(tiny_dirs, t
     with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0),
                       run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120, reconnect_s=60)
-        results, errors = {}, []
-
-        def one(i):
-            try:
-                results[i] = client.generate(prompt(i), GREEDY)
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(0.1)
-        c.kill("prefill-0")
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a request hung"
-        assert not errors, errors
-        for i, got in results.items():
+        results = generate_during(client, [prompt(i) for i in range(4)], GREEDY, lambda: c.kill("prefill-0"))
+        for i, got in enumerate(results):
             assert got.token_ids == reference.generate(prompt(i), GREEDY)[0].token_ids
         wait_for(lambda: len(c.child("prefill-0").restarts) == 1 and c.child("prefill-0").ready_path.exists())
         assert "restarted by the supervisor (exited with -9)" in (tmp_path / "run" / "prefill-0.log").read_text()
