@@ -16,6 +16,12 @@
 # on its port (engines register again keeping their work, the frontend resubmits what had not started); a role's
 # step comes back on the same nodes with the same engine names (--kill-on-bad-exit: one dead task ends its step, so
 # the role's engines restart together). DUALPATH_MAX_RESTARTS=0: any part dying stops the job at once.
+#
+# Security (deploy/README.md, "Security"): the job runs under umask 077 (its run directory, logs, KV blocks and stored
+# responses are the user's alone; srun passes the umask to the engine tasks); a per-job cluster token, a 0600 file in
+# the run directory, authenticates every gRPC call between the parts (DUALPATH_CLUSTER_TOKEN_FILE, exported into
+# every part); a frontend listening beyond the node (DUALPATH_HOST, 0.0.0.0 by default) needs an API key
+# (DUALPATH_API_KEY or DUALPATH_API_KEY_FILE), else the job fails at start. The keys reach the frontend only.
 
 : "${DUALPATH_PREFILL_NODES:=1}"                   # nodes running prefill engines; the others run decode
 : "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # engines per node (one per GPU)
@@ -34,9 +40,15 @@
 : "${DUALPATH_KV_TC:=0}"                          # RoCE traffic class of KV traffic (DSCP << 2)
 : "${DUALPATH_NCCL_SL:=0}"                        # NCCL's own service level: never the KV lane
 : "${DUALPATH_PORT:=8000}"                        # the OpenAI endpoint, on the first node
+: "${DUALPATH_HOST:=0.0.0.0}"                     # the frontend's bind address; beyond loopback it needs an API key
+: "${DUALPATH_API_KEY_FILE:=}"                    # a file holding the frontend's key (else DUALPATH_API_KEY)
+: "${DUALPATH_ALLOW_NO_KEY:=0}"                   # 1: serve beyond the node without a key (closed test clusters only)
+: "${DUALPATH_CLUSTER_TOKEN_FILE:=}"              # the cluster token's file (0600); empty: one made per job
+: "${DUALPATH_UMASK:=077}"                        # the job's umask: what it writes is the user's alone
 : "${DUALPATH_DRAIN_TIMEOUT:=50}"                 # seconds the stopping frontend lets requests finish (< dp_stop's 60)
 : "${DUALPATH_SCHEDULER_PORT:=50051}"
 : "${DUALPATH_SCHEDULER_HTTP_PORT:=9400}"         # the scheduler's /metrics
+: "${DUALPATH_SCHEDULER_HOST:=0.0.0.0}"           # the scheduler's bind address (engines reach it at the node's NodeAddr)
 : "${DUALPATH_SCHEDULING_POLICY:=fcfs}"           # or priority: requests' priority field orders the queues
 : "${DUALPATH_ENGINE_ARGS:=}"                     # more `dualpath engine` options, e.g. "--buffer-bytes 8589934592"
 : "${DUALPATH_FRONTEND_ARGS:=}"                   # more `dualpath frontend` options, e.g. "--tool-call-parser hermes"
@@ -59,6 +71,7 @@ DP_SCHEDULER="" DP_FRONTEND=""
 DP_STOPPING=0
 DP_LAUNCHING=0 DP_SIGNALED=0  # a TERM/INT while a part is being started waits until its pid is recorded
 DP_RESTART_WINDOW=600         # seconds over which a part's restarts count (backoff and DUALPATH_MAX_RESTARTS)
+DP_TOKEN_MADE=0               # 1: this job made DUALPATH_CLUSTER_TOKEN_FILE (removed when the job stops)
 
 dp_log() { echo "[dualpath $(date +%H:%M:%S)] $*" >&2; }
 
@@ -67,6 +80,51 @@ dp_node_addr() {
   local addr
   addr=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
   echo "${addr:-$1}"
+}
+
+dp_is_loopback() { case $1 in 127.* | localhost | ::1 | '[::1]') return 0 ;; *) return 1 ;; esac; }
+
+# The frontend's key: a frontend reachable beyond this node (DUALPATH_HOST not loopback) serves only with one,
+# unless DUALPATH_ALLOW_NO_KEY=1 says the network is closed. Runs before anything starts: a refusal fails the job.
+dp_check_api_key() {
+  if [ -n "$DUALPATH_API_KEY_FILE" ]; then  # a file keeps the key out of the job's recorded environment
+    if [ ! -r "$DUALPATH_API_KEY_FILE" ]; then
+      dp_log "DUALPATH_API_KEY_FILE=$DUALPATH_API_KEY_FILE cannot be read"; return 2
+    fi
+    DUALPATH_API_KEY=$(<"$DUALPATH_API_KEY_FILE")
+    export DUALPATH_API_KEY
+  fi
+  [ -z "${DUALPATH_API_KEY:-}" ] || return 0
+  dp_is_loopback "$DUALPATH_HOST" && return 0
+  if [ "$DUALPATH_ALLOW_NO_KEY" = 1 ]; then
+    dp_log "WARNING: the frontend listens on $DUALPATH_HOST:$DUALPATH_PORT without an API key" \
+      "(DUALPATH_ALLOW_NO_KEY=1): anyone who reaches the node can use the model"
+    return 0
+  fi
+  dp_log "refusing to start: the frontend would listen on $DUALPATH_HOST:$DUALPATH_PORT, beyond this node, without" \
+    "an API key. Set DUALPATH_API_KEY (or DUALPATH_API_KEY_FILE, a file holding it) when submitting, or" \
+    "DUALPATH_HOST=127.0.0.1 to serve this node only; on a closed test cluster DUALPATH_ALLOW_NO_KEY=1 allows it."
+  return 2
+}
+
+# The cluster token every part authenticates with: DUALPATH_CLUSTER_TOKEN as given, the file DUALPATH_CLUSTER_TOKEN_FILE
+# names (it must be the user's alone), or a new random one in the run directory (umask 077: never readable by
+# others, not even for an instant), removed when the job stops. The run directory is on the shared mount, so every
+# node reads the same file; srun steps get the variable with the rest of the environment (--export=ALL).
+dp_cluster_token() {
+  if [ -n "${DUALPATH_CLUSTER_TOKEN:-}" ]; then export DUALPATH_CLUSTER_TOKEN; return 0; fi
+  if [ -z "$DUALPATH_CLUSTER_TOKEN_FILE" ]; then
+    DUALPATH_CLUSTER_TOKEN_FILE=$DUALPATH_RUN_DIR/cluster-token
+    rm -f "$DUALPATH_CLUSTER_TOKEN_FILE"
+    (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$DUALPATH_CLUSTER_TOKEN_FILE") || {
+      dp_log "cannot write the cluster token $DUALPATH_CLUSTER_TOKEN_FILE"; return 1; }
+    DP_TOKEN_MADE=1
+  elif [ ! -r "$DUALPATH_CLUSTER_TOKEN_FILE" ]; then
+    dp_log "DUALPATH_CLUSTER_TOKEN_FILE=$DUALPATH_CLUSTER_TOKEN_FILE cannot be read"; return 2
+  elif [ $((8#$(stat -c %a "$DUALPATH_CLUSTER_TOKEN_FILE") & 8#077)) != 0 ]; then
+    dp_log "DUALPATH_CLUSTER_TOKEN_FILE=$DUALPATH_CLUSTER_TOKEN_FILE is readable by others: chmod 600 it"; return 2
+  fi
+  export DUALPATH_CLUSTER_TOKEN_FILE
 }
 
 dp_model_args() {
@@ -80,7 +138,10 @@ dp_model_args() {
 dp_run_engines() {
   local role=$1 nodes=$2 count=$3
   dp_log "starting $role engines on $nodes ($DUALPATH_GPUS_PER_NODE per node)"
-  srun --nodes="$count" --nodelist="$nodes" --ntasks-per-node="$DUALPATH_GPUS_PER_NODE" \
+  # --export=ALL, whatever the site's default: the tasks need the DUALPATH_* settings and the cluster token (the
+  # frontend's keys are taken out of srun's environment first)
+  env -u DUALPATH_API_KEY -u DUALPATH_ADMIN_API_KEY srun --export=ALL --nodes="$count" --nodelist="$nodes" \
+    --ntasks-per-node="$DUALPATH_GPUS_PER_NODE" \
     $([ "$DUALPATH_GPUS_PER_TASK" -gt 0 ] && echo "--gpus-per-task=$DUALPATH_GPUS_PER_TASK") \
     --cpus-per-task=1 --kill-on-bad-exit=1 --job-name="dualpath-$role" \
     bash -c 'exec >>"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
@@ -95,14 +156,15 @@ dp_run_engines() {
       --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" &
 }
 
-dp_run_scheduler() {
-  "$DUALPATH" scheduler --host 0.0.0.0 --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
+dp_run_scheduler() {  # (env -u: the frontend's keys are the frontend's alone)
+  env -u DUALPATH_API_KEY -u DUALPATH_ADMIN_API_KEY "$DUALPATH" scheduler --host "$DUALPATH_SCHEDULER_HOST" \
+    --port "$DUALPATH_SCHEDULER_PORT" --kv-store "$DUALPATH_KV_STORE" \
     --http-port "$DUALPATH_SCHEDULER_HTTP_PORT" --scheduling-policy "$DUALPATH_SCHEDULING_POLICY" $DUALPATH_SCHEDULER_ARGS \
     >>"$DUALPATH_RUN_DIR/scheduler.log" 2>&1 &
 }
 
-dp_run_frontend() {
-  "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host 0.0.0.0 --port "$DUALPATH_PORT" \
+dp_run_frontend() {  # its key comes from the environment (DUALPATH_API_KEY), never its command line (ps shows that)
+  "$DUALPATH" frontend --scheduler "$DUALPATH_SCHEDULER" --host "$DUALPATH_HOST" --port "$DUALPATH_PORT" \
     --responses-dir "$DUALPATH_KV_STORE/responses" --drain-timeout "$DUALPATH_DRAIN_TIMEOUT" \
     $DUALPATH_MODEL_ARGS $DUALPATH_FRONTEND_ARGS >>"$DUALPATH_RUN_DIR/frontend.log" 2>&1 &
 }
@@ -132,11 +194,15 @@ dp_on_signal() {  # TERM/INT: the ordered shutdown, once the part being started 
 
 # Start scheduler, engines and frontend; return once every engine has registered and the frontend is up.
 dualpath_cluster_up() {
-  mkdir -p "$DUALPATH_RUN_DIR" "$DUALPATH_KV_STORE"
-  rm -f "$DUALPATH_RUN_DIR/endpoint"
   case $DUALPATH_MAX_RESTARTS in
     '' | *[!0-9]*) dp_log "DUALPATH_MAX_RESTARTS must be a whole number, got '$DUALPATH_MAX_RESTARTS'"; return 2 ;;
   esac
+  dp_check_api_key || return
+  umask "$DUALPATH_UMASK" || return 2
+  mkdir -p "$DUALPATH_RUN_DIR" "$DUALPATH_KV_STORE"
+  chmod 700 "$DUALPATH_RUN_DIR"  # logs and the token: the user's alone, even where the directory existed
+  rm -f "$DUALPATH_RUN_DIR/endpoint"
+  dp_cluster_token || return
   trap dp_on_signal TERM INT
   mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   local np=$DUALPATH_PREFILL_NODES nd=$((${#nodes[@]} - DUALPATH_PREFILL_NODES))
@@ -159,7 +225,9 @@ dualpath_cluster_up() {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
   dp_start frontend dp_run_frontend || return 1
-  local url="http://$head:$DUALPATH_PORT" deadline=$((SECONDS + 300))
+  local host=$head deadline=$((SECONDS + 300))
+  case $DUALPATH_HOST in 0.0.0.0 | :: | '[::]') ;; *) host=$DUALPATH_HOST ;; esac  # bound to one address: that one
+  local url="http://$host:$DUALPATH_PORT"
   until curl -sf "$url/health" >/dev/null 2>&1 || python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1])" "$url/health" 2>/dev/null; do
     if ! kill -0 "$DP_FRONTEND" 2>/dev/null || [ $SECONDS -gt $deadline ]; then
       dp_log "frontend did not come up:"; tail -n 20 "$DUALPATH_RUN_DIR/frontend.log" >&2
@@ -275,5 +343,6 @@ dualpath_cluster_down() {
   dp_stop ${DP_FRONTEND:-}
   dp_stop_engines
   dp_stop ${DP_SCHEDULER:-}
+  [ "$DP_TOKEN_MADE" = 0 ] || rm -f "$DUALPATH_CLUSTER_TOKEN_FILE"  # this job's token dies with it
   dp_log "stopped"
 }
