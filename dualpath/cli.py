@@ -551,13 +551,21 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
                         "the directory name)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require this bearer key (or set DUALPATH_API_KEY)")
+    _key_args(p)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--max-concurrent-requests", type=int, default=512)
+    p.add_argument("--max-concurrent-requests-per-key", type=int, default=0,
+                   help="generations (each choice counts) one API key may have in flight; past it a 429 (0: half of "
+                        "--max-concurrent-requests once two or more keys are set, else all of it)")
     p.add_argument("--default-max-tokens", type=int, default=1024)
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                   help="the largest request body, on every route: a larger one is refused (413) as it is read")
+    p.add_argument("--render-timeout", type=float, default=5.0,
+                   help="seconds a chat template may render one request's chat; past them a 400")
     p.add_argument("--max-stored-responses", type=int, default=1024,
                    help="/v1/responses kept for GET and previous_response_id (0: none)")
+    p.add_argument("--max-stored-response-bytes", type=_size, default=256 << 20,
+                   help="their bytes, all together (256MiB, 1G, bytes): the oldest go first")
     p.add_argument("--responses-dir", default=None,
                    help="where stored /v1/responses live, one file each, shared by every frontend (serve's default: "
                         "beside the KV store; frontend's: this process's memory)")
@@ -568,6 +576,26 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
                         "new ones; those still running then are cut")
     _frontend_options(p)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
+
+
+def _key_args(p: argparse.ArgumentParser) -> None:
+    """Who may use the server (``dualpath.serving.auth``)."""
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require this bearer key; repeat it for several, each its own owner of requests and stored "
+                        "responses. Prefer the environment's DUALPATH_API_KEY or --api-key-file: a flag shows in ps")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="more inference keys, one a line (blank lines and # comments skipped); keep it mode 0600")
+    p.add_argument("--enable-admin-api", action="store_true",
+                   help="serve the admin routes: weight updates, LoRA adapter loading, cache flushes, pauses and "
+                        "server-wide aborts (off: a 403; vLLM's VLLM_SERVER_DEV_MODE=1 turns them on too, "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 the adapter routes alone)")
+    p.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help="the bearer key the admin routes need, distinct from every inference key (prefer the "
+                        "environment's DUALPATH_ADMIN_API_KEY). Without one they answer only on a server bound to "
+                        "loopback alone")
+    p.add_argument("--allowed-model-dirs", nargs="+", default=None, metavar="DIR",
+                   help="the directories weight updates and runtime LoRA adapters may load from (symbolic links and "
+                        ".. resolved first; default: the directories holding --model and the --lora-modules)")
 
 
 def build_parser() -> argparse.ArgumentParser:

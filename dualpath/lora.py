@@ -48,23 +48,23 @@ class AdapterConfig:
 
 
 def read_adapter_config(path: str | Path) -> AdapterConfig:
-    """The adapter's config, or ``CheckpointError`` naming the file and what is wrong or not supported."""
+    """The adapter's config, or ``CheckpointError`` naming the file and what is wrong or not supported: never the
+    values read (a runtime load's error goes back to an HTTP client, who should learn the rule, not the file)."""
     file = Path(path) / ADAPTER_CONFIG
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: cannot read the LoRA adapter's config ({e})") from None
     if not isinstance(raw, dict) or str(raw.get("peft_type", "LORA")).upper() != "LORA":
-        raise CheckpointError(f"{file}: not a LoRA adapter (peft_type {raw.get('peft_type')!r})")
+        raise CheckpointError(f"{file}: not a LoRA adapter (its peft_type must be LORA)")
     for key, what in _UNSUPPORTED.items():
         if raw.get(key):
             raise CheckpointError(f"{file}: {what} is not supported")
     if raw.get("bias", "none") != "none":
-        raise CheckpointError(f"{file}: trained biases (bias {raw['bias']!r}) are not supported")
+        raise CheckpointError(f"{file}: trained biases (a bias other than 'none') are not supported")
     rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise CheckpointError(f"{file}: r must be a positive integer and lora_alpha a number, got {rank!r}, "
-                              f"{alpha!r}")
+        raise CheckpointError(f"{file}: r must be a positive integer and lora_alpha a number")
     return AdapterConfig(float(alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank))
 
 

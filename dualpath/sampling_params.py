@@ -18,6 +18,8 @@ MAX_CHOICES = 16  # n: every choice is a row of the decode batch
 MAX_BAD_WORDS = 128  # token sequences per request (a step looks up the reply's tail once per distinct length)
 MAX_BAD_WORD_TOKENS = 32
 MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every engine
+MAX_STOPS = 16  # stop strings per request: each is searched for in the reply's text as every token comes
+MAX_STOP_CHARS = 256  # characters per stop string: a streamed reply holds back as much text (HTTP takes 4 of them)
 ADAPTER_ID = re.compile(r"[0-9a-f]{64}")  # a LoRA adapter's identity (dualpath.lora.adapter_digest)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's, + max_new_tokens
 
@@ -160,6 +162,9 @@ class SamplingParams:
             raise RequestError("json_branches need json_schema", field="tools")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters",
+                               field="stop")
         if not 0 <= self.num_resumed_tokens < self.max_tokens:
             raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
                                field="num_resumed_tokens")

@@ -325,9 +325,9 @@ MISTYPED = [
 
 
 @pytest.mark.parametrize("path, body, field, value, param", MISTYPED)
-def test_a_field_of_another_json_type_is_a_400_naming_it(front, path, body, field, value, param):
-    http, fake, _ = front
-    r = post(http, path, **{**body, field: value})
+def test_a_field_of_another_json_type_is_a_400_naming_it(tiny_dirs, tmp_path, path, body, field, value, param):
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin")
+    r = http.post(path, json={**body, field: value}, headers={"Authorization": "Bearer admin"})  # admin routes too
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error", err

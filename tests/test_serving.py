@@ -24,6 +24,7 @@ from dualpath.regex import choice_pattern
 from serve_process import ServeProcess, alive
 
 KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
 BS = 16
 MODES = ["pe", "de", "dualpath", "basic"]
 def _openapi_nullable(node):
@@ -68,6 +69,8 @@ def tiny(tiny_dirs, tiny_adapters, tmp_path_factory):
                           "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048", "--kv-store", str(kv),
                           "--lora-modules", *(f"{k}={p}" for k, p in tiny_adapters.items()),
                           "--api-key", KEY, "--max-concurrent-requests", "3", "--max-body-bytes", str(1 << 20),
+                          "--enable-admin-api", "--admin-api-key", ADMIN_KEY,
+                          "--allowed-model-dirs", str(tmp_path_factory.getbasetemp()),
                           "--max-model-len", "512", "--torch-threads", "1", "--health-generate-timeout", "2")
     yield server
     children = server.children()
@@ -85,8 +88,8 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def headers():
-    return {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+def headers(key=KEY):
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -239,12 +242,17 @@ def test_a_lora_adapter_loaded_at_runtime_is_served_until_unloaded(tiny, referen
     c, prompt = client(tiny), "a dish for the runtime adapter " * 2
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="chef", prompt=prompt, max_tokens=4)
-    bad = [raw(tiny, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": chef}),
-           raw(tiny, "/load_lora_adapter", {"lora_name": "chef2", "lora_path": str(dora)}),
-           raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef3", "lora_path": str(tmp_path / "none")})]
+    admin = headers(ADMIN_KEY)
+    assert raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef", "lora_path": chef}).status_code == 403  # KEY's
+    bad = [raw(tiny, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": chef}, hdrs=admin),
+           raw(tiny, "/load_lora_adapter", {"lora_name": "chef2", "lora_path": str(dora)}, hdrs=admin),
+           raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef3", "lora_path": str(tmp_path / "none")}, hdrs=admin),
+           raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef4", "lora_path": "/etc"}, hdrs=admin)]
     assert [(r.status_code, r.json()["error"]["param"]) for r in bad] == [(400, "lora_name"), (400, "lora_path"),
-                                                                           (400, "lora_path")], [r.text for r in bad]
-    r = raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef", "lora_path": chef})
+                                                                           (400, "lora_path"), (400, "lora_path")], \
+        [r.text for r in bad]
+    assert "--allowed-model-dirs" in bad[-1].json()["error"]["message"]
+    r = raw(tiny, "/v1/load_lora_adapter", {"lora_name": "chef", "lora_path": chef}, hdrs=admin)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert c.models.retrieve("chef").model_extra["root"] == chef
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -253,8 +261,8 @@ def test_a_lora_adapter_loaded_at_runtime_is_served_until_unloaded(tiny, referen
     got = c.completions.create(model="chef", prompt=prompt, max_tokens=6, temperature=0,
                                extra_body={"ignore_eos": True})
     assert got.choices[0].text == want and got.model == "chef"
-    assert raw(tiny, "/unload_lora_adapter", {"lora_name": "chef"}).status_code == 200
-    assert raw(tiny, "/v1/unload_lora_adapter", {"lora_name": "chef"}).status_code == 404
+    assert raw(tiny, "/unload_lora_adapter", {"lora_name": "chef"}, hdrs=admin).status_code == 200
+    assert raw(tiny, "/v1/unload_lora_adapter", {"lora_name": "chef"}, hdrs=admin).status_code == 404
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="chef", prompt=prompt, max_tokens=4)
 
@@ -467,9 +475,12 @@ def test_error_cases_return_openai_errors_and_the_server_keeps_serving(tiny):
         (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 600}), 400,
          "max_tokens"),
         (dict(body={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}), 404, "model"),
-        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]}, hdrs={}), 401, None),
         (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]},
-              hdrs={"Authorization": "Bearer wrong"}), 401, None),
+              hdrs={"Content-Type": "application/json"}), 401, None),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]},
+              hdrs={"Authorization": "Bearer wrong", "Content-Type": "application/json"}), 401, None),
+        (dict(body={"model": "llama", "messages": [{"role": "user", "content": "x"}]},
+              hdrs={**headers(), "Content-Type": "text/plain"}), 415, None),  # a form a web page could post
         (dict(body=b"{" + b" " * (2 << 20) + b"}"), 413, None),
         (dict(body={"model": "llama", "prompt": ["a", "b", "c", "d"]}, path="/v1/completions"), 400, "prompt"),
         (dict(body={"model": "llama", "prompt": "a", "n": 4}, path="/v1/completions"), 400, "n"),

@@ -30,6 +30,7 @@ from test_scheduler_core import BS, Clock, info, make_core, pull
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = [(i * 11) % 250 + 3 for i in range(50)]
+ADMIN = {"Authorization": "Bearer admin"}  # the admin key of the HTTP tests' frontends (their admin routes are on)
 
 
 @pytest.fixture(scope="module")
@@ -470,17 +471,23 @@ def test_a_cluster_serves_new_weights_and_no_block_of_the_old_hits(cluster, tiny
 def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny_dirs, second):
     c, client, _ = cluster
     front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    api_key="k"))
-    auth = {"Authorization": "Bearer k"}
+                                    api_key="k", enable_admin_api=True, admin_api_key="admin",
+                                    allowed_model_dirs=(str(tiny_dirs["llama"].parent), str(second["llama"].parent))))
+    auth, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer admin"}
     with TestClient(front.app) as http:
         assert http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])}).status_code == 401
-        bad = http.post("/update_weights_from_disk", json={"model_path": "x", "load_format": "dummy"}, headers=auth)
+        assert http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])},
+                         headers=auth).status_code == 403  # an inference key is no admin key
+        bad = http.post("/update_weights_from_disk", json={"model_path": "x", "load_format": "dummy"}, headers=admin)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_format"
-        missing = http.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"}, headers=auth)
+        elsewhere = http.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"}, headers=admin)
+        assert elsewhere.status_code == 400 and "--allowed-model-dirs" in elsewhere.json()["error"]["message"]
+        missing = http.post("/update_weights_from_disk", json={"model_path": str(second["llama"].parent / "none")},
+                            headers=admin)
         assert missing.status_code == 400 and not missing.json()["success"]
         assert "no config.json" in missing.json()["message"]
         ok = http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"]),
-                                                          "weight_version": "base-again"}, headers=auth)
+                                                          "weight_version": "base-again"}, headers=admin)
         assert ok.status_code == 200, ok.json()
         assert ok.json()["success"] and ok.json()["engines"] == 3 and ok.json()["weight_version"] == "base-again"
         version = http.get("/get_weight_version", headers=auth).json()
@@ -518,14 +525,15 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
     request, not streamed ones and OpenAI endpoints' too; nothing is left running. A weight update's
     ``abort_all_requests`` ends a generating reply the same way."""
     c, client, _ = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512))
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
+                                    enable_admin_api=True, admin_api_key="admin"))
     n = 512 - len(PROMPT)
     want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
         PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
     long = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    with TestClient(front.app) as http:
+    with TestClient(front.app, headers=ADMIN) as http:
         assert http.post("/abort_request", json={}).status_code == 400
-        assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": 0}
+        assert http.post("/abort_request", json={"rid": "nobody"}).status_code == 404
         with http.stream("POST", "/generate", json={"input_ids": PROMPT, "rid": "r-1", "stream": True,
                                                      "sampling_params": long}) as r:
             lines = r.iter_lines()
@@ -585,7 +593,8 @@ def test_abort_request_ends_requests_sent_through_another_frontend(cluster, tiny
     requests it names whichever frontend they came through (an OpenAI request by its X-Request-Id), each with the
     tokens it had."""
     c, client, _ = cluster
-    cfg = FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512)
+    cfg = FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
+                         enable_admin_api=True, admin_api_key="admin")
     one, two = Frontend(cfg), Frontend(cfg)
     n = 512 - len(PROMPT)
     want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
@@ -602,8 +611,8 @@ def test_abort_request_ends_requests_sent_through_another_frontend(cluster, tiny
             deadline = time.monotonic() + 30
             while one.last_token_at < since and time.monotonic() < deadline:
                 time.sleep(0.01)
-            ask = {"rid": "rollout-7"} if name == "by rid" else {"abort_all": True}
-            assert b.post("/abort_request", json=ask).json() == {"aborted": 1}
+            ask, who = ({"rid": "rollout-7"}, {}) if name == "by rid" else ({"abort_all": True}, ADMIN)
+            assert b.post("/abort_request", json=ask, headers=who).json() == {"aborted": 1}
             t.join(30)
             choice = got[name].json()["choices"][0]
             assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < n
@@ -619,13 +628,13 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
     after the resume; mode wait returns once the request sent before it finished whole."""
     c, client, _ = cluster
     front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    health_generate_timeout_s=5))
+                                    health_generate_timeout_s=5, enable_admin_api=True, bind_host="127.0.0.1"))
     n = 512 - len(PROMPT)
     reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
     want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
     long = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     got = {}
-    with TestClient(front.app) as http:
+    with TestClient(front.app, base_url="http://127.0.0.1") as http:  # no admin key: loopback only
         assert http.post("/pause?mode=keep").status_code == 400
         assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 400
         assert http.get("/is_paused").json() == {"is_paused": False}
@@ -674,10 +683,11 @@ def test_flush_cache_makes_the_next_request_compute_its_prompt_whole(cluster, ti
     """SGLang's /flush_cache and vLLM's /reset_prefix_cache: refused while a request runs; then the prompt's blocks
     are gone from the store and the index (the next request loads nothing, answers the same) and are stored again."""
     c, client, kv = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512))
+    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
+                                    enable_admin_api=True, admin_api_key="admin"))
     prompt = [(i * 7) % 250 + 3 for i in range(70)]
     body = {"model": "llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    with TestClient(front.app) as http:
+    with TestClient(front.app, headers=ADMIN) as http:
         def turn():
             out = http.post("/v1/completions", json=body).json()
             return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualpath.errors import RequestError
+from dualpath.serving.bounded import off_loop
 from dualpath.serving.choices import ApiError, Outcome, PromptLogprobs, merge
 from dualpath.serving.protocol import CompletionRequest, error_body, parse
 
@@ -52,21 +53,18 @@ class NativeApi:
     async def generate(self, request: Request):
         status = 200
         try:
-            self.front._auth(request)
+            owner = self.front.auth.caller(request).owner
             body = await request.body()
-            if len(body) > self.front.cfg.max_body_bytes:
-                raise ApiError(413, f"request body of {len(body)} bytes exceeds {self.front.cfg.max_body_bytes}")
             try:
                 req = parse(GenerateRequest, body)
                 comp = _as_completion(req, _model(req, self.front.cfg.model_name, self.front.adapters))
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
-            prompts = self.front._prompts(comp, "completions")
-            samplings = [self.front._sampling(comp, "completions", p) for p in prompts]
+            prompts, samplings = await off_loop(self.front._prepared, comp, "completions")
             single = comp.n == 1 and (isinstance(req.text, str) or isinstance((req.input_ids or [[]])[0], int))
             answer = _Answers(self.front.tokenizer, req, comp, prompts, samplings, time.perf_counter())
             gens = await self.front._start(comp, prompts, samplings, answer.given_rids,  # from here on they close
-                                           label=request.state.request_id)
+                                           label=request.state.request_id, owner=owner)
             if req.stream:
                 return StreamingResponse(answer.events(gens), media_type="text/event-stream")
             got = await self.front.gather(request, gens)

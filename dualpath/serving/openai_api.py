@@ -8,7 +8,9 @@ A request is tokenized here (chat template from the checkpoint), submitted to th
 strings are matched here (where the text is cut; a choice ends at its first match, as it does on the decode engine,
 and the request is cancelled once none runs), tool calls are parsed from chat replies here
 (``dualpath.serving.tools``), and a client that disconnects cancels its request. Errors use OpenAI's JSON error
-format.
+format. Who may call what (keys, owners, the admin routes, the directories weights load from):
+``dualpath.serving.auth``; what one request or key may take (its body, its generation slots):
+``dualpath.serving.guard``; tokenizing and chat rendering, bounded and off the event loop: ``dualpath.serving.bounded``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -38,8 +40,11 @@ from dualpath.metrics import CONTENT_TYPE, Registry
 from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
+from dualpath.serving.auth import ADMIN, ANONYMOUS, LORA, Auth, allowed_dirs, confined, is_loopback, owned_label
+from dualpath.serving.bounded import CHARS_PER_TOKEN, RenderTimeout, off_loop, within
 from dualpath.serving.native import NativeApi
 from dualpath.serving.control import PAUSE_WAIT_S, Control
+from dualpath.serving.guard import Admission, BodyGuard
 from dualpath.serving.probes import Probes, ask_scheduler
 from dualpath.serving.request_ids import RequestIds
 from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -62,11 +67,12 @@ class FrontendConfig:
     model_dir: str
     scheduler: str
     max_model_len: int
-    api_key: str | None = None
-    max_body_bytes: int = 16 << 20
+    api_key: str | None = None  # an inference key (``dualpath.serving.auth``); none here or in api_keys: no key needed
+    max_body_bytes: int = 16 << 20  # on every route, enforced while the body is read (``dualpath.serving.guard``)
     max_concurrent_requests: int = 512
     default_max_tokens: int = 1024
     max_stored_responses: int = 1024  # /v1/responses kept for GET and previous_response_id
+    max_stored_response_bytes: int = 256 << 20  # and their bytes, all together (the oldest go first)
     responses_dir: str | None = None  # where they are kept (shared by every frontend); None: this process's memory
     reasoning_parser: str = "auto"  # "think": split <think> blocks from chat replies; "auto": if the template has them
     chat_template: str | None = None  # renders chats instead of the checkpoint's template (--chat-template)
@@ -77,6 +83,14 @@ class FrontendConfig:
     trust_request_chat_template: bool = False  # render a chat request's own chat_template (vLLM's flag)
     generation_config: str = "auto"  # sampling defaults: the model's generation_config.json, "vllm" none, or a dir
     lora_modules: tuple[LoraModule, ...] = ()  # LoRA adapters requests may name as their model (the engines' too)
+    api_keys: tuple[str, ...] = ()  # more inference keys (--api-key repeated, --api-key-file)
+    admin_api_key: str | None = None  # what the admin routes need (distinct from every inference key)
+    enable_admin_api: bool = False  # weight updates, adapters, flushes, pauses, server-wide aborts (else a 403)
+    runtime_lora_updating: bool = False  # the adapter routes alone (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    bind_host: str = ""  # the address the server listens on: loopback alone lets admin routes go without an admin key
+    allowed_model_dirs: tuple[str, ...] = ()  # where weights and adapters load from (none: beside model and adapters)
+    max_concurrent_requests_per_key: int = 0  # 0: half the server's once two or more keys are set, else all of it
+    render_timeout_s: float = 5.0  # a chat template's rendering is cut (a 400) after this long
 
 
 class Frontend:
@@ -96,7 +110,12 @@ class Frontend:
             log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
                      self.defaults)
         self.created = int(time.time())
-        self.in_flight = 0
+        self.auth = Auth((cfg.api_key, *cfg.api_keys), cfg.admin_api_key,
+                         {ADMIN, LORA} if cfg.enable_admin_api else {LORA} if cfg.runtime_lora_updating else (),
+                         is_loopback(cfg.bind_host))
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.max_concurrent_requests_per_key or (
+            cfg.max_concurrent_requests // 2 if self.auth.inference_keys > 1 else cfg.max_concurrent_requests))
+        self.model_dirs = allowed_dirs(cfg.allowed_model_dirs, cfg.model_dir, (m.path for m in cfg.lora_modules))
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()  # grammars known to compile, request templates (``_kept``)
         m = self.metrics = Registry()
@@ -125,8 +144,8 @@ class Frontend:
         self.m_migrations.inc(0)  # shown from the start
         self.client.on_migration = lambda _rid: self.m_migrations.inc()
         self.m_inflight.set(0)
-        self.responses = DirectoryResponses(cfg.responses_dir, cfg.max_stored_responses) if cfg.responses_dir \
-            else MemoryResponses(cfg.max_stored_responses)
+        kept = (cfg.max_stored_responses, cfg.max_stored_response_bytes)
+        self.responses = DirectoryResponses(cfg.responses_dir, *kept) if cfg.responses_dir else MemoryResponses(*kept)
         self.native = NativeApi(self)  # SGLang's /generate
         self.probes = Probes(self)  # /health and the like
         self.control = Control(self)  # /pause and /resume
@@ -136,7 +155,8 @@ class Frontend:
     # --- app ------------------------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="DualPath", docs_url=None, redoc_url=None)
-        app.add_middleware(RequestIds)
+        app.add_middleware(BodyGuard, max_bytes=self.cfg.max_body_bytes)
+        app.add_middleware(RequestIds)  # the outer one: a body refused by the guard still answers with an id
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
@@ -179,12 +199,12 @@ class Frontend:
 
         @app.get("/get_model_info")
         async def model_info(request: Request):
-            self._auth(request)
+            self.auth.caller(request)
             return await self.probes.model_info()
 
         @app.get("/get_server_info")
         async def server_info(request: Request):
-            self._auth(request)
+            self.auth.caller(request)
             return await self.probes.server_info()
 
         @app.get("/metrics")
@@ -194,13 +214,13 @@ class Frontend:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            self._auth(request)
+            self.auth.caller(request)
             return {"object": "list", "data": [self._model_card(n) for n in (self.cfg.model_name,
                                                                              *self.cfg.model_aliases, *self.adapters)]}
 
         @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; a name may hold slashes ("Qwen/Qwen2.5-7B")
         async def model(name: str, request: Request):
-            self._auth(request)
+            self.auth.caller(request)
             self._check_model(name)
             return self._model_card(name)
 
@@ -218,20 +238,19 @@ class Frontend:
 
         @app.get("/v1/responses/{rid}")
         async def get_response(rid: str, request: Request):
-            self._auth(request)
-            return JSONResponse((await self._stored(rid))[0])
+            return JSONResponse((await self._stored(rid, self.auth.caller(request).owner))[0])
 
         @app.get("/v1/responses/{rid}/input_items")
         async def response_input_items(rid: str, request: Request, limit: int = 20, order: str = "desc",
                                        after: str | None = None, before: str | None = None):
-            self._auth(request)
-            return JSONResponse(item_page((await self._stored(rid))[2], limit, order, after, before))
+            entry = await self._stored(rid, self.auth.caller(request).owner)
+            return JSONResponse(item_page(entry[2], limit, order, after, before))
 
         @app.delete("/v1/responses/{rid}")
         async def delete_response(rid: str, request: Request):
-            self._auth(request)
-            if not await asyncio.to_thread(self.responses.delete, rid):
-                await self._stored(rid)  # the 404
+            owner = self.auth.caller(request).owner
+            if not await asyncio.to_thread(self.responses.delete, rid, owner):
+                await self._stored(rid, owner)  # the 404
             return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
         @app.post("/tokenize")
@@ -246,13 +265,14 @@ class Frontend:
         async def generate(request: Request):
             return await self.native.generate(request)
 
-        @app.post("/abort_request")
+        @app.post("/abort_request")  # by rid: the caller's own requests (an admin's: anyone's); abort_all: admin
         async def abort_request(request: Request):
-            return await self._utility(request, "abort_request", AbortRequest, self._abort)
+            return await self._utility(request, "abort_request", AbortRequest, partial(self._abort, request=request))
 
+        # the admin routes (``dualpath.serving.auth``): off unless enabled, then only for the admin key
         @app.post("/update_weights_from_disk")
         async def update_weights(request: Request):
-            return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights)
+            return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights, ADMIN)
 
         for prefix in ("/v1", ""):  # vLLM's paths, and SGLang's
             app.post(f"{prefix}/load_lora_adapter")(self._adapter_endpoint("load_lora_adapter", LoadLoraRequest,
@@ -263,11 +283,12 @@ class Frontend:
         @app.post("/pause")  # vLLM's
         async def pause(request: Request, mode: str = "abort", wait_for_inflight_requests: bool = False,
                         clear_cache: bool = True, timeout: float = PAUSE_WAIT_S):  # clear_cache: nothing to clear
-            return await self._control(request, "pause", self.control.pause(mode, wait_for_inflight_requests, timeout))
+            return await self._control(request, "pause", self.control.pause(mode, wait_for_inflight_requests, timeout),
+                                       ADMIN)
 
         @app.post("/resume")
         async def resume(request: Request):
-            return await self._control(request, "resume", self.control.resume())
+            return await self._control(request, "resume", self.control.resume(), ADMIN)
 
         @app.get("/is_paused")
         async def is_paused(request: Request):
@@ -276,33 +297,34 @@ class Frontend:
         @app.post("/pause_generation")  # SGLang's
         async def pause_generation(request: Request):
             return await self._utility(request, "pause_generation", PauseGenerationRequest,
-                                       self.control.pause_generation)
+                                       self.control.pause_generation, ADMIN)
 
         @app.post("/continue_generation")
         async def continue_generation(request: Request):
-            return await self._control(request, "continue_generation", self.control.resume())
+            return await self._control(request, "continue_generation", self.control.resume(), ADMIN)
 
-        @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's (GET in older releases)
+        @app.post("/flush_cache")  # SGLang's (older releases took a GET: here no GET changes anything)
         async def flush_cache(request: Request):
-            return await self._control(request, "flush_cache", self.control.flush_cache())
+            return await self._control(request, "flush_cache", self.control.flush_cache(), ADMIN)
 
         @app.post("/reset_prefix_cache")  # vLLM's
         async def reset_prefix_cache(request: Request):
-            return await self._control(request, "reset_prefix_cache", self.control.flush_cache())
+            return await self._control(request, "reset_prefix_cache", self.control.flush_cache(), ADMIN)
 
         @app.get("/get_weight_version")
         async def weight_version(request: Request):
-            self._auth(request)
+            self.auth.caller(request)
             return await self.probes.weight_version()
 
         return app
 
-    async def _control(self, request: Request, name: str, answer) -> JSONResponse:
-        """A request that is not a generation, once its key is checked: ``answer`` is the coroutine that gives its
-        JSON body or its response (closed unrun when the key is wrong); counted in ``http_requests_total``."""
+    async def _control(self, request: Request, name: str, answer, admin: str | None = None) -> JSONResponse:
+        """A request that is not a generation, once its caller is checked (an admin route's, of group ``admin``,
+        at the admin gate): ``answer`` is the coroutine that gives its JSON body or its response (closed unrun when
+        the caller is refused); counted in ``http_requests_total``."""
         status = 200
         try:
-            self._auth(request)
+            self.auth.admin(request, admin) if admin else self.auth.caller(request)
             out = await answer
             if isinstance(out, JSONResponse):
                 status = out.status_code
@@ -315,9 +337,9 @@ class Frontend:
             answer.close()  # a no-op once awaited
             self.m_requests.inc(endpoint=name, status=status)
 
-    async def _utility(self, request: Request, name: str, model_cls, answer) -> JSONResponse:
+    async def _utility(self, request: Request, name: str, model_cls, answer, admin: str | None = None) -> JSONResponse:
         """One with a body (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer(req)`` gives a JSON
-        body, or (awaited) a response."""
+        body, or (awaited) a response. The body is read once the caller passed (``_control``)."""
         async def parsed_and_answered():
             try:
                 req = parse(model_cls, await request.body() or b"{}")  # no body: every field's default
@@ -328,27 +350,33 @@ class Frontend:
             out = answer(req)
             return await out if inspect.isawaitable(out) else out
 
-        return await self._control(request, name, parsed_and_answered())
+        return await self._control(request, name, parsed_and_answered(), admin)
 
-    def _tokenize(self, req: TokenizeRequest) -> dict:
-        try:
-            if req.messages is not None:
-                ids = self._chat_ids(req)
-            else:
-                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from None
+    async def _tokenize(self, req: TokenizeRequest) -> dict:
+        def tokenized() -> list[int]:
+            try:
+                if req.messages is not None:
+                    return self._chat_ids(req)
+                return self._encode(req.prompt, "prompt", req.add_special_tokens)
+            except RequestError as e:
+                raise ApiError(400, str(e), param=e.field) from None
+        ids = await off_loop(tokenized)
         return {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids}
 
-    def _detokenize(self, req: DetokenizeRequest) -> dict:
-        return {"prompt": self.tokenizer.decode(self._known_ids(req.tokens, "tokens"))}
+    async def _detokenize(self, req: DetokenizeRequest) -> dict:
+        if len(req.tokens) > self.cfg.max_model_len:
+            raise ApiError(400, f"tokens: at most the model's context of {self.cfg.max_model_len}", param="tokens")
+        ids = self._known_ids(req.tokens, "tokens")
+        return {"prompt": await off_loop(self.tokenizer.decode, ids)}
 
     async def _update_weights(self, req: UpdateWeightsRequest) -> JSONResponse:
         """SGLang's ``/update_weights_from_disk``: every engine loads the checkpoint's weights (the scheduler pauses
-        admission and drains first). 200 when all did; 400 when none could (the old weights stay); 500 when some
-        could not (they left the cluster, which serves the new weights on the others)."""
+        admission and drains first) from under the allowed directories. 200 when all did; 400 when none could (the
+        old weights stay); 500 when some could not (they left the cluster, which serves the new weights on the
+        others)."""
+        path = confined(req.model_path, self.model_dirs, "model_path")
         try:
-            reply = await asyncio.to_thread(self.client.update_weights, req.model_path, req.weight_version or "",
+            reply = await asyncio.to_thread(self.client.update_weights, path, req.weight_version or "",
                                             req.timeout, req.abort_all_requests)
         except DualPathError as e:
             raise ApiError(503, f"the scheduler did not answer the update: {e}") from None
@@ -360,27 +388,29 @@ class Frontend:
 
     def _adapter_endpoint(self, name: str, model_cls, answer):
         async def endpoint(request: Request):
-            return await self._utility(request, name, model_cls, answer)
+            return await self._utility(request, name, model_cls, answer, LORA)
         return endpoint
 
     async def _load_adapter(self, req: LoadLoraRequest) -> JSONResponse:
-        """Every engine loads the adapter (and every engine that joins later); then requests may name it. 400 for an
-        adapter that cannot be served or a name in use, 500 when an engine could not load it."""
+        """Every engine loads the adapter (and every engine that joins later) from under the allowed directories;
+        then requests may name it. 400 for an adapter that cannot be served or a name in use, 500 when an engine
+        could not load it."""
         if req.lora_name in self.adapters or req.lora_name in (self.cfg.model_name, *self.cfg.model_aliases):
             raise ApiError(400, f"the model name {req.lora_name!r} is in use; unload it first", param="lora_name")
+        path = confined(req.lora_path, self.model_dirs, "lora_path")
         try:
-            await asyncio.to_thread(read_adapter_config, req.lora_path)
-            digest = await asyncio.to_thread(adapter_digest, req.lora_path)
+            await asyncio.to_thread(read_adapter_config, path)
+            digest = await asyncio.to_thread(adapter_digest, path)
         except CheckpointError as e:
             raise ApiError(400, str(e), param="lora_path") from None
         try:
-            reply = await asyncio.to_thread(self.client.load_adapter, req.lora_path)
+            reply = await asyncio.to_thread(self.client.load_adapter, path)
         except DualPathError as e:
             raise ApiError(503, f"the scheduler did not answer: {e}") from None
         if not reply.ok or reply.digest != digest:
-            raise ApiError(500, reply.error or f"the engines read other bytes of {req.lora_path} than this frontend")
+            raise ApiError(500, reply.error or f"the engines read other bytes of {path} than this frontend")
         self.adapters[req.lora_name], self.adapter_dirs[req.lora_name] = digest, req.lora_path
-        log.info("serving LoRA adapter %s (%s) on %d engines", req.lora_name, req.lora_path, reply.engines)
+        log.info("serving LoRA adapter %s (%s) on %d engines", req.lora_name, path, reply.engines)
         return JSONResponse({"success": True,
                              "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."})
 
@@ -412,48 +442,38 @@ class Frontend:
         """The ``model`` a reply names: the adapter asked for (as vLLM names it), else the first served name."""
         return req.model if req.model in self.adapters else self.cfg.model_name
 
-    def _auth(self, request: Request) -> None:
-        if not self.cfg.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.cfg.api_key}":
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           "invalid_request_error", None, "invalid_api_key")
-
     async def _endpoint(self, request: Request, kind: str):
         """Chat and completions requests, and the Responses API's (``kind`` "responses": answered as a chat)."""
         status, call = 200, None
         try:
-            self._auth(request)
+            owner = self.auth.caller(request).owner
             body = await request.body()
-            if len(body) > self.cfg.max_body_bytes:
-                raise ApiError(413, f"request body of {len(body)} bytes exceeds {self.cfg.max_body_bytes}")
             try:
                 req = parse({"chat": ChatRequest, "completions": CompletionRequest,
                              "responses": ResponsesRequest}[kind], body)
                 self._check_model(req.model)
                 if kind == "responses":
-                    call = ResponseCall(req, self._reply_model(req), await self._history(req.previous_response_id),
-                                        self.defaults)
-                    req = await asyncio.to_thread(self._fitted, call)  # renders the chat a few times
+                    history = await self._history(req.previous_response_id, owner)
+                    call = ResponseCall(req, self._reply_model(req), history, self.defaults)
+                    req = await off_loop(self._fitted, call)  # renders the chat a few times
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
             chat_kind = "completions" if kind == "completions" else "chat"
-            prompts = self._prompts(req, chat_kind)
-            samplings = [self._sampling(req, chat_kind, p) for p in prompts]
+            prompts, samplings = await off_loop(self._prepared, req, chat_kind)
             label = request.state.request_id
-            gens = await self._start(req, prompts, samplings, label=label)
+            gens = await self._start(req, prompts, samplings, label=label, owner=owner)
             rid = f"{'chatcmpl' if chat_kind == 'chat' else 'cmpl'}-{label}"  # vLLM's ids, from X-Request-Id
+            keep = partial(self._respond, owner=owner)
             if req.stream:
                 chunks = self._chunks(gens, req, chat_kind, prompts, rid)
                 events = self._sse(chunks) if call is None else \
-                    event_stream(call, chunks, self.client.block_size(), self._respond)
+                    event_stream(call, chunks, self.client.block_size(), keep)
                 return StreamingResponse(events, media_type="text/event-stream")
             answer = await self._collect(request, gens, req, chat_kind, prompts, rid)
             if answer is None:
                 return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
             if call is not None:
-                answer = await self._respond(call, call.from_chat(answer, self.client.block_size()))
+                answer = await keep(call, call.from_chat(answer, self.client.block_size()))
             return JSONResponse(answer)
         except ApiError as e:
             status = e.status
@@ -463,12 +483,13 @@ class Frontend:
         finally:
             self.m_requests.inc(endpoint=kind, status=status)
 
-    async def _stored(self, rid: str) -> tuple[dict, list[dict]]:
-        entry = await asyncio.to_thread(self.responses.get, rid)  # a file, maybe on a network filesystem
+    async def _stored(self, rid: str, owner: str) -> tuple[dict, list[dict], list[dict]]:
+        """The stored response ``rid`` if ``owner``'s: another owner's is as absent (404) as one never stored."""
+        entry = await asyncio.to_thread(self.responses.get, rid, owner)  # a file, maybe on a network filesystem
         if entry is None:
-            where = self.cfg.responses_dir or "this frontend's memory"
+            whose = "" if owner == ANONYMOUS else ", each for the API key that stored it"
             raise ApiError(404, f"no stored response with id {rid!r} (kept: the last {self.cfg.max_stored_responses} "
-                                f"with store true, in {where})", code="not_found")
+                                f"with store true{whose})", code="not_found")
         return entry
 
     def _fitted(self, call: ResponseCall) -> ChatRequest:
@@ -492,39 +513,36 @@ class Frontend:
                 lo = mid + 1
         return without_exchanges(chat, starts[lo]) if lo < len(starts) else chat  # none fits: the usual 400
 
-    async def _history(self, previous: str | None) -> list[dict]:
-        """The conversation a ``previous_response_id`` ended (none without one)."""
+    async def _history(self, previous: str | None, owner: str) -> list[dict]:
+        """The conversation a ``previous_response_id`` of ``owner``'s ended (none without one)."""
         if previous is None:
             return []
         try:
-            return (await self._stored(previous))[1]
+            return (await self._stored(previous, owner))[1]
         except ApiError as e:
             raise ApiError(400, str(e), param="previous_response_id", code="previous_response_not_found") from None
 
-    async def _respond(self, call: ResponseCall, response: dict) -> dict:
+    async def _respond(self, call: ResponseCall, response: dict, owner: str) -> dict:
         if call.req.store:
             await asyncio.to_thread(self.responses.put, response, call.conversation(response),
-                                    input_items(call.req.input))
+                                    input_items(call.req.input), owner)
         return response
 
     async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams],
-                     rids: list[str] | None = None, label: str = "") -> list:
+                     rids: list[str] | None = None, label: str = "", owner: str = ANONYMOUS) -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
-        one generator per choice (``_generate``), prompt after prompt. Admission counts every choice. ``rids``:
-        each prompt's name for ``/abort_request`` (SGLang's ``rid``; default: ``label``). ``label``: the HTTP
-        request's id, which begins each prompt's id at the scheduler and engines (their logs name it; a random
-        suffix keeps ids unique when clients reuse theirs)."""
+        one generator per choice (``_generate``), prompt after prompt. Admission counts every choice, the server's
+        and ``owner``'s. ``rids``: each prompt's name for ``/abort_request`` (SGLang's ``rid``; default: ``label``),
+        in ``owner``'s namespace. ``label``: the HTTP request's id, which begins each prompt's id at the scheduler
+        and engines (their logs name it; a random suffix keeps ids unique when clients reuse theirs)."""
         k = req.samples()
         total = k * len(prompts)
-        if total > self.cfg.max_concurrent_requests:
-            raise ApiError(400, f"{len(prompts)} prompt(s) x {k} choices exceed the server's "
-                                f"{self.cfg.max_concurrent_requests} concurrent generations",
+        if total > self.admission.most(owner):
+            raise ApiError(400, f"{len(prompts)} prompt(s) x {k} choices exceed the "
+                                f"{self.admission.most(owner)} concurrent generations one request may have",
                            param="prompt" if len(prompts) > 1 else "n")
-        with self._lock:
-            if self.in_flight + total > self.cfg.max_concurrent_requests:
-                raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
-            self.in_flight += total
+        self.admission.take(owner, total)
+        done = partial(self.admission.give, owner)
         if req.model in self.adapters:
             self.m_lora.inc(adapter=req.model)
         mode = (req.dualpath.mode or "") if req.dualpath else ""
@@ -532,37 +550,53 @@ class Frontend:
         try:
             for j, (p, sampling) in enumerate(zip(prompts, samplings)):
                 sid = f"{label}-{uuid.uuid4().hex[:8]}" if label else None
-                name = (rids[j] if rids else "") or label
+                name = owned_label(owner, (rids[j] if rids else "") or label)
                 handle = await asyncio.to_thread(self.client.start, p.ids, sampling, sid, mode, name)
                 fan = Fanout(handle, k, loop)
-                gens += [Generation(self._generate(fan, i, p.ids, sampling), fan, self._done) for i in range(k)]
+                gens += [Generation(self._generate(fan, i, p.ids, sampling, done), fan, done) for i in range(k)]
         except BaseException as e:
             for g in gens:  # the prompts already submitted are cancelled
                 await g.aclose()
-            for _ in range(total - len(gens)):
-                self._done()
+            if total > len(gens):
+                done(total - len(gens))
             if isinstance(e, DualPathError):  # the scheduler is unreachable or refused the submission
                 raise ApiError(503, f"the request could not be submitted: {e}", "server_error",
                                headers={"Retry-After": "1"}) from None
             raise
         return gens
 
-    def _done(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
+    @property
+    def in_flight(self) -> int:
+        """Generations (choices) in flight through this frontend."""
+        return self.admission.total
 
-    async def _abort(self, req: AbortRequest) -> dict:
+    async def _abort(self, req: AbortRequest, request: Request) -> dict:
         """SGLang's ``/abort_request``: the requests named ``rid`` (``/generate``'s rid, or another endpoint's
         X-Request-Id), or all (``abort_all``), end where they are, whichever frontend they came through (the
         scheduler ends them); each choice answers with what it generated so far and finish reason ``abort`` (an RL
-        trainer's partial rollouts at a weight update)."""
+        trainer's partial rollouts at a weight update). A rid names the caller's own requests (an admin's: every
+        key's); none in flight is a 404, as another key's are. ``abort_all`` is an admin route."""
         if not req.rid and not req.abort_all:
             raise ApiError(400, "give the rid of the request(s) to abort, or abort_all", param="rid")
-        n = await ask_scheduler(self.client.abort, req.rid, req.abort_all)
+        if req.abort_all:
+            self.auth.admin(request)
+            n = await ask_scheduler(self.client.abort, "", True)
+        else:
+            owners = self.auth.owners() if self.auth.is_admin(request) else (self.auth.caller(request).owner,)
+            n = 0
+            for owner in owners:
+                n += await ask_scheduler(self.client.abort, owned_label(owner, req.rid), False)
+            if not n:
+                raise ApiError(404, f"no request named {req.rid!r} is in flight", param="rid", code="not_found")
         self.m_aborted.inc(n)
         return {"aborted": n}
 
-    # --- request -> tokens and sampling ---------------------------------------------------------------------
+    # --- request -> tokens and sampling (on the worker threads: ``dualpath.serving.bounded``) -----------------
+    def _prepared(self, req, kind: str) -> tuple[list[Prompt], list[SamplingParams]]:
+        """The request's prompts and each one's sampling parameters."""
+        prompts = self._prompts(req, kind)
+        return prompts, [self._sampling(req, kind, p) for p in prompts]
+
     def _prompts(self, req, kind: str) -> list[Prompt]:
         """The request's prompts as token ids (a chat's one, rendered; a completion's one or batch)."""
         try:
@@ -579,18 +613,38 @@ class Frontend:
 
     def _prompt_ids(self, req: CompletionRequest, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            return self._encode(prompt, "prompt", req.add_special_tokens)
         return self._known_ids(prompt, "prompt")
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids, if it is no longer than a prompt of the model's context can be (a longer one is
+        refused before it is tokenized)."""
+        most = CHARS_PER_TOKEN * self.cfg.max_model_len
+        if len(text) > most:
+            raise RequestError(f"{field}: {len(text)} characters, more than the {most} a prompt of the model's "
+                               f"context of {self.cfg.max_model_len} tokens may have ({CHARS_PER_TOKEN} a token)",
+                               field=field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _truncated(self, req, ids: list[int]) -> list[int]:
         keep = req.truncate_prompt_tokens
         return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
-        renderer = self._renderer(getattr(req, "chat_template", None))
+        """The chat rendered (within ``render_timeout_s``) and tokenized (``_encode``'s bound), as
+        ``Tokenizer.apply_chat_template`` does: the template writes the special tokens."""
+        own = getattr(req, "chat_template", None)
+        renderer = self._renderer(own)
         variables = {**self._effort(req, renderer), **req.render_options(), **self._documents(req, renderer),
                      **self._tools(req)}  # chat_template_kwargs may set reasoning_effort too (vLLM's way for some)
-        return renderer.apply_chat_template([m.for_template() for m in req.messages], **variables)
+        field = "chat_template" if own is not None else "messages"
+        try:
+            text = within(self.cfg.render_timeout_s, renderer.render_chat, [m.for_template() for m in req.messages],
+                          **variables)
+        except RenderTimeout:
+            raise RequestError(f"{field}: the chat template's rendering ran past {self.cfg.render_timeout_s:g} s",
+                               field=field) from None
+        return self._encode(text, field, False)
 
     @staticmethod
     def _effort(req, renderer: Tokenizer) -> dict:
@@ -804,10 +858,11 @@ class Frontend:
         return shape.sampling(trigger=True)
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def _generate(self, fan: Fanout, index: int, prompt: list[int],
-                        sampling: SamplingParams) -> AsyncIterator[Any]:
+    async def _generate(self, fan: Fanout, index: int, prompt: list[int], sampling: SamplingParams,
+                        done) -> AsyncIterator[Any]:
         """Choice ``index``: yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing
-        it before its end lets go of the request (cancelled once no choice wants it)."""
+        it before its end lets go of the request (cancelled once no choice wants it); ``done()`` gives back its
+        admission slot."""
         events = fan.queues[index]
         detok = IncrementalDetokenizer(self.tokenizer, prompt, sampling.skip_special_tokens)
         stops, hold = sampling.stop, max((len(s) for s in sampling.stop), default=1) - 1
@@ -863,7 +918,7 @@ class Frontend:
             if not finished:
                 fan.release(early=True)
                 self.m_cancelled.inc()
-            self._done()
+            done()
 
     def _observe(self, o: Outcome, n_prompt: int, start: float, first, last) -> None:
         self.m_prompt.inc(n_prompt)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 import dualpath
 from dualpath.errors import DualPathError
 from dualpath.sampling_params import SamplingParams
+from dualpath.serving.auth import SECRETS
 from dualpath.serving.choices import ApiError
 
 PROBE_PROMPT = "ping"  # one or two tokens: less than a block, so it neither reads nor writes the KV store
@@ -110,8 +111,9 @@ class Probes:
     async def server_info(self) -> dict:
         """SGLang's ``/get_server_info``: this frontend's settings (the API key only as whether one is set), the
         version, and the scheduler's state (``dualpath status`` shows the same)."""
-        settings = {k: v for k, v in asdict(self.front.cfg).items() if k not in ("api_key", "chat_template")}
-        settings["api_key_set"] = bool(self.front.cfg.api_key)
+        settings = {k: v for k, v in asdict(self.front.cfg).items() if k not in (*SECRETS, "chat_template")}
+        settings["api_key_set"] = bool(self.front.auth.inference_keys)
+        settings["admin_api_key_set"] = bool(self.front.cfg.admin_api_key)
         settings["chat_template_set"] = self.front.cfg.chat_template is not None
         return {**settings, "version": dualpath.__version__, "requests_in_flight": self.front.in_flight,
                 "internal_states": [await self.stats()]}

@@ -7,9 +7,10 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dualpath.errors import RequestError
-from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS
+from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS
 
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
+MAX_HTTP_STOPS = 4  # OpenAI's
 from dualpath.serving.tools import template_arguments
 
 
@@ -155,8 +156,9 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_HTTP_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop takes up to {MAX_HTTP_STOPS} non-empty strings of up to {MAX_STOP_CHARS} "
+                             f"characters")
         return v
 
     @field_validator("logit_bias")

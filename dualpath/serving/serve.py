@@ -34,11 +34,14 @@ def model_name(model_dir: str) -> str:
     return Path(model_dir).resolve().name
 
 
+def listed(given) -> tuple:
+    """A repeatable option's values (a YAML config may give one as a string)."""
+    return tuple([given] if isinstance(given, str) else given or ())
+
+
 def served_names(args, model_dir: str) -> tuple[str, ...]:
-    """``--served-model-name``'s names (one or more; a YAML config may give one as a string), else the directory's."""
-    given = getattr(args, "served_model_name", None)
-    names = tuple([given] if isinstance(given, str) else given or ())
-    return names or (model_name(model_dir),)
+    """``--served-model-name``'s names (one or more), else the directory's."""
+    return listed(getattr(args, "served_model_name", None)) or (model_name(model_dir),)
 
 
 def frontend_server(frontend_app, host: str, port: int, drain_s: float):
@@ -150,25 +153,61 @@ def frontend_options(args) -> dict:
                 generation_config=args.generation_config, lora_modules=lora_modules(args))
 
 
+def inference_keys(args) -> tuple[str, ...]:
+    """Every inference key: ``--api-key`` (repeatable), the lines of
+    ``--api-key-file`` (blank ones and ``#`` comments skipped; a file with none is an error, never an open server)
+    and ``DUALPATH_API_KEY``."""
+    from dualpath.errors import ConfigError
+
+    keys = list(listed(getattr(args, "api_key", None)))
+    if getattr(args, "api_key_file", None):
+        try:
+            lines = [line.strip() for line in Path(args.api_key_file).read_text().splitlines()]
+        except OSError as e:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        from_file = [line for line in lines if line and not line.startswith("#")]
+        if not from_file:
+            raise ConfigError(f"--api-key-file {args.api_key_file} holds no key")
+        keys += from_file
+    return tuple(dict.fromkeys(k for k in (*keys, os.environ.get("DUALPATH_API_KEY")) if k))
+
+
+def _env_on(name: str) -> bool:
+    """vLLM's reading of its boolean environment variables."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
+
+
 def http_options(args) -> dict:
-    """The HTTP server's limits from the command line (serve and frontend)."""
-    return dict(max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+    """The HTTP server's keys, admin routes and limits from the command line and the environment (serve and
+    frontend); keys that cannot be used together fail here, before any engine starts."""
+    from dualpath.serving.auth import checked_keys, is_loopback
+
+    admin_key = args.admin_api_key or os.environ.get("DUALPATH_ADMIN_API_KEY") or None
+    enable_admin = args.enable_admin_api or _env_on("VLLM_SERVER_DEV_MODE")
+    if enable_admin and not admin_key and not is_loopback(args.host):
+        log.warning("--enable-admin-api without an admin key on --host %s: the admin routes refuse every request "
+                    "(set DUALPATH_ADMIN_API_KEY, or bind 127.0.0.1)", args.host)
+    return dict(api_keys=checked_keys(inference_keys(args), admin_key), admin_api_key=admin_key,
+                enable_admin_api=enable_admin, runtime_lora_updating=_env_on("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+                bind_host=args.host, allowed_model_dirs=listed(args.allowed_model_dirs),
+                max_body_bytes=args.max_body_bytes, max_concurrent_requests=args.max_concurrent_requests,
+                max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
                 default_max_tokens=args.default_max_tokens, max_stored_responses=args.max_stored_responses,
+                max_stored_response_bytes=args.max_stored_response_bytes, render_timeout_s=args.render_timeout,
                 health_generate_timeout_s=args.health_generate_timeout)
 
 
 def serve(args) -> int:
     from dualpath.serving.openai_api import Frontend, FrontendConfig
 
-    options = frontend_options(args)
+    options, http = frontend_options(args), http_options(args)
     cluster, model_dir, max_len = cluster_from_args(args)
     try:
-        api_key = args.api_key or os.environ.get("DUALPATH_API_KEY")
         names = served_names(args, model_dir)
-        frontend = Frontend(FrontendConfig(names[0], model_dir, cluster.scheduler_address, max_len, api_key,
+        frontend = Frontend(FrontendConfig(names[0], model_dir, cluster.scheduler_address, max_len,
                                            model_aliases=names[1:],
                                            responses_dir=args.responses_dir or responses_beside(args.kv_store),
-                                           **http_options(args), **options))
+                                           **http, **options))
 
         def ready(port: int) -> None:
             url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
@@ -192,8 +231,7 @@ def frontend_main(args) -> int:
     model_dir = _model_dir(args.model)
     max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
     names = served_names(args, model_dir)
-    frontend = Frontend(FrontendConfig(names[0], model_dir, args.scheduler, max_len,
-                                       args.api_key or os.environ.get("DUALPATH_API_KEY"), model_aliases=names[1:],
+    frontend = Frontend(FrontendConfig(names[0], model_dir, args.scheduler, max_len, model_aliases=names[1:],
                                        responses_dir=args.responses_dir, **http_options(args),
                                        **frontend_options(args)))
 
