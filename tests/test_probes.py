@@ -215,8 +215,8 @@ def test_without_a_usable_request_id_one_is_made(front, given):
 @pytest.mark.parametrize("query, why", [("mode=keep", "freezes requests"), ("mode=later", "'abort' or 'wait'"),
                                         ("mode=wait&timeout=0", "timeout"), ("mode=wait&timeout=inf", "timeout"),
                                         ("timeout=nan", "timeout")])
-def test_pauses_it_cannot_make_are_400s_and_hold_nothing(front, query, why):
-    http, fake, _ = front
+def test_pauses_it_cannot_make_are_400s_and_hold_nothing(tiny_dirs, tmp_path, query, why):
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin")
     fake.hold = lambda *a: pytest.fail("held")
-    r = http.post(f"/pause?{query}")
+    r = http.post(f"/pause?{query}", headers={"Authorization": "Bearer admin"})
     assert r.status_code == 400 and why in r.json()["error"]["message"]
