@@ -244,8 +244,10 @@ def main(argv=None) -> dict:
 
     cap = parse_size(args.storage_capacity)
     extra = ["--model", args.model] if args.model else []
+    # the operator's pauses are admin routes: on, and (with no admin key) answered on loopback only
     server = ServeProcess(*extra, "--kv-store", tempfile.mkdtemp(prefix="dualpath-soak-kv-"),
-                          "--storage-capacity", str(cap), "--decode", str(args.decode))
+                          "--storage-capacity", str(cap), "--decode", str(args.decode), "--host", "127.0.0.1",
+                          "--enable-admin-api")
     stats = Stats()
     try:
         sched = re.search(r"scheduler metrics at (\S+)/metrics", server.log.read_text()).group(1)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -30,6 +32,39 @@ def _raise(message: str):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+MAX_TEMPLATE_PRODUCT = 1 << 20  # items (characters, list entries) one ``*`` in a chat template may make
+MAX_TEMPLATE_POWER_DIGITS = 1000  # digits one ``**`` in a chat template may make
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox with ``*`` and ``**`` bounded: ``{{ 'x' * 10**10 }}`` is one 10 GB allocation, and a render
+    on a worker thread cannot be interrupted by its time limit (a request's own template may be rendered, with
+    ``--trust-request-chat-template``)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*" and _product_size(left, right) > MAX_TEMPLATE_PRODUCT:
+            raise SecurityError(f"a chat template's * would make more than {MAX_TEMPLATE_PRODUCT} items")
+        if operator == "**" and _power_digits(left, right) > MAX_TEMPLATE_POWER_DIGITS:
+            raise SecurityError(f"a chat template's ** would make more than {MAX_TEMPLATE_POWER_DIGITS} digits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _product_size(left, right) -> int:
+    """How many items ``left * right`` makes when it repeats a sequence (0 for numbers)."""
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+            return len(seq) * max(n, 0)
+    return 0
+
+
+def _power_digits(base, exp) -> float:
+    if not isinstance(base, (int, float)) or not isinstance(exp, (int, float)) or abs(base) <= 1:
+        return 0
+    return float(exp) * math.log10(abs(base))
 
 
 class Tokenizer:
@@ -81,7 +116,8 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # (encode_batch lets go of Python's lock while it works: a long text on a worker thread stalls no other)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -111,8 +147,7 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -301,6 +301,11 @@ def test_a_runaway_request_chat_template_times_out_and_health_answers_meanwhile(
         huge = {**CHAT, "chat_template": "{{ 'x' * 1000000 }}"}
         r = httpx.post(url + "/v1/chat/completions", json=huge, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        for bomb in ("{{ 'x' * 10**10 }}", "{{ 10 ** 1000000 }}"):  # one allocation (or computation) no timer stops
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "chat_template": bomb}, timeout=30)
+            assert r.status_code == 400 and "would make more than" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - t0 < 1.5
         r = httpx.post(url + "/tokenize", json={"messages": CHAT["messages"]}, timeout=30)
         assert r.status_code == 200  # the server's own template renders as ever
         assert fake.prompts == []
