@@ -490,7 +490,7 @@ class NodeEngines(Supervisor):
                 why = self._check_round(failures)
                 if not why and alive_file:
                     Path(alive_file).touch()
-            if why:
+            if why and not self._stopping:  # (a stop already asked for: its engines' exits are no failure)
                 log.error("%s; stopping this node's engines", why)
                 self.stop()
                 return (exited[0].proc.returncode if exited else 1) or 1

@@ -177,6 +177,11 @@ class EngineRecord:
         self.group = self.info.group_id or self.info.engine_id
 
 
+def request_of(work_id: str) -> str:
+    """The request id of a work id (``REQUEST.ATTEMPT.NONCE``; request ids may hold dots themselves)."""
+    return work_id.rsplit(".", 2)[0]
+
+
 @dataclass
 class RequestRecord:
     spec: SubmitRequest

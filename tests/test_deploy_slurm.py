@@ -58,8 +58,10 @@ def leftovers(marker: str) -> list[str]:
 
 
 def job_env(slurm, tmp_path: Path, model: Path, sched_port: int, gpus: int = 2) -> dict[str, str]:
-    """The environment of a small CPU job: ``gpus`` engines per node, a tiny model, the shared dir under tmp_path."""
-    return {**slurm.env, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
+    """The environment of a small CPU job: ``gpus`` engines per node, a tiny model, the shared dir under tmp_path;
+    no cluster token of this test process's (an in-process cluster gave it one): the job makes its own."""
+    inherited = {k: v for k, v in slurm.env.items() if k not in ("DUALPATH_CLUSTER_TOKEN", "DUALPATH_CLUSTER_TOKEN_FILE")}
+    return {**inherited, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
             "DUALPATH_DTYPE": "float32", "DUALPATH_SHARED_DIR": str(tmp_path / "shared"), "DUALPATH_MODEL": str(model),
             "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(free_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
             "DUALPATH_SCHEDULER_HTTP_PORT": str(free_port()), "DUALPATH_START_TIMEOUT": "240",
@@ -268,7 +270,8 @@ def test_a_killed_scheduler_comes_back_on_its_port_and_the_job_keeps_serving(slu
         subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", f"127.0.0.1:{sched_port}",
                         "--wait-prefill", "1", "--wait-decode", "1", "--timeout", "60"],  # the engines register again
                        cwd=ROOT, capture_output=True, check=True, timeout=90,
-                       env={**os.environ, "DUALPATH_CLUSTER_TOKEN_FILE": str(run_dir / "cluster-token")})
+                       env={**{k: v for k, v in os.environ.items() if k != "DUALPATH_CLUSTER_TOKEN"},
+                            "DUALPATH_CLUSTER_TOKEN_FILE": str(run_dir / "cluster-token")})
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
         r = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "still there?"}],
                                       max_tokens=4, temperature=0)

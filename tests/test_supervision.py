@@ -113,6 +113,7 @@ def test_past_the_restart_cap_a_waiting_request_fails_as_unavailable_within_the_
         client.close()
 
 
+@pytest.mark.slow  # ~12 s: a scheduler, a prefill engine and a node's decode engine
 def test_a_node_whose_engine_stops_answering_exits_and_its_alive_file_goes_stale(tiny_dirs, tmp_path):
     """``dualpath node`` (a Kubernetes pod's or Slurm step's engines): while its engines run and answer, the alive file
     stays fresh (the liveness probe reads its age); one engine wedged (SIGSTOP) fails its health checks, the node

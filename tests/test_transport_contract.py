@@ -162,7 +162,8 @@ def test_dead_peer_errors_within_timeout(own_pair):
     assert time.monotonic() - start < CONFIG.op_timeout_s + 10
 
 
-@pytest.mark.parametrize("backend", ["shm", "ucx", "nixl"])
+@pytest.mark.parametrize("backend", ["shm", pytest.param("ucx", marks=pytest.mark.slow),  # ~7 s each: a peer
+                                     pytest.param("nixl", marks=pytest.mark.slow)])    # process started twice
 def test_a_peer_restarted_under_its_name_is_reached_at_its_new_address(backend):
     """An engine restarted by its supervisor comes back under its old name at a new address: ``add_peer`` with that
     address must drop the old lanes and mappings, or every transfer goes to the dead process."""

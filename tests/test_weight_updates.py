@@ -23,7 +23,7 @@ from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from engines.models import open_checkpoint
-from scheduler.core import SchedulerCore
+from scheduler.core import SchedulerCore, request_of
 from scheduler.http import render
 from scheduler.weights import update_weights
 from test_scheduler_core import BS, Clock, info, make_core, pull
@@ -110,7 +110,7 @@ def pull_all(core, engines, times=2):
 
 def work_ids(rid: str, ids) -> list[str]:
     """The work ids among ``ids`` of request ``rid``'s attempts (``rid.attempt.nonce``)."""
-    return [w for w in ids if w.rsplit(".", 2)[0] == rid]
+    return [w for w in ids if request_of(w) == rid]
 
 
 def finish(engines, rid):

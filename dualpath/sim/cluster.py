@@ -42,7 +42,7 @@ from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
 from engines.batcher import CostModel
-from scheduler.core import SchedulerCore
+from scheduler.core import SchedulerCore, request_of
 from scheduler.policy import make_policy
 
 SYSTEMS = {  # name -> (scheduler mode, policy, layerwise, reads storage)
@@ -321,7 +321,7 @@ class ClusterSim:
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def _start_prefill(self, pe: SimEngine, a) -> None:
-        rid = a.request_id.rsplit(".", 1)[0]
+        rid = request_of(a.request_id)
         req = self.by_id.pop(rid)
         req.de = a.decode.engine_id
         req.hit_tokens = a.num_hit_blocks * self.cfg.block_size
