@@ -23,7 +23,6 @@ survives; back within 30 s where none does.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dualpath.errors import ConfigError, DualPathError
 from dualpath.lora import LoraModule
-from dualpath.rpc import ensure_cluster_token
+from dualpath.rpc import TOKEN_ENV, ensure_cluster_token
 
 log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
@@ -308,6 +308,19 @@ class LocalCluster(Supervisor):
         self.engine_addresses: dict[str, str] = {}
         self._ports_used = 0  # engines given ports from ``spec.engine_ports`` so far
 
+    @property
+    def token_file(self) -> Path:
+        """The cluster token, for other processes of this host that must call in (``dualpath status``)."""
+        return self.run_dir / "cluster-token"
+
+    def _share_token(self) -> None:
+        token = os.environ.get(TOKEN_ENV)
+        if token:  # (an earlier run's file in the same directory held another token)
+            self.token_file.unlink(missing_ok=True)
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+
     def _next_ports(self) -> tuple[int, int]:
         """The next engine's (control port, first transport port): from the range, or (0, 0) for any free ones."""
         if self.spec.engine_ports is None:
@@ -354,6 +367,7 @@ class LocalCluster(Supervisor):
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         s = self.spec
         ensure_cluster_token()  # the cluster's internal plane is closed to whoever lacks it (children inherit it)
+        self._share_token()
         try:
             self._start_scheduler(s.scheduler_port, timeout)
             engines = [self.spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]

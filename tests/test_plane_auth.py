@@ -172,6 +172,11 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
         engine = Client("Engine", ENGINE_METHODS, c.engine_addresses["decode-0"])
         with pytest.raises(RpcError, match="UNAUTHENTICATED"):
             list(engine.stream("Stream", RequestRef("x.0"), timeout=5))
+        token_file = c.token_file  # how another process of the host calls in (`dualpath status`)
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        monkeypatch.setenv(TOKEN_FILE_ENV, str(token_file))
+        assert Client("Scheduler", SCHEDULER_METHODS, c.scheduler_address).call("Stats", RequestRef(""), timeout=5)
+        monkeypatch.delenv(TOKEN_FILE_ENV)
         deadline = time.monotonic() + 10  # the engine's refusal arrives with its next report
         while client.stats()["rpc_refused"] < 4 and time.monotonic() < deadline:
             time.sleep(0.1)

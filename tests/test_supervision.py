@@ -66,12 +66,9 @@ def test_restart_backoff_doubles_to_its_cap():
     assert [p.delay(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
 
 
-def test_dead_and_hung_parts_come_back_and_what_they_held_is_served(tiny_dirs, tmp_path):
-    """Requests in flight when the only prefill engine is killed are served once it is back; a request sent while
-    the scheduler is down is served by the scheduler the supervisor restarted on its port; a decode engine that
-    stops answering (SIGSTOP) is killed after its failed health checks and restarted. Every reply equals the
-    one-process reference. Then the restart cap: past it a part stays down, and a waiting request fails as
-    unavailable naming what is missing, within the bound."""
+def test_a_killed_prefill_engine_comes_back_and_serves_what_it_held(tiny_dirs, tmp_path):
+    """Requests in flight when the only prefill engine is killed are served once the supervisor brought it back,
+    equal to the one-process reference."""
     reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
     with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0),
                       run_dir=str(tmp_path / "run")) as c:
@@ -81,7 +78,19 @@ def test_dead_and_hung_parts_come_back_and_what_they_held_is_served(tiny_dirs, t
             assert got.token_ids == reference.generate(prompt(i), GREEDY)[0].token_ids
         wait_for(lambda: len(c.child("prefill-0").restarts) == 1 and c.child("prefill-0").ready_path.exists())
         assert "restarted by the supervisor (exited with -9)" in (tmp_path / "run" / "prefill-0.log").read_text()
+        client.close()
 
+
+@pytest.mark.slow  # ~20 s: a scheduler restart, then three missed health checks and an engine restart
+def test_a_killed_scheduler_and_a_hung_decode_engine_come_back(tiny_dirs, tmp_path):
+    """A request sent while the scheduler is down is served by the scheduler the supervisor restarted on its port;
+    a decode engine that stops answering (SIGSTOP) is killed after its failed health checks and restarted. Every
+    reply equals the one-process reference."""
+    reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
+    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0),
+                      run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120, reconnect_s=60)
+        assert client.generate(prompt(9), GREEDY).token_ids  # (the client learns the model from a live scheduler)
         c.kill("scheduler")
         got = client.generate(prompt(10), GREEDY)  # sent while it is down: submitted again once it is back
         assert got.token_ids == reference.generate(prompt(10), GREEDY)[0].token_ids

@@ -133,6 +133,8 @@ def cluster_from_args(args):
     cluster = LocalCluster(spec, run_dir=args.run_dir)
     print(f"run directory: {cluster.run_dir}", flush=True)
     cluster.start(timeout=args.start_timeout)
+    print(f"the internal plane takes the token in {cluster.token_file}: DUALPATH_CLUSTER_TOKEN_FILE="
+          f"{cluster.token_file} dualpath status --scheduler {cluster.scheduler_address}", flush=True)
     return cluster, model_dir, max_len
 
 
