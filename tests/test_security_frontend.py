@@ -239,26 +239,34 @@ def test_an_oversize_body_is_refused_while_it_is_read(tiny_dirs, tmp_path, path)
     assert fake.prompts == []
 
 
+def _post_while_health_answers(url: str, body: dict, after_s: float, within_s: float):
+    """POST ``body`` on a thread; ``after_s`` in, ``/health`` must answer within ``within_s`` (the event loop is free).
+    The POST's response and how long it took."""
+    got = {}
+
+    def post():
+        t0 = time.monotonic()
+        got["r"] = httpx.post(url, json=body, timeout=60)
+        got["s"] = time.monotonic() - t0
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(after_s)
+    t0 = time.monotonic()
+    health = url.split("/", 3)
+    assert httpx.get("/".join(health[:3]) + "/health", timeout=5).status_code == 200
+    assert time.monotonic() - t0 < within_s
+    t.join(60)
+    return got["r"], got["s"]
+
+
 def test_an_oversize_tokenize_is_refused_at_once_and_health_answers_meanwhile(tiny_dirs, tmp_path):
     """Before: a 40 MB /tokenize took 52 s on the event loop and stalled /health. Now: a text longer than a prompt
     of the context can be is refused before it is tokenized, and tokenizing runs off the event loop."""
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, max_body_bytes=64 << 20)
     url, stop, thread = _serving(http.front, drain_s=1)
-    got = {}
-
-    def tokenize():
-        t0 = time.monotonic()
-        got["r"] = httpx.post(url + "/tokenize", json={"prompt": "hello world " * 400_000}, timeout=60)
-        got["s"] = time.monotonic() - t0
     try:
-        t = threading.Thread(target=tokenize)
-        t.start()
-        time.sleep(0.3)  # sent
-        t0 = time.monotonic()
-        assert httpx.get(url + "/health", timeout=5).status_code == 200 and time.monotonic() - t0 < 1.0
-        t.join(60)
-        r = got["r"]
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and got["s"] < 2.0, (r.text, got["s"])
+        r, took = _post_while_health_answers(url + "/tokenize", {"prompt": "hello world " * 400_000}, 0.3, 1.0)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and took < 2.0, (r.text, took)
         assert "65536" in r.json()["error"]["message"]  # 16 characters per token of the 4096-token context
         r = httpx.post(url + "/tokenize", json={"prompt": "hello world " * 1000}, timeout=30)
         assert r.status_code == 200 and r.json()["count"] > 1000
@@ -282,21 +290,10 @@ def test_a_runaway_request_chat_template_times_out_and_health_answers_meanwhile(
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, trust_request_chat_template=True,
                           render_timeout_s=2.0)
     url, stop, thread = _serving(http.front, drain_s=1)
-    got = {}
-
-    def runaway():
-        t0 = time.monotonic()
-        got["r"] = httpx.post(url + "/v1/chat/completions", json={**CHAT, "chat_template": RUNAWAY}, timeout=60)
-        got["s"] = time.monotonic() - t0
     try:
-        t = threading.Thread(target=runaway)
-        t.start()
-        time.sleep(0.2)  # rendering
-        t0 = time.monotonic()
-        assert httpx.get(url + "/health", timeout=5).status_code == 200 and time.monotonic() - t0 < 0.5
-        t.join(60)
-        r = got["r"]
-        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template" and got["s"] < 5, r.text
+        r, took = _post_while_health_answers(url + "/v1/chat/completions", {**CHAT, "chat_template": RUNAWAY}, 0.2,
+                                             0.5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template" and took < 5, r.text
         assert "ran past 2 s" in r.json()["error"]["message"]
         huge = {**CHAT, "chat_template": "{{ 'x' * 1000000 }}"}
         r = httpx.post(url + "/v1/chat/completions", json=huge, timeout=30)
