@@ -108,6 +108,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 up = alive.get("prefill", 0) >= args.wait_prefill and alive.get("decode", 0) >= args.wait_decode
             except DualPathError as e:
                 data = {"error": str(e)}
+                if getattr(getattr(e, "code", None), "name", "") == "UNAUTHENTICATED":  # waiting will not help
+                    data["error"] += (" (this process lacks the cluster's token: set DUALPATH_CLUSTER_TOKEN or "
+                                      "DUALPATH_CLUSTER_TOKEN_FILE; `dualpath serve` prints where its file is)")
+                    break
             if not up and time.monotonic() > deadline:
                 break
             time.sleep(0 if up else 1.0)
@@ -116,7 +120,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "scheduling_policy",
             "waiting_by_priority", "preempted", "index_blocks", "storage_read_bytes", "node_alpha_tokens",
             "weights_version", "lora_adapters", "paused", "held", "engines")
-    text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else f"timed out: {data.get('error') or data}"
+    text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else \
+        f"{'refused' if 'UNAUTHENTICATED' in str(data.get('error')) else 'timed out'}: {data.get('error') or data}"
     print(json.dumps(data) if args.json else text)
     return 0 if up else 1
 

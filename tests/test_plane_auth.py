@@ -177,9 +177,16 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
         monkeypatch.setenv(TOKEN_FILE_ENV, str(token_file))
         assert Client("Scheduler", SCHEDULER_METHODS, c.scheduler_address).call("Stats", RequestRef(""), timeout=5)
         monkeypatch.delenv(TOKEN_FILE_ENV)
+        import subprocess
+        import sys
+        status = subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", c.scheduler_address,
+                                 "--timeout", "60"], capture_output=True, text=True, timeout=60,
+                                env={k: v for k, v in os.environ.items() if not k.startswith(TOKEN_ENV)})
+        assert status.returncode == 1 and status.stdout.startswith("refused:"), status.stdout + status.stderr
+        assert "DUALPATH_CLUSTER_TOKEN_FILE" in status.stdout  # at once, with what to do: not after --timeout
         deadline = time.monotonic() + 10  # the engine's refusal arrives with its next report
-        while client.stats()["rpc_refused"] < 4 and time.monotonic() < deadline:
+        while client.stats()["rpc_refused"] < 5 and time.monotonic() < deadline:
             time.sleep(0.1)
         stats = client.stats()
-        assert stats["rpc_refused"] == 4 and "rogue" not in stats["engines"]
+        assert stats["rpc_refused"] == 5 and "rogue" not in stats["engines"]
         client.close()
