@@ -24,7 +24,8 @@ from pathlib import Path
 
 from dualpath.errors import ConfigError, DualPathError
 from dualpath.lora import LoraModule
-from dualpath.rpc import TOKEN_ENV, ensure_cluster_token
+from dualpath.messages import RequestRef
+from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, TOKEN_ENV, Client, RpcError, ensure_cluster_token
 
 log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
@@ -194,9 +195,6 @@ class Supervisor:
 
     def healthy(self, c: Child) -> bool:
         """Whether ``c`` answered its health check in time: an engine's ``Health``, the scheduler's ``Stats``."""
-        from dualpath.messages import RequestRef
-        from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
-
         if not c.address:
             return True
         service, methods, call = ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else \

@@ -20,6 +20,7 @@ import stat
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -56,7 +57,7 @@ class PlaneAuth:
         paths = [os.environ.get(name, "") for name in TLS_ENV]
         if any(paths) and not all(paths):
             raise ConfigError(f"mutual TLS needs all of {', '.join(TLS_ENV)}")
-        pem = [_read_secret(path, name) if name.endswith("KEY") else open(path, "rb").read()
+        pem = [_read_secret(path, name) if name.endswith("KEY") else Path(path).read_bytes()
                for path, name in zip(paths, TLS_ENV)] if all(paths) else [b"", b"", b""]
         return cls(token, *pem)
 
