@@ -20,15 +20,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
-              speculative_config=args.speculative_config, lora_modules={m.name: m.path for m in args.lora_modules})
+              speculative_config=args.speculative_config, lora_modules={m.name: m.path for m in args.lora_modules},
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params, lora_request=args.lora)
-        prompts = args.chat
-    else:
-        outs = llm.generate(args.prompt, params, lora_request=args.lora)
-        prompts = args.prompt
+    with llm:  # (at --tensor-parallel-size > 1 the other ranks stop with it)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params, lora_request=args.lora)
+            prompts = args.chat
+        else:
+            outs = llm.generate(args.prompt, params, lora_request=args.lora)
+            prompts = args.prompt
     for k, o in enumerate(outs):  # a prompt's n choices one after another
         head = f"> {prompts[k // args.n]}\n" if o.index == 0 else ""
         label = f"choice {o.index}, " if args.n > 1 else ""
@@ -65,8 +67,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def engine_config(args: argparse.Namespace):
-    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, SpeculativeConfig, StorageConfig, \
-        TransportConfig
+    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, ParallelConfig, SpeculativeConfig, \
+        StorageConfig, TransportConfig
 
     cost = tuple(float(x) for x in args.cost_model.split(",")) if args.cost_model else None
     return EngineProcessConfig(
@@ -78,7 +80,10 @@ def engine_config(args: argparse.Namespace):
                             speculative=SpeculativeConfig.parse(args.speculative_config),
                             lora_modules=tuple(args.lora_modules),
                             cache=CacheConfig(block_size=args.block_size, device_memory_bytes=args.cache_bytes,
-                                              gpu_memory_utilization=args.gpu_memory_utilization)),
+                                              gpu_memory_utilization=args.gpu_memory_utilization),
+                            parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                                    master_port=args.tp_master_port,
+                                                    join_timeout_s=args.tp_join_timeout)),
         transport=TransportConfig(name=args.transport, host=args.host, listen_port=args.transport_port,
                                   kv_service_level=args.kv_service_level,
                                   kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
@@ -199,7 +204,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
     node = NodeEngines(NodeSpec(args.role, args.scheduler, args.engines, args.device, args.node_id, args.host,
-                                args.base_port, args.torch_threads, tuple(extra), args.log_level), args.run_dir)
+                                args.base_port, args.torch_threads, tuple(extra), args.log_level,
+                                _node_tp(args.tensor_parallel_size, extra)), args.run_dir)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     node.start(args.start_timeout)
     print(f"{args.engines} {args.role} engines ready on {args.node_id or 'this host'} (logs: {node.run_dir})",
@@ -214,6 +220,20 @@ def cmd_node(args: argparse.Namespace) -> int:
         if args.ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(args.ready_file)
+
+
+def _node_tp(given: int, engine_args: list[str]) -> int:
+    """``dualpath node``'s tensor-parallel size: its own flag, else one among the engines' options after ``--`` (so
+    its engines' devices step by it either way)."""
+    if given != 1:
+        return given
+    for k, a in enumerate(engine_args):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if a == flag and k + 1 < len(engine_args):
+                return int(engine_args[k + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    return 1
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -246,6 +266,29 @@ def _kernels_arg(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding by prompt lookup, vLLM\'s JSON: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (outputs are unchanged)')
     _lora_arg(p)
+
+
+def _tp_size_arg(p: argparse.ArgumentParser, what: str = "the engine") -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help=f"split {what}'s model across N ranks, one process per device (cuda:k .. cuda:k+N-1 from "
+                        "its device; on a CPU N processes): heads, MLP and vocabulary sharded (vLLM's flag; dense "
+                        "Llama, Mistral, Qwen2 and Qwen3 models; see docs/parallelism.md)")
+
+
+def _parallel_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
+    """Tensor parallelism (``ParallelConfig``): ``engine``, and for every engine of a cluster ``serve``,
+    ``rollout`` and ``run-batch`` start (``cluster``: with per-role sizes)."""
+    _tp_size_arg(p, "each engine" if cluster else "the engine")
+    if cluster:
+        for role in ("prefill", "decode"):
+            p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=0, metavar="N",
+                           help=f"the {role} engines' own tensor-parallel size (0: --tensor-parallel-size)")
+    p.add_argument("--tp-master-port", type=int, default=0, metavar="PORT",
+                   help="where a tensor-parallel engine's ranks meet (rank 0's TCP store on this host; 0: any free "
+                        "port)" + ("; one port per engine from this one up (with --engine-port-range: from the "
+                                   "range)" if cluster else ""))
+    p.add_argument("--tp-join-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a tensor-parallel engine's ranks have to start and meet before it fails")
 
 
 def _lora_arg(p: argparse.ArgumentParser) -> None:
@@ -333,9 +376,12 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     """Options of a single-host cluster (``serve``, ``rollout``); ``--model`` comes with the caller's options."""
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (engine i on cuda:i; at --tensor-parallel-size N on cuda:i*N .. cuda:i*N+N-1, "
+                        "prefill engines first)")
     _dtype_args(p)
     _kernels_arg(p)
+    _parallel_args(p, cluster=True)
     p.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
     p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
@@ -364,7 +410,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "in 10 minutes (with backoff from 1 s to 30 s); 0: never")
     p.add_argument("--engine-port-range", default=None, metavar="LO-HI",
                    help="give every engine its ports from this range, 3 each (control, then the transport's "
-                        "listeners), so a firewall or network policy can name them (default: any free port)")
+                        "listeners; a tensor-parallel engine 4, the last its ranks' rendezvous), so a firewall or "
+                        "network policy can name them (default: any free port)")
     _engine_wait_arg(p)
 
 
@@ -624,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     _dtype_args(g)
     _kernels_arg(g)
+    _tp_size_arg(g, "the model")
     g.add_argument("--lora", default=None, help="generate under this LoRA adapter (a --lora-modules name, or a PEFT "
                                                 "directory)")
     g.set_defaults(func=cmd_generate)
@@ -649,8 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
     nd = sub.add_parser("node", help="this node's engines of one role (one per device), for multi-node clusters")
     nd.add_argument("--role", required=True, choices=["prefill", "decode"])
     nd.add_argument("--scheduler", required=True, help="scheduler host:port")
-    nd.add_argument("--engines", type=int, default=1, help="engines on this node (one per device)")
-    nd.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i)")
+    nd.add_argument("--engines", type=int, default=1,
+                    help="engines on this node (one per device; at --tensor-parallel-size N one per N devices)")
+    nd.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i; at --tensor-parallel-size N "
+                                                    "on cuda:i*N .. cuda:i*N+N-1)")
+    _tp_size_arg(nd, "each engine")
     nd.add_argument("--node-id", default="", help="this node's name (default: the host name)")
     nd.add_argument("--host", default="127.0.0.1", help="address peers reach these engines at")
     nd.add_argument("--base-port", type=int, default=0, help="engine i listens on BASE_PORT + i (0: any)")
@@ -684,13 +735,15 @@ def build_parser() -> argparse.ArgumentParser:
     uw.set_defaults(func=cmd_update_weights)
     _control_parsers(sub)
 
-    e = sub.add_parser("engine", help="run one prefill or decode engine (one per device)")
+    e = sub.add_parser("engine", help="run one prefill or decode engine (one per device, or per "
+                                      "--tensor-parallel-size devices)")
     e.add_argument("--role", required=True, choices=["prefill", "decode"])
     e.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     e.add_argument("--scheduler", required=True, help="scheduler host:port")
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default="cpu", help="cpu, or cuda:k (its ranks on cuda:k .. cuda:k+N-1)")
     _dtype_args(e)
     _kernels_arg(e)
+    _parallel_args(e)
     e.add_argument("--engine-id", default="")
     e.add_argument("--node-id", default="", help="engines on one node share its storage NIC (default: own node)")
     e.add_argument("--group-id", default="", help="engine group (default: a group of its own)")

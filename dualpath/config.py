@@ -412,6 +412,35 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spans devices: ``tensor_parallel_size`` ranks (vLLM's and SGLang's ``-tp``), one process each
+    on consecutive devices from the engine's (``cuda:k`` .. ``cuda:k+N-1``; CPU engines: N processes). Rank 0
+    speaks for the engine; the others follow its steps (``engines.parallel``). The ranks meet at a TCP store on
+    ``master_port`` of this host (0: a free one) within ``join_timeout_s``; a collective that waits longer than
+    ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it."""
+
+    tensor_parallel_size: int = 1
+    master_port: int = 0
+    join_timeout_s: float = 60.0
+    collective_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ConfigError(f"tensor_parallel_size must be in [1, 64], got {self.tensor_parallel_size}")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port must be a TCP port (0 for any), got {self.master_port}")
+        if min(self.join_timeout_s, self.collective_timeout_s) <= 0:
+            raise ConfigError("join_timeout_s and collective_timeout_s must be positive")
+
+    def rank_device(self, device: str, rank: int) -> str:
+        """Rank ``rank``'s device: the engine's ``cuda:k`` shifted by the rank; a CPU engine's ranks are all on
+        ``cpu``."""
+        if not device.startswith("cuda"):
+            return device
+        return f"cuda:{int(device.partition(':')[2] or 0) + rank}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One engine's runtime choices. ``dtype`` is the model's dtype; ``kv_cache_dtype`` (vLLM's values) the KV
     cache's, in device memory, DRAM buffers, transfers and storage alike: ``auto`` the model's, ``fp8`` e4m3
@@ -430,6 +459,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora_modules: tuple[LoraModule, ...] = ()  # LoRA adapters loaded at start (requests name them by identity)
     quantization: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
         if self.quantization not in (None, *QUANTIZATIONS):

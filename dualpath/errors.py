@@ -72,3 +72,7 @@ class PeerDeadError(TransportError):
 
 class TransferTimeoutError(TransportError):
     """A transfer did not finish within its deadline."""
+
+
+class RankLostError(DualPathError):
+    """A rank of a tensor-parallel engine died or stopped answering: the engine leaves service as a whole."""

@@ -86,6 +86,64 @@ class KVGeometry:
         return -(-num_tokens // self.block_size)
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """Which KV heads tensor-parallel rank ``rank`` of ``size`` holds, and where they sit in a canonical Layer Block
+    row ``[K (num_kv_heads × head_dim) | V (num_kv_heads × head_dim)]``. Storage, DRAM buffers and transfers keep that
+    row whatever the parallelism, so engines of different sizes share blocks; a rank's device cache holds its own
+    row ``[K (local) | V (local)]``. With fewer KV heads than ranks each head is replicated on ``size /
+    num_kv_heads`` ranks (vLLM's rule); the first of them (``primary``) writes it back."""
+
+    num_kv_heads: int
+    head_dim: int
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self):
+        n, s = self.num_kv_heads, self.size
+        if not 0 <= self.rank < s or (n % s if n >= s else s % n):
+            raise ConfigError(f"{n} KV heads cannot be split among {s} ranks (one must divide the other)")
+
+    @property
+    def num_local(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def local_elems(self) -> int:
+        return 2 * self.num_local * self.head_dim
+
+    @property
+    def first(self) -> int:
+        """The first KV head this rank holds."""
+        if self.num_kv_heads >= self.size:
+            return self.rank * self.num_local
+        return self.rank // (self.size // self.num_kv_heads)
+
+    @property
+    def primary(self) -> bool:
+        return self.num_kv_heads >= self.size or self.rank % (self.size // self.num_kv_heads) == 0
+
+    @property
+    def whole(self) -> bool:
+        return self.num_local == self.num_kv_heads
+
+    def local_geometry(self, g: "KVGeometry") -> "KVGeometry":
+        return KVGeometry(g.num_layers, g.block_size, self.local_elems, g.dtype)
+
+    def _heads(self, rows):
+        """``rows [..., canonical elems]`` viewed ``[..., 2, num_kv_heads, head_dim]``, this rank's heads picked."""
+        v = rows.view(*rows.shape[:-1], 2, self.num_kv_heads, self.head_dim)
+        return v[..., self.first:self.first + self.num_local, :]
+
+    def take(self, rows):
+        """This rank's part of canonical rows ``[..., elems]``, as local rows ``[..., local elems]`` (a copy)."""
+        return self._heads(rows).reshape(*rows.shape[:-1], self.local_elems)
+
+    def put(self, rows, index, local):
+        """Write local rows ``local [T, ..., local elems]`` into rows ``index`` of canonical ``rows [N, ..., elems]``."""
+        self._heads(rows)[index] = local.view(*local.shape[:-1], 2, self.num_local, self.head_dim)
+
+
 def choice_blocks(block_size: int, num_prompt_tokens: int, num_tokens: int, n: int) -> int:
     """Blocks ``n`` choices of one prompt hold at ``num_tokens`` tokens each (prompt included): the prompt's full
     blocks once (the choices share them), the rest (its partial block copied) once per choice."""

@@ -29,6 +29,7 @@ from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, TOKEN_ENV, Client, R
 
 log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
+TP_PORTS = 1  # a tensor-parallel engine's one more: its ranks' rendezvous (``ParallelConfig.master_port``)
 KEEP_LOGS = 3  # earlier runs' logs kept beside the current one (NAME.log.1 .. NAME.log.3)
 
 
@@ -74,9 +75,14 @@ class ClusterSpec:
     priority_preemption: bool = True  # see SchedulerConfig.priority_preemption
     transport: str = "shm"
     kv_store: str | None = None
-    device: str = "cpu"  # "cuda" gives engine i the device cuda:i
+    device: str = "cpu"  # "cuda" gives engine i the devices cuda:i*tp .. cuda:i*tp+tp-1 (prefill first, then decode)
     dtype: str = "float32"
     kernels: str = "auto"  # see EngineConfig.kernels
+    tensor_parallel_size: int = 1  # ranks per engine (ParallelConfig.tensor_parallel_size)
+    prefill_tensor_parallel_size: int = 0  # the prefill engines' own (0: tensor_parallel_size)
+    decode_tensor_parallel_size: int = 0  # the decode engines' own (0: tensor_parallel_size)
+    tp_master_port: int = 0  # the first TP engine's rendezvous port, the next one's +1, ... (0: any free port)
+    tp_join_timeout_s: float = 60.0  # see ParallelConfig.join_timeout_s
     kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
     quantization: str | None = None  # see EngineConfig.quantization
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
@@ -104,6 +110,45 @@ class ClusterSpec:
     engines_per_node: int = 1  # engines of a role packed per node; a node's engines form one group
     extra_engine_args: tuple[str, ...] = ()
     log_level: str = "INFO"
+
+    def tp(self, role: str) -> int:
+        """The tensor-parallel size of ``role``'s engines."""
+        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return own or self.tensor_parallel_size
+
+    def first_device(self, role: str, index: int) -> int:
+        """The first device index of engine ``index`` of ``role`` (with ``device="cuda"``): the prefill engines'
+        ranks take the first devices, each engine ``tp(role)`` consecutive ones, the decode engines' the next."""
+        before = self.num_prefill * self.tp("prefill") if role == "decode" else 0
+        return before + index * self.tp(role)
+
+
+def check_parallelism(spec: ClusterSpec, model) -> None:
+    """``ConfigError`` before any process starts when ``spec``'s tensor parallelism cannot serve ``model`` (a
+    ``ModelConfig``): a size that does not divide its heads, MLP or vocabulary, an architecture or LoRA adapters not
+    yet served sharded (``engines.parallel.ranks.check_parallel``, per role), or more devices than this host has."""
+    from dualpath.config import EngineConfig, ParallelConfig
+
+    sizes = {role: spec.tp(role) for role in ("prefill", "decode")}
+    for size in sizes.values():
+        ParallelConfig(size)  # (a size out of range is refused with its own message)
+    if all(size == 1 for size in sizes.values()):
+        return
+    from engines.parallel.ranks import check_parallel
+
+    for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
+        if count:  # the role's last engine: the highest devices it takes
+            device = f"cuda:{spec.first_device(role, count - 1)}" if spec.device == "cuda" else spec.device
+            check_parallel(model, EngineConfig(device=device, lora_modules=spec.lora_modules,
+                                               parallel=ParallelConfig(sizes[role])))
+    if spec.device == "cuda":
+        import torch
+
+        need, have = spec.first_device("decode", spec.num_decode), torch.cuda.device_count()
+        if need > have:
+            raise ConfigError(f"{spec.num_prefill} prefill engine(s) of tensor-parallel size {sizes['prefill']} and "
+                              f"{spec.num_decode} decode engine(s) of size {sizes['decode']} need {need} GPUs, but "
+                              f"this host has {have}")
 
 
 @dataclass
@@ -305,6 +350,8 @@ class LocalCluster(Supervisor):
         self.scheduler_http = ""
         self.engine_addresses: dict[str, str] = {}
         self._ports_used = 0  # engines given ports from ``spec.engine_ports`` so far
+        self._ports_taken = 0  # ports of the range given out so far
+        self._tp_engines = 0  # tensor-parallel engines given a rendezvous port from ``spec.tp_master_port`` so far
 
     @property
     def token_file(self) -> Path:
@@ -319,24 +366,36 @@ class LocalCluster(Supervisor):
             with os.fdopen(fd, "w") as f:
                 f.write(token)
 
-    def _next_ports(self) -> tuple[int, int]:
-        """The next engine's (control port, first transport port): from the range, or (0, 0) for any free ones."""
+    def _next_ports(self, tp: int = 1) -> tuple[int, int, int]:
+        """The next engine's (control port, first transport port, its ranks' rendezvous port): from the range (a
+        tensor-parallel engine takes one more port than ``PORTS_PER_ENGINE``, its ranks' rendezvous), or (0, 0,
+        ``--tp-master-port`` + k for the k-th tensor-parallel engine, else 0) for any free ones."""
         if self.spec.engine_ports is None:
-            return 0, 0
+            master = 0
+            if tp > 1 and self.spec.tp_master_port:
+                master = self.spec.tp_master_port + self._tp_engines
+                self._tp_engines += 1
+            return 0, 0, master
         lo, hi = self.spec.engine_ports
-        port = lo + PORTS_PER_ENGINE * self._ports_used
-        if port + PORTS_PER_ENGINE - 1 > hi:
-            raise ConfigError(f"--engine-port-range {lo}-{hi} has room for {(hi - lo + 1) // PORTS_PER_ENGINE} "
-                              f"engines ({PORTS_PER_ENGINE} ports each); engine {self._ports_used + 1} needs more")
+        need = PORTS_PER_ENGINE + (TP_PORTS if tp > 1 else 0)
+        port = lo + self._ports_taken
+        if port + need - 1 > hi:
+            raise ConfigError(f"--engine-port-range {lo}-{hi} has room for {(hi - lo + 1) // need} engines ({need} "
+                              f"ports each{' at tensor-parallel size > 1' if tp > 1 else ''}); engine "
+                              f"{self._ports_used + 1} needs more")
         self._ports_used += 1
-        return port, port + 1
+        self._ports_taken += need
+        return port, port + 1, port + PORTS_PER_ENGINE if tp > 1 else 0
 
     def _engine_args(self, role: str, index: int, device_index: int) -> list[str]:
+        """``dualpath engine`` options of engine ``index`` of ``role``, its ranks from device ``device_index``
+        (``ClusterSpec.first_device``) on."""
         s = self.spec
         device = f"cuda:{device_index}" if s.device == "cuda" else s.device
         name = f"{role}-{index}"
         node = f"{role}-node{index // s.engines_per_node}"
-        port, transport_port = self._next_ports()
+        tp = s.tp(role)
+        port, transport_port, master_port = self._next_ports(tp)
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
                 "--port", str(port), "--transport-port", str(transport_port),
                 "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
@@ -348,6 +407,9 @@ class LocalCluster(Supervisor):
                 "--storage-read-bps", str(s.storage_read_bps), "--storage-capacity", str(s.storage_capacity),
                 "--compute-quota-ms", str(s.compute_quota_ms),
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
+        if tp > 1:  # (TP 1: the command as before)
+            args += ["--tensor-parallel-size", str(tp), "--tp-master-port", str(master_port),
+                     "--tp-join-timeout", str(s.tp_join_timeout_s)]
         if s.enforce_eager:
             args.append("--enforce-eager")
         if s.quantization:
@@ -364,13 +426,17 @@ class LocalCluster(Supervisor):
 
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         s = self.spec
+        if s.tp("prefill") > 1 or s.tp("decode") > 1:  # (serve checked already; other callers too, before starting)
+            from engines.models import open_checkpoint
+
+            check_parallelism(s, open_checkpoint(s.model).config)
         ensure_cluster_token()  # the cluster's internal plane is closed to whoever lacks it (children inherit it)
         self._share_token()
         try:
             self._start_scheduler(s.scheduler_port, timeout)
-            engines = [self.spawn(f"prefill-{i}", self._engine_args("prefill", i, i)) for i in range(s.num_prefill)]
-            engines += [self.spawn(f"decode-{i}", self._engine_args("decode", i, s.num_prefill + i))
-                        for i in range(s.num_decode)]
+            engines = [self.spawn(f"{role}-{i}", self._engine_args(role, i, s.first_device(role, i)))
+                       for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode))
+                       for i in range(count)]
             self.wait_ready(engines, timeout)
             for c in engines:
                 self.restarted(c)
@@ -427,8 +493,7 @@ class LocalCluster(Supervisor):
         """Start one more engine of ``role`` (the next index) and wait until it serves: a replacement in a rolling
         restart (stop the old one after: its replies move here), or more capacity. Returns its name."""
         index = sum(c.name.startswith(f"{role}-") for c in self.children)
-        first_device = self.spec.num_prefill if role == "decode" else 0
-        child = self.spawn(f"{role}-{index}", self._engine_args(role, index, first_device + index))
+        child = self.spawn(f"{role}-{index}", self._engine_args(role, index, self.spec.first_device(role, index)))
         self.wait_ready([child], timeout)
         self.restarted(child)
         self.watch([child])
@@ -450,13 +515,14 @@ class NodeSpec:
     role: str
     scheduler: str
     engines: int = 1
-    device: str = "cpu"  # "cuda" gives engine i the device cuda:i
+    device: str = "cpu"  # "cuda" gives engine i the devices cuda:i*tp .. cuda:i*tp+tp-1
     node_id: str = ""  # default: the host name
     host: str = "127.0.0.1"  # the address peers reach these engines at
     base_port: int = 0  # engine i listens on base_port + i (0: any free port)
     torch_threads: int = 0  # per engine (0: the cores shared out)
     engine_args: tuple[str, ...] = ()  # for every ``dualpath engine``: --model, --transport, --kv-store, ...
     log_level: str = "INFO"
+    tensor_parallel_size: int = 1  # ranks per engine, on consecutive devices (its ranks' rendezvous: any free port)
 
 
 class NodeEngines(Supervisor):
@@ -464,18 +530,20 @@ class NodeEngines(Supervisor):
     (the pod's container, or the job step, is restarted by Kubernetes or Slurm)."""
 
     def __init__(self, spec: NodeSpec, run_dir: str | None = None):
-        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // max(1, spec.engines))
+        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // max(1, spec.engines *
+                                                                             spec.tensor_parallel_size))
         super().__init__(run_dir, threads, spec.log_level)
         self.spec = spec
 
     def engine_args(self, index: int) -> list[str]:
         s = self.spec
         node = s.node_id or socket.gethostname()
-        device = f"cuda:{index}" if s.device == "cuda" else s.device
+        tp = s.tensor_parallel_size
+        device = f"cuda:{index * tp}" if s.device == "cuda" else s.device
         return ["engine", "--role", s.role, "--scheduler", s.scheduler, "--engine-id", f"{s.role}-{node}-{index}",
                 "--node-id", node, "--group-id", f"{s.role}-{node}", "--device", device, "--host", s.host,
                 "--port", str(s.base_port + index if s.base_port else 0), "--torch-threads", str(self.torch_threads),
-                *s.engine_args]
+                *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *s.engine_args]
 
     def start(self, timeout: float = 600.0) -> "NodeEngines":
         try:
@@ -520,4 +588,4 @@ class NodeEngines(Supervisor):
                "a row" if stuck else ""
 
 
-__all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec", "Supervisor"]
+__all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec", "Supervisor", "check_parallelism"]

@@ -9,17 +9,18 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from dualpath.config import CacheConfig, EngineConfig, SpeculativeConfig
+from dualpath.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.tokenizer import Tokenizer
-from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
-from engines.memory import cache_blocks
-from engines.models import load_model, open_checkpoint, reload_weights
+from engines.models import open_checkpoint, reload_weights
+from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
+from engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole
 from engines.sampler import TokenLogprob, make_generator
 from engines.sequence import Sequence
 from kernels.attention import check_cache_dtype
@@ -52,6 +53,8 @@ class LLM:
     (vLLM's): where the sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the
     checkpoint's ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a
     directory.
+    ``tensor_parallel_size`` (vLLM's): the model's heads, MLP and vocabulary split across that many ranks, this
+    process rank 0 and the others processes it starts on the next devices (``close`` stops them; CPU: gloo).
     ``lora_modules`` (name -> PEFT directory) are LoRA adapters loaded at once; ``generate``, ``chat`` and
     ``logits`` run a request under one when given its name or any adapter's directory as ``lora_request``
     (loaded on first use, as vLLM's ``LoRARequest``; ``generate`` also takes one per prompt, None for the base
@@ -64,26 +67,33 @@ class LLM:
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
                  kv_cache_dtype: str = "auto", generation_config: str = "auto",
                  lora_modules: dict[str, str] | None = None, quantization: str | None = None,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes,
-                                                     gpu_memory_utilization=gpu_memory_utilization))
+                                                     gpu_memory_utilization=gpu_memory_utilization),
+                                   parallel=ParallelConfig(tensor_parallel_size))
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
-        self.model = load_model(ckpt, device, dtype, kernels)
+        check_parallel(ckpt.config, dataclasses.replace(self.config, lora_modules=tuple(lora_modules or ())))
+        # this process is rank 0; at tensor_parallel_size > 1 the others are processes it starts
+        self.ranks = start_ranks(RankSpec(model, self.config, torch_threads=torch.get_num_threads()))
+        self.model = self.ranks.state.model
         self.tokenizer = Tokenizer(model)
         self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
         check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
         # before the cache is sized and decode graphs are captured: both count these adapters
         self.adapters = {name: self.model.add_adapter(path) for name, path in (lora_modules or {}).items()}
-        num_blocks = cache_blocks(self.config.cache, self.geometry, self.model, max_num_batched_tokens, device)
-        self.cache = PagedKVCache(self.geometry, num_blocks, device)
+        num_blocks = self.ranks.run(cache_size, self.config.cache, self.geometry, max_num_batched_tokens)
+        self.cache = self.ranks.run(alloc_cache, self.geometry, num_blocks)
+        if self.ranks.size > 1:
+            self.cache.copier = lambda src, dst: self.ranks.run(copy_block, src, dst)
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                  self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative)
+                                  self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative,
+                                  ranks=self.ranks)
         self._ids = itertools.count()
         self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
 
@@ -155,5 +165,14 @@ class LLM:
 
         ids = self._prompt_ids(prompt)
         batch = ForwardBatch((0,), (len(ids),), (self._adapter(lora_request),))
-        logits, _ = self.model.forward_all(torch.tensor(ids, device=self.config.device), batch, all_logits=True)
-        return logits
+        return self.ranks.run(forward_whole, batch, np.asarray(ids, dtype=np.int64))
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (a TP 1 one holds nothing to stop)."""
+        self.ranks.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

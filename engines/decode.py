@@ -24,20 +24,19 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dualpath.errors import DualPathError, OutOfBlocksError, RequestError
+from dualpath.errors import DualPathError, OutOfBlocksError, RankLostError, RequestError
 from dualpath.faults import failpoint
 from dualpath.geometry import BlockHash, block_hashes, choice_blocks
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
 from dualpath.sampling_params import SamplingParams
 from engines.engine import Engine
-from engines.kv_cache import PagedKVCache
 from engines.local import LocalEngine
-from engines.memory import cache_blocks
 from engines.sampler import TokenLogprob
 from engines.sequence import Sequence, choice_id
 from engines.streams import StreamHub
-from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache
+from engines.parallel.steps import alloc_cache, buffer_to_cache, cache_size, cache_to_buffer, copy_block
+from kernels.kv_move import cache_to_full_blocks
 
 log = logging.getLogger(__name__)
 HAND_BACK_STORE_S = 10.0  # how long a stopping engine waits for the blocks it is storing before handing replies back
@@ -79,13 +78,14 @@ class DecodeEngine(Engine):
     role = Role.DECODE
 
     def setup(self) -> None:
-        c = self.cfg.engine.cache
-        blocks = cache_blocks(c, self.geometry, self.model, self.cfg.engine.max_num_batched_tokens, self.device)
-        self.cache = PagedKVCache(self.geometry, blocks, self.device)
-        self.local = LocalEngine(self.model, self.cache, self.cfg.engine.max_num_seqs,
-                                 self.cfg.engine.max_num_batched_tokens, self.max_model_len, free_finished=False,
-                                 enforce_eager=self.cfg.engine.enforce_eager,
-                                 speculative=self.cfg.engine.speculative)
+        e = self.cfg.engine
+        blocks = self.ranks.run(cache_size, e.cache, self.geometry, e.max_num_batched_tokens)
+        self.cache = self.ranks.run(alloc_cache, self.geometry, blocks)  # rank 0's: of its heads, under TP
+        if self.ranks.size > 1:
+            self.cache.copier = lambda src, dst: self.ranks.run(copy_block, src, dst)
+        self.local = LocalEngine(self.model, self.cache, e.max_num_seqs, e.max_num_batched_tokens, self.max_model_len,
+                                 free_finished=False, enforce_eager=e.enforce_eager, speculative=e.speculative,
+                                 ranks=self.ranks)
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
         # dropped before their hand-off: work id -> when its buffer slots are reused without word from its prefill
@@ -257,9 +257,7 @@ class DecodeEngine(Engine):
                          params: SamplingParams) -> list[Sequence]:
         """The prompt's KV from the buffer into choice 0's blocks, the other choices forked off them (under the
         lock): every choice's sequence, its prompt computed."""
-        table = torch.tensor(self.cache.block_table(h.work_id)[:len(h.slots)], device=self.device)
-        full_blocks_to_cache(self.cache.storage, table, self.buffer.full_blocks(h.slots), self.geometry,
-                             self.model.kernels)
+        self.ranks.run(buffer_to_cache, self.geometry, self.cache.block_table(h.work_id)[:len(h.slots)], h.slots)
         first = Sequence.choices(h.work_id, prompt, params, _generators(msg, params.n))
         seqs, first.forks = [first, *first.forks], []
         for s in seqs:
@@ -290,6 +288,8 @@ class DecodeEngine(Engine):
             running = list(self.local.running)
             try:
                 finished = self.local.step()
+            except RankLostError:  # the engine stops; its replies move on from the tokens they have (``leave``)
+                raise
             except Exception as e:  # noqa: BLE001 - fail the batch, keep the engine
                 log.exception("decode step failed")
                 for w in dict.fromkeys(s.group for s in running):
@@ -314,16 +314,34 @@ class DecodeEngine(Engine):
             return
         tokens = seq.token_ids
         parent = c.hashes[c.persisted - 1] if c.persisted else None
+        with self.lock:
+            table = self.cache.block_table(seq.seq_id)[c.persisted:full]
+            blocks = self._full_blocks(table, (seq.seq_id, c.persisted))
+        if blocks is None:
+            return
         new_keys = block_hashes(tokens[c.persisted * g.block_size:full * g.block_size], self.fingerprint,
                                 g.block_size, parent=parent, salt=seq.params.cache_salt,
                                 adapter=seq.params.adapter)
-        with self.lock:
-            table = torch.tensor(self.cache.block_table(seq.seq_id)[c.persisted:full], device=self.device)
-            blocks = cache_to_full_blocks(self.cache.storage, table, g)
-        blocks = blocks.cpu()  # one copy of every layer, outside the lock
         c.hashes.extend(new_keys)
-        h.stores.append(self._indexed(self.traffic.store(new_keys, list(blocks)), new_keys))
+        fut = self.traffic.store(new_keys, blocks)
+        if self.ranks.size > 1:  # the blocks were gathered in buffer slots of their own
+            fut.add_done_callback(lambda _f, owner=(seq.seq_id, c.persisted): self.buffer.free_owner(owner))
+        h.stores.append(self._indexed(fut, new_keys))
         c.persisted = full
+
+    def _full_blocks(self, table: list[int], owner) -> list[torch.Tensor] | None:
+        """Canonical Full Blocks of cache blocks ``table``, to store. One device: copied out of the cache at once.
+        Tensor parallelism: every rank writes its heads into buffer slots held by ``owner`` until stored; None
+        when the buffer has no room now (the blocks are stored at a later step)."""
+        if self.ranks.size == 1:
+            return list(cache_to_full_blocks(self.cache.storage, torch.tensor(table, device=self.device),
+                                             self.geometry).cpu())
+        try:
+            slots = self.buffer.allocate(len(table), owner)
+        except OutOfBlocksError:
+            return None
+        self.ranks.run(cache_to_buffer, self.geometry, table, slots)
+        return [self.buffer.slot_bytes(s) for s in slots]
 
     def _finish(self, h: Held, c: Choice) -> None:
         """Persist the choice's last full blocks and free its own (shared ones go with the last holder). The
@@ -380,7 +398,7 @@ class DecodeEngine(Engine):
             held = [h for h in self.held_.values() if not h.cancelled]
         for h in held:
             for c in h.choices:
-                if not c.done:
+                if not c.done and not self.ranks.lost:  # (a lost rank's heads cannot be stored: recomputed)
                     self._persist(h, c)
         _await_stores([f for h in held for f in h.stores], "stopping")
         super().leave()

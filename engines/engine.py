@@ -29,11 +29,14 @@ from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, Th
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
-from engines.models import load_model, open_checkpoint, open_update, reload_weights
+from engines.models import open_checkpoint, open_update, reload_weights
+from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
+from engines.parallel.steps import attach_buffer
 from kernels.attention import check_cache_dtype
 from kernels.kv_move import cache_dtype
 from traffic.buffer import BufferPool
 from traffic.manager import TrafficManager
+from traffic.memory import HostMemory
 from traffic.storage import ReadAccounting, make_storage
 from traffic.transport import make_transport
 
@@ -77,9 +80,14 @@ class Engine:
         self.node_id = cfg.node_id or self.engine_id
         self.device = torch.device(cfg.engine.device)
         self.dtype = getattr(torch, cfg.engine.dtype)
+        self.stopping = threading.Event()
+        self.exit_code = 0  # 1: a rank of this engine died (its supervisor restarts the whole engine)
         ckpt = open_checkpoint(cfg.model, cfg.engine.weight_quant)
         self.model_config = ckpt.config
-        self.model = load_model(ckpt, self.device, self.dtype, cfg.engine.kernels)
+        check_parallel(ckpt.config, cfg.engine)
+        # this process is rank 0; under tensor parallelism the others follow its steps (``engines.parallel``)
+        self.ranks = start_ranks(RankSpec(cfg.model, cfg.engine, cfg.host, cfg.torch_threads), self._rank_lost)
+        self.model = self.ranks.state.model
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
@@ -96,8 +104,11 @@ class Engine:
                                              cfg.engine.kv_dtype)
         self.transport = make_transport(cfg.transport, self.engine_id)
         slots = max(1, cfg.buffer_bytes // self.geometry.full_block_bytes)
-        self.buffer_memory = self.transport.allocate(slots * self.geometry.full_block_bytes)
+        self.buffer_memory = self._host_memory(slots * self.geometry.full_block_bytes)
         self.buffer_region = self.transport.register(self.buffer_memory).region_id
+        self.ranks.state.host["buffer"] = self.buffer_memory.tensor
+        if self.ranks.size > 1:
+            self.ranks.run(attach_buffer, self.buffer_memory.name, self.buffer_memory.nbytes)
         self.buffer = BufferPool(self.geometry, slots, self.buffer_memory)
         self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
         self.storage = self._open_storage(self.fingerprint)
@@ -105,7 +116,6 @@ class Engine:
         self.updating = False  # loading new weights: no work is admitted (set and read under admission_lock)
         self.weights = ("", "")  # (checkpoint, version) an update loaded; ("", ""): the ones it started with
         self.outbox = Outbox()
-        self.stopping = threading.Event()
         self.members: list[list[str]] = []  # the group: [engine id, control address]
         self.member_loads: list[EngineLoad] = []  # pushed by members, waiting for the leader's next pull
         self._peers: dict[str, Client] = {}
@@ -130,6 +140,18 @@ class Engine:
 
     def _refused(self) -> None:
         self.rpc_refused += 1
+
+    def _host_memory(self, nbytes: int) -> HostMemory:
+        """Host memory the transport addresses; shared by name when the engine has other ranks, which map it."""
+        if self.ranks.size > 1:
+            return HostMemory(nbytes, shared=True, pin=True)
+        return self.transport.allocate(nbytes)
+
+    def _rank_lost(self, why: str) -> None:
+        """A rank died (``engines.parallel.ranks``): the engine stops, telling the scheduler it leaves, and exits
+        non-zero so that its supervisor starts it again, whole."""
+        self.exit_code = 1
+        self.stopping.set()
 
     # --- role hooks -----------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -548,6 +570,7 @@ class Engine:
         self.transport.close()
         self.storage.close()
         self.buffer_memory.close()  # a shared segment outlives the process unless unlinked (no supervisor may be left)
+        self.ranks.close()
         log.info("%s engine %s stopped", self.role.value, self.engine_id)
 
 

@@ -6,8 +6,9 @@ Block never needs a layout change. The allocator and the tables are the only own
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable
+from typing import Callable, Hashable
 
+import numpy as np
 import torch
 
 from dualpath.allocator import BlockAllocator
@@ -27,6 +28,11 @@ class PagedKVCache:
         self.layers = list(self.storage.unbind(0))
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[Hashable, list[int]] = {}
+        # copies one block's every layer into another (a fork); a tensor-parallel engine's copies it on every rank
+        self.copier: Callable[[int, int], None] = self._copy_block
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.storage[:, dst].copy_(self.storage[:, src])
 
     @staticmethod
     def blocks_for_memory(geometry: KVGeometry, memory_bytes: int) -> int:
@@ -72,7 +78,7 @@ class PagedKVCache:
         if partial and not own:
             own = self.allocator.allocate(1)
         if partial:  # every layer at once: the cache is one layer-major tensor
-            self.storage[:, own[0]].copy_(self.storage[:, table[full]])
+            self.copier(table[full], own[0])
         self.allocator.share(table[:full])
         self._tables[child] = table[:full] + own
 
@@ -98,9 +104,15 @@ class PagedKVCache:
 
     def block_tables(self, seqs: list[Hashable]) -> torch.Tensor:
         """Block tables of ``seqs`` as one ``[B, max_blocks]`` tensor, short rows padded with block 0."""
+        return torch.from_numpy(self.padded_tables(seqs)).to(self.device)
+
+    def padded_tables(self, seqs: list[Hashable]) -> np.ndarray:
+        """``block_tables`` on the host (int64)."""
         tables = [self._tables[s] for s in seqs]
-        width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+        out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+        for row, t in zip(out, tables):
+            row[:len(t)] = t
+        return out
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, backend: str = "torch") -> None:
         """New token rows ``kv`` into their ``slots`` of ``layer``; ``backend``: the model's kernels."""

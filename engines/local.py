@@ -20,17 +20,24 @@ from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
+from engines.parallel.ranks import Ranks
+from engines.parallel.steps import RankState, forward_paged, logits_of
 from engines.sampler import check_token_ids, extend_prompt_logprobs, sample
 from engines.sequence import FinishReason, Sequence
-from kernels.attention import PagedKV
 
 
 class ModelRunner:
     """Runs a forward over sequences whose earlier KV is in a paged cache, writing the new KV back into it.
-    Decode steps replay ``graphs`` when given and the batch fits them."""
+    Decode steps replay ``graphs`` when given and the batch fits them. ``ranks``: a tensor-parallel engine's ranks,
+    each forward a step they all run (``cache`` is rank 0's, of its heads); None: this process alone."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None,
+                 ranks: Ranks | None = None):
         self.model, self.cache, self.graphs = model, cache, graphs
+        if ranks is None:
+            ranks = Ranks(RankState(model, None, str(cache.device)))
+            ranks.state.cache = cache
+        self.ranks = ranks
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
@@ -40,38 +47,35 @@ class ModelRunner:
             adapters = [s.params.adapter for s in seqs]
             if self.graphs.fits(len(seqs), max(map(len, tables)), adapters):
                 return self._decode_graph(seqs, tables, adapters)
-        hidden, batch = self._layers(seqs, new_lens, [s.token_ids[s.num_computed:s.num_computed + n]
-                                                      for s, n in zip(seqs, new_lens)])
+        hidden, logits = self._layers(seqs, new_lens, [s.token_ids[s.num_computed:s.num_computed + n]
+                                                        for s, n in zip(seqs, new_lens)], last_only=True)
         self._prompt_logprobs(seqs, new_lens, hidden)
         for s, n in zip(seqs, new_lens):
             s.num_computed += n
-        return self.model.compute_logits(hidden[batch.last_token_indices()])
+        return logits
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
         """Feed each decoding sequence its last token and its drafts; logits of every fed row, packed in order.
         ``num_computed`` is left as it was: the caller knows how many drafts hold."""
         new_lens = [1 + len(d) for d in drafts]
-        hidden, _ = self._layers(seqs, new_lens, [[s.last_token, *d] for s, d in zip(seqs, drafts)])
-        return self.model.compute_logits(hidden)
+        return self._layers(seqs, new_lens, [[s.last_token, *d] for s, d in zip(seqs, drafts)], last_only=False)[1]
 
-    def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]]):
+    def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]], last_only: bool):
         """Run every layer over tokens ``fed[i]`` at sequence i's next positions, writing their KV into the cache:
-        ``(hidden states of every fed token, the batch)``."""
+        ``(hidden states of every fed token, logits of each sequence's last fed token, or of every one)``."""
         batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens),
                              tuple(s.params.adapter for s in seqs))
         ids = np.concatenate([np.asarray(f, dtype=np.int64) for f in fed])
         slots = np.concatenate([np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64)
                                 for s, n in zip(seqs, new_lens)])
-        ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.cache.device)  # one copy; none in the layers
-        tables = self.cache.block_tables([s.seq_id for s in seqs])
-        ctx = self.model.begin(batch)
-        hidden = self.model.embed(ids)
-        for layer in range(self.model.config.num_layers):
-            cached = PagedKV(self.cache.layers[layer], tables, ctx.cached_lens)
-            hidden, kv = self.model.forward_layer(layer, hidden, ctx, cached)
-            self.cache.write(layer, slots, kv, self.model.kernels)
-        return hidden, batch
+        tables = self.cache.padded_tables([s.seq_id for s in seqs])
+        return self.ranks.run(forward_paged, batch, ids, slots, tables,
+                              batch.last_token_indices() if last_only else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden-state rows of the last forward (on every rank: the rows travel with the step)."""
+        return self.ranks.run(logits_of, hidden.cpu() if self.ranks.size > 1 else hidden)
 
     def _prompt_logprobs(self, seqs: list[Sequence], new_lens: list[int], hidden: torch.Tensor) -> None:
         """Each asking sequence's prompt logprobs from this chunk's rows (``hidden`` packs the sequences' new
@@ -80,7 +84,7 @@ class ModelRunner:
         for s, n in zip(seqs, new_lens):
             if s.params.prompt_logprobs is not None:
                 extend_prompt_logprobs(s.prompt_logprobs, s.prompt_ids, s.num_computed, hidden[start:start + n],
-                                       self.model.compute_logits, s.params.prompt_logprobs)
+                                       self.logits, s.params.prompt_logprobs)
             start += n
 
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]], adapters: list[str]) -> torch.Tensor:
@@ -97,15 +101,18 @@ class LocalEngine:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  tokenizer: Tokenizer | None = None, free_finished: bool = True, enforce_eager: bool = False,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, ranks: Ranks | None = None):
         self.cache = cache
         self.spec = speculative or SpeculativeConfig()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps, draft tokens fed, kept
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model.config.context_limit(max_model_len)
-        graphs = make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
-        self.runner = ModelRunner(model, cache, graphs)
+        # a tensor-parallel engine's steps run eagerly: its ranks follow each step's plain arguments, which a graph
+        # replayed on rank 0 alone would not give them
+        tp = ranks is not None and ranks.size > 1
+        graphs = None if tp else make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
+        self.runner = ModelRunner(model, cache, graphs, ranks)
         self.eos_ids = model.config.eos_token_ids
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer

@@ -85,7 +85,7 @@ def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
     write_ready(ready_file, f"{engine.engine_id} {cfg.host}:{engine.port}\n")
     engine.run()
     logging.shutdown()
-    os._exit(0)  # NIXL (if loaded) crashes in exit-time destructors
+    os._exit(engine.exit_code)  # NIXL (if loaded) crashes in exit-time destructors
 
 
 def run_scheduler(cfg: SchedulerConfig, ready_file: str | None = None) -> None:

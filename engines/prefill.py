@@ -33,8 +33,7 @@ from engines.layer_copies import LayerCopies
 from engines.models.base import ForwardBatch
 from engines.prefill_jobs import PrefillJobs
 from engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
-from kernels.attention import PagedKV, consecutive_tables
-from kernels.kv_move import cache_dtype, write_tokens
+from engines.parallel.steps import LayerHooks, alloc_workspace, logits_of, prefill_layers, time_forward
 from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
 from traffic.transport.base import Op, RegionDesc
 
@@ -98,11 +97,14 @@ class AfterLoad:
 
 @dataclass
 class Workspace:
-    """Device memory for a batch's KV, ``[slots, blocks, block_size, kv_elems]``; layer l uses slot l % slots."""
+    """A batch's KV, ``[slots, blocks, block_size, kv_elems]``, as the transport addresses it; layer l uses slot
+    l % slots. One device's: its device memory. A tensor-parallel engine's: canonical host staging its ranks map,
+    each copying its heads to and from its own device workspace ``key`` (``engines.parallel.steps``)."""
 
     tensor: torch.Tensor
     region: int
     layout: LayerMajorBlocks
+    key: str
 
     @property
     def slots(self) -> int:
@@ -113,11 +115,39 @@ class Workspace:
         return self.tensor.shape[1]
 
 
+class PrefillHooks(LayerHooks):
+    """Rank 0's part of each layer of a prefill batch: wait for the layer's KV to be in the workspace before it
+    computes, start sending it once computed (``LayerPipeline``)."""
+
+    def __init__(self, engine: "PrefillEngine", pipe: LayerPipeline, basic: bool):
+        self.copies, self.pipe, self.basic, self.layers = engine.copies, pipe, basic, engine.geometry.num_layers
+
+    def begin(self) -> None:
+        self.pipe.begin()
+        if self.basic:  # the baseline: the whole batch's KV is resident before the first layer computes
+            for layer in range(self.layers):
+                self.pipe.wait_layer(layer)
+
+    def before(self, layer: int) -> None:
+        if layer == self.layers // 2:
+            failpoint("prefill.prefilling")
+        if not self.basic:
+            self.pipe.wait_layer(layer)
+        self.copies.before_compute(layer)
+
+    def after(self, layer: int, slot: int) -> None:
+        # the send reads this layer's KV once its kernels have run: the pipeline's sender thread waits for that,
+        # this thread goes on launching the next layer
+        computed = self.copies.after_compute(slot)
+        self.pipe.layer_done(layer, None if self.basic else computed)
+
+
 class PrefillEngine(Engine):
     role = Role.PREFILL
 
     def setup(self) -> None:
         g = self.geometry
+        self.stages: list = []  # tensor parallelism: the workspaces' shared host staging (closed at the end)
         self.workspace = self._workspace(2)
         self.copies = LayerCopies(self.device)  # hit KV host -> device on its own stream (CUDA)
         self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
@@ -128,12 +158,18 @@ class PrefillEngine(Engine):
         log.info("prefill cost model: %s (quota %.0f ms)", self.cost, 1000 * self.cfg.compute_quota_s)
         assert g.block_size > 0
 
-    def _workspace(self, slots: int) -> Workspace:
+    def _workspace(self, slots: int, key: str = "ws") -> Workspace:
         g = self.geometry
         blocks = max(1, self.cfg.workspace_tokens // g.block_size)
-        t = torch.zeros(slots, blocks, *g.layer_block_shape, dtype=cache_dtype(g), device=self.device)
-        region = self.transport.register(t).region_id
-        return Workspace(t, region, LayerMajorBlocks(g, blocks, num_layers=slots))
+        if self.ranks.size == 1:
+            t = self.ranks.run(alloc_workspace, key, g, slots, blocks, None)
+            return Workspace(t, self.transport.register(t).region_id, LayerMajorBlocks(g, blocks, num_layers=slots),
+                             key)
+        stage = self._host_memory(slots * blocks * g.layer_block_bytes)
+        self.stages.append(stage)
+        region = self.transport.register(stage).region_id
+        self.ranks.run(alloc_workspace, key, g, slots, blocks, (stage.name, stage.nbytes))
+        return Workspace(self.ranks.state.host[key], region, LayerMajorBlocks(g, blocks, num_layers=slots), key)
 
     def capacity_tokens(self) -> int:
         return self.workspace.blocks * self.geometry.block_size
@@ -168,23 +204,7 @@ class PrefillEngine(Engine):
         return CostModel.fit(list(zip(shapes, times)))
 
     def _time_forward(self, items) -> float:
-        g = self.geometry
-        counts = [g.num_blocks(c) for c, _ in items]
-        firsts = [sum(counts[:i]) for i in range(len(items))]
-        layer_kv = (0.1 * torch.randn(max(sum(counts), 1), *g.layer_block_shape, dtype=self.dtype,
-                                      device=self.device)).to(cache_dtype(g))
-        tables = consecutive_tables(firsts, counts, self.device)
-        ids = torch.randint(0, self.model_config.vocab_size, (sum(n for _, n in items),), device=self.device)
-        batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
-        t = time.perf_counter()
-        ctx = self.model.begin(batch)
-        cached = PagedKV(layer_kv, tables, ctx.cached_lens)
-        h = self.model.embed(ids)
-        for layer in range(self.model_config.num_layers):
-            h, _ = self.model.forward_layer(layer, h, ctx, cached)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
+        return self.ranks.run(time_forward, self.geometry, items)
 
     # --- assignments ----------------------------------------------------------------------------------------
     def on_assignment(self, a: Assignment) -> None:
@@ -344,8 +364,13 @@ class PrefillEngine(Engine):
 
     def _basic_workspace(self) -> Workspace:
         if self.basic_workspace is None:
-            self.basic_workspace = self._workspace(self.geometry.num_layers)
+            self.basic_workspace = self._workspace(self.geometry.num_layers, "basic")
         return self.basic_workspace
+
+    def stop(self) -> None:
+        super().stop()
+        for stage in self.stages:
+            stage.close()
 
     def _run(self, jobs: list[tuple[Job, int]], ws: Workspace, basic: bool) -> None:
         try:
@@ -380,7 +405,7 @@ class PrefillEngine(Engine):
 
     @torch.inference_mode()
     def _prefill(self, jobs: list[tuple[Job, int]], ws: Workspace, basic: bool) -> list[tuple[Job, torch.Tensor]]:
-        g, model = self.geometry, self.model
+        g = self.geometry
         cached = [j.computed for j, _ in jobs]
         new = [n for _, n in jobs]
         bases, base = [], 0
@@ -391,8 +416,7 @@ class PrefillEngine(Engine):
         ids = np.concatenate([np.asarray(j.token_ids[c:c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
         # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
         slots = np.repeat(np.asarray(bases) * g.block_size, new) + batch.positions()
-        ids, slots = torch.from_numpy(np.stack([ids, slots])).to(self.device)  # one copy; none in the layer loop
-        tables = consecutive_tables(bases, [g.num_blocks(c + n) for c, n in zip(cached, new)], self.device)
+        counts = [g.num_blocks(c + n) for c, n in zip(cached, new)]
 
         fetch = lambda layer: AllOf([self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731
                                      for i, (j, _) in enumerate(jobs)])
@@ -405,7 +429,8 @@ class PrefillEngine(Engine):
             pipe = LayerPipeline(g.num_layers, fetch, send, depth=1, timeout=timeout)
         t0 = time.perf_counter()
         try:
-            hidden = self._layers(batch, ids, slots, tables, ws, pipe, basic)
+            hidden = self.ranks.run(prefill_layers, g, batch, ids, slots, bases, counts, ws.key,
+                                    hooks=PrefillHooks(self, pipe, basic))
         except BaseException:
             pipe.abandon()
             raise
@@ -420,37 +445,16 @@ class PrefillEngine(Engine):
         for i, (j, n) in enumerate(jobs):  # the scheduler gives these no hit: chunks come from position 0
             if j.params.prompt_logprobs is not None:
                 extend_prompt_logprobs(j.prompt_lps, j.token_ids, cached[i], hidden[last[i] - n + 1:last[i] + 1],
-                                       model.compute_logits, j.params.prompt_logprobs)
+                                       self._logits, j.params.prompt_logprobs)
         finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
         if not finals:
             return []
-        logits = model.compute_logits(hidden[[last[i] for _, i in finals]])
+        logits = self._logits(hidden[[last[i] for _, i in finals]])
         return [(j, logits[k]) for k, (j, _) in enumerate(finals)]
 
-    def _layers(self, batch: ForwardBatch, ids, slots, tables, ws: Workspace, pipe: LayerPipeline,
-                basic: bool) -> torch.Tensor:
-        """Launch every layer of the batch, each after its KV is in; returns the last hidden states."""
-        g, model = self.geometry, self.model
-        ctx = model.begin(batch)
-        hidden = model.embed(ids)
-        pipe.begin()
-        if basic:  # the baseline: the whole batch's KV is resident before the first layer computes
-            for layer in range(g.num_layers):
-                pipe.wait_layer(layer)
-        for layer in range(g.num_layers):
-            if layer == g.num_layers // 2:
-                failpoint("prefill.prefilling")
-            if not basic:
-                pipe.wait_layer(layer)
-            self.copies.before_compute(layer)
-            paged = PagedKV(ws.tensor[layer % ws.slots], tables, ctx.cached_lens)
-            hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
-            write_tokens(ws.tensor[layer % ws.slots], slots, kv, model.kernels)  # the batch at once, not per sequence
-            computed = self.copies.after_compute(layer % ws.slots)
-            # the send reads this layer's KV from device memory once its kernels have run: the pipeline's sender
-            # thread waits for that, this thread goes on launching the next layer
-            pipe.layer_done(layer, None if basic else computed)
-        return hidden
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden-state rows (on every rank: the rows travel with the step)."""
+        return self.ranks.run(logits_of, hidden.cpu() if self.ranks.size > 1 else hidden)
 
     def _fetch(self, job: Job, cached: int, base: int, layer: int, ws: Workspace):
         """Bring tokens [0, cached) of ``layer`` into the workspace: the local prefix from this engine's

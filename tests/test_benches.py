@@ -76,6 +76,14 @@ def test_lora_bench_runs(tiny_dirs, tmp_path):
     assert len(result["rows"]) == 3 and result["mixed_identical_to_alone"] and result["adapter_changes_replies"]
 
 
+@pytest.mark.slow  # ~20 s: a process per size, a second rank's process; the sharded numerics are the engines' tests
+def test_tensor_parallel_bench_runs(tmp_path):
+    result = run_bench("tensor_parallel.py", "--quick", "--out", str(tmp_path / "tp.json"))
+    one, two = result["rows"]
+    assert (one["tp"], two["tp"]) == (1, 2) and result["outputs_equal"]
+    assert two["rank0_weight_bytes"] < 0.6 * one["rank0_weight_bytes"]  # each rank holds about half
+
+
 @pytest.mark.slow  # ~25 s: a server start, 6 s of agents, the settle; bench/soak.py is the real run
 def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check

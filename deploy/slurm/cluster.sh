@@ -1,7 +1,8 @@
 # DualPath on a Slurm allocation: sourced by dualpath.sbatch and rollout.sbatch from inside the batch shell.
 #
 # Layout (roles assigned by node): the first DUALPATH_PREFILL_NODES nodes of the allocation run prefill engines,
-# the rest decode engines, one engine per GPU (one `srun` task per GPU, Slurm sets its CUDA_VISIBLE_DEVICES).
+# the rest decode engines, one engine per GPU (one `srun` task per GPU, Slurm sets its CUDA_VISIBLE_DEVICES), or
+# with DUALPATH_TP=N one engine per N GPUs (one task per N GPUs: the engine's N tensor-parallel ranks on them).
 # The scheduler and the OpenAI frontend run in the batch shell on the first node; engines find the scheduler
 # through DUALPATH_SCHEDULER, exported into their job steps. Every setting below may be overridden from the
 # environment at sbatch time (sbatch exports the submitting shell's environment).
@@ -24,7 +25,10 @@
 # (DUALPATH_API_KEY or DUALPATH_API_KEY_FILE), else the job fails at start. The keys reach the frontend only.
 
 : "${DUALPATH_PREFILL_NODES:=1}"                   # nodes running prefill engines; the others run decode
-: "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # engines per node (one per GPU)
+: "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # GPUs per node: engines per node at DUALPATH_TP=1
+: "${DUALPATH_TP:=1}"                             # tensor-parallel size: one engine spans this many of a node's GPUs
+: "${DUALPATH_PREFILL_TP:=$DUALPATH_TP}"          # the prefill engines' own (e.g. 2 while decode runs 1)
+: "${DUALPATH_DECODE_TP:=$DUALPATH_TP}"           # the decode engines' own
 : "${DUALPATH_DEVICE:=cuda}"                      # cpu: engines on CPU (trials, CI)
 : "${DUALPATH_GPUS_PER_TASK:=1}"                  # GPUs (gres) each engine task gets; 0 on nodes without GPUs
 : "${DUALPATH_DTYPE:=bfloat16}"
@@ -134,26 +138,53 @@ dp_model_args() {
   echo "--model $DUALPATH_MODEL${DUALPATH_LORA_MODULES:+ --lora-modules $DUALPATH_LORA_MODULES}"
 }
 
-# One srun step per role: NODES (comma list), one task per GPU; each task is one engine named role-node-index.
+dp_role_tp() {  # the tensor-parallel size of ROLE's engines
+  if [ "$1" = prefill ]; then echo "$DUALPATH_PREFILL_TP"; else echo "$DUALPATH_DECODE_TP"; fi
+}
+
+# Each role's tensor-parallel size: a whole number dividing DUALPATH_GPUS_PER_NODE (a node's GPUs are its engines').
+dp_check_tp() {
+  local role tp
+  for role in prefill decode; do
+    tp=$(dp_role_tp "$role")
+    case $tp in
+      '' | 0* | *[!0-9]*) dp_log "the $role engines' tensor-parallel size must be a whole number from 1, got '$tp'"
+                          return 2 ;;
+    esac
+    if [ $((DUALPATH_GPUS_PER_NODE % tp)) != 0 ]; then
+      dp_log "the $role engines' tensor-parallel size $tp (DUALPATH_TP, DUALPATH_${role^^}_TP) does not divide" \
+        "DUALPATH_GPUS_PER_NODE=$DUALPATH_GPUS_PER_NODE"
+      return 2
+    fi
+  done
+}
+
+dp_engines_per_node() { echo $((DUALPATH_GPUS_PER_NODE / $(dp_role_tp "$1"))); }  # ROLE's engines on one node
+
+# One srun step per role: NODES (comma list), one task per engine (per GPU at TP 1, else per TP GPUs, which Slurm
+# gives the task as its CUDA_VISIBLE_DEVICES: the engine's ranks on cuda:0 .. cuda:TP-1); each task is one engine
+# named role-node-index.
 dp_run_engines() {
-  local role=$1 nodes=$2 count=$3
-  dp_log "starting $role engines on $nodes ($DUALPATH_GPUS_PER_NODE per node)"
+  local role=$1 nodes=$2 count=$3 tp per_node
+  tp=$(dp_role_tp "$role") per_node=$(dp_engines_per_node "$role")
+  dp_log "starting $role engines on $nodes ($per_node per node, tensor-parallel size $tp)"
   # --export=ALL, whatever the site's default: the tasks need the DUALPATH_* settings and the cluster token (the
   # frontend's keys are taken out of srun's environment first)
   env -u DUALPATH_API_KEY -u DUALPATH_ADMIN_API_KEY srun --export=ALL --nodes="$count" --nodelist="$nodes" \
-    --ntasks-per-node="$DUALPATH_GPUS_PER_NODE" \
-    $([ "$DUALPATH_GPUS_PER_TASK" -gt 0 ] && echo "--gpus-per-task=$DUALPATH_GPUS_PER_TASK") \
-    --cpus-per-task=1 --kill-on-bad-exit=1 --job-name="dualpath-$role" \
+    --ntasks-per-node="$per_node" \
+    $([ "$DUALPATH_GPUS_PER_TASK" -gt 0 ] && echo "--gpus-per-task=$((DUALPATH_GPUS_PER_TASK * tp))") \
+    --cpus-per-task="$tp" --kill-on-bad-exit=1 --job-name="dualpath-$role" \
     bash -c 'exec >>"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
       echo "engine task $SLURM_LOCALID on $SLURMD_NODENAME: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
       exec "$DUALPATH" --log-level INFO engine --role "$0" --scheduler "$DUALPATH_SCHEDULER" \
       --engine-id "$0-$SLURMD_NODENAME-$SLURM_LOCALID" --node-id "$SLURMD_NODENAME" --group-id "$0-$SLURMD_NODENAME" \
       --host "$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)" \
-      --device "$DUALPATH_ENGINE_DEVICE" --dtype "$DUALPATH_DTYPE" --kv-cache-dtype "$DUALPATH_KV_CACHE_DTYPE" \
+      --device "$DUALPATH_ENGINE_DEVICE" --tensor-parallel-size "$1" \
+      --dtype "$DUALPATH_DTYPE" --kv-cache-dtype "$DUALPATH_KV_CACHE_DTYPE" \
       --transport "$DUALPATH_TRANSPORT" ${DUALPATH_QUANTIZATION:+--quantization "$DUALPATH_QUANTIZATION"} \
       --kv-store "$DUALPATH_KV_STORE" --storage-capacity "$DUALPATH_STORAGE_CAPACITY" \
       --kv-service-level "$DUALPATH_KV_SL" --kv-traffic-class "$DUALPATH_KV_TC" \
-      --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" &
+      --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" "$tp" &
 }
 
 dp_run_scheduler() {  # (env -u: the frontend's keys are the frontend's alone)
@@ -197,6 +228,7 @@ dualpath_cluster_up() {
   case $DUALPATH_MAX_RESTARTS in
     '' | *[!0-9]*) dp_log "DUALPATH_MAX_RESTARTS must be a whole number, got '$DUALPATH_MAX_RESTARTS'"; return 2 ;;
   esac
+  dp_check_tp || return
   dp_check_api_key || return
   umask "$DUALPATH_UMASK" || return 2
   mkdir -p "$DUALPATH_RUN_DIR" "$DUALPATH_KV_STORE"
@@ -221,7 +253,7 @@ dualpath_cluster_up() {
   dp_start scheduler dp_run_scheduler || return 1
   dp_start prefill dp_run_engines prefill "$(IFS=,; echo "${nodes[*]:0:np}")" "$np" || return 1
   dp_start decode dp_run_engines decode "$(IFS=,; echo "${nodes[*]:np}")" "$nd" || return 1
-  dp_wait_registered $((np * DUALPATH_GPUS_PER_NODE)) $((nd * DUALPATH_GPUS_PER_NODE)) || {
+  dp_wait_registered $((np * $(dp_engines_per_node prefill))) $((nd * $(dp_engines_per_node decode))) || {
       dp_log "engines did not come up; see $DUALPATH_RUN_DIR"; dualpath_cluster_down; return 1; }
 
   dp_start frontend dp_run_frontend || return 1

@@ -99,17 +99,26 @@ def lora_modules(args) -> tuple:
     return tuple(m if isinstance(m, LoraModule) else LoraModule.parse(m) for m in given)
 
 
-def cluster_from_args(args):
-    """The single-host cluster the command-line options describe (``serve``, ``rollout``), started."""
+def cluster_spec(args):
+    """The single-host cluster the command-line options describe (``serve``, ``rollout``, ``run-batch``), and the
+    model directory and context limit; its tensor parallelism checked against the checkpoint (``ConfigError``
+    before any process starts)."""
     from dualpath.cli import _model_dir
-    from dualpath.launcher import ClusterSpec, LocalCluster, RestartPolicy, parse_port_range
-    from dualpath.paths import default_kv_store
+    from dualpath.launcher import ClusterSpec, RestartPolicy, check_parallelism, parse_port_range
     from engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
-    max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
-    engines = args.prefill + args.decode
-    threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // engines) if args.device == "cpu" else 0)
+    model_config = open_checkpoint(model_dir).config
+    max_len = model_config.context_limit(args.max_model_len)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    sizes = {role: getattr(args, f"{role}_tensor_parallel_size", 0) or tp for role in ("prefill", "decode")}
+    ranks = args.prefill * sizes["prefill"] + args.decode * sizes["decode"]  # processes sharing the cores
+    threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // ranks) if args.device == "cpu" else 0)
+    if args.engine_port_range and getattr(args, "tp_master_port", 0):
+        from dualpath.errors import ConfigError
+
+        raise ConfigError("--tp-master-port and --engine-port-range: give one (with a range, each tensor-parallel "
+                          "engine's rendezvous port comes from it)")
     spec = ClusterSpec(
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
@@ -117,6 +126,9 @@ def cluster_from_args(args):
         transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, lora_modules=lora_modules(args),
+        tensor_parallel_size=tp, prefill_tensor_parallel_size=sizes["prefill"],
+        decode_tensor_parallel_size=sizes["decode"], tp_master_port=getattr(args, "tp_master_port", 0),
+        tp_join_timeout_s=getattr(args, "tp_join_timeout", 60.0),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,
@@ -126,9 +138,21 @@ def cluster_from_args(args):
         engine_wait_timeout_s=args.engine_wait_timeout, restart=RestartPolicy(max_restarts=args.max_restarts),
         engine_ports=parse_port_range(args.engine_port_range) if args.engine_port_range else None,
         log_level=args.log_level.upper())
+    check_parallelism(spec, model_config)
+    return spec, model_dir, max_len
+
+
+def cluster_from_args(args):
+    """The single-host cluster the command-line options describe (``cluster_spec``), started."""
+    from dualpath.launcher import LocalCluster
+    from dualpath.paths import default_kv_store
+
+    spec, model_dir, max_len = cluster_spec(args)
     cap = f"{spec.storage_capacity / 1e9:.1f} GB" if spec.storage_capacity else "no cap"
+    tp = {spec.tp(role) for role in ("prefill", "decode")}
+    tp_text = "" if tp == {1} else f", tensor-parallel size {spec.tp('prefill')} prefill / {spec.tp('decode')} decode"
     print(f"starting {args.prefill} prefill and {args.decode} decode engine(s) of {model_name(model_dir)} on "
-          f"{args.device} (logs in the run directory below; KV store {spec.kv_store or default_kv_store()}, "
+          f"{args.device}{tp_text} (logs in the run directory below; KV store {spec.kv_store or default_kv_store()}, "
           f"{cap}: --storage-capacity)", flush=True)
     cluster = LocalCluster(spec, run_dir=args.run_dir)
     print(f"run directory: {cluster.run_dir}", flush=True)

@@ -14,6 +14,7 @@ from engines.models.base import CausalLM, ForwardBatch, ForwardContext
 from engines.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engines.models.llama import LlamaForCausalLM
 from engines.models.loader import Checkpoint, open_checkpoint
+from engines.parallel.comm import TPShard
 from kernels.attention import choose_backend
 from kernels.fp8 import FP8
 
@@ -31,14 +32,15 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 
 def load_model(ckpt: Checkpoint | str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, kernels: str = "auto",
-               quantize: WeightQuantConfig | None = None) -> CausalLM:
+               quantize: WeightQuantConfig | None = None, shard: TPShard = TPShard()) -> CausalLM:
     """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights; ``kernels`` as in
-    ``kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory)."""
+    ``kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory); ``shard``: the
+    tensor-parallel rank whose part of the weights is read (the caller sets ``model.comm`` before a forward)."""
     if not isinstance(ckpt, Checkpoint):
         ckpt = open_checkpoint(ckpt, quantize)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = MODEL_CLASSES[ckpt.config.architecture](ckpt.config, choose_backend(kernels, device))
+    model = MODEL_CLASSES[ckpt.config.architecture](ckpt.config, choose_backend(kernels, device), shard)
     model.cast_(dtype)
     start = time.perf_counter()
     model.load_checkpoint(ckpt, device)

@@ -21,10 +21,12 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError, RequestError
+from dualpath.geometry import HeadShard
 from engines.lora import AdapterRows, LoraWeights, Target, load_adapter
 from engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
     stays_fp8
-from engines.models.loader import Checkpoint
+from engines.models.loader import Checkpoint, Cut
+from engines.parallel.comm import TPShard
 from kernels.attention import CachedRows
 from kernels.fp8 import fp8_linear, quantize_blocks
 from kernels.norm import rms_norm
@@ -101,13 +103,24 @@ class WeightSpec:
     ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim; item i is the
     concatenation of sources ``i × per_item`` onwards, e.g. an expert's gate and up projections). ``fp8``: the
     model reads it only through ``linear``, ``add_linear`` or the MoE, so FP8 sources may stay FP8
-    (``engines.models.fp8``)."""
+    (``engines.models.fp8``). ``cuts``: under tensor parallelism, the part of each source this rank reads (None:
+    all of it; empty: no source is cut); the shapes in ``sources`` stay the checkpoint's."""
 
     param: str
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     op: str = "copy"
     per_item: int = 1
     fp8: bool = False
+    cuts: tuple[Cut | None, ...] = ()
+
+    def cut_of(self, name: str, block: tuple[int, int] | None = None) -> Cut | None:
+        """The cut of source ``name``, or of its FP8 scales (``name`` ending in the scale suffix, ``block``: the
+        scale blocks)."""
+        base = name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        for (n, _), cut in zip(self.sources, self.cuts):
+            if n == base and cut is not None:
+                return cut.of_scales(block) if base != name else cut
+        return None
 
 
 def _joined(spec: WeightSpec, parts: list[torch.Tensor]) -> Iterator[tuple[int | EllipsisType, torch.Tensor]]:
@@ -136,6 +149,23 @@ def _quantize_into(spec: WeightSpec, parts: list[torch.Tensor], target: Fp8Param
         q, scale = quantize_blocks(value.to(target.q.device), target.block)
         target.q[at].copy_(q)
         target.scale[at].copy_(scale)
+
+
+def _misaligned_cuts(spec: WeightSpec, ckpt: Checkpoint, held_fp8: bool) -> list[str]:
+    """A cut of a block-scaled source must fall on its scale blocks (else this rank's blocks would not be the
+    checkpoint's, or TP 1's when quantized at load): each such cut that does not, with the numbers."""
+    quant = ckpt.config.quant
+    if quant is None:
+        return []
+    out = []
+    for (name, shape), cut in zip(spec.sources, spec.cuts):
+        if cut is None or not (held_fp8 or stays_fp8(spec, ckpt) or scaled(ckpt, name)):
+            continue
+        b = quant.block[0] if cut.dim == len(shape) - 2 else quant.block[1]
+        if cut.start % b or cut.stop % b:
+            out.append(f"tensor {name}'s tensor-parallel part [{cut.start}, {cut.stop}) of dim {cut.dim} does not "
+                       f"fall on its {b}-element FP8 scale blocks; serve it at a tensor-parallel size that does")
+    return out
 
 
 def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -167,16 +197,21 @@ def add_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Fp8Par
 class CausalLM(nn.Module, ABC):
     """A decoder-only model with a layerwise forward over externally held KV."""
 
-    def __init__(self, config: ModelConfig, kernels: str = "torch"):
+    def __init__(self, config: ModelConfig, kernels: str = "torch", shard: TPShard = TPShard()):
         super().__init__()
         self.config = config
         self.kernels = kernels  # "torch" or "triton": the backend every layer's attention runs on
+        # tensor parallelism: this rank's part; ``comm`` (set before the first forward when ``shard.size > 1``)
+        # reduces the row-parallel layers' partial sums and gathers the vocabulary-parallel logits
+        self.shard, self.comm = shard, None
+        self.vocab = shard.split(config.vocab_size, "vocab_size")  # this rank's rows of the embedding and LM head
         inv_freq, self.rope_attention_factor = rope_inv_freq(config.rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.embed_tokens = param(config.vocab_size, config.hidden_size)
+        part = self.vocab[1] - self.vocab[0]
+        self.embed_tokens = param(part, config.hidden_size)
         self.norm = param(config.hidden_size)
         if not config.tie_word_embeddings:
-            self.lm_head = param(config.vocab_size, config.hidden_size)
+            self.lm_head = param(part, config.hidden_size)
         self.adapters: dict[str, LoraWeights] = {}  # identity -> weights (``add_adapter``)
 
     # --- forward -----------------------------------------------------------------------------------------
@@ -216,6 +251,8 @@ class CausalLM(nn.Module, ABC):
         """Load the PEFT LoRA adapter at ``path`` (``CheckpointError`` if it does not fit this model); returns its
         identity, which requests name it by (``SamplingParams.adapter``)."""
         targets = self.lora_targets()
+        if self.shard.size > 1:
+            raise CheckpointError(f"{path}: LoRA adapters are not served under tensor parallelism yet")
         if targets is None:
             raise CheckpointError(f"{path}: LoRA adapters are not supported for {self.config.architecture} models")
         weights = load_adapter(path, targets, self.config.num_layers, self.embed_tokens.device,
@@ -239,8 +276,27 @@ class CausalLM(nn.Module, ABC):
         Triton kernels (the torch reference reads lengths on the host, and its MoE asks which experts run)."""
         return self.kernels == "triton"
 
+    @property
+    def kv_shard(self) -> HeadShard | None:
+        """Which KV heads this rank's cache rows hold (None: the whole canonical row, e.g. MLA's latent)."""
+        return None
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Elements of one token's KV row in this rank's cache."""
+        return self.config.kv_elems_per_token if self.kv_shard is None else self.kv_shard.local_elems
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial ``x`` (a row-parallel layer's output), in place; ``x`` itself at TP 1."""
+        return self.comm.all_reduce(x) if self.shard.size > 1 else x
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.embed_tokens)
+        if self.shard.size == 1:
+            return F.embedding(token_ids, self.embed_tokens)
+        lo, hi = self.vocab  # vocabulary-parallel: each rank looks up its rows, zeros elsewhere, then the sum
+        mine = (token_ids >= lo) & (token_ids < hi)
+        rows = F.embedding((token_ids - lo).clamp_(0, hi - lo - 1), self.embed_tokens)
+        return self.reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     @abstractmethod
     def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
@@ -256,7 +312,8 @@ class CausalLM(nn.Module, ABC):
         """Final norm and LM head over the given rows, in float32."""
         h = rms_norm(hidden, self.norm, self.config.rms_norm_eps, self.kernels)
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return F.linear(h, head).float()
+        logits = F.linear(h, head).float()
+        return logits if self.shard.size == 1 else self.comm.all_gather(logits)  # every rank: the whole vocabulary
 
     @torch.inference_mode()
     def forward_all(self, token_ids: torch.Tensor, batch: ForwardBatch,
@@ -265,7 +322,7 @@ class CausalLM(nn.Module, ABC):
         ``all_logits``. ``cached_kv[layer][i]`` as in ``forward_layer``; None means nothing cached."""
         ctx = self.begin(batch)
         hidden = self.embed(token_ids)
-        empty = [hidden.new_empty(0, self.config.kv_elems_per_token)] * len(batch.new_lens)
+        empty = [hidden.new_empty(0, self.kv_elems_per_token)] * len(batch.new_lens)
         new_kv = []
         for layer in range(self.config.num_layers):
             hidden, kv = self.forward_layer(layer, hidden, ctx, cached_kv[layer] if cached_kv else empty)
@@ -275,11 +332,11 @@ class CausalLM(nn.Module, ABC):
 
     # --- weights -----------------------------------------------------------------------------------------
     def weight_specs(self) -> Iterator[WeightSpec]:
-        c = self.config
-        yield WeightSpec("embed_tokens", (("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),))
+        c, rows = self.config, (Cut(0, *self.vocab),) if self.shard.size > 1 else ()
+        yield WeightSpec("embed_tokens", (("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),), cuts=rows)
         yield WeightSpec("norm", (("model.norm.weight", (c.hidden_size,)),))
         if not c.tie_word_embeddings:
-            yield WeightSpec("lm_head", (("lm_head.weight", (c.vocab_size, c.hidden_size)),))
+            yield WeightSpec("lm_head", (("lm_head.weight", (c.vocab_size, c.hidden_size)),), cuts=rows)
 
     def load_checkpoint(self, ckpt: Checkpoint, device: torch.device | str) -> None:
         """Allocate real storage and fill every parameter from ``ckpt``, checking names and shapes.
@@ -301,6 +358,8 @@ class CausalLM(nn.Module, ABC):
         """Copy ``ckpt``'s weights over the loaded ones, in place: every tensor keeps its storage, so CUDA graphs
         captured over them stay valid. Every name and shape is checked before anything is copied (a mismatch
         leaves the old weights whole). Returns a sha256 of every byte read, the weights' exact identity."""
+        if self.shard.size > 1:
+            raise CheckpointError(f"{ckpt.path}: weight updates are not served under tensor parallelism yet")
         self.check_checkpoint(ckpt)
         digest = hashlib.sha256()
         self._fill(ckpt, digest)
@@ -335,6 +394,7 @@ class CausalLM(nn.Module, ABC):
                                     "FP8")
                 else:
                     problems += source_problems(ckpt, name, shape)
+            problems += _misaligned_cuts(spec, ckpt, held_fp8)
         if problems:
             head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")
@@ -358,10 +418,13 @@ class CausalLM(nn.Module, ABC):
         ``Fp8Param`` from the FP8 values and their scales where they join as stored, else quantized from the
         joined plain (or dequantized) sources; any other parameter from plain or dequantized sources."""
 
+        block = ckpt.config.quant.block if ckpt.config.quant else None
+
         def read(name: str) -> torch.Tensor:
-            t = ckpt.read_tensor(name)
+            cut = spec.cut_of(name, block)
+            t = ckpt.read_tensor(name, cut)
             if digest is not None:
-                digest.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
+                digest.update(f"{name}:{cut}:{t.dtype}:{list(t.shape)};".encode())
                 digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
             return t
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
+from engines.parallel.comm import TPShard
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
 from kernels.attention import CachedRows, mla_attention
@@ -72,8 +73,12 @@ class DeepseekV3Layer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig, kernels: str = "torch"):
-        super().__init__(config, kernels)
+    def __init__(self, config: ModelConfig, kernels: str = "torch", shard: TPShard = TPShard()):
+        if shard.size > 1:  # MLA's latent cache is one head: it shards by requests (data-parallel attention)
+            raise CheckpointError(f"{config.architecture}: MLA models are not served under tensor parallelism yet "
+                                  "(data-parallel attention with expert parallelism comes next); use "
+                                  "--tensor-parallel-size 1")
+        super().__init__(config, kernels, shard)
         m = config.mla
         if config.moe.num_experts % config.moe.num_groups:
             raise CheckpointError(f"n_routed_experts {config.moe.num_experts} not divisible by n_group")

@@ -23,6 +23,23 @@ _DIGEST_SAMPLE_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
+class Cut:
+    """The part ``[start, stop)`` of dimension ``dim`` of a checkpoint tensor that one tensor-parallel rank reads."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def of_scales(self, block: tuple[int, int] | None) -> "Cut":
+        """The same part of the tensor's block scales (``block``: rows, columns of a scale block); the cut falls on
+        block edges (``CausalLM._check`` refuses one that does not)."""
+        if block is None:
+            return self
+        b = block[0] if self.dim == 0 else block[1]
+        return Cut(self.dim, self.start // b, -(-self.stop // b))
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint directory, parsed but not loaded. Tensors are read lazily, one at a time. ``quantize_at_load``:
     the files are plain, and the linear weights are quantized to ``config.quant`` as the model loads them (vLLM's
@@ -57,9 +74,15 @@ class Checkpoint:
     def tensor_dtype(self, name: str) -> str:
         return self._headers[name][1]
 
-    def read_tensor(self, name: str) -> torch.Tensor:
+    def read_tensor(self, name: str, cut: Cut | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its part ``cut`` (read through safetensors' slices: a tensor-parallel rank never
+        holds the whole tensor in host memory)."""
         with safe_open(str(self.tensor_files[name]), framework="pt") as sf:
-            return sf.get_tensor(name)
+            if cut is None:
+                return sf.get_tensor(name)
+            index = [slice(None)] * len(self.tensor_shape(name))
+            index[cut.dim] = slice(cut.start, cut.stop)
+            return sf.get_slice(name)[tuple(index)]
 
     @cached_property
     def weights_digest(self) -> str:

@@ -71,10 +71,13 @@ def moe_specs(c: ModelConfig, p: str, src: str) -> Iterator[WeightSpec]:
         yield from mlp_specs(p + "shared.", src + "shared_experts.", h, inter * e.num_shared_experts)
 
 
-def mlp_specs(p: str, src: str, hidden: int, inter: int) -> Iterator[WeightSpec]:
+def mlp_specs(p: str, src: str, hidden: int, inter: int, up_cuts: tuple = (),
+              down_cuts: tuple = ()) -> Iterator[WeightSpec]:
+    """A dense MLP's weights; ``up_cuts`` / ``down_cuts``: a tensor-parallel rank's rows of gate and up, columns of
+    down (``WeightSpec.cuts``)."""
     yield WeightSpec(p + "gate_up_w", ((src + "gate_proj.weight", (inter, hidden)),
-                                       (src + "up_proj.weight", (inter, hidden))), "cat", fp8=True)
-    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),), fp8=True)
+                                       (src + "up_proj.weight", (inter, hidden))), "cat", fp8=True, cuts=up_cuts)
+    yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),), fp8=True, cuts=down_cuts)
 
 
 def router_params(model: nn.Module) -> list[str]:

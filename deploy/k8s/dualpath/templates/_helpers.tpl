@@ -86,14 +86,33 @@ imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- end }}
 {{- end -}}
 
+{{/* A role's tensor-parallel size (dict "root" $ "role" R): <role>.tensorParallelSize, else 1. */}}
+{{- define "dualpath.tensorParallelSize" -}}
+{{- $tp := (index .root.Values .role).tensorParallelSize | default 1 | int -}}
+{{- if lt $tp 1 -}}
+{{- fail (printf "%s.tensorParallelSize must be 1 or more, got %d" .role $tp) -}}
+{{- end -}}
+{{- $tp -}}
+{{- end -}}
+
+{{/* A role's engines per pod (dict "root" $ "role" R): gpusPerNode / tensorParallelSize, which must divide it. */}}
+{{- define "dualpath.enginesPerPod" -}}
+{{- $gpus := (index .root.Values .role).gpusPerNode | int -}}
+{{- $tp := include "dualpath.tensorParallelSize" . | int -}}
+{{- if mod $gpus $tp -}}
+{{- fail (printf "%s.tensorParallelSize %d does not divide %s.gpusPerNode %d: each engine takes tensorParallelSize GPUs of its pod" .role $tp .role $gpus) -}}
+{{- end -}}
+{{- div $gpus $tp -}}
+{{- end -}}
+
 {{/* Wait for the whole engine fleet (init containers of the frontend and the rollout Job). */}}
 {{- define "dualpath.waitForEngines" -}}
 - name: wait-for-engines
   {{- include "dualpath.image" . | nindent 2 }}
   {{- include "dualpath.containerSecurity" (dict "root" .) | nindent 2 }}
   command: ["dualpath", "status", "--scheduler", {{ include "dualpath.scheduler" . | quote }},
-            "--wait-prefill", {{ mul .Values.prefill.nodes .Values.prefill.gpusPerNode | quote }},
-            "--wait-decode", {{ mul .Values.decode.nodes .Values.decode.gpusPerNode | quote }},
+            "--wait-prefill", {{ mul .Values.prefill.nodes (include "dualpath.enginesPerPod" (dict "root" . "role" "prefill") | int) | quote }},
+            "--wait-decode", {{ mul .Values.decode.nodes (include "dualpath.enginesPerPod" (dict "root" . "role" "decode") | int) | quote }},
             "--timeout", {{ .Values.engine.startTimeout | quote }}]
   env:
     {{- include "dualpath.tokenEnv" . | nindent 4 }}

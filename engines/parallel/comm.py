@@ -1,0 +1,108 @@
+"""The ranks of one engine as a ``torch.distributed`` group: who they are, how they meet, and the collectives the
+model layers and the step protocol use.
+
+Rendezvous is a TCP store that rank 0 hosts; each rank announces itself under ``joined/<rank>``, so rank 0 can say
+which rank never came, and where it was expected. Tensors on CUDA go through NCCL, everything else (CPU engines,
+the step protocol's agreement flags) through gloo; every collective is bounded by ``collective_timeout_s``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dualpath.config import ParallelConfig
+from dualpath.errors import CheckpointError, RankLostError
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Tensor-parallel rank ``rank`` of ``size``: which part of each split dimension it holds."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's equal part of ``n`` (``what``: named in the error if it does not
+        divide)."""
+        if n % self.size:
+            raise CheckpointError(f"{what} ({n}) does not divide among {self.size} tensor-parallel ranks")
+        k = n // self.size
+        return self.rank * k, (self.rank + 1) * k
+
+
+class Comm:
+    """Collectives among one engine's ranks. The layers call ``all_reduce`` / ``all_gather`` on every rank in the
+    same order; ``agree`` is the step protocol's flag (all ranks learn whether every rank may go on)."""
+
+    def __init__(self, rank: int, size: int, device_group, cpu_group, master: str):
+        self.rank, self.size, self.master = rank, size, master
+        self._dev, self._cpu = device_group, cpu_group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self._dev)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self._dev)
+        return torch.cat(parts, dim)
+
+    def agree(self, ok: bool) -> bool:
+        """True when every rank passed ``ok`` True; a barrier besides."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._cpu)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def open_store(host: str, cfg: ParallelConfig) -> dist.TCPStore:
+    """Rank 0's rendezvous store on ``cfg.master_port`` (0: a free port, read back from ``store.port``)."""
+    try:
+        return dist.TCPStore(host, cfg.master_port, cfg.tensor_parallel_size, is_master=True,
+                             timeout=timedelta(seconds=cfg.join_timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        raise RankLostError(f"cannot host the ranks' rendezvous on {host}:{cfg.master_port}: {e}") from None
+
+
+def join(rank: int, device: str, cfg: ParallelConfig, host: str, store: dist.TCPStore | None = None,
+         port: int = 0, gone: Callable[[int], str | None] = lambda r: None) -> Comm:
+    """Join the engine's group as ``rank``: rank 0 passes its ``store`` and waits for every rank to announce itself
+    (``gone(r)``: why rank r can no longer come, e.g. its process exited); the others connect to ``host:port``.
+    Raises ``RankLostError`` naming the rank and the address when one does not come in ``join_timeout_s``."""
+    size, address = cfg.tensor_parallel_size, f"{host}:{store.port if store is not None else port}"
+    if store is None:
+        try:
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=cfg.join_timeout_s))
+        except (RuntimeError, OSError) as e:
+            raise RankLostError(f"rank {rank} could not reach rank 0's rendezvous at {address}: {e}") from None
+    store.set(f"joined/{rank}", "1")
+    if rank == 0:
+        _await_ranks(store, size, cfg.join_timeout_s, address, gone)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=size,
+                            timeout=timeout)
+    cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    return Comm(rank, size, dist.group.WORLD, cpu, address)
+
+
+def _await_ranks(store: dist.TCPStore, size: int, timeout_s: float, address: str,
+                 gone: Callable[[int], str | None]) -> None:
+    deadline = time.monotonic() + timeout_s
+    for r in range(1, size):
+        while not store.check([f"joined/{r}"]):
+            why = gone(r)
+            if why:
+                raise RankLostError(f"rank {r} did not join the engine at {address}: {why}")
+            if time.monotonic() > deadline:
+                raise RankLostError(f"rank {r} did not join the engine at {address} within {timeout_s:.0f} s")
+            time.sleep(0.05)

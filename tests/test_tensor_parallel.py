@@ -1,0 +1,130 @@
+"""Tensor-parallel engines on CPU (gloo): rank 0 in this process, the others ``engines.parallel.ranks`` processes.
+
+Greedy tokens at TP 2 and 4 are TP 1's, and logits agree within 1e-4 (float32: the reductions add the same
+terms in another order); KV heads fewer than ranks are replicated; weights are read in slices; bad configurations
+fail before any process starts; a dead rank fails the engine's next step at once, never a hang.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from dualpath import LLM, SamplingParams
+from dualpath.config import EngineConfig, ParallelConfig
+from dualpath.errors import ConfigError, RankLostError
+from dualpath.geometry import HeadShard
+from engines.models import open_checkpoint
+from engines.parallel.ranks import check_parallel
+
+PROMPTS = [[1, 5, 9, 22, 7, 3] * 3, [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 8]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LOGITS_TOL = 1e-4
+
+
+def _tp(model, n, **kw) -> LLM:
+    return LLM(str(model), num_kv_blocks=64, block_size=16, tensor_parallel_size=n, **kw)
+
+
+def _same(model, n, params=GREEDY, **kw) -> None:
+    ref = LLM(str(model), num_kv_blocks=64, block_size=16, **kw)
+    want, want_logits = [o.token_ids for o in ref.generate(PROMPTS, params)], ref.logits(PROMPTS[1])
+    with _tp(model, n, **kw) as tp:
+        assert [o.token_ids for o in tp.generate(PROMPTS, params)] == want
+        assert (tp.logits(PROMPTS[1]) - want_logits).abs().max().item() < LOGITS_TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_one_ranks_tokens(tiny_dirs, arch):
+    """Llama (2 KV heads), Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms)."""
+    _same(tiny_dirs[arch], 2)
+
+
+def test_four_ranks_replicate_kv_heads_fewer_than_ranks(tiny_dirs):
+    """The tiny Llama has 2 KV heads: at TP 4 each is held by two ranks, and only the first writes it back."""
+    assert [HeadShard(2, 16, r, 4).first for r in range(4)] == [0, 0, 1, 1]
+    assert [HeadShard(2, 16, r, 4).primary for r in range(4)] == [True, False, True, False]
+    _same(tiny_dirs["llama"], 4)
+
+
+def test_speculative_decoding_and_sampling_under_tp(tiny_dirs):
+    """Prompt-lookup drafts verified in one forward, and seeded sampling (the generator lives on rank 0)."""
+    _same(tiny_dirs["llama"], 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    _same(tiny_dirs["qwen2"], 2, SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
+
+
+def test_fp8_at_load_cuts_on_scale_blocks(tmp_path):
+    """Quantized at load (block-scaled FP8, 128 x 128): each rank's parts fall on scale blocks, so its blocks are
+    TP 1's and the tokens are too; a size whose parts would cut a block is refused with the numbers."""
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=512, intermediate_size=512,
+                                  num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
+    _same(model, 2, quantization="fp8")
+    with pytest.raises(Exception, match="does not fall on its 128-element FP8 scale blocks"):
+        _tp(model, 4, quantization="fp8")
+
+
+def test_each_rank_holds_its_part_of_the_weights(tiny_dirs):
+    """Rank 0 of 2 holds half the sharded weights; only the norms are whole on every rank."""
+    whole = LLM(str(tiny_dirs["llama"]), num_kv_blocks=8, block_size=16).model
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    norms = sum(p.numel() * p.element_size() for n, p in whole.named_parameters() if "norm" in n)
+    with _tp(tiny_dirs["llama"], 2) as tp:
+        assert size(tp.model) == pytest.approx((size(whole) - norms) / 2 + norms, rel=1e-6)
+
+
+def test_bad_configurations_fail_before_any_process_starts(tiny_dirs):
+    for arch, n, match in (("llama", 3, "attention heads"), ("qwen3_moe", 2, "MoE"),
+                           ("deepseek_v3", 2, "MLA")):
+        with pytest.raises(ConfigError, match=match):
+            check_parallel(open_checkpoint(tiny_dirs[arch]).config, EngineConfig(parallel=ParallelConfig(n)))
+    with pytest.raises(ConfigError, match="devices"):
+        check_parallel(open_checkpoint(tiny_dirs["llama"]).config,
+                       EngineConfig(device="cuda:0", parallel=ParallelConfig(2)))
+    with pytest.raises(ConfigError, match="master_port"):
+        ParallelConfig(2, master_port=70000)
+
+
+def test_a_dead_rank_fails_the_next_step_at_once(tiny_dirs):
+    with _tp(tiny_dirs["llama"], 2) as tp:
+        tp.generate(PROMPTS[:1], GREEDY)
+        follower = tp.ranks.procs[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.wait(10)
+        deadline = time.monotonic() + 10
+        while tp.ranks.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "rank 1" in tp.ranks.lost and "SIGKILL" in tp.ranks.lost
+        start = time.monotonic()
+        with pytest.raises(RankLostError, match="rank 1"):
+            tp.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 5
+
+
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_a_cluster_of_mixed_parallelism_shares_kv_on_both_read_paths(tiny_dirs, tmp_path, prefill_tp, decode_tp):
+    """1 prefill and 2 decode engines of different TP sizes: KV written by one parallelism (the decode engines
+    store every full block; the prefill engine stages its heads' rows) and read by the other, by the prefill
+    engine (PE path), through a decode engine's buffer (DE path) and split between them, gives TP 1's tokens."""
+    from test_cluster import run_conversation, spec
+
+    from dualpath.client import ClusterClient
+    from dualpath.launcher import LocalCluster
+
+    model = tiny_dirs["llama"]
+    reference = LLM(str(model), block_size=16)
+    with LocalCluster(spec(model, tmp_path / "kv", prefill_tensor_parallel_size=prefill_tp,
+                           decode_tensor_parallel_size=decode_tp), run_dir=str(tmp_path / "run")) as c:
+        client = ClusterClient(c.scheduler_address, timeout=120)
+        try:
+            for mode in ("pe", "de", "split"):
+                results = run_conversation(client, reference, seed=50 + len(mode), turns=3, mode=mode)
+                assert [got.token_ids for _, got, _ in results] == [want for _, _, want in results], mode
+                assert all(got.num_cached_tokens > 0 for _, got, _ in results[1:]), mode
+        finally:
+            client.close()
