@@ -42,10 +42,15 @@ def test_two_ranks_give_one_ranks_tokens(tiny_dirs, arch):
     _same(tiny_dirs[arch], 2)
 
 
-def test_four_ranks_replicate_kv_heads_fewer_than_ranks(tiny_dirs):
-    """The tiny Llama has 2 KV heads: at TP 4 each is held by two ranks, and only the first writes it back."""
+def test_kv_heads_fewer_than_ranks_are_replicated():
+    """2 KV heads on 4 ranks: each is held by two ranks, and only the first writes it back."""
     assert [HeadShard(2, 16, r, 4).first for r in range(4)] == [0, 0, 1, 1]
     assert [HeadShard(2, 16, r, 4).primary for r in range(4)] == [True, False, True, False]
+
+
+@pytest.mark.slow
+def test_four_ranks_replicate_kv_heads_fewer_than_ranks(tiny_dirs):
+    """The tiny Llama has 2 KV heads: at TP 4 each is held by two ranks (15 s on 2 cores: the slow run)."""
     _same(tiny_dirs["llama"], 4)
 
 
