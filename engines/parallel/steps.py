@@ -146,6 +146,7 @@ def prefill_layers(st: RankState, g: KVGeometry, batch: ForwardBatch, ids: np.nd
     ids, slots = torch.from_numpy(np.stack([ids, slots])).to(st.device)  # one copy; none in the layer loop
     tables = consecutive_tables(bases, counts, st.device)
     ws, stage, used = st.kv[key], st.host.get(key), max(b + n for b, n in zip(bases, counts))
+    host_slots = slots.cpu() if stage is not None else None  # where staged rows go: once, not per layer
     ctx = model.begin(batch)
     hidden = model.embed(ids)
     st.agreed(hooks.begin)
@@ -157,7 +158,7 @@ def prefill_layers(st: RankState, g: KVGeometry, batch: ForwardBatch, ids: np.nd
         hidden, kv = model.forward_layer(layer, hidden, ctx, PagedKV(ws[slot], tables, ctx.cached_lens))
         write_tokens(ws[slot], slots, kv, model.kernels)  # the batch at once, not per sequence
         if stage is not None:
-            st.put_rows(stage[slot].view(-1, g.kv_elems_per_token), slots.cpu(), kv)
+            st.put_rows(stage[slot].view(-1, g.kv_elems_per_token), host_slots, kv)
         hooks.after(layer, slot)
     st.hidden = hidden
     return hidden
