@@ -18,9 +18,9 @@ from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.tokenizer import Tokenizer
 from engines.local import LocalEngine
-from engines.models import open_checkpoint, reload_weights
+from engines.models import open_checkpoint
 from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
-from engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole
+from engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole, load_adapter, update_weights
 from engines.sampler import TokenLogprob, make_generator
 from engines.sequence import Sequence
 from kernels.attention import check_cache_dtype
@@ -78,7 +78,7 @@ class LLM:
                                    parallel=ParallelConfig(tensor_parallel_size))
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
-        check_parallel(ckpt.config, dataclasses.replace(self.config, lora_modules=tuple(lora_modules or ())))
+        check_parallel(ckpt.config, self.config)
         # this process is rank 0; at tensor_parallel_size > 1 the others are processes it starts
         self.ranks = start_ranks(RankSpec(model, self.config, torch_threads=torch.get_num_threads()))
         self.model = self.ranks.state.model
@@ -86,7 +86,7 @@ class LLM:
         self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
         check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
         # before the cache is sized and decode graphs are captured: both count these adapters
-        self.adapters = {name: self.model.add_adapter(path) for name, path in (lora_modules or {}).items()}
+        self.adapters = {name: self.ranks.run(load_adapter, path) for name, path in (lora_modules or {}).items()}
         num_blocks = self.ranks.run(cache_size, self.config.cache, self.geometry, max_num_batched_tokens)
         self.cache = self.ranks.run(alloc_cache, self.geometry, num_blocks)
         if self.ranks.size > 1:
@@ -102,7 +102,7 @@ class LLM:
         if not lora_request:
             return ""
         if lora_request not in self.adapters:
-            self.adapters[lora_request] = self.model.add_adapter(lora_request)
+            self.adapters[lora_request] = self.ranks.run(load_adapter, lora_request)
         return self.adapters[lora_request]
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -112,7 +112,7 @@ class LLM:
     def update_weights(self, model: str) -> str:
         """Load checkpoint ``model``'s weights in place of the current ones (an RL trainer's new policy: the same
         config, other values); returns their sha256. The tokenizer stays the one loaded first."""
-        return reload_weights(self.model, model, self.config.weight_quant)
+        return self.ranks.run(update_weights, model, self.config.weight_quant)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

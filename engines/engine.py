@@ -29,9 +29,9 @@ from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, Th
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
-from engines.models import open_checkpoint, open_update, reload_weights
+from engines.models import open_checkpoint, open_update
 from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
-from engines.parallel.steps import attach_buffer
+from engines.parallel.steps import attach_buffer, load_adapter, update_weights
 from kernels.attention import check_cache_dtype
 from kernels.kv_move import cache_dtype
 from traffic.buffer import BufferPool
@@ -289,7 +289,7 @@ class Engine:
         self.registered = True
 
     def _load_adapter(self, path: str, name: str = "", runtime: bool = False) -> str:
-        digest = self.model.add_adapter(path)
+        digest = self.ranks.run(load_adapter, path)
         if runtime and path not in self.runtime_adapters:
             self.runtime_adapters.append(path)
         log.info("LoRA adapter %s (%s) loaded as %s", name or path, path, digest[:12])
@@ -491,7 +491,7 @@ class Engine:
             self.updating = True
         try:
             try:
-                digest = reload_weights(self.model, model_path, self.cfg.engine.weight_quant)
+                digest = self.ranks.run(update_weights, model_path, self.cfg.engine.weight_quant)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure mid-copy leaves weights no one asked for

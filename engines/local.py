@@ -16,12 +16,12 @@ import torch
 from dualpath.config import SpeculativeConfig
 from dualpath.errors import RequestError
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
-from engines.graphs import DecodeGraphs, make_decode_graphs
+from engines.graphs import DecodeGraphs
 from engines.guided import GuideSource
 from engines.kv_cache import PagedKVCache
 from engines.models.base import CausalLM, ForwardBatch
 from engines.parallel.ranks import Ranks
-from engines.parallel.steps import RankState, forward_paged, logits_of
+from engines.parallel.steps import RankState, decode_graph, forward_paged, logits_of, make_graphs
 from engines.sampler import check_token_ids, extend_prompt_logprobs, sample
 from engines.sequence import FinishReason, Sequence
 
@@ -33,11 +33,27 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None,
                  ranks: Ranks | None = None):
-        self.model, self.cache, self.graphs = model, cache, graphs
+        self.model, self.cache = model, cache
         if ranks is None:
             ranks = Ranks(RankState(model, None, str(cache.device)))
             ranks.state.cache = cache
         self.ranks = ranks
+        if graphs is not None:
+            self.graphs = graphs
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """Rank 0's decode graphs (each rank holds its own, over its cache)."""
+        return self.ranks.state.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.ranks.state.graphs = graphs
+
+    def capture(self, max_batch: int, max_model_len: int, enforce_eager: bool, capture: bool = True) -> None:
+        """Decode graphs on every rank (``engines.parallel.steps.make_graphs``); eager steps where they do not
+        apply. ``capture`` False: the graphs' buffers run eagerly (tests of everything but the capture, on CPU)."""
+        self.ranks.run(make_graphs, max_batch, max_model_len, enforce_eager, capture)
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], new_lens: list[int]) -> torch.Tensor:
@@ -91,7 +107,7 @@ class ModelRunner:
         positions = [s.num_computed for s in seqs]
         tokens = [s.token_ids[p] for s, p in zip(seqs, positions)]
         slots = [self.cache.slots(s.seq_id, p, 1)[0] for s, p in zip(seqs, positions)]
-        logits = self.graphs.run(tokens, positions, slots, tables, adapters)
+        logits = self.ranks.run(decode_graph, tokens, positions, slots, tables, adapters)
         for s in seqs:
             s.num_computed += 1
         return logits
@@ -108,11 +124,8 @@ class LocalEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model.config.context_limit(max_model_len)
-        # a tensor-parallel engine's steps run eagerly: its ranks follow each step's plain arguments, which a graph
-        # replayed on rank 0 alone would not give them
-        tp = ranks is not None and ranks.size > 1
-        graphs = None if tp else make_decode_graphs(model, cache, max_num_seqs, self.max_model_len, enforce_eager)
-        self.runner = ModelRunner(model, cache, graphs, ranks)
+        self.runner = ModelRunner(model, cache, ranks=ranks)
+        self.runner.capture(max_num_seqs, self.max_model_len, enforce_eager)
         self.eos_ids = model.config.eos_token_ids
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer

@@ -5,6 +5,11 @@ An adapter's targets are folded onto the model's fused projections (q, k and v i
 ``[out, R]`` (theirs placed block-diagonally at each target's output rows, the scale folded in), so a projection's
 delta is two small GEMMs whatever number of its parts the adapter trains. Rows of a batch take their own
 sequence's adapter (``AdapterRows``): one batch mixes the base model and any number of adapters.
+
+Under tensor parallelism an adapter is cut as its base layer (vLLM's rule): a column-parallel projection (qkv,
+gate_up) keeps all of ``A`` and this rank's rows of ``B``; a row-parallel one (o, down) keeps this rank's columns
+of ``A`` and all of ``B``, so its product is a partial sum that the layer's own all-reduce adds up
+(``B(A x) = sum over ranks of B(A_r x_r)``): no collective of its own.
 """
 from __future__ import annotations
 
@@ -25,12 +30,29 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
 
 @dataclass(frozen=True)
 class Target:
-    """Where a PEFT target module lands: our fused projection, its output rows ``[start, end)``, its inputs."""
+    """Where a PEFT target module (``in_features -> out_features`` in the checkpoint) lands: our fused projection
+    ``module``, from row ``start`` of this rank's part of it. ``rows``: this rank's rows of the target's output (a
+    column-parallel cut of ``B``); ``cols``: this rank's columns of its input (a row-parallel cut of ``A``); None:
+    all of them."""
 
     module: str
     start: int
-    end: int
     in_features: int
+    out_features: int
+    rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + (self.rows[1] - self.rows[0] if self.rows else self.out_features)
+
+    def cut(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the checkpoint's ``(A [r, in], B [out, r])``."""
+        if self.cols:
+            a = a[:, self.cols[0]:self.cols[1]]
+        if self.rows:
+            b = b[self.rows[0]:self.rows[1]]
+        return a, b
 
 
 @dataclass
@@ -91,18 +113,19 @@ def _fuse(file, layer, parts, targets, scale, device, dtype) -> tuple[torch.Tens
     for name, ab in parts:
         t, a, b = targets[name], ab.get("A"), ab.get("B")
         if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != t.in_features or \
-                b.shape != (t.end - t.start, a.shape[0]):
+                b.shape != (t.out_features, a.shape[0]):
             shapes = {k: list(v.shape) for k, v in ab.items()}
             raise CheckpointError(f"{file}: layer {layer} {name}: LoRA matrices {shapes} do not fit a "
-                                  f"{t.in_features} -> {t.end - t.start} projection")
+                                  f"{t.in_features} -> {t.out_features} projection")
         rank += a.shape[0]
     out = max(t.end for t in targets.values() if t.module == targets[parts[0][0]].module)
-    a_all = torch.cat([ab["A"].to(torch.float32) for _, ab in parts])
+    cut = [targets[name].cut(ab["A"], ab["B"]) for name, ab in parts]
+    a_all = torch.cat([a.to(torch.float32) for a, _ in cut])
     b_all = torch.zeros(out, rank, dtype=torch.float32)
     col = 0
-    for name, ab in parts:
-        t, r = targets[name], ab["A"].shape[0]
-        b_all[t.start:t.end, col:col + r] = ab["B"].to(torch.float32) * scale
+    for (name, _), (a, b) in zip(parts, cut):
+        t, r = targets[name], a.shape[0]
+        b_all[t.start:t.end, col:col + r] = b.to(torch.float32) * scale
         col += r
     return a_all.to(device, dtype).contiguous(), b_all.to(device, dtype).contiguous()
 

@@ -332,6 +332,8 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
 
     from dualpath.messages import RegisterReply
     from engines.engine import Engine
+    from engines.parallel.ranks import Ranks
+    from engines.parallel.steps import RankState
 
     class Scheduler:
         def call(self, method, info, timeout):
@@ -339,6 +341,7 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
 
     engine = Engine.__new__(Engine)
     engine.model = load_model(tiny_dirs["llama"], "cpu", torch.float32, "torch")
+    engine.ranks = Ranks(RankState(engine.model, None, "cpu"))  # one rank: steps are plain calls
     engine.scheduler, engine.info, engine.runtime_adapters = Scheduler(), lambda: None, []
     engine.cfg = SimpleNamespace(engine=SimpleNamespace(lora_modules=(LoraModule("poet", str(tiny_adapters["poet"])),)))
     engine.register()

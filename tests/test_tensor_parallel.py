@@ -6,7 +6,9 @@ fail before any process starts; a dead rank fails the engine's next step at once
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 
@@ -58,6 +60,88 @@ def test_speculative_decoding_and_sampling_under_tp(tiny_dirs):
     """Prompt-lookup drafts verified in one forward, and seeded sampling (the generator lives on rank 0)."""
     _same(tiny_dirs["llama"], 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     _same(tiny_dirs["qwen2"], 2, SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True))
+
+
+def test_lora_adapters_are_cut_as_their_base_layers(tiny_dirs, tiny_adapters):
+    """Column-parallel targets keep their rows of B, row-parallel ones their columns of A (whose partial products the
+    layer's all-reduce adds up): one batch mixing the base model and two adapters gives TP 1's tokens, the adapter
+    named at start-up and the one loaded by path on first use alike."""
+    mods, path = {"sql": str(tiny_adapters["sql"])}, str(tiny_adapters["poet"])
+    loras = [None, "sql", path]
+    ref = LLM(str(tiny_dirs["llama"]), num_kv_blocks=64, block_size=16, lora_modules=mods)
+    want = [o.token_ids for o in ref.generate([PROMPTS[1]] * 3, GREEDY, lora_request=loras)]
+    assert len({tuple(w) for w in want}) == 3  # each adapter changes the reply
+    with _tp(tiny_dirs["llama"], 2, lora_modules=mods) as tp:
+        assert [o.token_ids for o in tp.generate([PROMPTS[1]] * 3, GREEDY, lora_request=loras)] == want
+        assert set(tp.ranks.state.model.adapters) == {ref.adapters["sql"], ref.adapters[path]}
+
+
+def test_a_bad_adapter_or_checkpoint_is_refused_on_every_rank_and_the_engine_serves_on(tiny_dirs, tmp_path):
+    """A refusal is an error for the caller, not a dead rank: the engine's next step runs on every rank."""
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+    from dualpath.errors import CheckpointError
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    (bad / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    wide = build_tiny_checkpoint(tmp_path / "wide", "llama", seed=2, hidden_size=32)
+    with _tp(tiny_dirs["llama"], 2) as tp:
+        want = [o.token_ids for o in tp.generate(PROMPTS[:1], GREEDY)]
+        with pytest.raises(CheckpointError, match="adapter"):
+            tp.generate(PROMPTS[:1], GREEDY, lora_request=str(bad))
+        with pytest.raises(CheckpointError, match="config differs"):
+            tp.update_weights(str(wide))
+        assert tp.ranks.lost is None and not tp.ranks.state.model.adapters
+        assert [o.token_ids for o in tp.generate(PROMPTS[:1], GREEDY)] == want
+
+
+def test_weight_updates_reach_every_rank(tiny_dirs, tmp_path):
+    """New weights at TP 2 give what an engine started on them gives; the digest covers every rank's part (a
+    change in rank 1's slice alone changes it)."""
+    from safetensors.torch import load_file, save_file
+
+    from dualpath.checkpoints.tiny import build_tiny_checkpoint
+
+    second = build_tiny_checkpoint(tmp_path / "second", "llama", seed=2)
+    want = [o.token_ids for o in LLM(str(second), num_kv_blocks=64, block_size=16).generate(PROMPTS, GREEDY)]
+    copy = shutil.copytree(tiny_dirs["llama"], tmp_path / "copy")
+    with _tp(tiny_dirs["llama"], 2) as tp:
+        first = tp.update_weights(str(tiny_dirs["llama"]))
+        assert tp.update_weights(str(copy)) == first
+        (file,) = copy.glob("*.safetensors")
+        tensors = load_file(file)
+        tensors["model.layers.1.mlp.down_proj.weight"][3, -1] += 1.0  # the last column: rank 1's slice of down_proj
+        save_file(tensors, file, metadata={"format": "pt"})
+        assert tp.update_weights(str(copy)) != first
+        tp.update_weights(str(second))
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == want
+
+
+def test_decode_graph_steps_run_on_every_rank(tiny_dirs):
+    """Each rank replays its own decode graphs in step (here their static buffers run eagerly: capture needs
+    CUDA); a rank without them would fail the step, so TP 1's tokens mean every rank ran its graphs."""
+    ref = LLM(str(tiny_dirs["llama"]), num_kv_blocks=64, block_size=16)
+    want = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    with _tp(tiny_dirs["llama"], 2) as tp:
+        runner = tp.engine.runner
+        runner.capture(4, 128, enforce_eager=False, capture=False)
+        assert runner.graphs is not None and runner.graphs.fits(2, 8)
+        runs = []
+        real = runner._decode_graph
+        runner._decode_graph = lambda *a: runs.append(1) or real(*a)
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == want
+        assert len(runs) >= GREEDY.max_tokens - 1
+
+
+def test_mistral_within_its_window_under_tp(tiny_dirs, tmp_path):
+    """Mistral (the tiny Llama's weights under Mistral's config, a 128-token window) at TP 2."""
+    d = shutil.copytree(tiny_dirs["llama"], tmp_path / "mistral")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
+                                               "model_type": "mistral", "sliding_window": 128}))
+    assert open_checkpoint(d).config.sliding_window == 128
+    _same(d, 2)
 
 
 def test_fp8_at_load_cuts_on_scale_blocks(tmp_path):

@@ -251,8 +251,6 @@ class CausalLM(nn.Module, ABC):
         """Load the PEFT LoRA adapter at ``path`` (``CheckpointError`` if it does not fit this model); returns its
         identity, which requests name it by (``SamplingParams.adapter``)."""
         targets = self.lora_targets()
-        if self.shard.size > 1:
-            raise CheckpointError(f"{path}: LoRA adapters are not served under tensor parallelism yet")
         if targets is None:
             raise CheckpointError(f"{path}: LoRA adapters are not supported for {self.config.architecture} models")
         weights = load_adapter(path, targets, self.config.num_layers, self.embed_tokens.device,
@@ -357,9 +355,8 @@ class CausalLM(nn.Module, ABC):
     def reload_weights(self, ckpt: Checkpoint) -> str:
         """Copy ``ckpt``'s weights over the loaded ones, in place: every tensor keeps its storage, so CUDA graphs
         captured over them stay valid. Every name and shape is checked before anything is copied (a mismatch
-        leaves the old weights whole). Returns a sha256 of every byte read, the weights' exact identity."""
-        if self.shard.size > 1:
-            raise CheckpointError(f"{ckpt.path}: weight updates are not served under tensor parallelism yet")
+        leaves the old weights whole). Returns a sha256 of every byte read, the weights' exact identity (of this
+        rank's part under tensor parallelism: ``engines.parallel.steps.update_weights`` joins the ranks')."""
         self.check_checkpoint(ckpt)
         digest = hashlib.sha256()
         self._fill(ckpt, digest)

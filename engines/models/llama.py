@@ -118,16 +118,25 @@ class LlamaForCausalLM(CausalLM):
             part.copy_(rms_norm(part.reshape(-1, c.head_dim), norm, c.rms_norm_eps, self.kernels).view_as(part))
 
     def lora_targets(self) -> dict[str, Target]:
-        """Attention and dense MLP projections; an MoE model's adapters train attention only (its experts and
-        router are no target here)."""
-        c = self.config
-        h, q, kv, inter = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        attention = {"q_proj": Target("qkv", 0, q, h), "k_proj": Target("qkv", q, q + kv, h),
-                     "v_proj": Target("qkv", q + kv, q + 2 * kv, h), "o_proj": Target("o", 0, h, q)}
+        """Attention and dense MLP projections, each cut as its base layer (``engines.lora``); an MoE model's
+        adapters train attention only (its experts and router are no target here)."""
+        c, h, hd = self.config, self.config.hidden_size, self.config.head_dim
+        q, kv, inter = c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size
+        tp, heads = self.shard.size > 1, self.heads
+        q_rows = (heads.q_first * hd, (heads.q_first + heads.num_q) * hd) if tp else None
+        kv_rows = (heads.kv.first * hd, (heads.kv.first + heads.kv.num_local) * hd) if tp else None
+        nq, nkv = heads.num_q * hd, heads.kv.num_local * hd
+        attention = {"q_proj": Target("qkv", 0, h, q, rows=q_rows),
+                     "k_proj": Target("qkv", nq, h, kv, rows=kv_rows),
+                     "v_proj": Target("qkv", nq + nkv, h, kv, rows=kv_rows),
+                     "o_proj": Target("o", 0, q, h, cols=q_rows)}
         if c.moe is not None:
             return attention
-        return {**attention, "gate_proj": Target("gate_up", 0, inter, h),
-                "up_proj": Target("gate_up", inter, 2 * inter, h), "down_proj": Target("down", 0, h, inter)}
+        mine = heads.inter if tp else None
+        local = heads.inter[1] - heads.inter[0]
+        return {**attention, "gate_proj": Target("gate_up", 0, h, inter, rows=mine),
+                "up_proj": Target("gate_up", local, h, inter, rows=mine),
+                "down_proj": Target("down", 0, inter, h, cols=mine)}
 
     def float32_params(self) -> Sequence[str]:
         return router_params(self)

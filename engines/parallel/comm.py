@@ -59,6 +59,12 @@ class Comm:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._cpu)
         return bool(flag.item())
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (small, picklable: a digest, an error's text), in rank order, on every rank."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._cpu)
+        return out
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

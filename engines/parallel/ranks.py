@@ -67,7 +67,7 @@ class RankSpec:
 def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
     """``ConfigError`` with the numbers, before any process starts, when ``engine``'s parallelism cannot serve
     ``model``: a size that does not divide the heads, the vocabulary or the MLP; an architecture not yet served
-    sharded; LoRA adapters; more ranks than devices."""
+    sharded; more ranks than devices."""
     size = engine.parallel.tensor_parallel_size
     if size == 1:
         return
@@ -83,8 +83,6 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
         HeadShard(model.num_kv_heads, model.head_dim, 0, size)
     except ConfigError as e:
         raise ConfigError(f"--tensor-parallel-size {size}: {e}") from None
-    if engine.lora_modules:
-        raise ConfigError("LoRA adapters are not served under tensor parallelism yet; use --tensor-parallel-size 1")
     if engine.device.startswith("cuda"):
         first = int(engine.device.partition(":")[2] or 0)
         have = torch.cuda.device_count()

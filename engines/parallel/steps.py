@@ -12,12 +12,15 @@ part of each Layer Block from there and writes it back (the first replica of a r
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import numpy as np
 import torch
 
+from dualpath.errors import CheckpointError, DualPathError
 from dualpath.geometry import HeadShard, KVGeometry
+from engines.graphs import DecodeGraphs, make_decode_graphs
 from engines.kv_cache import PagedKVCache
 from engines.models.base import ForwardBatch
 from kernels.attention import PagedKV, consecutive_tables
@@ -40,6 +43,7 @@ class RankState:
         self.host: dict[str, torch.Tensor] = {}  # canonical host KV: "buffer" (Full Block bytes), workspace staging
         self.cache: PagedKVCache | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states
+        self.graphs: DecodeGraphs | None = None  # decode steps over ``cache`` (``make_graphs``)
         self._mapped: list[HostMemory] = []
 
     @property
@@ -71,6 +75,28 @@ class RankState:
             error = e
         if not self.comm.agree(error is None):
             raise error if error is not None else StepAborted()
+
+    def together(self, fn: Callable[[], object]):
+        """Run ``fn`` (a part of a step that may fail on bad input: an adapter's or a checkpoint's files) on every
+        rank and return this rank's result when all succeed; else rank 0 raises its own error or the first failing
+        rank's (a ``CheckpointError`` naming it) and the others ``StepAborted``: no rank dies of it."""
+        try:
+            result, error = fn(), None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            result, error = None, e
+        if self.comm is None:
+            if error is not None:
+                raise error
+            return result
+        failed = [(r, text) for r, text in enumerate(self.comm.gather_objects(None if error is None else str(error)))
+                  if text is not None]
+        if not failed:
+            return result
+        if self.comm.rank != 0:
+            raise StepAborted()
+        if error is not None:
+            raise error
+        raise CheckpointError(f"tensor-parallel rank {failed[0][0]}: {failed[0][1]}")
 
     def put_rows(self, canonical: torch.Tensor, index, local: torch.Tensor) -> None:
         """This rank's heads of ``local [T, local elems]`` into rows ``index`` of host ``canonical [N, elems]``
@@ -251,5 +277,61 @@ def copy_block(st: RankState, src: int, dst: int) -> None:
     st.cache.storage[:, dst].copy_(st.cache.storage[:, src])
 
 
+# --- weights and adapters -----------------------------------------------------------------------------------------
+def load_adapter(st: RankState, path: str) -> str:
+    """The PEFT LoRA adapter at ``path`` on every rank (each its cut of it, ``engines.lora``), or on none:
+    ``CheckpointError`` when any rank cannot load it. Returns its identity (the same on every rank: its files')."""
+    had = set(st.model.adapters)
+    try:
+        return st.together(lambda: st.model.add_adapter(path))
+    except BaseException:
+        for digest in set(st.model.adapters) - had:  # a rank that loaded it drops it: all ranks or none
+            del st.model.adapters[digest]
+        raise
+
+
+def update_weights(st: RankState, model_dir: str, quantize) -> str:
+    """Checkpoint ``model_dir``'s weights in place of the loaded ones on every rank. Every rank checks the
+    checkpoint against its part before any copies: a ``CheckpointError`` leaves the old weights on all of them. A
+    failure while copying raises ``DualPathError`` (the weights are then a mix: the engine stops). Returns the
+    sha256 of every byte read (under tensor parallelism, of the ranks' digests of their parts, in rank order)."""
+    from engines.models import open_update
+
+    ckpt = st.together(lambda: open_update(st.model, model_dir, quantize))
+    try:
+        digest = st.together(lambda: st.model.reload_weights(ckpt))
+    except StepAborted:
+        raise
+    except Exception as e:  # noqa: BLE001 - this rank or another copied a part of the new weights
+        raise DualPathError(f"loading {model_dir}'s weights failed halfway ({e})") from None
+    if st.comm is None:
+        return digest
+    return hashlib.sha256(",".join(st.comm.gather_objects(digest)).encode()).hexdigest()
+
+
+# --- decode graphs ------------------------------------------------------------------------------------------------
+def make_graphs(st: RankState, max_batch: int, max_model_len: int, enforce_eager: bool,
+                capture: bool = True) -> DecodeGraphs | None:
+    """Each rank's decode steps over its cache, captured as CUDA graphs (``engines.graphs``; the collectives inside
+    are captured too, so ranks replay in step as they run eagerly); on every rank or on none, so a step is a graph
+    replay on all of them or eager on all. ``capture`` False: the graphs' static buffers run eagerly (CPU tests)."""
+    if capture:
+        graphs = make_decode_graphs(st.model, st.cache, max_batch, max_model_len, enforce_eager)
+    else:
+        graphs = DecodeGraphs(st.model, st.cache, max_batch, max_model_len, capture=False)
+    if st.comm is not None and not st.comm.agree(graphs is not None):
+        graphs = None
+    st.graphs = graphs
+    return graphs
+
+
+@torch.inference_mode()
+def decode_graph(st: RankState, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                 adapters: list[str]) -> torch.Tensor:
+    """One decode step from the rank's graphs (rank 0 checked that they fit): the logits ``[n, vocab]``."""
+    return st.graphs.run(tokens, positions, slots, tables, adapters)
+
+
 STEPS = {f.__name__: f for f in (alloc_workspace, alloc_cache, cache_size, attach_buffer, prefill_layers, forward_paged,
-                                  forward_whole, logits_of, time_forward, buffer_to_cache, cache_to_buffer, copy_block)}
+                                  forward_whole, logits_of, time_forward, buffer_to_cache, cache_to_buffer, copy_block,
+                                  load_adapter, update_weights, make_graphs, decode_graph)}
