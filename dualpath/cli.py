@@ -428,6 +428,45 @@ def _hardware_args(p: argparse.ArgumentParser) -> None:
                         "cap beyond each node's --storage-read-gbs)")
 
 
+def _sim_tp_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a tensor-parallel size is a whole number of GPUs >= 1, got {text!r}")
+    return n
+
+
+def _sim_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``plan`` and ``simulate``: the GPUs of each role's engines (a node runs --gpus / TP engines of that role)."""
+    for role, kv in (("prefill", ""), ("decode", "N GPUs' KV tokens and ")):
+        p.add_argument(f"--{role}-tp", f"--{role}-tensor-parallel-size", dest=f"{role}_tp", type=_sim_tp_size,
+                       default=1, metavar="N",
+                       help=f"GPUs per {role} engine: a {role} node runs --gpus / N engines of N GPUs each (N must "
+                            f"divide --gpus), each with {kv}N GPUs' compute less the all-reduces (--tp-comm); node "
+                            "links are the same at any N (default 1: an engine per GPU)")
+    p.add_argument("--tp-comm", type=float, default=None, metavar="F",
+                   help="tensor parallelism's all-reduce time as a fraction of one GPU's compute for the same tokens: "
+                        "an engine of N GPUs computes N / (1 + F (N - 1)) times as fast as one (default 0.05; see "
+                        "EngineModel in dualpath/sim/hardware.py)")
+
+
+def _with_tp_comm(args: argparse.Namespace, engine):
+    """One GPU's engine model with ``--tp-comm`` applied (None: the model's own)."""
+    from dataclasses import replace
+
+    return engine if args.tp_comm is None else replace(engine, tp_comm=args.tp_comm)
+
+
+def _sim_layout(args: argparse.Namespace, hw, engine) -> dict:
+    """Each role's engines per node, TP, compute (in GPUs) and decode KV tokens; a TP the node cannot take is a
+    ConfigError, before any simulation starts."""
+    from dualpath.sim.plan import engine_layout
+
+    return engine_layout(hw, _with_tp_comm(args, engine), args.prefill_tp, args.decode_tp)
+
+
 def _hardware(args: argparse.Namespace):
     from dualpath.sim.hardware import GBPS, PAPER_STORAGE_READ_BPS, Hardware
 
@@ -440,13 +479,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Each system on the same trace and simulated cluster; a table (or JSON) of job completion times."""
     import json
 
-    from dualpath.sim.cluster import simulate_systems
+    from dualpath.sim.cluster import engine_for, simulate_systems
 
     logging.getLogger("scheduler").setLevel(logging.WARNING)  # thousands of simulated engines join
-    rows = simulate_systems(args, _hardware(args))
+    hw = _hardware(args)
+    layout = _sim_layout(args, hw, engine_for(args))  # refuses a bad TP before the trace is built
+    rows = simulate_systems(args, hw)
     if args.json:
         print(json.dumps(rows))
         return 0
+    print(_engines_line(layout, args.prefill, args.decode))
     print(f"{'system':<12} {'JCT s':>9} {'turns/s':>9} {'TTFT p50 ms':>12} {'reads max/avg':>14}  busiest link")
     for r in rows:
         online = f"  online capacity {r['online_agents_per_s']:.3g} agents/s" if "online_agents_per_s" in r else ""
@@ -464,14 +506,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                    storage_bound_turns_per_s)
 
     hw = _hardware(args)
+    layout = _sim_layout(args, hw, MODELS[args.model].engine)  # the §4.2 range is per node: TP leaves it as is
     r = bottleneck_free_range(hw)
     splits = node_counts(r, args.nodes) if args.nodes else []
     if args.json:
         print(json.dumps({"storage_ratio": hw.storage_ratio, "low": r.low, "high": r.high,
-                          "binding_high": r.binding_high, "feasible": r.feasible, "splits": splits}))
+                          "binding_high": r.binding_high, "feasible": r.feasible, "splits": splits,
+                          "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+                          "engines": _with_engine_counts(layout, args.prefill, args.decode)}))
         return 0
     print(f"node: {hw.gpus} GPUs, CNIC {args.cnic_gbps:g} Gbps each, SNIC {args.snic_gbps:g} Gbps (s = "
           f"{hw.storage_ratio:.3g}), DRAM {args.dram_gbs:g} GB/s")
+    print(_engines_line(layout, args.prefill, args.decode))
     if not r.feasible:
         print("no P/D ratio is bottleneck-free: " + ("s > g/2 saturates the prefill CNICs" if not r.pe_read_ok
                                                      else "the low bound exceeds the high bound"))
@@ -493,6 +539,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_engine_counts(layout: dict, prefill_nodes: int, decode_nodes: int) -> dict:
+    """``layout`` with each role's engines in the cluster when a split is given (else 0)."""
+    nodes = {"prefill": prefill_nodes, "decode": decode_nodes}
+    return {role: {**v, "engines": v["engines_per_node"] * nodes[role]} for role, v in layout.items()}
+
+
+def _engines_line(layout: dict, prefill_nodes: int = 0, decode_nodes: int = 0) -> str:
+    """One line: each role's engines per node, their TP, compute and (decode) KV tokens; cluster totals too."""
+    parts = []
+    for role, v in _with_engine_counts(layout, prefill_nodes, decode_nodes).items():
+        kv = f", {v['kv_tokens'] / 1e6:.3g}M KV tokens" if "kv_tokens" in v else ""
+        count = f"{v['engines']} ({v['engines_per_node']} per node)" if v["engines"] else \
+            f"{v['engines_per_node']} per node"
+        parts.append(f"{role} {count} at TP {v['tp']}, each {v['compute_gpus']:.3g}x a GPU's compute{kv}")
+    return "engines: " + "; ".join(parts)
+
+
 def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, int]]) -> None:
     """Every P/D split of ``--nodes`` (or, past 16 nodes, those in the bottleneck-free range) simulated under a
     closed loop of agents; the best, and the nodes a target rate needs at that ratio (throughput scales with
@@ -512,9 +575,11 @@ def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, 
           f"{len(rounds)} agents, {args.seconds:g} s each (turns/s over the second half)")
     print(f"{'split':>7} {'in range':>8} {'turns/s':>8} {'prefill busy':>12} {'TTFT s':>7}  busiest link")
     rows = []
+    engine = _with_tp_comm(args, MODELS[args.model].engine)
     for p, d in splits:
         rows.append(simulate_split(hw, MODELS[args.model], p, d, rounds, args.seconds,
-                                   storage_gbps=args.storage_gbps))
+                                   storage_gbps=args.storage_gbps, prefill_tp=args.prefill_tp,
+                                   decode_tp=args.decode_tp, engine=engine))
         r = rows[-1]
         print(f"{p:>3}P{d}D {'yes' if (p, d) in in_range else 'no':>8} {r['turns_per_s']:>8.1f} "
               f"{r['prefill_busy']:>12.0%} {r['ttft_mean_s']:>7.2f}  {r['busiest']} {r['busiest_utilization']:.0%}",
@@ -860,8 +925,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=0, help="list the P/D splits of this many nodes in range")
     pl.add_argument("--prefill", type=int, default=0, help="with --decode: per-link loads of this split")
     pl.add_argument("--decode", type=int, default=0)
-    pl.add_argument("--model", default="ds660b", choices=sorted(MODELS), help="KV bytes per token of this preset")
+    pl.add_argument("--model", default="ds660b", choices=sorted(MODELS),
+                    help="KV bytes per token of this preset, and its engines' KV tokens and timings")
     pl.add_argument("--hit-tokens", type=int, default=0, help="with --prefill/--decode: stored tokens loaded per turn")
+    _sim_parallel_args(pl)
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--simulate", action="store_true",
                     help="also simulate every split of --nodes under the model preset and trace; report the best")
@@ -884,9 +951,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--turns-scale", type=float, default=1.0, help="scale rounds per agent")
     sm.add_argument("--systems", default="basic,layerwise,dualpath-rr,dualpath,oracle")
     sm.add_argument("--prefill-tps", type=float, default=0.0,
-                    help="override the model preset: prefill tokens/s of one GPU, flat in context")
+                    help="override the model preset: prefill tokens/s of one GPU, flat in context (an engine at "
+                         "--prefill-tp N: N GPUs' worth less the all-reduces)")
     sm.add_argument("--decode-step-ms", type=float, default=0.0, help="override the preset: a flat decode step time")
-    sm.add_argument("--decode-kv-tokens", type=int, default=0, help="override the preset: KV tokens a decode GPU holds")
+    sm.add_argument("--decode-kv-tokens", type=int, default=0,
+                    help="override the preset: KV tokens a decode GPU holds (an engine at --decode-tp N: N times it)")
+    _sim_parallel_args(sm)
     sm.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     sm.add_argument("--pull-interval", type=float, default=0.1, help="seconds between an engine group's pulls")
     sm.add_argument("--online-seconds", type=float, default=0.0,

@@ -2,12 +2,15 @@
 place every request; engines, storage and links are models on one event clock.
 
 What is modelled (and what is not):
-* Engines: one per GPU, grouped by node; each group pulls from the scheduler about every ``pull_interval_s``
-  (group i of n first at i/n of the interval, each wait jittered by ``pull_jitter``: real groups' pulls are
-  neither aligned nor phase-locked, they wait a fixed time after each reply) with load reports built like
-  the real engines' (seq, tok, the node's storage read queue in tokens, free KV tokens, held requests, finished
-  ones and the blocks they stored).
-* A prefill GPU runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
+* Engines: one per ``prefill_tp`` GPUs of a prefill node (``decode_tp`` of a decode node; 1: one per GPU), grouped
+  by node, each with ``EngineModel.with_tp``'s capacity: its ranks' KV tokens and their compute less the all-reduces
+  (the scheduler sees fewer, bigger engines; a node's links are the same whatever the TP; an engine's KV moves
+  through all its ranks' CNICs). Each group pulls from the scheduler about every ``pull_interval_s`` (group i of
+  n first at i/n of the interval, each wait jittered by ``pull_jitter``: real groups' pulls are neither aligned
+  nor phase-locked, they wait a fixed time after each reply) with load reports built like the real engines' (seq,
+  tok, the node's storage read queue in tokens, free KV tokens, held requests, finished ones and the blocks they
+  stored).
+* A prefill engine runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
   the form the real engines fit at start-up, the most urgent ready one next (``SamplingParams.priority``; FIFO
   within a priority, as the real engines batch). Layerwise prefill starts computing when the request's read starts and
   ends no earlier than one layer's compute after the read ends; whole-KV (``basic``) prefill starts after the read.
@@ -15,7 +18,7 @@ What is modelled (and what is not):
   included), sharing links max-min fairly with all other flows: the fluid view of a layer-pipelined transfer.
   The reading node's storage client serves its read queue FIFO, ``reads_per_node`` requests at a time (the
   queue's bytes are the node's read_q). Miss-token KV (1-2% of a turn) is not moved, as in the paper's §4.2.
-* A decode GPU steps its running requests together: a step takes ``fixed + per_seq × batch + per_token × Σ
+* A decode engine steps its running requests together: a step takes ``fixed + per_seq × batch + per_token × Σ
   context`` seconds and gives every running request one token; a request holds prompt + generation KV tokens.
 * ``oracle`` reads no storage: hit KV is already in place (the paper's Oracle, an upper bound).
 """
@@ -38,7 +41,7 @@ from dualpath.config import SchedulerConfig
 from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
 from dualpath.sampling_params import SamplingParams
 from dualpath.sim.events import EventLoop
-from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset
+from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset, engines_per_node
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
 from engines.batcher import CostModel
@@ -75,10 +78,20 @@ class SimConfig:
     every_pull: bool = False  # send every pull with every engine's report (same decisions, slower: for tests)
     scheduling_policy: str = "fcfs"  # SchedulerConfig's: "priority" orders the queues by the agents' priorities
     longest_first: bool = False  # each round's priority is minus its agent's rounds left (RolloutConfig's)
+    # GPUs per engine (tensor parallelism) on prefill and decode nodes: each must divide ``hardware.gpus``
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
             raise ValueError(f"system must be one of {sorted(SYSTEMS)}, got {self.system!r}")
+        self.engines_per_node(Role.PREFILL), self.engines_per_node(Role.DECODE)  # refuse a TP the node cannot take
+
+    def tp(self, role: Role) -> int:
+        return self.prefill_tp if role is Role.PREFILL else self.decode_tp
+
+    def engines_per_node(self, role: Role) -> int:
+        return engines_per_node(self.hardware, self.tp(role), role.value)
 
 
 @dataclass
@@ -112,7 +125,8 @@ class SimRequest:
 @dataclass
 class SimEngine:
     info: EngineInfo
-    gpu: tuple[str, int]  # (node, index) for link routes
+    gpu: tuple[str, int]  # (node, its first GPU's index) for link routes
+    ranks: int = 1  # its GPUs: ``gpu`` and the next ranks - 1 of the node (tensor parallelism)
     running: dict[str, SimRequest] = field(default_factory=dict)  # decode: generating, as of ``seg_start``
     joining: list[tuple[str, SimRequest]] = field(default_factory=list)  # decode: join at the next step boundary
     held: dict[str, SimRequest] = field(default_factory=dict)  # admitted, not finished
@@ -204,11 +218,14 @@ class ClusterSim:
                                                   heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9,
                                                   scheduling_policy=cfg.scheduling_policy),
                                   make_policy(policy), clock=lambda net=self.loop.net: net.now)
+        # one engine's timings and KV per role: a TP engine is one engine of its ranks' capacity
+        self.models = {role: cfg.engine.with_tp(cfg.tp(role)) for role in (Role.PREFILL, Role.DECODE)}
+        self.pe_model, self.de_model = self.models[Role.PREFILL], self.models[Role.DECODE]
         self.engines: dict[str, SimEngine] = {}
         self.groups: dict[str, list[SimEngine]] = {}  # node -> its engines (a group pulls for all of them)
         for node in nodes:
-            for g in range(cfg.hardware.gpus):
-                self._register(node, g)
+            for i in range(cfg.engines_per_node(self._role(node))):
+                self._register(node, i)
         self.agents = [Agent(i, r, start=starts[i] if starts else 0.0, priority=priorities[i] if priorities else 0)
                        for i, r in enumerate(rounds_per_agent)]
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
@@ -218,7 +235,7 @@ class ClusterSim:
         self.ttft_at: list[float] = []
         self.ttft_agent: list[int] = []
         self.tpot_at: list[float] = []
-        self.prefill_busy_s = 0.0  # GPU seconds of prefill compute, all prefill GPUs
+        self.prefill_busy_s = 0.0  # GPU seconds of prefill compute, all prefill GPUs (an engine's: x its ranks)
         self.read_bytes: dict[str, float] = {}
         self.reading: dict[str, set[str]] = {}  # node -> its storage reads in flight (flow ids)
         self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
@@ -232,17 +249,22 @@ class ClusterSim:
         self.rng = random.Random(cfg.seed)
 
     # --- set-up -----------------------------------------------------------------------------------------------
-    def _register(self, node: str, g: int) -> None:
-        cfg, e = self.cfg, self.cfg.engine
-        role = Role.PREFILL if node.startswith("p") else Role.DECODE
+    @staticmethod
+    def _role(node: str) -> Role:
+        return Role.PREFILL if node.startswith("p") else Role.DECODE
+
+    def _register(self, node: str, i: int) -> None:
+        """The node's engine ``i``, on GPUs ``i x tp`` .. ``i x tp + tp - 1``; id ``node-i``."""
+        cfg, role = self.cfg, self._role(node)
+        e, tp = self.models[role], cfg.tp(role)
         read_tokens = cfg.hardware.read_bps / cfg.model.kv_bytes_per_token
         beta = e.prefill.tokens_in(5.0)  # as the real prefill engines report it
-        info = EngineInfo(f"{node}-{g}", role, node, "sim", "sim", {}, [], 0, 0, cfg.block_size, e.num_layers,
+        info = EngineInfo(f"{node}-{i}", role, node, "sim", "sim", {}, [], 0, 0, cfg.block_size, e.num_layers,
                           "00" * 16, e.decode_kv_tokens if role is Role.DECODE else 10 ** 9,
                           max_model_len=10 ** 8, group_id=node, alpha_tokens=int(3.0 * read_tokens),
                           beta_tokens=beta if role is Role.PREFILL else 0)
         self.core.register(info)
-        self.engines[info.engine_id] = SimEngine(info, (node, g))
+        self.engines[info.engine_id] = SimEngine(info, (node, i * tp), tp)
         self.groups.setdefault(node, []).append(self.engines[info.engine_id])
 
     # --- agents -----------------------------------------------------------------------------------------------
@@ -334,7 +356,7 @@ class ClusterSim:
             return
         reader = pe if a.path.value == "pe" else de
         node = reader.info.node_id
-        route = self._route(reader is pe, pe.gpu, de.gpu)
+        route = self._route(reader is pe, pe, de)
 
         def loaded(start: float):
             reader.read_bytes += hit_bytes
@@ -346,12 +368,12 @@ class ClusterSim:
         self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + hit_bytes
         self._issue_reads(node)
 
-    def _route(self, on_pe: bool, pe_gpu: tuple[str, int], de_gpu: tuple[str, int]) -> tuple:
+    def _route(self, on_pe: bool, pe: SimEngine, de: SimEngine) -> tuple:
         """The links a read crosses: its path's, and the reading node's storage client (and storage system)."""
-        key = (on_pe, pe_gpu, de_gpu)
+        key = (on_pe, pe.gpu, de.gpu)  # a role's engines all have the same ranks
         if key not in self._routes:
-            node = (pe_gpu if on_pe else de_gpu)[0]
-            self._routes[key] = path_route(PE_PATH if on_pe else DE_PATH, pe_gpu, de_gpu) + (
+            node = (pe.gpu if on_pe else de.gpu)[0]
+            self._routes[key] = path_route(PE_PATH if on_pe else DE_PATH, pe.gpu, de.gpu, pe.ranks, de.ranks) + (
                 (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
         return self._routes[key]
 
@@ -371,25 +393,25 @@ class ClusterSim:
             self.loop.transfer(flow, size, route, done)
 
     def _compute(self, pe: SimEngine, work: str, req: SimRequest, read_start: float, read_end: float) -> None:
-        """Queue the request's prefill on its GPU, which runs one at a time: the most urgent ready one next, in the
+        """Queue the request's prefill on its engine, which runs one at a time: the most urgent ready one next, in the
         order they became ready within a priority (the real engine's batch order: ``PrefillEngine._batchable``)."""
         heapq.heappush(pe.ready, (req.priority, next(self._ready_order), work, req, read_start, read_end))
         if not pe.computing:
             self._next_prefill(pe)
 
     def _next_prefill(self, pe: SimEngine) -> None:
-        """Start the GPU's next prefill; when it may start depends on the prefill kind."""
+        """Start the engine's next prefill; when it may start depends on the prefill kind."""
         _, _, work, req, read_start, read_end = heapq.heappop(pe.ready)
-        t = self.cfg.engine.prefill.predict([(req.hit_tokens, req.prompt - req.hit_tokens)])
+        t = self.pe_model.prefill.predict([(req.hit_tokens, req.prompt - req.hit_tokens)])
         if self.layerwise:  # layers compute as they arrive: done one layer after the read at the earliest
             begin = max(pe.busy_until, read_start)
-            end = max(begin + t, read_end + t / self.cfg.engine.num_layers)
+            end = max(begin + t, read_end + t / self.pe_model.num_layers)
         else:
             begin = max(pe.busy_until, read_end)
             end = begin + t
         pe.busy_until = max(end, self.loop.now)
         pe.computing = True
-        self.prefill_busy_s += t
+        self.prefill_busy_s += t * pe.ranks
         self.loop.at(pe.busy_until, lambda: self._prefilled(pe, work))
 
     def _prefilled(self, pe: SimEngine, work: str) -> None:
@@ -418,7 +440,7 @@ class ClusterSim:
     def _steps_end(self, de: SimEngine, n: int) -> float:
         """When the current segment's first ``n`` steps are done: step j takes s0 + c·j (the context grows by the
         batch each step), so n steps take n·s0 + c·n(n-1)/2."""
-        e, batch = self.cfg.engine, len(de.running)
+        e, batch = self.de_model, len(de.running)
         s0, c = e.decode_step(batch, de.seg_context), e.decode_per_token_s * batch
         return de.seg_start + n * s0 + c * n * (n - 1) / 2
 
@@ -427,7 +449,7 @@ class ClusterSim:
         [1, seg_steps] with steps_end(n) > now; a waiting joiner has made that cut already)."""
         if len(de.joining) > 1 or de.seg_steps <= 1:
             return
-        e, batch, x = self.cfg.engine, len(de.running), self.loop.now + 1e-12 - de.seg_start
+        e, batch, x = self.de_model, len(de.running), self.loop.now + 1e-12 - de.seg_start
         s0, c = e.decode_step(batch, de.seg_context), e.decode_per_token_s * batch
         # n·s0 + c·n(n-1)/2 = x solved for n, then stepped to the exact boundary (steps_end is increasing in n)
         if c > 0:
@@ -565,7 +587,11 @@ def summarize(sim: ClusterSim, r: SimResult) -> dict:
     busiest = max(util, key=util.get) if util else ""
     ends = sorted(a.finished_at for a in sim.agents if a.rounds and a.finished_at > 0)
     half = ends[len(ends) // 2] if ends else 0.0  # till half the agents are done the cluster is still full
-    return {"system": sim.cfg.system, "prefill_nodes": sim.cfg.prefill_nodes, "decode_nodes": sim.cfg.decode_nodes,
+    cfg = sim.cfg
+    return {"system": cfg.system, "prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
+            "prefill_tp": cfg.prefill_tp, "decode_tp": cfg.decode_tp,
+            "prefill_engines": cfg.prefill_nodes * cfg.engines_per_node(Role.PREFILL),
+            "decode_engines": cfg.decode_nodes * cfg.engines_per_node(Role.DECODE),
             "agents": len(sim.agents), "jct_s": r.jct_s, "turns": r.turns,
             "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
             "busy_turns_per_s": sum(1 for t in r.tpot_at if t <= half) / half if half else 0.0,
@@ -579,7 +605,7 @@ def summarize(sim: ClusterSim, r: SimResult) -> dict:
 
 
 def engine_for(args) -> EngineModel:
-    """The model preset's calibrated engine timings, with any of them overridden by the options."""
+    """The model preset's calibrated engine timings (one GPU's), with any of them overridden by the options."""
     from dataclasses import replace
 
     from dualpath.sim.hardware import MODELS
@@ -591,6 +617,8 @@ def engine_for(args) -> EngineModel:
         e = replace(e, decode_fixed_s=args.decode_step_ms / 1e3, decode_per_seq_s=0.0, decode_per_token_s=0.0)
     if args.decode_kv_tokens:
         e = replace(e, decode_kv_tokens=args.decode_kv_tokens)
+    if getattr(args, "tp_comm", None) is not None:
+        e = replace(e, tp_comm=args.tp_comm)
     return replace(e, num_layers=args.layers) if args.layers else e
 
 
@@ -626,7 +654,7 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
     rows = []
     for system in args.systems.split(","):
         cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,
-                        pull_interval_s=args.pull_interval)
+                        pull_interval_s=args.pull_interval, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
         sim = ClusterSim(cfg, rounds)
         rows.append(summarize(sim, sim.run(progress=progress_printer(system))))
         if args.online_seconds > 0:

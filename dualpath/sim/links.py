@@ -82,13 +82,20 @@ def cluster_links(hw: Hardware, nodes: list[str]) -> dict[str, float]:
     return caps
 
 
-def path_route(path, prefill: tuple[str, int], decode: tuple[str, int]) -> tuple[tuple[str, float], ...]:
-    """The links one request's hit KV crosses on ``path`` (PE_PATH or DE_PATH) between a prefill GPU and a decode
-    GPU, each (node, gpu index), with the factors of repeated crossings summed. One flow over the whole route is the
-    fluid view of a layer-pipelined transfer: every stage moves at the pace of the slowest."""
+def path_route(path, prefill: tuple[str, int], decode: tuple[str, int], prefill_ranks: int = 1,
+               decode_ranks: int = 1) -> tuple[tuple[str, float], ...]:
+    """The links one request's hit KV crosses on ``path`` (PE_PATH or DE_PATH) between a prefill engine and a decode
+    engine, each (node, first GPU index) with its ranks on that GPU and the next ``*_ranks - 1``, with the factors of
+    repeated crossings summed. Each rank moves its heads' slice, 1/ranks of the bytes, through its own CNIC (DESIGN
+    §1); the node's SNIC and DRAM carry all of it. One flow over the whole route is the fluid view of a
+    layer-pipelined transfer: every stage moves at the pace of the slowest."""
     route: dict[str, float] = {}
     for side, link, factor in path:
-        node, gpu = prefill if side == PREFILL else decode
-        name = f"{node}/{link}" if link in ("snic", "dram") else f"{node}/gpu{gpu}/{link}"
-        route[name] = route.get(name, 0.0) + factor
+        (node, gpu), ranks = (prefill, prefill_ranks) if side == PREFILL else (decode, decode_ranks)
+        if link in ("snic", "dram"):
+            names = ((f"{node}/{link}", factor),)
+        else:
+            names = tuple((f"{node}/gpu{gpu + r}/{link}", factor / ranks) for r in range(ranks))
+        for name, f in names:
+            route[name] = route.get(name, 0.0) + f
     return tuple(route.items())

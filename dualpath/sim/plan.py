@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from dualpath.sim.hardware import Hardware
+from dualpath.sim.hardware import EngineModel, Hardware, engines_per_node
 from dualpath.sim.links import DECODE, PREFILL, link_load
 
 
@@ -32,6 +32,18 @@ def bottleneck_free_range(hw: Hardware) -> RatioRange:
              "decode DRAM": (hw.dram_bps / hw.snic_bps - 3) / 2}
     binding = min(highs, key=highs.get)
     return RatioRange(low, highs[binding], binding, 2 * s <= g)
+
+
+def engine_layout(hw: Hardware, engine: EngineModel, prefill_tp: int, decode_tp: int) -> dict[str, dict]:
+    """Per role, the engines a node runs at that TP and one engine's size: ``tp`` GPUs, ``compute_gpus`` (one
+    GPU's compute times ``EngineModel.tp_speedup``) and, for decode, the KV tokens it holds. Refuses (ConfigError)
+    a TP that does not divide the node's GPUs. The §4.2 range is per node, so TP does not move it."""
+    out = {}
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        out[role] = {"tp": tp, "engines_per_node": engines_per_node(hw, tp, role),
+                     "compute_gpus": engine.tp_speedup(tp)}
+    out["decode"]["kv_tokens"] = engine.with_tp(decode_tp).decode_kv_tokens
+    return out
 
 
 def node_counts(ratio_range: RatioRange, total_nodes: int) -> list[tuple[int, int]]:
@@ -76,14 +88,17 @@ def link_utilization(caps: dict[str, float], carried: dict[str, float], seconds:
 
 
 def simulate_split(hw: Hardware, model, prefill: int, decode: int, rounds, seconds: float,
-                   system: str = "dualpath", storage_gbps: float | None = None) -> dict:
+                   system: str = "dualpath", storage_gbps: float | None = None, prefill_tp: int = 1,
+                   decode_tp: int = 1, engine=None) -> dict:
     """One P/D split under a closed loop of agents (``rounds``) for ``seconds`` of simulated time: turns/s over
     the second half, prefill GPU busy fraction and link utilizations (the whole run). ``storage_gbps``: the
-    storage system's aggregate read rate (None or 0: unlimited)."""
+    storage system's aggregate read rate (None or 0: unlimited); ``*_tp``: GPUs per engine of each role;
+    ``engine``: one GPU's timings (default the preset's)."""
     from dualpath.sim.cluster import ClusterSim, SimConfig, storage_bps
 
     storage = storage_bps(storage_gbps)
-    sim = ClusterSim(SimConfig(hw, model, model.engine, prefill, decode, system, storage), rounds)
+    sim = ClusterSim(SimConfig(hw, model, engine or model.engine, prefill, decode, system, storage,
+                               prefill_tp=prefill_tp, decode_tp=decode_tp), rounds)
     r = sim.run(until=seconds)
     done = sum(1 for t in r.tpot_at if t >= seconds / 2)
     util = link_utilization(sim.loop.net.capacity, r.link_bytes, seconds)
