@@ -21,7 +21,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(_model_dir(args.model), device=args.device, dtype=args.dtype, kernels=args.kernels,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
               speculative_config=args.speculative_config, lora_modules={m.name: m.path for m in args.lora_modules},
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+              moe_dispatch=args.moe_dispatch)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, n=args.n)
     with llm:  # (at --tensor-parallel-size > 1 the other ranks stop with it)
@@ -71,6 +72,7 @@ def engine_config(args: argparse.Namespace):
         StorageConfig, TransportConfig
 
     cost = tuple(float(x) for x in args.cost_model.split(",")) if args.cost_model else None
+    qos = qos_config(args)
     return EngineProcessConfig(
         role=args.role, model=_model_dir(args.model), scheduler=args.scheduler, engine_id=args.engine_id,
         node_id=args.node_id, group_id=args.group_id, host=args.host, port=args.port,
@@ -83,10 +85,12 @@ def engine_config(args: argparse.Namespace):
                                               gpu_memory_utilization=args.gpu_memory_utilization),
                             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                                     master_port=args.tp_master_port,
-                                                    join_timeout_s=args.tp_join_timeout)),
+                                                    join_timeout_s=args.tp_join_timeout,
+                                                    enable_expert_parallel=args.enable_expert_parallel,
+                                                    moe_dispatch=args.moe_dispatch)),
         transport=TransportConfig(name=args.transport, host=args.host, listen_port=args.transport_port,
-                                  kv_service_level=args.kv_service_level,
-                                  kv_traffic_class=args.kv_traffic_class, device_name=args.rdma_device),
+                                  **qos.transport_fields(), device_name=args.rdma_device),
+        qos=qos,
         storage=StorageConfig(backend=args.storage_backend, root=args.kv_store,
                               capacity_bytes=args.storage_capacity, read_bandwidth_bps=args.storage_read_bps),
         buffer_bytes=args.buffer_bytes, workspace_tokens=args.workspace_tokens,
@@ -272,13 +276,24 @@ def _tp_size_arg(p: argparse.ArgumentParser, what: str = "the engine") -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help=f"split {what}'s model across N ranks, one process per device (cuda:k .. cuda:k+N-1 from "
                         "its device; on a CPU N processes): heads, MLP and vocabulary sharded (vLLM's flag; dense "
-                        "Llama, Mistral, Qwen2 and Qwen3 models; see docs/parallelism.md)")
+                        "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3/V3.2 models; see "
+                        "docs/parallelism.md)")
+
+
+def _expert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: give each rank whole routed experts (E/N each) instead of a slice of every "
+                        "expert; tokens reach them by --moe-dispatch (vLLM's flag)")
+    p.add_argument("--moe-dispatch", default="all_to_all", choices=("all_to_all", "all_gather"),
+                   help="with --enable-expert-parallel: how tokens reach their experts' ranks (all_to_all: each "
+                        "token-expert pair crosses once each way; all_gather: every rank sees every token)")
 
 
 def _parallel_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
     """Tensor parallelism (``ParallelConfig``): ``engine``, and for every engine of a cluster ``serve``,
     ``rollout`` and ``run-batch`` start (``cluster``: with per-role sizes)."""
     _tp_size_arg(p, "each engine" if cluster else "the engine")
+    _expert_args(p)
     if cluster:
         for role in ("prefill", "decode"):
             p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=0, metavar="N",
@@ -289,6 +304,46 @@ def _parallel_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
                                    "range)" if cluster else ""))
     p.add_argument("--tp-join-timeout", type=float, default=60.0, metavar="S",
                    help="seconds a tensor-parallel engine's ranks have to start and meet before it fails")
+
+
+def _qos_args(p: argparse.ArgumentParser) -> None:
+    """The priority classes on the wire (``QosConfig``): ``engine``, and every engine of ``serve``, ``rollout``,
+    ``run-batch``."""
+    from dualpath.config import QosConfig  # plain data, no heavy imports
+
+    d = QosConfig()
+    g = p.add_argument_group("network priority classes (KV low, collectives high; deploy/qos/README.md)")
+    g.add_argument("--kv-service-level", type=int, default=d.kv_service_level, metavar="SL",
+                   help="InfiniBand service level of KV queue pairs (the subnet manager maps it to a low-priority "
+                        "virtual lane)")
+    g.add_argument("--kv-dscp", type=int, default=None, metavar="DSCP",
+                   help=f"DSCP of KV traffic: RoCE traffic class and the KV transports' TCP sockets' IP_TOS are "
+                        f"DSCP << 2 (default {d.kv_dscp}, AF11)")
+    g.add_argument("--kv-traffic-class", type=int, default=None, metavar="TC",
+                   help="the same as a traffic class byte (DSCP << 2, ECN bits 0): --kv-traffic-class 40 is "
+                        "--kv-dscp 10")
+    g.add_argument("--collective-service-level", type=int, default=d.collective_service_level, metavar="SL",
+                   help="InfiniBand service level of the collectives among an engine's ranks (NCCL_IB_SL)")
+    g.add_argument("--collective-dscp", type=int, default=d.collective_dscp, metavar="DSCP",
+                   help="DSCP of the collectives (NCCL_IB_TC = DSCP << 2 on RoCE; default 26, AF31)")
+
+
+def qos_config(args: argparse.Namespace):
+    """``QosConfig`` from ``_qos_args``' options (``--kv-traffic-class`` names the KV DSCP as a byte)."""
+    from dualpath.config import QosConfig
+    from dualpath.errors import ConfigError
+
+    kv_dscp = args.kv_dscp
+    if args.kv_traffic_class is not None:
+        tc = args.kv_traffic_class
+        if not 0 <= tc <= 255 or tc & 3:
+            raise ConfigError(f"--kv-traffic-class {tc}: a traffic class is DSCP << 2 (0..252, a multiple of 4)")
+        if kv_dscp is not None and kv_dscp != tc >> 2:
+            raise ConfigError(f"--kv-dscp {kv_dscp} and --kv-traffic-class {tc} (DSCP {tc >> 2}): give one")
+        kv_dscp = tc >> 2
+    return QosConfig(kv_service_level=args.kv_service_level,
+                     kv_dscp=QosConfig.kv_dscp if kv_dscp is None else kv_dscp,
+                     collective_service_level=args.collective_service_level, collective_dscp=args.collective_dscp)
 
 
 def _lora_arg(p: argparse.ArgumentParser) -> None:
@@ -383,6 +438,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     _kernels_arg(p)
     _parallel_args(p, cluster=True)
     p.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
+    _qos_args(p)
     p.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     p.add_argument("--mode", default="dualpath", choices=["dualpath", "pe", "de", "basic", "split"])
     p.add_argument("--policy", default="dualpath", choices=["dualpath", "least-loaded", "round-robin", "random"])
@@ -737,6 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     _dtype_args(g)
     _kernels_arg(g)
     _tp_size_arg(g, "the model")
+    _expert_args(g)
     g.add_argument("--lora", default=None, help="generate under this LoRA adapter (a --lora-modules name, or a PEFT "
                                                 "directory)")
     g.set_defaults(func=cmd_generate)
@@ -817,8 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--transport", default="shm", choices=["local", "shm", "ucx", "nixl", "verbs"])
     e.add_argument("--transport-port", type=int, default=0,
                    help="the transport's listeners (ucx: this port and the next, one per priority class; 0: any)")
-    e.add_argument("--kv-service-level", type=int, default=2)
-    e.add_argument("--kv-traffic-class", type=int, default=0)
+    _qos_args(e)
     e.add_argument("--rdma-device", default=None)
     e.add_argument("--kv-store", default=None, help="KV store directory (default: under the user cache)")
     e.add_argument("--storage-backend", default="fs", choices=["fs", "hf3fs"])

@@ -347,12 +347,76 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class QosConfig:
+    """The priority classes of an engine's traffic on the wire, one place for all of them (paper §5: model
+    collectives on a high-priority lane, KV on a low-priority one that takes what is idle).
+
+    - InfiniBand: a service level per queue pair, which the subnet manager maps to a virtual lane
+      (``deploy/qos/opensm-qos.conf``): ``kv_service_level`` on the KV transports' queue pairs,
+      ``collective_service_level`` on NCCL's (``NCCL_IB_SL``).
+    - RoCE: the traffic class of each queue pair's route header, DSCP << 2, which the NICs and switches map to a
+      priority and a queue (``deploy/qos/roce-kv-traffic-class.sh``): ``kv_traffic_class`` on KV queue pairs,
+      ``collective_traffic_class`` on NCCL's (``NCCL_IB_TC``).
+    - TCP: the same byte as each socket's ``IP_TOS``: the KV transports mark their sockets with
+      ``kv_traffic_class`` (``traffic.qos``). Collective sockets (NCCL's socket transport, gloo) have no TOS
+      option; a host rule marks them (``deploy/qos/README.md``).
+
+    Defaults follow the paper's lanes and the RoCE script: KV on SL 2 and DSCP 10 (AF11), collectives on SL 0 and
+    DSCP 26 (AF31). A class of 0 is the fabric's default (unmarked); ``off()`` leaves everything there. KV and the
+    collectives on one non-zero class is refused: the fabric could not tell them apart.
+    """
+
+    kv_service_level: int = 2
+    kv_dscp: int = 10
+    collective_service_level: int = 0
+    collective_dscp: int = 26
+
+    def __post_init__(self):
+        for name in ("kv_service_level", "collective_service_level"):
+            if not 0 <= getattr(self, name) <= 15:
+                raise ConfigError(f"{name} must be an InfiniBand service level in [0, 15], got {getattr(self, name)}")
+        for name in ("kv_dscp", "collective_dscp"):
+            if not 0 <= getattr(self, name) <= 63:
+                raise ConfigError(f"{name} must be a DSCP in [0, 63], got {getattr(self, name)}")
+        for what, kv, coll in (("service level", self.kv_service_level, self.collective_service_level),
+                               ("DSCP", self.kv_dscp, self.collective_dscp)):
+            if kv == coll != 0:
+                raise ConfigError(f"KV traffic and the collectives on one {what} ({kv}): the fabric cannot give "
+                                  "them different priorities; pick another for one of them (0 for both: no QoS)")
+
+    @classmethod
+    def off(cls) -> "QosConfig":
+        """Every class the fabric's default: no priorities."""
+        return cls(kv_service_level=0, kv_dscp=0, collective_service_level=0, collective_dscp=0)
+
+    @property
+    def kv_traffic_class(self) -> int:
+        """The RoCE traffic class / IP TOS byte of KV traffic (DSCP << 2; ECN bits 0)."""
+        return self.kv_dscp << 2
+
+    @property
+    def collective_traffic_class(self) -> int:
+        """The RoCE traffic class / IP TOS byte of the collectives (``NCCL_IB_TC``)."""
+        return self.collective_dscp << 2
+
+    def transport_fields(self) -> dict[str, int]:
+        """``TransportConfig``'s KV classes: ``TransportConfig(name=..., **qos.transport_fields())``."""
+        return {"kv_service_level": self.kv_service_level, "kv_traffic_class": self.kv_traffic_class}
+
+    def collective_env(self) -> dict[str, str]:
+        """The environment an engine's rank processes start with so NCCL's queue pairs take the collectives'
+        classes (rank 0 sets it on itself before it starts the others, which inherit it)."""
+        return {"NCCL_IB_SL": str(self.collective_service_level), "NCCL_IB_TC": str(self.collective_traffic_class)}
+
+
+@dataclass(frozen=True)
 class TransportConfig:
     """KV transfers between engines.
 
     Low-priority (KV) segments are cut into ``chunk_bytes`` pieces that yield to high-priority work between
-    pieces. ``kv_service_level`` / ``kv_traffic_class`` put KV queue pairs on the fabric's low-priority lane
-    (InfiniBand SL mapped to a low-priority VL by the subnet manager; RoCE traffic class / DSCP).
+    pieces. ``kv_service_level`` / ``kv_traffic_class`` put KV traffic on the fabric's low-priority lane
+    (InfiniBand SL mapped to a low-priority VL by the subnet manager; RoCE traffic class, DSCP << 2, which is also
+    the ``IP_TOS`` of the transports' TCP sockets; 0: unmarked). Engines take both from their ``QosConfig``.
     """
 
     name: str = "shm"
@@ -360,8 +424,8 @@ class TransportConfig:
     listen_port: int = 0  # transports that listen (ucx): this port and the next, one per priority class (0: any)
     chunk_bytes: int = 1 << 20
     op_timeout_s: float = 30.0
-    kv_service_level: int = 2
-    kv_traffic_class: int = 0
+    kv_service_level: int = QosConfig.kv_service_level
+    kv_traffic_class: int = QosConfig.kv_dscp << 2
     device_name: str | None = None  # RDMA device for `verbs`, e.g. mlx5_0
     gid_index: int = 0
 
@@ -370,6 +434,8 @@ class TransportConfig:
             raise ConfigError(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
         if not 0 <= self.kv_service_level <= 15:
             raise ConfigError(f"kv_service_level must be in [0, 15], got {self.kv_service_level}")
+        if not 0 <= self.kv_traffic_class <= 255:
+            raise ConfigError(f"kv_traffic_class must be a byte (DSCP << 2), got {self.kv_traffic_class}")
 
 
 @dataclass(frozen=True)
@@ -417,12 +483,16 @@ class ParallelConfig:
     on consecutive devices from the engine's (``cuda:k`` .. ``cuda:k+N-1``; CPU engines: N processes). Rank 0
     speaks for the engine; the others follow its steps (``engines.parallel``). The ranks meet at a TCP store on
     ``master_port`` of this host (0: a free one) within ``join_timeout_s``; a collective that waits longer than
-    ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it."""
+    ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it. MoE models:
+    ``enable_expert_parallel`` (vLLM's flag) gives each rank whole routed experts, which tokens reach by
+    ``moe_dispatch`` (``engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert."""
 
     tensor_parallel_size: int = 1
     master_port: int = 0
     join_timeout_s: float = 60.0
     collective_timeout_s: float = 120.0
+    enable_expert_parallel: bool = False
+    moe_dispatch: str = "all_to_all"
 
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -431,6 +501,8 @@ class ParallelConfig:
             raise ConfigError(f"master_port must be a TCP port (0 for any), got {self.master_port}")
         if min(self.join_timeout_s, self.collective_timeout_s) <= 0:
             raise ConfigError("join_timeout_s and collective_timeout_s must be positive")
+        if self.moe_dispatch not in ("all_to_all", "all_gather"):  # engines.parallel.experts.DISPATCHES
+            raise ConfigError(f"moe_dispatch must be all_to_all or all_gather, got {self.moe_dispatch!r}")
 
     def rank_device(self, device: str, rank: int) -> str:
         """Rank ``rank``'s device: the engine's ``cuda:k`` shifted by the rank; a CPU engine's ranks are all on
@@ -527,7 +599,9 @@ class EngineProcessConfig:
     ``buffer_bytes`` is the DRAM buffer (Full Block slots); decode engines size their paged device cache from
     ``engine.cache``; prefill engines hold ``workspace_tokens`` of KV per layer slot (two slots: the layer computing
     and the next one arriving). ``compute_quota_s`` bounds a prefill batch's predicted time; ``cost_model`` gives
-    the prediction's coefficients ``(fixed, per_token, attention)`` instead of profiling at start.
+    the prediction's coefficients ``(fixed, per_token, attention)`` instead of profiling at start. ``qos`` gives the
+    priority classes on the wire: ``transport`` carries its KV classes (``QosConfig.transport_fields``), the engine
+    process hands the collectives' to its ranks (``QosConfig.collective_env``).
     """
 
     role: str
@@ -540,6 +614,7 @@ class EngineProcessConfig:
     port: int = 0
     engine: EngineConfig = field(default_factory=EngineConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    qos: QosConfig = field(default_factory=QosConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     buffer_bytes: int = 256 << 20
     workspace_tokens: int = 16384
@@ -554,3 +629,7 @@ class EngineProcessConfig:
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role must be prefill or decode, got {self.role!r}")
+        kv = {k: getattr(self.transport, k) for k in self.qos.transport_fields()}
+        if kv != self.qos.transport_fields():
+            raise ConfigError(f"the transport's KV classes {kv} are not the QoS config's "
+                              f"{self.qos.transport_fields()}: build both from one QosConfig")

@@ -104,6 +104,14 @@ class HeadShard:
         if not 0 <= self.rank < s or (n % s if n >= s else s % n):
             raise ConfigError(f"{n} KV heads cannot be split among {s} ranks (one must divide the other)")
 
+    @classmethod
+    def replicated(cls, elems: int, rank: int = 0, size: int = 1) -> "HeadShard":
+        """The whole row on every rank, rank 0 writing it back: MLA's latent (one KV "head" that tensor-parallel
+        attention heads all read), seen as one head of ``elems / 2`` K and V elements."""
+        if elems % 2:
+            raise ConfigError(f"a KV row of {elems} elements cannot be replicated as one head (odd)")
+        return cls(1, elems // 2, rank, size)
+
     @property
     def num_local(self) -> int:
         return max(1, self.num_kv_heads // self.size)

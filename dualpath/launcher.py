@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dualpath.config import QosConfig
 from dualpath.errors import ConfigError, DualPathError
 from dualpath.lora import LoraModule
 from dualpath.messages import RequestRef
@@ -52,6 +53,13 @@ class RestartPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
 
 
+def qos_args(qos: QosConfig) -> list[str]:
+    """``dualpath engine``'s options giving ``qos``."""
+    return ["--kv-service-level", str(qos.kv_service_level), "--kv-dscp", str(qos.kv_dscp),
+            "--collective-service-level", str(qos.collective_service_level),
+            "--collective-dscp", str(qos.collective_dscp)]
+
+
 def parse_port_range(text: str) -> tuple[int, int]:
     """``LO-HI`` (inclusive) as two ports."""
     try:
@@ -74,6 +82,7 @@ class ClusterSpec:
     scheduling_policy: str = "fcfs"  # see SchedulerConfig.scheduling_policy
     priority_preemption: bool = True  # see SchedulerConfig.priority_preemption
     transport: str = "shm"
+    qos: QosConfig = QosConfig()  # the engines' priority classes on the wire (``dualpath engine``'s QoS options)
     kv_store: str | None = None
     device: str = "cpu"  # "cuda" gives engine i the devices cuda:i*tp .. cuda:i*tp+tp-1 (prefill first, then decode)
     dtype: str = "float32"
@@ -83,6 +92,8 @@ class ClusterSpec:
     decode_tensor_parallel_size: int = 0  # the decode engines' own (0: tensor_parallel_size)
     tp_master_port: int = 0  # the first TP engine's rendezvous port, the next one's +1, ... (0: any free port)
     tp_join_timeout_s: float = 60.0  # see ParallelConfig.join_timeout_s
+    enable_expert_parallel: bool = False  # see ParallelConfig.enable_expert_parallel (every TP engine)
+    moe_dispatch: str = "all_to_all"  # see ParallelConfig.moe_dispatch
     kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
     quantization: str | None = None  # see EngineConfig.quantization
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
@@ -140,7 +151,8 @@ def check_parallelism(spec: ClusterSpec, model) -> None:
         if count:  # the role's last engine: the highest devices it takes
             device = f"cuda:{spec.first_device(role, count - 1)}" if spec.device == "cuda" else spec.device
             check_parallel(model, EngineConfig(device=device, lora_modules=spec.lora_modules,
-                                               parallel=ParallelConfig(sizes[role])))
+                                               parallel=ParallelConfig(sizes[role], enable_expert_parallel=
+                                                                       spec.enable_expert_parallel)))
     if spec.device == "cuda":
         import torch
 
@@ -409,7 +421,9 @@ class LocalCluster(Supervisor):
                 "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
         if tp > 1:  # (TP 1: the command as before)
             args += ["--tensor-parallel-size", str(tp), "--tp-master-port", str(master_port),
-                     "--tp-join-timeout", str(s.tp_join_timeout_s)]
+                     "--tp-join-timeout", str(s.tp_join_timeout_s), "--moe-dispatch", s.moe_dispatch]
+            if s.enable_expert_parallel:
+                args.append("--enable-expert-parallel")
         if s.enforce_eager:
             args.append("--enforce-eager")
         if s.quantization:
@@ -420,6 +434,8 @@ class LocalCluster(Supervisor):
             args += ["--lora-modules", *(f"{m.name}={m.path}" for m in s.lora_modules)]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
+        if s.qos != QosConfig():
+            args += qos_args(s.qos)
         if s.cost_model:
             args += ["--cost-model", s.cost_model]
         return args + list(s.extra_engine_args)

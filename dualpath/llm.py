@@ -67,7 +67,8 @@ class LLM:
                  enforce_eager: bool = False, speculative_config: dict | str | None = None,
                  kv_cache_dtype: str = "auto", generation_config: str = "auto",
                  lora_modules: dict[str, str] | None = None, quantization: str | None = None,
-                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1):
+                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
+                 enable_expert_parallel: bool = False, moe_dispatch: str = "all_to_all"):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
@@ -75,7 +76,9 @@ class LLM:
                                    cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
                                                      device_memory_bytes=kv_cache_bytes,
                                                      gpu_memory_utilization=gpu_memory_utilization),
-                                   parallel=ParallelConfig(tensor_parallel_size))
+                                   parallel=ParallelConfig(tensor_parallel_size,
+                                                           enable_expert_parallel=enable_expert_parallel,
+                                                           moe_dispatch=moe_dispatch))
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
         check_parallel(ckpt.config, self.config)

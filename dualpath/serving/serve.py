@@ -103,7 +103,7 @@ def cluster_spec(args):
     """The single-host cluster the command-line options describe (``serve``, ``rollout``, ``run-batch``), and the
     model directory and context limit; its tensor parallelism checked against the checkpoint (``ConfigError``
     before any process starts)."""
-    from dualpath.cli import _model_dir
+    from dualpath.cli import _model_dir, qos_config
     from dualpath.launcher import ClusterSpec, RestartPolicy, check_parallelism, parse_port_range
     from engines.models import open_checkpoint
 
@@ -123,12 +123,14 @@ def cluster_spec(args):
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
         priority_preemption=not args.disable_priority_preemption,
-        transport=args.transport, kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        transport=args.transport, qos=qos_config(args), kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, lora_modules=lora_modules(args),
         tensor_parallel_size=tp, prefill_tensor_parallel_size=sizes["prefill"],
         decode_tensor_parallel_size=sizes["decode"], tp_master_port=getattr(args, "tp_master_port", 0),
         tp_join_timeout_s=getattr(args, "tp_join_timeout", 60.0),
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        moe_dispatch=getattr(args, "moe_dispatch", "all_to_all"),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,

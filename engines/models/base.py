@@ -284,6 +284,14 @@ class CausalLM(nn.Module, ABC):
         """Elements of one token's KV row in this rank's cache."""
         return self.config.kv_elems_per_token if self.kv_shard is None else self.kv_shard.local_elems
 
+    def connect(self, comm, dispatch: str = "all_to_all") -> None:
+        """Join the engine's ranks (tensor-parallel size > 1): this model's reductions and gathers, and its MoE
+        blocks' (``dispatch``: how tokens reach experts under expert parallelism), go over ``comm``."""
+        self.comm = comm
+        for module in self.modules():
+            if module is not self and hasattr(module, "connect"):
+                module.connect(comm, dispatch)
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial ``x`` (a row-parallel layer's output), in place; ``x`` itself at TP 1."""
         return self.comm.all_reduce(x) if self.shard.size > 1 else x
@@ -395,7 +403,8 @@ class CausalLM(nn.Module, ABC):
         if problems:
             head = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
             raise CheckpointError(f"{ckpt.path}: checkpoint does not match {self.config.architecture}: {head}")
-        self._warn_unused(set(available) - used)
+        if self.shard.size == 1:  # a rank reads only its experts: the others' are no surprise
+            self._warn_unused(set(available) - used)
 
     def _target(self, param: str) -> torch.Tensor | Fp8Param:
         """What a ``WeightSpec.param`` names: a parameter, or the ``Fp8Param`` that took its place."""

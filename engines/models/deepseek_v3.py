@@ -20,7 +20,9 @@ from torch import nn
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
+from dualpath.geometry import HeadShard
 from engines.parallel.comm import TPShard
+from engines.models.loader import Cut
 from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
 from kernels.attention import CachedRows, mla_attention
@@ -46,48 +48,57 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """One layer's attention weights; under tensor parallelism this rank's ``nh`` heads of the query and KV
+    up-projections and its columns of ``o_w`` (row-parallel); the latent's down-projection (and V3.2's indexer) are
+    whole on every rank, which all compute the same latent."""
+
+    def __init__(self, c: ModelConfig, nh: int):
         super().__init__()
         m, h = c.mla, c.hidden_size
         if m.q_lora_rank:
             self.q_a_w = param(m.q_lora_rank, h)
             self.q_a_norm = param(m.q_lora_rank)
-            self.q_b_w = param(c.num_heads * m.qk_head_dim, m.q_lora_rank)
+            self.q_b_w = param(nh * m.qk_head_dim, m.q_lora_rank)
         else:
-            self.q_w = param(c.num_heads * m.qk_head_dim, h)
+            self.q_w = param(nh * m.qk_head_dim, h)
         self.kv_a_w = param(m.kv_lora_rank + m.qk_rope_head_dim, h)
         self.kv_a_norm = param(m.kv_lora_rank)
-        self.kv_b_w = param(c.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
-        self.o_w = param(h, c.num_heads * m.v_head_dim)
+        self.kv_b_w = param(nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        self.o_w = param(h, nh * m.v_head_dim)
         if m.indexer:
             self.indexer = Indexer(c)
 
 
 class DeepseekV3Layer(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int):
+    def __init__(self, c: ModelConfig, layer: int, shard: TPShard):
         super().__init__()
         self.input_norm = param(c.hidden_size)
         self.post_norm = param(c.hidden_size)
-        self.attn = MLAttention(c)
-        self.mlp = MoE(c) if c.is_moe_layer(layer) else DenseMLP(c.hidden_size, c.intermediate_size)
+        self.attn = MLAttention(c, c.num_heads // shard.size)
+        inter = shard.split(c.intermediate_size, "intermediate_size")
+        self.mlp = MoE(c, shard) if c.is_moe_layer(layer) else DenseMLP(c.hidden_size, inter[1] - inter[0])
 
 
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, kernels: str = "torch", shard: TPShard = TPShard()):
-        if shard.size > 1:  # MLA's latent cache is one head: it shards by requests (data-parallel attention)
-            raise CheckpointError(f"{config.architecture}: MLA models are not served under tensor parallelism yet "
-                                  "(data-parallel attention with expert parallelism comes next); use "
-                                  "--tensor-parallel-size 1")
         super().__init__(config, kernels, shard)
         m = config.mla
         if config.moe.num_experts % config.moe.num_groups:
             raise CheckpointError(f"n_routed_experts {config.moe.num_experts} not divisible by n_group")
-        self.layers = nn.ModuleList(DeepseekV3Layer(config, i) for i in range(config.num_layers))
+        # tensor parallelism splits the attention heads; the latent (the whole KV row) is every rank's
+        self.heads = shard.split(config.num_heads, "the number of attention heads")
+        self.layers = nn.ModuleList(DeepseekV3Layer(config, i, shard) for i in range(config.num_layers))
         self.scale = m.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope)
+
+    @property
+    def kv_shard(self) -> HeadShard | None:
+        if self.shard.size == 1:
+            return None
+        return HeadShard.replicated(self.config.kv_elems_per_token, self.shard.rank, self.shard.size)
 
     def _attention(self, w: MLAttention, x: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows):
         c, m = self.config, self.config.mla
-        t, nh = x.shape[0], c.num_heads
+        t, nh = x.shape[0], self.heads[1] - self.heads[0]
         if m.q_lora_rank:
             q_lat = rms_norm(linear(x, w.q_a_w, None, self.kernels), w.q_a_norm, c.rms_norm_eps, self.kernels)
             q = linear(q_lat, w.q_b_w, None, self.kernels)
@@ -107,7 +118,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
                             w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new,
                             index)
-        return linear(out.reshape(t, -1), w.o_w, None, self.kernels), new_kv
+        return self.reduce(linear(out.reshape(t, -1), w.o_w, None, self.kernels)), new_kv
 
     def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext,
                new_kv: torch.Tensor) -> IndexQuery | None:
@@ -142,6 +153,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         yield from super().weight_specs()
         c, m = self.config, self.config.mla
         h, nh = c.hidden_size, c.num_heads
+        q, kv_b, o, up, down = self._cuts()
         for i in range(c.num_layers):
             p, src = f"layers.{i}.", f"model.layers.{i}."
             a, sa = p + "attn.", src + "self_attn."
@@ -151,21 +163,33 @@ class DeepseekV3ForCausalLM(CausalLM):
                 yield WeightSpec(a + "q_a_w", ((sa + "q_a_proj.weight", (m.q_lora_rank, h)),), fp8=True)
                 yield WeightSpec(a + "q_a_norm", ((sa + "q_a_layernorm.weight", (m.q_lora_rank,)),))
                 yield WeightSpec(a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),),
-                                 fp8=True)
+                                 fp8=True, cuts=q)
             else:
-                yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),), fp8=True)
+                yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),), fp8=True, cuts=q)
             yield WeightSpec(a + "kv_a_w", ((sa + "kv_a_proj_with_mqa.weight",
                                              (m.kv_lora_rank + m.qk_rope_head_dim, h)),), fp8=True)
             yield WeightSpec(a + "kv_a_norm", ((sa + "kv_a_layernorm.weight", (m.kv_lora_rank,)),))
             yield WeightSpec(a + "kv_b_w", ((sa + "kv_b_proj.weight",
-                                             (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),))
-            yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),), fp8=True)
+                                             (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),),
+                             cuts=kv_b)
+            yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),), fp8=True, cuts=o)
             if m.indexer:
                 yield from _indexer_specs(m, h, a + "indexer.", sa + "indexer.")
             if c.is_moe_layer(i):
-                yield from moe_specs(c, p + "mlp.", src + "mlp.")
+                yield from moe_specs(c, p + "mlp.", src + "mlp.", self.layers[i].mlp.part)
             else:
-                yield from mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size)
+                yield from mlp_specs(p + "mlp.", src + "mlp.", h, c.intermediate_size, up, down)
+
+    def _cuts(self) -> tuple[tuple[Cut, ...], ...]:
+        """This rank's rows of the query and KV up-projections (its heads), columns of ``o_proj``, rows of the dense
+        MLP's gate and up and columns of its down; all empty at TP 1."""
+        if self.shard.size == 1:
+            return (), (), (), (), ()
+        m, (h0, h1) = self.config.mla, self.heads
+        inter = Cut(0, *self.shard.split(self.config.intermediate_size, "intermediate_size"))
+        return ((Cut(0, h0 * m.qk_head_dim, h1 * m.qk_head_dim),),
+                (Cut(0, h0 * (m.qk_nope_head_dim + m.v_head_dim), h1 * (m.qk_nope_head_dim + m.v_head_dim)),),
+                (Cut(1, h0 * m.v_head_dim, h1 * m.v_head_dim),), (inter, inter), (Cut(1, inter.start, inter.stop),))
 
 
 def _indexer_specs(m, h: int, p: str, src: str) -> Iterator[WeightSpec]:

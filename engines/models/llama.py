@@ -30,7 +30,7 @@ class LlamaLayer(nn.Module):
     """One layer's weights; under tensor parallelism this rank's part (``Heads``): its query heads, its KV heads
     (column-parallel ``qkv_w``), the matching columns of ``o_w`` (row-parallel) and its slice of the MLP."""
 
-    def __init__(self, c: ModelConfig, layer: int, heads: "Heads"):
+    def __init__(self, c: ModelConfig, layer: int, heads: "Heads", shard: TPShard):
         super().__init__()
         q, kv = heads.num_q * c.head_dim, heads.kv.num_local * c.head_dim
         self.input_norm = param(c.hidden_size)
@@ -41,7 +41,7 @@ class LlamaLayer(nn.Module):
         self.q_norm = param(c.head_dim) if c.qk_norm else None
         self.k_norm = param(c.head_dim) if c.qk_norm else None
         self.post_norm = param(c.hidden_size)
-        self.moe = MoE(c) if c.is_moe_layer(layer) else None
+        self.moe = MoE(c, shard) if c.is_moe_layer(layer) else None
         dense, inter = self.moe is None, heads.inter[1] - heads.inter[0]
         self.gate_up_w = param(2 * inter, c.hidden_size) if dense else None
         self.gate_up_b = param(2 * inter) if dense and c.mlp_bias else None
@@ -71,11 +71,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, kernels, shard)
         if config.hidden_act != "silu":
             raise CheckpointError(f"activation {config.hidden_act!r} is not supported (only silu)")
-        if shard.size > 1 and config.moe is not None:
-            raise CheckpointError(f"{config.architecture}: MoE models are not served under tensor parallelism yet "
-                                  "(expert parallelism comes with it); use --tensor-parallel-size 1")
         self.heads = Heads.of(config, shard)
-        self.layers = nn.ModuleList(LlamaLayer(config, i, self.heads) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(config, i, self.heads, shard) for i in range(config.num_layers))
         self.scale = config.head_dim ** -0.5
         self.split = gqa_split(self.heads.kv.num_local, config.head_dim)
 
@@ -162,7 +159,7 @@ class LlamaForCausalLM(CausalLM):
                 yield WeightSpec(p + "q_norm", ((a + "q_norm.weight", (c.head_dim,)),))
                 yield WeightSpec(p + "k_norm", ((a + "k_norm.weight", (c.head_dim,)),))
             if c.is_moe_layer(i):
-                yield from moe_specs(c, p + "moe.", m)
+                yield from moe_specs(c, p + "moe.", m, self.layers[i].moe.part)
                 continue
             yield from mlp_specs(p, m, h, inter, up_cuts, down_cuts)
             if c.mlp_bias:

@@ -21,10 +21,13 @@ from dualpath.errors import CheckpointError, RankLostError
 
 @dataclass(frozen=True)
 class TPShard:
-    """Tensor-parallel rank ``rank`` of ``size``: which part of each split dimension it holds."""
+    """Tensor-parallel rank ``rank`` of ``size``: which part of each split dimension it holds. ``expert_parallel``:
+    an MoE layer's routed experts are split among the ranks whole (``engines.parallel.experts``), not each expert's
+    matrices among all of them."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def split(self, n: int, what: str) -> tuple[int, int]:
         """``[start, stop)`` of this rank's equal part of ``n`` (``what``: named in the error if it does not
@@ -33,6 +36,25 @@ class TPShard:
             raise CheckpointError(f"{what} ({n}) does not divide among {self.size} tensor-parallel ranks")
         k = n // self.size
         return self.rank * k, (self.rank + 1) * k
+
+
+class CollectiveError(dist.DistError):
+    """A collective among an engine's ranks failed: a rank died (its connections reset), hung past
+    ``collective_timeout_s``, or their link broke. The ranks are out of step from here on (``Ranks.run`` takes the
+    engine out of service)."""
+
+
+def _collective(what: str, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a ``torch.distributed`` collective), its failure a ``CollectiveError``. gloo reports
+    a peer that died or timed out as a plain ``RuntimeError`` (NCCL's are ``DistError``s already): unwrapped, an
+    engine took it for a failed batch and went on with its ranks out of step (its requests failed instead of moving:
+    tests/test_tp_cluster.py)."""
+    try:
+        return fn(*args, **kwargs)
+    except dist.DistError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(f"{what} failed: {e}") from e
 
 
 class Comm:
@@ -44,25 +66,40 @@ class Comm:
         self._dev, self._cpu = device_group, cpu_group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self._dev)
+        _collective("all_reduce", dist.all_reduce, x, group=self._dev)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self._dev)
+        _collective("all_gather", dist.all_gather, parts, x, group=self._dev)
         return torch.cat(parts, dim)
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows ``x`` cut by ``in_splits`` (one part to each rank, in rank order) exchanged for the parts every rank
+        sends this one (``out_splits`` rows from each); None: equal parts."""
+        x = x.contiguous()
+        out = x.new_empty(sum(out_splits) if out_splits is not None else x.shape[0], *x.shape[1:])
+        _collective("all_to_all", dist.all_to_all_single, out, x, out_splits, in_splits, group=self._dev)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``x [N·m, ...]``, of which this rank gets rows ``[rank·m, (rank+1)·m)``."""
+        out = x.new_empty(x.shape[0] // self.size, *x.shape[1:])
+        _collective("reduce_scatter", dist.reduce_scatter_tensor, out, x.contiguous(), group=self._dev)
+        return out
 
     def agree(self, ok: bool) -> bool:
         """True when every rank passed ``ok`` True; a barrier besides."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._cpu)
+        _collective("agree", dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self._cpu)
         return bool(flag.item())
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj`` (small, picklable: a digest, an error's text), in rank order, on every rank."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self._cpu)
+        _collective("gather_objects", dist.all_gather_object, out, obj, group=self._cpu)
         return out
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from engines.parallel.comm import Comm, TPShard, join, open_store
 from engines.parallel.steps import STEPS, RankState, StepAborted
 
 log = logging.getLogger(__name__)
+RANK_EXIT_GRACE_S = 1.0  # after a failed collective, how long rank 0 waits for a watcher to name a rank that exited
 READY_TIMEOUT_S = 1800.0  # loading a rank's weights (a 660B model's 1/8 from a network filesystem) may take this
 
 
@@ -59,8 +60,10 @@ class RankSpec:
 
     def load(self, rank: int, comm: Comm | None):
         e = self.engine
-        model = load_model(self.model, self.device(rank), e.dtype, e.kernels, e.weight_quant, TPShard(rank, self.size))
-        model.comm = comm
+        shard = TPShard(rank, self.size, e.parallel.enable_expert_parallel)
+        model = load_model(self.model, self.device(rank), e.dtype, e.kernels, e.weight_quant, shard)
+        if comm is not None:
+            model.connect(comm, e.parallel.moe_dispatch)
         return model
 
 
@@ -71,16 +74,13 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
     size = engine.parallel.tensor_parallel_size
     if size == 1:
         return
-    if model.mla is not None or model.moe is not None:
-        raise ConfigError(f"{model.architecture}: MLA and MoE models are not served under tensor parallelism yet "
-                          "(expert parallelism and data-parallel attention come with them); use "
-                          "--tensor-parallel-size 1")
     for what, n in (("attention heads", model.num_heads), ("vocab_size", model.vocab_size),
-                    ("intermediate_size", model.intermediate_size)):
+                    ("intermediate_size", model.intermediate_size), *_moe_dims(model, engine.parallel)):
         if n % size:
             raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {what} ({n})")
     try:
-        HeadShard(model.num_kv_heads, model.head_dim, 0, size)
+        if model.mla is None:  # (MLA's latent row is whole on every rank)
+            HeadShard(model.num_kv_heads, model.head_dim, 0, size)
     except ConfigError as e:
         raise ConfigError(f"--tensor-parallel-size {size}: {e}") from None
     if engine.device.startswith("cuda"):
@@ -89,6 +89,17 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
         if first + size > have:
             raise ConfigError(f"--tensor-parallel-size {size} from {engine.device} needs devices cuda:{first}.."
                               f"cuda:{first + size - 1}, but this host has {have} GPU(s)")
+
+
+def _moe_dims(model: ModelConfig, parallel) -> list[tuple[str, int]]:
+    """What an MoE model's parallelism splits: whole routed experts under expert parallelism, else each expert's
+    intermediate rows; the shared experts' rows either way."""
+    e = model.moe
+    if e is None:
+        return []
+    routed = ("routed experts (--enable-expert-parallel)", e.num_experts) if parallel.enable_expert_parallel else \
+        ("moe_intermediate_size (or pass --enable-expert-parallel)", e.moe_intermediate_size)
+    return [routed, ("shared experts' intermediate size", e.moe_intermediate_size * e.num_shared_experts)]
 
 
 class Ranks:
@@ -118,9 +129,14 @@ class Ranks:
                 for c in self.conns:
                     c.send_bytes(msg)
                 return step(self.state, *args, **local)
-            except (OSError, dist.DistError) as e:
+            except (OSError, dist.DistError) as e:  # (``comm.CollectiveError`` included)
+                # A rank that died fails the collectives at once, a moment before its watcher sees the process
+                # end: wait that moment (bounded) so the engine's reason names the rank and how it ended.
+                deadline = time.monotonic() + RANK_EXIT_GRACE_S
+                while self.lost is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 self._lose(f"a rank stopped answering during {step.__name__}: {e}")
-                raise RankLostError(self.lost) from None
+                raise RankLostError(self.lost or str(e)) from None
 
     def _watch(self, rank: int, p: subprocess.Popen) -> None:
         code = p.wait()
