@@ -166,10 +166,8 @@ def test_each_rank_holds_its_part_of_the_weights(tiny_dirs):
 
 
 def test_bad_configurations_fail_before_any_process_starts(tiny_dirs):
-    for arch, n, match in (("llama", 3, "attention heads"), ("qwen3_moe", 2, "MoE"),
-                           ("deepseek_v3", 2, "MLA")):
-        with pytest.raises(ConfigError, match=match):
-            check_parallel(open_checkpoint(tiny_dirs[arch]).config, EngineConfig(parallel=ParallelConfig(n)))
+    with pytest.raises(ConfigError, match="attention heads"):
+        check_parallel(open_checkpoint(tiny_dirs["llama"]).config, EngineConfig(parallel=ParallelConfig(3)))
     with pytest.raises(ConfigError, match="devices"):
         check_parallel(open_checkpoint(tiny_dirs["llama"]).config,
                        EngineConfig(device="cuda:0", parallel=ParallelConfig(2)))
