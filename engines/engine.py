@@ -21,7 +21,7 @@ import uuid
 import torch
 
 from dualpath.config import EngineProcessConfig
-from dualpath.errors import CheckpointError, DualPathError, EngineBusyError
+from dualpath.errors import CheckpointError, DualPathError, EngineBusyError, RankLostError
 from dualpath.geometry import KVGeometry, model_fingerprint
 from dualpath.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, EngineInfo, EngineLoad, PullReply, \
     PullRequest, RequestRef, Role, WeightUpdate, WeightUpdateReply, pack_keys
@@ -553,6 +553,8 @@ class Engine:
                  self.engine_id, self.port, self.node_id, self.buffer.num_slots, self.cfg.transport.name)
         try:
             self.loop()
+        except RankLostError:  # a step found a rank gone: ``_rank_lost`` has set the exit code (1) and ``stopping``;
+            pass  # raised on, the CLI would exit 2 and say "error" where the supervisor should see a lost rank's 1
         finally:
             self.stop()
 
