@@ -87,7 +87,10 @@ def engine_config(args: argparse.Namespace):
                                                     master_port=args.tp_master_port,
                                                     join_timeout_s=args.tp_join_timeout,
                                                     enable_expert_parallel=args.enable_expert_parallel,
-                                                    moe_dispatch=args.moe_dispatch)),
+                                                    moe_dispatch=args.moe_dispatch,
+                                                    data_parallel_size=args.data_parallel_size,
+                                                    data_parallel_rank=args.data_parallel_rank,
+                                                    data_parallel_master=args.data_parallel_master)),
         transport=TransportConfig(name=args.transport, host=args.host, listen_port=args.transport_port,
                                   **qos.transport_fields(), device_name=args.rdma_device),
         qos=qos,
@@ -302,6 +305,16 @@ def _parallel_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
                    help="where a tensor-parallel engine's ranks meet (rank 0's TCP store on this host; 0: any free "
                         "port)" + ("; one port per engine from this one up (with --engine-port-range: from the "
                                    "range)" if cluster else ""))
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
+                   help="MoE models: data-parallel attention, engines in groups of D that each attend over their own "
+                        "requests and hold E/D of the routed experts, exchanging tokens in every MoE layer "
+                        + ("(each role's engines in consecutive groups)" if cluster else
+                           "(with --data-parallel-rank and --data-parallel-master)") + "; see docs/parallelism.md")
+    if not cluster:
+        p.add_argument("--data-parallel-rank", type=int, default=0, metavar="R",
+                       help="this engine's place in its data-parallel group")
+        p.add_argument("--data-parallel-master", default="", metavar="HOST:PORT",
+                       help="where the group's engines meet (its rank 0 hosts the rendezvous)")
     p.add_argument("--tp-join-timeout", type=float, default=60.0, metavar="S",
                    help="seconds a tensor-parallel engine's ranks have to start and meet before it fails")
 

@@ -485,7 +485,12 @@ class ParallelConfig:
     ``master_port`` of this host (0: a free one) within ``join_timeout_s``; a collective that waits longer than
     ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it. MoE models:
     ``enable_expert_parallel`` (vLLM's flag) gives each rank whole routed experts, which tokens reach by
-    ``moe_dispatch`` (``engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert."""
+    ``moe_dispatch`` (``engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert.
+
+    Data-parallel attention (``data_parallel_size`` D > 1, MoE models, one rank per engine): D engines, each with
+    its own requests, KV cache and attention weights, hold E/D routed experts each and exchange tokens in every
+    MoE layer (``engines.parallel.dp``); engine ``data_parallel_rank`` of the group meets the others at
+    ``data_parallel_master`` (host:port, hosted by rank 0)."""
 
     tensor_parallel_size: int = 1
     master_port: int = 0
@@ -493,6 +498,9 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
     enable_expert_parallel: bool = False
     moe_dispatch: str = "all_to_all"
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_master: str = ""
 
     def __post_init__(self):
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -503,6 +511,17 @@ class ParallelConfig:
             raise ConfigError("join_timeout_s and collective_timeout_s must be positive")
         if self.moe_dispatch not in ("all_to_all", "all_gather"):  # engines.parallel.experts.DISPATCHES
             raise ConfigError(f"moe_dispatch must be all_to_all or all_gather, got {self.moe_dispatch!r}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size <= 64:
+            raise ConfigError(f"data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}: the size "
+                              "must be in [1, 64] and the rank below it")
+        if self.data_parallel_size > 1:
+            host, _, port = self.data_parallel_master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"data_parallel_master must be host:port (rank 0's rendezvous), got "
+                                  f"{self.data_parallel_master!r}")
+            if self.tensor_parallel_size > 1:
+                raise ConfigError("data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
+                                  "--data-parallel-size > 1")
 
     def rank_device(self, device: str, rank: int) -> str:
         """Rank ``rank``'s device: the engine's ``cuda:k`` shifted by the rank; a CPU engine's ranks are all on

@@ -94,6 +94,7 @@ class ClusterSpec:
     tp_join_timeout_s: float = 60.0  # see ParallelConfig.join_timeout_s
     enable_expert_parallel: bool = False  # see ParallelConfig.enable_expert_parallel (every TP engine)
     moe_dispatch: str = "all_to_all"  # see ParallelConfig.moe_dispatch
+    data_parallel_size: int = 1  # data-parallel attention: each role's engines in groups of this many (MoE models)
     kv_cache_dtype: str = "auto"  # see EngineConfig.kv_cache_dtype
     quantization: str | None = None  # see EngineConfig.quantization
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
@@ -134,6 +135,28 @@ class ClusterSpec:
         return before + index * self.tp(role)
 
 
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (a data-parallel group's rendezvous: its rank 0 binds it when it starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_groups(spec: ClusterSpec, model) -> None:
+    """Data-parallel attention: each role's engines fill whole groups, of TP 1, on a model the groups can share."""
+    from dualpath.config import EngineConfig, ParallelConfig
+    from engines.parallel.ranks import check_parallel
+
+    d = spec.data_parallel_size
+    for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
+        if count % d:
+            raise ConfigError(f"--data-parallel-size {d}: the {count} {role} engine(s) do not fill groups of {d}")
+        if spec.tp(role) > 1:
+            raise ConfigError("data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
+                              "--data-parallel-size > 1")
+    check_parallel(model, EngineConfig(parallel=ParallelConfig(data_parallel_size=d, data_parallel_master="h:1")))
+
+
 def check_parallelism(spec: ClusterSpec, model) -> None:
     """``ConfigError`` before any process starts when ``spec``'s tensor parallelism cannot serve ``model`` (a
     ``ModelConfig``): a size that does not divide its heads, MLP or vocabulary, an architecture or LoRA adapters not
@@ -143,9 +166,12 @@ def check_parallelism(spec: ClusterSpec, model) -> None:
     sizes = {role: spec.tp(role) for role in ("prefill", "decode")}
     for size in sizes.values():
         ParallelConfig(size)  # (a size out of range is refused with its own message)
+    from engines.parallel.ranks import check_parallel
+
+    if spec.data_parallel_size > 1:
+        _check_groups(spec, model)
     if all(size == 1 for size in sizes.values()):
         return
-    from engines.parallel.ranks import check_parallel
 
     for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
         if count:  # the role's last engine: the highest devices it takes
@@ -364,6 +390,7 @@ class LocalCluster(Supervisor):
         self._ports_used = 0  # engines given ports from ``spec.engine_ports`` so far
         self._ports_taken = 0  # ports of the range given out so far
         self._tp_engines = 0  # tensor-parallel engines given a rendezvous port from ``spec.tp_master_port`` so far
+        self._dp_masters: dict[tuple[str, int], str] = {}  # (role, group) -> its data-parallel rendezvous
 
     @property
     def token_file(self) -> Path:
@@ -408,9 +435,12 @@ class LocalCluster(Supervisor):
         node = f"{role}-node{index // s.engines_per_node}"
         tp = s.tp(role)
         port, transport_port, master_port = self._next_ports(tp)
+        group = node if s.engines_per_node > 1 else ""
+        if s.data_parallel_size > 1:  # a data-parallel group is one engine group to the scheduler (paper §6)
+            group = f"{role}-dp{index // s.data_parallel_size}"
         args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
                 "--port", str(port), "--transport-port", str(transport_port),
-                "--engine-id", name, "--node-id", node, "--group-id", node if s.engines_per_node > 1 else "",
+                "--engine-id", name, "--node-id", node, "--group-id", group,
                 "--device", device, "--dtype", s.dtype, "--kv-cache-dtype", s.kv_cache_dtype,
                 "--kernels", s.kernels, "--transport", s.transport,
                 "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
@@ -424,6 +454,12 @@ class LocalCluster(Supervisor):
                      "--tp-join-timeout", str(s.tp_join_timeout_s), "--moe-dispatch", s.moe_dispatch]
             if s.enable_expert_parallel:
                 args.append("--enable-expert-parallel")
+        if s.data_parallel_size > 1:  # the group's engines are consecutive; a restarted one meets them again
+            group = index // s.data_parallel_size
+            master = self._dp_masters.setdefault((role, group), f"{s.host}:{_free_port(s.host)}")
+            args += ["--data-parallel-size", str(s.data_parallel_size), "--data-parallel-rank",
+                     str(index % s.data_parallel_size), "--data-parallel-master", master,
+                     "--moe-dispatch", s.moe_dispatch]
         if s.enforce_eager:
             args.append("--enforce-eager")
         if s.quantization:

@@ -98,6 +98,9 @@ class EngineLoad:
     kv_corrupt_removed: int = 0  # corrupt block files removed since the last report (to be stored again)
     rpc_refused: int = 0  # calls to this engine refused for want of the cluster's credentials, since the last report
     traffic: dict = field(default_factory=dict)  # cumulative bytes moved, "path:class" -> bytes
+    # data-parallel attention: the group's forward time outside MoE exchanges, max/avg over its engines (recent
+    # units in which all of them computed; 0: not in a group, or no such unit yet)
+    dp_balance: float = 0.0
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)
     storage_capacity_bytes: int = 0

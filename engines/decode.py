@@ -183,12 +183,15 @@ class DecodeEngine(Engine):
 
     # --- the decode loop ------------------------------------------------------------------------------------
     def loop(self) -> None:
+        served = False  # data-parallel attention: the last turn served the group's forward (so wait for nothing)
         while not self.stopping.is_set():
-            self._drain_inbox(block=not self.local.has_work())
+            self._drain_inbox(block=not self.local.has_work() and not served)
             if self.settling:
                 self._settle_overdue()
             if self.local.has_work():
                 self._step()
+            elif self.dp is not None:  # serve the group's forwards (``engines.parallel.dp``)
+                served = self.dp.idle()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

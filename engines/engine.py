@@ -30,6 +30,7 @@ from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
 from engines.guided import GuideSource
 from engines.models import open_checkpoint, open_update
+from engines.parallel.dp import attach, join_group
 from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
 from engines.parallel.steps import attach_buffer, load_adapter, update_weights
 from kernels.attention import check_cache_dtype
@@ -88,6 +89,12 @@ class Engine:
         # this process is rank 0; under tensor parallelism the others follow its steps (``engines.parallel``)
         self.ranks = start_ranks(RankSpec(cfg.model, cfg.engine, cfg.host, cfg.torch_threads), self._rank_lost)
         self.model = self.ranks.state.model
+        self.dp = None  # data-parallel attention: this engine's group, whose MoE layers it runs in step with
+        if cfg.engine.parallel.data_parallel_size > 1:
+            p = cfg.engine.parallel
+            self.dp = attach(self.model, join_group(p, cfg.engine.device), p.moe_dispatch, self._rank_lost)
+            log.info("engine %s is data-parallel rank %d of %d (group at %s)", self.engine_id, p.data_parallel_rank,
+                     p.data_parallel_size, p.data_parallel_master)
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
@@ -147,9 +154,14 @@ class Engine:
             return HostMemory(nbytes, shared=True, pin=True)
         return self.transport.allocate(nbytes)
 
+    def _dp_balance(self) -> float:
+        """``EngineLoad.dp_balance``: this engine's view of its data-parallel group's balance (0: none)."""
+        return (self.dp.stats()["attention_max_over_avg"] or 0.0) if self.dp is not None else 0.0
+
     def _rank_lost(self, why: str) -> None:
-        """A rank died (``engines.parallel.ranks``): the engine stops, telling the scheduler it leaves, and exits
-        non-zero so that its supervisor starts it again, whole."""
+        """A rank died (``engines.parallel.ranks``), or an engine of its data-parallel group
+        (``engines.parallel.dp``): the engine stops, telling the scheduler it leaves, and exits non-zero so that
+        its supervisor starts it again, whole."""
         self.exit_code = 1
         self.stopping.set()
 
@@ -309,7 +321,7 @@ class Engine:
                           request_ids=list(held), started=items["started"], finished=items["finished"],
                           failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
                           evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
-                          prefill_tokens=busy_tokens,
+                          prefill_tokens=busy_tokens, dp_balance=self._dp_balance(),
                           storage_read_bytes=read_delta, kv_load_failures=fail_delta,
                           kv_corrupt_removed=removed - self._removed_reported,
                           rpc_refused=self.rpc_refused - self._refused_reported,

@@ -46,7 +46,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 def use_decode_graphs(model: CausalLM, device: torch.device, enforce_eager: bool) -> bool:
     """Capture decode steps on CUDA when the model's step can be captured (``graph_safe``), unless asked not to."""
-    return not enforce_eager and device.type == "cuda" and model.graph_safe
+    # (data-parallel attention: each forward syncs with the group's engines first, host work a graph cannot hold)
+    return not enforce_eager and device.type == "cuda" and model.graph_safe and model.dp is None
 
 
 def make_decode_graphs(model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from dualpath.config import EngineProcessConfig, SchedulerConfig
+from dualpath.config import EngineProcessConfig, QosConfig, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,22 @@ def unlink_shared_memory_on_term() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def set_collective_classes(qos: QosConfig) -> dict[str, str]:
+    """Put the collectives' priority classes (``NCCL_IB_SL``, ``NCCL_IB_TC``) into this process's environment
+    before anything starts NCCL or the engine's other ranks: they are processes started from this one, and inherit
+    it. The config wins over a different value already set (said in the log). Returns what was set."""
+    env = qos.collective_env()
+    for k, v in env.items():
+        if os.environ.get(k, v) != v:
+            log.warning("%s=%s in the environment; the engine's QoS config sets %s", k, os.environ[k], v)
+        os.environ[k] = v
+    return env
+
+
 def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
     unlink_shared_memory_on_term()
     die_with_parent()
+    set_collective_classes(cfg.qos)
     if cfg.role == "prefill":
         from engines.prefill import PrefillEngine as cls
     else:

@@ -336,11 +336,16 @@ class PrefillEngine(Engine):
 
     # --- batches --------------------------------------------------------------------------------------------
     def loop(self) -> None:
+        # data-parallel attention: a turn without a batch serves the group's forwards (``engines.parallel.dp``);
+        # while the group computes it does not wait for work at all (the others' next forward waits on this turn)
+        served = False
         while not self.stopping.is_set():
-            jobs = self.jobs.take(self._choose, self.stopping)
+            jobs = self.jobs.take(self._choose, self.stopping, 0.0 if served else 0.02 if self.dp else 0.1)
             if jobs:
                 basic = not jobs[0][0].a.layerwise
                 self._run(jobs, self._basic_workspace() if basic else self.workspace, basic)
+            elif self.dp is not None:
+                served = self.dp.idle()
 
     def _choose(self, ready: list[Job]) -> list[tuple[Job, int]]:
         """The next batch of ready jobs (each with its tokens to compute now), by the cost model under the quota."""

@@ -976,7 +976,8 @@ class SchedulerCore:
         """An engine's last report: requests held, their tokens, free KV tokens (a decode engine's device cache,
         a prefill engine's workspace) and its capacity, the KV store's stored bytes and cap."""
         load = e.load
-        return {"role": e.info.role.value, "node": e.info.node_id, "requests": load.seq if load else 0,
+        return {"role": e.info.role.value, "node": e.info.node_id, "group": e.group,
+                "dp_balance": load.dp_balance if load else 0.0, "requests": load.seq if load else 0,
                 "tokens": load.tok if load else 0, "capacity_tokens": e.info.capacity_tokens,
                 "free_tokens": load.free_tokens if load else e.info.capacity_tokens,
                 "measured_beta": e.measured_beta(),

@@ -67,6 +67,11 @@ def render(stats: dict) -> str:
                  ["group"])
     for group, v in stats.get("prefill_busy_max_over_avg", {}).items():
         pb.set(v, group=group)
+    dp = r.gauge("dp_attention_balance", "Data-parallel attention: forward time outside the MoE exchanges, max/avg "
+                 "across the engines of a group (recent steps where all computed; the paper's 1.06)", ["group"])
+    for e in stats.get("engines", {}).values():
+        if e.get("dp_balance"):  # (each engine of a group reports the group's value)
+            dp.set(e["dp_balance"], group=e.get("group", ""))
     return r.render()
 
 

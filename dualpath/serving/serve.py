@@ -131,6 +131,7 @@ def cluster_spec(args):
         tp_join_timeout_s=getattr(args, "tp_join_timeout", 60.0),
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         moe_dispatch=getattr(args, "moe_dispatch", "all_to_all"),
+        data_parallel_size=getattr(args, "data_parallel_size", 1),
         block_size=args.block_size, buffer_bytes=args.buffer_bytes, cache_bytes=args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         workspace_tokens=args.workspace_tokens, storage_read_bps=args.storage_read_bps,

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Iterator, Sequence
@@ -213,10 +214,13 @@ class CausalLM(nn.Module, ABC):
         if not config.tie_word_embeddings:
             self.lm_head = param(part, config.hidden_size)
         self.adapters: dict[str, LoraWeights] = {}  # identity -> weights (``add_adapter``)
+        self.dp = None  # data-parallel attention: this engine's group (``engines.parallel.dp.attach``)
 
     # --- forward -----------------------------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> ForwardContext:
         """The batch's shared values; its integers (the adapters' rows too) reach the device in one copy."""
+        if self.dp is not None:
+            self.dp.begin_forward()
         t, b = batch.num_tokens, len(batch.new_lens)
         lora = batch.adapter_rows() if any(batch.adapters) else []  # most steps: the base model alone
         ints = np.concatenate([batch.positions(), np.array(batch.cached_lens, dtype=np.int32),
@@ -234,6 +238,8 @@ class CausalLM(nn.Module, ABC):
     def begin_decode(self, positions: torch.Tensor) -> ForwardContext:
         """``begin`` for one new token per sequence at ``positions`` already on the device (a CUDA graph's static
         input): no host work. A decode token's position is its sequence's cached length."""
+        if self.dp is not None:
+            self.dp.begin_forward()
         n = positions.shape[0]
         cu = torch.arange(n + 1, dtype=torch.int32, device=positions.device)
         return self._context(positions, (1,) * n, positions.to(torch.int32), cu)
@@ -292,6 +298,16 @@ class CausalLM(nn.Module, ABC):
             if module is not self and hasattr(module, "connect"):
                 module.connect(comm, dispatch)
 
+    @contextmanager
+    def forward_pass(self, batch: ForwardBatch) -> Iterator[ForwardContext]:
+        """``begin``, and the end of the forward, whole or part way (data-parallel attention: its missing MoE
+        exchanges run idle, so the group's engines stay in step)."""
+        try:
+            yield self.begin(batch)
+        finally:
+            if self.dp is not None:
+                self.dp.settle()
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial ``x`` (a row-parallel layer's output), in place; ``x`` itself at TP 1."""
         return self.comm.all_reduce(x) if self.shard.size > 1 else x
@@ -326,13 +342,13 @@ class CausalLM(nn.Module, ABC):
                     cached_kv: Sequence[Sequence[torch.Tensor]] | None = None, all_logits: bool = False):
         """Every layer in one call: ``(logits, new_kv per layer)``; logits of each sequence's last token unless
         ``all_logits``. ``cached_kv[layer][i]`` as in ``forward_layer``; None means nothing cached."""
-        ctx = self.begin(batch)
-        hidden = self.embed(token_ids)
-        empty = [hidden.new_empty(0, self.kv_elems_per_token)] * len(batch.new_lens)
-        new_kv = []
-        for layer in range(self.config.num_layers):
-            hidden, kv = self.forward_layer(layer, hidden, ctx, cached_kv[layer] if cached_kv else empty)
-            new_kv.append(kv)
+        with self.forward_pass(batch) as ctx:
+            hidden = self.embed(token_ids)
+            empty = [hidden.new_empty(0, self.kv_elems_per_token)] * len(batch.new_lens)
+            new_kv = []
+            for layer in range(self.config.num_layers):
+                hidden, kv = self.forward_layer(layer, hidden, ctx, cached_kv[layer] if cached_kv else empty)
+                new_kv.append(kv)
         rows = hidden if all_logits else hidden[batch.last_token_indices()]
         return self.compute_logits(rows), new_kv
 

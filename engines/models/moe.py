@@ -58,6 +58,9 @@ class MoEPart:
     def of(cls, c: ModelConfig, shard: TPShard) -> "MoEPart":
         e = c.moe
         whole = (0, e.moe_intermediate_size)
+        if shard.dp_size > 1:  # data-parallel attention (one rank per engine): the group's engines split the experts
+            return cls(ExpertMap(e.num_experts, shard.dp_rank, shard.dp_size), whole,
+                       (0, e.moe_intermediate_size * e.num_shared_experts))
         experts = ExpertMap(e.num_experts, shard.rank, shard.size) if shard.expert_parallel else \
             ExpertMap(e.num_experts)
         inter = whole if shard.expert_parallel else shard.split(e.moe_intermediate_size, "moe_intermediate_size")
@@ -95,18 +98,33 @@ class MoE(nn.Module):
                                         e.norm_topk_prob, e.routed_scaling_factor)
         else:
             weights, ids = softmax_topk(logits, e.num_experts_per_tok, e.norm_topk_prob)
-        gate_up, down = as_weight(self.experts_gate_up), as_weight(self.experts_down)
         if self.dispatch is not None:  # whole experts on each rank: the pairs travel to them
             shared = self.shared.partial(x, backend) if self.shared is not None else None
-            return residual + self.dispatch.routed(x, weights, ids, lambda xs, local, w: routed_experts(
-                xs, w[:, None], local[:, None], gate_up, down, backend), shared)
-        out = routed_experts(x, weights, ids, gate_up, down, backend)  # a fresh sum
+            if self.dispatch.replicated:  # (a sliced shared expert's part rides in the dispatch's reduction)
+                return residual + self.dispatch.routed(x, weights, ids, self._compute(backend), shared)
+            out = self.dispatch.routed(x, weights, ids, self._compute(backend))
+            return residual + (out if shared is None else out.add_(shared))
+        out = routed_experts(x, weights, ids, as_weight(self.experts_gate_up), as_weight(self.experts_down),
+                             backend)  # a fresh sum
         if self.comm is None:
             out = self.shared.add_to(out, x, backend) if self.shared is not None else out
             return residual + out
         if self.shared is not None:  # each rank's slice of every expert: one reduction for routed and shared
             out.add_(self.shared.partial(x, backend))
         return residual + self.comm.all_reduce(out)
+
+    def _compute(self, backend: str):
+        """This rank's experts on (token, expert) pairs: ``weight × expert(x)`` per pair (``experts.Compute``)."""
+        gate_up, down = as_weight(self.experts_gate_up), as_weight(self.experts_down)
+        return lambda xs, local, w: routed_experts(xs, w[:, None], local[:, None], gate_up, down, backend)
+
+    def idle(self, backend: str, dtype: torch.dtype) -> None:
+        """This layer's dispatch without tokens of this engine's own (data-parallel attention: another engine runs
+        a forward, and this one's experts serve its tokens)."""
+        k, h = self.config.num_experts_per_tok, self.router_w.shape[1]
+        x = self.router_w.new_empty(0, h, dtype=dtype)
+        self.dispatch.routed(x, self.router_w.new_empty(0, k), torch.empty(0, k, dtype=torch.long, device=x.device),
+                             self._compute(backend))
 
 
 def moe_specs(c: ModelConfig, p: str, src: str, part: MoEPart | None = None) -> Iterator[WeightSpec]:

@@ -28,6 +28,8 @@ class TPShard:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
+    dp_rank: int = 0  # data-parallel attention: this engine's place in its group, whose engines split the experts
+    dp_size: int = 1
 
     def split(self, n: int, what: str) -> tuple[int, int]:
         """``[start, stop)`` of this rank's equal part of ``n`` (``what``: named in the error if it does not
@@ -117,11 +119,12 @@ def open_store(host: str, cfg: ParallelConfig) -> dist.TCPStore:
 
 
 def join(rank: int, device: str, cfg: ParallelConfig, host: str, store: dist.TCPStore | None = None,
-         port: int = 0, gone: Callable[[int], str | None] = lambda r: None) -> Comm:
+         port: int = 0, gone: Callable[[int], str | None] = lambda r: None, size: int = 0) -> Comm:
     """Join the engine's group as ``rank``: rank 0 passes its ``store`` and waits for every rank to announce itself
     (``gone(r)``: why rank r can no longer come, e.g. its process exited); the others connect to ``host:port``.
-    Raises ``RankLostError`` naming the rank and the address when one does not come in ``join_timeout_s``."""
-    size, address = cfg.tensor_parallel_size, f"{host}:{store.port if store is not None else port}"
+    Raises ``RankLostError`` naming the rank and the address when one does not come in ``join_timeout_s``.
+    ``size``: the group's (0: the tensor-parallel size; a data-parallel group gives its own)."""
+    size, address = size or cfg.tensor_parallel_size, f"{host}:{store.port if store is not None else port}"
     if store is None:
         try:
             store = dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=cfg.join_timeout_s))

@@ -60,7 +60,8 @@ class RankSpec:
 
     def load(self, rank: int, comm: Comm | None):
         e = self.engine
-        shard = TPShard(rank, self.size, e.parallel.enable_expert_parallel)
+        p = e.parallel
+        shard = TPShard(rank, self.size, p.enable_expert_parallel, p.data_parallel_rank, p.data_parallel_size)
         model = load_model(self.model, self.device(rank), e.dtype, e.kernels, e.weight_quant, shard)
         if comm is not None:
             model.connect(comm, e.parallel.moe_dispatch)
@@ -72,6 +73,7 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
     ``model``: a size that does not divide the heads, the vocabulary or the MLP; an architecture not yet served
     sharded; more ranks than devices."""
     size = engine.parallel.tensor_parallel_size
+    _check_data_parallel(model, engine.parallel)
     if size == 1:
         return
     for what, n in (("attention heads", model.num_heads), ("vocab_size", model.vocab_size),
@@ -89,6 +91,20 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
         if first + size > have:
             raise ConfigError(f"--tensor-parallel-size {size} from {engine.device} needs devices cuda:{first}.."
                               f"cuda:{first + size - 1}, but this host has {have} GPU(s)")
+
+
+def _check_data_parallel(model: ModelConfig, p) -> None:
+    """Data-parallel attention shares an MoE model's experts among the group's engines: one that has none, or
+    experts that do not divide among them, is refused."""
+    d = p.data_parallel_size
+    if d == 1:
+        return
+    if model.moe is None:
+        raise ConfigError(f"--data-parallel-size {d}: data-parallel attention splits an MoE model's experts among "
+                          f"its engines; {model.architecture} has none (run {d} engines of their own instead)")
+    if model.moe.num_experts % d:
+        raise ConfigError(f"--data-parallel-size {d} does not divide the model's {model.moe.num_experts} routed "
+                          "experts")
 
 
 def _moe_dims(model: ModelConfig, parallel) -> list[tuple[str, int]]:

@@ -173,19 +173,19 @@ def prefill_layers(st: RankState, g: KVGeometry, batch: ForwardBatch, ids: np.nd
     tables = consecutive_tables(bases, counts, st.device)
     ws, stage, used = st.kv[key], st.host.get(key), max(b + n for b, n in zip(bases, counts))
     host_slots = slots.cpu() if stage is not None else None  # where staged rows go: once, not per layer
-    ctx = model.begin(batch)
-    hidden = model.embed(ids)
-    st.agreed(hooks.begin)
-    for layer in range(g.num_layers):
-        st.agreed(lambda: hooks.before(layer))
-        slot = layer % ws.shape[0]
-        if stage is not None:  # this rank's heads of the layer's cached KV, from the canonical staging
-            ws[slot, :used].copy_(st.shard.take(stage[slot, :used]))
-        hidden, kv = model.forward_layer(layer, hidden, ctx, PagedKV(ws[slot], tables, ctx.cached_lens))
-        write_tokens(ws[slot], slots, kv, model.kernels)  # the batch at once, not per sequence
-        if stage is not None:
-            st.put_rows(stage[slot].view(-1, g.kv_elems_per_token), host_slots, kv)
-        hooks.after(layer, slot)
+    with model.forward_pass(batch) as ctx:
+        hidden = model.embed(ids)
+        st.agreed(hooks.begin)
+        for layer in range(g.num_layers):
+            st.agreed(lambda: hooks.before(layer))
+            slot = layer % ws.shape[0]
+            if stage is not None:  # this rank's heads of the layer's cached KV, from the canonical staging
+                ws[slot, :used].copy_(st.shard.take(stage[slot, :used]))
+            hidden, kv = model.forward_layer(layer, hidden, ctx, PagedKV(ws[slot], tables, ctx.cached_lens))
+            write_tokens(ws[slot], slots, kv, model.kernels)  # the batch at once, not per sequence
+            if stage is not None:
+                st.put_rows(stage[slot].view(-1, g.kv_elems_per_token), host_slots, kv)
+            hooks.after(layer, slot)
     st.hidden = hidden
     return hidden
 
@@ -199,11 +199,12 @@ def forward_paged(st: RankState, batch: ForwardBatch, ids: np.ndarray, slots: np
     model, cache = st.model, st.cache
     ids, slots = torch.from_numpy(np.stack([ids, slots])).to(st.device)
     tables = torch.from_numpy(tables).to(st.device)
-    ctx = model.begin(batch)
-    hidden = model.embed(ids)
-    for layer in range(model.config.num_layers):
-        hidden, kv = model.forward_layer(layer, hidden, ctx, PagedKV(cache.layers[layer], tables, ctx.cached_lens))
-        cache.write(layer, slots, kv, model.kernels)
+    with model.forward_pass(batch) as ctx:
+        hidden = model.embed(ids)
+        for layer in range(model.config.num_layers):
+            paged = PagedKV(cache.layers[layer], tables, ctx.cached_lens)
+            hidden, kv = model.forward_layer(layer, hidden, ctx, paged)
+            cache.write(layer, slots, kv, model.kernels)
     st.hidden = hidden
     return hidden, model.compute_logits(hidden if rows is None else hidden[rows])
 
@@ -235,11 +236,11 @@ def time_forward(st: RankState, g: KVGeometry, items: list[tuple[int, int]]) -> 
     ids = torch.randint(0, model.config.vocab_size, (sum(n for _, n in items),), generator=gen).to(st.device)
     batch = ForwardBatch(tuple(c for c, _ in items), tuple(n for _, n in items))
     t = time.perf_counter()
-    ctx = model.begin(batch)
-    cached = PagedKV(layer_kv, tables, ctx.cached_lens)
-    h = model.embed(ids)
-    for layer in range(model.config.num_layers):
-        h, _ = model.forward_layer(layer, h, ctx, cached)
+    with model.forward_pass(batch) as ctx:
+        cached = PagedKV(layer_kv, tables, ctx.cached_lens)
+        h = model.embed(ids)
+        for layer in range(model.config.num_layers):
+            h, _ = model.forward_layer(layer, h, ctx, cached)
     if st.device.type == "cuda":
         torch.cuda.synchronize(st.device)
     return time.perf_counter() - t
@@ -318,7 +319,8 @@ def make_graphs(st: RankState, max_batch: int, max_model_len: int, enforce_eager
     if capture:
         graphs = make_decode_graphs(st.model, st.cache, max_batch, max_model_len, enforce_eager)
     else:
-        graphs = DecodeGraphs(st.model, st.cache, max_batch, max_model_len, capture=False)
+        graphs = DecodeGraphs(st.model, st.cache, max_batch, max_model_len, capture=False) \
+            if st.model.dp is None else None
     if st.comm is not None and not st.comm.agree(graphs is not None):
         graphs = None
     st.graphs = graphs
