@@ -94,12 +94,18 @@ def test_a_mixed_parallelism_server_answers_as_tp1_on_each_read_path(mixed_serve
     buffer (DE path); the prompt KV a decode engine receives was computed by the TP 2 engine's ranks."""
     engines = [pid for pid in mixed_server.children() if rank_pids(pid)]
     assert len(engines) == 1 and len(rank_pids(engines[0])) == 1  # the prefill engine's rank 1 (TP 1: no ranks)
-    c = openai.OpenAI(base_url=f"{mixed_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chat_turns_as_the_reference(mixed_server, reference, mode, "llama")
+
+
+def chat_turns_as_the_reference(server, reference, mode: str, model: str) -> None:
+    """Three greedy chat turns and a streamed completion, twice, through ``server``'s HTTP API with the read path
+    forced: the reference's tokens and text, the later turns' KV loaded by that path."""
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": f"Tell me, in the {mode} way, about the weather over the hills, "
                                             "and the rivers, and the sea. " * 2}]
     paths = []
     for turn in range(3):
-        r = c.chat.completions.create(model="llama", messages=messages, max_tokens=10, temperature=0,
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
                                       extra_body={"dualpath": {"mode": mode, "usage": True},
                                                   "return_token_ids": True}).model_dump()
         ids = reference.tokenizer.apply_chat_template(messages)
@@ -120,7 +126,7 @@ def test_a_mixed_parallelism_server_answers_as_tp1_on_each_read_path(mixed_serve
     want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
     for attempt in range(2):  # the second time its blocks come from storage
         text = "".join(ch.choices[0].text for ch in c.completions.create(
-            model="llama", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"dualpath": {"mode": mode}}) if ch.choices)
         assert text == want.text, (mode, attempt)
 
@@ -219,3 +225,29 @@ def test_a_prefill_rank_killed_mid_prefill_has_its_requests_retried_and_the_engi
                 assert got.token_ids == reference.generate(prompt, GREEDY)[0].token_ids
         finally:
             client.close()
+
+
+# --- (c) MoE models through the HTTP server: expert parallelism, data-parallel attention ---------------------------
+MOE_SERVERS = {  # DeepSeek-V3 (MLA heads split, experts whole per rank) at TP 2 both roles; Qwen3-MoE in DP groups
+    "ep": ("deepseek_v3", "--prefill", "1", "--decode", "1", "-tp", "2", "--enable-expert-parallel"),
+    "dp": ("qwen3_moe", "--prefill", "2", "--decode", "2", "--data-parallel-size", "2"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_SERVERS))
+def moe_server(request, tiny_dirs, tmp_path_factory):
+    arch, *flags = MOE_SERVERS[request.param]
+    server = ServeProcess("--model", str(tiny_dirs[arch]), "--block-size", str(BS), *flags, "--buffer-bytes",
+                          str(8 << 20), "--cache-bytes", str(16 << 20), "--workspace-tokens", "2048", "--kv-store",
+                          str(tmp_path_factory.mktemp("kv")), "--max-model-len", "1024", "--torch-threads", "1")
+    yield arch, server, LLM(str(tiny_dirs[arch]), block_size=BS)
+    assert server.stop() == 0, server.log_tail()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pe", "de", "split"])
+def test_moe_servers_answer_as_one_process_on_each_read_path(moe_server, mode):
+    """An EP prefill engine and an EP decode engine (or groups of data-parallel engines) serve chat turns equal to
+    the one-process reference on each read path, the later turns' KV loaded from storage."""
+    arch, server, reference = moe_server
+    chat_turns_as_the_reference(server, reference, mode, arch)
