@@ -135,6 +135,8 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 extra = args.engine_args[1:]
                 engine = parser.parse_args(["engine", "--role", args.role, "--scheduler", args.scheduler, *extra])
                 assert engine.kv_store == "/kv" and engine.kv_service_level == 2, shlex.join(argv)
+                # the network's priority classes (QosConfig), from the chart's values
+                assert (engine.kv_dscp, engine.collective_service_level, engine.collective_dscp) == (10, 0, 26)
                 assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
                 assert engine.quantization == ("fp8" if name == "sriov-cpu" else None)
                 assert engine.gpu_memory_utilization == 0.9 and engine.cache_bytes == (1 << 30 if name == "sriov-cpu"
@@ -164,6 +166,7 @@ def test_topology_resources_and_probes(rendered):
             "topologyKey"] == "kubernetes.io/hostname"
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["UCX_IB_SL"] == "2" and env["NCCL_IB_SL"] == "0"
+        assert env["UCX_IB_TRAFFIC_CLASS"] == "40" and env["NCCL_IB_TC"] == "104"  # DSCP 10 and 26, << 2
         annotations = s["spec"]["template"]["metadata"].get("annotations", {})
         assert pod["hostNetwork"] is (name != "sriov-cpu")
         assert ("k8s.v1.cni.cncf.io/networks" in annotations) is (name == "sriov-cpu")

@@ -41,8 +41,12 @@
 : "${DUALPATH_LORA_MODULES:=}"                    # LoRA adapters served as models: "NAME=PATH ..." on the shared mount
 : "${DUALPATH_TRANSPORT:=ucx}"                    # ucx, nixl or verbs across nodes
 : "${DUALPATH_KV_SL:=2}"                          # InfiniBand service level of KV traffic (deploy/qos)
-: "${DUALPATH_KV_TC:=0}"                          # RoCE traffic class of KV traffic (DSCP << 2)
-: "${DUALPATH_NCCL_SL:=0}"                        # NCCL's own service level: never the KV lane
+: "${DUALPATH_KV_DSCP:=10}"                       # DSCP of KV traffic: RoCE traffic class / TCP IP_TOS = DSCP << 2
+: "${DUALPATH_COLLECTIVE_SL:=${DUALPATH_NCCL_SL:-0}}"  # InfiniBand service level of the collectives (NCCL_IB_SL)
+: "${DUALPATH_COLLECTIVE_DSCP:=26}"               # DSCP of the collectives (NCCL_IB_TC = DSCP << 2)
+if [ -n "${DUALPATH_KV_TC:-}" ]; then             # the former setting: a traffic class byte
+  DUALPATH_KV_DSCP=$((DUALPATH_KV_TC >> 2))
+fi
 : "${DUALPATH_PORT:=8000}"                        # the OpenAI endpoint, on the first node
 : "${DUALPATH_HOST:=0.0.0.0}"                     # the frontend's bind address; beyond loopback it needs an API key
 : "${DUALPATH_API_KEY_FILE:=}"                    # a file holding the frontend's key (else DUALPATH_API_KEY)
@@ -62,7 +66,10 @@
 : "${DUALPATH_RUN_DIR:=$DUALPATH_SHARED_DIR/run-${SLURM_JOB_ID:-local}}"  # logs, and the endpoint file
 : "${DUALPATH:=dualpath}"                         # the command (a venv's bin/dualpath, or a container wrapper)
 
-export NCCL_IB_SL="$DUALPATH_NCCL_SL" UCX_IB_SL="$DUALPATH_KV_SL" UCX_IB_TRAFFIC_CLASS="$DUALPATH_KV_TC"
+# the fabric classes (deploy/qos/README.md): NCCL's for the collectives (the engines set them too, from their flags),
+# UCX's for KV (NIXL's UCX takes them from here; the ucx transport sets them on its KV context itself)
+export NCCL_IB_SL="$DUALPATH_COLLECTIVE_SL" NCCL_IB_TC="$((DUALPATH_COLLECTIVE_DSCP << 2))"
+export UCX_IB_SL="$DUALPATH_KV_SL" UCX_IB_TRAFFIC_CLASS="$((DUALPATH_KV_DSCP << 2))"
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset DUALPATH_PARENT_PID
 
@@ -183,7 +190,8 @@ dp_run_engines() {
       --dtype "$DUALPATH_DTYPE" --kv-cache-dtype "$DUALPATH_KV_CACHE_DTYPE" \
       --transport "$DUALPATH_TRANSPORT" ${DUALPATH_QUANTIZATION:+--quantization "$DUALPATH_QUANTIZATION"} \
       --kv-store "$DUALPATH_KV_STORE" --storage-capacity "$DUALPATH_STORAGE_CAPACITY" \
-      --kv-service-level "$DUALPATH_KV_SL" --kv-traffic-class "$DUALPATH_KV_TC" \
+      --kv-service-level "$DUALPATH_KV_SL" --kv-dscp "$DUALPATH_KV_DSCP" \
+      --collective-service-level "$DUALPATH_COLLECTIVE_SL" --collective-dscp "$DUALPATH_COLLECTIVE_DSCP" \
       --torch-threads 1 $DUALPATH_MODEL_ARGS $DUALPATH_ENGINE_ARGS' "$role" "$tp" &
 }
 
@@ -245,8 +253,8 @@ dualpath_cluster_up() {
   local head; head=$(dp_node_addr "${nodes[0]}")
   export DUALPATH_SCHEDULER="$head:$DUALPATH_SCHEDULER_PORT" DUALPATH_MODEL_ARGS
   export DUALPATH_ENGINE_DEVICE=$([ "$DUALPATH_DEVICE" = cuda ] && echo cuda:0 || echo "$DUALPATH_DEVICE")
-  export DUALPATH DUALPATH_DTYPE DUALPATH_TRANSPORT DUALPATH_KV_STORE DUALPATH_STORAGE_CAPACITY DUALPATH_KV_SL DUALPATH_KV_TC DUALPATH_ENGINE_ARGS \
-    DUALPATH_RUN_DIR DUALPATH_KV_CACHE_DTYPE DUALPATH_QUANTIZATION
+  export DUALPATH DUALPATH_DTYPE DUALPATH_TRANSPORT DUALPATH_KV_STORE DUALPATH_STORAGE_CAPACITY DUALPATH_KV_SL DUALPATH_KV_DSCP DUALPATH_ENGINE_ARGS \
+    DUALPATH_COLLECTIVE_SL DUALPATH_COLLECTIVE_DSCP DUALPATH_RUN_DIR DUALPATH_KV_CACHE_DTYPE DUALPATH_QUANTIZATION
   DUALPATH_MODEL_ARGS=$(dp_model_args) || return 1
   dp_log "job ${SLURM_JOB_ID:-?}: ${np} prefill + ${nd} decode nodes, scheduler $DUALPATH_SCHEDULER, logs $DUALPATH_RUN_DIR"
 

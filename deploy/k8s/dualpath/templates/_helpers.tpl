@@ -48,14 +48,22 @@ imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- end }}
 {{- end -}}
 
-{{/* The fabric lane settings every process inherits (KV on its SL / traffic class, NCCL off it). */}}
+{{/* The fabric lane settings every process inherits: KV on its SL / traffic class (UCX, NIXL), the collectives on
+theirs (NCCL; the engines set these two themselves too, from the same values). */}}
 {{- define "dualpath.fabricEnv" -}}
+{{- range $old, $new := dict "kvTrafficClass" "kvDscp" "ncclServiceLevel" "collectiveServiceLevel" }}
+{{- if hasKey $.Values.network $old }}
+{{- fail (printf "network.%s is gone: set network.%s (deploy/qos/README.md)" $old $new) }}
+{{- end }}
+{{- end }}
 - name: UCX_IB_SL
   value: {{ .Values.network.kvServiceLevel | quote }}
 - name: UCX_IB_TRAFFIC_CLASS
-  value: {{ .Values.network.kvTrafficClass | quote }}
+  value: {{ mul .Values.network.kvDscp 4 | quote }}
 - name: NCCL_IB_SL
-  value: {{ .Values.network.ncclServiceLevel | quote }}
+  value: {{ .Values.network.collectiveServiceLevel | quote }}
+- name: NCCL_IB_TC
+  value: {{ mul .Values.network.collectiveDscp 4 | quote }}
 {{- if .Values.network.ucxTls }}
 - name: UCX_TLS
   value: {{ .Values.network.ucxTls | quote }}
