@@ -194,3 +194,15 @@ def test_with_priorities_the_collectives_beat_the_unprioritized_case(tmp_path):
     print("with priorities, p99 vs alone:", {n: round(with_p[n]["p99_vs_alone"], 2) for n in ("all_reduce",
           "all_to_all")}, "KV share of the leftover rate:", round(with_p["kv_share_of_leftover"], 2),
           "targets met:", r["met"])
+
+
+def test_a_tensor_parallel_engines_collective_sockets_carry_the_high_class(tiny_dirs, monkeypatch):
+    """Ranks joining their group mark its TCP connections (gloo's) with the collectives' TOS byte, as the engine
+    gives NCCL it (``NCCL_IB_TC``): rank 0's sockets to rank 1 read it back."""
+    from dualpath import LLM
+    from traffic.qos import own_tcp_sockets, fd_tos
+
+    monkeypatch.setenv("NCCL_IB_TC", "104")
+    with LLM(str(tiny_dirs["llama"]), num_kv_blocks=16, block_size=16, tensor_parallel_size=2):
+        marked = [s for s in own_tcp_sockets() if fd_tos(s.fd) == 104]
+        assert len(marked) >= 2  # (the group's connections, and the rendezvous')

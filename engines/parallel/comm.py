@@ -7,6 +7,7 @@ the step protocol's agreement flags) through gloo; every collective is bounded b
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,7 +139,20 @@ def join(rank: int, device: str, cfg: ParallelConfig, host: str, store: dist.TCP
     dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=size,
                             timeout=timeout)
     cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    _mark_collective_sockets()
     return Comm(rank, size, dist.group.WORLD, cpu, address)
+
+
+def _mark_collective_sockets() -> None:
+    """The group's TCP connections (gloo's, made as the group forms) carry the collectives' high class: the TOS
+    byte the engine gave NCCL for RoCE (``NCCL_IB_TC``, from its ``QosConfig``; unset: left unmarked). Ranks join
+    before their engine opens any KV socket, so every TCP socket of the process now is the group's (or its
+    rendezvous': control traffic, high as well)."""
+    tc = os.environ.get("NCCL_IB_TC", "")
+    if tc.isdigit():
+        from traffic.qos import mark_own_sockets
+
+        mark_own_sockets(int(tc), lambda s: True)
 
 
 def _await_ranks(store: dist.TCPStore, size: int, timeout_s: float, address: str,
