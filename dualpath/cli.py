@@ -103,15 +103,44 @@ def engine_config(args: argparse.Namespace):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the scheduler's view; with ``--wait-prefill/--wait-decode``, first wait for that many live engines
-    (deployment scripts use it to know the cluster is up)."""
+    """Print the scheduler's view as a table (``--json``: its stats); with ``--wait-prefill/--wait-decode``, first
+    wait for that many live engines (deployment scripts use it to know the cluster is up). No ``--scheduler``: this
+    host's ``dualpath serve`` (``dualpath.runs``), whose cluster token is then used too."""
     import json
+    import time
+
+    from dualpath.errors import ConfigError
+    from dualpath.status import find_scheduler, render, use_token_file
+
+    deadline = time.monotonic() + args.timeout  # (finding the run and its engines share the wait)
+    try:
+        target = find_scheduler(args.scheduler, args.run_dir, wait_s=args.timeout)
+    except ConfigError as e:
+        print(json.dumps({"error": str(e)}) if args.json else f"no scheduler: {e}")
+        return 1
+    use_token_file(target.run)
+    if target.note:
+        print(target.note, file=sys.stderr)
+    data, up = _wait_for_engines(target.run.scheduler, args, max(0.0, deadline - time.monotonic()))
+    if args.json:
+        print(json.dumps(data))
+    elif up:
+        print(render(data, target.run))
+    else:
+        print(f"{'refused' if 'UNAUTHENTICATED' in str(data.get('error')) else 'timed out'}: "
+              f"{data.get('error') or data}")
+    return 0 if up else 1
+
+
+def _wait_for_engines(scheduler: str, args: argparse.Namespace, timeout: float) -> tuple[dict, bool]:
+    """The scheduler's stats once it has ``--wait-prefill`` and ``--wait-decode`` live engines (within ``timeout``
+    seconds), and whether it came to that; else ``{"error": ...}`` or the last stats."""
     import time
 
     from dualpath.client import ClusterClient
     from dualpath.errors import DualPathError
 
-    client, deadline, data, up = ClusterClient(args.scheduler), time.monotonic() + args.timeout, {}, False
+    client, deadline, data, up = ClusterClient(scheduler), time.monotonic() + timeout, {}, False
     try:
         while not up:
             try:
@@ -129,13 +158,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             time.sleep(0 if up else 1.0)
     finally:
         client.close()
-    keys = ("engines_alive_by_role", "in_flight", "global_queue", "prefill_queue", "scheduling_policy",
-            "waiting_by_priority", "preempted", "index_blocks", "storage_read_bytes", "node_alpha_tokens",
-            "weights_version", "lora_adapters", "paused", "held", "engines")
-    text = "\n".join(f"{k}: {data.get(k)}" for k in keys) if up else \
-        f"{'refused' if 'UNAUTHENTICATED' in str(data.get('error')) else 'timed out'}: {data.get('error') or data}"
-    print(json.dumps(data) if args.json else text)
-    return 0 if up else 1
+    return data, up
 
 
 def cmd_control(args: argparse.Namespace) -> int:
@@ -212,7 +235,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     extra = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
     node = NodeEngines(NodeSpec(args.role, args.scheduler, args.engines, args.device, args.node_id, args.host,
                                 args.base_port, args.torch_threads, tuple(extra), args.log_level,
-                                _node_tp(args.tensor_parallel_size, extra)), args.run_dir)
+                                _node_tp(args.tensor_parallel_size, extra), args.data_parallel), args.run_dir)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     node.start(args.start_timeout)
     print(f"{args.engines} {args.role} engines ready on {args.node_id or 'this host'} (logs: {node.run_dir})",
@@ -760,7 +783,15 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds a stopping server (SIGTERM, Ctrl-C) lets requests in flight finish while refusing "
                         "new ones; those still running then are cut")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no access-log line per request (method, path, status, tokens, read path, TTFT, latency)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line every 10 s while busy (throughput, requests, KV cache use, hit rate)")
     _frontend_options(p)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (vLLM's flag; the checkpoint may have none): completions take token-id "
+                        "prompts and answer with empty text (ask return_token_ids for the tokens); text prompts, "
+                        "chats, stop strings, bad words and structured outputs are refused (400)")
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
 
 
@@ -837,6 +868,9 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--device", default="cpu", help="cpu, or cuda (engine i on cuda:i; at --tensor-parallel-size N "
                                                     "on cuda:i*N .. cuda:i*N+N-1)")
     _tp_size_arg(nd, "each engine")
+    nd.add_argument("--data-parallel", action="store_true",
+                    help="MoE models: the node's engines form one data-parallel attention group, each attending over "
+                         "its own requests and holding 1/--engines of the routed experts (the paper's EP group)")
     nd.add_argument("--node-id", default="", help="this node's name (default: the host name)")
     nd.add_argument("--host", default="127.0.0.1", help="address peers reach these engines at")
     nd.add_argument("--base-port", type=int, default=0, help="engine i listens on BASE_PORT + i (0: any)")
@@ -850,12 +884,16 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then options for every `dualpath engine`")
     nd.set_defaults(func=cmd_node)
 
-    st = sub.add_parser("status", help="a running cluster as its scheduler sees it")
-    st.add_argument("--scheduler", required=True, help="scheduler host:port")
+    st = sub.add_parser("status", help="a running cluster as its scheduler sees it: engines, load, KV use, queues")
+    st.add_argument("--scheduler", default=None,
+                    help="scheduler host:port (default: this host's `dualpath serve`, found by the record it keeps "
+                         "under ~/.cache/dualpath/runs while it serves, its cluster token with it; the newest of "
+                         "several)")
+    st.add_argument("--run-dir", default=None, help="instead: the `dualpath serve --run-dir` of the run to show")
     st.add_argument("--wait-prefill", type=int, default=0, help="first wait for this many live prefill engines")
     st.add_argument("--wait-decode", type=int, default=0, help="first wait for this many live decode engines")
     st.add_argument("--timeout", type=float, default=0.0, help="seconds to wait (0: ask once)")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="the scheduler's stats as JSON (for machines)")
     st.set_defaults(func=cmd_status)
 
     uw = sub.add_parser("update-weights", help="a running cluster loads new weights (same model, new values: RL)")

@@ -7,6 +7,10 @@ of an earlier run in the same directory are rotated (``NAME.log.1`` is the last 
 answering its health check, is restarted with backoff up to a cap (``RestartPolicy``): a restarted engine registers
 again under its name and the scheduler moves its requests; a restarted scheduler listens on its old port, engines
 register with it keeping their work, and submitters resubmit what it had not yet handed to a decode engine.
+
+Start-up is reported through ``report`` (the log by default; ``dualpath serve`` prints): each engine as it starts
+loading (model, device) and as it is ready (its KV cache in tokens, from its ready file), and every ``PROGRESS_S``
+what is still starting, with the last line of its log, so a slow start shows where it is.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from dualpath.config import QosConfig
 from dualpath.errors import ConfigError, DualPathError
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
 TP_PORTS = 1  # a tensor-parallel engine's one more: its ranks' rendezvous (``ParallelConfig.master_port``)
 KEEP_LOGS = 3  # earlier runs' logs kept beside the current one (NAME.log.1 .. NAME.log.3)
+PROGRESS_S = 10.0  # how often a wait for children to start says what is still starting
 
 
 @dataclass(frozen=True)
@@ -206,13 +212,34 @@ class Child:
         except OSError:
             return ""
 
+    def option(self, name: str) -> str:
+        """The value of ``--name`` in its command ("" without one)."""
+        return self.cmd[self.cmd.index(name) + 1] if name in self.cmd[:-1] else ""
+
+    def describe(self) -> str:
+        """What it is, for start-up reports: an engine's model and device (and tensor-parallel size)."""
+        if "engine" not in self.cmd:
+            return self.name
+        tp = self.option("--tensor-parallel-size")
+        more = f", tensor-parallel size {tp}" if tp not in ("", "1") else ""
+        return f"{self.name} ({Path(self.option('--model')).name} on {self.option('--device')}{more})"
+
+    def ready_text(self) -> str:
+        """Its ready file in words: an engine's is ``ID ADDRESS KV_TOKENS``, the scheduler's ``PORT HTTP_PORT``."""
+        fields = self.ready_path.read_text().split()
+        if "engine" in self.cmd and len(fields) > 2:
+            return f", KV cache {int(fields[2]):,} tokens, at {fields[1]}"
+        return f", at port {fields[0]}" if fields else ""
+
 
 class Supervisor:
     """Child processes of this host: spawned with their own log and ready file, watched (and, by ``restart``,
     brought back), stopped together."""
 
     def __init__(self, run_dir: str | None, torch_threads: int, log_level: str,
-                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0, env: dict | None = None):
+                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0, env: dict | None = None,
+                 report: Callable[[str], None] = log.info):
+        self.report = report  # start-up progress, a line at a time
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.torch_threads, self.log_level = torch_threads, log_level
@@ -235,6 +262,7 @@ class Supervisor:
                "--ready-file", str(ready), *args[len(own):]]
         child = Child(name, self._popen(cmd, log_path, ready), log_path, ready, cmd)
         self.children.append(child)
+        self.report(f"starting {child.describe()}; log: {log_path}")
         return child
 
     def _popen(self, cmd: list[str], log_path: Path, ready: Path) -> subprocess.Popen:
@@ -244,15 +272,31 @@ class Supervisor:
         with open(log_path, "a") as out:  # (a restarted part's log goes on)
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
 
-    def wait_ready(self, children: list[Child], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for c in children:
-            while not c.ready_path.exists():
+    def wait_ready(self, children: list[Child], timeout: float, progress_s: float = PROGRESS_S) -> None:
+        """Until every child wrote its ready file, reporting each as it does and, every ``progress_s``, those still
+        starting; a child that exits first, or the ``timeout``, raises with the end of its log."""
+        start = time.monotonic()
+        note, pending = start + progress_s, list(children)
+        while pending:
+            for c in [c for c in pending if c.ready_path.exists()]:
+                pending.remove(c)
+                self.report(f"{c.describe()} ready after {time.monotonic() - start:.1f} s{c.ready_text()}")
+            for c in pending:
                 if c.proc.poll() is not None:
                     raise DualPathError(f"{c.name} exited with {c.proc.returncode} while starting:\n{c.tail()}")
-                if time.monotonic() > deadline:
-                    raise DualPathError(f"{c.name} not ready after {timeout:.0f} s:\n{c.tail()}")
+            now = time.monotonic()
+            if pending and now > start + timeout:
+                raise DualPathError(f"{pending[0].name} not ready after {timeout:.0f} s:\n{pending[0].tail()}")
+            if pending and now >= note:
+                note = now + progress_s
+                self._still_starting(pending, now - start)
+            if pending:
                 time.sleep(0.05)
+
+    def _still_starting(self, pending: list[Child], waited_s: float) -> None:
+        """Which children are still starting, each with its log's last line (where it is)."""
+        self.report(f"still starting after {waited_s:.0f} s: " + "; ".join(
+            f"{c.name} ({c.tail(1).strip()[-160:] or 'nothing logged yet'})" for c in pending))
 
     def watch(self, children: list[Child] | None = None) -> None:
         """Watch each child on a thread of its own: log an exit, and restart by ``self.restart``."""
@@ -381,8 +425,9 @@ def _release(c: "Child") -> None:
 class LocalCluster(Supervisor):
     """A scheduler and xPyD engines on this host."""
 
-    def __init__(self, spec: ClusterSpec, run_dir: str | None = None):
-        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart, env=dict(spec.env))
+    def __init__(self, spec: ClusterSpec, run_dir: str | None = None, report: Callable[[str], None] = log.info):
+        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart, env=dict(spec.env),
+                         report=report)
         self.spec = spec
         self.scheduler_address = ""
         self.scheduler_http = ""
@@ -575,6 +620,7 @@ class NodeSpec:
     engine_args: tuple[str, ...] = ()  # for every ``dualpath engine``: --model, --transport, --kv-store, ...
     log_level: str = "INFO"
     tensor_parallel_size: int = 1  # ranks per engine, on consecutive devices (its ranks' rendezvous: any free port)
+    data_parallel: bool = False  # the node's engines are one data-parallel attention group (MoE models; TP 1)
 
 
 class NodeEngines(Supervisor):
@@ -586,6 +632,8 @@ class NodeEngines(Supervisor):
                                                                              spec.tensor_parallel_size))
         super().__init__(run_dir, threads, spec.log_level)
         self.spec = spec
+        # a data-parallel group meets on this host (its engines are this node's; a restart of the node: a new port)
+        self.dp_master = f"127.0.0.1:{_free_port('127.0.0.1')}" if spec.data_parallel else ""
 
     def engine_args(self, index: int) -> list[str]:
         s = self.spec
@@ -595,7 +643,13 @@ class NodeEngines(Supervisor):
         return ["engine", "--role", s.role, "--scheduler", s.scheduler, "--engine-id", f"{s.role}-{node}-{index}",
                 "--node-id", node, "--group-id", f"{s.role}-{node}", "--device", device, "--host", s.host,
                 "--port", str(s.base_port + index if s.base_port else 0), "--torch-threads", str(self.torch_threads),
-                *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *s.engine_args]
+                *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *self._dp_args(index), *s.engine_args]
+
+    def _dp_args(self, index: int) -> list[str]:
+        if not self.spec.data_parallel:
+            return []
+        return ["--data-parallel-size", str(self.spec.engines), "--data-parallel-rank", str(index),
+                "--data-parallel-master", self.dp_master]
 
     def start(self, timeout: float = 600.0) -> "NodeEngines":
         try:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from dualpath.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams, model_defaults
-from dualpath.tokenizer import Tokenizer
+from dualpath.tokenizer import Tokenizer, TokenIdsOnly
 from engines.local import LocalEngine
 from engines.models import open_checkpoint
 from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
@@ -59,6 +59,9 @@ class LLM:
     ``logits`` run a request under one when given its name or any adapter's directory as ``lora_request``
     (loaded on first use, as vLLM's ``LoRARequest``; ``generate`` also takes one per prompt, None for the base
     model, and decodes them in one batch), and the base model without.
+    ``skip_tokenizer_init`` (vLLM's): the checkpoint's tokenizer is not loaded (it may have none): prompts must be
+    token ids and outputs carry token ids with empty text; a text prompt, a chat, stop strings or structured output
+    raise a RequestError saying so.
     """
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
@@ -68,7 +71,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", generation_config: str = "auto",
                  lora_modules: dict[str, str] | None = None, quantization: str | None = None,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, moe_dispatch: str = "all_to_all"):
+                 enable_expert_parallel: bool = False, moe_dispatch: str = "all_to_all",
+                 skip_tokenizer_init: bool = False):
         self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
                                    kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                                    max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
@@ -82,10 +86,11 @@ class LLM:
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
         check_parallel(ckpt.config, self.config)
+        # before any rank starts: a checkpoint without tokenizer.json fails here unless it is skipped
+        self.tokenizer = TokenIdsOnly(ckpt.config.vocab_size) if skip_tokenizer_init else Tokenizer(model)
         # this process is rank 0; at tensor_parallel_size > 1 the others are processes it starts
         self.ranks = start_ranks(RankSpec(model, self.config, torch_threads=torch.get_num_threads()))
         self.model = self.ranks.state.model
-        self.tokenizer = Tokenizer(model)
         self.geometry = KVGeometry.for_model(ckpt.config, self.config.kv_dtype, block_size)
         check_cache_dtype(self.model.kernels, device, cache_dtype(self.geometry))
         # before the cache is sized and decode graphs are captured: both count these adapters
@@ -94,8 +99,9 @@ class LLM:
         self.cache = self.ranks.run(alloc_cache, self.geometry, num_blocks)
         if self.ranks.size > 1:
             self.cache.copier = lambda src, dst: self.ranks.run(copy_block, src, dst)
+        engine_tokenizer = self.tokenizer if self.tokenizer.takes_text else None
         self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                  self.tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative,
+                                  engine_tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative,
                                   ranks=self.ranks)
         self._ids = itertools.count()
         self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
@@ -131,6 +137,8 @@ class LLM:
             list(lora_request)
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        if not self.tokenizer.takes_text:  # (the engine would otherwise ignore stop strings it cannot match)
+            self.tokenizer.check_sampling(sampling.stop, sampling.structured)
         params = [dataclasses.replace(sampling, adapter=self._adapter(lora)) for lora in loras]
         gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
         firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), s, gens())
@@ -149,6 +157,8 @@ class LLM:
         """Apply the checkpoint's chat template (or ``chat_template``) to one conversation or a list of them, then
         generate. ``tools`` (OpenAI's form) go to the template, as Hugging Face's ``apply_chat_template`` passes
         them; the reply's calls are in its text (``dualpath.serving.tools.ToolCallSplitter`` finds them)."""
+        if not self.tokenizer.takes_text:
+            self.tokenizer.refuse("a chat (its template renders text)", "messages")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         extra = {"tools": list(tools)} if tools else {}
         tok = self.tokenizer.with_chat_template(chat_template) if chat_template is not None else self.tokenizer

@@ -1,123 +1,58 @@
-"""A small Prometheus registry: counters, gauges and histograms with labels, rendered in the text exposition
-format (version 0.0.4). Each server owns one ``Registry``; nothing here is global."""
+"""Prometheus metrics on ``prometheus_client``. Each server owns one ``Metrics``: its own ``CollectorRegistry``, never
+the library's global ``REGISTRY`` (two servers in one process, as the tests run them, keep their numbers apart).
+Every series is named ``PREFIX`` + name; ``docs/metrics.md`` lists them all."""
 from __future__ import annotations
 
-import math
-import threading
-from typing import Iterable
+from collections.abc import Iterable
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "dualpath_"
+# what generate_latest writes for names like ours (no UTF-8 escaping needed), and what every Prometheus reads
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+class Metrics:
+    """A server's registry. Counters are named with their ``_total`` (prometheus_client exposes ``name_total`` and
+    ``name_created`` for them either way)."""
+
+    def __init__(self):
+        # auto_describe off: a collector registered without ``describe`` is not collected at registration (the
+        # frontend's scheduler collector makes an RPC per collection)
+        self.registry = CollectorRegistry(auto_describe=False)
+
+    def counter(self, name: str, help_: str, labels: Iterable[str] = ()) -> Counter:
+        return Counter(PREFIX + name, help_, tuple(labels), registry=self.registry)
+
+    def gauge(self, name: str, help_: str, labels: Iterable[str] = ()) -> Gauge:
+        return Gauge(PREFIX + name, help_, tuple(labels), registry=self.registry)
+
+    def histogram(self, name: str, help_: str, labels: Iterable[str] = (), buckets=LATENCY_BUCKETS) -> Histogram:
+        return Histogram(PREFIX + name, help_, tuple(labels), registry=self.registry, buckets=buckets)
+
+    def register(self, collector: Collector) -> None:
+        """A collector whose series are read at each scrape (``scheduler.metrics.StatsCollector``)."""
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        """Every series, in the text exposition format (``CONTENT_TYPE``); runs each collector's ``collect``."""
+        return generate_latest(self.registry)
 
 
-def _escape(v: str) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def counter_family(name: str, help_: str, labels: Iterable[str] = ()) -> CounterMetricFamily:
+    """A counter a collector reports from numbers kept elsewhere (``add_metric(label values, value)``)."""
+    return CounterMetricFamily(PREFIX + name, help_, labels=tuple(labels))
 
 
-def _num(x: float) -> str:
-    if x == math.inf:
-        return "+Inf"
-    return repr(float(x)) if isinstance(x, float) else str(x)
+def gauge_family(name: str, help_: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_, labels=tuple(labels))
 
 
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_: str, labels: Iterable[str] = ()):
-        self.name, self.help, self.label_names = name, help_, tuple(labels)
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.values: dict[tuple, float] = {}
-
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        key = tuple(str(labels[n]) for n in self.label_names)
-        with self._lock:
-            self.values[key] = self.values.get(key, 0.0) + amount
-
-    def get(self, **labels) -> float:
-        return self.values.get(tuple(str(labels[n]) for n in self.label_names), 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = list(self.values.items())
-        return self.header() + [f"{self.name}{_labels(self.label_names, k)} {_num(v)}" for k, v in items]
-
-
-class Gauge(Counter):
-    kind = "gauge"
-
-    def set(self, value: float, **labels) -> None:
-        key = tuple(str(labels[n]) for n in self.label_names)
-        with self._lock:
-            self.values[key] = float(value)
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help_: str, labels: Iterable[str] = (), buckets=LATENCY_BUCKETS):
-        super().__init__(name, help_, labels)
-        self.buckets = tuple(buckets) + (math.inf,)
-        self.series: dict[tuple, list] = {}  # labels -> [bucket counts..., sum, count]
-
-    def observe(self, value: float, **labels) -> None:
-        key = tuple(str(labels[n]) for n in self.label_names)
-        with self._lock:
-            s = self.series.setdefault(key, [0] * len(self.buckets) + [0.0, 0])
-            for i, b in enumerate(self.buckets):
-                if value <= b:
-                    s[i] += 1
-            s[-2] += value
-            s[-1] += 1
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        with self._lock:
-            items = [(k, list(v)) for k, v in self.series.items()]
-        for key, s in items:
-            for b, c in zip(self.buckets, s):
-                le = 'le="' + _num(b) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.label_names, key, le)} {c}")
-            lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_num(s[-2])}")
-            lines.append(f"{self.name}_count{_labels(self.label_names, key)} {s[-1]}")
-        return lines
-
-
-class Registry:
-    def __init__(self, prefix: str = "dualpath_"):
-        self.prefix = prefix
-        self.metrics: list[_Metric] = []
-
-    def _add(self, m):
-        self.metrics.append(m)
-        return m
-
-    def counter(self, name, help_, labels=()) -> Counter:
-        return self._add(Counter(self.prefix + name, help_, labels))
-
-    def gauge(self, name, help_, labels=()) -> Gauge:
-        return self._add(Gauge(self.prefix + name, help_, labels))
-
-    def histogram(self, name, help_, labels=(), buckets=LATENCY_BUCKETS) -> Histogram:
-        return self._add(Histogram(self.prefix + name, help_, labels, buckets))
-
-    def render(self) -> str:
-        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
-
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+def sample_values(metric, suffix: str = "_total") -> dict[tuple[tuple[str, str], ...], float]:
+    """A metric's current values by label set (sorted (name, value) pairs), from its samples named ``*suffix``:
+    how the process reads its own counters back (the stats line) without collecting the whole registry."""
+    return {tuple(sorted(s.labels.items())): s.value for family in metric.collect() for s in family.samples
+            if s.name.endswith(suffix)}

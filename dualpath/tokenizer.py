@@ -70,11 +70,14 @@ def _power_digits(base, exp) -> float:
 class Tokenizer:
     """Encode, decode and render chat prompts exactly as the checkpoint's Hugging Face tokenizer would."""
 
+    takes_text = True  # (``TokenIdsOnly``, its stand-in without a tokenizer, takes token ids alone)
+
     def __init__(self, model_dir: str | Path):
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json")
+            raise CheckpointError(f"{path}: no tokenizer.json (to serve token ids alone: skip_tokenizer_init=True, "
+                                  "--skip-tokenizer-init)")
         self._tok = HFTokenizer.from_file(str(tok_file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
@@ -176,21 +179,105 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
+SKIPPED = "the tokenizer is not loaded (skip_tokenizer_init, --skip-tokenizer-init)"
+
+
+class TokenIdsOnly:
+    """The tokenizer's stand-in where it is not loaded (vLLM's ``skip_tokenizer_init``: RL trainers and benchmarks
+    send token ids): prompts are token ids and replies are token ids with empty text. Whatever needs text (a text
+    prompt, a chat, stop strings, bad words, structured output) raises an error that names the flag; nothing is
+    silently ignored. ``vocab_size`` is the model's (token ids are checked against it)."""
+
+    takes_text = False
+    chat_template = bos_token = eos_token = eos_token_id = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: str | Path) -> "TokenIdsOnly":
+        """From the checkpoint's ``config.json`` (its ``vocab_size``), which every checkpoint has."""
+        cfg_file = Path(model_dir) / "config.json"
+        try:
+            cfg = json.loads(cfg_file.read_text())
+            return cls(int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{cfg_file}: no vocab_size to check token ids against ({e})") from None
+
+    @staticmethod
+    def refusal(what: str) -> str:
+        """Why a request that needs text (``what``: it, in words) is refused."""
+        return f"{what} cannot be served: {SKIPPED}, so prompts must be token ids and replies come as token ids"
+
+    def refuse(self, what: str, field: str | None = None):
+        raise RequestError(self.refusal(what), field=field)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.refuse("a text prompt", "prompt")
+
+    def render_chat(self, messages: Sequence[dict], *args, **kwargs) -> str:
+        self.refuse("a chat (its template renders text)", "messages")
+
+    def apply_chat_template(self, messages: Sequence[dict], *args, **kwargs) -> list[int]:
+        self.refuse("a chat (its template renders text)", "messages")
+
+    def check_sampling(self, stop, structured: bool) -> None:
+        """Refuse what a request asks that needs text: stop strings (matched in the reply's text) and structured
+        output (masks over the tokens' bytes)."""
+        if stop:
+            self.refuse("stop strings", "stop")
+        if structured:
+            self.refuse("structured output", "response_format")
+
+    def with_chat_template(self, template: str) -> "TokenIdsOnly":
+        raise CheckpointError(f"a chat template cannot be used: {SKIPPED}")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""  # (vLLM's outputs without a tokenizer: the token ids, empty text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return None
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
+
+    @property
+    def token_bytes(self):
+        raise CheckpointError(f"structured output cannot be served: {SKIPPED}")
+
+
+def load_tokenizer(model_dir: str | Path, skip_tokenizer_init: bool = False) -> Tokenizer | TokenIdsOnly:
+    """The checkpoint's tokenizer, or with ``skip_tokenizer_init`` its token-ids-only stand-in (no tokenizer files
+    are read: a checkpoint without them serves token ids)."""
+    return TokenIdsOnly.for_checkpoint(model_dir) if skip_tokenizer_init else Tokenizer(model_dir)
+
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"  # the chat templates shipped with the package (package data)
+
+
+def shipped_templates() -> dict[str, Path]:
+    """The shipped chat templates by name (a file's stem: ``tool_hermes`` for ``templates/tool_hermes.jinja``)."""
+    return {f.stem: f for f in sorted(TEMPLATES_DIR.glob("*.jinja"))}
+
+
 def load_chat_template(spec: str) -> str:
-    """``--chat-template``'s value (vLLM's rule): the text of the file it names, else the template itself, which
-    must then look like one (Jinja's ``{{`` or ``{%``)."""
+    """``--chat-template``'s value: the text of the file it names (vLLM's rule), else of the shipped template of that
+    name (``shipped_templates``: a file of the same name wins), else the template itself, which must then look like
+    one (Jinja's ``{{`` or ``{%``)."""
     try:
         named = Path(spec).is_file()
     except OSError:  # a template too long to be a path
         named = False
-    if named:
+    shipped = shipped_templates().get(spec) if not named else None
+    if named or shipped is not None:
         try:
-            return Path(spec).read_text()
+            return (shipped or Path(spec)).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"--chat-template: cannot read {spec}: {e}") from None
     if "{{" in spec or "{%" in spec:
         return spec
-    raise CheckpointError(f"--chat-template: {spec!r} is neither a file nor a Jinja template")
+    raise CheckpointError(f"--chat-template: {spec!r} is neither a file nor a Jinja template, nor the name of a "
+                          f"shipped one ({', '.join(shipped_templates())})")
 
 
 def _decoder_kind(decoder: dict | None) -> str | None:

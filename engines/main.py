@@ -89,13 +89,16 @@ def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
         from engines.prefill import PrefillEngine as cls
     else:
         from engines.decode import DecodeEngine as cls
+    log.info("%s engine %s: loading %s on %s", cfg.role, cfg.engine_id, cfg.model, cfg.engine.device)
     engine = cls(cfg)
+    log.info("%s engine %s: registering with the scheduler at %s", cfg.role, engine.engine_id, cfg.scheduler)
     try:
         engine.register()
     except Exception:
         engine.stop()
         raise
-    write_ready(ready_file, f"{engine.engine_id} {cfg.host}:{engine.port}\n")
+    # "ID ADDRESS KV_TOKENS": the launcher learns the control address, and reports the KV capacity
+    write_ready(ready_file, f"{engine.engine_id} {cfg.host}:{engine.port} {engine.capacity_tokens()}\n")
     engine.run()
     logging.shutdown()
     os._exit(engine.exit_code)  # NIXL (if loaded) crashes in exit-time destructors

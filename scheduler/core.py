@@ -248,7 +248,8 @@ class SchedulerCore:
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
                          "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
                          "prompt_tokens": 0, "kv_load_failures": 0, "kv_corrupt_removed": 0,
-                         "cache_flushes": 0, "preempted": 0, "rpc_refused": 0}
+                         "cache_flushes": 0, "preempted": 0, "rpc_refused": 0, "blocks_stored": 0,
+                         "blocks_evicted": 0}
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -729,8 +730,10 @@ class SchedulerCore:
         evicted = b"".join(load.evicted_keys for load in loads if load.evicted_keys and self._alive(load.engine_id))
         if stored:
             self.index.add_packed(stored)
+            self.counters["blocks_stored"] += len(stored) // HASH_BYTES
         if evicted:
             self.index.remove_packed(evicted)
+            self.counters["blocks_evicted"] += len(evicted) // HASH_BYTES
 
     def _alive(self, eid: str) -> bool:
         e = self.engines.get(eid)

@@ -37,6 +37,7 @@ def test_small_benches_run(script, args, tmp_path):
     assert result["benchmark"]
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_the_priority_bench_shows_urgent_turns_jumping_a_queue_and_longest_first_shortening_a_job(tmp_path):
     """Simulated time, so deterministic: at 1.5x the capacity the urgent agents' turns start within a second under
     priority scheduling, where first come, first served keeps them ~10 s like everyone else's; an offline job run

@@ -113,7 +113,8 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v32", "deepseek_v3-fp8"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v32", marks=pytest.mark.slow),
+                                  "deepseek_v3-fp8"])
 def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
     """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between), DeepSeek-V3.2 (sparse
     attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3
@@ -216,6 +217,7 @@ def test_a_priority_is_refused_by_a_first_come_first_served_scheduler(cluster):
         client.generate(conversation(302, 1)[0], replace(GREEDY, priority=-1))
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_priority_scheduler_hands_the_most_urgent_request_to_a_full_cluster_first(tiny_dirs, tmp_path, reference):
     """One decode engine with room for one reply at a time (336 tokens; each reserves 208): requests sent while
     generation is held run one after another when it resumes, the most urgent (lowest priority) first and equal
@@ -249,6 +251,7 @@ def test_a_priority_scheduler_hands_the_most_urgent_request_to_a_full_cluster_fi
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_an_urgent_request_preempts_a_reply_which_then_goes_on_unchanged(tiny_dirs, tmp_path, reference):
     """One decode engine with room for one reply at a time (336 tokens; the background reply reserves 256, the
     urgent one 96): an urgent request sent while a less urgent reply generates has that reply handed back (its
@@ -396,6 +399,7 @@ def assert_as_the_reference(reference, outcomes) -> None:
         assert got == want, params
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_same(tiny_dirs, tmp_path, reference):
     """Four long replies (greedy; seeded with two choices; with penalties) streaming when a decode engine is
     killed: those on it move to the other one and go on from the tokens already delivered (request migration),
@@ -445,6 +449,7 @@ def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_sam
         strict.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_replies_outlive_a_scheduler_restart(tiny_dirs, tmp_path, reference):
     """The scheduler killed while replies stream, then started again on its port: the replies go on (tokens flow
     from the decode engines, never through the scheduler) and equal the reference; a request sent while it is down
@@ -480,6 +485,7 @@ def test_replies_outlive_a_scheduler_restart(tiny_dirs, tmp_path, reference):
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, reference):
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
     # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
@@ -507,6 +513,7 @@ def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, r
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_slow_store_is_recomputed_past_not_waited_for(tiny_dirs, tmp_path, reference):
     """Reads capped at 2 KB/s: a turn's stored prefix would take ~20 s to load, its recompute milliseconds. The
     scheduler recomputes it (``recomputed_hit_tokens``; Dynamo #6101: a 40 s disk-tier load for a 0.9 s recompute)
@@ -531,6 +538,7 @@ def test_a_slow_store_is_recomputed_past_not_waited_for(tiny_dirs, tmp_path, ref
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_chunked_prefill_and_split_reads_match_the_reference(tiny_dirs, tmp_path, reference):
     # 10 ms per new token against a 300 ms quota: prompts of ~100 tokens prefill in chunks of at most 30
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, cost_model="0,0.01,0")
@@ -571,6 +579,7 @@ def test_an_fp8_kv_cluster_stores_quarter_blocks_and_matches_its_reference(tiny_
     assert not (tmp_path / "kv" / model_fingerprint(ckpt.config, "float32", BS, ckpt.weights_digest).hex()).exists()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tmp_path, reference):
     """Engines whose DRAM buffers hold 40 blocks, four concurrent 16-block prompts on each path: requests wait for
     buffer room (they used to fail after three refused attempts), and for one of the decode batch's 2 rows; a
@@ -636,6 +645,7 @@ def test_engines_on_the_triton_kernels_match_the_reference(tiny_dirs, tmp_path, 
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_path, reference):
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=2, engines_per_node=2,
              heartbeat_timeout_s=2.0)
@@ -657,6 +667,7 @@ def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_p
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_engines_declared_gone_after_a_pause_rejoin_and_serve(tiny_dirs, tmp_path, reference):
     """A paused process (SIGSTOP; in production a swap storm or a long GC) misses its heartbeats and is declared
     gone; when it resumes it registers again instead of idling unseen. Both ways back: a group member, told by

@@ -107,3 +107,17 @@ def test_bad_groups_are_refused_before_anything_starts(tiny_dirs, tmp_path):
         ParallelConfig(2, data_parallel_size=2, data_parallel_master="h:1")
     with pytest.raises(ConfigError, match="do not fill groups of 2"):
         check_parallelism(spec(tiny_dirs["qwen3_moe"], tmp_path, num_prefill=1, data_parallel_size=2), config)
+
+
+def test_a_nodes_engines_form_one_group(tmp_path):
+    """``dualpath node --data-parallel``: engine i of the node is rank i of a group of all of them, meeting on this
+    host (Helm's ``<role>.dataParallel``)."""
+    from dualpath.launcher import NodeEngines, NodeSpec
+
+    node = NodeEngines(NodeSpec("decode", "127.0.0.1:1", engines=4, data_parallel=True), str(tmp_path))
+    args = [node.engine_args(i) for i in range(4)]
+    opts = [dict(zip(a[a.index("--data-parallel-size")::2], a[a.index("--data-parallel-size") + 1::2])) for a in args]
+    assert [o["--data-parallel-rank"] for o in opts] == ["0", "1", "2", "3"]
+    assert {o["--data-parallel-size"] for o in opts} == {"4"} and len({o["--data-parallel-master"] for o in opts}) == 1
+    plain = NodeEngines(NodeSpec("decode", "127.0.0.1:1", engines=4), str(tmp_path / "p")).engine_args(0)
+    assert "--data-parallel-size" not in plain

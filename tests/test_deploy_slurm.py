@@ -120,6 +120,7 @@ def orphan_segments(since: float) -> list[str]:
 
 
 @needs_slurm
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_sbatch_serves_a_chat_and_shuts_down_cleanly_on_scancel(slurm, tiny_dirs, tmp_path):
     sched_port = free_port()
     job = submit(slurm, "dualpath.sbatch", job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port), tmp_path)
@@ -369,6 +370,7 @@ dp_start frontend dp_run_steady || echo "nothing started after the shutdown" >&2
 
 
 @needs_slurm
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_dead_engine_ends_the_job_with_a_failure_and_nothing_left(slurm, tiny_dirs, tmp_path):
     sched_port = free_port()
     env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), "DUALPATH_MAX_RESTARTS": "0"}
@@ -427,6 +429,7 @@ def test_a_killed_engine_is_restarted_and_the_job_keeps_serving(slurm, tiny_dirs
 
 
 @needs_slurm
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_part_dying_during_start_up_fails_the_job_at_once(slurm, tiny_dirs, tmp_path):
     """The scheduler cannot bind its port: the job fails within seconds, not after DUALPATH_START_TIMEOUT."""
     import socket

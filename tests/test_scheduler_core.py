@@ -446,6 +446,21 @@ def chain_keys(n: int) -> list[bytes]:
     return [bytes([i]) * 16 for i in range(1, n + 1)]
 
 
+def test_blocks_stored_and_evicted_are_counted_from_the_engines_reports():
+    from dataclasses import replace
+
+    from dualpath.messages import pack_keys
+
+    core, engines = make_core("dualpath", Clock())
+    keys = chain_keys(5)
+    core.report(replace(engines["d0"].load(), stored_keys=pack_keys(keys)))
+    core.report(replace(engines["d0"].load(), evicted_keys=pack_keys(keys[3:])))
+    assert core.stats()["blocks_stored"] == 5 and core.stats()["blocks_evicted"] == 2
+    lines = render(core.stats()).splitlines()
+    assert "dualpath_scheduler_blocks_stored_total 5.0" in lines and "dualpath_scheduler_index_blocks 3.0" in lines
+    assert "dualpath_scheduler_blocks_evicted_total 2.0" in lines
+
+
 def test_drain_rate_counts_the_time_a_nodes_engines_read_at_once_once():
     assert drain_rate([]) == (0.0, 0.0)
     assert drain_rate([[0, 1, 100], [0, 1, 100]]) == (200, 1)  # two engines sharing the disk for the same second

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from jsonschema import Draft202012Validator
+from prometheus_client.parser import text_string_to_metric_families
 from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
@@ -545,6 +546,22 @@ def metric(server, name, path="/metrics") -> float:
         if line.startswith(name + " ") or line.startswith(name + "{}"):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_one_api_metrics_scrape_holds_the_scheduler_engine_and_kv_series_and_start_up_was_reported(tiny):
+    """The API port's /metrics pulls the scheduler's series (its engines', KV cache's, transport's) at each scrape;
+    ``serve`` printed each engine as it started and as it was ready, with its KV cache size."""
+    client(tiny).completions.create(model="llama", prompt="count: one two three", max_tokens=2, temperature=0)
+    text = raw(tiny, "/metrics", method="GET").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"dualpath_completion_tokens", "dualpath_scheduler_submitted", "dualpath_engine_kv_cache_usage",
+            "dualpath_engine_kv_cache_tokens", "dualpath_storage_used_bytes", "dualpath_engine_kv_bytes"} <= names
+    assert metric(tiny, "dualpath_scheduler_up") == 1 and metric(tiny, "dualpath_scheduler_submitted_total") >= 1
+    assert re.search(r'dualpath_engine_kv_cache_tokens\{engine="decode-0",role="decode"\} [1-9]', text)
+    log = tiny.log.read_text()
+    for engine in ("prefill-0", "decode-0"):
+        assert f"starting {engine} (llama on cpu)" in log
+        assert re.search(rf"{engine} \(llama on cpu\) ready after [0-9.]+ s, KV cache [0-9,]+ tokens", log), log
 
 
 @pytest.mark.parametrize("path, body", [

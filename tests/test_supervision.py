@@ -66,6 +66,7 @@ def test_restart_backoff_doubles_to_its_cap():
     assert [p.delay(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_killed_prefill_engine_comes_back_and_serves_what_it_held(tiny_dirs, tmp_path):
     """Requests in flight when the only prefill engine is killed are served once the supervisor brought it back,
     equal to the one-process reference."""
@@ -105,6 +106,7 @@ def test_a_killed_scheduler_and_a_hung_decode_engine_come_back(tiny_dirs, tmp_pa
         client.close()
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_past_the_restart_cap_a_waiting_request_fails_as_unavailable_within_the_bound(tiny_dirs, tmp_path):
     with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", restart=RestartPolicy(), engine_wait_timeout_s=2.0,
                            heartbeat_timeout_s=1.0),

@@ -221,6 +221,16 @@ def test_helm_gives_each_engine_its_gpus():
     assert "--tensor-parallel-size" not in c["command"] and opt(c["command"], "--engines") == "8"
     r, _ = render("prefill.tensorParallelSize=3")
     assert r.returncode and "prefill.tensorParallelSize 3 does not divide prefill.gpusPerNode 8" in r.stderr
+    # MoE layouts: whole experts per rank (prefill at TP 2), a data-parallel group of each decode pod's 8 engines
+    r, objs = render("prefill.tensorParallelSize=2", "prefill.expertParallel=true", "decode.dataParallel=true")
+    assert r.returncode == 0, r.stderr
+    for role, flag in (("prefill", "--enable-expert-parallel"), ("decode", "--data-parallel")):
+        (c,) = objs[("StatefulSet", f"dp-dualpath-{role}")]["spec"]["template"]["spec"]["containers"]
+        assert flag in c["command"] and {"--enable-expert-parallel", "--data-parallel"} - {flag} - set(c["command"])
+        args = build_parser().parse_args(c["command"][1:])
+        assert args.data_parallel == (role == "decode")
+    r, _ = render("decode.tensorParallelSize=2", "decode.dataParallel=true")
+    assert r.returncode and "decode.dataParallel runs one GPU per engine" in r.stderr
 
 
 SLURM = r"""
@@ -252,6 +262,10 @@ def test_slurm_engines_span_tp_gpus_each(tmp_path):
         "prefill 2")
     assert "--ntasks-per-node=8 --gpus-per-task=1 --cpus-per-task=1" in decode and decode.rstrip().endswith("decode 1")
     assert '--tensor-parallel-size "$1"' in prefill
+    out = slurm(tmp_path, DUALPATH_DATA_PARALLEL="1", DUALPATH_EXPERT_PARALLEL="1", RUN="1")
+    decode = (tmp_path / "srun.args").read_text().split("--export=ALL")[-1]
+    assert "--data-parallel-rank $SLURM_LOCALID" in decode and "--enable-expert-parallel" in decode
+    assert "check=2" in slurm(tmp_path, DUALPATH_DATA_PARALLEL="1", DUALPATH_DECODE_TP="2")
     out = slurm(tmp_path, DUALPATH_TP="3")
     assert "check=2" in out and "tensor-parallel size 3 (DUALPATH_TP, DUALPATH_PREFILL_TP) does not divide" in out
     assert "check=2" in slurm(tmp_path, DUALPATH_PREFILL_TP="0")

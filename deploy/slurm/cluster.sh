@@ -27,6 +27,9 @@
 : "${DUALPATH_PREFILL_NODES:=1}"                   # nodes running prefill engines; the others run decode
 : "${DUALPATH_GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"  # GPUs per node: engines per node at DUALPATH_TP=1
 : "${DUALPATH_TP:=1}"                             # tensor-parallel size: one engine spans this many of a node's GPUs
+: "${DUALPATH_EXPERT_PARALLEL:=0}"            # 1: MoE models' experts whole per rank (--enable-expert-parallel)
+: "${DUALPATH_DATA_PARALLEL:=0}"              # 1: a node's engines form one data-parallel attention group (TP 1)
+: "${DUALPATH_DP_PORT:=29650}"                # where a node's group meets (prefill; decode one above)
 : "${DUALPATH_PREFILL_TP:=$DUALPATH_TP}"          # the prefill engines' own (e.g. 2 while decode runs 1)
 : "${DUALPATH_DECODE_TP:=$DUALPATH_TP}"           # the decode engines' own
 : "${DUALPATH_DEVICE:=cuda}"                      # cpu: engines on CPU (trials, CI)
@@ -163,6 +166,10 @@ dp_check_tp() {
         "DUALPATH_GPUS_PER_NODE=$DUALPATH_GPUS_PER_NODE"
       return 2
     fi
+    if [ "$DUALPATH_DATA_PARALLEL" = 1 ] && [ "$tp" != 1 ]; then
+      dp_log "DUALPATH_DATA_PARALLEL=1 runs one GPU per engine: the $role engines' tensor-parallel size is $tp"
+      return 2
+    fi
   done
 }
 
@@ -183,10 +190,15 @@ dp_run_engines() {
     --cpus-per-task="$tp" --kill-on-bad-exit=1 --job-name="dualpath-$role" \
     bash -c 'exec >>"$DUALPATH_RUN_DIR/$0-$SLURMD_NODENAME-$SLURM_LOCALID.log" 2>&1
       echo "engine task $SLURM_LOCALID on $SLURMD_NODENAME: CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}" >&2
+      addr=$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)
+      dp_port=$DUALPATH_DP_PORT; [ "$0" = decode ] && dp_port=$((DUALPATH_DP_PORT + 1))
+      dp_args=""  # data-parallel attention: the engines of this node are one group, meeting at its first task
+      [ "${DUALPATH_DATA_PARALLEL:-0}" = 1 ] && dp_args="--data-parallel-size $SLURM_NTASKS_PER_NODE"\
+" --data-parallel-rank $SLURM_LOCALID --data-parallel-master $addr:$dp_port"
       exec "$DUALPATH" --log-level INFO engine --role "$0" --scheduler "$DUALPATH_SCHEDULER" \
       --engine-id "$0-$SLURMD_NODENAME-$SLURM_LOCALID" --node-id "$SLURMD_NODENAME" --group-id "$0-$SLURMD_NODENAME" \
-      --host "$(scontrol show node "$SLURMD_NODENAME" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)" \
-      --device "$DUALPATH_ENGINE_DEVICE" --tensor-parallel-size "$1" \
+      --host "$addr" --device "$DUALPATH_ENGINE_DEVICE" --tensor-parallel-size "$1" $dp_args \
+      $([ "${DUALPATH_EXPERT_PARALLEL:-0}" = 1 ] && echo --enable-expert-parallel) \
       --dtype "$DUALPATH_DTYPE" --kv-cache-dtype "$DUALPATH_KV_CACHE_DTYPE" \
       --transport "$DUALPATH_TRANSPORT" ${DUALPATH_QUANTIZATION:+--quantization "$DUALPATH_QUANTIZATION"} \
       --kv-store "$DUALPATH_KV_STORE" --storage-capacity "$DUALPATH_STORAGE_CAPACITY" \

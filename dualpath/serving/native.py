@@ -79,7 +79,7 @@ class NativeApi:
             e.param = _sglang_name(e.param, req if "req" in locals() else None)
             return e.response()
         finally:
-            self.front.m_requests.inc(endpoint="generate", status=status)
+            self.front.m_requests.labels(endpoint="generate", status=status).inc()
 
 
 def _model(req: GenerateRequest, base: str, adapters: dict[str, str]) -> str:

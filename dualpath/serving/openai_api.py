@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend (FastAPI): ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/responses`` (``dualpath.serving.responses``: a chat underneath), vLLM's ``/tokenize`` and ``/detokenize``,
 SGLang's native endpoints (``dualpath.serving.native``), ``/health`` and the other self-reports
-(``dualpath.serving.probes``) and Prometheus ``/metrics``.
+(``dualpath.serving.probes``) and Prometheus ``/metrics`` (its own series, and the scheduler's, engines' and KV
+cache's: ``scheduler.metrics``, pulled at each scrape); an access-log line per request (``dualpath.serving.watch``).
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
@@ -36,7 +37,7 @@ from dualpath.errors import CheckpointError, DualPathError, RequestError
 from dualpath.grammar import Grammar
 from dualpath.lora import LoraModule, adapter_digest, adapter_table, read_adapter_config
 from dualpath.regex import choice_pattern
-from dualpath.metrics import CONTENT_TYPE, Registry
+from dualpath.metrics import CONTENT_TYPE, Metrics
 from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
@@ -55,7 +56,9 @@ from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
                                         item_page, remap_param, to_chat, without_exchanges)
 from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_markup
-from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
+from dualpath.serving.watch import AccessLog, current_access, scheduler_stats
+from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer, stop_cut
+from scheduler.metrics import StatsCollector
 
 log = logging.getLogger(__name__)
 COMPILED_KEPT = 256  # schemas, patterns and request chat templates a frontend remembers as compiling
@@ -91,13 +94,17 @@ class FrontendConfig:
     allowed_model_dirs: tuple[str, ...] = ()  # where weights and adapters load from (none: beside model and adapters)
     max_concurrent_requests_per_key: int = 0  # 0: half the server's once two or more keys are set, else all of it
     render_timeout_s: float = 5.0  # a chat template's rendering is cut (a 400) after this long
+    skip_tokenizer_init: bool = False  # no tokenizer (vLLM's flag): token-id prompts only, replies as token ids
+    log_requests: bool = False  # an access-log line per request (dualpath.serving.watch): on in serve and frontend
+    # (off there with --disable-log-requests), off in-process (run-batch's progress bar, tests)
+    log_stats: bool = True  # the stats line every 10 s while busy (--disable-log-stats)
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, client: ClusterClient | None = None, tokenizer: Tokenizer | None = None):
         self.cfg = cfg
         self.client = client or ClusterClient(cfg.scheduler, migration_limit=cfg.migration_limit)
-        self.tokenizer = tokenizer or Tokenizer(cfg.model_dir)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_dir, cfg.skip_tokenizer_init)
         if cfg.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(cfg.chat_template)
         self.tool_markup = tool_markup(self.tokenizer.chat_template, cfg.tool_call_parser)
@@ -118,7 +125,7 @@ class Frontend:
         self.model_dirs = allowed_dirs(cfg.allowed_model_dirs, cfg.model_dir, (m.path for m in cfg.lora_modules))
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()  # grammars known to compile, request templates (``_kept``)
-        m = self.metrics = Registry()
+        m = self.metrics = Metrics()
         self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
                                     ["endpoint", "status"])
         self.m_prompt = m.counter("prompt_tokens_total", "Prompt tokens of finished requests")
@@ -141,9 +148,9 @@ class Frontend:
         self.m_aborted = m.counter("requests_aborted_total", "Requests ended by /abort_request")
         self.m_migrations = m.counter("request_migrations_total", "Replies moved to other decode engines after "
                                       "theirs died while generating them")
-        self.m_migrations.inc(0)  # shown from the start
         self.client.on_migration = lambda _rid: self.m_migrations.inc()
-        self.m_inflight.set(0)
+        self.m_inflight.set_function(lambda: self.in_flight)  # read at each scrape
+        m.register(StatsCollector(partial(scheduler_stats, self.client)))  # the scheduler's, engines' and KV's series
         kept = (cfg.max_stored_responses, cfg.max_stored_response_bytes)
         self.responses = DirectoryResponses(cfg.responses_dir, *kept) if cfg.responses_dir else MemoryResponses(*kept)
         self.native = NativeApi(self)  # SGLang's /generate
@@ -156,6 +163,8 @@ class Frontend:
     def _build(self) -> FastAPI:
         app = FastAPI(title="DualPath", docs_url=None, redoc_url=None)
         app.add_middleware(BodyGuard, max_bytes=self.cfg.max_body_bytes)
+        if self.cfg.log_requests:  # inside RequestIds: its line names the request's id
+            app.add_middleware(AccessLog)
         app.add_middleware(RequestIds)  # the outer one: a body refused by the guard still answers with an id
 
         @app.exception_handler(StarletteHTTPException)
@@ -209,8 +218,8 @@ class Frontend:
 
         @app.get("/metrics")
         async def metrics():
-            self.m_inflight.set(self.in_flight)
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+            # on a worker thread: collecting the scheduler's series is an RPC
+            return Response(await asyncio.to_thread(self.metrics.render), media_type=CONTENT_TYPE)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -335,7 +344,7 @@ class Frontend:
             return e.response()
         finally:
             answer.close()  # a no-op once awaited
-            self.m_requests.inc(endpoint=name, status=status)
+            self.m_requests.labels(endpoint=name, status=status).inc()
 
     async def _utility(self, request: Request, name: str, model_cls, answer, admin: str | None = None) -> JSONResponse:
         """One with a body (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer(req)`` gives a JSON
@@ -364,6 +373,8 @@ class Frontend:
         return {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids}
 
     async def _detokenize(self, req: DetokenizeRequest) -> dict:
+        if not self.tokenizer.takes_text:  # (its empty text would read as an answer)
+            raise ApiError(400, self.tokenizer.refusal("/detokenize"), param="tokens")
         if len(req.tokens) > self.cfg.max_model_len:
             raise ApiError(400, f"tokens: at most the model's context of {self.cfg.max_model_len}", param="tokens")
         ids = self._known_ids(req.tokens, "tokens")
@@ -481,7 +492,7 @@ class Frontend:
                 e.param = remap_param(e.param)
             return e.response()
         finally:
-            self.m_requests.inc(endpoint=kind, status=status)
+            self.m_requests.labels(endpoint=kind, status=status).inc()
 
     async def _stored(self, rid: str, owner: str) -> tuple[dict, list[dict], list[dict]]:
         """The stored response ``rid`` if ``owner``'s: another owner's is as absent (404) as one never stored."""
@@ -544,7 +555,7 @@ class Frontend:
         self.admission.take(owner, total)
         done = partial(self.admission.give, owner)
         if req.model in self.adapters:
-            self.m_lora.inc(adapter=req.model)
+            self.m_lora.labels(adapter=req.model).inc()
         mode = (req.dualpath.mode or "") if req.dualpath else ""
         gens, loop = [], asyncio.get_running_loop()
         try:
@@ -748,6 +759,7 @@ class Frontend:
         else:  # best_of ranks its candidates by their tokens' logprobs
             logprobs = req.logprobs if req.logprobs is not None or req.samples() == req.n else 0
         try:
+            self._needs_no_text(req, fields)
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields,
                                   stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
                                   logit_bias=self._known_bias(req.bias_pairs()),
@@ -757,6 +769,14 @@ class Frontend:
                                   **self._structured(req, kind, self._thinking(kind, prompt)))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
+
+    def _needs_no_text(self, req, fields: dict) -> None:
+        """Without a tokenizer (``--skip-tokenizer-init``) what needs text is refused (a RequestError), never
+        silently ignored: stop strings, bad words, structured output."""
+        if not self.tokenizer.takes_text:
+            self.tokenizer.check_sampling(fields.get("stop"), req.structured() is not None)
+            if req.bad_words:
+                self.tokenizer.refuse("bad_words", "bad_words")
 
     def _structured(self, req, kind: str, thinking: str) -> dict:
         """The sampling fields of a JSON-mode, schema, regex, choice or grammar request, checked here (so an unsupported
@@ -923,9 +943,11 @@ class Frontend:
     def _observe(self, o: Outcome, n_prompt: int, start: float, first, last) -> None:
         self.m_prompt.inc(n_prompt)
         self.m_completion.inc(o.completion_tokens)
-        self.m_cached.inc(o.cached_tokens, path=o.path or "none")
-        self.m_kv_bytes.inc(o.storage_bytes, path=o.path or "none")
-        self.m_finished.inc(finish_reason=o.finish_reason or "unknown")
+        self.m_cached.labels(path=o.path or "none").inc(o.cached_tokens)
+        self.m_kv_bytes.labels(path=o.path or "none").inc(o.storage_bytes)
+        self.m_finished.labels(finish_reason=o.finish_reason or "unknown").inc()
+        if (access := current_access()) is not None:
+            access.note(n_prompt, o, first)
         self.m_e2e.observe((last if last is not None else time.perf_counter()) - start)
         if first is not None:
             self.m_ttft.observe(first - start)

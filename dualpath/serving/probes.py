@@ -83,7 +83,8 @@ class Probes:
 
     async def _one_token(self) -> None:
         """A greedy one-token generation, cancelled if it has not ended within the timeout (no probe outlives it)."""
-        ids = self.front.tokenizer.encode(PROBE_PROMPT, add_special_tokens=True) or [0]
+        tok = self.front.tokenizer  # (without a tokenizer, --skip-tokenizer-init, the probe's prompt is token 0)
+        ids = (tok.encode(PROBE_PROMPT, add_special_tokens=True) if tok.takes_text else []) or [0]
         sampling = SamplingParams(max_tokens=1, temperature=0.0)
         handle = await asyncio.to_thread(self.front.client.start, ids, sampling, f"health-{uuid.uuid4().hex}")
         try:

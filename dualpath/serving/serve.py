@@ -77,7 +77,9 @@ async def _run(server, sock, on_ready, stop_event: asyncio.Event, in_flight=lamb
 def run_frontend(frontend, host: str, port: int, drain_s: float, on_ready=lambda port: None,
                  stop: asyncio.Event | None = None):
     """Serve ``frontend.app`` until SIGINT/SIGTERM (or ``stop``), then drain (``frontend_server``); ``on_ready(port)``
-    once it accepts."""
+    once it accepts. The stats line (``dualpath.serving.watch``) is logged every 10 s while busy, unless disabled."""
+    from dualpath.serving.watch import log_stats, stats_line
+
     server, sock = frontend_server(frontend.app, host, port, drain_s)
     actual = sock.getsockname()[1]
 
@@ -86,7 +88,12 @@ def run_frontend(frontend, host: str, port: int, drain_s: float, on_ready=lambda
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop_event.set)
-        await _run(server, sock, lambda: on_ready(actual), stop_event, lambda: frontend.in_flight)
+        stats = asyncio.create_task(log_stats(stats_line(frontend))) if frontend.cfg.log_stats else None
+        try:
+            await _run(server, sock, lambda: on_ready(actual), stop_event, lambda: frontend.in_flight)
+        finally:
+            if stats is not None:
+                stats.cancel()
 
     asyncio.run(main())
 
@@ -123,7 +130,8 @@ def cluster_spec(args):
         model=model_dir, num_prefill=args.prefill, num_decode=args.decode, mode=args.mode, policy=args.policy,
         load_every_hit=args.load_every_hit, scheduling_policy=args.scheduling_policy,
         priority_preemption=not args.disable_priority_preemption,
-        transport=args.transport, qos=qos_config(args), kv_store=args.kv_store, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        transport=args.transport, qos=qos_config(args), kv_store=args.kv_store, device=args.device,
+        dtype=args.dtype, kernels=args.kernels,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, lora_modules=lora_modules(args),
         tensor_parallel_size=tp, prefill_tensor_parallel_size=sizes["prefill"],
@@ -157,7 +165,7 @@ def cluster_from_args(args):
     print(f"starting {args.prefill} prefill and {args.decode} decode engine(s) of {model_name(model_dir)} on "
           f"{args.device}{tp_text} (logs in the run directory below; KV store {spec.kv_store or default_kv_store()}, "
           f"{cap}: --storage-capacity)", flush=True)
-    cluster = LocalCluster(spec, run_dir=args.run_dir)
+    cluster = LocalCluster(spec, run_dir=args.run_dir, report=lambda line: print(line, flush=True))
     print(f"run directory: {cluster.run_dir}", flush=True)
     cluster.start(timeout=args.start_timeout)
     print(f"the internal plane takes the token in {cluster.token_file}: DUALPATH_CLUSTER_TOKEN_FILE="
@@ -223,31 +231,37 @@ def http_options(args) -> dict:
                 max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
                 default_max_tokens=args.default_max_tokens, max_stored_responses=args.max_stored_responses,
                 max_stored_response_bytes=args.max_stored_response_bytes, render_timeout_s=args.render_timeout,
-                health_generate_timeout_s=args.health_generate_timeout)
+                health_generate_timeout_s=args.health_generate_timeout,
+                log_requests=not args.disable_log_requests, log_stats=not args.disable_log_stats)
 
 
 def serve(args) -> int:
+    from dualpath.runs import announce, this_run, withdraw
     from dualpath.serving.openai_api import Frontend, FrontendConfig
 
     options, http = frontend_options(args), http_options(args)
     cluster, model_dir, max_len = cluster_from_args(args)
+    announced = []  # this run's record, which `dualpath status` finds (dualpath.runs), while it serves
     try:
         names = served_names(args, model_dir)
         frontend = Frontend(FrontendConfig(names[0], model_dir, cluster.scheduler_address, max_len,
                                            model_aliases=names[1:],
                                            responses_dir=args.responses_dir or responses_beside(args.kv_store),
-                                           **http, **options))
+                                           skip_tokenizer_init=args.skip_tokenizer_init, **http, **options))
 
         def ready(port: int) -> None:
             url = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{port}/v1"
             metrics = f"; scheduler metrics at {cluster.scheduler_http}/metrics" if cluster.scheduler_http else ""
-            print(f"DualPath is serving {frontend.cfg.model_name} at {url} (metrics at {url[:-3]}/metrics{metrics})",
-                  flush=True)
+            print(f"DualPath is serving {frontend.cfg.model_name} at {url} (metrics of every part at "
+                  f"{url[:-3]}/metrics{metrics})", flush=True)
+            announced.append(announce(this_run(cluster.scheduler_address, cluster.run_dir, cluster.token_file, url,
+                                               frontend.cfg.model_name)))
             write_ready(args.ready_file, f"{port}\n")  # atomically: a reader never sees it empty
 
         run_frontend(frontend, args.host, args.port, args.drain_timeout, ready)
     finally:
         print("stopping", flush=True)
+        withdraw(announced[0] if announced else None)
         cluster.stop()
     return 0
 
@@ -261,8 +275,8 @@ def frontend_main(args) -> int:
     max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
     names = served_names(args, model_dir)
     frontend = Frontend(FrontendConfig(names[0], model_dir, args.scheduler, max_len, model_aliases=names[1:],
-                                       responses_dir=args.responses_dir, **http_options(args),
-                                       **frontend_options(args)))
+                                       responses_dir=args.responses_dir, skip_tokenizer_init=args.skip_tokenizer_init,
+                                       **http_options(args), **frontend_options(args)))
 
     def ready(port: int) -> None:
         print(f"frontend for {frontend.cfg.model_name} at http://{args.host}:{port}/v1", flush=True)
