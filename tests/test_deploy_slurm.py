@@ -310,6 +310,7 @@ def supervised(tmp_path: Path, max_restarts: int) -> tuple[subprocess.Popen, Pat
     return proc, log, starts
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_part_that_keeps_dying_is_restarted_with_backoff_up_to_the_cap(tmp_path):
     proc, log, starts = supervised(tmp_path, max_restarts=2)
     t0 = time.monotonic()
@@ -333,6 +334,7 @@ def test_no_restarts_with_max_restarts_0_the_job_stops_at_once(tmp_path):
     assert "shutting down" in text and "left running" not in text, text
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_shutdown_during_the_backoff_starts_nothing_more(tmp_path):
     proc, log, starts = supervised(tmp_path, max_restarts=5)
     try:

@@ -283,6 +283,7 @@ def test_a_prefill_over_fp8_weights_takes_fp8_activations_and_stays_close(tiny_d
     assert 1e-4 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_fp8_layer_loop_copies_nothing_between_host_and_device(fp8_dirs, monkeypatch):
     """FP8 weights keep a layer free of host waits on the Triton kernels (a prefill over cached tokens and a decode
     step), so decode steps stay CUDA graphs."""

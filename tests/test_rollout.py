@@ -98,6 +98,7 @@ def test_forced_generation_lengths_are_exact(cluster, tmp_path):
     assert sum(r["cached_tokens"] for r in later) > 0 and summary["hit_rate"] > 0
 
 
+@pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
     """Sampled (temperature 0.8): each run is its own interpreter, so the rounds' seeds must not depend on one."""
     ts, _ = generate_trace("64k", 8, scale=0.02, turns_scale=0.1, vocab=(3, 250), seed=2)
