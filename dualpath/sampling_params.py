@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.errors import CheckpointError, RequestError
-from dualpath.grammar import THINKING_MODES
+from dualpath.structured import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
@@ -32,11 +32,11 @@ class SamplingParams:
     reproducible per request, whatever else runs in the same batch. ``ignore_eos`` forces exactly
     ``max_tokens`` tokens (used by rollout replays). ``logprobs`` asks for the chosen token's log-probability
     and that many top alternatives. ``json_object`` constrains the output to one JSON object (OpenAI's JSON mode),
-    ``json_schema`` (a schema as JSON text) to one valid against that schema (``dualpath.grammar`` says which
-    keywords): it ends as the object closes, or at ``max_tokens`` unfinished. ``regex`` constrains it to text that
-    matches the pattern in full (``dualpath.regex`` says which syntax): it ends when nothing more can match, or with
-    the model's end token where the match may end or read on; ``grammar`` (GBNF, ``dualpath.ebnf``) to a sentence
-    of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
+    ``json_schema`` (a schema as JSON text) to one valid against that schema (llguidance's JSON Schema coverage:
+    ``dualpath.structured``): it ends as the object closes, or at ``max_tokens`` unfinished. ``regex`` constrains it
+    to text that matches the pattern in full (Rust ``regex`` syntax, ASCII classes): it ends when nothing more can
+    match, or with the model's end token where the match may end or read on; ``grammar`` (GBNF or Lark) to a
+    sentence of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
     fixed text the constrained output starts / ends with around the object (a forced tool call's markup);
     ``json_trigger``: the output is free text instead, in which each ``json_prefix`` begins an object (then
     ``json_suffix``, then free text again): strict tool calls the model may or may not make. ``json_branches``:

@@ -103,7 +103,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: Exception | None = None  # a failed load is not retried
         self._tokenizer_lock = threading.Lock()
-        self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, self.device, ckpt.config.eos_token_ids)
+        self.guides = GuideSource(self.tokenizer, ckpt.config.vocab_size, ckpt.config.eos_token_ids)
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.kv_dtype, bs)
         check_cache_dtype(self.model.kernels, self.device, cache_dtype(self.geometry))

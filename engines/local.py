@@ -129,7 +129,7 @@ class LocalEngine:
         self.eos_ids = model.config.eos_token_ids
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer
-        self.guides = GuideSource(lambda: tokenizer, model.config.vocab_size, cache.device,
+        self.guides = GuideSource(lambda: tokenizer, model.config.vocab_size,
                                   model.config.eos_token_ids) if tokenizer else None
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
         self.waiting: deque[Sequence] = deque()

@@ -102,8 +102,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
            eos_ids: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
     distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
-    ``masks``: per row None or a ``[vocab]`` boolean tensor of the tokens it may take (structured output; never all
-    False); ``allowed_token_ids`` rows get theirs here. ``histories``: per row the request's ``TokenHistory``
+    ``masks``: per row None, or the tokens it may take (structured output; never none): a ``[vocab]`` boolean tensor,
+    or a bitmask ``int32[ceil(vocab / 32)]`` on the host (``engines.guided``: bit ``t % 32`` of word ``t // 32``), which
+    are unpacked here, all rows in one copy to the device and one operation; ``allowed_token_ids`` rows get theirs
+    here. ``histories``: per row the request's ``TokenHistory``
     (needed where ``params.needs_history``); ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.
 
     The whole batch is one pass on the device and one copy of the answers to the host (a row at a time would be
@@ -115,6 +117,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     one sampled token in a few thousand with the tiny test models, can then take the neighbouring token."""
     b, dev = logits.shape[0], logits.device
     raw = logits
+    masks = _unpacked(masks, logits)
     logits = _masked(adjusted(logits, params, histories, eos_ids, masks), _restricted(masks, params, logits))
     tokens = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
@@ -259,6 +262,26 @@ def _restricted(masks: Sequence[torch.Tensor | None] | None, params: Sequence[Sa
     out = list(masks) if masks is not None else [None] * len(params)
     for j, i in enumerate(rows):
         out[i] = allowed[j]
+    return out
+
+
+def _unpacked(masks: Sequence[torch.Tensor | None] | None,
+              logits: torch.Tensor) -> Sequence[torch.Tensor | None] | None:
+    """``masks`` with each bitmask row (``int32``) as a ``[vocab]`` boolean row on the logits' device: the bitmasks
+    stacked on the host, moved in one copy and unpacked in one operation (bits past the logits dropped, logits past
+    the bits not allowed)."""
+    rows = [i for i, m in enumerate(masks or ()) if m is not None and m.dtype == torch.int32]
+    if not rows:
+        return masks
+    packed = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (packed.unsqueeze(-1) >> shifts).bitwise_and_(1).bool().view(len(rows), -1)
+    width = logits.shape[-1]
+    if bits.shape[1] < width:
+        bits = torch.cat([bits, bits.new_zeros(len(rows), width - bits.shape[1])], 1)
+    out = list(masks)
+    for j, i in enumerate(rows):
+        out[i] = bits[j, :width]
     return out
 
 

@@ -141,8 +141,8 @@ def test_a_schema_the_engines_cannot_enforce_fails_its_request_clearly(cluster, 
     reason, and the engines go on serving (a schema they can enforce included)."""
     c, client, _ = cluster
     prompt, _ = conversation(500, 1)
-    bad = SamplingParams(temperature=0, max_tokens=8, json_schema=json.dumps({"type": "string"}))
-    with pytest.raises(DualPathError, match="top level must be an object"):
+    bad = SamplingParams(temperature=0, max_tokens=8, json_schema=json.dumps({"type": "array", "uniqueItems": True}))
+    with pytest.raises(DualPathError, match="uniqueItems"):
         client.generate(prompt, bad, mode=mode)
     good = SamplingParams(temperature=0, max_tokens=60, json_schema=json.dumps(
         {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}))

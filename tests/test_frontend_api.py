@@ -147,8 +147,9 @@ def test_json_mode_reaches_the_sampling_parameters(front):
 
 
 def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why(front):
-    """vLLM's guided_grammar and structured_outputs grammar (GBNF), on both APIs; a left-recursive grammar is a
-    400 that says so (never a failed generation)."""
+    """vLLM's guided_grammar and structured_outputs grammar (GBNF), on both APIs; a left-recursive grammar is fine
+    (llguidance parses with Earley); one naming an undefined rule is a 400 that says so (never a failed
+    generation)."""
     http, fake, _ = front
     fake.reply = "a,b"
     grammar = 'root ::= item ("," item)*\nitem ::= [a-z]+'
@@ -160,7 +161,9 @@ def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why
             s = fake.samplings[-1]
             assert s.grammar == grammar and s.regex is None and s.json_schema is None and not s.json_object
     r = post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= root "+" "1" | "1"')
-    assert r.status_code == 400 and "left-recursive" in r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    r = post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= "1" more')
+    assert r.status_code == 400 and "more" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "guided_grammar"
 
 
@@ -173,7 +176,8 @@ def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why
     (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
     (dict(structured_outputs={"regex": "a{2,1}"}), "structured_outputs"),
     (dict(guided_regex="a", guided_choice=["a"]), None),
-    (dict(guided_json="not json"), "guided_json"), (dict(guided_json={"type": "string"}), "guided_json"),
+    (dict(guided_json="not json"), "guided_json"),
+    (dict(guided_json={"type": "array", "uniqueItems": True}), "guided_json"),
     (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), None),
 ])
 def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body, param):
@@ -182,6 +186,20 @@ def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body
     assert r.status_code == 400, r.text
     assert param is None or r.json()["error"]["param"] == param, r.json()
     assert not fake.samplings
+
+
+def test_a_grammar_that_takes_too_long_to_compile_is_a_400(front, monkeypatch):
+    """Compiling and checking is bounded by a time limit (here 1 s): a grammar llguidance never comes back from
+    (two greedy tokens of one language in a row) is a 400 saying so, not a stuck request; the next one is served."""
+    from dualpath import structured
+
+    http, fake, _ = front
+    fake.reply = "aaa"
+    monkeypatch.setattr(structured, "COMPILE_SECONDS", 1.0)
+    r = post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= r r\nr ::= "a"+')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar"
+    assert "took longer than 1 s" in r.json()["error"]["message"] and not fake.samplings
+    assert post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= "a"+').status_code == 200
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -805,8 +823,8 @@ def test_a_grammar_that_compiled_is_not_compiled_again(front, monkeypatch):
     http, fake, _ = front
     fake.reply = "yes"
     compiled = []
-    real = openai_api.Grammar.pattern
-    monkeypatch.setattr(openai_api.Grammar, "pattern", lambda p: compiled.append(p) or real(p))
+    real = openai_api.structured.check
+    monkeypatch.setattr(openai_api.structured, "check", lambda c: compiled.append(c.source) or real(c))
     choices = [f"label {i}" for i in range(300)]
     for _ in range(3):
         assert post(http, "/v1/completions", model="m", prompt="hi", guided_choice=choices).status_code == 200

@@ -57,7 +57,7 @@ import openai  # noqa: E402
 import pytest  # noqa: E402
 
 from test_serving import validate  # noqa: E402
-from engines.guided import compile_grammar  # noqa: E402
+from grammar_check import completes, constraint  # noqa: E402
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, serve  # noqa: E402
 
 # DeepSeek-R1's way: the generation prompt opens the thinking, earlier replies lose theirs
@@ -142,11 +142,8 @@ def test_the_model_may_open_the_block_itself_and_other_replies_are_all_answer(ti
 
 
 def accepted(sampling, reply: str) -> bool:
-    """Whether the engines' grammar for ``sampling`` takes ``reply`` whole (what a guided model could write)."""
-    g = compile_grammar(sampling.json_schema, sampling.json_prefix.encode(), sampling.json_suffix.encode(),
-                 sampling.json_thinking)
-    state = g.run(g.start, reply.encode())
-    return state is not None and g.complete(state)
+    """Whether the engines' constraint for ``sampling`` takes ``reply`` whole (what a guided model could write)."""
+    return completes(constraint(sampling), reply)
 
 
 def test_structured_replies_are_constrained_after_the_thinking(tiny_dirs, tmp_path):

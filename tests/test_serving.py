@@ -19,9 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
-from dualpath.ebnf import Cfg
-from dualpath.grammar import Grammar
-from dualpath.regex import choice_pattern
+from dualpath.structured import Constraint, choice_pattern
+from grammar_check import accepts, read, schema
 from serve_process import ServeProcess, alive
 
 KEY = "test-key"
@@ -311,12 +310,12 @@ def test_patterns_and_choices_through_the_cluster_equal_the_reference(tiny, refe
     tagged = dict(json_schema=json.dumps({"anyOf": [number, number]}), json_prefix="@", json_suffix="!",
                   json_branches=("a", "b"), json_trigger=True)
     bias = {"logit_bias": {str(ord("@")): 3.0}}  # the tiny tokenizer: a token a byte
-    tag_grammar = Grammar.compile({"anyOf": [number, number]}, b"@", b"!", trigger=True, branches=(b"a", b"b"))
+    tag_grammar = schema({"anyOf": [number, number]}, "@", "!", trigger=True, branches=("a", "b"))
     asks = ((dict(guided_regex=r"\d+"), dict(regex=r"\d+"), lambda t: re.fullmatch(r"\d+", t, re.ASCII)),
             (dict(guided_choice=choices), dict(regex=choice_pattern(choices)), lambda t: t in choices),
-            (dict(guided_grammar=grammar), dict(grammar=grammar), lambda t: Cfg(grammar).fullmatch(t.encode())),
+            (dict(guided_grammar=grammar), dict(grammar=grammar), lambda t: accepts(Constraint("grammar", grammar), t)),
             (dict(response_format=tag, **bias), dict(tagged, logit_bias=((ord("@"), 3.0),)),
-             lambda t: tag_grammar.run(tag_grammar.start, t.encode()) is not None and "@" in t))
+             lambda t: read(tag_grammar, t) is not None and "@" in t))
     for mode, ((extra, params, valid), seed) in itertools.product(("pe", "de"), itertools.product(asks, (1, 5))):
         want = reference.generate(ids, SamplingParams(temperature=1.0, seed=seed, max_tokens=40, **params))[0]
         got = c.chat.completions.create(model="llama", messages=messages, max_tokens=40, temperature=1.0, seed=seed,

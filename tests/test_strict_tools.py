@@ -1,6 +1,6 @@
 """Strict tools under ``tool_choice`` "auto" (OpenAI's strict function calling): the reply's text stays free and
-each call it begins is held to the tools' schemas (``Grammar(trigger=True)``: free text in which a trigger begins a
-constrained object). The grammar against hand-checked texts, its masks against a token-by-token check, whole
+each call it begins is held to the tools' schemas (a constraint with a trigger: free text in which a trigger begins a
+constrained object). The constraint against hand-checked texts, its masks against a token-by-token check, whole
 generations of the tiny random model whose every triggered object is valid, and the frontend's sampling fields."""
 import json
 
@@ -9,9 +9,8 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
-from dualpath.grammar import Grammar
 from dualpath.serving.tools import DeepSeekV3, Hermes
-from engines.guided import GrammarMasks, Vocabulary
+from grammar_check import check_masks_along, constraint, read, schema
 from test_tools import HERMES_TEMPLATE, LLAMA3_TEMPLATE, WEATHER, chat, serve
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
@@ -20,9 +19,9 @@ PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["
 FUNCTIONS = [{"name": "get_weather", "parameters": PARAMS}, {"name": "get_time", "parameters": {"type": "object"}}]
 
 
-def hermes_grammar() -> Grammar:
+def hermes_grammar():
     shape = Hermes().triggered(FUNCTIONS)
-    return Grammar.compile(shape.schema, shape.prefix.encode(), shape.suffix.encode(), trigger=True)
+    return schema(shape.schema, shape.prefix, shape.suffix, trigger=True)
 
 
 @pytest.mark.parametrize("text, ok, may_end", [
@@ -39,34 +38,31 @@ def hermes_grammar() -> Grammar:
     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', False, False),  # the newline
 ])
 def test_free_text_with_calls_held_to_their_schemas(text, ok, may_end):
-    g = hermes_grammar()
-    state = g.run(g.start, text.encode())
-    assert (state is not None) == ok
+    r = read(hermes_grammar(), text)
+    assert (r is not None) == ok
     if ok:
-        assert Grammar.may_end(state) == may_end and not Grammar.complete(state)
+        assert r.may_end == may_end and not r.complete
 
 
-def test_a_trigger_must_restart_cleanly():
-    with pytest.raises(ValueError, match="first byte occurs once"):
-        Grammar.json_object(b"abca", b"", trigger=True)
-    with pytest.raises(ValueError):
-        Grammar.json_object(b"", b"", trigger=True)
+def test_any_trigger_works():
+    """A trigger whose first character recurs in it (the old engine refused it): a call begins where its text first
+    ends."""
+    c = schema(None, "abca", "!", trigger=True)
+    assert read(c, b"xxabxabca{}!done").may_end
+    assert read(c, b"abcabca{") is None  # the call began after the first "abca": "bca{" is no object
+    assert not read(c, b"ab abca{").may_end
 
 
 @pytest.mark.parametrize("text", ["", "see <too", "see <tool_call", "x<tool_call>", '<tool_call>{"name": "get_weather", "arguments": '
                                   '{"city": "Oslo"}}\n</tool', '<tool_call>{"name": "get_weather", "arguments": '
                                   '{"city": "Oslo"}}\n</tool_call>\n'])
 def test_masks_in_and_around_calls_equal_a_token_by_token_check(text):
-    """In free text every token but those with the trigger's last byte is allowed without reading it; those, and
-    every token inside a call, are read; the end token is allowed exactly where the text is free."""
+    """In free text and inside calls every token whose bytes read on is allowed; the end token is allowed exactly
+    where the text is free."""
     tokens = [bytes([b]) for b in range(256)] + [b"<tool_call>", b"_call>", b"_call>\n{", b'>{"name": "get_',
                                                  b"call>{", b"ol_call", b'"}}\n</tool_call>', b"></", b"\n</"]
-    vocab = Vocabulary(tokens + [None], len(tokens) + 1, end_ids=[len(tokens)])
-    g = hermes_grammar()
-    state = g.run(g.start, text.encode())
-    mask = GrammarMasks(g, vocab, "cpu").mask(state)
-    want = [g.run(state, t) is not None for t in tokens] + [Grammar.may_end(state)]
-    assert mask.tolist() == want
+    end = len(tokens)
+    check_masks_along(hermes_grammar(), tokens + [None], text.encode(), end + 1, end)
 
 
 def test_tiny_model_replies_keep_every_triggered_object_valid(tiny_dirs):
@@ -80,8 +76,7 @@ def test_tiny_model_replies_keep_every_triggered_object_valid(tiny_dirs):
         for o in llm.generate(["hello", "x y"], params):
             ids = o.token_ids[:-1] if o.token_ids[-1] == EOS_ID else o.token_ids
             text = bytes(ids).decode("utf-8", "replace")  # the tiny tokenizer: a token a byte
-            g = Grammar.compile(PARAMS, b"@", b"!", trigger=True)
-            assert g.run(g.start, bytes(ids)) is not None, text
+            assert read(constraint(params), bytes(ids)) is not None, text
             for part in text.split("@")[1:]:
                 body, closed, _ = part.partition("!")
                 if closed:  # a whole object (a cut reply's last one may be open)
@@ -113,10 +108,14 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(tiny_dirs, tmp_path):
     assert chat(http, **ask, tools=[WEATHER]).status_code == 200 and not fake.samplings[-1].structured
     assert chat(http, **ask, tools=[strict(WEATHER)], tool_choice="required").status_code == 200
     assert not fake.samplings[-1].json_trigger and fake.samplings[-1].json_prefix == "<tool_call>\n"
-    bad = strict({"type": "function", "function": {"name": "f", "parameters": {
+    bounded = strict({"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}}}})
+    assert chat(http, **ask, tools=[bounded]).status_code == 200  # (llguidance enforces minimum)
+    bad = strict({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}})
     r = chat(http, **ask, tools=[bad])
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "minimum" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "uniqueItems" in r.json()["error"]["message"]
     (tmp_path / "llama").mkdir()
     http, fake, _ = serve(tiny_dirs, tmp_path / "llama", LLAMA3_TEMPLATE)
     fake.reply = "Sunny."
@@ -132,17 +131,16 @@ def test_deepseek_calls_name_their_function_first_each_branch_holding_its_own_sc
     """DeepSeek writes the name before the arguments: after the call's begin tag the text is one function's name
     (a branch), then that function's arguments: another's schema, or a name not offered, is refused."""
     shape = DeepSeekV3(code_block).triggered(FUNCTIONS)
-    g = Grammar.compile(shape.schema, shape.prefix.encode(), shape.suffix.encode(), trigger=True,
-                        branches=tuple(b.encode() for b in shape.branches))
+    g = schema(shape.schema, shape.prefix, shape.suffix, trigger=True, branches=shape.branches)
 
     def call(name, args):
         return C + (f"function{S}{name}\n```json\n{args}\n```" if code_block else f"{name}{S}{args}") + CE
     text = "Let me look." + B + call("get_weather", '{"city": "Oslo"}') + call("get_time", '{"zone": 1}') + E + " Ok"
-    state = g.run(g.start, text.encode())
-    assert state is not None and Grammar.may_end(state)
-    assert g.run(g.start, (B + call("get_weather", '{"zone": 1}')).encode()) is None  # get_time's arguments
-    assert g.run(g.start, (B + call("launch", "{}")).encode()) is None
-    assert not Grammar.may_end(g.run(g.start, (B + call("get_weather", '{"city": "Oslo"}')[:-3]).encode()))
+    state = read(g, text)
+    assert state is not None and state.may_end
+    assert read(g, B + call("get_weather", '{"zone": 1}')) is None  # get_time's arguments
+    assert read(g, B + call("launch", "{}")) is None
+    assert not read(g, B + call("get_weather", '{"city": "Oslo"}')[:-3]).may_end
 
 
 def test_deepseek_strict_tools_reach_the_sampling_parameters(tiny_dirs, tmp_path):
@@ -169,12 +167,11 @@ def test_vllms_structural_tag_format_holds_what_each_trigger_begins(tiny_dirs, t
     assert chat(http, **ask, response_format=fmt).status_code == 200
     s = fake.samplings[-1]
     assert s.json_trigger and s.json_prefix == "<function=" and s.json_branches == ("get_weather>", "get_time>")
-    g = Grammar.compile(json.loads(s.json_schema), s.json_prefix.encode(), s.json_suffix.encode(), trigger=True,
-                        branches=tuple(b.encode() for b in s.json_branches))
+    g = constraint(s)
     text = 'Sure. <function=get_time>{"zone": "UTC"}</function> and <function=get_weather>{"city": "Oslo"}</function>'
-    assert Grammar.may_end(g.run(g.start, text.encode()))
-    assert g.run(g.start, b'<function=get_time>{"city": "Oslo"}') is not None  # get_time takes any properties
-    assert g.run(g.start, b'<function=get_weather>{"zone": "UTC"}') is None
+    assert read(g, text).may_end
+    assert read(g, b'<function=get_time>{"city": "Oslo"}') is not None  # get_time takes any properties
+    assert read(g, b'<function=get_weather>{"zone": "UTC"}') is None
     assert chat(http, **ask, response_format=fmt, tools=[WEATHER]).status_code == 200
     for bad in ({**fmt, "triggers": ["<a", "<b"]}, {**fmt, "structures": [{**fmt["structures"][0], "end": "!"},
                                                                           fmt["structures"][1]]},

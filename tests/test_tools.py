@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dualpath.grammar import Grammar
+from grammar_check import completes, constraint, read
 from dualpath.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.tools import DeepSeekV3, Hermes, Llama3Json, ToolCallSplitter, tool_markup
@@ -341,14 +341,14 @@ def test_a_forced_call_is_constrained_to_the_markup_and_the_tools_schemas(hermes
 @pytest.mark.parametrize("extra, param, words", [
     (ask(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "one of the request's tools"),
     (dict(messages=[{"role": "user", "content": "x"}], tool_choice="required", tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 2}}}}}]),
-     "tools", "minimum cannot be enforced"),
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]),
+     "tools", "Unimplemented keys: [\"uniqueItems\"]"),
     (dict(messages=[{"role": "user", "content": "x"}], tool_choice="auto"), "tool_choice", "needs tools"),
     (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}), "response_format",
      "needs a json_schema"),
     (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}}}),
-     "response_format", "pattern: look-ahead"),
+     "response_format", "look-around"),
     (ask(response_format={"type": "json_object"}), "response_format", "not supported"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
      "'image_url' are not supported"),
@@ -497,13 +497,12 @@ def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, 
     r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK], tool_choice="required")
     assert r.status_code == 200, r.text
     s = fake.samplings[-1]
-    g = Grammar.compile(json.loads(s.json_schema), s.json_prefix.encode(), s.json_suffix.encode(),
-                        branches=tuple(b.encode() for b in s.json_branches))
-    assert len(s.json_branches) == 2 and Grammar.complete(g.run(g.start, (prefix + '{"zone": "UTC"}' + suffix).encode()))
+    g = constraint(s)
+    assert len(s.json_branches) == 2 and completes(g, prefix + '{"zone": "UTC"}' + suffix)
     weather = prefix.replace("get_time", "get_weather") + '{"city": "Oslo"}' + suffix
-    assert Grammar.complete(g.run(g.start, weather.encode()))
-    assert g.run(g.start, (prefix.replace("get_time", "get_weather") + '{"zone": "UTC"}').encode()) is None
-    assert g.run(g.start, prefix.replace("get_time", "launch").encode()) is None
+    assert completes(g, weather)
+    assert read(g, prefix.replace("get_time", "get_weather") + '{"zone": "UTC"}') is None
+    assert read(g, prefix.replace("get_time", "launch")) is None
 
 
 # --- calls streamed as they are written ---------------------------------------------------------------------
@@ -736,12 +735,12 @@ def test_tools_with_nested_pydantic_parameters_can_be_forced(hermes, n_tools):
     fake.reply = '<tool_call>\n{"name": "plan0", "arguments": {"start": {"city": "Oslo"}, "stops": []}}\n</tool_call>'
     r = chat(http, messages=[{"role": "user", "content": "plan"}], tools=tools, tool_choice="required")
     assert r.status_code == 200, r.text
-    grammar = Grammar.compile(json.loads(fake.samplings[-1].json_schema))
+    grammar = constraint(fake.samplings[-1])
     trip = {"start": {"city": "Oslo", "near": {"city": "Bergen"}}, "stops": [{"city": "Rome", "near": None}]}
     jsonschema.validate(trip, params)
-    assert Grammar.complete(grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": trip}).encode()))
-    assert grammar.run(grammar.start, json.dumps({"name": "plan0", "arguments": {"start": {"town": "x"}}}).encode()) \
-        is None
+    prefix, suffix = fake.samplings[-1].json_prefix, fake.samplings[-1].json_suffix
+    assert completes(grammar, prefix + json.dumps({"name": "plan0", "arguments": trip}) + suffix)
+    assert read(grammar, prefix + json.dumps({"name": "plan0", "arguments": {"start": {"town": "x"}}})) is None
 
 
 # --- Qwen3-Coder's XML calls ------------------------------------------------------------------------------------

@@ -48,10 +48,10 @@ class StructuralTag(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``json_object`` constrains the reply to one JSON object (JSON mode),
-    ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs; ``dualpath.grammar`` lists the
-    keywords enforced, others are a 400). Enforced whatever ``strict`` says. vLLM's ``structural_tag``: free text
-    in which a ``trigger`` begins one of the ``structures`` (its ``begin`` text, an object of its ``schema``, its
-    ``end``), then free text again."""
+    ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs, compiled by llguidance:
+    ``dualpath.structured``; what it cannot enforce is a 400). Enforced whatever ``strict`` says. vLLM's
+    ``structural_tag``: free text in which a ``trigger`` begins one of the ``structures`` (its ``begin`` text, an
+    object of its ``schema``, its ``end``), then free text again."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
@@ -268,7 +268,8 @@ class _Common(BaseModel):
 
     def _formats(self) -> list[tuple[str, str, Any]]:
         """Every structured-output ask in the body: (field, kind, what constrains it): "json_object" (None),
-        "json_schema" (the schema), "regex" (the pattern), "choice" (the list of strings) or "grammar" (GBNF)."""
+        "json_schema" (the schema), "regex" (the pattern), "choice" (the list of strings) or "grammar" (GBNF or
+        Lark)."""
         out, fmt, so = [], self.response_format, self.structured_outputs or {}
         if fmt is not None and fmt.type == "structural_tag":
             out.append(("response_format", fmt.type, ([s.model_dump(by_alias=True) for s in fmt.structures],

@@ -60,8 +60,8 @@ class ToolMarkup(ABC):
 
     def triggered(self, functions: list[dict]) -> CallShape | None:
         """Calls to ``functions`` the model may make or not, each held to its schema once begun (strict tools with
-        ``tool_choice`` "auto"): the shape's prefix is what begins a call in free text (its first character occurs
-        once in it). None where a call cannot be recognised as it begins (the calls are the whole reply)."""
+        ``tool_choice`` "auto"): the shape's prefix is what begins a call in free text. None where a call cannot be
+        recognised as it begins (the calls are the whole reply)."""
         return None
 
     def for_tools(self, params: dict[str, dict]) -> "ToolMarkup":
@@ -281,9 +281,8 @@ def structural_shape(structures: list[dict], triggers: list[str]) -> CallShape:
     """vLLM's ``structural_tag`` response format as a triggered ``CallShape``: one trigger, which every structure's
     ``begin`` starts with (the rest of it is the structure's branch), and one ``end`` for all (what the grammar can
     hold; other forms are a RequestError naming why)."""
-    if len(triggers) != 1 or not triggers[0] or triggers[0].count(triggers[0][0]) != 1:
-        raise RequestError("structural_tag: one trigger is supported, whose first character occurs once in it",
-                           field="response_format")
+    if len(triggers) != 1 or not triggers[0]:
+        raise RequestError("structural_tag: one (non-empty) trigger is supported", field="response_format")
     trigger, ends = triggers[0], {s["end"] for s in structures}
     if not all(s["begin"].startswith(trigger) for s in structures) or len(ends) != 1:
         raise RequestError("structural_tag: every structure's begin must start with the trigger, and all must share "
