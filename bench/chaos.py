@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="dualpath-chaos-"))
     args.model = args.model or tiny_model(work)
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     agents = Agents(args.agents, args.prompt_tokens, open_checkpoint(args.model).config.vocab_size)
     reference = reference_for(args.model)

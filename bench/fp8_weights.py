@@ -29,7 +29,7 @@ from kv_fp8 import PROMPTS, compare, logprobs  # noqa: E402
 
 
 def layer_weight_bytes(model_dir: str, dtype: str, quantize=None) -> int:
-    from engines.models import load_model
+    from dualpath.engines.models import load_model
 
     model = load_model(model_dir, dtype=dtype, quantize=quantize)
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))
@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     from dualpath.checkpoints.fp8 import quantize_checkpoint
     from dualpath.checkpoints.smollm2 import default_model_dir
     from dualpath.config import WeightQuantConfig
-    from engines.models import load_model
+    from dualpath.engines.models import load_model
 
     model = args.model or str(default_model_dir())
     fp8 = str(quantize_checkpoint(model, Path(tempfile.mkdtemp()) / "fp8", tuple(args.block), progress=False))

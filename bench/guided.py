@@ -1,5 +1,5 @@
 """Structured output's cost: the hand-written engine this project had (its byte automata and cached vocabulary
-masks, loaded from git history into a temporary package) against llguidance (``engines.guided`` today), in one run,
+masks, loaded from git history into a temporary package) against llguidance (``dualpath.engines.guided`` today), in one run,
 on the real SmolLM2 (49,152-token vocabulary), one thread.
 
   setup    each engine's view of the vocabulary, built once per engine process: token bytes, then the old
@@ -102,7 +102,7 @@ def _git(*args: str) -> str:
 
 
 def load_old_engine(commit: str, where: Path) -> ModuleType:
-    """The old ``engines.guided`` (with its grammar, regex and ebnf modules) as the package ``old_guided`` written
+    """The old ``dualpath.engines.guided`` (with its grammar, regex and ebnf modules) as the package ``old_guided`` written
     under ``where``: its imports of each other rewritten, everything else (``dualpath.errors``, torch) as today."""
     package = where / "old_guided"
     package.mkdir()
@@ -121,7 +121,7 @@ def load_old_engine(commit: str, where: Path) -> ModuleType:
 def bench_setup(old: ModuleType, model_dir: Path, width: int, end_ids: list[int]) -> tuple[list[dict], dict]:
     """Each engine's vocabulary view, built from a fresh tokenizer: (rows, each engine's GuideSource)."""
     from dualpath.tokenizer import Tokenizer
-    from engines.guided import GuideSource
+    from dualpath.engines.guided import GuideSource
 
     rows, sources = [], {}
     for name, make in (("old", lambda tok: old.GuideSource(lambda: tok, width, "cpu", end_ids)),
@@ -171,7 +171,7 @@ def _walk(guide, ids: list[int]) -> float:
 def bench_step(sources: dict, tok, width: int, batch: int, repeats: int) -> dict:
     """A decode step's sampler with ``batch`` rows part-way through the JSON document, with each engine's masks."""
     from dualpath.sampling_params import SamplingParams
-    from engines.sampler import make_generator, sample
+    from dualpath.engines.sampler import make_generator, sample
 
     ids = tok.encode(DOC_TEXT, add_special_tokens=False)
     logits = torch.randn(batch, width, generator=torch.Generator().manual_seed(0)).mul_(3)
@@ -196,7 +196,7 @@ def bench_step(sources: dict, tok, width: int, batch: int, repeats: int) -> dict
 def _step(engine: str, guides: list, nexts: list[int], logits, params, gens):
     """One step: every row's mask, sampling under them, every row advanced by its next token and put back (the
     old guide's state restored; llguidance's matcher rolled back a token)."""
-    from engines.sampler import sample
+    from dualpath.engines.sampler import sample
 
     def step():
         sample(logits, params, gens, [g.mask() for g in guides])

@@ -26,9 +26,9 @@ def build(args):
     from dualpath.config import (CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig,
                                  TransportConfig)
     from dualpath.messages import EngineInfo, Role
-    from engines.prefill import PrefillEngine
-    from traffic.buffer import BufferPool
-    from traffic.transport import make_transport
+    from dualpath.engines.prefill import PrefillEngine
+    from dualpath.traffic.buffer import BufferPool
+    from dualpath.traffic.transport import make_transport
 
     cfg = EngineProcessConfig(
         role="prefill", model=args.model, scheduler="127.0.0.1:1", engine_id="bench-pe",
@@ -68,8 +68,8 @@ def main(argv=None) -> dict:
 
     from dualpath.geometry import block_hashes
     from dualpath.messages import Assignment, ReadPath
-    from engines.prefill import Job
-    from engines.sampler import make_generator
+    from dualpath.engines.prefill import Job
+    from dualpath.engines.sampler import make_generator
     from dualpath.sampling_params import SamplingParams
 
     pe, de_t, de_pool, de_info = build(args)

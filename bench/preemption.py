@@ -44,7 +44,7 @@ def model_shape(model: str, blocks: int) -> tuple[int, int]:
     (float32)."""
     from dualpath.geometry import KVGeometry
     from dualpath.tokenizer import Tokenizer
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     config = open_checkpoint(model).config
     return Tokenizer(model).vocab_size, KVGeometry.for_model(config, "float32", BLOCK).full_block_bytes * blocks

@@ -21,7 +21,7 @@ but no ``prio`` qdisc; ``htb``'s priorities give the same strict order here.)
   the payload of the writes completed while the collectives ran; its share is of the link rate the collectives
   leave (the link's rate less their bytes on the wire, headers included: a conservative ratio, payload against
   wire bytes).
-- **Marks**: the KV transport marks its own sockets from ``TransportConfig.kv_traffic_class`` (``traffic.qos``);
+- **Marks**: the KV transport marks its own sockets from ``TransportConfig.kv_traffic_class`` (``dualpath.traffic.qos``);
   gloo has no TOS option, so the ranks mark their sockets themselves after the group forms (what a host rule does
   for a real cluster's TCP collectives, ``deploy/qos/README.md``).
 
@@ -181,7 +181,7 @@ def _collective_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from traffic import qos
+    from dualpath.traffic import qos
 
     torch.set_num_threads(1)
     os.nice(args.collective_nice)
@@ -221,8 +221,8 @@ def _kv_worker(args) -> None:
     import torch
 
     from dualpath.config import TransportConfig
-    from traffic import qos
-    from traffic.transport import Op, Priority, RegionDesc, Segment, make_transport
+    from dualpath.traffic import qos
+    from dualpath.traffic.transport import Op, Priority, RegionDesc, Segment, make_transport
 
     torch.set_num_threads(1)
     os.nice(args.kv_nice)

@@ -52,7 +52,7 @@ def row_by_row(logits: torch.Tensor, params, generators) -> list[int]:
 
 def run(batch: int, vocab: int, device: str, repeats: int = 5) -> list[dict]:
     from dualpath.sampling_params import SamplingParams
-    from engines.sampler import make_generator, sample
+    from dualpath.engines.sampler import make_generator, sample
 
     dev = torch.device(device)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)).mul_(3).to(dev)
@@ -96,7 +96,7 @@ def dense_penalties(logits: torch.Tensor, p, prompts: list[list[int]], outputs: 
 
 def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str, repeats: int = 5) -> dict:
     from dualpath.sampling_params import SamplingParams
-    from engines.sampler import TokenHistory, make_generator, sample
+    from dualpath.engines.sampler import TokenHistory, make_generator, sample
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(1)
@@ -130,7 +130,7 @@ def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str,
 
 def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int = 5) -> dict:
     from dualpath.sampling_params import SamplingParams
-    from engines.sampler import TokenHistory, make_generator, sample
+    from dualpath.engines.sampler import TokenHistory, make_generator, sample
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(2)

@@ -29,8 +29,8 @@ class Sim:
     def __init__(self, policy: str, args, seed: int):
         from dualpath.config import SchedulerConfig
         from dualpath.messages import EngineInfo, Role
-        from scheduler.core import SchedulerCore
-        from scheduler.policy import make_policy
+        from dualpath.scheduler.core import SchedulerCore
+        from dualpath.scheduler.policy import make_policy
 
         self.args, self.rng = args, random.Random(seed)
         self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tpot", type=float, default=0.03)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from scheduler.balance import max_over_avg
+    from dualpath.scheduler.balance import max_over_avg
 
     rows = []
     # storage-bound (the paper's regime: reads outrun the storage NICs), then a light load where queues stay short

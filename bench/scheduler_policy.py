@@ -26,7 +26,7 @@ CONTEXT, APPEND, GEN = 32_721, 429, 176  # the paper's 64K trace: average contex
 
 
 def states(rng):
-    from scheduler.policy import EngineState, NodeState
+    from dualpath.scheduler.policy import EngineState, NodeState
 
     pes = [EngineState(f"p{n}-{i}", f"pn{n}", f"pn{n}", seq=rng.randint(0, 4), tok=rng.randint(0, 15_000),
                        beta=20_000) for n in range(PE_NODES) for i in range(PER_NODE)]
@@ -40,7 +40,7 @@ def states(rng):
 
 
 def requests(rng):
-    from scheduler.policy import QueuedRequest
+    from dualpath.scheduler.policy import QueuedRequest
 
     out = []
     for i in range(REQUESTS):
@@ -53,7 +53,7 @@ def requests(rng):
 def bench_policy(name: str, rng) -> dict:
     from dataclasses import replace
 
-    from scheduler.policy import make_policy
+    from dualpath.scheduler.policy import make_policy
 
     policy = make_policy(name)
     pes, des, nodes = states(rng)
@@ -98,8 +98,8 @@ def bench_core(rng) -> dict:
     from dualpath.geometry import block_hashes
     from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_keys, pack_tokens
     from dualpath.sampling_params import SamplingParams
-    from scheduler.core import SchedulerCore
-    from scheduler.policy import make_policy
+    from dualpath.scheduler.core import SchedulerCore
+    from dualpath.scheduler.policy import make_policy
 
     core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
                          make_policy("dualpath"))

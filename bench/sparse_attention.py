@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import best_of, print_table, write_result  # noqa: E402
-from kernels.attention import mla_attention  # noqa: E402
-from kernels.sparse_attention import IndexQuery  # noqa: E402
+from dualpath.kernels.attention import mla_attention  # noqa: E402
+from dualpath.kernels.sparse_attention import IndexQuery  # noqa: E402
 
 LATENT, ROPE, NOPE, VALUE = 512, 64, 128, 128
 INDEX_HEADS, INDEX_DIM = 64, 128

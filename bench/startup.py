@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_result  # noqa: E402
 
-FLOOR = ("import sys, torch, engines.prefill, engines.decode; from engines.models import load_model, open_checkpoint; "
+FLOOR = ("import sys, torch, dualpath.engines.prefill, dualpath.engines.decode; from dualpath.engines.models import load_model, open_checkpoint; "
          "torch.set_num_threads(1); load_model(open_checkpoint(sys.argv[1]), torch.device('cpu'), torch.float32, "
          "'torch')")
 

@@ -39,8 +39,8 @@ def main(argv=None) -> dict:
 
     from dualpath.config import StorageConfig
     from dualpath.geometry import KVGeometry
-    from traffic.memory import HostMemory
-    from traffic.storage import make_storage
+    from dualpath.traffic.memory import HostMemory
+    from dualpath.traffic.storage import make_storage
 
     # SmolLM2-135M's geometry in bfloat16: 30 layers x 64 tokens x 384 elements -> 1.4 MiB Full Blocks
     geom = KVGeometry(num_layers=30, block_size=64, kv_elems_per_token=384, dtype="bfloat16")

@@ -23,8 +23,8 @@ REGION = 256 << 20
 
 def _pair(backend: str, chunk_bytes: int):
     from dualpath.config import TransportConfig
-    from traffic.transport import make_transport
-    from traffic.transport.peer import PeerProcess
+    from dualpath.traffic.transport import make_transport
+    from dualpath.traffic.transport.peer import PeerProcess
 
     config = TransportConfig(name=backend, chunk_bytes=chunk_bytes, op_timeout_s=60)
     peer = PeerProcess(config, REGION)
@@ -37,7 +37,7 @@ def _pair(backend: str, chunk_bytes: int):
 
 
 def bandwidth(backend: str, sizes: list[int], total: int) -> list[dict]:
-    from traffic.transport import Op, Segment
+    from dualpath.traffic.transport import Op, Segment
 
     me, peer, lid, rid = _pair(backend, chunk_bytes=1 << 20)
     src, dst = torch.ones(REGION, dtype=torch.uint8), torch.zeros(REGION, dtype=torch.uint8)
@@ -66,7 +66,7 @@ def bandwidth(backend: str, sizes: list[int], total: int) -> list[dict]:
 
 def priority_latency(backend: str, probes: int = 20) -> dict:
     """Latency of 64 KiB high-priority transfers, idle and while a 1 GiB low-priority stream runs."""
-    from traffic.transport import Op, Priority, Segment
+    from dualpath.traffic.transport import Op, Priority, Segment
 
     me, peer, lid, rid = _pair(backend, chunk_bytes=256 << 10)
     small = [Segment(lid, 0, rid, 0, 64 << 10)]

@@ -55,7 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from dualpath.config import SchedulerConfig
-    from engines.main import run_scheduler
+    from dualpath.engines.main import run_scheduler
 
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
                                   policy=args.policy, heartbeat_timeout_s=args.heartbeat_timeout,
@@ -241,7 +241,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     print(f"{args.engines} {args.role} engines ready on {args.node_id or 'this host'} (logs: {node.run_dir})",
           file=sys.stderr, flush=True)
     if args.ready_file:  # a readiness probe's file; gone again once the node stops
-        from engines.main import write_ready
+        from dualpath.engines.main import write_ready
 
         write_ready(args.ready_file, "ready\n")
     try:
@@ -267,7 +267,7 @@ def _node_tp(given: int, engine_args: list[str]) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from engines.main import run_engine
+    from dualpath.engines.main import run_engine
 
     run_engine(engine_config(args), args.ready_file)
     return 0

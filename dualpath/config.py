@@ -28,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}
 # vLLM's --kv-cache-dtype values -> the cache's dtype (auto: the model's)
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
-KERNEL_BACKENDS = ("auto", "torch", "triton")  # see kernels.attention.choose_backend
+KERNEL_BACKENDS = ("auto", "torch", "triton")  # see dualpath.kernels.attention.choose_backend
 QUANTIZATIONS = ("fp8",)  # vLLM's and SGLang's --quantization values served (EngineConfig.quantization)
 SCHEDULING_POLICIES = ("fcfs", "priority")  # the order the scheduler's queues keep (SchedulerConfig)
 
@@ -109,7 +109,7 @@ class WeightQuantConfig:
     """Block-scaled FP8 weights, as DeepSeek-V3/V3.2 and Qwen3's FP8 checkpoints ship them (``quant_method: fp8``,
     ``weight_block_size``): a linear weight ``W [N, K]`` is stored as e4m3 values with one float32
     ``weight_scale_inv`` per ``block`` (rows, columns), ``W = q × scale``. Tensors stored without a scale (norms,
-    embeddings, routers) are plain. Activations stay in the model's dtype (w8a16: ``kernels.fp8``)."""
+    embeddings, routers) are plain. Activations stay in the model's dtype (w8a16: ``dualpath.kernels.fp8``)."""
 
     block: tuple[int, int] = (128, 128)
 
@@ -311,7 +311,7 @@ def _qwen3_moe(hf: dict) -> MoEConfig | None:
 class CacheConfig:
     """KV block geometry choices and how much device memory the paged cache takes: ``num_device_blocks`` blocks,
     else ``device_memory_bytes``, else (both 0) on CUDA ``gpu_memory_utilization`` of the device less what the
-    engine holds and its activations need (vLLM's rule; ``engines.memory``), on a CPU 1 GiB."""
+    engine holds and its activations need (vLLM's rule; ``dualpath.engines.memory``), on a CPU 1 GiB."""
 
     block_size: int = 64
     num_device_blocks: int = 0
@@ -358,7 +358,7 @@ class QosConfig:
       priority and a queue (``deploy/qos/roce-kv-traffic-class.sh``): ``kv_traffic_class`` on KV queue pairs,
       ``collective_traffic_class`` on NCCL's (``NCCL_IB_TC``).
     - TCP: the same byte as each socket's ``IP_TOS``: the KV transports mark their sockets with
-      ``kv_traffic_class`` (``traffic.qos``). Collective sockets (NCCL's socket transport, gloo) have no TOS
+      ``kv_traffic_class`` (``dualpath.traffic.qos``). Collective sockets (NCCL's socket transport, gloo) have no TOS
       option; a host rule marks them (``deploy/qos/README.md``).
 
     Defaults follow the paper's lanes and the RoCE script: KV on SL 2 and DSCP 10 (AF11), collectives on SL 0 and
@@ -481,15 +481,15 @@ class SpeculativeConfig:
 class ParallelConfig:
     """How one engine spans devices: ``tensor_parallel_size`` ranks (vLLM's and SGLang's ``-tp``), one process each
     on consecutive devices from the engine's (``cuda:k`` .. ``cuda:k+N-1``; CPU engines: N processes). Rank 0
-    speaks for the engine; the others follow its steps (``engines.parallel``). The ranks meet at a TCP store on
+    speaks for the engine; the others follow its steps (``dualpath.engines.parallel``). The ranks meet at a TCP store on
     ``master_port`` of this host (0: a free one) within ``join_timeout_s``; a collective that waits longer than
     ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it. MoE models:
     ``enable_expert_parallel`` (vLLM's flag) gives each rank whole routed experts, which tokens reach by
-    ``moe_dispatch`` (``engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert.
+    ``moe_dispatch`` (``dualpath.engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert.
 
     Data-parallel attention (``data_parallel_size`` D > 1, MoE models, one rank per engine): D engines, each with
     its own requests, KV cache and attention weights, hold E/D routed experts each and exchange tokens in every
-    MoE layer (``engines.parallel.dp``); engine ``data_parallel_rank`` of the group meets the others at
+    MoE layer (``dualpath.engines.parallel.dp``); engine ``data_parallel_rank`` of the group meets the others at
     ``data_parallel_master`` (host:port, hosted by rank 0)."""
 
     tensor_parallel_size: int = 1
@@ -509,7 +509,7 @@ class ParallelConfig:
             raise ConfigError(f"master_port must be a TCP port (0 for any), got {self.master_port}")
         if min(self.join_timeout_s, self.collective_timeout_s) <= 0:
             raise ConfigError("join_timeout_s and collective_timeout_s must be positive")
-        if self.moe_dispatch not in ("all_to_all", "all_gather"):  # engines.parallel.experts.DISPATCHES
+        if self.moe_dispatch not in ("all_to_all", "all_gather"):  # dualpath.engines.parallel.experts.DISPATCHES
             raise ConfigError(f"moe_dispatch must be all_to_all or all_gather, got {self.moe_dispatch!r}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size <= 64:
             raise ConfigError(f"data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}: the size "
@@ -573,7 +573,7 @@ class EngineConfig:
 
     @property
     def weight_quant(self) -> WeightQuantConfig | None:
-        """What plain checkpoint weights are quantized to at load (``engines.models.open_checkpoint``)."""
+        """What plain checkpoint weights are quantized to at load (``dualpath.engines.models.open_checkpoint``)."""
         return WeightQuantConfig() if self.quantization == "fp8" else None
 
 

@@ -151,7 +151,7 @@ def _free_port(host: str) -> int:
 def _check_groups(spec: ClusterSpec, model) -> None:
     """Data-parallel attention: each role's engines fill whole groups, of TP 1, on a model the groups can share."""
     from dualpath.config import EngineConfig, ParallelConfig
-    from engines.parallel.ranks import check_parallel
+    from dualpath.engines.parallel.ranks import check_parallel
 
     d = spec.data_parallel_size
     for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
@@ -166,13 +166,13 @@ def _check_groups(spec: ClusterSpec, model) -> None:
 def check_parallelism(spec: ClusterSpec, model) -> None:
     """``ConfigError`` before any process starts when ``spec``'s tensor parallelism cannot serve ``model`` (a
     ``ModelConfig``): a size that does not divide its heads, MLP or vocabulary, an architecture or LoRA adapters not
-    yet served sharded (``engines.parallel.ranks.check_parallel``, per role), or more devices than this host has."""
+    yet served sharded (``dualpath.engines.parallel.ranks.check_parallel``, per role), or more devices than this host has."""
     from dualpath.config import EngineConfig, ParallelConfig
 
     sizes = {role: spec.tp(role) for role in ("prefill", "decode")}
     for size in sizes.values():
         ParallelConfig(size)  # (a size out of range is refused with its own message)
-    from engines.parallel.ranks import check_parallel
+    from dualpath.engines.parallel.ranks import check_parallel
 
     if spec.data_parallel_size > 1:
         _check_groups(spec, model)
@@ -415,7 +415,7 @@ def rotate_log(path: Path, keep: int = KEEP_LOGS) -> None:
 
 def _release(c: "Child") -> None:
     """What a stopped child could not clean up itself: its shared-memory segments."""
-    from traffic.memory import remove_segments
+    from dualpath.traffic.memory import remove_segments
 
     n = remove_segments(c.proc.pid)
     if n:
@@ -524,7 +524,7 @@ class LocalCluster(Supervisor):
     def start(self, timeout: float = 300.0) -> "LocalCluster":
         s = self.spec
         if s.tp("prefill") > 1 or s.tp("decode") > 1:  # (serve checked already; other callers too, before starting)
-            from engines.models import open_checkpoint
+            from dualpath.engines.models import open_checkpoint
 
             check_parallelism(s, open_checkpoint(s.model).config)
         ensure_cluster_token()  # the cluster's internal plane is closed to whoever lacks it (children inherit it)

@@ -17,14 +17,14 @@ from dualpath.config import CacheConfig, EngineConfig, ParallelConfig, Speculati
 from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams, model_defaults
 from dualpath.tokenizer import Tokenizer, TokenIdsOnly
-from engines.local import LocalEngine
-from engines.models import open_checkpoint
-from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
-from engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole, load_adapter, update_weights
-from engines.sampler import TokenLogprob, make_generator
-from engines.sequence import Sequence
-from kernels.attention import check_cache_dtype
-from kernels.kv_move import cache_dtype
+from dualpath.engines.local import LocalEngine
+from dualpath.engines.models import open_checkpoint
+from dualpath.engines.parallel.ranks import RankSpec, check_parallel, start_ranks
+from dualpath.engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole, load_adapter, update_weights
+from dualpath.engines.sampler import TokenLogprob, make_generator
+from dualpath.engines.sequence import Sequence
+from dualpath.kernels.attention import check_cache_dtype
+from dualpath.kernels.kv_move import cache_dtype
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class LLM:
 
     ``num_kv_blocks`` (or ``kv_cache_bytes``) sizes the cache; both 0 (the default): on CUDA
     ``gpu_memory_utilization`` of the device less the weights and the activations of the largest forward (vLLM's
-    rule), on a CPU 1 GiB (``engines.memory``); ``block_size`` is the KV block geometry shared
+    rule), on a CPU 1 GiB (``dualpath.engines.memory``); ``block_size`` is the KV block geometry shared
     with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
@@ -174,7 +174,7 @@ class LLM:
     @torch.inference_mode()
     def logits(self, prompt: str | Seq[int], lora_request: str | None = None) -> torch.Tensor:
         """Logits of every position of one prompt in a single forward (float32), for checks and scoring."""
-        from engines.models.base import ForwardBatch
+        from dualpath.engines.models.base import ForwardBatch
 
         ids = self._prompt_ids(prompt)
         batch = ForwardBatch((0,), (len(ids),), (self._adapter(lora_request),))

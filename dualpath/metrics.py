@@ -34,7 +34,7 @@ class Metrics:
         return Histogram(PREFIX + name, help_, tuple(labels), registry=self.registry, buckets=buckets)
 
     def register(self, collector: Collector) -> None:
-        """A collector whose series are read at each scrape (``scheduler.metrics.StatsCollector``)."""
+        """A collector whose series are read at each scrape (``dualpath.scheduler.metrics.StatsCollector``)."""
         self.registry.register(collector)
 
     def render(self) -> bytes:

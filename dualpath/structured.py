@@ -1,6 +1,6 @@
 """Structured output's grammars: what a constrained reply may be, written for llguidance (the structured-output
 engine vLLM and SGLang ship; https://github.com/guidance-ai/llguidance), which compiles it and masks the vocabulary
-(``engines.guided``).
+(``dualpath.engines.guided``).
 
 A request's ``SamplingParams`` fields are one ``Constraint``: its *answer* is a JSON value (JSON mode's any object,
 or one valid against a JSON schema: llguidance's JSON Schema coverage), text a regular expression matches whole

@@ -30,13 +30,13 @@ from dualpath.geometry import BlockHash, block_hashes, choice_blocks
 from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
 from dualpath.sampling_params import SamplingParams
-from engines.engine import Engine
-from engines.local import LocalEngine
-from engines.sampler import TokenLogprob
-from engines.sequence import Sequence, choice_id
-from engines.streams import StreamHub
-from engines.parallel.steps import alloc_cache, buffer_to_cache, cache_size, cache_to_buffer, copy_block
-from kernels.kv_move import cache_to_full_blocks
+from dualpath.engines.engine import Engine
+from dualpath.engines.local import LocalEngine
+from dualpath.engines.sampler import TokenLogprob
+from dualpath.engines.sequence import Sequence, choice_id
+from dualpath.engines.streams import StreamHub
+from dualpath.engines.parallel.steps import alloc_cache, buffer_to_cache, cache_size, cache_to_buffer, copy_block
+from dualpath.kernels.kv_move import cache_to_full_blocks
 
 log = logging.getLogger(__name__)
 HAND_BACK_STORE_S = 10.0  # how long a stopping engine waits for the blocks it is storing before handing replies back
@@ -190,7 +190,7 @@ class DecodeEngine(Engine):
                 self._settle_overdue()
             if self.local.has_work():
                 self._step()
-            elif self.dp is not None:  # serve the group's forwards (``engines.parallel.dp``)
+            elif self.dp is not None:  # serve the group's forwards (``dualpath.engines.parallel.dp``)
                 served = self.dp.idle()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -514,7 +514,7 @@ def _await_stores(stores: list[Future], why: str) -> None:
 
 
 def _generators(msg: PrefillDoneMsg, n: int) -> list[torch.Generator | None]:
-    """Each choice's generator, where the prefill engine's left off (on the host, as in ``engines.sampler``)."""
+    """Each choice's generator, where the prefill engine's left off (on the host, as in ``dualpath.engines.sampler``)."""
     if not msg.generator_states:
         return [None] * n
     out = []

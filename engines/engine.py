@@ -28,18 +28,18 @@ from dualpath.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, En
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.sampling_params import SamplingParams
 from dualpath.tokenizer import Tokenizer
-from engines.guided import GuideSource
-from engines.models import open_checkpoint, open_update
-from engines.parallel.dp import attach, join_group
-from engines.parallel.ranks import RankSpec, check_parallel, start_ranks
-from engines.parallel.steps import attach_buffer, load_adapter, update_weights
-from kernels.attention import check_cache_dtype
-from kernels.kv_move import cache_dtype
-from traffic.buffer import BufferPool
-from traffic.manager import TrafficManager
-from traffic.memory import HostMemory
-from traffic.storage import ReadAccounting, make_storage
-from traffic.transport import make_transport
+from dualpath.engines.guided import GuideSource
+from dualpath.engines.models import open_checkpoint, open_update
+from dualpath.engines.parallel.dp import attach, join_group
+from dualpath.engines.parallel.ranks import RankSpec, check_parallel, start_ranks
+from dualpath.engines.parallel.steps import attach_buffer, load_adapter, update_weights
+from dualpath.kernels.attention import check_cache_dtype
+from dualpath.kernels.kv_move import cache_dtype
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.manager import TrafficManager
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.storage import ReadAccounting, make_storage
+from dualpath.traffic.transport import make_transport
 
 log = logging.getLogger(__name__)
 REJOIN = "rejoin: the scheduler counts this engine as gone"  # PushLoad's refusal that makes a member register again
@@ -86,7 +86,7 @@ class Engine:
         ckpt = open_checkpoint(cfg.model, cfg.engine.weight_quant)
         self.model_config = ckpt.config
         check_parallel(ckpt.config, cfg.engine)
-        # this process is rank 0; under tensor parallelism the others follow its steps (``engines.parallel``)
+        # this process is rank 0; under tensor parallelism the others follow its steps (``dualpath.engines.parallel``)
         self.ranks = start_ranks(RankSpec(cfg.model, cfg.engine, cfg.host, cfg.torch_threads), self._rank_lost)
         self.model = self.ranks.state.model
         self.dp = None  # data-parallel attention: this engine's group, whose MoE layers it runs in step with
@@ -159,8 +159,8 @@ class Engine:
         return (self.dp.stats()["attention_max_over_avg"] or 0.0) if self.dp is not None else 0.0
 
     def _rank_lost(self, why: str) -> None:
-        """A rank died (``engines.parallel.ranks``), or an engine of its data-parallel group
-        (``engines.parallel.dp``): the engine stops, telling the scheduler it leaves, and exits non-zero so that
+        """A rank died (``dualpath.engines.parallel.ranks``), or an engine of its data-parallel group
+        (``dualpath.engines.parallel.dp``): the engine stops, telling the scheduler it leaves, and exits non-zero so that
         its supervisor starts it again, whole."""
         self.exit_code = 1
         self.stopping.set()
@@ -255,7 +255,7 @@ class Engine:
         KBs, and thousands of files would cost every engine start seconds while measuring little more) under their
         own fingerprint (never a model's), then remove them. The blocks are dropped from the page cache between
         the write and the read: a read of what was just written would measure memory, not the disk."""
-        from traffic.storage import make_storage
+        from dualpath.traffic.storage import make_storage
 
         g = self.geometry
         n = max(1, min(nbytes // g.full_block_bytes, max_blocks))

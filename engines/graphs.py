@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from engines.kv_cache import PagedKVCache
-from engines.lora import AdapterRows
-from engines.models.base import CausalLM
-from kernels.attention import PagedKV
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.lora import AdapterRows
+from dualpath.engines.models.base import CausalLM
+from dualpath.kernels.attention import PagedKV
 
 log = logging.getLogger(__name__)
 

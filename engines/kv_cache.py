@@ -13,7 +13,7 @@ import torch
 
 from dualpath.allocator import BlockAllocator
 from dualpath.geometry import KVGeometry
-from kernels.kv_move import cache_dtype, write_tokens
+from dualpath.kernels.kv_move import cache_dtype, write_tokens
 
 
 class PagedKVCache:

@@ -16,14 +16,14 @@ import torch
 from dualpath.config import SpeculativeConfig
 from dualpath.errors import RequestError
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
-from engines.graphs import DecodeGraphs
-from engines.guided import GuideSource
-from engines.kv_cache import PagedKVCache
-from engines.models.base import CausalLM, ForwardBatch
-from engines.parallel.ranks import Ranks
-from engines.parallel.steps import RankState, decode_graph, forward_paged, logits_of, make_graphs
-from engines.sampler import check_token_ids, extend_prompt_logprobs, sample
-from engines.sequence import FinishReason, Sequence
+from dualpath.engines.graphs import DecodeGraphs
+from dualpath.engines.guided import GuideSource
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.models.base import CausalLM, ForwardBatch
+from dualpath.engines.parallel.ranks import Ranks
+from dualpath.engines.parallel.steps import RankState, decode_graph, forward_paged, logits_of, make_graphs
+from dualpath.engines.sampler import check_token_ids, extend_prompt_logprobs, sample
+from dualpath.engines.sequence import FinishReason, Sequence
 
 
 class ModelRunner:
@@ -51,7 +51,7 @@ class ModelRunner:
         self.ranks.state.graphs = graphs
 
     def capture(self, max_batch: int, max_model_len: int, enforce_eager: bool, capture: bool = True) -> None:
-        """Decode graphs on every rank (``engines.parallel.steps.make_graphs``); eager steps where they do not
+        """Decode graphs on every rank (``dualpath.engines.parallel.steps.make_graphs``); eager steps where they do not
         apply. ``capture`` False: the graphs' buffers run eagerly (tests of everything but the capture, on CPU)."""
         self.ranks.run(make_graphs, max_batch, max_model_len, enforce_eager, capture)
 

@@ -66,7 +66,7 @@ class LoraWeights:
 @dataclass(frozen=True)
 class AdapterRows:
     """The rows of a batch (indices into its packed new tokens, on the device) that run under ``weights``; None:
-    every row (no gather and scatter). ``mask`` (a captured decode step's, ``engines.graphs``): every row is
+    every row (no gather and scatter). ``mask`` (a captured decode step's, ``dualpath.engines.graphs``): every row is
     computed and its product scaled by ``mask [rows, 1]`` (1: the adapter's rows, 0: the others), so the step's
     shapes do not depend on which rows use the adapter."""
 

@@ -60,7 +60,7 @@ def unlink_shared_memory_on_term() -> None:
     the default action would, but first unlinks the shared-memory segments it created: else, with the supervisor
     itself killed, nobody could, and each keeps its bytes in RAM until reboot. Covers start-up: once running, the
     engine's loop takes SIGTERM over for a graceful stop, whose ``Engine.stop`` closes the buffer itself."""
-    from traffic.memory import remove_segments
+    from dualpath.traffic.memory import remove_segments
 
     def handler(signum, frame):
         remove_segments(os.getpid())
@@ -86,9 +86,9 @@ def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
     die_with_parent()
     set_collective_classes(cfg.qos)
     if cfg.role == "prefill":
-        from engines.prefill import PrefillEngine as cls
+        from dualpath.engines.prefill import PrefillEngine as cls
     else:
-        from engines.decode import DecodeEngine as cls
+        from dualpath.engines.decode import DecodeEngine as cls
     log.info("%s engine %s: loading %s on %s", cfg.role, cfg.engine_id, cfg.model, cfg.engine.device)
     engine = cls(cfg)
     log.info("%s engine %s: registering with the scheduler at %s", cfg.role, engine.engine_id, cfg.scheduler)
@@ -107,7 +107,7 @@ def run_engine(cfg: EngineProcessConfig, ready_file: str | None = None) -> None:
 def run_scheduler(cfg: SchedulerConfig, ready_file: str | None = None) -> None:
     import asyncio
 
-    from scheduler.service import run_scheduler_async
+    from dualpath.scheduler.service import run_scheduler_async
 
     die_with_parent()
     keep_large_buffers()

@@ -13,8 +13,8 @@ import torch
 from dualpath.config import CacheConfig
 from dualpath.errors import ConfigError
 from dualpath.geometry import KVGeometry
-from engines.kv_cache import PagedKVCache
-from engines.models.base import CausalLM
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ def largest_forward(model: CausalLM, geometry: KVGeometry, tokens: int, device: 
     """Prefill ``tokens`` tokens in one forward, as prompts of at most the model's context (a sliding window's
     included), over a cache of their own; returns how many prompts."""
     from dualpath.sampling_params import SamplingParams
-    from engines.local import ModelRunner
-    from engines.sequence import Sequence
+    from dualpath.engines.local import ModelRunner
+    from dualpath.engines.sequence import Sequence
 
     longest = model.config.context_limit() - 1
     lens = [min(longest, tokens - start) for start in range(0, tokens, longest)]

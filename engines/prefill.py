@@ -26,16 +26,16 @@ from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath,
     unpack_tokens
 from dualpath.rpc import ENGINE_METHODS, Client
 from dualpath.sampling_params import SamplingParams
-from engines.batcher import CostModel, Pending, form_batch
-from engines.engine import Engine
-from engines.guided import Guide
-from engines.layer_copies import LayerCopies
-from engines.models.base import ForwardBatch
-from engines.prefill_jobs import PrefillJobs
-from engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
-from engines.parallel.steps import LayerHooks, alloc_workspace, logits_of, prefill_layers, time_forward
-from traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
-from traffic.transport.base import Op, RegionDesc
+from dualpath.engines.batcher import CostModel, Pending, form_batch
+from dualpath.engines.engine import Engine
+from dualpath.engines.guided import Guide
+from dualpath.engines.layer_copies import LayerCopies
+from dualpath.engines.models.base import ForwardBatch
+from dualpath.engines.prefill_jobs import PrefillJobs
+from dualpath.engines.sampler import TokenHistory, check_token_ids, extend_prompt_logprobs, make_generator, sample
+from dualpath.engines.parallel.steps import LayerHooks, alloc_workspace, logits_of, prefill_layers, time_forward
+from dualpath.traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerRegion
+from dualpath.traffic.transport.base import Op, RegionDesc
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class AfterLoad:
 class Workspace:
     """A batch's KV, ``[slots, blocks, block_size, kv_elems]``, as the transport addresses it; layer l uses slot
     l % slots. One device's: its device memory. A tensor-parallel engine's: canonical host staging its ranks map,
-    each copying its heads to and from its own device workspace ``key`` (``engines.parallel.steps``)."""
+    each copying its heads to and from its own device workspace ``key`` (``dualpath.engines.parallel.steps``)."""
 
     tensor: torch.Tensor
     region: int
@@ -336,7 +336,7 @@ class PrefillEngine(Engine):
 
     # --- batches --------------------------------------------------------------------------------------------
     def loop(self) -> None:
-        # data-parallel attention: a turn without a batch serves the group's forwards (``engines.parallel.dp``);
+        # data-parallel attention: a turn without a batch serves the group's forwards (``dualpath.engines.parallel.dp``);
         # while the group computes it does not wait for work at all (the others' next forward waits on this turn)
         served = False
         while not self.stopping.is_set():

@@ -103,7 +103,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
     distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
     ``masks``: per row None, or the tokens it may take (structured output; never none): a ``[vocab]`` boolean tensor,
-    or a bitmask ``int32[ceil(vocab / 32)]`` on the host (``engines.guided``: bit ``t % 32`` of word ``t // 32``), which
+    or a bitmask ``int32[ceil(vocab / 32)]`` on the host (``dualpath.engines.guided``: bit ``t % 32`` of word ``t // 32``), which
     are unpacked here, all rows in one copy to the device and one operation; ``allowed_token_ids`` rows get theirs
     here. ``histories``: per row the request's ``TokenHistory``
     (needed where ``params.needs_history``); ``eos_ids``: the model's end tokens, which ``min_tokens`` holds back.

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dualpath.sampling_params import SamplingParams
-from engines.guided import Guide
-from engines.sampler import TokenHistory, TokenLogprob
-from engines.spec import PromptLookup
+from dualpath.engines.guided import Guide
+from dualpath.engines.sampler import TokenHistory, TokenLogprob
+from dualpath.engines.spec import PromptLookup
 
 
 def choice_id(request_id: str, index: int) -> str:

@@ -9,10 +9,10 @@ key and value lie in a row (and splits rows into K ``[.., Hk, D]`` and V ``[.., 
 MLA's shared latent use the same code.
 
 The cache may hold KV in a narrower dtype than q (8-bit floats): cached rows are read back in q's dtype, and new
-rows attend as the cache holds them (``kernels.kv_move.as_cached``), so a token's output does not depend on
+rows attend as the cache holds them (``dualpath.kernels.kv_move.as_cached``), so a token's output does not depend on
 whether its keys were computed in this forward or earlier.
 
-Backends: ``torch`` (this module; CPU, and the reference everywhere) and ``triton`` (``kernels.triton_attention``,
+Backends: ``torch`` (this module; CPU, and the reference everywhere) and ``triton`` (``dualpath.kernels.triton_attention``,
 reading the paged cache in place; CUDA). ``choose_backend("auto", device)`` picks triton on CUDA when it is
 installed; ``torch`` forces the reference for debugging.
 """
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from dualpath.config import KERNEL_BACKENDS
 from dualpath.errors import ConfigError
-from kernels.kv_move import as_cached, gather_tokens
-from kernels.sparse_attention import IndexQuery, listed
+from dualpath.kernels.kv_move import as_cached, gather_tokens
+from dualpath.kernels.sparse_attention import IndexQuery, listed
 
 # Sparse prefill over more than this many times topk tokens gathers each query's chosen rows (attention then costs
 # topk per query); below, it masks the dense scores (each gathered row is a copy). On CPU, 16 query heads, topk
@@ -199,7 +199,7 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
     Returns ``[T, Hq, Dv]``. ``backend`` is ``choose_backend``'s answer; triton needs ``cached`` paged, and with
     ``cu_new`` (the new lengths' prefix sums, int32 on q's device) and device-side ``cached.lens`` it copies
-    nothing between host and device. ``index`` (DeepSeek-V3.2's sparse attention; ``kernels.triton_sparse`` on
+    nothing between host and device. ``index`` (DeepSeek-V3.2's sparse attention; ``dualpath.kernels.triton_sparse`` on
     triton): each new token attends to the tokens the indexer chooses for it, not to all it sees.
     """
     new_rows = as_cached(new_rows, _cache_dtype(cached, new_rows))
@@ -226,12 +226,12 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
 
 def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float, cu_new,
             index: IndexQuery | None):
-    from kernels import triton_attention as ta
+    from dualpath.kernels import triton_attention as ta
 
     if not isinstance(cached, PagedKV):
         raise ValueError("the triton kernels read a paged cache: pass cached KV as PagedKV")
     if index is not None:
-        from kernels.triton_sparse import sparse_attention
+        from dualpath.kernels.triton_sparse import sparse_attention
 
         return sparse_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,
                                 index, cu_new)

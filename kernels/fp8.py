@@ -4,7 +4,7 @@ so ``W[n, k] = q[n, k] × scale[n // bn, k // bk]``. Edge blocks may be partial 
 
 Weights stay in FP8 in memory and are multiplied as 16-bit (w8a16): each weight is dequantized in float32, rounded
 once to the activations' dtype, then multiplied, as transformers does when it dequantizes an FP8 checkpoint. The
-torch reference dequantizes the whole weight per call; the Triton kernel (``kernels.triton_fp8``) dequantizes
+torch reference dequantizes the whole weight per call; the Triton kernel (``dualpath.kernels.triton_fp8``) dequantizes
 tiles in registers, so a weight-bound decode step reads half of bfloat16's bytes.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_move import FP8_MAX
+from dualpath.kernels.kv_move import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
 
@@ -81,9 +81,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + bias``, plus ``residual`` if given (on triton written over it, as ``add_linear`` does). The
     reference rounds the product and then the sum; the kernel rounds once. On triton, a batch of prefill size
-    multiplies FP8 by FP8 (``kernels.triton_fp8.uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does."""
+    multiplies FP8 by FP8 (``dualpath.kernels.triton_fp8.uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does."""
     if backend == "triton":
-        from kernels.triton_fp8 import uses_w8a8, w8a16_linear, w8a8_linear
+        from dualpath.kernels.triton_fp8 import uses_w8a8, w8a16_linear, w8a8_linear
 
         linear = w8a8_linear if uses_w8a8(x, w) else w8a16_linear
         return linear(x, w, bias, residual)

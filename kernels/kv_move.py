@@ -53,7 +53,7 @@ def gather_tokens(cache_layer: torch.Tensor, block_ids: torch.Tensor, num_tokens
 def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, backend: str = "torch") -> None:
     """Write token rows ``kv [T, kv_elems]`` into flat slots ``block × block_size + offset``."""
     if backend == "triton":
-        from kernels import triton_kv
+        from dualpath.kernels import triton_kv
 
         return triton_kv.scatter_blocks(cache_layer.view(-1, cache_layer.shape[-1]), slots, kv)  # rows as pieces
     _index_copy(cache_layer.view(-1, cache_layer.shape[-1]), slots, to_cache(kv, cache_layer.dtype))
@@ -62,7 +62,7 @@ def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tenso
 def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """Layer Blocks of ``block_ids`` as one contiguous ``[n, block_size, kv_elems]`` tensor."""
     if backend == "triton":
-        from kernels import triton_kv
+        from dualpath.kernels import triton_kv
 
         return triton_kv.gather_blocks(cache_layer, block_ids)
     return cache_layer.index_select(0, block_ids)
@@ -72,7 +72,7 @@ def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: t
                    backend: str = "torch") -> None:
     """Inverse of ``gather_blocks``."""
     if backend == "triton":
-        from kernels import triton_kv
+        from dualpath.kernels import triton_kv
 
         return triton_kv.scatter_blocks(cache_layer, block_ids, blocks)
     _index_copy(cache_layer, block_ids, to_cache(blocks, cache_layer.dtype))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul
-from kernels.fp8 import Fp8Weight, Weight, as_fp8_activations
+from dualpath.kernels.activation import silu_and_mul
+from dualpath.kernels.fp8 import Fp8Weight, Weight, as_fp8_activations
 
 
 def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int, topk_group: int,
@@ -45,10 +45,10 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
                    backend: str = "torch") -> torch.Tensor:
     """Sum over each token's chosen experts of ``weight × expert(x)``, an expert being ``down(silu(gate(x)) × up(x))``
     with stacked weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, tensors or
-    block-scaled FP8 (``kernels.fp8``). The torch reference runs only the experts chosen (the host learns which),
-    dequantizing those; ``triton`` runs the fused kernels (``kernels.triton_moe``), which never ask."""
+    block-scaled FP8 (``dualpath.kernels.fp8``). The torch reference runs only the experts chosen (the host learns which),
+    dequantizing those; ``triton`` runs the fused kernels (``dualpath.kernels.triton_moe``), which never ask."""
     if backend == "triton":
-        from kernels.triton_moe import fused_moe
+        from dualpath.kernels.triton_moe import fused_moe
 
         return fused_moe(x, weights, ids, gate_up, down)
     out = torch.zeros_like(x)
@@ -67,7 +67,7 @@ def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 def routed_experts_w8a8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Fp8Weight,
                         down: Fp8Weight, act_dtype: torch.dtype) -> torch.Tensor:
-    """What the fused kernels compute with FP8 activations (``kernels.triton_moe``'s w8a8), in x's dtype (float64
+    """What the fused kernels compute with FP8 activations (``dualpath.kernels.triton_moe``'s w8a8), in x's dtype (float64
     for a reference): the tokens quantized per row and gate/up K block, each pair's ``silu(gate) × up`` rounded to
     ``act_dtype`` (as the kernels hold it) and quantized per row and down K block, times down, times the pair's
     routing weight."""

@@ -89,10 +89,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
     Non-interleaved (GPT-NeoX / Llama) pairs dim i with i + d/2. Interleaved (DeepSeek) pairs 2i with 2i + 1 and
     writes the result de-interleaved (evens then odds), exactly as Hugging Face's DeepSeek-V3 does, so queries
-    and cached keys always share one layout. ``backend`` "triton": one kernel (``kernels.triton_elementwise``).
+    and cached keys always share one layout. ``backend`` "triton": one kernel (``dualpath.kernels.triton_elementwise``).
     """
     if backend == "triton":
-        from kernels.triton_elementwise import apply_rope as fused
+        from dualpath.kernels.triton_elementwise import apply_rope as fused
 
         return fused(x, cos, sin, interleaved, out)
     y = _rotate(x, cos, sin, interleaved)
@@ -115,9 +115,9 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
              head_dim: int, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """A fused QKV projection ``[T, (Hq + 2 Hk) * D]`` -> (queries ``[T, Hq, D]`` and the layer's KV row
     ``[T, 2 Hk D]`` = [keys | values]), queries and keys rotated (not interleaved). ``backend`` "triton": one
-    kernel (``kernels.triton_elementwise``) instead of the views, rotations and concatenation."""
+    kernel (``dualpath.kernels.triton_elementwise``) instead of the views, rotations and concatenation."""
     if backend == "triton":
-        from kernels.triton_elementwise import rope_qkv as fused
+        from dualpath.kernels.triton_elementwise import rope_qkv as fused
 
         return fused(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     t, q_cols, k_cols = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim

@@ -9,8 +9,8 @@ and the query attends to its ``topk`` best-scoring keys only (all of them while 
 Scores are float32 (as transformers computes them; float64 for float64 inputs). Ties at the cut go to the earliest
 tokens: ``topk`` alone breaks them as it likes (differently for rows of other lengths), and they happen (a key
 every head scores below zero scores exactly 0), so without a rule a chunked prefill would choose other tokens than
-a whole one. The attention itself (``kernels.attention.varlen_attention``) reads the keys from the same rows it
-attends over, so new keys are scored as the cache holds them. This is the torch reference; ``kernels.triton_sparse``
+a whole one. The attention itself (``dualpath.kernels.attention.varlen_attention``) reads the keys from the same rows it
+attends over, so new keys are scored as the cache holds them. This is the torch reference; ``dualpath.kernels.triton_sparse``
 scores with a kernel and chooses with ``_top`` and ``listed`` on the device.
 """
 from __future__ import annotations

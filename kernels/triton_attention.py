@@ -1,5 +1,5 @@
 """Triton kernels for attention over a paged KV cache plus new tokens: varlen causal prefill and split-sequence
-decode, for GQA/MHA rows and MLA's shared latent alike. CUDA devices use them (``kernels.attention`` dispatches);
+decode, for GQA/MHA rows and MLA's shared latent alike. CUDA devices use them (``dualpath.kernels.attention`` dispatches);
 tests run them on CPU under ``TRITON_INTERPRET=1`` against a float64 reference.
 
 Every kernel reads KV where it lies: cached tokens of sequence b are token slots of the blocks
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import RowLayout
+from dualpath.kernels.attention import RowLayout
 
 LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2: scores are scaled by scale * log2(e)
 

@@ -1,7 +1,7 @@
 """Triton kernels for a layer's element-wise work, each one pass over its tensors where eager torch makes several
 (RMSNorm: six kernels; rotary embedding of q and k plus the KV row: about twenty on strided views; SwiGLU: two).
-CUDA devices use them when the model's kernels are "triton" (``kernels.norm``, ``kernels.rope``,
-``kernels.activation`` dispatch); tests run them on CPU under ``TRITON_INTERPRET=1``.
+CUDA devices use them when the model's kernels are "triton" (``dualpath.kernels.norm``, ``dualpath.kernels.rope``,
+``dualpath.kernels.activation`` dispatch); tests run them on CPU under ``TRITON_INTERPRET=1``.
 
 Each computes in float32 and rounds to the tensor dtype exactly where the torch reference does (a bfloat16
 product is rounded before it is added), so the two backends agree to the last bit but for the order of a sum.
@@ -117,7 +117,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``qkv [T, (Hq + 2 Hk) * D]`` -> (rotated queries ``[T, Hq, D]``, the KV row ``[T, 2 Hk D]``: rotated keys
-    then values). Rotary embedding as Llama's (``kernels.rope.apply_rope``, not interleaved) over the first
+    then values). Rotary embedding as Llama's (``dualpath.kernels.rope.apply_rope``, not interleaved) over the first
     ``2 * cos.shape[-1]`` columns of each head."""
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, head_dim)
@@ -135,7 +135,7 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """``kernels.rope.apply_rope`` in one pass: heads of ``x [T, H, D]`` (any strides but unit columns) rotated into
+    """``dualpath.kernels.rope.apply_rope`` in one pass: heads of ``x [T, H, D]`` (any strides but unit columns) rotated into
     ``out`` (same shape; new if None), which may be a view into a larger row (MLA's KV row)."""
     t, h, d = x.shape
     out = x.new_empty(t, h, d) if out is None else out

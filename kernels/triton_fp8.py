@@ -1,4 +1,4 @@
-"""The w8a16 GEMM for block-scaled FP8 weights (``kernels.fp8``) on CUDA: ``x @ W^T`` with W read as e4m3 bytes
+"""The w8a16 GEMM for block-scaled FP8 weights (``dualpath.kernels.fp8``) on CUDA: ``x @ W^T`` with W read as e4m3 bytes
 and dequantized tile by tile in registers, so a weight-bound decode step reads half of bfloat16's bytes. Tests run
 it on CPU under ``TRITON_INTERPRET=1`` against float64.
 
@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, Fp8Weight
-from kernels.kv_move import FP8_MAX
-from kernels.triton_attention import _dot, exact_products
+from dualpath.kernels.fp8 import FP8, Fp8Weight
+from dualpath.kernels.kv_move import FP8_MAX
+from dualpath.kernels.triton_attention import _dot, exact_products
 
 
 @triton.jit
@@ -177,7 +177,7 @@ def uses_w8a8(x: torch.Tensor, w: Fp8Weight) -> bool:
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr, GROUPS: tl.constexpr):
     """Program (row, GROUPS groups of GROUP columns): each group's largest magnitude onto 448, as
-    ``kernels.fp8.quantize_blocks`` (scale 1 for an all-zero group; one correctly rounded division per element)."""
+    ``dualpath.kernels.fp8.quantize_blocks`` (scale 1 for an all-zero group; one correctly rounded division per element)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     c = tl.arange(0, BLOCK)
@@ -205,7 +205,7 @@ def round_e4m3(v):
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.fp8.quantize_activations`` on the GPU: rows ``x [M, K]`` as e4m3 and per-group float32 scales."""
+    """``dualpath.kernels.fp8.quantize_activations`` on the GPU: rows ``x [M, K]`` as e4m3 and per-group float32 scales."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
@@ -248,7 +248,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x
 def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, block_m: int = 64, block_n: int = 128,
                 block_k: int | None = None, **launch) -> torch.Tensor:
-    """``w8a16_linear``'s product with x quantized too (``kernels.fp8.w8a8_reference`` is what it computes): FP8
+    """``w8a16_linear``'s product with x quantized too (``dualpath.kernels.fp8.w8a8_reference`` is what it computes): FP8
     tensor cores for prefill-sized batches. Tiles by default 64 rows, 128 columns, K tiles of the scale block up
     to 128."""
     lead, k, n, block = x.shape[:-1], x.shape[-1], w.q.shape[0], w.block

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_move import to_cache
+from dualpath.kernels.kv_move import to_cache
 
 CHUNK = 4096
 

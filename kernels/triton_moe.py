@@ -1,5 +1,5 @@
 """Fused MoE for CUDA: a batch's routed experts in two Triton kernels, without the host learning which experts
-were chosen, so a DeepSeek-V3 decode step can be captured as a CUDA graph. ``kernels.moe.routed_experts``
+were chosen, so a DeepSeek-V3 decode step can be captured as a CUDA graph. ``dualpath.kernels.moe.routed_experts``
 dispatches here for the triton backend; tests run it on CPU under ``TRITON_INTERPRET=1`` against float64.
 
 The (token, expert) pairs are sorted by expert on the device and each expert's run padded to whole blocks of
@@ -7,9 +7,9 @@ The (token, expert) pairs are sorted by expert on the device and each expert's r
 belongs to one expert (or none, past the used rows). Kernel 1 computes ``silu(x @ gate^T) × (x @ up^T)`` for a
 row block and a column block of the expert's intermediate size; kernel 2 multiplies by ``down^T`` and the pair's
 routing weight into the pair's own output row; a token's k rows are then summed (in float32). Block-scaled FP8
-experts (``kernels.fp8``) are dequantized tile by tile as ``kernels.triton_fp8`` does; for a batch of prefill size
+experts (``dualpath.kernels.fp8``) are dequantized tile by tile as ``dualpath.kernels.triton_fp8`` does; for a batch of prefill size
 (``uses_w8a8``) the tokens and the intermediate activations are quantized too, per row and K block, and both kernels
-multiply FP8 by FP8 (``kernels.triton_fp8.w8a8_linear``'s recipe).
+multiply FP8 by FP8 (``dualpath.kernels.triton_fp8.w8a8_linear``'s recipe).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import Fp8Weight, Weight
-from kernels.triton_attention import _dot, exact_products
-from kernels.triton_fp8 import fp8_tile, native_fp8, quantize_activations, uses_w8a8, weight_bytes
+from dualpath.kernels.fp8 import Fp8Weight, Weight
+from dualpath.kernels.triton_attention import _dot, exact_products
+from dualpath.kernels.triton_fp8 import fp8_tile, native_fp8, quantize_activations, uses_w8a8, weight_bytes
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,10 +162,10 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
               w8a8: bool | None = None, **launch) -> torch.Tensor:
     """``sum_j weights[t, j] × expert_{ids[t, j]}(x[t])`` for x ``[T, H]``, ``weights``/``ids`` ``[T, k]``,
     ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, each a tensor or block-scaled FP8
-    (``kernels.fp8``; an FP8 ``gate_up``'s gate/up boundary on a scale block's edge). Returns ``[T, H]`` in x's
+    (``dualpath.kernels.fp8``; an FP8 ``gate_up``'s gate/up boundary on a scale block's edge). Returns ``[T, H]`` in x's
     dtype. ``block_m`` None: rows per block by the pairs per expert (16 for decode batches, up to 64); ``native``
-    as in ``kernels.triton_fp8.w8a16_linear``; ``w8a8`` None: FP8 experts multiply FP8 tokens where
-    ``uses_w8a8`` says a batch is of prefill size (``kernels.moe.w8a8_reference`` is what that computes)."""
+    as in ``dualpath.kernels.triton_fp8.w8a16_linear``; ``w8a8`` None: FP8 experts multiply FP8 tokens where
+    ``uses_w8a8`` says a batch is of prefill size (``dualpath.kernels.moe.w8a8_reference`` is what that computes)."""
     t, h = x.shape
     k, (e, two_i, _) = ids.shape[1], gate_up.shape
     inter, n = two_i // 2, t * ids.shape[1]

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2's sparse attention (DSA) on CUDA: the lightning indexer's scores, its choice, and MLA over the chosen
 tokens, all on the device, so a decode step past ``index_topk`` tokens is a CUDA graph like any other.
-``kernels.attention.varlen_attention`` dispatches here for the triton backend; tests run it on CPU under
-``TRITON_INTERPRET=1`` against the torch reference (``kernels.sparse_attention``) and float64.
+``dualpath.kernels.attention.varlen_attention`` dispatches here for the triton backend; tests run it on CPU under
+``TRITON_INTERPRET=1`` against the torch reference (``dualpath.kernels.sparse_attention``) and float64.
 
 Every new token is a query row ``r`` of sequence ``b``: it sees ``b``'s cached tokens (paged) and ``b``'s new tokens up
 to itself (rows of ``new_rows``). ``_index_score_kernel`` scores every key a row sees, ``Σ_h w_h · relu(scale ·
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import RowLayout
-from kernels.sparse_attention import IndexQuery, _top, listed
-from kernels.triton_attention import (LOG2E, _chunk, _common, _device_lens, _dot, _head_block, _joined, _load_kv,
+from dualpath.kernels.attention import RowLayout
+from dualpath.kernels.sparse_attention import IndexQuery, _top, listed
+from dualpath.kernels.triton_attention import (LOG2E, _chunk, _common, _device_lens, _dot, _head_block, _joined, _load_kv,
                                       _load_q, _online_softmax, _pad, _scores, _store_split, decode_splits,
                                       exact_products, head_blocking, new_starts, reduce_splits, split_outputs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 
 from dualpath.messages import ReadPath
-from scheduler.policy import EngineState, PathChoice, Policy, take_decode
+from dualpath.scheduler.policy import EngineState, PathChoice, Policy, take_decode
 
 
 def fifo(queue, engines, pulling, pick, take) -> list[tuple[str, EngineState]]:

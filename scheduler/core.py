@@ -1,5 +1,5 @@
 """The scheduler's bookkeeping, without sockets: engines and their loads, requests and their queues, the block
-index, balance metrics. The gRPC service (``scheduler.service``) calls these methods; tests call them directly.
+index, balance metrics. The gRPC service (``dualpath.scheduler.service``) calls these methods; tests call them directly.
 
 A request's life: ``submit`` (hashes, hit length) -> the global queue -> a decode group's private queue (policy
 phase 1) -> when that group pulls, a decode engine (phase 2, memory reserved) -> the prefill queue -> when a
@@ -28,9 +28,9 @@ from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullRep
                                SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
 from dualpath.paths import default_kv_store
 from dualpath.sampling_params import SamplingParams
-from scheduler.balance import WindowedSums, max_over_avg, measured_alpha
-from scheduler.index import BlockIndex
-from scheduler.policy import EngineState, NodeState, Policy, QueuedRequest, Running, preemption
+from dualpath.scheduler.balance import WindowedSums, max_over_avg, measured_alpha
+from dualpath.scheduler.index import BlockIndex
+from dualpath.scheduler.policy import EngineState, NodeState, Policy, QueuedRequest, Running, preemption
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from dualpath.metrics import CONTENT_TYPE, Metrics
-from scheduler.core import SchedulerCore
-from scheduler.metrics import StatsCollector
+from dualpath.scheduler.core import SchedulerCore
+from dualpath.scheduler.metrics import StatsCollector
 
 
 def render(stats: dict) -> str:
-    """Prometheus text of one stats snapshot (``scheduler.metrics``: the series a frontend's ``/metrics`` holds too)."""
+    """Prometheus text of one stats snapshot (``dualpath.scheduler.metrics``: the series a frontend's ``/metrics`` holds too)."""
     return registry(lambda: stats).render().decode()
 
 

@@ -59,7 +59,7 @@ class BlockIndex:
         if not model_dir.is_dir():  # nothing stored yet (a scheduler that never rebuilds needs no torch)
             log.info("block index: nothing stored in %s yet", root)
             return 0
-        from traffic.storage.fs import list_stored_keys  # imports torch
+        from dualpath.traffic.storage.fs import list_stored_keys  # imports torch
 
         found, pending = 0, []
         for key in list_stored_keys(model_dir):

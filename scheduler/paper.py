@@ -15,7 +15,7 @@ Read path: the side whose node has the shorter read queue.
 """
 from __future__ import annotations
 
-from scheduler.policy import EngineState, NodeState, Policy, take_decode
+from dualpath.scheduler.policy import EngineState, NodeState, Policy, take_decode
 
 INF = float("inf")
 _UNKNOWN_NODE = NodeState()  # read only: what classify assumes of a node with no report

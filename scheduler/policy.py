@@ -224,8 +224,8 @@ class Policy(ABC):
 
 
 def make_policy(name: str, recompute_slow_hits: bool = False, **kwargs) -> Policy:
-    from scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-    from scheduler.paper import DualPathPolicy
+    from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+    from dualpath.scheduler.paper import DualPathPolicy
 
     policies = {"dualpath": DualPathPolicy, "least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy,
                 "random": RandomPolicy}

@@ -20,9 +20,9 @@ from dualpath.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadRe
     HoldReply, PullReply, PullRequest, RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, \
     WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
-from scheduler.core import SchedulerCore
-from scheduler.policy import make_policy
-from scheduler.weights import drained_by, load_adapter, update_weights
+from dualpath.scheduler.core import SchedulerCore
+from dualpath.scheduler.policy import make_policy
+from dualpath.scheduler.weights import drained_by, load_adapter, update_weights
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class SchedulerService:
         return Stats({**self.core.stats(), "ready": self.core.ready()})
 
     async def UpdateWeights(self, req: WeightUpdate, ctx) -> WeightUpdateReply:
-        """New weights for every engine (``scheduler.weights``); one update at a time."""
+        """New weights for every engine (``dualpath.scheduler.weights``); one update at a time."""
         if self._updating:
             return WeightUpdateReply(False, "another weight update is running")
         self._updating = True
@@ -84,7 +84,7 @@ class SchedulerService:
             self._updating = False
 
     async def LoadAdapter(self, req: AdapterLoad, ctx) -> AdapterLoadReply:
-        """A LoRA adapter on every engine (``scheduler.weights.load_adapter``)."""
+        """A LoRA adapter on every engine (``dualpath.scheduler.weights.load_adapter``)."""
         return await load_adapter(self.core, req)
 
     async def Hold(self, req: Hold, ctx) -> HoldReply:
@@ -101,7 +101,7 @@ class SchedulerService:
 
     async def FlushCache(self, ref: RequestRef, ctx) -> Ack:
         """Every stored block of the served weights removed (``SchedulerCore.flush``); refused while requests run."""
-        from traffic.storage.fs import remove_stored  # imports torch, which a scheduler otherwise does without
+        from dualpath.traffic.storage.fs import remove_stored  # imports torch, which a scheduler otherwise does without
 
         why = self.core.flush(remove_stored)
         return Ack(not why, why)
@@ -206,7 +206,7 @@ async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio
 
         import uvicorn
 
-        from scheduler.http import build_app
+        from dualpath.scheduler.http import build_app
 
         sock = socket.create_server((config.host, config.http_port))
         http = uvicorn.Server(uvicorn.Config(build_app(core), log_level="warning", lifespan="off"))

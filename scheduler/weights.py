@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from dualpath.messages import AdapterLoad, AdapterLoadReply, WeightUpdate, WeightUpdateReply
 from dualpath.rpc import ENGINE_METHODS, Client, RpcError
-from scheduler.core import SchedulerCore
+from dualpath.scheduler.core import SchedulerCore
 
 log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.1  # an engine still dropping cancelled work refuses to load; ask again this often

@@ -17,10 +17,10 @@ ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32")
 def small_cpu_caches():
     """In-process engines on CPU get 256 MiB KV caches, not the product's 1 GiB: the tests' prompts need a few
     MiB, and each 1 GiB cache is zeroed page by page (0.3 s) and held until the collector frees it."""
-    import engines.memory
+    import dualpath.engines.memory
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(engines.memory, "CPU_CACHE_BYTES", 256 << 20)
+    patch.setattr(dualpath.engines.memory, "CPU_CACHE_BYTES", 256 << 20)
     yield
     patch.undo()
 
@@ -65,7 +65,7 @@ def pytest_unconfigure(config):
     if any(name.startswith("nixl") for name in sys.modules):
         # NIXL's bundled libraries crash in their exit-time destructors (libnl's rtnl_tc_unregister), so a
         # process that loaded NIXL leaves without running them, keeping pytest's exit status.
-        from traffic.memory import remove_segments
+        from dualpath.traffic.memory import remove_segments
 
         remove_segments(os.getpid())  # what this process shared: no finalizer runs after os._exit
         sys.stdout.flush()

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
 from dualpath.messages import EngineInfo, Role
-from traffic.buffer import BufferPool
-from traffic.transport import make_transport
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.transport import make_transport
 
 
 def engine_config(role: str, model, tmp_path, block_size: int, **kw) -> EngineProcessConfig:
@@ -32,7 +32,7 @@ class DecodePeer:
 @contextmanager
 def prefill_with_decode_peer(model, tmp_path, block_size: int):
     """``(prefill engine, decode peer)``; both closed after."""
-    from engines.prefill import PrefillEngine
+    from dualpath.engines.prefill import PrefillEngine
 
     pe = PrefillEngine(engine_config("prefill", model, tmp_path, block_size))
     g = pe.geometry

@@ -10,8 +10,8 @@ import torch
 
 from dualpath.sampling_params import SamplingParams
 from dualpath.structured import Constraint, compile
-from engines.guided import Guide, llg_tokenizer
-from engines.sampler import _unpacked
+from dualpath.engines.guided import Guide, llg_tokenizer
+from dualpath.engines.sampler import _unpacked
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The compute-quota batcher with a fixed cost model: exact batches and chunk sizes."""
-from engines.batcher import CostModel, Pending, form_batch
+from dualpath.engines.batcher import CostModel, Pending, form_batch
 
 # 1 ms per new token, nothing else: the quota is a token budget of quota / 1 ms.
 LINEAR = CostModel(fixed=0.0, per_token=1e-3, attention=0.0)
@@ -59,7 +59,7 @@ def test_a_prefill_engine_batches_its_most_urgent_ready_work_first():
     from types import SimpleNamespace
 
     from dualpath.sampling_params import SamplingParams
-    from engines.prefill import PrefillEngine
+    from dualpath.engines.prefill import PrefillEngine
 
     jobs = [SimpleNamespace(work_id=w, params=SamplingParams(priority=p), loaded=ok)
             for w, p, ok in (("a", 0, True), ("b", 2, True), ("c", -1, True), ("d", 0, True), ("e", -5, False))]

@@ -5,7 +5,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.index import BlockIndex
+from dualpath.scheduler.index import BlockIndex
 
 
 def chain(n: int, seed: int) -> list[bytes]:

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dualpath.errors import CheckpointError
-from engines.models import load_model
+from dualpath.engines.models import load_model
 
 
 def _copy(src, dst):

@@ -16,10 +16,10 @@ from dualpath.errors import DualPathError, RequestError
 from dualpath.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from cluster_calls import generate_during
-from engines.models import open_checkpoint
-from scheduler.http import render
-from traffic.memory import SEGMENT_PREFIX, SHM_DIR
-from traffic.storage.fs import list_stored_keys
+from dualpath.engines.models import open_checkpoint
+from dualpath.scheduler.http import render
+from dualpath.traffic.memory import SEGMENT_PREFIX, SHM_DIR
+from dualpath.traffic.storage.fs import list_stored_keys
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -350,7 +350,7 @@ def test_corrupt_blocks_are_stored_again_so_their_hit_comes_back(cluster, refere
 
 LONG = dict(max_tokens=300, ignore_eos=True)  # still going when an engine is killed
 # The sampled cases keep few candidates: a batch's rounding moves the logits in their last bits, and a draw that
-# close to a step of the distribution takes the neighbouring token (``engines.sampler.sample``): over the whole
+# close to a step of the distribution takes the neighbouring token (``dualpath.engines.sampler.sample``): over the whole
 # vocabulary, about one reply in four here when a decode engine's batch changes under it.
 MOVING = [SamplingParams(temperature=0, **LONG), SamplingParams(temperature=1.0, seed=11, n=2, top_k=4, **LONG),
           SamplingParams(temperature=0.9, seed=4, frequency_penalty=0.6, top_k=8, **LONG),
@@ -558,7 +558,7 @@ def test_an_fp8_kv_cluster_stores_quarter_blocks_and_matches_its_reference(tiny_
     """``--kv-cache-dtype fp8`` on every engine: e4m3 blocks in device memory, buffers, transfers and files (a
     quarter of float32's bytes, under their own fingerprint), and every turn, its prefix loaded by either path,
     equals the single-process reference on an fp8 cache."""
-    from traffic.storage.fs import header_bytes
+    from dualpath.traffic.storage.fs import header_bytes
 
     s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, kv_cache_dtype="fp8", cost_model="0,0.01,0")
     fp8_reference = LLM(str(tiny_dirs["llama"]), block_size=BS, kv_cache_dtype="fp8")

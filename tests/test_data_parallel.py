@@ -1,5 +1,5 @@
 """Data-parallel attention on CPU (gloo): engines in groups that each attend over their own requests and share an
-MoE model's routed experts, exchanging tokens in every MoE layer (``engines.parallel.dp``).
+MoE model's routed experts, exchanging tokens in every MoE layer (``dualpath.engines.parallel.dp``).
 
 A cluster of such groups answers as the one-process reference (greedy and sampled; on the prefill engine's read
 path, the decode engine's and split between them) whichever engine of a group holds a request while the others
@@ -20,8 +20,8 @@ from dualpath.client import ClusterClient
 from dualpath.config import EngineConfig, ParallelConfig
 from dualpath.errors import ConfigError
 from dualpath.launcher import LocalCluster, check_parallelism
-from engines.models import open_checkpoint
-from engines.parallel.ranks import check_parallel
+from dualpath.engines.models import open_checkpoint
+from dualpath.engines.parallel.ranks import check_parallel
 from test_cluster import MOVING, assert_as_the_reference, conversation, replies_while, run_conversation, spec
 
 

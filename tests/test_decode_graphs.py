@@ -9,11 +9,11 @@ import torch
 
 from dualpath.geometry import KVGeometry
 from dualpath.sampling_params import SamplingParams
-from engines.graphs import DecodeGraphs, graph_batch_sizes, use_decode_graphs
-from engines.kv_cache import PagedKVCache
-from engines.local import LocalEngine, ModelRunner
-from engines.models import load_model
-from engines.sequence import Sequence
+from dualpath.engines.graphs import DecodeGraphs, graph_batch_sizes, use_decode_graphs
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.local import LocalEngine, ModelRunner
+from dualpath.engines.models import load_model
+from dualpath.engines.sequence import Sequence
 from host_transfers import host_transfers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +65,7 @@ def test_the_captured_lora_step_reads_nothing_on_the_host(tiny_dirs, tiny_adapte
 
 
 def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
-    import engines.graphs as graphs_mod
+    import dualpath.engines.graphs as graphs_mod
 
     model = load_model(tiny_dirs["llama"], DEVICE, kernels="triton")
     cache = PagedKVCache(KVGeometry.for_model(model.config, "float32", BS), 32, DEVICE)
@@ -74,7 +74,7 @@ def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
     def fail(self):
         raise RuntimeError("operation not permitted when stream is capturing")  # what an uncapturable op raises
     monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture_all", fail)
-    with caplog.at_level("WARNING", logger="engines.graphs"):
+    with caplog.at_level("WARNING", logger="dualpath.engines.graphs"):
         engine = LocalEngine(model, cache, max_num_seqs=4, max_model_len=64)
     assert engine.runner.graphs is None
     assert "decode steps run eagerly: capturing CUDA graphs failed" in caplog.text
@@ -143,7 +143,7 @@ def test_lora_rows_replay_graphs_with_the_eager_logits(tiny_dirs, tiny_adapters,
     first) replays the LoRA graph, whose every row runs each adapter masked to its own rows, and equals the eager
     step, which gathers each adapter's rows; adapters loaded after the capture, or past MAX_GRAPH_ADAPTERS, run
     eagerly."""
-    import engines.graphs as graphs_mod
+    import dualpath.engines.graphs as graphs_mod
 
     model = load_model(tiny_dirs["llama"], DEVICE, kernels="torch")
     ids = [model.add_adapter(tiny_adapters[name]) for name in ("sql", "poet")]

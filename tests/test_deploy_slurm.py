@@ -19,7 +19,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from slurm_cluster import SlurmCluster, free_port, slurm_missing
-from traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
+from dualpath.traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16

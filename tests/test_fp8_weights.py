@@ -14,9 +14,9 @@ import torch
 
 from conftest import ARCHS
 from dualpath.errors import CheckpointError
-from engines.models import ForwardBatch, load_model
+from dualpath.engines.models import ForwardBatch, load_model
 from grid import covering
-from kernels.fp8 import FP8, Fp8Weight, fp8_linear, quantize_blocks
+from dualpath.kernels.fp8 import FP8, Fp8Weight, fp8_linear, quantize_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
@@ -56,7 +56,7 @@ def test_w8a16_kernel_against_float64(dtype, m, native, splits, epilogue):
     """x @ W^T over FP8 W of 72 x 100 in blocks of 32 (partial blocks both ways; the K tile 32), decode-sized and
     prefill-sized rows, the GPU's e4m3 conversion and the byte-widening one (``native``), K split across programs,
     bias and a residual written over."""
-    from kernels.triton_fp8 import w8a16_linear
+    from dualpath.kernels.triton_fp8 import w8a16_linear
 
     w = fp8_weight(72, 100, (32, 32))
     x = torch.randn(m, 100, dtype=dtype, device=DEVICE)
@@ -72,7 +72,7 @@ def test_w8a16_kernel_against_float64(dtype, m, native, splits, epilogue):
 
 def test_w8a16_kernel_with_deepseek_blocks():
     """Blocks of 128 (DeepSeek's, Qwen's): K tiles of 64, two per scale block; N and K past a block edge."""
-    from kernels.triton_fp8 import w8a16_linear
+    from dualpath.kernels.triton_fp8 import w8a16_linear
 
     w = fp8_weight(136, 200, (128, 128))
     x = torch.randn(3, 200, device=DEVICE)
@@ -85,8 +85,8 @@ def test_activation_quantization_kernel_rounds_as_torch(dtype):
     spanning eight decades, an all-zero group (scale 1), and groups whose largest value is 448 (scale 1) holding
     every e4m3 value's midpoint (ties to even), subnormals and values just below a power of two (the round-up's
     carry into the exponent)."""
-    from kernels.fp8 import quantize_activations as reference
-    from kernels.triton_fp8 import quantize_activations
+    from dualpath.kernels.fp8 import quantize_activations as reference
+    from dualpath.kernels.triton_fp8 import quantize_activations
 
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[grid.isfinite()].sort().values
@@ -108,8 +108,8 @@ def test_activation_quantization_kernel_rounds_as_torch(dtype):
 def test_w8a8_kernel_against_float64(dtype, m, epilogue):
     """FP8 x FP8 over W of 72 x 100 in blocks of 32 (partial blocks both ways; K tiles of 32): against float64 over
     the quantized rows and weights (``w8a8_reference``); bias and a residual written over."""
-    from kernels.fp8 import w8a8_reference
-    from kernels.triton_fp8 import w8a8_linear
+    from dualpath.kernels.fp8 import w8a8_reference
+    from dualpath.kernels.triton_fp8 import w8a8_linear
 
     w = fp8_weight(72, 100, (32, 32))
     x = (torch.randn(m, 100, device=DEVICE) * torch.logspace(-2, 1, 100, device=DEVICE)).to(dtype)
@@ -124,8 +124,8 @@ def test_prefill_batches_multiply_fp8_by_fp8():
     """On the Triton kernels ``fp8_linear`` takes the w8a8 GEMM from 128 rows (DeepSeek's blocks of 128) and the
     w8a16 one below, and for K blocks under 32; w8a8 is w8a16 within FP8 activations' rounding, no closer (so the
     first assertion could fail)."""
-    from kernels.fp8 import w8a8_reference
-    from kernels.triton_fp8 import W8A8_MIN_ROWS, w8a16_linear
+    from dualpath.kernels.fp8 import w8a8_reference
+    from dualpath.kernels.triton_fp8 import W8A8_MIN_ROWS, w8a16_linear
 
     w = fp8_weight(160, 256, (128, 128))
     x = torch.randn(W8A8_MIN_ROWS, 256, device=DEVICE)
@@ -152,12 +152,12 @@ def moe_case(dtype, t: int, h: int, inter: int, block: tuple[int, int]):
 def test_fused_moe_with_fp8_experts_against_float64(dtype, t, native):
     """Routed experts with FP8 gate/up and down (hidden 48, intermediate 32, blocks of 16), skewed routing, against
     the per-expert reference over the dequantized weights in float64; the torch reference path too."""
-    from kernels.moe import routed_experts
+    from dualpath.kernels.moe import routed_experts
 
     x, weights, ids, gate_up, down = moe_case(dtype, t, 48, 32, (16, 16))
     ref = routed_experts(x.double(), weights.double(), ids, gate_up.dequantize(torch.float64),
                          down.dequantize(torch.float64))
-    from kernels.triton_moe import fused_moe
+    from dualpath.kernels.triton_moe import fused_moe
 
     assert rel_err(fused_moe(x, weights, ids, gate_up, down, native=native), ref) < TOL[dtype]
     assert rel_err(routed_experts(x, weights, ids, gate_up, down), ref) < TOL[dtype]
@@ -171,8 +171,8 @@ def test_fused_moe_with_fp8_activations_against_float64(dtype, t):
     within 5e-2: the intermediate is rounded to bfloat16 before e4m3, so an element one bfloat16 step off crosses an
     e4m3 rounding edge (~3% of elements), and Triton's interpreter truncates float32 to bfloat16 where GPUs round to
     nearest (half its elements a step off: 0.01-0.025 measured; 1e-5 for the same operands in float32)."""
-    from kernels.moe import routed_experts, routed_experts_w8a8
-    from kernels.triton_moe import fused_moe
+    from dualpath.kernels.moe import routed_experts, routed_experts_w8a8
+    from dualpath.kernels.triton_moe import fused_moe
 
     x, weights, ids, gate_up, down = moe_case(dtype, t, 64, 64, (32, 32))
     out = fused_moe(x, weights, ids, gate_up, down, w8a8=True)
@@ -220,7 +220,7 @@ def model_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_fp8_checkpoints_match_transformers(arch, tiny_dirs, fp8_dirs):
     """Each architecture's FP8 checkpoint: the linear weights held in FP8 (DeepSeek's absorbed kv_b_proj
     dequantized at load), logits equal to transformers' on the same files, and far from the unquantized model's."""
-    from engines.models.fp8 import Fp8Param
+    from dualpath.engines.models.fp8 import Fp8Param
 
     model = load_model(fp8_dirs[arch])
     held = {n.rsplit(".", 2)[-2] for n, p in model.named_parameters() if p.dtype == FP8}
@@ -289,9 +289,9 @@ def test_fp8_layer_loop_copies_nothing_between_host_and_device(fp8_dirs, monkeyp
     step), so decode steps stay CUDA graphs."""
     from dualpath.geometry import KVGeometry
     from dualpath.sampling_params import SamplingParams
-    from engines.kv_cache import PagedKVCache
-    from engines.local import ModelRunner
-    from engines.sequence import Sequence
+    from dualpath.engines.kv_cache import PagedKVCache
+    from dualpath.engines.local import ModelRunner
+    from dualpath.engines.sequence import Sequence
     from host_transfers import transfers_in_layers
 
     model = load_model(fp8_dirs["qwen3_moe"], DEVICE, kernels="triton")
@@ -329,7 +329,7 @@ def test_parts_joined_off_a_block_edge_load_dequantized(tiny_dirs, tmp_path):
     scales and loads dequantized; o_proj (one source) stays FP8, its last block partial. Logits equal the model of
     the dequantized weights."""
     from dualpath.checkpoints.fp8 import quantize_checkpoint
-    from engines.models.fp8 import Fp8Param
+    from dualpath.engines.models.fp8 import Fp8Param
 
     fp8 = quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", (48, 16), progress=False)
     model = load_model(fp8)
@@ -393,7 +393,7 @@ def test_an_fp8_model_takes_fp8_weight_updates(tiny_dirs, fp8_dirs, tmp_path):
     model holds FP8 is refused before anything is copied."""
     from dualpath.checkpoints.fp8 import quantize_checkpoint
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
-    from engines.models import reload_weights
+    from dualpath.engines.models import reload_weights
 
     model, ids = load_model(fp8_dirs["llama"]), torch.randint(0, 256, (20,))
     before = logits(model, ids)
@@ -463,7 +463,7 @@ def test_quantized_at_load_in_default_blocks_joins_parts_first(tiny_dirs):
     held FP8 all the same, quantized after joining (its values those of the joined float weight quantized), and
     the logits move from the float model's by FP8's rounding, no more."""
     from dualpath.config import WeightQuantConfig
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     ckpt = open_checkpoint(tiny_dirs["llama"], WeightQuantConfig())
     assert ckpt.quantize_at_load and ckpt.config.quant.block == (128, 128)
@@ -481,7 +481,7 @@ def test_quantization_changes_the_kv_fingerprint_and_leaves_fp8_checkpoints_as_s
     ``quantize`` keeps its own blocks."""
     from dualpath.config import WeightQuantConfig
     from dualpath.geometry import model_fingerprint
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     def fingerprint(ckpt):
         return model_fingerprint(ckpt.config, "bfloat16", 64, ckpt.weights_digest)
@@ -497,7 +497,7 @@ def test_weight_updates_of_a_model_quantized_at_load(tiny_dirs, fp8_dirs, tmp_pa
     blocks load as stored; an update opened without the quantization (its config has none) is refused."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
     from dualpath.config import WeightQuantConfig
-    from engines.models import reload_weights
+    from dualpath.engines.models import reload_weights
 
     quant, ids = WeightQuantConfig(BLOCK), torch.randint(0, 256, (20,))
     model = load_model(tiny_dirs["llama"], quantize=quant)
@@ -515,7 +515,7 @@ def test_fp8_checkpoint_off_block_edges_reloads_into_a_model_quantized_at_load(t
     join them: loading it dequantizes those parts and quantizes the joined weight, like a plain load of its values."""
     from dualpath.checkpoints.fp8 import quantize_checkpoint
     from dualpath.config import WeightQuantConfig
-    from engines.models import reload_weights
+    from dualpath.engines.models import reload_weights
 
     quant = WeightQuantConfig((48, 16))
     fp8 = quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", quant.block, progress=False)

@@ -18,8 +18,8 @@ from dualpath import LLM, SamplingParams
 from dualpath.errors import CheckpointError
 from dualpath.structured import MAX_WS, GrammarError, check, compile
 from dualpath.tokenizer import Tokenizer
-from engines.guided import GuideError
-from engines.sampler import sample
+from dualpath.engines.guided import GuideError
+from dualpath.engines.sampler import sample
 from grammar_check import along, allowed, check_masks_along, completes, read, schema, toy_guide, walk
 
 JSON_MODE = schema()
@@ -608,7 +608,7 @@ def test_bitmask_rows_sample_as_their_boolean_masks():
 
 
 def _gen(p: SamplingParams):
-    from engines.sampler import make_generator
+    from dualpath.engines.sampler import make_generator
     return make_generator(p)
 
 
@@ -790,8 +790,8 @@ def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
     import time
     from types import SimpleNamespace
 
-    from engines.engine import Engine
-    from engines.guided import GuideSource
+    from dualpath.engines.engine import Engine
+    from dualpath.engines.guided import GuideSource
 
     tok = Tokenizer(tiny_dirs["llama"])
 

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dualpath.config import RopeConfig
-from kernels.attention import PagedKV, gqa_split, mla_attention, varlen_attention
-from kernels.kv_move import gather_blocks, gather_tokens, scatter_blocks, write_tokens
-from kernels.moe import grouped_topk
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from dualpath.kernels.attention import PagedKV, gqa_split, mla_attention, varlen_attention
+from dualpath.kernels.kv_move import gather_blocks, gather_tokens, scatter_blocks, write_tokens
+from dualpath.kernels.moe import grouped_topk
+from dualpath.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def _hf_inv_freq(rope_type: str, params: dict, head_dim: int):

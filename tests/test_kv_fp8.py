@@ -9,8 +9,8 @@ from dualpath import LLM, SamplingParams
 from dualpath.config import EngineConfig, ModelConfig
 from dualpath.errors import ConfigError
 from dualpath.geometry import KVGeometry, model_fingerprint
-from engines.models import load_model, open_checkpoint
-from engines.models.base import ForwardBatch
+from dualpath.engines.models import load_model, open_checkpoint
+from dualpath.engines.models.base import ForwardBatch
 
 BS = 16
 
@@ -94,7 +94,7 @@ def test_decoded_tokens_see_what_a_prefill_of_them_sees(tiny_dirs):
 
 
 def test_gpus_without_e4m3_in_triton_are_refused_clearly(monkeypatch):
-    from kernels.attention import check_cache_dtype
+    from dualpath.kernels.attention import check_cache_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")

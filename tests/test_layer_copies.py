@@ -3,7 +3,7 @@ bench/gpu/run.sh on a GPU machine)."""
 import pytest
 import torch
 
-from engines.layer_copies import LayerCopies
+from dualpath.engines.layer_copies import LayerCopies
 
 
 def test_cpu_copies_run_inline_and_ordering_is_a_no_op():

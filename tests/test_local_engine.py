@@ -102,7 +102,7 @@ def test_cache_slots_follow_the_block_table(start, n, spacer):
     """A token's slot is its block's id times the block size plus its offset, across block boundaries and for
     tables whose blocks are not consecutive."""
     from dualpath.geometry import KVGeometry
-    from engines.kv_cache import PagedKVCache
+    from dualpath.engines.kv_cache import PagedKVCache
 
     cache = PagedKVCache(KVGeometry(num_layers=1, kv_elems_per_token=4, dtype="float32", block_size=8), 40)
     cache.reserve("spacer", 8 * spacer + 1)

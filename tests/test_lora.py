@@ -13,10 +13,10 @@ from dualpath.checkpoints.tiny import build_tiny_adapter
 from dualpath.errors import CheckpointError, ConfigError, RequestError
 from dualpath.geometry import block_hashes, chain_root
 from dualpath.lora import LoraModule, adapter_digest, read_adapter_config
-from engines.models import load_model
-from engines.models.base import ForwardBatch
-from engines.sampler import make_generator
-from engines.sequence import Sequence
+from dualpath.engines.models import load_model
+from dualpath.engines.models.base import ForwardBatch
+from dualpath.engines.sampler import make_generator
+from dualpath.engines.sequence import Sequence
 
 TOL = 1e-4
 
@@ -331,9 +331,9 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
     from types import SimpleNamespace
 
     from dualpath.messages import RegisterReply
-    from engines.engine import Engine
-    from engines.parallel.ranks import Ranks
-    from engines.parallel.steps import RankState
+    from dualpath.engines.engine import Engine
+    from dualpath.engines.parallel.ranks import Ranks
+    from dualpath.engines.parallel.steps import RankState
 
     class Scheduler:
         def call(self, method, info, timeout):

@@ -1,4 +1,4 @@
-"""The paged KV cache's size (``engines.memory``): given, or vLLM's rule on CUDA (``gpu_memory_utilization`` of the
+"""The paged KV cache's size (``dualpath.engines.memory``): given, or vLLM's rule on CUDA (``gpu_memory_utilization`` of the
 device less the weights and the largest forward's activations, measured). The CUDA cases run on the GPU machine
 (bench/gpu/run.sh)."""
 import pytest
@@ -8,9 +8,9 @@ from dualpath.checkpoints.tiny import TINY_VOCAB
 from dualpath.config import CacheConfig
 from dualpath.errors import ConfigError
 from dualpath.geometry import KVGeometry
-import engines.memory
-from engines.memory import auto_cache_bytes, cache_blocks, largest_forward
-from engines.models import load_model
+import dualpath.engines.memory
+from dualpath.engines.memory import auto_cache_bytes, cache_blocks, largest_forward
+from dualpath.engines.models import load_model
 
 GiB = 1 << 30
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
@@ -36,7 +36,7 @@ def test_a_given_size_wins_and_a_cpu_gets_a_fixed_one(tiny_dirs):
     assert cache_blocks(CacheConfig(16, num_device_blocks=7, device_memory_bytes=GiB), geometry, model, 64, "cpu") == 7
     assert cache_blocks(CacheConfig(16, device_memory_bytes=10 * geometry.full_block_bytes), geometry, model, 64,
                         "cpu") == 10
-    want = engines.memory.CPU_CACHE_BYTES // geometry.full_block_bytes  # (conftest makes it smaller for tests)
+    want = dualpath.engines.memory.CPU_CACHE_BYTES // geometry.full_block_bytes  # (conftest makes it smaller for tests)
     assert cache_blocks(CacheConfig(16), geometry, model, 64, "cpu") == want
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)

@@ -5,8 +5,8 @@ import torch
 
 from conftest import ARCHS
 from dualpath.geometry import KVGeometry
-from engines.models import ForwardBatch, load_model
-from kernels.kv_move import layer_tokens_from_full, pack_full_blocks
+from dualpath.engines.models import ForwardBatch, load_model
+from dualpath.kernels.kv_move import layer_tokens_from_full, pack_full_blocks
 
 LENS = (5, 23, 41)
 

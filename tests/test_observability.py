@@ -18,7 +18,7 @@ from dualpath.launcher import Child, Supervisor
 from dualpath.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.watch import Counts, StatsLine, log_stats, stats_line
-from scheduler.http import render
+from dualpath.scheduler.http import render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 STATS = {  # a scheduler's stats with one of everything its series are made from
@@ -238,7 +238,7 @@ def test_start_up_reports_each_engine_as_it_starts_and_is_ready(tmp_path):
     children = []
     for name in ("prefill-0", "decode-0"):
         log_path = tmp_path / f"{name}.log"
-        log_path.write_text("INFO engines.models: llama: 1.0 MiB of weights on cpu in 0.5 s\n")
+        log_path.write_text("INFO dualpath.engines.models: llama: 1.0 MiB of weights on cpu in 0.5 s\n")
         cmd = [sys.executable, "-m", "dualpath.cli", "engine", "--role", name[:-2], "--model", "/m/llama",
                "--device", "cpu", "--ready-file", str(tmp_path / f"{name}.ready")]
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -255,7 +255,7 @@ def test_start_up_reports_each_engine_as_it_starts_and_is_ready(tmp_path):
     assert [ln.split()[0] for ln in ready] == ["decode-0", "prefill-0"]
     assert ready[0].startswith("decode-0 (llama on cpu) ready after ") and "KV cache 4,096 tokens" in ready[0]
     still = [ln for ln in lines if ln.startswith("still starting after")]
-    assert still and "prefill-0 (INFO engines.models: llama: 1.0 MiB of weights" in still[0]
+    assert still and "prefill-0 (INFO dualpath.engines.models: llama: 1.0 MiB of weights" in still[0]
 
 
 def test_a_child_that_exits_while_starting_is_an_error_naming_it(tmp_path):

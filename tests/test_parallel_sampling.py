@@ -12,9 +12,9 @@ from dualpath import LLM, SamplingParams
 from dualpath.allocator import BlockAllocator
 from dualpath.errors import RequestError
 from dualpath.geometry import KVGeometry
-from engines.kv_cache import PagedKVCache
-from engines.sampler import make_generator
-from engines.sequence import Sequence
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.sampler import make_generator
+from dualpath.engines.sequence import Sequence
 
 BS = 16
 
@@ -164,7 +164,7 @@ def test_prefilled_sequences_wait_for_a_decode_row(tiny_dirs, llm):
     """The decode engine's entry: sequences handed over with their prompt's KV in place join the batch only while
     it has fewer than ``max_num_seqs`` rows (CUDA graphs are captured up to that size); the rest wait their turn
     and generate what they would have."""
-    from engines.local import LocalEngine
+    from dualpath.engines.local import LocalEngine
 
     prompts = [list(range(3, 3 + k)) for k in (20, 9, 33, 4, 17)]
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))]

@@ -10,7 +10,7 @@ import torch
 
 from dualpath.errors import RequestError
 from dualpath.sampling_params import SamplingParams
-from engines.sampler import TokenHistory, adjusted, filtered_probs, make_generator, sample
+from dualpath.engines.sampler import TokenHistory, adjusted, filtered_probs, make_generator, sample
 
 V = 97
 EOS = (3, 11)
@@ -379,7 +379,7 @@ def test_prompt_logprobs_equal_transformers_in_chunks(tiny_dirs, hf):
 def test_prompt_logprobs_across_chunks_recomputes_and_gaps():
     """Chunks in order give the whole-prompt answer; a chunk computed again (preemption) adds nothing; a chunk past
     positions never computed (KV loaded from storage) is an error, not a list with holes."""
-    from engines.sampler import extend_prompt_logprobs
+    from dualpath.engines.sampler import extend_prompt_logprobs
 
     head = torch.randn(8, V)
     hidden, prompt = torch.randn(10, 8), torch.randint(0, V, (10,)).tolist()

@@ -2,9 +2,9 @@
 from hypothesis import given, settings, strategies as st
 
 from dualpath.messages import Mode, ReadPath
-from scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-from scheduler.paper import DualPathPolicy, classify
-from scheduler.policy import EngineState, NodeState, PathChoice, QueuedRequest, blocks_to_load, make_policy, split_path
+from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from dualpath.scheduler.paper import DualPathPolicy, classify
+from dualpath.scheduler.policy import EngineState, NodeState, PathChoice, QueuedRequest, blocks_to_load, make_policy, split_path
 
 BS = 64
 
@@ -197,7 +197,7 @@ def test_a_policy_that_recomputes_charges_the_reading_node_and_the_engine_for_wh
 def test_preemption_ends_the_fewest_least_urgent_latest_replies_on_one_engine():
     """vLLM's order: the least urgent reply first, the latest submitted among equals; only replies less urgent than
     the waiting one, on the engine where the fewest make room, and none when an engine already has room."""
-    from scheduler.policy import Running, preemption
+    from dualpath.scheduler.policy import Running, preemption
 
     running = {"d0": [Running("a", 5, 0, 300), Running("b", 5, 1, 100), Running("c", 0, 2, 900)],
                "d1": [Running("x", 1, 3, 200), Running("y", 2, 4, 200), Running("u", -1, 5, 900)]}

@@ -12,11 +12,11 @@ import pytest
 
 from dualpath.messages import Assignment, EngineInfo, ReadPath
 from dualpath.sampling_params import SamplingParams
-from engines.prefill import Job, PrefillEngine
-from engines.prefill_jobs import PrefillJobs
-from engines.sampler import make_generator
+from dualpath.engines.prefill import Job, PrefillEngine
+from dualpath.engines.prefill_jobs import PrefillJobs
+from dualpath.engines.sampler import make_generator
 from engine_doubles import engine_config, prefill_with_decode_peer
-from traffic.buffer import BufferPool
+from dualpath.traffic.buffer import BufferPool
 
 BS = 16
 
@@ -128,7 +128,7 @@ def test_a_decode_engine_keeps_a_cancelled_prompts_buffer_slots_until_its_prefil
     the prefill engine's ``Release`` says nothing is in flight (or, without one, after ``settle_s``). Freed at
     once, a late write would land in the next request's prompt."""
     from dualpath.messages import PrepareRequest, RequestRef
-    from engines.decode import DecodeEngine
+    from dualpath.engines.decode import DecodeEngine
 
     de = DecodeEngine(engine_config("decode", tiny_dirs["llama"], tmp_path, BS, buffer_bytes=2 << 20))
     try:

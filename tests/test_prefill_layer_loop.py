@@ -8,10 +8,10 @@ import torch
 
 from dualpath.messages import Assignment, ReadPath
 from dualpath.sampling_params import SamplingParams
-from engines.models import ForwardBatch
-from engines.prefill import Job
-from engines.sampler import make_generator
-from kernels.kv_move import layer_tokens_from_full
+from dualpath.engines.models import ForwardBatch
+from dualpath.engines.prefill import Job
+from dualpath.engines.sampler import make_generator
+from dualpath.kernels.kv_move import layer_tokens_from_full
 from engine_doubles import prefill_with_decode_peer
 
 BS = 16

@@ -19,7 +19,7 @@ from dualpath.cli import build_parser, engine_config, qos_config
 from dualpath.config import EngineProcessConfig, QosConfig, TransportConfig
 from dualpath.errors import ConfigError
 from netns_hosts import netns_missing
-from traffic import qos
+from dualpath.traffic import qos
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
@@ -87,12 +87,12 @@ def test_a_cluster_passes_its_classes_to_every_engine(tmp_path, tiny_dirs):
 
 def test_the_engine_process_hands_the_collective_classes_to_its_ranks(tmp_path):
     """``run_engine`` puts NCCL's classes in its environment before it builds the engine, whose ranks are processes
-    it starts (``engines.parallel.ranks.start_ranks``: ``subprocess.Popen`` without an environment of its own)."""
+    it starts (``dualpath.engines.parallel.ranks.start_ranks``: ``subprocess.Popen`` without an environment of its own)."""
     script = textwrap.dedent("""
         import os, subprocess, sys
-        import engines.prefill
+        import dualpath.engines.prefill
         from dualpath.cli import build_parser, engine_config
-        from engines.main import run_engine
+        from dualpath.engines.main import run_engine
 
         class Engine:  # stands in for the prefill engine: starts a "rank" the way start_ranks does
             def __init__(self, cfg):
@@ -101,7 +101,7 @@ def test_the_engine_process_hands_the_collective_classes_to_its_ranks(tmp_path):
                 print("rank sees", child.stdout.strip(), flush=True)
                 raise SystemExit(0)
 
-        engines.prefill.PrefillEngine = Engine
+        dualpath.engines.prefill.PrefillEngine = Engine
         args = build_parser().parse_args(["engine", "--role", "prefill", "--scheduler", "127.0.0.1:1", "--model",
                                           "/nonexistent/model", "--collective-service-level", "5",
                                           "--collective-dscp", "34"])
@@ -138,8 +138,8 @@ def test_a_marked_listener_marks_every_connection_it_accepts_and_the_marker_find
 
 @pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed")
 def test_the_ucx_transports_kv_sockets_carry_the_kv_traffic_class():
-    from traffic.transport import Op, Priority, Segment, make_transport
-    from traffic.transport.peer import PeerProcess
+    from dualpath.traffic.transport import Op, Priority, Segment, make_transport
+    from dualpath.traffic.transport.peer import PeerProcess
 
     config = TransportConfig(name="ucx", op_timeout_s=20, kv_traffic_class=QosConfig().kv_traffic_class)
     peer = PeerProcess(config, 4 << 20)
@@ -200,7 +200,7 @@ def test_a_tensor_parallel_engines_collective_sockets_carry_the_high_class(tiny_
     """Ranks joining their group mark its TCP connections (gloo's) with the collectives' TOS byte, as the engine
     gives NCCL it (``NCCL_IB_TC``): rank 0's sockets to rank 1 read it back."""
     from dualpath import LLM
-    from traffic.qos import own_tcp_sockets, fd_tos
+    from dualpath.traffic.qos import own_tcp_sockets, fd_tos
 
     monkeypatch.setenv("NCCL_IB_TC", "104")
     with LLM(str(tiny_dirs["llama"]), num_kv_blocks=16, block_size=16, tensor_parallel_size=2):

@@ -12,7 +12,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
 from dualpath.errors import RequestError
 from dualpath.structured import Constraint, GrammarError, check, choice_pattern
-from engines.guided import GuideError
+from dualpath.engines.guided import GuideError
 from grammar_check import allowed, along, check_masks_along, completes, fullmatches, read, toy_guide
 
 # Python's syntax where Rust's regex (llguidance's) reads it alike; (?P<name>...) groups, lazy quantifiers, inline

@@ -9,7 +9,7 @@ import pytest
 
 from dualpath.messages import Ack, RequestRef, TokenEvent
 from dualpath.rpc import ENGINE_METHODS, Client, ThreadedServer
-from engines.streams import StreamHub
+from dualpath.engines.streams import StreamHub
 
 
 class _Handler:
@@ -95,7 +95,7 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
     from dualpath import SamplingParams
     from dualpath.client import ClusterClient, OverloadedError
     from dualpath.config import SchedulerConfig
-    from scheduler.service import run_scheduler_async
+    from dualpath.scheduler.service import run_scheduler_async
 
     loop, stop, ports = asyncio.new_event_loop(), asyncio.Event(), queue.Queue()
     cfg = SchedulerConfig(host="127.0.0.1", heartbeat_timeout_s=60.0)

@@ -3,7 +3,7 @@ import torch
 
 from dualpath.errors import RequestError
 from dualpath.sampling_params import SamplingParams
-from engines.sampler import _draw, filtered_probs, make_generator, sample
+from dualpath.engines.sampler import _draw, filtered_probs, make_generator, sample
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():

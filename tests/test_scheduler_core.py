@@ -10,10 +10,10 @@ from dualpath.errors import RequestError
 from dualpath.geometry import choice_blocks
 from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
 from dualpath.sampling_params import SamplingParams
-from scheduler.balance import drain_rate, measured_alpha
-from scheduler.core import SchedulerCore
-from scheduler.http import render
-from scheduler.policy import make_policy
+from dualpath.scheduler.balance import drain_rate, measured_alpha
+from dualpath.scheduler.core import SchedulerCore
+from dualpath.scheduler.http import render
+from dualpath.scheduler.policy import make_policy
 
 BS = 16
 
@@ -537,7 +537,7 @@ def test_a_salted_prompt_hits_only_the_blocks_stored_under_its_salt():
 def test_a_ranked_fifo_orders_by_rank_then_arrival_and_keeps_its_weight(ops):
     """``Fifo`` against a sorted list: lower ranks first; append keeps an id's place; appendleft puts it first of
     its rank."""
-    from scheduler.core import Fifo
+    from dualpath.scheduler.core import Fifo
 
     q, model, clock = Fifo(), {}, itertools.count()  # model: id -> (rank, order key, weight)
     for op, i, rank, weight in ops:

@@ -5,7 +5,7 @@ import pytest
 
 from dualpath.sim.cluster import ClusterSim, SimConfig, block_key
 from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
-from engines.batcher import CostModel
+from dualpath.engines.batcher import CostModel
 
 FAST = Hardware(gpus=1, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12)
 MODEL = ModelPreset("toy", 1000)  # 1 KB of KV per token

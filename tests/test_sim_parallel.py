@@ -10,7 +10,7 @@ from dualpath.messages import Role
 from dualpath.sim.cluster import ClusterSim, SimConfig
 from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
 from dualpath.sim.links import PE_PATH, path_route
-from engines.batcher import CostModel
+from dualpath.engines.batcher import CostModel
 
 MODEL = ModelPreset("toy", 1000)  # 1 KB of KV per token
 ENGINE = EngineModel(CostModel(0.01, 0.001, 0.0), decode_fixed_s=0.016, decode_per_seq_s=0.0, decode_per_token_s=0.0,

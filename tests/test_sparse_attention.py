@@ -8,10 +8,10 @@ import torch
 
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
-from engines.models import ForwardBatch, load_model
-from kernels import attention, sparse_attention
-from kernels.attention import PagedKV, mla_attention
-from kernels.sparse_attention import IndexQuery
+from dualpath.engines.models import ForwardBatch, load_model
+from dualpath.kernels import attention, sparse_attention
+from dualpath.kernels.attention import PagedKV, mla_attention
+from dualpath.kernels.sparse_attention import IndexQuery
 
 H, D, OFF, WIDTH, BS = 3, 8, 5, 5 + 8 + 2, 4  # indexer heads, key width, where keys start in a row, row width
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path's tests (the interpreter on CPU)
@@ -120,7 +120,7 @@ def test_sparse_attention_against_float64(monkeypatch, form, gather):
 def _sparse_case(lens, dtype, bs):
     """MLA rows ``[latent 16 | rope key 16 | indexer key 16]`` of sequences with (cached, new) ``lens``: queries,
     new rows, the cached rows paged into blocks of ``bs`` (shuffled) and as lists, and an indexer keeping 6."""
-    from kernels.attention import mla_split
+    from dualpath.kernels.attention import mla_split
 
     r, dr, d, h = 16, 16, 16, 3
     width, new_lens = r + dr + d, [n for _, n in lens]
@@ -146,11 +146,11 @@ def _sparse_case(lens, dtype, bs):
                                       ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16),  # a decode batch
                                       ([(40, 9)], 16)])  # one sequence, its rows scored a few at a time
 def test_the_triton_sparse_path_matches_the_reference(monkeypatch, dtype, lens, bs):
-    """``kernels.triton_sparse`` (the interpreter here): the indexer's scores, the choice and MLA over the chosen
+    """``dualpath.kernels.triton_sparse`` (the interpreter here): the indexer's scores, the choice and MLA over the chosen
     rows on the device give the torch reference's output (within 1e-3 for float32, 2e-2 for bfloat16, of its
     magnitude), prefill rows seeing cached and their own new keys, a decode batch, odd block sizes; float32 queries
     over an e4m3 cache (``--kv-cache-dtype fp8``: new rows attend and are scored as the cache holds them)."""
-    from kernels import triton_sparse
+    from dualpath.kernels import triton_sparse
 
     monkeypatch.setattr(triton_sparse, "_CHOICE_ELEMS", 200)  # a few query rows a chunk
     fp8 = dtype == "fp8 cache"
@@ -168,7 +168,7 @@ def test_the_triton_sparse_path_matches_the_reference(monkeypatch, dtype, lens, 
 def test_the_triton_indexer_scores_against_float64():
     """Every (query row, key position) the row sees scored as in float64; -inf at the positions it does not see,
     up to the row's padded width."""
-    from kernels.triton_sparse import QueryRows, index_scores
+    from dualpath.kernels.triton_sparse import QueryRows, index_scores
 
     lens = [(6, 3), (0, 5), (13, 1)]
     q, new, cached, paged_kv, new_lens, split, index = _sparse_case(lens, torch.float32, 4)
@@ -221,14 +221,14 @@ def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs):
 @pytest.mark.slow
 def test_the_triton_layer_loop_copies_nothing_and_matches_the_reference(tiny_dirs, monkeypatch):
     """While no query sees more than index_topk (16) tokens, DeepSeek-V3.2 attends densely on the Triton kernels;
-    past that the indexer scores, chooses and MLA attends on the device (``kernels.triton_sparse``), a chunked
+    past that the indexer scores, chooses and MLA attends on the device (``dualpath.kernels.triton_sparse``), a chunked
     prefill and a decode step. Either way its layer loop makes no host transfers and the logits are the torch
     backend's."""
     from dualpath.geometry import KVGeometry
     from dualpath.sampling_params import SamplingParams
-    from engines.kv_cache import PagedKVCache
-    from engines.local import ModelRunner
-    from engines.sequence import Sequence
+    from dualpath.engines.kv_cache import PagedKVCache
+    from dualpath.engines.local import ModelRunner
+    from dualpath.engines.sequence import Sequence
     from host_transfers import transfers_in_layers
 
     runs = {}

@@ -11,8 +11,8 @@ from dualpath.client import ClusterClient
 from dualpath.config import SpeculativeConfig
 from dualpath.errors import ConfigError
 from dualpath.launcher import ClusterSpec, LocalCluster
-from engines.spec import PromptLookup
-from scheduler.http import render
+from dualpath.engines.spec import PromptLookup
+from dualpath.scheduler.http import render
 
 BS = 16
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}

@@ -12,9 +12,9 @@ from dualpath.config import StorageConfig
 from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullError
 from dualpath.geometry import KVGeometry
 from dualpath.paths import auto_store_capacity, parse_size
-from traffic.storage import ReadAccounting, make_storage
-from traffic.storage.fs import FsStorage, pack_header, remove_stored
-from scheduler.balance import drain_rate
+from dualpath.traffic.storage import ReadAccounting, make_storage
+from dualpath.traffic.storage.fs import FsStorage, pack_header, remove_stored
+from dualpath.scheduler.balance import drain_rate
 
 
 class Clock:
@@ -208,7 +208,7 @@ def test_a_block_of_a_newer_format_is_not_removed(tmp_path):
 
 def test_a_corrupt_block_that_cannot_be_removed_is_said_once(tmp_path, monkeypatch, caplog):
     """(A read-only mount, say): every hit fails closed and is recomputed; the warning is not repeated on each."""
-    from traffic.storage import fs
+    from dualpath.traffic.storage import fs
 
     s, k = corrupt(tmp_path, lambda path, s: _flip(path, s.header_size + 1))
 
@@ -266,7 +266,7 @@ def test_a_store_whose_directory_was_removed_recounts_within_a_second_not_at_its
     """Another process's flush (the scheduler's ``remove_stored``) replaces the model's directory: the engine's store
     sees that within ``DIR_CHECK_S`` and counts again, though its next rescan is a day away, so its reports (and the
     cap's evictions) stop counting the removed blocks."""
-    from traffic.storage.fs import DIR_CHECK_S
+    from dualpath.traffic.storage.fs import DIR_CHECK_S
 
     s = store(tmp_path, rescan_s=86400.0)
     per_file = s.file_bytes
@@ -501,8 +501,8 @@ def test_dropped_blocks_leave_the_page_cache_and_still_read_back(tmp_path):
 def test_the_engines_read_probe_times_reads_of_dropped_blocks(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    import traffic.storage
-    from engines.engine import Engine
+    import dualpath.traffic.storage
+    from dualpath.engines.engine import Engine
 
     calls = []
 
@@ -519,7 +519,7 @@ def test_the_engines_read_probe_times_reads_of_dropped_blocks(tmp_path, monkeypa
             calls.append(("read", len(ks)))
             return super().read(ks, into, layers)
 
-    monkeypatch.setattr(traffic.storage, "make_storage", lambda cfg, g, fp: Recording(tmp_path, g, fp, cfg))
+    monkeypatch.setattr(dualpath.traffic.storage, "make_storage", lambda cfg, g, fp: Recording(tmp_path, g, fp, cfg))
     engine = SimpleNamespace(geometry=GEOM, cfg=SimpleNamespace(storage=StorageConfig(root=str(tmp_path))))
     assert Engine._measure_read_bps(engine, max_blocks=5) > 0
     assert calls == ["write", ("drop", 5), ("read", 5)]

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from dualpath.geometry import KVGeometry
-from traffic.buffer import BufferPool
-from traffic.memory import HostMemory
-from traffic.strided_copy import copy_rows, slot_runs
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.strided_copy import copy_rows, slot_runs
 
 GEOM = KVGeometry(num_layers=3, block_size=4, kv_elems_per_token=6, dtype="bfloat16")  # 48 B per Layer Block
 SLOTS = [5, 6, 7, 2, 3, 9, 0]  # three runs, a single, and a backwards step
@@ -83,7 +83,7 @@ def test_cuda_layer_copies_equal_block_by_block_copies(pin):
 
 @cuda
 def test_cuda_pinned_runs_are_one_dma_each(monkeypatch):
-    from traffic import strided_copy
+    from dualpath.traffic import strided_copy
 
     runtime = strided_copy._cupy_runtime()
     if runtime is None:

@@ -1,4 +1,4 @@
-"""Tensor-parallel engines on CPU (gloo): rank 0 in this process, the others ``engines.parallel.ranks`` processes.
+"""Tensor-parallel engines on CPU (gloo): rank 0 in this process, the others ``dualpath.engines.parallel.ranks`` processes.
 
 Greedy tokens at TP 2 and 4 are TP 1's, and logits agree within 1e-4 (float32: the reductions add the same
 terms in another order); KV heads fewer than ranks are replicated; weights are read in slices; bad configurations
@@ -18,8 +18,8 @@ from dualpath import LLM, SamplingParams
 from dualpath.config import EngineConfig, ParallelConfig
 from dualpath.errors import ConfigError, RankLostError
 from dualpath.geometry import HeadShard
-from engines.models import open_checkpoint
-from engines.parallel.ranks import check_parallel
+from dualpath.engines.models import open_checkpoint
+from dualpath.engines.parallel.ranks import check_parallel
 
 PROMPTS = [[1, 5, 9, 22, 7, 3] * 3, [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 8]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -71,7 +71,7 @@ def test_a_refused_size_starts_no_cluster(llama, tmp_path, monkeypatch, capsys):
 
 
 def test_check_parallelism_per_role_and_devices(llama):
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     model = open_checkpoint(str(llama)).config
     check_parallelism(ClusterSpec(model=str(llama), tensor_parallel_size=2), model)

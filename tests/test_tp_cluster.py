@@ -33,7 +33,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
 from dualpath.launcher import LocalCluster
 
-RANKS_MODULE = "engines.parallel.ranks"
+RANKS_MODULE = "dualpath.engines.parallel.ranks"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def reference(tiny_dirs):
 
 
 def rank_pids(engine_pid: int) -> list[int]:
-    """The other ranks of the engine process ``engine_pid``: its children running ``engines.parallel.ranks``."""
+    """The other ranks of the engine process ``engine_pid``: its children running ``dualpath.engines.parallel.ranks``."""
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():

@@ -3,12 +3,12 @@ import torch
 
 from dualpath.config import StorageConfig, TransportConfig
 from dualpath.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
-from kernels.kv_move import layer_tokens_from_full
-from traffic.buffer import BufferPool
-from traffic.manager import LayerPipeline, PeerRegion, TrafficManager
-from traffic.storage import make_storage
-from traffic.transport import Op, make_transport
-from traffic.transport.local import LocalHub
+from dualpath.kernels.kv_move import layer_tokens_from_full
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.manager import LayerPipeline, PeerRegion, TrafficManager
+from dualpath.traffic.storage import make_storage
+from dualpath.traffic.transport import Op, make_transport
+from dualpath.traffic.transport.local import LocalHub
 
 GEOM = KVGeometry(num_layers=4, block_size=8, kv_elems_per_token=6, dtype="float32")
 FP = b"m" * 16

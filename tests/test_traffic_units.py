@@ -8,11 +8,11 @@ from hypothesis import given, settings, strategies as st
 
 from dualpath.errors import OutOfBlocksError, TransportError
 from dualpath.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
-from traffic.buffer import BufferPool
-from traffic.manager import LayerPipeline
-from traffic.memory import HostMemory
-from traffic.planner import merge_segments, plan_segments
-from traffic.transport.base import Op, Segment
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.manager import LayerPipeline
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.planner import merge_segments, plan_segments
+from dualpath.traffic.transport.base import Op, Segment
 
 GEOM = KVGeometry(num_layers=3, block_size=4, kv_elems_per_token=2, dtype="float32")  # 8 B/token, 32 B/layer block
 
@@ -205,11 +205,11 @@ def test_abandoning_starts_no_more_sends():
 
 
 def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_requests():
-    pytest.importorskip("traffic.transport.verbs")
+    pytest.importorskip("dualpath.traffic.transport.verbs")
     from dualpath.config import TransportConfig
     from dualpath.errors import ConfigError
-    from traffic.transport.base import Priority
-    from traffic.transport.verbs import QPInfo, import_pyverbs, qp_attr, work_requests
+    from dualpath.traffic.transport.base import Priority
+    from dualpath.traffic.transport.verbs import QPInfo, import_pyverbs, qp_attr, work_requests
 
     try:
         pv = import_pyverbs()
@@ -236,7 +236,7 @@ def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_r
 def test_verbs_without_a_device_is_a_clear_error():
     from dualpath.config import TransportConfig
     from dualpath.errors import ConfigError
-    from traffic.transport import make_transport
+    from dualpath.traffic.transport import make_transport
 
     with pytest.raises(ConfigError, match="RDMA|pyverbs"):
         make_transport(TransportConfig(name="verbs"), "me")
@@ -249,9 +249,9 @@ def test_segments_of_a_killed_process_are_removed_by_pid():
     import subprocess
     import sys
 
-    from traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
+    from dualpath.traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
 
-    code = ("import time; from traffic.memory import HostMemory; m = HostMemory(1 << 16, shared=True); "
+    code = ("import time; from dualpath.traffic.memory import HostMemory; m = HostMemory(1 << 16, shared=True); "
             "print(m.name, flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()

@@ -7,9 +7,9 @@ import torch
 
 from dualpath.config import TransportConfig
 from dualpath.errors import SegmentError, TransportError
-from traffic.transport import Op, Priority, Segment, make_transport
-from traffic.transport.local import LocalHub
-from traffic.transport.peer import PeerProcess, digest, pattern
+from dualpath.traffic.transport import Op, Priority, Segment, make_transport
+from dualpath.traffic.transport.local import LocalHub
+from dualpath.traffic.transport.peer import PeerProcess, digest, pattern
 
 BACKENDS = ["local", "shm", "ucx", "nixl"]
 CONFIG = TransportConfig(op_timeout_s=5.0, chunk_bytes=1 << 20)
@@ -29,7 +29,7 @@ class LocalPeer:
     """The same commands as a peer process, for the in-process ``local`` backend."""
 
     def __init__(self, hub, nbytes=REGION_BYTES):
-        from traffic.transport.local import LocalTransport
+        from dualpath.traffic.transport.local import LocalTransport
 
         self.t = LocalTransport(CONFIG, "peer", hub)
         self.mem = self.t.allocate(nbytes)

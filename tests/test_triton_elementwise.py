@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.norm import add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv  # noqa: E402
+from dualpath.kernels.activation import silu_and_mul  # noqa: E402
+from dualpath.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from dualpath.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv  # noqa: E402
 from dualpath.config import RopeConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,7 +125,7 @@ def test_empty_batches():
 def test_residual_add_in_the_down_projection(dtype):
     """The fused path adds the MLP's output to the residual stream in the GEMM (in place); with a bias, or on the
     torch reference, it is the separate add transformers makes."""
-    from engines.models.base import add_linear
+    from dualpath.engines.models.base import add_linear
 
     res, x = torch.randn(9, 48, dtype=dtype, device=DEVICE), torch.randn(9, 80, dtype=dtype, device=DEVICE)
     w, b = torch.randn(48, 80, dtype=dtype, device=DEVICE) / 9, torch.randn(48, dtype=dtype, device=DEVICE)

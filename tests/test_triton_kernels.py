@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_attention as ta  # noqa: E402
-from kernels import triton_kv  # noqa: E402
-from kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
+from dualpath.kernels import triton_attention as ta  # noqa: E402
+from dualpath.kernels import triton_kv  # noqa: E402
+from dualpath.kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
                                varlen_attention)
-from kernels.kv_move import gather_blocks, scatter_blocks, write_tokens  # noqa: E402
+from dualpath.kernels.kv_move import gather_blocks, scatter_blocks, write_tokens  # noqa: E402
 from grid import covering  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,7 +184,7 @@ def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend, dtype):
     """The decode engine's moves: a sequence's blocks of every layer as Full Block bytes (one gather, one host copy),
     the same bytes the per-layer packing makes, and back into other blocks of the cache."""
     from dualpath.geometry import KVGeometry
-    from kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache, pack_full_blocks
+    from dualpath.kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache, pack_full_blocks
 
     geom = KVGeometry(num_layers=3, block_size=BS, kv_elems_per_token=40, dtype=dtype)
     storage = torch.randn(3, 10, BS, 40, device=DEVICE).to(getattr(torch, dtype))
@@ -212,7 +212,7 @@ F8 = torch.float8_e4m3fn
 
 def fp8_reference(q, new_rows, cached: PagedKV, layout, new_lens, scale):
     """Float64 attention over the cache's values and the new rows as the cache holds them (rounded to e4m3)."""
-    from kernels.kv_move import as_cached
+    from dualpath.kernels.kv_move import as_cached
 
     c64 = PagedKV(cached.cache.double(), cached.block_tables, cached.lens)
     return varlen_attention(q.double(), as_cached(new_rows, F8).double(), c64, layout, new_lens, scale)
@@ -235,7 +235,7 @@ def test_attention_over_an_fp8_cache_against_float64(dtype, backend, new_lens):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("new_lens", [[3, 1, 5], [1, 1, 1]])
 def test_mla_over_an_fp8_latent_cache_against_float64(backend, new_lens):
-    from kernels.kv_move import as_cached
+    from dualpath.kernels.kv_move import as_cached
 
     h, r, dr, dn, dv = 40, 32, 16, 8, 6
     cached = paged([5, 0, 18], r + dr, torch.float32)
@@ -255,7 +255,7 @@ def test_mla_over_an_fp8_latent_cache_against_float64(backend, new_lens):
 def test_fp8_row_writes_saturate_and_match_between_backends(width):
     """Rows into an e4m3 cache: rounded to nearest, values past +-448 saturate (never NaN), the same bytes from
     the Triton kernel and the torch path; other slots untouched; blocks move as bytes."""
-    from kernels.kv_move import FP8_MAX
+    from dualpath.kernels.kv_move import FP8_MAX
 
     cache = torch.randn(6, BS, width, device=DEVICE).to(F8)
     slots = torch.randperm(6 * BS, device=DEVICE)[:37]
@@ -333,10 +333,10 @@ def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkey
     step."""
     from dualpath.geometry import KVGeometry
     from dualpath.sampling_params import SamplingParams
-    from engines.kv_cache import PagedKVCache
-    from engines.local import ModelRunner
-    from engines.models import load_model
-    from engines.sequence import Sequence
+    from dualpath.engines.kv_cache import PagedKVCache
+    from dualpath.engines.local import ModelRunner
+    from dualpath.engines.models import load_model
+    from dualpath.engines.sequence import Sequence
     from host_transfers import transfers_in_layers
 
     model = load_model(tiny_dirs[arch], DEVICE, kernels="triton")
@@ -357,8 +357,8 @@ def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkey
 def test_fused_moe_against_float64(dtype, t):
     """Routed experts in the fused kernels: hidden 48 and intermediate 40 (not multiples of the tiles), 8 experts,
     2 per token, skewed so some experts get none and one gets most; against the per-expert reference in float64."""
-    from kernels.moe import routed_experts
-    from kernels.triton_moe import align
+    from dualpath.kernels.moe import routed_experts
+    from dualpath.kernels.triton_moe import align
 
     e, k, h, inter = 8, 2, 48, 40
     x = torch.randn(t, h, dtype=dtype, device=DEVICE)

@@ -22,10 +22,10 @@ from dualpath.geometry import block_hashes
 from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.serving.openai_api import Frontend, FrontendConfig
-from engines.models import open_checkpoint
-from scheduler.core import SchedulerCore, request_of
-from scheduler.http import render
-from scheduler.weights import update_weights
+from dualpath.engines.models import open_checkpoint
+from dualpath.scheduler.core import SchedulerCore, request_of
+from dualpath.scheduler.http import render
+from dualpath.scheduler.weights import update_weights
 from test_scheduler_core import BS, Clock, info, make_core, pull
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -348,7 +348,7 @@ def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
     """``/v1/load_lora_adapter`` at the scheduler: every live engine at once, nothing paused; remembered only when every
     engine loaded the same bytes, and then listed in every later registration's reply."""
     from dualpath.messages import AdapterLoad, AdapterLoadReply
-    from scheduler.weights import load_adapter
+    from dualpath.scheduler.weights import load_adapter
 
     core, engines = make_core("dualpath", Clock())
     calls = []
@@ -747,7 +747,7 @@ def test_the_command_line_pauses_resumes_aborts_and_flushes_a_cluster(cluster, c
 def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
     from dualpath.config import StorageConfig
     from dualpath.geometry import KVGeometry
-    from traffic.storage import make_storage
+    from dualpath.traffic.storage import make_storage
 
     ckpt = open_checkpoint(tiny_dirs["llama"])
     g = KVGeometry.for_model(ckpt.config, "float32", BS)

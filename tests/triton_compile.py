@@ -30,11 +30,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import (triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe,  # noqa: E402
+from dualpath.kernels import (triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe,  # noqa: E402
                      triton_sparse)
-from kernels.sparse_attention import IndexQuery  # noqa: E402
-from kernels.fp8 import Fp8Weight  # noqa: E402
-from kernels.attention import gqa_split, mla_split  # noqa: E402
+from dualpath.kernels.sparse_attention import IndexQuery  # noqa: E402
+from dualpath.kernels.fp8 import Fp8Weight  # noqa: E402
+from dualpath.kernels.attention import gqa_split, mla_split  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
 from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402  (the GPU bench's tuning sweep)

@@ -13,8 +13,8 @@ import torch
 
 from dualpath.allocator import BlockAllocator
 from dualpath.geometry import FullBlockSlots, KVGeometry
-from traffic.memory import HostMemory
-from traffic.strided_copy import copy_rows, slot_runs
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.strided_copy import copy_rows, slot_runs
 
 
 class BufferPool:
@@ -70,7 +70,7 @@ class BufferPool:
     def layer_to_device(self, slots: list[int], layer: int, out: torch.Tensor,
                         stream: "torch.cuda.Stream | None" = None) -> None:
         """Copy ``layer`` of ``slots`` into ``out`` (contiguous ``[len(slots) × block_size, kv_elems]``, any device),
-        one strided copy per run of consecutive slots (``traffic.strided_copy``); on CUDA issued on ``stream``
+        one strided copy per run of consecutive slots (``dualpath.traffic.strided_copy``); on CUDA issued on ``stream``
         from pinned memory, without blocking the host. The caller orders ``stream`` after whatever last used
         ``out`` on another stream (``LayerCopies`` does, by slot events): the copies do not wait for it."""
         self._move_layer(slots, layer, out, to_host=False, stream=stream)

@@ -18,10 +18,10 @@ import torch
 
 from dualpath.errors import DualPathError, TransferTimeoutError
 from dualpath.geometry import BlockHash, BlockLayout, KVGeometry
-from traffic.buffer import BufferPool
-from traffic.planner import plan_segments
-from traffic.storage.base import Results, StorageBackend
-from traffic.transport.base import Op, Priority, Transport
+from dualpath.traffic.buffer import BufferPool
+from dualpath.traffic.planner import plan_segments
+from dualpath.traffic.storage.base import Results, StorageBackend
+from dualpath.traffic.transport.base import Op, Priority, Transport
 
 
 class Waitable(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from dualpath.geometry import BlockLayout
-from traffic.transport.base import Segment
+from dualpath.traffic.transport.base import Segment
 
 
 def plan_segments(local_region: int, local_layout: BlockLayout, local_slots: Sequence[int],

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from traffic.memory import HostMemory
+from dualpath.traffic.memory import HostMemory
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

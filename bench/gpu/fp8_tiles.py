@@ -1,6 +1,6 @@
 """The FP8 GEMMs' tiles on a GPU: device time of ``w8a16_linear`` (decode rows) and ``w8a8_linear`` (prefill rows)
 over a small grid of tiles, warps and stages, against cuBLAS bfloat16 on the same shapes, for choosing the
-kernels' defaults (``kernels.triton_fp8``). Report only.
+kernels' defaults (``dualpath.kernels.triton_fp8``). Report only.
 
 Device time, not a call's: each case is captured as a CUDA graph of ``REPS`` calls and replayed, so the host's
 launch cost (tens of microseconds for a Triton launch from Python, more than a decode-sized GEMM takes) is out of
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from common import machine, print_table, rel_err  # noqa: E402
 
-from kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
+from dualpath.kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
 
 SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
           "1b_qkv": (2560, 2048), "1b_gate_up": (11264, 2048), "1b_down": (2048, 5632)}
@@ -95,8 +95,8 @@ def case(name, rows, n, k, kind, tile, fn, t16, dev, extra=None) -> dict:
 
 
 def sweep(shapes, row_counts, dev, smoke: bool) -> list[dict]:
-    from kernels.fp8 import w8a8_reference
-    from kernels.triton_fp8 import quantize_activations, w8a8_linear, w8a16_linear
+    from dualpath.kernels.fp8 import w8a8_reference
+    from dualpath.kernels.triton_fp8 import quantize_activations, w8a8_linear, w8a16_linear
 
     block, sweep_w8a8_from = (128, 128), 64 if smoke else 512
     out = []

@@ -59,10 +59,10 @@ from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402
 from sampling import run as sampling_rows  # noqa: E402
 from timeline import timeline  # noqa: E402
 
-from kernels import triton_attention as ta  # noqa: E402
-from kernels.attention import PagedKV, gqa_split, varlen_attention  # noqa: E402
-from kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
-from kernels.kv_move import as_cached  # noqa: E402
+from dualpath.kernels import triton_attention as ta  # noqa: E402
+from dualpath.kernels.attention import PagedKV, gqa_split, varlen_attention  # noqa: E402
+from dualpath.kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
+from dualpath.kernels.kv_move import as_cached  # noqa: E402
 
 BIG = dict(batch=64, ctx=32768, hk=8, hq=32, d=128, bs=64, new=512, copy_bytes=4 << 30,
            causal=(16, 1024, 4, 32, 64))
@@ -386,10 +386,10 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
     consecutive slots), against the same prefill with all KV on the device. Also with the slots scattered (a copy
     per Layer Block), for the cost of a fragmented buffer."""
     from dualpath.geometry import KVGeometry
-    from engines.layer_copies import LayerCopies
-    from engines.models import ForwardBatch, load_model
-    from traffic.buffer import BufferPool
-    from traffic.memory import HostMemory
+    from dualpath.engines.layer_copies import LayerCopies
+    from dualpath.engines.models import ForwardBatch, load_model
+    from dualpath.traffic.buffer import BufferPool
+    from dualpath.traffic.memory import HostMemory
 
     model = load_model(llama_1b(work, smoke), dev, torch.bfloat16, "triton")
     c, bs = model.config, p["bs"]
@@ -456,9 +456,9 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
 def bench_moe(p, dev, smoke: bool) -> dict:
     """DeepSeek-V3's routed experts (hidden 7168, intermediate 2048, top-8; 64 of its 256 experts to bound memory):
     the fused kernels against the torch reference's loop over chosen experts, a decode batch and a prefill chunk."""
-    from kernels.moe import routed_experts, routed_experts_w8a8
-    from kernels.triton_fp8 import W8A8_MIN_ROWS
-    from kernels.triton_moe import fused_moe
+    from dualpath.kernels.moe import routed_experts, routed_experts_w8a8
+    from dualpath.kernels.triton_fp8 import W8A8_MIN_ROWS
+    from dualpath.kernels.triton_moe import fused_moe
 
     h, inter, e, k = (64, 32, 8, 2) if smoke else (7168, 2048, 64, 8)
     gate_up = torch.randn(e, 2 * inter, h, dtype=torch.bfloat16, device=dev) * 0.02
@@ -526,12 +526,12 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
 
 
 def bench_sparse(p, dev, smoke: bool) -> dict:
-    """DeepSeek-V3.2's attention past its top-k: ``kernels.triton_sparse`` against MLA over every token on the dense
+    """DeepSeek-V3.2's attention past its top-k: ``dualpath.kernels.triton_sparse`` against MLA over every token on the dense
     Triton kernels (what the choice saves) and the torch reference (what ran before), a decode batch and a prefill
     chunk; errors against the reference over the same inputs."""
-    from kernels import triton_sparse
-    from kernels.attention import mla_split
-    from kernels.sparse_attention import IndexQuery
+    from dualpath.kernels import triton_sparse
+    from dualpath.kernels.attention import mla_split
+    from dualpath.kernels.sparse_attention import IndexQuery
 
     b, ctx, heads, r, dr, ih, idim, topk, new = (3, 100, 4, 16, 16, 4, 16, 16, 20) if smoke else \
         (32, 32768, 128, 512, 64, 64, 128, 2048, 512)

@@ -24,9 +24,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int]
     from tqdm import tqdm
 
     from dualpath.config import WeightQuantConfig
-    from engines.models import MODEL_CLASSES, open_checkpoint
-    from engines.models.fp8 import SCALE_SUFFIX
-    from kernels.fp8 import quantize_blocks
+    from dualpath.engines.models import MODEL_CLASSES, open_checkpoint
+    from dualpath.engines.models.fp8 import SCALE_SUFFIX
+    from dualpath.kernels.fp8 import quantize_blocks
 
     ckpt, dst = open_checkpoint(src), Path(dst)
     if ckpt.config.quant is not None:

@@ -120,7 +120,7 @@ def figures(rows: list[dict], out_dir: Path) -> list[str]:
 
 def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     from dualpath.rollout.tracegen import generate_trace, measure
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

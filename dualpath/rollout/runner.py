@@ -290,7 +290,7 @@ class Rollout:
         nodes = set(after.get("storage_read_bytes", {})) | set(before.get("storage_read_bytes", {}))
         reads = {n: after.get("storage_read_bytes", {}).get(n, 0) - before.get("storage_read_bytes", {}).get(n, 0)
                  for n in nodes}
-        from scheduler.balance import max_over_avg
+        from dualpath.scheduler.balance import max_over_avg
 
         return {"agents": n_agents, "agents_run": ran, "group_size": self.cfg.group_size, "rounds": len(recs),
                 "job_completion_time_s": jct,

@@ -214,7 +214,7 @@ def batch_main(args) -> int:
     from dualpath.cli import _model_dir
     from dualpath.serving.openai_api import Frontend, FrontendConfig
     from dualpath.serving.serve import cluster_from_args, frontend_options, served_names
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     try:  # an unreadable or empty input fails before a cluster starts
         if not read_batch(args.input):

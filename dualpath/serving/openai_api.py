@@ -2,7 +2,7 @@
 ``/v1/responses`` (``dualpath.serving.responses``: a chat underneath), vLLM's ``/tokenize`` and ``/detokenize``,
 SGLang's native endpoints (``dualpath.serving.native``), ``/health`` and the other self-reports
 (``dualpath.serving.probes``) and Prometheus ``/metrics`` (its own series, and the scheduler's, engines' and KV
-cache's: ``scheduler.metrics``, pulled at each scrape); an access-log line per request (``dualpath.serving.watch``).
+cache's: ``dualpath.scheduler.metrics``, pulled at each scrape); an access-log line per request (``dualpath.serving.watch``).
 
 A request is tokenized here (chat template from the checkpoint), submitted to the scheduler through one shared
 ``ClusterClient`` session, and its tokens stream back from the decode engine; text is detokenized incrementally, stop
@@ -58,7 +58,7 @@ from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_st
 from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_markup
 from dualpath.serving.watch import AccessLog, current_access, scheduler_stats
 from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer, stop_cut
-from scheduler.metrics import StatsCollector
+from dualpath.scheduler.metrics import StatsCollector
 
 log = logging.getLogger(__name__)
 COMPILED_KEPT = 256  # schemas, patterns and request chat templates a frontend remembers as compiling

@@ -9,7 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
-from engines.main import write_ready
+from dualpath.engines.main import write_ready
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def cluster_spec(args):
     before any process starts)."""
     from dualpath.cli import _model_dir, qos_config
     from dualpath.launcher import ClusterSpec, RestartPolicy, check_parallelism, parse_port_range
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
     model_config = open_checkpoint(model_dir).config
@@ -269,7 +269,7 @@ def serve(args) -> int:
 def frontend_main(args) -> int:
     from dualpath.cli import _model_dir
     from dualpath.serving.openai_api import Frontend, FrontendConfig
-    from engines.models import open_checkpoint
+    from dualpath.engines.models import open_checkpoint
 
     model_dir = _model_dir(args.model)
     max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)

@@ -44,9 +44,9 @@ from dualpath.sim.events import EventLoop
 from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset, engines_per_node
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
-from engines.batcher import CostModel
-from scheduler.core import SchedulerCore, request_of
-from scheduler.policy import make_policy
+from dualpath.engines.batcher import CostModel
+from dualpath.scheduler.core import SchedulerCore, request_of
+from dualpath.scheduler.policy import make_policy
 
 SYSTEMS = {  # name -> (scheduler mode, policy, layerwise, reads storage)
     "basic": ("basic", "dualpath", False, True),
@@ -580,7 +580,7 @@ def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_
 
 def summarize(sim: ClusterSim, r: SimResult) -> dict:
     """One run's summary row: JCT, throughput, TTFT/TPOT, storage reads per node and their balance, busiest link."""
-    from scheduler.balance import max_over_avg
+    from dualpath.scheduler.balance import max_over_avg
 
     caps = sim.loop.net.capacity
     util = {k: v / (caps[k] * r.jct_s) for k, v in r.link_bytes.items() if r.jct_s > 0 and k != "storage"}

@@ -10,13 +10,13 @@ import torch
 
 from dualpath.config import ModelConfig, WeightQuantConfig
 from dualpath.errors import CheckpointError
-from engines.models.base import CausalLM, ForwardBatch, ForwardContext
-from engines.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engines.models.llama import LlamaForCausalLM
-from engines.models.loader import Checkpoint, open_checkpoint
-from engines.parallel.comm import TPShard
-from kernels.attention import choose_backend
-from kernels.fp8 import FP8
+from dualpath.engines.models.base import CausalLM, ForwardBatch, ForwardContext
+from dualpath.engines.models.deepseek_v3 import DeepseekV3ForCausalLM
+from dualpath.engines.models.llama import LlamaForCausalLM
+from dualpath.engines.models.loader import Checkpoint, open_checkpoint
+from dualpath.engines.parallel.comm import TPShard
+from dualpath.kernels.attention import choose_backend
+from dualpath.kernels.fp8 import FP8
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def load_model(ckpt: Checkpoint | str | os.PathLike, device: str | torch.device 
                dtype: torch.dtype | str = torch.float32, kernels: str = "auto",
                quantize: WeightQuantConfig | None = None, shard: TPShard = TPShard()) -> CausalLM:
     """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights; ``kernels`` as in
-    ``kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory); ``shard``: the
+    ``dualpath.kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory); ``shard``: the
     tensor-parallel rank whose part of the weights is read (the caller sets ``model.comm`` before a forward)."""
     if not isinstance(ckpt, Checkpoint):
         ckpt = open_checkpoint(ckpt, quantize)

@@ -23,15 +23,15 @@ from torch import nn
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError, RequestError
 from dualpath.geometry import HeadShard
-from engines.lora import AdapterRows, LoraWeights, Target, load_adapter
-from engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
+from dualpath.engines.lora import AdapterRows, LoraWeights, Target, load_adapter
+from dualpath.engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
     stays_fp8
-from engines.models.loader import Checkpoint, Cut
-from engines.parallel.comm import TPShard
-from kernels.attention import CachedRows
-from kernels.fp8 import fp8_linear, quantize_blocks
-from kernels.norm import rms_norm
-from kernels.rope import rope_cos_sin, rope_inv_freq
+from dualpath.engines.models.loader import Checkpoint, Cut
+from dualpath.engines.parallel.comm import TPShard
+from dualpath.kernels.attention import CachedRows
+from dualpath.kernels.fp8 import fp8_linear, quantize_blocks
+from dualpath.kernels.norm import rms_norm
+from dualpath.kernels.rope import rope_cos_sin, rope_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ForwardContext:
     sin: torch.Tensor
     cached_lens: torch.Tensor  # [B] int32
     cu_new: torch.Tensor  # [B + 1] int32
-    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (engines.lora.add_lora)
+    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (dualpath.engines.lora.add_lora)
     max_seen: int | None = None  # the most tokens a query sees (cached + new); None: unknown on the host
 
 
@@ -104,7 +104,7 @@ class WeightSpec:
     ``copy`` (one source), ``cat`` (concatenate along dim 0) or ``stack`` (new leading dim; item i is the
     concatenation of sources ``i × per_item`` onwards, e.g. an expert's gate and up projections). ``fp8``: the
     model reads it only through ``linear``, ``add_linear`` or the MoE, so FP8 sources may stay FP8
-    (``engines.models.fp8``). ``cuts``: under tensor parallelism, the part of each source this rank reads (None:
+    (``dualpath.engines.models.fp8``). ``cuts``: under tensor parallelism, the part of each source this rank reads (None:
     all of it; empty: no source is cut); the shapes in ``sources`` stay the checkpoint's."""
 
     param: str
@@ -176,7 +176,7 @@ def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None = None,
            backend: str = "torch") -> torch.Tensor:
-    """``x @ w^T + b``; an FP8 weight on ``backend``'s kernel (``kernels.fp8``)."""
+    """``x @ w^T + b``; an FP8 weight on ``backend``'s kernel (``dualpath.kernels.fp8``)."""
     if isinstance(w, Fp8Param):
         return fp8_linear(x, w.weight, b, backend)
     return F.linear(x, w, b)
@@ -214,7 +214,7 @@ class CausalLM(nn.Module, ABC):
         if not config.tie_word_embeddings:
             self.lm_head = param(part, config.hidden_size)
         self.adapters: dict[str, LoraWeights] = {}  # identity -> weights (``add_adapter``)
-        self.dp = None  # data-parallel attention: this engine's group (``engines.parallel.dp.attach``)
+        self.dp = None  # data-parallel attention: this engine's group (``dualpath.engines.parallel.dp.attach``)
 
     # --- forward -----------------------------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> ForwardContext:
@@ -364,7 +364,7 @@ class CausalLM(nn.Module, ABC):
         """Allocate real storage and fill every parameter from ``ckpt``, checking names and shapes.
 
         Parameters keep the dtypes they were given (``cast_``) before loading, but those a block-scaled FP8
-        checkpoint lets stay FP8 (``engines.models.fp8.stays_fp8``), which become ``Fp8Param`` modules. Every
+        checkpoint lets stay FP8 (``dualpath.engines.models.fp8.stays_fp8``), which become ``Fp8Param`` modules. Every
         problem is collected first, so one error lists all missing and misshapen tensors.
         """
         self._check(ckpt)
@@ -380,7 +380,7 @@ class CausalLM(nn.Module, ABC):
         """Copy ``ckpt``'s weights over the loaded ones, in place: every tensor keeps its storage, so CUDA graphs
         captured over them stay valid. Every name and shape is checked before anything is copied (a mismatch
         leaves the old weights whole). Returns a sha256 of every byte read, the weights' exact identity (of this
-        rank's part under tensor parallelism: ``engines.parallel.steps.update_weights`` joins the ranks')."""
+        rank's part under tensor parallelism: ``dualpath.engines.parallel.steps.update_weights`` joins the ranks')."""
         self.check_checkpoint(ckpt)
         digest = hashlib.sha256()
         self._fill(ckpt, digest)

@@ -5,9 +5,9 @@ and for V3.2 then ``[indexer key (index head dim), after its LayerNorm and RoPE]
 (queries mapped into the latent space), so the latent is never expanded.
 
 V3.2's sparse attention (DSA): a lightning indexer picks the ``index_topk`` earlier tokens each query attends to
-(``kernels.sparse_attention``). Its keys ride in the KV row, so they are stored, loaded and sent with the rest of
+(``dualpath.kernels.sparse_attention``). Its keys ride in the KV row, so they are stored, loaded and sent with the rest of
 the KV. A batch in which no query sees more than ``index_topk`` tokens attends densely (exactly the same result);
-past that, the choice and the attention run on the device (``kernels.triton_sparse`` on the Triton kernels), so
+past that, the choice and the attention run on the device (``dualpath.kernels.triton_sparse`` on the Triton kernels), so
 V3.2's decode steps are CUDA graphs as V3's are.
 """
 from __future__ import annotations
@@ -21,14 +21,14 @@ from torch import nn
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from dualpath.geometry import HeadShard
-from engines.parallel.comm import TPShard
-from engines.models.loader import Cut
-from engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
-from engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
-from kernels.attention import CachedRows, mla_attention
-from kernels.norm import add_rms_norm, rms_norm
-from kernels.rope import apply_rope, softmax_scale_factor
-from kernels.sparse_attention import IndexQuery
+from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.models.loader import Cut
+from dualpath.engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
+from dualpath.engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params
+from dualpath.kernels.attention import CachedRows, mla_attention
+from dualpath.kernels.norm import add_rms_norm, rms_norm
+from dualpath.kernels.rope import apply_rope, softmax_scale_factor
+from dualpath.kernels.sparse_attention import IndexQuery
 
 _INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm (fixed in DeepSeek's code, not in config.json)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engines.models.loader import Checkpoint
-from kernels.fp8 import FP8, Fp8Weight, Weight, dequantize_blocks, scale_shape
+from dualpath.engines.models.loader import Checkpoint
+from dualpath.kernels.fp8 import FP8, Fp8Weight, Weight, dequantize_blocks, scale_shape
 
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's and Qwen's name for a weight's block scales, beside the weight
 

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from dualpath.config import ModelConfig
 from dualpath.errors import CheckpointError
 from dualpath.geometry import HeadShard
-from engines.lora import Target, add_lora
-from engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
-from engines.models.loader import Cut
-from engines.models.moe import MoE, mlp_specs, moe_specs, router_params
-from kernels.activation import silu_and_mul
-from kernels.attention import CachedRows, gqa_split, varlen_attention
-from kernels.norm import add_rms_norm, rms_norm
-from kernels.rope import rope_qkv
-from engines.parallel.comm import TPShard
+from dualpath.engines.lora import Target, add_lora
+from dualpath.engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
+from dualpath.engines.models.loader import Cut
+from dualpath.engines.models.moe import MoE, mlp_specs, moe_specs, router_params
+from dualpath.kernels.activation import silu_and_mul
+from dualpath.kernels.attention import CachedRows, gqa_split, varlen_attention
+from dualpath.kernels.norm import add_rms_norm, rms_norm
+from dualpath.kernels.rope import rope_qkv
+from dualpath.engines.parallel.comm import TPShard
 
 
 class LlamaLayer(nn.Module):
@@ -115,7 +115,7 @@ class LlamaForCausalLM(CausalLM):
             part.copy_(rms_norm(part.reshape(-1, c.head_dim), norm, c.rms_norm_eps, self.kernels).view_as(part))
 
     def lora_targets(self) -> dict[str, Target]:
-        """Attention and dense MLP projections, each cut as its base layer (``engines.lora``); an MoE model's
+        """Attention and dense MLP projections, each cut as its base layer (``dualpath.engines.lora``); an MoE model's
         adapters train attention only (its experts and router are no target here)."""
         c, h, hd = self.config, self.config.hidden_size, self.config.head_dim
         q, kv, inter = c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size

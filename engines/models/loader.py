@@ -43,7 +43,7 @@ class Cut:
 class Checkpoint:
     """A checkpoint directory, parsed but not loaded. Tensors are read lazily, one at a time. ``quantize_at_load``:
     the files are plain, and the linear weights are quantized to ``config.quant`` as the model loads them (vLLM's
-    ``--quantization fp8``; ``engines.models.fp8``)."""
+    ``--quantization fp8``; ``dualpath.engines.models.fp8``)."""
 
     path: Path
     hf_config: dict

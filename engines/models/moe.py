@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from dualpath.config import ModelConfig
-from engines.models.base import WeightSpec, add_linear, linear, param
-from engines.models.fp8 import as_weight
-from engines.models.loader import Cut
-from engines.parallel.comm import TPShard
-from engines.parallel.experts import ExpertMap, make_dispatch
-from kernels.activation import silu_and_mul
-from kernels.moe import grouped_topk, routed_experts, softmax_topk
+from dualpath.engines.models.base import WeightSpec, add_linear, linear, param
+from dualpath.engines.models.fp8 import as_weight
+from dualpath.engines.models.loader import Cut
+from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.parallel.experts import ExpertMap, make_dispatch
+from dualpath.kernels.activation import silu_and_mul
+from dualpath.kernels.moe import grouped_topk, routed_experts, softmax_topk
 
 
 class DenseMLP(nn.Module):

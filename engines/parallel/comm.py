@@ -23,7 +23,7 @@ from dualpath.errors import CheckpointError, RankLostError
 @dataclass(frozen=True)
 class TPShard:
     """Tensor-parallel rank ``rank`` of ``size``: which part of each split dimension it holds. ``expert_parallel``:
-    an MoE layer's routed experts are split among the ranks whole (``engines.parallel.experts``), not each expert's
+    an MoE layer's routed experts are split among the ranks whole (``dualpath.engines.parallel.experts``), not each expert's
     matrices among all of them."""
 
     rank: int = 0
@@ -150,7 +150,7 @@ def _mark_collective_sockets() -> None:
     rendezvous': control traffic, high as well)."""
     tc = os.environ.get("NCCL_IB_TC", "")
     if tc.isdigit():
-        from traffic.qos import mark_own_sockets
+        from dualpath.traffic.qos import mark_own_sockets
 
         mark_own_sockets(int(tc), lambda s: True)
 

@@ -2,7 +2,7 @@
 
 Each engine of the group is a whole engine to the scheduler (its own requests, paged KV cache, DRAM buffer and
 traffic manager) holding every weight but the routed experts, of which it holds E/D. In every MoE layer the
-engines exchange their tokens (``engines.parallel.experts``, each rank's own tokens), so a forward on one engine
+engines exchange their tokens (``dualpath.engines.parallel.experts``, each rank's own tokens), so a forward on one engine
 needs all of them: the collectives of the group must come in the same order on every engine.
 
 The protocol, a sequence of units on every engine:
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from dualpath.config import ParallelConfig
 from dualpath.errors import RankLostError
-from engines.parallel.comm import Comm, join
-from engines.parallel.experts import Compute, Dispatch
+from dualpath.engines.parallel.comm import Comm, join
+from dualpath.engines.parallel.experts import Compute, Dispatch
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ def join_group(p: ParallelConfig, device: str) -> Comm:
 def attach(model, comm: Comm, dispatch: str, on_lost: Callable[[str], None] | None = None) -> DPGroup:
     """Make ``model`` (its experts this engine's E/D, ``TPShard.dp_rank``) one engine of ``comm``'s group: its MoE
     layers dispatch each engine's own tokens by ``dispatch``, and each forward syncs first."""
-    from engines.models.moe import MoE
-    from engines.parallel.experts import make_dispatch
+    from dualpath.engines.models.moe import MoE
+    from dualpath.engines.parallel.experts import make_dispatch
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     group = DPGroup(comm, make_dispatch(dispatch, comm, layers[0].part.experts, replicated=False), on_lost)

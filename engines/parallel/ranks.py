@@ -2,12 +2,12 @@
 takes runs on all of them (``Ranks.run``).
 
 Rank 0 decides everything (batches, block tables, buffer slots, what moves where); it sends each step, a function
-of ``engines.parallel.steps`` and its plain arguments, down a pipe to every other rank, then runs it itself. The
+of ``dualpath.engines.parallel.steps`` and its plain arguments, down a pipe to every other rank, then runs it itself. The
 ranks meet in the step's collectives (the layers' reductions, ``Comm.agree``), so they run in lockstep without
 replies. A rank that dies takes the engine out of service: its pipe breaks or its collectives fail (bounded by
 ``collective_timeout_s``), rank 0's watcher sees its process end, and the engine stops with the rank, its exit
 code and the reason in the log. Rank 0 dying ends the others (their pipe reaches EOF, or a collective fails).
-The other ranks are ``python -m engines.parallel.ranks`` processes (not ``multiprocessing``'s spawn, which would
+The other ranks are ``python -m dualpath.engines.parallel.ranks`` processes (not ``multiprocessing``'s spawn, which would
 import the user's ``__main__`` again: a script without a main guard would start engines recursively).
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from dualpath.config import EngineConfig, ModelConfig
 from dualpath.errors import ConfigError, RankLostError
 from dualpath.geometry import HeadShard
-from engines.models import load_model
-from engines.parallel.comm import Comm, TPShard, join, open_store
-from engines.parallel.steps import STEPS, RankState, StepAborted
+from dualpath.engines.models import load_model
+from dualpath.engines.parallel.comm import Comm, TPShard, join, open_store
+from dualpath.engines.parallel.steps import STEPS, RankState, StepAborted
 
 log = logging.getLogger(__name__)
 RANK_EXIT_GRACE_S = 1.0  # after a failed collective, how long rank 0 waits for a watcher to name a rank that exited
@@ -192,7 +192,7 @@ def start_ranks(spec: RankSpec, on_lost: Callable[[str], None] | None = None) ->
     procs, conns = [], []
     for rank in range(1, spec.size):
         ours, theirs = socket.socketpair()
-        p = subprocess.Popen([sys.executable, "-m", "engines.parallel.ranks", str(theirs.fileno())],
+        p = subprocess.Popen([sys.executable, "-m", "dualpath.engines.parallel.ranks", str(theirs.fileno())],
                              pass_fds=(theirs.fileno(),))
         theirs.close()
         conn = Connection(ours.detach())

@@ -1,4 +1,4 @@
-"""The steps every rank of an engine runs together (``engines.parallel.ranks.Ranks.run``), and each rank's state.
+"""The steps every rank of an engine runs together (``dualpath.engines.parallel.ranks.Ranks.run``), and each rank's state.
 
 A step is a function ``step(state, *args)`` of plain arguments (numpy arrays, block ids, frozen configs), so rank 0
 can send it down a pipe; it does on this rank what rank 0 does on its own: the forward over this rank's heads, the
@@ -20,13 +20,13 @@ import torch
 
 from dualpath.errors import CheckpointError, DualPathError
 from dualpath.geometry import HeadShard, KVGeometry
-from engines.graphs import DecodeGraphs, make_decode_graphs
-from engines.kv_cache import PagedKVCache
-from engines.models.base import ForwardBatch
-from kernels.attention import PagedKV, consecutive_tables
-from kernels.kv_move import cache_dtype, cache_to_full_blocks, full_block_view, full_blocks_to_cache, to_cache, \
+from dualpath.engines.graphs import DecodeGraphs, make_decode_graphs
+from dualpath.engines.kv_cache import PagedKVCache
+from dualpath.engines.models.base import ForwardBatch
+from dualpath.kernels.attention import PagedKV, consecutive_tables
+from dualpath.kernels.kv_move import cache_dtype, cache_to_full_blocks, full_block_view, full_blocks_to_cache, to_cache, \
     write_tokens
-from traffic.memory import HostMemory
+from dualpath.traffic.memory import HostMemory
 
 
 class StepAborted(Exception):
@@ -149,9 +149,9 @@ def alloc_cache(st: RankState, g: KVGeometry, num_blocks: int) -> PagedKVCache:
 
 
 def cache_size(st: RankState, cfg, g: KVGeometry, max_batched_tokens: int) -> int:
-    """Blocks the paged cache takes on this rank's device (``engines.memory.cache_blocks``: its activation peak is
+    """Blocks the paged cache takes on this rank's device (``dualpath.engines.memory.cache_blocks``: its activation peak is
     measured by a forward every rank runs)."""
-    from engines.memory import cache_blocks
+    from dualpath.engines.memory import cache_blocks
 
     return cache_blocks(cfg, st.local(g), st.model, max_batched_tokens, st.device)
 
@@ -265,7 +265,7 @@ def buffer_to_cache(st: RankState, g: KVGeometry, table: list[int], slots: list[
 
 def cache_to_buffer(st: RankState, g: KVGeometry, table: list[int], slots: list[int]) -> None:
     """Cache blocks ``table`` into buffer ``slots`` as canonical Full Blocks: each rank writes its heads (sharded
-    engines only; one device's cache is copied out whole by ``kernels.kv_move.cache_to_full_blocks``)."""
+    engines only; one device's cache is copied out whole by ``dualpath.kernels.kv_move.cache_to_full_blocks``)."""
     lg = st.local(g)
     local = cache_to_full_blocks(st.cache.storage, torch.tensor(table, device=st.device), lg).cpu()
     whole = full_block_view(st.host["buffer"][:(max(slots) + 1) * g.full_block_bytes], g)
@@ -280,7 +280,7 @@ def copy_block(st: RankState, src: int, dst: int) -> None:
 
 # --- weights and adapters -----------------------------------------------------------------------------------------
 def load_adapter(st: RankState, path: str) -> str:
-    """The PEFT LoRA adapter at ``path`` on every rank (each its cut of it, ``engines.lora``), or on none:
+    """The PEFT LoRA adapter at ``path`` on every rank (each its cut of it, ``dualpath.engines.lora``), or on none:
     ``CheckpointError`` when any rank cannot load it. Returns its identity (the same on every rank: its files')."""
     had = set(st.model.adapters)
     try:
@@ -296,7 +296,7 @@ def update_weights(st: RankState, model_dir: str, quantize) -> str:
     checkpoint against its part before any copies: a ``CheckpointError`` leaves the old weights on all of them. A
     failure while copying raises ``DualPathError`` (the weights are then a mix: the engine stops). Returns the
     sha256 of every byte read (under tensor parallelism, of the ranks' digests of their parts, in rank order)."""
-    from engines.models import open_update
+    from dualpath.engines.models import open_update
 
     ckpt = st.together(lambda: open_update(st.model, model_dir, quantize))
     try:
@@ -313,7 +313,7 @@ def update_weights(st: RankState, model_dir: str, quantize) -> str:
 # --- decode graphs ------------------------------------------------------------------------------------------------
 def make_graphs(st: RankState, max_batch: int, max_model_len: int, enforce_eager: bool,
                 capture: bool = True) -> DecodeGraphs | None:
-    """Each rank's decode steps over its cache, captured as CUDA graphs (``engines.graphs``; the collectives inside
+    """Each rank's decode steps over its cache, captured as CUDA graphs (``dualpath.engines.graphs``; the collectives inside
     are captured too, so ranks replay in step as they run eagerly); on every rank or on none, so a step is a graph
     replay on all of them or eager on all. ``capture`` False: the graphs' static buffers run eagerly (CPU tests)."""
     if capture:

@@ -8,8 +8,8 @@ from dualpath.config import StorageConfig
 from dualpath.errors import ConfigError
 from dualpath.geometry import BlockHash, KVGeometry
 from dualpath.paths import default_kv_store
-from traffic.storage.accounting import ReadAccounting
-from traffic.storage.base import StorageBackend
+from dualpath.traffic.storage.accounting import ReadAccounting
+from dualpath.traffic.storage.base import StorageBackend
 
 BACKENDS = ("fs", "hf3fs")
 
@@ -18,10 +18,10 @@ def make_storage(config: StorageConfig, geometry: KVGeometry, fingerprint: Block
                  accounting: ReadAccounting | None = None) -> StorageBackend:
     root = Path(config.root).expanduser() if config.root else default_kv_store()
     if config.backend == "fs":
-        from traffic.storage.fs import FsStorage
+        from dualpath.traffic.storage.fs import FsStorage
         return FsStorage(root, geometry, fingerprint, config, accounting)
     if config.backend == "hf3fs":
-        from traffic.storage.hf3fs import Hf3fsStorage
+        from dualpath.traffic.storage.hf3fs import Hf3fsStorage
         return Hf3fsStorage(root, geometry, fingerprint, config, accounting)
     raise ConfigError(f"unknown storage backend {config.backend!r}; choose one of {BACKENDS}")
 

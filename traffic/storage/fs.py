@@ -36,8 +36,8 @@ from dualpath.config import StorageConfig
 from dualpath.errors import BlockCorruptError, BlockMissingError, StorageError, StorageFullError
 from dualpath.faults import failpoint
 from dualpath.geometry import HASH_BYTES, BlockHash, KVGeometry
-from traffic.storage.accounting import ReadAccounting
-from traffic.storage.base import Results, StorageBackend
+from dualpath.traffic.storage.accounting import ReadAccounting
+from dualpath.traffic.storage.base import Results, StorageBackend
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 from dualpath.config import StorageConfig
 from dualpath.errors import ConfigError, StorageError
 from dualpath.geometry import BlockHash, KVGeometry
-from traffic.memory import HostMemory
-from traffic.storage.accounting import ReadAccounting
-from traffic.storage.fs import FsStorage
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.storage.accounting import ReadAccounting
+from dualpath.traffic.storage.fs import FsStorage
 
 
 def _usrbio():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dualpath.config import TransportConfig
 from dualpath.errors import ConfigError
-from traffic.transport.base import Op, Priority, RegionDesc, Segment, TransferHandle, Transport
+from dualpath.traffic.transport.base import Op, Priority, RegionDesc, Segment, TransferHandle, Transport
 
 TRANSPORTS = ("local", "shm", "ucx", "nixl", "verbs")
 
@@ -13,19 +13,19 @@ def make_transport(config: TransportConfig, endpoint: str, **kwargs) -> Transpor
     naming what to install."""
     name = config.name
     if name == "local":
-        from traffic.transport.local import LocalTransport
+        from dualpath.traffic.transport.local import LocalTransport
         return LocalTransport(config, endpoint, **kwargs)
     if name == "shm":
-        from traffic.transport.shm import ShmTransport
+        from dualpath.traffic.transport.shm import ShmTransport
         return ShmTransport(config, endpoint)
     if name == "ucx":
-        from traffic.transport.ucx import UcxTransport
+        from dualpath.traffic.transport.ucx import UcxTransport
         return UcxTransport(config, endpoint)
     if name == "nixl":
-        from traffic.transport.nixl import NixlTransport
+        from dualpath.traffic.transport.nixl import NixlTransport
         return NixlTransport(config, endpoint)
     if name == "verbs":
-        from traffic.transport.verbs import VerbsTransport
+        from dualpath.traffic.transport.verbs import VerbsTransport
         return VerbsTransport(config, endpoint)
     raise ConfigError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
 

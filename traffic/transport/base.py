@@ -26,7 +26,7 @@ import torch
 
 from dualpath.config import TransportConfig
 from dualpath.errors import SegmentError, TransferTimeoutError, TransportError
-from traffic.memory import HostMemory, as_bytes
+from dualpath.traffic.memory import HostMemory, as_bytes
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dualpath.config import TransportConfig
 from dualpath.errors import PeerDeadError
-from traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
+from dualpath.traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
 
 
 class LocalHub:

@@ -13,7 +13,7 @@ import numpy as np
 
 from dualpath.config import TransportConfig
 from dualpath.errors import ConfigError, PeerDeadError, TransferTimeoutError, TransportError
-from traffic.transport.base import Op, Priority, Segment, Transport
+from dualpath.traffic.transport.base import Op, Priority, Segment, Transport
 
 
 def _nixl():

@@ -10,8 +10,8 @@ import signal
 import torch
 
 from dualpath.config import TransportConfig
-from traffic.memory import remove_segments
-from traffic.transport.base import RegionDesc
+from dualpath.traffic.memory import remove_segments
+from dualpath.traffic.transport.base import RegionDesc
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def digest(t: torch.Tensor) -> str:
 
 def serve(conn, config: TransportConfig, endpoint: str, nbytes: int) -> None:
     torch.set_num_threads(1)
-    from traffic.transport import make_transport
+    from dualpath.traffic.transport import make_transport
 
     t = make_transport(config, endpoint)
     mem = t.allocate(nbytes)

@@ -8,8 +8,8 @@ import threading
 
 from dualpath.config import TransportConfig
 from dualpath.errors import PeerDeadError, TransportError
-from traffic.memory import HostMemory
-from traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
+from dualpath.traffic.memory import HostMemory
+from dualpath.traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
 
 
 def process_alive(pid: int) -> bool:

@@ -8,7 +8,7 @@ traffic can sit on its own InfiniBand service level / RoCE traffic class (``UCX_
 ``UCX_IB_TRAFFIC_CLASS``) where UCX has verbs; elsewhere the settings are reported as not applied.
 
 Over TCP the KV context's sockets carry ``kv_traffic_class`` as their ``IP_TOS``. UCX has no option for it, so
-the transport marks them itself (``traffic.qos.SocketMarker``): the ports the KV context listens on (its listener
+the transport marks them itself (``dualpath.traffic.qos.SocketMarker``): the ports the KV context listens on (its listener
 and its ``tcp`` interfaces, found as the ports that appeared while it was created) are marked at once, so every
 connection a peer opens to them is marked from its first packet; the connections this side opens to a peer's KV
 ports (``kv_ports`` in its address) are marked as they appear: after connecting, and after transfers.
@@ -24,8 +24,8 @@ import torch
 
 from dualpath.config import TransportConfig
 from dualpath.errors import ConfigError, PeerDeadError, TransferTimeoutError, TransportError
-from traffic import qos
-from traffic.transport.base import Op, Priority, Segment, Transport
+from dualpath.traffic import qos
+from dualpath.traffic.transport.base import Op, Priority, Segment, Transport
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from dualpath.config import TransportConfig
 from dualpath.errors import ConfigError, PeerDeadError, TransferTimeoutError
-from traffic.transport.base import Op, Priority, Region, Segment, Transport
+from dualpath.traffic.transport.base import Op, Priority, Region, Segment, Transport
 
 _DEBIAN_DIST = "/usr/lib/python3/dist-packages"
 
