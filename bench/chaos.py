@@ -4,7 +4,7 @@ supervisor, scheduler and engine processes), with every reply checked against th
 Each scenario starts a fresh cluster, arms one fault, and runs ``--agents`` two-turn conversations at once (turn 2
 re-sends turn 1 and its reply plus new tokens, so it hits stored KV). Faults:
 
-- a failpoint (``dualpath/faults.py``): an engine of a role ends (as SIGKILL would) or hangs (SIGSTOP) at an exact
+- a failpoint (``dualpath/core/faults.py``): an engine of a role ends (as SIGKILL would) or hangs (SIGSTOP) at an exact
   phase: queued, loading stored KV, half way through a prefill, handing off, decoding; the scheduler ends right after
   it handed out work; a storage read stalls;
 - the scheduler killed (SIGKILL) while turn 1 runs;
@@ -257,7 +257,7 @@ class Run:
             return {"error": str(e)}
 
     def _row(self, cluster, start: float, ended: float, stats: dict) -> dict:
-        from dualpath.faults import fired
+        from dualpath.core.faults import fired
 
         equal = sum(1 for got, want in self.outcomes if hasattr(got, "token_ids") and got.token_ids == want)
         wrong = sum(1 for got, want in self.outcomes if hasattr(got, "token_ids") and got.token_ids != want)

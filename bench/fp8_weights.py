@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     from dualpath.checkpoints.fp8 import quantize_checkpoint
     from dualpath.checkpoints.smollm2 import default_model_dir
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
     from dualpath.engines.models import load_model
 
     model = args.model or str(default_model_dir())

@@ -103,7 +103,7 @@ def _git(*args: str) -> str:
 
 def load_old_engine(commit: str, where: Path) -> ModuleType:
     """The old ``dualpath.engines.guided`` (with its grammar, regex and ebnf modules) as the package ``old_guided`` written
-    under ``where``: its imports of each other rewritten, everything else (``dualpath.errors``, torch) as today."""
+    under ``where``: its imports of each other rewritten, everything else (``dualpath.core.errors``, torch) as today."""
     package = where / "old_guided"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -120,7 +120,7 @@ def load_old_engine(commit: str, where: Path) -> ModuleType:
 # --- the parts ---------------------------------------------------------------------------------------------------
 def bench_setup(old: ModuleType, model_dir: Path, width: int, end_ids: list[int]) -> tuple[list[dict], dict]:
     """Each engine's vocabulary view, built from a fresh tokenizer: (rows, each engine's GuideSource)."""
-    from dualpath.tokenizer import Tokenizer
+    from dualpath.core.tokenizer import Tokenizer
     from dualpath.engines.guided import GuideSource
 
     rows, sources = [], {}
@@ -139,7 +139,7 @@ def bench_setup(old: ModuleType, model_dir: Path, width: int, end_ids: list[int]
 
 def bench_masks(sources: dict, tok) -> list[dict]:
     """Per constraint: mask + advance per token along its text, cold then warm, with each engine."""
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
 
     rows = []
     for name, fields, text in CONSTRAINTS:
@@ -170,7 +170,7 @@ def _walk(guide, ids: list[int]) -> float:
 
 def bench_step(sources: dict, tok, width: int, batch: int, repeats: int) -> dict:
     """A decode step's sampler with ``batch`` rows part-way through the JSON document, with each engine's masks."""
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.sampler import make_generator, sample
 
     ids = tok.encode(DOC_TEXT, add_special_tokens=False)
@@ -278,7 +278,7 @@ def bench_pattern_answers(llm, sources: dict) -> list[dict]:
 def _valid(kind: str, source: str, text: str) -> bool:
     if kind == "regex":
         return re.fullmatch(source, text, re.ASCII) is not None
-    from dualpath.structured import Constraint, compile
+    from dualpath.core.structured import Constraint, compile
 
     matcher = compile(Constraint("grammar", source))
     return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
@@ -315,7 +315,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as where:
         log(f"old engine from {commit[:12]}; new: llguidance")
         old = load_old_engine(commit, Path(where))
-        from dualpath.tokenizer import Tokenizer
+        from dualpath.core.tokenizer import Tokenizer
 
         tok = Tokenizer(model_dir)
         rows, sources = bench_setup(old, model_dir, width, end_ids)

@@ -23,9 +23,9 @@ from common import print_table, write_result  # noqa: E402
 
 
 def build(args):
-    from dualpath.config import (CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig,
+    from dualpath.core.config import (CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig,
                                  TransportConfig)
-    from dualpath.messages import EngineInfo, Role
+    from dualpath.core.messages import EngineInfo, Role
     from dualpath.engines.prefill import PrefillEngine
     from dualpath.traffic.buffer import BufferPool
     from dualpath.traffic.transport import make_transport
@@ -66,11 +66,11 @@ def main(argv=None) -> dict:
         args.model = str(default_model_dir())
     args.kv_store = tempfile.mkdtemp(prefix="dualpath-overlap-")
 
-    from dualpath.geometry import block_hashes
-    from dualpath.messages import Assignment, ReadPath
+    from dualpath.core.geometry import block_hashes
+    from dualpath.core.messages import Assignment, ReadPath
     from dualpath.engines.prefill import Job
     from dualpath.engines.sampler import make_generator
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
 
     pe, de_t, de_pool, de_info = build(args)
     g = pe.geometry

@@ -42,8 +42,8 @@ def prompt(kind: str, i: int, n: int, vocab: int) -> list[int]:
 def model_shape(model: str, blocks: int) -> tuple[int, int]:
     """The tokenizer's vocabulary size (what the server accepts in prompts), and the bytes of ``blocks`` KV blocks
     (float32)."""
-    from dualpath.geometry import KVGeometry
-    from dualpath.tokenizer import Tokenizer
+    from dualpath.core.geometry import KVGeometry
+    from dualpath.core.tokenizer import Tokenizer
     from dualpath.engines.models import open_checkpoint
 
     config = open_checkpoint(model).config

@@ -220,7 +220,7 @@ def _collective_worker(args) -> None:
 def _kv_worker(args) -> None:
     import torch
 
-    from dualpath.config import TransportConfig
+    from dualpath.core.config import TransportConfig
     from dualpath.traffic import qos
     from dualpath.traffic.transport import Op, Priority, RegionDesc, Segment, make_transport
 
@@ -324,7 +324,7 @@ def _pct(xs: list[float], q: float) -> float:
 def run_case(case: str, link: Link, args, log_dir: Path, say) -> dict:
     """One round of ``case``: its workers started, the flood ramped up, the steps measured, everything stopped.
     Returns the raw measurements (``combine`` pools the rounds)."""
-    from dualpath.config import QosConfig
+    from dualpath.core.config import QosConfig
 
     qos = QosConfig.off() if case == "no_priorities" else QosConfig()
     workers: list[Worker] = []
@@ -412,7 +412,7 @@ def _directions(args) -> int:
 
 def combine(case: str, parts: list[dict], args) -> dict:
     """One case's rounds as one result: latencies pooled, bytes and times summed."""
-    from dualpath.config import QosConfig
+    from dualpath.core.config import QosConfig
 
     qos = QosConfig.off() if case == "no_priorities" else QosConfig()
     total = lambda key: sum(p[key] for p in parts)  # noqa: E731
@@ -570,7 +570,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"bench/qos.py {why}")
     from common import print_table, write_result
 
-    from dualpath.config import QosConfig
+    from dualpath.core.config import QosConfig
 
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     qos = QosConfig()

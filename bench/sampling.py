@@ -51,7 +51,7 @@ def row_by_row(logits: torch.Tensor, params, generators) -> list[int]:
 
 
 def run(batch: int, vocab: int, device: str, repeats: int = 5) -> list[dict]:
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.sampler import make_generator, sample
 
     dev = torch.device(device)
@@ -95,7 +95,7 @@ def dense_penalties(logits: torch.Tensor, p, prompts: list[list[int]], outputs: 
 
 
 def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str, repeats: int = 5) -> dict:
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.sampler import TokenHistory, make_generator, sample
 
     dev = torch.device(device)
@@ -129,7 +129,7 @@ def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str,
 
 
 def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int = 5) -> dict:
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.sampler import TokenHistory, make_generator, sample
 
     dev = torch.device(device)

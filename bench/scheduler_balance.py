@@ -27,8 +27,8 @@ PULL_INTERVAL = 0.02  # a group's pull period, seconds
 
 class Sim:
     def __init__(self, policy: str, args, seed: int):
-        from dualpath.config import SchedulerConfig
-        from dualpath.messages import EngineInfo, Role
+        from dualpath.core.config import SchedulerConfig
+        from dualpath.core.messages import EngineInfo, Role
         from dualpath.scheduler.core import SchedulerCore
         from dualpath.scheduler.policy import make_policy
 
@@ -63,8 +63,8 @@ class Sim:
         heapq.heappush(self.events, (t, self.seq, kind, payload))
 
     def submit(self, agent):
-        from dualpath.messages import SubmitRequest, pack_tokens
-        from dualpath.sampling_params import SamplingParams
+        from dualpath.core.messages import SubmitRequest, pack_tokens
+        from dualpath.core.sampling_params import SamplingParams
 
         n = agent["context"] + agent["append"]
         tokens = pack_tokens([0] * n)
@@ -117,7 +117,7 @@ class Sim:
                     item[1]["pending"] -= 1
 
     def _load(self, e):
-        from dualpath.messages import EngineLoad
+        from dualpath.core.messages import EngineLoad
 
         node = self.nodes[e["info"].node_id]
         read_q = int(sum(x[0] for x in node["queue"]) / 8)  # each engine reports its share of the node queue
@@ -131,7 +131,7 @@ class Sim:
                           request_ids=list(work), finished=finished, storage_read_bytes=int(read_delta))
 
     def _pull(self, group, agents):
-        from dualpath.messages import ReadPath
+        from dualpath.core.messages import ReadPath
 
         members = [e for e in self.engines.values() if e["info"].group_id == group]
         self._progress(members, agents)

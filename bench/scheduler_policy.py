@@ -94,10 +94,10 @@ def bench_policy(name: str, rng) -> dict:
 
 
 def bench_core(rng) -> dict:
-    from dualpath.config import SchedulerConfig
-    from dualpath.geometry import block_hashes
-    from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_keys, pack_tokens
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.config import SchedulerConfig
+    from dualpath.core.geometry import block_hashes
+    from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_keys, pack_tokens
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.scheduler.core import SchedulerCore
     from dualpath.scheduler.policy import make_policy
 

@@ -38,10 +38,10 @@ def cpu_seconds(pid: int) -> float:
 async def main_async(args) -> dict:
     import grpc
 
-    from dualpath.geometry import block_hashes
-    from dualpath.messages import (EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, Role, SessionIn,
+    from dualpath.core.geometry import block_hashes
+    from dualpath.core.messages import (EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, Role, SessionIn,
                                    SessionOut, SubmitRequest, from_wire, pack_keys, pack_tokens, to_wire)
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
 
     ready = Path(tempfile.mkdtemp()) / "ready"
     kv = tempfile.mkdtemp()

@@ -240,7 +240,7 @@ def main(argv=None) -> dict:
     import httpx
     from serve_process import ServeProcess
 
-    from dualpath.paths import parse_size
+    from dualpath.core.paths import parse_size
 
     cap = parse_size(args.storage_capacity)
     extra = ["--model", args.model] if args.model else []

@@ -37,8 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from dualpath.config import StorageConfig
-    from dualpath.geometry import KVGeometry
+    from dualpath.core.config import StorageConfig
+    from dualpath.core.geometry import KVGeometry
     from dualpath.traffic.memory import HostMemory
     from dualpath.traffic.storage import make_storage
 

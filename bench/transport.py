@@ -22,7 +22,7 @@ REGION = 256 << 20
 
 
 def _pair(backend: str, chunk_bytes: int):
-    from dualpath.config import TransportConfig
+    from dualpath.core.config import TransportConfig
     from dualpath.traffic.transport import make_transport
     from dualpath.traffic.transport.peer import PeerProcess
 

@@ -3,7 +3,7 @@
 The package root stays light: ``LLM`` is imported on first use, so the core modules (configs, geometry,
 sampling parameters) can be imported without loading torch-heavy engines.
 """
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -54,7 +54,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from dualpath.config import SchedulerConfig
+    from dualpath.core.config import SchedulerConfig
     from dualpath.engines.main import run_scheduler
 
     run_scheduler(SchedulerConfig(host=args.host, port=args.port, kv_store=args.kv_store, mode=args.mode,
@@ -68,7 +68,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def engine_config(args: argparse.Namespace):
-    from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, ParallelConfig, SpeculativeConfig, \
+    from dualpath.core.config import CacheConfig, EngineConfig, EngineProcessConfig, ParallelConfig, SpeculativeConfig, \
         StorageConfig, TransportConfig
 
     cost = tuple(float(x) for x in args.cost_model.split(",")) if args.cost_model else None
@@ -109,7 +109,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from dualpath.errors import ConfigError
+    from dualpath.core.errors import ConfigError
     from dualpath.status import find_scheduler, render, use_token_file
 
     deadline = time.monotonic() + args.timeout  # (finding the run and its engines share the wait)
@@ -138,7 +138,7 @@ def _wait_for_engines(scheduler: str, args: argparse.Namespace, timeout: float) 
     import time
 
     from dualpath.client import ClusterClient
-    from dualpath.errors import DualPathError
+    from dualpath.core.errors import DualPathError
 
     client, deadline, data, up = ClusterClient(scheduler), time.monotonic() + timeout, {}, False
     try:
@@ -166,7 +166,7 @@ def cmd_control(args: argparse.Namespace) -> int:
     /abort_request and /flush_cache do, for jobs without one (``dualpath rollout``) and for operators. Exit status
     0 when it was done."""
     from dualpath.client import ClusterClient
-    from dualpath.errors import DualPathError
+    from dualpath.core.errors import DualPathError
 
     client = ClusterClient(args.scheduler)
     try:
@@ -202,7 +202,7 @@ def cmd_update_weights(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dualpath.client import ClusterClient
-    from dualpath.errors import DualPathError
+    from dualpath.core.errors import DualPathError
 
     client = ClusterClient(args.scheduler)
     try:
@@ -286,7 +286,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
 
 def _kernels_arg(p: argparse.ArgumentParser) -> None:
-    from dualpath.config import KERNEL_BACKENDS  # plain data, no heavy imports
+    from dualpath.core.config import KERNEL_BACKENDS  # plain data, no heavy imports
 
     p.add_argument("--kernels", default="auto", choices=KERNEL_BACKENDS,
                    help="attention and KV-move kernels: auto (triton on CUDA, torch on CPU), torch (the reference)")
@@ -345,7 +345,7 @@ def _parallel_args(p: argparse.ArgumentParser, cluster: bool = False) -> None:
 def _qos_args(p: argparse.ArgumentParser) -> None:
     """The priority classes on the wire (``QosConfig``): ``engine``, and every engine of ``serve``, ``rollout``,
     ``run-batch``."""
-    from dualpath.config import QosConfig  # plain data, no heavy imports
+    from dualpath.core.config import QosConfig  # plain data, no heavy imports
 
     d = QosConfig()
     g = p.add_argument_group("network priority classes (KV low, collectives high; deploy/qos/README.md)")
@@ -366,8 +366,8 @@ def _qos_args(p: argparse.ArgumentParser) -> None:
 
 def qos_config(args: argparse.Namespace):
     """``QosConfig`` from ``_qos_args``' options (``--kv-traffic-class`` names the KV DSCP as a byte)."""
-    from dualpath.config import QosConfig
-    from dualpath.errors import ConfigError
+    from dualpath.core.config import QosConfig
+    from dualpath.core.errors import ConfigError
 
     kv_dscp = args.kv_dscp
     if args.kv_traffic_class is not None:
@@ -389,8 +389,8 @@ def _lora_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _lora_module(text: str):
-    from dualpath.errors import ConfigError
-    from dualpath.lora import LoraModule
+    from dualpath.core.errors import ConfigError
+    from dualpath.core.lora import LoraModule
 
     try:
         return LoraModule.parse(text)
@@ -399,8 +399,8 @@ def _lora_module(text: str):
 
 
 def _speculative(text: str) -> str:
-    from dualpath.config import SpeculativeConfig
-    from dualpath.errors import ConfigError
+    from dualpath.core.config import SpeculativeConfig
+    from dualpath.core.errors import ConfigError
 
     try:
         SpeculativeConfig.parse(text)
@@ -410,7 +410,7 @@ def _speculative(text: str) -> str:
 
 
 def _size(text: str) -> int:
-    from dualpath.paths import parse_size
+    from dualpath.core.paths import parse_size
 
     try:
         return parse_size(text)
@@ -419,7 +419,7 @@ def _size(text: str) -> int:
 
 
 def _dtype_args(p: argparse.ArgumentParser) -> None:
-    from dualpath.config import DTYPE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS
+    from dualpath.core.config import DTYPE_BYTES, KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument("--dtype", default="float32", choices=list(DTYPE_BYTES), help="the model's dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -447,7 +447,7 @@ def _share(text: str) -> float:
 
 
 def _scheduling_policy_arg(p: argparse.ArgumentParser) -> None:
-    from dualpath.config import SCHEDULING_POLICIES
+    from dualpath.core.config import SCHEDULING_POLICIES
 
     p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="the scheduler's queue order: fcfs (first come, first served; a request's priority is "
@@ -1101,7 +1101,7 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> arg
         return args
     import yaml
 
-    from dualpath.errors import ConfigError
+    from dualpath.core.errors import ConfigError
 
     try:
         values = yaml.safe_load(open(path)) or {}
@@ -1123,7 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _with_config(parser, argv)
     except Exception as e:  # noqa: BLE001
-        from dualpath.errors import DualPathError
+        from dualpath.core.errors import DualPathError
 
         if isinstance(e, DualPathError):
             print(f"dualpath: error: {e}", file=sys.stderr)
@@ -1135,7 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI reports project errors in one line
-        from dualpath.errors import DualPathError
+        from dualpath.core.errors import DualPathError
 
         if isinstance(e, DualPathError):
             print(f"dualpath: error: {e}", file=sys.stderr)

@@ -18,12 +18,12 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
-from dualpath.errors import DualPathError, RequestError
-from dualpath.geometry import block_hashes
-from dualpath.messages import Abort, Ack, AdapterLoad, AdapterLoadReply, Hold, HoldReply, RequestRef, SessionIn, \
+from dualpath.core.errors import DualPathError, RequestError
+from dualpath.core.geometry import block_hashes
+from dualpath.core.messages import Abort, Ack, AdapterLoad, AdapterLoadReply, Hold, HoldReply, RequestRef, SessionIn, \
     SubmitEvent, SubmitRequest, TokenEvent, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
-from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
+from dualpath.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 RECONNECT_PAUSE_S = 0.5  # between submissions of a request whose scheduler session ended

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dualpath.config import QosConfig
-from dualpath.errors import ConfigError, DualPathError
-from dualpath.lora import LoraModule
-from dualpath.messages import RequestRef
-from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, TOKEN_ENV, Client, RpcError, ensure_cluster_token
+from dualpath.core.config import QosConfig
+from dualpath.core.errors import ConfigError, DualPathError
+from dualpath.core.lora import LoraModule
+from dualpath.core.messages import RequestRef
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, TOKEN_ENV, Client, RpcError, ensure_cluster_token
 
 log = logging.getLogger(__name__)
 PORTS_PER_ENGINE = 3  # an engine's control port, then its transport's listeners (one per priority class)
@@ -150,7 +150,7 @@ def _free_port(host: str) -> int:
 
 def _check_groups(spec: ClusterSpec, model) -> None:
     """Data-parallel attention: each role's engines fill whole groups, of TP 1, on a model the groups can share."""
-    from dualpath.config import EngineConfig, ParallelConfig
+    from dualpath.core.config import EngineConfig, ParallelConfig
     from dualpath.engines.parallel.ranks import check_parallel
 
     d = spec.data_parallel_size
@@ -167,7 +167,7 @@ def check_parallelism(spec: ClusterSpec, model) -> None:
     """``ConfigError`` before any process starts when ``spec``'s tensor parallelism cannot serve ``model`` (a
     ``ModelConfig``): a size that does not divide its heads, MLP or vocabulary, an architecture or LoRA adapters not
     yet served sharded (``dualpath.engines.parallel.ranks.check_parallel``, per role), or more devices than this host has."""
-    from dualpath.config import EngineConfig, ParallelConfig
+    from dualpath.core.config import EngineConfig, ParallelConfig
 
     sizes = {role: spec.tp(role) for role in ("prefill", "decode")}
     for size in sizes.values():

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dualpath.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
-from dualpath.geometry import KVGeometry
-from dualpath.sampling_params import SamplingParams, model_defaults
-from dualpath.tokenizer import Tokenizer, TokenIdsOnly
+from dualpath.core.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig
+from dualpath.core.geometry import KVGeometry
+from dualpath.core.sampling_params import SamplingParams, model_defaults
+from dualpath.core.tokenizer import Tokenizer, TokenIdsOnly
 from dualpath.engines.local import LocalEngine
 from dualpath.engines.models import open_checkpoint
 from dualpath.engines.parallel.ranks import RankSpec, check_parallel, start_ranks
@@ -47,9 +47,9 @@ class LLM:
     with storage. On CUDA with the Triton kernels, decode steps replay CUDA graphs captured here (one per padded
     batch size up to ``max_num_seqs``); ``enforce_eager`` turns that off. ``speculative_config`` (vLLM's: a dict or
     its JSON, ``{"method": "ngram", "num_speculative_tokens": 4}``) turns on speculative decoding by prompt lookup,
-    which changes no output (``dualpath.config.SpeculativeConfig``). ``kv_cache_dtype`` (vLLM's ``auto`` or
+    which changes no output (``dualpath.core.config.SpeculativeConfig``). ``kv_cache_dtype`` (vLLM's ``auto`` or
     ``fp8``) is the cache's dtype; ``quantization`` (vLLM's ``"fp8"``) quantizes a plain checkpoint's linear
-    weights to block-scaled FP8 as they load (both ``dualpath.config.EngineConfig``). ``generation_config``
+    weights to block-scaled FP8 as they load (both ``dualpath.core.config.EngineConfig``). ``generation_config``
     (vLLM's): where the sampling of a ``generate`` or ``chat`` without ``SamplingParams`` comes from: "auto", the
     checkpoint's ``generation_config.json`` over ``SamplingParams``' defaults; "vllm", those defaults alone; or a
     directory.

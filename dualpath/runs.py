@@ -1,5 +1,5 @@
 """Where this host's ``dualpath serve`` runs can be found: each one, while it serves, keeps a record in
-``<cache dir>/runs/<pid>.json`` (``dualpath.paths.cache_dir``: ``$DUALPATH_CACHE_DIR``, else
+``<cache dir>/runs/<pid>.json`` (``dualpath.core.paths.cache_dir``: ``$DUALPATH_CACHE_DIR``, else
 ``~/.cache/dualpath``) naming its scheduler, run directory, cluster-token file and API. ``dualpath status`` with no
 ``--scheduler`` reads them (``local_runs``); ``--run-dir DIR`` reads a run directory itself (``from_run_dir``).
 
@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dualpath.errors import ConfigError
-from dualpath.paths import cache_dir
+from dualpath.core.errors import ConfigError
+from dualpath.core.paths import cache_dir
 
 
 @dataclass(frozen=True)

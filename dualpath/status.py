@@ -7,7 +7,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from dualpath.errors import ConfigError
+from dualpath.core.errors import ConfigError
 from dualpath.runs import LocalRun, from_run_dir, local_runs, runs_dir
 
 
@@ -55,8 +55,8 @@ def _listening(address: str) -> bool:
 
 
 def use_token_file(run: LocalRun) -> None:
-    """Call with the run's cluster token unless this process was given one (``dualpath.rpc.PlaneAuth``)."""
-    from dualpath.rpc import TOKEN_ENV, TOKEN_FILE_ENV
+    """Call with the run's cluster token unless this process was given one (``dualpath.core.rpc.PlaneAuth``)."""
+    from dualpath.core.rpc import TOKEN_ENV, TOKEN_FILE_ENV
 
     if run.token_file and not os.environ.get(TOKEN_ENV) and not os.environ.get(TOKEN_FILE_ENV):
         os.environ[TOKEN_FILE_ENV] = run.token_file

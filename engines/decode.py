@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dualpath.errors import DualPathError, OutOfBlocksError, RankLostError, RequestError
-from dualpath.faults import failpoint
-from dualpath.geometry import BlockHash, block_hashes, choice_blocks
-from dualpath.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
+from dualpath.core.errors import DualPathError, OutOfBlocksError, RankLostError, RequestError
+from dualpath.core.faults import failpoint
+from dualpath.core.geometry import BlockHash, block_hashes, choice_blocks
+from dualpath.core.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
     TokenEvent, unpack_keys, unpack_tokens
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.engine import Engine
 from dualpath.engines.local import LocalEngine
 from dualpath.engines.sampler import TokenLogprob

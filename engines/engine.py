@@ -20,14 +20,14 @@ import uuid
 
 import torch
 
-from dualpath.config import EngineProcessConfig
-from dualpath.errors import CheckpointError, DualPathError, EngineBusyError, RankLostError
-from dualpath.geometry import KVGeometry, model_fingerprint
-from dualpath.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, EngineInfo, EngineLoad, PullReply, \
+from dualpath.core.config import EngineProcessConfig
+from dualpath.core.errors import CheckpointError, DualPathError, EngineBusyError, RankLostError
+from dualpath.core.geometry import KVGeometry, model_fingerprint
+from dualpath.core.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, EngineInfo, EngineLoad, PullReply, \
     PullRequest, RequestRef, Role, WeightUpdate, WeightUpdateReply, pack_keys
-from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
-from dualpath.sampling_params import SamplingParams
-from dualpath.tokenizer import Tokenizer
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
+from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.tokenizer import Tokenizer
 from dualpath.engines.guided import GuideSource
 from dualpath.engines.models import open_checkpoint, open_update
 from dualpath.engines.parallel.dp import attach, join_group

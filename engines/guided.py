@@ -1,5 +1,5 @@
 """Structured output in the engines: at every step, only tokens that keep the output a prefix of what the request's
-constraint accepts (``dualpath.structured``: JSON, a schema, a pattern or a grammar, and the text around it) may be
+constraint accepts (``dualpath.core.structured``: JSON, a schema, a pattern or a grammar, and the text around it) may be
 sampled. llguidance does the work: its matcher reads the tokens a request takes and computes, per step, the mask of
 the tokens that may come next (tens of microseconds on a 49K-token vocabulary: nothing is cached per state).
 
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from dualpath.errors import DualPathError
-from dualpath.structured import Constraint, check, compile
+from dualpath.core.errors import DualPathError
+from dualpath.core.structured import Constraint, check, compile
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
-    from dualpath.sampling_params import SamplingParams
-    from dualpath.tokenizer import Tokenizer
+    from dualpath.core.sampling_params import SamplingParams
+    from dualpath.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Paged KV cache in device memory: per layer ``[num_blocks, block_size, kv_elems]``, with block tables.
 
-Block ``b`` of layer ``l`` is one Layer Block (``dualpath.geometry``), so moving a block to or from a Full
+Block ``b`` of layer ``l`` is one Layer Block (``dualpath.core.geometry``), so moving a block to or from a Full
 Block never needs a layout change. The allocator and the tables are the only owners of block ids.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
-from dualpath.allocator import BlockAllocator
-from dualpath.geometry import KVGeometry
+from dualpath.core.allocator import BlockAllocator
+from dualpath.core.geometry import KVGeometry
 from dualpath.kernels.kv_move import cache_dtype, write_tokens
 
 

@@ -13,9 +13,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from dualpath.config import SpeculativeConfig
-from dualpath.errors import RequestError
-from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
+from dualpath.core.config import SpeculativeConfig
+from dualpath.core.errors import RequestError
+from dualpath.core.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, stop_cut
 from dualpath.engines.graphs import DecodeGraphs
 from dualpath.engines.guided import GuideSource
 from dualpath.engines.kv_cache import PagedKVCache

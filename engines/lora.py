@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dualpath.errors import CheckpointError
-from dualpath.lora import ADAPTER_WEIGHTS, adapter_digest, read_adapter_config
+from dualpath.core.errors import CheckpointError
+from dualpath.core.lora import ADAPTER_WEIGHTS, adapter_digest, read_adapter_config
 
 # PEFT's tensor names: base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from dualpath.config import EngineProcessConfig, QosConfig, SchedulerConfig
+from dualpath.core.config import EngineProcessConfig, QosConfig, SchedulerConfig
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import logging
 
 import torch
 
-from dualpath.config import CacheConfig
-from dualpath.errors import ConfigError
-from dualpath.geometry import KVGeometry
+from dualpath.core.config import CacheConfig
+from dualpath.core.errors import ConfigError
+from dualpath.core.geometry import KVGeometry
 from dualpath.engines.kv_cache import PagedKVCache
 from dualpath.engines.models.base import CausalLM
 
@@ -79,7 +79,7 @@ def forward_peak_bytes(model: CausalLM, geometry: KVGeometry, tokens: int, devic
 def largest_forward(model: CausalLM, geometry: KVGeometry, tokens: int, device: torch.device | str) -> int:
     """Prefill ``tokens`` tokens in one forward, as prompts of at most the model's context (a sliding window's
     included), over a cache of their own; returns how many prompts."""
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.local import ModelRunner
     from dualpath.engines.sequence import Sequence
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dualpath.errors import DualPathError, RequestError, StorageError
-from dualpath.faults import failpoint
-from dualpath.geometry import FullBlockSlots, LayerMajorBlocks
-from dualpath.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
+from dualpath.core.errors import DualPathError, RequestError, StorageError
+from dualpath.core.faults import failpoint
+from dualpath.core.geometry import FullBlockSlots, LayerMajorBlocks
+from dualpath.core.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
     unpack_tokens
-from dualpath.rpc import ENGINE_METHODS, Client
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.rpc import ENGINE_METHODS, Client
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.batcher import CostModel, Pending, form_batch
 from dualpath.engines.engine import Engine
 from dualpath.engines.guided import Guide

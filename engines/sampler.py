@@ -8,8 +8,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from dualpath.errors import RequestError
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.errors import RequestError
+from dualpath.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.guided import Guide
 from dualpath.engines.sampler import TokenHistory, TokenLogprob
 from dualpath.engines.spec import PromptLookup

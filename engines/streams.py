@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-from dualpath.messages import TokenEvent
+from dualpath.core.messages import TokenEvent
 
 STREAM_TTL_S = 120.0  # how long a finished stream waits for a submitter that never came
 

@@ -25,8 +25,8 @@ from typing import Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from dualpath.config import KERNEL_BACKENDS
-from dualpath.errors import ConfigError
+from dualpath.core.config import KERNEL_BACKENDS
+from dualpath.core.errors import ConfigError
 from dualpath.kernels.kv_move import as_cached, gather_tokens
 from dualpath.kernels.sparse_attention import IndexQuery, listed
 

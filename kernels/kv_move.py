@@ -1,7 +1,7 @@
 """Moving KV between a paged cache, per-sequence token tensors, Layer Blocks and Full Block bytes.
 
 A paged cache layer is ``[num_blocks, block_size, kv_elems]``: block ``b`` of that layer is one Layer Block,
-contiguous. Full Block byte layout comes from ``dualpath.geometry.KVGeometry``; these functions only view it.
+contiguous. Full Block byte layout comes from ``dualpath.core.geometry.KVGeometry``; these functions only view it.
 
 A cache may hold KV in a narrower dtype than the model computes in (8-bit floats): ``to_cache`` is the one place
 values become the cache's, ``as_cached`` gives rows as the cache would hold them, in the model's dtype, and moves
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from dualpath.geometry import KVGeometry
+from dualpath.core.geometry import KVGeometry
 
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from dualpath.config import RopeConfig
+from dualpath.core.config import RopeConfig
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

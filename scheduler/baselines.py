@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from dualpath.messages import ReadPath
+from dualpath.core.messages import ReadPath
 from dualpath.scheduler.policy import EngineState, PathChoice, Policy, take_decode
 
 

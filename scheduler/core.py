@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
-from dualpath.config import SchedulerConfig
-from dualpath.errors import RequestError, UnavailableError
-from dualpath.geometry import HASH_BYTES, block_hashes, choice_blocks
-from dualpath.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
+from dualpath.core.config import SchedulerConfig
+from dualpath.core.errors import RequestError, UnavailableError
+from dualpath.core.geometry import HASH_BYTES, block_hashes, choice_blocks
+from dualpath.core.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
                                SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
-from dualpath.paths import default_kv_store
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.paths import default_kv_store
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.scheduler.balance import WindowedSums, max_over_avg, measured_alpha
 from dualpath.scheduler.index import BlockIndex
 from dualpath.scheduler.policy import EngineState, NodeState, Policy, QueuedRequest, Running, preemption
@@ -325,7 +325,7 @@ class SchedulerCore:
         return bool(self.alive_ids[Role.PREFILL] and self.alive_ids[Role.DECODE])
 
     def refused_call(self) -> None:
-        """A call to the scheduler came without the cluster's credentials (``dualpath.rpc``)."""
+        """A call to the scheduler came without the cluster's credentials (``dualpath.core.rpc``)."""
         with self.lock:
             self.counters["rpc_refused"] += 1
 

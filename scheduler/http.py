@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from dualpath.metrics import CONTENT_TYPE, Metrics
+from dualpath.core.metrics import CONTENT_TYPE, Metrics
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.metrics import StatsCollector
 

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
-from dualpath.geometry import HASH_BYTES, BlockHash
+from dualpath.core.geometry import HASH_BYTES, BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from dualpath.metrics import counter_family, gauge_family
+from dualpath.core.metrics import counter_family, gauge_family
 
 # the core's counters (``SchedulerCore.counters``), each ``dualpath_scheduler_<name>_total``
 COUNTERS = {

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from dualpath.messages import Mode, ReadPath
+from dualpath.core.messages import Mode, ReadPath
 
 
 @dataclass

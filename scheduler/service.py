@@ -13,13 +13,13 @@ import asyncio
 import logging
 import time
 
-from dualpath.config import SchedulerConfig
-from dualpath.errors import RequestError, UnavailableError
-from dualpath.faults import failpoint
-from dualpath.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadReply, EngineInfo, EngineLoad, Hold, \
+from dualpath.core.config import SchedulerConfig
+from dualpath.core.errors import RequestError, UnavailableError
+from dualpath.core.faults import failpoint
+from dualpath.core.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadReply, EngineInfo, EngineLoad, Hold, \
     HoldReply, PullReply, PullRequest, RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, \
     WeightUpdate, WeightUpdateReply
-from dualpath.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.policy import make_policy
 from dualpath.scheduler.weights import drained_by, load_adapter, update_weights

@@ -14,8 +14,8 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from dualpath.messages import AdapterLoad, AdapterLoadReply, WeightUpdate, WeightUpdateReply
-from dualpath.rpc import ENGINE_METHODS, Client, RpcError
+from dualpath.core.messages import AdapterLoad, AdapterLoadReply, WeightUpdate, WeightUpdateReply
+from dualpath.core.rpc import ENGINE_METHODS, Client, RpcError
 from dualpath.scheduler.core import SchedulerCore
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dualpath.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
-from dualpath.messages import EngineInfo, Role
+from dualpath.core.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
+from dualpath.core.messages import EngineInfo, Role
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.transport import make_transport
 

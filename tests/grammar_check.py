@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpath.sampling_params import SamplingParams
-from dualpath.structured import Constraint, compile
+from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.structured import Constraint, compile
 from dualpath.engines.guided import Guide, llg_tokenizer
 from dualpath.engines.sampler import _unpacked
 
@@ -27,7 +27,7 @@ class Read:
 @contextmanager
 def time_limit(seconds: float):
     """``check``'s time limit set to ``seconds`` (fuzz tests: a grammar llguidance loops on costs that much)."""
-    from dualpath import structured
+    from dualpath.core import structured
 
     before, structured.COMPILE_SECONDS = structured.COMPILE_SECONDS, seconds
     try:

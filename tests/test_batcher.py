@@ -58,7 +58,7 @@ def test_a_prefill_engine_batches_its_most_urgent_ready_work_first():
     scheduler handed over before an urgent request waits behind it); with nothing loaded, the most urgent alone."""
     from types import SimpleNamespace
 
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.prefill import PrefillEngine
 
     jobs = [SimpleNamespace(work_id=w, params=SamplingParams(priority=p), loaded=ok)

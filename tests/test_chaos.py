@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpath import faults
+from dualpath.core import faults
 
 ROOT = Path(__file__).parent.parent
 
@@ -22,7 +22,7 @@ def test_a_failpoint_fires_once_across_processes(tmp_path, monkeypatch):
     assert faults.fired(str(tmp_path)) == []
     faults.failpoint("storage.read")  # stalls 0 s, once
     assert faults.fired(str(tmp_path)) == ["storage.read"]
-    code = "from dualpath.faults import failpoint; failpoint('decode.handoff'); print('alive')"
+    code = "from dualpath.core.faults import failpoint; failpoint('decode.handoff'); print('alive')"
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(2)]
     assert [r.returncode for r in runs] == [137, 0] and runs[1].stdout.strip() == "alive"
     assert faults.fired(str(tmp_path)) == ["decode.handoff", "storage.read"]

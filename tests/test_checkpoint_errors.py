@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dualpath.errors import CheckpointError
+from dualpath.core.errors import CheckpointError
 from dualpath.engines.models import load_model
 
 

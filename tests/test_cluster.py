@@ -12,8 +12,8 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
-from dualpath.errors import DualPathError, RequestError
-from dualpath.geometry import block_hashes, model_fingerprint
+from dualpath.core.errors import DualPathError, RequestError
+from dualpath.core.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
 from cluster_calls import generate_during
 from dualpath.engines.models import open_checkpoint

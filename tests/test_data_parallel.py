@@ -17,8 +17,8 @@ import pytest
 
 from dualpath import LLM
 from dualpath.client import ClusterClient
-from dualpath.config import EngineConfig, ParallelConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import EngineConfig, ParallelConfig
+from dualpath.core.errors import ConfigError
 from dualpath.launcher import LocalCluster, check_parallelism
 from dualpath.engines.models import open_checkpoint
 from dualpath.engines.parallel.ranks import check_parallel

@@ -7,8 +7,8 @@ Tolerance: logits within 1e-4 of the eager step's (max abs, float32), greedy tok
 import pytest
 import torch
 
-from dualpath.geometry import KVGeometry
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.geometry import KVGeometry
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.graphs import DecodeGraphs, graph_batch_sizes, use_decode_graphs
 from dualpath.engines.kv_cache import PagedKVCache
 from dualpath.engines.local import LocalEngine, ModelRunner

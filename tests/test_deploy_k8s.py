@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from dualpath.cli import build_parser
-from dualpath.lora import LoraModule
+from dualpath.core.lora import LoraModule
 from k8s_tools import helm_binary
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
-from dualpath.structured import Constraint, GrammarError, check, compile
+from dualpath.core.structured import Constraint, GrammarError, check, compile
 from grammar_check import accepts, along, check_masks_along, completes, fullmatches, read, time_limit
 
 ALPHABET = "abc\né("

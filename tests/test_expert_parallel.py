@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from dualpath import LLM, SamplingParams
-from dualpath.config import EngineConfig, ParallelConfig
-from dualpath.errors import ConfigError, RankLostError
+from dualpath.core.config import EngineConfig, ParallelConfig
+from dualpath.core.errors import ConfigError, RankLostError
 from dualpath.engines.models import open_checkpoint
 from dualpath.engines.parallel.experts import ExpertMap
 from dualpath.engines.parallel.ranks import check_parallel

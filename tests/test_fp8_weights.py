@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ARCHS
-from dualpath.errors import CheckpointError
+from dualpath.core.errors import CheckpointError
 from dualpath.engines.models import ForwardBatch, load_model
 from grid import covering
 from dualpath.kernels.fp8 import FP8, Fp8Weight, fp8_linear, quantize_blocks
@@ -287,8 +287,8 @@ def test_a_prefill_over_fp8_weights_takes_fp8_activations_and_stays_close(tiny_d
 def test_fp8_layer_loop_copies_nothing_between_host_and_device(fp8_dirs, monkeypatch):
     """FP8 weights keep a layer free of host waits on the Triton kernels (a prefill over cached tokens and a decode
     step), so decode steps stay CUDA graphs."""
-    from dualpath.geometry import KVGeometry
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.geometry import KVGeometry
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.kv_cache import PagedKVCache
     from dualpath.engines.local import ModelRunner
     from dualpath.engines.sequence import Sequence
@@ -449,7 +449,7 @@ def fp8_held(model) -> set[str]:
 def test_quantized_at_load_equals_the_quantized_checkpoint(arch, tiny_dirs, fp8_dirs):
     """A plain checkpoint quantized as it loads, in the blocks ``dualpath quantize`` wrote the FP8 one in (every
     join on a block edge in the tiny models): the same parameters held FP8 and bit-equal logits."""
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
 
     model = load_model(tiny_dirs[arch], quantize=WeightQuantConfig(BLOCK))
     stored = load_model(fp8_dirs[arch])
@@ -462,7 +462,7 @@ def test_quantized_at_load_in_default_blocks_joins_parts_first(tiny_dirs):
     """DeepSeek's blocks of 128 over the tiny Llama (q_proj's 64 rows end inside a block): the fused q/k/v weight is
     held FP8 all the same, quantized after joining (its values those of the joined float weight quantized), and
     the logits move from the float model's by FP8's rounding, no more."""
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
     from dualpath.engines.models import open_checkpoint
 
     ckpt = open_checkpoint(tiny_dirs["llama"], WeightQuantConfig())
@@ -479,8 +479,8 @@ def test_quantized_at_load_in_default_blocks_joins_parts_first(tiny_dirs):
 def test_quantization_changes_the_kv_fingerprint_and_leaves_fp8_checkpoints_as_stored(tiny_dirs, fp8_dirs):
     """KV computed over weights quantized at load never hits KV of the float weights; an FP8 checkpoint opened with
     ``quantize`` keeps its own blocks."""
-    from dualpath.config import WeightQuantConfig
-    from dualpath.geometry import model_fingerprint
+    from dualpath.core.config import WeightQuantConfig
+    from dualpath.core.geometry import model_fingerprint
     from dualpath.engines.models import open_checkpoint
 
     def fingerprint(ckpt):
@@ -496,7 +496,7 @@ def test_weight_updates_of_a_model_quantized_at_load(tiny_dirs, fp8_dirs, tmp_pa
     """Plain updates are quantized as the model was (logits then equal a fresh quantized load); FP8 updates in its
     blocks load as stored; an update opened without the quantization (its config has none) is refused."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
     from dualpath.engines.models import reload_weights
 
     quant, ids = WeightQuantConfig(BLOCK), torch.randint(0, 256, (20,))
@@ -514,7 +514,7 @@ def test_fp8_checkpoint_off_block_edges_reloads_into_a_model_quantized_at_load(t
     """A model quantized at load in blocks of 48 holds q/k/v FP8, though a stored checkpoint in those blocks cannot
     join them: loading it dequantizes those parts and quantizes the joined weight, like a plain load of its values."""
     from dualpath.checkpoints.fp8 import quantize_checkpoint
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
     from dualpath.engines.models import reload_weights
 
     quant = WeightQuantConfig((48, 16))
@@ -531,8 +531,8 @@ def test_quantization_option_reaches_every_engine(tiny_dirs):
     are refused."""
     from dualpath import LLM, SamplingParams
     from dualpath.cli import build_parser, engine_config
-    from dualpath.config import EngineConfig, WeightQuantConfig
-    from dualpath.errors import ConfigError
+    from dualpath.core.config import EngineConfig, WeightQuantConfig
+    from dualpath.core.errors import ConfigError
     from dualpath.launcher import ClusterSpec, LocalCluster
 
     parser = build_parser()
@@ -557,7 +557,7 @@ def test_lora_adapters_over_weights_quantized_at_load(tiny_dirs, tiny_adapters, 
     kernels the adapter's requests get the torch reference's prompt logprobs."""
     from dualpath import LLM, SamplingParams
     from dualpath.checkpoints.fp8 import quantize_checkpoint
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
 
     plain = dequantized_copy(quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", BLOCK, progress=False),
                              tmp_path / "plain")

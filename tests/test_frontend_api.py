@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from dualpath.errors import DualPathError
-from dualpath.messages import TokenEvent
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.errors import DualPathError
+from dualpath.core.messages import TokenEvent
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.serving.protocol import CompletionRequest
 from test_serving import validate
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ask, serve
@@ -191,7 +191,7 @@ def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body
 def test_a_grammar_that_takes_too_long_to_compile_is_a_400(front, monkeypatch):
     """Compiling and checking is bounded by a time limit (here 1 s): a grammar llguidance never comes back from
     (two greedy tokens of one language in a row) is a 400 saying so, not a stuck request; the next one is served."""
-    from dualpath import structured
+    from dualpath.core import structured
 
     http, fake, _ = front
     fake.reply = "aaa"
@@ -863,8 +863,8 @@ def test_the_models_generation_config_fills_the_sampling_a_request_leaves_out(ti
     """vLLM's ``--generation-config``: the checkpoint's recommended temperature, top_p, top_k, min_p and
     repetition_penalty, and max_new_tokens as the default max_tokens, where a request does not set them; what a
     request sets wins; ``vllm`` turns them off; a directory without a usable file is a clear error."""
-    from dualpath.errors import CheckpointError
-    from dualpath.sampling_params import model_defaults
+    from dualpath.core.errors import CheckpointError
+    from dualpath.core.sampling_params import model_defaults
     from test_tools import HERMES_TEMPLATE, serve
 
     gen = tmp_path / "gen"

@@ -1,9 +1,9 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dualpath.config import ModelConfig
-from dualpath.errors import ConfigError
-from dualpath.geometry import KVGeometry, block_hashes, chain_root, model_fingerprint
+from dualpath.core.config import ModelConfig
+from dualpath.core.errors import ConfigError
+from dualpath.core.geometry import KVGeometry, block_hashes, chain_root, model_fingerprint
 
 FP = b"f" * 16
 

@@ -1,4 +1,4 @@
-"""Structured output: JSON mode and schemas (llguidance, through ``dualpath.structured``) against Python's JSON parser
+"""Structured output: JSON mode and schemas (llguidance, through ``dualpath.core.structured``) against Python's JSON parser
 and jsonschema, schemas it refuses, the engines' masks over a vocabulary against a token-by-token check, the sampler
 honouring masks, and whole generations (tiny random model, the real SmolLM2) that end as valid JSON."""
 import json
@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field
 from typing import Literal, Optional
 
 from dualpath import LLM, SamplingParams
-from dualpath.errors import CheckpointError
-from dualpath.structured import MAX_WS, GrammarError, check, compile
-from dualpath.tokenizer import Tokenizer
+from dualpath.core.errors import CheckpointError
+from dualpath.core.structured import MAX_WS, GrammarError, check, compile
+from dualpath.core.tokenizer import Tokenizer
 from dualpath.engines.guided import GuideError
 from dualpath.engines.sampler import sample
 from grammar_check import along, allowed, check_masks_along, completes, read, schema, toy_guide, walk
@@ -296,7 +296,7 @@ def test_any_schema_compiles_or_is_refused_with_a_grammar_error(s):
 def test_compiling_is_bounded_by_a_time_limit(monkeypatch):
     """A compile that takes longer than its limit (here one made slow) is a GrammarError naming the field; the
     compile runs on to its end on a thread of its own, and nobody waits for it."""
-    from dualpath import structured
+    from dualpath.core import structured
 
     real = structured._matcher
     monkeypatch.setattr(structured, "_matcher", lambda tok, text: time.sleep(0.5) or real(tok, text))
@@ -825,7 +825,7 @@ def test_an_offline_grammar_llguidance_never_comes_back_from_is_refused_and_the_
     served."""
     import threading
 
-    from dualpath import structured
+    from dualpath.core import structured
 
     monkeypatch.setattr(structured, "COMPILE_SECONDS", 1.0)
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dualpath.config import RopeConfig
+from dualpath.core.config import RopeConfig
 from dualpath.kernels.attention import PagedKV, gqa_split, mla_attention, varlen_attention
 from dualpath.kernels.kv_move import gather_blocks, gather_tokens, scatter_blocks, write_tokens
 from dualpath.kernels.moe import grouped_topk

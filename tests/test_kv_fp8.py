@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dualpath import LLM, SamplingParams
-from dualpath.config import EngineConfig, ModelConfig
-from dualpath.errors import ConfigError
-from dualpath.geometry import KVGeometry, model_fingerprint
+from dualpath.core.config import EngineConfig, ModelConfig
+from dualpath.core.errors import ConfigError
+from dualpath.core.geometry import KVGeometry, model_fingerprint
 from dualpath.engines.models import load_model, open_checkpoint
 from dualpath.engines.models.base import ForwardBatch
 

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dualpath import LLM, SamplingParams
-from dualpath.errors import OutOfBlocksError, RequestError
-from dualpath.allocator import BlockAllocator
+from dualpath.core.errors import OutOfBlocksError, RequestError
+from dualpath.core.allocator import BlockAllocator
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -101,7 +101,7 @@ def test_freed_blocks_come_back_in_the_order_they_were_held():
 def test_cache_slots_follow_the_block_table(start, n, spacer):
     """A token's slot is its block's id times the block size plus its offset, across block boundaries and for
     tables whose blocks are not consecutive."""
-    from dualpath.geometry import KVGeometry
+    from dualpath.core.geometry import KVGeometry
     from dualpath.engines.kv_cache import PagedKVCache
 
     cache = PagedKVCache(KVGeometry(num_layers=1, kv_elems_per_token=4, dtype="float32", block_size=8), 40)

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import build_tiny_adapter
-from dualpath.errors import CheckpointError, ConfigError, RequestError
-from dualpath.geometry import block_hashes, chain_root
-from dualpath.lora import LoraModule, adapter_digest, read_adapter_config
+from dualpath.core.errors import CheckpointError, ConfigError, RequestError
+from dualpath.core.geometry import block_hashes, chain_root
+from dualpath.core.lora import LoraModule, adapter_digest, read_adapter_config
 from dualpath.engines.models import load_model
 from dualpath.engines.models.base import ForwardBatch
 from dualpath.engines.sampler import make_generator
@@ -246,8 +246,8 @@ def test_a_rollout_runs_every_round_under_its_adapter(tiny_adapters, tmp_path):
     assert rollout_adapter(parse("--lora", str(tiny_adapters["sql"]))) == sql and rollout_adapter(parse()) == ""
     with pytest.raises(CheckpointError, match="adapter_config.json"):
         rollout_adapter(parse("--lora", "sq1"))
-    from dualpath.errors import DualPathError
-    from dualpath.messages import AdapterLoadReply
+    from dualpath.core.errors import DualPathError
+    from dualpath.core.messages import AdapterLoadReply
     from dualpath.rollout.cli import ensure_adapter
 
     class Client:  # the scheduler's LoadAdapter, answering as its engines would
@@ -330,7 +330,7 @@ def test_an_engine_joining_loads_the_adapters_the_cluster_loaded_at_runtime(tiny
     loads those it lacks before it takes work (its model and the registration, the rest of the engine left out)."""
     from types import SimpleNamespace
 
-    from dualpath.messages import RegisterReply
+    from dualpath.core.messages import RegisterReply
     from dualpath.engines.engine import Engine
     from dualpath.engines.parallel.ranks import Ranks
     from dualpath.engines.parallel.steps import RankState

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dualpath.checkpoints.tiny import TINY_VOCAB
-from dualpath.config import CacheConfig
-from dualpath.errors import ConfigError
-from dualpath.geometry import KVGeometry
+from dualpath.core.config import CacheConfig
+from dualpath.core.errors import ConfigError
+from dualpath.core.geometry import KVGeometry
 import dualpath.engines.memory
 from dualpath.engines.memory import auto_cache_bytes, cache_blocks, largest_forward
 from dualpath.engines.models import load_model

@@ -12,8 +12,8 @@ import pytest
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
 from dualpath.client import EngineLost, RequestHandle, _Delivered
-from dualpath.errors import DualPathError, RequestError
-from dualpath.messages import TokenEvent
+from dualpath.core.errors import DualPathError, RequestError
+from dualpath.core.messages import TokenEvent
 
 PROMPT = [(5 * i) % 97 + 40 for i in range(37)]
 LETTERS = tuple(b"ab c")  # a small alphabet: stop strings and patterns recur in a random model's text

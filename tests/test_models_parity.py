@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import ARCHS
-from dualpath.geometry import KVGeometry
+from dualpath.core.geometry import KVGeometry
 from dualpath.engines.models import ForwardBatch, load_model
 from dualpath.kernels.kv_move import layer_tokens_from_full, pack_full_blocks
 
@@ -137,7 +137,7 @@ def test_a_sliding_window_bounds_the_context_served(tmp_path, tiny_dirs):
     import shutil
 
     from dualpath import LLM
-    from dualpath.errors import CheckpointError, ConfigError
+    from dualpath.core.errors import CheckpointError, ConfigError
 
     d = shutil.copytree(tiny_dirs["llama"], tmp_path / "mistral")
     cfg = json.loads((d / "config.json").read_text())

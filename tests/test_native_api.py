@@ -134,7 +134,7 @@ def test_bad_requests_are_400s_naming_sglangs_field(front, body, param, why):
 def test_lora_path_names_a_served_adapter(tiny_dirs, tiny_adapters, tmp_path):
     """SGLang's ``lora_path``: the request runs under that served adapter (its identity in the engines' sampling),
     a list must name one adapter, and an unknown one is a 400 naming the field."""
-    from dualpath.lora import LoraModule, adapter_digest
+    from dualpath.core.lora import LoraModule, adapter_digest
 
     modules = tuple(LoraModule(k, str(p)) for k, p in tiny_adapters.items())
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, lora_modules=modules)

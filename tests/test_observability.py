@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 from dualpath.launcher import Child, Supervisor
-from dualpath.messages import TokenEvent
+from dualpath.core.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.watch import Counts, StatsLine, log_stats, stats_line
 from dualpath.scheduler.http import render

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dualpath import LLM, SamplingParams
-from dualpath.allocator import BlockAllocator
-from dualpath.errors import RequestError
-from dualpath.geometry import KVGeometry
+from dualpath.core.allocator import BlockAllocator
+from dualpath.core.errors import RequestError
+from dualpath.core.geometry import KVGeometry
 from dualpath.engines.kv_cache import PagedKVCache
 from dualpath.engines.sampler import make_generator
 from dualpath.engines.sequence import Sequence

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dualpath.errors import RequestError
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.errors import RequestError
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.sampler import TokenHistory, adjusted, filtered_probs, make_generator, sample
 
 V = 97

@@ -9,9 +9,9 @@ import os
 import grpc
 import pytest
 
-from dualpath.errors import ConfigError
-from dualpath.messages import Ack, RequestRef, TokenEvent
-from dualpath.rpc import ENGINE_METHODS, TOKEN_ENV, TOKEN_FILE_ENV, Client, PlaneAuth, RpcError, ThreadedServer, \
+from dualpath.core.errors import ConfigError
+from dualpath.core.messages import Ack, RequestRef, TokenEvent
+from dualpath.core.rpc import ENGINE_METHODS, TOKEN_ENV, TOKEN_FILE_ENV, Client, PlaneAuth, RpcError, ThreadedServer, \
     ensure_cluster_token
 
 
@@ -150,8 +150,8 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
     from dualpath import SamplingParams
     from dualpath.client import ClusterClient
     from dualpath.launcher import ClusterSpec, LocalCluster
-    from dualpath.messages import EngineInfo, Role, SubmitRequest, pack_tokens
-    from dualpath.rpc import SCHEDULER_METHODS
+    from dualpath.core.messages import EngineInfo, Role, SubmitRequest, pack_tokens
+    from dualpath.core.rpc import SCHEDULER_METHODS
 
     spec = ClusterSpec(model=str(tiny_dirs["llama"]), block_size=16, kv_store=str(tmp_path / "kv"),
                        buffer_bytes=8 << 20, cache_bytes=16 << 20, workspace_tokens=2048,

@@ -1,7 +1,7 @@
 """The scheduling algorithms pinned on small hand-built states, and invariants checked on random ones."""
 from hypothesis import given, settings, strategies as st
 
-from dualpath.messages import Mode, ReadPath
+from dualpath.core.messages import Mode, ReadPath
 from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from dualpath.scheduler.paper import DualPathPolicy, classify
 from dualpath.scheduler.policy import EngineState, NodeState, PathChoice, QueuedRequest, blocks_to_load, make_policy, split_path

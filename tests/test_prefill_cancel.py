@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath.messages import Assignment, EngineInfo, ReadPath
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.messages import Assignment, EngineInfo, ReadPath
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.prefill import Job, PrefillEngine
 from dualpath.engines.prefill_jobs import PrefillJobs
 from dualpath.engines.sampler import make_generator
@@ -127,7 +127,7 @@ def test_a_decode_engine_keeps_a_cancelled_prompts_buffer_slots_until_its_prefil
     prompt's KV into the decode engine's buffer: its device blocks are freed at once, its buffer slots only when
     the prefill engine's ``Release`` says nothing is in flight (or, without one, after ``settle_s``). Freed at
     once, a late write would land in the next request's prompt."""
-    from dualpath.messages import PrepareRequest, RequestRef
+    from dualpath.core.messages import PrepareRequest, RequestRef
     from dualpath.engines.decode import DecodeEngine
 
     de = DecodeEngine(engine_config("decode", tiny_dirs["llama"], tmp_path, BS, buffer_bytes=2 << 20))

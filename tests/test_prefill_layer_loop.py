@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from dualpath.messages import Assignment, ReadPath
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.messages import Assignment, ReadPath
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.models import ForwardBatch
 from dualpath.engines.prefill import Job
 from dualpath.engines.sampler import make_generator

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import dualpath
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 from dualpath.serving.probes import PROBE_PROMPT
 from test_tools import HERMES_TEMPLATE, serve
 

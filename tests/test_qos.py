@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from dualpath.cli import build_parser, engine_config, qos_config
-from dualpath.config import EngineProcessConfig, QosConfig, TransportConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import EngineProcessConfig, QosConfig, TransportConfig
+from dualpath.core.errors import ConfigError
 from netns_hosts import netns_missing
 from dualpath.traffic import qos
 

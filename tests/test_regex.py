@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import EOS_ID
-from dualpath.errors import RequestError
-from dualpath.structured import Constraint, GrammarError, check, choice_pattern
+from dualpath.core.errors import RequestError
+from dualpath.core.structured import Constraint, GrammarError, check, choice_pattern
 from dualpath.engines.guided import GuideError
 from grammar_check import allowed, along, check_masks_along, completes, fullmatches, read, toy_guide
 

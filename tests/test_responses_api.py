@@ -10,7 +10,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-from dualpath.messages import TokenEvent
+from dualpath.core.messages import TokenEvent
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from test_serving import validate
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, ScriptedHandle, serve

@@ -10,9 +10,9 @@ import pytest
 
 from dualpath.client import ClusterClient
 from dualpath.launcher import ClusterSpec, LocalCluster
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 from dualpath.rollout.runner import Rollout, RolloutConfig, agent_digest, completed_agents, make_agents, round_seed
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.rollout.tracegen import PRESETS, generate_trace, measure, trace_shapes
 from dualpath.rollout.trajectory import TrajectoryError, read_trajectories, write_trajectories
 

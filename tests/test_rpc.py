@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dualpath.messages import Ack, RequestRef, TokenEvent
-from dualpath.rpc import ENGINE_METHODS, Client, ThreadedServer
+from dualpath.core.messages import Ack, RequestRef, TokenEvent
+from dualpath.core.rpc import ENGINE_METHODS, Client, ThreadedServer
 from dualpath.engines.streams import StreamHub
 
 
@@ -94,7 +94,7 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
 
     from dualpath import SamplingParams
     from dualpath.client import ClusterClient, OverloadedError
-    from dualpath.config import SchedulerConfig
+    from dualpath.core.config import SchedulerConfig
     from dualpath.scheduler.service import run_scheduler_async
 
     loop, stop, ports = asyncio.new_event_loop(), asyncio.Event(), queue.Queue()
@@ -135,8 +135,8 @@ def test_a_scheduler_that_froze_ends_its_sessions_within_two_keepalives(monkeypa
 
     from dualpath import SamplingParams
     from dualpath.client import ClusterClient, OverloadedError
-    from dualpath.errors import DualPathError
-    from dualpath.rpc import KEEPALIVE_ENV
+    from dualpath.core.errors import DualPathError
+    from dualpath.core.rpc import KEEPALIVE_ENV
 
     monkeypatch.setenv(KEEPALIVE_ENV, "0.5")
     with socket.socket() as s:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dualpath import LLM, SamplingParams
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.serving.batch import BatchConfig, run_batch
 from dualpath.serving.openai_api import Frontend, FrontendConfig

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from dualpath.errors import RequestError
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.errors import RequestError
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.sampler import _draw, filtered_probs, make_generator, sample
 
 

@@ -5,11 +5,11 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dualpath.config import SchedulerConfig
-from dualpath.errors import RequestError
-from dualpath.geometry import choice_blocks
-from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.config import SchedulerConfig
+from dualpath.core.errors import RequestError
+from dualpath.core.geometry import choice_blocks
+from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_tokens
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.scheduler.balance import drain_rate, measured_alpha
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.http import render
@@ -355,7 +355,7 @@ def test_an_engine_that_says_it_is_leaving_is_gone_once_its_last_report_is_taken
     ``engine_lost``, at once rather than after its heartbeats lapse."""
     from dataclasses import replace
 
-    from dualpath.messages import pack_keys
+    from dualpath.core.messages import pack_keys
 
     core, engines = make_core("dualpath", Clock())
     events = []
@@ -387,7 +387,7 @@ def test_a_restarted_scheduler_has_unknown_engines_register_keeping_their_work()
     """A scheduler that never registered an engine (it restarted) tells it so apart from one it declared gone:
     ``unknown`` engines register again keeping their work, ``rejoin`` ones drop it first; until engines are back
     a submission is refused as unavailable (retry later), not as invalid."""
-    from dualpath.errors import UnavailableError
+    from dualpath.core.errors import UnavailableError
 
     clock = Clock()
     core, engines = make_core("dualpath", clock)
@@ -449,7 +449,7 @@ def chain_keys(n: int) -> list[bytes]:
 def test_blocks_stored_and_evicted_are_counted_from_the_engines_reports():
     from dataclasses import replace
 
-    from dualpath.messages import pack_keys
+    from dualpath.core.messages import pack_keys
 
     core, engines = make_core("dualpath", Clock())
     keys = chain_keys(5)
@@ -476,7 +476,7 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
     wait ~13 s for it) and goes back to the probe's once the slow reads leave the 10 s window."""
     from dataclasses import replace
 
-    from dualpath.messages import pack_keys
+    from dualpath.core.messages import pack_keys
 
     clock = Clock()
     core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
@@ -517,8 +517,8 @@ def test_a_salted_prompt_hits_only_the_blocks_stored_under_its_salt():
     decode engine stored for one salt are hits for that salt alone."""
     from dataclasses import replace
 
-    from dualpath.geometry import block_hashes
-    from dualpath.messages import pack_keys
+    from dualpath.core.geometry import block_hashes
+    from dualpath.core.messages import pack_keys
 
     core, engines = make_core("dualpath", Clock())
     prompt = list(range(4 * BS + 3))
@@ -678,7 +678,7 @@ def test_requests_wait_for_a_restarting_role_at_most_the_bound_and_then_fail_nam
 
 
 def test_without_a_bound_or_before_any_engine_a_missing_role_refuses_submissions():
-    from dualpath.errors import UnavailableError
+    from dualpath.core.errors import UnavailableError
 
     clock = Clock()
     core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", engine_wait_timeout_s=0), make_policy("dualpath"),

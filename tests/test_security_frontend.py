@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from dualpath.errors import ConfigError, RequestError
-from dualpath.lora import adapter_digest
-from dualpath.messages import Ack, AdapterLoadReply, HoldReply, WeightUpdateReply
-from dualpath.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from dualpath.core.errors import ConfigError, RequestError
+from dualpath.core.lora import adapter_digest
+from dualpath.core.messages import Ack, AdapterLoadReply, HoldReply, WeightUpdateReply
+from dualpath.core.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
 from test_frontend_api import EndlessHandle, _serving
 from test_tools import HERMES_TEMPLATE, serve
@@ -182,7 +182,7 @@ def test_weight_and_adapter_paths_stay_under_the_allowed_dirs(tiny_dirs, tiny_ad
 
 
 def test_the_default_allowed_dirs_hold_the_model_and_its_adapters(tiny_dirs, tiny_adapters, tmp_path):
-    from dualpath.lora import LoraModule
+    from dualpath.core.lora import LoraModule
 
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin-key",
                           lora_modules=(LoraModule("sql", str(tiny_adapters["sql"])),))

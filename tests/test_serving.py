@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from referencing import Registry, Resource
 
 from dualpath import LLM, SamplingParams
-from dualpath.structured import Constraint, choice_pattern
+from dualpath.core.structured import Constraint, choice_pattern
 from grammar_check import accepts, read, schema
 from serve_process import ServeProcess, alive
 

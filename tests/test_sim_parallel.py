@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dualpath.cli import main
-from dualpath.errors import ConfigError
-from dualpath.messages import Role
+from dualpath.core.errors import ConfigError
+from dualpath.core.messages import Role
 from dualpath.sim.cluster import ClusterSim, SimConfig
 from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
 from dualpath.sim.links import PE_PATH, path_route

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dualpath import LLM, SamplingParams
-from dualpath.errors import CheckpointError, RequestError
-from dualpath.messages import TokenEvent
+from dualpath.core.errors import CheckpointError, RequestError
+from dualpath.core.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 
 PROMPT = [104, 105, 32, 116, 104, 101, 114, 101]  # "hi there" in the tiny tokenizer (a token a byte)

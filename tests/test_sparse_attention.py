@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dualpath.config import ModelConfig
-from dualpath.errors import CheckpointError
+from dualpath.core.config import ModelConfig
+from dualpath.core.errors import CheckpointError
 from dualpath.engines.models import ForwardBatch, load_model
 from dualpath.kernels import attention, sparse_attention
 from dualpath.kernels.attention import PagedKV, mla_attention
@@ -224,8 +224,8 @@ def test_the_triton_layer_loop_copies_nothing_and_matches_the_reference(tiny_dir
     past that the indexer scores, chooses and MLA attends on the device (``dualpath.kernels.triton_sparse``), a chunked
     prefill and a decode step. Either way its layer loop makes no host transfers and the logits are the torch
     backend's."""
-    from dualpath.geometry import KVGeometry
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.geometry import KVGeometry
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.kv_cache import PagedKVCache
     from dualpath.engines.local import ModelRunner
     from dualpath.engines.sequence import Sequence

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 from dualpath import LLM, SamplingParams
 from dualpath.cli import build_parser
 from dualpath.client import ClusterClient
-from dualpath.config import SpeculativeConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import SpeculativeConfig
+from dualpath.core.errors import ConfigError
 from dualpath.launcher import ClusterSpec, LocalCluster
 from dualpath.engines.spec import PromptLookup
 from dualpath.scheduler.http import render

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from dualpath.config import StorageConfig
-from dualpath.errors import BlockCorruptError, BlockMissingError, StorageFullError
-from dualpath.geometry import KVGeometry
-from dualpath.paths import auto_store_capacity, parse_size
+from dualpath.core.config import StorageConfig
+from dualpath.core.errors import BlockCorruptError, BlockMissingError, StorageFullError
+from dualpath.core.geometry import KVGeometry
+from dualpath.core.paths import auto_store_capacity, parse_size
 from dualpath.traffic.storage import ReadAccounting, make_storage
 from dualpath.traffic.storage.fs import FsStorage, pack_header, remove_stored
 from dualpath.scheduler.balance import drain_rate

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from dualpath.geometry import KVGeometry
+from dualpath.core.geometry import KVGeometry
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.strided_copy import copy_rows, slot_runs

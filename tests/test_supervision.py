@@ -9,7 +9,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
-from dualpath.errors import ConfigError
+from dualpath.core.errors import ConfigError
 from dualpath.launcher import ClusterSpec, LocalCluster, RestartPolicy, parse_port_range, rotate_log
 from cluster_calls import generate_during
 

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from dualpath import LLM, SamplingParams
-from dualpath.config import EngineConfig, ParallelConfig
-from dualpath.errors import ConfigError, RankLostError
-from dualpath.geometry import HeadShard
+from dualpath.core.config import EngineConfig, ParallelConfig
+from dualpath.core.errors import ConfigError, RankLostError
+from dualpath.core.geometry import HeadShard
 from dualpath.engines.models import open_checkpoint
 from dualpath.engines.parallel.ranks import check_parallel
 
@@ -79,7 +79,7 @@ def test_lora_adapters_are_cut_as_their_base_layers(tiny_dirs, tiny_adapters):
 def test_a_bad_adapter_or_checkpoint_is_refused_on_every_rank_and_the_engine_serves_on(tiny_dirs, tmp_path):
     """A refusal is an error for the caller, not a dead rank: the engine's next step runs on every rank."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
-    from dualpath.errors import CheckpointError
+    from dualpath.core.errors import CheckpointError
 
     bad = tmp_path / "bad"
     bad.mkdir()

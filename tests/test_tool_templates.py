@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dualpath import LLM
-from dualpath.errors import CheckpointError
-from dualpath.messages import TokenEvent
+from dualpath.core.errors import CheckpointError
+from dualpath.core.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.tools import TOOL_PARSERS, ToolCallSplitter, tool_markup
-from dualpath.tokenizer import Tokenizer, load_chat_template, shipped_templates
+from dualpath.core.tokenizer import Tokenizer, load_chat_template, shipped_templates
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}, "required": ["city"],
         "additionalProperties": False}

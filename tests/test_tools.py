@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grammar_check import completes, constraint, read
-from dualpath.messages import TokenEvent
+from dualpath.core.messages import TokenEvent
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.tools import DeepSeekV3, Hermes, Llama3Json, ToolCallSplitter, tool_markup
-from dualpath.tokenizer import Tokenizer
+from dualpath.core.tokenizer import Tokenizer
 from test_serving import validate
 
 # A Hermes-style template written for these tests: tools listed in the system turn, past calls as <tool_call>
@@ -693,9 +693,9 @@ def test_the_tool_call_parser_can_be_named(tiny_dirs, tmp_path, parser, reply, c
 
 def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(tiny_dirs, tmp_path):
     from dualpath.cli import build_parser
-    from dualpath.errors import CheckpointError
+    from dualpath.core.errors import CheckpointError
     from dualpath.serving.serve import frontend_options
-    from dualpath.tokenizer import load_chat_template
+    from dualpath.core.tokenizer import load_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text(HERMES_TEMPLATE)

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from dualpath.cli import _node_tp, _with_config, build_parser, engine_config, main
-from dualpath.config import ParallelConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import ParallelConfig
+from dualpath.core.errors import ConfigError
 from dualpath.launcher import (
     ClusterSpec,
     LocalCluster,

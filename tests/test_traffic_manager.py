@@ -1,8 +1,8 @@
 """Two traffic managers (a prefill side and a decode side) moving real KV bytes through both read paths."""
 import torch
 
-from dualpath.config import StorageConfig, TransportConfig
-from dualpath.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
+from dualpath.core.config import StorageConfig, TransportConfig
+from dualpath.core.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
 from dualpath.kernels.kv_move import layer_tokens_from_full
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.manager import LayerPipeline, PeerRegion, TrafficManager

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dualpath.errors import OutOfBlocksError, TransportError
-from dualpath.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
+from dualpath.core.errors import OutOfBlocksError, TransportError
+from dualpath.core.geometry import FullBlockSlots, KVGeometry, LayerMajorBlocks
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.manager import LayerPipeline
 from dualpath.traffic.memory import HostMemory
@@ -206,8 +206,8 @@ def test_abandoning_starts_no_more_sends():
 
 def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_requests():
     pytest.importorskip("dualpath.traffic.transport.verbs")
-    from dualpath.config import TransportConfig
-    from dualpath.errors import ConfigError
+    from dualpath.core.config import TransportConfig
+    from dualpath.core.errors import ConfigError
     from dualpath.traffic.transport.base import Priority
     from dualpath.traffic.transport.verbs import QPInfo, import_pyverbs, qp_attr, work_requests
 
@@ -234,8 +234,8 @@ def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_r
 
 
 def test_verbs_without_a_device_is_a_clear_error():
-    from dualpath.config import TransportConfig
-    from dualpath.errors import ConfigError
+    from dualpath.core.config import TransportConfig
+    from dualpath.core.errors import ConfigError
     from dualpath.traffic.transport import make_transport
 
     with pytest.raises(ConfigError, match="RDMA|pyverbs"):

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from dualpath.config import TransportConfig
-from dualpath.errors import SegmentError, TransportError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import SegmentError, TransportError
 from dualpath.traffic.transport import Op, Priority, Segment, make_transport
 from dualpath.traffic.transport.local import LocalHub
 from dualpath.traffic.transport.peer import PeerProcess, digest, pattern

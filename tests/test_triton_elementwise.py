@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from dualpath.kernels.activation import silu_and_mul  # noqa: E402
 from dualpath.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from dualpath.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_qkv  # noqa: E402
-from dualpath.config import RopeConfig  # noqa: E402
+from dualpath.core.config import RopeConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

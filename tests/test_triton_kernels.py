@@ -152,7 +152,7 @@ def test_dispatch_by_device_and_the_reference_switch():
     assert choose_backend("auto", "cpu") == "torch"
     assert choose_backend("torch", "cuda") == "torch"  # forced reference for debugging
     assert choose_backend("triton", "cpu") == "triton"
-    from dualpath.errors import ConfigError
+    from dualpath.core.errors import ConfigError
 
     with pytest.raises(ConfigError):
         choose_backend("cutlass", "cpu")
@@ -183,7 +183,7 @@ def test_block_gather_and_scatter_any_block_list(dtype):
 def test_full_blocks_of_every_layer_to_and_from_a_paged_cache(backend, dtype):
     """The decode engine's moves: a sequence's blocks of every layer as Full Block bytes (one gather, one host copy),
     the same bytes the per-layer packing makes, and back into other blocks of the cache."""
-    from dualpath.geometry import KVGeometry
+    from dualpath.core.geometry import KVGeometry
     from dualpath.kernels.kv_move import cache_to_full_blocks, full_blocks_to_cache, pack_full_blocks
 
     geom = KVGeometry(num_layers=3, block_size=BS, kv_elems_per_token=40, dtype=dtype)
@@ -312,7 +312,7 @@ def test_row_writes_cast_to_the_cache_dtype():
 def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
     """Whole models, paged cache, chunked prefill, batched decode: the kernels change no greedy token."""
     from dualpath.llm import LLM
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
 
     prompts = [list(range(3, 23)), [5, 6, 7], list(range(100, 111))]  # across a block, chunked (16 a step)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -331,8 +331,8 @@ def test_the_layer_loop_copies_nothing_between_host_and_device(tiny_dirs, monkey
     and MoE layers run the fused kernels (the torch reference asks the host which experts run), so the host never
     waits for the device inside the layer loop: checked for a chunked prefill over a cached part and a decode
     step."""
-    from dualpath.geometry import KVGeometry
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.geometry import KVGeometry
+    from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.kv_cache import PagedKVCache
     from dualpath.engines.local import ModelRunner
     from dualpath.engines.models import load_model

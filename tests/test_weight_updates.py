@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from dualpath import LLM, SamplingParams
 from dualpath.checkpoints.tiny import build_tiny_checkpoint
 from dualpath.client import ClusterClient
-from dualpath.errors import CheckpointError
-from dualpath.geometry import block_hashes
+from dualpath.core.errors import CheckpointError
+from dualpath.core.geometry import block_hashes
 from dualpath.launcher import ClusterSpec, LocalCluster
-from dualpath.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.core.messages import Role, SubmitRequest, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
 from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.engines.models import open_checkpoint
 from dualpath.scheduler.core import SchedulerCore, request_of
@@ -347,7 +347,7 @@ def test_engines_that_fail_to_load_leave_the_cluster():
 def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
     """``/v1/load_lora_adapter`` at the scheduler: every live engine at once, nothing paused; remembered only when every
     engine loaded the same bytes, and then listed in every later registration's reply."""
-    from dualpath.messages import AdapterLoad, AdapterLoadReply
+    from dualpath.core.messages import AdapterLoad, AdapterLoadReply
     from dualpath.scheduler.weights import load_adapter
 
     core, engines = make_core("dualpath", Clock())
@@ -745,8 +745,8 @@ def test_the_command_line_pauses_resumes_aborts_and_flushes_a_cluster(cluster, c
 
 
 def test_storage_removes_blocks_of_replaced_weights(tmp_path, tiny_dirs):
-    from dualpath.config import StorageConfig
-    from dualpath.geometry import KVGeometry
+    from dualpath.core.config import StorageConfig
+    from dualpath.core.geometry import KVGeometry
     from dualpath.traffic.storage import make_storage
 
     ckpt = open_checkpoint(tiny_dirs["llama"])

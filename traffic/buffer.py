@@ -11,8 +11,8 @@ from typing import Hashable
 
 import torch
 
-from dualpath.allocator import BlockAllocator
-from dualpath.geometry import FullBlockSlots, KVGeometry
+from dualpath.core.allocator import BlockAllocator
+from dualpath.core.geometry import FullBlockSlots, KVGeometry
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.strided_copy import copy_rows, slot_runs
 

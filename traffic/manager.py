@@ -16,8 +16,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from dualpath.errors import DualPathError, TransferTimeoutError
-from dualpath.geometry import BlockHash, BlockLayout, KVGeometry
+from dualpath.core.errors import DualPathError, TransferTimeoutError
+from dualpath.core.geometry import BlockHash, BlockLayout, KVGeometry
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.planner import plan_segments
 from dualpath.traffic.storage.base import Results, StorageBackend

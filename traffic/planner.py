@@ -1,6 +1,6 @@
 """Turns (blocks, layers, tokens) on two sides into transport segments, merging runs contiguous on both sides.
 
-Both sides name blocks by slot in their own layout (``dualpath.geometry``); block ``j`` of the request is local
+Both sides name blocks by slot in their own layout (``dualpath.core.geometry``); block ``j`` of the request is local
 slot ``local_slots[j]`` and remote slot ``remote_slots[j]``. Token ranges cut the first and last blocks, so a
 decode engine can receive only the miss tokens of a layer beside hit KV that is already there.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from dualpath.geometry import BlockLayout
+from dualpath.core.geometry import BlockLayout
 from dualpath.traffic.transport.base import Segment
 
 

@@ -1,6 +1,6 @@
 """Priority classes on IP networks: the TOS / traffic-class byte (DSCP << 2) of this process's TCP sockets.
 
-What marks what (``dualpath.config.QosConfig`` holds the numbers; ``deploy/qos/README.md`` the fabric's side):
+What marks what (``dualpath.core.config.QosConfig`` holds the numbers; ``deploy/qos/README.md`` the fabric's side):
 
 - **InfiniBand**: the service level of each queue pair (``verbs`` sets the KV SL on its KV queue pairs; ``ucx``
   gives its KV context ``UCX_IB_SL``; NCCL's queue pairs take ``NCCL_IB_SL``). Nothing here.

@@ -385,7 +385,7 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
     memory, each layer copied by ``BufferPool.layer_to_device`` on the copy stream (one 2-D DMA per run of
     consecutive slots), against the same prefill with all KV on the device. Also with the slots scattered (a copy
     per Layer Block), for the cost of a fragmented buffer."""
-    from dualpath.geometry import KVGeometry
+    from dualpath.core.geometry import KVGeometry
     from dualpath.engines.layer_copies import LayerCopies
     from dualpath.engines.models import ForwardBatch, load_model
     from dualpath.traffic.buffer import BufferPool

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dualpath.errors import CheckpointError
+from dualpath.core.errors import CheckpointError
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
@@ -23,7 +23,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int]
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from dualpath.config import WeightQuantConfig
+    from dualpath.core.config import WeightQuantConfig
     from dualpath.engines.models import MODEL_CLASSES, open_checkpoint
     from dualpath.engines.models.fp8 import SCALE_SUFFIX
     from dualpath.kernels.fp8 import quantize_blocks

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dualpath.errors import CheckpointError
-from dualpath.paths import default_models_dir
+from dualpath.core.errors import CheckpointError
+from dualpath.core.paths import default_models_dir
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

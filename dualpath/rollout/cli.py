@@ -10,7 +10,7 @@ def rollout_main(args) -> int:
     from dualpath.client import ClusterClient
     from dualpath.rollout.runner import Rollout, RolloutConfig
     from dualpath.rollout.trajectory import read_trajectories
-    from dualpath.tokenizer import Tokenizer
+    from dualpath.core.tokenizer import Tokenizer
 
     trajectories = list(read_trajectories(args.trajectories, skip_invalid=args.skip_invalid))
     if not trajectories:
@@ -51,7 +51,7 @@ def rollout_main(args) -> int:
 
 def rollout_adapter(args) -> str:
     """``--lora``'s identity: a ``--lora-modules`` name's, else a PEFT directory's ("" without one)."""
-    from dualpath.lora import adapter_digest, read_adapter_config
+    from dualpath.core.lora import adapter_digest, read_adapter_config
 
     if not args.lora:
         return ""
@@ -71,7 +71,7 @@ def ensure_adapter(client, args, digest: str) -> None:
     """A ``--lora`` directory the cluster's engines did not start with is loaded on all of them first (an RL
     trainer's latest adapter: ``rollout --scheduler ... --lora /ckpt/step-17``); ``DualPathError`` if they could
     not, or read other bytes than this job did."""
-    from dualpath.errors import DualPathError
+    from dualpath.core.errors import DualPathError
 
     if not digest or args.lora in _named(args):
         return

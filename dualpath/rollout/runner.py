@@ -26,9 +26,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dualpath.client import ClusterClient, GenerationResult
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 from dualpath.rollout.trajectory import Round, Trajectory
-from dualpath.sampling_params import MAX_CHOICES, SamplingParams
+from dualpath.core.sampling_params import MAX_CHOICES, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from dualpath.errors import ConfigError
+from dualpath.core.errors import ConfigError
 from dualpath.serving.choices import ApiError
 
 ANONYMOUS = ""  # the owner of every request on a server without inference keys

@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dualpath.errors import DualPathError
+from dualpath.core.errors import DualPathError
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 

@@ -17,7 +17,7 @@ every stored block of the served weights is removed (a benchmark's cold start), 
 """
 from __future__ import annotations
 
-from dualpath.messages import HoldReply
+from dualpath.core.messages import HoldReply
 from dualpath.serving.choices import ApiError
 from dualpath.serving.probes import ask_scheduler
 from dualpath.serving.protocol import PauseGenerationRequest

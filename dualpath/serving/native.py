@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from dualpath.errors import RequestError
+from dualpath.core.errors import RequestError
 from dualpath.serving.bounded import off_loop
 from dualpath.serving.choices import ApiError, Outcome, PromptLogprobs, merge
 from dualpath.serving.protocol import CompletionRequest, error_body, parse

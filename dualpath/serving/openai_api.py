@@ -33,12 +33,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dualpath.client import ClusterClient, OverloadedError
-from dualpath.errors import CheckpointError, DualPathError, RequestError
-from dualpath.lora import LoraModule, adapter_digest, adapter_table, read_adapter_config
-from dualpath.metrics import CONTENT_TYPE, Metrics
-from dualpath.sampling_params import SamplingParams, model_defaults
-from dualpath import structured
-from dualpath.structured import choice_pattern
+from dualpath.core.errors import CheckpointError, DualPathError, RequestError
+from dualpath.core.lora import LoraModule, adapter_digest, adapter_table, read_adapter_config
+from dualpath.core.metrics import CONTENT_TYPE, Metrics
+from dualpath.core.sampling_params import SamplingParams, model_defaults
+from dualpath.core import structured
+from dualpath.core.structured import choice_pattern
 from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
                                       merge)
 from dualpath.serving.auth import ADMIN, ANONYMOUS, LORA, Auth, allowed_dirs, confined, is_loopback, owned_label
@@ -57,7 +57,7 @@ from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_st
                                         item_page, remap_param, to_chat, without_exchanges)
 from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_markup
 from dualpath.serving.watch import AccessLog, current_access, scheduler_stats
-from dualpath.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer, stop_cut
+from dualpath.core.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer, stop_cut
 from dualpath.scheduler.metrics import StatsCollector
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from pathlib import Path
 from fastapi.responses import JSONResponse
 
 import dualpath
-from dualpath.errors import DualPathError
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.errors import DualPathError
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.serving.auth import SECRETS
 from dualpath.serving.choices import ApiError
 

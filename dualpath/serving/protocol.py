@@ -6,8 +6,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dualpath.errors import RequestError
-from dualpath.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS
+from dualpath.core.errors import RequestError
+from dualpath.core.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS
 
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 MAX_HTTP_STOPS = 4  # OpenAI's
@@ -49,7 +49,7 @@ class StructuralTag(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``json_object`` constrains the reply to one JSON object (JSON mode),
     ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs, compiled by llguidance:
-    ``dualpath.structured``; what it cannot enforce is a 400). Enforced whatever ``strict`` says. vLLM's
+    ``dualpath.core.structured``; what it cannot enforce is a 400). Enforced whatever ``strict`` says. vLLM's
     ``structural_tag``: free text in which a ``trigger`` begins one of the ``structures`` (its ``begin`` text, an
     object of its ``schema``, its ``end``), then free text again."""
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dualpath.structured import THINK_CLOSE as CLOSE
-from dualpath.structured import THINK_OPEN as OPEN
+from dualpath.core.structured import THINK_CLOSE as CLOSE
+from dualpath.core.structured import THINK_OPEN as OPEN
 from dualpath.serving.tools import partial_tag
 
 

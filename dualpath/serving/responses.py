@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dualpath.errors import RequestError
+from dualpath.core.errors import RequestError
 from dualpath.serving.choices import ApiError
 from dualpath.serving.protocol import ChatRequest, validated
 

@@ -16,14 +16,14 @@ log = logging.getLogger(__name__)
 
 def responses_beside(kv_store: str | None) -> str:
     """The stored responses' directory beside a KV store (its block files live under fingerprint directories)."""
-    from dualpath.paths import default_kv_store
+    from dualpath.core.paths import default_kv_store
 
     return str(Path(kv_store or default_kv_store()) / "responses")
 
 
 def store_capacity(args) -> int:
     """``--storage-capacity`` in bytes (``auto``: from the KV store's disk, now)."""
-    from dualpath.paths import auto_store_capacity, default_kv_store
+    from dualpath.core.paths import auto_store_capacity, default_kv_store
 
     if args.storage_capacity != "auto":
         return args.storage_capacity
@@ -100,7 +100,7 @@ def run_frontend(frontend, host: str, port: int, drain_s: float, on_ready=lambda
 
 def lora_modules(args) -> tuple:
     """``--lora-modules`` (a YAML config gives them as ``name=path`` strings)."""
-    from dualpath.lora import LoraModule
+    from dualpath.core.lora import LoraModule
 
     given = getattr(args, "lora_modules", ()) or ()
     return tuple(m if isinstance(m, LoraModule) else LoraModule.parse(m) for m in given)
@@ -122,7 +122,7 @@ def cluster_spec(args):
     ranks = args.prefill * sizes["prefill"] + args.decode * sizes["decode"]  # processes sharing the cores
     threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // ranks) if args.device == "cpu" else 0)
     if args.engine_port_range and getattr(args, "tp_master_port", 0):
-        from dualpath.errors import ConfigError
+        from dualpath.core.errors import ConfigError
 
         raise ConfigError("--tp-master-port and --engine-port-range: give one (with a range, each tensor-parallel "
                           "engine's rendezvous port comes from it)")
@@ -156,7 +156,7 @@ def cluster_spec(args):
 def cluster_from_args(args):
     """The single-host cluster the command-line options describe (``cluster_spec``), started."""
     from dualpath.launcher import LocalCluster
-    from dualpath.paths import default_kv_store
+    from dualpath.core.paths import default_kv_store
 
     spec, model_dir, max_len = cluster_spec(args)
     cap = f"{spec.storage_capacity / 1e9:.1f} GB" if spec.storage_capacity else "no cap"
@@ -176,9 +176,9 @@ def cluster_from_args(args):
 def frontend_options(args) -> dict:
     """The frontend's chat and client settings from the command line (a template file read now: a bad one fails
     before any engine starts)."""
-    from dualpath.lora import read_adapter_config
-    from dualpath.sampling_params import model_defaults
-    from dualpath.tokenizer import load_chat_template
+    from dualpath.core.lora import read_adapter_config
+    from dualpath.core.sampling_params import model_defaults
+    from dualpath.core.tokenizer import load_chat_template
 
     if args.generation_config not in ("auto", "vllm"):
         model_defaults(args.generation_config, "")  # a directory without a usable one fails here
@@ -194,7 +194,7 @@ def inference_keys(args) -> tuple[str, ...]:
     """Every inference key: ``--api-key`` (repeatable), the lines of
     ``--api-key-file`` (blank ones and ``#`` comments skipped; a file with none is an error, never an open server)
     and ``DUALPATH_API_KEY``."""
-    from dualpath.errors import ConfigError
+    from dualpath.core.errors import ConfigError
 
     keys = list(listed(getattr(args, "api_key", None)))
     if getattr(args, "api_key_file", None):

@@ -29,7 +29,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
-from dualpath.errors import RequestError
+from dualpath.core.errors import RequestError
 
 
 class ToolMarkup(ABC):

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from dualpath.errors import DualPathError
-from dualpath.metrics import sample_values
+from dualpath.core.errors import DualPathError
+from dualpath.core.metrics import sample_values
 
 access_log = logging.getLogger("dualpath.access")
 stats_log = logging.getLogger("dualpath.stats")

@@ -37,9 +37,9 @@ from typing import Callable
 
 import numpy as np
 
-from dualpath.config import SchedulerConfig
-from dualpath.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
-from dualpath.sampling_params import SamplingParams
+from dualpath.core.config import SchedulerConfig
+from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
+from dualpath.core.sampling_params import SamplingParams
 from dualpath.sim.events import EventLoop
 from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset, engines_per_node
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route

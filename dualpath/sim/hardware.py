@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dualpath.errors import ConfigError
+from dualpath.core.errors import ConfigError
 from dualpath.engines.batcher import CostModel
 
 GBPS = 1e9 / 8  # one gigabit per second, in bytes per second

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from dualpath.config import ModelConfig, WeightQuantConfig
-from dualpath.errors import CheckpointError
+from dualpath.core.config import ModelConfig, WeightQuantConfig
+from dualpath.core.errors import CheckpointError
 from dualpath.engines.models.base import CausalLM, ForwardBatch, ForwardContext
 from dualpath.engines.models.deepseek_v3 import DeepseekV3ForCausalLM
 from dualpath.engines.models.llama import LlamaForCausalLM

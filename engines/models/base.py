@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualpath.config import ModelConfig
-from dualpath.errors import CheckpointError, RequestError
-from dualpath.geometry import HeadShard
+from dualpath.core.config import ModelConfig
+from dualpath.core.errors import CheckpointError, RequestError
+from dualpath.core.geometry import HeadShard
 from dualpath.engines.lora import AdapterRows, LoraWeights, Target, load_adapter
 from dualpath.engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
     stays_fp8

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualpath.config import ModelConfig
-from dualpath.errors import CheckpointError
-from dualpath.geometry import HeadShard
+from dualpath.core.config import ModelConfig
+from dualpath.core.errors import CheckpointError
+from dualpath.core.geometry import HeadShard
 from dualpath.engines.parallel.comm import TPShard
 from dualpath.engines.models.loader import Cut
 from dualpath.engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param

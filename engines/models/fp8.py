@@ -1,4 +1,4 @@
-"""Block-scaled FP8 checkpoint weights in the models (``dualpath.config.WeightQuantConfig``): which parameters stay
+"""Block-scaled FP8 checkpoint weights in the models (``dualpath.core.config.WeightQuantConfig``): which parameters stay
 FP8, how their tensors and scales are checked and read, and the module that holds one where the model's parameter
 stood.
 

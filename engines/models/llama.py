@@ -12,9 +12,9 @@ from torch import nn
 
 from dataclasses import dataclass
 
-from dualpath.config import ModelConfig
-from dualpath.errors import CheckpointError
-from dualpath.geometry import HeadShard
+from dualpath.core.config import ModelConfig
+from dualpath.core.errors import CheckpointError
+from dualpath.core.geometry import HeadShard
 from dualpath.engines.lora import Target, add_lora
 from dualpath.engines.models.base import CausalLM, ForwardContext, WeightSpec, add_linear, linear, param
 from dualpath.engines.models.loader import Cut

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dualpath.config import ModelConfig, WeightQuantConfig
-from dualpath.errors import CheckpointError
+from dualpath.core.config import ModelConfig, WeightQuantConfig
+from dualpath.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

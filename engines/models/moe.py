@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from dualpath.config import ModelConfig
+from dualpath.core.config import ModelConfig
 from dualpath.engines.models.base import WeightSpec, add_linear, linear, param
 from dualpath.engines.models.fp8 import as_weight
 from dualpath.engines.models.loader import Cut

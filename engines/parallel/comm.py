@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dualpath.config import ParallelConfig
-from dualpath.errors import CheckpointError, RankLostError
+from dualpath.core.config import ParallelConfig
+from dualpath.core.errors import CheckpointError, RankLostError
 
 
 @dataclass(frozen=True)

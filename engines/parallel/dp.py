@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dualpath.config import ParallelConfig
-from dualpath.errors import RankLostError
+from dualpath.core.config import ParallelConfig
+from dualpath.core.errors import RankLostError
 from dualpath.engines.parallel.comm import Comm, join
 from dualpath.engines.parallel.experts import Compute, Dispatch
 

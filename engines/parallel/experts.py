@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from dualpath.errors import ConfigError
+from dualpath.core.errors import ConfigError
 
 DISPATCHES = ("all_to_all", "all_gather")
 

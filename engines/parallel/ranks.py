@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dualpath.config import EngineConfig, ModelConfig
-from dualpath.errors import ConfigError, RankLostError
-from dualpath.geometry import HeadShard
+from dualpath.core.config import EngineConfig, ModelConfig
+from dualpath.core.errors import ConfigError, RankLostError
+from dualpath.core.geometry import HeadShard
 from dualpath.engines.models import load_model
 from dualpath.engines.parallel.comm import Comm, TPShard, join, open_store
 from dualpath.engines.parallel.steps import STEPS, RankState, StepAborted

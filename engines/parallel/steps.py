@@ -6,7 +6,7 @@ moves between this rank's device KV and the engine's canonical host KV. At TP 1 
 alone, so there is one code path.
 
 KV under tensor parallelism: a rank's device KV (paged cache, prefill workspace) holds its heads only
-(``dualpath.geometry.HeadShard``); everything the traffic manager touches (DRAM buffer, prefill staging, storage,
+(``dualpath.core.geometry.HeadShard``); everything the traffic manager touches (DRAM buffer, prefill staging, storage,
 transfers) keeps the canonical row of every head, in shared memory the engine's ranks map. A rank reads its heads'
 part of each Layer Block from there and writes it back (the first replica of a replicated head only).
 """
@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dualpath.errors import CheckpointError, DualPathError
-from dualpath.geometry import HeadShard, KVGeometry
+from dualpath.core.errors import CheckpointError, DualPathError
+from dualpath.core.geometry import HeadShard, KVGeometry
 from dualpath.engines.graphs import DecodeGraphs, make_decode_graphs
 from dualpath.engines.kv_cache import PagedKVCache
 from dualpath.engines.models.base import ForwardBatch

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dualpath.config import StorageConfig
-from dualpath.errors import ConfigError
-from dualpath.geometry import BlockHash, KVGeometry
-from dualpath.paths import default_kv_store
+from dualpath.core.config import StorageConfig
+from dualpath.core.errors import ConfigError
+from dualpath.core.geometry import BlockHash, KVGeometry
+from dualpath.core.paths import default_kv_store
 from dualpath.traffic.storage.accounting import ReadAccounting
 from dualpath.traffic.storage.base import StorageBackend
 

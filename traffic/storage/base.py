@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from dualpath.errors import StorageError
-from dualpath.geometry import BlockHash
+from dualpath.core.errors import StorageError
+from dualpath.core.geometry import BlockHash
 
 # Per key: None when the operation succeeded, else the error that names the block.
 Results = list[StorageError | None]

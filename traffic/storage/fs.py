@@ -32,10 +32,10 @@ from typing import Iterator, Sequence
 import torch
 import xxhash
 
-from dualpath.config import StorageConfig
-from dualpath.errors import BlockCorruptError, BlockMissingError, StorageError, StorageFullError
-from dualpath.faults import failpoint
-from dualpath.geometry import HASH_BYTES, BlockHash, KVGeometry
+from dualpath.core.config import StorageConfig
+from dualpath.core.errors import BlockCorruptError, BlockMissingError, StorageError, StorageFullError
+from dualpath.core.faults import failpoint
+from dualpath.core.geometry import HASH_BYTES, BlockHash, KVGeometry
 from dualpath.traffic.storage.accounting import ReadAccounting
 from dualpath.traffic.storage.base import Results, StorageBackend
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from dualpath.config import StorageConfig
-from dualpath.errors import ConfigError, StorageError
-from dualpath.geometry import BlockHash, KVGeometry
+from dualpath.core.config import StorageConfig
+from dualpath.core.errors import ConfigError, StorageError
+from dualpath.core.geometry import BlockHash, KVGeometry
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.storage.accounting import ReadAccounting
 from dualpath.traffic.storage.fs import FsStorage

@@ -1,8 +1,8 @@
 """Transports by name: ``local``, ``shm``, ``ucx``, ``nixl``, ``verbs``."""
 from __future__ import annotations
 
-from dualpath.config import TransportConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import ConfigError
 from dualpath.traffic.transport.base import Op, Priority, RegionDesc, Segment, TransferHandle, Transport
 
 TRANSPORTS = ("local", "shm", "ucx", "nixl", "verbs")

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from dualpath.config import TransportConfig
-from dualpath.errors import SegmentError, TransferTimeoutError, TransportError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import SegmentError, TransferTimeoutError, TransportError
 from dualpath.traffic.memory import HostMemory, as_bytes
 
 log = logging.getLogger(__name__)

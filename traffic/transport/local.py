@@ -1,8 +1,8 @@
 """``local``: transports in one process, found through a ``LocalHub``; a transfer is a plain copy."""
 from __future__ import annotations
 
-from dualpath.config import TransportConfig
-from dualpath.errors import PeerDeadError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import PeerDeadError
 from dualpath.traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
 
 

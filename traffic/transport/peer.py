@@ -9,7 +9,7 @@ import signal
 
 import torch
 
-from dualpath.config import TransportConfig
+from dualpath.core.config import TransportConfig
 from dualpath.traffic.memory import remove_segments
 from dualpath.traffic.transport.base import RegionDesc
 

@@ -6,8 +6,8 @@ import os
 import socket
 import threading
 
-from dualpath.config import TransportConfig
-from dualpath.errors import PeerDeadError, TransportError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import PeerDeadError, TransportError
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.transport.base import Op, Priority, Segment, Transport, copy_bytes
 

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from dualpath.config import TransportConfig
-from dualpath.errors import ConfigError, PeerDeadError, TransferTimeoutError, TransportError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import ConfigError, PeerDeadError, TransferTimeoutError, TransportError
 from dualpath.traffic import qos
 from dualpath.traffic.transport.base import Op, Priority, Segment, Transport
 

@@ -21,8 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dualpath.config import TransportConfig
-from dualpath.errors import ConfigError, PeerDeadError, TransferTimeoutError
+from dualpath.core.config import TransportConfig
+from dualpath.core.errors import ConfigError, PeerDeadError, TransferTimeoutError
 from dualpath.traffic.transport.base import Op, Priority, Region, Segment, Transport
 
 _DEBIAN_DIST = "/usr/lib/python3/dist-packages"

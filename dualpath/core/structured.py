@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dualpath.errors import RequestError
+from dualpath.core.errors import RequestError
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
-    from dualpath.sampling_params import SamplingParams
+    from dualpath.core.sampling_params import SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reasoning model's thinking (dualpath.serving.reasoning)
 THINKING_MODES = ("", "optional", "open")
@@ -341,13 +341,13 @@ def _check_texts(texts: list[str]) -> str | None:
 
 
 class _Checker:
-    """A checker process (``python -m dualpath.structured``): grammars in, one JSON line each way, its address space
+    """A checker process (``python -m dualpath.core.structured``): grammars in, one JSON line each way, its address space
     capped at ``CHECK_MEMORY``. One that does not answer in time is killed."""
 
     def __init__(self):
-        root = str(Path(__file__).resolve().parents[1])  # where this dualpath is, whatever the caller's sys.path
+        root = str(Path(__file__).resolve().parents[2])  # where this dualpath is, whatever the caller's sys.path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dualpath.structured"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "dualpath.core.structured"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env)
 
     def ask(self, texts: list[str], seconds: float) -> str | None:

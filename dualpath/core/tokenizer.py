@@ -17,7 +17,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from dualpath.errors import CheckpointError, RequestError
+from dualpath.core.errors import CheckpointError, RequestError
 
 
 def _token_str(tok: Any) -> str | None:
@@ -252,7 +252,7 @@ def load_tokenizer(model_dir: str | Path, skip_tokenizer_init: bool = False) -> 
     return TokenIdsOnly.for_checkpoint(model_dir) if skip_tokenizer_init else Tokenizer(model_dir)
 
 
-TEMPLATES_DIR = Path(__file__).parent / "templates"  # the chat templates shipped with the package (package data)
+TEMPLATES_DIR = Path(__file__).parents[1] / "templates"  # the chat templates shipped with the package (package data)
 
 
 def shipped_templates() -> dict[str, Path]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dualpath.geometry import HASH_BYTES
+from dualpath.core.geometry import HASH_BYTES
 
 
 class Role(str, enum.Enum):
@@ -287,7 +287,7 @@ class AdapterLoad:
 class AdapterLoadReply:
     ok: bool
     error: str = ""
-    digest: str = ""  # the adapter's identity (dualpath.lora.adapter_digest) as the engines loaded it
+    digest: str = ""  # the adapter's identity (dualpath.core.lora.adapter_digest) as the engines loaded it
     engines: int = 0  # engines that loaded it
 
 

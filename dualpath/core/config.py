@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualpath.errors import CheckpointError, ConfigError
-from dualpath.lora import LoraModule
+from dualpath.core.errors import CheckpointError, ConfigError
+from dualpath.core.lora import LoraModule
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

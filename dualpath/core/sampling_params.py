@@ -10,8 +10,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from dualpath.errors import CheckpointError, RequestError
-from dualpath.structured import THINKING_MODES
+from dualpath.core.errors import CheckpointError, RequestError
+from dualpath.core.structured import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
@@ -20,7 +20,7 @@ MAX_BAD_WORD_TOKENS = 32
 MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every engine
 MAX_STOPS = 16  # stop strings per request: each is searched for in the reply's text as every token comes
 MAX_STOP_CHARS = 256  # characters per stop string: a streamed reply holds back as much text (HTTP takes 4 of them)
-ADAPTER_ID = re.compile(r"[0-9a-f]{64}")  # a LoRA adapter's identity (dualpath.lora.adapter_digest)
+ADAPTER_ID = re.compile(r"[0-9a-f]{64}")  # a LoRA adapter's identity (dualpath.core.lora.adapter_digest)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's, + max_new_tokens
 
 
@@ -33,7 +33,7 @@ class SamplingParams:
     ``max_tokens`` tokens (used by rollout replays). ``logprobs`` asks for the chosen token's log-probability
     and that many top alternatives. ``json_object`` constrains the output to one JSON object (OpenAI's JSON mode),
     ``json_schema`` (a schema as JSON text) to one valid against that schema (llguidance's JSON Schema coverage:
-    ``dualpath.structured``): it ends as the object closes, or at ``max_tokens`` unfinished. ``regex`` constrains it
+    ``dualpath.core.structured``): it ends as the object closes, or at ``max_tokens`` unfinished. ``regex`` constrains it
     to text that matches the pattern in full (Rust ``regex`` syntax, ASCII classes): it ends when nothing more can
     match, or with the model's end token where the match may end or read on; ``grammar`` (GBNF or Lark) to a
     sentence of that grammar, ending likewise. ``json_prefix`` / ``json_suffix``:
@@ -71,11 +71,11 @@ class SamplingParams:
     ``include_stop_str_in_output`` keeps the stop string that ended the reply at the end of its text.
 
     ``cache_salt`` (vLLM's): the request's stored KV is its salt's alone. Its block hashes chain from the salted
-    fingerprint (``dualpath.geometry.chain_root``), so it hits only blocks stored by requests with the same salt,
+    fingerprint (``dualpath.core.geometry.chain_root``), so it hits only blocks stored by requests with the same salt,
     and they only its: tenants who cannot learn each other's salts cannot tell each other's prompts by their hits.
     The reply is the same with any salt. "" (the default): the store every unsalted request shares.
 
-    ``adapter``: the identity of the LoRA adapter the request runs under (``dualpath.lora``: a frontend or ``LLM``
+    ``adapter``: the identity of the LoRA adapter the request runs under (``dualpath.core.lora``: a frontend or ``LLM``
     turns an adapter's name into it); "" the base model. Engines without that adapter refuse the request, and its
     stored KV chains from the identity, so it is that adapter's alone.
 

@@ -1,4 +1,4 @@
-"""gRPC plumbing: services declared as method tables over ``dualpath.messages`` types, JSON on the wire.
+"""gRPC plumbing: services declared as method tables over ``dualpath.core.messages`` types, JSON on the wire.
 
 Every client call has a deadline; a peer that is gone surfaces as ``RpcError`` (a ``DualPathError``) naming the
 method and the address, never as a hang.
@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from dualpath.errors import ConfigError, DualPathError
-from dualpath.messages import from_wire, to_wire
+from dualpath.core.errors import ConfigError, DualPathError
+from dualpath.core.messages import from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class _Stream:
 
 # --- the two services ----------------------------------------------------------------------------------------
 def _methods():
-    from dualpath import messages as m
+    from dualpath.core import messages as m
 
     scheduler = {
         "Register": Method(m.EngineInfo, m.RegisterReply),

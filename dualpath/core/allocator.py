@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from dualpath.errors import OutOfBlocksError
+from dualpath.core.errors import OutOfBlocksError
 
 
 class BlockAllocator:

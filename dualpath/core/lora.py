@@ -3,7 +3,7 @@
 An adapter is a PEFT directory: ``adapter_config.json`` and ``adapter_model.safetensors``. A request names it as
 its ``model``; the frontend turns the name into the adapter's identity, a sha256 of both files' bytes
 (``SamplingParams.adapter``), and everything below the frontend knows adapters only by identity. The identity
-roots the request's KV chain (``dualpath.geometry.chain_root``): KV computed under one adapter's weights is never
+roots the request's KV chain (``dualpath.core.geometry.chain_root``): KV computed under one adapter's weights is never
 a hit for the base model or another adapter, and an adapter whose files change after a restart starts a chain
 of its own, as the store outlives every process. Torch-free: frontends and the scheduler import it.
 """
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dualpath.errors import CheckpointError, ConfigError
+from dualpath.core.errors import CheckpointError, ConfigError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT options that change the adapter's math in ways the engines do not compute: refused, never ignored

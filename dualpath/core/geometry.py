@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dualpath.config import KV_DTYPE_BYTES, ModelConfig
-from dualpath.errors import ConfigError
+from dualpath.core.config import KV_DTYPE_BYTES, ModelConfig
+from dualpath.core.errors import ConfigError
 
 KV_LAYOUT_VERSION = 1
 HASH_BYTES = 16
@@ -179,7 +179,7 @@ def chain_root(fingerprint: BlockHash, salt: str = "", adapter: str = "") -> Blo
     """What a prompt's chain starts from: the fingerprint, or for a salted request (vLLM's ``cache_salt``) a hash of
     it and the salt, personalized so that no token block's hash can equal it. Requests share stored blocks only if
     their salts are equal: a tenant's prompts never hit (so cannot be probed through) another tenant's. A request
-    run under a LoRA adapter (``adapter``: its identity, ``dualpath.lora``) chains from a hash of that root and the
+    run under a LoRA adapter (``adapter``: its identity, ``dualpath.core.lora``) chains from a hash of that root and the
     identity under a personalization of its own: its KV, computed with other weights, is only its adapter's."""
     root = fingerprint
     if salt:
