@@ -43,7 +43,7 @@ def serve_cluster(tmp: Path, shared: Path):
 
 
 def tests_cluster(tmp: Path, shared: Path):
-    """A 1P1D cluster of the tiny random Llama (built once, in ``shared``), as ``tests/test_cluster.py`` starts one,
+    """A 1P1D cluster of the tiny random Llama (built once, in ``shared``), as ``tests/cluster/test_cluster.py`` starts one,
     started."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
     from dualpath.launcher import ClusterSpec, LocalCluster

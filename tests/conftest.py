@@ -1,8 +1,11 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+# Tests mirror the package tree (tests/engines/, tests/serving/, ...); what they share lives in tests/support/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, Triton kernels run in its interpreter (numpy) on CPU tensors; it must be chosen before any
 # kernel is defined, so here, before test modules import them.

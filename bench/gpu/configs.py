@@ -1,4 +1,4 @@
-"""The GPU bench's tuning sweep of the attention kernels (``tests/triton_compile.py --all`` compiles the same)."""
+"""The GPU bench's tuning sweep of the attention kernels (``tests/support/triton_compile.py --all`` compiles the same)."""
 
 # decode: (num_splits, block_n, num_warps); None: the kernel's own choice by batch and device
 DECODE_CONFIGS = ((None, 32, 4), (None, 64, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8), (16, 128, 8))

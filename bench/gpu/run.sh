@@ -20,9 +20,9 @@ timing=(); python3 -c "import pytest_timeout" 2>/dev/null && timing=(--timeout 6
 # test's time is Triton compiling its shapes on the CPU
 python3 -c "import xdist" 2>/dev/null && timing+=(-n 4 --dist load)
 # -m: the slow tests too (slow in the CPU interpreter, not on a GPU)
-TESTS=${TESTS:-tests/test_triton_kernels.py tests/test_triton_elementwise.py tests/test_layer_copies.py
-    tests/test_strided_copy.py tests/test_decode_graphs.py tests/test_kernels.py tests/test_sampling.py
-    tests/test_fp8_weights.py tests/test_sparse_attention.py tests/test_memory.py}
+TESTS=${TESTS:-tests/kernels/test_triton_kernels.py tests/kernels/test_triton_elementwise.py tests/engines/test_layer_copies.py
+    tests/traffic/test_strided_copy.py tests/engines/test_decode_graphs.py tests/kernels/test_kernels.py tests/engines/test_sampling.py
+    tests/engines/test_fp8_weights.py tests/kernels/test_sparse_attention.py tests/engines/test_memory.py}
 # shellcheck disable=SC2086 - TESTS is a list of files
 timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -p no:cacheprovider -m "slow or not slow" "${timing[@]}" $TESTS \
     -v -rfE --durations=15 2>&1 | tee "$OUT/tests.log" | grep -v ' PASSED \| SKIPPED \|PASSED$\|SKIPPED$'

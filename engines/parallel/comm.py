@@ -51,7 +51,7 @@ def _collective(what: str, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a ``torch.distributed`` collective), its failure a ``CollectiveError``. gloo reports
     a peer that died or timed out as a plain ``RuntimeError`` (NCCL's are ``DistError``s already): unwrapped, an
     engine took it for a failed batch and went on with its ranks out of step (its requests failed instead of moving:
-    tests/test_tp_cluster.py)."""
+    tests/cluster/test_tp_cluster.py)."""
     try:
         return fn(*args, **kwargs)
     except dist.DistError:

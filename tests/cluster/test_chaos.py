@@ -11,7 +11,7 @@ import pytest
 
 from dualpath.core import faults
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_failpoint_fires_once_across_processes(tmp_path, monkeypatch):

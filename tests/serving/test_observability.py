@@ -20,7 +20,7 @@ from dualpath.serving.openai_api import Frontend, FrontendConfig
 from dualpath.serving.watch import Counts, StatsLine, log_stats, stats_line
 from dualpath.scheduler.http import render
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 STATS = {  # a scheduler's stats with one of everything its series are made from
     "submitted": 4, "finished": 3, "path_pe": 2, "path_de": 1, "hit_tokens": 32, "blocks_evicted": 2,
     "global_queue": 1, "in_flight": 3, "waiting_by_priority": {"0": 1}, "engines_alive": 2, "index_blocks": 5,
