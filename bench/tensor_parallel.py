@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from common import best_of, print_table, write_result
+from common import best_of, print_table, write_result  # noqa: E402 - after the path
 
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4, "vocab_size": 8192}

@@ -133,7 +133,7 @@ def sweep(shapes, row_counts, dev, smoke: bool) -> list[dict]:
                                                   num_stages=stages) for w in w8]
                     out.append(case(name, m, n, k, "w8a8", [bm, bn, bk, warps, stages], fn, t16, dev))
             del exact
-        del w16, w8
+        w16 = w8 = None  # (freed before the next shape's; the lambdas above ran already)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out

@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dualpath.core.errors import RequestError
 from dualpath.core.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS
 
+from dualpath.serving.tools import template_arguments
+
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 MAX_HTTP_STOPS = 4  # OpenAI's
-from dualpath.serving.tools import template_arguments
 
 
 # vLLM's extras that are not implemented, and the values that ask for nothing (accepted)

@@ -12,7 +12,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-from dualpath.cli import build_parser
+from dualpath.cli import build_parser  # noqa: E402 - after the skip
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((ROOT / "deploy/docker").glob("Dockerfile*"))
