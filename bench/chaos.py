@@ -20,6 +20,7 @@ survives; back within 30 s where none does.
 
     python bench/chaos.py [--quick] [--only NAME ...] [--model DIR] [--out PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,11 +66,15 @@ class Scenario:
 def scenarios() -> list[Scenario]:
     out = []
     for p, d in ((1, 2), (2, 2)):
-        out += [Scenario(f"{p}P{d}D prefill dies {phase}", f"prefill.{phase}=exit", p, d, role="prefill")
-                for phase in ("queued", "loading", "prefilling", "handoff")]
-        out += [Scenario(f"{p}P{d}D decode dies loading", "decode.loading=exit", p, d, mode="de", role="decode"),
-                Scenario(f"{p}P{d}D decode dies at hand-off", "decode.handoff=exit", p, d, role="decode"),
-                Scenario(f"{p}P{d}D decode dies decoding", "decode.decoding=exit", p, d, role="decode")]
+        out += [
+            Scenario(f"{p}P{d}D prefill dies {phase}", f"prefill.{phase}=exit", p, d, role="prefill")
+            for phase in ("queued", "loading", "prefilling", "handoff")
+        ]
+        out += [
+            Scenario(f"{p}P{d}D decode dies loading", "decode.loading=exit", p, d, mode="de", role="decode"),
+            Scenario(f"{p}P{d}D decode dies at hand-off", "decode.handoff=exit", p, d, role="decode"),
+            Scenario(f"{p}P{d}D decode dies decoding", "decode.decoding=exit", p, d, role="decode"),
+        ]
     return out + [
         Scenario("1P2D prefill hangs prefilling", "prefill.prefilling=hang", role="prefill"),
         Scenario("1P2D decode hangs decoding", "decode.decoding=hang", role="decode"),
@@ -83,8 +88,13 @@ def scenarios() -> list[Scenario]:
     ]
 
 
-QUICK = ("1P2D prefill dies prefilling", "1P2D decode dies decoding", "1P2D scheduler killed mid-turn",
-         "1P2D clients hang up mid-prefill", "1P2D corrupted blocks")
+QUICK = (
+    "1P2D prefill dies prefilling",
+    "1P2D decode dies decoding",
+    "1P2D scheduler killed mid-turn",
+    "1P2D clients hang up mid-prefill",
+    "1P2D corrupted blocks",
+)
 
 
 class Agents:
@@ -131,13 +141,26 @@ class Run:
 
         env = ()
         if self.sc.failpoints:
-            env = (("DUALPATH_FAILPOINTS", self.sc.failpoints), ("DUALPATH_FAILPOINT_DIR", str(self.marks)),
-                   ("DUALPATH_FAILPOINT_STALL_S", str(self.sc.stall_s)))
-        return ClusterSpec(model=self.args.model, num_prefill=self.sc.prefill, num_decode=self.sc.decode,
-                           block_size=BS, kv_store=str(self.work / "kv"), buffer_bytes=16 << 20,
-                           cache_bytes=32 << 20, workspace_tokens=4096, cost_model=COST_MODEL,
-                           heartbeat_timeout_s=self.args.heartbeat_timeout, restart=RestartPolicy(max_restarts=5),
-                           engine_wait_timeout_s=60.0, env=env)
+            env = (
+                ("DUALPATH_FAILPOINTS", self.sc.failpoints),
+                ("DUALPATH_FAILPOINT_DIR", str(self.marks)),
+                ("DUALPATH_FAILPOINT_STALL_S", str(self.sc.stall_s)),
+            )
+        return ClusterSpec(
+            model=self.args.model,
+            num_prefill=self.sc.prefill,
+            num_decode=self.sc.decode,
+            block_size=BS,
+            kv_store=str(self.work / "kv"),
+            buffer_bytes=16 << 20,
+            cache_bytes=32 << 20,
+            workspace_tokens=4096,
+            cost_model=COST_MODEL,
+            heartbeat_timeout_s=self.args.heartbeat_timeout,
+            restart=RestartPolicy(max_restarts=5),
+            engine_wait_timeout_s=60.0,
+            env=env,
+        )
 
     def go(self) -> dict:
         from dualpath.client import ClusterClient
@@ -167,8 +190,7 @@ class Run:
         elif fault == "kill-scheduler":
             threading.Timer(0.3, self._kill, (cluster, "scheduler")).start()
         first = self._turn(client, a.first, greedy)
-        seconds = [p + (o.token_ids if hasattr(o, "token_ids") else []) + m
-                   for p, o, m in zip(a.first, first, a.more)]
+        seconds = [p + (o.token_ids if hasattr(o, "token_ids") else []) + m for p, o, m in zip(a.first, first, a.more)]
         if fault in ("corrupt", "missing"):
             self._damage(fault)
         self._turn(client, seconds, greedy)
@@ -218,8 +240,9 @@ class Run:
             return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(c.restarts for c in cluster.children) and \
-                    all(c.proc.poll() is None and c.ready_path.exists() for c in cluster.children):
+            if any(c.restarts for c in cluster.children) and all(
+                c.proc.poll() is None and c.ready_path.exists() for c in cluster.children
+            ):
                 return
             time.sleep(0.2)
         self.notes.append(f"not back within {timeout:.0f} s")
@@ -266,13 +289,25 @@ class Run:
         for point in fired(str(self.marks)) if self.sc.fault != "disconnect" else ():
             self.fault_at = (self.marks / point).stat().st_mtime
         restarts = {c.name: len(c.restarts) for c in cluster.children if c.restarts}
-        row = {"scenario": self.sc.name, "fault": self.sc.fault, "accepted": len(self.outcomes), "equal": equal,
-               "errors": len(errors), "wrong": wrong, "hung": hung, "restarts": restarts,
-               "fired": self.fault_at is not None, "survivors": self.sc.survivors,
-               "settle_s": round(ended - (self.fault_at or start), 1) if self.fault_at else None,
-               "back_s": self._back_s(cluster), "first_error": str(errors[0])[:300] if errors else "",
-               "notes": "; ".join(self.notes), "kv_load_failures": stats.get("kv_load_failures"),
-               "kv_corrupt_removed": stats.get("kv_corrupt_removed"), "retried": stats.get("retried")}
+        row = {
+            "scenario": self.sc.name,
+            "fault": self.sc.fault,
+            "accepted": len(self.outcomes),
+            "equal": equal,
+            "errors": len(errors),
+            "wrong": wrong,
+            "hung": hung,
+            "restarts": restarts,
+            "fired": self.fault_at is not None,
+            "survivors": self.sc.survivors,
+            "settle_s": round(ended - (self.fault_at or start), 1) if self.fault_at else None,
+            "back_s": self._back_s(cluster),
+            "first_error": str(errors[0])[:300] if errors else "",
+            "notes": "; ".join(self.notes),
+            "kv_load_failures": stats.get("kv_load_failures"),
+            "kv_corrupt_removed": stats.get("kv_corrupt_removed"),
+            "retried": stats.get("retried"),
+        }
         row["ok"] = self._ok(row)
         return row
 
@@ -280,13 +315,21 @@ class Run:
         """From the fault to the faulted process's restart being ready (its ready file is written anew)."""
         if self.fault_at is None:
             return None
-        backs = [c.ready_path.stat().st_mtime - self.fault_at for c in cluster.children
-                 if c.restarts and c.ready_path.exists()]
+        backs = [
+            c.ready_path.stat().st_mtime - self.fault_at
+            for c in cluster.children
+            if c.restarts and c.ready_path.exists()
+        ]
         return round(max(backs), 1) if backs else None
 
     def _ok(self, row: dict) -> bool:
-        if row["wrong"] or row["hung"] or not row["fired"] or "NOT REPAIRED" in row["notes"] or \
-                "not back" in row["notes"]:
+        if (
+            row["wrong"]
+            or row["hung"]
+            or not row["fired"]
+            or "NOT REPAIRED" in row["notes"]
+            or "not back" in row["notes"]
+        ):
             return False
         if not self.sc.role and row["restarts"]:
             return False  # nothing was to die: a restart is a crash the fault caused
@@ -306,6 +349,7 @@ def reference_for(model: str):
         if key not in memo:
             memo[key] = llm.generate(prompt, params)[0].token_ids
         return memo[key]
+
     return reply
 
 
@@ -333,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
 
     agents = Agents(args.agents, args.prompt_tokens, open_checkpoint(args.model).config.vocab_size)
     reference = reference_for(args.model)
-    chosen = [s for s in scenarios() if (not args.quick or s.name in QUICK) and
-              (not args.only or any(o in s.name for o in args.only))]
+    chosen = [
+        s
+        for s in scenarios()
+        if (not args.quick or s.name in QUICK) and (not args.only or any(o in s.name for o in args.only))
+    ]
     rows = []
     for i, sc in enumerate(chosen):
         t = time.monotonic()
@@ -346,19 +393,36 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["umount", str(scratch / "kv")], capture_output=True)
             shutil.rmtree(scratch, ignore_errors=True)
         r = rows[-1]
-        print(f"    {'ok' if r.get('ok') else 'FAILED' if 'ok' in r else 'skipped'} in {time.monotonic() - t:.0f} s: "
-              f"{ {k: r.get(k) for k in ('equal', 'errors', 'wrong', 'hung', 'restarts', 'settle_s', 'back_s')} }"
-              f"{' ' + r['first_error'] if r.get('first_error') else ''}", flush=True)
+        print(
+            f"    {'ok' if r.get('ok') else 'FAILED' if 'ok' in r else 'skipped'} in {time.monotonic() - t:.0f} s: "
+            f"{ {k: r.get(k) for k in ('equal', 'errors', 'wrong', 'hung', 'restarts', 'settle_s', 'back_s')} }"
+            f"{' ' + r['first_error'] if r.get('first_error') else ''}",
+            flush=True,
+        )
     print()
     print_table(rows, ["scenario", "accepted", "equal", "errors", "wrong", "hung", "settle_s", "back_s", "ok"])
     ran = [r for r in rows if "ok" in r]
-    summary = {"scenarios": len(ran), "ok": sum(r["ok"] for r in ran), "wrong": sum(r["wrong"] for r in ran),
-               "hung": sum(r["hung"] for r in ran), "skipped": [r["scenario"] for r in rows if "skipped" in r]}
-    print(f"\n{summary['ok']} of {summary['scenarios']} scenarios met their targets; {summary['wrong']} wrong, "
-          f"{summary['hung']} hung")
-    path = write_result("chaos", {"config": {k: v for k, v in vars(args).items() if k != "model"} |
-                                  {"model": "tiny random llama" if "tiny" in args.model else args.model},
-                                  "summary": summary, "rows": rows}, args.out)
+    summary = {
+        "scenarios": len(ran),
+        "ok": sum(r["ok"] for r in ran),
+        "wrong": sum(r["wrong"] for r in ran),
+        "hung": sum(r["hung"] for r in ran),
+        "skipped": [r["scenario"] for r in rows if "skipped" in r],
+    }
+    print(
+        f"\n{summary['ok']} of {summary['scenarios']} scenarios met their targets; {summary['wrong']} wrong, "
+        f"{summary['hung']} hung"
+    )
+    path = write_result(
+        "chaos",
+        {
+            "config": {k: v for k, v in vars(args).items() if k != "model"}
+            | {"model": "tiny random llama" if "tiny" in args.model else args.model},
+            "summary": summary,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if summary["ok"] == summary["scenarios"] else 1

@@ -1,4 +1,5 @@
 """Shared helpers for benchmark scripts: timing, JSON results, tables."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,13 @@ def rel_err(out, ref) -> float:
 def machine() -> dict:
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def write_result(name: str, result: dict, out: str | None = None) -> Path:

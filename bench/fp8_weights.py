@@ -16,6 +16,7 @@ parts first, so blocks of 128 hold every projection FP8.
 
     python bench/fp8_weights.py [--block 64 64] [--model DIR] [--reply-tokens 48]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,32 +59,58 @@ def main(argv=None) -> dict:
 
     model = args.model or str(default_model_dir())
     fp8 = str(quantize_checkpoint(model, Path(tempfile.mkdtemp()) / "fp8", tuple(args.block), progress=False))
-    memory = {"bf16_layer_bytes": layer_weight_bytes(model, "bfloat16"),
-              "fp8_layer_bytes": layer_weight_bytes(fp8, "bfloat16"),
-              "fp8_at_load_layer_bytes": layer_weight_bytes(model, "bfloat16", WeightQuantConfig())}
+    memory = {
+        "bf16_layer_bytes": layer_weight_bytes(model, "bfloat16"),
+        "fp8_layer_bytes": layer_weight_bytes(fp8, "bfloat16"),
+        "fp8_at_load_layer_bytes": layer_weight_bytes(model, "bfloat16", WeightQuantConfig()),
+    }
     memory["fp8_vs_bf16"] = memory["fp8_layer_bytes"] / memory["bf16_layer_bytes"]
     memory["fp8_at_load_vs_bf16"] = memory["fp8_at_load_layer_bytes"] / memory["bf16_layer_bytes"]
-    runs = {name: logprobs(path, dtype, "auto", args.reply_tokens, quantization) for name, path, dtype, quantization
-            in [("fp32", model, "float32", None), ("bf16", model, "bfloat16", None), ("fp8_fp32", fp8, "float32", None),
-                ("fp8_bf16", fp8, "bfloat16", None), ("at_load_fp32", model, "float32", "fp8")]}
-    accuracy = [compare("bf16 vs fp32 (yardstick)", runs["bf16"], runs["fp32"]),
-                compare("fp8 weights, fp32 activations vs fp32", runs["fp8_fp32"], runs["fp32"]),
-                compare("fp8 weights, bf16 activations vs bf16", runs["fp8_bf16"], runs["bf16"]),
-                compare("fp8 weights, bf16 activations vs fp32", runs["fp8_bf16"], runs["fp32"]),
-                compare("fp8 at load (128 x 128), fp32 activations vs fp32", runs["at_load_fp32"], runs["fp32"])]
+    runs = {
+        name: logprobs(path, dtype, "auto", args.reply_tokens, quantization)
+        for name, path, dtype, quantization in [
+            ("fp32", model, "float32", None),
+            ("bf16", model, "bfloat16", None),
+            ("fp8_fp32", fp8, "float32", None),
+            ("fp8_bf16", fp8, "bfloat16", None),
+            ("at_load_fp32", model, "float32", "fp8"),
+        ]
+    }
+    accuracy = [
+        compare("bf16 vs fp32 (yardstick)", runs["bf16"], runs["fp32"]),
+        compare("fp8 weights, fp32 activations vs fp32", runs["fp8_fp32"], runs["fp32"]),
+        compare("fp8 weights, bf16 activations vs bf16", runs["fp8_bf16"], runs["bf16"]),
+        compare("fp8 weights, bf16 activations vs fp32", runs["fp8_bf16"], runs["fp32"]),
+        compare("fp8 at load (128 x 128), fp32 activations vs fp32", runs["at_load_fp32"], runs["fp32"]),
+    ]
     times = {"bf16_s": generate_seconds(model, "bfloat16", 16), "fp8_s": generate_seconds(fp8, "bfloat16", 16)}
     times["fp8_vs_bf16"] = times["fp8_s"] / times["bf16_s"]
-    load = {"bf16_load_s": best_of(lambda: load_model(model, dtype="bfloat16"), repeats=3),
-            "fp8_at_load_s": best_of(lambda: load_model(model, dtype="bfloat16", quantize=WeightQuantConfig()),
-                                     repeats=3)}
+    load = {
+        "bf16_load_s": best_of(lambda: load_model(model, dtype="bfloat16"), repeats=3),
+        "fp8_at_load_s": best_of(lambda: load_model(model, dtype="bfloat16", quantize=WeightQuantConfig()), repeats=3),
+    }
     load["at_load_vs_bf16"] = load["fp8_at_load_s"] / load["bf16_load_s"]
     print_table([memory], list(memory))
-    print_table(accuracy, ["comparison", "positions", "mean_abs_dlogprob", "p99_abs_dlogprob", "max_abs_dlogprob",
-                           "greedy_tokens_equal_before_divergence"])
+    print_table(
+        accuracy,
+        [
+            "comparison",
+            "positions",
+            "mean_abs_dlogprob",
+            "p99_abs_dlogprob",
+            "max_abs_dlogprob",
+            "greedy_tokens_equal_before_divergence",
+        ],
+    )
     print_table([times], list(times))
     print_table([load], list(load))
-    result = {"block": args.block, "memory": memory, "accuracy": accuracy, "cpu_chat_4x16_tokens": times,
-              "cpu_load": load}
+    result = {
+        "block": args.block,
+        "memory": memory,
+        "accuracy": accuracy,
+        "cpu_chat_4x16_tokens": times,
+        "cpu_load": load,
+    }
     print("wrote", write_result("fp8_weights", result, args.out))
     return result
 

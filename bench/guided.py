@@ -18,6 +18,7 @@ The old engine comes from the last commit that has ``dualpath/grammar.py`` (``--
 
     python bench/guided.py [--batch 64] [--chats 8 --max-tokens 64] [--out bench/results/guided.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,23 +37,50 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 from common import best_of, print_table, write_result  # noqa: E402
 
-OLD_FILES = {"grammar": "dualpath/grammar.py", "regex": "dualpath/regex.py", "ebnf": "dualpath/ebnf.py",
-             "guided": "engines/guided.py"}  # module in the temporary package -> its path in the old tree
-DOC = {"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], "notes": "Wrote the first "
-       "published algorithm for Babbage's Analytical Engine.", "languages": {"english": True, "french": 0.5},
-       "children": [{"name": "Byron", "born": 1836}, {"name": "Anne Isabella", "born": 1837}], "died": None}
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "born", "fields"], "$defs": {
-    "kid": {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}}}},
-    "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
-                   "fields": {"type": "array", "items": {"enum": ["mathematics", "computing", "poetry"]}},
-                   "notes": {"type": "string"}, "languages": {"type": "object", "additionalProperties": True},
-                   "children": {"type": "array", "items": {"$ref": "#/$defs/kid"}},
-                   "died": {"type": ["integer", "null"]}}}  # (properties in the document's order: llguidance's)
-RULED = {**SCHEMA, "properties": {**SCHEMA["properties"],  # the same with string rules (pattern, lengths)
-                                  "name": {"type": "string", "pattern": "^[A-Z][a-z]+( [A-Z][a-z]+)*$"},
-                                  "notes": {"type": "string", "maxLength": 200}},
-         "$defs": {"kid": {"type": "object", "properties": {"name": {"type": "string", "minLength": 1,
-                                                                      "maxLength": 20}, "born": {"type": "integer"}}}}}
+OLD_FILES = {
+    "grammar": "dualpath/grammar.py",
+    "regex": "dualpath/regex.py",
+    "ebnf": "dualpath/ebnf.py",
+    "guided": "engines/guided.py",
+}  # module in the temporary package -> its path in the old tree
+DOC = {
+    "name": "Ada Lovelace",
+    "born": 1815,
+    "fields": ["mathematics", "computing"],
+    "notes": "Wrote the first published algorithm for Babbage's Analytical Engine.",
+    "languages": {"english": True, "french": 0.5},
+    "children": [{"name": "Byron", "born": 1836}, {"name": "Anne Isabella", "born": 1837}],
+    "died": None,
+}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "born", "fields"],
+    "$defs": {"kid": {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}}}},
+    "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "integer"},
+        "fields": {"type": "array", "items": {"enum": ["mathematics", "computing", "poetry"]}},
+        "notes": {"type": "string"},
+        "languages": {"type": "object", "additionalProperties": True},
+        "children": {"type": "array", "items": {"$ref": "#/$defs/kid"}},
+        "died": {"type": ["integer", "null"]},
+    },
+}  # (properties in the document's order: llguidance's)
+RULED = {
+    **SCHEMA,
+    "properties": {
+        **SCHEMA["properties"],  # the same with string rules (pattern, lengths)
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]+( [A-Z][a-z]+)*$"},
+        "notes": {"type": "string", "maxLength": 200},
+    },
+    "$defs": {
+        "kid": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20}, "born": {"type": "integer"}},
+        }
+    },
+}
 JSON_GBNF = r"""
 root   ::= object
 value  ::= object | array | string | number | ("true" | "false" | "null")
@@ -62,7 +90,9 @@ string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )*
 number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
 ws     ::= [ \t\n]*
 """
-ARITHMETIC = 'root ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\nfactor ::= [0-9]+ | "(" root ")"'
+ARITHMETIC = (
+    'root ::= term (("+" | "-") term)*\nterm ::= factor (("*" | "/") factor)*\nfactor ::= [0-9]+ | "(" root ")"'
+)
 DOC_TEXT = json.dumps(DOC, indent=2)
 CONSTRAINTS = (  # (name, SamplingParams fields, a text it accepts)
     ("json_object", dict(json_object=True), DOC_TEXT),
@@ -71,8 +101,11 @@ CONSTRAINTS = (  # (name, SamplingParams fields, a text it accepts)
     ("pattern digits", dict(regex=r"\d+"), "1815"),
     ("pattern date", dict(regex=r"\d{4}-\d{2}-\d{2}"), "1815-12-10"),
     ("pattern email", dict(regex=r"[a-z.]+@[a-z]+\.(com|org|net)"), "ada.l@analytical.org"),
-    ("pattern sentence", dict(regex=r"[A-Z][a-z]*( [a-z]+){0,12}\."),
-     "Ada wrote the first published algorithm for the engine."),
+    (
+        "pattern sentence",
+        dict(regex=r"[A-Z][a-z]*( [a-z]+){0,12}\."),
+        "Ada wrote the first published algorithm for the engine.",
+    ),
     ("pattern line", dict(regex=r"[^\n]*"), "Wrote the first published algorithm, for Babbage's Analytical Engine"),
     ("grammar json", dict(grammar=JSON_GBNF), DOC_TEXT),
     ("grammar arithmetic", dict(grammar=ARITHMETIC), "(1815+21)*(3-4/(5+60))"),
@@ -93,8 +126,9 @@ def old_commit() -> str:
 
 
 def _has_old_engine(commit: str) -> bool:
-    return not subprocess.run(["git", "cat-file", "-e", f"{commit}:{OLD_FILES['grammar']}"], cwd=ROOT,
-                              capture_output=True).returncode
+    return not subprocess.run(
+        ["git", "cat-file", "-e", f"{commit}:{OLD_FILES['grammar']}"], cwd=ROOT, capture_output=True
+    ).returncode
 
 
 def _git(*args: str) -> str:
@@ -124,8 +158,10 @@ def bench_setup(old: ModuleType, model_dir: Path, width: int, end_ids: list[int]
     from dualpath.engines.guided import GuideSource
 
     rows, sources = [], {}
-    for name, make in (("old", lambda tok: old.GuideSource(lambda: tok, width, "cpu", end_ids)),
-                       ("new", lambda tok: GuideSource(lambda: tok, width, end_ids))):
+    for name, make in (
+        ("old", lambda tok: old.GuideSource(lambda: tok, width, "cpu", end_ids)),
+        ("new", lambda tok: GuideSource(lambda: tok, width, end_ids)),
+    ):
         t0 = time.perf_counter()
         tok = Tokenizer(model_dir)
         tok.token_bytes
@@ -154,8 +190,10 @@ def bench_masks(sources: dict, tok) -> list[dict]:
         row["new_vs_old_cold"] = row["new_cold_us"] / row["old_cold_us"]
         row["new_vs_old_warm"] = row["new_warm_us"] / row["old_warm_us"]
         rows.append(row)
-        log(f"  masks {name}: old {row['old_cold_us']:.0f}/{row['old_warm_us']:.0f} us, new "
-            f"{row['new_cold_us']:.0f}/{row['new_warm_us']:.0f} us per token (cold/warm)")
+        log(
+            f"  masks {name}: old {row['old_cold_us']:.0f}/{row['old_warm_us']:.0f} us, new "
+            f"{row['new_cold_us']:.0f}/{row['new_warm_us']:.0f} us per token (cold/warm)"
+        )
     return rows
 
 
@@ -188,9 +226,17 @@ def bench_step(sources: dict, tok, width: int, batch: int, repeats: int) -> dict
         for name, fn in (*steps.items(), ("free", lambda: sample(logits, params, gens))):
             times[name] = min(times[name], best_of(fn, 1, 0))
     log(f"  step: old {times['old'] * 1e3:.1f} ms, new {times['new'] * 1e3:.1f} ms, free {times['free'] * 1e3:.1f} ms")
-    return {"part": "step", "batch": batch, "vocab": width, "old_s": times["old"], "new_s": times["new"],
-            "free_s": times["free"], "old_vs_free": times["old"] / times["free"],
-            "new_vs_free": times["new"] / times["free"], "new_vs_old": times["new"] / times["old"]}
+    return {
+        "part": "step",
+        "batch": batch,
+        "vocab": width,
+        "old_s": times["old"],
+        "new_s": times["new"],
+        "free_s": times["free"],
+        "old_vs_free": times["old"] / times["free"],
+        "new_vs_free": times["new"] / times["free"],
+        "new_vs_old": times["new"] / times["old"],
+    }
 
 
 def _step(engine: str, guides: list, nexts: list[int], logits, params, gens):
@@ -208,6 +254,7 @@ def _step(engine: str, guides: list, nexts: list[int], logits, params, gens):
             else:
                 g.advance(t)
                 g._matcher.rollback(1)  # (the bench's own access: engines never take a token back)
+
     return step
 
 
@@ -215,15 +262,29 @@ def bench_generate(llm, sources: dict, chats: int, max_tokens: int) -> dict:
     """Whole generations with each engine (swapped into the LLM's engine) and without constraint."""
     from dualpath import SamplingParams
 
-    convs = [[{"role": "system", "content": "Reply in JSON."},
-              {"role": "user", "content": f"Describe item {i} of a shop's stock as JSON: name, price, color."}]
-             for i in range(chats)]
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "price": {"type": "number"},
-                                               "color": {"enum": ["red", "green", "blue", "black", "white"]}},
-              "required": ["name", "price", "color"], "additionalProperties": False}
+    convs = [
+        [
+            {"role": "system", "content": "Reply in JSON."},
+            {"role": "user", "content": f"Describe item {i} of a shop's stock as JSON: name, price, color."},
+        ]
+        for i in range(chats)
+    ]
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "price": {"type": "number"},
+            "color": {"enum": ["red", "green", "blue", "black", "white"]},
+        },
+        "required": ["name", "price", "color"],
+        "additionalProperties": False,
+    }
     out = {"part": "generate", "chats": chats, "max_tokens": max_tokens}
-    runs = [(f"{engine}_{kind}", engine, fields) for engine in sources
-            for kind, fields in (("json", dict(json_object=True)), ("schema", dict(json_schema=json.dumps(schema))))]
+    runs = [
+        (f"{engine}_{kind}", engine, fields)
+        for engine in sources
+        for kind, fields in (("json", dict(json_object=True)), ("schema", dict(json_schema=json.dumps(schema))))
+    ]
     for name, engine, fields in [*runs, ("free", None, {})]:
         if engine is not None:
             llm.engine.guides = sources[engine]
@@ -243,16 +304,22 @@ def bench_generate(llm, sources: dict, chats: int, max_tokens: int) -> dict:
     return out
 
 
-ANSWER_GBNF = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | num (" or " num)?\nnum ::= [1-9] [0-9]{0,3}'
-CITY_GBNF = ('root ::= "{" ws "\\"city\\":" ws str "," ws "\\"population\\":" ws [0-9]+ ws "}"\n'
-             'str ::= "\\"" [^"\\\\\\n]{1,40} "\\""\nws ::= [ \\n]?')
-QUESTIONS = (("regex", r"\d+", "How many legs does a spider have? Answer with a number."),
-             ("regex", r"(?:yes|no)", "Is Paris the capital of France? Answer yes or no."),
-             ("regex", r"\d{4}", "In which year did the First World War begin?"),
-             ("regex", r"(?:red|green|blue)", "What color is the sky on a clear day?"),
-             ("grammar", ANSWER_GBNF, "Is Paris in France?"),
-             ("grammar", ANSWER_GBNF, "How many legs does a spider have?"),
-             ("grammar", CITY_GBNF, "Give the biggest city of Japan as JSON with its population."))
+ANSWER_GBNF = (
+    'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no" | num (" or " num)?\nnum ::= [1-9] [0-9]{0,3}'
+)
+CITY_GBNF = (
+    'root ::= "{" ws "\\"city\\":" ws str "," ws "\\"population\\":" ws [0-9]+ ws "}"\n'
+    'str ::= "\\"" [^"\\\\\\n]{1,40} "\\""\nws ::= [ \\n]?'
+)
+QUESTIONS = (
+    ("regex", r"\d+", "How many legs does a spider have? Answer with a number."),
+    ("regex", r"(?:yes|no)", "Is Paris the capital of France? Answer yes or no."),
+    ("regex", r"\d{4}", "In which year did the First World War begin?"),
+    ("regex", r"(?:red|green|blue)", "What color is the sky on a clear day?"),
+    ("grammar", ANSWER_GBNF, "Is Paris in France?"),
+    ("grammar", ANSWER_GBNF, "How many legs does a spider have?"),
+    ("grammar", CITY_GBNF, "Give the biggest city of Japan as JSON with its population."),
+)
 
 
 def bench_pattern_answers(llm, sources: dict) -> list[dict]:
@@ -264,13 +331,23 @@ def bench_pattern_answers(llm, sources: dict) -> list[dict]:
     for engine, source in sources.items():
         llm.engine.guides = source
         t = time.perf_counter()
-        res = [llm.chat([[{"role": "user", "content": q}]], SamplingParams(temperature=0, max_tokens=40, **{k: p}))[0]
-               for k, p, q in QUESTIONS]
-        rows.append({"part": "generate patterns", "engine": engine, "chats": len(QUESTIONS),
-                     "seconds": time.perf_counter() - t, "answers": [r.text for r in res],
-                     "stopped": sum(r.finish_reason == "stop" for r in res),
-                     "matched": sum(r.finish_reason == "stop" and _valid(k, p, r.text)
-                                    for (k, p, _), r in zip(QUESTIONS, res))})  # of the answers that ended
+        res = [
+            llm.chat([[{"role": "user", "content": q}]], SamplingParams(temperature=0, max_tokens=40, **{k: p}))[0]
+            for k, p, q in QUESTIONS
+        ]
+        rows.append(
+            {
+                "part": "generate patterns",
+                "engine": engine,
+                "chats": len(QUESTIONS),
+                "seconds": time.perf_counter() - t,
+                "answers": [r.text for r in res],
+                "stopped": sum(r.finish_reason == "stop" for r in res),
+                "matched": sum(
+                    r.finish_reason == "stop" and _valid(k, p, r.text) for (k, p, _), r in zip(QUESTIONS, res)
+                ),
+            }
+        )  # of the answers that ended
         log(f"  generate patterns {engine}: {rows[-1]['matched']}/{rows[-1]['stopped']} ended answers match")
     return rows
 
@@ -307,6 +384,7 @@ def main(argv=None) -> dict:
         model_dir = Path(args.model)
     else:
         from dualpath.checkpoints.smollm2 import default_model_dir
+
         model_dir = default_model_dir(progress=False)
     config = json.loads((model_dir / "config.json").read_text())
     width = config["vocab_size"]
@@ -327,18 +405,47 @@ def main(argv=None) -> dict:
             llm = LLM(str(model_dir), max_num_seqs=max(args.chats, len(QUESTIONS)))
             rows += [bench_generate(llm, sources, args.chats, args.max_tokens), *bench_pattern_answers(llm, sources)]
     print_table(rows[:2], ["part", "engine", "token_bytes_s", "index_s"])
-    print_table(masks, ["constraint", "tokens", "old_compile_ms", "new_compile_ms", "old_cold_us", "old_warm_us",
-                        "new_cold_us", "new_warm_us", "new_vs_old_cold", "new_vs_old_warm"])
-    print_table([r for r in rows if r["part"] == "step"], ["part", "batch", "vocab", "old_s", "new_s", "free_s",
-                                                           "new_vs_old"])
+    print_table(
+        masks,
+        [
+            "constraint",
+            "tokens",
+            "old_compile_ms",
+            "new_compile_ms",
+            "old_cold_us",
+            "old_warm_us",
+            "new_cold_us",
+            "new_warm_us",
+            "new_vs_old_cold",
+            "new_vs_old_warm",
+        ],
+    )
+    print_table(
+        [r for r in rows if r["part"] == "step"], ["part", "batch", "vocab", "old_s", "new_s", "free_s", "new_vs_old"]
+    )
     if not args.no_generate:
         gen = [r for r in rows if r["part"] == "generate"]
-        print_table(gen, ["chats", "free_tokens_per_s", "old_json_tokens_per_s", "new_json_tokens_per_s",
-                          "json_new_vs_old", "old_schema_tokens_per_s", "new_schema_tokens_per_s",
-                          "schema_new_vs_old", "old_json_valid", "new_json_valid", "old_schema_valid",
-                          "new_schema_valid"])
-        print_table([r for r in rows if r["part"] == "generate patterns"], ["engine", "seconds", "stopped", "matched",
-                                                                             "answers"])
+        print_table(
+            gen,
+            [
+                "chats",
+                "free_tokens_per_s",
+                "old_json_tokens_per_s",
+                "new_json_tokens_per_s",
+                "json_new_vs_old",
+                "old_schema_tokens_per_s",
+                "new_schema_tokens_per_s",
+                "schema_new_vs_old",
+                "old_json_valid",
+                "new_json_valid",
+                "old_schema_valid",
+                "new_schema_valid",
+            ],
+        )
+        print_table(
+            [r for r in rows if r["part"] == "generate patterns"],
+            ["engine", "seconds", "stopped", "matched", "answers"],
+        )
     result = {"old_commit": commit, "rows": rows}
     print("wrote", write_result("guided", result, args.out))
     return result

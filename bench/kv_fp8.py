@@ -9,6 +9,7 @@
 
     python bench/kv_fp8.py [--storage-read-bps 2e7 --agents 2 --turns 3 --context 1500] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,15 @@ PROMPTS = [
 
 def serve(kv_cache_dtype: str, args) -> dict:
     later = later_turns(args, "--dtype", "bfloat16", "--kv-cache-dtype", kv_cache_dtype, "--load-every-hit")
-    return {"kv_cache_dtype": kv_cache_dtype, "turns": len(later) + args.agents,
-            "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
-            "kv_bytes_per_cached_token": sum(t["kv_bytes_loaded"] for t in later) /
-            max(1, sum(t["cached_tokens"] for t in later)),
-            "kv_mb_loaded_later": sum(t["kv_bytes_loaded"] for t in later) / 1e6,
-            "cached_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later)}
+    return {
+        "kv_cache_dtype": kv_cache_dtype,
+        "turns": len(later) + args.agents,
+        "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
+        "kv_bytes_per_cached_token": sum(t["kv_bytes_loaded"] for t in later)
+        / max(1, sum(t["cached_tokens"] for t in later)),
+        "kv_mb_loaded_later": sum(t["kv_bytes_loaded"] for t in later) / 1e6,
+        "cached_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
+    }
 
 
 def logprobs(model: str, dtype: str, kv_cache_dtype: str, max_tokens: int, quantization: str | None = None):
@@ -51,11 +55,18 @@ def logprobs(model: str, dtype: str, kv_cache_dtype: str, max_tokens: int, quant
 
 def compare(name: str, a, b) -> dict:
     diffs = [abs(x - y) for (pa, _), (pb, _) in zip(a, b) for x, y in zip(pa, pb)]
-    same = [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-            for (_, ra), (_, rb) in zip(a, b)]
-    return {"comparison": name, "positions": len(diffs), "mean_abs_dlogprob": statistics.mean(diffs),
-            "p99_abs_dlogprob": sorted(diffs)[int(0.99 * (len(diffs) - 1))], "max_abs_dlogprob": max(diffs),
-            "greedy_tokens_equal_before_divergence": statistics.mean(same)}
+    same = [
+        next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        for (_, ra), (_, rb) in zip(a, b)
+    ]
+    return {
+        "comparison": name,
+        "positions": len(diffs),
+        "mean_abs_dlogprob": statistics.mean(diffs),
+        "p99_abs_dlogprob": sorted(diffs)[int(0.99 * (len(diffs) - 1))],
+        "max_abs_dlogprob": max(diffs),
+        "greedy_tokens_equal_before_divergence": statistics.mean(same),
+    }
 
 
 def main(argv=None) -> dict:
@@ -75,20 +86,43 @@ def main(argv=None) -> dict:
         for r in rows:
             r["ttft_vs_bf16_cache"] = r["ttft_later_p50_s"] / rows[0]["ttft_later_p50_s"]
             r["bytes_vs_bf16_cache"] = r["kv_bytes_per_cached_token"] / rows[0]["kv_bytes_per_cached_token"]
-        print_table(rows, ["kv_cache_dtype", "turns", "cached_share", "kv_mb_loaded_later",
-                           "kv_bytes_per_cached_token", "bytes_vs_bf16_cache", "ttft_later_p50_s",
-                           "ttft_vs_bf16_cache"])
+        print_table(
+            rows,
+            [
+                "kv_cache_dtype",
+                "turns",
+                "cached_share",
+                "kv_mb_loaded_later",
+                "kv_bytes_per_cached_token",
+                "bytes_vs_bf16_cache",
+                "ttft_later_p50_s",
+                "ttft_vs_bf16_cache",
+            ],
+        )
         result["serving"] = rows
     from dualpath.checkpoints.smollm2 import default_model_dir
 
     model = args.model or str(default_model_dir())
-    fp32, bf16, fp8 = (logprobs(model, d, kv, args.reply_tokens) for d, kv in
-                       [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
-    accuracy = [compare("bf16 model+cache vs fp32 (yardstick)", bf16, fp32),
-                compare("fp8 cache vs bf16 cache (bf16 model)", fp8, bf16),
-                compare("fp8 cache, bf16 model vs fp32", fp8, fp32)]
-    print_table(accuracy, ["comparison", "positions", "mean_abs_dlogprob", "p99_abs_dlogprob", "max_abs_dlogprob",
-                           "greedy_tokens_equal_before_divergence"])
+    fp32, bf16, fp8 = (
+        logprobs(model, d, kv, args.reply_tokens)
+        for d, kv in [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
+    )
+    accuracy = [
+        compare("bf16 model+cache vs fp32 (yardstick)", bf16, fp32),
+        compare("fp8 cache vs bf16 cache (bf16 model)", fp8, bf16),
+        compare("fp8 cache, bf16 model vs fp32", fp8, fp32),
+    ]
+    print_table(
+        accuracy,
+        [
+            "comparison",
+            "positions",
+            "mean_abs_dlogprob",
+            "p99_abs_dlogprob",
+            "max_abs_dlogprob",
+            "greedy_tokens_equal_before_divergence",
+        ],
+    )
     result["accuracy"] = accuracy
     print("wrote", write_result("kv_fp8", result, args.out))
     return result

@@ -7,6 +7,7 @@ Target: layerwise <= 1.15 x max(a, b).
 
     python bench/layer_overlap.py [--cached 2048 --new 256] [--model DIR] [--out bench/results/layer_overlap.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,28 +24,46 @@ from common import print_table, write_result  # noqa: E402
 
 
 def build(args):
-    from dualpath.core.config import (CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig,
-                                 TransportConfig)
+    from dualpath.core.config import CacheConfig, EngineConfig, EngineProcessConfig, StorageConfig, TransportConfig
     from dualpath.core.messages import EngineInfo, Role
     from dualpath.engines.prefill import PrefillEngine
     from dualpath.traffic.buffer import BufferPool
     from dualpath.traffic.transport import make_transport
 
     cfg = EngineProcessConfig(
-        role="prefill", model=args.model, scheduler="127.0.0.1:1", engine_id="bench-pe",
+        role="prefill",
+        model=args.model,
+        scheduler="127.0.0.1:1",
+        engine_id="bench-pe",
         engine=EngineConfig(device=args.device, dtype=args.dtype, cache=CacheConfig(block_size=64)),
-        transport=TransportConfig(name="shm"), storage=StorageConfig(root=args.kv_store, io_threads=2),
-        buffer_bytes=args.buffer_bytes, workspace_tokens=args.cached + args.new + 128,
-        cost_model=(0.0, 1e-4, 0.0), torch_threads=args.threads)
+        transport=TransportConfig(name="shm"),
+        storage=StorageConfig(root=args.kv_store, io_threads=2),
+        buffer_bytes=args.buffer_bytes,
+        workspace_tokens=args.cached + args.new + 128,
+        cost_model=(0.0, 1e-4, 0.0),
+        torch_threads=args.threads,
+    )
     pe = PrefillEngine(cfg)
     g = pe.geometry
     de_t = make_transport(TransportConfig(name="shm"), "bench-de")
     de_mem = de_t.allocate(args.buffer_bytes)
     de_region = de_t.register(de_mem).region_id
     de_pool = BufferPool(g, args.buffer_bytes // g.full_block_bytes, de_mem)
-    de_info = EngineInfo("bench-de", Role.DECODE, "n1", "127.0.0.1:1", "shm", de_t.address(),
-                         [r.to_dict() for r in de_t.regions()], de_region, de_pool.num_slots, g.block_size,
-                         g.num_layers, pe.fingerprint.hex(), 0)
+    de_info = EngineInfo(
+        "bench-de",
+        Role.DECODE,
+        "n1",
+        "127.0.0.1:1",
+        "shm",
+        de_t.address(),
+        [r.to_dict() for r in de_t.regions()],
+        de_region,
+        de_pool.num_slots,
+        g.block_size,
+        g.num_layers,
+        pe.fingerprint.hex(),
+        0,
+    )
     return pe, de_t, de_pool, de_info
 
 
@@ -63,6 +82,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.model is None:
         from dualpath.checkpoints.smollm2 import default_model_dir
+
         args.model = str(default_model_dir())
     args.kv_store = tempfile.mkdtemp(prefix="dualpath-overlap-")
 
@@ -76,7 +96,7 @@ def main(argv=None) -> dict:
     g = pe.geometry
     pe.transport.add_peer("bench-de", de_t.address(), de_t.regions())
     tokens = torch.randint(3, min(20000, pe.model.config.vocab_size), (args.cached + args.new,)).tolist()
-    keys = block_hashes(tokens[:args.cached], pe.fingerprint, g.block_size)
+    keys = block_hashes(tokens[: args.cached], pe.fingerprint, g.block_size)
     dt = getattr(torch, args.dtype)
     blocks = [torch.randn(g.full_block_bytes // g.dtype_bytes).to(dt).view(torch.uint8) for _ in keys]
     assert pe.storage.write(keys, blocks).result() == [None] * len(keys)
@@ -93,7 +113,7 @@ def main(argv=None) -> dict:
         return j
 
     def load(j):
-        j.layer_loads = pe.traffic.load_layers(keys, j.pe_slots[:len(keys)])
+        j.layer_loads = pe.traffic.load_layers(keys, j.pe_slots[: len(keys)])
         return j.layer_loads
 
     def run(layerwise: bool, preload: bool) -> float:
@@ -128,12 +148,26 @@ def main(argv=None) -> dict:
     loading = min(load_alone() for _ in range(args.repeats))
     layerwise = min(run(True, preload=False) for _ in range(args.repeats))
     basic = min(run(False, preload=False) for _ in range(args.repeats))
-    row = {"cached": args.cached, "new": args.new, "compute_s": compute, "load_s": loading,
-           "layerwise_s": layerwise, "basic_s": basic, "layerwise_vs_max": layerwise / max(compute, loading),
-           "basic_vs_max": basic / max(compute, loading), "read_cap_MBps": cap / 1e6}
+    row = {
+        "cached": args.cached,
+        "new": args.new,
+        "compute_s": compute,
+        "load_s": loading,
+        "layerwise_s": layerwise,
+        "basic_s": basic,
+        "layerwise_vs_max": layerwise / max(compute, loading),
+        "basic_vs_max": basic / max(compute, loading),
+        "read_cap_MBps": cap / 1e6,
+    }
     print_table([row], list(row))
-    result = {"model": Path(args.model).name, "device": args.device, "dtype": args.dtype, "row": row,
-              "hit_bytes": hit_bytes, "target": "layerwise <= 1.15 x max(compute, load)"}
+    result = {
+        "model": Path(args.model).name,
+        "device": args.device,
+        "dtype": args.dtype,
+        "row": row,
+        "hit_bytes": hit_bytes,
+        "target": "layerwise <= 1.15 x max(compute, load)",
+    }
     print("wrote", write_result("layer_overlap" if args.device == "cpu" else "layer_overlap_gpu", result, args.out))
     pe.stop()
     de_t.close()

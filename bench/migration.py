@@ -11,6 +11,7 @@ equals the same greedy reply in the other system (it must: both are the model's 
 
     python bench/migration.py [--agents 4 --context 400 --max-tokens 160 --kill-after 64] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,28 @@ from common import print_table, write_result  # noqa: E402
 
 def messages(agent: int, context: int) -> list[dict]:
     notes = " ".join(f"Note {agent}.{i}: step {i} of job {agent} ran for {i * 7 % 13} s." for i in range(context // 20))
-    return [{"role": "system", "content": f"You are agent {agent}. Summarise the notes step by step. {notes}"},
-            {"role": "user", "content": "Write the full summary, one line per step."}]
+    return [
+        {"role": "system", "content": f"You are agent {agent}. Summarise the notes step by step. {notes}"},
+        {"role": "user", "content": "Write the full summary, one line per step."},
+    ]
 
 
 class Agent:
     """One agent's reply, streamed; sent again from the start if a stream fails (``--migration-limit 0``)."""
 
     def __init__(self, http, model: str, agent: int, args):
-        self.http, self.body = http, {"model": model, "messages": messages(agent, args.context), "stream": True,
-                                      "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
-                                      "return_token_ids": True}
+        self.http, self.body = (
+            http,
+            {
+                "model": model,
+                "messages": messages(agent, args.context),
+                "stream": True,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         self.ids: list[int] = []  # of the attempt being read
         self.arrivals: list[float] = []  # when each token of that attempt came
         self.attempts, self.error = 0, ""
@@ -84,7 +96,7 @@ class Agent:
 
     def gap_s(self) -> float:
         """Its median time between tokens before the kill."""
-        return statistics.median(b - a for a, b in zip(self.arrivals[:self.at_kill], self.arrivals[1:self.at_kill]))
+        return statistics.median(b - a for a, b in zip(self.arrivals[: self.at_kill], self.arrivals[1 : self.at_kill]))
 
 
 def engine_pid(server, name: str) -> int:
@@ -107,8 +119,15 @@ def run(system: str, args) -> dict:
     from serve_process import ServeProcess
 
     limit = "3" if system == "migration" else "0"
-    server = ServeProcess(*(["--model", args.model] if args.model else []), "--decode", "2", "--migration-limit",
-                          limit, "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"))
+    server = ServeProcess(
+        *(["--model", args.model] if args.model else []),
+        "--decode",
+        "2",
+        "--migration-limit",
+        limit,
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=600) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
@@ -131,17 +150,30 @@ def run(system: str, args) -> dict:
     moves = metric(metrics, "request_migrations_total")
     # the replies the kill touched: those sent again, or (migration) as many as moved, the longest stalled
     by_stall = sorted(agents, key=lambda a: -a.stall_s(killed_at))
-    hit = [a for a in agents if a.attempts > 1] if system == "send again" else by_stall[:int(moves)]
-    return {"system": system, "agents": len(agents), "completed": sum(len(a.ids) == args.max_tokens for a in agents),
-            "sent_again": sum(a.attempts > 1 for a in agents), "on_killed_engine": len(hit),
-            "stall_p50_s": statistics.median(a.stall_s(killed_at) for a in hit) if hit else 0.0,
-            "stall_max_s": max((a.stall_s(killed_at) for a in hit), default=0.0),
-            "tokens_at_kill": statistics.mean(a.at_kill for a in agents),
-            "token_gap_p50_s": statistics.median(a.gap_s() for a in agents), "migrations": moves,
-            "kv_mb_loaded": metric(metrics, "kv_bytes_loaded_total") / 1e6,
-            "per_agent": [{"tokens_at_kill": a.at_kill, "stall_s": a.stall_s(killed_at), "attempts": a.attempts,
-                           "token_gap_s": a.gap_s()} for a in agents],
-            "replies": [a.ids for a in agents]}
+    hit = [a for a in agents if a.attempts > 1] if system == "send again" else by_stall[: int(moves)]
+    return {
+        "system": system,
+        "agents": len(agents),
+        "completed": sum(len(a.ids) == args.max_tokens for a in agents),
+        "sent_again": sum(a.attempts > 1 for a in agents),
+        "on_killed_engine": len(hit),
+        "stall_p50_s": statistics.median(a.stall_s(killed_at) for a in hit) if hit else 0.0,
+        "stall_max_s": max((a.stall_s(killed_at) for a in hit), default=0.0),
+        "tokens_at_kill": statistics.mean(a.at_kill for a in agents),
+        "token_gap_p50_s": statistics.median(a.gap_s() for a in agents),
+        "migrations": moves,
+        "kv_mb_loaded": metric(metrics, "kv_bytes_loaded_total") / 1e6,
+        "per_agent": [
+            {
+                "tokens_at_kill": a.at_kill,
+                "stall_s": a.stall_s(killed_at),
+                "attempts": a.attempts,
+                "token_gap_s": a.gap_s(),
+            }
+            for a in agents
+        ],
+        "replies": [a.ids for a in agents],
+    }
 
 
 def main(argv=None) -> dict:
@@ -157,12 +189,32 @@ def main(argv=None) -> dict:
     for r in rows:
         r["stall_vs_send_again"] = r["stall_p50_s"] / rows[1]["stall_p50_s"] if rows[1]["stall_p50_s"] else None
     same = rows[0].pop("replies") == rows[1].pop("replies")
-    print_table(rows, ["system", "agents", "completed", "on_killed_engine", "sent_again", "tokens_at_kill",
-                       "token_gap_p50_s", "stall_p50_s", "stall_max_s", "stall_vs_send_again", "migrations",
-                       "kv_mb_loaded"])
+    print_table(
+        rows,
+        [
+            "system",
+            "agents",
+            "completed",
+            "on_killed_engine",
+            "sent_again",
+            "tokens_at_kill",
+            "token_gap_p50_s",
+            "stall_p50_s",
+            "stall_max_s",
+            "stall_vs_send_again",
+            "migrations",
+            "kv_mb_loaded",
+        ],
+    )
     print("replies identical across the systems:", same)
-    result = {"agents": args.agents, "context": args.context, "max_tokens": args.max_tokens,
-              "kill_after": args.kill_after, "rows": rows, "replies_identical": same}
+    result = {
+        "agents": args.agents,
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "kill_after": args.kill_after,
+        "rows": rows,
+        "replies_identical": same,
+    }
     print("wrote", write_result("migration", result, args.out))
     return result
 

@@ -5,6 +5,7 @@ log-softmax and top-5 (how one scores a prompt with it).
 
     python bench/model_cpu.py [--device cpu] [--dtype float32] [--out bench/results/model_cpu.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def main(argv=None) -> dict:
     model_dir = args.model or str(default_model_dir())
     dtype = getattr(torch, args.dtype)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_batched_tokens=1 << 16)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                           attn_implementation="eager").to(args.device).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+        .to(args.device)
+        .eval()
+    )
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -64,8 +68,13 @@ def main(argv=None) -> dict:
 
         def hf_generate(k):
             with torch.no_grad():
-                hf.generate(short.to(args.device), attention_mask=torch.ones_like(short).to(args.device),
-                            max_new_tokens=k, min_new_tokens=k, do_sample=False)
+                hf.generate(
+                    short.to(args.device),
+                    attention_mask=torch.ones_like(short).to(args.device),
+                    max_new_tokens=k,
+                    min_new_tokens=k,
+                    do_sample=False,
+                )
             sync()
 
         t_op, t_hp = best_of(ours_prefill), best_of(hf_prefill)
@@ -74,20 +83,40 @@ def main(argv=None) -> dict:
         hf_short = best_of(lambda: hf_generate(1))
         t_od, t_hd = best_of(ours_decode, 4), best_of(lambda: hf_generate(n), 4)
         toks = b * args.prefill_tokens
-        row = {"batch": b, "prefill_tok_s_ours": toks / t_op, "prefill_tok_s_hf": toks / t_hp,
-               "decode_tok_s_ours": b * (n - 1) / max(t_od - t_os, 1e-9),
-               "decode_tok_s_hf": b * (n - 1) / max(t_hd - hf_short, 1e-9)}
+        row = {
+            "batch": b,
+            "prefill_tok_s_ours": toks / t_op,
+            "prefill_tok_s_hf": toks / t_hp,
+            "decode_tok_s_ours": b * (n - 1) / max(t_od - t_os, 1e-9),
+            "decode_tok_s_hf": b * (n - 1) / max(t_hd - hf_short, 1e-9),
+        }
         row["prefill_ratio"] = row["prefill_tok_s_ours"] / row["prefill_tok_s_hf"]
         row["decode_ratio"] = row["decode_tok_s_ours"] / row["decode_tok_s_hf"]
         rows.append(row)
-    print_table(rows, ["batch", "prefill_tok_s_ours", "prefill_tok_s_hf", "prefill_ratio", "decode_tok_s_ours",
-                       "decode_tok_s_hf", "decode_ratio"])
+    print_table(
+        rows,
+        [
+            "batch",
+            "prefill_tok_s_ours",
+            "prefill_tok_s_hf",
+            "prefill_ratio",
+            "decode_tok_s_ours",
+            "decode_tok_s_hf",
+            "decode_ratio",
+        ],
+    )
     scoring = score_prompt(llm, hf, torch.randint(100, 40000, (args.prefill_tokens,), generator=g), sync, args.device)
     print_table([scoring], list(scoring))
-    result = {"model": Path(model_dir).name, "device": args.device, "dtype": args.dtype,
-              "prefill_tokens": args.prefill_tokens, "decode_tokens": args.decode_tokens, "rows": rows,
-              "prompt_logprobs": scoring,
-              "target": "ours >= transformers (ratio >= 1) for prefill and decode"}
+    result = {
+        "model": Path(model_dir).name,
+        "device": args.device,
+        "dtype": args.dtype,
+        "prefill_tokens": args.prefill_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rows": rows,
+        "prompt_logprobs": scoring,
+        "target": "ours >= transformers (ratio >= 1) for prefill and decode",
+    }
     print("wrote", write_result("model_cpu" if args.device == "cpu" else "model_gpu", result, args.out))
     return result
 
@@ -109,8 +138,14 @@ def score_prompt(llm, hf, prompt: torch.Tensor, sync, device: str) -> dict:
         sync()
 
     t_with, t_without, t_hf = best_of(lambda: ours(5)), best_of(lambda: ours(None)), best_of(hf_scores)
-    return {"tokens": len(ids), "scored_s": t_with, "prefill_only_s": t_without, "hf_scored_s": t_hf,
-            "cost_vs_prefill": t_with / t_without, "speedup_vs_hf": t_hf / t_with}
+    return {
+        "tokens": len(ids),
+        "scored_s": t_with,
+        "prefill_only_s": t_without,
+        "hf_scored_s": t_hf,
+        "cost_vs_prefill": t_with / t_without,
+        "speedup_vs_hf": t_hf / t_with,
+    }
 
 
 if __name__ == "__main__":

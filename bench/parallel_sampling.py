@@ -8,6 +8,7 @@ the wall time to the last choice and the KV bytes read from storage.
 
     python bench/parallel_sampling.py [--n 4 8] [--context 2048] [--storage-read-bps 2e8] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ def context_prompt(tag: str, tokens: int) -> str:
 
 
 def one_request(client, model, prompt, n, args) -> tuple[list[str], int]:
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=1.0,
-                                  seed=args.seed, n=n, extra_body={"dualpath": {"usage": True}})
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=args.max_tokens,
+        temperature=1.0,
+        seed=args.seed,
+        n=n,
+        extra_body={"dualpath": {"usage": True}},
+    )
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     return texts, r.usage.model_extra["dualpath"]["kv_bytes_loaded"]
 
@@ -41,9 +49,16 @@ def separate_requests(client, model, prompt, n, args) -> tuple[list[str], int]:
     texts, loaded = [None] * n, [0] * n
 
     def run(i):
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=1.0,
-                                      seed=args.seed + i, extra_body={"dualpath": {"usage": True}})
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            seed=args.seed + i,
+            extra_body={"dualpath": {"usage": True}},
+        )
         texts[i], loaded[i] = r.choices[0].text, r.usage.model_extra["dualpath"]["kv_bytes_loaded"]
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -87,8 +102,15 @@ def main(argv=None) -> dict:
     from serve_process import ServeProcess
 
     extra = ["--model", args.model] if args.model else []
-    server = ServeProcess(*extra, "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
-                          "--storage-read-bps", str(args.storage_read_bps), "--max-model-len", str(args.context * 2))
+    server = ServeProcess(
+        *extra,
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
+        "--storage-read-bps",
+        str(args.storage_read_bps),
+        "--max-model-len",
+        str(args.context * 2),
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
@@ -96,10 +118,15 @@ def main(argv=None) -> dict:
         rows = [measure(client, model, n, args) for n in args.n]
     finally:
         server.stop()
-    print_table(rows, ["n", "separate_s", "parallel_s", "speedup", "separate_kv_mb", "parallel_kv_mb",
-                       "kv_read_ratio"])
-    result = {"context_tokens": args.context, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "storage_read_bps": args.storage_read_bps, "model": model, "rows": rows}
+    print_table(rows, ["n", "separate_s", "parallel_s", "speedup", "separate_kv_mb", "parallel_kv_mb", "kv_read_ratio"])
+    result = {
+        "context_tokens": args.context,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "storage_read_bps": args.storage_read_bps,
+        "model": model,
+        "rows": rows,
+    }
     print("wrote", write_result("parallel_sampling", result, args.out))
     return result
 

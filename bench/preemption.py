@@ -15,6 +15,7 @@ model's one greedy answer).
 
     python bench/preemption.py [--background 3 --urgent 6 --interval 6] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,9 +81,21 @@ def run(system: str, model: str, args) -> dict:
     blocks = args.background * fits + urgent_blocks - 1  # the urgent turn never fits beside every background one
     vocab, memory = model_shape(model, blocks)
     flags = ["--disable-priority-preemption"] if system == "no preemption" else []
-    server = ServeProcess("--model", model, "--dtype", "float32", "--scheduling-policy", "priority", *flags,
-                          "--cache-bytes", str(memory), "--block-size", str(BLOCK),
-                          "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"))
+    server = ServeProcess(
+        "--model",
+        model,
+        "--dtype",
+        "float32",
+        "--scheduling-policy",
+        "priority",
+        *flags,
+        "--cache-bytes",
+        str(memory),
+        "--block-size",
+        str(BLOCK),
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
+    )
     replies: dict[str, list[int]] = {}
     urgent: list[dict] = []
     delivered, start = [0], [0.0]
@@ -95,9 +108,14 @@ def run(system: str, model: str, args) -> dict:
                 for k in range(1000):
                     if stop.is_set():
                         return
-                    body = {"model": name, "prompt": prompt("bg", a * 1000 + k, args.background_prompt, vocab),
-                            "max_tokens": args.background_tokens, "temperature": 0, "ignore_eos": True,
-                            "priority": 5}
+                    body = {
+                        "model": name,
+                        "prompt": prompt("bg", a * 1000 + k, args.background_prompt, vocab),
+                        "max_tokens": args.background_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "priority": 5,
+                    }
                     replies[f"bg{a}.{k}"] = stream(http, body, count)[0]
 
             def count(n: int) -> None:  # background tokens delivered while urgent turns arrive
@@ -105,8 +123,14 @@ def run(system: str, model: str, args) -> dict:
                     delivered[0] += n
 
             def turn(u: int) -> dict:
-                body = {"model": name, "prompt": prompt("urgent", u, args.urgent_prompt, vocab),
-                        "max_tokens": args.urgent_tokens, "temperature": 0, "ignore_eos": True, "priority": -1}
+                body = {
+                    "model": name,
+                    "prompt": prompt("urgent", u, args.urgent_prompt, vocab),
+                    "max_tokens": args.urgent_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "priority": -1,
+                }
                 ids, ttft, total = stream(http, body)
                 replies[f"u{u}"] = ids
                 return {"turn": u, "ttft_s": ttft, "latency_s": total}
@@ -133,14 +157,21 @@ def run(system: str, model: str, args) -> dict:
     finally:
         server.stop()
     ttft = sorted(u["ttft_s"] for u in urgent)
-    return {"system": system, "urgent_turns": len(urgent), "idle_ttft_s": idle["ttft_s"],
-            "ttft_p50_s": statistics.median(ttft),
-            "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))], "ttft_max_s": ttft[-1],
-            "latency_p50_s": statistics.median(u["latency_s"] for u in urgent),
-            "background_tok_s": delivered[0] / window, "window_s": window,
-            "preempted": stats["preempted"], "failed": stats["failed"],
-            "per_turn": sorted(urgent, key=lambda u: u["turn"]),
-            "replies": replies}
+    return {
+        "system": system,
+        "urgent_turns": len(urgent),
+        "idle_ttft_s": idle["ttft_s"],
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "ttft_max_s": ttft[-1],
+        "latency_p50_s": statistics.median(u["latency_s"] for u in urgent),
+        "background_tok_s": delivered[0] / window,
+        "window_s": window,
+        "preempted": stats["preempted"],
+        "failed": stats["failed"],
+        "per_turn": sorted(urgent, key=lambda u: u["turn"]),
+        "replies": replies,
+    }
 
 
 def main(argv=None) -> dict:
@@ -165,11 +196,25 @@ def main(argv=None) -> dict:
         r.pop("replies")
         r["ttft_p50_vs_no_preemption"] = r["ttft_p50_s"] / rows[1]["ttft_p50_s"]
         # (None when none streamed in the window: a toy model's tokens may wait for whole characters)
-        r["background_vs_no_preemption"] = r["background_tok_s"] / rows[1]["background_tok_s"] \
-            if rows[1]["background_tok_s"] else None
-    print_table(rows, ["system", "urgent_turns", "idle_ttft_s", "ttft_p50_s", "ttft_p90_s", "ttft_max_s",
-                       "latency_p50_s", "ttft_p50_vs_no_preemption", "background_tok_s", "background_vs_no_preemption",
-                       "preempted"])
+        r["background_vs_no_preemption"] = (
+            r["background_tok_s"] / rows[1]["background_tok_s"] if rows[1]["background_tok_s"] else None
+        )
+    print_table(
+        rows,
+        [
+            "system",
+            "urgent_turns",
+            "idle_ttft_s",
+            "ttft_p50_s",
+            "ttft_p90_s",
+            "ttft_max_s",
+            "latency_p50_s",
+            "ttft_p50_vs_no_preemption",
+            "background_tok_s",
+            "background_vs_no_preemption",
+            "preempted",
+        ],
+    )
     print(f"replies identical across the systems: {same} ({len(both)} compared)")
     result = {"args": vars(args), "rows": rows, "replies_compared": len(both), "replies_identical": same}
     print("wrote", write_result("preemption", result, args.out))

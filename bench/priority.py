@@ -15,6 +15,7 @@ first served, on the same trace, for each of ``--offline-seeds`` traces.
     python bench/priority.py [--loads 0.8,1.2] [--seconds 200] [--offline-agents 400]
                              [--out bench/results/priority.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,15 @@ def offline_jct(cfg, args, seed: int) -> dict:
         jct[name] = ClusterSim(c, rounds).run().jct_s
     print(f"  offline seed {seed}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     turns = [len(r) for r in rounds]
-    return {"seed": seed, "agents": args.offline_agents, "turns_min": min(turns), "turns_max": max(turns),
-            "jct_fcfs_s": jct["fcfs"], "jct_longest_first_s": jct["longest_first"],
-            "jct_ratio": jct["longest_first"] / jct["fcfs"]}
+    return {
+        "seed": seed,
+        "agents": args.offline_agents,
+        "turns_min": min(turns),
+        "turns_max": max(turns),
+        "jct_fcfs_s": jct["fcfs"],
+        "jct_longest_first_s": jct["longest_first"],
+        "jct_ratio": jct["longest_first"] / jct["fcfs"],
+    }
 
 
 def main() -> int:
@@ -86,8 +93,11 @@ def main() -> int:
     cfg = SimConfig(PAPER_CLUSTER_NODE, model, model.engine, args.prefill, args.decode, "dualpath")
     t = time.perf_counter()
     capacity = online_capacity(cfg, pool, args.seconds, warmup_s=args.seconds / 2, iters=4)["agents_per_s"]
-    print(f"capacity (first come, first served, mean TTFT <= 4 s): {capacity:.2f} agents/s "
-          f"({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    print(
+        f"capacity (first come, first served, mean TTFT <= 4 s): {capacity:.2f} agents/s "
+        f"({time.perf_counter() - t:.0f} s)",
+        file=sys.stderr,
+    )
     urgent = lambda agent: agent % args.urgent_every == 0  # noqa: E731
     rows = []
     for load in (float(x) for x in args.loads.split(",")):
@@ -96,31 +106,64 @@ def main() -> int:
         priorities = [-1 if urgent(i) else 0 for i in range(len(starts))]
         for policy in ("fcfs", "priority"):
             t = time.perf_counter()
-            sim = ClusterSim(replace(cfg, scheduling_policy=policy), agents, starts,
-                             priorities if policy == "priority" else None)
+            sim = ClusterSim(
+                replace(cfg, scheduling_policy=policy), agents, starts, priorities if policy == "priority" else None
+            )
             mine, others = ttfts(sim.run(until=args.seconds), urgent, args.seconds / 2)
-            rows.append({"load": load, "agents_per_s": capacity * load, "policy": policy,
-                         "urgent_turns": len(mine), "other_turns": len(others),
-                         "urgent_ttft_p50_s": float(np.median(mine)),
-                         "urgent_ttft_p90_s": float(np.percentile(mine, 90)),
-                         "other_ttft_p50_s": float(np.median(others)),
-                         "other_ttft_p90_s": float(np.percentile(others, 90))})
+            rows.append(
+                {
+                    "load": load,
+                    "agents_per_s": capacity * load,
+                    "policy": policy,
+                    "urgent_turns": len(mine),
+                    "other_turns": len(others),
+                    "urgent_ttft_p50_s": float(np.median(mine)),
+                    "urgent_ttft_p90_s": float(np.percentile(mine, 90)),
+                    "other_ttft_p50_s": float(np.median(others)),
+                    "other_ttft_p90_s": float(np.percentile(others, 90)),
+                }
+            )
             print(f"  load {load:g} {policy}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     by = {(r["load"], r["policy"]): r for r in rows}
     for r in rows:
         base = by[r["load"], "fcfs"]
         r["urgent_p50_vs_fcfs"] = r["urgent_ttft_p50_s"] / base["urgent_ttft_p50_s"]
         r["other_p50_vs_fcfs"] = r["other_ttft_p50_s"] / base["other_ttft_p50_s"]
-    print_table(rows, ["load", "policy", "urgent_turns", "urgent_ttft_p50_s", "urgent_ttft_p90_s", "other_ttft_p50_s",
-                       "other_ttft_p90_s", "urgent_p50_vs_fcfs", "other_p50_vs_fcfs"])
+    print_table(
+        rows,
+        [
+            "load",
+            "policy",
+            "urgent_turns",
+            "urgent_ttft_p50_s",
+            "urgent_ttft_p90_s",
+            "other_ttft_p50_s",
+            "other_ttft_p90_s",
+            "urgent_p50_vs_fcfs",
+            "other_p50_vs_fcfs",
+        ],
+    )
     offline = [offline_jct(cfg, args, seed) for seed in range(args.offline_seeds)] if args.offline_agents else []
     if offline:
-        print_table(offline, ["seed", "agents", "turns_min", "turns_max", "jct_fcfs_s", "jct_longest_first_s",
-                              "jct_ratio"])
-    path = write_result("priority", {"model": args.model, "prefill_nodes": args.prefill, "decode_nodes": args.decode,
-                                     "preset": args.preset, "turns_scale": args.turns_scale, "seconds": args.seconds,
-                                     "urgent_every": args.urgent_every, "capacity_agents_per_s": capacity,
-                                     "rows": rows, "offline": offline}, args.out)
+        print_table(
+            offline, ["seed", "agents", "turns_min", "turns_max", "jct_fcfs_s", "jct_longest_first_s", "jct_ratio"]
+        )
+    path = write_result(
+        "priority",
+        {
+            "model": args.model,
+            "prefill_nodes": args.prefill,
+            "decode_nodes": args.decode,
+            "preset": args.preset,
+            "turns_scale": args.turns_scale,
+            "seconds": args.seconds,
+            "urgent_every": args.urgent_every,
+            "capacity_agents_per_s": capacity,
+            "rows": rows,
+            "offline": offline,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

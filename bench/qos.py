@@ -38,6 +38,7 @@ collectives, here two shared cores do both, and the ranks come first on them as 
 Needs root (namespaces, tc), iproute2, ethtool and ucxx. Writes bench/results/qos.json and qos.png (qos.svg without
 matplotlib).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,8 +120,21 @@ class Link:
             for side in "ab":
                 _sh("ip", "netns", "add", self.ns[side])
                 self._made.append(self.ns[side])
-            _sh("ip", "link", "add", self.dev["a"], "netns", self.ns["a"], "type", "veth", "peer", "name",
-                self.dev["b"], "netns", self.ns["b"])
+            _sh(
+                "ip",
+                "link",
+                "add",
+                self.dev["a"],
+                "netns",
+                self.ns["a"],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.dev["b"],
+                "netns",
+                self.ns["b"],
+            )
             for side in "ab":
                 ns, dev = self.exec(side), self.dev[side]
                 _sh(*ns, "ip", "addr", "add", f"{self.ip[side]}/24", "dev", dev)
@@ -146,16 +160,81 @@ class Link:
             ns, dev = self.exec(side), self.dev[side]
             tc = [*ns, "tc"]
             _sh(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
-            _sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate",
-                f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "quantum", "3028")
+            _sh(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                f"{rate_mbit}mbit",
+                "ceil",
+                f"{rate_mbit}mbit",
+                "quantum",
+                "3028",
+            )
             for minor, share, prio in self.CLASSES.values():
-                _sh(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", f"1:{minor}", "htb", "rate",
-                    f"{rate_mbit * share:g}mbit", "ceil", f"{rate_mbit}mbit", "prio", str(prio), "quantum", "3028")
-                _sh(*tc, "qdisc", "add", "dev", dev, "parent", f"1:{minor}", "handle", f"{minor}0:", "pfifo",
-                    "limit", str(queue_packets))
+                _sh(
+                    *tc,
+                    "class",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:1",
+                    "classid",
+                    f"1:{minor}",
+                    "htb",
+                    "rate",
+                    f"{rate_mbit * share:g}mbit",
+                    "ceil",
+                    f"{rate_mbit}mbit",
+                    "prio",
+                    str(prio),
+                    "quantum",
+                    "3028",
+                )
+                _sh(
+                    *tc,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    f"1:{minor}",
+                    "handle",
+                    f"{minor}0:",
+                    "pfifo",
+                    "limit",
+                    str(queue_packets),
+                )
             for prio, (dscp, cls) in enumerate(((self.collective_dscp, "high"), (self.kv_dscp, "low")), 1):
-                _sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(prio), "u32",
-                    "match", "ip", "dsfield", hex(dscp << 2), "0xfc", "flowid", f"1:{self.CLASSES[cls][0]}")
+                _sh(
+                    *tc,
+                    "filter",
+                    "add",
+                    "dev",
+                    dev,
+                    "parent",
+                    "1:",
+                    "protocol",
+                    "ip",
+                    "prio",
+                    str(prio),
+                    "u32",
+                    "match",
+                    "ip",
+                    "dsfield",
+                    hex(dscp << 2),
+                    "0xfc",
+                    "flowid",
+                    f"1:{self.CLASSES[cls][0]}",
+                )
 
     def tx_bytes(self, side: str) -> int:
         return int(_sh(*self.exec(side), "cat", f"/sys/class/net/{self.dev[side]}/statistics/tx_bytes").stdout)
@@ -164,9 +243,11 @@ class Link:
         """Bytes, packets and drops of each priority class on ``side``'s egress so far."""
         out = json.loads(_sh(*self.exec(side), "tc", "-s", "-j", "qdisc", "show", "dev", self.dev[side]).stdout)
         names = {f"{minor}0:": name for name, (minor, *_) in self.CLASSES.items()}
-        return {names[q["handle"]]: {"bytes": q.get("bytes", 0), "packets": q.get("packets", 0),
-                                     "drops": q.get("drops", 0)}
-                for q in out if q.get("handle") in names}
+        return {
+            names[q["handle"]]: {"bytes": q.get("bytes", 0), "packets": q.get("packets", 0), "drops": q.get("drops", 0)}
+            for q in out
+            if q.get("handle") in names
+        }
 
     def down(self) -> None:
         for ns in self._made:
@@ -186,8 +267,9 @@ def _collective_worker(args) -> None:
     torch.set_num_threads(1)
     os.nice(args.collective_nice)
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     n = args.tokens * HIDDEN
     reduce_in = torch.ones(n, dtype=torch.float16)
     a2a_in = torch.ones(2 * n, dtype=torch.float16)  # the batch's hidden states for each rank, this one's included
@@ -254,8 +336,10 @@ def _kv_worker(args) -> None:
             while not stop.is_set() or inflight:
                 while not stop.is_set() and len(inflight) < WRITES_QUEUED * len(peers):
                     base = (k % slots) * write
-                    segs = [Segment(local, base + j * KV_BLOCK_BYTES, remote, base + j * KV_BLOCK_BYTES,
-                                    KV_BLOCK_BYTES) for j in range(BLOCKS_PER_WRITE)]
+                    segs = [
+                        Segment(local, base + j * KV_BLOCK_BYTES, remote, base + j * KV_BLOCK_BYTES, KV_BLOCK_BYTES)
+                        for j in range(BLOCKS_PER_WRITE)
+                    ]
                     inflight.append(t.submit(peers[k % len(peers)], Op.WRITE, segs, Priority.LOW))
                     k += 1
                 h = inflight.pop(0)
@@ -286,9 +370,14 @@ class Worker:
     def __init__(self, name: str, prefix: list[str], argv: list[str], log_dir: Path):
         self.name, self.log = name, log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), *argv],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "w"),
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, str(Path(__file__).resolve()), *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log, "w"),
+            text=True,
+            env=env,
+        )
 
     def send(self, obj) -> None:
         self.proc.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
@@ -335,11 +424,30 @@ def run_case(case: str, link: Link, args, log_dir: Path, say) -> dict:
             # receiver's replies never queue behind the sender's own writes in one TCP stream)
             pairs = [("a", "b")] if args.directions == "one" else [("a", "b"), ("b", "a")]
             for src, dst in pairs:
-                recv = Worker(f"{case}-kv-recv-{dst}", link.exec(dst),
-                              ["--worker", "kv", "--ip", link.ip[dst], "--dscp", str(qos.kv_dscp)], log_dir)
-                send = Worker(f"{case}-kv-send-{src}", link.exec(src),
-                              ["--worker", "kv", "--ip", link.ip[src], "--dscp", str(qos.kv_dscp), "--send",
-                               "--lanes", str(args.lanes), "--kv-nice", str(args.kv_nice)], log_dir)
+                recv = Worker(
+                    f"{case}-kv-recv-{dst}",
+                    link.exec(dst),
+                    ["--worker", "kv", "--ip", link.ip[dst], "--dscp", str(qos.kv_dscp)],
+                    log_dir,
+                )
+                send = Worker(
+                    f"{case}-kv-send-{src}",
+                    link.exec(src),
+                    [
+                        "--worker",
+                        "kv",
+                        "--ip",
+                        link.ip[src],
+                        "--dscp",
+                        str(qos.kv_dscp),
+                        "--send",
+                        "--lanes",
+                        str(args.lanes),
+                        "--kv-nice",
+                        str(args.kv_nice),
+                    ],
+                    log_dir,
+                )
                 kv += [recv, send]
                 workers += [recv, send]
                 info = [recv.recv(), send.recv()]
@@ -348,12 +456,35 @@ def run_case(case: str, link: Link, args, log_dir: Path, say) -> dict:
         if case != "kv_alone":
             port = 29500 + os.getpid() % 1000 * 4 + CASES.index(case)  # a fresh port each case
             for rank, side in enumerate("ab"):
-                coll.append(Worker(f"{case}-rank{rank}", link.exec(side),
-                                   ["--worker", "collective", "--rank", str(rank), "--master", f"{link.ip['a']}:{port}",
-                                    "--ifname", link.dev[side], "--dscp", str(qos.collective_dscp),
-                                    "--tokens", str(args.tokens), "--iters", str(args.iters),
-                                    "--warmup", str(args.warmup), "--gap-ms", str(args.gap_ms),
-                                    "--collective-nice", str(args.collective_nice)], log_dir))
+                coll.append(
+                    Worker(
+                        f"{case}-rank{rank}",
+                        link.exec(side),
+                        [
+                            "--worker",
+                            "collective",
+                            "--rank",
+                            str(rank),
+                            "--master",
+                            f"{link.ip['a']}:{port}",
+                            "--ifname",
+                            link.dev[side],
+                            "--dscp",
+                            str(qos.collective_dscp),
+                            "--tokens",
+                            str(args.tokens),
+                            "--iters",
+                            str(args.iters),
+                            "--warmup",
+                            str(args.warmup),
+                            "--gap-ms",
+                            str(args.gap_ms),
+                            "--collective-nice",
+                            str(args.collective_nice),
+                        ],
+                        log_dir,
+                    )
+                )
             workers += coll
             ready = [w.recv() for w in coll]
         bands0 = {s: link.bands(s) for s in "ab"}
@@ -398,8 +529,9 @@ def run_case(case: str, link: Link, args, log_dir: Path, say) -> dict:
         raw["kv_bytes"] = sum(n for out in kv_out for t, n in out["done"] if t_start <= t <= t_end)
         if kv:
             raw["kv_sockets_tos"] = sorted({tos for out in kv_out for *_, tos in out["sockets"]})
-        raw["bands"] = {s: {b: {k: bands1[s][b][k] - bands0[s][b][k] for k in bands1[s][b]} for b in bands1[s]}
-                        for s in "ab"}
+        raw["bands"] = {
+            s: {b: {k: bands1[s][b][k] - bands0[s][b][k] for k in bands1[s][b]} for b in bands1[s]} for s in "ab"
+        }
         return raw
     finally:
         for w in workers:
@@ -416,26 +548,41 @@ def combine(case: str, parts: list[dict], args) -> dict:
 
     qos = QosConfig.off() if case == "no_priorities" else QosConfig()
     total = lambda key: sum(p[key] for p in parts)  # noqa: E731
-    result: dict = {"case": case, "rounds": len(parts), "rate_mbit": args.rate_mbit,
-                    "qos": {"kv_dscp": qos.kv_dscp, "collective_dscp": qos.collective_dscp}}
+    result: dict = {
+        "case": case,
+        "rounds": len(parts),
+        "rate_mbit": args.rate_mbit,
+        "qos": {"kv_dscp": qos.kv_dscp, "collective_dscp": qos.collective_dscp},
+    }
     for name, key in (("all_reduce", "ar"), ("all_to_all", "a2a")):
         lat = [x for p in parts for x in p[key]]
         if lat:
-            result[name] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 99),
-                            "mean_ms": 1e3 * statistics.fmean(lat), "max_ms": 1e3 * max(lat), "n": len(lat),
-                            "p99_ms_per_round": [1e3 * _pct(p[key], 99) for p in parts]}
+            result[name] = {
+                "p50_ms": 1e3 * statistics.median(lat),
+                "p99_ms": 1e3 * _pct(lat, 99),
+                "mean_ms": 1e3 * statistics.fmean(lat),
+                "max_ms": 1e3 * max(lat),
+                "n": len(lat),
+                "p99_ms_per_round": [1e3 * _pct(p[key], 99) for p in parts],
+            }
     result["window_s"] = total("window_s")
     result["link_tx_bytes"] = {s: sum(p["link_tx_bytes"][s] for p in parts) for s in "ab"}
     result["steps_on_link"] = total("steps_on_link")
-    result["link_rate_used"] = {s: result["link_tx_bytes"][s] * 8 / total("link_window_s") / (args.rate_mbit * 1e6)
-                                for s in "ab"}  # each side's egress, busy share
+    result["link_rate_used"] = {
+        s: result["link_tx_bytes"][s] * 8 / total("link_window_s") / (args.rate_mbit * 1e6) for s in "ab"
+    }  # each side's egress, busy share
     if case != "alone":
         result["kv_MBps_per_direction"] = total("kv_bytes") / total("window_s") / _directions(args) / 1e6
         result["kv_sockets_tos"] = sorted({t for p in parts for t in p["kv_sockets_tos"]})
     if case != "kv_alone":
         result["collective_sockets_tos"] = sorted({t for p in parts for t in p["collective_sockets_tos"]})
-    result["bands"] = {s: {b: {k: sum(p["bands"][s][b][k] for p in parts) for k in parts[0]["bands"][s][b]}
-                           for b in parts[0]["bands"][s]} for s in "ab"}
+    result["bands"] = {
+        s: {
+            b: {k: sum(p["bands"][s][b][k] for p in parts) for k in parts[0]["bands"][s][b]}
+            for b in parts[0]["bands"][s]
+        }
+        for s in "ab"
+    }
     return result
 
 
@@ -461,8 +608,9 @@ def summarize(results: dict, args) -> dict:
     summary["met"] = {
         "with_priorities_p99_within_1.2x": all(wp[n]["p99_vs_alone"] <= 1.2 for n in ("all_reduce", "all_to_all")),
         "kv_keeps_80pct_of_leftover": wp["kv_share_of_leftover"] >= 0.8,
-        "priorities_beat_no_priorities_p99": all(wp[n]["p99_ms"] < np_[n]["p99_ms"]
-                                                 for n in ("all_reduce", "all_to_all")),
+        "priorities_beat_no_priorities_p99": all(
+            wp[n]["p99_ms"] < np_[n]["p99_ms"] for n in ("all_reduce", "all_to_all")
+        ),
     }
     return summary
 
@@ -479,8 +627,14 @@ def plot(results: dict, path: Path) -> Path:
         return _plot_svg(results, path.with_suffix(".svg"), cases)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
     width = 0.2
-    for i, (name, stat, color) in enumerate((("all_reduce", "p50_ms", "#9ecae1"), ("all_reduce", "p99_ms", "#3182bd"),
-                                             ("all_to_all", "p50_ms", "#fdae6b"), ("all_to_all", "p99_ms", "#e6550d"))):
+    for i, (name, stat, color) in enumerate(
+        (
+            ("all_reduce", "p50_ms", "#9ecae1"),
+            ("all_reduce", "p99_ms", "#3182bd"),
+            ("all_to_all", "p50_ms", "#fdae6b"),
+            ("all_to_all", "p99_ms", "#e6550d"),
+        )
+    ):
         xs = [k + (i - 1.5) * width for k in range(len(cases))]
         ys = [results[c][name][stat] for c in cases]
         ax.bar(xs, ys, width, label=f"{name} {stat[:3]}", color=color)
@@ -500,8 +654,11 @@ def plot(results: dict, path: Path) -> Path:
     bx.set_xticks(range(3), ["no priorities", "priorities", "KV alone"], fontsize=8)
     bx.set_ylabel("KV throughput per direction (MB/s)")
     bx.set_title("KV flood (ucx transport)")
-    fig.suptitle(f"{results['alone']['rate_mbit']:g} Mbit/s link each way, classes by DSCP (htb: collectives first, "
-                 f"KV takes what is left)", fontsize=10)
+    fig.suptitle(
+        f"{results['alone']['rate_mbit']:g} Mbit/s link each way, classes by DSCP (htb: collectives first, "
+        f"KV takes what is left)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -515,13 +672,17 @@ def _plot_svg(results: dict, path: Path, cases) -> Path:
     rows = []
     for i, (c, n, v) in enumerate(bars):
         h = 200 * v / top
-        rows.append(f'<rect x="{40 + i * 60}" y="{230 - h:.1f}" width="40" height="{h:.1f}" '
-                    f'fill="{"#3182bd" if n == "all_reduce" else "#e6550d"}"/>'
-                    f'<text x="{60 + i * 60}" y="{225 - h:.1f}" font-size="9" text-anchor="middle">{v:.1f}</text>'
-                    f'<text x="{60 + i * 60}" y="245" font-size="8" text-anchor="middle">{c}</text>'
-                    f'<text x="{60 + i * 60}" y="256" font-size="8" text-anchor="middle">{n}</text>')
-    path.write_text(f'<svg xmlns="http://www.w3.org/2000/svg" width="{80 + 60 * len(bars)}" height="270">'
-                    f'<text x="10" y="14" font-size="11">collective p99 (ms)</text>{"".join(rows)}</svg>')
+        rows.append(
+            f'<rect x="{40 + i * 60}" y="{230 - h:.1f}" width="40" height="{h:.1f}" '
+            f'fill="{"#3182bd" if n == "all_reduce" else "#e6550d"}"/>'
+            f'<text x="{60 + i * 60}" y="{225 - h:.1f}" font-size="9" text-anchor="middle">{v:.1f}</text>'
+            f'<text x="{60 + i * 60}" y="245" font-size="8" text-anchor="middle">{c}</text>'
+            f'<text x="{60 + i * 60}" y="256" font-size="8" text-anchor="middle">{n}</text>'
+        )
+    path.write_text(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{80 + 60 * len(bars)}" height="270">'
+        f'<text x="10" y="14" font-size="11">collective p99 (ms)</text>{"".join(rows)}</svg>'
+    )
     return path
 
 
@@ -542,15 +703,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three collective cases, interleaved")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--lanes", type=int, default=4, help="KV peer lanes per sender")
-    ap.add_argument("--directions", choices=["one", "both"], default="one",
-                    help="KV from a to b (a prefill node writing prompts' KV to a decode node), or both ways; with "
-                         "both, each direction's TCP acknowledgements (low priority, as KV) wait behind the other "
-                         "direction's KV and the two directions settle at uneven rates")
+    ap.add_argument(
+        "--directions",
+        choices=["one", "both"],
+        default="one",
+        help="KV from a to b (a prefill node writing prompts' KV to a decode node), or both ways; with "
+        "both, each direction's TCP acknowledgements (low priority, as KV) wait behind the other "
+        "direction's KV and the two directions settle at uneven rates",
+    )
     ap.add_argument("--kv-nice", type=int, default=0, help="the KV workers' nice value")
-    ap.add_argument("--collective-nice", type=int, default=-10,
-                    help="the ranks' nice value (every case alike): on a cluster the NICs move KV and the GPUs run "
-                         "the collectives; here two shared cores do both, and the ranks come first on them as their "
-                         "packets do on the link")
+    ap.add_argument(
+        "--collective-nice",
+        type=int,
+        default=-10,
+        help="the ranks' nice value (every case alike): on a cluster the NICs move KV and the GPUs run "
+        "the collectives; here two shared cores do both, and the ranks come first on them as their "
+        "packets do on the link",
+    )
     ap.add_argument("--kv-ramp-s", type=float, default=3.0)
     ap.add_argument("--kv-alone-s", type=float, default=8.0)
     ap.add_argument("--quick", action="store_true", help="a short run (the slow test's)")
@@ -576,11 +745,18 @@ def main(argv=None) -> dict:
     qos = QosConfig()
     link = Link(qos.kv_dscp, qos.collective_dscp)
     n = args.tokens * HIDDEN * DTYPE_BYTES
-    sizes = {"all_reduce_bytes": n, "all_to_all_bytes_to_other_rank": n, "kv_layer_block_bytes": KV_BLOCK_BYTES,
-             "kv_write_bytes": BLOCKS_PER_WRITE * KV_BLOCK_BYTES}
-    say(f"QoS benchmark: {args.rate_mbit:g} Mbit/s link, all-reduce {n / 1024:.0f} KiB and all-to-all "
+    sizes = {
+        "all_reduce_bytes": n,
+        "all_to_all_bytes_to_other_rank": n,
+        "kv_layer_block_bytes": KV_BLOCK_BYTES,
+        "kv_write_bytes": BLOCKS_PER_WRITE * KV_BLOCK_BYTES,
+    }
+    say(
+        f"QoS benchmark: {args.rate_mbit:g} Mbit/s link, all-reduce {n / 1024:.0f} KiB and all-to-all "
         f"{n / 1024:.0f} KiB to the other rank every {args.gap_ms:g} ms, {args.iters} steps per case; KV writes of "
-        f"{BLOCKS_PER_WRITE} x {KV_BLOCK_BYTES / 1024:.0f} KiB blocks on {args.lanes} lanes per side")
+        f"{BLOCKS_PER_WRITE} x {KV_BLOCK_BYTES / 1024:.0f} KiB blocks on {args.lanes} lanes per side"
+    )
+
     def interrupted(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -605,22 +781,58 @@ def main(argv=None) -> dict:
     rows = []
     for case in CASES[:3]:
         r = results[case]
-        rows.append({"case": case, **{f"{n}_{k}": r[n][k] for n in ("all_reduce", "all_to_all")
-                                      for k in ("p50_ms", "p99_ms")},
-                     "ar_p99_x": r["all_reduce"].get("p99_vs_alone", 1.0),
-                     "a2a_p99_x": r["all_to_all"].get("p99_vs_alone", 1.0),
-                     "kv_MBps": r.get("kv_MBps_per_direction", 0.0),
-                     "kv_of_leftover": r.get("kv_share_of_leftover", float("nan"))})
+        rows.append(
+            {
+                "case": case,
+                **{f"{n}_{k}": r[n][k] for n in ("all_reduce", "all_to_all") for k in ("p50_ms", "p99_ms")},
+                "ar_p99_x": r["all_reduce"].get("p99_vs_alone", 1.0),
+                "a2a_p99_x": r["all_to_all"].get("p99_vs_alone", 1.0),
+                "kv_MBps": r.get("kv_MBps_per_direction", 0.0),
+                "kv_of_leftover": r.get("kv_share_of_leftover", float("nan")),
+            }
+        )
     rows.append({"case": "kv_alone", "kv_MBps": results["kv_alone"]["kv_MBps_per_direction"]})
-    print_table(rows, ["case", "all_reduce_p50_ms", "all_reduce_p99_ms", "all_to_all_p50_ms", "all_to_all_p99_ms",
-                       "ar_p99_x", "a2a_p99_x", "kv_MBps", "kv_of_leftover"])
-    print(f"link {args.rate_mbit:g} Mbit/s = {args.rate_mbit / 8:.1f} MB/s per direction; targets met: "
-          f"{summary['met']}")
-    config = {k: getattr(args, k) for k in ("rate_mbit", "queue_packets", "tokens", "gap_ms", "iters", "rounds",
-                                            "warmup", "lanes", "directions", "kv_nice", "collective_nice",
-                                            "quick")}
-    result = {"config": config, "sizes": sizes, "qos": {"kv_dscp": qos.kv_dscp, "collective_dscp":
-                                                        qos.collective_dscp}, "cases": results, **summary}
+    print_table(
+        rows,
+        [
+            "case",
+            "all_reduce_p50_ms",
+            "all_reduce_p99_ms",
+            "all_to_all_p50_ms",
+            "all_to_all_p99_ms",
+            "ar_p99_x",
+            "a2a_p99_x",
+            "kv_MBps",
+            "kv_of_leftover",
+        ],
+    )
+    print(
+        f"link {args.rate_mbit:g} Mbit/s = {args.rate_mbit / 8:.1f} MB/s per direction; targets met: {summary['met']}"
+    )
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "rate_mbit",
+            "queue_packets",
+            "tokens",
+            "gap_ms",
+            "iters",
+            "rounds",
+            "warmup",
+            "lanes",
+            "directions",
+            "kv_nice",
+            "collective_nice",
+            "quick",
+        )
+    }
+    result = {
+        "config": config,
+        "sizes": sizes,
+        "qos": {"kv_dscp": qos.kv_dscp, "collective_dscp": qos.collective_dscp},
+        "cases": results,
+        **summary,
+    }
     path = write_result("qos", result, args.out)
     print("wrote", path)
     picture = Path(args.plot) if args.plot else path.with_name("qos.png")

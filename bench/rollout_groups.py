@@ -8,6 +8,7 @@ the requests submitted; both ways run the same rounds with the same lengths (for
 
     python bench/rollout_groups.py [--group-size 4] [--tasks 2] [--prompt 1024] [--rounds 3] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ def tasks(args, seed: int) -> list:
     out = []
     for k in range(args.tasks):
         rounds = [Round(tuple(rng.randrange(3, 49000) for _ in range(args.prompt)), generate=args.generate)]
-        rounds += [Round(tuple(rng.randrange(3, 49000) for _ in range(args.append)), generate=args.generate)
-                   for _ in range(args.rounds - 1)]
+        rounds += [
+            Round(tuple(rng.randrange(3, 49000) for _ in range(args.append)), generate=args.generate)
+            for _ in range(args.rounds - 1)
+        ]
         out.append(Trajectory(f"task-{k}", tuple(rounds)))
     return out
 
@@ -42,9 +45,13 @@ def run(client, trajectories, cfg, out: Path) -> dict:
     summary = Rollout(client, cfg).run(trajectories, out, progress=False)
     after = client.stats()
     delta = {k: after[k] - before[k] for k in ("submitted", "prompt_tokens", "hit_tokens")}
-    return {"jct_s": summary["job_completion_time_s"], "requests": delta["submitted"],
-            "computed_prompt_tokens": delta["prompt_tokens"] - delta["hit_tokens"], "rounds": summary["rounds"],
-            "generated_tokens": summary["generated_tokens"]}
+    return {
+        "jct_s": summary["job_completion_time_s"],
+        "requests": delta["submitted"],
+        "computed_prompt_tokens": delta["prompt_tokens"] - delta["hit_tokens"],
+        "rounds": summary["rounds"],
+        "generated_tokens": summary["generated_tokens"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -75,8 +82,12 @@ def main(argv=None) -> dict:
     with LocalCluster(spec, run_dir=str(work / "run")) as cluster:
         client = ClusterClient(cluster.scheduler_address)
         warm = RolloutConfig(temperature=1.0, seed=99, group_size=2)
-        run(client, tasks(argparse.Namespace(**{**vars(args), "tasks": 1, "prompt": 64}), args.seed + 2), warm,
-            work / "warm.jsonl")
+        run(
+            client,
+            tasks(argparse.Namespace(**{**vars(args), "tasks": 1, "prompt": 64}), args.seed + 2),
+            warm,
+            work / "warm.jsonl",
+        )
         for name, trajectories, size in (("separate agents", copies, 1), ("one group", group, g)):
             cfg = RolloutConfig(temperature=1.0, seed=args.seed, group_size=size)
             rows.append({"way": name, **run(client, trajectories, cfg, work / f"{len(rows)}.jsonl")})
@@ -86,9 +97,17 @@ def main(argv=None) -> dict:
     speedup = rows[0]["jct_s"] / rows[1]["jct_s"]
     print_table(rows, ["way", "jct_s", "requests", "computed_prompt_tokens", "rounds", "generated_tokens"])
     print(f"one group / separate agents: {speedup:.2f}x faster")
-    result = {"group_size": g, "tasks": args.tasks, "prompt_tokens": args.prompt, "rounds_per_sample": args.rounds,
-              "append_tokens": args.append, "generate_tokens": args.generate, "model": Path(model).name,
-              "rows": rows, "speedup": speedup}
+    result = {
+        "group_size": g,
+        "tasks": args.tasks,
+        "prompt_tokens": args.prompt,
+        "rounds_per_sample": args.rounds,
+        "append_tokens": args.append,
+        "generate_tokens": args.generate,
+        "model": Path(model).name,
+        "rows": rows,
+        "speedup": speedup,
+    }
     print("wrote", write_result("rollout_groups", result, args.out))
     return result
 

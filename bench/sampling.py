@@ -16,6 +16,7 @@ against a comparison with each word, and the step with them against the same bat
     python bench/sampling.py [--batch 64 --vocab 49152 --prompt 2048 --output 256] [--device cpu]
                              [--out bench/results/sampling.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,11 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from common import best_of, print_table, write_result  # noqa: E402
 
-MIXES = {"temperature": dict(temperature=0.8), "top_p_top_k": dict(temperature=0.8, top_p=0.9, top_k=50),
-         "with_logprobs": dict(temperature=0.8, top_p=0.9, top_k=50, logprobs=5)}
+MIXES = {
+    "temperature": dict(temperature=0.8),
+    "top_p_top_k": dict(temperature=0.8, top_p=0.9, top_k=50),
+    "with_logprobs": dict(temperature=0.8, top_p=0.9, top_k=50, logprobs=5),
+}
 
 
 def row_by_row(logits: torch.Tensor, params, generators) -> list[int]:
@@ -72,8 +76,16 @@ def run(batch: int, vocab: int, device: str, repeats: int = 5) -> list[dict]:
             sync()
 
         t_ours, t_base = best_of(ours, repeats), best_of(baseline, repeats)
-        rows.append({"mix": name, "batch": batch, "vocab": vocab, "batched_s": t_ours, "row_by_row_s": t_base,
-                     "speedup": t_base / t_ours})
+        rows.append(
+            {
+                "mix": name,
+                "batch": batch,
+                "vocab": vocab,
+                "batched_s": t_ours,
+                "row_by_row_s": t_base,
+                "speedup": t_base / t_ours,
+            }
+        )
     return rows
 
 
@@ -86,8 +98,10 @@ def dense_penalties(logits: torch.Tensor, p, prompts: list[list[int]], outputs: 
     def padded(lists):
         width = max(len(x) for x in lists)
         return torch.tensor([x + [v] * (width - len(x)) for x in lists], device=dev)
-    counts = torch.zeros(b, v + 1, device=dev).scatter_add_(1, padded(outputs), torch.ones(b, max(map(len, outputs)),
-                                                                                          device=dev))[:, :v]
+
+    counts = torch.zeros(b, v + 1, device=dev).scatter_add_(
+        1, padded(outputs), torch.ones(b, max(map(len, outputs)), device=dev)
+    )[:, :v]
     seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev).scatter_(1, padded(prompts), True)[:, :v] | (counts > 0)
     r = p.repetition_penalty
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
@@ -124,8 +138,17 @@ def run_penalties(batch: int, vocab: int, prompt: int, output: int, device: str,
         sync()
 
     t_ours, t_dense, t_plain = best_of(ours, repeats), best_of(dense, repeats), best_of(without, repeats)
-    return {"batch": batch, "vocab": vocab, "prompt": prompt, "output": output, "sparse_s": t_ours, "dense_s": t_dense,
-            "without_s": t_plain, "speedup_vs_dense": t_dense / t_ours, "cost_vs_without": t_ours / t_plain}
+    return {
+        "batch": batch,
+        "vocab": vocab,
+        "prompt": prompt,
+        "output": output,
+        "sparse_s": t_ours,
+        "dense_s": t_dense,
+        "without_s": t_plain,
+        "speedup_vs_dense": t_dense / t_ours,
+        "cost_vs_without": t_ours / t_plain,
+    }
 
 
 def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int = 5) -> dict:
@@ -136,8 +159,13 @@ def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(batch, vocab, generator=g).mul_(3).to(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    words = [tuple(tuple(torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist())
-                   for _ in range(128)) for _ in range(batch)]
+    words = [
+        tuple(
+            tuple(torch.randint(0, vocab, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist())
+            for _ in range(128)
+        )
+        for _ in range(batch)
+    ]
     params = [SamplingParams(seed=i, temperature=0.8, bad_words=w) for i, w in enumerate(words)]
     plain = [SamplingParams(seed=i, temperature=0.8) for i in range(batch)]
     gens = [make_generator(p) for p in params]
@@ -150,7 +178,7 @@ def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int
     def compared():  # each word against the reply's end, one by one
         for h, ws in zip(histories, words):
             t = tuple(h.tail)
-            [w[-1] for w in ws if len(w) - 1 <= len(t) and t[len(t) - len(w) + 1:] == w[:-1]]
+            [w[-1] for w in ws if len(w) - 1 <= len(t) and t[len(t) - len(w) + 1 :] == w[:-1]]
 
     def step():
         sample(logits, params, gens, histories=histories)
@@ -162,8 +190,16 @@ def run_bad_words(batch: int, vocab: int, output: int, device: str, repeats: int
 
     t_index, t_compare = best_of(indexed, repeats), best_of(compared, repeats)
     t_step, t_plain = best_of(step, repeats), best_of(without, repeats)
-    return {"batch": batch, "words": 128, "index_s": t_index, "compare_s": t_compare, "step_s": t_step,
-            "without_s": t_plain, "index_speedup": t_compare / t_index, "cost_vs_without": t_step / t_plain}
+    return {
+        "batch": batch,
+        "words": 128,
+        "index_s": t_index,
+        "compare_s": t_compare,
+        "step_s": t_step,
+        "without_s": t_plain,
+        "index_speedup": t_compare / t_index,
+        "cost_vs_without": t_step / t_plain,
+    }
 
 
 def main(argv=None) -> dict:
@@ -180,13 +216,14 @@ def main(argv=None) -> dict:
     rows = run(args.batch, args.vocab, args.device)
     print_table(rows, ["mix", "batch", "vocab", "batched_s", "row_by_row_s", "speedup"])
     pen = run_penalties(args.batch, args.vocab, args.prompt, args.output, args.device)
-    print_table([pen], ["batch", "prompt", "output", "sparse_s", "dense_s", "without_s", "speedup_vs_dense",
-                        "cost_vs_without"])
+    print_table(
+        [pen], ["batch", "prompt", "output", "sparse_s", "dense_s", "without_s", "speedup_vs_dense", "cost_vs_without"]
+    )
     bad = run_bad_words(args.batch, args.vocab, args.output, args.device)
-    print_table([bad], ["batch", "words", "index_s", "compare_s", "step_s", "without_s", "index_speedup",
-                        "cost_vs_without"])
-    path = write_result("sampling", {"device": args.device, "rows": rows, "penalties": pen, "bad_words": bad},
-                        args.out)
+    print_table(
+        [bad], ["batch", "words", "index_s", "compare_s", "step_s", "without_s", "index_speedup", "cost_vs_without"]
+    )
+    path = write_result("sampling", {"device": args.device, "rows": rows, "penalties": pen, "bad_words": bad}, args.out)
     print(f"wrote {path}")
     return {"rows": rows, "penalties": pen, "bad_words": bad}
 

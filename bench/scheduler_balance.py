@@ -9,6 +9,7 @@ is storage-bound and under a light load.
 
     python bench/scheduler_balance.py [--agents 256] [--seconds 120] [--out bench/results/scheduler_balance.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,12 @@ class Sim:
         from dualpath.scheduler.policy import make_policy
 
         self.args, self.rng = args, random.Random(seed)
-        self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
-                                                  max_queued_requests=10 ** 6), make_policy(policy),
-                                  clock=lambda: self.now, balance_window_s=10.0)
+        self.core = SchedulerCore(
+            SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9, max_queued_requests=10**6),
+            make_policy(policy),
+            clock=lambda: self.now,
+            balance_window_s=10.0,
+        )
         self.now = 0.0
         self.fp = b"\x03" * 16
         self.read_tps = args.read_tokens_per_s  # one node's storage NIC, in tokens/s
@@ -47,12 +51,32 @@ class Sim:
                 self.nodes[node] = {"queue": [], "read": 0}  # FIFO of [tokens left, request]
                 for i in range(8):
                     eid = f"{node}-{i}"
-                    cap = 10 ** 7 if role is Role.DECODE else 64_000
+                    cap = 10**7 if role is Role.DECODE else 64_000
                     beta = int(args.prefill_tokens_per_s * 5) if role is Role.PREFILL else 0
-                    self.engines[eid] = {"info": EngineInfo(eid, role, node, "x:1", "shm", {}, [], 1, 64, BS, 61,
-                                                            self.fp.hex(), cap, max_model_len=10 ** 6,
-                                                            group_id=node, alpha_tokens=alpha, beta_tokens=beta),
-                                         "work": {}, "finished": [], "busy_until": 0.0}
+                    self.engines[eid] = {
+                        "info": EngineInfo(
+                            eid,
+                            role,
+                            node,
+                            "x:1",
+                            "shm",
+                            {},
+                            [],
+                            1,
+                            64,
+                            BS,
+                            61,
+                            self.fp.hex(),
+                            cap,
+                            max_model_len=10**6,
+                            group_id=node,
+                            alpha_tokens=alpha,
+                            beta_tokens=beta,
+                        ),
+                        "work": {},
+                        "finished": [],
+                        "busy_until": 0.0,
+                    }
                     self.core.register(self.engines[eid]["info"])
         self.index_all = True
         self.events: list = []  # (time, seq, kind, payload)
@@ -70,19 +94,29 @@ class Sim:
         tokens = pack_tokens([0] * n)
         hit_blocks = agent["context"] // BS
         hashes = b"".join(((agent["id"] << 32) + i).to_bytes(16, "little") for i in range(n // BS))
-        self.core.index.add(hashes[i:i + 16] for i in range(0, hit_blocks * 16, 16))
+        self.core.index.add(hashes[i : i + 16] for i in range(0, hit_blocks * 16, 16))
         rid = f"a{agent['id']}-t{agent['turn']}"
         agent["rid"] = rid
-        self.core.submit(SubmitRequest(rid, tokens, SamplingParams(max_tokens=agent["gen"]).to_dict(),
-                                       block_hashes=hashes), lambda ev: None, trust_hashes=True)
+        self.core.submit(
+            SubmitRequest(rid, tokens, SamplingParams(max_tokens=agent["gen"]).to_dict(), block_hashes=hashes),
+            lambda ev: None,
+            trust_hashes=True,
+        )
 
     def run(self) -> dict:
         args = self.args
         agents = []
         for i in range(args.agents):
             ctx = self.rng.randint(args.context // 4, args.context * 2) // BS * BS
-            agents.append({"id": i, "context": ctx, "append": self.rng.randint(200, 700),
-                           "gen": self.rng.randint(100, 250), "turn": 0})
+            agents.append(
+                {
+                    "id": i,
+                    "context": ctx,
+                    "append": self.rng.randint(200, 700),
+                    "gen": self.rng.randint(100, 250),
+                    "turn": 0,
+                }
+            )
             self.at(self.rng.uniform(0, 2.0), "submit", agents[-1])
         groups = sorted({e["info"].group_id for e in self.engines.values()})
         next_pull = {g: self.rng.uniform(0, PULL_INTERVAL) for g in groups}
@@ -127,8 +161,16 @@ class Sim:
         tok = sum(w["tok"] for w in work.values())
         finished, e["finished"] = e["finished"], []
         used = sum(w["reserve"] for w in work.values())
-        return EngineLoad(e["info"].engine_id, len(work), tok, read_q, e["info"].capacity_tokens - used,
-                          request_ids=list(work), finished=finished, storage_read_bytes=int(read_delta))
+        return EngineLoad(
+            e["info"].engine_id,
+            len(work),
+            tok,
+            read_q,
+            e["info"].capacity_tokens - used,
+            request_ids=list(work),
+            finished=finished,
+            storage_read_bytes=int(read_delta),
+        )
 
     def _pull(self, group, agents):
         from dualpath.core.messages import ReadPath
@@ -141,8 +183,15 @@ class Sim:
                 n = len(a.tokens) // 4
                 hit = a.num_hit_blocks * BS
                 pe, de = self.engines[eid], self.engines[a.decode.engine_id]
-                req = {"id": a.request_id, "pending": 0, "miss": n - hit, "pe": pe, "de": de, "n": n,
-                       "gen": next(x["gen"] for x in agents if x.get("rid") == a.request_id.rsplit(".", 1)[0])}
+                req = {
+                    "id": a.request_id,
+                    "pending": 0,
+                    "miss": n - hit,
+                    "pe": pe,
+                    "de": de,
+                    "n": n,
+                    "gen": next(x["gen"] for x in agents if x.get("rid") == a.request_id.rsplit(".", 1)[0]),
+                }
                 pe_share = hit if a.path is ReadPath.PE else max(0, a.split_pe_blocks) * BS
                 for node, share in ((pe["info"].node_id, pe_share), (de["info"].node_id, hit - pe_share)):
                     if share > 0:
@@ -194,12 +243,22 @@ def main(argv=None) -> dict:
     for load, read_tps in (("storage-bound", args.read_tokens_per_s), ("light", args.read_tokens_per_s * 3)):
         for policy in ("dualpath", "round-robin"):
             reads = Sim(policy, argparse.Namespace(**{**vars(args), "read_tokens_per_s": read_tps}), seed=0).run()
-            rows.append({"load": load, "policy": policy, "read_max_over_avg": max_over_avg(reads.values()),
-                         "read_Mtokens_per_s": sum(reads.values()) / args.seconds / 1e6,
-                         **{f"read_{n}": round(v / 1e6, 2) for n, v in sorted(reads.items())}})
+            rows.append(
+                {
+                    "load": load,
+                    "policy": policy,
+                    "read_max_over_avg": max_over_avg(reads.values()),
+                    "read_Mtokens_per_s": sum(reads.values()) / args.seconds / 1e6,
+                    **{f"read_{n}": round(v / 1e6, 2) for n, v in sorted(reads.items())},
+                }
+            )
     print_table(rows, list(rows[0]))
-    result = {"cluster": f"{args.prefill_nodes}P{args.decode_nodes}D x 8 engines", "args": vars(args),
-              "rows": rows, "targets": "dualpath max/avg <= 1.2 and below round-robin (paper: 1.18 vs 1.53)"}
+    result = {
+        "cluster": f"{args.prefill_nodes}P{args.decode_nodes}D x 8 engines",
+        "args": vars(args),
+        "rows": rows,
+        "targets": "dualpath max/avg <= 1.2 and below round-robin (paper: 1.18 vs 1.53)",
+    }
     print("wrote", write_result("scheduler_balance", result, args.out))
     return result
 

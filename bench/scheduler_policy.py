@@ -7,6 +7,7 @@
 
     python bench/scheduler_policy.py [--out bench/results/scheduler_policy.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,24 @@ CONTEXT, APPEND, GEN = 32_721, 429, 176  # the paper's 64K trace: average contex
 def states(rng):
     from dualpath.scheduler.policy import EngineState, NodeState
 
-    pes = [EngineState(f"p{n}-{i}", f"pn{n}", f"pn{n}", seq=rng.randint(0, 4), tok=rng.randint(0, 15_000),
-                       beta=20_000) for n in range(PE_NODES) for i in range(PER_NODE)]
+    pes = [
+        EngineState(f"p{n}-{i}", f"pn{n}", f"pn{n}", seq=rng.randint(0, 4), tok=rng.randint(0, 15_000), beta=20_000)
+        for n in range(PE_NODES)
+        for i in range(PER_NODE)
+    ]
     per_de = AGENTS // (DE_NODES * PER_NODE)
-    des = [EngineState(f"d{n}-{i}", f"dn{n}", f"dn{n}", seq=per_de, tok=per_de * CONTEXT + rng.randint(0, 10_000),
-                       free_tokens=600_000 + rng.randint(0, 100_000))
-           for n in range(DE_NODES) for i in range(PER_NODE)]
+    des = [
+        EngineState(
+            f"d{n}-{i}",
+            f"dn{n}",
+            f"dn{n}",
+            seq=per_de,
+            tok=per_de * CONTEXT + rng.randint(0, 10_000),
+            free_tokens=600_000 + rng.randint(0, 100_000),
+        )
+        for n in range(DE_NODES)
+        for i in range(PER_NODE)
+    ]
     nodes = {f"pn{n}": NodeState(rng.randint(0, 100_000), 50_000) for n in range(PE_NODES)}
     nodes.update({f"dn{n}": NodeState(rng.randint(0, 100_000), 50_000) for n in range(DE_NODES)})
     return pes, des, nodes
@@ -89,8 +102,14 @@ def bench_policy(name: str, rng) -> dict:
             done = {d.request_id for d in out}
             prefill_queue = [r for r in prefill_queue if r.request_id not in done]
     elapsed = time.perf_counter() - t
-    return {"what": f"policy {name}", "requests": REQUESTS, "decode_placed": len(placed),
-            "prefill_placed": decisions, "seconds": elapsed, "requests_per_s": decisions / elapsed}
+    return {
+        "what": f"policy {name}",
+        "requests": REQUESTS,
+        "decode_placed": len(placed),
+        "prefill_placed": decisions,
+        "seconds": elapsed,
+        "requests_per_s": decisions / elapsed,
+    }
 
 
 def bench_core(rng) -> dict:
@@ -101,16 +120,33 @@ def bench_core(rng) -> dict:
     from dualpath.scheduler.core import SchedulerCore
     from dualpath.scheduler.policy import make_policy
 
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
-                         make_policy("dualpath"))
+    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"))
     fp = b"\x01" * 16
 
     def info(eid, role, node, cap, beta=0):
-        return EngineInfo(eid, role, node, "x:1", "shm", {}, [], 1, 64, BS, 61, fp.hex(), cap,
-                          max_model_len=200_000, group_id=node, alpha_tokens=50_000, beta_tokens=beta)
+        return EngineInfo(
+            eid,
+            role,
+            node,
+            "x:1",
+            "shm",
+            {},
+            [],
+            1,
+            64,
+            BS,
+            61,
+            fp.hex(),
+            cap,
+            max_model_len=200_000,
+            group_id=node,
+            alpha_tokens=50_000,
+            beta_tokens=beta,
+        )
 
-    engines = [info(f"p{n}-{i}", Role.PREFILL, f"pn{n}", 64_000, 20_000) for n in range(PE_NODES)
-               for i in range(PER_NODE)]
+    engines = [
+        info(f"p{n}-{i}", Role.PREFILL, f"pn{n}", 64_000, 20_000) for n in range(PE_NODES) for i in range(PER_NODE)
+    ]
     engines += [info(f"d{n}-{i}", Role.DECODE, f"dn{n}", 2_800_000) for n in range(DE_NODES) for i in range(PER_NODE)]
     for e in engines:
         core.register(e)
@@ -123,16 +159,30 @@ def bench_core(rng) -> dict:
     def load(e):
         h = held[e.engine_id]
         base = per_de * CONTEXT if e.role is Role.DECODE else 0
-        return EngineLoad(e.engine_id, len(h), base + sum(h.values()), rng.randint(0, 60_000),
-                          e.capacity_tokens - base - sum(h.values()), request_ids=list(h))
+        return EngineLoad(
+            e.engine_id,
+            len(h),
+            base + sum(h.values()),
+            rng.randint(0, 60_000),
+            e.capacity_tokens - base - sum(h.values()),
+            request_ids=list(h),
+        )
 
     subs = []
     for i in range(REQUESTS):  # what frontends send: packed tokens and the hashes they computed
         n = CONTEXT + rng.randint(-2000, 2000)
         toks = np.random.default_rng(i).integers(0, 50_000, n).tolist()
-        subs.append(SubmitRequest(f"r{i}", pack_tokens(toks), SamplingParams(max_tokens=GEN).to_dict(),
-                                  block_hashes=pack_keys(block_hashes(toks, fp, BS))))
-    core.index.add(h for s in subs for h in [s.block_hashes[j:j + 16] for j in range(0, len(s.block_hashes), 16)][:-7])
+        subs.append(
+            SubmitRequest(
+                f"r{i}",
+                pack_tokens(toks),
+                SamplingParams(max_tokens=GEN).to_dict(),
+                block_hashes=pack_keys(block_hashes(toks, fp, BS)),
+            )
+        )
+    core.index.add(
+        h for s in subs for h in [s.block_hashes[j : j + 16] for j in range(0, len(s.block_hashes), 16)][:-7]
+    )
     t = time.perf_counter()
     for s in subs:
         core.submit(s, lambda ev: None)
@@ -148,8 +198,15 @@ def bench_core(rng) -> dict:
                     held[eid][a.request_id] = len(a.tokens) // 4 - a.num_hit_blocks * BS
                     assigned += 1
     elapsed = time.perf_counter() - t
-    return {"what": "scheduler core (dualpath)", "requests": REQUESTS, "prefill_placed": assigned,
-            "pulls": pulls, "submit_seconds": t_submit, "seconds": elapsed, "requests_per_s": assigned / elapsed}
+    return {
+        "what": "scheduler core (dualpath)",
+        "requests": REQUESTS,
+        "prefill_placed": assigned,
+        "pulls": pulls,
+        "submit_seconds": t_submit,
+        "seconds": elapsed,
+        "requests_per_s": assigned / elapsed,
+    }
 
 
 def main(argv=None) -> dict:
@@ -158,8 +215,12 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     rows = [bench_policy("dualpath", random.Random(0)), bench_core(random.Random(0))]
     print_table(rows, ["what", "requests", "prefill_placed", "seconds", "requests_per_s"])
-    result = {"cluster": "48P96D, 8 devices per node", "active_agents": AGENTS, "rows": rows,
-              "paper_rate_requests_per_s": 2400}
+    result = {
+        "cluster": "48P96D, 8 devices per node",
+        "active_agents": AGENTS,
+        "rows": rows,
+        "paper_rate_requests_per_s": 2400,
+    }
     print("wrote", write_result("scheduler_policy", result, args.out))
     return result
 

@@ -9,6 +9,7 @@ submit-to-finish latency, and the scheduler's CPU seconds per wall second (cores
 
     python bench/scheduler_service.py [--rate 2400] [--seconds 10] [--out bench/results/scheduler_service.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,33 +40,88 @@ async def main_async(args) -> dict:
     import grpc
 
     from dualpath.core.geometry import block_hashes
-    from dualpath.core.messages import (EngineInfo, EngineLoad, PullReply, PullRequest, RegisterReply, Role, SessionIn,
-                                   SessionOut, SubmitRequest, from_wire, pack_keys, pack_tokens, to_wire)
+    from dualpath.core.messages import (
+        EngineInfo,
+        EngineLoad,
+        PullReply,
+        PullRequest,
+        RegisterReply,
+        Role,
+        SessionIn,
+        SessionOut,
+        SubmitRequest,
+        from_wire,
+        pack_keys,
+        pack_tokens,
+        to_wire,
+    )
     from dualpath.core.sampling_params import SamplingParams
 
     ready = Path(tempfile.mkdtemp()) / "ready"
     kv = tempfile.mkdtemp()
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "scheduler", "--port", "0",
-                             "--kv-store", kv, "--heartbeat-timeout", "1000", "--max-queued", "100000",
-                             "--ready-file", str(ready)], env={**os.environ, "DUALPATH_PARENT_PID": str(os.getpid())})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "--log-level",
+            "WARNING",
+            "scheduler",
+            "--port",
+            "0",
+            "--kv-store",
+            kv,
+            "--heartbeat-timeout",
+            "1000",
+            "--max-queued",
+            "100000",
+            "--ready-file",
+            str(ready),
+        ],
+        env={**os.environ, "DUALPATH_PARENT_PID": str(os.getpid())},
+    )
     while not ready.exists():
         await asyncio.sleep(0.05)
     address = f"127.0.0.1:{ready.read_text().split()[0]}"
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20),
-                                                           ("grpc.max_receive_message_length", 256 << 20)])
-    call = lambda m, resp: channel.unary_unary(f"/dualpath.Scheduler/{m}", request_serializer=to_wire,  # noqa
-                                               response_deserializer=lambda b: from_wire(resp, b))
+    channel = grpc.aio.insecure_channel(
+        address, options=[("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+    )
+    call = lambda m, resp: channel.unary_unary(
+        f"/dualpath.Scheduler/{m}",
+        request_serializer=to_wire,  # noqa
+        response_deserializer=lambda b: from_wire(resp, b),
+    )
     register, pull = call("Register", RegisterReply), call("Pull", PullReply)
-    session = channel.stream_stream("/dualpath.Scheduler/Session", request_serializer=to_wire,
-                                    response_deserializer=lambda b: from_wire(SessionOut, b))
+    session = channel.stream_stream(
+        "/dualpath.Scheduler/Session",
+        request_serializer=to_wire,
+        response_deserializer=lambda b: from_wire(SessionOut, b),
+    )
     fp = b"\x02" * 16
 
     def info(eid, role, node, cap):
-        return EngineInfo(eid, role, node, "x:1", "shm", {}, [], 1, 64, BS, 61, fp.hex(), cap, max_model_len=200_000,
-                          group_id=node, alpha_tokens=10 ** 9, beta_tokens=10 ** 9)
+        return EngineInfo(
+            eid,
+            role,
+            node,
+            "x:1",
+            "shm",
+            {},
+            [],
+            1,
+            64,
+            BS,
+            61,
+            fp.hex(),
+            cap,
+            max_model_len=200_000,
+            group_id=node,
+            alpha_tokens=10**9,
+            beta_tokens=10**9,
+        )
 
     engines = [info(f"p{n}-{i}", Role.PREFILL, f"pn{n}", 64_000) for n in range(PE_NODES) for i in range(PER_NODE)]
-    engines += [info(f"d{n}-{i}", Role.DECODE, f"dn{n}", 10 ** 9) for n in range(DE_NODES) for i in range(PER_NODE)]
+    engines += [info(f"d{n}-{i}", Role.DECODE, f"dn{n}", 10**9) for n in range(DE_NODES) for i in range(PER_NODE)]
     for e in engines:
         await register(e)
     groups: dict[str, list] = {}
@@ -79,8 +135,8 @@ async def main_async(args) -> dict:
         hashes = block_hashes(toks, fp, BS)
         prompts.append((pack_tokens(toks), pack_keys(hashes)))
     # make the hits real: a decode group reports them stored before the run
-    stored = b"".join(h[:-7 * 16] for _, h in prompts)
-    await pull(PullRequest("dn0", [EngineLoad("d0-0", 0, 0, 0, 10 ** 9, stored_keys=stored)], "d0-0"))
+    stored = b"".join(h[: -7 * 16] for _, h in prompts)
+    await pull(PullRequest("dn0", [EngineLoad("d0-0", 0, 0, 0, 10**9, stored_keys=stored)], "d0-0"))
 
     finished: dict[str, list[str]] = {g: [] for g in groups}
     stop = asyncio.Event()
@@ -93,9 +149,18 @@ async def main_async(args) -> dict:
         while not stop.is_set():
             done, finished[g] = finished[g], []
             # a finished turn stores its new blocks (~605 appended and generated tokens): the index grows
-            loads = [EngineLoad(e.engine_id, 0, 0, 0, e.capacity_tokens, finished=done if e is es[0] else [],
-                                stored_keys=os.urandom(16 * NEW_BLOCKS * len(done)) if e is es[0] else b"")
-                     for e in es]
+            loads = [
+                EngineLoad(
+                    e.engine_id,
+                    0,
+                    0,
+                    0,
+                    e.capacity_tokens,
+                    finished=done if e is es[0] else [],
+                    stored_keys=os.urandom(16 * NEW_BLOCKS * len(done)) if e is es[0] else b"",
+                )
+                for e in es
+            ]
             reply = await pull(PullRequest(g, loads, es[0].engine_id))
             stats["pulls"] += 1
             for work in reply.assignments.values():
@@ -158,12 +223,20 @@ async def main_async(args) -> dict:
     await channel.close()
     proc.terminate()
     proc.wait(10)
-    return {"target_rate": args.rate, "offered_rate": sent / wall, "completed_rate": completed_rate,
-            "latency_p50_ms": float(np.percentile(in_window, 50) * 1e3) if len(in_window) else None,
-            "latency_p99_ms": float(np.percentile(in_window, 99) * 1e3) if len(in_window) else None,
-            "failed": stats["failed"], "scheduler_cores": cpu / wall, "generator_cores": gen_cpu / wall,
-            "pulls_per_s": stats["pulls"] / (wall + 1), "context_tokens": args.context, "engines": len(engines),
-            "first_error": stats.get("error", "")}
+    return {
+        "target_rate": args.rate,
+        "offered_rate": sent / wall,
+        "completed_rate": completed_rate,
+        "latency_p50_ms": float(np.percentile(in_window, 50) * 1e3) if len(in_window) else None,
+        "latency_p99_ms": float(np.percentile(in_window, 99) * 1e3) if len(in_window) else None,
+        "failed": stats["failed"],
+        "scheduler_cores": cpu / wall,
+        "generator_cores": gen_cpu / wall,
+        "pulls_per_s": stats["pulls"] / (wall + 1),
+        "context_tokens": args.context,
+        "engines": len(engines),
+        "first_error": stats.get("error", ""),
+    }
 
 
 def main(argv=None) -> dict:
@@ -179,8 +252,20 @@ def main(argv=None) -> dict:
     rows = []
     for rate in args.rate:
         rows.append(asyncio.run(main_async(argparse.Namespace(**{**vars(args), "rate": rate}))))
-    print_table(rows, ["target_rate", "offered_rate", "completed_rate", "latency_p50_ms", "latency_p99_ms", "failed",
-                       "scheduler_cores", "generator_cores", "pulls_per_s"])
+    print_table(
+        rows,
+        [
+            "target_rate",
+            "offered_rate",
+            "completed_rate",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "failed",
+            "scheduler_cores",
+            "generator_cores",
+            "pulls_per_s",
+        ],
+    )
     result = {"rows": rows, "target": "scheduler under one core at 2,400 requests/s (the paper: under 10 cores)"}
     print("wrote", write_result("scheduler_service", result, args.out))
     return result

@@ -7,6 +7,7 @@ reuses another's stored KV.
 
     python bench/serve_agentic.py [--agents 4 --turns 5] [--model DIR] [--out bench/results/serve_agentic.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import print_table, write_result  # noqa: E402
 
-TOOL_OUTPUT = ("$ pytest -q tests/test_parser.py\n..F.\nFAILED tests/test_parser.py::test_nested - "
-               "AssertionError: expected 3 tokens, got 2\n")
+TOOL_OUTPUT = (
+    "$ pytest -q tests/test_parser.py\n..F.\nFAILED tests/test_parser.py::test_nested - "
+    "AssertionError: expected 3 tokens, got 2\n"
+)
 
 
 def agent(client, model, mode, idx, args, out: list):
-    system = (f"[{mode}-{idx}] You are a coding agent working in a repository. Think briefly, then act. "
-              "Keep every answer under two sentences. ") * 6
+    system = (
+        f"[{mode}-{idx}] You are a coding agent working in a repository. Think briefly, then act. "
+        "Keep every answer under two sentences. "
+    ) * 6
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Fix the failing test."}]
     for turn in range(args.turns):
         start, first, text, chunks, usage = time.perf_counter(), None, [], 0, None
         stream = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"dualpath": {"mode": mode, "usage": True}})
+            model=model,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"dualpath": {"mode": mode, "usage": True}},
+        )
         for ch in stream:
             if ch.usage is not None:
                 usage = ch.usage
@@ -43,12 +54,22 @@ def agent(client, model, mode, idx, args, out: list):
                 chunks += 1
         end = time.perf_counter()
         n = usage.completion_tokens
-        out.append({"mode": mode, "turn": turn, "ttft": (first or end) - start,
-                    "tpot": (end - first) / max(1, n - 1) if first else 0.0, "completion_tokens": n,
-                    "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-                    "path": usage.model_extra["dualpath"]["read_path"]})
-        messages += [{"role": "assistant", "content": "".join(text)},
-                     {"role": "user", "content": TOOL_OUTPUT + f"(turn {turn})"}]
+        out.append(
+            {
+                "mode": mode,
+                "turn": turn,
+                "ttft": (first or end) - start,
+                "tpot": (end - first) / max(1, n - 1) if first else 0.0,
+                "completion_tokens": n,
+                "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                "path": usage.model_extra["dualpath"]["read_path"],
+            }
+        )
+        messages += [
+            {"role": "assistant", "content": "".join(text)},
+            {"role": "user", "content": TOOL_OUTPUT + f"(turn {turn})"},
+        ]
 
 
 def run_mode(client, model, mode, args) -> dict:
@@ -61,13 +82,17 @@ def run_mode(client, model, mode, args) -> dict:
         th.join()
     wall = time.perf_counter() - t
     later = [r for r in out if r["turn"] > 0]
-    return {"mode": mode, "requests": len(out), "wall_s": wall,
-            "ttft_p50_s": statistics.median(r["ttft"] for r in out),
-            "ttft_later_turns_p50_s": statistics.median(r["ttft"] for r in later) if later else 0.0,
-            "tpot_p50_s": statistics.median(r["tpot"] for r in out),
-            "output_tok_s": sum(r["completion_tokens"] for r in out) / wall,
-            "hit_rate": sum(r["cached_tokens"] for r in out) / sum(r["prompt_tokens"] for r in out),
-            "paths": sorted({r["path"] for r in later})}
+    return {
+        "mode": mode,
+        "requests": len(out),
+        "wall_s": wall,
+        "ttft_p50_s": statistics.median(r["ttft"] for r in out),
+        "ttft_later_turns_p50_s": statistics.median(r["ttft"] for r in later) if later else 0.0,
+        "tpot_p50_s": statistics.median(r["tpot"] for r in out),
+        "output_tok_s": sum(r["completion_tokens"] for r in out) / wall,
+        "hit_rate": sum(r["cached_tokens"] for r in out) / sum(r["prompt_tokens"] for r in out),
+        "paths": sorted({r["path"] for r in later}),
+    }
 
 
 def main(argv=None) -> dict:
@@ -86,8 +111,15 @@ def main(argv=None) -> dict:
     from serve_process import ServeProcess
 
     extra = ["--model", args.model] if args.model else []
-    server = ServeProcess(*extra, "--prefill", str(args.prefill), "--decode", str(args.decode),
-                          "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"))
+    server = ServeProcess(
+        *extra,
+        "--prefill",
+        str(args.prefill),
+        "--decode",
+        str(args.decode),
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
@@ -98,10 +130,28 @@ def main(argv=None) -> dict:
     for r in rows:
         r["ttft_vs_basic"] = r["ttft_later_turns_p50_s"] / base["ttft_later_turns_p50_s"]
         r["throughput_vs_basic"] = r["output_tok_s"] / base["output_tok_s"]
-    print_table(rows, ["mode", "requests", "ttft_p50_s", "ttft_later_turns_p50_s", "tpot_p50_s", "output_tok_s",
-                       "hit_rate", "ttft_vs_basic", "throughput_vs_basic"])
-    result = {"agents": args.agents, "turns": args.turns, "max_tokens": args.max_tokens,
-              "engines": f"{args.prefill}P{args.decode}D", "model": model, "rows": rows}
+    print_table(
+        rows,
+        [
+            "mode",
+            "requests",
+            "ttft_p50_s",
+            "ttft_later_turns_p50_s",
+            "tpot_p50_s",
+            "output_tok_s",
+            "hit_rate",
+            "ttft_vs_basic",
+            "throughput_vs_basic",
+        ],
+    )
+    result = {
+        "agents": args.agents,
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "engines": f"{args.prefill}P{args.decode}D",
+        "model": model,
+        "rows": rows,
+    }
     print("wrote", write_result("serve_agentic", result, args.out))
     return result
 

@@ -22,6 +22,7 @@ Parts (each a set of simulator runs, spread over ``--jobs`` processes):
 Writes ``bench/results/sim_reproduction.json`` and figures under ``bench/results/sim_reproduction/``; prints the
 table of each paper figure beside the simulated one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,13 @@ def rounds_for(task: dict) -> list[list[tuple[int, int]]]:
     k = task.get("append", 1.0)
     if k != 1.0:  # a turn adds append + gen tokens to the context: contexts scale with that sum
         grow = (k * base.append + base.gen) / (base.append + base.gen)
-        base = replace(base, append=base.append * k, context=base.context * grow, total=base.total * grow,
-                       max_len=base.limit * grow)
+        base = replace(
+            base,
+            append=base.append * k,
+            context=base.context * grow,
+            total=base.total * grow,
+            max_len=base.limit * grow,
+        )
     rounds, _ = trace_shapes(base, task["agents"], 1.0, task.get("turns_scale", 1.0), task.get("seed", 0))
     return rounds
 
@@ -65,16 +71,25 @@ def run_task(task: dict) -> dict:
     rounds = rounds_for(task)
     t0 = time.perf_counter()
     if task.get("online_s"):
-        found = online_capacity(cfg, rounds, task["online_s"], iters=task.get("iters", 4), start=task["start"],
-                                warmup_s=task["online_s"] / 2)
+        found = online_capacity(
+            cfg,
+            rounds,
+            task["online_s"],
+            iters=task.get("iters", 4),
+            start=task["start"],
+            warmup_s=task["online_s"] / 2,
+        )
         row = {"system": task["system"], "online_agents_per_s": found["agents_per_s"], "tried": found["tried"]}
     else:
         sim = ClusterSim(cfg, rounds)
         label = f"{task['part']} {task['p']}P{task['d']}D {task['system']}"
         row = summarize(sim, sim.run(progress=progress_printer(label, 60.0, sys.stdout)))
     row.update(task=task, wall_s=time.perf_counter() - t0)
-    print(f"  done {task['part']:8} {task['model']} {task['p']}P{task['d']}D {task['system']:<12} "
-          f"x{task.get('append', 1.0):g} in {row['wall_s']:.0f} s", flush=True)
+    print(
+        f"  done {task['part']:8} {task['model']} {task['p']}P{task['d']}D {task['system']:<12} "
+        f"x{task.get('append', 1.0):g} in {row['wall_s']:.0f} s",
+        flush=True,
+    )
     return row
 
 
@@ -84,19 +99,29 @@ def tasks_for(parts: list[str], agents: int, online_s: float) -> list[dict]:
     if "offline" in parts or "append" in parts or "scale" in parts:
         t += [{**base, "part": "offline", "system": s} for s in SYSTEMS]
     if "pd" in parts:
-        t += [{"part": "pd", "model": "ds27b", "p": p, "d": d, "agents": agents // 2, "system": s}
-              for p, d in ((1, 1), (2, 1), (1, 2)) for s in ("basic", "dualpath", "oracle")]
+        t += [
+            {"part": "pd", "model": "ds27b", "p": p, "d": d, "agents": agents // 2, "system": s}
+            for p, d in ((1, 1), (2, 1), (1, 2))
+            for s in ("basic", "dualpath", "oracle")
+        ]
     if "append" in parts:
-        t += [{**base, "part": "append", "system": s, "append": k} for k in (2.0, 3.0)
-              for s in ("basic", "dualpath", "oracle")]
+        t += [
+            {**base, "part": "append", "system": s, "append": k}
+            for k in (2.0, 3.0)
+            for s in ("basic", "dualpath", "oracle")
+        ]
     if "online" in parts:
-        t += [{**base, "part": "online", "system": s, "online_s": online_s, "start": 0.25, "agents": 400}
-              for s in ("basic", "dualpath")]
+        t += [
+            {**base, "part": "online", "system": s, "online_s": online_s, "start": 0.25, "agents": 400}
+            for s in ("basic", "dualpath")
+        ]
     if "scale" in parts:
         t += [{**base, "part": "scale", "system": "dualpath", "p": 8, "d": 16, "agents": 4 * agents}]
     if "paperscale" in parts:  # the paper's own pair (not in the default parts: the large run alone is long)
-        t += [{**base, "part": "paperscale", "system": "dualpath", "p": p, "d": 2 * p, "agents": 1024 * p}
-              for p in (2, 48)]
+        t += [
+            {**base, "part": "paperscale", "system": "dualpath", "p": p, "d": 2 * p, "agents": 1024 * p}
+            for p in (2, 48)
+        ]
     return t
 
 
@@ -114,31 +139,51 @@ def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
     out = []
 
     def add(metric, paper, sim, note=""):
-        out.append({"metric": metric, "paper": paper, "sim": sim,
-                    "sim/paper": sim / paper if paper else None, "note": note})
+        out.append(
+            {"metric": metric, "paper": paper, "sim": sim, "sim/paper": sim / paper if paper else None, "note": note}
+        )
 
     jct = lambda part, system, **kw: pick(rows, part=part, system=system, **kw)["jct_s"]  # noqa: E731
     if "offline" in parts:
         basic = jct("offline", "basic")
-        add("660B 2P4D 64K offline: DualPath speedup over Basic", 5365 / 2917, basic / jct("offline", "dualpath"),
-            "JCT; paper at 1,024 agents (up to 1.87x)")
+        add(
+            "660B 2P4D 64K offline: DualPath speedup over Basic",
+            5365 / 2917,
+            basic / jct("offline", "dualpath"),
+            "JCT; paper at 1,024 agents (up to 1.87x)",
+        )
         busy = lambda s: pick(rows, part="offline", system=s)["busy_turns_per_s"]  # noqa: E731
-        add("same, turns/s while the cluster is full", 19309 / 10312, busy("dualpath") / busy("basic"),
-            "until half the agents are done; paper: JCT at 4,096")
+        add(
+            "same, turns/s while the cluster is full",
+            19309 / 10312,
+            busy("dualpath") / busy("basic"),
+            "until half the agents are done; paper: JCT at 4,096",
+        )
         for system, paper in (("layerwise", -17.21), ("dualpath-rr", -38.19), ("dualpath", -45.62)):
             add(f"ablation: JCT change vs Basic, {system} (%)", paper, 100 * (jct("offline", system) / basic - 1))
-            add(f"ablation: time per turn while full vs Basic, {system} (%)", paper,
-                100 * (busy("basic") / busy(system) - 1))
-        add("DualPath JCT / Oracle JCT", 1.0, jct("offline", "dualpath") / jct("offline", "oracle"),
-            "paper: 'close to Oracle' (no number)")
+            add(
+                f"ablation: time per turn while full vs Basic, {system} (%)",
+                paper,
+                100 * (busy("basic") / busy(system) - 1),
+            )
+        add(
+            "DualPath JCT / Oracle JCT",
+            1.0,
+            jct("offline", "dualpath") / jct("offline", "oracle"),
+            "paper: 'close to Oracle' (no number)",
+        )
         rr = pick(rows, part="offline", system="dualpath-rr")["storage_read_max_over_avg"]
         dp = pick(rows, part="offline", system="dualpath")["storage_read_max_over_avg"]
         add("storage read max/avg over nodes, round-robin", 1.53, rr)
         add("storage read max/avg over nodes, DualPath scheduler", 1.18, dp)
         if agents == 1024:
             add("Basic JCT at 1,024 agents (s)", 5365, basic, "the storage rate is fitted to it")
-            add("DualPath JCT at 1,024 agents (s)", 2917, jct("offline", "dualpath"),
-                "not fitted: prefill is set from DualPath's rate at 4,096")
+            add(
+                "DualPath JCT at 1,024 agents (s)",
+                2917,
+                jct("offline", "dualpath"),
+                "not fitted: prefill is set from DualPath's rate at 4,096",
+            )
     if "pd" in parts:
         pd = {(p, d, s): jct("pd", s, p=p, d=d) for p, d in ((1, 1), (2, 1), (1, 2)) for s in ("basic", "dualpath")}
         speedups = [pd[(p, d, "basic")] / pd[(p, d, "dualpath")] for p, d in ((1, 1), (2, 1), (1, 2))]
@@ -146,30 +191,53 @@ def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
         add("27B P/D sweep: max DualPath speedup", 2.46, max(speedups))
         add("Basic 1P1D JCT / Basic 1P2D JCT", 1.0, pd[(1, 1, "basic")] / pd[(1, 2, "basic")], "one usable SNIC each")
         add("DualPath 1P1D JCT / Basic 2P1D JCT", 1.0, pd[(1, 1, "dualpath")] / pd[(2, 1, "basic")], "two SNICs each")
-        add("DualPath 2P1D JCT / DualPath 1P2D JCT", 1.0, pd[(2, 1, "dualpath")] / pd[(1, 2, "dualpath")],
-            "three SNICs each")
+        add(
+            "DualPath 2P1D JCT / DualPath 1P2D JCT",
+            1.0,
+            pd[(2, 1, "dualpath")] / pd[(1, 2, "dualpath")],
+            "three SNICs each",
+        )
     if "append" in parts:
         for k in (1.0, 2.0, 3.0):
             part = "offline" if k == 1.0 else "append"
-            add(f"append x{k:g}: DualPath speedup over Basic", 1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
-                jct(part, "basic", append=k) / jct(part, "dualpath", append=k), "JCT; paper: 1.82-1.99 over x1-x3")
-            add(f"append x{k:g}: speedup in turns/s while full", 1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
+            add(
+                f"append x{k:g}: DualPath speedup over Basic",
+                1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
+                jct(part, "basic", append=k) / jct(part, "dualpath", append=k),
+                "JCT; paper: 1.82-1.99 over x1-x3",
+            )
+            add(
+                f"append x{k:g}: speedup in turns/s while full",
+                1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
                 pick(rows, part=part, system="dualpath", append=k)["busy_turns_per_s"]
-                / pick(rows, part=part, system="basic", append=k)["busy_turns_per_s"])
+                / pick(rows, part=part, system="basic", append=k)["busy_turns_per_s"],
+            )
     if "online" in parts:
         b = pick(rows, part="online", system="basic")["online_agents_per_s"]
         d = pick(rows, part="online", system="dualpath")["online_agents_per_s"]
         add("online capacity at SLO, DualPath / Basic", 2.25, d / b if b else float("inf"))
         add("online capacity at SLO, DualPath 2P4D (agents/s)", 0.4, d)
     if "scale" in parts:
-        add("scale: JCT 8P16D 4N agents / 2P4D N agents", 3201 / 3167,
-            jct("scale", "dualpath", p=8, d=16) / jct("offline", "dualpath"), "paper: 48P96D 48K vs 2P4D 2K")
+        add(
+            "scale: JCT 8P16D 4N agents / 2P4D N agents",
+            3201 / 3167,
+            jct("scale", "dualpath", p=8, d=16) / jct("offline", "dualpath"),
+            "paper: 48P96D 48K vs 2P4D 2K",
+        )
     if "paperscale" in parts:
         big, small = (pick(rows, part="paperscale", p=p) for p in (48, 2))
-        add("scale: JCT 48P96D 48K agents / 2P4D 2K agents", 3201 / 3167, big["jct_s"] / small["jct_s"],
-            f"paper 3,201 vs 3,167 s; simulated {big['jct_s']:.0f} vs {small['jct_s']:.0f} s")
-        add("48P96D 48K-agent run: wall seconds (issue target: under 600)", 600, big["wall_s"],
-            f"{big['turns']:,} turns, {big['turns'] / big['wall_s']:.0f} turns/s on one core")
+        add(
+            "scale: JCT 48P96D 48K agents / 2P4D 2K agents",
+            3201 / 3167,
+            big["jct_s"] / small["jct_s"],
+            f"paper 3,201 vs 3,167 s; simulated {big['jct_s']:.0f} vs {small['jct_s']:.0f} s",
+        )
+        add(
+            "48P96D 48K-agent run: wall seconds (issue target: under 600)",
+            600,
+            big["wall_s"],
+            f"{big['turns']:,} turns, {big['turns'] / big['wall_s']:.0f} turns/s on one core",
+        )
     return out
 
 
@@ -187,18 +255,29 @@ def figures(rows: list[dict], parts: list[str], out_dir: Path) -> list[str]:
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         sim = [pick(rows, part="offline", system=s)["jct_s"] for s in SYSTEMS]
         a.bar(SYSTEMS, sim, color="tab:blue", label="simulated")
-        paper = {"basic": 5365, "layerwise": 5365 * (1 - .1721), "dualpath-rr": 5365 * (1 - .3819), "dualpath": 2917}
-        a.scatter([s for s in SYSTEMS if s in paper], [paper[s] for s in SYSTEMS if s in paper], color="tab:red",
-                  zorder=3, label="paper (1,024 agents)")
+        paper = {"basic": 5365, "layerwise": 5365 * (1 - 0.1721), "dualpath-rr": 5365 * (1 - 0.3819), "dualpath": 2917}
+        a.scatter(
+            [s for s in SYSTEMS if s in paper],
+            [paper[s] for s in SYSTEMS if s in paper],
+            color="tab:red",
+            zorder=3,
+            label="paper (1,024 agents)",
+        )
         a.set_ylabel("job completion time (s)")
         a.set_title("DS 660B, 2P4D, 64K trace, offline")
         a.legend()
-        nodes = sorted({n for r in rows if r["task"]["part"] == "offline" for n in r["storage_read_bytes"]},
-                       key=lambda n: (n[0] != "p", int(n[1:])))
+        nodes = sorted(
+            {n for r in rows if r["task"]["part"] == "offline" for n in r["storage_read_bytes"]},
+            key=lambda n: (n[0] != "p", int(n[1:])),
+        )
         for i, s in enumerate(("basic", "dualpath-rr", "dualpath")):
             r = pick(rows, part="offline", system=s)
-            b.bar([j + 0.27 * (i - 1) for j in range(len(nodes))],
-                  [r["storage_read_bytes"].get(n, 0) / 1e12 for n in nodes], width=0.27, label=s)
+            b.bar(
+                [j + 0.27 * (i - 1) for j in range(len(nodes))],
+                [r["storage_read_bytes"].get(n, 0) / 1e12 for n in nodes],
+                width=0.27,
+                label=s,
+            )
         b.set_xticks(range(len(nodes)), nodes)
         b.set_ylabel("storage bytes read (TB)")
         b.set_title("storage reads per node")
@@ -210,8 +289,12 @@ def figures(rows: list[dict], parts: list[str], out_dir: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 4))
         splits = ((1, 1), (2, 1), (1, 2))
         for i, s in enumerate(("basic", "dualpath", "oracle")):
-            ax.bar([j + 0.27 * (i - 1) for j in range(3)],
-                   [pick(rows, part="pd", system=s, p=p, d=d)["turns_per_s"] for p, d in splits], width=0.27, label=s)
+            ax.bar(
+                [j + 0.27 * (i - 1) for j in range(3)],
+                [pick(rows, part="pd", system=s, p=p, d=d)["turns_per_s"] for p, d in splits],
+                width=0.27,
+                label=s,
+            )
         ax.set_xticks(range(3), [f"{p}P{d}D" for p, d in splits])
         ax.set_ylabel("turns per second")
         ax.set_title("DS 27B, P/D sweep (64K trace)")
@@ -226,11 +309,18 @@ def figures(rows: list[dict], parts: list[str], out_dir: Path) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=1024, help="agents of the 2P4D runs (the paper: 1,024)")
-    ap.add_argument("--parts", default="offline,pd,append,online,scale",
-                    help="comma-separated; also paperscale: 2P4D/2K vs 48P96D/48K agents (the paper's pair; long)")
-    ap.add_argument("--online-seconds", type=float, default=6000.0,
-                    help="each online probe's run; the SLO is judged over its second half (make it several agent "
-                         "lifetimes: see the docstring)")
+    ap.add_argument(
+        "--parts",
+        default="offline,pd,append,online,scale",
+        help="comma-separated; also paperscale: 2P4D/2K vs 48P96D/48K agents (the paper's pair; long)",
+    )
+    ap.add_argument(
+        "--online-seconds",
+        type=float,
+        default=6000.0,
+        help="each online probe's run; the SLO is judged over its second half (make it several agent "
+        "lifetimes: see the docstring)",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", action="store_true", help="table and figures again from the JSON at --out")
@@ -248,22 +338,57 @@ def main() -> int:
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
             rows = pool.map(run_task, sorted(tasks, key=lambda t: -t["agents"] * t["p"]), chunksize=1)
     table = compare(rows, parts, args.agents)
-    figs = figures(rows, parts, Path(args.out).parent / "sim_reproduction" if args.out else
-                   RESULTS / "sim_reproduction")
+    figs = figures(
+        rows, parts, Path(args.out).parent / "sim_reproduction" if args.out else RESULTS / "sim_reproduction"
+    )
     wall = time.perf_counter() - t0
     turns = sum(r.get("turns", 0) for r in rows)
-    path = write_result("sim_reproduction", {"agents": args.agents, "parts": parts, "wall_s": wall,
-                                             "simulated_turns": turns, "comparison": table, "runs": rows,
-                                             "figures": figs}, args.out)
-    print_table([{"part": r["task"]["part"], "model": r["task"]["model"],
-                           "P/D": f"{r['task']['p']}P{r['task']['d']}D", "system": r["system"],
-                           "append": r["task"].get("append", 1.0), "agents": r["task"]["agents"],
-                           "jct_s": r.get("jct_s"), "turns/s": r.get("turns_per_s"),
-                           "turns/s full": r.get("busy_turns_per_s"),
-                           "reads max/avg": r.get("storage_read_max_over_avg"),
-                           "online agents/s": r.get("online_agents_per_s"), "wall_s": r["wall_s"]} for r in rows],
-                ["part", "model", "P/D", "system", "append", "agents", "jct_s", "turns/s", "turns/s full", "reads max/avg",
-                 "online agents/s", "wall_s"])
+    path = write_result(
+        "sim_reproduction",
+        {
+            "agents": args.agents,
+            "parts": parts,
+            "wall_s": wall,
+            "simulated_turns": turns,
+            "comparison": table,
+            "runs": rows,
+            "figures": figs,
+        },
+        args.out,
+    )
+    print_table(
+        [
+            {
+                "part": r["task"]["part"],
+                "model": r["task"]["model"],
+                "P/D": f"{r['task']['p']}P{r['task']['d']}D",
+                "system": r["system"],
+                "append": r["task"].get("append", 1.0),
+                "agents": r["task"]["agents"],
+                "jct_s": r.get("jct_s"),
+                "turns/s": r.get("turns_per_s"),
+                "turns/s full": r.get("busy_turns_per_s"),
+                "reads max/avg": r.get("storage_read_max_over_avg"),
+                "online agents/s": r.get("online_agents_per_s"),
+                "wall_s": r["wall_s"],
+            }
+            for r in rows
+        ],
+        [
+            "part",
+            "model",
+            "P/D",
+            "system",
+            "append",
+            "agents",
+            "jct_s",
+            "turns/s",
+            "turns/s full",
+            "reads max/avg",
+            "online agents/s",
+            "wall_s",
+        ],
+    )
     print()
     print_table(table, ["metric", "paper", "sim", "sim/paper", "note"])
     print(f"\n{turns:,} simulated turns in {wall:.0f} s; wrote {path}")

@@ -8,6 +8,7 @@ takes ~16 s, computing it on these CPUs ~8 s; at 20 MB/s loading is the faster (
 
     python bench/slow_store.py [--storage-read-bps 4e6 --agents 2 --turns 3 --context 1500] [--model DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,22 +24,32 @@ from common import print_table, write_result  # noqa: E402
 
 
 def conversation_turns(http, model: str, agent: int, args) -> list[dict]:
-    system = f"[agent {agent}] You review build logs. Answer in one short sentence. " + \
-        " ".join(f"Rule {i}: report the first failing step and its exit code." for i in range(args.context // 16))
+    system = f"[agent {agent}] You review build logs. Answer in one short sentence. " + " ".join(
+        f"Rule {i}: report the first failing step and its exit code." for i in range(args.context // 16)
+    )
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Step 3 failed with exit 2."}]
     out = []
     for turn in range(args.turns):
         t = time.perf_counter()
-        body = http.post("/v1/chat/completions", json={
-            "model": model, "messages": messages, "max_tokens": 1, "temperature": 0,
-            "dualpath": {"usage": True}}).json()
+        body = http.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": messages, "max_tokens": 1, "temperature": 0, "dualpath": {"usage": True}},
+        ).json()
         ttft = time.perf_counter() - t
         usage = body["usage"]
-        out.append({"turn": turn, "ttft_s": ttft, "prompt_tokens": usage["prompt_tokens"],
-                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                    "kv_bytes_loaded": usage["dualpath"]["kv_bytes_loaded"]})
-        messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"] or "ok"},
-                     {"role": "user", "content": f"Step {turn + 4} failed with exit {turn + 1}. Next?"}]
+        out.append(
+            {
+                "turn": turn,
+                "ttft_s": ttft,
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                "kv_bytes_loaded": usage["dualpath"]["kv_bytes_loaded"],
+            }
+        )
+        messages += [
+            {"role": "assistant", "content": body["choices"][0]["message"]["content"] or "ok"},
+            {"role": "user", "content": f"Step {turn + 4} failed with exit {turn + 1}. Next?"},
+        ]
     return out
 
 
@@ -48,9 +59,14 @@ def later_turns(args, *serve_args: str) -> list[dict]:
     import httpx
     from serve_process import ServeProcess
 
-    server = ServeProcess(*(["--model", args.model] if args.model else []), *serve_args,
-                          "--kv-store", tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
-                          "--storage-read-bps", str(args.storage_read_bps))
+    server = ServeProcess(
+        *(["--model", args.model] if args.model else []),
+        *serve_args,
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-bench-kv-"),
+        "--storage-read-bps",
+        str(args.storage_read_bps),
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=600) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
@@ -62,11 +78,14 @@ def later_turns(args, *serve_args: str) -> list[dict]:
 
 def run(system: str, args) -> dict:
     later = later_turns(args, *(["--load-every-hit"] if system == "load every hit" else []))
-    return {"system": system, "turns": len(later) + args.agents,
-            "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
-            "ttft_later_mean_s": statistics.mean(t["ttft_s"] for t in later),
-            "loaded_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
-            "context_tokens": statistics.mean(t["prompt_tokens"] for t in later)}
+    return {
+        "system": system,
+        "turns": len(later) + args.agents,
+        "ttft_later_p50_s": statistics.median(t["ttft_s"] for t in later),
+        "ttft_later_mean_s": statistics.mean(t["ttft_s"] for t in later),
+        "loaded_share": sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later),
+        "context_tokens": statistics.mean(t["prompt_tokens"] for t in later),
+    }
 
 
 def main(argv=None) -> dict:
@@ -81,8 +100,18 @@ def main(argv=None) -> dict:
     rows = [run("load every hit", args), run("recompute slow prefixes", args)]
     for r in rows:
         r["ttft_vs_load_every_hit"] = r["ttft_later_p50_s"] / rows[0]["ttft_later_p50_s"]
-    print_table(rows, ["system", "turns", "context_tokens", "ttft_later_p50_s", "ttft_later_mean_s", "loaded_share",
-                       "ttft_vs_load_every_hit"])
+    print_table(
+        rows,
+        [
+            "system",
+            "turns",
+            "context_tokens",
+            "ttft_later_p50_s",
+            "ttft_later_mean_s",
+            "loaded_share",
+            "ttft_vs_load_every_hit",
+        ],
+    )
     result = {"storage_read_bps": args.storage_read_bps, "agents": args.agents, "turns": args.turns, "rows": rows}
     print("wrote", write_result("slow_store", result, args.out))
     return result

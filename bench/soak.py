@@ -11,6 +11,7 @@ Then it checks that nothing leaked and nothing went wrong:
 
     python bench/soak.py [--seconds 180 --agents 4 --storage-capacity 150MB --decode 1] [--model DIR] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +30,49 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import print_table, write_result  # noqa: E402
 
-ACTIONS = (("chat", 0.47), ("stream", 0.15), ("walk_away", 0.1), ("repeat", 0.08), ("samples", 0.05),
-           ("json_mode", 0.04), ("pattern", 0.04), ("bad", 0.03), ("probe", 0.025), ("pause", 0.015))
-PATTERNS = ((r"(PASS|FAIL): [a-z ]{1,24}\.", {}), (r"\d{1,4}", {}),
-            (None, {"guided_choice": ["retry", "skip", "abort the build"]}),
-            (None, {"response_format": {"type": "json_schema", "json_schema": {"name": "step", "schema": {
-                "type": "object", "properties": {"step": {"type": "string", "pattern": "^[a-z]+-\\d{1,3}$"},
-                                                 "why": {"type": "string", "maxLength": 30}},
-                "required": ["step", "why"], "additionalProperties": False}}}}))
-BAD = ({"messages": "not a list"}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
-       {"messages": [{"role": "user", "content": "x " * 40_000}]}, {"messages": [], "n": 99})
+ACTIONS = (
+    ("chat", 0.47),
+    ("stream", 0.15),
+    ("walk_away", 0.1),
+    ("repeat", 0.08),
+    ("samples", 0.05),
+    ("json_mode", 0.04),
+    ("pattern", 0.04),
+    ("bad", 0.03),
+    ("probe", 0.025),
+    ("pause", 0.015),
+)
+PATTERNS = (
+    (r"(PASS|FAIL): [a-z ]{1,24}\.", {}),
+    (r"\d{1,4}", {}),
+    (None, {"guided_choice": ["retry", "skip", "abort the build"]}),
+    (
+        None,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "step",
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "step": {"type": "string", "pattern": "^[a-z]+-\\d{1,3}$"},
+                            "why": {"type": "string", "maxLength": 30},
+                        },
+                        "required": ["step", "why"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        },
+    ),
+)
+BAD = (
+    {"messages": "not a list"},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+    {"messages": [{"role": "user", "content": "x " * 40_000}]},
+    {"messages": [], "n": 99},
+)
 
 
 class Agent:
@@ -106,18 +140,35 @@ class Agent:
             return
         messages, before = self.rng.choice(self.answers[-6:])
         body = self._post(http, {"messages": messages, "max_tokens": 8, "temperature": 0})
-        self.stats.repeat(body["choices"][0]["message"]["content"] == before,
-                          body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        self.stats.repeat(
+            body["choices"][0]["message"]["content"] == before,
+            body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        )
 
     def samples(self, http) -> None:
-        body = self._post(http, {"messages": self.messages, "max_tokens": 8, "temperature": 0.8, "n": 3,
-                                 "seed": self.rng.randrange(1 << 30)})
+        body = self._post(
+            http,
+            {
+                "messages": self.messages,
+                "max_tokens": 8,
+                "temperature": 0.8,
+                "n": 3,
+                "seed": self.rng.randrange(1 << 30),
+            },
+        )
         if len(body["choices"]) != 3:
             raise AssertionError(f"{len(body['choices'])} choices for n=3")
 
     def json_mode(self, http) -> None:
-        body = self._post(http, {"messages": self.messages + [{"role": "user", "content": "Reply in JSON."}],
-                                 "max_tokens": 24, "temperature": 0, "response_format": {"type": "json_object"}})
+        body = self._post(
+            http,
+            {
+                "messages": self.messages + [{"role": "user", "content": "Reply in JSON."}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "response_format": {"type": "json_object"},
+            },
+        )
         choice = body["choices"][0]
         if choice["finish_reason"] == "stop":
             json.loads(choice["message"]["content"])
@@ -126,14 +177,25 @@ class Agent:
         """guided_regex, guided_choice, or a schema with string rules: what ends must match."""
         pattern, extra = self.rng.choice(PATTERNS)
         ask = {"guided_regex": pattern} if pattern else extra
-        body = self._post(http, {"messages": self.messages + [{"role": "user", "content": "Verdict?"}],
-                                 "max_tokens": 24, "temperature": 0.7, **ask})
+        body = self._post(
+            http,
+            {
+                "messages": self.messages + [{"role": "user", "content": "Verdict?"}],
+                "max_tokens": 24,
+                "temperature": 0.7,
+                **ask,
+            },
+        )
         choice = body["choices"][0]
         if choice["finish_reason"] != "stop":
             return
         text = choice["message"]["content"]
-        if pattern and not re.fullmatch(pattern, text, re.ASCII) or \
-                "guided_choice" in ask and text not in ask["guided_choice"]:
+        if (
+            pattern
+            and not re.fullmatch(pattern, text, re.ASCII)
+            or "guided_choice" in ask
+            and text not in ask["guided_choice"]
+        ):
             raise AssertionError(f"{text!r} does not match {ask}")
         if "response_format" in ask:
             value = json.loads(text)
@@ -162,9 +224,13 @@ class Agent:
         self._post(http, dict(self.rng.choice(BAD)), want=400)
 
     def _turn(self, answer: str) -> None:
-        self.messages += [{"role": "assistant", "content": answer},
-                          {"role": "user", "content": f"Log line {self.rng.randrange(10**6)}: error in step "
-                                                      f"{self.rng.randrange(100)}. Next?"}]
+        self.messages += [
+            {"role": "assistant", "content": answer},
+            {
+                "role": "user",
+                "content": f"Log line {self.rng.randrange(10**6)}: error in step {self.rng.randrange(100)}. Next?",
+            },
+        ]
 
 
 class Stats:
@@ -220,8 +286,9 @@ def settle(front: str, sched: str, timeout: float = 60.0) -> tuple[dict, dict]:
     deadline = time.monotonic() + timeout
     while True:
         f, s = scrape(f"{front}/metrics"), scrape(f"{sched}/metrics")
-        busy = f.get("dualpath_requests_in_flight", 0) + sum(v for k, v in s.items()
-                                                              if k.startswith("dualpath_engine_requests{"))
+        busy = f.get("dualpath_requests_in_flight", 0) + sum(
+            v for k, v in s.items() if k.startswith("dualpath_engine_requests{")
+        )
         if not busy or time.monotonic() > deadline:
             return f, s
         time.sleep(0.5)
@@ -245,9 +312,18 @@ def main(argv=None) -> dict:
     cap = parse_size(args.storage_capacity)
     extra = ["--model", args.model] if args.model else []
     # the operator's pauses are admin routes: on, and (with no admin key) answered on loopback only
-    server = ServeProcess(*extra, "--kv-store", tempfile.mkdtemp(prefix="dualpath-soak-kv-"),
-                          "--storage-capacity", str(cap), "--decode", str(args.decode), "--host", "127.0.0.1",
-                          "--enable-admin-api")
+    server = ServeProcess(
+        *extra,
+        "--kv-store",
+        tempfile.mkdtemp(prefix="dualpath-soak-kv-"),
+        "--storage-capacity",
+        str(cap),
+        "--decode",
+        str(args.decode),
+        "--host",
+        "127.0.0.1",
+        "--enable-admin-api",
+    )
     stats = Stats()
     try:
         sched = re.search(r"scheduler metrics at (\S+)/metrics", server.log.read_text()).group(1)
@@ -261,8 +337,11 @@ def main(argv=None) -> dict:
         while any(t.is_alive() for t in threads):
             time.sleep(10)
             with stats.lock:
-                print(f"[{time.perf_counter() - start:5.0f} s] requests {sum(stats.actions.values())}, "
-                      f"problems {len(stats.problems)}, statuses {dict(stats.statuses)}", flush=True)
+                print(
+                    f"[{time.perf_counter() - start:5.0f} s] requests {sum(stats.actions.values())}, "
+                    f"problems {len(stats.problems)}, statuses {dict(stats.statuses)}",
+                    flush=True,
+                )
         wall = time.perf_counter() - start
         front, sched_m = settle(server.url, sched)
         healthy = httpx.get(f"{server.url}/health").status_code == 200
@@ -270,8 +349,9 @@ def main(argv=None) -> dict:
         server.stop()
     kv_use = {k: v for k, v in sched_m.items() if k.startswith("dualpath_engine_kv_cache_usage{")}
     used = max(v for k, v in sched_m.items() if k.startswith("dualpath_storage_used_bytes{"))
-    written = sum(v for k, v in sched_m.items()
-                  if k.startswith("dualpath_engine_kv_bytes_total{") and 'path="storage_write"' in k)
+    written = sum(
+        v for k, v in sched_m.items() if k.startswith("dualpath_engine_kv_bytes_total{") and 'path="storage_write"' in k
+    )
     checks = {
         "no 5xx": not any(code >= 500 for code in stats.statuses),
         "no problems": not stats.problems,
@@ -283,20 +363,40 @@ def main(argv=None) -> dict:
         "the cap was reached (blocks evicted)": written > cap,
         "repeats answer the same": stats.repeats_same == stats.repeats,
     }
-    rows = [{"action": a, "count": stats.actions[a], "p50_s": statistics.median(stats.latency[a]),
-             "max_s": max(stats.latency[a])} for a, _ in ACTIONS if stats.actions[a]]
+    rows = [
+        {
+            "action": a,
+            "count": stats.actions[a],
+            "p50_s": statistics.median(stats.latency[a]),
+            "max_s": max(stats.latency[a]),
+        }
+        for a, _ in ACTIONS
+        if stats.actions[a]
+    ]
     print_table(rows, ["action", "count", "p50_s", "max_s"])
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     for p in stats.problems[:20]:
         print("  problem:", p)
-    result = {"seconds": wall, "agents": args.agents, "decode_engines": args.decode, "model": model,
-              "storage_capacity": cap,
-              "storage_used_at_end": used, "statuses": {str(k): v for k, v in stats.statuses.items()},
-              "prompt_tokens": stats.prompt, "cached_tokens": stats.cached, "completion_tokens": stats.completion,
-              "repeats": stats.repeats, "repeats_same": stats.repeats_same, "repeats_cached": stats.repeats_cached,
-              "storage_written": written, "rows": rows, "checks": checks,
-              "problems": stats.problems[:50]}
+    result = {
+        "seconds": wall,
+        "agents": args.agents,
+        "decode_engines": args.decode,
+        "model": model,
+        "storage_capacity": cap,
+        "storage_used_at_end": used,
+        "statuses": {str(k): v for k, v in stats.statuses.items()},
+        "prompt_tokens": stats.prompt,
+        "cached_tokens": stats.cached,
+        "completion_tokens": stats.completion,
+        "repeats": stats.repeats,
+        "repeats_same": stats.repeats_same,
+        "repeats_cached": stats.repeats_cached,
+        "storage_written": written,
+        "rows": rows,
+        "checks": checks,
+        "problems": stats.problems[:50],
+    }
     print("wrote", write_result("soak", result, args.out))
     return result
 

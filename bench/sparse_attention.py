@@ -8,6 +8,7 @@ sequences, and a prefill of ``--prefill`` new tokens of one sequence.
 ``--heads`` is the attention's query heads (V3.2 has 128; fewer keep a CPU run short: the indexer's cost does not
 depend on it, so fewer heads understate the saving). Writes ``bench/results/sparse_attention.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,24 +26,40 @@ LATENT, ROPE, NOPE, VALUE = 512, 64, 128, 128
 INDEX_HEADS, INDEX_DIM = 64, 128
 
 
-def measure(step: str, new_lens: list[int], context: int, heads: int, topk: int, repeats: int,
-            dtype: torch.dtype) -> dict:
+def measure(
+    step: str, new_lens: list[int], context: int, heads: int, topk: int, repeats: int, dtype: torch.dtype
+) -> dict:
     """Sequence i has ``context - new_lens[i]`` cached tokens and ``new_lens[i]`` new ones."""
     t, width = sum(new_lens), LATENT + ROPE + INDEX_DIM
     cached = [torch.randn(context - n, width, dtype=dtype) for n in new_lens]
     new = torch.randn(t, width, dtype=dtype)
     q_nope, q_pe = torch.randn(t, heads, NOPE, dtype=dtype), torch.randn(t, heads, ROPE, dtype=dtype)
-    w = torch.randn(heads, NOPE + VALUE, LATENT, dtype=dtype) * LATENT ** -0.5
-    index = IndexQuery(torch.randn(t, INDEX_HEADS, INDEX_DIM, dtype=dtype), torch.randn(t, INDEX_HEADS, dtype=dtype),
-                       LATENT + ROPE, topk, INDEX_DIM ** -0.5)
+    w = torch.randn(heads, NOPE + VALUE, LATENT, dtype=dtype) * LATENT**-0.5
+    index = IndexQuery(
+        torch.randn(t, INDEX_HEADS, INDEX_DIM, dtype=dtype),
+        torch.randn(t, INDEX_HEADS, dtype=dtype),
+        LATENT + ROPE,
+        topk,
+        INDEX_DIM**-0.5,
+    )
 
     def attend(ix):
-        return lambda: mla_attention(q_nope, q_pe, new, cached, new_lens, w[:, :NOPE], w[:, NOPE:], LATENT, 0.07,
-                                     index=ix)
+        return lambda: mla_attention(
+            q_nope, q_pe, new, cached, new_lens, w[:, :NOPE], w[:, NOPE:], LATENT, 0.07, index=ix
+        )
 
     dense, sparse = best_of(attend(None), repeats), best_of(attend(index), repeats)
-    return {"step": step, "sequences": len(new_lens), "new_tokens": t, "context": context, "heads": heads,
-            "topk": topk, "dense_ms": 1e3 * dense, "sparse_ms": 1e3 * sparse, "dense_over_sparse": dense / sparse}
+    return {
+        "step": step,
+        "sequences": len(new_lens),
+        "new_tokens": t,
+        "context": context,
+        "heads": heads,
+        "topk": topk,
+        "dense_ms": 1e3 * dense,
+        "sparse_ms": 1e3 * sparse,
+        "dense_over_sparse": dense / sparse,
+    }
 
 
 def main() -> None:
@@ -63,8 +80,10 @@ def main() -> None:
         rows.append(measure("prefill", [args.prefill], context, args.heads, args.topk, args.repeats, dtype))
         print(f"context {context}: done", file=sys.stderr, flush=True)
     path = write_result("sparse_attention", {"dtype": args.dtype, "rows": rows}, args.out)
-    print_table(rows, ["step", "sequences", "new_tokens", "context", "heads", "topk", "dense_ms", "sparse_ms",
-                       "dense_over_sparse"])
+    print_table(
+        rows,
+        ["step", "sequences", "new_tokens", "context", "heads", "topk", "dense_ms", "sparse_ms", "dense_over_sparse"],
+    )
     print(f"wrote {path}")
 
 

@@ -8,6 +8,7 @@ token).
 
     python bench/spec_decode.py [--model DIR] [--max-tokens 160] [--batch 4] [--tokens 4] [--out FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,14 @@ CODE = '''def compute_total(items, tax_rate):
 def cheapest(items):
     return min(items, key=lambda item: item["price"])
 '''
-DOC = ("The storage bandwidth of every node is used: a request's cached KV is read either by the prefill engine "
-       "or by a decode engine, which forwards it to the prefill engine over RDMA. A traffic manager moves the "
-       "blocks layer by layer, overlapped with compute, on a low-priority service level.")
+DOC = (
+    "The storage bandwidth of every node is used: a request's cached KV is read either by the prefill engine "
+    "or by a decode engine, which forwards it to the prefill engine over RDMA. A traffic manager moves the "
+    "blocks layer by layer, overlapped with compute, on a low-priority service level."
+)
 TASKS = {
     "edit code": f"Rename the function compute_total to sum_prices in this code. Reply with the whole code only.\n\n"
-                 f"{CODE}",
+    f"{CODE}",
     "quote": f"Repeat the following paragraph word for word, then say nothing else.\n\n{DOC}",
     "free text": "Write a short story about a lighthouse keeper.",
 }
@@ -79,14 +82,23 @@ def main() -> None:
             t_spec, got = timed(spec, prompts, params)
             stats = {k: spec.engine.spec_stats[k] - before[k] for k in before}
             tokens = sum(len(o.token_ids) for o in got)
-            rows.append({"task": task, "batch": batch, "tokens": tokens,
-                         "plain_tok_s": tokens / t_plain, "spec_tok_s": tokens / t_spec, "ratio": t_plain / t_spec,
-                         "kept": stats["accepted"] / max(1, stats["drafted"]),
-                         "per_step": (stats["accepted"] + batch * stats["steps"]) / max(1, batch * stats["steps"]),
-                         "identical": [o.token_ids for o in got] == [o.token_ids for o in want]})
+            rows.append(
+                {
+                    "task": task,
+                    "batch": batch,
+                    "tokens": tokens,
+                    "plain_tok_s": tokens / t_plain,
+                    "spec_tok_s": tokens / t_spec,
+                    "ratio": t_plain / t_spec,
+                    "kept": stats["accepted"] / max(1, stats["drafted"]),
+                    "per_step": (stats["accepted"] + batch * stats["steps"]) / max(1, batch * stats["steps"]),
+                    "identical": [o.token_ids for o in got] == [o.token_ids for o in want],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-    print_table(rows, ["task", "batch", "tokens", "plain_tok_s", "spec_tok_s", "ratio", "kept", "per_step",
-                       "identical"])
+    print_table(
+        rows, ["task", "batch", "tokens", "plain_tok_s", "spec_tok_s", "ratio", "kept", "per_step", "identical"]
+    )
     path = write_result("spec_decode", {"model": model, "speculative_config": spec_cfg, "rows": rows}, args.out)
     print(f"wrote {path}")
     if not all(r["identical"] for r in rows):

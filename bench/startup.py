@@ -9,6 +9,7 @@ ready / floor, and stop (SIGTERM until every process exited). Each is the best o
 
     python bench/startup.py [--repeats 3] [--starts serve,tests]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_result  # noqa: E402
 
-FLOOR = ("import sys, torch, dualpath.engines.prefill, dualpath.engines.decode; from dualpath.engines.models import load_model, open_checkpoint; "
-         "torch.set_num_threads(1); load_model(open_checkpoint(sys.argv[1]), torch.device('cpu'), torch.float32, "
-         "'torch')")
+FLOOR = (
+    "import sys, torch, dualpath.engines.prefill, dualpath.engines.decode; from dualpath.engines.models import load_model, open_checkpoint; "
+    "torch.set_num_threads(1); load_model(open_checkpoint(sys.argv[1]), torch.device('cpu'), torch.float32, "
+    "'torch')"
+)
 
 
 def floor_s(model: str) -> float:
@@ -51,8 +54,15 @@ def tests_cluster(tmp: Path, shared: Path):
     model = shared / "llama"
     if not model.exists():
         build_tiny_checkpoint(model, "llama", seed=1)
-    spec = ClusterSpec(model=str(model), block_size=16, kv_store=str(tmp / "kv"), buffer_bytes=8 << 20,
-                       cache_bytes=16 << 20, workspace_tokens=2048, cost_model="0.001,0.0001,0")
+    spec = ClusterSpec(
+        model=str(model),
+        block_size=16,
+        kv_store=str(tmp / "kv"),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+    )
     return LocalCluster(spec, run_dir=str(tmp / "run")).start(), str(model)
 
 
@@ -69,8 +79,7 @@ def measure(start, repeats: int) -> dict:
             cluster.stop()
             stops.append(time.perf_counter() - t)
         floor = min(floor_s(model) for _ in range(repeats))
-    return {"floor_s": floor, "ready_s": min(readies), "ready_over_floor": min(readies) / floor,
-            "stop_s": min(stops)}
+    return {"floor_s": floor, "ready_s": min(readies), "ready_over_floor": min(readies) / floor, "stop_s": min(stops)}
 
 
 def main() -> None:

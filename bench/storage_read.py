@@ -4,6 +4,7 @@ this process may drop the page cache (root).
 
     python bench/storage_read.py [--blocks 256] [--root DIR] [--out bench/results/storage_read.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def main(argv=None) -> dict:
     assert storage.write(keys, src).result() == [None] * len(keys)
     buf = HostMemory(args.blocks * geom.full_block_bytes)
     fb = geom.full_block_bytes
-    dests = [buf.tensor[i * fb:(i + 1) * fb] for i in range(args.blocks)]
+    dests = [buf.tensor[i * fb : (i + 1) * fb] for i in range(args.blocks)]
     header = bytearray(storage.header_size)
     paths = [storage.path(k) for k in keys]
     total = args.blocks * fb
@@ -87,12 +88,23 @@ def main(argv=None) -> dict:
                     best_raw = min(best_raw, dt)
                 else:
                     best_ours = min(best_ours, dt)
-        rows.append({"cache": mode, "raw_GBps": total / best_raw / 1e9, "ours_GBps": total / best_ours / 1e9,
-                     "ours_vs_raw": best_raw / best_ours})
+        rows.append(
+            {
+                "cache": mode,
+                "raw_GBps": total / best_raw / 1e9,
+                "ours_GBps": total / best_ours / 1e9,
+                "ours_vs_raw": best_raw / best_ours,
+            }
+        )
     assert all(torch.equal(d, s) for d, s in zip(dests, src))
     print_table(rows, ["cache", "raw_GBps", "ours_GBps", "ours_vs_raw"])
-    result = {"blocks": args.blocks, "block_bytes": fb, "io_threads": args.io_threads, "rows": rows,
-              "target": "ours >= 0.8 x raw sequential read"}
+    result = {
+        "blocks": args.blocks,
+        "block_bytes": fb,
+        "io_threads": args.io_threads,
+        "rows": rows,
+        "target": "ours >= 0.8 x raw sequential read",
+    }
     print("wrote", write_result("storage_read", result, args.out))
     storage.close()
     return result

@@ -17,6 +17,7 @@ what GPUs gain. Memory per rank is the point of this bench.
 
     python bench/tensor_parallel.py [--quick] [--sizes 1 2] [--batch 4] [--max-tokens 32] [--prompt-tokens 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,14 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from common import best_of, print_table, write_result  # noqa: E402 - after the path
 
-MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "vocab_size": 8192}
+MODEL = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+}
 QUICK_MODEL = {**MODEL, "num_hidden_layers": 2}
 
 
@@ -72,10 +79,13 @@ def worker(args) -> dict:
     peak = _status_kib("self", "VmHWM")
     try:
         others = [p.pid for p in getattr(llm.ranks, "procs", ())]
-        row = {"tp": args.worker, "load_s": load_s,
-               "rank0_weight_bytes": sum(p.numel() * p.element_size() for p in llm.model.parameters()),
-               "rank0_load_rss_growth_bytes": (peak - rss0) * 1024 if reset and peak and rss0 else None,
-               "other_ranks_peak_rss_bytes": [(_status_kib(pid, "VmHWM") or 0) * 1024 for pid in others]}
+        row = {
+            "tp": args.worker,
+            "load_s": load_s,
+            "rank0_weight_bytes": sum(p.numel() * p.element_size() for p in llm.model.parameters()),
+            "rank0_load_rss_growth_bytes": (peak - rss0) * 1024 if reset and peak and rss0 else None,
+            "other_ranks_peak_rss_bytes": [(_status_kib(pid, "VmHWM") or 0) * 1024 for pid in others],
+        }
         vocab = llm.model_config.vocab_size
         long_prompt = [(i * 7919) % (vocab // 2) + vocab // 4 for i in range(args.prompt_tokens)]
         prompts = [[(i * 31 + k * 17) % (vocab // 2) + 3 for k in range(16 + 4 * i)] for i in range(args.batch)]
@@ -95,9 +105,24 @@ def worker(args) -> dict:
 
 
 def run_size(args, tp: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tp), "--model", args.model,
-           "--batch", str(args.batch), "--max-tokens", str(args.max_tokens), "--prompt-tokens", str(args.prompt_tokens),
-           "--repeats", str(args.repeats), "--kv-blocks", str(args.kv_blocks)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(tp),
+        "--model",
+        args.model,
+        "--batch",
+        str(args.batch),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--kv-blocks",
+        str(args.kv_blocks),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout, env=env)
     if res.returncode:
@@ -107,8 +132,9 @@ def run_size(args, tp: int) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run in well under a minute: 2 layers, short prompts, one repeat")
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run in well under a minute: 2 layers, short prompts, one repeat"
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (the first: reference)")
     ap.add_argument("--model", default=None, help="a dense Llama-family checkpoint (default: a random one, built)")
     ap.add_argument("--batch", type=int, default=4)
@@ -129,8 +155,7 @@ def main(argv=None) -> dict:
     if args.model is None:
         from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-        args.model = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "llama", "llama",
-                                               **shape))
+        args.model = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tp-bench-")) / "llama", "llama", **shape))
         model = {"built": "llama", **shape}
     else:
         model = {"dir": args.model}
@@ -142,12 +167,32 @@ def main(argv=None) -> dict:
         r["prefill_vs_first"] = r["prefill_s"] / ref["prefill_s"]
         r["decode_step_vs_first"] = r["decode_step_s"] / ref["decode_step_s"] if ref["decode_step_s"] else None
         r["outputs_equal_first"] = r["outputs"] == ref["outputs"]
-    print_table(rows, ["tp", "rank0_weight_bytes", "weight_bytes_vs_first", "rank0_load_rss_growth_bytes", "load_s",
-                       "prefill_s", "prefill_vs_first", "decode_step_s", "decode_step_vs_first",
-                       "outputs_equal_first"])
-    result = {"model": model, "quick": args.quick, "threads_per_rank": 1, "batch": args.batch, "max_tokens": args.max_tokens,
-              "prompt_tokens": args.prompt_tokens, "repeats": args.repeats, "rows": rows,
-              "outputs_equal": all(r["outputs_equal_first"] for r in rows)}
+    print_table(
+        rows,
+        [
+            "tp",
+            "rank0_weight_bytes",
+            "weight_bytes_vs_first",
+            "rank0_load_rss_growth_bytes",
+            "load_s",
+            "prefill_s",
+            "prefill_vs_first",
+            "decode_step_s",
+            "decode_step_vs_first",
+            "outputs_equal_first",
+        ],
+    )
+    result = {
+        "model": model,
+        "quick": args.quick,
+        "threads_per_rank": 1,
+        "batch": args.batch,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+        "outputs_equal": all(r["outputs_equal_first"] for r in rows),
+    }
     print("wrote", write_result("tensor_parallel", result, args.out))
     if not result["outputs_equal"]:
         print("MISMATCH: a tensor-parallel size's greedy replies differ from the first size's", file=sys.stderr)

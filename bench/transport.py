@@ -3,6 +3,7 @@ low-priority stream, each against a baseline measured in the same run.
 
     python bench/transport.py [--backends shm ucx nixl] [--out bench/results/transport.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,22 @@ def bandwidth(backend: str, sizes: list[int], total: int) -> list[dict]:
 
             def memcpy():
                 for i in range(n):
-                    dst[i * size:(i + 1) * size].copy_(src[i * size:(i + 1) * size])
+                    dst[i * size : (i + 1) * size].copy_(src[i * size : (i + 1) * size])
 
             t_copy = best_of(memcpy, repeats=3)
             t_read = best_of(lambda: me.submit("peer", Op.READ, segs).wait(120), repeats=3)
             t_write = best_of(lambda: me.submit("peer", Op.WRITE, segs).wait(120), repeats=3)
-            rows.append({"backend": backend, "segment_bytes": size, "memcpy_GBps": nbytes / t_copy / 1e9,
-                         "read_GBps": nbytes / t_read / 1e9, "write_GBps": nbytes / t_write / 1e9,
-                         "read_vs_memcpy": t_copy / t_read, "write_vs_memcpy": t_copy / t_write})
+            rows.append(
+                {
+                    "backend": backend,
+                    "segment_bytes": size,
+                    "memcpy_GBps": nbytes / t_copy / 1e9,
+                    "read_GBps": nbytes / t_read / 1e9,
+                    "write_GBps": nbytes / t_write / 1e9,
+                    "read_vs_memcpy": t_copy / t_read,
+                    "write_vs_memcpy": t_copy / t_write,
+                }
+            )
     finally:
         me.close()
         peer.stop()
@@ -91,8 +100,14 @@ def priority_latency(backend: str, probes: int = 20) -> dict:
         me.close()
         peer.stop()
     med_idle, med_busy = statistics.median(idle), statistics.median(busy)
-    return {"backend": backend, "idle_us": med_idle * 1e6, "busy_us": med_busy * 1e6,
-            "busy_vs_idle": med_busy / med_idle, "probes_during_bulk": len(busy), "bulk_still_running": overtaken}
+    return {
+        "backend": backend,
+        "idle_us": med_idle * 1e6,
+        "busy_us": med_busy * 1e6,
+        "busy_vs_idle": med_busy / med_idle,
+        "probes_during_bulk": len(busy),
+        "bulk_still_running": overtaken,
+    }
 
 
 def main(argv=None) -> dict:
@@ -106,12 +121,16 @@ def main(argv=None) -> dict:
     for b in args.backends:
         bw += bandwidth(b, SIZES, args.total_bytes)
         prio.append(priority_latency(b))
-    print_table(bw, ["backend", "segment_bytes", "memcpy_GBps", "read_GBps", "write_GBps", "read_vs_memcpy",
-                     "write_vs_memcpy"])
+    print_table(
+        bw, ["backend", "segment_bytes", "memcpy_GBps", "read_GBps", "write_GBps", "read_vs_memcpy", "write_vs_memcpy"]
+    )
     print()
     print_table(prio, ["backend", "idle_us", "busy_us", "busy_vs_idle", "probes_during_bulk"])
-    result = {"bandwidth": bw, "priority": prio,
-              "targets": {"shm_vs_memcpy_at_1MiB_and_up": 0.7, "priority_busy_vs_idle_max": 2.0}}
+    result = {
+        "bandwidth": bw,
+        "priority": prio,
+        "targets": {"shm_vs_memcpy_at_1MiB_and_up": 0.7, "priority_busy_vs_idle_max": 2.0},
+    }
     print("wrote", write_result("transport", result, args.out))
     return result
 

@@ -3,6 +3,7 @@
 The package root stays light: ``LLM`` is imported on first use, so the core modules (configs, geometry,
 sampling parameters) can be imported without loading torch-heavy engines.
 """
+
 from dualpath.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

@@ -8,6 +8,7 @@ ends with the tokens already delivered (``SamplingParams.num_resumed_tokens``), 
 is, not from the start; the dead engine stored every full block of the reply so far, so most of that context is
 loaded, not computed. Greedy and seeded replies come out as they would have; the consumer sees one stream.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,23 @@ from typing import Callable, Iterator
 
 from dualpath.core.errors import DualPathError, RequestError
 from dualpath.core.geometry import block_hashes
-from dualpath.core.messages import Abort, Ack, AdapterLoad, AdapterLoadReply, Hold, HoldReply, RequestRef, SessionIn, \
-    SubmitEvent, SubmitRequest, TokenEvent, WeightUpdate, WeightUpdateReply, pack_keys, pack_tokens
+from dualpath.core.messages import (
+    Abort,
+    Ack,
+    AdapterLoad,
+    AdapterLoadReply,
+    Hold,
+    HoldReply,
+    RequestRef,
+    SessionIn,
+    SubmitEvent,
+    SubmitRequest,
+    TokenEvent,
+    WeightUpdate,
+    WeightUpdateReply,
+    pack_keys,
+    pack_tokens,
+)
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.core.sampling_params import SamplingParams
 
@@ -103,9 +119,11 @@ class _Session:
                     break
                 batch.append(nxt)
                 size += _size(nxt)
-            yield SessionIn([x for x in batch if isinstance(x, SubmitRequest)],
-                            [x for x in batch if isinstance(x, str)],
-                            [x.engine_id for x in batch if isinstance(x, _Unreachable)])
+            yield SessionIn(
+                [x for x in batch if isinstance(x, SubmitRequest)],
+                [x for x in batch if isinstance(x, str)],
+                [x.engine_id for x in batch if isinstance(x, _Unreachable)],
+            )
 
     def _receive(self) -> None:
         error = "the scheduler session ended"
@@ -168,16 +186,28 @@ class _Delivered:
             self.tokens.append(ev.token_id)
             self.ending = ev.ending
             if ev.num_prompt_tokens and not self.numbers:
-                self.numbers = {"num_prompt_tokens": ev.num_prompt_tokens, "num_cached_tokens": ev.num_cached_tokens,
-                                "path": ev.path, "storage_bytes": ev.storage_bytes}
+                self.numbers = {
+                    "num_prompt_tokens": ev.num_prompt_tokens,
+                    "num_cached_tokens": ev.num_cached_tokens,
+                    "path": ev.path,
+                    "storage_bytes": ev.storage_bytes,
+                }
         self.done = self.done or bool(ev.finish_reason)
 
 
 class RequestHandle:
     """One submitted request: its token events, and a way to cancel it from any thread."""
 
-    def __init__(self, client: "ClusterClient", request_id: str, token_ids: list[int], sampling: SamplingParams,
-                 mode: str, migrations: int, label: str = ""):
+    def __init__(
+        self,
+        client: "ClusterClient",
+        request_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        mode: str,
+        migrations: int,
+        label: str = "",
+    ):
         self.client, self.request_id, self.base_id, self.label = client, request_id, request_id, label
         self.token_ids, self.sampling, self.mode = token_ids, sampling, mode
         self.migrations = migrations  # how many more times the reply may move off a lost decode engine
@@ -199,8 +229,18 @@ class RequestHandle:
     def _submit(self) -> None:
         self.session = self.client.session()
         hashes, fingerprint = self.client._hashes(self.token_ids, self.sampling.cache_salt, self.sampling.adapter)
-        self.session.submit(SubmitRequest(self.request_id, pack_tokens(self.token_ids), self.sampling.to_dict(),
-                                          self.mode, hashes, fingerprint, self.label), self._listen)
+        self.session.submit(
+            SubmitRequest(
+                self.request_id,
+                pack_tokens(self.token_ids),
+                self.sampling.to_dict(),
+                self.mode,
+                hashes,
+                fingerprint,
+                self.label,
+            ),
+            self._listen,
+        )
 
     def _resubmit(self) -> None:
         """The scheduler session ended before this request got to a decode engine (the scheduler restarted, or the
@@ -209,8 +249,9 @@ class RequestHandle:
         now = time.monotonic()
         self.lost_at = self.lost_at or now
         if now - self.lost_at > self.client.reconnect_s:
-            raise DualPathError(f"request {self.request_id}: the scheduler did not answer again within "
-                                f"{self.client.reconnect_s:.0f} s")
+            raise DualPathError(
+                f"request {self.request_id}: the scheduler did not answer again within {self.client.reconnect_s:.0f} s"
+            )
         time.sleep(RECONNECT_PAUSE_S)
         self.resubmits += 1
         self.request_id = f"{self.base_id}~{self.resubmits}"
@@ -289,8 +330,9 @@ class RequestHandle:
                 if self.session is not None:  # so no request waits for its heartbeats to lapse
                     self.session.unreachable(assigned.decode_engine)
                 if self.got_tokens:
-                    raise EngineLost(f"request {self.request_id}: the decode engine failed mid-generation: "
-                                     f"{e}") from None
+                    raise EngineLost(
+                        f"request {self.request_id}: the decode engine failed mid-generation: {e}"
+                    ) from None
             finally:
                 self.active.clear()
             if self.got_tokens and not self.cancelled:
@@ -303,8 +345,9 @@ class RequestHandle:
             try:
                 ev = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise DualPathError(f"request {self.request_id}: not scheduled within {self.client.timeout} s") \
-                    from None
+                raise DualPathError(
+                    f"request {self.request_id}: not scheduled within {self.client.timeout} s"
+                ) from None
             if ev.kind == "lost":
                 raise SessionLost(ev.error)
             if ev.kind == "failed":
@@ -337,16 +380,24 @@ class RequestHandle:
                 return (Aborted if ev.aborted else DualPathError)(f"request {self.request_id} failed: {ev.error}")
             if ev.kind == "lost":  # and, with it, any retry: the reply moves on from what was delivered
                 return EngineLost(f"request {self.request_id}: {ev.error}")
-        return DualPathError(otherwise or f"request {self.request_id}: its stream ended early (the scheduler gave up "
-                                          "on it)")
+        return DualPathError(
+            otherwise or f"request {self.request_id}: its stream ended early (the scheduler gave up on it)"
+        )
 
     def _ends(self, delivered: list[_Delivered], reason: str, more: bool = False) -> Iterator[TokenEvent]:
         """Finish events of the choices whose finish event has not come: those a token ended with its reason,
         the others with ``reason`` ("": the others go on, ``more`` events follow)."""
         ending = [(i, d.ending or reason) for i, d in enumerate(delivered) if not d.done and (d.ending or reason)]
         for k, (i, why) in enumerate(ending):
-            yield self._own(TokenEvent(self.request_id, finish_reason=why, index=i,
-                                       final=k == len(ending) - 1 and not more, **delivered[i].numbers))
+            yield self._own(
+                TokenEvent(
+                    self.request_id,
+                    finish_reason=why,
+                    index=i,
+                    final=k == len(ending) - 1 and not more,
+                    **delivered[i].numbers,
+                )
+            )
 
     def _move(self, delivered: list[_Delivered], lost: EngineLost) -> Iterator[TokenEvent]:
         """The reply's events after its decode engine was lost: the finish events of choices whose last token
@@ -379,11 +430,21 @@ class RequestHandle:
         """Choice ``choice`` as a request of its own that goes on after ``tokens``, the ones it delivered (its
         prompt's logprobs came with the first of them), with one move less unless it was ``preempted``."""
         p = self.sampling
-        params = replace(p, n=1, seed=None if p.seed is None else p.seed + choice,
-                         prompt_logprobs=None if tokens else p.prompt_logprobs,
-                         num_resumed_tokens=p.num_resumed_tokens + len(tokens))
-        return self.client._start(self.token_ids + tokens, params, f"{self.request_id}+{choice}", self.mode,
-                                  self.migrations - (not preempted), self.label)
+        params = replace(
+            p,
+            n=1,
+            seed=None if p.seed is None else p.seed + choice,
+            prompt_logprobs=None if tokens else p.prompt_logprobs,
+            num_resumed_tokens=p.num_resumed_tokens + len(tokens),
+        )
+        return self.client._start(
+            self.token_ids + tokens,
+            params,
+            f"{self.request_id}+{choice}",
+            self.mode,
+            self.migrations - (not preempted),
+            self.label,
+        )
 
     def _own(self, ev: TokenEvent) -> TokenEvent:
         """``ev`` with this request's usage numbers: its prompt's tokens and how many of them were loaded (the
@@ -430,8 +491,14 @@ class ClusterClient:
     called with the request id each time one moves; ``reconnect_s``: how long requests not yet on a decode engine
     wait for a scheduler whose session ended (restarting) before they fail."""
 
-    def __init__(self, scheduler: str, timeout: float = 3600.0, migration_limit: int = 3,
-                 on_migration: Callable[[str], None] | None = None, reconnect_s: float = 60.0):
+    def __init__(
+        self,
+        scheduler: str,
+        timeout: float = 3600.0,
+        migration_limit: int = 3,
+        on_migration: Callable[[str], None] | None = None,
+        reconnect_s: float = 60.0,
+    ):
         self.scheduler = Client("Scheduler", SCHEDULER_METHODS, scheduler)
         self.timeout, self.reconnect_s = timeout, reconnect_s
         self.migration_limit, self.on_migration = migration_limit, on_migration
@@ -477,15 +544,17 @@ class ClusterClient:
         says whether all did and the adapter's identity, which requests name it by (``SamplingParams.adapter``)."""
         return self.scheduler.call("LoadAdapter", AdapterLoad(path, timeout), timeout=timeout + 30)
 
-    def update_weights(self, model_path: str, version: str = "", timeout: float = 600.0,
-                       abort: bool = False) -> WeightUpdateReply:
+    def update_weights(
+        self, model_path: str, version: str = "", timeout: float = 600.0, abort: bool = False
+    ) -> WeightUpdateReply:
         """Have every engine load the weights of checkpoint ``model_path`` (the same config, new values: an RL
         trainer's next policy). Requests in flight finish first (or, with ``abort``, those not yet generating go
         back to the queue and those generating end); requests sent meanwhile wait and run on the new weights.
         The reply says whether every engine loaded them (``ok``; ``error`` why not) and their ``fingerprint``;
         when no engine could (another model's checkpoint, a missing directory) the old weights stay."""
-        reply = self.scheduler.call("UpdateWeights", WeightUpdate(model_path, version, timeout, abort),
-                                    timeout=timeout + 30)
+        reply = self.scheduler.call(
+            "UpdateWeights", WeightUpdate(model_path, version, timeout, abort), timeout=timeout + 30
+        )
         if reply.fingerprint:
             self.model_changed(reply.fingerprint)
         return reply
@@ -510,39 +579,59 @@ class ClusterClient:
         """The model's KV block size in tokens, known once a request was submitted (0 before)."""
         return self._model[1] if self._model else 0
 
-    def start(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-              mode: str = "", label: str = "") -> "RequestHandle":
+    def start(
+        self,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        mode: str = "",
+        label: str = "",
+    ) -> "RequestHandle":
         """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it.
         ``label``: a name it shares with others (``abort`` ends every request of a label)."""
         return self._start(token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit, label)
 
-    def _start(self, token_ids: list[int], sampling: SamplingParams, request_id: str, mode: str,
-               migrations: int, label: str = "") -> "RequestHandle":
+    def _start(
+        self,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        mode: str,
+        migrations: int,
+        label: str = "",
+    ) -> "RequestHandle":
         handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations, label)
         handle._submit()
         return handle
 
     def _migrated(self, request_id: str, why: EngineLost, resumed: dict[int, int]) -> None:
         """A reply moves on from what was delivered (``resumed``: choice -> its tokens so far)."""
-        log.warning("%s; continuing choice(s) %s after %s token(s) on other engines", why,
-                    ", ".join(map(str, resumed)), ", ".join(map(str, resumed.values())))
+        log.warning(
+            "%s; continuing choice(s) %s after %s token(s) on other engines",
+            why,
+            ", ".join(map(str, resumed)),
+            ", ".join(map(str, resumed.values())),
+        )
         if self.on_migration is not None:
             self.on_migration(request_id)
 
-    def stream(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-               mode: str = "") -> Iterator[TokenEvent]:
+    def stream(
+        self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None, mode: str = ""
+    ) -> Iterator[TokenEvent]:
         """Token events of one request, ending with the event that carries ``finish_reason``."""
         return self.start(token_ids, sampling, request_id, mode).events()
 
-    def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-                 mode: str = "") -> GenerationResult:
+    def generate(
+        self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None, mode: str = ""
+    ) -> GenerationResult:
         """One choice's tokens (``sampling.n`` 1; ``generate_choices`` returns all of them)."""
         if sampling.n != 1:
             raise RequestError(f"generate returns one choice; use generate_choices for n = {sampling.n}", field="n")
         return self.generate_choices(token_ids, sampling, request_id, mode)[0]
 
-    def generate_choices(self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-                         mode: str = "") -> list[GenerationResult]:
+    def generate_choices(
+        self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None, mode: str = ""
+    ) -> list[GenerationResult]:
         """Every choice of one request (``sampling.n``), in choice order. A choice a weight update aborted
         (``update_weights(abort=True)``) ends with finish reason ``abort`` and the tokens it had."""
         start = time.perf_counter()
@@ -558,9 +647,19 @@ class ClusterClient:
             if ev.finish_reason:
                 t = times[i]
                 tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
-                out[i] = GenerationResult(ev.request_id, tokens[i], ev.finish_reason, ev.num_prompt_tokens,
-                                          ev.num_cached_tokens, ev.path, ev.storage_bytes,
-                                          (t[0] if t else time.perf_counter()) - start, tpot, logprobs[i], i)
+                out[i] = GenerationResult(
+                    ev.request_id,
+                    tokens[i],
+                    ev.finish_reason,
+                    ev.num_prompt_tokens,
+                    ev.num_cached_tokens,
+                    ev.path,
+                    ev.storage_bytes,
+                    (t[0] if t else time.perf_counter()) - start,
+                    tpot,
+                    logprobs[i],
+                    i,
+                )
         if any(r is None for r in out):
             raise DualPathError("the token stream ended without every choice's finish reason")
         return out

@@ -12,6 +12,7 @@ Start-up is reported through ``report`` (the log by default; ``dualpath serve`` 
 loading (model, device) and as it is ready (its KV cache in tokens, from its ready file), and every ``PROGRESS_S``
 what is still starting, with the last line of its log, so a slow start shows where it is.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,14 +57,21 @@ class RestartPolicy:
     health_failures: int = 3
 
     def delay(self, recent: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+        return min(self.max_backoff_s, self.backoff_s * 2**recent)
 
 
 def qos_args(qos: QosConfig) -> list[str]:
     """``dualpath engine``'s options giving ``qos``."""
-    return ["--kv-service-level", str(qos.kv_service_level), "--kv-dscp", str(qos.kv_dscp),
-            "--collective-service-level", str(qos.collective_service_level),
-            "--collective-dscp", str(qos.collective_dscp)]
+    return [
+        "--kv-service-level",
+        str(qos.kv_service_level),
+        "--kv-dscp",
+        str(qos.kv_dscp),
+        "--collective-service-level",
+        str(qos.collective_service_level),
+        "--collective-dscp",
+        str(qos.collective_dscp),
+    ]
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -158,8 +166,10 @@ def _check_groups(spec: ClusterSpec, model) -> None:
         if count % d:
             raise ConfigError(f"--data-parallel-size {d}: the {count} {role} engine(s) do not fill groups of {d}")
         if spec.tp(role) > 1:
-            raise ConfigError("data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
-                              "--data-parallel-size > 1")
+            raise ConfigError(
+                "data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
+                "--data-parallel-size > 1"
+            )
     check_parallel(model, EngineConfig(parallel=ParallelConfig(data_parallel_size=d, data_parallel_master="h:1")))
 
 
@@ -182,17 +192,24 @@ def check_parallelism(spec: ClusterSpec, model) -> None:
     for role, count in (("prefill", spec.num_prefill), ("decode", spec.num_decode)):
         if count:  # the role's last engine: the highest devices it takes
             device = f"cuda:{spec.first_device(role, count - 1)}" if spec.device == "cuda" else spec.device
-            check_parallel(model, EngineConfig(device=device, lora_modules=spec.lora_modules,
-                                               parallel=ParallelConfig(sizes[role], enable_expert_parallel=
-                                                                       spec.enable_expert_parallel)))
+            check_parallel(
+                model,
+                EngineConfig(
+                    device=device,
+                    lora_modules=spec.lora_modules,
+                    parallel=ParallelConfig(sizes[role], enable_expert_parallel=spec.enable_expert_parallel),
+                ),
+            )
     if spec.device == "cuda":
         import torch
 
         need, have = spec.first_device("decode", spec.num_decode), torch.cuda.device_count()
         if need > have:
-            raise ConfigError(f"{spec.num_prefill} prefill engine(s) of tensor-parallel size {sizes['prefill']} and "
-                              f"{spec.num_decode} decode engine(s) of size {sizes['decode']} need {need} GPUs, but "
-                              f"this host has {have}")
+            raise ConfigError(
+                f"{spec.num_prefill} prefill engine(s) of tensor-parallel size {sizes['prefill']} and "
+                f"{spec.num_decode} decode engine(s) of size {sizes['decode']} need {need} GPUs, but "
+                f"this host has {have}"
+            )
 
 
 @dataclass
@@ -236,9 +253,16 @@ class Supervisor:
     """Child processes of this host: spawned with their own log and ready file, watched (and, by ``restart``,
     brought back), stopped together."""
 
-    def __init__(self, run_dir: str | None, torch_threads: int, log_level: str,
-                 restart: RestartPolicy = RestartPolicy(), start_timeout: float = 300.0, env: dict | None = None,
-                 report: Callable[[str], None] = log.info):
+    def __init__(
+        self,
+        run_dir: str | None,
+        torch_threads: int,
+        log_level: str,
+        restart: RestartPolicy = RestartPolicy(),
+        start_timeout: float = 300.0,
+        env: dict | None = None,
+        report: Callable[[str], None] = log.info,
+    ):
         self.report = report  # start-up progress, a line at a time
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="dualpath-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -257,9 +281,19 @@ class Supervisor:
         if name not in self._rotated:
             self._rotated.add(name)
             rotate_log(log_path)
-        own = args[:args.index("--")] if "--" in args else args
-        cmd = [*prefix, sys.executable, "-m", "dualpath.cli", "--log-level", self.log_level, *own,
-               "--ready-file", str(ready), *args[len(own):]]
+        own = args[: args.index("--")] if "--" in args else args
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "--log-level",
+            self.log_level,
+            *own,
+            "--ready-file",
+            str(ready),
+            *args[len(own) :],
+        ]
         child = Child(name, self._popen(cmd, log_path, ready), log_path, ready, cmd)
         self.children.append(child)
         self.report(f"starting {child.describe()}; log: {log_path}")
@@ -267,8 +301,14 @@ class Supervisor:
 
     def _popen(self, cmd: list[str], log_path: Path, ready: Path) -> subprocess.Popen:
         ready.unlink(missing_ok=True)
-        env = {**os.environ, **self.env, "DUALPATH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.torch_threads or 1), "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            **self.env,
+            "DUALPATH_PARENT_PID": str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(self.torch_threads or 1),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         with open(log_path, "a") as out:  # (a restarted part's log goes on)
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=False)
 
@@ -295,8 +335,10 @@ class Supervisor:
 
     def _still_starting(self, pending: list[Child], waited_s: float) -> None:
         """Which children are still starting, each with its log's last line (where it is)."""
-        self.report(f"still starting after {waited_s:.0f} s: " + "; ".join(
-            f"{c.name} ({c.tail(1).strip()[-160:] or 'nothing logged yet'})" for c in pending))
+        self.report(
+            f"still starting after {waited_s:.0f} s: "
+            + "; ".join(f"{c.name} ({c.tail(1).strip()[-160:] or 'nothing logged yet'})" for c in pending)
+        )
 
     def watch(self, children: list[Child] | None = None) -> None:
         """Watch each child on a thread of its own: log an exit, and restart by ``self.restart``."""
@@ -324,8 +366,9 @@ class Supervisor:
         """Whether ``c`` answered its health check in time: an engine's ``Health``, the scheduler's ``Stats``."""
         if not c.address:
             return True
-        service, methods, call = ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else \
-            ("Engine", ENGINE_METHODS, "Health")
+        service, methods, call = (
+            ("Scheduler", SCHEDULER_METHODS, "Stats") if c.name == "scheduler" else ("Engine", ENGINE_METHODS, "Health")
+        )
         client = Client(service, methods, c.address)
         try:
             client.call(call, RequestRef(""), timeout=self.restart.health_timeout_s)
@@ -342,13 +385,24 @@ class Supervisor:
         _release(c)
         c.restarts = [t for t in c.restarts if now - t < policy.window_s]
         if len(c.restarts) >= policy.max_restarts:
-            more = f"; restarted {len(c.restarts)} times in {policy.window_s:.0f} s, it stays down" \
-                if policy.max_restarts else ""
+            more = (
+                f"; restarted {len(c.restarts)} times in {policy.window_s:.0f} s, it stays down"
+                if policy.max_restarts
+                else ""
+            )
             log.error("%s %s%s; last lines:\n%s", c.name, why, more, c.tail(15))
             return False
         delay = policy.delay(len(c.restarts))
-        log.error("%s %s; restarting it in %.0f s (restart %d of at most %d in %.0f s); last lines:\n%s", c.name,
-                  why, delay, len(c.restarts) + 1, policy.max_restarts, policy.window_s, c.tail(15))
+        log.error(
+            "%s %s; restarting it in %.0f s (restart %d of at most %d in %.0f s); last lines:\n%s",
+            c.name,
+            why,
+            delay,
+            len(c.restarts) + 1,
+            policy.max_restarts,
+            policy.window_s,
+            c.tail(15),
+        )
         if self._stop_event.wait(delay):
             return False
         with self._spawn_lock:
@@ -426,8 +480,7 @@ class LocalCluster(Supervisor):
     """A scheduler and xPyD engines on this host."""
 
     def __init__(self, spec: ClusterSpec, run_dir: str | None = None, report: Callable[[str], None] = log.info):
-        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart, env=dict(spec.env),
-                         report=report)
+        super().__init__(run_dir, spec.torch_threads, spec.log_level, spec.restart, env=dict(spec.env), report=report)
         self.spec = spec
         self.scheduler_address = ""
         self.scheduler_http = ""
@@ -464,9 +517,11 @@ class LocalCluster(Supervisor):
         need = PORTS_PER_ENGINE + (TP_PORTS if tp > 1 else 0)
         port = lo + self._ports_taken
         if port + need - 1 > hi:
-            raise ConfigError(f"--engine-port-range {lo}-{hi} has room for {(hi - lo + 1) // need} engines ({need} "
-                              f"ports each{' at tensor-parallel size > 1' if tp > 1 else ''}); engine "
-                              f"{self._ports_used + 1} needs more")
+            raise ConfigError(
+                f"--engine-port-range {lo}-{hi} has room for {(hi - lo + 1) // need} engines ({need} "
+                f"ports each{' at tensor-parallel size > 1' if tp > 1 else ''}); engine "
+                f"{self._ports_used + 1} needs more"
+            )
         self._ports_used += 1
         self._ports_taken += need
         return port, port + 1, port + PORTS_PER_ENGINE if tp > 1 else 0
@@ -483,28 +538,83 @@ class LocalCluster(Supervisor):
         group = node if s.engines_per_node > 1 else ""
         if s.data_parallel_size > 1:  # a data-parallel group is one engine group to the scheduler (paper §6)
             group = f"{role}-dp{index // s.data_parallel_size}"
-        args = ["engine", "--role", role, "--model", s.model, "--scheduler", self.scheduler_address,
-                "--port", str(port), "--transport-port", str(transport_port),
-                "--engine-id", name, "--node-id", node, "--group-id", group,
-                "--device", device, "--dtype", s.dtype, "--kv-cache-dtype", s.kv_cache_dtype,
-                "--kernels", s.kernels, "--transport", s.transport,
-                "--host", s.host, "--block-size", str(s.block_size), "--buffer-bytes", str(s.buffer_bytes),
-                "--cache-bytes", str(s.cache_bytes), "--gpu-memory-utilization", str(s.gpu_memory_utilization),
-                "--workspace-tokens", str(s.workspace_tokens),
-                "--storage-read-bps", str(s.storage_read_bps), "--storage-capacity", str(s.storage_capacity),
-                "--compute-quota-ms", str(s.compute_quota_ms),
-                "--torch-threads", str(s.torch_threads), "--max-model-len", str(s.max_model_len)]
+        args = [
+            "engine",
+            "--role",
+            role,
+            "--model",
+            s.model,
+            "--scheduler",
+            self.scheduler_address,
+            "--port",
+            str(port),
+            "--transport-port",
+            str(transport_port),
+            "--engine-id",
+            name,
+            "--node-id",
+            node,
+            "--group-id",
+            group,
+            "--device",
+            device,
+            "--dtype",
+            s.dtype,
+            "--kv-cache-dtype",
+            s.kv_cache_dtype,
+            "--kernels",
+            s.kernels,
+            "--transport",
+            s.transport,
+            "--host",
+            s.host,
+            "--block-size",
+            str(s.block_size),
+            "--buffer-bytes",
+            str(s.buffer_bytes),
+            "--cache-bytes",
+            str(s.cache_bytes),
+            "--gpu-memory-utilization",
+            str(s.gpu_memory_utilization),
+            "--workspace-tokens",
+            str(s.workspace_tokens),
+            "--storage-read-bps",
+            str(s.storage_read_bps),
+            "--storage-capacity",
+            str(s.storage_capacity),
+            "--compute-quota-ms",
+            str(s.compute_quota_ms),
+            "--torch-threads",
+            str(s.torch_threads),
+            "--max-model-len",
+            str(s.max_model_len),
+        ]
         if tp > 1:  # (TP 1: the command as before)
-            args += ["--tensor-parallel-size", str(tp), "--tp-master-port", str(master_port),
-                     "--tp-join-timeout", str(s.tp_join_timeout_s), "--moe-dispatch", s.moe_dispatch]
+            args += [
+                "--tensor-parallel-size",
+                str(tp),
+                "--tp-master-port",
+                str(master_port),
+                "--tp-join-timeout",
+                str(s.tp_join_timeout_s),
+                "--moe-dispatch",
+                s.moe_dispatch,
+            ]
             if s.enable_expert_parallel:
                 args.append("--enable-expert-parallel")
         if s.data_parallel_size > 1:  # the group's engines are consecutive; a restarted one meets them again
             group = index // s.data_parallel_size
             master = self._dp_masters.setdefault((role, group), f"{s.host}:{_free_port(s.host)}")
-            args += ["--data-parallel-size", str(s.data_parallel_size), "--data-parallel-rank",
-                     str(index % s.data_parallel_size), "--data-parallel-master", master,
-                     "--moe-dispatch", s.moe_dispatch]
+            args += [
+                "--data-parallel-size",
+                str(s.data_parallel_size),
+                "--data-parallel-rank",
+                str(index % s.data_parallel_size),
+                "--data-parallel-master",
+                master,
+                "--moe-dispatch",
+                s.moe_dispatch,
+            ]
         if s.enforce_eager:
             args.append("--enforce-eager")
         if s.quantization:
@@ -531,9 +641,11 @@ class LocalCluster(Supervisor):
         self._share_token()
         try:
             self._start_scheduler(s.scheduler_port, timeout)
-            engines = [self.spawn(f"{role}-{i}", self._engine_args(role, i, s.first_device(role, i)))
-                       for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode))
-                       for i in range(count)]
+            engines = [
+                self.spawn(f"{role}-{i}", self._engine_args(role, i, s.first_device(role, i)))
+                for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode))
+                for i in range(count)
+            ]
             self.wait_ready(engines, timeout)
             for c in engines:
                 self.restarted(c)
@@ -547,9 +659,25 @@ class LocalCluster(Supervisor):
     def _start_scheduler(self, port: int, timeout: float, http_port: int | None = None) -> Child:
         s = self.spec
         http_port = s.scheduler_http_port if http_port is None else http_port
-        args = ["scheduler", "--host", s.host, "--port", str(port), "--mode", s.mode, "--policy", s.policy,
-                "--heartbeat-timeout", str(s.heartbeat_timeout_s), "--http-port", str(http_port),
-                "--engine-wait-timeout", str(s.engine_wait_timeout_s), "--scheduling-policy", s.scheduling_policy]
+        args = [
+            "scheduler",
+            "--host",
+            s.host,
+            "--port",
+            str(port),
+            "--mode",
+            s.mode,
+            "--policy",
+            s.policy,
+            "--heartbeat-timeout",
+            str(s.heartbeat_timeout_s),
+            "--http-port",
+            str(http_port),
+            "--engine-wait-timeout",
+            str(s.engine_wait_timeout_s),
+            "--scheduling-policy",
+            s.scheduling_policy,
+        ]
         if s.kv_store:
             args += ["--kv-store", s.kv_store]
         if s.load_every_hit:
@@ -561,8 +689,9 @@ class LocalCluster(Supervisor):
         self.restarted(sched)
         # a restart listens where engines and frontends already look
         sched.cmd[sched.cmd.index("--port") + 1] = self.scheduler_address.rsplit(":", 1)[1]
-        sched.cmd[sched.cmd.index("--http-port") + 1] = self.scheduler_http.rsplit(":", 1)[1] \
-            if self.scheduler_http else str(http_port)
+        sched.cmd[sched.cmd.index("--http-port") + 1] = (
+            self.scheduler_http.rsplit(":", 1)[1] if self.scheduler_http else str(http_port)
+        )
         return sched
 
     def restarted(self, c: Child) -> None:
@@ -603,7 +732,6 @@ class LocalCluster(Supervisor):
         self.stop()
 
 
-
 @dataclass(frozen=True)
 class NodeSpec:
     """This host's engines of one role, for a cluster whose scheduler runs elsewhere (a Kubernetes pod per node,
@@ -628,8 +756,9 @@ class NodeEngines(Supervisor):
     (the pod's container, or the job step, is restarted by Kubernetes or Slurm)."""
 
     def __init__(self, spec: NodeSpec, run_dir: str | None = None):
-        threads = spec.torch_threads or max(1, (os.cpu_count() or 1) // max(1, spec.engines *
-                                                                             spec.tensor_parallel_size))
+        threads = spec.torch_threads or max(
+            1, (os.cpu_count() or 1) // max(1, spec.engines * spec.tensor_parallel_size)
+        )
         super().__init__(run_dir, threads, spec.log_level)
         self.spec = spec
         # a data-parallel group meets on this host (its engines are this node's; a restart of the node: a new port)
@@ -640,16 +769,42 @@ class NodeEngines(Supervisor):
         node = s.node_id or socket.gethostname()
         tp = s.tensor_parallel_size
         device = f"cuda:{index * tp}" if s.device == "cuda" else s.device
-        return ["engine", "--role", s.role, "--scheduler", s.scheduler, "--engine-id", f"{s.role}-{node}-{index}",
-                "--node-id", node, "--group-id", f"{s.role}-{node}", "--device", device, "--host", s.host,
-                "--port", str(s.base_port + index if s.base_port else 0), "--torch-threads", str(self.torch_threads),
-                *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *self._dp_args(index), *s.engine_args]
+        return [
+            "engine",
+            "--role",
+            s.role,
+            "--scheduler",
+            s.scheduler,
+            "--engine-id",
+            f"{s.role}-{node}-{index}",
+            "--node-id",
+            node,
+            "--group-id",
+            f"{s.role}-{node}",
+            "--device",
+            device,
+            "--host",
+            s.host,
+            "--port",
+            str(s.base_port + index if s.base_port else 0),
+            "--torch-threads",
+            str(self.torch_threads),
+            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
+            *self._dp_args(index),
+            *s.engine_args,
+        ]
 
     def _dp_args(self, index: int) -> list[str]:
         if not self.spec.data_parallel:
             return []
-        return ["--data-parallel-size", str(self.spec.engines), "--data-parallel-rank", str(index),
-                "--data-parallel-master", self.dp_master]
+        return [
+            "--data-parallel-size",
+            str(self.spec.engines),
+            "--data-parallel-rank",
+            str(index),
+            "--data-parallel-master",
+            self.dp_master,
+        ]
 
     def start(self, timeout: float = 600.0) -> "NodeEngines":
         try:
@@ -690,8 +845,11 @@ class NodeEngines(Supervisor):
         stuck = [c for c in self.children if failures[c.name] >= self.restart.health_failures]
         for c in stuck:
             c.proc.kill()
-        return f"{', '.join(c.name for c in stuck)} did not answer {self.restart.health_failures} health checks in " \
-               "a row" if stuck else ""
+        return (
+            f"{', '.join(c.name for c in stuck)} did not answer {self.restart.health_failures} health checks in a row"
+            if stuck
+            else ""
+        )
 
 
 __all__ = ["ClusterSpec", "LocalCluster", "NodeEngines", "NodeSpec", "Supervisor", "check_parallelism"]

@@ -2,6 +2,7 @@
 
 This is the reference the disaggregated runtime must match token for token.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,14 @@ from dualpath.core.tokenizer import Tokenizer, TokenIdsOnly
 from dualpath.engines.local import LocalEngine
 from dualpath.engines.models import open_checkpoint
 from dualpath.engines.parallel.ranks import RankSpec, check_parallel, start_ranks
-from dualpath.engines.parallel.steps import alloc_cache, cache_size, copy_block, forward_whole, load_adapter, update_weights
+from dualpath.engines.parallel.steps import (
+    alloc_cache,
+    cache_size,
+    copy_block,
+    forward_whole,
+    load_adapter,
+    update_weights,
+)
 from dualpath.engines.sampler import TokenLogprob, make_generator
 from dualpath.engines.sequence import Sequence
 from dualpath.kernels.attention import check_cache_dtype
@@ -64,25 +72,50 @@ class LLM:
     raise a RequestError saying so.
     """
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", block_size: int = 64,
-                 kv_cache_bytes: int = 0, num_kv_blocks: int = 0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None, kernels: str = "auto",
-                 enforce_eager: bool = False, speculative_config: dict | str | None = None,
-                 kv_cache_dtype: str = "auto", generation_config: str = "auto",
-                 lora_modules: dict[str, str] | None = None, quantization: str | None = None,
-                 gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, moe_dispatch: str = "all_to_all",
-                 skip_tokenizer_init: bool = False):
-        self.config = EngineConfig(device=device, dtype=dtype, kernels=kernels, enforce_eager=enforce_eager,
-                                   kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-                                   max_num_seqs=max_num_seqs, speculative=SpeculativeConfig.parse(speculative_config),
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   cache=CacheConfig(block_size=block_size, num_device_blocks=num_kv_blocks,
-                                                     device_memory_bytes=kv_cache_bytes,
-                                                     gpu_memory_utilization=gpu_memory_utilization),
-                                   parallel=ParallelConfig(tensor_parallel_size,
-                                                           enable_expert_parallel=enable_expert_parallel,
-                                                           moe_dispatch=moe_dispatch))
+    def __init__(
+        self,
+        model: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 64,
+        kv_cache_bytes: int = 0,
+        num_kv_blocks: int = 0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        kernels: str = "auto",
+        enforce_eager: bool = False,
+        speculative_config: dict | str | None = None,
+        kv_cache_dtype: str = "auto",
+        generation_config: str = "auto",
+        lora_modules: dict[str, str] | None = None,
+        quantization: str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        moe_dispatch: str = "all_to_all",
+        skip_tokenizer_init: bool = False,
+    ):
+        self.config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            kernels=kernels,
+            enforce_eager=enforce_eager,
+            kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
+            max_num_seqs=max_num_seqs,
+            speculative=SpeculativeConfig.parse(speculative_config),
+            max_num_batched_tokens=max_num_batched_tokens,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_device_blocks=num_kv_blocks,
+                device_memory_bytes=kv_cache_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size, enable_expert_parallel=enable_expert_parallel, moe_dispatch=moe_dispatch
+            ),
+        )
         ckpt = open_checkpoint(model, self.config.weight_quant)
         self.model_config = ckpt.config
         check_parallel(ckpt.config, self.config)
@@ -100,9 +133,17 @@ class LLM:
         if self.ranks.size > 1:
             self.cache.copier = lambda src, dst: self.ranks.run(copy_block, src, dst)
         engine_tokenizer = self.tokenizer if self.tokenizer.takes_text else None
-        self.engine = LocalEngine(self.model, self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                  engine_tokenizer, enforce_eager=enforce_eager, speculative=self.config.speculative,
-                                  ranks=self.ranks)
+        self.engine = LocalEngine(
+            self.model,
+            self.cache,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            engine_tokenizer,
+            enforce_eager=enforce_eager,
+            speculative=self.config.speculative,
+            ranks=self.ranks,
+        )
         self._ids = itertools.count()
         self._default_sampling = SamplingParams(**model_defaults(generation_config, model))
 
@@ -126,23 +167,32 @@ class LLM:
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
 
-    def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]], sampling: SamplingParams | None = None,
-                 use_tqdm: bool = False, lora_request: str | Seq[str | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Seq[int] | Seq[str | Seq[int]],
+        sampling: SamplingParams | None = None,
+        use_tqdm: bool = False,
+        lora_request: str | Seq[str | None] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); outputs are in prompt order, a prompt's
         ``sampling.n`` choices one after another (``RequestOutput.index``), its KV computed once for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling = sampling or self._default_sampling
-        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, str) else \
-            list(lora_request)
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, str)
+            else list(lora_request)
+        )
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         if not self.tokenizer.takes_text:  # (the engine would otherwise ignore stop strings it cannot match)
             self.tokenizer.check_sampling(sampling.stop, sampling.structured)
         params = [dataclasses.replace(sampling, adapter=self._adapter(lora)) for lora in loras]
         gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
-        firsts = [Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), s, gens())
-                  for p, s in zip(prompts, params)]
+        firsts = [
+            Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), s, gens()) for p, s in zip(prompts, params)
+        ]
         seqs = [c for s in firsts for c in (s, *s.forks)]  # the engine empties ``forks`` as it forks them
         for s in firsts:
             self.engine.add(s)
@@ -151,9 +201,15 @@ class LLM:
                 bar.update(len(self.engine.step()))
         return [self._output(s) for s in seqs]
 
-    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling: SamplingParams | None = None,
-             use_tqdm: bool = False, tools: Seq[dict] | None = None,
-             chat_template: str | None = None, lora_request: str | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling: SamplingParams | None = None,
+        use_tqdm: bool = False,
+        tools: Seq[dict] | None = None,
+        chat_template: str | None = None,
+        lora_request: str | None = None,
+    ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template (or ``chat_template``) to one conversation or a list of them, then
         generate. ``tools`` (OpenAI's form) go to the template, as Hugging Face's ``apply_chat_template`` passes
         them; the reply's calls are in its text (``dualpath.serving.tools.ToolCallSplitter`` finds them)."""
@@ -165,8 +221,11 @@ class LLM:
         return self.generate([tok.apply_chat_template(c, **extra) for c in convs], sampling, use_tqdm, lora_request)
 
     def _output(self, s: Sequence) -> RequestOutput:
-        text = s.stop_text if s.stop_text is not None else \
-            self.tokenizer.decode(s.output_ids, s.params.skip_special_tokens)
+        text = (
+            s.stop_text
+            if s.stop_text is not None
+            else self.tokenizer.decode(s.output_ids, s.params.skip_special_tokens)
+        )
         lps = s.logprobs if s.params.logprobs is not None else None
         plps = [None, *s.prompt_logprobs] if s.params.prompt_logprobs is not None else None
         return RequestOutput(s.prompt_ids, list(s.output_ids), text, s.finish_reason.value, lps, plps, s.index)

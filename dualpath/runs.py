@@ -7,6 +7,7 @@ Why records and not a default port: ``serve`` gives its scheduler any free port 
 servers on one host never collide, and a status caller needs the cluster token as well as the address: the record
 names both. A record whose process is gone (killed with SIGKILL) is stale and removed when read.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,5 +90,6 @@ def from_run_dir(run_dir: str | Path, host: str = "127.0.0.1") -> LocalRun:
 
 def this_run(scheduler: str, run_dir: Path, token_file: Path, api: str, model: str) -> LocalRun:
     """This process's run (``serve``), for ``announce``."""
-    return LocalRun(scheduler, str(run_dir), str(token_file) if token_file.is_file() else "", api, model,
-                    os.getpid(), time.time())
+    return LocalRun(
+        scheduler, str(run_dir), str(token_file) if token_file.is_file() else "", api, model, os.getpid(), time.time()
+    )

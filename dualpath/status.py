@@ -1,5 +1,6 @@
 """``dualpath status``: which scheduler to ask (``find_scheduler``) and its stats as a table for people
 (``render``); ``--json`` prints the stats themselves for machines."""
+
 from __future__ import annotations
 
 import os
@@ -37,11 +38,16 @@ def find_scheduler(scheduler: str | None, run_dir: str | None, wait_s: float = 0
     if not runs and _listening(STANDALONE):
         return Target(LocalRun(STANDALONE, ""), f"no `dualpath serve` here: the scheduler at {STANDALONE} shown")
     if not runs:
-        raise ConfigError(f"no `dualpath serve` of this user runs on this host (none recorded in {runs_dir()}) and "
-                          f"no scheduler listens at {STANDALONE}; give --scheduler HOST:PORT or --run-dir DIR")
+        raise ConfigError(
+            f"no `dualpath serve` of this user runs on this host (none recorded in {runs_dir()}) and "
+            f"no scheduler listens at {STANDALONE}; give --scheduler HOST:PORT or --run-dir DIR"
+        )
     others = ", ".join(f"pid {r.pid} ({r.scheduler})" for r in runs[1:])
-    note = f"{len(runs)} `dualpath serve` runs here: the newest shown; --scheduler picks another: {others}" \
-        if others else ""
+    note = (
+        f"{len(runs)} `dualpath serve` runs here: the newest shown; --scheduler picks another: {others}"
+        if others
+        else ""
+    )
     return Target(runs[0], note)
 
 
@@ -75,8 +81,9 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
     cells = [tuple(str(c) for c in r) for r in [header, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     numeric = [bool(rows) and all(isinstance(r[i], int) for r in rows) for i in range(len(header))]
-    return ["  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip()
-            for r in cells]
+    return [
+        "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip() for r in cells
+    ]
 
 
 def _engine_row(eid: str, e: dict) -> tuple:
@@ -84,8 +91,17 @@ def _engine_row(eid: str, e: dict) -> tuple:
     kv = f"{100 * (cap - free) / cap:.1f}% of {cap:,}" if cap else "-"
     store_cap = e.get("storage_capacity_bytes", 0)
     store = _bytes(e.get("storage_used_bytes", 0)) + (f" / {_bytes(store_cap)}" if store_cap else "")
-    return (eid, e.get("role", "?"), e.get("node", "") or "-", e.get("group", "") or "-", e.get("requests", 0),
-            e.get("tokens", 0), kv, store, "yes" if e.get("alive", True) else "no")
+    return (
+        eid,
+        e.get("role", "?"),
+        e.get("node", "") or "-",
+        e.get("group", "") or "-",
+        e.get("requests", 0),
+        e.get("tokens", 0),
+        kv,
+        store,
+        "yes" if e.get("alive", True) else "no",
+    )
 
 
 def _header(data: dict, run: LocalRun) -> list[str]:
@@ -98,24 +114,36 @@ def _header(data: dict, run: LocalRun) -> list[str]:
         where.append(f"run dir {run.run_dir}")
     alive = data.get("engines_alive_by_role", {})
     weights = data.get("weights_version") or "as started"
-    return [" | ".join(where),
-            " | ".join(x for x in (f"model {run.model}" if run.model else "", f"weights {weights}",
-                                   f"scheduling {data.get('scheduling_policy', '?')}",
-                                   "PAUSED" if data.get("paused") else "", "HELD" if data.get("held") else "") if x),
-            f"engines alive: {alive.get('prefill', 0)} prefill, {alive.get('decode', 0)} decode"]
+    return [
+        " | ".join(where),
+        " | ".join(
+            x
+            for x in (
+                f"model {run.model}" if run.model else "",
+                f"weights {weights}",
+                f"scheduling {data.get('scheduling_policy', '?')}",
+                "PAUSED" if data.get("paused") else "",
+                "HELD" if data.get("held") else "",
+            )
+            if x
+        ),
+        f"engines alive: {alive.get('prefill', 0)} prefill, {alive.get('decode', 0)} decode",
+    ]
 
 
 def _requests(data: dict) -> list[str]:
     waiting = data.get("waiting_by_priority") or {}
     by_priority = ", ".join(f"priority {k}: {v}" for k, v in sorted(waiting.items(), key=lambda kv: int(kv[0])))
     prompt, hit = data.get("prompt_tokens", 0), data.get("hit_tokens", 0)
-    return [f"requests: {data.get('in_flight', 0)} in flight, {data.get('submitted', 0)} submitted, "
-            f"{data.get('finished', 0)} finished, {data.get('failed', 0)} failed, {data.get('rejected', 0)} rejected",
-            f"queues: global {data.get('global_queue', 0)}, prefill {data.get('prefill_queue', 0)}, decode "
-            f"{data.get('decode_queue', 0)}" + (f" (waiting by {by_priority})" if by_priority else ""),
-            f"KV: {data.get('index_blocks', 0):,} blocks stored ({data.get('block_size', 0)} tokens each); "
-            f"{hit:,} of {prompt:,} prompt tokens hit ({100 * hit / prompt if prompt else 0:.0f}%); requests by "
-            f"read path: PE {data.get('path_pe', 0)}, DE {data.get('path_de', 0)}, split {data.get('path_split', 0)}"]
+    return [
+        f"requests: {data.get('in_flight', 0)} in flight, {data.get('submitted', 0)} submitted, "
+        f"{data.get('finished', 0)} finished, {data.get('failed', 0)} failed, {data.get('rejected', 0)} rejected",
+        f"queues: global {data.get('global_queue', 0)}, prefill {data.get('prefill_queue', 0)}, decode "
+        f"{data.get('decode_queue', 0)}" + (f" (waiting by {by_priority})" if by_priority else ""),
+        f"KV: {data.get('index_blocks', 0):,} blocks stored ({data.get('block_size', 0)} tokens each); "
+        f"{hit:,} of {prompt:,} prompt tokens hit ({100 * hit / prompt if prompt else 0:.0f}%); requests by "
+        f"read path: PE {data.get('path_pe', 0)}, DE {data.get('path_de', 0)}, split {data.get('path_split', 0)}",
+    ]
 
 
 def render(data: dict, run: LocalRun) -> str:
@@ -126,11 +154,21 @@ def render(data: dict, run: LocalRun) -> str:
     if data.get("lora_adapters"):
         lines.append("LoRA adapters loaded at runtime: " + ", ".join(data["lora_adapters"]))
     engines = data.get("engines") or {}
-    lines += ["", *_table(("ENGINE", "ROLE", "NODE", "GROUP", "REQUESTS", "TOKENS", "KV USED", "KV STORE", "ALIVE"),
-                          [_engine_row(eid, e) for eid, e in sorted(engines.items())])]
+    lines += [
+        "",
+        *_table(
+            ("ENGINE", "ROLE", "NODE", "GROUP", "REQUESTS", "TOKENS", "KV USED", "KV STORE", "ALIVE"),
+            [_engine_row(eid, e) for eid, e in sorted(engines.items())],
+        ),
+    ]
     nodes = sorted(set(data.get("storage_read_bytes") or {}) | set(data.get("node_read_q_tokens") or {}))
     if nodes:
         reads, queue = data.get("storage_read_bytes") or {}, data.get("node_read_q_tokens") or {}
-        lines += ["", *_table(("NODE", "STORAGE READ", "READ QUEUE (TOKENS)"),
-                              [(n, _bytes(reads.get(n, 0)), queue.get(n, 0)) for n in nodes])]
+        lines += [
+            "",
+            *_table(
+                ("NODE", "STORAGE READ", "READ QUEUE (TOKENS)"),
+                [(n, _bytes(reads.get(n, 0)), queue.get(n, 0)) for n in nodes],
+            ),
+        ]
     return "\n".join(lines)

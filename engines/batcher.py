@@ -5,6 +5,7 @@ requests join FIFO while the prediction stays under the quota; the first that do
 with the largest chunk that does (binary search over whole blocks), and the batch closes. Pure functions of
 plain data: the engine passes its queue, the model and the quota.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +63,14 @@ class Pending:
     remaining: int
 
 
-def form_batch(queue: Sequence[Pending], model: CostModel, quota_s: float, block_size: int,
-               max_tokens: int | None = None, max_blocks: int | None = None) -> list[tuple[str, int]]:
+def form_batch(
+    queue: Sequence[Pending],
+    model: CostModel,
+    quota_s: float,
+    block_size: int,
+    max_tokens: int | None = None,
+    max_blocks: int | None = None,
+) -> list[tuple[str, int]]:
     """(request id, new tokens this batch) for a FIFO prefix of ``queue``.
 
     ``max_tokens`` bounds the batch's new tokens and ``max_blocks`` the workspace blocks it needs (each request

@@ -11,6 +11,7 @@ comes. Stop strings end a choice here too (the tokenizer loads on the first requ
 met one stops taking decode steps while the others go on. A request's stream ends only after its blocks are stored
 and reported, so the next turn finds them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,17 @@ import torch
 from dualpath.core.errors import DualPathError, OutOfBlocksError, RankLostError, RequestError
 from dualpath.core.faults import failpoint
 from dualpath.core.geometry import BlockHash, block_hashes, choice_blocks
-from dualpath.core.messages import Ack, PrefillDone as PrefillDoneMsg, PrepareReply, PrepareRequest, RequestRef, Role, \
-    TokenEvent, unpack_keys, unpack_tokens
+from dualpath.core.messages import (
+    Ack,
+    PrefillDone as PrefillDoneMsg,
+    PrepareReply,
+    PrepareRequest,
+    RequestRef,
+    Role,
+    TokenEvent,
+    unpack_keys,
+    unpack_tokens,
+)
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.engine import Engine
 from dualpath.engines.local import LocalEngine
@@ -83,9 +93,17 @@ class DecodeEngine(Engine):
         self.cache = self.ranks.run(alloc_cache, self.geometry, blocks)  # rank 0's: of its heads, under TP
         if self.ranks.size > 1:
             self.cache.copier = lambda src, dst: self.ranks.run(copy_block, src, dst)
-        self.local = LocalEngine(self.model, self.cache, e.max_num_seqs, e.max_num_batched_tokens, self.max_model_len,
-                                 free_finished=False, enforce_eager=e.enforce_eager, speculative=e.speculative,
-                                 ranks=self.ranks)
+        self.local = LocalEngine(
+            self.model,
+            self.cache,
+            e.max_num_seqs,
+            e.max_num_batched_tokens,
+            self.max_model_len,
+            free_finished=False,
+            enforce_eager=e.enforce_eager,
+            speculative=e.speculative,
+            ranks=self.ranks,
+        )
         self.lock = threading.RLock()  # the paged cache and the held table
         self.held_: dict[str, Held] = {}
         # dropped before their hand-off: work id -> when its buffer slots are reused without word from its prefill
@@ -158,7 +176,7 @@ class DecodeEngine(Engine):
         if not req.load_keys:
             return PrepareReply(True, slots, 0), None
         first, keys = req.first_load_block, unpack_keys(req.load_keys)
-        load = self.traffic.load(keys, slots[first:first + len(keys)])
+        load = self.traffic.load(keys, slots[first : first + len(keys)])
         failpoint("decode.loading")
         return PrepareReply(True, slots, 0), load
 
@@ -241,8 +259,12 @@ class DecodeEngine(Engine):
             return
         hashes = block_hashes(prompt, self.fingerprint, g.block_size, salt=params.cache_salt, adapter=params.adapter)
         h.choices = [Choice(s, list(hashes), len(prompt) // g.block_size) for s in seqs]
-        h.info = {"num_prompt_tokens": len(prompt), "num_cached_tokens": msg.num_cached_tokens,
-                  "path": msg.path, "storage_bytes": msg.storage_bytes}
+        h.info = {
+            "num_prompt_tokens": len(prompt),
+            "num_cached_tokens": msg.num_cached_tokens,
+            "path": msg.path,
+            "storage_bytes": msg.storage_bytes,
+        }
         self._store_prompt(h, hashes, msg.num_cached_tokens // g.block_size)
         self.outbox.add("started", rid)
         # the scheduler knows the reply streams before its first token leaves: a weight update's abort then ends it
@@ -252,15 +274,16 @@ class DecodeEngine(Engine):
             with self.lock:
                 running = not c.seq.finished and self.local.admit_prefilled(c.seq)
             # the prompt's logprobs (when asked) and the request's numbers on each choice's first event
-            self._emit(c.seq, c.seq.output_ids[params.num_resumed_tokens:], msg.prompt_logprobs, h.info)
+            self._emit(c.seq, c.seq.output_ids[params.num_resumed_tokens :], msg.prompt_logprobs, h.info)
             if not running:
                 self._finish(h, c)
 
-    def _prompt_to_cache(self, h: Held, msg: PrefillDoneMsg, prompt: list[int],
-                         params: SamplingParams) -> list[Sequence]:
+    def _prompt_to_cache(
+        self, h: Held, msg: PrefillDoneMsg, prompt: list[int], params: SamplingParams
+    ) -> list[Sequence]:
         """The prompt's KV from the buffer into choice 0's blocks, the other choices forked off them (under the
         lock): every choice's sequence, its prompt computed."""
-        self.ranks.run(buffer_to_cache, self.geometry, self.cache.block_table(h.work_id)[:len(h.slots)], h.slots)
+        self.ranks.run(buffer_to_cache, self.geometry, self.cache.block_table(h.work_id)[: len(h.slots)], h.slots)
         first = Sequence.choices(h.work_id, prompt, params, _generators(msg, params.n))
         seqs, first.forks = [first, *first.forks], []
         for s in seqs:
@@ -302,7 +325,7 @@ class DecodeEngine(Engine):
                 self.report_soon()
                 return
         for s in running:
-            self._emit(s, s.output_ids[before[s.seq_id]:])  # (a finished one's ending token says so)
+            self._emit(s, s.output_ids[before[s.seq_id] :])  # (a finished one's ending token says so)
             h = self.held_[s.group]
             self._persist(h, h.choices[s.index])
         for s in finished:
@@ -318,13 +341,18 @@ class DecodeEngine(Engine):
         tokens = seq.token_ids
         parent = c.hashes[c.persisted - 1] if c.persisted else None
         with self.lock:
-            table = self.cache.block_table(seq.seq_id)[c.persisted:full]
+            table = self.cache.block_table(seq.seq_id)[c.persisted : full]
             blocks = self._full_blocks(table, (seq.seq_id, c.persisted))
         if blocks is None:
             return
-        new_keys = block_hashes(tokens[c.persisted * g.block_size:full * g.block_size], self.fingerprint,
-                                g.block_size, parent=parent, salt=seq.params.cache_salt,
-                                adapter=seq.params.adapter)
+        new_keys = block_hashes(
+            tokens[c.persisted * g.block_size : full * g.block_size],
+            self.fingerprint,
+            g.block_size,
+            parent=parent,
+            salt=seq.params.cache_salt,
+            adapter=seq.params.adapter,
+        )
         c.hashes.extend(new_keys)
         fut = self.traffic.store(new_keys, blocks)
         if self.ranks.size > 1:  # the blocks were gathered in buffer slots of their own
@@ -337,8 +365,9 @@ class DecodeEngine(Engine):
         Tensor parallelism: every rank writes its heads into buffer slots held by ``owner`` until stored; None
         when the buffer has no room now (the blocks are stored at a later step)."""
         if self.ranks.size == 1:
-            return list(cache_to_full_blocks(self.cache.storage, torch.tensor(table, device=self.device),
-                                             self.geometry).cpu())
+            return list(
+                cache_to_full_blocks(self.cache.storage, torch.tensor(table, device=self.device), self.geometry).cpu()
+            )
         try:
             slots = self.buffer.allocate(len(table), owner)
         except OutOfBlocksError:
@@ -376,6 +405,7 @@ class DecodeEngine(Engine):
                 return
             self.outbox.add("stored_keys", *[k for k, e in zip(keys, f.result()) if e is None])
             out.set_result(None)
+
         fut.add_done_callback(done)
         return out
 
@@ -435,8 +465,9 @@ class DecodeEngine(Engine):
     def _settle_overdue(self) -> None:
         now = time.monotonic()
         for work_id in [w for w, at in self.settling.items() if at <= now]:
-            log.warning("%s: no word from its prefill engine in %.0f s; its buffer slots are reused", work_id,
-                        self.settle_s)
+            log.warning(
+                "%s: no word from its prefill engine in %.0f s; its buffer slots are reused", work_id, self.settle_s
+            )
             self._settle(work_id)
 
     def _free(self, h: Held, keep_buffer: bool = False) -> None:
@@ -473,22 +504,32 @@ class DecodeEngine(Engine):
             self.outbox.add("failed", [h.work_id, why])
             self.report_now()  # the scheduler drops it and indexes its blocks before its continuation arrives
         finally:  # whatever happened, the reader learns to go on
-            self.streams.put(h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True,
-                                                   preempted=True))
+            self.streams.put(
+                h.work_id, TokenEvent(h.work_id, finish_reason="abort", error=why, engine_lost=True, preempted=True)
+            )
         log.info("%s handed back: %s", h.work_id, why)
 
     # --- streams --------------------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None,
-              info: dict | None = None) -> None:
+    def _emit(
+        self, seq: Sequence, tokens: list[int], prompt_logprobs: list[dict] | None = None, info: dict | None = None
+    ) -> None:
         """Stream ``tokens``, the last of ``seq``'s: the first carries ``prompt_logprobs`` and ``info`` (a first
         event's), a token that ended the choice its reason (``TokenEvent.ending``)."""
-        lps = seq.logprobs[len(seq.output_ids) - len(tokens):]
+        lps = seq.logprobs[len(seq.output_ids) - len(tokens) :]
         ending = seq.finish_reason.value if seq.finish_reason else ""
         for k, (tok, lp) in enumerate(zip(tokens, lps)):
-            self.streams.put(seq.group, TokenEvent(seq.group, tok, lp.__dict__ if lp is not None else None,
-                                                   index=seq.index, prompt_logprobs=None if k else prompt_logprobs,
-                                                   ending=ending if k == len(tokens) - 1 else "",
-                                                   **(info if info and not k else {})))
+            self.streams.put(
+                seq.group,
+                TokenEvent(
+                    seq.group,
+                    tok,
+                    lp.__dict__ if lp is not None else None,
+                    index=seq.index,
+                    prompt_logprobs=None if k else prompt_logprobs,
+                    ending=ending if k == len(tokens) - 1 else "",
+                    **(info if info and not k else {}),
+                ),
+            )
 
     async def Stream(self, ref: RequestRef, ctx):
         """Tokens of ``ref.request_id`` (a work id) as they come; the submitter hanging up cancels it."""

@@ -8,6 +8,7 @@ answering, the next member takes over. Facts the scheduler must not miss (a requ
 are also sent straight to the scheduler as they happen (``Report``); everything waits in an outbox until a
 report carrying it was delivered.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,21 @@ import torch
 from dualpath.core.config import EngineProcessConfig
 from dualpath.core.errors import CheckpointError, DualPathError, EngineBusyError, RankLostError
 from dualpath.core.geometry import KVGeometry, model_fingerprint
-from dualpath.core.messages import Ack, AdapterLoad, AdapterLoadReply, Assignment, EngineInfo, EngineLoad, PullReply, \
-    PullRequest, RequestRef, Role, WeightUpdate, WeightUpdateReply, pack_keys
+from dualpath.core.messages import (
+    Ack,
+    AdapterLoad,
+    AdapterLoadReply,
+    Assignment,
+    EngineInfo,
+    EngineLoad,
+    PullReply,
+    PullRequest,
+    RequestRef,
+    Role,
+    WeightUpdate,
+    WeightUpdateReply,
+    pack_keys,
+)
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.core.tokenizer import Tokenizer
@@ -93,8 +107,13 @@ class Engine:
         if cfg.engine.parallel.data_parallel_size > 1:
             p = cfg.engine.parallel
             self.dp = attach(self.model, join_group(p, cfg.engine.device), p.moe_dispatch, self._rank_lost)
-            log.info("engine %s is data-parallel rank %d of %d (group at %s)", self.engine_id, p.data_parallel_rank,
-                     p.data_parallel_size, p.data_parallel_master)
+            log.info(
+                "engine %s is data-parallel rank %d of %d (group at %s)",
+                self.engine_id,
+                p.data_parallel_rank,
+                p.data_parallel_size,
+                p.data_parallel_master,
+            )
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
@@ -107,8 +126,9 @@ class Engine:
         bs = cfg.engine.cache.block_size
         self.geometry = KVGeometry.for_model(ckpt.config, cfg.engine.kv_dtype, bs)
         check_cache_dtype(self.model.kernels, self.device, cache_dtype(self.geometry))
-        self.fingerprint = model_fingerprint(ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest,
-                                             cfg.engine.kv_dtype)
+        self.fingerprint = model_fingerprint(
+            ckpt.config, cfg.engine.dtype, bs, ckpt.weights_digest, cfg.engine.kv_dtype
+        )
         self.transport = make_transport(cfg.transport, self.engine_id)
         slots = max(1, cfg.buffer_bytes // self.geometry.full_block_bytes)
         self.buffer_memory = self._host_memory(slots * self.geometry.full_block_bytes)
@@ -219,8 +239,9 @@ class Engine:
         stop strings: the tokenizer's load), that runs on a helper thread, which calls ``then`` after it, and False
         is returned: the caller stops and ``then`` redoes its work, so an engine loop never stalls the requests it
         runs."""
-        want_tokenizer = stop_strings and bool(params.stop) and self._tokenizer is None and \
-            self._tokenizer_error is None
+        want_tokenizer = (
+            stop_strings and bool(params.stop) and self._tokenizer is None and self._tokenizer_error is None
+        )
         if self.guides.ready(params) and not want_tokenizer:
             return True
 
@@ -230,6 +251,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - logged; guide_for raises it again, failing the request
                 log.warning("loading the tokenizer (or indexing its vocabulary) failed: %s", e)
             then()
+
         threading.Thread(target=warm, daemon=True, name="guides-warm").start()
         return False
 
@@ -246,8 +268,11 @@ class Engine:
         bps = self.cfg.storage.read_bandwidth_bps
         if not bps:
             bps = self._measure_read_bps()
-            log.info("storage reads measured at %.0f MB/s at start (the scheduler goes by the rate measured once "
-                     "blocks wait to be read for a second; --alpha-tokens pins it)", bps / 1e6)
+            log.info(
+                "storage reads measured at %.0f MB/s at start (the scheduler goes by the rate measured once "
+                "blocks wait to be read for a second; --alpha-tokens pins it)",
+                bps / 1e6,
+            )
         return int(bps * 3 / (self.geometry.full_block_bytes / self.geometry.block_size))
 
     def _measure_read_bps(self, nbytes: int = 32 << 20, max_blocks: int = 64) -> float:
@@ -274,12 +299,29 @@ class Engine:
 
     def info(self) -> EngineInfo:
         return EngineInfo(
-            self.engine_id, self.role, self.node_id, f"{self.cfg.host}:{self.port}", self.cfg.transport.name,
-            self.transport.address(), [r.to_dict() for r in self.transport.regions()], self.buffer_region,
-            self.buffer.num_slots, self.geometry.block_size, self.geometry.num_layers, self.fingerprint.hex(),
-            self.capacity_tokens(), self.cfg.model, self.max_model_len, list(self.model_config.eos_token_ids),
-            self.cfg.group_id, self.alpha, self.beta_tokens(), weights_path=self.weights[0],
-            weights_version=self.weights[1], adapters=list(self.runtime_adapters))
+            self.engine_id,
+            self.role,
+            self.node_id,
+            f"{self.cfg.host}:{self.port}",
+            self.cfg.transport.name,
+            self.transport.address(),
+            [r.to_dict() for r in self.transport.regions()],
+            self.buffer_region,
+            self.buffer.num_slots,
+            self.geometry.block_size,
+            self.geometry.num_layers,
+            self.fingerprint.hex(),
+            self.capacity_tokens(),
+            self.cfg.model,
+            self.max_model_len,
+            list(self.model_config.eos_token_ids),
+            self.cfg.group_id,
+            self.alpha,
+            self.beta_tokens(),
+            weights_path=self.weights[0],
+            weights_version=self.weights[1],
+            adapters=list(self.runtime_adapters),
+        )
 
     def register(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -317,21 +359,41 @@ class Engine:
         fail_delta = self.kv_load_failures - self._failures_reported
         stored = self.storage.usage()
         removed = stored.get("corrupt_removed", 0)
-        load = EngineLoad(self.engine_id, len(held), sum(held.values()), snap.queue_tokens, self.free_tokens(),
-                          request_ids=list(held), started=items["started"], finished=items["finished"],
-                          failed=items["failed"], stored_keys=pack_keys(items["stored_keys"]),
-                          evicted_keys=pack_keys(items["evicted_keys"]), prefill_busy_s=busy_delta,
-                          prefill_tokens=busy_tokens, dp_balance=self._dp_balance(),
-                          storage_read_bytes=read_delta, kv_load_failures=fail_delta,
-                          kv_corrupt_removed=removed - self._removed_reported,
-                          rpc_refused=self.rpc_refused - self._refused_reported,
-                          read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
-                          traffic=self.traffic.snapshot(), speculative=self.spec_stats(),
-                          storage_used_bytes=stored["used_bytes"],
-                          storage_capacity_bytes=stored["capacity_bytes"], leaving=self.leaving)
-        return load, {"items": items, "read": snap.completed_bytes, "busy": self.busy_s,
-                      "busy_tokens": self.busy_tokens,
-                      "failures": self.kv_load_failures, "removed": removed, "refused": self.rpc_refused}
+        load = EngineLoad(
+            self.engine_id,
+            len(held),
+            sum(held.values()),
+            snap.queue_tokens,
+            self.free_tokens(),
+            request_ids=list(held),
+            started=items["started"],
+            finished=items["finished"],
+            failed=items["failed"],
+            stored_keys=pack_keys(items["stored_keys"]),
+            evicted_keys=pack_keys(items["evicted_keys"]),
+            prefill_busy_s=busy_delta,
+            prefill_tokens=busy_tokens,
+            dp_balance=self._dp_balance(),
+            storage_read_bytes=read_delta,
+            kv_load_failures=fail_delta,
+            kv_corrupt_removed=removed - self._removed_reported,
+            rpc_refused=self.rpc_refused - self._refused_reported,
+            read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
+            traffic=self.traffic.snapshot(),
+            speculative=self.spec_stats(),
+            storage_used_bytes=stored["used_bytes"],
+            storage_capacity_bytes=stored["capacity_bytes"],
+            leaving=self.leaving,
+        )
+        return load, {
+            "items": items,
+            "read": snap.completed_bytes,
+            "busy": self.busy_s,
+            "busy_tokens": self.busy_tokens,
+            "failures": self.kv_load_failures,
+            "removed": removed,
+            "refused": self.rpc_refused,
+        }
 
     def _delivered(self, marks: dict) -> None:
         self._read_bytes_reported, self._busy_reported = marks["read"], marks["busy"]
@@ -388,7 +450,8 @@ class Engine:
             gone = sorted(self.unreachable)
             try:
                 reply = self.scheduler.call(
-                    "Pull", PullRequest(self.group, [load, *members], self.engine_id, gone), timeout=10)
+                    "Pull", PullRequest(self.group, [load, *members], self.engine_id, gone), timeout=10
+                )
                 self._delivered(marks)
                 self.unreachable.difference_update(gone)
             except RpcError as e:
@@ -407,8 +470,9 @@ class Engine:
         addresses = dict((m[0], m[1]) for m in self.members)
         for eid, work in reply.assignments.items():
             if eid != self.engine_id:
-                self._forward(eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled,
-                                                                 preempted=reply.preempted))
+                self._forward(
+                    eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled, preempted=reply.preempted)
+                )
         if reply.cancelled or reply.preempted:  # work ids: each member acts on its own
             for eid, addr in addresses.items():
                 if eid != self.engine_id and eid not in reply.assignments:
@@ -464,9 +528,12 @@ class Engine:
         if self.stopping.is_set():  # a stopping engine told it it is leaving: it does not come back
             return
         held = [] if keep_work else list(self.held())
-        log.warning("the scheduler %s engine %s: %s and registering again", "does not know" if keep_work else
-                    "counts as gone", self.engine_id, "keeping its work" if keep_work else f"dropping {len(held)} "
-                    "requests")
+        log.warning(
+            "the scheduler %s engine %s: %s and registering again",
+            "does not know" if keep_work else "counts as gone",
+            self.engine_id,
+            "keeping its work" if keep_work else f"dropping {len(held)} requests",
+        )
         for work_id in held:
             self.on_cancel(work_id, "the scheduler declared this engine gone")
         try:
@@ -509,17 +576,24 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - any failure mid-copy leaves weights no one asked for
                 log.error("engine %s failed loading %s halfway (%s): it stops", self.engine_id, model_path, e)
                 self.stopping.set()
-                raise DualPathError(f"engine {self.engine_id} failed loading the weights halfway ({e}) and "
-                                    "stops") from None
-            fp = model_fingerprint(self.model_config, self.cfg.engine.dtype, self.geometry.block_size,
-                                   f"sha256:{digest}", self.cfg.engine.kv_dtype)
+                raise DualPathError(
+                    f"engine {self.engine_id} failed loading the weights halfway ({e}) and stops"
+                ) from None
+            fp = model_fingerprint(
+                self.model_config,
+                self.cfg.engine.dtype,
+                self.geometry.block_size,
+                f"sha256:{digest}",
+                self.cfg.engine.kv_dtype,
+            )
             if fp != self.fingerprint:
                 old, self.fingerprint = self.storage, fp
                 self.storage = self.traffic.storage = self._open_storage(fp)
                 threading.Thread(target=old.destroy, daemon=True, name="kv-retire").start()
             self.weights = (model_path, version)
-            log.info("engine %s serves %s (version %r, fingerprint %s)", self.engine_id, model_path, version,
-                     fp.hex()[:12])
+            log.info(
+                "engine %s serves %s (version %r, fingerprint %s)", self.engine_id, model_path, version, fp.hex()[:12]
+            )
             return fp
         finally:
             self.updating = False
@@ -530,8 +604,9 @@ class Engine:
             fp = self.update_weights(req.model_path, req.version, req.check_only)
         except DualPathError as e:
             return WeightUpdateReply(False, str(e), busy=isinstance(e, EngineBusyError))
-        return WeightUpdateReply(True, fingerprint=fp.hex(), version=req.version, engines=1,
-                                 seconds=time.perf_counter() - start)
+        return WeightUpdateReply(
+            True, fingerprint=fp.hex(), version=req.version, engines=1, seconds=time.perf_counter() - start
+        )
 
     def LoadAdapter(self, req: AdapterLoad, ctx) -> AdapterLoadReply:
         """A LoRA adapter, loaded beside the work in flight (a new identity: nothing running uses it yet)."""
@@ -561,8 +636,15 @@ class Engine:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stopping.set())
-        log.info("%s engine %s ready on port %d (node %s, %d buffer slots, transport %s)", self.role.value,
-                 self.engine_id, self.port, self.node_id, self.buffer.num_slots, self.cfg.transport.name)
+        log.info(
+            "%s engine %s ready on port %d (node %s, %d buffer slots, transport %s)",
+            self.role.value,
+            self.engine_id,
+            self.port,
+            self.node_id,
+            self.buffer.num_slots,
+            self.cfg.transport.name,
+        )
         try:
             self.loop()
         except RankLostError:  # a step found a rank gone: ``_rank_lost`` has set the exit code (1) and ``stopping``;

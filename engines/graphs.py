@@ -19,6 +19,7 @@ get a second graph per batch size, which runs each of them over every row and ke
 (``AdapterRows.mask``, from a static row of adapter numbers). Steps of the base model alone replay the plain
 graphs, so they pay nothing for adapters; a step with an adapter loaded later runs eagerly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +51,9 @@ def use_decode_graphs(model: CausalLM, device: torch.device, enforce_eager: bool
     return not enforce_eager and device.type == "cuda" and model.graph_safe and model.dp is None
 
 
-def make_decode_graphs(model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,
-                       enforce_eager: bool) -> DecodeGraphs | None:
+def make_decode_graphs(
+    model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int, enforce_eager: bool
+) -> DecodeGraphs | None:
     """An engine's decode graphs, or None where they do not apply or fail to capture (then decode runs eagerly,
     slower but right, and the log says why)."""
     if not use_decode_graphs(model, cache.device, enforce_eager):
@@ -67,8 +69,7 @@ class DecodeGraphs:
     """One decode step per padded batch size, captured (``capture``: on CUDA) or run eagerly on the same static
     buffers (CPU tests of everything but the capture). The owner calls ``run`` from one thread."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int,
-                 capture: bool = True):
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_batch: int, max_model_len: int, capture: bool = True):
         self.model, self.cache, self.capture = model, cache, capture
         self.sizes = graph_batch_sizes(max_batch)
         self.max_blocks = -(-(max_model_len + 1) // cache.geometry.block_size)
@@ -85,19 +86,28 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, longest_table: int, adapters=()) -> bool:
         """Whether a step of ``num_seqs`` rows, tables up to ``longest_table`` blocks and rows under ``adapters``
         (identities, "" for the base model) has a graph."""
-        return num_seqs <= self.sizes[-1] and longest_table <= self.max_blocks and \
-            all(a in self.adapters for a in adapters if a)
+        return (
+            num_seqs <= self.sizes[-1]
+            and longest_table <= self.max_blocks
+            and all(a in self.adapters for a in adapters if a)
+        )
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            adapters=()) -> torch.Tensor:
+    def run(
+        self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]], adapters=()
+    ) -> torch.Tensor:
         """Logits ``[n, vocab]`` of one decode step (valid until the next ``run``); the caller checked ``fits``."""
         n = len(tokens)
         size = next(s for s in self.sizes if s >= n)
         pad = size - n
         numbers = [self.adapters.index(a) + 1 if a else 0 for a in adapters] or [0] * n
-        rows = [tokens + tokens[:1] * pad, positions + positions[:1] * pad, slots + slots[:1] * pad,
-                list(range(n)) + [0] * pad, numbers + numbers[:1] * pad]
+        rows = [
+            tokens + tokens[:1] * pad,
+            positions + positions[:1] * pad,
+            slots + slots[:1] * pad,
+            list(range(n)) + [0] * pad,
+            numbers + numbers[:1] * pad,
+        ]
         self.inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
@@ -116,8 +126,10 @@ class DecodeGraphs:
         ctx = m.begin_decode(positions)
         if lora:
             dtype = m.embed_tokens.dtype
-            ctx.lora = tuple(AdapterRows(m.adapters[a], None, (numbers == i + 1).to(dtype)[:, None])
-                             for i, a in enumerate(self.adapters))
+            ctx.lora = tuple(
+                AdapterRows(m.adapters[a], None, (numbers == i + 1).to(dtype)[:, None])
+                for i, a in enumerate(self.adapters)
+            )
         hidden = m.embed(tokens)
         for layer in range(m.config.num_layers):
             paged = PagedKV(cache.layers[layer], self.tables[:size], ctx.cached_lens)
@@ -141,6 +153,10 @@ class DecodeGraphs:
                 pool = graph.pool() if pool is None else pool
                 self.graphs[size, lora] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs),
-                 ",".join(map(str, self.sizes)), f"; LoRA adapters {len(self.adapters)}" if self.adapters else "",
-                 time.perf_counter() - start)
+        log.info(
+            "captured %d decode graphs (batch sizes %s%s) in %.1f s",
+            len(self.graphs),
+            ",".join(map(str, self.sizes)),
+            f"; LoRA adapters {len(self.adapters)}" if self.adapters else "",
+            time.perf_counter() - start,
+        )

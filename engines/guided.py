@@ -11,6 +11,7 @@ closing brace, a choice spelled out) the matcher stops and the guide is ``comple
 Who calls it: an engine asks its ``GuideSource`` for one ``Guide`` per constrained request, passes ``guide.mask()``
 to the sampler and ``advance``s it with every token the request takes (``Sequence.append``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,13 @@ class GuideError(DualPathError):
     """A token the guide does not allow was appended (a bug: the sampler only draws allowed tokens)."""
 
 
-def llg_tokenizer(token_bytes: Sequence[bytes | None], width: int, end_ids: Sequence[int] = (),
-                  encode: Callable[[str], list[int]] | None = None,
-                  names: Callable[[int], str | None] | None = None) -> "LLTokenizer":
+def llg_tokenizer(
+    token_bytes: Sequence[bytes | None],
+    width: int,
+    end_ids: Sequence[int] = (),
+    encode: Callable[[str], list[int]] | None = None,
+    names: Callable[[int], str | None] | None = None,
+) -> "LLTokenizer":
     """llguidance's view of a vocabulary: ``token_bytes`` (``Tokenizer.token_bytes``: None for a special token) over
     ``width`` ids (the model's logits, which may outnumber the tokenizer's ids: those past it are special tokens
     that are never allowed). ``end_ids``: the model's end tokens (the first special token if none: a vocabulary
@@ -115,8 +120,10 @@ class Guide:
         out = torch.empty(self._words, dtype=torch.int32)
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if self._matcher.is_error() or not out.any():
-            log.warning("structured output: the grammar failed mid-reply (%s); ending it",
-                        self._matcher.get_error()[:200] or "no token allowed")
+            log.warning(
+                "structured output: the grammar failed mid-reply (%s); ending it",
+                self._matcher.get_error()[:200] or "no token allowed",
+            )
             return self._end_mask.clone()
         return out
 
@@ -125,8 +132,7 @@ class Guide:
         if token in self._ends and self._matcher.is_stopped():
             return  # the end token a stopped (or failed) matcher's mask allowed
         if not self._matcher.consume_token(token):
-            raise GuideError(f"token {token} cannot continue the structured output: "
-                             f"{self._matcher.get_error()[:200]}")
+            raise GuideError(f"token {token} cannot continue the structured output: {self._matcher.get_error()[:200]}")
 
     @property
     def complete(self) -> bool:
@@ -141,8 +147,9 @@ class GuideSource:
     requests it is running. Compiled constraints are kept for the ``schemas`` most recent ones (each guide a copy of
     its constraint's matcher)."""
 
-    def __init__(self, tokenizer: Callable[[], "Tokenizer"], width: int, end_ids: Sequence[int] = (),
-                 schemas: int = 32):
+    def __init__(
+        self, tokenizer: Callable[[], "Tokenizer"], width: int, end_ids: Sequence[int] = (), schemas: int = 32
+    ):
         self._tokenizer, self._width, self._end_ids = tokenizer, width, tuple(end_ids)
         self._vocab: "LLTokenizer | None" = None
         self._error: Exception | None = None  # the vocabulary pass failed: every guide_for raises it
@@ -164,9 +171,13 @@ class GuideSource:
                 try:
                     tok = self._tokenizer()
                     ends = self._end_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
-                    self._vocab = llg_tokenizer(tok.token_bytes, self._width, ends,
-                                                lambda text: tok.encode(text, add_special_tokens=False),
-                                                tok.id_to_token)
+                    self._vocab = llg_tokenizer(
+                        tok.token_bytes,
+                        self._width,
+                        ends,
+                        lambda text: tok.encode(text, add_special_tokens=False),
+                        tok.id_to_token,
+                    )
                     self._end_ids = tuple(self._vocab.eos_tokens)  # the ones it chose, where none were given
                 except Exception as e:
                     self._error = e

@@ -3,6 +3,7 @@
 Block ``b`` of layer ``l`` is one Layer Block (``dualpath.core.geometry``), so moving a block to or from a Full
 Block never needs a layout change. The allocator and the tables are the only owners of block ids.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -23,8 +24,13 @@ class PagedKVCache:
         self.geometry = geometry
         self.device = torch.device(device)
         # One tensor, layer-major, so the whole cache is one registrable region (``LayerMajorBlocks`` layout).
-        self.storage = torch.zeros(geometry.num_layers, num_blocks, *geometry.layer_block_shape,
-                                   dtype=cache_dtype(geometry), device=self.device)
+        self.storage = torch.zeros(
+            geometry.num_layers,
+            num_blocks,
+            *geometry.layer_block_shape,
+            dtype=cache_dtype(geometry),
+            device=self.device,
+        )
         self.layers = list(self.storage.unbind(0))
         self.allocator = BlockAllocator(num_blocks)
         self._tables: dict[Hashable, list[int]] = {}
@@ -111,7 +117,7 @@ class PagedKVCache:
         tables = [self._tables[s] for s in seqs]
         out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
         for row, t in zip(out, tables):
-            row[:len(t)] = t
+            row[: len(t)] = t
         return out
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, backend: str = "torch") -> None:

@@ -7,6 +7,7 @@ copy stream, and events order the two streams: compute waits for a layer's copie
 the compute that last read that slot. The host never synchronizes inside the layer loop. On CPU, copies run
 inline and the ordering calls do nothing.
 """
+
 from __future__ import annotations
 
 import threading

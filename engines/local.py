@@ -5,6 +5,7 @@ what it produces. Each step either prefills newly admitted sequences (chunked to
 token for every running sequence; when the cache runs out during decode, the newest sequence is preempted
 (its blocks freed, its tokens recomputed later).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,8 +32,9 @@ class ModelRunner:
     Decode steps replay ``graphs`` when given and the batch fits them. ``ranks``: a tensor-parallel engine's ranks,
     each forward a step they all run (``cache`` is rank 0's, of its heads); None: this process alone."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None,
-                 ranks: Ranks | None = None):
+    def __init__(
+        self, model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None = None, ranks: Ranks | None = None
+    ):
         self.model, self.cache = model, cache
         if ranks is None:
             ranks = Ranks(RankState(model, None, str(cache.device)))
@@ -63,8 +65,12 @@ class ModelRunner:
             adapters = [s.params.adapter for s in seqs]
             if self.graphs.fits(len(seqs), max(map(len, tables)), adapters):
                 return self._decode_graph(seqs, tables, adapters)
-        hidden, logits = self._layers(seqs, new_lens, [s.token_ids[s.num_computed:s.num_computed + n]
-                                                        for s, n in zip(seqs, new_lens)], last_only=True)
+        hidden, logits = self._layers(
+            seqs,
+            new_lens,
+            [s.token_ids[s.num_computed : s.num_computed + n] for s, n in zip(seqs, new_lens)],
+            last_only=True,
+        )
         self._prompt_logprobs(seqs, new_lens, hidden)
         for s, n in zip(seqs, new_lens):
             s.num_computed += n
@@ -80,14 +86,17 @@ class ModelRunner:
     def _layers(self, seqs: list[Sequence], new_lens: list[int], fed: list[list[int]], last_only: bool):
         """Run every layer over tokens ``fed[i]`` at sequence i's next positions, writing their KV into the cache:
         ``(hidden states of every fed token, logits of each sequence's last fed token, or of every one)``."""
-        batch = ForwardBatch(tuple(s.num_computed for s in seqs), tuple(new_lens),
-                             tuple(s.params.adapter for s in seqs))
+        batch = ForwardBatch(
+            tuple(s.num_computed for s in seqs), tuple(new_lens), tuple(s.params.adapter for s in seqs)
+        )
         ids = np.concatenate([np.asarray(f, dtype=np.int64) for f in fed])
-        slots = np.concatenate([np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64)
-                                for s, n in zip(seqs, new_lens)])
+        slots = np.concatenate(
+            [np.asarray(self.cache.slots(s.seq_id, s.num_computed, n), dtype=np.int64) for s, n in zip(seqs, new_lens)]
+        )
         tables = self.cache.padded_tables([s.seq_id for s in seqs])
-        return self.ranks.run(forward_paged, batch, ids, slots, tables,
-                              batch.last_token_indices() if last_only else None)
+        return self.ranks.run(
+            forward_paged, batch, ids, slots, tables, batch.last_token_indices() if last_only else None
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden-state rows of the last forward (on every rank: the rows travel with the step)."""
@@ -99,8 +108,14 @@ class ModelRunner:
         start = 0
         for s, n in zip(seqs, new_lens):
             if s.params.prompt_logprobs is not None:
-                extend_prompt_logprobs(s.prompt_logprobs, s.prompt_ids, s.num_computed, hidden[start:start + n],
-                                       self.logits, s.params.prompt_logprobs)
+                extend_prompt_logprobs(
+                    s.prompt_logprobs,
+                    s.prompt_ids,
+                    s.num_computed,
+                    hidden[start : start + n],
+                    self.logits,
+                    s.params.prompt_logprobs,
+                )
             start += n
 
     def _decode_graph(self, seqs: list[Sequence], tables: list[list[int]], adapters: list[str]) -> torch.Tensor:
@@ -114,10 +129,19 @@ class ModelRunner:
 
 
 class LocalEngine:
-    def __init__(self, model: CausalLM, cache: PagedKVCache, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 tokenizer: Tokenizer | None = None, free_finished: bool = True, enforce_eager: bool = False,
-                 speculative: SpeculativeConfig | None = None, ranks: Ranks | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        free_finished: bool = True,
+        enforce_eager: bool = False,
+        speculative: SpeculativeConfig | None = None,
+        ranks: Ranks | None = None,
+    ):
         self.cache = cache
         self.spec = speculative or SpeculativeConfig()
         self.spec_stats = {"steps": 0, "drafted": 0, "accepted": 0}  # speculative steps, draft tokens fed, kept
@@ -129,8 +153,9 @@ class LocalEngine:
         self.eos_ids = model.config.eos_token_ids
         self.vocab_size = model.config.vocab_size
         self.tokenizer = tokenizer
-        self.guides = GuideSource(lambda: tokenizer, model.config.vocab_size,
-                                  model.config.eos_token_ids) if tokenizer else None
+        self.guides = (
+            GuideSource(lambda: tokenizer, model.config.vocab_size, model.config.eos_token_ids) if tokenizer else None
+        )
         self.free_finished = free_finished  # False: the caller frees a finished sequence's blocks (after using them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -141,8 +166,9 @@ class LocalEngine:
         if not seq.prompt_ids:
             raise RequestError("empty prompt", field="prompt")
         if seq.num_tokens >= self.max_model_len:
-            raise RequestError(f"prompt has {seq.num_tokens} tokens; the model's context is "
-                               f"{self.max_model_len}", field="prompt")
+            raise RequestError(
+                f"prompt has {seq.num_tokens} tokens; the model's context is {self.max_model_len}", field="prompt"
+            )
         if self.cache.geometry.num_blocks(seq.num_tokens + 1) + len(seq.forks) > self.cache.allocator.num_blocks:
             raise RequestError("prompt does not fit in the KV cache", field="prompt")
         if 1 + len(seq.forks) > self.max_num_seqs:
@@ -160,8 +186,9 @@ class LocalEngine:
         if s.params.structured and s.guide is None:
             s.guide = self.guides.guide_for(s.params, s.resumed)
         if s.params.stop and self.tokenizer is not None:
-            detok = self._detok[s.seq_id] = IncrementalDetokenizer(self.tokenizer, s.prompt_ids,
-                                                                   s.params.skip_special_tokens)
+            detok = self._detok[s.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, s.prompt_ids, s.params.skip_special_tokens
+            )
             for tok in s.resumed:  # read, not checked: they ended nothing where they were generated
                 detok.add(tok)
 
@@ -170,7 +197,7 @@ class LocalEngine:
         first tokens appended): the decode engine's entry, after a prefill engine handed the prompt over. False if
         those tokens already end it at a stop string: it does not run."""
         self._prepare(seq)
-        for tok in seq.output_ids[seq.params.num_resumed_tokens:]:
+        for tok in seq.output_ids[seq.params.num_resumed_tokens :]:
             self._check_stop_strings(seq, tok)
         if seq.finished:
             self._detok.pop(seq.seq_id, None)
@@ -208,8 +235,14 @@ class LocalEngine:
                 seqs += choices
         if done_rows != list(range(len(batch))):  # a chunked prompt's rows have nothing to sample (indexing copies)
             logits = logits[done_rows]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.mask() for s in seqs], [s.history for s in seqs], self.eos_ids)
+        tokens, logprobs = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            [s.mask() for s in seqs],
+            [s.history for s in seqs],
+            self.eos_ids,
+        )
         finished = [s for s, tok, lp in zip(seqs, tokens, logprobs) if self._take(s, tok, lp)]
         for s in finished:
             self.release(s)
@@ -249,9 +282,14 @@ class LocalEngine:
         going, depth, finished = list(range(len(batch))), 0, []
         while going:
             seqs = [batch[i] for i in going]
-            tokens, logprobs = sample(logits[[int(first[i]) + depth for i in going]], [s.params for s in seqs],
-                                      [s.generator for s in seqs], [s.mask() for s in seqs],
-                                      [s.history for s in seqs], self.eos_ids)
+            tokens, logprobs = sample(
+                logits[[int(first[i]) + depth for i in going]],
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                [s.mask() for s in seqs],
+                [s.history for s in seqs],
+                self.eos_ids,
+            )
             on = []
             for i, s, tok, lp in zip(going, seqs, tokens, logprobs):
                 if self._take(s, tok, lp):
@@ -321,7 +359,8 @@ class LocalEngine:
             # Admit only if the whole sequence (and its next token) fits, with a block of its own for each of its
             # forks (the copy of the partial last block, or the next token's), so an admitted prefill never stalls.
             need = self.cache.blocks_needed(s.seq_id, s.num_tokens + 1) + sum(
-                self.cache.fork_blocks_needed(f.seq_id, s.num_tokens, s.num_tokens + 1) for f in s.forks)
+                self.cache.fork_blocks_needed(f.seq_id, s.num_tokens, s.num_tokens + 1) for f in s.forks
+            )
             if need > self.cache.num_free_blocks:
                 break
             self.cache.reserve(s.seq_id, s.num_tokens + 1)

@@ -11,6 +11,7 @@ gate_up) keeps all of ``A`` and this rank's rows of ``B``; a row-parallel one (o
 of ``A`` and all of ``B``, so its product is a partial sum that the layer's own all-reduce adds up
 (``B(A x) = sum over ranks of B(A_r x_r)``): no collective of its own.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,10 @@ from dualpath.core.errors import CheckpointError
 from dualpath.core.lora import ADAPTER_WEIGHTS, adapter_digest, read_adapter_config
 
 # PEFT's tensor names: base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
-                  r"(?:\.default)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+    r"(?:\.default)?\.weight$"
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,9 @@ class Target:
     def cut(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the checkpoint's ``(A [r, in], B [out, r])``."""
         if self.cols:
-            a = a[:, self.cols[0]:self.cols[1]]
+            a = a[:, self.cols[0] : self.cols[1]]
         if self.rows:
-            b = b[self.rows[0]:self.rows[1]]
+            b = b[self.rows[0] : self.rows[1]]
         return a, b
 
 
@@ -75,8 +78,9 @@ class AdapterRows:
     mask: torch.Tensor | None = None
 
 
-def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, device: torch.device,
-                 dtype: torch.dtype) -> LoraWeights:
+def load_adapter(
+    path: str | Path, targets: dict[str, Target], num_layers: int, device: torch.device, dtype: torch.dtype
+) -> LoraWeights:
     """Read a PEFT LoRA adapter for a model whose target modules are ``targets``; ``CheckpointError`` naming the
     file for anything it cannot compute exactly (an unknown tensor, a shape that does not fit, DoRA...)."""
     from safetensors import safe_open
@@ -88,8 +92,10 @@ def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, 
             for key in f.keys():
                 m = _KEY.match(key)
                 if m is None or m.group(2) not in targets or int(m.group(1)) >= num_layers:
-                    raise CheckpointError(f"{file}: tensor {key} is not a LoRA matrix of this model's "
-                                          f"{', '.join(targets)} in layers 0-{num_layers - 1}")
+                    raise CheckpointError(
+                        f"{file}: tensor {key} is not a LoRA matrix of this model's "
+                        f"{', '.join(targets)} in layers 0-{num_layers - 1}"
+                    )
                 found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(key)
     except CheckpointError:
         raise
@@ -100,8 +106,11 @@ def load_adapter(path: str | Path, targets: dict[str, Target], num_layers: int, 
     layers: list[dict] = [{} for _ in range(num_layers)]
     for layer in range(num_layers):
         for module in dict.fromkeys(t.module for t in targets.values()):
-            parts = [(name, found[layer, name]) for name, t in targets.items()
-                     if t.module == module and (layer, name) in found]
+            parts = [
+                (name, found[layer, name])
+                for name, t in targets.items()
+                if t.module == module and (layer, name) in found
+            ]
             if parts:
                 layers[layer][module] = _fuse(file, layer, parts, targets, cfg.scale, device, dtype)
     return LoraWeights(adapter_digest(path), layers)
@@ -112,11 +121,19 @@ def _fuse(file, layer, parts, targets, scale, device, dtype) -> tuple[torch.Tens
     rank = 0
     for name, ab in parts:
         t, a, b = targets[name], ab.get("A"), ab.get("B")
-        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[1] != t.in_features or \
-                b.shape != (t.out_features, a.shape[0]):
+        if (
+            a is None
+            or b is None
+            or a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != t.in_features
+            or b.shape != (t.out_features, a.shape[0])
+        ):
             shapes = {k: list(v.shape) for k, v in ab.items()}
-            raise CheckpointError(f"{file}: layer {layer} {name}: LoRA matrices {shapes} do not fit a "
-                                  f"{t.in_features} -> {t.out_features} projection")
+            raise CheckpointError(
+                f"{file}: layer {layer} {name}: LoRA matrices {shapes} do not fit a "
+                f"{t.in_features} -> {t.out_features} projection"
+            )
         rank += a.shape[0]
     out = max(t.end for t in targets.values() if t.module == targets[parts[0][0]].module)
     cut = [targets[name].cut(ab["A"], ab["B"]) for name, ab in parts]
@@ -125,13 +142,14 @@ def _fuse(file, layer, parts, targets, scale, device, dtype) -> tuple[torch.Tens
     col = 0
     for (name, _), (a, b) in zip(parts, cut):
         t, r = targets[name], a.shape[0]
-        b_all[t.start:t.end, col:col + r] = b.to(torch.float32) * scale
+        b_all[t.start : t.end, col : col + r] = b.to(torch.float32) * scale
         col += r
     return a_all.to(device, dtype).contiguous(), b_all.to(device, dtype).contiguous()
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, adapters: tuple[AdapterRows, ...], layer: int,
-             module: str) -> torch.Tensor:
+def add_lora(
+    out: torch.Tensor, x: torch.Tensor, adapters: tuple[AdapterRows, ...], layer: int, module: str
+) -> torch.Tensor:
     """``out[rows] += B(A(x[rows]))`` for each adapter's rows that trains ``module`` in ``layer``; ``out`` must be
     the caller's own tensor (it is written in place). Rows without an adapter are untouched."""
     for ad in adapters:

@@ -1,4 +1,5 @@
 """Entry points of the engine and scheduler processes (``dualpath engine`` / ``dualpath scheduler``)."""
+
 from __future__ import annotations
 
 import ctypes

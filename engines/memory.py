@@ -3,6 +3,7 @@ vLLM's rule on CUDA: the engine's share of the device (``gpu_memory_utilization`
 already holds (weights, workspace) and the activations of its largest forward, measured by running one. On a CPU
 the automatic size is ``CPU_CACHE_BYTES``: host memory is shared with everything else there.
 """
+
 from __future__ import annotations
 
 import gc
@@ -22,8 +23,9 @@ CPU_CACHE_BYTES = 1 << 30
 GiB = float(1 << 30)
 
 
-def cache_blocks(cfg: CacheConfig, geometry: KVGeometry, model: CausalLM, max_batched_tokens: int,
-                 device: torch.device | str) -> int:
+def cache_blocks(
+    cfg: CacheConfig, geometry: KVGeometry, model: CausalLM, max_batched_tokens: int, device: torch.device | str
+) -> int:
     """Blocks of the paged cache on ``device``: ``cfg.num_device_blocks``, else ``cfg.device_memory_bytes`` of
     them, else (0) the automatic size. Callers make the cache right after (nothing else allocates in between)."""
     device = torch.device(device)
@@ -38,9 +40,16 @@ def cache_blocks(cfg: CacheConfig, geometry: KVGeometry, model: CausalLM, max_ba
     held = torch.cuda.memory_reserved(device)
     size = auto_cache_bytes(total, free, held, peak, cfg.gpu_memory_utilization, str(device))
     blocks = PagedKVCache.blocks_for_memory(geometry, size)
-    log.info("KV cache on %s: %.2f GiB, %d tokens (%.0f%% of %.1f GiB less %.2f GiB held and %.2f GiB of "
-             "activations)", device, size / GiB, blocks * geometry.block_size, 100 * cfg.gpu_memory_utilization,
-             total / GiB, held / GiB, peak / GiB)
+    log.info(
+        "KV cache on %s: %.2f GiB, %d tokens (%.0f%% of %.1f GiB less %.2f GiB held and %.2f GiB of activations)",
+        device,
+        size / GiB,
+        blocks * geometry.block_size,
+        100 * cfg.gpu_memory_utilization,
+        total / GiB,
+        held / GiB,
+        peak / GiB,
+    )
     return blocks
 
 
@@ -50,14 +59,18 @@ def auto_cache_bytes(total: int, free: int, held: int, peak: int, utilization: f
     nothing, or when it is more than is ``free`` now beside those activations (other processes hold the rest)."""
     size = int(utilization * total) - held - peak
     if size <= 0:
-        raise ConfigError(f"no device memory left for the KV cache on {device}: {utilization:.2f} of {total / GiB:.1f} "
-                          f"GiB (--gpu-memory-utilization) less {held / GiB:.2f} GiB of weights and workspace and "
-                          f"{peak / GiB:.2f} GiB of activations; raise --gpu-memory-utilization, lower "
-                          "--max-num-batched-tokens, or give --cache-bytes")
+        raise ConfigError(
+            f"no device memory left for the KV cache on {device}: {utilization:.2f} of {total / GiB:.1f} "
+            f"GiB (--gpu-memory-utilization) less {held / GiB:.2f} GiB of weights and workspace and "
+            f"{peak / GiB:.2f} GiB of activations; raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens, or give --cache-bytes"
+        )
     if size > free - peak:
-        raise ConfigError(f"{device} has {free / GiB:.2f} GiB free, less than the {(size + peak) / GiB:.2f} GiB the "
-                          f"KV cache and activations need at --gpu-memory-utilization {utilization:.2f} (other "
-                          f"processes hold {(total - free - held) / GiB:.2f} GiB): lower it, or give --cache-bytes")
+        raise ConfigError(
+            f"{device} has {free / GiB:.2f} GiB free, less than the {(size + peak) / GiB:.2f} GiB the "
+            f"KV cache and activations need at --gpu-memory-utilization {utilization:.2f} (other "
+            f"processes hold {(total - free - held) / GiB:.2f} GiB): lower it, or give --cache-bytes"
+        )
     return size
 
 

@@ -9,6 +9,7 @@ path: the whole prompt; DE path: the miss tokens only). The workspace holds two 
 batch is resident while another arrives. ``basic`` mode (the paper's baseline) fetches every layer before
 computing and sends everything after.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,16 @@ import torch
 from dualpath.core.errors import DualPathError, RequestError, StorageError
 from dualpath.core.faults import failpoint
 from dualpath.core.geometry import FullBlockSlots, LayerMajorBlocks
-from dualpath.core.messages import Assignment, PrefillDone, PrepareRequest, ReadPath, RequestRef, Role, unpack_keys, \
-    unpack_tokens
+from dualpath.core.messages import (
+    Assignment,
+    PrefillDone,
+    PrepareRequest,
+    ReadPath,
+    RequestRef,
+    Role,
+    unpack_keys,
+    unpack_tokens,
+)
 from dualpath.core.rpc import ENGINE_METHODS, Client
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.engines.batcher import CostModel, Pending, form_batch
@@ -163,8 +172,9 @@ class PrefillEngine(Engine):
         blocks = max(1, self.cfg.workspace_tokens // g.block_size)
         if self.ranks.size == 1:
             t = self.ranks.run(alloc_workspace, key, g, slots, blocks, None)
-            return Workspace(t, self.transport.register(t).region_id, LayerMajorBlocks(g, blocks, num_layers=slots),
-                             key)
+            return Workspace(
+                t, self.transport.register(t).region_id, LayerMajorBlocks(g, blocks, num_layers=slots), key
+            )
         stage = self._host_memory(slots * blocks * g.layer_block_bytes)
         self.stages.append(stage)
         region = self.transport.register(stage).region_id
@@ -215,8 +225,9 @@ class PrefillEngine(Engine):
         keys = unpack_keys(a.hit_keys)
         pe_blocks = len(keys) if a.path is ReadPath.PE else max(0, a.split_pe_blocks)
         gens = [make_generator(params, i) for i in range(params.n)]
-        job = Job(a, params, gens, pe_blocks, unpack_tokens(a.tokens), keys,
-                  hit_tokens=len(keys) * self.geometry.block_size)
+        job = Job(
+            a, params, gens, pe_blocks, unpack_tokens(a.tokens), keys, hit_tokens=len(keys) * self.geometry.block_size
+        )
         try:
             check_token_ids(params, self.model_config.vocab_size, job.token_ids)
             self.model.check_adapter(params.adapter)
@@ -251,13 +262,22 @@ class PrefillEngine(Engine):
             # PE path keeps every computed chunk locally, so the buffer holds the whole prompt
             want = nb if a.path is ReadPath.PE else job.pe_blocks
             job.pe_slots = self.buffer.allocate(want, a.request_id, self.cfg.transport.op_timeout_s) if want else []
-            keys = job.hit_keys[:job.pe_blocks]
+            keys = job.hit_keys[: job.pe_blocks]
             if keys:  # layer by layer: the prefill may start once layer 0 is in
-                job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[:job.pe_blocks])
+                job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[: job.pe_blocks])
                 failpoint("prefill.loading")
-            reply = self._de(a).call("Prepare", PrepareRequest(
-                a.request_id, job.n_prompt, job.pe_blocks, b"".join(job.hit_keys[job.pe_blocks:]),
-                job.params.max_new_tokens, job.params.n), timeout=self.cfg.transport.op_timeout_s * 4)
+            reply = self._de(a).call(
+                "Prepare",
+                PrepareRequest(
+                    a.request_id,
+                    job.n_prompt,
+                    job.pe_blocks,
+                    b"".join(job.hit_keys[job.pe_blocks :]),
+                    job.params.max_new_tokens,
+                    job.params.n,
+                ),
+                timeout=self.cfg.transport.op_timeout_s * 4,
+            )
             if not reply.ok:
                 raise DualPathError(f"decode engine {a.decode.engine_id} refused: {reply.error}")
             job.de_slots = reply.slots
@@ -276,8 +296,9 @@ class PrefillEngine(Engine):
         lost = job.hit_tokens // g.block_size - hit_blocks
         if lost > 0:
             self.kv_load_failures += lost
-            log.warning("%s: %d stored blocks missing or corrupt; recomputing from block %d", a.request_id,
-                        lost, hit_blocks)
+            log.warning(
+                "%s: %d stored blocks missing or corrupt; recomputing from block %d", a.request_id, lost, hit_blocks
+            )
         job.pe_blocks = min(job.pe_blocks, hit_blocks)
         job.computed = job.hit_tokens = hit_blocks * g.block_size
         job.local_tokens = job.computed if a.path is ReadPath.PE else job.pe_blocks * g.block_size
@@ -322,8 +343,11 @@ class PrefillEngine(Engine):
             try:
                 fut.result(timeout)
             except TimeoutError:
-                log.error("%s: a storage read into its buffer slots did not end in %.0f s; the slots stay out of "
-                          "use", job.work_id, timeout)
+                log.error(
+                    "%s: a storage read into its buffer slots did not end in %.0f s; the slots stay out of use",
+                    job.work_id,
+                    timeout,
+                )
                 return False
             except Exception:  # noqa: BLE001 - a failed read is settled too
                 pass
@@ -353,8 +377,13 @@ class PrefillEngine(Engine):
         basic = not order[0].a.layerwise
         ws = self._basic_workspace() if basic else self.workspace
         by_id = {j.work_id: j for j in order}
-        batch = form_batch([Pending(j.work_id, j.computed, j.n_prompt - j.computed) for j in order], self.cost,
-                           self.cfg.compute_quota_s, self.geometry.block_size, max_blocks=ws.blocks)
+        batch = form_batch(
+            [Pending(j.work_id, j.computed, j.n_prompt - j.computed) for j in order],
+            self.cost,
+            self.cfg.compute_quota_s,
+            self.geometry.block_size,
+            max_blocks=ws.blocks,
+        )
         return [(by_id[w], n) for w, n in batch]
 
     @staticmethod
@@ -418,15 +447,23 @@ class PrefillEngine(Engine):
             bases.append(base)
             base += g.num_blocks(c + n)
         batch = ForwardBatch(tuple(cached), tuple(new), tuple(j.params.adapter for j, _ in jobs))
-        ids = np.concatenate([np.asarray(j.token_ids[c:c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
+        ids = np.concatenate([np.asarray(j.token_ids[c : c + n], dtype=np.int64) for (j, n), c in zip(jobs, cached)])
         # each new token's flat slot in a workspace layer: sequence i's tokens fill the blocks from bases[i] on
         slots = np.repeat(np.asarray(bases) * g.block_size, new) + batch.positions()
         counts = [g.num_blocks(c + n) for c, n in zip(cached, new)]
 
-        fetch = lambda layer: AllOf([self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731
-                                     for i, (j, _) in enumerate(jobs)])
-        send = lambda layer: AllOf([self._send(j, cached[i], new[i], bases[i], layer, ws)  # noqa: E731
-                                    for i, (j, _) in enumerate(jobs)])
+        fetch = lambda layer: AllOf(
+            [
+                self._fetch(j, cached[i], bases[i], layer, ws)  # noqa: E731
+                for i, (j, _) in enumerate(jobs)
+            ]
+        )
+        send = lambda layer: AllOf(
+            [
+                self._send(j, cached[i], new[i], bases[i], layer, ws)  # noqa: E731
+                for i, (j, _) in enumerate(jobs)
+            ]
+        )
         timeout = self.cfg.transport.op_timeout_s * 2
         if basic:
             pipe = LayerPipeline(g.num_layers, fetch, lambda layer: None, depth=g.num_layers - 1, timeout=timeout)
@@ -434,8 +471,9 @@ class PrefillEngine(Engine):
             pipe = LayerPipeline(g.num_layers, fetch, send, depth=1, timeout=timeout)
         t0 = time.perf_counter()
         try:
-            hidden = self.ranks.run(prefill_layers, g, batch, ids, slots, bases, counts, ws.key,
-                                    hooks=PrefillHooks(self, pipe, basic))
+            hidden = self.ranks.run(
+                prefill_layers, g, batch, ids, slots, bases, counts, ws.key, hooks=PrefillHooks(self, pipe, basic)
+            )
         except BaseException:
             pipe.abandon()
             raise
@@ -449,8 +487,14 @@ class PrefillEngine(Engine):
         last = batch.last_token_indices()
         for i, (j, n) in enumerate(jobs):  # the scheduler gives these no hit: chunks come from position 0
             if j.params.prompt_logprobs is not None:
-                extend_prompt_logprobs(j.prompt_lps, j.token_ids, cached[i], hidden[last[i] - n + 1:last[i] + 1],
-                                       self._logits, j.params.prompt_logprobs)
+                extend_prompt_logprobs(
+                    j.prompt_lps,
+                    j.token_ids,
+                    cached[i],
+                    hidden[last[i] - n + 1 : last[i] + 1],
+                    self._logits,
+                    j.params.prompt_logprobs,
+                )
         finals = [(j, i) for i, (j, n) in enumerate(jobs) if cached[i] + n == j.n_prompt]
         if not finals:
             return []
@@ -469,20 +513,33 @@ class PrefillEngine(Engine):
         handles = []
         if local:
             k = g.num_blocks(local)
-            out = ws.tensor[layer % ws.slots, base:base + k].reshape(-1, g.kv_elems_per_token)
-            copy = lambda: self.copies.issue(  # noqa: E731
-                layer, layer % ws.slots, lambda stream: self.traffic.layer_to_device(job.pe_slots[:k], layer, out,
-                                                                                    stream))
+            out = ws.tensor[layer % ws.slots, base : base + k].reshape(-1, g.kv_elems_per_token)
+            copy = (
+                lambda: self.copies.issue(  # noqa: E731
+                    layer,
+                    layer % ws.slots,
+                    lambda stream: self.traffic.layer_to_device(job.pe_slots[:k], layer, out, stream),
+                )
+            )
             if job.layer_loads and not job.head_sent:  # this layer of the hit may still be on its way from storage
                 handles.append(AfterLoad(FutureHandle(job.layer_loads[layer]), copy))
             else:
                 copy()
         if cached > local:
             j0, j1 = local // g.block_size, g.num_blocks(cached)
-            handles.append(self.traffic.move_layers(
-                Op.READ, ws.region, ws.layout, list(range(base + j0, base + j1)), self._de_region(job),
-                job.de_slots[j0:j1], [layer], (local - j0 * g.block_size, cached - j0 * g.block_size),
-                path="de_read"))
+            handles.append(
+                self.traffic.move_layers(
+                    Op.READ,
+                    ws.region,
+                    ws.layout,
+                    list(range(base + j0, base + j1)),
+                    self._de_region(job),
+                    job.de_slots[j0:j1],
+                    [layer],
+                    (local - j0 * g.block_size, cached - j0 * g.block_size),
+                    path="de_read",
+                )
+            )
         return AllOf(handles)
 
     def _send(self, job: Job, cached: int, n: int, base: int, layer: int, ws: Workspace):
@@ -498,13 +555,23 @@ class PrefillEngine(Engine):
         handles = []
         for t0, t1 in ranges:
             j0, j1 = t0 // g.block_size, g.num_blocks(t1)
-            handles.append(self.traffic.move_layers(
-                Op.WRITE, ws.region, ws.layout, list(range(base + j0, base + j1)), self._de_region(job),
-                job.de_slots[j0:j1], [layer], (t0 - j0 * g.block_size, t1 - j0 * g.block_size), path="p2d"))
+            handles.append(
+                self.traffic.move_layers(
+                    Op.WRITE,
+                    ws.region,
+                    ws.layout,
+                    list(range(base + j0, base + j1)),
+                    self._de_region(job),
+                    job.de_slots[j0:j1],
+                    [layer],
+                    (t0 - j0 * g.block_size, t1 - j0 * g.block_size),
+                    path="p2d",
+                )
+            )
         if job.a.path is ReadPath.PE and cached + n < job.n_prompt:
             # a chunk in the middle of the prompt: keep its KV here too, for the next chunk's fetch
             j0, j1 = cached // g.block_size, (cached + n) // g.block_size
-            src = ws.tensor[layer % ws.slots, base + j0:base + j1].reshape(-1, g.kv_elems_per_token)
+            src = ws.tensor[layer % ws.slots, base + j0 : base + j1].reshape(-1, g.kv_elems_per_token)
             self.traffic.layer_from_device(job.pe_slots[j0:j1], layer, src)
         return AllOf(handles)
 
@@ -522,13 +589,18 @@ class PrefillEngine(Engine):
         gens = [g for j, _ in finals for g in j.generators]
         masks = {j.work_id: j.guide.mask() if j.guide else None for j, _ in finals}
         history = {j.work_id: j.history() for j, _ in finals}  # read, never grown here
-        tokens, logprobs = sample(torch.stack([lg for _, lg in rows]), [j.params for j in jobs], gens,
-                                  [masks[j.work_id] for j in jobs], [history[j.work_id] for j in jobs],
-                                  self.model_config.eos_token_ids)
+        tokens, logprobs = sample(
+            torch.stack([lg for _, lg in rows]),
+            [j.params for j in jobs],
+            gens,
+            [masks[j.work_id] for j in jobs],
+            [history[j.work_id] for j in jobs],
+            self.model_config.eos_token_ids,
+        )
         start = 0
         for job, _ in finals:
             n = job.params.n
-            self._send_done(job, tokens[start:start + n], logprobs[start:start + n])
+            self._send_done(job, tokens[start : start + n], logprobs[start : start + n])
             start += n
 
     def _send_done(self, job: Job, tokens: list[int], logprobs: list) -> None:
@@ -536,13 +608,20 @@ class PrefillEngine(Engine):
             self._fail(job, "cancelled during its prefill")
             return
         failpoint("prefill.handoff")
-        states = [g.get_state().numpy().tobytes().hex() for g in job.generators] \
-            if not job.params.greedy else []
+        states = [g.get_state().numpy().tobytes().hex() for g in job.generators] if not job.params.greedy else []
         path = "split" if job.a.split_pe_blocks > 0 else job.a.path.value
-        msg = PrefillDone(job.work_id, job.a.tokens, dict(job.a.sampling), list(tokens),
-                          [lp.__dict__ if lp is not None else None for lp in logprobs], states, job.hit_tokens,
-                          path, job.storage_bytes, [x.__dict__ for x in job.prompt_lps]
-                          if job.params.prompt_logprobs is not None else None)
+        msg = PrefillDone(
+            job.work_id,
+            job.a.tokens,
+            dict(job.a.sampling),
+            list(tokens),
+            [lp.__dict__ if lp is not None else None for lp in logprobs],
+            states,
+            job.hit_tokens,
+            path,
+            job.storage_bytes,
+            [x.__dict__ for x in job.prompt_lps] if job.params.prompt_logprobs is not None else None,
+        )
         try:
             ack = self._de(job.a).call("PrefillDone", msg, timeout=30)
             if not ack.ok:

@@ -11,6 +11,7 @@ recorded: the step that holds it may still be writing into its buffer slots (a s
 KV being sent), so it releases the job when it gives it back, and ``requeue`` refuses to put it back on the ready
 list. So a cancelled job never runs again, and its slots are released exactly once, by the last holder.
 """
+
 from __future__ import annotations
 
 import threading
@@ -78,8 +79,9 @@ class PrefillJobs(Generic[J]):
         with self.cond:
             return work_id in self._cancelled
 
-    def take(self, choose: Callable[[list[J]], list[tuple[J, int]]], stop: threading.Event,
-             wait_s: float = 0.1) -> list[tuple[J, int]]:
+    def take(
+        self, choose: Callable[[list[J]], list[tuple[J, int]]], stop: threading.Event, wait_s: float = 0.1
+    ) -> list[tuple[J, int]]:
         """Wait up to ``wait_s`` for ready jobs; ``choose`` (called under the lock with them, in arrival order) picks
         a batch of (job, tokens), which become busy."""
         with self.cond:

@@ -1,4 +1,5 @@
 """Next-token choice for a batch of requests with per-request parameters and generators."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -30,8 +31,9 @@ class TokenHistory:
     __slots__ = ("prompt", "n", "tail", "bad_words", "_slot", "_ids", "_counts")
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = ()):
-        self.prompt = torch.tensor(sorted(set(prompt_ids)), dtype=torch.long) \
-            if params.repetition_penalty != 1.0 else None
+        self.prompt = (
+            torch.tensor(sorted(set(prompt_ids)), dtype=torch.long) if params.repetition_penalty != 1.0 else None
+        )
         self.n = 0
         self.tail: deque[int] = deque(maxlen=params.bad_word_context)
         self.bad_words = BadWords(params.bad_words) if params.bad_words else None
@@ -42,8 +44,9 @@ class TokenHistory:
             self.add(t)
 
     @classmethod
-    def of(cls, prompt_ids: Sequence[int], params: SamplingParams,
-           output_ids: Sequence[int] = ()) -> "TokenHistory | None":
+    def of(
+        cls, prompt_ids: Sequence[int], params: SamplingParams, output_ids: Sequence[int] = ()
+    ) -> "TokenHistory | None":
         """A request's history, or None when its sampling reads none."""
         return cls(prompt_ids, params, output_ids) if params.needs_history else None
 
@@ -70,12 +73,16 @@ def check_token_ids(params: SamplingParams, vocab_size: int, prompt: Sequence[in
     for every request, not only this one."""
     if len(prompt) and (min(prompt) < 0 or max(prompt) >= vocab_size):
         raise RequestError(f"prompt: token ids must be in [0, {vocab_size})", field="prompt")
-    for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
-                       ("allowed_token_ids", params.allowed_token_ids),
-                       ("bad_words", [t for w in params.bad_words for t in w])):
+    for field, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids),
+        ("bad_words", [t for w in params.bad_words for t in w]),
+    ):
         if any(t >= vocab_size for t in ids):
-            raise RequestError(f"{field}: token ids must be below the model's vocabulary size {vocab_size}",
-                               field=field)
+            raise RequestError(
+                f"{field}: token ids must be below the model's vocabulary size {vocab_size}", field=field
+            )
 
 
 def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator | None:
@@ -96,10 +103,14 @@ def make_generator(params: SamplingParams, choice: int = 0) -> torch.Generator |
     return g
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           masks: Sequence[torch.Tensor | None] | None = None,
-           histories: Sequence[TokenHistory | None] | None = None,
-           eos_ids: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    masks: Sequence[torch.Tensor | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
+    eos_ids: Sequence[int] = (),
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32). Logprobs, when asked, are those of the model's
     distribution before adjustments, temperature, filtering and masks (as OpenAI-compatible servers report them).
     ``masks``: per row None, or the tokens it may take (structured output; never none): a ``[vocab]`` boolean tensor,
@@ -124,9 +135,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     if drawn:
         rows = torch.tensor(drawn).to(dev, non_blocking=True) if len(drawn) < b else None
         sub = logits if rows is None else logits.index_select(0, rows)
-        knobs = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p,
-                               float(torch.rand(1, generator=generators[i]))] for i in drawn],
-                             dtype=torch.float64).to(dev, non_blocking=True)  # one copy; float64 keeps the draw
+        knobs = torch.tensor(
+            [
+                [
+                    params[i].temperature,
+                    params[i].top_k,
+                    params[i].top_p,
+                    params[i].min_p,
+                    float(torch.rand(1, generator=generators[i])),
+                ]
+                for i in drawn
+            ],
+            dtype=torch.float64,
+        ).to(dev, non_blocking=True)  # one copy; float64 keeps the draw
         k_max = min(max([params[i].top_k for i in drawn] + [0]), logits.shape[-1])  # top_k <= 0: off
         top_p = knobs[:, 2].float() if any(params[i].top_p < 1.0 for i in drawn) else None
         min_p = knobs[:, 3].float() if any(params[i].min_p > 0.0 for i in drawn) else None
@@ -139,8 +160,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
     return _with_logprobs(raw, tokens, params, asked)
 
 
-def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None] | None,
-             eos_ids: Sequence[int] = (), masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+def adjusted(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory | None] | None,
+    eos_ids: Sequence[int] = (),
+    masks: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """``logits`` after each row's logit bias, ``min_tokens`` ban, bad words, repetition penalty, then frequency and
     presence penalties (``SamplingParams`` defines them); a new tensor where any row has one, else ``logits`` itself.
     Each is one indexed operation over every row's listed tokens, so the cost grows with the tokens named, not the
@@ -156,8 +182,9 @@ def adjusted(logits: torch.Tensor, params: Sequence[SamplingParams], histories: 
         if p.logit_bias:
             add_.add(i, torch.tensor([t for t, _ in p.logit_bias]), torch.tensor([b for _, b in p.logit_bias]))
         if p.min_tokens and h.n < p.min_tokens:
-            banned = torch.tensor(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))),
-                                  dtype=torch.long)
+            banned = torch.tensor(
+                sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))), dtype=torch.long
+            )
             if masks is not None and masks[i] is not None:
                 held.append((i, banned))
             elif not p.allowed_token_ids or set(p.allowed_token_ids) - set(banned.tolist()):
@@ -213,7 +240,7 @@ class BadWords:
         for k in self.lengths:
             if k > len(tail):
                 break
-            out += self.after.get(tail[len(tail) - k:], ())
+            out += self.after.get(tail[len(tail) - k :], ())
         return out
 
 
@@ -237,17 +264,21 @@ class _Entries:
     def on(self, device: torch.device, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(row * width + token for each listed token, [each value column])."""
         lens = torch.tensor([len(t) for t in self.toks])
-        cols = [torch.cat([v if torch.is_tensor(v) else torch.full((n,), v) for v, n in zip(col, lens.tolist())])
-                if any(torch.is_tensor(v) for v in col) else
-                torch.tensor(col, dtype=torch.float64).repeat_interleave(lens) for col in zip(*self.values)]
+        cols = [
+            torch.cat([v if torch.is_tensor(v) else torch.full((n,), v) for v, n in zip(col, lens.tolist())])
+            if any(torch.is_tensor(v) for v in col)
+            else torch.tensor(col, dtype=torch.float64).repeat_interleave(lens)
+            for col in zip(*self.values)
+        ]
         at = torch.tensor(self.rows).repeat_interleave(lens) * width + torch.cat(self.toks)
         n = len(at)
         flat = torch.cat([at.double()] + [c.double() for c in cols]).to(device, non_blocking=True)  # exact < 2**53
-        return flat[:n].long(), [flat[(1 + j) * n:(2 + j) * n].float() for j in range(len(cols))]
+        return flat[:n].long(), [flat[(1 + j) * n : (2 + j) * n].float() for j in range(len(cols))]
 
 
-def _restricted(masks: Sequence[torch.Tensor | None] | None, params: Sequence[SamplingParams],
-                logits: torch.Tensor) -> Sequence[torch.Tensor | None] | None:
+def _restricted(
+    masks: Sequence[torch.Tensor | None] | None, params: Sequence[SamplingParams], logits: torch.Tensor
+) -> Sequence[torch.Tensor | None] | None:
     """``masks`` with each ``allowed_token_ids`` row's set as its mask (those rows have no other: SamplingParams
     refuses the pair), built in one copy for all of them."""
     rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
@@ -265,8 +296,9 @@ def _restricted(masks: Sequence[torch.Tensor | None] | None, params: Sequence[Sa
     return out
 
 
-def _unpacked(masks: Sequence[torch.Tensor | None] | None,
-              logits: torch.Tensor) -> Sequence[torch.Tensor | None] | None:
+def _unpacked(
+    masks: Sequence[torch.Tensor | None] | None, logits: torch.Tensor
+) -> Sequence[torch.Tensor | None] | None:
     """``masks`` with each bitmask row (``int32``) as a ``[vocab]`` boolean row on the logits' device: the bitmasks
     stacked on the host, moved in one copy and unpacked in one operation (bits past the logits dropped, logits past
     the bits not allowed)."""
@@ -295,8 +327,9 @@ def _masked(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -
     return torch.where(allowed, logits, float("-inf"))
 
 
-def filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
-                   k_max: int, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def filtered_probs(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, k_max: int, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
     """Probabilities of rows of temperature-scaled logits with top-k, top-p then min-p applied: dropped tokens 0,
     the rest renormalized, in vocabulary order. Top-k (rows with ``top_k`` > 0; ``k_max``: the largest, 0 if none)
     keeps every token at least as likely as the k-th, ties included; top-p (``None``: no row uses it) then drops a
@@ -331,8 +364,9 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, point, right=True)[:, 0]
 
 
-def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-                   asked: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+def _with_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams], asked: list[int]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Tokens and, for the ``asked`` rows, the chosen token's log-probability and the top alternatives: one copy
     to the host for all of it."""
     rows = torch.tensor(asked).to(logits.device, non_blocking=True)
@@ -348,22 +382,24 @@ def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[
     return ids, out
 
 
-def prompt_logprobs(logits_of, hidden: torch.Tensor, next_ids: Sequence[int], k: int,
-                    rows_per_pass: int = 256) -> list[TokenLogprob]:
+def prompt_logprobs(
+    logits_of, hidden: torch.Tensor, next_ids: Sequence[int], k: int, rows_per_pass: int = 256
+) -> list[TokenLogprob]:
     """Each prompt position's log-probability of the token that follows it, its rank and the ``k`` most likely
     tokens, from the final hidden states ``[n, hidden]`` (``logits_of``: the model's ``compute_logits``). A few
     hundred rows at a time: a whole prompt's logits would be prompt length x vocabulary floats."""
     out: list[TokenLogprob] = []
     for r0 in range(0, len(next_ids), rows_per_pass):
-        ids = list(next_ids[r0:r0 + rows_per_pass])
+        ids = list(next_ids[r0 : r0 + rows_per_pass])
         chosen = torch.tensor(ids, dtype=torch.long).to(hidden.device, non_blocking=True)
-        parts = _logprob_parts(logits_of(hidden[r0:r0 + len(ids)]), chosen, k, rank=True)
+        parts = _logprob_parts(logits_of(hidden[r0 : r0 + len(ids)]), chosen, k, rank=True)
         out += _read_logprobs(torch.cat(parts).tolist(), ids, k, [k] * len(ids), rank=True)
     return out
 
 
-def extend_prompt_logprobs(done: list[TokenLogprob], prompt_ids: Sequence[int], start: int, hidden: torch.Tensor,
-                           logits_of, k: int) -> None:
+def extend_prompt_logprobs(
+    done: list[TokenLogprob], prompt_ids: Sequence[int], start: int, hidden: torch.Tensor, logits_of, k: int
+) -> None:
     """Append to ``done`` (the logprobs of prompt tokens 1..len(done)) what one forward chunk adds: ``hidden`` holds
     the final hidden states of positions ``start``, ``start + 1``, ... (position p gives token p + 1's logprob).
     Positions already covered (a recompute after preemption) are skipped; a chunk past a gap (positions never
@@ -375,7 +411,7 @@ def extend_prompt_logprobs(done: list[TokenLogprob], prompt_ids: Sequence[int], 
     if start > len(done):
         raise RuntimeError(f"prompt logprobs from position {start}, but only {len(done)} computed before it")
     p0 = len(done)
-    done += prompt_logprobs(logits_of, hidden[p0 - start:p1 - start], prompt_ids[p0 + 1:p1 + 1], k)
+    done += prompt_logprobs(logits_of, hidden[p0 - start : p1 - start], prompt_ids[p0 + 1 : p1 + 1], k)
 
 
 def _logprob_parts(logits: torch.Tensor, chosen: torch.Tensor, k: int, rank: bool) -> list[torch.Tensor]:
@@ -393,7 +429,15 @@ def _logprob_parts(logits: torch.Tensor, chosen: torch.Tensor, k: int, rank: boo
 def _read_logprobs(flat: list[float], ids: list[int], k: int, ns: list[int], rank: bool) -> list[TokenLogprob]:
     """``TokenLogprob`` per row from ``_logprob_parts``' numbers; row j keeps its ``ns[j]`` top entries."""
     r = len(ids)
-    tops = flat[r * (2 if rank else 1):]
-    return [TokenLogprob(ids[j], flat[j], tuple((int(t), v) for t, v in zip(tops[j * k:j * k + ns[j]],
-                                                                           tops[r * k + j * k:r * k + j * k + ns[j]])),
-                         int(flat[r + j]) if rank else 0) for j in range(r)]
+    tops = flat[r * (2 if rank else 1) :]
+    return [
+        TokenLogprob(
+            ids[j],
+            flat[j],
+            tuple(
+                (int(t), v) for t, v in zip(tops[j * k : j * k + ns[j]], tops[r * k + j * k : r * k + j * k + ns[j]])
+            ),
+            int(flat[r + j]) if rank else 0,
+        )
+        for j in range(r)
+    ]

@@ -1,4 +1,5 @@
 """A request's generation state inside one engine: tokens so far, sampling state and stop conditions."""
+
 from __future__ import annotations
 
 import enum
@@ -54,8 +55,10 @@ class Sequence:
         (``SamplingParams.num_resumed_tokens``, at the list's end) start its output; their logprobs are None."""
         prompt_ids, resumed = params.split_resumed(tokens)
         first = cls(seq_id, prompt_ids, params, generators[0], list(resumed), [None] * len(resumed))
-        first.forks = [cls(choice_id(seq_id, i), prompt_ids, params, generators[i], index=i, group=seq_id)
-                       for i in range(1, len(generators))]
+        first.forks = [
+            cls(choice_id(seq_id, i), prompt_ids, params, generators[i], index=i, group=seq_id)
+            for i in range(1, len(generators))
+        ]
         return first
 
     def drafts(self, k: int, min_n: int, max_n: int) -> list[int]:
@@ -63,13 +66,13 @@ class Sequence:
         if self.lookup is None:
             self.lookup = PromptLookup(self.token_ids)
         elif self.lookup.n < self.num_tokens:
-            self.lookup.extend(self.output_ids[self.lookup.n - len(self.prompt_ids):])
+            self.lookup.extend(self.output_ids[self.lookup.n - len(self.prompt_ids) :])
         return self.lookup.propose(k, min_n, max_n)
 
     @property
     def resumed(self) -> list[int]:
         """The output tokens this engine was given, not generated (``SamplingParams.num_resumed_tokens``)."""
-        return self.output_ids[:self.params.num_resumed_tokens]
+        return self.output_ids[: self.params.num_resumed_tokens]
 
     def mask(self) -> torch.Tensor | None:
         return self.guide.mask() if self.guide is not None else None
@@ -100,8 +103,11 @@ class Sequence:
         if self.history is not None:
             self.history.add(token)
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids) or \
-                (self.guide is not None and self.guide.complete):
+        if (
+            token in p.stop_token_ids
+            or (not p.ignore_eos and token in eos_ids)
+            or (self.guide is not None and self.guide.complete)
+        ):
             self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_len:
             self.finish_reason = FinishReason.LENGTH

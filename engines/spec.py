@@ -4,6 +4,7 @@ Agents' replies repeat their context (file contents, paths, code being edited, e
 tokens that followed an earlier occurrence of the last few tokens are often the next ones. ``LocalEngine`` feeds
 them as drafts and keeps those the model itself draws (``SpeculativeConfig``).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,9 +23,9 @@ class PromptLookup:
     def extend(self, tokens: list[int]) -> None:
         if self.n + len(tokens) > len(self._buf):
             grown = np.empty(2 * (self.n + len(tokens)), dtype=np.int64)
-            grown[:self.n] = self._buf[:self.n]
+            grown[: self.n] = self._buf[: self.n]
             self._buf = grown
-        self._buf[self.n:self.n + len(tokens)] = tokens
+        self._buf[self.n : self.n + len(tokens)] = tokens
         self.n += len(tokens)
 
     def propose(self, k: int, min_n: int, max_n: int) -> list[int]:
@@ -33,7 +34,7 @@ class PromptLookup:
         pass over the tokens finds where the last token occurs with a follower; each longer ``n`` only filters
         those places."""
         a, length = self._buf, self.n
-        ends = np.flatnonzero(a[:length - 1] == a[length - 1]) if length > 1 else a[:0]
+        ends = np.flatnonzero(a[: length - 1] == a[length - 1]) if length > 1 else a[:0]
         best = -1
         for n in range(1, max_n + 1):
             if n > 1:
@@ -43,4 +44,4 @@ class PromptLookup:
                 break
             if n >= min_n:
                 best = int(ends[-1])
-        return a[best + 1:min(best + 1 + k, length)].tolist() if best >= 0 else []
+        return a[best + 1 : min(best + 1 + k, length)].tolist() if best >= 0 else []

@@ -4,6 +4,7 @@ The decode loop and helper threads produce events (``put``, thread-safe); the RP
 (``events``, an async iterator per request). Every queue lives on the event loop, so the table needs no lock;
 producers only schedule work onto the loop. A stream whose submitter never comes is dropped after a TTL.
 """
+
 from __future__ import annotations
 
 import asyncio

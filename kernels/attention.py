@@ -16,6 +16,7 @@ Backends: ``torch`` (this module; CPU, and the reference everywhere) and ``trito
 reading the paged cache in place; CUDA). ``choose_backend("auto", device)`` picks triton on CUDA when it is
 installed; ``torch`` forces the reference for debugging.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,12 +52,18 @@ def check_cache_dtype(backend: str, device: torch.device | str, dtype: torch.dty
     """Refuse an 8-bit float cache the kernels cannot read: Triton has e4m3 only from compute capability 8.9
     (Ada, Hopper); on older GPUs the torch reference (``--kernels torch``) reads it."""
     device = torch.device(device)
-    if backend == "triton" and dtype.itemsize == 1 and device.type == "cuda" \
-            and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ConfigError(f"an fp8 KV cache on the Triton kernels needs a GPU of compute capability 8.9 or newer "
-                          f"({torch.cuda.get_device_name(device)} is "
-                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}): use --kernels torch, "
-                          "or --kv-cache-dtype auto")
+    if (
+        backend == "triton"
+        and dtype.itemsize == 1
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ConfigError(
+            f"an fp8 KV cache on the Triton kernels needs a GPU of compute capability 8.9 or newer "
+            f"({torch.cuda.get_device_name(device)} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}): use --kernels torch, "
+            "or --kv-cache-dtype auto"
+        )
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ class RowLayout:
     def __call__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.num_kv_heads
         k = rows[..., : h * self.k_dim].view(rows.shape[:-1] + (h, self.k_dim))
-        v = rows[..., self.v_offset: self.v_offset + h * self.v_dim].view(rows.shape[:-1] + (h, self.v_dim))
+        v = rows[..., self.v_offset : self.v_offset + h * self.v_dim].view(rows.shape[:-1] + (h, self.v_dim))
         return k, v
 
 
@@ -155,8 +162,9 @@ def _attend_one(q, k, v, n_cached: int, scale: float, allowed: torch.Tensor | No
     return out[0].transpose(0, 1)
 
 
-def _decode(q, new_rows, cached: CachedRows, split: RowLayout, scale: float,
-            index: IndexQuery | None = None) -> torch.Tensor:
+def _decode(
+    q, new_rows, cached: CachedRows, split: RowLayout, scale: float, index: IndexQuery | None = None
+) -> torch.Tensor:
     # One query per sequence: each new row goes in the slot after its sequence's cached rows, then one masked
     # attention over the padded batch (sparse: over the rows the indexer chose, gathered).
     rows, lens = _padded_rows(cached, new_rows)
@@ -177,8 +185,13 @@ def _attend_each(q, rows, mask, split: RowLayout, scale: float) -> torch.Tensor:
     one shared head at 32K tokens that would take gigabytes)."""
     k, v = split(rows)
     b, hq, hk = q.shape[0], q.shape[1], k.shape[2]
-    out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk, q.shape[-1]), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, hk, hq // hk, q.shape[-1]),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
     return out.reshape(b, hq, -1)
 
 
@@ -187,13 +200,25 @@ def _attend_chosen(q, rows, chosen: torch.Tensor, k: int, split: RowLayout, scal
     marks, gathered."""
     idx, real = listed(chosen, k)
     step = max(1, _GATHER_ELEMS // (k * rows.shape[-1]))
-    return torch.cat([_attend_each(q[r:r + step], rows[idx[r:r + step]], real[r:r + step], split, scale)
-                      for r in range(0, q.shape[0], step)])
+    return torch.cat(
+        [
+            _attend_each(q[r : r + step], rows[idx[r : r + step]], real[r : r + step], split, scale)
+            for r in range(0, q.shape[0], step)
+        ]
+    )
 
 
-def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows, split: RowLayout,
-                     new_lens: Sequence[int], scale: float, backend: str = "torch",
-                     cu_new: torch.Tensor | None = None, index: IndexQuery | None = None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    new_rows: torch.Tensor,
+    cached: CachedRows,
+    split: RowLayout,
+    new_lens: Sequence[int],
+    scale: float,
+    backend: str = "torch",
+    cu_new: torch.Tensor | None = None,
+    index: IndexQuery | None = None,
+) -> torch.Tensor:
     """Attention for packed new tokens over per-sequence cached rows.
 
     q ``[T, Hq, D]``; new_rows ``[T, kv_elems]`` (the new tokens' KV rows); ``sum(new_lens) == T``.
@@ -224,8 +249,16 @@ def varlen_attention(q: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequence[int], scale: float, cu_new,
-            index: IndexQuery | None):
+def _triton(
+    q,
+    new_rows,
+    cached: CachedRows,
+    layout: RowLayout,
+    new_lens: Sequence[int],
+    scale: float,
+    cu_new,
+    index: IndexQuery | None,
+):
     from dualpath.kernels import triton_attention as ta
 
     if not isinstance(cached, PagedKV):
@@ -233,12 +266,14 @@ def _triton(q, new_rows, cached: CachedRows, layout: RowLayout, new_lens: Sequen
     if index is not None:
         from dualpath.kernels.triton_sparse import sparse_attention
 
-        return sparse_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,
-                                index, cu_new)
+        return sparse_attention(
+            q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale, index, cu_new
+        )
     if all(n == 1 for n in new_lens):
         return ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, layout, scale)
-    return ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale,
-                                cu_new=cu_new)
+    return ta.prefill_attention(
+        q, new_rows, cached.cache, cached.block_tables, cached.lens, new_lens, layout, scale, cu_new=cu_new
+    )
 
 
 def gqa_split(num_kv_heads: int, head_dim: int) -> RowLayout:
@@ -252,10 +287,20 @@ def mla_split(kv_lora_rank: int, key_width: int) -> RowLayout:
     return RowLayout(1, key_width, 0, kv_lora_rank)
 
 
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tensor, cached: CachedRows,
-                  new_lens: Sequence[int], w_uk: torch.Tensor, w_uv: torch.Tensor, kv_lora_rank: int,
-                  scale: float, backend: str = "torch", cu_new: torch.Tensor | None = None,
-                  index: IndexQuery | None = None) -> torch.Tensor:
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    new_rows: torch.Tensor,
+    cached: CachedRows,
+    new_lens: Sequence[int],
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    backend: str = "torch",
+    cu_new: torch.Tensor | None = None,
+    index: IndexQuery | None = None,
+) -> torch.Tensor:
     """Multi-head latent attention in absorbed form over the cached latent.
 
     A row ``[c_kv (kv_lora_rank) | k_pe (rope dim) | ...]`` starts with the single shared key (queries are
@@ -264,6 +309,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_rows: torch.Tens
     ``[H, dv, R]``. Returns ``[T, H, dv]``. ``backend``, ``cu_new`` and ``index`` as in ``varlen_attention``.
     """
     q = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1)
-    out_lat = varlen_attention(q, new_rows, cached, mla_split(kv_lora_rank, q.shape[-1]), new_lens, scale,
-                               backend, cu_new, index)
+    out_lat = varlen_attention(
+        q, new_rows, cached, mla_split(kv_lora_rank, q.shape[-1]), new_lens, scale, backend, cu_new, index
+    )
     return torch.einsum("thr,hvr->thv", out_lat, w_uv)

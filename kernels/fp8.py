@@ -7,6 +7,7 @@ once to the activations' dtype, then multiplied, as transformers does when it de
 torch reference dequantizes the whole weight per call; the Triton kernel (``dualpath.kernels.triton_fp8``) dequantizes
 tiles in registers, so a weight-bound decode step reads half of bfloat16's bytes.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -53,8 +54,9 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, 
     return scale.repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_blocks(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``q × scale`` computed in float32 (float64 for a float64 ``dtype``, where it is exact) and rounded once to
     ``dtype``."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -77,8 +79,13 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return q, scale
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, backend: str = "torch",
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    backend: str = "torch",
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ W^T + bias``, plus ``residual`` if given (on triton written over it, as ``add_linear`` does). The
     reference rounds the product and then the sum; the kernel rounds once. On triton, a batch of prefill size
     multiplies FP8 by FP8 (``dualpath.kernels.triton_fp8.uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does."""
@@ -91,8 +98,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     return out if residual is None else residual + out
 
 
-def w8a8_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+def w8a8_reference(
+    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """What ``w8a8_linear`` computes, in float64 over the values it multiplies: x's rows quantized in groups of the
     weight's K block (``quantize_activations``), times the weight's values, bias and residual added, one rounding
     to x's dtype."""

@@ -7,6 +7,7 @@ A cache may hold KV in a narrower dtype than the model computes in (8-bit floats
 values become the cache's, ``as_cached`` gives rows as the cache would hold them, in the model's dtype, and moves
 between tensors of one cache dtype are byte copies.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -68,8 +69,9 @@ def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, backend: s
     return cache_layer.index_select(0, block_ids)
 
 
-def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor,
-                   backend: str = "torch") -> None:
+def scatter_blocks(
+    cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor, backend: str = "torch"
+) -> None:
     """Inverse of ``gather_blocks``."""
     if backend == "triton":
         from dualpath.kernels import triton_kv
@@ -112,12 +114,14 @@ def cache_to_full_blocks(storage: torch.Tensor, block_ids: torch.Tensor, geom: K
     layer-major paged cache ``storage [layers, num_blocks, block_size, kv_elems]``: one gather over every layer,
     then each block's layers side by side (not a gather and a host copy per layer)."""
     n = block_ids.numel()
-    return storage.index_select(1, block_ids).transpose(0, 1).contiguous().view(torch.uint8).view(
-        n, geom.full_block_bytes)
+    return (
+        storage.index_select(1, block_ids).transpose(0, 1).contiguous().view(torch.uint8).view(n, geom.full_block_bytes)
+    )
 
 
-def full_blocks_to_cache(storage: torch.Tensor, block_ids: torch.Tensor, full: torch.Tensor, geom: KVGeometry,
-                         backend: str = "torch") -> None:
+def full_blocks_to_cache(
+    storage: torch.Tensor, block_ids: torch.Tensor, full: torch.Tensor, geom: KVGeometry, backend: str = "torch"
+) -> None:
     """Inverse of ``cache_to_full_blocks``: Full Block bytes ``[n, full_block_bytes]`` (host or device) into blocks
     ``block_ids`` of every layer, in one copy to the cache's device."""
     layers = full_block_view(full.to(storage.device), geom).transpose(0, 1).contiguous()

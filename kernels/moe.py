@@ -1,5 +1,6 @@
 """Mixture-of-experts routing (DeepSeek-V3's grouped sigmoid top-k, Qwen3-MoE's softmax top-k) and the
 routed-expert forward."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,15 @@ from dualpath.kernels.activation import silu_and_mul
 from dualpath.kernels.fp8 import Fp8Weight, Weight, as_fp8_activations
 
 
-def grouped_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int, topk_group: int,
-                 top_k: int, norm_topk_prob: bool, routed_scaling_factor: float):
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    num_groups: int,
+    topk_group: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+):
     """DeepSeek-V3 routing: sigmoid scores, top groups by the sum of their two best biased scores, then the top-k
     experts inside those groups by biased score; weights are the unbiased scores (normalized if asked), scaled.
 
@@ -41,8 +49,9 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
     return weights, ids
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight,
-                   backend: str = "torch") -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight, backend: str = "torch"
+) -> torch.Tensor:
     """Sum over each token's chosen experts of ``weight × expert(x)``, an expert being ``down(silu(gate(x)) × up(x))``
     with stacked weights ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, tensors or
     block-scaled FP8 (``dualpath.kernels.fp8``). The torch reference runs only the experts chosen (the host learns which),
@@ -54,8 +63,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     out = torch.zeros_like(x)
     for expert in torch.unique(ids.reshape(-1)).tolist():
         token_idx, slot = torch.where(ids == expert)
-        y = F.linear(silu_and_mul(F.linear(x[token_idx], _expert(gate_up, expert, x.dtype))),
-                     _expert(down, expert, x.dtype))
+        y = F.linear(
+            silu_and_mul(F.linear(x[token_idx], _expert(gate_up, expert, x.dtype))), _expert(down, expert, x.dtype)
+        )
         y = y * weights[token_idx, slot, None].to(x.dtype)
         out.index_add_(0, token_idx, y)
     return out
@@ -65,8 +75,14 @@ def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
     return w.expert(e).dequantize(dtype) if isinstance(w, Fp8Weight) else w[e]
 
 
-def routed_experts_w8a8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Fp8Weight,
-                        down: Fp8Weight, act_dtype: torch.dtype) -> torch.Tensor:
+def routed_experts_w8a8(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: Fp8Weight,
+    down: Fp8Weight,
+    act_dtype: torch.dtype,
+) -> torch.Tensor:
     """What the fused kernels compute with FP8 activations (``dualpath.kernels.triton_moe``'s w8a8), in x's dtype (float64
     for a reference): the tokens quantized per row and gate/up K block, each pair's ``silu(gate) × up`` rounded to
     ``act_dtype`` (as the kernels hold it) and quantized per row and down K block, times down, times the pair's

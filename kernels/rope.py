@@ -1,4 +1,5 @@
 """Rotary position embeddings: plain, Llama-3 frequency scaling, and YaRN as DeepSeek-V3 uses it."""
+
 from __future__ import annotations
 
 import math
@@ -75,15 +76,22 @@ def softmax_scale_factor(rope: RopeConfig) -> float:
     return 1.0
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, attention_factor: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape ``[T, rotary_dim / 2]`` for integer ``positions``."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     return (freqs.cos() * attention_factor).to(dtype), (freqs.sin() * attention_factor).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-               backend: str = "torch", out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    backend: str = "torch",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotate the first ``2 × cos.shape[-1]`` dims of ``x`` (``[T, heads, dim]``), into ``out`` when given (a view
     with unit column stride, e.g. the rope part of MLA's KV row).
 
@@ -101,7 +109,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     half = cos.shape[-1]
-    rot, rest = x[..., : 2 * half], x[..., 2 * half:]
+    rot, rest = x[..., : 2 * half], x[..., 2 * half :]
     c, s = cos[:, None, :], sin[:, None, :]
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
@@ -111,8 +119,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int, backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    backend: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused QKV projection ``[T, (Hq + 2 Hk) * D]`` -> (queries ``[T, Hq, D]`` and the layer's KV row
     ``[T, 2 Hk D]`` = [keys | values]), queries and keys rotated (not interleaved). ``backend`` "triton": one
     kernel (``dualpath.kernels.triton_elementwise``) instead of the views, rotations and concatenation."""
@@ -122,5 +137,5 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
         return fused(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     t, q_cols, k_cols = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
     q = apply_rope(qkv[:, :q_cols].view(t, num_heads, head_dim), cos, sin)
-    k = apply_rope(qkv[:, q_cols: q_cols + k_cols].view(t, num_kv_heads, head_dim), cos, sin)
-    return q, torch.cat([k.reshape(t, k_cols), qkv[:, q_cols + k_cols:]], dim=1)
+    k = apply_rope(qkv[:, q_cols : q_cols + k_cols].view(t, num_kv_heads, head_dim), cos, sin)
+    return q, torch.cat([k.reshape(t, k_cols), qkv[:, q_cols + k_cols :]], dim=1)

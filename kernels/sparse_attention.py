@@ -13,6 +13,7 @@ a whole one. The attention itself (``dualpath.kernels.attention.varlen_attention
 attends over, so new keys are scored as the cache holds them. This is the torch reference; ``dualpath.kernels.triton_sparse``
 scores with a kernel and chooses with ``_top`` and ``listed`` on the device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,8 @@ class IndexQuery:
         step = max(1, _SCORE_ELEMS // (q.shape[1] * keys.shape[0]))
         chosen = torch.empty_like(causal)
         for r in range(0, n, step):
-            score = self._score(q[r:r + step], w[r:r + step], keys, causal[r:r + step])
-            chosen[r:r + step] = _top(score, self.topk)
+            score = self._score(q[r : r + step], w[r : r + step], keys, causal[r : r + step])
+            chosen[r : r + step] = _top(score, self.topk)
         return chosen & causal  # a query seeing fewer than topk keys also "chose" some it may not see
 
     def choose_decode(self, rows: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +61,8 @@ class IndexQuery:
         step = max(1, _SCORE_ELEMS // (q.shape[1] * length))
         idx = torch.empty(b, k, dtype=torch.long, device=rows.device)
         for r in range(0, b, step):
-            score = self._score(q[r:r + step], w[r:r + step], self._keys(rows[r:r + step]), seen[r:r + step])
-            idx[r:r + step] = listed(_top(score, k), k)[0]  # exactly k per row
+            score = self._score(q[r : r + step], w[r : r + step], self._keys(rows[r : r + step]), seen[r : r + step])
+            idx[r : r + step] = listed(_top(score, k), k)[0]  # exactly k per row
         return idx, seen.gather(1, idx)
 
     def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class IndexQuery:
         return torch.einsum("nh,nhl->nl", w, scores).masked_fill(~visible, float("-inf"))
 
     def _keys(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._cast(rows[..., self.key_offset: self.key_offset + self.q.shape[-1]])
+        return self._cast(rows[..., self.key_offset : self.key_offset + self.q.shape[-1]])
 
     def _cast(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.promote_types(self.q.dtype, torch.float32))

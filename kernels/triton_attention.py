@@ -9,6 +9,7 @@ serve ``[K heads | V heads]`` rows and MLA's ``[latent | rope key]`` rows (one s
 Softmax is computed online in float32; inputs stay in q's dtype (bfloat16 products accumulate in float32): a cache
 in 8-bit floats is widened to it as its tiles load.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr,
-             dtype, MASKED: tl.constexpr = True):
+def _load_kv(
+    row,
+    ok,
+    col_a,
+    col_b,
+    col_v,
+    mask_a,
+    mask_b,
+    mask_v,
+    HAS_B: tl.constexpr,
+    V_IS_KA: tl.constexpr,
+    dtype,
+    MASKED: tl.constexpr = True,
+):
     """A tile of keys and values at row pointers ``row [N]``, in ``dtype`` (the queries': an 8-bit cache is
     widened as it is read): the key's first ``DA`` columns ``ka``, the rest ``kb`` (``ka`` again, unused, without a
     rest: a jit function returns no None) and the values ``v`` (``ka`` itself when the value is the key's leading
@@ -83,12 +96,37 @@ def _scores(qa, qb, ka, kb, scale, HAS_B: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_new_ptr, out_ptr, qk_scale,
-                    stride_qt, stride_qh, stride_nt, stride_cb, stride_cs, stride_tb, stride_ot, stride_oh,
-                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DA: tl.constexpr,
-                    DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr, V_OFF: tl.constexpr,
-                    DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    new_ptr,
+    cache_ptr,
+    tables_ptr,
+    cached_lens_ptr,
+    cu_new_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_nt,
+    stride_cb,
+    stride_cs,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB_PAD: tl.constexpr,
+    HAS_B: tl.constexpr,
+    DV: tl.constexpr,
+    V_OFF: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    V_IS_KA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program: one sequence, one KV head, BLOCK_M rows of (new token, query head of the group) pairs — the
     group's heads share every K/V tile loaded (GQA packing). Keys: the cached tokens, then the sequence's own new
     tokens up to each query's position."""
@@ -113,11 +151,11 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     table_row = tables_ptr + b * stride_tb
     whole = n_cached - n_cached % BLOCK_N
     for n0 in range(0, whole, BLOCK_N):  # whole tiles of cached keys: every query sees all of them, no masks
-        row = _cached_rows(table_row, cache_ptr, n0, offs_n, offs_n < BLOCK_N, stride_cb, stride_cs, BLOCK_SIZE,
-                           BLOCK_N)
+        row = _cached_rows(
+            table_row, cache_ptr, n0, offs_n, offs_n < BLOCK_N, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N
+        )
         ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt, False)
-        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
-                                        IEEE)
+        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False, IEEE)
     for n0 in range(whole, n_cached, BLOCK_N):  # the last, partial tile
         ok = n0 + offs_n < n_cached
         row = _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)
@@ -129,8 +167,7 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
     for n0 in range(0, seen, BLOCK_N):
         row = new_ptr + (start + n0 + offs_n).to(tl.int64) * stride_nt
         ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt, False)
-        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False,
-                                        IEEE)
+        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False, IEEE)
     for n0 in range(seen, ((mb + 1) * BLOCK_M - 1) // GROUP + 1, BLOCK_N):  # the diagonal: causal masks
         pos = n0 + offs_n
         ok = pos < n_new
@@ -140,8 +177,11 @@ def _prefill_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, cu_n
         s = tl.where(ok[None, :] & (pos[None, :] <= tok[:, None]), s, float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & mask_v[None, :])
+    tl.store(
+        out_ptr + (start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & mask_v[None, :],
+    )
 
 
 @triton.jit
@@ -160,8 +200,9 @@ def _online_softmax(s, v, m_i, l_i, acc, MASKED: tl.constexpr, IEEE: tl.constexp
 
 
 @triton.jit
-def _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+def _cached_rows(
+    table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Pointers to the cached rows of key positions ``n0 + offs_n`` of one sequence (its block table row
     ``table_row``). A tile inside one block (tiles start at multiples of ``BLOCK_N``, which divides the block size)
     reads one table entry; otherwise each row looks its block up (``ok``: positions that exist)."""
@@ -184,15 +225,43 @@ def _chunk(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr, part_ptr, lse_ptr, qk_scale,
-                         stride_qb, stride_qh, stride_nb, stride_cb, stride_cs, stride_tb,
-                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, G_BLOCK: tl.constexpr,
-                         HEAD_BLOCKS: tl.constexpr, D: tl.constexpr,
-                         DA: tl.constexpr, DB_PAD: tl.constexpr, HAS_B: tl.constexpr, DV: tl.constexpr,
-                         V_OFF: tl.constexpr, DV_PAD: tl.constexpr, V_IS_KA: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    new_ptr,
+    cache_ptr,
+    tables_ptr,
+    cached_lens_ptr,
+    part_ptr,
+    lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_nb,
+    stride_cb,
+    stride_cs,
+    stride_tb,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_BLOCK: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB_PAD: tl.constexpr,
+    HAS_B: tl.constexpr,
+    DV: tl.constexpr,
+    V_OFF: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    V_IS_KA: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program: one sequence, ``G_BLOCK`` query heads of one KV head (all of a GQA group; MLA's 128 heads
     in blocks, whose programs run side by side and share the tiles through L2), and split ``sp`` of the sequence's
     keys (``_chunk``). Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the
@@ -221,17 +290,30 @@ def _decode_split_kernel(q_ptr, new_ptr, cache_ptr, tables_ptr, cached_lens_ptr,
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         in_cache, is_new = pos < n_cached, pos == n_cached
-        row = _cached_rows(tables_ptr + b * stride_tb, cache_ptr, n0, offs_n, in_cache, stride_cb, stride_cs,
-                           BLOCK_SIZE, BLOCK_N)
+        row = _cached_rows(
+            tables_ptr + b * stride_tb, cache_ptr, n0, offs_n, in_cache, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N
+        )
         ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
         # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
-        na, nb, nv = _load_kv(new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B,
-                              V_IS_KA, dt)
+        na, nb, nv = _load_kv(
+            new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt
+        )
         ka, kb, v = _joined(ka, kb, v, na, nb, nv, HAS_B, V_IS_KA)
         s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
-    _store_split(part_ptr + b * stride_pb + sp * stride_ps, lse_ptr + b * stride_lb + sp, heads, g_ok, offs_v,
-                 mask_v, m_i, l_i, acc, stride_ph, stride_lh)
+    _store_split(
+        part_ptr + b * stride_pb + sp * stride_ps,
+        lse_ptr + b * stride_lb + sp,
+        heads,
+        g_ok,
+        offs_v,
+        mask_v,
+        m_i,
+        l_i,
+        acc,
+        stride_ph,
+        stride_lh,
+    )
 
 
 @triton.jit
@@ -265,10 +347,26 @@ def _store_split(part_row, lse_row, heads, g_ok, offs_v, mask_v, m_i, l_i, acc, 
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, lse_ptr, totals_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb,
-                          stride_lh, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                          BLOCK_N: tl.constexpr, S_BLOCK: tl.constexpr,
-                          DV: tl.constexpr, DV_PAD: tl.constexpr, TOTAL_PLUS: tl.constexpr):
+def _decode_reduce_kernel(
+    part_ptr,
+    lse_ptr,
+    totals_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    S_BLOCK: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    TOTAL_PLUS: tl.constexpr,
+):
     """One program per (query, head): the splits that hold its keys (``totals[b] + TOTAL_PLUS`` of them: a decode
     step's cached lengths plus its new token, or the sparse kernels' key counts), weighted by 2^(lse - max) (the
     splits' log-sum-exps are base 2, as their scores). Splits past the query's keys are never read, so a grid sized
@@ -289,8 +387,11 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, totals_ptr, out_ptr, stride_pb, str
     for s0 in range(0, n_splits, S_BLOCK):
         ok = s0 + offs_s < n_splits
         w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=ok, other=float("-inf")) - m)
-        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps
-                       + offs_v[None, :], mask=ok[:, None] & (offs_v[None, :] < DV), other=0.0)
+        part = tl.load(
+            part_ptr + b * stride_pb + h * stride_ph + (s0 + offs_s)[:, None] * stride_ps + offs_v[None, :],
+            mask=ok[:, None] & (offs_v[None, :] < DV),
+            other=0.0,
+        )
         acc += tl.sum(part * w[:, None], 0)
         w_s += w
     out = acc / tl.sum(w_s, 0)
@@ -331,16 +432,36 @@ def _common(cache: torch.Tensor, layout: RowLayout, q: torch.Tensor, launch: dic
     da = 1 << (d.bit_length() - 1) if d >= 16 else 16
     dv_pad = _pad(layout.v_dim)
     launch.setdefault("num_warps", 8 if dv_pad >= 256 else 4)
-    return dict(BLOCK_SIZE=cache.shape[1], D=d, DA=da, DB_PAD=_pad(d - da), HAS_B=d > da, DV=layout.v_dim,
-                V_OFF=layout.v_offset, DV_PAD=dv_pad,
-                V_IS_KA=layout.num_kv_heads == 1 and layout.v_offset == 0 and layout.v_dim == da,
-                IEEE=exact_products(q.dtype), **launch)
+    return dict(
+        BLOCK_SIZE=cache.shape[1],
+        D=d,
+        DA=da,
+        DB_PAD=_pad(d - da),
+        HAS_B=d > da,
+        DV=layout.v_dim,
+        V_OFF=layout.v_offset,
+        DV_PAD=dv_pad,
+        V_IS_KA=layout.num_kv_heads == 1 and layout.v_offset == 0 and layout.v_dim == da,
+        IEEE=exact_products(q.dtype),
+        **launch,
+    )
 
 
-def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                      cached_lens: Sequence[int] | torch.Tensor, new_lens: Sequence[int], layout: RowLayout,
-                      scale: float, block_m: int | None = None, block_n: int | None = None, out: torch.Tensor | None = None,
-                      cu_new: torch.Tensor | None = None, **launch) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    new_rows: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: Sequence[int] | torch.Tensor,
+    new_lens: Sequence[int],
+    layout: RowLayout,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+    cu_new: torch.Tensor | None = None,
+    **launch,
+) -> torch.Tensor:
     """Causal attention of packed new tokens ``q [T, Hq, D]`` over each sequence's cached tokens (paged) and its
     own new rows. Returns ``[T, Hq, Dv]`` in q's dtype (into ``out`` if given). ``launch``: Triton launch options
     (``num_warps``, ``num_stages``). ``cached_lens`` as a device tensor and ``cu_new`` (the new lengths' prefix
@@ -357,17 +478,46 @@ def prefill_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tens
     if block_m is None or block_n is None:
         block_m, block_n = _prefill_tiles(layout, q.dtype, launch)
     grid = (triton.cdiv(max(new_lens) * group, block_m), len(new_lens), layout.num_kv_heads)
-    _prefill_kernel[grid](q, new_rows, cache, block_tables, lens, cu, out, scale * LOG2E,
-                          q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1),
-                          block_tables.stride(0), out.stride(0), out.stride(1),
-                          GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, **_common(cache, layout, q, launch))
+    _prefill_kernel[grid](
+        q,
+        new_rows,
+        cache,
+        block_tables,
+        lens,
+        cu,
+        out,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        new_rows.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **_common(cache, layout, q, launch),
+    )
     return out
 
 
-def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     cached_lens: Sequence[int] | torch.Tensor, layout: RowLayout, scale: float,
-                     num_splits: int | None = None, min_chunk: int = 256, block_n: int = 32, head_block: int = 16,
-                     out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    new_rows: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cached_lens: Sequence[int] | torch.Tensor,
+    layout: RowLayout,
+    scale: float,
+    num_splits: int | None = None,
+    min_chunk: int = 256,
+    block_n: int = 32,
+    head_block: int = 16,
+    out: torch.Tensor | None = None,
+    **launch,
+) -> torch.Tensor:
     """One new token per sequence, ``q [B, Hq, D]``, over its cached tokens (paged) and itself. Each sequence's
     keys are cut into up to ``num_splits`` pieces of at least ``min_chunk`` keys, run in parallel, then reduced; a
     program takes up to ``head_block`` query heads of one KV head. Returns ``[B, Hq, Dv]``.
@@ -389,10 +539,31 @@ def decode_attention(q: torch.Tensor, new_rows: torch.Tensor, cache: torch.Tenso
     common = _common(cache, layout, q, launch)
     chunking = dict(NUM_SPLITS=splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n)
     _decode_split_kernel[(layout.num_kv_heads * head_blocks, b, splits)](
-        q, new_rows, cache, block_tables, lens, part, lse, scale * LOG2E,
-        q.stride(0), q.stride(1), new_rows.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, G_BLOCK=g_block, HEAD_BLOCKS=head_blocks, **chunking, **common)
+        q,
+        new_rows,
+        cache,
+        block_tables,
+        lens,
+        part,
+        lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        new_rows.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        block_tables.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        GROUP=group,
+        G_BLOCK=g_block,
+        HEAD_BLOCKS=head_blocks,
+        **chunking,
+        **common,
+    )
     return reduce_splits(part, lse, lens, 1, out, chunking, common["DV_PAD"])
 
 
@@ -417,17 +588,34 @@ def decode_splits(programs_per_split: int, dev: torch.device) -> int:
 
 def split_outputs(rows: int, heads: int, splits: int, dv: int, dev: torch.device):
     """Each split's partial output and base-2 log-sum-exp, float32."""
-    return (torch.empty(rows, heads, splits, dv, dtype=torch.float32, device=dev),
-            torch.empty(rows, heads, splits, dtype=torch.float32, device=dev))
+    return (
+        torch.empty(rows, heads, splits, dv, dtype=torch.float32, device=dev),
+        torch.empty(rows, heads, splits, dtype=torch.float32, device=dev),
+    )
 
 
 def reduce_splits(part, lse, totals, total_plus: int, out, chunking: dict, dv_pad: int) -> torch.Tensor:
     """``_decode_reduce_kernel`` over ``split_outputs``: query b's ``totals[b] + total_plus`` keys were cut by
     ``chunking``."""
     _decode_reduce_kernel[(out.shape[0], out.shape[1])](
-        part, lse, totals, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), **chunking, S_BLOCK=min(16, triton.next_power_of_2(part.shape[2])),
-        DV=out.shape[2], DV_PAD=dv_pad, TOTAL_PLUS=total_plus, num_warps=4)
+        part,
+        lse,
+        totals,
+        out,
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        **chunking,
+        S_BLOCK=min(16, triton.next_power_of_2(part.shape[2])),
+        DV=out.shape[2],
+        DV_PAD=dv_pad,
+        TOTAL_PLUS=total_plus,
+        num_warps=4,
+    )
     return out
 
 

@@ -14,6 +14,7 @@ Batches of prefill size (``uses_w8a8``) take the w8a8 GEMM instead, DeepSeek's r
 row of x quantized to e4m3 per K block (``_act_quant_kernel``, one float32 scale per row and block), then every K
 tile's FP8 x FP8 product, exact in float32, scaled by the row's and the column's block scales and summed.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,10 +43,32 @@ def fp8_tile(w_ptrs, mask, scale, dtype, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
-                  stride_os, QN: tl.constexpr, QK: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr,
-                  PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NATIVE: tl.constexpr, IEEE: tl.constexpr):
+def _w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    stride_os,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ADD_OUT: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program: BLOCK_M rows by BLOCK_N output columns over K_SPLIT of K (split ``program_id(2)``).
     ``PARTIAL``: store the float32 sum at ``out + split × stride_os`` for the caller to add; otherwise the epilogue:
     bias, ``ADD_OUT`` (out += the product: the residual), one rounding."""
@@ -60,11 +83,15 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_
     for k0 in range(k_start, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k_end
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         s = tl.load(s_row + k0 // QK, mask=col_ok, other=0.0)
-        w = fp8_tile(w_ptr + cols64[None, :] * stride_wn + kk[:, None], k_ok[:, None] & col_ok[None, :], 1.0,
-                     x_ptr.dtype.element_ty, NATIVE)
+        w = fp8_tile(
+            w_ptr + cols64[None, :] * stride_wn + kk[:, None],
+            k_ok[:, None] & col_ok[None, :],
+            1.0,
+            x_ptr.dtype.element_ty,
+            NATIVE,
+        )
         acc += _dot(x, w, IEEE) * s[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if PARTIAL:
@@ -74,8 +101,9 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_
 
 
 @triton.jit
-def _epilogue(acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
-              ADD_OUT: tl.constexpr):
+def _epilogue(
+    acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr
+):
     """The float32 product plus bias and, ``ADD_OUT``, what out holds (the residual), rounded once into out."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -117,10 +145,18 @@ def _rows_and_out(x: torch.Tensor, n: int, residual: torch.Tensor | None) -> tup
     return x2, out
 
 
-def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                 block_k: int | None = None, num_splits: int | None = None, native: bool | None = None,
-                 **launch) -> torch.Tensor:
+def w8a16_linear(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    native: bool | None = None,
+    **launch,
+) -> torch.Tensor:
     """``x [..., K] @ W^T + bias`` in x's dtype for ``W [N, K]`` block-scaled FP8; with ``residual`` (x's shape but
     N wide, contiguous rows) the sum is written over it and returned. Tiles by default (from an H200's sweep,
     ``bench/gpu/fp8_tiles.py``): 16 rows for decode-sized batches (up to 64); up to 16 rows, 64 columns by 128 of K
@@ -148,10 +184,32 @@ def w8a16_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
     q, scale = weight_bytes(w, native).contiguous(), w.scale.float().contiguous()
     dest = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _w8a16_kernel[(*grid, splits)](
-        x2, q, scale, bias if bias is not None else scale, dest, m, n, k, k_split, x2.stride(0), q.stride(0),
-        scale.stride(0), dest.stride(-2), dest.stride(0), QN=block[0], QK=block[1], HAS_BIAS=bias is not None,
-        ADD_OUT=residual is not None, PARTIAL=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NATIVE=native, IEEE=exact_products(x.dtype), **launch)
+        x2,
+        q,
+        scale,
+        bias if bias is not None else scale,
+        dest,
+        m,
+        n,
+        k,
+        k_split,
+        x2.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        dest.stride(-2),
+        dest.stride(0),
+        QN=block[0],
+        QK=block[1],
+        HAS_BIAS=bias is not None,
+        ADD_OUT=residual is not None,
+        PARTIAL=splits > 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NATIVE=native,
+        IEEE=exact_products(x.dtype),
+        **launch,
+    )
     if splits > 1:  # the epilogue of the split sums: bias and residual added in float32, one rounding
         acc = dest.sum(0)
         if bias is not None:
@@ -174,8 +232,19 @@ def uses_w8a8(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
-                      BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+def _act_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    NG,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
     """Program (row, GROUPS groups of GROUP columns): each group's largest magnitude onto 448, as
     ``dualpath.kernels.fp8.quantize_blocks`` (scale 1 for an all-zero group; one correctly rounded division per element)."""
     row = tl.program_id(0).to(tl.int64)
@@ -213,15 +282,45 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     groups = max(1, min(triton.next_power_of_2(scale.shape[1]), 1024 // block))  # ~1024 elements a program
     if m:
         _act_quant_kernel[(m, triton.cdiv(scale.shape[1], groups))](
-            x, q, scale, k, scale.shape[1], x.stride(0), q.stride(0), scale.stride(0), GROUP=group, BLOCK=block,
-            GROUPS=groups)
+            x,
+            q,
+            scale,
+            k,
+            scale.shape[1],
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            GROUP=group,
+            BLOCK=block,
+            GROUPS=groups,
+        )
     return q, scale
 
 
 @triton.jit
-def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_xsm, stride_wn,
-                 stride_wsn, stride_om, QN: tl.constexpr, QK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ADD_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w8a8_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ADD_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """One program: BLOCK_M rows by BLOCK_N output columns over all of K. A K tile lies in one scale block
     (``BLOCK_K`` divides ``QK``): its product is scaled by one scale per row and one per column. Epilogue as the
     w8a16 kernel's: bias, ``ADD_OUT`` (the residual), one rounding."""
@@ -234,10 +333,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + cols64[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols64[None, :] * stride_wn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         xs = tl.load(xs_ptr + rows64 * stride_xsm + k0 // QK, mask=row_ok, other=0.0)
         ws = tl.load(ws_row + k0 // QK, mask=col_ok, other=0.0)
         acc += tl.dot(x, w, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
@@ -245,9 +342,16 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_x
     _epilogue(acc, rows64, cols, col_ok, mask, b_ptr, out_ptr, stride_om, HAS_BIAS, ADD_OUT)
 
 
-def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, block_m: int = 64, block_n: int = 128,
-                block_k: int | None = None, **launch) -> torch.Tensor:
+def w8a8_linear(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 128,
+    block_k: int | None = None,
+    **launch,
+) -> torch.Tensor:
     """``w8a16_linear``'s product with x quantized too (``dualpath.kernels.fp8.w8a8_reference`` is what it computes): FP8
     tensor cores for prefill-sized batches. Tiles by default 64 rows, 128 columns, K tiles of the scale block up
     to 128."""
@@ -262,7 +366,27 @@ def w8a8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     xq, xs = quantize_activations(x2, block[1])
     q, scale = w.q.contiguous(), w.scale.float().contiguous()
     _w8a8_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        xq, xs, q, scale, bias if bias is not None else scale, out, m, n, k, xq.stride(0), xs.stride(0),
-        q.stride(0), scale.stride(0), out.stride(0), QN=block[0], QK=block[1], HAS_BIAS=bias is not None,
-        ADD_OUT=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+        xq,
+        xs,
+        q,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        QN=block[0],
+        QK=block[1],
+        HAS_BIAS=bias is not None,
+        ADD_OUT=residual is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch,
+    )
     return out.view(*lead, n)

@@ -7,6 +7,7 @@
 
 One program copies up to ``CHUNK`` elements of one piece.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,16 +37,18 @@ def _move_kernel(src_ptr, dst_ptr, ids_ptr, block_elems, GATHER: tl.constexpr, C
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gather: bool) -> None:
     block_elems = math.prod(src.shape[1:])
-    if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype \
-            or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"cannot move pieces {tuple(src.shape)} -> {tuple(dst.shape)} ({src.dtype} -> {dst.dtype}):"
-                         " moves need contiguous tensors of one dtype and piece shape")
+    if not (src.is_contiguous() and dst.is_contiguous()) or src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+        raise ValueError(
+            f"cannot move pieces {tuple(src.shape)} -> {tuple(dst.shape)} ({src.dtype} -> {dst.dtype}):"
+            " moves need contiguous tensors of one dtype and piece shape"
+        )
     if src.element_size() == 1:  # 8-bit floats move as bytes (no float8 type needed on older GPUs)
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     if len(block_ids):
         chunk = min(CHUNK, triton.next_power_of_2(block_elems))  # a 512-element row: 512, not 4096 mostly masked
-        _move_kernel[(len(block_ids), triton.cdiv(block_elems, chunk))](src, dst, block_ids, block_elems,
-                                                                        GATHER=gather, CHUNK=chunk)
+        _move_kernel[(len(block_ids), triton.cdiv(block_elems, chunk))](
+            src, dst, block_ids, block_elems, GATHER=gather, CHUNK=chunk
+        )
 
 
 def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,4 +62,3 @@ def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch
 def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``: ``blocks[i]`` into block ``block_ids[i]`` (ids distinct)."""
     _launch(to_cache(blocks, cache_layer.dtype).contiguous(), cache_layer, block_ids, gather=False)
-

@@ -11,6 +11,7 @@ experts (``dualpath.kernels.fp8``) are dequantized tile by tile as ``dualpath.ke
 (``uses_w8a8``) the tokens and the intermediate activations are quantized too, per row and K block, and both kernels
 multiply FP8 by FP8 (``dualpath.kernels.triton_fp8.w8a8_linear``'s recipe).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,22 +54,51 @@ def _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(w_e, s_e, rows, kk, k0, mask, stride_wn, stride_sn, dtype, QN: tl.constexpr, QK: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr):
+def _expert_tile(
+    w_e,
+    s_e,
+    rows,
+    kk,
+    k0,
+    mask,
+    stride_wn,
+    stride_sn,
+    dtype,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
     """The expert's weight rows ``rows`` at columns ``kk``, transposed (``[BLOCK_K, rows]``); block-scaled FP8
     ones (``HAS_SCALE``) dequantized to ``dtype`` (``fp8_tile``: a K tile lies in one scale block)."""
     ptrs = w_e + rows[None, :] * stride_wn + kk[:, None]
     if HAS_SCALE:
-        w = fp8_tile(ptrs, mask, tl.load(s_e + (rows // QN).to(tl.int64) * stride_sn + k0 // QK)[None, :], dtype,
-                     NATIVE)
+        w = fp8_tile(
+            ptrs, mask, tl.load(s_e + (rows // QN).to(tl.int64) * stride_sn + k0 // QK)[None, :], dtype, NATIVE
+        )
     else:
         w = tl.load(ptrs, mask=mask, other=0.0)
     return w
 
 
 @triton.jit
-def _scaled_dot(x, xs_ptr, xs_rows, k0, row_ok, w_e, s_e, rows, kk, mask, stride_xs, stride_wn, stride_sn,
-                QN: tl.constexpr, QK: tl.constexpr):
+def _scaled_dot(
+    x,
+    xs_ptr,
+    xs_rows,
+    k0,
+    row_ok,
+    w_e,
+    s_e,
+    rows,
+    kk,
+    mask,
+    stride_xs,
+    stride_wn,
+    stride_sn,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+):
     """FP8 rows ``x`` times the expert's FP8 weight rows ``rows`` at columns ``kk`` (a K tile in one scale block),
     exact in float32, scaled by each row's and each weight row's block scale (w8a8)."""
     w = tl.load(w_e + rows[None, :] * stride_wn + kk[:, None], mask=mask, other=0.0)
@@ -78,10 +108,35 @@ def _scaled_dot(x, xs_ptr, xs_rows, k0, row_ok, w_e, s_e, rows, kk, mask, stride
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n_pairs, H, I, stride_xt, stride_xs,
-                   stride_we, stride_wn, stride_se, stride_sn, stride_ar, K_TOP: tl.constexpr, QN: tl.constexpr,
-                   QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, W8A8: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _moe_up_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    s_ptr,
+    pair_ptr,
+    expert_ptr,
+    act_ptr,
+    n_pairs,
+    H,
+    I,
+    stride_xt,
+    stride_xs,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ar,
+    K_TOP: tl.constexpr,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    NATIVE: tl.constexpr,
+    W8A8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program: a row block (one expert's pairs) by BLOCK_N intermediate columns: silu(gate) × up, in
     ``act_ptr``'s dtype. ``W8A8``: x is the tokens in e4m3 with their block scales at ``xs_ptr``."""
     e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
@@ -102,27 +157,57 @@ def _moe_up_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, n
         x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         if W8A8:
-            gate += _scaled_dot(x, xs_ptr, tok, k0, ok, w_e, s_e, gate_rows, kk, w_mask, stride_xs, stride_wn,
-                                stride_sn, QN, QK)
-            up += _scaled_dot(x, xs_ptr, tok, k0, ok, w_e, s_e, up_rows, kk, w_mask, stride_xs, stride_wn,
-                              stride_sn, QN, QK)
+            gate += _scaled_dot(
+                x, xs_ptr, tok, k0, ok, w_e, s_e, gate_rows, kk, w_mask, stride_xs, stride_wn, stride_sn, QN, QK
+            )
+            up += _scaled_dot(
+                x, xs_ptr, tok, k0, ok, w_e, s_e, up_rows, kk, w_mask, stride_xs, stride_wn, stride_sn, QN, QK
+            )
         else:
-            wg = _expert_tile(w_e, s_e, gate_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
-                              NATIVE)
-            wu = _expert_tile(w_e, s_e, up_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE,
-                              NATIVE)
+            wg = _expert_tile(
+                w_e, s_e, gate_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE, NATIVE
+            )
+            wu = _expert_tile(w_e, s_e, up_rows, kk, k0, w_mask, stride_wn, stride_sn, dtype, QN, QK, HAS_SCALE, NATIVE)
             gate += _dot(x, wg, IEEE)
             up += _dot(x, wu, IEEE)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + rows[:, None] * stride_ar + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=ok[:, None] & col_ok[None, :])
+    tl.store(
+        act_ptr + rows[:, None] * stride_ar + cols[None, :],
+        act.to(act_ptr.dtype.element_ty),
+        mask=ok[:, None] & col_ok[None, :],
+    )
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, as_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_ptr, out_ptr, n_pairs, H, I,
-                     stride_ar, stride_as, stride_we, stride_wn, stride_se, stride_sn, stride_or, QN: tl.constexpr,
-                     QK: tl.constexpr, HAS_SCALE: tl.constexpr, NATIVE: tl.constexpr, W8A8: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _moe_down_kernel(
+    act_ptr,
+    as_ptr,
+    w_ptr,
+    s_ptr,
+    pair_ptr,
+    expert_ptr,
+    route_ptr,
+    out_ptr,
+    n_pairs,
+    H,
+    I,
+    stride_ar,
+    stride_as,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_or,
+    QN: tl.constexpr,
+    QK: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    NATIVE: tl.constexpr,
+    W8A8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program: a row block by BLOCK_N hidden columns: (act @ down^T) × the pair's routing weight, into the
     pair's output row. ``W8A8``: act is in e4m3 with its block scales at ``as_ptr``."""
     e, rows, pair, ok = _row_block(expert_ptr, pair_ptr, n_pairs, BLOCK_M)
@@ -140,11 +225,25 @@ def _moe_down_kernel(act_ptr, as_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, route_
         a = tl.load(act_ptr + rows[:, None] * stride_ar + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         if W8A8:
-            acc += _scaled_dot(a, as_ptr, rows, k0, ok, w_e, s_e, w_rows, kk, w_mask, stride_as, stride_wn, stride_sn,
-                               QN, QK)
+            acc += _scaled_dot(
+                a, as_ptr, rows, k0, ok, w_e, s_e, w_rows, kk, w_mask, stride_as, stride_wn, stride_sn, QN, QK
+            )
         else:
-            wd = _expert_tile(w_e, s_e, w_rows, kk, k0, w_mask, stride_wn, stride_sn, act_ptr.dtype.element_ty, QN,
-                              QK, HAS_SCALE, NATIVE)
+            wd = _expert_tile(
+                w_e,
+                s_e,
+                w_rows,
+                kk,
+                k0,
+                w_mask,
+                stride_wn,
+                stride_sn,
+                act_ptr.dtype.element_ty,
+                QN,
+                QK,
+                HAS_SCALE,
+                NATIVE,
+            )
             acc += _dot(a, wd, IEEE)
     acc *= tl.load(route_ptr + pair, mask=ok, other=0.0)[:, None]
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_or + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
@@ -157,9 +256,19 @@ def _operand(w: Weight, native: bool) -> tuple[torch.Tensor, torch.Tensor | None
     return w.contiguous(), None, (1, 1)
 
 
-def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight, down: Weight,
-              block_m: int | None = None, block_n: int = 64, block_k: int = 64, native: bool | None = None,
-              w8a8: bool | None = None, **launch) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: Weight,
+    down: Weight,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+    native: bool | None = None,
+    w8a8: bool | None = None,
+    **launch,
+) -> torch.Tensor:
     """``sum_j weights[t, j] × expert_{ids[t, j]}(x[t])`` for x ``[T, H]``, ``weights``/``ids`` ``[T, k]``,
     ``gate_up [E, 2I, H]`` (gate rows, then up rows) and ``down [E, H, I]``, each a tensor or block-scaled FP8
     (``dualpath.kernels.fp8``; an FP8 ``gate_up``'s gate/up boundary on a scale block's edge). Returns ``[T, H]`` in x's
@@ -190,15 +299,65 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     # w8a8 quantizes every row of act, so the padding rows the kernel never writes are zeros, not stale bytes
     act = (torch.zeros if w8a8 else torch.empty)(rows, inter, dtype=x.dtype, device=x.device)
     _moe_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
-        xq, xs, wg, route if sg is None else sg, pair_of_row, expert_of_block, act, n, h, inter, xq.stride(0),
-        xs.stride(0), wg.stride(0), wg.stride(1), 0 if sg is None else sg.stride(0), 0 if sg is None else sg.stride(1),
-        act.stride(0), K_TOP=k, QN=qg[0], QK=qg[1], HAS_SCALE=sg is not None, NATIVE=native, W8A8=w8a8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
+        xq,
+        xs,
+        wg,
+        route if sg is None else sg,
+        pair_of_row,
+        expert_of_block,
+        act,
+        n,
+        h,
+        inter,
+        xq.stride(0),
+        xs.stride(0),
+        wg.stride(0),
+        wg.stride(1),
+        0 if sg is None else sg.stride(0),
+        0 if sg is None else sg.stride(1),
+        act.stride(0),
+        K_TOP=k,
+        QN=qg[0],
+        QK=qg[1],
+        HAS_SCALE=sg is not None,
+        NATIVE=native,
+        W8A8=w8a8,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=ieee,
+        **launch,
+    )
     aq, as_ = quantize_activations(act, qd[1]) if w8a8 else (act, route)
     out = torch.empty(n, h, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(rows // block_m, triton.cdiv(h, block_n))](
-        aq, as_, wd, route if sd is None else sd, pair_of_row, expert_of_block, route, out, n, h, inter, aq.stride(0),
-        as_.stride(0), wd.stride(0), wd.stride(1), 0 if sd is None else sd.stride(0),
-        0 if sd is None else sd.stride(1), out.stride(0), QN=qd[0], QK=qd[1], HAS_SCALE=sd is not None,
-        NATIVE=native, W8A8=w8a8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, **launch)
+        aq,
+        as_,
+        wd,
+        route if sd is None else sd,
+        pair_of_row,
+        expert_of_block,
+        route,
+        out,
+        n,
+        h,
+        inter,
+        aq.stride(0),
+        as_.stride(0),
+        wd.stride(0),
+        wd.stride(1),
+        0 if sd is None else sd.stride(0),
+        0 if sd is None else sd.stride(1),
+        out.stride(0),
+        QN=qd[0],
+        QK=qd[1],
+        HAS_SCALE=sd is not None,
+        NATIVE=native,
+        W8A8=w8a8,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=ieee,
+        **launch,
+    )
     return out.view(t, k, h).sum(1).to(x.dtype)

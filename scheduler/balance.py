@@ -2,6 +2,7 @@
 engines of a group, each as max/avg (1.0 is perfect balance). The paper reports 1.18 for storage reads with its
 scheduler (1.53 with round-robin) and 1.06 for attention time. Also a node's storage read rate, from the intervals
 its engines had blocks waiting to be read."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """Baseline policies behind the same interface: least-loaded, round-robin and random."""
+
 from __future__ import annotations
 
 import random
@@ -89,8 +90,13 @@ class RoundRobinPolicy(Policy):
 
     def assign_prefill(self, queue, engines, pulling, nodes, pe_nodes, block_size):
         out = []
-        fifo(queue, engines, pulling, self._picker("prefill", pulling, lambda r, e: True),
-             lambda e, r: out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size)))
+        fifo(
+            queue,
+            engines,
+            pulling,
+            self._picker("prefill", pulling, lambda r, e: True),
+            lambda e, r: out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size)),
+        )
         return out
 
     def dualpath_path(self, r, pe_node, de_node):
@@ -125,16 +131,22 @@ class RandomPolicy(Policy):
         return pick
 
     def assign_decode(self, queue, engines, pulling):
-        out = fifo(queue, engines, pulling, self._picker("decode", lambda r, e: e.free_tokens >= r.reserve_tokens),
-                   take_decode)
+        out = fifo(
+            queue, engines, pulling, self._picker("decode", lambda r, e: e.free_tokens >= r.reserve_tokens), take_decode
+        )
         for r, _ in out:
             self._drawn.pop(("decode", r.request_id), None)
         return [(r.request_id, e.engine_id) for r, e in out]
 
     def assign_prefill(self, queue, engines, pulling, nodes, pe_nodes, block_size):
         out = []
-        fifo(queue, engines, pulling, self._picker("prefill", lambda r, e: True),
-             lambda e, r: out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size)))
+        fifo(
+            queue,
+            engines,
+            pulling,
+            self._picker("prefill", lambda r, e: True),
+            lambda e, r: out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size)),
+        )
         for d in out:
             self._drawn.pop(("prefill", d.request_id), None)
         return out

@@ -7,6 +7,7 @@ prefill group pulls, a prefill engine and a read path -> the prefill engine runs
 engine, which reports it finished. Each attempt runs under its own work id (``<request>.<attempt>``), so reports
 about an abandoned attempt can never touch a retry.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,8 +25,19 @@ from pathlib import Path
 from dualpath.core.config import SchedulerConfig
 from dualpath.core.errors import RequestError, UnavailableError
 from dualpath.core.geometry import HASH_BYTES, block_hashes, choice_blocks
-from dualpath.core.messages import (Assignment, EngineInfo, EngineLoad, Mode, PullReply, RegisterReply, Role,
-                               SubmitEvent, SubmitRequest, pack_keys, unpack_tokens)
+from dualpath.core.messages import (
+    Assignment,
+    EngineInfo,
+    EngineLoad,
+    Mode,
+    PullReply,
+    RegisterReply,
+    Role,
+    SubmitEvent,
+    SubmitRequest,
+    pack_keys,
+    unpack_tokens,
+)
 from dualpath.core.paths import default_kv_store
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.scheduler.balance import WindowedSums, max_over_avg, measured_alpha
@@ -245,11 +257,26 @@ class SchedulerCore:
         self.block_size = 0
         self.max_model_len = 0
         self.lock = threading.RLock()
-        self.counters = {"submitted": 0, "finished": 0, "failed": 0, "retried": 0, "rejected": 0,
-                         "path_pe": 0, "path_de": 0, "path_split": 0, "hit_tokens": 0, "recomputed_hit_tokens": 0,
-                         "prompt_tokens": 0, "kv_load_failures": 0, "kv_corrupt_removed": 0,
-                         "cache_flushes": 0, "preempted": 0, "rpc_refused": 0, "blocks_stored": 0,
-                         "blocks_evicted": 0}
+        self.counters = {
+            "submitted": 0,
+            "finished": 0,
+            "failed": 0,
+            "retried": 0,
+            "rejected": 0,
+            "path_pe": 0,
+            "path_de": 0,
+            "path_split": 0,
+            "hit_tokens": 0,
+            "recomputed_hit_tokens": 0,
+            "prompt_tokens": 0,
+            "kv_load_failures": 0,
+            "kv_corrupt_removed": 0,
+            "cache_flushes": 0,
+            "preempted": 0,
+            "rpc_refused": 0,
+            "blocks_stored": 0,
+            "blocks_evicted": 0,
+        }
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -266,8 +293,9 @@ class SchedulerCore:
         fp = bytes.fromhex(info.fingerprint)
         with self.lock:
             if self.fingerprint is not None and (fp != self.fingerprint or info.block_size != self.block_size):
-                return RegisterReply(False, f"engine {info.engine_id} serves another model or block size than "
-                                            "the cluster")
+                return RegisterReply(
+                    False, f"engine {info.engine_id} serves another model or block size than the cluster"
+                )
             first = self.fingerprint is None
             self.fingerprint, self.block_size, self.max_model_len = fp, info.block_size, info.max_model_len
             if first and info.weights_version + info.weights_path:  # this scheduler restarted after an update
@@ -292,8 +320,7 @@ class SchedulerCore:
             members = self.members(rec.group)
         if first:
             self._rebuild_index(fp)
-        log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id,
-                 rec.group)
+        log.info("engine %s joined (%s, node %s, group %s)", info.engine_id, info.role.value, info.node_id, rec.group)
         return RegisterReply(True, members=members, adapters=list(self.adapters))
 
     def _rebuild_index(self, fingerprint: bytes) -> None:
@@ -307,6 +334,7 @@ class SchedulerCore:
                 self.index.rebuild(root, fingerprint)
             except OSError as e:
                 log.warning("cannot rebuild the block index from %s: %s", root, e)
+
         self.index_rebuild = threading.Thread(target=run, name="index-rebuild", daemon=True)
         self.index_rebuild.start()
 
@@ -337,8 +365,11 @@ class SchedulerCore:
                 if self.alive_ids[role]:
                     continue
                 since = self.unserved_since.get(role)
-                out.append(f"no {role.value} engine has registered yet" if since is None else
-                           f"no {role.value} engine alive for {now - since:.0f} s ({self.last_gone[role]})")
+                out.append(
+                    f"no {role.value} engine has registered yet"
+                    if since is None
+                    else f"no {role.value} engine alive for {now - since:.0f} s ({self.last_gone[role]})"
+                )
         return out
 
     def expire(self) -> None:
@@ -357,8 +388,9 @@ class SchedulerCore:
         began to wait for it; then it fails as unavailable (a 503, or an error in its stream), never hangs."""
         bound, why = self.config.engine_wait_timeout_s, None
         for rid, r in list(self.requests.items()):
-            needs = [self.unserved_since[role] for role in self.unserved_since
-                     if role is Role.DECODE or not r.streaming]  # a generating reply needs no prefill engine
+            needs = [
+                self.unserved_since[role] for role in self.unserved_since if role is Role.DECODE or not r.streaming
+            ]  # a generating reply needs no prefill engine
             if needs and now - max(max(needs), r.submitted_at) > bound:
                 why = why or "; ".join(self.missing())
                 self._fail(rid, f"unavailable: waited {bound:.0f} s for an engine: {why}")
@@ -388,8 +420,9 @@ class SchedulerCore:
         self._roster_changed(e.info.role)
         # (once generating, a request's prefill engine is done with it)
         mine = [(rid, r) for rid, r in self.requests.items() if r.de == eid or (r.pe == eid and not r.streaming)]
-        (log.warning if mine else log.info)("engine %s is gone (%s)%s", eid, why,
-                                            f"; {len(mine)} of its request(s) go elsewhere" if mine else "")
+        (log.warning if mine else log.info)(
+            "engine %s is gone (%s)%s", eid, why, f"; {len(mine)} of its request(s) go elsewhere" if mine else ""
+        )
         for rid, r in mine:
             if r.de == eid and r.streaming:  # the submitter may continue the reply elsewhere (dualpath.client)
                 self._fail(rid, f"decode engine {eid} died while generating ({why})", engine_lost=True)
@@ -406,8 +439,9 @@ class SchedulerCore:
             self.read_window.forget(e.info.node_id)
 
     # --- requests -------------------------------------------------------------------------------------------
-    def submit(self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None,
-               trust_hashes: bool = False):
+    def submit(
+        self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None, trust_hashes: bool = False
+    ):
         """Accept a request (or raise ``RequestError``). Events about it go to ``notify``; without one they go to a
         ``queue.Queue``, which is returned. The prompt's block hashes are computed here from its tokens, salt and
         adapter: hashes a submitter sends are used only with ``trust_hashes`` (in-process callers whose prompts are
@@ -428,37 +462,57 @@ class SchedulerCore:
                 raise RequestError(f"duplicate request id {spec.request_id}")
             n = spec.num_tokens
             if n == 0 or n + params.max_new_tokens > self.max_model_len:
-                raise RequestError(f"prompt ({n - params.num_resumed_tokens} tokens) plus max_tokens "
-                                   f"({params.max_tokens}) exceeds the model's context of {self.max_model_len}",
-                                   field="max_tokens")
+                raise RequestError(
+                    f"prompt ({n - params.num_resumed_tokens} tokens) plus max_tokens "
+                    f"({params.max_tokens}) exceeds the model's context of {self.max_model_len}",
+                    field="max_tokens",
+                )
             if params.priority and self.config.scheduling_policy != "priority":
-                raise RequestError("priority scheduling is not enabled: start the scheduler with "
-                                   "--scheduling-policy priority", field="priority")
+                raise RequestError(
+                    "priority scheduling is not enabled: start the scheduler with --scheduling-policy priority",
+                    field="priority",
+                )
             if params.num_resumed_tokens >= n:
-                raise RequestError(f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
-                                   field="num_resumed_tokens")
-            room = max(e.info.capacity_tokens for e in self.engines.values() if e.info.role is Role.DECODE and
-                       (e.alive or not self.alive_ids[Role.DECODE]))
+                raise RequestError(
+                    f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
+                    field="num_resumed_tokens",
+                )
+            room = max(
+                e.info.capacity_tokens
+                for e in self.engines.values()
+                if e.info.role is Role.DECODE and (e.alive or not self.alive_ids[Role.DECODE])
+            )
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
-                raise RequestError(f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
-                                   f"more KV memory than a decode engine has ({room} tokens)", field="max_tokens")
+                raise RequestError(
+                    f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
+                    f"more KV memory than a decode engine has ({room} tokens)",
+                    field="max_tokens",
+                )
             stale = bool(spec.fingerprint) and spec.fingerprint != self.fingerprint.hex()
             hashes = spec.block_hashes if trust_hashes and spec.block_hashes else self._hash(spec.tokens, params)
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             hit = self._hit_blocks(hashes, n, params)
-            r = RequestRecord(spec, params, mode, hashes, hit, notify, submitted_at=self.clock(),
-                              seq=self.counters["submitted"])
+            r = RequestRecord(
+                spec, params, mode, hashes, hit, notify, submitted_at=self.clock(), seq=self.counters["submitted"]
+            )
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
             # a reply going on (moved off a lost engine, or preempted) was admitted before the requests of its rank
             (self.global_queue.appendleft if params.num_resumed_tokens else self.global_queue.append)(
-                spec.request_id, rank=r.rank)
+                spec.request_id, rank=r.rank
+            )
             self.counters["submitted"] += 1
             self.counters["prompt_tokens"] += n
             self.counters["hit_tokens"] += hit * self.block_size
-            notify(SubmitEvent("accepted", spec.request_id, num_hit_tokens=hit * self.block_size,
-                               fingerprint=self.fingerprint.hex() if stale else ""))
+            notify(
+                SubmitEvent(
+                    "accepted",
+                    spec.request_id,
+                    num_hit_tokens=hit * self.block_size,
+                    fingerprint=self.fingerprint.hex() if stale else "",
+                )
+            )
             return events
 
     def _can_wait(self) -> bool:
@@ -468,8 +522,11 @@ class SchedulerCore:
         return self.config.engine_wait_timeout_s > 0 and all(role in self.unserved_since for role in missing)
 
     def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
-        return pack_keys(block_hashes(unpack_tokens(tokens), self.fingerprint, self.block_size,
-                                      salt=params.cache_salt, adapter=params.adapter))
+        return pack_keys(
+            block_hashes(
+                unpack_tokens(tokens), self.fingerprint, self.block_size, salt=params.cache_salt, adapter=params.adapter
+            )
+        )
 
     def _hit_blocks(self, hashes: bytes, n: int, params: SamplingParams) -> int:
         """Leading prompt blocks stored. At least one prompt token is always computed (its logits give the first
@@ -481,8 +538,7 @@ class SchedulerCore:
     def queued(self, r: RequestRecord) -> QueuedRequest:
         n = r.spec.num_tokens
         de_node = self.engines[r.de].info.node_id if r.de else ""
-        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, self._decode_tokens(r), de_node,
-                             r.mode)
+        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, self._decode_tokens(r), de_node, r.mode)
 
     def _decode_tokens(self, r: "RequestRecord") -> int:
         """The most KV a decode engine holds for ``r`` (in tokens of whole blocks): the prompt once, every choice's
@@ -636,8 +692,9 @@ class SchedulerCore:
         with self.lock:
             return not self.cancelled_for and not any(r.pe or r.de for r in self.requests.values())
 
-    def resume(self, fingerprint: bytes | None = None, version: str = "", loaded: Collection[str] = (),
-               path: str = "") -> None:
+    def resume(
+        self, fingerprint: bytes | None = None, version: str = "", loaded: Collection[str] = (), path: str = ""
+    ) -> None:
         """End a pause. With the fingerprint of new weights and the engines that ``loaded`` them: any other engine
         is counted gone (it serves other weights), the index starts over (rebuilt from what is stored for the new
         weights) and every queued request is hashed again, so no block of the old weights can hit. ``path``: the
@@ -650,8 +707,9 @@ class SchedulerCore:
                     if e.alive and eid not in loaded:
                         self._engine_gone(eid, "it did not load the new weights")
                     elif eid in loaded:
-                        e.info = replace(e.info, fingerprint=fingerprint.hex(), weights_version=version,
-                                         weights_path=path)
+                        e.info = replace(
+                            e.info, fingerprint=fingerprint.hex(), weights_version=version, weights_path=path
+                        )
             if changed:
                 self.fingerprint, self.index = fingerprint, BlockIndex()
                 for r in self.requests.values():  # all queued: a drained cluster holds none on engines
@@ -671,8 +729,7 @@ class SchedulerCore:
             self._index_reports([load])
             self._absorb(load)
 
-    def pull(self, group_id: str, loads: list[EngineLoad], sender: str = "",
-             unreachable: list[str] = ()) -> PullReply:
+    def pull(self, group_id: str, loads: list[EngineLoad], sender: str = "", unreachable: list[str] = ()) -> PullReply:
         with self.lock:
             self.pulls_by_sender[sender] = self.pulls_by_sender.get(sender, 0) + 1
             for eid in unreachable:  # a group's own members are the first to know one of them is gone
@@ -690,14 +747,16 @@ class SchedulerCore:
             group, pulling, members = self._view(group_id)
             if not group:
                 return PullReply({}, rejoin=rejoin, unknown=unknown)
-            cancelled = [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] \
-                if self.cancelled_for else []
+            cancelled = (
+                [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] if self.cancelled_for else []
+            )
             self._route()
             if group[0].info.role is Role.DECODE:
                 if not self.paused:  # the one gate (and _handed_out's): the prefill queue holds what a DE took
                     self._assign_decode(group_id, group, pulling)
-                preempted = [w for e in group for w in self.preempt_for.pop(e.info.engine_id, [])] \
-                    if self.preempt_for else []
+                preempted = (
+                    [w for e in group for w in self.preempt_for.pop(e.info.engine_id, [])] if self.preempt_for else []
+                )
                 return PullReply({}, cancelled, list(members), rejoin, unknown, preempted)
             return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
 
@@ -716,8 +775,9 @@ class SchedulerCore:
         it leaves such pulls out.)"""
         with self.lock:
             group = self.by_group.get(group_id, ())
-            if self.global_queue or any(e.info.engine_id in self.cancelled_for or e.info.engine_id in self.preempt_for
-                                        for e in group):
+            if self.global_queue or any(
+                e.info.engine_id in self.cancelled_for or e.info.engine_id in self.preempt_for for e in group
+            ):
                 return False
             if group and group[0].info.role is Role.DECODE:
                 return not self.private.get(group_id)
@@ -791,11 +851,16 @@ class SchedulerCore:
     def _state(self, e: EngineRecord) -> EngineState:
         load = e.load
         out = e.outstanding
-        return EngineState(e.info.engine_id, e.info.node_id, e.group,
-                           seq=(load.seq if load else 0) + len(out),
-                           tok=(load.tok if load else 0) + out.tokens,
-                           free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - out.reserve,
-                           beta=e.info.beta_tokens, measured_beta=e.measured_beta())
+        return EngineState(
+            e.info.engine_id,
+            e.info.node_id,
+            e.group,
+            seq=(load.seq if load else 0) + len(out),
+            tok=(load.tok if load else 0) + out.tokens,
+            free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - out.reserve,
+            beta=e.info.beta_tokens,
+            measured_beta=e.measured_beta(),
+        )
 
     def _group_totals(self) -> dict[str, int]:
         """Each decode group's tokens (engines' load plus its private queue), recomputed at most every 50 ms: at
@@ -856,10 +921,15 @@ class SchedulerCore:
         if head is None or any(self.requests[rid].de in pulling for rid in self.preempting):
             return
         r = self.requests[head]
-        running = {s.engine_id: [Running(x.work_id, x.rank, x.seq, self._decode_tokens(x))
-                                 for x in map(self.requests.__getitem__, self.engines[s.engine_id].decoding)
-                                 if x.rank > r.rank]  # (only these may be ended)
-                   for s in states if s.engine_id in pulling}
+        running = {
+            s.engine_id: [
+                Running(x.work_id, x.rank, x.seq, self._decode_tokens(x))
+                for x in map(self.requests.__getitem__, self.engines[s.engine_id].decoding)
+                if x.rank > r.rank
+            ]  # (only these may be ended)
+            for s in states
+            if s.engine_id in pulling
+        }
         free = {s.engine_id: s.free_tokens for s in states if s.engine_id in pulling}
         eid, victims = preemption(self._decode_tokens(r), r.rank, free, running)
         for w in victims:
@@ -878,12 +948,22 @@ class SchedulerCore:
         # policies with a per-group view (the paper's) see only the pulling group: pulls stay O(group)
         candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else group
         pe_nodes = {e.info.engine_id: e.info.node_id for e in candidates}
-        waiting = Lazy(itertools.islice((self.queued(self.requests[rid]) for rid in self.prefill_queue
-                                         if self.engines[self.requests[rid].de].alive),
-                                        self.config.max_assignments_per_pull))
+        waiting = Lazy(
+            itertools.islice(
+                (
+                    self.queued(self.requests[rid])
+                    for rid in self.prefill_queue
+                    if self.engines[self.requests[rid].de].alive
+                ),
+                self.config.max_assignments_per_pull,
+            )
+        )
         out: dict[str, list[Assignment]] = {}
-        decisions = list(self.policy.assign_prefill(waiting, [self._state(e) for e in candidates], pulling,
-                                                    self._node_states(), pe_nodes, self.block_size))  # then remove
+        decisions = list(
+            self.policy.assign_prefill(
+                waiting, [self._state(e) for e in candidates], pulling, self._node_states(), pe_nodes, self.block_size
+            )
+        )  # then remove
         for d in decisions:
             rid = self.by_work[d.request_id]
             r = self.requests[rid]
@@ -896,12 +976,29 @@ class SchedulerCore:
             self.engines[d.engine_id].outstanding.add(d.request_id, r.spec.num_tokens - hit, 0)
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
-            out.setdefault(d.engine_id, []).append(Assignment(
-                d.request_id, r.spec.tokens, dict(r.spec.sampling),
-                r.hashes[:r.hit_blocks * HASH_BYTES], d.path.path, r.mode is not Mode.BASIC, de,
-                d.path.pe_blocks))
-            r.notify(SubmitEvent("assigned", rid, num_hit_tokens=hit, decode_engine=de.engine_id,
-                                     decode_address=de.control_address, path=r.path, work_id=d.request_id))
+            out.setdefault(d.engine_id, []).append(
+                Assignment(
+                    d.request_id,
+                    r.spec.tokens,
+                    dict(r.spec.sampling),
+                    r.hashes[: r.hit_blocks * HASH_BYTES],
+                    d.path.path,
+                    r.mode is not Mode.BASIC,
+                    de,
+                    d.path.pe_blocks,
+                )
+            )
+            r.notify(
+                SubmitEvent(
+                    "assigned",
+                    rid,
+                    num_hit_tokens=hit,
+                    decode_engine=de.engine_id,
+                    decode_address=de.control_address,
+                    path=r.path,
+                    work_id=d.request_id,
+                )
+            )
         return out
 
     def node_state(self, node: str) -> NodeState:
@@ -934,21 +1031,29 @@ class SchedulerCore:
             e = self.engines.get(eid)
             if e is not None:
                 groups.setdefault(e.group, []).append(s)
-        return {"storage_read_max_over_avg": max_over_avg(reads.values()),
-                "storage_read_window_bytes": reads,
-                "prefill_busy_max_over_avg": {g: max_over_avg(v) for g, v in groups.items()}}
+        return {
+            "storage_read_max_over_avg": max_over_avg(reads.values()),
+            "storage_read_window_bytes": reads,
+            "prefill_busy_max_over_avg": {g: max_over_avg(v) for g, v in groups.items()},
+        }
 
     def stats(self) -> dict:
         with self.lock:
             nodes = {n: self.node_state(n) for n in self.by_node}
             return {
                 **self.counters,
-                "fingerprint": self.fingerprint.hex() if self.fingerprint else "", "block_size": self.block_size,
-                "weights_version": self.weights_version, "weights_path": self.weights_path, "paused": self.paused,
-                "held": self.held, "scheduling_policy": self.config.scheduling_policy,
+                "fingerprint": self.fingerprint.hex() if self.fingerprint else "",
+                "block_size": self.block_size,
+                "weights_version": self.weights_version,
+                "weights_path": self.weights_path,
+                "paused": self.paused,
+                "held": self.held,
+                "scheduling_policy": self.config.scheduling_policy,
                 "lora_adapters": list(self.adapters),  # loaded at runtime (those engines started with: their own)
-                "global_queue": len(self.global_queue), "decode_queue": sum(len(q) for q in self.private.values()),
-                "prefill_queue": len(self.prefill_queue), "in_flight": len(self.requests),
+                "global_queue": len(self.global_queue),
+                "decode_queue": sum(len(q) for q in self.private.values()),
+                "prefill_queue": len(self.prefill_queue),
+                "in_flight": len(self.requests),
                 "waiting_by_priority": self._waiting_by_priority(),
                 "index_blocks": len(self.index),
                 "engines_alive": sum(e.alive for e in self.engines.values()),
@@ -979,13 +1084,19 @@ class SchedulerCore:
         """An engine's last report: requests held, their tokens, free KV tokens (a decode engine's device cache,
         a prefill engine's workspace) and its capacity, the KV store's stored bytes and cap."""
         load = e.load
-        return {"role": e.info.role.value, "node": e.info.node_id, "group": e.group,
-                "dp_balance": load.dp_balance if load else 0.0, "requests": load.seq if load else 0,
-                "tokens": load.tok if load else 0, "capacity_tokens": e.info.capacity_tokens,
-                "free_tokens": load.free_tokens if load else e.info.capacity_tokens,
-                "measured_beta": e.measured_beta(),
-                "storage_used_bytes": load.storage_used_bytes if load else 0,
-                "storage_capacity_bytes": load.storage_capacity_bytes if load else 0}
+        return {
+            "role": e.info.role.value,
+            "node": e.info.node_id,
+            "group": e.group,
+            "dp_balance": load.dp_balance if load else 0.0,
+            "requests": load.seq if load else 0,
+            "tokens": load.tok if load else 0,
+            "capacity_tokens": e.info.capacity_tokens,
+            "free_tokens": load.free_tokens if load else e.info.capacity_tokens,
+            "measured_beta": e.measured_beta(),
+            "storage_used_bytes": load.storage_used_bytes if load else 0,
+            "storage_capacity_bytes": load.storage_capacity_bytes if load else 0,
+        }
 
 
 class _Nodes(dict):

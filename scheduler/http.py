@@ -1,4 +1,5 @@
 """The scheduler's HTTP side: ``/health`` and Prometheus ``/metrics``, served from the scheduler's event loop."""
+
 from __future__ import annotations
 
 from fastapi import FastAPI

@@ -11,6 +11,7 @@ Invariant: a key id is the first 8 bytes of the block hash with the low bit set 
 deleted slot). Two distinct hashes share an id with probability ~2^-63 per pair; a false hit only makes an
 engine find the block missing when it loads it, which it already handles by recomputing (``kv_load_failures``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,7 @@ _FEW = 48  # up to this many ids, a Python loop beats numpy's per-call overhead 
 def key_ids(packed: bytes) -> np.ndarray:
     """The 64-bit ids of packed block hashes (each ``HASH_BYTES`` long), in order."""
     words = np.frombuffer(packed, dtype="<u8", count=len(packed) // 8)
-    return words[::HASH_BYTES // 8] | np.uint64(1)
+    return words[:: HASH_BYTES // 8] | np.uint64(1)
 
 
 _ID = struct.Struct(f"<Q{HASH_BYTES - 8}x")

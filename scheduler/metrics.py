@@ -1,6 +1,7 @@
 """The scheduler's stats (``SchedulerCore.stats``, the ``Stats`` RPC's reply) as Prometheus series: the scheduler's,
 its engines' (from their load reports), the KV cache's and the KV transport's. Read at each scrape, by the scheduler's
 own ``/metrics`` and by every frontend's (``StatsCollector``), so one scrape of the API port holds them all."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -9,14 +10,18 @@ from dualpath.core.metrics import counter_family, gauge_family
 
 # the core's counters (``SchedulerCore.counters``), each ``dualpath_scheduler_<name>_total``
 COUNTERS = {
-    "submitted": "Requests submitted", "finished": "Requests finished", "failed": "Requests failed",
-    "retried": "Requests handed to engines again after one failed them", "rejected": "Requests refused (overloaded)",
+    "submitted": "Requests submitted",
+    "finished": "Requests finished",
+    "failed": "Requests failed",
+    "retried": "Requests handed to engines again after one failed them",
+    "rejected": "Requests refused (overloaded)",
     "hit_tokens": "Prompt tokens whose KV was found stored (the hit, before the read-path choice)",
     "recomputed_hit_tokens": "Stored prompt tokens computed again rather than loaded (loading cost more)",
     "prompt_tokens": "Prompt tokens submitted",
     "kv_load_failures": "Stored KV blocks that could not be loaded (the tokens are computed instead)",
     "kv_corrupt_removed": "Stored KV blocks removed for a bad checksum or header",
-    "cache_flushes": "KV store flushes", "preempted": "Requests preempted by higher-priority ones",
+    "cache_flushes": "KV store flushes",
+    "preempted": "Requests preempted by higher-priority ones",
     "rpc_refused": "Internal RPCs refused for a missing or wrong cluster token (the scheduler's and its engines')",
     "blocks_stored": "KV blocks written to the KV store (engines' reports)",
     "blocks_evicted": "KV blocks evicted from the KV store to stay under its cap (engines' reports)",
@@ -48,22 +53,30 @@ def _scheduler(stats: dict) -> Iterator:
         c = counter_family(f"scheduler_{name}_total", help_)
         c.add_metric([], stats.get(name, 0))
         yield c
-    paths = counter_family("scheduler_read_path_total", "Requests by the read path chosen for their stored KV",
-                           ["path"])
+    paths = counter_family(
+        "scheduler_read_path_total", "Requests by the read path chosen for their stored KV", ["path"]
+    )
     for p in READ_PATHS:
         paths.add_metric([p], stats.get(f"path_{p}", 0))
-    q = gauge_family("scheduler_queue_length", "Requests waiting in each scheduler queue, and in flight all told",
-                     ["queue"])
+    q = gauge_family(
+        "scheduler_queue_length", "Requests waiting in each scheduler queue, and in flight all told", ["queue"]
+    )
     for name in QUEUES:
         q.add_metric([name], stats.get(name, 0))
-    waiting = gauge_family("scheduler_waiting_by_priority", "Requests in the scheduler's queues by priority (lower "
-                           "runs first under --scheduling-policy priority)", ["priority"])
+    waiting = gauge_family(
+        "scheduler_waiting_by_priority",
+        "Requests in the scheduler's queues by priority (lower runs first under --scheduling-policy priority)",
+        ["priority"],
+    )
     for priority, n in sorted(stats.get("waiting_by_priority", {}).items(), key=lambda kv: int(kv[0])):
         waiting.add_metric([priority], n)
     alive = gauge_family("scheduler_engines_alive", "Engines reporting")
     alive.add_metric([], stats.get("engines_alive", 0))
-    paused = gauge_family("scheduler_generation_paused", "1 while no request is handed to engines, by why: a weight "
-                          "update, or /pause (until /resume)", ["why"])
+    paused = gauge_family(
+        "scheduler_generation_paused",
+        "1 while no request is handed to engines, by why: a weight update, or /pause (until /resume)",
+        ["why"],
+    )
     paused.add_metric(["weight_update"], int(stats.get("paused", False)))
     paused.add_metric(["pause"], int(stats.get("held", False)))
     blocks = gauge_family("scheduler_index_blocks", "Blocks in the stored-KV index")
@@ -75,11 +88,16 @@ def _nodes(stats: dict) -> Iterator:
     rq = gauge_family("node_read_queue_tokens", "Storage read queue per node, in tokens", ["node"])
     for node, v in stats.get("node_read_q_tokens", {}).items():
         rq.add_metric([node], v)
-    rate = gauge_family("node_storage_read_tokens_per_second", "How fast the node's storage read queue drains, in "
-                        "tokens (alpha / 3 s): as measured while reads were queued lately, else its engines' start-up "
-                        "probe", ["node"])
-    live = gauge_family("node_storage_read_rate_measured", "1 if the node's read rate is measured live, 0 if probed",
-                        ["node"])
+    rate = gauge_family(
+        "node_storage_read_tokens_per_second",
+        "How fast the node's storage read queue drains, in "
+        "tokens (alpha / 3 s): as measured while reads were queued lately, else its engines' start-up "
+        "probe",
+        ["node"],
+    )
+    live = gauge_family(
+        "node_storage_read_rate_measured", "1 if the node's read rate is measured live, 0 if probed", ["node"]
+    )
     for node, v in stats.get("node_alpha_tokens", {}).items():
         rate.add_metric([node], v / 3)
         live.add_metric([node], int(stats.get("node_alpha_measured", {}).get(node, False)))
@@ -92,13 +110,23 @@ def _nodes(stats: dict) -> Iterator:
 def _engines(stats: dict) -> Iterator:
     """Each live engine's KV cache use and requests (vLLM's ``kv_cache_usage_perc``, ``num_requests_running``), its
     prefill rate, and its speculative decoding's draft and kept tokens."""
-    usage = gauge_family("engine_kv_cache_usage", "Share of the engine's KV capacity in use (decode: device cache; "
-                         "prefill: workspace)", ["engine", "role"])
-    capacity = gauge_family("engine_kv_cache_tokens", "The engine's KV capacity in tokens (decode: device cache; "
-                            "prefill: workspace)", ["engine", "role"])
+    usage = gauge_family(
+        "engine_kv_cache_usage",
+        "Share of the engine's KV capacity in use (decode: device cache; prefill: workspace)",
+        ["engine", "role"],
+    )
+    capacity = gauge_family(
+        "engine_kv_cache_tokens",
+        "The engine's KV capacity in tokens (decode: device cache; prefill: workspace)",
+        ["engine", "role"],
+    )
     running = gauge_family("engine_requests", "Requests the engine holds", ["engine", "role"])
-    rate = gauge_family("engine_prefill_tokens_per_second", "A prefill engine's prefill rate, measured on its recent "
-                        "prompts (what the scheduler weighs loading a stored prefix against)", ["engine"])
+    rate = gauge_family(
+        "engine_prefill_tokens_per_second",
+        "A prefill engine's prefill rate, measured on its recent "
+        "prompts (what the scheduler weighs loading a stored prefix against)",
+        ["engine"],
+    )
     for eid, e in sorted(stats.get("engines", {}).items()):
         role, total = e.get("role", ""), e.get("capacity_tokens") or 0
         usage.add_metric([eid, role], 1 - e.get("free_tokens", 0) / total if total else 0.0)
@@ -106,10 +134,12 @@ def _engines(stats: dict) -> Iterator:
         running.add_metric([eid, role], e.get("requests", 0))
         if e.get("measured_beta"):
             rate.add_metric([eid], e["measured_beta"] / 5)
-    drafted = counter_family("engine_spec_decode_draft_tokens_total", "Speculative tokens a decode engine proposed",
-                             ["engine"])
-    kept = counter_family("engine_spec_decode_accepted_tokens_total", "Speculative tokens the model's own draws kept",
-                          ["engine"])
+    drafted = counter_family(
+        "engine_spec_decode_draft_tokens_total", "Speculative tokens a decode engine proposed", ["engine"]
+    )
+    kept = counter_family(
+        "engine_spec_decode_accepted_tokens_total", "Speculative tokens the model's own draws kept", ["engine"]
+    )
     for engine, counts in stats.get("speculative", {}).items():
         drafted.add_metric([engine], counts.get("drafted", 0))
         kept.add_metric([engine], counts.get("accepted", 0))
@@ -123,8 +153,10 @@ def _stores(stats: dict) -> Iterator:
     stores: dict[str, tuple[int, int]] = {}
     for e in stats.get("engines", {}).values():
         seen = stores.get(e.get("node", ""), (0, 0))
-        stores[e.get("node", "")] = (max(seen[0], e.get("storage_used_bytes", 0)),
-                                     max(seen[1], e.get("storage_capacity_bytes", 0)))
+        stores[e.get("node", "")] = (
+            max(seen[0], e.get("storage_used_bytes", 0)),
+            max(seen[1], e.get("storage_capacity_bytes", 0)),
+        )
     for node, (u, c) in stores.items():
         used.add_metric([node], u)
         cap.add_metric([node], c)
@@ -133,8 +165,9 @@ def _stores(stats: dict) -> Iterator:
 
 def _transport(stats: dict) -> Iterator:
     """KV bytes each engine moved, by path (``storage_read``, ``pe_to_de``, ...) and priority class."""
-    tb = counter_family("engine_kv_bytes_total", "KV bytes moved by each engine, by path and class",
-                        ["engine", "path", "class"])
+    tb = counter_family(
+        "engine_kv_bytes_total", "KV bytes moved by each engine, by path and class", ["engine", "path", "class"]
+    )
     for engine, traffic in stats.get("traffic_bytes", {}).items():
         for key, v in traffic.items():
             path, _, klass = key.partition(":")
@@ -145,13 +178,17 @@ def _transport(stats: dict) -> Iterator:
 def _balance(stats: dict) -> Iterator:
     reads = gauge_family("storage_read_balance", "Storage reads max/avg across nodes (sliding window)")
     reads.add_metric([], stats.get("storage_read_max_over_avg", 1.0))
-    pb = gauge_family("prefill_time_balance", "Prefill time max/avg across the engines of a group (sliding window)",
-                      ["group"])
+    pb = gauge_family(
+        "prefill_time_balance", "Prefill time max/avg across the engines of a group (sliding window)", ["group"]
+    )
     for group, v in stats.get("prefill_busy_max_over_avg", {}).items():
         pb.add_metric([group], v)
-    dp = gauge_family("dp_attention_balance", "Data-parallel attention: forward time outside the MoE exchanges, "
-                      "max/avg across the engines of a group (recent steps where all computed; the paper's 1.06)",
-                      ["group"])
+    dp = gauge_family(
+        "dp_attention_balance",
+        "Data-parallel attention: forward time outside the MoE exchanges, "
+        "max/avg across the engines of a group (recent steps where all computed; the paper's 1.06)",
+        ["group"],
+    )
     groups = {e.get("group", ""): e["dp_balance"] for e in stats.get("engines", {}).values() if e.get("dp_balance")}
     for group, v in groups.items():  # (each engine of a group reports the group's value: one sample per group)
         dp.add_metric([group], v)

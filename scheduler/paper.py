@@ -13,6 +13,7 @@ that stays under Z, else to the least-``tok`` one; with no room anywhere the pul
 
 Read path: the side whose node has the shorter read queue.
 """
+
 from __future__ import annotations
 
 from dualpath.scheduler.policy import EngineState, NodeState, Policy, take_decode
@@ -73,8 +74,11 @@ class DualPathPolicy(Policy):
             if not room:
                 break
             under = [e for e in room if e.tok + r.num_tokens <= z]
-            e = min(under, key=lambda e: (e.seq, e.engine_id)) if under else \
-                min(room, key=lambda e: (e.tok, e.engine_id))
+            e = (
+                min(under, key=lambda e: (e.seq, e.engine_id))
+                if under
+                else min(room, key=lambda e: (e.tok, e.engine_id))
+            )
             take_decode(e, r)
             out.append((r.request_id, e.engine_id))
         return out

@@ -10,6 +10,7 @@ A request is placed in three steps, each a method of ``Policy``:
 Policies see every engine of the role as an ``EngineState`` copy they may update as they assign, and the ids of
 the pulling group's engines; they return decisions naming only pulling engines.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -150,8 +151,9 @@ def preemption(need: int, rank: int, free: dict[str, int], running: dict[str, li
 RECOMPUTE_GAIN = 0.75  # recompute a hit only if that ends the prefill in at most this share of the time
 
 
-def blocks_to_load(hit_blocks: int, block_size: int, miss_tokens: int, read_q: int, alpha: int, pe_tok: int,
-                   beta: int) -> int:
+def blocks_to_load(
+    hit_blocks: int, block_size: int, miss_tokens: int, read_q: int, alpha: int, pe_tok: int, beta: int
+) -> int:
     """How many of a request's leading hit blocks to load (``hit_blocks``), or none (0: the whole prompt is
     recomputed) when loading is slow: a deep read queue, a slow store. Loading ``h`` tokens behind a read queue of
     ``read_q`` takes ``(read_q + h) / (alpha / 3)`` s (alpha: tokens the node reads in 3 s); computing ``c`` tokens
@@ -181,20 +183,28 @@ class Policy(ABC):
         return min(zip(groups.values(), groups))[1] if groups else None  # ties: the first name
 
     @abstractmethod
-    def assign_decode(self, queue: Sequence[QueuedRequest], engines: list[EngineState],
-                      pulling: set[str]) -> list[tuple[str, str]]:
+    def assign_decode(
+        self, queue: Sequence[QueuedRequest], engines: list[EngineState], pulling: set[str]
+    ) -> list[tuple[str, str]]:
         """Phase 2: (request, decode engine) pairs for a FIFO prefix of the group's private ``queue`` over the
         group's ``engines``; each must fit its engine's free memory and name a pulling engine."""
 
     @abstractmethod
-    def assign_prefill(self, queue: Sequence[QueuedRequest], engines: list[EngineState], pulling: set[str],
-                       nodes: dict[str, NodeState], pe_nodes: dict[str, str],
-                       block_size: int) -> list[PrefillDecision]:
+    def assign_prefill(
+        self,
+        queue: Sequence[QueuedRequest],
+        engines: list[EngineState],
+        pulling: set[str],
+        nodes: dict[str, NodeState],
+        pe_nodes: dict[str, str],
+        block_size: int,
+    ) -> list[PrefillDecision]:
         """Prefill engines and read paths for a FIFO prefix of ``queue`` (requests that hold a decode engine),
         naming pulling engines. ``pe_nodes``: prefill engine -> its node; ``nodes`` may be updated."""
 
-    def choose_path(self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, mode: Mode,
-                    block_size: int) -> PathChoice:
+    def choose_path(
+        self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, mode: Mode, block_size: int
+    ) -> PathChoice:
         if mode in (Mode.PE, Mode.BASIC):
             return PathChoice(ReadPath.PE)
         if mode is Mode.DE:
@@ -206,16 +216,18 @@ class Policy(ABC):
     def dualpath_path(self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState) -> PathChoice:
         return shorter_queue(r, pe_node, de_node)
 
-    def place_prefill(self, r: QueuedRequest, e: EngineState, nodes: dict[str, NodeState], pe_node: str,
-                      block_size: int) -> PrefillDecision:
+    def place_prefill(
+        self, r: QueuedRequest, e: EngineState, nodes: dict[str, NodeState], pe_node: str, block_size: int
+    ) -> PrefillDecision:
         """Commit ``r`` to prefill engine ``e``: pick the path, charge the engine and the reading node(s)."""
         pn, dn = nodes.setdefault(pe_node, NodeState()), nodes.setdefault(r.decode_node, NodeState())
         choice = self.choose_path(r, pn, dn, r.mode, block_size)
         if self.recompute_slow_hits and choice.pe_blocks < 0 and r.num_hit_tokens:
             reader = pn if choice.path is ReadPath.PE else dn
             hit_blocks = r.num_hit_tokens // block_size
-            load = blocks_to_load(hit_blocks, block_size, r.num_miss_tokens, reader.read_q, reader.alpha, e.tok,
-                                  e.measured_beta)  # a start-up profile's beta can be far off (3x on SmolLM2)
+            load = blocks_to_load(
+                hit_blocks, block_size, r.num_miss_tokens, reader.read_q, reader.alpha, e.tok, e.measured_beta
+            )  # a start-up profile's beta can be far off (3x on SmolLM2)
             if load < hit_blocks:
                 choice = PathChoice(choice.path, load_blocks=load)
         take_prefill(e, r, r.num_hit_tokens - choice.loaded_tokens(r, block_size))
@@ -227,8 +239,12 @@ def make_policy(name: str, recompute_slow_hits: bool = False, **kwargs) -> Polic
     from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
     from dualpath.scheduler.paper import DualPathPolicy
 
-    policies = {"dualpath": DualPathPolicy, "least-loaded": LeastLoadedPolicy, "round-robin": RoundRobinPolicy,
-                "random": RandomPolicy}
+    policies = {
+        "dualpath": DualPathPolicy,
+        "least-loaded": LeastLoadedPolicy,
+        "round-robin": RoundRobinPolicy,
+        "random": RandomPolicy,
+    }
     if name not in policies:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(policies)}")
     policy = policies[name](**kwargs)

@@ -7,6 +7,7 @@ submitter.
 Every handler runs on one event loop thread, so the core is never contended and thousands of open submit
 streams cost coroutines, not threads.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,27 @@ import time
 from dualpath.core.config import SchedulerConfig
 from dualpath.core.errors import RequestError, UnavailableError
 from dualpath.core.faults import failpoint
-from dualpath.core.messages import Abort, AbortReply, Ack, AdapterLoad, AdapterLoadReply, EngineInfo, EngineLoad, Hold, \
-    HoldReply, PullReply, PullRequest, RegisterReply, RequestRef, SessionOut, Stats, SubmitEvent, SubmitRequest, \
-    WeightUpdate, WeightUpdateReply
+from dualpath.core.messages import (
+    Abort,
+    AbortReply,
+    Ack,
+    AdapterLoad,
+    AdapterLoadReply,
+    EngineInfo,
+    EngineLoad,
+    Hold,
+    HoldReply,
+    PullReply,
+    PullRequest,
+    RegisterReply,
+    RequestRef,
+    SessionOut,
+    Stats,
+    SubmitEvent,
+    SubmitRequest,
+    WeightUpdate,
+    WeightUpdateReply,
+)
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.policy import make_policy
@@ -164,6 +183,7 @@ class SchedulerService:
                 return str(e)
             finally:
                 engine.close()
+
         try:
             why = await asyncio.get_running_loop().run_in_executor(None, call)
             if why:
@@ -198,8 +218,9 @@ class SchedulerService:
 async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio.Event | None = None) -> None:
     core = SchedulerCore(config, make_policy(config.policy, recompute_slow_hits=config.recompute_slow_hits))
     service = SchedulerService(core)
-    server, port = await serve_async("Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}",
-                                     on_refused=core.refused_call)
+    server, port = await serve_async(
+        "Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}", on_refused=core.refused_call
+    )
     http = None
     if config.http_port >= 0:
         import socket

@@ -6,6 +6,7 @@ weights at once, then resume with the fingerprint they report. Nothing accepted 
 meanwhile queue and run on the new weights. If no engine could load them (a checkpoint of another model, a
 missing directory) the cluster resumes on the old weights; if only some did, the others are counted gone.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,11 @@ async def load_adapter(core: SchedulerCore, req: AdapterLoad, load_on=_adapter_o
     failed = {eid: r.error for eid, r in by_id.items() if not r.ok}
     digests = {r.digest for r in by_id.values() if r.ok}
     if failed or len(digests) != 1:
-        return AdapterLoadReply(False, _summary(failed) or f"the engines read different bytes of {req.path}",
-                                engines=len(by_id) - len(failed))
+        return AdapterLoadReply(
+            False,
+            _summary(failed) or f"the engines read different bytes of {req.path}",
+            engines=len(by_id) - len(failed),
+        )
     digest = digests.pop()
     if req.path not in core.adapters:
         core.adapters.append(req.path)
@@ -88,8 +92,9 @@ async def update_weights(core: SchedulerCore, req: WeightUpdate, load_on=_load_o
     failed = {eid: r.error or "it loaded other bytes" for eid, r in by_id.items() if eid not in loaded}
     for eid, why in failed.items():
         log.error("engine %s did not load the new weights (%s): it leaves the cluster", eid, why)
-    log.info("weights %s (version %r) loaded on %d engines in %.1f s", req.model_path, req.version, len(loaded),
-             seconds)
+    log.info(
+        "weights %s (version %r) loaded on %d engines in %.1f s", req.model_path, req.version, len(loaded), seconds
+    )
     return WeightUpdateReply(not failed, _summary(failed), fp, req.version, len(loaded), aborted, seconds)
 
 
@@ -102,13 +107,13 @@ async def drained_by(drained, deadline: float) -> bool:
     return True
 
 
-async def _drain_and_load(core: SchedulerCore, req: WeightUpdate, load_on,
-                          deadline: float) -> tuple[dict[str, WeightUpdateReply], str]:
+async def _drain_and_load(
+    core: SchedulerCore, req: WeightUpdate, load_on, deadline: float
+) -> tuple[dict[str, WeightUpdateReply], str]:
     """Wait until no request is on an engine, check the checkpoint on every engine, then load it on every engine:
     ``(engine id -> its load reply, "")``, or ``({}, why nothing was loaded)``."""
     if not await drained_by(core.drained, deadline):
-        return {}, f"requests still ran after {req.timeout_s:g} s; the weights are unchanged (pass abort to " \
-                   "end them)"
+        return {}, f"requests still ran after {req.timeout_s:g} s; the weights are unchanged (pass abort to end them)"
     engines = {e.info.engine_id: e.info.control_address for e in core.engines.values() if e.alive}
     if not engines:
         return {}, "no engine is registered"

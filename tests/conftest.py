@@ -44,9 +44,12 @@ def tiny_adapters(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     from dualpath.checkpoints.tiny import build_tiny_adapter
 
     root = tmp_path_factory.mktemp("adapters")
-    return {"sql": build_tiny_adapter(root / "sql", tiny_dirs["llama"], seed=3),
-            "poet": build_tiny_adapter(root / "poet", tiny_dirs["llama"], seed=4, rank=8,
-                                       targets=("q_proj", "v_proj"), rslora=True, std=0.3)}
+    return {
+        "sql": build_tiny_adapter(root / "sql", tiny_dirs["llama"], seed=3),
+        "poet": build_tiny_adapter(
+            root / "poet", tiny_dirs["llama"], seed=4, rank=8, targets=("q_proj", "v_proj"), rslora=True, std=0.3
+        ),
+    }
 
 
 @pytest.fixture(scope="session")

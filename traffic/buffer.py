@@ -4,6 +4,7 @@ Storage reads land here, and peers read and write Layer Blocks here. The arena i
 transport can expose to peers (shared memory for ``shm``) and page-locked when CUDA is present. Slots are
 allocated per owner (a request id) so a leak names the request that leaked.
 """
+
 from __future__ import annotations
 
 import threading
@@ -58,17 +59,18 @@ class BufferPool:
     def slot_bytes(self, slot: int) -> torch.Tensor:
         """The Full Block bytes of ``slot`` (a view)."""
         fb = self.geometry.full_block_bytes
-        return self.memory.tensor[slot * fb:(slot + 1) * fb]
+        return self.memory.tensor[slot * fb : (slot + 1) * fb]
 
     def full_blocks(self, slots: list[int]) -> torch.Tensor:
         """The Full Block bytes of ``slots`` ``[len(slots), full_block_bytes]``, gathered in the given order into a
         fresh tensor."""
         fb = self.geometry.full_block_bytes
-        whole = self.memory.tensor[:self.layout.nbytes].view(self.num_slots, fb)
+        whole = self.memory.tensor[: self.layout.nbytes].view(self.num_slots, fb)
         return whole.index_select(0, torch.as_tensor(slots, dtype=torch.long))
 
-    def layer_to_device(self, slots: list[int], layer: int, out: torch.Tensor,
-                        stream: "torch.cuda.Stream | None" = None) -> None:
+    def layer_to_device(
+        self, slots: list[int], layer: int, out: torch.Tensor, stream: "torch.cuda.Stream | None" = None
+    ) -> None:
         """Copy ``layer`` of ``slots`` into ``out`` (contiguous ``[len(slots) × block_size, kv_elems]``, any device),
         one strided copy per run of consecutive slots (``dualpath.traffic.strided_copy``); on CUDA issued on ``stream``
         from pinned memory, without blocking the host. The caller orders ``stream`` after whatever last used
@@ -79,16 +81,25 @@ class BufferPool:
         """Inverse of ``layer_to_device``: whole blocks of token rows into ``layer`` of ``slots``; done on return."""
         self._move_layer(slots, layer, rows.contiguous(), to_host=True)
 
-    def _move_layer(self, slots: list[int], layer: int, tensor: torch.Tensor, to_host: bool,
-                    stream: "torch.cuda.Stream | None" = None) -> None:
+    def _move_layer(
+        self,
+        slots: list[int],
+        layer: int,
+        tensor: torch.Tensor,
+        to_host: bool,
+        stream: "torch.cuda.Stream | None" = None,
+    ) -> None:
         g = self.geometry
         if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != len(slots) * g.layer_block_bytes:
-            raise ValueError(f"{len(slots)} Layer Blocks need a contiguous tensor of {len(slots) * g.layer_block_bytes}"
-                             f" bytes, got {tuple(tensor.shape)} {tensor.dtype}")
+            raise ValueError(
+                f"{len(slots)} Layer Blocks need a contiguous tensor of {len(slots) * g.layer_block_bytes}"
+                f" bytes, got {tuple(tensor.shape)} {tensor.dtype}"
+            )
         flat = tensor.view(torch.uint8).reshape(len(slots), g.layer_block_bytes)
         for i, first, n in slot_runs(slots):
-            copy_rows(self.memory, self.layout.offset(first, layer), g.full_block_bytes, flat[i:i + n], to_host,
-                      stream)
+            copy_rows(
+                self.memory, self.layout.offset(first, layer), g.full_block_bytes, flat[i : i + n], to_host, stream
+            )
 
     def check(self) -> None:
         with self._lock:

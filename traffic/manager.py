@@ -5,6 +5,7 @@ Who calls it: the engine (prefill: load hit blocks, per-layer reads and writes t
 decode: load, receive, persist filled blocks). What it may not do: decide what to move (the engine and the
 scheduler do) or interpret KV beyond the block geometry.
 """
+
 from __future__ import annotations
 
 import threading
@@ -78,8 +79,14 @@ class PeerRegion:
 
 
 class TrafficManager:
-    def __init__(self, geometry: KVGeometry, storage: StorageBackend, buffer: BufferPool, transport: Transport,
-                 buffer_region: int):
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        storage: StorageBackend,
+        buffer: BufferPool,
+        transport: Transport,
+        buffer_region: int,
+    ):
         self.geometry, self.storage, self.buffer, self.transport = geometry, storage, buffer, transport
         self.buffer_region = buffer_region
         self.bytes = Counter()  # (path, class) -> bytes; paths: storage_read, storage_write, peer_read, ...
@@ -104,7 +111,7 @@ class TrafficManager:
         lb = self.geometry.layer_block_bytes
         futures = []
         for layer in range(self.geometry.num_layers):
-            dests = [self.buffer.slot_bytes(s)[layer * lb:(layer + 1) * lb] for s in slots]
+            dests = [self.buffer.slot_bytes(s)[layer * lb : (layer + 1) * lb] for s in slots]
             fut = self.storage.read(keys, dests, layers=(layer, layer + 1))
             fut.add_done_callback(lambda f: self.count("storage_read", lb * sum(e is None for e in f.result())))
             futures.append(fut)
@@ -118,8 +125,9 @@ class TrafficManager:
         return fut
 
     # --- local buffer -> device ------------------------------------------------------------------------------
-    def layer_to_device(self, slots: Sequence[int], layer: int, out: torch.Tensor,
-                        stream: "torch.cuda.Stream | None" = None) -> None:
+    def layer_to_device(
+        self, slots: Sequence[int], layer: int, out: torch.Tensor, stream: "torch.cuda.Stream | None" = None
+    ) -> None:
         """``BufferPool.layer_to_device``, counted."""
         self.buffer.layer_to_device(list(slots), layer, out, stream)
         self.count("buffer_to_device", len(slots) * self.geometry.layer_block_bytes)
@@ -130,13 +138,23 @@ class TrafficManager:
         self.count("device_to_buffer", len(slots) * self.geometry.layer_block_bytes)
 
     # --- peers ----------------------------------------------------------------------------------------------
-    def move_layers(self, op: Op, local_region: int, local_layout: BlockLayout, local_slots: Sequence[int],
-                    remote: PeerRegion, remote_slots: Sequence[int], layers: Sequence[int],
-                    tokens: tuple[int, int] | None = None, priority: Priority = Priority.LOW,
-                    path: str | None = None) -> Waitable:
+    def move_layers(
+        self,
+        op: Op,
+        local_region: int,
+        local_layout: BlockLayout,
+        local_slots: Sequence[int],
+        remote: PeerRegion,
+        remote_slots: Sequence[int],
+        layers: Sequence[int],
+        tokens: tuple[int, int] | None = None,
+        priority: Priority = Priority.LOW,
+        path: str | None = None,
+    ) -> Waitable:
         """One-sided READ (peer -> us) or WRITE (us -> peer) of ``layers`` of the given blocks and tokens."""
-        segments = plan_segments(local_region, local_layout, local_slots, remote.region_id, remote.layout,
-                                 remote_slots, layers, tokens)
+        segments = plan_segments(
+            local_region, local_layout, local_slots, remote.region_id, remote.layout, remote_slots, layers, tokens
+        )
         handle = self.transport.submit(remote.peer, op, segments, priority)
         label = path or ("peer_read" if op is Op.READ else "peer_write")
         klass = "kv" if priority is Priority.LOW else "control"
@@ -161,8 +179,14 @@ class LayerPipeline:
     next ``wait_layer`` or at ``finish``.
     """
 
-    def __init__(self, num_layers: int, fetch: Callable[[int], Waitable | None],
-                 send: Callable[[int], Waitable | None], depth: int = 1, timeout: float = 60.0):
+    def __init__(
+        self,
+        num_layers: int,
+        fetch: Callable[[int], Waitable | None],
+        send: Callable[[int], Waitable | None],
+        depth: int = 1,
+        timeout: float = 60.0,
+    ):
         self.num_layers, self.fetch, self.send, self.depth, self.timeout = num_layers, fetch, send, depth, timeout
         self._fetches: dict[int, Waitable | None] = {}
         self._cond = threading.Condition()

@@ -5,6 +5,7 @@ same host maps by name (the ``shm`` transport and 3FS USRBIO both need that). On
 page-locked so host <-> device copies run at full speed. Everything is exposed as a flat ``uint8`` torch tensor,
 so one copy routine moves bytes between any two places, host or device.
 """
+
 from __future__ import annotations
 
 import mmap

@@ -16,6 +16,7 @@ What marks what (``dualpath.core.config.QosConfig`` holds the numbers; ``deploy/
 Marking only names a class; it is the network (switch queues, a host qdisc) that gives the classes their shares:
 ``bench/qos.py`` does it with ``htb`` classes filled by DSCP.
 """
+
 from __future__ import annotations
 
 import logging

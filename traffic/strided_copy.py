@@ -6,6 +6,7 @@ stream), not one copy per row: a 32K-token hit is 512 Layer Blocks per layer, an
 host time than the layer's compute (the small-descriptor problem of vLLM #50913). Without cupy, or from pageable
 memory, each row is its own copy; host to host is one strided torch copy.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,14 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def copy_rows(host: HostMemory, offset: int, pitch: int, rows: torch.Tensor, to_host: bool,
-              stream: "torch.cuda.Stream | None" = None) -> None:
+def copy_rows(
+    host: HostMemory,
+    offset: int,
+    pitch: int,
+    rows: torch.Tensor,
+    to_host: bool,
+    stream: "torch.cuda.Stream | None" = None,
+) -> None:
     """Between host rows (``rows.shape[0]`` of ``rows.shape[1]`` bytes, the first at byte ``offset`` of ``host``,
     each ``pitch`` bytes after the last) and ``rows`` (contiguous uint8 ``[n, width]``, host or device). To a
     device the copy is issued on ``stream`` (the current one if None) and does not block the host; to the host it
@@ -49,12 +56,28 @@ def copy_rows(host: HostMemory, offset: int, pitch: int, rows: torch.Tensor, to_
         return
     with torch.cuda.device(rows.device):
         if to_host:
-            runtime.memcpy2DAsync(strided.data_ptr(), pitch, rows.data_ptr(), width, width, n,
-                                  runtime.memcpyDeviceToHost, stream.cuda_stream)
+            runtime.memcpy2DAsync(
+                strided.data_ptr(),
+                pitch,
+                rows.data_ptr(),
+                width,
+                width,
+                n,
+                runtime.memcpyDeviceToHost,
+                stream.cuda_stream,
+            )
             stream.synchronize()
         else:
-            runtime.memcpy2DAsync(rows.data_ptr(), width, strided.data_ptr(), pitch, width, n,
-                                  runtime.memcpyHostToDevice, stream.cuda_stream)
+            runtime.memcpy2DAsync(
+                rows.data_ptr(),
+                width,
+                strided.data_ptr(),
+                pitch,
+                width,
+                n,
+                runtime.memcpyHostToDevice,
+                stream.cuda_stream,
+            )
 
 
 def _row_by_row(strided: torch.Tensor, rows: torch.Tensor, to_host: bool, stream: "torch.cuda.Stream") -> None:

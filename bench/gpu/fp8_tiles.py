@@ -14,6 +14,7 @@ product, the activations' rounding included).
 
 ``--smoke``: toy shapes on CPU under TRITON_INTERPRET=1 (plain timing), to check the script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,28 @@ from common import machine, print_table, rel_err  # noqa: E402
 
 from dualpath.kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
 
-SHAPES = {"8b_qkv": (6144, 4096), "8b_o": (4096, 4096), "8b_gate_up": (28672, 4096), "8b_down": (4096, 14336),
-          "1b_qkv": (2560, 2048), "1b_gate_up": (11264, 2048), "1b_down": (2048, 5632)}
+SHAPES = {
+    "8b_qkv": (6144, 4096),
+    "8b_o": (4096, 4096),
+    "8b_gate_up": (28672, 4096),
+    "8b_down": (4096, 14336),
+    "1b_qkv": (2560, 2048),
+    "1b_gate_up": (11264, 2048),
+    "1b_down": (2048, 5632),
+}
 SMOKE_SHAPES = {"8b_qkv": (64, 256), "1b_down": (32, 256)}  # the first swept
 REPS = 20
 # (block_n, block_k, num_warps, num_stages); block_m follows the rows (16 up to 64)
 W8A16_TILES = [(64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (32, 128, 4, 4)]
 # (block_m, block_n, block_k, num_warps, num_stages)
-W8A8_TILES = [(64, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3),
-              (64, 256, 128, 8, 3), (128, 128, 128, 8, 4)]
+W8A8_TILES = [
+    (64, 128, 128, 4, 3),
+    (128, 128, 128, 8, 3),
+    (128, 128, 128, 4, 3),
+    (128, 256, 128, 8, 3),
+    (64, 256, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+]
 
 
 def device_time(calls, dev: torch.device) -> float:
@@ -88,8 +102,18 @@ def weights(n: int, k: int, block, dev, copies: int):
 def case(name, rows, n, k, kind, tile, fn, t16, dev, extra=None) -> dict:
     try:
         t = device_time(fn, dev)
-        return {"shape": name, "rows": rows, "n": n, "k": k, "kernel": kind, "tile": tile, "seconds": t,
-                "time_vs_cublas_bf16": t / t16, "weight_bytes_per_s": n * k / t, **(extra or {})}
+        return {
+            "shape": name,
+            "rows": rows,
+            "n": n,
+            "k": k,
+            "kernel": kind,
+            "tile": tile,
+            "seconds": t,
+            "time_vs_cublas_bf16": t / t16,
+            "weight_bytes_per_s": n * k / t,
+            **(extra or {}),
+        }
     except Exception as e:  # noqa: BLE001 - a tile that does not fit is a row, not the end
         return {"shape": name, "rows": rows, "kernel": kind, "tile": tile, "error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -106,31 +130,75 @@ def sweep(shapes, row_counts, dev, smoke: bool) -> list[dict]:
         for m in row_counts:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             t16 = device_time([lambda w=w: torch.nn.functional.linear(x, w) for w in w16], dev)
-            out.append({"shape": name, "rows": m, "n": n, "k": k, "kernel": "cublas_bf16", "seconds": t16,
-                        "weight_bytes_per_s": 2 * n * k / t16,
-                        "eager_s": eager_time(lambda: torch.nn.functional.linear(x, w16[0]), dev)})
+            out.append(
+                {
+                    "shape": name,
+                    "rows": m,
+                    "n": n,
+                    "k": k,
+                    "kernel": "cublas_bf16",
+                    "seconds": t16,
+                    "weight_bytes_per_s": 2 * n * k / t16,
+                    "eager_s": eager_time(lambda: torch.nn.functional.linear(x, w16[0]), dev),
+                }
+            )
             exact = x.double() @ w8[0].dequantize(torch.float64).t()
             if m < 128:
-                out.append(case(name, m, n, k, "w8a16", "default", [lambda w=w: w8a16_linear(x, w) for w in w8],
-                                t16, dev, {"eager_s": eager_time(lambda: w8a16_linear(x, w8[0]), dev),
-                                           "rel_err": rel_err(w8a16_linear(x, w8[0]), exact)}))
+                out.append(
+                    case(
+                        name,
+                        m,
+                        n,
+                        k,
+                        "w8a16",
+                        "default",
+                        [lambda w=w: w8a16_linear(x, w) for w in w8],
+                        t16,
+                        dev,
+                        {
+                            "eager_s": eager_time(lambda: w8a16_linear(x, w8[0]), dev),
+                            "rel_err": rel_err(w8a16_linear(x, w8[0]), exact),
+                        },
+                    )
+                )
                 tiles = W8A16_TILES if name in ("8b_qkv", "8b_down") else []
                 for (bn, bk, warps, stages), splits in itertools.product(tiles, (1, None)):
-                    fn = [lambda w=w: w8a16_linear(x, w, block_n=bn, block_k=bk, num_splits=splits,
-                                                   num_warps=warps, num_stages=stages) for w in w8]
+                    fn = [
+                        lambda w=w: w8a16_linear(
+                            x, w, block_n=bn, block_k=bk, num_splits=splits, num_warps=warps, num_stages=stages
+                        )
+                        for w in w8
+                    ]
                     out.append(case(name, m, n, k, "w8a16", [bn, bk, warps, stages, splits or "auto"], fn, t16, dev))
             if m >= 64:
                 y = w8a8_linear(x, w8[0])
-                out.append(case(name, m, n, k, "w8a8", "default", [lambda w=w: w8a8_linear(x, w) for w in w8],
-                                t16, dev, {"eager_s": eager_time(lambda: w8a8_linear(x, w8[0]), dev),
-                                           "rel_err": rel_err(y, w8a8_reference(x.double(), w8[0])),
-                                           "rel_err_vs_w8a16_exact": rel_err(y, exact)}))
-                out.append(case(name, m, n, k, "act_quant", "", [lambda: quantize_activations(x, block[1])], t16,
-                                dev))
+                out.append(
+                    case(
+                        name,
+                        m,
+                        n,
+                        k,
+                        "w8a8",
+                        "default",
+                        [lambda w=w: w8a8_linear(x, w) for w in w8],
+                        t16,
+                        dev,
+                        {
+                            "eager_s": eager_time(lambda: w8a8_linear(x, w8[0]), dev),
+                            "rel_err": rel_err(y, w8a8_reference(x.double(), w8[0])),
+                            "rel_err_vs_w8a16_exact": rel_err(y, exact),
+                        },
+                    )
+                )
+                out.append(case(name, m, n, k, "act_quant", "", [lambda: quantize_activations(x, block[1])], t16, dev))
                 tiles = W8A8_TILES if m >= sweep_w8a8_from and name.startswith("8b_") else []
                 for bm, bn, bk, warps, stages in tiles:
-                    fn = [lambda w=w: w8a8_linear(x, w, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                                  num_stages=stages) for w in w8]
+                    fn = [
+                        lambda w=w: w8a8_linear(
+                            x, w, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
+                        )
+                        for w in w8
+                    ]
                     out.append(case(name, m, n, k, "w8a8", [bm, bn, bk, warps, stages], fn, t16, dev))
             del exact
         w16 = w8 = None  # (freed before the next shape's; the lambdas above ran already)
@@ -150,10 +218,17 @@ def best(rows: list[dict]) -> list[dict]:
                 continue
             default = next((r for r in mine if r["tile"] == "default"), {})
             fast = min(mine, key=lambda r: r["seconds"])
-            table.append({"shape": key[0], "rows": key[1], "kernel": kind,
-                          "default ÷ cublas": default.get("time_vs_cublas_bf16"),
-                          "best ÷ cublas": fast["time_vs_cublas_bf16"], "best tile": str(fast["tile"]),
-                          "best us": fast["seconds"] * 1e6})
+            table.append(
+                {
+                    "shape": key[0],
+                    "rows": key[1],
+                    "kernel": kind,
+                    "default ÷ cublas": default.get("time_vs_cublas_bf16"),
+                    "best ÷ cublas": fast["time_vs_cublas_bf16"],
+                    "best tile": str(fast["tile"]),
+                    "best us": fast["seconds"] * 1e6,
+                }
+            )
     return table
 
 
@@ -165,13 +240,22 @@ def main(argv=None) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     t = time.perf_counter()
-    rows = sweep(SMOKE_SHAPES if args.smoke else SHAPES, (1, 16, 64) if args.smoke else (1, 16, 64, 512, 4096),
-                 dev, args.smoke)
-    result = {"benchmark": "fp8_tiles", "machine": machine(), "smoke": args.smoke, "reps": REPS, "rows": rows,
-              "summary": best(rows), "wall_seconds": time.perf_counter() - t}
+    rows = sweep(
+        SMOKE_SHAPES if args.smoke else SHAPES, (1, 16, 64) if args.smoke else (1, 16, 64, 512, 4096), dev, args.smoke
+    )
+    result = {
+        "benchmark": "fp8_tiles",
+        "machine": machine(),
+        "smoke": args.smoke,
+        "reps": REPS,
+        "rows": rows,
+        "summary": best(rows),
+        "wall_seconds": time.perf_counter() - t,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print_table(result["summary"], ["shape", "rows", "kernel", "default ÷ cublas", "best ÷ cublas", "best tile",
-                                    "best us"])
+    print_table(
+        result["summary"], ["shape", "rows", "kernel", "default ÷ cublas", "best ÷ cublas", "best tile", "best us"]
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['shape']} {r['rows']} {r['kernel']} {r['tile']}: {r['error']}")

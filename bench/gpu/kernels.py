@@ -36,6 +36,7 @@ The parts run in ``PARTS``' order (the issue's four targets first), each writing
 
 ``--smoke`` runs every part at toy sizes (on CPU under TRITON_INTERPRET=1) to check the script itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,7 @@ from dualpath.kernels.attention import PagedKV, gqa_split, varlen_attention  # n
 from dualpath.kernels.fp8 import Fp8Weight, quantize_blocks  # noqa: E402
 from dualpath.kernels.kv_move import as_cached  # noqa: E402
 
-BIG = dict(batch=64, ctx=32768, hk=8, hq=32, d=128, bs=64, new=512, copy_bytes=4 << 30,
-           causal=(16, 1024, 4, 32, 64))
+BIG = dict(batch=64, ctx=32768, hk=8, hq=32, d=128, bs=64, new=512, copy_bytes=4 << 30, causal=(16, 1024, 4, 32, 64))
 SMOKE = dict(batch=3, ctx=100, hk=2, hq=4, d=16, bs=16, new=20, copy_bytes=1 << 20, causal=(2, 20, 2, 4, 16))
 
 
@@ -110,17 +110,23 @@ def top_kernels(fn, dev: torch.device, n: int = 12) -> dict:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.key != CALL]
     dev_time = lambda e: (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) / 1e6  # noqa
     events.sort(key=dev_time, reverse=True)
-    return {"wall_seconds": wall, "device_seconds": sum(dev_time(e) for e in events),
-            "top": [{"name": e.key[:90], "calls": e.count, "seconds": dev_time(e)} for e in events[:n]],
-            "idle": idle_time(prof.events())}
+    return {
+        "wall_seconds": wall,
+        "device_seconds": sum(dev_time(e) for e in events),
+        "top": [{"name": e.key[:90], "calls": e.count, "seconds": dev_time(e)} for e in events[:n]],
+        "idle": idle_time(prof.events()),
+    }
 
 
 def idle_time(events) -> dict:
     """``timeline`` of the profiled call (its ``CALL`` range on the host) over the trace's device activities."""
     try:
         call = next(e for e in events if e.name == CALL and e.device_type.name == "CPU")
-        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type.name == "CUDA" and e.name != CALL]
+        kernels = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in events
+            if e.device_type.name == "CUDA" and e.name != CALL
+        ]
         return timeline((call.time_range.start, call.time_range.end), kernels)
     except Exception as e:  # noqa: BLE001 - a profiler without these fields costs this diagnosis, not the part
         return {"error": f"{type(e).__name__}: {e}"}
@@ -134,7 +140,7 @@ def paged_cache(lens: list[int], width: int, bs: int, dev, dtype=torch.bfloat16)
     tables = torch.zeros(len(lens), w, dtype=torch.int32, device=dev)
     at = 0
     for i, n in enumerate(need):
-        tables[i, :n] = order[at:at + n]
+        tables[i, :n] = order[at : at + n]
         at += n
     return PagedKV(cache, tables, lens)
 
@@ -157,21 +163,50 @@ def bench_decode(p, dev, copy_bw: float, cache_dtype=torch.bfloat16) -> dict:
     rows = []
     lens = torch.tensor(cached.lens, dtype=torch.int32, device=dev)  # on the device, as the engines pass them
     for splits, block_n, warps in DECODE_CONFIGS:
-        run = lambda: ta.decode_attention(q, new, cached.cache, cached.block_tables, lens, layout,  # noqa
-                                          0.088, num_splits=splits, block_n=block_n, num_warps=warps)
+        run = lambda: ta.decode_attention(
+            q,
+            new,
+            cached.cache,
+            cached.block_tables,
+            lens,
+            layout,  # noqa
+            0.088,
+            num_splits=splits,
+            block_n=block_n,
+            num_warps=warps,
+        )
         try:
             t = timed(run, dev, iters=10)
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
             rows.append({"splits": splits, "block_n": block_n, "warps": warps, "error": str(e)[:200]})
             continue
-        rows.append({"splits": splits, "block_n": block_n, "warps": warps, "seconds": t,
-                     "kv_bytes_per_s": kv_bytes / t, "vs_copy": kv_bytes / t / copy_bw})
+        rows.append(
+            {
+                "splits": splits,
+                "block_n": block_n,
+                "warps": warps,
+                "seconds": t,
+                "kv_bytes_per_s": kv_bytes / t,
+                "vs_copy": kv_bytes / t / copy_bw,
+            }
+        )
     best = max((r for r in rows if "seconds" in r), key=lambda r: r["vs_copy"])
     two = PagedKV(cached.cache, cached.block_tables[:2], cached.lens[:2])
-    out = ta.decode_attention(q[:2], new[:2], two.cache, two.block_tables, two.lens, layout, 0.088,
-                              num_splits=best["splits"], block_n=best["block_n"], num_warps=best["warps"])
-    ref = varlen_attention(q[:2].double(), new[:2].double(), PagedKV(two.cache.double(), two.block_tables,
-                                                                     two.lens), layout, [1, 1], 0.088)
+    out = ta.decode_attention(
+        q[:2],
+        new[:2],
+        two.cache,
+        two.block_tables,
+        two.lens,
+        layout,
+        0.088,
+        num_splits=best["splits"],
+        block_n=best["block_n"],
+        num_warps=best["warps"],
+    )
+    ref = varlen_attention(
+        q[:2].double(), new[:2].double(), PagedKV(two.cache.double(), two.block_tables, two.lens), layout, [1, 1], 0.088
+    )
     return {"configs": rows, "best": best, "rel_err_vs_float64": rel_err(out, ref), "target_vs_copy": 0.70}
 
 
@@ -186,17 +221,35 @@ def bench_prefill(p, dev, cache_dtype=torch.bfloat16) -> dict:
     k, v = layout(rows)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()
     mask = torch.ones(n, ctx + n, dtype=torch.bool, device=dev).tril(diagonal=ctx)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=0.088,  # noqa
-                                                                    enable_gqa=True)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(
+        qh,
+        kh,
+        vh,
+        attn_mask=mask,
+        scale=0.088,  # noqa
+        enable_gqa=True,
+    )
     t_sdpa = timed(sdpa, dev, iters=10)
-    configs, best = sweep_prefill(lambda **tiles: ta.prefill_attention(  # noqa: E731
-        q, new, cached.cache, cached.block_tables, cached.lens, [n], layout, 0.088, **tiles), t_sdpa, dev)
-    out = ta.prefill_attention(q, new, cached.cache, cached.block_tables, cached.lens, [n], layout, 0.088,
-                               **best["tiles"])
-    ref = torch.nn.functional.scaled_dot_product_attention(qh.double(), kh.double(), vh.double(), attn_mask=mask,
-                                                           scale=0.088, enable_gqa=True)[0].transpose(0, 1)
-    return {"sdpa_seconds": t_sdpa, "configs": configs, "best": best, "rel_err_vs_float64": rel_err(out, ref),
-            "target_speed_vs_sdpa": 0.8}
+    configs, best = sweep_prefill(
+        lambda **tiles: ta.prefill_attention(  # noqa: E731
+            q, new, cached.cache, cached.block_tables, cached.lens, [n], layout, 0.088, **tiles
+        ),
+        t_sdpa,
+        dev,
+    )
+    out = ta.prefill_attention(
+        q, new, cached.cache, cached.block_tables, cached.lens, [n], layout, 0.088, **best["tiles"]
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qh.double(), kh.double(), vh.double(), attn_mask=mask, scale=0.088, enable_gqa=True
+    )[0].transpose(0, 1)
+    return {
+        "sdpa_seconds": t_sdpa,
+        "configs": configs,
+        "best": best,
+        "rel_err_vs_float64": rel_err(out, ref),
+        "target_speed_vs_sdpa": 0.8,
+    }
 
 
 def sweep_prefill(attend, t_base: float, dev) -> tuple[list[dict], dict]:
@@ -229,35 +282,67 @@ def bench_prefill_causal(p, dev) -> dict:
     cu = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=dev)
     k, v = layout(new)
     qh, kh, vh = (x.reshape(b, n, -1, d).transpose(1, 2).contiguous() for x in (q, k, v))
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=0.125,  # noqa
-                                                                    enable_gqa=True)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(
+        qh,
+        kh,
+        vh,
+        is_causal=True,
+        scale=0.125,  # noqa
+        enable_gqa=True,
+    )
     t_sdpa = timed(sdpa, dev, iters=10)
-    attend = lambda **tiles: ta.prefill_attention(q, new, cache, tables, lens, [n] * b,  # noqa
-                                                  layout, 0.125, cu_new=cu, **tiles)
+    attend = lambda **tiles: ta.prefill_attention(
+        q,
+        new,
+        cache,
+        tables,
+        lens,
+        [n] * b,  # noqa
+        layout,
+        0.125,
+        cu_new=cu,
+        **tiles,
+    )
     configs, best = sweep_prefill(attend, t_sdpa, dev)
     out = attend(**best["tiles"])[:n]
-    ref = torch.nn.functional.scaled_dot_product_attention(qh[:1].double(), kh[:1].double(), vh[:1].double(),
-                                                           is_causal=True, scale=0.125, enable_gqa=True)
-    return {"shape": {"sequences": b, "tokens": n, "q_heads": hq, "kv_heads": hk, "head_dim": d},
-            "sdpa_seconds": t_sdpa, "configs": configs, "best": best,
-            "rel_err_vs_float64": rel_err(out, ref[0].transpose(0, 1))}
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qh[:1].double(), kh[:1].double(), vh[:1].double(), is_causal=True, scale=0.125, enable_gqa=True
+    )
+    return {
+        "shape": {"sequences": b, "tokens": n, "q_heads": hq, "kv_heads": hk, "head_dim": d},
+        "sdpa_seconds": t_sdpa,
+        "configs": configs,
+        "best": best,
+        "rel_err_vs_float64": rel_err(out, ref[0].transpose(0, 1)),
+    }
 
 
 @functools.lru_cache(maxsize=None)
 def llama_1b(root: Path, smoke: bool) -> Path:
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2) if smoke else \
-        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-             num_key_value_heads=4, vocab_size=32000, initializer_range=0.02)
-    return build_tiny_checkpoint(root / "llama1b", "llama", seed=0, dtype="bfloat16",
-                                 max_position_embeddings=40960, **shape)
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        if smoke
+        else dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            initializer_range=0.02,
+        )
+    )
+    return build_tiny_checkpoint(
+        root / "llama1b", "llama", seed=0, dtype="bfloat16", max_position_embeddings=40960, **shape
+    )
 
 
 @dataclass(frozen=True)
 class ModelWork:
     """The model parts' prompts: a prefill batch, and a decode batch that then generates ``gen`` tokens each."""
+
     pre: torch.Tensor
     dec: torch.Tensor
     gen: int
@@ -266,16 +351,20 @@ class ModelWork:
     def make(cls, smoke: bool) -> "ModelWork":
         pre_b, pre_len, dec_b, dec_len, gen = (2, 24, 3, 16, 4) if smoke else (16, 1024, 64, 512, 128)
         g, vocab = torch.Generator().manual_seed(0), 250 if smoke else 32000
-        return cls(torch.randint(3, vocab, (pre_b, pre_len), generator=g),
-                   torch.randint(3, vocab, (dec_b, dec_len), generator=g), gen)
+        return cls(
+            torch.randint(3, vocab, (pre_b, pre_len), generator=g),
+            torch.randint(3, vocab, (dec_b, dec_len), generator=g),
+            gen,
+        )
 
     def decode_tokens_per_s(self, t_dec: float, t_dec_prefill: float) -> float:
         """Tokens after the first over the time past the decode batch's prefill (and first token)."""
         return self.dec.shape[0] * (self.gen - 1) / max(t_dec - t_dec_prefill, 1e-9)
 
 
-def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool,
-             quantization: str | None = None) -> dict:
+def llm_rows(
+    p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bool, quantization: str | None = None
+) -> dict:
     """Prefill and decode tokens/s of ``LLM`` for each (name, kernels, enforce_eager) in ``systems``, one at a time
     (each one's KV cache freed before the next is made); ``profile``: also where one prefill's GPU time goes."""
     from dualpath import SamplingParams
@@ -288,9 +377,11 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
         t_pre = timed(lambda: llm.generate(w.pre.tolist(), one), dev, iters=3, warmup=1)
         t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one), dev, iters=1, warmup=0)
         t_dec = timed(lambda: llm.generate(w.dec.tolist(), many), dev, iters=1, warmup=0)
-        rows[f"dualpath_{name}"] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
-                                    "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre),
-                                    "decode_graphs": llm.engine.runner.graphs is not None}
+        rows[f"dualpath_{name}"] = {
+            "prefill_tokens_per_s": w.pre.numel() / t_pre,
+            "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre),
+            "decode_graphs": llm.engine.runner.graphs is not None,
+        }
         if profile:
             rows[f"dualpath_{name}"]["prefill_profile"] = top_kernels(lambda: llm.generate(w.pre.tolist(), one), dev)
         llm = None
@@ -298,14 +389,32 @@ def llm_rows(p, dev, smoke: bool, path: Path, w: ModelWork, systems, profile: bo
     return rows
 
 
-def make_llm(p, dev, smoke: bool, path: Path, w: "ModelWork", kernels: str, eager: bool, lora_modules=None,
-             quantization: str | None = None):
+def make_llm(
+    p,
+    dev,
+    smoke: bool,
+    path: Path,
+    w: "ModelWork",
+    kernels: str,
+    eager: bool,
+    lora_modules=None,
+    quantization: str | None = None,
+):
     from dualpath import LLM
 
-    return LLM(str(path), device=str(dev), dtype="bfloat16", kernels=kernels, enforce_eager=eager,
-               block_size=p["bs"], kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
-               max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]), max_num_batched_tokens=w.pre.numel(),
-               lora_modules=lora_modules, quantization=quantization)
+    return LLM(
+        str(path),
+        device=str(dev),
+        dtype="bfloat16",
+        kernels=kernels,
+        enforce_eager=eager,
+        block_size=p["bs"],
+        kv_cache_bytes=(64 << 20) if smoke else (40 << 30),
+        max_num_seqs=max(w.pre.shape[0], w.dec.shape[0]),
+        max_num_batched_tokens=w.pre.numel(),
+        lora_modules=lora_modules,
+        quantization=quantization,
+    )
 
 
 def release(dev: torch.device) -> None:
@@ -319,6 +428,7 @@ def release(dev: torch.device) -> None:
 def prefill_tiles(tiles: dict):
     """Inside the block the prefill kernel's default tiles are ``tiles`` (a sweep row's: block_m, block_n,
     num_warps, num_stages): what changing the default would give the whole model, measured before making it."""
+
     def fixed(layout, dtype, launch):
         launch.update({k: tiles[k] for k in ("num_warps", "num_stages") if k in tiles})
         return tiles["block_m"], tiles["block_n"]
@@ -355,27 +465,40 @@ def bench_model(p, dev, smoke: bool, work: Path, causal_best: dict | None = None
         t_pre = timed(lambda: hf(w.pre.to(dev)), dev, iters=3, warmup=1)
         ids = w.dec.to(dev)
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-        t_dec_pre = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), dev, iters=1,
-                          warmup=0)
-        t_dec = timed(lambda: hf.generate(ids, max_new_tokens=w.gen, min_new_tokens=w.gen, **kw), dev, iters=1,
-                      warmup=0)
+        t_dec_pre = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), dev, iters=1, warmup=0)
+        t_dec = timed(
+            lambda: hf.generate(ids, max_new_tokens=w.gen, min_new_tokens=w.gen, **kw), dev, iters=1, warmup=0
+        )
         profile = top_kernels(lambda: hf(w.pre.to(dev)), dev)
-    rows["transformers"] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
-                            "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre), "prefill_profile": profile}
+    rows["transformers"] = {
+        "prefill_tokens_per_s": w.pre.numel() / t_pre,
+        "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre),
+        "prefill_profile": profile,
+    }
     ours, base = rows["dualpath_triton"], rows["transformers"]
     for row in rows.values():
         row["prefill_vs_transformers"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
-    return {"systems": rows, "prefill_vs_transformers": ours["prefill_vs_transformers"],
-            "decode_vs_transformers": ours["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-            "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]},
-            "targets": {"prefill": 1.0, "decode": 2.0}}
+    return {
+        "systems": rows,
+        "prefill_vs_transformers": ours["prefill_vs_transformers"],
+        "decode_vs_transformers": ours["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+        "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]},
+        "targets": {"prefill": 1.0, "decode": 2.0},
+    }
 
 
 def bench_model_eager(p, dev, smoke: bool, work: Path, graphs_decode: float | None) -> dict:
     """The same ``LLM`` with eager decode steps and on the torch reference (reports only); ``graphs_decode``: the
     model part's decode tokens/s on graphs, for the graphs-over-eager ratio."""
-    rows = llm_rows(p, dev, smoke, llama_1b(work, smoke), ModelWork.make(smoke),
-                    (("triton_eager", "triton", True), ("torch", "torch", True)), profile=False)
+    rows = llm_rows(
+        p,
+        dev,
+        smoke,
+        llama_1b(work, smoke),
+        ModelWork.make(smoke),
+        (("triton_eager", "triton", True), ("torch", "torch", True)),
+        profile=False,
+    )
     eager = rows["dualpath_triton_eager"]["decode_tokens_per_s"]
     return {"systems": rows, "decode_graphs_vs_eager": graphs_decode / eager if graphs_decode else None}
 
@@ -400,7 +523,7 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
     full = torch.randn(hit_blocks, c.num_layers, bs, width, dtype=torch.bfloat16) * 0.1  # Full Blocks, as stored
     geom = KVGeometry.for_model(c, "bfloat16", bs)
     pool = BufferPool(geom, hit_blocks, HostMemory(full.numel() * 2, pin=dev.type == "cuda"))
-    pool.memory.tensor[:full.numel() * 2].copy_(full.view(torch.uint8).reshape(-1))
+    pool.memory.tensor[: full.numel() * 2].copy_(full.view(torch.uint8).reshape(-1))
     resident = torch.zeros(c.num_layers, nb, bs, width, dtype=torch.bfloat16, device=dev)
     resident[:, :hit_blocks] = full.transpose(0, 1).to(dev)
     ws = torch.empty(2, nb, bs, width, dtype=torch.bfloat16, device=dev)
@@ -425,8 +548,13 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
         def fetch(layer):
             # a scattered buffer holds the same blocks at other slots: the workspace rows come out permuted the
             # same way, which changes the bytes moved per copy, not their number
-            copies.issue(layer, layer % 2, lambda stream: pool.layer_to_device(
-                slots, layer, ws[layer % 2, :hit_blocks].reshape(-1, width), stream))
+            copies.issue(
+                layer,
+                layer % 2,
+                lambda stream: pool.layer_to_device(
+                    slots, layer, ws[layer % 2, :hit_blocks].reshape(-1, width), stream
+                ),
+            )
 
         def run():
             fetch(0)
@@ -437,7 +565,9 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
                 copies.after_compute(layer % 2)
                 if layer + 2 < c.num_layers:
                     fetch(layer + 2)
+
             return forward(lambda layer: ws[layer % 2], copies.before_compute, after)
+
         return run
 
     on_device = lambda: forward(lambda layer: resident[layer])  # noqa: E731
@@ -447,10 +577,18 @@ def bench_pipeline(p, dev, smoke: bool, work: Path) -> dict:
     t_scattered = timed(streamed(scattered), dev, iters=3)
     out = ws[0, :hit_blocks].reshape(-1, width)
     t_copy = timed(lambda: [pool.layer_to_device(in_order, x, out) for x in range(c.num_layers)], dev, iters=3)
-    return {"on_device_seconds": t_dev, "streamed_seconds": t_stream, "ratio": t_stream / t_dev,
-            "scattered_slots_seconds": t_scattered, "scattered_ratio": t_scattered / t_dev,
-            "copies_alone_seconds": t_copy, "hit_kv_bytes": full.numel() * 2, "pinned": pool.memory.pinned,
-            "logits_rel_err_streamed_vs_resident": same, "target_ratio": 1.10}
+    return {
+        "on_device_seconds": t_dev,
+        "streamed_seconds": t_stream,
+        "ratio": t_stream / t_dev,
+        "scattered_slots_seconds": t_scattered,
+        "scattered_ratio": t_scattered / t_dev,
+        "copies_alone_seconds": t_copy,
+        "hit_kv_bytes": full.numel() * 2,
+        "pinned": pool.memory.pinned,
+        "logits_rel_err_streamed_vs_resident": same,
+        "target_ratio": 1.10,
+    }
 
 
 def bench_moe(p, dev, smoke: bool) -> dict:
@@ -476,18 +614,38 @@ def bench_moe(p, dev, smoke: bool) -> dict:
         w8a8 = lambda: fused_moe(x, w, ids, gate_up8, down8, w8a8=True)  # noqa: E731
         t_fused, t_ref, t_fp8 = timed(fused, dev, iters=5), timed(ref, dev, iters=5), timed(fp8, dev, iters=5)
         t_w8a8 = timed(w8a8, dev, iters=5)
-        rows.append({"tokens": t, "fused_seconds": t_fused, "reference_seconds": t_ref, "speedup": t_ref / t_fused,
-                     "rel_err_vs_reference": rel_err(fused(), ref().double()), "fp8_fused_seconds": t_fp8,
-                     "fp8_time_vs_bf16": t_fp8 / t_fused,
-                     "fp8_rel_err_vs_float64": rel_err(fp8(), routed_experts(
-                         x.double(), w.double(), ids, gate_up8.dequantize(torch.float64),
-                         down8.dequantize(torch.float64))),
-                     "w8a8_seconds": t_w8a8, "w8a8_time_vs_bf16": t_w8a8 / t_fused,
-                     "w8a8_time_vs_w8a16": t_w8a8 / t_fp8,
-                     "w8a8_rel_err_vs_float64": rel_err(w8a8(), routed_experts_w8a8(
-                         x.double(), w.double(), ids, gate_up8, down8, torch.bfloat16))})
-    return {"experts": e, "top_k": k, "hidden": h, "intermediate": inter, "rows": rows,
-            "w8a8_uses_from_tokens": W8A8_MIN_ROWS}
+        rows.append(
+            {
+                "tokens": t,
+                "fused_seconds": t_fused,
+                "reference_seconds": t_ref,
+                "speedup": t_ref / t_fused,
+                "rel_err_vs_reference": rel_err(fused(), ref().double()),
+                "fp8_fused_seconds": t_fp8,
+                "fp8_time_vs_bf16": t_fp8 / t_fused,
+                "fp8_rel_err_vs_float64": rel_err(
+                    fp8(),
+                    routed_experts(
+                        x.double(), w.double(), ids, gate_up8.dequantize(torch.float64), down8.dequantize(torch.float64)
+                    ),
+                ),
+                "w8a8_seconds": t_w8a8,
+                "w8a8_time_vs_bf16": t_w8a8 / t_fused,
+                "w8a8_time_vs_w8a16": t_w8a8 / t_fp8,
+                "w8a8_rel_err_vs_float64": rel_err(
+                    w8a8(), routed_experts_w8a8(x.double(), w.double(), ids, gate_up8, down8, torch.bfloat16)
+                ),
+            }
+        )
+    return {
+        "experts": e,
+        "top_k": k,
+        "hidden": h,
+        "intermediate": inter,
+        "rows": rows,
+        "w8a8_uses_from_tokens": W8A8_MIN_ROWS,
+    }
+
 
 def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
     """``LLM`` (Triton kernels, decode on CUDA graphs) with every prompt under one random rank-16 LoRA adapter of every
@@ -497,8 +655,10 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
     from dualpath.checkpoints.tiny import build_tiny_adapter
 
     path, w = llama_1b(work, smoke), ModelWork.make(smoke)
-    adapters = {k: str(build_tiny_adapter(work / f"lora-{k}", path, seed=i, rank=16, alpha=32.0, std=0.01))
-                for i, k in enumerate(("a", "b"))}
+    adapters = {
+        k: str(build_tiny_adapter(work / f"lora-{k}", path, seed=i, rank=16, alpha=32.0, std=0.01))
+        for i, k in enumerate(("a", "b"))
+    }
     llm = make_llm(p, dev, smoke, path, w, "triton", False, lora_modules=adapters)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0, max_tokens=w.gen, ignore_eos=True)
@@ -506,23 +666,32 @@ def bench_lora(p, dev, smoke: bool, work: Path) -> dict:
     rows, outputs = {}, {}
     for name, lora in cases.items():
         pick = lambda n: [lora[i % 3] for i in range(n)] if isinstance(lora, tuple) else lora  # noqa: E731
-        t_pre = timed(lambda: llm.generate(w.pre.tolist(), one, lora_request=pick(len(w.pre))), dev, iters=3,
-                      warmup=1)
-        t_dec_pre = timed(lambda: llm.generate(w.dec.tolist(), one, lora_request=pick(len(w.dec))), dev, iters=1,
-                          warmup=0)
-        t_dec = timed(lambda: outputs.__setitem__(name, llm.generate(w.dec.tolist(), many,
-                                                                     lora_request=pick(len(w.dec)))), dev, iters=1,
-                      warmup=0)
-        rows[name] = {"prefill_tokens_per_s": w.pre.numel() / t_pre,
-                      "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre)}
+        t_pre = timed(lambda: llm.generate(w.pre.tolist(), one, lora_request=pick(len(w.pre))), dev, iters=3, warmup=1)
+        t_dec_pre = timed(
+            lambda: llm.generate(w.dec.tolist(), one, lora_request=pick(len(w.dec))), dev, iters=1, warmup=0
+        )
+        t_dec = timed(
+            lambda: outputs.__setitem__(name, llm.generate(w.dec.tolist(), many, lora_request=pick(len(w.dec)))),
+            dev,
+            iters=1,
+            warmup=0,
+        )
+        rows[name] = {
+            "prefill_tokens_per_s": w.pre.numel() / t_pre,
+            "decode_tokens_per_s": w.decode_tokens_per_s(t_dec, t_dec_pre),
+        }
     for row in rows.values():
         for k in ("prefill", "decode"):
             row[f"{k}_vs_base"] = row[f"{k}_tokens_per_s"] / rows["base"][f"{k}_tokens_per_s"]
     changed = [o.token_ids for o in outputs["one_adapter"]] != [o.token_ids for o in outputs["base"]]
     llm = None
     release(dev)
-    return {"systems": rows, "adapter_changes_outputs": changed, "rank": 16,
-            "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]}}
+    return {
+        "systems": rows,
+        "adapter_changes_outputs": changed,
+        "rank": 16,
+        "shapes": {"prefill": list(w.pre.shape), "decode": [*w.dec.shape, w.gen]},
+    }
 
 
 def bench_sparse(p, dev, smoke: bool) -> dict:
@@ -533,8 +702,9 @@ def bench_sparse(p, dev, smoke: bool) -> dict:
     from dualpath.kernels.attention import mla_split
     from dualpath.kernels.sparse_attention import IndexQuery
 
-    b, ctx, heads, r, dr, ih, idim, topk, new = (3, 100, 4, 16, 16, 4, 16, 16, 20) if smoke else \
-        (32, 32768, 128, 512, 64, 64, 128, 2048, 512)
+    b, ctx, heads, r, dr, ih, idim, topk, new = (
+        (3, 100, 4, 16, 16, 4, 16, 16, 20) if smoke else (32, 32768, 128, 512, 64, 64, 128, 2048, 512)
+    )
     layout, width, bf16 = mla_split(r, r + dr), r + dr + idim, torch.bfloat16
     scale = (r + dr) ** -0.5
     rows = {}
@@ -543,25 +713,57 @@ def bench_sparse(p, dev, smoke: bool) -> dict:
         cached = paged_cache(lens, width, p["bs"], dev)
         q = torch.randn(t, heads, r + dr, dtype=bf16, device=dev)
         new_rows = torch.randn(t, width, dtype=bf16, device=dev)
-        index = IndexQuery(torch.randn(t, ih, idim, dtype=bf16, device=dev), torch.randn(t, ih, device=dev),
-                           r + dr, topk, idim ** -0.5)
+        index = IndexQuery(
+            torch.randn(t, ih, idim, dtype=bf16, device=dev), torch.randn(t, ih, device=dev), r + dr, topk, idim**-0.5
+        )
         cu = torch.tensor([0, *torch.tensor(new_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
         dlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        sparse = lambda: varlen_attention(q, new_rows, PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
-                                          layout, new_lens, scale, "triton", cu, index)
-        dense = lambda: varlen_attention(q, new_rows, PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
-                                         layout, new_lens, scale, "triton", cu)
+        sparse = lambda: varlen_attention(
+            q,
+            new_rows,
+            PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
+            layout,
+            new_lens,
+            scale,
+            "triton",
+            cu,
+            index,
+        )
+        dense = lambda: varlen_attention(
+            q,
+            new_rows,
+            PagedKV(cached.cache, cached.block_tables, dlens),  # noqa
+            layout,
+            new_lens,
+            scale,
+            "triton",
+            cu,
+        )
         reference = lambda: varlen_attention(q, new_rows, cached, layout, new_lens, scale, "torch", cu, index)  # noqa
         query_rows = triton_sparse.QueryRows(dlens, cu, t)
         n_keys = cached.block_tables.shape[1] * p["bs"] + max(new_lens)
-        choose = lambda: triton_sparse.choose(index, query_rows, new_rows, cached.cache,  # noqa: E731
-                                              cached.block_tables, n_keys)
-        row = {"queries": t, "context": ctx, "sparse_s": timed(sparse, dev, iters=5),
-               "choice_s": timed(choose, dev, iters=5), "dense_s": timed(dense, dev, iters=5),
-               "reference_s": timed(reference, dev, iters=1, warmup=1),
-               "rel_err_vs_reference": rel_err(sparse(), reference().double())}
-        row.update(sparse_vs_dense=row["sparse_s"] / row["dense_s"], sparse_vs_reference=row["sparse_s"] /
-                   row["reference_s"], choice_share=row["choice_s"] / row["sparse_s"])
+        choose = lambda: triton_sparse.choose(
+            index,
+            query_rows,
+            new_rows,
+            cached.cache,  # noqa: E731
+            cached.block_tables,
+            n_keys,
+        )
+        row = {
+            "queries": t,
+            "context": ctx,
+            "sparse_s": timed(sparse, dev, iters=5),
+            "choice_s": timed(choose, dev, iters=5),
+            "dense_s": timed(dense, dev, iters=5),
+            "reference_s": timed(reference, dev, iters=1, warmup=1),
+            "rel_err_vs_reference": rel_err(sparse(), reference().double()),
+        }
+        row.update(
+            sparse_vs_dense=row["sparse_s"] / row["dense_s"],
+            sparse_vs_reference=row["sparse_s"] / row["reference_s"],
+            choice_share=row["choice_s"] / row["sparse_s"],
+        )
         rows[name] = row
         release(dev)
     return {"heads": heads, "latent": r, "rope": dr, "indexer": [ih, idim], "topk": topk, "rows": rows}
@@ -575,14 +777,30 @@ def bench_fp8_model(p, dev, smoke: bool, work: Path, bf16: dict | None) -> dict:
     if not bf16:
         bf16 = llm_rows(p, dev, smoke, path, w, (("triton", "triton", False),), profile=False)["dualpath_triton"]
     ours = rows["dualpath_triton_fp8"]
-    return {"systems": {**rows, "dualpath_triton": bf16},
-            "prefill_vs_bf16": ours["prefill_tokens_per_s"] / bf16["prefill_tokens_per_s"],
-            "decode_vs_bf16": ours["decode_tokens_per_s"] / bf16["decode_tokens_per_s"]}
+    return {
+        "systems": {**rows, "dualpath_triton": bf16},
+        "prefill_vs_bf16": ours["prefill_tokens_per_s"] / bf16["prefill_tokens_per_s"],
+        "decode_vs_bf16": ours["decode_tokens_per_s"] / bf16["decode_tokens_per_s"],
+    }
 
 
 # the issue's four targets first (a time limit then cuts only parts that report), each part after those it reads
-PARTS = ("copy", "decode", "prefill", "prefill_causal", "pipeline", "model", "model_eager", "decode_fp8",
-         "prefill_fp8", "moe", "fp8_model", "sparse", "sampling", "lora")
+PARTS = (
+    "copy",
+    "decode",
+    "prefill",
+    "prefill_causal",
+    "pipeline",
+    "model",
+    "model_eager",
+    "decode_fp8",
+    "prefill_fp8",
+    "moe",
+    "fp8_model",
+    "sparse",
+    "sampling",
+    "lora",
+)
 
 
 def _time_vs(result: dict, base: str, part: str) -> float | None:
@@ -612,8 +830,9 @@ def main(argv=None) -> dict:
             elif part == "decode":
                 result[part] = bench_decode(p, dev, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"])
             elif part == "decode_fp8":
-                result[part] = bench_decode(p, dev, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"],
-                                            torch.float8_e4m3fn)
+                result[part] = bench_decode(
+                    p, dev, copy_bw or bench_copy(p, dev)["copy_bytes_per_s"], torch.float8_e4m3fn
+                )
                 result[part]["time_vs_bf16_cache"] = _time_vs(result, "decode", part)
             elif part == "prefill":
                 result[part] = bench_prefill(p, dev)
@@ -637,8 +856,7 @@ def main(argv=None) -> dict:
             elif part == "moe":
                 result[part] = bench_moe(p, dev, args.smoke)
             elif part == "sampling":
-                result[part] = {"rows": sampling_rows(8 if args.smoke else 64, 500 if args.smoke else 32000,
-                                                      str(dev))}
+                result[part] = {"rows": sampling_rows(8 if args.smoke else 64, 500 if args.smoke else 32000, str(dev))}
             else:
                 result[part] = bench_pipeline(p, dev, args.smoke, work)
         except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' numbers
@@ -649,50 +867,107 @@ def main(argv=None) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         print(f"{part}: done in {result[part]['wall_seconds']:.1f} s", flush=True)
     summary = [
-        {"what": "decode KV bytes/s ÷ copy", "value": result.get("decode", {}).get("best", {}).get("vs_copy"),
-         "target": ">= 0.70"},
-        {"what": "prefill speed ÷ SDPA", "value": result.get("prefill", {}).get("best", {}).get("speed_vs_baseline"),
-         "target": ">= 0.8"},
-        {"what": "fp8 cache: decode time ÷ bf16 cache's", "value": result.get("decode_fp8", {}).get(
-            "time_vs_bf16_cache"), "target": "(report)"},
-        {"what": "fp8 cache: prefill time ÷ bf16 cache's", "value": result.get("prefill_fp8", {}).get(
-            "time_vs_bf16_cache"), "target": "(report)"},
-        {"what": "causal prefill, no cache ÷ SDPA",
-         "value": result.get("prefill_causal", {}).get("best", {}).get("speed_vs_baseline"), "target": "(report)"},
-        {"what": "model prefill ÷ transformers", "value": result.get("model", {}).get("prefill_vs_transformers"),
-         "target": ">= 1.0"},
-        {"what": "  with the causal sweep's best tiles", "target": "(report)",
-         "value": result.get("model", {}).get("systems", {}).get("dualpath_triton_causal_best", {})
-         .get("prefill_vs_transformers")},
-        {"what": "model decode ÷ transformers", "value": result.get("model", {}).get("decode_vs_transformers"),
-         "target": ">= 2.0"},
-        {"what": "decode graphs ÷ eager", "value": result.get("model_eager", {}).get("decode_graphs_vs_eager"),
-         "target": "(report)"},
-        {"what": "MoE fused ÷ reference speed (decode)",
-         "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"), "target": "(report)"},
-        {"what": "MoE FP8 experts ÷ bf16 time (decode)",
-         "value": (result.get("moe", {}).get("rows") or [{}])[0].get("fp8_time_vs_bf16"), "target": "(report)"},
-        {"what": "MoE w8a8 experts ÷ bf16 time (prefill)",
-         "value": (result.get("moe", {}).get("rows") or [{}])[-1].get("w8a8_time_vs_bf16"), "target": "(report)"},
-        {"what": "V3.2 sparse decode ÷ dense Triton time (32K)",
-         "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_dense"),
-         "target": "(report)"},
-        {"what": "V3.2 sparse decode ÷ torch reference time",
-         "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_reference"),
-         "target": "(report)"},
-        {"what": "FP8 model prefill ÷ bf16 model", "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),
-         "target": "(report)"},
-        {"what": "FP8 model decode ÷ bf16 model", "value": result.get("fp8_model", {}).get("decode_vs_bf16"),
-         "target": "(report)"},
-        {"what": "sampler, top-p/top-k batch ÷ row by row",
-         "value": next((r["speedup"] for r in result.get("sampling", {}).get("rows", []) if r["mix"] == "top_p_top_k"),
-                       None), "target": "(report)"},
-        {"what": "streamed ÷ resident prefill", "value": result.get("pipeline", {}).get("ratio"),
-         "target": "<= 1.10"},
-        {"what": "  with the buffer's slots scattered", "value": result.get("pipeline", {}).get("scattered_ratio"),
-         "target": "(report)"},
-        {"what": "LoRA adapter decode ÷ base model", "target": "(report)",
-         "value": result.get("lora", {}).get("systems", {}).get("one_adapter", {}).get("decode_vs_base")},
+        {
+            "what": "decode KV bytes/s ÷ copy",
+            "value": result.get("decode", {}).get("best", {}).get("vs_copy"),
+            "target": ">= 0.70",
+        },
+        {
+            "what": "prefill speed ÷ SDPA",
+            "value": result.get("prefill", {}).get("best", {}).get("speed_vs_baseline"),
+            "target": ">= 0.8",
+        },
+        {
+            "what": "fp8 cache: decode time ÷ bf16 cache's",
+            "value": result.get("decode_fp8", {}).get("time_vs_bf16_cache"),
+            "target": "(report)",
+        },
+        {
+            "what": "fp8 cache: prefill time ÷ bf16 cache's",
+            "value": result.get("prefill_fp8", {}).get("time_vs_bf16_cache"),
+            "target": "(report)",
+        },
+        {
+            "what": "causal prefill, no cache ÷ SDPA",
+            "value": result.get("prefill_causal", {}).get("best", {}).get("speed_vs_baseline"),
+            "target": "(report)",
+        },
+        {
+            "what": "model prefill ÷ transformers",
+            "value": result.get("model", {}).get("prefill_vs_transformers"),
+            "target": ">= 1.0",
+        },
+        {
+            "what": "  with the causal sweep's best tiles",
+            "target": "(report)",
+            "value": result.get("model", {})
+            .get("systems", {})
+            .get("dualpath_triton_causal_best", {})
+            .get("prefill_vs_transformers"),
+        },
+        {
+            "what": "model decode ÷ transformers",
+            "value": result.get("model", {}).get("decode_vs_transformers"),
+            "target": ">= 2.0",
+        },
+        {
+            "what": "decode graphs ÷ eager",
+            "value": result.get("model_eager", {}).get("decode_graphs_vs_eager"),
+            "target": "(report)",
+        },
+        {
+            "what": "MoE fused ÷ reference speed (decode)",
+            "value": (result.get("moe", {}).get("rows") or [{}])[0].get("speedup"),
+            "target": "(report)",
+        },
+        {
+            "what": "MoE FP8 experts ÷ bf16 time (decode)",
+            "value": (result.get("moe", {}).get("rows") or [{}])[0].get("fp8_time_vs_bf16"),
+            "target": "(report)",
+        },
+        {
+            "what": "MoE w8a8 experts ÷ bf16 time (prefill)",
+            "value": (result.get("moe", {}).get("rows") or [{}])[-1].get("w8a8_time_vs_bf16"),
+            "target": "(report)",
+        },
+        {
+            "what": "V3.2 sparse decode ÷ dense Triton time (32K)",
+            "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_dense"),
+            "target": "(report)",
+        },
+        {
+            "what": "V3.2 sparse decode ÷ torch reference time",
+            "value": result.get("sparse", {}).get("rows", {}).get("decode", {}).get("sparse_vs_reference"),
+            "target": "(report)",
+        },
+        {
+            "what": "FP8 model prefill ÷ bf16 model",
+            "value": result.get("fp8_model", {}).get("prefill_vs_bf16"),
+            "target": "(report)",
+        },
+        {
+            "what": "FP8 model decode ÷ bf16 model",
+            "value": result.get("fp8_model", {}).get("decode_vs_bf16"),
+            "target": "(report)",
+        },
+        {
+            "what": "sampler, top-p/top-k batch ÷ row by row",
+            "value": next(
+                (r["speedup"] for r in result.get("sampling", {}).get("rows", []) if r["mix"] == "top_p_top_k"), None
+            ),
+            "target": "(report)",
+        },
+        {"what": "streamed ÷ resident prefill", "value": result.get("pipeline", {}).get("ratio"), "target": "<= 1.10"},
+        {
+            "what": "  with the buffer's slots scattered",
+            "value": result.get("pipeline", {}).get("scattered_ratio"),
+            "target": "(report)",
+        },
+        {
+            "what": "LoRA adapter decode ÷ base model",
+            "target": "(report)",
+            "value": result.get("lora", {}).get("systems", {}).get("one_adapter", {}).get("decode_vs_base"),
+        },
     ]
     print_table(summary, ["what", "value", "target"])
     for part in PARTS:

@@ -5,6 +5,7 @@ release theirs (``quantization_config`` with ``quant_method: fp8`` and ``weight_
 What is quantized is what the model reads as linear weights (``WeightSpec.fp8``): attention and MLP projections and
 experts. Embeddings, the LM head, norms, routers and tensors the model does not read stay as they were.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ from pathlib import Path
 from dualpath.core.errors import CheckpointError
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
-                        progress: bool = True, shard_bytes: int = 4 << 30) -> Path:
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    block: tuple[int, int] = (128, 128),
+    progress: bool = True,
+    shard_bytes: int = 4 << 30,
+) -> Path:
     """Write the FP8 form of checkpoint ``src`` to the new directory ``dst`` (atomically: a crash leaves nothing
     there) and return it: every file but the weights copied, the weights in shards of about ``shard_bytes``."""
     import torch
@@ -44,11 +50,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int]
                 shutil.copy2(f, tmp / f.name)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
-        for name in tqdm(sorted(ckpt.tensor_files), desc=f"quantizing {ckpt.path.name}", unit="tensor",
-                         disable=not progress):
+        for name in tqdm(
+            sorted(ckpt.tensor_files), desc=f"quantizing {ckpt.path.name}", unit="tensor", disable=not progress
+        ):
             t = ckpt.read_tensor(name)
-            out = dict(zip((name, name + SCALE_SUFFIX), quantize_blocks(t, tuple(block)))) if name in linear \
+            out = (
+                dict(zip((name, name + SCALE_SUFFIX), quantize_blocks(t, tuple(block))))
+                if name in linear
                 else {name: t}
+            )
             nbytes = sum(v.numel() * v.element_size() for v in out.values())
             if size and size + nbytes > shard_bytes:
                 shards.append({})
@@ -76,5 +86,6 @@ def _write_shards(shards: list[dict], out: Path, save_file) -> None:
         save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         total += sum(v.numel() * v.element_size() for v in shard.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )

@@ -5,6 +5,7 @@ directory under the cache directory: weights dequantized exactly to float32 (Q4_
 float32), attention q/k rows un-permuted back from llama.cpp's rotary layout, and the byte-level BPE tokenizer
 rebuilt from the GGUF vocabulary and merges with SmolLM2's pre-tokenizer (single digits, then GPT-2 splitting).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,9 +24,14 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = ".converted"
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -66,7 +72,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _config(reader) -> dict:
     a = "llama."
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "vocab_size": int(_field(reader, a + "vocab_size")),
         "hidden_size": int(_field(reader, a + "embedding_length")),
         "intermediate_size": int(_field(reader, a + "feed_forward_length")),
@@ -76,7 +83,8 @@ def _config(reader) -> dict:
         "max_position_embeddings": int(_field(reader, a + "context_length")),
         "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_field(reader, a + "rope.freq_base")),
-        "hidden_act": "silu", "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id")),
@@ -92,19 +100,33 @@ def _write_tokenizer(reader, out: Path) -> None:
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     control = [t for t, ty in zip(tokens, types) if ty == 3]  # GGUF token type 3 = control (special) token
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     tok.save(str(out / "tokenizer.json"))
     eos = tokens[int(_field(reader, "tokenizer.ggml.eos_token_id"))]
     bos = tokens[int(_field(reader, "tokenizer.ggml.bos_token_id"))]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": bos, "eos_token": eos, "unk_token": tokens[0],
-        "pad_token": eos, "add_bos_token": False, "model_max_length": 8192,
-        "chat_template": _field(reader, "tokenizer.chat_template")}, indent=1))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": bos,
+                "eos_token": eos,
+                "unk_token": tokens[0],
+                "pad_token": eos,
+                "add_bos_token": False,
+                "model_max_length": 8192,
+                "chat_template": _field(reader, "tokenizer.chat_template"),
+            },
+            indent=1,
+        )
+    )
 
 
 def convert(gguf: Path, out: Path, progress: bool = True) -> None:
@@ -127,8 +149,9 @@ def convert(gguf: Path, out: Path, progress: bool = True) -> None:
         tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=1))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=1)
+    )
     _write_tokenizer(reader, out)
 
 

@@ -5,6 +5,7 @@ Each is a real checkpoint directory: ``config.json``, safetensors weights (optio
 ``tokenizer.json`` (every byte is a token, plus ChatML specials) and a chat template. transformers is only
 needed here, to build them; loading them needs nothing but this project.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ EOS_ID = 258
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -41,43 +43,108 @@ def write_byte_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": IM_END,
-        "pad_token": END_OF_TEXT, "chat_template": CHATML_TEMPLATE, "model_max_length": 4096}, indent=1))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": IM_END,
+                "pad_token": END_OF_TEXT,
+                "chat_template": CHATML_TEMPLATE,
+                "model_max_length": 4096,
+            },
+            indent=1,
+        )
+    )
 
 
 def _hf_config(arch: str, **overrides):
     import transformers
 
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.08,
-                  bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=256)
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.08,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=256,
+    )
     if arch == "llama":
-        cfg = dict(common, num_key_value_heads=2, tie_word_embeddings=False,
-                   rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
-                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 256})
+        cfg = dict(
+            common,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
         return transformers.LlamaConfig(**{**cfg, **overrides})
     if arch == "qwen2":
-        cfg = dict(common, num_key_value_heads=2, tie_word_embeddings=True,
-                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cfg = dict(
+            common,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
         return transformers.Qwen2Config(**{**cfg, **overrides})
     if arch in ("qwen3", "qwen3_moe"):  # head_dim apart from hidden_size / heads, as Qwen3's models have it
-        cfg = dict(common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=arch == "qwen3",
-                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cfg = dict(
+            common,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=arch == "qwen3",
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
         if arch == "qwen3":
             return transformers.Qwen3Config(**{**cfg, **overrides})
-        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[1])  # layer 1 keeps a dense MLP
+        cfg.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )  # layer 1 keeps a dense MLP
         return transformers.Qwen3MoeConfig(**{**cfg, **overrides})
     if arch in ("deepseek_v3", "deepseek_v32"):
-        cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
-                   kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16,
-                   n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                   routed_scaling_factor=2.5, tie_word_embeddings=False,
-                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                    "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
-                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+        cfg = dict(
+            common,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            qk_nope_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 1024,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        )
         if arch == "deepseek_v3":
             return transformers.DeepseekV3Config(**{**cfg, **overrides})
         # An indexer that keeps 16 tokens, so tests' prompts of a few dozen tokens attend sparsely. Where scores
@@ -89,8 +156,9 @@ def _hf_config(arch: str, **overrides):
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
-def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_size: str | None = None,
-                          dtype: str = "float32", **overrides) -> Path:
+def build_tiny_checkpoint(
+    path: str | Path, arch: str, seed: int = 0, max_shard_size: str | None = None, dtype: str = "float32", **overrides
+) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed.
     ``overrides`` change the Hugging Face config (benchmarks build ~1B-parameter ones this way)."""
     import torch
@@ -115,8 +183,16 @@ def build_tiny_checkpoint(path: str | Path, arch: str, seed: int = 0, max_shard_
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def build_tiny_adapter(path: str | Path, base: str | Path, seed: int = 0, rank: int = 4, alpha: float = 8.0,
-                       targets: tuple[str, ...] = LORA_TARGETS, rslora: bool = False, std: float = 0.1) -> Path:
+def build_tiny_adapter(
+    path: str | Path,
+    base: str | Path,
+    seed: int = 0,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    rslora: bool = False,
+    std: float = 0.1,
+) -> Path:
     """Write a random PEFT LoRA adapter for the Llama-family checkpoint ``base`` (its files as PEFT saves them)
     and return its directory. B is random too (PEFT starts it at zero, a no-op), so the adapter changes every
     logit; deterministic for a given seed."""
@@ -136,13 +212,30 @@ def build_tiny_adapter(path: str | Path, base: str | Path, seed: int = 0, rank: 
         parts = key.split(".")
         if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[4] in targets and parts[5] == "weight":
             out, inp = shapes[key]
-            stem = f"base_model.model.{key[:-len('.weight')]}"
+            stem = f"base_model.model.{key[: -len('.weight')]}"
             tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * std
             tensors[f"{stem}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * std
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": rank,
-        "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "bias": "none",
-        "use_rslora": rslora, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}, indent=1))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(base),
+                "r": rank,
+                "lora_alpha": alpha,
+                "lora_dropout": 0.0,
+                "target_modules": list(targets),
+                "bias": "none",
+                "use_rslora": rslora,
+                "use_dora": False,
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+                "rank_pattern": {},
+                "alpha_pattern": {},
+                "inference_mode": True,
+            },
+            indent=1,
+        )
+    )
     return path

@@ -2,6 +2,7 @@
 
 A used id may be shared (``share``; the paged cache's forked sequences hold their common prompt blocks once): it
 counts its holders and returns to the free list when the last one frees it."""
+
 from __future__ import annotations
 
 from typing import Hashable
@@ -67,7 +68,12 @@ class BlockAllocator:
     def check(self) -> None:
         """Raise if any id is lost, duplicated or both free and used."""
         free = set(self._free)
-        if len(free) != len(self._free) or free & self._owner.keys() or \
-                len(free) + len(self._owner) != self.num_blocks or not self._extra.keys() <= self._owner.keys():
-            raise AssertionError(f"allocator corrupt: {len(self._free)} free, {len(self._owner)} used, "
-                                 f"{self.num_blocks} total")
+        if (
+            len(free) != len(self._free)
+            or free & self._owner.keys()
+            or len(free) + len(self._owner) != self.num_blocks
+            or not self._extra.keys() <= self._owner.keys()
+        ):
+            raise AssertionError(
+                f"allocator corrupt: {len(self._free)} free, {len(self._owner)} used, {self.num_blocks} total"
+            )

@@ -3,6 +3,7 @@
 Nothing mutates a config after it is built; derived values are properties. ``ModelConfig.from_hf`` turns a
 Hugging Face ``config.json`` into the architecture-neutral description every other module uses.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -115,8 +116,10 @@ class WeightQuantConfig:
 
     def __post_init__(self):
         if any(b < 16 or b % 16 for b in self.block):
-            raise CheckpointError(f"FP8 weight_block_size {list(self.block)} is not supported: each side must be a "
-                                  "multiple of 16 (the kernels' smallest tile; checkpoints use 128)")
+            raise CheckpointError(
+                f"FP8 weight_block_size {list(self.block)} is not supported: each side must be a "
+                "multiple of 16 (the kernels' smallest tile; checkpoints use 128)"
+            )
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,10 @@ class ModelConfig:
         window = self.sliding_window
         limit = max_model_len or min(self.max_position_embeddings, window or self.max_position_embeddings)
         if window is not None and limit > window:
-            raise ConfigError(f"max_model_len {limit} exceeds the model's sliding window of {window} tokens; "
-                              f"sliding-window attention is not supported, so at most {window} tokens are served")
+            raise ConfigError(
+                f"max_model_len {limit} exceeds the model's sliding window of {window} tokens; "
+                f"sliding-window attention is not supported, so at most {window} tokens are served"
+            )
         return limit
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,7 +183,8 @@ class ModelConfig:
         if not known:
             raise CheckpointError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         arch = known[0]
         if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
             raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
@@ -206,13 +212,20 @@ def _rope_from_hf(hf: dict, rotary_dim: int, interleaved: bool) -> RopeConfig:
     if factor is None:
         factor = hf["max_position_embeddings"] / orig if kind == "yarn" and orig else 1.0
     return RopeConfig(
-        kind=kind, theta=float(theta), rotary_dim=rotary_dim, interleaved=interleaved, factor=float(factor),
+        kind=kind,
+        theta=float(theta),
+        rotary_dim=rotary_dim,
+        interleaved=interleaved,
+        factor=float(factor),
         original_max_position=int(orig or 0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-        attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -220,17 +233,26 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
     num_heads = hf["num_attention_heads"]
     mla = moe = None
     if arch in ("deepseek_v3", "deepseek_v32"):
-        mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-                        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                        v_head_dim=hf["v_head_dim"], indexer=_indexer(hf) if arch == "deepseek_v32" else None)
-        moe = MoEConfig(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
-                        num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                        moe_intermediate_size=hf["moe_intermediate_size"],
-                        num_shared_experts=hf.get("n_shared_experts") or 0,
-                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                        first_dense_layers=hf.get("first_k_dense_replace") or 0,
-                        dense_layers=tuple(i for i, t in enumerate(hf.get("mlp_layer_types") or ()) if t == "dense"))
+        mla = MLAConfig(
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            indexer=_indexer(hf) if arch == "deepseek_v32" else None,
+        )
+        moe = MoEConfig(
+            num_experts=hf["n_routed_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            num_groups=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            num_shared_experts=hf.get("n_shared_experts") or 0,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            first_dense_layers=hf.get("first_k_dense_replace") or 0,
+            dense_layers=tuple(i for i, t in enumerate(hf.get("mlp_layer_types") or ()) if t == "dense"),
+        )
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise CheckpointError("only DeepSeek-V3 routing (sigmoid scores, noaux_tc) is supported")
         head_dim = mla.qk_rope_head_dim
@@ -244,15 +266,28 @@ def _parse_hf(arch: str, hf: dict) -> ModelConfig:
     qwen3 = arch in ("qwen3", "qwen3_moe")
     qkv_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
     return ModelConfig(
-        architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"], rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096), rope=rope,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rope=rope,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
         o_bias=(arch == "llama" or qwen3) and bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)), mla=mla, moe=moe,
-        bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf), hidden_act=hf.get("hidden_act", "silu"),
-        qk_norm=qwen3, sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        mla=mla,
+        moe=moe,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf),
+        hidden_act=hf.get("hidden_act", "silu"),
+        qk_norm=qwen3,
+        sliding_window=hf.get("sliding_window") if hf.get("model_type") == "mistral" else None,
         quant=_quantization(hf.get("quantization_config")),
     )
 
@@ -264,15 +299,21 @@ def _quantization(q: dict | None) -> WeightQuantConfig | None:
         return None
     method, block = q.get("quant_method", "?"), q.get("weight_block_size")
     if method != "fp8":
-        raise CheckpointError(f"quantized checkpoints ({method}) are not supported: block-scaled FP8 (quant_method "
-                              "fp8 with weight_block_size, DeepSeek's and Qwen's FP8 releases) is; or convert the "
-                              "weights to bfloat16")
+        raise CheckpointError(
+            f"quantized checkpoints ({method}) are not supported: block-scaled FP8 (quant_method "
+            "fp8 with weight_block_size, DeepSeek's and Qwen's FP8 releases) is; or convert the "
+            "weights to bfloat16"
+        )
     if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
-        raise CheckpointError(f"FP8 checkpoints in fmt {q.get('fmt')!r} with {q.get('activation_scheme')!r} "
-                              "activation scales are not supported (e4m3 with dynamic activations is)")
+        raise CheckpointError(
+            f"FP8 checkpoints in fmt {q.get('fmt')!r} with {q.get('activation_scheme')!r} "
+            "activation scales are not supported (e4m3 with dynamic activations is)"
+        )
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"FP8 checkpoints without a weight_block_size of two positive integers (got {block!r}, "
-                              "per-tensor scales) are not supported; block-scaled ones are")
+        raise CheckpointError(
+            f"FP8 checkpoints without a weight_block_size of two positive integers (got {block!r}, "
+            "per-tensor scales) are not supported; block-scaled ones are"
+        )
     return WeightQuantConfig(block=tuple(block))
 
 
@@ -286,8 +327,10 @@ def _indexer(hf: dict) -> IndexerConfig:
     if not hf.get("q_lora_rank"):
         raise CheckpointError("DeepSeek-V3.2's sparse-attention indexer reads the query latent: q_lora_rank is needed")
     if set(hf.get("layer_types") or ()) - SPARSE_LAYER_TYPES:
-        raise CheckpointError(f"layer types {sorted(set(hf['layer_types']))} are not supported (sparse attention "
-                              f"in every layer is: {' or '.join(sorted(SPARSE_LAYER_TYPES))})")
+        raise CheckpointError(
+            f"layer types {sorted(set(hf['layer_types']))} are not supported (sparse attention "
+            f"in every layer is: {' or '.join(sorted(SPARSE_LAYER_TYPES))})"
+        )
     index = IndexerConfig(num_heads=hf["index_n_heads"], head_dim=hf["index_head_dim"], topk=hf["index_topk"])
     if index.head_dim < hf["qk_rope_head_dim"] or min(index.num_heads, index.topk) < 1:
         raise CheckpointError(f"degenerate sparse-attention indexer {index}")
@@ -300,11 +343,19 @@ def _qwen3_moe(hf: dict) -> MoEConfig | None:
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # Qwen's name, or transformers 5's
     if not experts:
         return None
-    return MoEConfig(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"], num_groups=1,
-                     topk_group=1, moe_intermediate_size=hf["moe_intermediate_size"], num_shared_experts=0,
-                     routed_scaling_factor=1.0, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                     first_dense_layers=0, scoring="softmax",
-                     dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step))
+    return MoEConfig(
+        num_experts=experts,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        num_groups=1,
+        topk_group=1,
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        num_shared_experts=0,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        first_dense_layers=0,
+        scoring="softmax",
+        dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step),
+    )
 
 
 @dataclass(frozen=True)
@@ -378,11 +429,15 @@ class QosConfig:
         for name in ("kv_dscp", "collective_dscp"):
             if not 0 <= getattr(self, name) <= 63:
                 raise ConfigError(f"{name} must be a DSCP in [0, 63], got {getattr(self, name)}")
-        for what, kv, coll in (("service level", self.kv_service_level, self.collective_service_level),
-                               ("DSCP", self.kv_dscp, self.collective_dscp)):
+        for what, kv, coll in (
+            ("service level", self.kv_service_level, self.collective_service_level),
+            ("DSCP", self.kv_dscp, self.collective_dscp),
+        ):
             if kv == coll != 0:
-                raise ConfigError(f"KV traffic and the collectives on one {what} ({kv}): the fabric cannot give "
-                                  "them different priorities; pick another for one of them (0 for both: no QoS)")
+                raise ConfigError(
+                    f"KV traffic and the collectives on one {what} ({kv}): the fabric cannot give "
+                    "them different priorities; pick another for one of them (0 for both: no QoS)"
+                )
 
     @classmethod
     def off(cls) -> "QosConfig":
@@ -465,11 +520,13 @@ class SpeculativeConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"speculative config: not a JSON object ({e})") from None
         if d.pop("method", "ngram") != "ngram":
-            raise ConfigError("speculative config: only the \"ngram\" method (prompt lookup) is supported")
+            raise ConfigError('speculative config: only the "ngram" method (prompt lookup) is supported')
         unknown = sorted(set(d) - {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
         if unknown or "num_speculative_tokens" not in d:
-            raise ConfigError(f"speculative config: give num_speculative_tokens (and optionally prompt_lookup_max, "
-                              f"prompt_lookup_min){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+            raise ConfigError(
+                f"speculative config: give num_speculative_tokens (and optionally prompt_lookup_max, "
+                f"prompt_lookup_min){'; unknown: ' + ', '.join(unknown) if unknown else ''}"
+            )
         try:
             max_n = int(d.get("prompt_lookup_max", cls.max_n))
             return cls(int(d["num_speculative_tokens"]), int(d.get("prompt_lookup_min", min(cls.min_n, max_n))), max_n)
@@ -512,16 +569,21 @@ class ParallelConfig:
         if self.moe_dispatch not in ("all_to_all", "all_gather"):  # dualpath.engines.parallel.experts.DISPATCHES
             raise ConfigError(f"moe_dispatch must be all_to_all or all_gather, got {self.moe_dispatch!r}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size <= 64:
-            raise ConfigError(f"data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}: the size "
-                              "must be in [1, 64] and the rank below it")
+            raise ConfigError(
+                f"data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}: the size "
+                "must be in [1, 64] and the rank below it"
+            )
         if self.data_parallel_size > 1:
             host, _, port = self.data_parallel_master.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"data_parallel_master must be host:port (rank 0's rendezvous), got "
-                                  f"{self.data_parallel_master!r}")
+                raise ConfigError(
+                    f"data_parallel_master must be host:port (rank 0's rendezvous), got {self.data_parallel_master!r}"
+                )
             if self.tensor_parallel_size > 1:
-                raise ConfigError("data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
-                                  "--data-parallel-size > 1")
+                raise ConfigError(
+                    "data-parallel attention runs one rank per engine: --tensor-parallel-size 1 with "
+                    "--data-parallel-size > 1"
+                )
 
     def rank_device(self, device: str, rank: int) -> str:
         """Rank ``rank``'s device: the engine's ``cuda:k`` shifted by the rank; a CPU engine's ranks are all on
@@ -607,8 +669,9 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                              f"got {self.scheduling_policy!r}")
+            raise ConfigError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -650,5 +713,7 @@ class EngineProcessConfig:
             raise ConfigError(f"role must be prefill or decode, got {self.role!r}")
         kv = {k: getattr(self.transport, k) for k in self.qos.transport_fields()}
         if kv != self.qos.transport_fields():
-            raise ConfigError(f"the transport's KV classes {kv} are not the QoS config's "
-                              f"{self.qos.transport_fields()}: build both from one QosConfig")
+            raise ConfigError(
+                f"the transport's KV classes {kv} are not the QoS config's "
+                f"{self.qos.transport_fields()}: build both from one QosConfig"
+            )

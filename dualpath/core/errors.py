@@ -3,6 +3,7 @@
 Each error names the thing that failed (a block hash, a tensor name, a field) so that a user reading a log
 knows what to fix, and so that callers can answer a failure precisely (recompute a block, reject a request).
 """
+
 from __future__ import annotations
 
 

@@ -19,6 +19,7 @@ The points (grep ``failpoint(`` for where each sits):
   scheduler.assign    the scheduler handed work to a prefill engine, before the reply leaves
   storage.read        a storage read of a block, before it reads
 """
+
 from __future__ import annotations
 
 import functools

@@ -9,6 +9,7 @@ Units (``shared/DESIGN.md`` §2):
 
 Every other module derives sizes and offsets from ``KVGeometry``; nothing else multiplies these numbers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -141,7 +142,7 @@ class HeadShard:
     def _heads(self, rows):
         """``rows [..., canonical elems]`` viewed ``[..., 2, num_kv_heads, head_dim]``, this rank's heads picked."""
         v = rows.view(*rows.shape[:-1], 2, self.num_kv_heads, self.head_dim)
-        return v[..., self.first:self.first + self.num_local, :]
+        return v[..., self.first : self.first + self.num_local, :]
 
     def take(self, rows):
         """This rank's part of canonical rows ``[..., elems]``, as local rows ``[..., local elems]`` (a copy)."""
@@ -159,16 +160,22 @@ def choice_blocks(block_size: int, num_prompt_tokens: int, num_tokens: int, n: i
     return shared + n * (-(-num_tokens // block_size) - shared)
 
 
-def model_fingerprint(model: ModelConfig, dtype: str, block_size: int, weights_digest: str,
-                      kv_dtype: str | None = None) -> BlockHash:
+def model_fingerprint(
+    model: ModelConfig, dtype: str, block_size: int, weights_digest: str, kv_dtype: str | None = None
+) -> BlockHash:
     """Identity of everything that changes KV bytes: architecture, weights, dtype, KV dtype (None: ``dtype``),
     block size, layout.
 
     Two deployments share stored blocks only if their fingerprints are equal, so a block computed by another
     model, dtype or block size, or held in another KV dtype, can never be served as a hit.
     """
-    fields = {"layout": KV_LAYOUT_VERSION, "model": model.to_dict(), "dtype": dtype, "block_size": block_size,
-              "weights": weights_digest}
+    fields = {
+        "layout": KV_LAYOUT_VERSION,
+        "model": model.to_dict(),
+        "dtype": dtype,
+        "block_size": block_size,
+        "weights": weights_digest,
+    }
     if kv_dtype not in (None, dtype):  # absent otherwise, so stores written before KV dtypes existed still hit
         fields["kv_dtype"] = kv_dtype
     payload = json.dumps(fields, sort_keys=True)
@@ -189,8 +196,14 @@ def chain_root(fingerprint: BlockHash, salt: str = "", adapter: str = "") -> Blo
     return root
 
 
-def block_hashes(token_ids: Sequence[int], fingerprint: BlockHash, block_size: int,
-                 parent: BlockHash | None = None, salt: str = "", adapter: str = "") -> list[BlockHash]:
+def block_hashes(
+    token_ids: Sequence[int],
+    fingerprint: BlockHash,
+    block_size: int,
+    parent: BlockHash | None = None,
+    salt: str = "",
+    adapter: str = "",
+) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1} || tokens_i)``, ``h_{-1}`` =
     ``chain_root(fingerprint, salt, adapter)``.
 
@@ -205,7 +218,7 @@ def block_hashes(token_ids: Sequence[int], fingerprint: BlockHash, block_size: i
     h = parent if parent is not None else chain_root(fingerprint, salt, adapter)
     out = []
     for i in range(n_full):
-        h = hashlib.blake2b(h + raw[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()
+        h = hashlib.blake2b(h + raw[i * step : (i + 1) * step], digest_size=HASH_BYTES).digest()
         out.append(h)
     return out
 

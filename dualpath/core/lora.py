@@ -7,6 +7,7 @@ roots the request's KV chain (``dualpath.core.geometry.chain_root``): KV compute
 a hit for the base model or another adapter, and an adapter whose files change after a restart starts a chain
 of its own, as the store outlives every process. Torch-free: frontends and the scheduler import it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,9 +19,14 @@ from dualpath.core.errors import CheckpointError, ConfigError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # PEFT options that change the adapter's math in ways the engines do not compute: refused, never ignored
-_UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
-                "modules_to_save": "modules_to_save (fully trained layers)", "rank_pattern": "rank_pattern",
-                "alpha_pattern": "alpha_pattern", "trainable_token_indices": "trainable_token_indices"}
+_UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
+    "modules_to_save": "modules_to_save (fully trained layers)",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+    "trainable_token_indices": "trainable_token_indices",
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def read_adapter_config(path: str | Path) -> AdapterConfig:
     rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise CheckpointError(f"{file}: r must be a positive integer and lora_alpha a number")
-    return AdapterConfig(float(alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank))
+    return AdapterConfig(float(alpha / rank**0.5 if raw.get("use_rslora") else alpha / rank))
 
 
 def adapter_digest(path: str | Path) -> str:

@@ -6,6 +6,7 @@ followed by raw binary segments: bulk data — token ids, block hashes — are `
 tokens, concatenated 16-byte hashes) that travel as raw segments, so a 30K-token prompt costs a memory copy, not
 30K JSON numbers or a base64 pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -369,7 +370,7 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
 
 
 def unpack_keys(data: bytes) -> list[bytes]:
-    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+    return [data[i : i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
 
 
 # --- wire codec: [u32 header length][JSON header][u64 length][bytes]... ------------------------------------------
@@ -461,10 +462,10 @@ def from_dict(cls, d: dict):
 
 def from_wire(cls, data: bytes):
     (hlen,) = struct.unpack_from("<I", data, 0)
-    header = json.loads(data[4:4 + hlen])
+    header = json.loads(data[4 : 4 + hlen])
     blobs, pos = [], 4 + hlen
     while pos < len(data):
         (n,) = struct.unpack_from("<Q", data, pos)
-        blobs.append(bytes(data[pos + 8:pos + 8 + n]))
+        blobs.append(bytes(data[pos + 8 : pos + 8 + n]))
         pos += 8 + n
     return _decoder(cls)(header, blobs)

@@ -1,6 +1,7 @@
 """Prometheus metrics on ``prometheus_client``. Each server owns one ``Metrics``: its own ``CollectorRegistry``, never
 the library's global ``REGISTRY`` (two servers in one process, as the tests run them, keep their numbers apart).
 Every series is named ``PREFIX`` + name; ``docs/metrics.md`` lists them all."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -54,5 +55,9 @@ def gauge_family(name: str, help_: str, labels: Iterable[str] = ()) -> GaugeMetr
 def sample_values(metric, suffix: str = "_total") -> dict[tuple[tuple[str, str], ...], float]:
     """A metric's current values by label set (sorted (name, value) pairs), from its samples named ``*suffix``:
     how the process reads its own counters back (the stats line) without collecting the whole registry."""
-    return {tuple(sorted(s.labels.items())): s.value for family in metric.collect() for s in family.samples
-            if s.name.endswith(suffix)}
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in metric.collect()
+        for s in family.samples
+        if s.name.endswith(suffix)
+    }

@@ -1,5 +1,6 @@
 """Where the project keeps files by default: ``$DUALPATH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dualpath``, else
 ``~/.cache/dualpath``."""
+
 from __future__ import annotations
 
 import os

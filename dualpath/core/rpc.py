@@ -8,6 +8,7 @@ process of a cluster shares): a cluster token that every call carries and every 
 and, where certificates are provisioned, mutual TLS. A call without them is refused (UNAUTHENTICATED) before any
 handler runs, and counted.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,14 @@ class PlaneAuth:
         paths = [os.environ.get(name, "") for name in TLS_ENV]
         if any(paths) and not all(paths):
             raise ConfigError(f"mutual TLS needs all of {', '.join(TLS_ENV)}")
-        pem = [_read_secret(path, name) if name.endswith("KEY") else Path(path).read_bytes()
-               for path, name in zip(paths, TLS_ENV)] if all(paths) else [b"", b"", b""]
+        pem = (
+            [
+                _read_secret(path, name) if name.endswith("KEY") else Path(path).read_bytes()
+                for path, name in zip(paths, TLS_ENV)
+            ]
+            if all(paths)
+            else [b"", b"", b""]
+        )
         return cls(token, *pem)
 
     @property
@@ -117,15 +124,21 @@ def _options() -> list[tuple[str, int]]:
     open forever, and a request on it wait for its whole timeout. Pings are answered by gRPC's own threads, not
     Python's, so a busy process still answers them. Servers accept pings this often, however many."""
     ms = int(1000 * float(os.environ.get(KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S)))
-    return [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.so_reuseport", 0),
-            # a peer that restarts (the scheduler) is found again within ~2 s, not after gRPC's default backoff
-            # (which grows to 120 s between tries)
-            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000),
-            ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0),  # an idle stream is pinged on, not after 2 pings only
-            ("grpc.http2.ping_timeout_ms", ms),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 5000)), ("grpc.http2.max_ping_strikes", 0)]
+    return [
+        ("grpc.max_send_message_length", 256 << 20),
+        ("grpc.max_receive_message_length", 256 << 20),
+        ("grpc.so_reuseport", 0),
+        # a peer that restarts (the scheduler) is found again within ~2 s, not after gRPC's default backoff
+        # (which grows to 120 s between tries)
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.max_pings_without_data", 0),  # an idle stream is pinged on, not after 2 pings only
+        ("grpc.http2.ping_timeout_ms", ms),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 5000)),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 class RpcError(DualPathError):
@@ -158,8 +171,14 @@ class ThreadedServer:
         self._thread.start()
         self.server = None
 
-    def start(self, methods: dict[str, Method], handler: Any, address: str,
-              on_refused: Callable[[], None] | None = None, auth: PlaneAuth | None = None) -> int:
+    def start(
+        self,
+        methods: dict[str, Method],
+        handler: Any,
+        address: str,
+        on_refused: Callable[[], None] | None = None,
+        auth: PlaneAuth | None = None,
+    ) -> int:
         wrapped = _Handlers()
         for name, m in methods.items():
             fn = getattr(handler, name, None)
@@ -174,12 +193,14 @@ class ThreadedServer:
             else:
                 setattr(wrapped, name, self._in_pool(fn))
         self.server, self.port = asyncio.run_coroutine_threadsafe(
-            serve_async(self.service, methods, wrapped, address, auth, on_refused), self.loop).result(30)
+            serve_async(self.service, methods, wrapped, address, auth, on_refused), self.loop
+        ).result(30)
         return self.port
 
     def _in_pool(self, fn):
         async def call(request, ctx):
             return await self.loop.run_in_executor(self.pool, fn, request, ctx)
+
         return call
 
     def stop(self, grace: float = 1.0) -> None:
@@ -199,9 +220,14 @@ class _Handlers:
     """The attributes ``serve_async`` looks up, set per method."""
 
 
-async def serve_async(service: str, methods: dict[str, Method], handler: Any, address: str = "0.0.0.0:0",
-                      auth: PlaneAuth | None = None,
-                      on_refused: Callable[[], None] | None = None) -> tuple["grpc.aio.Server", int]:
+async def serve_async(
+    service: str,
+    methods: dict[str, Method],
+    handler: Any,
+    address: str = "0.0.0.0:0",
+    auth: PlaneAuth | None = None,
+    on_refused: Callable[[], None] | None = None,
+) -> tuple["grpc.aio.Server", int]:
     """``serve`` for asyncio handlers (``async def`` methods, async generators for streams): thousands of open
     streams cost coroutines, not threads. ``auth`` (default: from the environment) closes it to callers without the
     cluster's credentials; ``on_refused`` is called for each call refused."""
@@ -212,23 +238,33 @@ async def serve_async(service: str, methods: dict[str, Method], handler: Any, ad
         if fn is None:
             continue
         deser = lambda b, c=m.request: from_wire(c, b)  # noqa: E731
-        make = grpc.stream_stream_rpc_method_handler if m.bidi else \
-            grpc.unary_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if m.bidi
+            else grpc.unary_stream_rpc_method_handler
+            if m.streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
         table[name] = make(fn, request_deserializer=deser, response_serializer=to_wire)
     check = _TokenCheck(service, auth.token, on_refused) if auth.token else None
     server = grpc.aio.server(options=_options(), interceptors=[check] if check else None)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(f"dualpath.{service}", table)])
     if auth.tls:
-        creds = grpc.ssl_server_credentials([(auth.key, auth.cert)], root_certificates=auth.ca,
-                                            require_client_auth=True)
+        creds = grpc.ssl_server_credentials(
+            [(auth.key, auth.cert)], root_certificates=auth.ca, require_client_auth=True
+        )
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
     if port == 0:
         raise DualPathError(f"cannot listen on {address}")
     if not auth.token and not auth.tls:
-        log.warning("%s listens on %s with no cluster token: any process that reaches it may call it (set %s)",
-                    service, address, TOKEN_ENV)
+        log.warning(
+            "%s listens on %s with no cluster token: any process that reaches it may call it (set %s)",
+            service,
+            address,
+            TOKEN_ENV,
+        )
     await server.start()
     return server, port
 
@@ -246,23 +282,34 @@ class Client:
             self.channel = grpc.insecure_channel(address, options=_options())
         self._stubs: dict[str, Callable] = {}
         for name, m in methods.items():
-            make = self.channel.stream_stream if m.bidi else \
-                self.channel.unary_stream if m.streaming else self.channel.unary_unary
-            self._stubs[name] = make(f"/dualpath.{service}/{name}", request_serializer=to_wire,
-                                     response_deserializer=lambda b, c=m.response: from_wire(c, b))
+            make = (
+                self.channel.stream_stream
+                if m.bidi
+                else self.channel.unary_stream
+                if m.streaming
+                else self.channel.unary_unary
+            )
+            self._stubs[name] = make(
+                f"/dualpath.{service}/{name}",
+                request_serializer=to_wire,
+                response_deserializer=lambda b, c=m.response: from_wire(c, b),
+            )
 
     def call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
         try:
             return self._stubs[method](request, timeout=timeout, metadata=self.auth.metadata)
         except grpc.RpcError as e:
-            raise RpcError(f"{self.service}.{method} at {self.address} failed: {e.code().name}: {e.details()}",
-                           e.code()) from None
+            raise RpcError(
+                f"{self.service}.{method} at {self.address} failed: {e.code().name}: {e.details()}", e.code()
+            ) from None
 
     def stream(self, method: str, request: Any, timeout: float | None = None) -> Iterator[Any]:
         """Iterate a server stream (or, for a bidi method, pass an iterator of requests); ``cancel()`` on the
         returned iterator stops it."""
-        return _Stream(self._stubs[method](request, timeout=timeout, metadata=self.auth.metadata),
-                       f"{self.service}.{method} at {self.address}")
+        return _Stream(
+            self._stubs[method](request, timeout=timeout, metadata=self.auth.metadata),
+            f"{self.service}.{method} at {self.address}",
+        )
 
     def wait_ready(self, timeout: float) -> None:
         try:

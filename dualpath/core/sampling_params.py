@@ -1,4 +1,5 @@
 """Per-request sampling parameters: plain, frozen, validated data that crosses process boundaries."""
+
 from __future__ import annotations
 
 import json
@@ -146,16 +147,22 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
                 raise RequestError(f"{name} must be in [0, 20], got {getattr(self, name)}", field=name)
-        if self.json_object + (self.json_schema is not None) + (self.regex is not None) + \
-                (self.grammar is not None) > 1:
-            raise RequestError("json_object, json_schema, regex and grammar exclude each other",
-                               field="response_format")
+        if (
+            self.json_object + (self.json_schema is not None) + (self.regex is not None) + (self.grammar is not None)
+            > 1
+        ):
+            raise RequestError(
+                "json_object, json_schema, regex and grammar exclude each other", field="response_format"
+            )
         if (self.json_prefix or self.json_suffix) and not self.structured:
-            raise RequestError("json_prefix and json_suffix need json_object, json_schema, regex or grammar",
-                               field="response_format")
+            raise RequestError(
+                "json_prefix and json_suffix need json_object, json_schema, regex or grammar", field="response_format"
+            )
         if self.json_thinking not in THINKING_MODES or (self.json_thinking and not self.structured):
-            raise RequestError(f"json_thinking is one of {THINKING_MODES} and needs json_object, json_schema, regex "
-                               f"or grammar", field="response_format")
+            raise RequestError(
+                f"json_thinking is one of {THINKING_MODES} and needs json_object, json_schema, regex or grammar",
+                field="response_format",
+            )
         if self.json_trigger and not (self.json_prefix and (self.json_object or self.json_schema is not None)):
             raise RequestError("json_trigger needs json_prefix and json_object or json_schema", field="tools")
         if self.json_branches and self.json_schema is None:
@@ -163,19 +170,24 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
         if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise RequestError(f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters",
-                               field="stop")
+            raise RequestError(
+                f"stop takes up to {MAX_STOPS} strings of up to {MAX_STOP_CHARS} characters", field="stop"
+            )
         if not 0 <= self.num_resumed_tokens < self.max_tokens:
-            raise RequestError(f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
-                               field="num_resumed_tokens")
-        if not -2 ** 31 <= self.priority < 2 ** 31:
+            raise RequestError(
+                f"num_resumed_tokens must be in [0, max_tokens), got {self.num_resumed_tokens}",
+                field="num_resumed_tokens",
+            )
+        if not -(2**31) <= self.priority < 2**31:
             raise RequestError(f"priority must be a 32-bit integer, got {self.priority!r}", field="priority")
         if len(self.cache_salt) > MAX_CACHE_SALT:
-            raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
-                               field="cache_salt")
+            raise RequestError(
+                f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters", field="cache_salt"
+            )
         if self.adapter and not ADAPTER_ID.fullmatch(self.adapter):
-            raise RequestError(f"adapter must be a LoRA adapter's identity (64 hex digits), got {self.adapter!r}",
-                               field="model")
+            raise RequestError(
+                f"adapter must be a LoRA adapter's identity (64 hex digits), got {self.adapter!r}", field="model"
+            )
         if self.num_resumed_tokens and (self.n > 1 or self.prompt_logprobs is not None):
             raise RequestError("a resumed reply is one choice without prompt logprobs", field="num_resumed_tokens")
         self._check_adjustments()
@@ -185,8 +197,9 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", field=name)
         if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
-            raise RequestError(f"repetition_penalty must be positive, got {self.repetition_penalty}",
-                               field="repetition_penalty")
+            raise RequestError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}", field="repetition_penalty"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -211,13 +224,15 @@ class SamplingParams:
     def _check_bad_words(self) -> None:
         words = tuple(dict.fromkeys(_token_ids(w, "bad_words") for w in self.bad_words))
         if len(words) > MAX_BAD_WORDS or any(not 1 <= len(w) <= MAX_BAD_WORD_TOKENS for w in words):
-            raise RequestError(f"bad_words takes up to {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens",
-                               field="bad_words")
+            raise RequestError(
+                f"bad_words takes up to {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens", field="bad_words"
+            )
         if any(t < 0 for w in words for t in w):
             raise RequestError("bad_words' token ids must be >= 0", field="bad_words")
         if words and (self.structured or self.allowed_token_ids):
-            raise RequestError("bad_words excludes JSON output and allowed_token_ids (it could ban all they allow)",
-                               field="bad_words")
+            raise RequestError(
+                "bad_words excludes JSON output and allowed_token_ids (it could ban all they allow)", field="bad_words"
+            )
         object.__setattr__(self, "bad_words", words)
 
     @property
@@ -277,8 +292,12 @@ def _token_ids(values, name: str) -> tuple[int, ...]:
 
 
 # Each scalar annotation: the values it takes and their kind in words. A bool is no number (Python counts it an int)
-_KINDS = {int: (numbers.Integral, "an integer"), float: (numbers.Real, "a number"), bool: (bool, "a boolean"),
-          str: (str, "a string")}
+_KINDS = {
+    int: (numbers.Integral, "an integer"),
+    float: (numbers.Real, "a number"),
+    bool: (bool, "a boolean"),
+    str: (str, "a string"),
+}
 
 
 def _scalar_fields() -> dict[str, tuple[type, bool]]:

@@ -19,6 +19,7 @@ start with whitespace and has at most ``MAX_WS`` whitespace bytes between its to
 newlines); it ends as its value closes where nothing can follow (an object's brace): the matcher stops there. A
 pattern or a grammar may end where more could follow (``\\d+``): there the model's end token is allowed too.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -52,8 +53,10 @@ COMPILE_SECONDS = 5.0  # a constraint that takes longer to compile (and check) i
 MAX_REASON_CHARS = 2000  # of llguidance's error message, in a refusal
 WS_RX = f"[ \\t\\n\\r]{{0,{MAX_WS}}}"  # up to MAX_WS whitespace bytes
 WS = f"/{WS_RX}/"  # the same as a Lark terminal
-JSON_OPTIONS = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{MAX_WS}}}",  # llguidance's JSON compile options
-                "json_allow_general_unicode_escapes": True}  # \u00e9 as json.dumps writes it by default
+JSON_OPTIONS = {
+    "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{1,{MAX_WS}}}",  # llguidance's JSON compile options
+    "json_allow_general_unicode_escapes": True,
+}  # \u00e9 as json.dumps writes it by default
 _FIELDS = {"json": "response_format", "regex": "regex", "grammar": "grammar"}
 
 
@@ -90,10 +93,22 @@ class Constraint:
         """The constraint of a request's sampling parameters (None: unconstrained)."""
         if not params.structured:
             return None
-        kind, source = ("regex", params.regex) if params.regex is not None else \
-            ("grammar", params.grammar) if params.grammar is not None else ("json", params.json_schema)
-        return cls(kind, source, params.json_prefix, params.json_suffix, params.json_thinking, params.json_trigger,
-                   params.json_branches)
+        kind, source = (
+            ("regex", params.regex)
+            if params.regex is not None
+            else ("grammar", params.grammar)
+            if params.grammar is not None
+            else ("json", params.json_schema)
+        )
+        return cls(
+            kind,
+            source,
+            params.json_prefix,
+            params.json_suffix,
+            params.json_thinking,
+            params.json_trigger,
+            params.json_branches,
+        )
 
     @property
     def field(self) -> str:
@@ -126,8 +141,10 @@ def _start(c: Constraint) -> str:
     if c.thinking == "open":
         return f"thought{lead} reply\nthought[lazy]: {_text_rx('(?s:.*)', THINK_CLOSE)}"
     if c.thinking == "optional":
-        return f"(opening thought)?{lead} reply\nopening: {_text_rx(WS_RX, THINK_OPEN)}\n" \
-               f"thought[lazy]: {_text_rx('(?s:.*)', THINK_CLOSE)}"
+        return (
+            f"(opening thought)?{lead} reply\nopening: {_text_rx(WS_RX, THINK_OPEN)}\n"
+            f"thought[lazy]: {_text_rx('(?s:.*)', THINK_CLOSE)}"
+        )
     return "reply"
 
 
@@ -142,9 +159,13 @@ def _reply(c: Constraint) -> list[str]:
     if not c.trigger:
         return [f"reply: {_literal(c.prefix)} body {_literal(c.suffix)}".replace("  ", " ")] + rules
     trigger = _text_rx("", c.prefix)[1:-1]  # the prefix as a regex, without its slashes
-    return ["reply: call* free", f"call: head body {_literal(c.suffix)}".rstrip(),
-            f"head[lazy]: /(?s:.*){trigger}/",
-            "free: FREE", f"FREE: /(?s:.*)/ & ~/(?s:.*){trigger}(?s:.*)/"] + rules  # no trigger outside a call
+    return [
+        "reply: call* free",
+        f"call: head body {_literal(c.suffix)}".rstrip(),
+        f"head[lazy]: /(?s:.*){trigger}/",
+        "free: FREE",
+        f"FREE: /(?s:.*)/ & ~/(?s:.*){trigger}(?s:.*)/",
+    ] + rules  # no trigger outside a call
 
 
 def _answers(c: Constraint) -> list[dict]:
@@ -160,11 +181,14 @@ def _answers(c: Constraint) -> list[dict]:
         return [{"json_schema": _with_options(schema)}]
     alts = schema.get("anyOf") if isinstance(schema, dict) else None
     if not isinstance(alts, list) or len(alts) != len(c.branches):
-        raise GrammarError(f"json_schema: {len(c.branches)} branches need a top-level anyOf of as many schemas",
-                           field="tools")
+        raise GrammarError(
+            f"json_schema: {len(c.branches)} branches need a top-level anyOf of as many schemas", field="tools"
+        )
     # alternative i as the only one left of the anyOf, so that "#/anyOf/i/..." references still resolve
-    return [{"json_schema": _with_options({**schema, "anyOf": [a if j == i else False for j, a in enumerate(alts)]})}
-            for i in range(len(alts))]
+    return [
+        {"json_schema": _with_options({**schema, "anyOf": [a if j == i else False for j, a in enumerate(alts)]})}
+        for i in range(len(alts))
+    ]
 
 
 def _schema(source: str) -> Any:
@@ -203,6 +227,7 @@ def _unicode_escapes(gbnf: str) -> str:
     """GBNF's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes spelled as the converter keeps them: the character itself
     past ASCII (never GBNF syntax), ``\\xXX`` below (llguidance 1.9's converter writes ``\\u00e9`` as ``\\ue9``,
     which its Lark reader refuses). Other escapes, an escaped backslash's included, stay as they are."""
+
     def spelled(m: re.Match) -> str:
         code = m.group(1) or m.group(2)
         if code is None:
@@ -211,6 +236,7 @@ def _unicode_escapes(gbnf: str) -> str:
         if cp < 0x80:
             return f"\\x{cp:02x}"
         return chr(cp) if cp <= 0x10FFFF and not 0xD800 <= cp < 0xE000 else m.group(0)  # (else: refused later)
+
     return _ESCAPE.sub(spelled, gbnf)
 
 
@@ -231,15 +257,22 @@ _byte_tokenizer: list = []  # llguidance's one-byte-per-token tokenizer (built o
 _lock = threading.Lock()
 
 
-def compile(c: Constraint, tokenizer: "LLTokenizer | None" = None,  # noqa: A001 - what it does
-            seconds: float | None = None) -> "LLMatcher":
+def compile(
+    c: Constraint,
+    tokenizer: "LLTokenizer | None" = None,  # noqa: A001 - what it does
+    seconds: float | None = None,
+) -> "LLMatcher":
     """A fresh llguidance matcher of ``c`` over ``tokenizer`` (default: one token per byte), its first mask
     computed. Compiled on a thread of its own (llguidance lets go of Python's lock while it works) and given up after
     ``seconds`` (default ``COMPILE_SECONDS``; the thread runs on, and nobody waits for it); raises GrammarError for a
     constraint that does not compile in time, or that matches only the empty string. The engines call it for
     constraints ``check`` passed."""
-    return _compiled(grammar(c), tokenizer if tokenizer is not None else byte_tokenizer(), c.field,
-                     COMPILE_SECONDS if seconds is None else seconds)
+    return _compiled(
+        grammar(c),
+        tokenizer if tokenizer is not None else byte_tokenizer(),
+        c.field,
+        COMPILE_SECONDS if seconds is None else seconds,
+    )
 
 
 def _compiled(text: str, tok: "LLTokenizer", field: str, seconds: float) -> "LLMatcher":
@@ -250,6 +283,7 @@ def _compiled(text: str, tok: "LLTokenizer", field: str, seconds: float) -> "LLM
             done.append(_matcher(tok, text))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             done.append(e)
+
     worker = threading.Thread(target=run, daemon=True, name="grammar-compile")
     worker.start()
     worker.join(seconds)
@@ -314,7 +348,7 @@ def check(c: Constraint) -> None:
     on some grammars, taking memory as it goes (``root ::= r r`` with ``r ::= "a"+``: its first mask never returns),
     and only a process can be stopped."""
     texts = [grammar(c)] + [json.dumps({"grammars": [a]}) for a in _answers(c)]  # (the answer alone: a schema no
-    reason = _checkers.run(texts, COMPILE_SECONDS)                              # value satisfies matches nothing)
+    reason = _checkers.run(texts, COMPILE_SECONDS)  # value satisfies matches nothing)
     if reason:
         raise GrammarError(f"{c.field}: {reason}", field=c.field)
 
@@ -347,8 +381,15 @@ class _Checker:
     def __init__(self):
         root = str(Path(__file__).resolve().parents[2])  # where this dualpath is, whatever the caller's sys.path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-m", "dualpath.core.structured"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dualpath.core.structured"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
 
     def ask(self, texts: list[str], seconds: float) -> str | None:
         """The checker's answer (``_check_texts``'); raises TimeoutError past ``seconds`` and EOFError where the
@@ -420,6 +461,7 @@ def _serve_checks() -> None:
         while os.getppid() == parent:
             time.sleep(0.2)
         os._exit(0)
+
     threading.Thread(target=orphaned, daemon=True).start()
     for line in sys.stdin:
         try:

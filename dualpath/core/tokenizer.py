@@ -1,6 +1,7 @@
 """Tokenizer of a checkpoint: ``tokenizer.json`` through the ``tokenizers`` library, chat templates through a
 sandboxed Jinja environment (as Hugging Face renders them), and incremental detokenization for streaming.
 """
+
 from __future__ import annotations
 
 import copy
@@ -76,8 +77,9 @@ class Tokenizer:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise CheckpointError(f"{path}: no tokenizer.json (to serve token ids alone: skip_tokenizer_init=True, "
-                                  "--skip-tokenizer-init)")
+            raise CheckpointError(
+                f"{path}: no tokenizer.json (to serve token ids alone: skip_tokenizer_init=True, --skip-tokenizer-init)"
+            )
         self._tok = HFTokenizer.from_file(str(tok_file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
@@ -135,8 +137,10 @@ class Tokenizer:
         byte fallback (Llama 2, Mistral) are understood; other tokenizers raise CheckpointError."""
         kind = _decoder_kind(json.loads(self._tok.to_str()).get("decoder"))
         if kind is None:
-            raise CheckpointError("structured output needs a byte-level BPE or SentencePiece (byte fallback) "
-                                  "tokenizer; this checkpoint's tokenizer is neither")
+            raise CheckpointError(
+                "structured output needs a byte-level BPE or SentencePiece (byte fallback) "
+                "tokenizer; this checkpoint's tokenizer is neither"
+            )
         added = self._tok.get_added_tokens_decoder()
         out: list[bytes | None] = []
         for i in range(self.vocab_size):
@@ -156,8 +160,9 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, continue_final: bool = False,
-                    **kwargs) -> str:
+    def render_chat(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, continue_final: bool = False, **kwargs
+    ) -> str:
         """The chat as the template renders it. ``continue_final``: cut right after the last message's content, so
         the model continues it (Hugging Face's ``continue_final_message``); ``kwargs``: more template variables."""
         if not self.chat_template:
@@ -165,18 +170,25 @@ class Tokenizer:
         if "developer" not in self.chat_template:  # OpenAI's newer name for the system role, unknown to the template
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
-            text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            text = self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
         except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             # a template is code run over the request's messages: whatever it trips on is the request's error
             raise RequestError(f"chat template rejected the messages: {e}", field="messages") from None
         return _open_final(text, messages) if continue_final else text
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            continue_final: bool = False, **kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict], add_generation_prompt: bool = True, continue_final: bool = False, **kwargs
+    ) -> list[int]:
         """Token ids of the rendered chat; the template supplies special tokens itself."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, continue_final, **kwargs),
-                           add_special_tokens=False)
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt, continue_final, **kwargs), add_special_tokens=False
+        )
 
 
 SKIPPED = "the tokenizer is not loaded (skip_tokenizer_init, --skip-tokenizer-init)"
@@ -276,8 +288,10 @@ def load_chat_template(spec: str) -> str:
             raise CheckpointError(f"--chat-template: cannot read {spec}: {e}") from None
     if "{{" in spec or "{%" in spec:
         return spec
-    raise CheckpointError(f"--chat-template: {spec!r} is neither a file nor a Jinja template, nor the name of a "
-                          f"shipped one ({', '.join(shipped_templates())})")
+    raise CheckpointError(
+        f"--chat-template: {spec!r} is neither a file nor a Jinja template, nor the name of a "
+        f"shipped one ({', '.join(shipped_templates())})"
+    )
 
 
 def _decoder_kind(decoder: dict | None) -> str | None:
@@ -321,9 +335,10 @@ def _open_final(text: str, messages: Sequence[dict]) -> str:
     final = str(messages[-1].get("content") or "").strip() if messages else ""
     at = text.rfind(final) if final else -1
     if at < 0:
-        raise RequestError("continue_final_message needs a final message with text the template renders",
-                           field="messages")
-    return text[:at + len(final)]
+        raise RequestError(
+            "continue_final_message needs a final message with text the template renders", field="messages"
+        )
+    return text[: at + len(final)]
 
 
 class IncrementalDetokenizer:
@@ -351,11 +366,11 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta

@@ -15,6 +15,7 @@ Every node's storage reads are capped to the same bandwidth so the run is storag
 node's reads then cannot keep up (Basic is storage-bound) while all of them together can. Writes a JSON result,
 a table, and figures: job completion time per system, and storage-read throughput per node over time.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,10 +62,21 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
 
     mode, policy, capped, in_memory = SYSTEMS[name]
     kv = tempfile.mkdtemp(prefix=f"dualpath-agentic-{name}-", dir="/dev/shm" if in_memory else None)
-    spec = ClusterSpec(model=cfg.model, num_prefill=cfg.prefill, num_decode=cfg.decode, mode=mode, policy=policy,
-                       kv_store=kv, block_size=cfg.block_size, buffer_bytes=256 << 20, cache_bytes=512 << 20,
-                       workspace_tokens=16384, storage_read_bps=cap_bps if capped else 0.0,
-                       torch_threads=cfg.torch_threads, load_every_hit=True)  # as the paper's systems do
+    spec = ClusterSpec(
+        model=cfg.model,
+        num_prefill=cfg.prefill,
+        num_decode=cfg.decode,
+        mode=mode,
+        policy=policy,
+        kv_store=kv,
+        block_size=cfg.block_size,
+        buffer_bytes=256 << 20,
+        cache_bytes=512 << 20,
+        workspace_tokens=16384,
+        storage_read_bps=cap_bps if capped else 0.0,
+        torch_threads=cfg.torch_threads,
+        load_every_hit=True,
+    )  # as the paper's systems do
     try:
         with LocalCluster(spec, run_dir=str(out_dir / f"run-{name}")) as cluster:
             client = ClusterClient(cluster.scheduler_address)
@@ -125,8 +137,9 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = open_checkpoint(cfg.model).config.vocab_size
-    trajectories, target = generate_trace(cfg.preset, cfg.agents, cfg.scale, cfg.turns_scale,
-                                          (3, min(vocab, 32000) - 1), cfg.seed)
+    trajectories, target = generate_trace(
+        cfg.preset, cfg.agents, cfg.scale, cfg.turns_scale, (3, min(vocab, 32000) - 1), cfg.seed
+    )
     stats = measure(trajectories)
     order = ["oracle"] + [s for s in cfg.systems if s != "oracle"] if "oracle" in cfg.systems else list(cfg.systems)
     rows, cap = {}, 0.0
@@ -150,9 +163,12 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
             r["jct_vs_basic"] = r["job_completion_time_s"] / base["job_completion_time_s"]
         if oracle:
             r["jct_vs_oracle"] = r["job_completion_time_s"] / oracle["job_completion_time_s"]
-    result = {"config": {**cfg.__dict__, "systems": list(cfg.systems)}, "cap_bps": cap,
-              "trace": {"target": target.__dict__, "generated": stats.__dict__, "agents": len(trajectories)},
-              "systems": ordered}
+    result = {
+        "config": {**cfg.__dict__, "systems": list(cfg.systems)},
+        "cap_bps": cap,
+        "trace": {"target": target.__dict__, "generated": stats.__dict__, "agents": len(trajectories)},
+        "systems": ordered,
+    }
     result["figures"] = figures(ordered, out_dir)
     slim = {**result, "systems": [{k: v for k, v in r.items() if k != "timeline"} for r in ordered]}
     (out_dir / "agentic.json").write_text(json.dumps(slim, indent=1))
@@ -161,12 +177,22 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
 
 
 def print_table(result: dict) -> None:
-    cols = ["system", "job_completion_time_s", "jct_vs_basic", "jct_vs_oracle", "hit_rate",
-            "storage_read_max_over_avg", "generated_tokens_per_s"]
+    cols = [
+        "system",
+        "job_completion_time_s",
+        "jct_vs_basic",
+        "jct_vs_oracle",
+        "hit_rate",
+        "storage_read_max_over_avg",
+        "generated_tokens_per_s",
+    ]
     print("  ".join(f"{c:>22}" for c in cols))
     for r in result["systems"]:
-        print("  ".join(f"{r.get(c, ''):>22.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>22}"
-                        for c in cols))
+        print(
+            "  ".join(
+                f"{r.get(c, ''):>22.3f}" if isinstance(r.get(c), float) else f"{str(r.get(c, '')):>22}" for c in cols
+            )
+        )
     print(f"storage cap per node: {result['cap_bps'] / 1e6:.1f} MB/s")
 
 
@@ -175,17 +201,37 @@ def bench_main(args) -> int:
     if args.tiny:
         from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-        model = str(build_tiny_checkpoint(Path(args.out) / "model", "llama", seed=0, hidden_size=256,
-                                          num_attention_heads=8, num_key_value_heads=8, intermediate_size=512,
-                                          num_hidden_layers=4))
+        model = str(
+            build_tiny_checkpoint(
+                Path(args.out) / "model",
+                "llama",
+                seed=0,
+                hidden_size=256,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                intermediate_size=512,
+                num_hidden_layers=4,
+            )
+        )
     if not model:
         from dualpath.checkpoints.smollm2 import default_model_dir
+
         model = str(default_model_dir())
-    cfg = AgenticConfig(model=model, preset=args.preset, agents=args.agents, scale=args.scale,
-                        turns_scale=args.turns_scale, prefill=args.prefill, decode=args.decode,
-                        block_size=args.block_size, storage_cap=args.storage_cap, cap_factor=args.cap_factor,
-                        systems=tuple(args.systems.split(",")), seed=args.seed,
-                        torch_threads=args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode)))
+    cfg = AgenticConfig(
+        model=model,
+        preset=args.preset,
+        agents=args.agents,
+        scale=args.scale,
+        turns_scale=args.turns_scale,
+        prefill=args.prefill,
+        decode=args.decode,
+        block_size=args.block_size,
+        storage_cap=args.storage_cap,
+        cap_factor=args.cap_factor,
+        systems=tuple(args.systems.split(",")),
+        seed=args.seed,
+        torch_threads=args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode)),
+    )
     result = run(cfg, args.out)
     print_table(result)
     print(f"wrote {args.out}/agentic.json and figures {result['figures']}")

@@ -1,4 +1,5 @@
 """``dualpath rollout`` and ``dualpath trace``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,16 @@ def rollout_main(args) -> int:
     if not trajectories:
         print("no trajectories to run")
         return 1
-    cfg = RolloutConfig(think_time_s=args.think_time, temperature=args.temperature, seed=args.seed,
-                        agents=args.agents, max_concurrency=args.max_concurrency, group_size=args.group_size,
-                        longest_first=args.longest_first, adapter=rollout_adapter(args))
+    cfg = RolloutConfig(
+        think_time_s=args.think_time,
+        temperature=args.temperature,
+        seed=args.seed,
+        agents=args.agents,
+        max_concurrency=args.max_concurrency,
+        group_size=args.group_size,
+        longest_first=args.longest_first,
+        adapter=rollout_adapter(args),
+    )
     if args.longest_first and not args.scheduler:
         args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities,
         args.disable_priority_preemption = True  # as measured: without preempting (each one reloads a context)
@@ -42,8 +50,16 @@ def rollout_main(args) -> int:
             cluster.stop()
     path = Path(args.summary or f"{args.out}.summary.json")
     path.write_text(json.dumps(summary, indent=1))
-    keys = ("agents", "rounds", "job_completion_time_s", "generated_tokens_per_s", "hit_rate", "ttft_p50_s",
-            "tpot_p50_s", "storage_read_max_over_avg")
+    keys = (
+        "agents",
+        "rounds",
+        "job_completion_time_s",
+        "generated_tokens_per_s",
+        "hit_rate",
+        "ttft_p50_s",
+        "tpot_p50_s",
+        "storage_read_max_over_avg",
+    )
     print("  ".join(f"{k}={summary[k]:.3g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
     print(f"results: {args.out}; summary: {path}")
     return 1 if summary.get("agents_failed") else 0
@@ -77,8 +93,10 @@ def ensure_adapter(client, args, digest: str) -> None:
         return
     reply = client.load_adapter(args.lora)
     if not reply.ok or reply.digest != digest:
-        raise DualPathError(f"the engines could not load the LoRA adapter {args.lora}: "
-                            f"{reply.error or 'they read other bytes than this job'}")
+        raise DualPathError(
+            f"the engines could not load the LoRA adapter {args.lora}: "
+            f"{reply.error or 'they read other bytes than this job'}"
+        )
 
 
 def trace_main(args) -> int:
@@ -92,7 +110,9 @@ def trace_main(args) -> int:
     print(f"{len(trajectories)} trajectories -> {args.out}")
     print(f"{'':10}{'turns':>10}{'append':>10}{'gen':>10}{'context':>12}{'total':>12}{'longest':>12}")
     for name, st in (("target", target), ("generated", got), ("paper", PRESETS[args.preset])):
-        print(f"{name:10}{st.turns:10.1f}{st.append:10.1f}{st.gen:10.1f}{st.context:12.0f}{st.total:12.0f}"
-              f"{st.limit:12.0f}")
+        print(
+            f"{name:10}{st.turns:10.1f}{st.append:10.1f}{st.gen:10.1f}{st.context:12.0f}{st.total:12.0f}"
+            f"{st.limit:12.0f}"
+        )
     print("(per-turn averages, as the paper's Table 2; longest: the generated trace's, else MaxLen)")
     return 0

@@ -10,6 +10,7 @@ trajectories). With ``group_size`` G > 1 every agent is sampled G times (GRPO's 
 request with n = G, so the prompt is loaded or computed once, and each sample continues on its own from there
 (``sample`` 0..G-1); the first round's ``kv_bytes`` are on sample 0's line.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -84,8 +85,9 @@ def make_agents(trajectories: list[Trajectory], cfg: RolloutConfig) -> list[Agen
 def agent_digest(agent: Agent, cfg: RolloutConfig = RolloutConfig()) -> str:
     """A fingerprint of what the agent sends and how it samples: resuming checks that earlier results came from the
     same rounds, temperature, seed, group size and LoRA adapter."""
-    rounds = [[list(r.append) if not isinstance(r.append, str) else r.append, r.generate, r.max_tokens]
-              for r in agent.rounds]
+    rounds = [
+        [list(r.append) if not isinstance(r.append, str) else r.append, r.generate, r.max_tokens] for r in agent.rounds
+    ]
     if cfg.temperature or cfg.group_size > 1:  # greedy single samples keep the digest they always had
         rounds.append([cfg.temperature, cfg.seed, cfg.group_size])
     if cfg.adapter:
@@ -119,15 +121,20 @@ def completed_agents(path: Path, digests: dict[str, str]) -> tuple[set[str], lis
             continue  # a line cut short by the interruption
         agent, key = rec["agent"], (rec["agent"], rec.get("sample", 0))
         if agent in digests and rec.get("digest") != digests[agent]:
-            raise DualPathError(f"{path}:{number}: results of agent {agent} come from other rounds or sampling than "
-                                f"these (another file, --agents, --seed, --temperature or --group-size); use a new "
-                                f"--out")
+            raise DualPathError(
+                f"{path}:{number}: results of agent {agent} come from other rounds or sampling than "
+                f"these (another file, --agents, --seed, --temperature or --group-size); use a new "
+                f"--out"
+            )
         lines.append((agent, text))
         samples[agent] = rec.get("samples", 1)
         rounds_done[key] = rounds_done.get(key, 0) + 1
         rounds_total[key] = rec["rounds"] if not rec.get("stopped") else rounds_done[key]
-    done = {a for a, g in samples.items()
-            if all(rounds_done.get((a, s), 0) >= rounds_total.get((a, s), 1) for s in range(g))}
+    done = {
+        a
+        for a, g in samples.items()
+        if all(rounds_done.get((a, s), 0) >= rounds_total.get((a, s), 1) for s in range(g))
+    }
     return done, [t for a, t in lines if a in done]
 
 
@@ -151,10 +158,23 @@ class Rollout:
         seed = round_seed(self.cfg, agent.id, sample, i)
         priority = i - len(agent.rounds) if self.cfg.longest_first else 0
         if r.forced:
-            return SamplingParams(max_tokens=r.generate, ignore_eos=True, temperature=self.cfg.temperature, seed=seed,
-                                  n=n, priority=priority, adapter=self.cfg.adapter)
-        return SamplingParams(max_tokens=r.max_tokens, temperature=self.cfg.temperature, seed=seed, n=n,
-                              priority=priority, adapter=self.cfg.adapter)
+            return SamplingParams(
+                max_tokens=r.generate,
+                ignore_eos=True,
+                temperature=self.cfg.temperature,
+                seed=seed,
+                n=n,
+                priority=priority,
+                adapter=self.cfg.adapter,
+            )
+        return SamplingParams(
+            max_tokens=r.max_tokens,
+            temperature=self.cfg.temperature,
+            seed=seed,
+            n=n,
+            priority=priority,
+            adapter=self.cfg.adapter,
+        )
 
     def _agent(self, agent: Agent, out, bar) -> None:
         """The first round for every sample of the group at once, then each sample's other rounds on its own."""
@@ -179,16 +199,24 @@ class Rollout:
                 return
             context += results[0].token_ids
 
-    def _round(self, agent: Agent, i: int, context: list[int], samples: list[int], out,
-               bar) -> list[GenerationResult] | None:
+    def _round(
+        self, agent: Agent, i: int, context: list[int], samples: list[int], out, bar
+    ) -> list[GenerationResult] | None:
         """Round i of ``samples`` (several only in a group's first round: one request, one choice each); None when
         the context would overflow ``max_model_len`` (those samples stop here)."""
         sampling = self._sampling(agent, samples[0], i, agent.rounds[i], len(samples))
-        base = {"agent": agent.id, "trajectory": agent.trajectory, "round": i, "rounds": len(agent.rounds),
-                "samples": self.cfg.group_size, "digest": self.digests[agent.id]}
+        base = {
+            "agent": agent.id,
+            "trajectory": agent.trajectory,
+            "round": i,
+            "rounds": len(agent.rounds),
+            "samples": self.cfg.group_size,
+            "digest": self.digests[agent.id],
+        }
         if self.cfg.max_model_len and len(context) + sampling.max_tokens > self.cfg.max_model_len:
-            log.warning("agent %s stops at round %d: the context would exceed %d tokens", agent.id, i,
-                        self.cfg.max_model_len)
+            log.warning(
+                "agent %s stops at round %d: the context would exceed %d tokens", agent.id, i, self.cfg.max_model_len
+            )
             for s in samples:
                 self._write(out, {**base, "sample": s, "stopped": "context limit"})
             return None
@@ -196,14 +224,29 @@ class Rollout:
         results = self.client.generate_choices(context, sampling, mode=self.cfg.mode)
         end = time.perf_counter() - self.t0
         if any(res.finish_reason == "abort" for res in results):  # the round is not what the trace asked for
-            raise DualPathError(f"agent {agent.id}: round {i} was aborted (a weight update's abort_all_requests); "
-                                "the agent runs again on resume")
+            raise DualPathError(
+                f"agent {agent.id}: round {i} was aborted (a weight update's abort_all_requests); "
+                "the agent runs again on resume"
+            )
         for s, res in zip(samples, results):
-            self._write(out, {**base, "sample": s, "prompt_tokens": len(context),
-                              "cached_tokens": res.num_cached_tokens, "completion_tokens": len(res.token_ids),
-                              "output": res.token_ids, "finish_reason": res.finish_reason, "ttft": res.ttft_s,
-                              "tpot": res.tpot_s, "path": res.path,
-                              "kv_bytes": res.storage_bytes if s == samples[0] else 0, "start": start, "end": end})
+            self._write(
+                out,
+                {
+                    **base,
+                    "sample": s,
+                    "prompt_tokens": len(context),
+                    "cached_tokens": res.num_cached_tokens,
+                    "completion_tokens": len(res.token_ids),
+                    "output": res.token_ids,
+                    "finish_reason": res.finish_reason,
+                    "ttft": res.ttft_s,
+                    "tpot": res.tpot_s,
+                    "path": res.path,
+                    "kv_bytes": res.storage_bytes if s == samples[0] else 0,
+                    "start": start,
+                    "end": end,
+                },
+            )
             bar.update(1)
         return results
 
@@ -218,8 +261,9 @@ class Rollout:
         while not stop.is_set():
             try:
                 stats = self.client.stats()
-                self.timeline.append({"t": time.perf_counter() - self.t0,
-                                      "storage_read_bytes": stats.get("storage_read_bytes", {})})
+                self.timeline.append(
+                    {"t": time.perf_counter() - self.t0, "storage_read_bytes": stats.get("storage_read_bytes", {})}
+                )
             except DualPathError:
                 pass  # a missed sample is a gap in the timeline, not a failed job
             stop.wait(self.cfg.sample_interval_s)
@@ -242,8 +286,10 @@ class Rollout:
         before = self._safe_stats()
         sampler = threading.Thread(target=self._sample, args=(stop,), daemon=True)
         sampler.start()
-        with open(out_path, "a") as out, tqdm(total=total_rounds, disable=not progress, unit="round",
-                                               desc="rollout", smoothing=0.1) as bar:
+        with (
+            open(out_path, "a") as out,
+            tqdm(total=total_rounds, disable=not progress, unit="round", desc="rollout", smoothing=0.1) as bar,
+        ):
             ticker = threading.Thread(target=self._postfix, args=(bar, stop), daemon=True)
             ticker.start()
             workers = self.cfg.max_concurrency or max(1, len(todo))
@@ -263,8 +309,9 @@ class Rollout:
         """Refuse up front, rather than every agent's first round: the scheduler must order by priority."""
         policy = self.client.stats().get("scheduling_policy", "fcfs")
         if policy != "priority":
-            raise DualPathError(f"longest-first needs a scheduler run with --scheduling-policy priority (this one: "
-                                f"{policy})")
+            raise DualPathError(
+                f"longest-first needs a scheduler run with --scheduling-policy priority (this one: {policy})"
+            )
 
     def _postfix(self, bar, stop: threading.Event) -> None:
         while not stop.wait(1.0):
@@ -274,8 +321,12 @@ class Rollout:
             toks = sum(r["completion_tokens"] for r in recs)
             prompt = sum(r["prompt_tokens"] for r in recs) or 1
             agents_done = len({(r["agent"], r["sample"]) for r in recs if r["round"] == r["rounds"] - 1})
-            bar.set_postfix(agents=agents_done, tok_s=f"{toks / elapsed:.0f}",
-                            hit=f"{sum(r['cached_tokens'] for r in recs) / prompt:.2f}", refresh=False)
+            bar.set_postfix(
+                agents=agents_done,
+                tok_s=f"{toks / elapsed:.0f}",
+                hit=f"{sum(r['cached_tokens'] for r in recs) / prompt:.2f}",
+                refresh=False,
+            )
 
     def _safe_stats(self) -> dict:
         try:
@@ -288,21 +339,32 @@ class Rollout:
         prompt = sum(r["prompt_tokens"] for r in recs)
         gen = sum(r["completion_tokens"] for r in recs)
         nodes = set(after.get("storage_read_bytes", {})) | set(before.get("storage_read_bytes", {}))
-        reads = {n: after.get("storage_read_bytes", {}).get(n, 0) - before.get("storage_read_bytes", {}).get(n, 0)
-                 for n in nodes}
+        reads = {
+            n: after.get("storage_read_bytes", {}).get(n, 0) - before.get("storage_read_bytes", {}).get(n, 0)
+            for n in nodes
+        }
         from dualpath.scheduler.balance import max_over_avg
 
-        return {"agents": n_agents, "agents_run": ran, "group_size": self.cfg.group_size, "rounds": len(recs),
-                "job_completion_time_s": jct,
-                "generated_tokens": gen, "prompt_tokens": prompt,
-                "throughput_tokens_per_s": (gen + prompt - sum(r["cached_tokens"] for r in recs)) / jct if jct else 0,
-                "generated_tokens_per_s": gen / jct if jct else 0.0, "rounds_per_s": len(recs) / jct if jct else 0.0,
-                "hit_rate": sum(r["cached_tokens"] for r in recs) / prompt if prompt else 0.0,
-                "ttft_p50_s": _pct(recs, "ttft", 50), "ttft_p99_s": _pct(recs, "ttft", 99),
-                "tpot_p50_s": _pct(recs, "tpot", 50),
-                "storage_read_bytes_per_node": reads, "storage_read_max_over_avg": max_over_avg(reads.values()),
-                "paths": {p: sum(1 for r in recs if r["path"] == p) for p in sorted({r["path"] for r in recs})},
-                "timeline": self.timeline}
+        return {
+            "agents": n_agents,
+            "agents_run": ran,
+            "group_size": self.cfg.group_size,
+            "rounds": len(recs),
+            "job_completion_time_s": jct,
+            "generated_tokens": gen,
+            "prompt_tokens": prompt,
+            "throughput_tokens_per_s": (gen + prompt - sum(r["cached_tokens"] for r in recs)) / jct if jct else 0,
+            "generated_tokens_per_s": gen / jct if jct else 0.0,
+            "rounds_per_s": len(recs) / jct if jct else 0.0,
+            "hit_rate": sum(r["cached_tokens"] for r in recs) / prompt if prompt else 0.0,
+            "ttft_p50_s": _pct(recs, "ttft", 50),
+            "ttft_p99_s": _pct(recs, "ttft", 99),
+            "tpot_p50_s": _pct(recs, "tpot", 50),
+            "storage_read_bytes_per_node": reads,
+            "storage_read_max_over_avg": max_over_avg(reads.values()),
+            "paths": {p: sum(1 for r in recs if r["path"] == p) for p in sorted({r["path"] for r in recs})},
+            "timeline": self.timeline,
+        }
 
 
 def _pct(recs: list[dict], key: str, q: int) -> float:

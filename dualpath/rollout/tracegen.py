@@ -14,6 +14,7 @@ room for appends), and appends that fill the rest with weights ``(p + 1) x^p`` o
 (p < 0 front-loads), ``p`` solved for so that the mean context matches. ``scale`` multiplies the token counts and
 ``turns_scale`` the number of rounds, for machines smaller than the paper's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ MAX_GEN_SHARE = 0.6
 @dataclass(frozen=True)
 class TraceStats:
     """Per-turn averages (see the module docstring); ``max_len`` bounds every trajectory's final length."""
+
     turns: float
     append: float
     gen: float
@@ -40,8 +42,14 @@ class TraceStats:
 
     def scaled(self, scale: float, turns_scale: float = 1.0) -> "TraceStats":
         tokens = scale * turns_scale  # a trajectory's length: tokens per round x rounds
-        return TraceStats(self.turns * turns_scale, self.append * scale, self.gen * scale, self.context * tokens,
-                          self.total * tokens, self.limit * tokens)
+        return TraceStats(
+            self.turns * turns_scale,
+            self.append * scale,
+            self.gen * scale,
+            self.context * tokens,
+            self.total * tokens,
+            self.limit * tokens,
+        )
 
     @property
     def limit(self) -> float:
@@ -78,6 +86,7 @@ def measure_shapes(shapes: list[list[tuple[int, int]]]) -> TraceStats:
 @dataclass(frozen=True)
 class _Draws:
     """A trace's random draws, flat over every round of every trajectory (``start[i]`` = trajectory i's first)."""
+
     rounds: np.ndarray  # per trajectory
     final: np.ndarray  # per trajectory: the length it should end at
     unit: np.ndarray  # per round: generation size / the mean
@@ -115,7 +124,7 @@ def _gens(d: _Draws, size: float) -> np.ndarray:
 def _appends(d: _Draws, gens: np.ndarray, p: float) -> np.ndarray:
     owner = d.owner
     x = (np.arange(len(owner)) - d.start[owner] + 0.5) / d.rounds[owner]
-    raw = (p + 1) * x ** p * d.noise
+    raw = (p + 1) * x**p * d.noise
     budget = np.maximum(d.rounds, d.final - np.add.reduceat(gens, d.start))
     a = np.maximum(1, np.round(raw * (budget / np.add.reduceat(raw, d.start))[owner])).astype(np.int64)
     over = np.add.reduceat(a, d.start) + np.add.reduceat(gens, d.start) - np.maximum(d.final, 2 * d.rounds)
@@ -129,8 +138,13 @@ def _mean_context(d: _Draws, gens: np.ndarray, appends: np.ndarray) -> float:
     return float((grown - base[d.owner]).mean())
 
 
-def trace_shapes(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
-                 rng: np.random.Generator | int = 0) -> tuple[list[list[tuple[int, int]]], TraceStats]:
+def trace_shapes(
+    preset: str | TraceStats,
+    agents: int,
+    scale: float = 1.0,
+    turns_scale: float = 1.0,
+    rng: np.random.Generator | int = 0,
+) -> tuple[list[list[tuple[int, int]]], TraceStats]:
     """Per agent, its rounds as (appended tokens, generated tokens), matching ``preset`` (a Table 2 name or explicit
     stats); and the (scaled) target. Lengths only: what a simulator needs, at any number of agents."""
     base = PRESETS[preset] if isinstance(preset, str) else preset
@@ -145,18 +159,23 @@ def trace_shapes(preset: str | TraceStats, agents: int, scale: float = 1.0, turn
         else:
             hi = mid
     a, g = _appends(d, gens, (lo + hi) / 2).tolist(), gens.tolist()
-    return [list(zip(a[s:s + n], g[s:s + n])) for s, n in zip(d.start.tolist(), d.rounds.tolist())], target
+    return [list(zip(a[s : s + n], g[s : s + n])) for s, n in zip(d.start.tolist(), d.rounds.tolist())], target
 
 
-def generate_trace(preset: str | TraceStats, agents: int, scale: float = 1.0, turns_scale: float = 1.0,
-                   vocab: tuple[int, int] = (1000, 32000), seed: int = 0) -> tuple[list[Trajectory], TraceStats]:
+def generate_trace(
+    preset: str | TraceStats,
+    agents: int,
+    scale: float = 1.0,
+    turns_scale: float = 1.0,
+    vocab: tuple[int, int] = (1000, 32000),
+    seed: int = 0,
+) -> tuple[list[Trajectory], TraceStats]:
     """``agents`` trajectories matching ``preset`` (a Table 2 name or explicit stats), token ids drawn at random;
     returns them and the (scaled) target."""
     rng = np.random.default_rng(seed)
     shapes, target = trace_shapes(preset, agents, scale, turns_scale, rng)
     trajectories = []
     for i, rounds in enumerate(shapes):
-        rs = tuple(Round(tuple(rng.integers(vocab[0], vocab[1], int(k)).tolist()), generate=int(g))
-                   for k, g in rounds)
+        rs = tuple(Round(tuple(rng.integers(vocab[0], vocab[1], int(k)).tolist()), generate=int(g)) for k, g in rounds)
         trajectories.append(Trajectory(f"agent-{i}", rs))
     return trajectories, target

@@ -10,6 +10,7 @@ then generates: ``generate: N`` forces exactly N tokens (end-of-sequence ignored
 need); ``max_tokens: N`` stops normally (end of sequence) or at N. Round i's prompt is everything before it (all
 earlier appends and generated tokens) plus its own append.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,9 @@ def _round(line: int, i: int, r) -> Round:
         raise TrajectoryError(line, f"{where}: give exactly one of generate (forced) or max_tokens")
     n = gen if gen is not None else mx
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise TrajectoryError(line, f"{where}: {'generate' if gen is not None else 'max_tokens'} must be a "
-                                    "positive integer")
+        raise TrajectoryError(
+            line, f"{where}: {'generate' if gen is not None else 'max_tokens'} must be a positive integer"
+        )
     return Round(append, gen, mx)
 
 

@@ -25,6 +25,7 @@ Paths. Weight updates and adapters load only from under ``--allowed-model-dirs``
 the served model and its ``--lora-modules`` adapters), both sides resolved with ``os.path.realpath`` (``..`` and
 symbolic links followed first); a path elsewhere is a 400 naming that rule, whether or not it exists.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,10 @@ from dualpath.serving.choices import ApiError
 ANONYMOUS = ""  # the owner of every request on a server without inference keys
 ADMIN, LORA = "admin", "lora"  # groups of admin routes; LORA's (adapters) alone are on with vLLM's LoRA variable
 SECRETS = ("api_key", "api_keys", "admin_api_key")  # the frontend's settings no response shows
-GROUP_FLAGS = {ADMIN: "--enable-admin-api (or VLLM_SERVER_DEV_MODE=1)",  # what a disabled route's 403 names
-               LORA: "--enable-admin-api (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)"}
+GROUP_FLAGS = {
+    ADMIN: "--enable-admin-api (or VLLM_SERVER_DEV_MODE=1)",  # what a disabled route's 403 names
+    LORA: "--enable-admin-api (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+}
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,13 @@ def _digest(key: str | bytes) -> bytes:
 class Auth:
     """The one place requests are identified (``caller``) and admin routes gated (``admin``)."""
 
-    def __init__(self, keys: Iterable[str | None], admin_key: str | None = None, admin_groups: Iterable[str] = (),
-                 loopback_only: bool = False):
+    def __init__(
+        self,
+        keys: Iterable[str | None],
+        admin_key: str | None = None,
+        admin_groups: Iterable[str] = (),
+        loopback_only: bool = False,
+    ):
         self._keys = tuple((_digest(k), key_tag(k)) for k in checked_keys(keys, admin_key))
         self._admin = (_digest(admin_key), key_tag(admin_key)) if admin_key else None
         self.groups, self.loopback_only = frozenset(admin_groups), loopback_only
@@ -123,27 +131,41 @@ class Auth:
                 return Caller(matched[0])
         if not self._keys:
             return Caller(ANONYMOUS)
-        raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "invalid_request_error",
-                       None, "invalid_api_key")
+        raise ApiError(
+            401,
+            "missing or invalid API key (send 'Authorization: Bearer <key>')",
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
+        )
 
     def admin(self, request, group: str = ADMIN) -> Caller:
         """The caller of an admin route of ``group``, or the ``ApiError`` that refuses it (see the module's
         docstring)."""
         if group not in self.groups:
-            raise ApiError(403, f"{request.url.path} is an admin route, off unless the server runs with "
-                                f"{GROUP_FLAGS[group]}", code="admin_api_disabled")
+            raise ApiError(
+                403,
+                f"{request.url.path} is an admin route, off unless the server runs with {GROUP_FLAGS[group]}",
+                code="admin_api_disabled",
+            )
         caller = self.caller(request)
         if caller.admin:
             return caller
         if self._admin is None:
             if self.loopback_only and is_loopback(_host_name(request.headers.get("host", ""))):
                 return dataclasses.replace(caller, admin=True)
-            raise ApiError(403, "admin routes need an admin key (--admin-api-key, or DUALPATH_ADMIN_API_KEY) unless "
-                                "the server binds loopback only and is asked by a loopback name",
-                           code="admin_key_required")
+            raise ApiError(
+                403,
+                "admin routes need an admin key (--admin-api-key, or DUALPATH_ADMIN_API_KEY) unless "
+                "the server binds loopback only and is asked by a loopback name",
+                code="admin_key_required",
+            )
         if caller.owner == ANONYMOUS:
-            raise ApiError(401, "missing or invalid admin API key (send 'Authorization: Bearer <admin key>')",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "missing or invalid admin API key (send 'Authorization: Bearer <admin key>')",
+                code="invalid_api_key",
+            )
         raise ApiError(403, "this route needs the admin API key, not an inference key", code="admin_key_required")
 
     def is_admin(self, request, group: str = ADMIN) -> bool:
@@ -154,8 +176,11 @@ class Auth:
 
     def owners(self) -> tuple[str, ...]:
         """Every owner a request may have here (an admin's abort by rid ends each one's of that name)."""
-        return ((ANONYMOUS,) if not self._keys else ()) + tuple(tag for _, tag in self._keys) + \
-            ((self._admin[1],) if self._admin else ())
+        return (
+            ((ANONYMOUS,) if not self._keys else ())
+            + tuple(tag for _, tag in self._keys)
+            + ((self._admin[1],) if self._admin else ())
+        )
 
 
 def _bearer(request) -> bytes | None:
@@ -167,8 +192,10 @@ def _bearer(request) -> bytes | None:
 def allowed_dirs(given: Iterable[str], model_dir: str, adapter_dirs: Iterable[str]) -> tuple[str, ...]:
     """``--allowed-model-dirs`` resolved; none given: the directories holding the model and its adapters (a
     checkpoint beside the served one, as an RL run writes them, loads; one elsewhere does not)."""
-    roots = tuple(given) or (os.path.dirname(os.path.realpath(model_dir)),
-                             *(os.path.dirname(os.path.realpath(d)) for d in adapter_dirs))
+    roots = tuple(given) or (
+        os.path.dirname(os.path.realpath(model_dir)),
+        *(os.path.dirname(os.path.realpath(d)) for d in adapter_dirs),
+    )
     return tuple(dict.fromkeys(os.path.realpath(r) for r in roots))
 
 

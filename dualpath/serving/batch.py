@@ -17,6 +17,7 @@ be sent (not JSON, no ``custom_id``, a duplicate one, another method or url, ``s
 until ``retry_s`` has passed; a cluster whose ``/health`` stays unavailable for ``down_s`` ends the job with an error
 (what finished is in the output, and a rerun resumes) rather than each request waiting out its retries.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -79,11 +80,19 @@ def _parse(number: int, text: str) -> BatchLine:
         return BatchLine(number, None, error=f"line {number}: custom_id (a non-empty string) is required")
     cid, url, body = rec["custom_id"], rec.get("url"), rec.get("body")
     unknown = sorted(set(rec) - {"custom_id", "method", "url", "body"})
-    problem = (f"unknown fields {unknown}" if unknown else
-               "method must be POST" if rec.get("method", "POST") != "POST" else
-               f"url must be one of {', '.join(URLS)}" if url not in URLS else
-               "body must be an object" if not isinstance(body, dict) else
-               "stream is not supported in a batch" if body.get("stream") else "")
+    problem = (
+        f"unknown fields {unknown}"
+        if unknown
+        else "method must be POST"
+        if rec.get("method", "POST") != "POST"
+        else f"url must be one of {', '.join(URLS)}"
+        if url not in URLS
+        else "body must be an object"
+        if not isinstance(body, dict)
+        else "stream is not supported in a batch"
+        if body.get("stream")
+        else ""
+    )
     return BatchLine(number, cid, url, body, problem and f"line {number}: {problem}")
 
 
@@ -102,8 +111,10 @@ def finished(out: Path, lines: list[BatchLine]) -> tuple[set[str], list[str]]:
         if rec.get("response") is None:
             continue
         if rec.get("custom_id") not in sendable:
-            raise DualPathError(f"{out}:{number}: an answer for custom_id {rec.get('custom_id')!r}, which this input "
-                                f"does not send: the output holds another batch's results; use a new output file")
+            raise DualPathError(
+                f"{out}:{number}: an answer for custom_id {rec.get('custom_id')!r}, which this input "
+                f"does not send: the output holds another batch's results; use a new output file"
+            )
         if rec["response"]["status_code"] < 500 and rec["custom_id"] not in done:
             done.add(rec["custom_id"])
             kept.append(text)
@@ -125,11 +136,14 @@ class BatchRun:
         for line in lines:
             queue.put_nowait(line)
         transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)  # a bug answers 500
-        async with httpx.AsyncClient(transport=transport, base_url="http://batch",
-                                     timeout=self.cfg.request_timeout_s) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://batch", timeout=self.cfg.request_timeout_s
+        ) as client:
             with tqdm(total=len(lines), disable=not progress, unit="req", desc="batch", smoothing=0.1) as bar:
-                workers = [asyncio.create_task(self._worker(client, queue, out, bar))
-                           for _ in range(min(self.cfg.max_concurrency, len(lines)) or 1)]
+                workers = [
+                    asyncio.create_task(self._worker(client, queue, out, bar))
+                    for _ in range(min(self.cfg.max_concurrency, len(lines)) or 1)
+                ]
                 try:
                     await asyncio.gather(*workers)
                 finally:  # one worker's error ends the others (their requests are cancelled as clients that left)
@@ -144,16 +158,24 @@ class BatchRun:
             out.write(json.dumps(rec) + "\n")
             out.flush()
             bar.update(1)
-            bar.set_postfix(ok=self.counts["succeeded"], failed=self.counts["failed"],
-                            tok_s=f"{self.counts['completion_tokens'] / (time.perf_counter() - self.start):.0f}",
-                            refresh=False)
+            bar.set_postfix(
+                ok=self.counts["succeeded"],
+                failed=self.counts["failed"],
+                tok_s=f"{self.counts['completion_tokens'] / (time.perf_counter() - self.start):.0f}",
+                refresh=False,
+            )
 
     async def _result(self, client, line: BatchLine) -> dict[str, Any]:
         rid = f"batch_req_{uuid.uuid4().hex}"
         if line.error:
             self.counts["failed"] += 1
-            return {"id": rid, "custom_id": line.custom_id, "line": line.number, "response": None,
-                    "error": {"code": "invalid_request", "message": line.error}}
+            return {
+                "id": rid,
+                "custom_id": line.custom_id,
+                "line": line.number,
+                "response": None,
+                "error": {"code": "invalid_request", "message": line.error},
+            }
         deadline = time.monotonic() + self.cfg.retry_s
         while True:
             r = await client.post(line.url, json=line.body)
@@ -167,9 +189,13 @@ class BatchRun:
         except ValueError:
             body = {"error": {"message": r.text, "type": "server_error", "param": None, "code": None}}
         self._count(r.status_code, body)
-        return {"id": rid, "custom_id": line.custom_id, "line": line.number,
-                "response": {"status_code": r.status_code, "request_id": body.get("id", rid), "body": body},
-                "error": None}
+        return {
+            "id": rid,
+            "custom_id": line.custom_id,
+            "line": line.number,
+            "response": {"status_code": r.status_code, "request_id": body.get("id", rid), "body": body},
+            "error": None,
+        }
 
     async def _check_up(self, client, refused) -> None:
         """Raise once the cluster has been unavailable for ``down_s`` (an overloaded one is up: its /health is ok)."""
@@ -179,9 +205,11 @@ class BatchRun:
         now = time.monotonic()
         self.down_since = self.down_since or now
         if now - self.down_since >= self.cfg.down_s:
-            raise DualPathError(f"the cluster has been unavailable for {now - self.down_since:.0f} s (last answer: "
-                                f"{refused.text[:200]}); the results so far are in the output, and running the job "
-                                f"again resumes")
+            raise DualPathError(
+                f"the cluster has been unavailable for {now - self.down_since:.0f} s (last answer: "
+                f"{refused.text[:200]}); the results so far are in the output, and running the job "
+                f"again resumes"
+            )
 
     def _count(self, status: int, body: dict) -> None:
         self.counts["succeeded" if status == 200 else "failed"] += 1
@@ -190,8 +218,9 @@ class BatchRun:
         self.counts["completion_tokens"] += usage.get("completion_tokens", usage.get("output_tokens", 0))
 
 
-def run_batch(app, input_path: str | Path, out_path: str | Path, cfg: BatchConfig = BatchConfig(),
-              progress: bool = True) -> dict:
+def run_batch(
+    app, input_path: str | Path, out_path: str | Path, cfg: BatchConfig = BatchConfig(), progress: bool = True
+) -> dict:
     """Run every input line not already answered in ``out_path``; the job's summary."""
     lines, out_path = read_batch(input_path), Path(out_path)
     if not lines:
@@ -204,9 +233,14 @@ def run_batch(app, input_path: str | Path, out_path: str | Path, cfg: BatchConfi
     with open(out_path, "a") as out:
         asyncio.run(job.run(todo, out, progress))
     elapsed = time.perf_counter() - start
-    return {"lines": len(lines), "already_done": len(lines) - len(todo), "run": len(todo), **job.counts,
-            "elapsed_s": elapsed,
-            "completion_tokens_per_s": job.counts["completion_tokens"] / elapsed if elapsed else 0.0}
+    return {
+        "lines": len(lines),
+        "already_done": len(lines) - len(todo),
+        "run": len(todo),
+        **job.counts,
+        "elapsed_s": elapsed,
+        "completion_tokens_per_s": job.counts["completion_tokens"] / elapsed if elapsed else 0.0,
+    }
 
 
 def batch_main(args) -> int:
@@ -230,11 +264,25 @@ def batch_main(args) -> int:
             cluster, model_dir, max_len = cluster_from_args(args)
             scheduler = cluster.scheduler_address
         names = served_names(args, model_dir)
-        frontend = Frontend(FrontendConfig(names[0], model_dir, scheduler, max_len, model_aliases=names[1:],
-                                           default_max_tokens=args.default_max_tokens,
-                                           max_stored_responses=0, **options))
-        summary = run_batch(frontend.app, args.input, args.output, BatchConfig(max_concurrency=args.max_concurrency),
-                            progress=not args.no_progress)
+        frontend = Frontend(
+            FrontendConfig(
+                names[0],
+                model_dir,
+                scheduler,
+                max_len,
+                model_aliases=names[1:],
+                default_max_tokens=args.default_max_tokens,
+                max_stored_responses=0,
+                **options,
+            )
+        )
+        summary = run_batch(
+            frontend.app,
+            args.input,
+            args.output,
+            BatchConfig(max_concurrency=args.max_concurrency),
+            progress=not args.no_progress,
+        )
         frontend.client.close()
     finally:
         if cluster is not None:

@@ -14,6 +14,7 @@ The time limit is checked between the Python lines the rendering runs (Jinja com
 runaway template stops within one line's time; a single C call (tokenizing, one huge string operation) runs to its
 end, which the size bound keeps short.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -3,6 +3,7 @@ to each choice's queue (``Fanout``), each choice is a generation the frontend it
 (``Generation``), a response merges them as they come (``merge``) or drains each (``drain``), and ``best_of``
 keeps the best of them (``best``). The items a generation yields: ``(text delta, token ids, logprob)`` per token,
 ``PromptLogprobs`` when the prompt's arrive, then its ``Outcome``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,15 @@ from dualpath.serving.protocol import error_body
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.type, self.param, self.code, self.headers = status, type_, param, code, headers or {}
 

@@ -15,6 +15,7 @@ can hit new ones.
 SGLang's ``/flush_cache`` and vLLM's ``/reset_prefix_cache`` empty the prefix cache, which here is the KV store:
 every stored block of the served weights is removed (a benchmark's cold start), refused while requests run.
 """
+
 from __future__ import annotations
 
 from dualpath.core.messages import HoldReply
@@ -34,20 +35,28 @@ class Control:
     async def _hold(self, on: bool, abort: bool = False, wait_s: float = 0.0) -> HoldReply:
         return await ask_scheduler(self.front.client.hold, on, abort, wait_s)
 
-    async def pause(self, mode: str = "abort", wait_for_inflight_requests: bool = False,
-                    timeout: float = PAUSE_WAIT_S) -> dict:
+    async def pause(
+        self, mode: str = "abort", wait_for_inflight_requests: bool = False, timeout: float = PAUSE_WAIT_S
+    ) -> dict:
         """vLLM's: ``wait_for_inflight_requests`` (deprecated there) means mode "wait"; ``timeout`` bounds that
         wait (a 504 once it runs out, the cluster staying paused)."""
         mode = "wait" if wait_for_inflight_requests else mode
         if mode not in ("abort", "wait"):
-            raise ApiError(400, f"mode {mode!r} {FROZEN}" if mode == "keep" else
-                           f"mode must be 'abort' or 'wait', not {mode!r}", param="mode")
+            raise ApiError(
+                400,
+                f"mode {mode!r} {FROZEN}" if mode == "keep" else f"mode must be 'abort' or 'wait', not {mode!r}",
+                param="mode",
+            )
         if not 0 < timeout <= MAX_WAIT_S:
             raise ApiError(400, f"timeout must be a number of seconds in (0, {MAX_WAIT_S:g}]", param="timeout")
         reply = await self._hold(True, mode == "abort", timeout if mode == "wait" else 0.0)
         if not reply.drained and mode == "wait":
-            raise ApiError(504, f"requests sent before the pause still ran after {timeout:g} s; generation stays "
-                                "paused (POST /resume goes on, /pause?mode=abort ends them)", "server_error")
+            raise ApiError(
+                504,
+                f"requests sent before the pause still ran after {timeout:g} s; generation stays "
+                "paused (POST /resume goes on, /pause?mode=abort ends them)",
+                "server_error",
+            )
         return {"status": "paused", "num_aborted_requests": reply.aborted}
 
     async def pause_generation(self, req: PauseGenerationRequest) -> dict:

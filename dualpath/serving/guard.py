@@ -9,6 +9,7 @@ POST`` sends): anything else is a 415 before the route runs. A web page can send
 form POST without asking the server first, never a JSON one (that needs a CORS preflight, which this server does not
 grant), so no page another site serves can make this server act.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,6 +49,7 @@ class BodyGuard:
             if seen > self.max_bytes:
                 raise _too_large(self.max_bytes)
             return message
+
         return bounded
 
 
@@ -70,8 +72,9 @@ def _refusal(method: str, headers: Headers, max_bytes: int) -> ApiError | None:
     bodiless = int(length or 0) == 0 and "transfer-encoding" not in headers
     if not media and bodiless and "origin" not in headers:
         return None
-    return ApiError(415, f"a {method} request's body must be JSON (Content-Type: {JSON})",
-                    code="unsupported_media_type")
+    return ApiError(
+        415, f"a {method} request's body must be JSON (Content-Type: {JSON})", code="unsupported_media_type"
+    )
 
 
 class Admission:
@@ -87,12 +90,20 @@ class Admission:
     def take(self, owner: str, n: int) -> None:
         with self._lock:
             if self.total + n > self.limit:
-                raise ApiError(429, "too many requests in flight; retry shortly", "rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
+                raise ApiError(
+                    429,
+                    "too many requests in flight; retry shortly",
+                    "rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
             if owner and self.by_owner[owner] + n > self.per_key:
-                raise ApiError(429, f"this API key has {self.by_owner[owner]} generations in flight, and may have "
-                                    f"{self.per_key} (--max-concurrent-requests-per-key); retry shortly",
-                               "rate_limit_exceeded", headers={"Retry-After": "1"})
+                raise ApiError(
+                    429,
+                    f"this API key has {self.by_owner[owner]} generations in flight, and may have "
+                    f"{self.per_key} (--max-concurrent-requests-per-key); retry shortly",
+                    "rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
             self.total += n
             self.by_owner[owner] += n
 

@@ -8,6 +8,7 @@ and answered in SGLang's shape: per choice ``text``, ``output_ids`` and ``meta_i
 object; a batch or ``n`` > 1 a list, prompt after prompt, a prompt's choices together. Streamed, each event carries
 a choice's whole text and ids so far (SGLang's default, cumulative) and its ``index``; ``[DONE]`` ends the stream.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,30 @@ from dualpath.serving.choices import ApiError, Outcome, PromptLogprobs, merge
 from dualpath.serving.protocol import CompletionRequest, error_body, parse
 
 # SGLang's sampling_params keys -> the completions request's fields (those not listed are named alike)
-RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
-           "sampling_seed": "seed", "json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
-ALIKE = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-         "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "logit_bias"}
+RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",
+    "json_schema": "guided_json",
+    "regex": "guided_regex",
+    "ebnf": "guided_grammar",
+}
+ALIKE = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "logit_bias",
+}
 IGNORED = {"spaces_between_special_tokens"}  # what fast tokenizers do anyway (as on the completions endpoint)
 
 
@@ -63,16 +84,24 @@ class NativeApi:
             prompts, samplings = await off_loop(self.front._prepared, comp, "completions")
             single = comp.n == 1 and (isinstance(req.text, str) or isinstance((req.input_ids or [[]])[0], int))
             answer = _Answers(self.front.tokenizer, req, comp, prompts, samplings, time.perf_counter())
-            gens = await self.front._start(comp, prompts, samplings, answer.given_rids,  # from here on they close
-                                           label=request.state.request_id, owner=owner)
+            gens = await self.front._start(
+                comp,
+                prompts,
+                samplings,
+                answer.given_rids,  # from here on they close
+                label=request.state.request_id,
+                owner=owner,
+            )
             if req.stream:
                 return StreamingResponse(answer.events(gens), media_type="text/event-stream")
             got = await self.front.gather(request, gens)
             if got is None:
                 return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
             texts, lps, ids, outcomes = got
-            outs = [answer.one(i, "".join(t), lp, tid, o) for i, (t, lp, tid, o) in
-                    enumerate(zip(texts, lps, ids, outcomes))]
+            outs = [
+                answer.one(i, "".join(t), lp, tid, o)
+                for i, (t, lp, tid, o) in enumerate(zip(texts, lps, ids, outcomes))
+            ]
             return JSONResponse(outs[0] if single else outs)
         except ApiError as e:
             status = e.status
@@ -97,18 +126,25 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
     """The completions request that asks for the same (``RequestError`` naming SGLang's field otherwise)."""
     if (req.text is None) == (req.input_ids is None) or req.input_ids == []:
         raise RequestError("give either text or input_ids (not empty)", field="text")
-    n_prompts = len(req.text) if isinstance(req.text, list) else \
-        len(req.input_ids) if req.input_ids and isinstance(req.input_ids[0], list) else 1
+    n_prompts = (
+        len(req.text)
+        if isinstance(req.text, list)
+        else len(req.input_ids)
+        if req.input_ids and isinstance(req.input_ids[0], list)
+        else 1
+    )
     if isinstance(req.rid, list) and len(req.rid) != n_prompts:
         raise RequestError(f"rid: {len(req.rid)} ids for {n_prompts} prompts", field="rid")
     if req.logprob_start_len < -1:
-        raise RequestError("logprob_start_len: -1 (the output's logprobs only) or a prompt position",
-                           field="logprob_start_len")
+        raise RequestError(
+            "logprob_start_len: -1 (the output's logprobs only) or a prompt position", field="logprob_start_len"
+        )
     sp = req.sampling_params or {}
     if isinstance(sp, list):
         if any(x != sp[0] for x in sp) or not sp:
-            raise RequestError("sampling_params: one set for every prompt (a list must repeat one)",
-                               field="sampling_params")
+            raise RequestError(
+                "sampling_params: one set for every prompt (a list must repeat one)", field="sampling_params"
+            )
         sp = sp[0]
     unknown = sorted(set(sp) - set(RENAMED) - ALIKE - IGNORED)
     if unknown:
@@ -122,10 +158,14 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
             fields["guided_json"] = json.loads(fields["guided_json"])
         except ValueError as e:
             raise RequestError(f"sampling_params.json_schema: not JSON ({e})", field="sampling_params") from None
-    body = {"model": model, "prompt": req.text if req.text is not None else req.input_ids, **fields,
-            "logprobs": req.top_logprobs_num if req.return_logprob else None,
-            "prompt_logprobs": req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None,
-            "priority": -(req.priority or 0)}
+    body = {
+        "model": model,
+        "prompt": req.text if req.text is not None else req.input_ids,
+        **fields,
+        "logprobs": req.top_logprobs_num if req.return_logprob else None,
+        "prompt_logprobs": req.top_logprobs_num if req.return_logprob and req.logprob_start_len >= 0 else None,
+        "priority": -(req.priority or 0),
+    }
     try:
         return parse(CompletionRequest, json.dumps(body).encode())
     except RequestError as e:
@@ -156,10 +196,13 @@ class _Answers:
 
     def one(self, i: int, text: str, lps: list, ids: list[int], outcome: Outcome | None) -> dict:
         p = i // self.comp.n
-        meta = {"id": self.rids[p] if self.comp.n == 1 else f"{self.rids[p]}-{i % self.comp.n}",
-                "prompt_tokens": len(self.prompts[p].ids), "completion_tokens": len(ids),
-                "e2e_latency": round(time.perf_counter() - self.start, 6),
-                "finish_reason": self._finish(outcome, ids, text, self.samplings[p]) if outcome else None}
+        meta = {
+            "id": self.rids[p] if self.comp.n == 1 else f"{self.rids[p]}-{i % self.comp.n}",
+            "prompt_tokens": len(self.prompts[p].ids),
+            "completion_tokens": len(ids),
+            "e2e_latency": round(time.perf_counter() - self.start, 6),
+            "finish_reason": self._finish(outcome, ids, text, self.samplings[p]) if outcome else None,
+        }
         if outcome is not None:
             meta["cached_tokens"] = outcome.cached_tokens
         if self.req.return_logprob:
@@ -167,11 +210,14 @@ class _Answers:
             meta["output_top_logprobs"] = [[[v, t, self._text(t)] for t, v in lp["top"]] for lp in lps]
         if outcome is not None and outcome.prompt_logprobs is not None:  # logprob_start_len >= 0
             first = {"token_id": self.prompts[p].ids[0], "logprob": None, "top": ()}  # nothing precedes it
-            given = ([first] + outcome.prompt_logprobs)[self.req.logprob_start_len:]
-            meta["input_token_logprobs"] = [[lp["logprob"], lp["token_id"], self._text(lp["token_id"])]
-                                            for lp in given]
-            meta["input_top_logprobs"] = [[[v, t, self._text(t)] for t, v in lp["top"][:self.req.top_logprobs_num]]
-                                          if lp["logprob"] is not None else None for lp in given]
+            given = ([first] + outcome.prompt_logprobs)[self.req.logprob_start_len :]
+            meta["input_token_logprobs"] = [[lp["logprob"], lp["token_id"], self._text(lp["token_id"])] for lp in given]
+            meta["input_top_logprobs"] = [
+                [[v, t, self._text(t)] for t, v in lp["top"][: self.req.top_logprobs_num]]
+                if lp["logprob"] is not None
+                else None
+                for lp in given
+            ]
         return {"text": text, "output_ids": list(ids), "meta_info": meta, "index": i}
 
     def _text(self, token: int) -> str | None:
@@ -186,7 +232,7 @@ class _Answers:
             return {"type": "abort", "message": "aborted (/abort_request, or a weight update's abort_all_requests)"}
         whole = self.tok.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
         for s in sampling.stop:
-            if s in whole[max(0, len(text) - len(s)):]:
+            if s in whole[max(0, len(text) - len(s)) :]:
                 return {"type": "stop", "matched": s}
         return {"type": "stop", "matched": ids[-1] if ids else None}
 

@@ -13,6 +13,7 @@ format. Who may call what (keys, owners, the admin routes, the directories weigh
 ``dualpath.serving.auth``; what one request or key may take (its body, its generation slots):
 ``dualpath.serving.guard``; tokenizing and chat rendering, bounded and off the event loop: ``dualpath.serving.bounded``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,7 @@ from dualpath.core.metrics import CONTENT_TYPE, Metrics
 from dualpath.core.sampling_params import SamplingParams, model_defaults
 from dualpath.core import structured
 from dualpath.core.structured import choice_pattern
-from dualpath.serving.choices import (ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain,
-                                      merge)
+from dualpath.serving.choices import ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, best, drain, merge
 from dualpath.serving.auth import ADMIN, ANONYMOUS, LORA, Auth, allowed_dirs, confined, is_loopback, owned_label
 from dualpath.serving.bounded import CHARS_PER_TOKEN, RenderTimeout, off_loop, within
 from dualpath.serving.native import NativeApi
@@ -48,13 +48,32 @@ from dualpath.serving.control import PAUSE_WAIT_S, Control
 from dualpath.serving.guard import Admission, BodyGuard
 from dualpath.serving.probes import Probes, ask_scheduler
 from dualpath.serving.request_ids import RequestIds
-from dualpath.serving.protocol import (AbortRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                       LoadLoraRequest, PauseGenerationRequest, TokenizeRequest, UnloadLoraRequest,
-                                       UpdateWeightsRequest, error_body, parse)
+from dualpath.serving.protocol import (
+    AbortRequest,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraRequest,
+    PauseGenerationRequest,
+    TokenizeRequest,
+    UnloadLoraRequest,
+    UpdateWeightsRequest,
+    error_body,
+    parse,
+)
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
 from dualpath.serving.response_store import DirectoryResponses, MemoryResponses
-from dualpath.serving.responses import (ResponseCall, ResponsesRequest, event_stream, exchange_starts, input_items,
-                                        item_page, remap_param, to_chat, without_exchanges)
+from dualpath.serving.responses import (
+    ResponseCall,
+    ResponsesRequest,
+    event_stream,
+    exchange_starts,
+    input_items,
+    item_page,
+    remap_param,
+    to_chat,
+    without_exchanges,
+)
 from dualpath.serving.tools import ToolCallSplitter, structural_shape, tool_markup
 from dualpath.serving.watch import AccessLog, current_access, scheduler_stats
 from dualpath.core.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer, stop_cut
@@ -108,46 +127,65 @@ class Frontend:
         if cfg.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(cfg.chat_template)
         self.tool_markup = tool_markup(self.tokenizer.chat_template, cfg.tool_call_parser)
-        self.reasons = cfg.reasoning_parser == "think" or (cfg.reasoning_parser == "auto" and
-                                                           knows_thinking(self.tokenizer.chat_template))
+        self.reasons = cfg.reasoning_parser == "think" or (
+            cfg.reasoning_parser == "auto" and knows_thinking(self.tokenizer.chat_template)
+        )
         self.defaults = model_defaults(cfg.generation_config, cfg.model_dir)  # for the fields a request leaves out
         self.adapters = adapter_table(cfg.lora_modules, (cfg.model_name, *cfg.model_aliases))  # name -> identity
         self.adapter_dirs = {m.name: m.path for m in cfg.lora_modules}  # name -> PEFT directory (``/v1/models``)
         if self.defaults:
-            log.info("sampling defaults from the model's generation config (--generation-config vllm: none): %s",
-                     self.defaults)
+            log.info(
+                "sampling defaults from the model's generation config (--generation-config vllm: none): %s",
+                self.defaults,
+            )
         self.created = int(time.time())
-        self.auth = Auth((cfg.api_key, *cfg.api_keys), cfg.admin_api_key,
-                         {ADMIN, LORA} if cfg.enable_admin_api else {LORA} if cfg.runtime_lora_updating else (),
-                         is_loopback(cfg.bind_host))
-        self.admission = Admission(cfg.max_concurrent_requests, cfg.max_concurrent_requests_per_key or (
-            cfg.max_concurrent_requests // 2 if self.auth.inference_keys > 1 else cfg.max_concurrent_requests))
+        self.auth = Auth(
+            (cfg.api_key, *cfg.api_keys),
+            cfg.admin_api_key,
+            {ADMIN, LORA} if cfg.enable_admin_api else {LORA} if cfg.runtime_lora_updating else (),
+            is_loopback(cfg.bind_host),
+        )
+        self.admission = Admission(
+            cfg.max_concurrent_requests,
+            cfg.max_concurrent_requests_per_key
+            or (cfg.max_concurrent_requests // 2 if self.auth.inference_keys > 1 else cfg.max_concurrent_requests),
+        )
         self.model_dirs = allowed_dirs(cfg.allowed_model_dirs, cfg.model_dir, (m.path for m in cfg.lora_modules))
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()  # grammars known to compile, request templates (``_kept``)
         m = self.metrics = Metrics()
-        self.m_requests = m.counter("http_requests_total", "HTTP requests by endpoint and status",
-                                    ["endpoint", "status"])
+        self.m_requests = m.counter(
+            "http_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"]
+        )
         self.m_prompt = m.counter("prompt_tokens_total", "Prompt tokens of finished requests")
-        self.m_lora = m.counter("lora_requests_total", "Generation requests by the LoRA adapter they name",
-                                ["adapter"])
+        self.m_lora = m.counter("lora_requests_total", "Generation requests by the LoRA adapter they name", ["adapter"])
         self.m_completion = m.counter("completion_tokens_total", "Generated tokens")
-        self.m_cached = m.counter("cached_tokens_total", "Prompt tokens whose KV came from storage, by read path",
-                                  ["path"])
-        self.m_kv_bytes = m.counter("kv_bytes_loaded_total", "KV bytes read from storage for requests, by read path",
-                                    ["path"])
+        self.m_cached = m.counter(
+            "cached_tokens_total", "Prompt tokens whose KV came from storage, by read path", ["path"]
+        )
+        self.m_kv_bytes = m.counter(
+            "kv_bytes_loaded_total", "KV bytes read from storage for requests, by read path", ["path"]
+        )
         self.m_ttft = m.histogram("time_to_first_token_seconds", "Time to first token")
-        self.m_tpot = m.histogram("time_per_output_token_seconds", "Time per output token after the first",
-                                  buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
-        self.m_e2e = m.histogram("e2e_request_latency_seconds", "Time from a choice's arrival to its last token",
-                                 buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0))
-        self.m_finished = m.counter("requests_finished_total", "Choices generated to their end, by why they ended",
-                                    ["finish_reason"])
+        self.m_tpot = m.histogram(
+            "time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+        )
+        self.m_e2e = m.histogram(
+            "e2e_request_latency_seconds",
+            "Time from a choice's arrival to its last token",
+            buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
+        )
+        self.m_finished = m.counter(
+            "requests_finished_total", "Choices generated to their end, by why they ended", ["finish_reason"]
+        )
         self.m_inflight = m.gauge("requests_in_flight", "Requests being generated")
         self.m_cancelled = m.counter("requests_cancelled_total", "Requests cancelled because the client left")
         self.m_aborted = m.counter("requests_aborted_total", "Requests ended by /abort_request")
-        self.m_migrations = m.counter("request_migrations_total", "Replies moved to other decode engines after "
-                                      "theirs died while generating them")
+        self.m_migrations = m.counter(
+            "request_migrations_total", "Replies moved to other decode engines after theirs died while generating them"
+        )
         self.client.on_migration = lambda _rid: self.m_migrations.inc()
         self.m_inflight.set_function(lambda: self.in_flight)  # read at each scrape
         m.register(StatsCollector(partial(scheduler_stats, self.client)))  # the scheduler's, engines' and KV's series
@@ -179,8 +217,9 @@ class Frontend:
         async def query_error(request: Request, exc: RequestValidationError):  # a query parameter of a GET
             where = next(iter(exc.errors()), {})
             name = str(where.get("loc", ("", ""))[-1])
-            return JSONResponse(error_body(f"{name}: {where.get('msg', 'invalid')}", "invalid_request_error", name,
-                                           None), 400)
+            return JSONResponse(
+                error_body(f"{name}: {where.get('msg', 'invalid')}", "invalid_request_error", name, None), 400
+            )
 
         @app.get("/health")
         async def health():
@@ -224,8 +263,10 @@ class Frontend:
         @app.get("/v1/models")
         async def models(request: Request):
             self.auth.caller(request)
-            return {"object": "list", "data": [self._model_card(n) for n in (self.cfg.model_name,
-                                                                             *self.cfg.model_aliases, *self.adapters)]}
+            return {
+                "object": "list",
+                "data": [self._model_card(n) for n in (self.cfg.model_name, *self.cfg.model_aliases, *self.adapters)],
+            }
 
         @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; a name may hold slashes ("Qwen/Qwen2.5-7B")
         async def model(name: str, request: Request):
@@ -250,8 +291,14 @@ class Frontend:
             return JSONResponse((await self._stored(rid, self.auth.caller(request).owner))[0])
 
         @app.get("/v1/responses/{rid}/input_items")
-        async def response_input_items(rid: str, request: Request, limit: int = 20, order: str = "desc",
-                                       after: str | None = None, before: str | None = None):
+        async def response_input_items(
+            rid: str,
+            request: Request,
+            limit: int = 20,
+            order: str = "desc",
+            after: str | None = None,
+            before: str | None = None,
+        ):
             entry = await self._stored(rid, self.auth.caller(request).owner)
             return JSONResponse(item_page(entry[2], limit, order, after, before))
 
@@ -284,16 +331,24 @@ class Frontend:
             return await self._utility(request, "update_weights", UpdateWeightsRequest, self._update_weights, ADMIN)
 
         for prefix in ("/v1", ""):  # vLLM's paths, and SGLang's
-            app.post(f"{prefix}/load_lora_adapter")(self._adapter_endpoint("load_lora_adapter", LoadLoraRequest,
-                                                                           self._load_adapter))
-            app.post(f"{prefix}/unload_lora_adapter")(self._adapter_endpoint("unload_lora_adapter", UnloadLoraRequest,
-                                                                             self._unload_adapter))
+            app.post(f"{prefix}/load_lora_adapter")(
+                self._adapter_endpoint("load_lora_adapter", LoadLoraRequest, self._load_adapter)
+            )
+            app.post(f"{prefix}/unload_lora_adapter")(
+                self._adapter_endpoint("unload_lora_adapter", UnloadLoraRequest, self._unload_adapter)
+            )
 
         @app.post("/pause")  # vLLM's
-        async def pause(request: Request, mode: str = "abort", wait_for_inflight_requests: bool = False,
-                        clear_cache: bool = True, timeout: float = PAUSE_WAIT_S):  # clear_cache: nothing to clear
-            return await self._control(request, "pause", self.control.pause(mode, wait_for_inflight_requests, timeout),
-                                       ADMIN)
+        async def pause(
+            request: Request,
+            mode: str = "abort",
+            wait_for_inflight_requests: bool = False,
+            clear_cache: bool = True,
+            timeout: float = PAUSE_WAIT_S,
+        ):  # clear_cache: nothing to clear
+            return await self._control(
+                request, "pause", self.control.pause(mode, wait_for_inflight_requests, timeout), ADMIN
+            )
 
         @app.post("/resume")
         async def resume(request: Request):
@@ -305,8 +360,9 @@ class Frontend:
 
         @app.post("/pause_generation")  # SGLang's
         async def pause_generation(request: Request):
-            return await self._utility(request, "pause_generation", PauseGenerationRequest,
-                                       self.control.pause_generation, ADMIN)
+            return await self._utility(
+                request, "pause_generation", PauseGenerationRequest, self.control.pause_generation, ADMIN
+            )
 
         @app.post("/continue_generation")
         async def continue_generation(request: Request):
@@ -349,6 +405,7 @@ class Frontend:
     async def _utility(self, request: Request, name: str, model_cls, answer, admin: str | None = None) -> JSONResponse:
         """One with a body (vLLM's /tokenize and /detokenize, SGLang's weight update): ``answer(req)`` gives a JSON
         body, or (awaited) a response. The body is read once the caller passed (``_control``)."""
+
         async def parsed_and_answered():
             try:
                 req = parse(model_cls, await request.body() or b"{}")  # no body: every field's default
@@ -369,6 +426,7 @@ class Frontend:
                 return self._encode(req.prompt, "prompt", req.add_special_tokens)
             except RequestError as e:
                 raise ApiError(400, str(e), param=e.field) from None
+
         ids = await off_loop(tokenized)
         return {"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids}
 
@@ -387,19 +445,29 @@ class Frontend:
         others)."""
         path = confined(req.model_path, self.model_dirs, "model_path")
         try:
-            reply = await asyncio.to_thread(self.client.update_weights, path, req.weight_version or "",
-                                            req.timeout, req.abort_all_requests)
+            reply = await asyncio.to_thread(
+                self.client.update_weights, path, req.weight_version or "", req.timeout, req.abort_all_requests
+            )
         except DualPathError as e:
             raise ApiError(503, f"the scheduler did not answer the update: {e}") from None
         status = 200 if reply.ok else 500 if reply.fingerprint else 400
-        return JSONResponse({"success": reply.ok, "message": reply.error or "weights updated",
-                             "weight_version": reply.version, "fingerprint": reply.fingerprint,
-                             "engines": reply.engines, "num_aborted_requests": reply.aborted,
-                             "seconds": round(reply.seconds, 3)}, status)
+        return JSONResponse(
+            {
+                "success": reply.ok,
+                "message": reply.error or "weights updated",
+                "weight_version": reply.version,
+                "fingerprint": reply.fingerprint,
+                "engines": reply.engines,
+                "num_aborted_requests": reply.aborted,
+                "seconds": round(reply.seconds, 3),
+            },
+            status,
+        )
 
     def _adapter_endpoint(self, name: str, model_cls, answer):
         async def endpoint(request: Request):
             return await self._utility(request, name, model_cls, answer, LORA)
+
         return endpoint
 
     async def _load_adapter(self, req: LoadLoraRequest) -> JSONResponse:
@@ -422,23 +490,32 @@ class Frontend:
             raise ApiError(500, reply.error or f"the engines read other bytes of {path} than this frontend")
         self.adapters[req.lora_name], self.adapter_dirs[req.lora_name] = digest, req.lora_path
         log.info("serving LoRA adapter %s (%s) on %d engines", req.lora_name, path, reply.engines)
-        return JSONResponse({"success": True,
-                             "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."})
+        return JSONResponse(
+            {"success": True, "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."}
+        )
 
     def _unload_adapter(self, req: UnloadLoraRequest) -> JSONResponse:
         """Requests may no longer name the adapter (those running under it finish); the engines keep its weights
         until they stop, so a request already queued under it still runs."""
         if req.lora_name not in self.adapters:
-            raise ApiError(404, f"the LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"the LoRA adapter {req.lora_name!r} cannot be found", param="lora_name", code="model_not_found"
+            )
         del self.adapters[req.lora_name], self.adapter_dirs[req.lora_name]
-        return JSONResponse({"success": True,
-                             "message": f"Success: LoRA adapter '{req.lora_name}' removed successfully."})
+        return JSONResponse(
+            {"success": True, "message": f"Success: LoRA adapter '{req.lora_name}' removed successfully."}
+        )
 
     def _model_card(self, name: str) -> dict:
-        card = {"id": name, "object": "model", "created": self.created, "owned_by": "dualpath",
-                "root": self.cfg.model_dir,  # vLLM's: what each served name is
-                "parent": None, "max_model_len": self.cfg.max_model_len}  # which clients size prompts by
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dualpath",
+            "root": self.cfg.model_dir,  # vLLM's: what each served name is
+            "parent": None,
+            "max_model_len": self.cfg.max_model_len,
+        }  # which clients size prompts by
         if name in self.adapter_dirs:  # vLLM's card of a LoRA adapter: its directory, and the model it adapts
             card.update(root=self.adapter_dirs[name], parent=self.cfg.model_name)
         return card
@@ -446,8 +523,12 @@ class Frontend:
     def _check_model(self, name: str) -> None:
         if name != self.cfg.model_name and name not in self.cfg.model_aliases and name not in self.adapters:
             names = " or ".join(repr(n) for n in (self.cfg.model_name, *self.cfg.model_aliases, *self.adapters))
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {names}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves {names}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _reply_model(self, req) -> str:
         """The ``model`` a reply names: the adapter asked for (as vLLM names it), else the first served name."""
@@ -460,8 +541,9 @@ class Frontend:
             owner = self.auth.caller(request).owner
             body = await request.body()
             try:
-                req = parse({"chat": ChatRequest, "completions": CompletionRequest,
-                             "responses": ResponsesRequest}[kind], body)
+                req = parse(
+                    {"chat": ChatRequest, "completions": CompletionRequest, "responses": ResponsesRequest}[kind], body
+                )
                 self._check_model(req.model)
                 if kind == "responses":
                     history = await self._history(req.previous_response_id, owner)
@@ -477,8 +559,9 @@ class Frontend:
             keep = partial(self._respond, owner=owner)
             if req.stream:
                 chunks = self._chunks(gens, req, chat_kind, prompts, rid)
-                events = self._sse(chunks) if call is None else \
-                    event_stream(call, chunks, self.client.block_size(), keep)
+                events = (
+                    self._sse(chunks) if call is None else event_stream(call, chunks, self.client.block_size(), keep)
+                )
                 return StreamingResponse(events, media_type="text/event-stream")
             answer = await self._collect(request, gens, req, chat_kind, prompts, rid)
             if answer is None:
@@ -499,8 +582,12 @@ class Frontend:
         entry = await asyncio.to_thread(self.responses.get, rid, owner)  # a file, maybe on a network filesystem
         if entry is None:
             whose = "" if owner == ANONYMOUS else ", each for the API key that stored it"
-            raise ApiError(404, f"no stored response with id {rid!r} (kept: the last {self.cfg.max_stored_responses} "
-                                f"with store true{whose})", code="not_found")
+            raise ApiError(
+                404,
+                f"no stored response with id {rid!r} (kept: the last {self.cfg.max_stored_responses} "
+                f"with store true{whose})",
+                code="not_found",
+            )
         return entry
 
     def _fitted(self, call: ResponseCall) -> ChatRequest:
@@ -535,12 +622,20 @@ class Frontend:
 
     async def _respond(self, call: ResponseCall, response: dict, owner: str) -> dict:
         if call.req.store:
-            await asyncio.to_thread(self.responses.put, response, call.conversation(response),
-                                    input_items(call.req.input), owner)
+            await asyncio.to_thread(
+                self.responses.put, response, call.conversation(response), input_items(call.req.input), owner
+            )
         return response
 
-    async def _start(self, req, prompts: list[Prompt], samplings: list[SamplingParams],
-                     rids: list[str] | None = None, label: str = "", owner: str = ANONYMOUS) -> list:
+    async def _start(
+        self,
+        req,
+        prompts: list[Prompt],
+        samplings: list[SamplingParams],
+        rids: list[str] | None = None,
+        label: str = "",
+        owner: str = ANONYMOUS,
+    ) -> list:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
         one generator per choice (``_generate``), prompt after prompt. Admission counts every choice, the server's
         and ``owner``'s. ``rids``: each prompt's name for ``/abort_request`` (SGLang's ``rid``; default: ``label``),
@@ -549,9 +644,12 @@ class Frontend:
         k = req.samples()
         total = k * len(prompts)
         if total > self.admission.most(owner):
-            raise ApiError(400, f"{len(prompts)} prompt(s) x {k} choices exceed the "
-                                f"{self.admission.most(owner)} concurrent generations one request may have",
-                           param="prompt" if len(prompts) > 1 else "n")
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompt(s) x {k} choices exceed the "
+                f"{self.admission.most(owner)} concurrent generations one request may have",
+                param="prompt" if len(prompts) > 1 else "n",
+            )
         self.admission.take(owner, total)
         done = partial(self.admission.give, owner)
         if req.model in self.adapters:
@@ -571,8 +669,9 @@ class Frontend:
             if total > len(gens):
                 done(total - len(gens))
             if isinstance(e, DualPathError):  # the scheduler is unreachable or refused the submission
-                raise ApiError(503, f"the request could not be submitted: {e}", "server_error",
-                               headers={"Retry-After": "1"}) from None
+                raise ApiError(
+                    503, f"the request could not be submitted: {e}", "server_error", headers={"Retry-After": "1"}
+                ) from None
             raise
         return gens
 
@@ -632,29 +731,37 @@ class Frontend:
         refused before it is tokenized)."""
         most = CHARS_PER_TOKEN * self.cfg.max_model_len
         if len(text) > most:
-            raise RequestError(f"{field}: {len(text)} characters, more than the {most} a prompt of the model's "
-                               f"context of {self.cfg.max_model_len} tokens may have ({CHARS_PER_TOKEN} a token)",
-                               field=field)
+            raise RequestError(
+                f"{field}: {len(text)} characters, more than the {most} a prompt of the model's "
+                f"context of {self.cfg.max_model_len} tokens may have ({CHARS_PER_TOKEN} a token)",
+                field=field,
+            )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _truncated(self, req, ids: list[int]) -> list[int]:
         keep = req.truncate_prompt_tokens
-        return ids[-(self.cfg.max_model_len if keep == -1 else keep):] if keep else ids
+        return ids[-(self.cfg.max_model_len if keep == -1 else keep) :] if keep else ids
 
     def _chat_ids(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         """The chat rendered (within ``render_timeout_s``) and tokenized (``_encode``'s bound), as
         ``Tokenizer.apply_chat_template`` does: the template writes the special tokens."""
         own = getattr(req, "chat_template", None)
         renderer = self._renderer(own)
-        variables = {**self._effort(req, renderer), **req.render_options(), **self._documents(req, renderer),
-                     **self._tools(req)}  # chat_template_kwargs may set reasoning_effort too (vLLM's way for some)
+        variables = {
+            **self._effort(req, renderer),
+            **req.render_options(),
+            **self._documents(req, renderer),
+            **self._tools(req),
+        }  # chat_template_kwargs may set reasoning_effort too (vLLM's way for some)
         field = "chat_template" if own is not None else "messages"
         try:
-            text = within(self.cfg.render_timeout_s, renderer.render_chat, [m.for_template() for m in req.messages],
-                          **variables)
+            text = within(
+                self.cfg.render_timeout_s, renderer.render_chat, [m.for_template() for m in req.messages], **variables
+            )
         except RenderTimeout:
-            raise RequestError(f"{field}: the chat template's rendering ran past {self.cfg.render_timeout_s:g} s",
-                               field=field) from None
+            raise RequestError(
+                f"{field}: the chat template's rendering ran past {self.cfg.render_timeout_s:g} s", field=field
+            ) from None
         return self._encode(text, field, False)
 
     @staticmethod
@@ -676,8 +783,9 @@ class Frontend:
         if not docs:
             return {}
         if "documents" not in (renderer.chat_template or ""):
-            raise RequestError("this model's chat template does not read documents; put them in a message",
-                               field="documents")
+            raise RequestError(
+                "this model's chat template does not read documents; put them in a message", field="documents"
+            )
         return {"documents": docs}
 
     def _renderer(self, template: str | None) -> Tokenizer:
@@ -687,8 +795,10 @@ class Frontend:
         if template is None:
             return self.tokenizer
         if not self.cfg.trust_request_chat_template:
-            raise RequestError("a request's own chat_template is rendered only with --trust-request-chat-template",
-                               field="chat_template")
+            raise RequestError(
+                "a request's own chat_template is rendered only with --trust-request-chat-template",
+                field="chat_template",
+            )
         try:
             return self._kept(("template", template), lambda: self.tokenizer.with_chat_template(template))
         except CheckpointError as e:
@@ -704,8 +814,12 @@ class Frontend:
         """vLLM's reading of ``bad_words``: each word's tokens both as text begins with it and after a space (the two
         often differ: byte-level BPE folds the space into the word's first token)."""
         encode = self.tokenizer.encode
-        return tuple(ids for w in words for text in (w.lstrip(), " " + w.lstrip())
-                     if (ids := tuple(encode(text, add_special_tokens=False))))
+        return tuple(
+            ids
+            for w in words
+            for text in (w.lstrip(), " " + w.lstrip())
+            if (ids := tuple(encode(text, add_special_tokens=False)))
+        )
 
     def _known_bias(self, pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
         self._known_ids([t for t, _ in pairs], "logit_bias")
@@ -716,8 +830,12 @@ class Frontend:
         if not req.calls_tools():
             return {}
         if self.tool_markup is None:
-            raise ApiError(400, "this model's chat template does not render tools, so its answers cannot be parsed "
-                                "for tool calls; send no tools, or tool_choice 'none'", param="tools")
+            raise ApiError(
+                400,
+                "this model's chat template does not render tools, so its answers cannot be parsed "
+                "for tool calls; send no tools, or tool_choice 'none'",
+                param="tools",
+            )
         return {"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
 
     def _splitter(self, req, kind: str) -> ToolCallSplitter | None:
@@ -745,12 +863,21 @@ class Frontend:
         n_prompt = len(prompt.ids)
         room = self.cfg.max_model_len - n_prompt
         if room < 1:
-            raise ApiError(400, f"the prompt has {n_prompt} tokens; the model's context is {self.cfg.max_model_len}",
-                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {n_prompt} tokens; the model's context is {self.cfg.max_model_len}",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
         wanted = req.max_new() if kind == "chat" else req.max_tokens
         if wanted is not None and wanted > room:
-            raise ApiError(400, f"prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the model's context "
-                                f"of {self.cfg.max_model_len}", param="max_tokens", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the model's context "
+                f"of {self.cfg.max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         max_tokens = wanted or min(room, self.defaults.get("max_tokens", self.cfg.default_max_tokens))
         fields = req.sampling_fields()
         fields.update({k: v for k, v in self.defaults.items() if k in fields and k not in req.model_fields_set})
@@ -760,13 +887,17 @@ class Frontend:
             logprobs = req.logprobs if req.logprobs is not None or req.samples() == req.n else 0
         try:
             self._needs_no_text(req, fields)
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **fields,
-                                  stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
-                                  logit_bias=self._known_bias(req.bias_pairs()),
-                                  allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
-                                  bad_words=self._bad_word_ids(req.bad_words or ()),
-                                  adapter=self.adapters.get(req.model, ""),
-                                  **self._structured(req, kind, self._thinking(kind, prompt)))
+            return SamplingParams(
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                **fields,
+                stop_token_ids=self._known_ids(req.stop_token_ids or (), "stop_token_ids"),
+                logit_bias=self._known_bias(req.bias_pairs()),
+                allowed_token_ids=self._known_ids(req.allowed_token_ids or (), "allowed_token_ids"),
+                bad_words=self._bad_word_ids(req.bad_words or ()),
+                adapter=self.adapters.get(req.model, ""),
+                **self._structured(req, kind, self._thinking(kind, prompt)),
+            )
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
@@ -789,8 +920,12 @@ class Frontend:
             return {**call, "json_thinking": thinking} if call else {}
         field, mode, what = asked
         if kind == "chat" and req.calls_tools() and mode != "structural_tag":  # a structural tag may hold the calls
-            raise ApiError(400, f"{field} ({mode}) with tools is not supported: a tool call's markup is not what "
-                                "it constrains; send one or the other (or tool_choice 'none')", param=field)
+            raise ApiError(
+                400,
+                f"{field} ({mode}) with tools is not supported: a tool call's markup is not what "
+                "it constrains; send one or the other (or tool_choice 'none')",
+                param=field,
+            )
         try:
             self.tokenizer.token_bytes
             if mode == "json_object":
@@ -814,12 +949,14 @@ class Frontend:
     def _compiles(self, kind: str, what) -> None:
         """Compile what the engines will compile (its errors are the request's: a 400, not a failed generation).
         Agents send the same few schemas and patterns again and again: what compiled lately is not compiled again."""
-        constraint = structured.Constraint("json", json.dumps(what)) if kind == "schema" else \
-            structured.Constraint(kind, what)
+        constraint = (
+            structured.Constraint("json", json.dumps(what)) if kind == "schema" else structured.Constraint(kind, what)
+        )
 
         def compiles() -> bool:  # kept as known to compile, not the compiled grammar (the engines compile their own)
             structured.check(constraint)
             return True
+
         self._kept((kind, what if kind != "schema" else json.dumps(what, sort_keys=True)), compiles)
 
     def _kept(self, key, make):
@@ -852,8 +989,9 @@ class Frontend:
             self.tokenizer.token_bytes
             self._compiles("schema", shape.schema)
         except (CheckpointError, RequestError) as e:
-            raise ApiError(400, f"tool_choice {'required' if req.tool_choice == 'required' else 'named'}: {e}",
-                           param="tools") from None
+            raise ApiError(
+                400, f"tool_choice {'required' if req.tool_choice == 'required' else 'named'}: {e}", param="tools"
+            ) from None
         return shape.sampling()
 
     def _strict_calls(self, req: ChatRequest) -> dict:
@@ -866,8 +1004,9 @@ class Frontend:
         functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
         if not any(f.get("strict") for f in functions):
             return {}
-        shape = self.tool_markup.triggered([f if f.get("strict") else {**f, "parameters": {"type": "object"}}
-                                            for f in functions])
+        shape = self.tool_markup.triggered(
+            [f if f.get("strict") else {**f, "parameters": {"type": "object"}} for f in functions]
+        )
         if shape is None:
             return {}
         try:
@@ -878,8 +1017,9 @@ class Frontend:
         return shape.sampling(trigger=True)
 
     # --- generation -----------------------------------------------------------------------------------------
-    async def _generate(self, fan: Fanout, index: int, prompt: list[int], sampling: SamplingParams,
-                        done) -> AsyncIterator[Any]:
+    async def _generate(
+        self, fan: Fanout, index: int, prompt: list[int], sampling: SamplingParams, done
+    ) -> AsyncIterator[Any]:
         """Choice ``index``: yields ``(text delta, token ids, logprobs)`` per token, then the ``Outcome``. Closing
         it before its end lets go of the request (cancelled once no choice wants it); ``done()`` gives back its
         admission slot."""
@@ -914,8 +1054,11 @@ class Frontend:
                 # min_tokens: stop strings do not end the reply before that many tokens
                 cut = _find_stop(text, stops, emitted) if outcome.completion_tokens >= sampling.min_tokens else -1
                 if cut >= 0:  # a stop string: emit what precedes it (and it, if asked), then cancel the rest
-                    yield text[emitted:stop_cut(text, stops, cut, sampling.include_stop_str_in_output)], \
-                        [ev.token_id], lp
+                    yield (
+                        text[emitted : stop_cut(text, stops, cut, sampling.include_stop_str_in_output)],
+                        [ev.token_id],
+                        lp,
+                    )
                     outcome.finish_reason, finished = "stop", True
                     fan.release(early=True)
                     break
@@ -959,16 +1102,23 @@ class Frontend:
         """Each prompt counted once, every sampled choice's completion tokens (``best_of``'s unreturned ones too);
         the cache hit and KV bytes loaded of each prompt (once for its choices: ``outcomes`` are in choice order, a
         prompt's together), the read path of the first."""
-        firsts = outcomes[::req.samples()]
+        firsts = outcomes[:: req.samples()]
         n_prompt, done = sum(len(p.ids) for p in prompts), sum(o.completion_tokens for o in outcomes)
         cached = sum(o.cached_tokens for o in firsts)
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": done, "total_tokens": n_prompt + done,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": done,
+            "total_tokens": n_prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         if thinking := sum(o.reasoning_tokens for o in outcomes):
             usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
         if req.dualpath and req.dualpath.usage:
-            usage["dualpath"] = {"read_path": firsts[0].path, "kv_bytes_loaded": sum(o.storage_bytes for o in firsts),
-                                 "cached_tokens": cached}
+            usage["dualpath"] = {
+                "read_path": firsts[0].path,
+                "kv_bytes_loaded": sum(o.storage_bytes for o in firsts),
+                "cached_tokens": cached,
+            }
         return usage
 
     def _token_name(self, token_id: int, as_id: bool) -> str:
@@ -990,11 +1140,17 @@ class Frontend:
             # part's text alone is a replacement character); the text's for special tokens or unknown tokenizers
             text, raw = self.tokenizer.decode([tid], skip_special_tokens=False), self._raw_tokens
             own = raw[tid] if raw is not None and tid < len(raw) else None
-            return {"token": f"token_id:{tid}" if as_ids else text, "logprob": lp,
-                    "bytes": list(own if own is not None else text.encode())}
+            return {
+                "token": f"token_id:{tid}" if as_ids else text,
+                "logprob": lp,
+                "bytes": list(own if own is not None else text.encode()),
+            }
 
-        content = [{**entry(lp["token_id"], lp["logprob"]), "top_logprobs": [entry(t, v) for t, v in lp["top"]]}
-                   for lp in lps if lp]
+        content = [
+            {**entry(lp["token_id"], lp["logprob"]), "top_logprobs": [entry(t, v) for t, v in lp["top"]]}
+            for lp in lps
+            if lp
+        ]
         return {"content": content, "refusal": None}
 
     def _completion_logprobs(self, lps: list, offset0: int = 0, as_ids: bool = False) -> tuple[dict, int]:
@@ -1012,8 +1168,9 @@ class Frontend:
             pos += len(self.tokenizer.decode([lp["token_id"]], skip_special_tokens=False))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, pos
 
-    async def _collect(self, request: Request, gens: list, req, kind: str, prompts: list[Prompt],
-                       rid: str) -> dict | None:
+    async def _collect(
+        self, request: Request, gens: list, req, kind: str, prompts: list[Prompt], rid: str
+    ) -> dict | None:
         """The whole response's body (``rid`` its id) once every choice is done; None if the client left first (its
         request is cancelled)."""
         got = await self.gather(request, gens)
@@ -1023,11 +1180,18 @@ class Frontend:
         every = outcomes  # usage counts best_of's unreturned candidates too
         texts, lps, outcomes, ids = best(req.n, req.samples(), texts, lps, outcomes, ids)
         created = int(time.time())
-        choices = [self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
-                   for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))]
-        body = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": created, "model": self._reply_model(req), "choices": choices,
-                "usage": self._usage(req, prompts, every)}
+        choices = [
+            self._choice(req, kind, i, t, lp, o, prompts[i // req.n])
+            for i, (t, lp, o) in enumerate(zip(texts, lps, outcomes))
+        ]
+        body = {
+            "id": rid,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created,
+            "model": self._reply_model(req),
+            "choices": choices,
+            "usage": self._usage(req, prompts, every),
+        }
         if req.return_token_ids:  # vLLM's places: a chat's prompt at the top, a completion's in each choice
             for i, c in enumerate(choices):
                 c["token_ids"] = ids[i]
@@ -1036,8 +1200,9 @@ class Frontend:
             if kind == "chat":
                 body["prompt_token_ids"] = prompts[0].ids
         if kind == "chat" and req.prompt_logprobs is not None:  # vLLM's place for it in a chat response
-            body["prompt_logprobs"] = self._prompt_logprobs(prompts[0].ids, outcomes[0].prompt_logprobs,
-                                                            req.prompt_logprobs)
+            body["prompt_logprobs"] = self._prompt_logprobs(
+                prompts[0].ids, outcomes[0].prompt_logprobs, req.prompt_logprobs
+            )
         return body
 
     async def gather(self, request: Request, gens: list) -> tuple[list, list, list, list] | None:
@@ -1072,6 +1237,7 @@ class Frontend:
 
         def entry(t, v, rank):
             return {"logprob": v, "rank": rank, "decoded_token": self.tokenizer.decode([t], skip_special_tokens=False)}
+
         out = [None]
         for lp in lps:
             d = {str(t): entry(t, v, r + 1) for r, (t, v) in enumerate(lp["top"][:k])}
@@ -1079,8 +1245,9 @@ class Frontend:
             out.append(d)
         return out
 
-    def _choice(self, req, kind: str, index: int, pieces: list[str], lps: list, outcome: Outcome,
-                prompt: Prompt) -> dict:
+    def _choice(
+        self, req, kind: str, index: int, pieces: list[str], lps: list, outcome: Outcome, prompt: Prompt
+    ) -> dict:
         """One finished choice of a non-streamed response (``pieces``: its text, a piece per token)."""
         content = "".join(pieces)
         want_lps = (kind == "chat" and req.logprobs) or (kind == "completions" and req.logprobs is not None)
@@ -1099,20 +1266,25 @@ class Frontend:
             if splitter.calls:
                 message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
                 finish = "tool_calls" if splitter.whole else finish
-        return {"index": index, "message": message, "finish_reason": finish,
-                "logprobs": self._chat_logprobs(lps, req.return_tokens_as_token_ids) if want_lps else None}
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": finish,
+            "logprobs": self._chat_logprobs(lps, req.return_tokens_as_token_ids) if want_lps else None,
+        }
 
-    def _completion_choice(self, req, index: int, content: str, lps: list | None, outcome: Outcome,
-                           prompt: Prompt) -> dict:
+    def _completion_choice(
+        self, req, index: int, content: str, lps: list | None, outcome: Outcome, prompt: Prompt
+    ) -> dict:
         """A completions choice; with ``echo`` the prompt's text comes first (and, with logprobs, its tokens: the
         first without a logprob, as OpenAI's legacy form has it)."""
         choice = {"index": index, "text": content, "finish_reason": outcome.finish_reason, "logprobs": None}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(prompt.ids, outcome.prompt_logprobs,
-                                                              req.prompt_logprobs)
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt.ids, outcome.prompt_logprobs, req.prompt_logprobs)
         if not req.echo:
-            choice["logprobs"] = self._completion_logprobs(lps, as_ids=req.return_tokens_as_token_ids)[0] \
-                if lps is not None else None
+            choice["logprobs"] = (
+                self._completion_logprobs(lps, as_ids=req.return_tokens_as_token_ids)[0] if lps is not None else None
+            )
             return choice
         head, body = self._echoed(req, prompt, outcome.prompt_logprobs)
         choice["text"] = head + content
@@ -1129,8 +1301,10 @@ class Frontend:
             return head, None
         _check_prompt_logprobs(prompt.ids, prompt_lps)
         first = {"token_id": prompt.ids[0], "logprob": None, "top": ()}
-        body, _ = self._completion_logprobs([first] + [{**lp, "top": lp["top"][:req.logprobs]} for lp in prompt_lps],
-                                            as_ids=req.return_tokens_as_token_ids)
+        body, _ = self._completion_logprobs(
+            [first] + [{**lp, "top": lp["top"][: req.logprobs]} for lp in prompt_lps],
+            as_ids=req.return_tokens_as_token_ids,
+        )
         body["top_logprobs"][0] = None
         return head, body
 
@@ -1157,11 +1331,19 @@ class Frontend:
         n_prompt, generated = sum(len(p.ids) for p in prompts), [0]  # completion tokens so far, every choice's
 
         def chunk(choice: dict | None, usage: dict | None = None) -> dict:
-            body = {"id": rid, "object": obj, "created": created, "model": self._reply_model(req),
-                    "choices": [choice] if choice else []}
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self._reply_model(req),
+                "choices": [choice] if choice else [],
+            }
             if usage is None and running and choice:  # vLLM's continuous_usage_stats: the request's so far
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": generated[0],
-                         "total_tokens": n_prompt + generated[0]}
+                usage = {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": generated[0],
+                    "total_tokens": n_prompt + generated[0],
+                }
             if usage is not None:
                 body["usage"] = usage
             return body
@@ -1178,8 +1360,12 @@ class Frontend:
                     delta["content"] = delta_text
                 if calls:
                     delta["tool_calls"] = calls
-                out = {"index": i, "delta": delta, "finish_reason": finish,
-                       "logprobs": self._chat_logprobs(lps, as_ids) if want_lps and lps else None}
+                out = {
+                    "index": i,
+                    "delta": delta,
+                    "finish_reason": finish,
+                    "logprobs": self._chat_logprobs(lps, as_ids) if want_lps and lps else None,
+                }
             else:
                 out = {"index": i, "text": delta_text, "finish_reason": finish, "logprobs": None}
                 if want_lps and lps:
@@ -1197,8 +1383,14 @@ class Frontend:
         try:
             if kind == "chat":
                 for i in range(len(gens)):
-                    first = chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                   "logprobs": None})
+                    first = chunk(
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                            "logprobs": None,
+                        }
+                    )
                     if req.return_token_ids and i == 0:
                         first["prompt_token_ids"] = prompts[0].ids
                     yield first

@@ -7,6 +7,7 @@ the whole cluster: scheduler, prefill engine, decode engine, stream), ``/get_mod
 leaves the first answering while the second times out. It costs nothing on a busy server: a token that any request
 receives while the probe waits answers it (SGLang's rule), and concurrent probes share one generation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,11 +104,19 @@ class Probes:
         """SGLang's ``/get_model_info``; ``model_path`` follows ``/update_weights_from_disk``."""
         stats = await self.stats()
         cfg = self.front.cfg
-        return {"model_path": stats.get("weights_path") or cfg.model_dir, "tokenizer_path": cfg.model_dir,
-                "served_model_name": cfg.model_name, "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": stats.get("weights_version", ""), "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": self._hf_config.get("model_type"),
-                "architectures": self._hf_config.get("architectures"), "max_model_len": cfg.max_model_len}
+        return {
+            "model_path": stats.get("weights_path") or cfg.model_dir,
+            "tokenizer_path": cfg.model_dir,
+            "served_model_name": cfg.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": stats.get("weights_version", ""),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self._hf_config.get("model_type"),
+            "architectures": self._hf_config.get("architectures"),
+            "max_model_len": cfg.max_model_len,
+        }
 
     async def server_info(self) -> dict:
         """SGLang's ``/get_server_info``: this frontend's settings (the API key only as whether one is set), the
@@ -116,8 +125,12 @@ class Probes:
         settings["api_key_set"] = bool(self.front.auth.inference_keys)
         settings["admin_api_key_set"] = bool(self.front.cfg.admin_api_key)
         settings["chat_template_set"] = self.front.cfg.chat_template is not None
-        return {**settings, "version": dualpath.__version__, "requests_in_flight": self.front.in_flight,
-                "internal_states": [await self.stats()]}
+        return {
+            **settings,
+            "version": dualpath.__version__,
+            "requests_in_flight": self.front.in_flight,
+            "internal_states": [await self.stats()],
+        }
 
     async def weight_version(self) -> dict:
         stats = await self.stats()
@@ -150,5 +163,4 @@ def _first_token(handle) -> None:
 
 
 def _unhealthy(why: str, since: float) -> JSONResponse:
-    return JSONResponse({"status": "unavailable", "error": why, "seconds": round(time.perf_counter() - since, 4)},
-                        503)
+    return JSONResponse({"status": "unavailable", "error": why, "seconds": round(time.perf_counter() - since, 4)}, 503)

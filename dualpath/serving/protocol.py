@@ -1,4 +1,5 @@
 """OpenAI request bodies: parsing, validation with errors that name the field, and the response shapes."""
+
 from __future__ import annotations
 
 import json
@@ -130,7 +131,7 @@ class _Common(BaseModel):
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: the model's context)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)  # each prompt token's logprob and top-k (no stream)
     cache_salt: Optional[str] = Field(None, max_length=MAX_CACHE_SALT)  # vLLM's: stored KV only this salt's share
-    priority: int = Field(0, ge=-2 ** 31, lt=2 ** 31)  # vLLM's: lower waits less (--scheduling-policy priority)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # vLLM's: lower waits less (--scheduling-policy priority)
     # ...these refused unless neutral (never ignored); spaces_between_special_tokens is ignored as vLLM does for
     # fast tokenizers (the only kind loaded here)
     use_beam_search: bool = False
@@ -158,8 +159,9 @@ class _Common(BaseModel):
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_HTTP_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop takes up to {MAX_HTTP_STOPS} non-empty strings of up to {MAX_STOP_CHARS} "
-                             f"characters")
+            raise ValueError(
+                f"stop takes up to {MAX_HTTP_STOPS} non-empty strings of up to {MAX_STOP_CHARS} characters"
+            )
         return v
 
     @field_validator("logit_bias")
@@ -239,8 +241,9 @@ class _Common(BaseModel):
     def _known_kinds(cls, v):
         other = sorted(k for k, x in (v or {}).items() if _asks(x) and k not in STRUCTURED_KINDS)
         if other:
-            raise ValueError(f"structured_outputs {', '.join(other)} is not supported; {', '.join(STRUCTURED_KINDS)} "
-                             f"are")
+            raise ValueError(
+                f"structured_outputs {', '.join(other)} is not supported; {', '.join(STRUCTURED_KINDS)} are"
+            )
         v = dict(v or {})
         if v.get("json_object") is not None and not isinstance(v["json_object"], bool):
             raise ValueError("structured_outputs json_object must be a boolean")
@@ -263,8 +266,10 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _one_format(self):
         if len(self._formats()) > 1:
-            raise ValueError("give one of response_format, guided_json, guided_regex, guided_choice, "
-                             "guided_grammar and structured_outputs")
+            raise ValueError(
+                "give one of response_format, guided_json, guided_regex, guided_choice, "
+                "guided_grammar and structured_outputs"
+            )
         return self
 
     def _formats(self) -> list[tuple[str, str, Any]]:
@@ -273,8 +278,9 @@ class _Common(BaseModel):
         Lark)."""
         out, fmt, so = [], self.response_format, self.structured_outputs or {}
         if fmt is not None and fmt.type == "structural_tag":
-            out.append(("response_format", fmt.type, ([s.model_dump(by_alias=True) for s in fmt.structures],
-                                                      fmt.triggers)))
+            out.append(
+                ("response_format", fmt.type, ([s.model_dump(by_alias=True) for s in fmt.structures], fmt.triggers))
+            )
         elif fmt is not None and fmt.type != "text":
             schema = (fmt.json_schema.schema_ or {"type": "object"}) if fmt.json_schema else None
             out.append(("response_format", fmt.type, schema))
@@ -298,12 +304,25 @@ class _Common(BaseModel):
     def sampling_fields(self) -> dict[str, Any]:
         """The ``SamplingParams`` fields this body sets as they are (token ids, lengths and JSON output are checked
         by the frontend against the tokenizer and the context)."""
-        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                    stop=self.stop_list(), ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    min_p=self.min_p, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-                    include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.asked_prompt_lps(),
-                    n=self.samples(), cache_salt=self.cache_salt or "", priority=self.priority)
+        return dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop_list(),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.asked_prompt_lps(),
+            n=self.samples(),
+            cache_salt=self.cache_salt or "",
+            priority=self.priority,
+        )
 
     def samples(self) -> int:
         """Choices sampled per prompt."""
@@ -369,9 +388,14 @@ class Message(BaseModel):
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return out
 
 
@@ -403,23 +427,31 @@ class ChatRendering(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, v):
-        taken = sorted(set(v or ()) & {"messages", "tools", "documents", "add_generation_prompt", "continue_final",
-                                       "bos_token", "eos_token"})
+        taken = sorted(
+            set(v or ())
+            & {"messages", "tools", "documents", "add_generation_prompt", "continue_final", "bos_token", "eos_token"}
+        )
         if taken:
             raise ValueError(f"{', '.join(taken)} cannot be set here")
         return v
 
     @model_validator(mode="after")
     def _open_or_prompted(self):
-        if self.continue_final_message and self.add_generation_prompt and \
-                "add_generation_prompt" in self.model_fields_set:
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
     def render_options(self) -> dict[str, Any]:
         """``Tokenizer.apply_chat_template``'s keyword arguments for this chat."""
-        return {"add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
-                "continue_final": self.continue_final_message, **(self.chat_template_kwargs or {})}
+        return {
+            "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+            "continue_final": self.continue_final_message,
+            **(self.chat_template_kwargs or {}),
+        }
 
 
 class ChatRequest(_Common, ChatRendering):
@@ -456,8 +488,10 @@ class ChatRequest(_Common, ChatRendering):
         if isinstance(v, dict):
             name = (v.get("function") or {}).get("name") if v.get("type") == "function" else None
             if name not in {t.function.name for t in tools}:
-                raise ValueError("a named tool_choice is {'type': 'function', 'function': {'name': ...}} with the "
-                                 "name of one of the request's tools")
+                raise ValueError(
+                    "a named tool_choice is {'type': 'function', 'function': {'name': ...}} with the "
+                    "name of one of the request's tools"
+                )
         return v
 
     def max_new(self) -> Optional[int]:
@@ -634,8 +668,9 @@ def _check_unicode(node, where: tuple) -> None:
             node.encode("utf-8")
         except UnicodeEncodeError:
             loc = ".".join(map(str, where)) or "body"
-            raise RequestError(f"{loc}: invalid Unicode (a lone surrogate)", field=str(where[0]) if where else None) \
-                from None
+            raise RequestError(
+                f"{loc}: invalid Unicode (a lone surrogate)", field=str(where[0]) if where else None
+            ) from None
     elif isinstance(node, dict):
         for k, v in node.items():
             _check_unicode(k, where)

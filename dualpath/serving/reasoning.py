@@ -10,6 +10,7 @@ thinking ends at the first ``</think>``. Tool calls and the answer are parsed fr
 model merely considered while thinking is not made. Structured output (JSON, forced calls) is constrained only
 after the thinking (``SamplingParams.json_thinking``), so its replies split the same way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,11 +74,11 @@ class ReasoningSplitter:
             end = self._text.find(CLOSE, self._done)
             if end < 0:
                 keep = len(self._text) if final else len(self._text) - partial_tag(self._text, CLOSE)
-                reasoning, self._done = self._text[self._done:max(keep, self._done)], max(keep, self._done)
+                reasoning, self._done = self._text[self._done : max(keep, self._done)], max(keep, self._done)
                 return reasoning, ""
-            reasoning, self._done, self.thinking = self._text[self._done:end], end + len(CLOSE), False
+            reasoning, self._done, self.thinking = self._text[self._done : end], end + len(CLOSE), False
             self._after_close, self._fed_at_close = True, self._fed
-        answer, self._done = self._text[self._done:], len(self._text)
+        answer, self._done = self._text[self._done :], len(self._text)
         if self._after_close:  # the blank lines after </think> are not the answer's
             answer = answer.lstrip()
             self._after_close = not answer

@@ -1,6 +1,7 @@
 """Request ids: every HTTP request's id, the client's ``X-Request-Id`` when usable (vLLM's and OpenAI's header) or a
 new one. It names the completion (``chatcmpl-<id>``), begins the request's ids at the scheduler and engines (their
 logs name it) and is what ``/abort_request``'s ``rid`` matches for the OpenAI endpoints."""
+
 from __future__ import annotations
 
 import uuid
@@ -31,8 +32,10 @@ class RequestIds:
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (REQUEST_ID_HEADER.encode(), rid.encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())],
+                }
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -9,6 +9,7 @@ Each response belongs to its owner (``dualpath.serving.auth``: a tag of the API 
 ``delete`` by another owner find nothing. Files are created readable by this user alone (0600, their directory
 0700: conversations are the users'); a file written before owners were kept has the anonymous owner.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,9 @@ class ResponseStore(ABC):
 
 def _record(response: dict, conversation: list[dict], inputs, owner: str) -> bytes:
     """A stored response as its file holds it (what its bytes are counted by, in memory too)."""
-    return json.dumps({"response": response, "conversation": conversation, "input": list(inputs),
-                       "owner": owner}).encode()
+    return json.dumps(
+        {"response": response, "conversation": conversation, "input": list(inputs), "owner": owner}
+    ).encode()
 
 
 class MemoryResponses(ResponseStore):

@@ -8,6 +8,7 @@ events. ``previous_response_id`` continues a stored response: the frontend keeps
 Only the items live there: the conversation's KV is in storage, as for any chat, so a continued conversation loads its
 prefix like a chat turn.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,30 @@ from dualpath.serving.choices import ApiError
 from dualpath.serving.protocol import ChatRequest, validated
 
 # Sampling fields the chat endpoint takes that the Responses API lacks (vLLM's Responses endpoint takes them too)
-PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-               "logit_bias", "stop_token_ids", "ignore_eos", "min_tokens", "cache_salt", "priority",
-               "dualpath")
+PASSTHROUGH = (
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "logit_bias",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "cache_salt",
+    "priority",
+    "dualpath",
+)
 CUT_SHORT = ("length", "abort")  # finish reasons that leave a response incomplete
 # A chat field's name as the Responses API calls it (errors name what the client sent)
-FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
-               "reasoning_effort": "reasoning"}
+FIELD_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "reasoning_effort": "reasoning",
+}
 LOGPROBS = "message.output_text.logprobs"
 NOTHING_TO_INCLUDE = {"reasoning.encrypted_content"}  # no reasoning items are ever produced
 
@@ -101,8 +119,13 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatRequest:
     body.update(model=req.model, messages=messages + input_messages(req.input), stream=req.stream)
     if req.stream:
         body["stream_options"] = {"include_usage": True}
-    optional = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "parallel_tool_calls": req.parallel_tool_calls, "response_format": _format(req.text)}
+    optional = {
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _format(req.text),
+    }
     body.update({k: v for k, v in optional.items() if v is not None})
     if req.tools:
         body["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
@@ -146,19 +169,30 @@ def input_messages(items: Union[str, list[dict]]) -> list[dict]:
         if kind == "message":
             out.append({"role": item.get("role"), "content": _text(item.get("content"), where)})
         elif kind == "function_call":
-            call = {"id": _field(item, "call_id", where), "type": "function",
-                    "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
+            call = {
+                "id": _field(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)},
+            }
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": None})
             out[-1].setdefault("tool_calls", []).append(call)
         elif kind == "reasoning":
             continue  # an earlier turn's thinking: reasoning models' templates leave it out of the prompt
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                        "content": _text(item.get("output"), where)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _field(item, "call_id", where),
+                    "content": _text(item.get("output"), where),
+                }
+            )
         else:
-            raise RequestError(f"{where}: items of type {kind!r} are not supported (messages, function_call, "
-                               f"function_call_output, reasoning)", field="input")
+            raise RequestError(
+                f"{where}: items of type {kind!r} are not supported (messages, function_call, "
+                f"function_call_output, reasoning)",
+                field="input",
+            )
     return out
 
 
@@ -179,24 +213,31 @@ def _text(content, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.content[{j}]: parts of type {kind!r} are not supported (text only)",
-                               field="input")
+            raise RequestError(
+                f"{where}.content[{j}]: parts of type {kind!r} are not supported (text only)", field="input"
+            )
         parts.append(part["text"])
     return "".join(parts)
 
 
 def _tool(i: int, tool: dict) -> dict:
     if tool.get("type") != "function":
-        raise RequestError(f"tools[{i}]: tools of type {tool.get('type')!r} are not supported (function tools only)",
-                           field="tools")
+        raise RequestError(
+            f"tools[{i}]: tools of type {tool.get('type')!r} are not supported (function tools only)", field="tools"
+        )
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 
 
 def _echoed_tool(tool: dict) -> dict:
     """A function tool as the response object lists it (every field present)."""
-    return {"type": "function", "name": tool["name"], "description": tool.get("description"),
-            "parameters": tool.get("parameters"), "strict": bool(tool.get("strict"))}
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": bool(tool.get("strict")),
+    }
 
 
 def _tool_choice(choice):
@@ -204,22 +245,27 @@ def _tool_choice(choice):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise RequestError("tool_choice: 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-                       field="tool_choice")
+    raise RequestError(
+        "tool_choice: 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", field="tool_choice"
+    )
 
 
 def _format(text: Optional[dict]) -> Optional[dict]:
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
-        raise RequestError("text.format: an object ({'type': 'text' | 'json_object' | 'json_schema', ...})",
-                           field="text")
+        raise RequestError(
+            "text.format: an object ({'type': 'text' | 'json_object' | 'json_schema', ...})", field="text"
+        )
     if not fmt or fmt.get("type") in ("text", "json_object"):
         return fmt and {"type": fmt["type"]}
     if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
-                                                       if k in fmt}}
-    raise RequestError(f"text.format: type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
-                       field="text")
+        return {
+            "type": "json_schema",
+            "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt},
+        }
+    raise RequestError(
+        f"text.format: type {fmt.get('type')!r} is not supported (text, json_object, json_schema)", field="text"
+    )
 
 
 def remap_param(param: Optional[str]) -> Optional[str]:
@@ -238,27 +284,44 @@ class ResponseCall:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def envelope(self, status: str, output: list[dict], usage: Optional[dict], error: Optional[dict] = None,
-                 finish: Optional[str] = None) -> dict:
+    def envelope(
+        self,
+        status: str,
+        output: list[dict],
+        usage: Optional[dict],
+        error: Optional[dict] = None,
+        finish: Optional[str] = None,
+    ) -> dict:
         r = self.req
         # an aborted reply (/abort_request, a weight update's) is incomplete for none of the schema's reasons
         details = {"reason": "max_output_tokens"} if status == "incomplete" and finish != "abort" else None
         fmt = (r.text or {}).get("format") or {"type": "text"}
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None, "error": error,
-                "incomplete_details": details,
-                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-                "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": r.previous_response_id,
-                "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
-                "store": r.store,
-                "temperature": self.defaults.get("temperature", 1.0) if r.temperature is None else r.temperature,
-                "text": {"format": fmt}, "tool_choice": r.tool_choice or "auto",
-                "tools": [_echoed_tool(t) for t in r.tools or ()],
-                "top_logprobs": r.top_logprobs or 0,
-                "top_p": self.defaults.get("top_p", 1.0) if r.top_p is None else r.top_p,
-                "truncation": r.truncation or "disabled", "metadata": r.metadata or {},
-                **({"usage": usage} if usage is not None else {})}  # none until the end (the schema has no null)
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error,
+            "incomplete_details": details,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": (r.reasoning or {}).get("effort"), "summary": None},
+            "store": r.store,
+            "temperature": self.defaults.get("temperature", 1.0) if r.temperature is None else r.temperature,
+            "text": {"format": fmt},
+            "tool_choice": r.tool_choice or "auto",
+            "tools": [_echoed_tool(t) for t in r.tools or ()],
+            "top_logprobs": r.top_logprobs or 0,
+            "top_p": self.defaults.get("top_p", 1.0) if r.top_p is None else r.top_p,
+            "truncation": r.truncation or "disabled",
+            "metadata": r.metadata or {},
+            **({"usage": usage} if usage is not None else {}),
+        }  # none until the end (the schema has no null)
 
     def from_chat(self, body: dict, block_size: int) -> dict:
         """The response object of a finished chat completion."""
@@ -269,8 +332,12 @@ class ResponseCall:
         output = [reasoning_item(thought, done)] if thought else []
         output += [message_item(message["content"] or "", lps, done)] if message["content"] or not calls else []
         output += [call_item(c) for c in calls]
-        return self.envelope("completed" if done else "incomplete", output, usage(body["usage"], block_size),
-                             finish=choice["finish_reason"])
+        return self.envelope(
+            "completed" if done else "incomplete",
+            output,
+            usage(body["usage"], block_size),
+            finish=choice["finish_reason"],
+        )
 
     def conversation(self, response: dict) -> list[dict]:
         """The messages a later turn continues: the history, this input and this response's output."""
@@ -281,8 +348,13 @@ class ResponseCall:
             if item["type"] == "message":
                 reply["content"] = "".join(p["text"] for p in item["content"])
             else:
-                reply.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                    "name": item["name"], "arguments": item["arguments"]}})
+                reply.setdefault("tool_calls", []).append(
+                    {
+                        "id": item["call_id"],
+                        "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]},
+                    }
+                )
         return self.history + input_messages(self.req.input) + [reply]
 
 
@@ -297,22 +369,35 @@ def input_items(items: Union[str, list[dict]]) -> list[dict]:
         if kind == "message" and item.get("role") == "assistant":
             out.append(message_item(_text(item.get("content"), where), [], True, own))
         elif kind == "message":
-            out.append({"type": "message", "id": own or f"msg_{uuid.uuid4().hex}", "role": item["role"],
-                        "status": "completed",
-                        "content": [{"type": "input_text", "text": _text(item.get("content"), where)}]})
+            out.append(
+                {
+                    "type": "message",
+                    "id": own or f"msg_{uuid.uuid4().hex}",
+                    "role": item["role"],
+                    "status": "completed",
+                    "content": [{"type": "input_text", "text": _text(item.get("content"), where)}],
+                }
+            )
         elif kind == "function_call":
             out.append({**call_item({"id": item["call_id"], "function": item}), **({"id": own} if own else {})})
         elif kind == "function_call_output":
-            out.append({"type": "function_call_output", "id": own or f"fco_{uuid.uuid4().hex}",
-                        "call_id": item["call_id"], "output": _text(item.get("output"), where),
-                        "status": "completed"})
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "id": own or f"fco_{uuid.uuid4().hex}",
+                    "call_id": item["call_id"],
+                    "output": _text(item.get("output"), where),
+                    "status": "completed",
+                }
+            )
         else:  # reasoning, as sent
             out.append({**item, "id": own or f"rs_{uuid.uuid4().hex}"})
     return out
 
 
-def item_page(items: list[dict], limit: int = 20, order: str = "desc", after: Optional[str] = None,
-              before: Optional[str] = None) -> dict:
+def item_page(
+    items: list[dict], limit: int = 20, order: str = "desc", after: Optional[str] = None, before: Optional[str] = None
+) -> dict:
     """One page of a list of items (OpenAI's list form: newest first by default; ``after`` / ``before`` an item id
     of the list, in that order)."""
     if not 1 <= limit <= 100:
@@ -331,18 +416,33 @@ def item_page(items: list[dict], limit: int = 20, order: str = "desc", after: Op
         hi = ids.index(before)
     page = ordered[lo:hi][:limit] if before is None else ordered[lo:hi][-limit:]
     more = (lo + len(page) < hi) if before is None else (hi - len(page) > lo)
-    return {"object": "list", "data": page, "has_more": more, "first_id": page[0]["id"] if page else "",
-            "last_id": page[-1]["id"] if page else ""}
+    return {
+        "object": "list",
+        "data": page,
+        "has_more": more,
+        "first_id": page[0]["id"] if page else "",
+        "last_id": page[-1]["id"] if page else "",
+    }
 
 
 def message_item(text: str, lps: list, done: bool, item_id: Optional[str] = None) -> dict:
-    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": "completed" if done else
-            "incomplete", "role": "assistant", "content": [text_part(text, lps)]}
+    return {
+        "type": "message",
+        "id": item_id or f"msg_{uuid.uuid4().hex}",
+        "status": "completed" if done else "incomplete",
+        "role": "assistant",
+        "content": [text_part(text, lps)],
+    }
 
 
 def reasoning_item(text: str, done: bool, item_id: Optional[str] = None) -> dict:
-    return {"type": "reasoning", "id": item_id or f"rs_{uuid.uuid4().hex}", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed" if done else "incomplete"}
+    return {
+        "type": "reasoning",
+        "id": item_id or f"rs_{uuid.uuid4().hex}",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed" if done else "incomplete",
+    }
 
 
 def text_part(text: str, lps: list) -> dict:
@@ -350,8 +450,14 @@ def text_part(text: str, lps: list) -> dict:
 
 
 def call_item(call: dict, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
 
 
 def usage(chat: dict, block_size: int) -> dict:
@@ -359,11 +465,15 @@ def usage(chat: dict, block_size: int) -> dict:
     written to it (a partial last block is not stored)."""
     cached, n = chat["prompt_tokens_details"]["cached_tokens"], chat["prompt_tokens"]
     written = max(0, n // block_size * block_size - cached) if block_size else 0
-    out = {"input_tokens": n, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
-           "output_tokens": chat["completion_tokens"],
-           "output_tokens_details": {"reasoning_tokens": chat.get("completion_tokens_details", {}).get(
-               "reasoning_tokens", 0)},
-           "total_tokens": chat["total_tokens"]}
+    out = {
+        "input_tokens": n,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+        "output_tokens": chat["completion_tokens"],
+        "output_tokens_details": {
+            "reasoning_tokens": chat.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
+        },
+        "total_tokens": chat["total_tokens"],
+    }
     if "dualpath" in chat:
         out["dualpath"] = chat["dualpath"]
     return out
@@ -414,8 +524,15 @@ class ResponseEvents:
             shown = {k: v for k, v in self.thought.items() if k != "_text"}
             out.append(self._event("response.output_item.added", output_index=len(self.output), item=shown))
         self.thought["_text"] += delta
-        return out + [self._event("response.reasoning_text.delta", item_id=self.thought["id"],
-                                  output_index=len(self.output), content_index=0, delta=delta)]
+        return out + [
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=self.thought["id"],
+                output_index=len(self.output),
+                content_index=0,
+                delta=delta,
+            )
+        ]
 
     def _close_thought(self) -> list[dict]:
         if self.thought is None:
@@ -424,9 +541,16 @@ class ResponseEvents:
         i = len(self.output)
         self.output.append(item)
         self.thought = None
-        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
-                            text=item["content"][0]["text"]),
-                self._event("response.output_item.done", output_index=i, item=item)]
+        return [
+            self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=i,
+                content_index=0,
+                text=item["content"][0]["text"],
+            ),
+            self._event("response.output_item.done", output_index=i, item=item),
+        ]
 
     def _text(self, delta: str, lps: list) -> list[dict]:
         out = self._close_thought() + self._close_call() + self._open_text() if self.text is None else []
@@ -437,8 +561,10 @@ class ResponseEvents:
     def _open_text(self) -> list[dict]:
         self.text = {**message_item("", [], True), "status": "in_progress", "content": [], "_text": ""}
         shown = {k: v for k, v in self.text.items() if k != "_text"}
-        return [self._event("response.output_item.added", output_index=len(self.output), item=shown),
-                self._event("response.content_part.added", **self._where(), part=text_part("", []))]
+        return [
+            self._event("response.output_item.added", output_index=len(self.output), item=shown),
+            self._event("response.content_part.added", **self._where(), part=text_part("", [])),
+        ]
 
     def _where(self) -> dict:
         return {"item_id": self.text["id"], "output_index": len(self.output), "content_index": 0}
@@ -451,9 +577,11 @@ class ResponseEvents:
         part = item["content"][0]
         self.output.append(item)
         self.text = None
-        return [self._event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
-                self._event("response.content_part.done", **where, part=part),
-                self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+        return [
+            self._event("response.output_text.done", **where, text=text, logprobs=part["logprobs"]),
+            self._event("response.content_part.done", **where, part=part),
+            self._event("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
     def _call(self, delta: dict) -> list[dict]:
         """A chat call delta: one with an id begins a call (closing the item before), the rest add arguments."""
@@ -465,20 +593,35 @@ class ResponseEvents:
         args = delta["function"].get("arguments") or ""
         if args:
             self.call_open = {**self.call_open, "arguments": self.call_open["arguments"] + args}
-            out.append(self._event("response.function_call_arguments.delta", item_id=self.call_open["id"],
-                                   output_index=len(self.output), delta=args))
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.call_open["id"],
+                    output_index=len(self.output),
+                    delta=args,
+                )
+            )
         return out
 
     def _close_call(self) -> list[dict]:
         if self.call_open is None:
             return []
-        item, i = {**self.call_open, "status": "completed" if self.finish not in CUT_SHORT else "incomplete"}, \
-            len(self.output)
+        item, i = (
+            {**self.call_open, "status": "completed" if self.finish not in CUT_SHORT else "incomplete"},
+            len(self.output),
+        )
         self.output.append(item)
         self.call_open = None
-        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                            name=item["name"], arguments=item["arguments"]),
-                self._event("response.output_item.done", output_index=i, item=item)]
+        return [
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=i,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=i, item=item),
+        ]
 
     def end(self) -> tuple[dict, list[dict]]:
         """The final response object and the events that end the stream."""
@@ -491,8 +634,9 @@ class ResponseEvents:
         return response, out + [self._event(f"response.{status}", response=response)]
 
     def fail(self, message: str, code: Optional[str]) -> list[dict]:
-        response = self.call.envelope("failed", self.output, self.usage, {"code": code or "server_error",
-                                                                           "message": message})
+        response = self.call.envelope(
+            "failed", self.output, self.usage, {"code": code or "server_error", "message": message}
+        )
         return [self._event("response.failed", response=response)]
 
 
@@ -504,6 +648,7 @@ async def event_stream(call: ResponseCall, chunks, block_size: int, keep):
 
     def sse(evs: list[dict]) -> str:
         return "".join(f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n" for ev in evs)
+
     try:
         yield sse(events.start())
         async for body in chunks:

@@ -21,6 +21,7 @@ request's tools becomes content again, where no call of it was streamed: nothing
 is invented. A call already streamed cannot be taken back: if the reply then breaks the markup (or ends inside a
 call, cut by ``max_tokens``), the calls begun are delivered as written and what follows the last of them is content.
 """
+
 from __future__ import annotations
 
 import json
@@ -126,7 +127,7 @@ class Qwen3Xml(Hermes):
         draft = replace(draft, name=name)
         while True:
             j = _skip_ws(held, j)
-            if self.PARAMETER.startswith(held[j:j + len(self.PARAMETER)]) and j + len(self.PARAMETER) > len(held):
+            if self.PARAMETER.startswith(held[j : j + len(self.PARAMETER)]) and j + len(self.PARAMETER) > len(held):
                 return draft, -1  # the text ends inside "<parameter="
             if not held.startswith(self.PARAMETER, j):
                 break
@@ -134,8 +135,8 @@ class Qwen3Xml(Hermes):
             close = held.find(self.PARAMETER_END, key_end) if key_end >= 0 else -1
             if close < 0:
                 return draft, -1
-            value = held[key_end + 1:close]
-            values[held[j + len(self.PARAMETER):key_end].strip()] = value.removeprefix("\n").removesuffix("\n")
+            value = held[key_end + 1 : close]
+            values[held[j + len(self.PARAMETER) : key_end].strip()] = value.removeprefix("\n").removesuffix("\n")
             j = close + len(self.PARAMETER_END)
         end = _closing(held, j, self.FUNCTION_END, self.CLOSE)
         if end < 0:
@@ -156,14 +157,24 @@ class Qwen3Xml(Hermes):
         except ValueError:
             return value
         ok = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
-        if parsed is None and "null" in types or any(isinstance(parsed, ok[t]) and not (
-                t in ("integer", "number") and isinstance(parsed, bool)) for t in types if t in ok):
+        if (
+            parsed is None
+            and "null" in types
+            or any(
+                isinstance(parsed, ok[t]) and not (t in ("integer", "number") and isinstance(parsed, bool))
+                for t in types
+                if t in ok
+            )
+        ):
             return parsed
         return value
 
     def forced(self, functions: list[dict]) -> CallShape:
-        raise RequestError("tool_choice 'required' or a named function is not supported with Qwen3-Coder's XML "
-                           "calls (there is no JSON object to hold to a schema); use 'auto'", field="tool_choice")
+        raise RequestError(
+            "tool_choice 'required' or a named function is not supported with Qwen3-Coder's XML "
+            "calls (there is no JSON object to hold to a schema); use 'auto'",
+            field="tool_choice",
+        )
 
     def triggered(self, functions: list[dict]) -> CallShape | None:
         return None
@@ -227,7 +238,7 @@ class DeepSeekV3(ToolMarkup):
         sep = held.find(self.SEP, start)
         if sep < 0:
             return draft, -1
-        head, v = held[start + len(self.CALL):sep].strip(), sep + len(self.SEP)
+        head, v = held[start + len(self.CALL) : sep].strip(), sep + len(self.SEP)
         fenced = head == "function"
         if fenced:
             line = held.find("\n", v)
@@ -243,7 +254,7 @@ class DeepSeekV3(ToolMarkup):
         if v < 0 or v == len(held):
             return draft, min(v, -1)
         end = _value_end(held, v)
-        draft = replace(draft, args=held[v:end if end >= 0 else len(held)], args_done=end >= 0)
+        draft = replace(draft, args=held[v : end if end >= 0 else len(held)], args_done=end >= 0)
         close = -1 if end < 0 else _closing(held, end, *(("```", self.CALL_END) if fenced else (self.CALL_END,)))
         return replace(draft, end=max(close, -1)), close
 
@@ -253,10 +264,16 @@ class DeepSeekV3(ToolMarkup):
 
     def triggered(self, functions: list[dict]) -> CallShape:
         """The name comes before the arguments: a branch per function (its name, then its parameters' object)."""
-        names = [f"function{self.SEP}{f['name']}\n```json\n" if self.code_block else f"{f['name']}{self.SEP}"
-                 for f in functions]
-        schema = {"anyOf": [_rebased(f.get("parameters") or {"type": "object", "properties": {}}, f"#/anyOf/{i}")
-                            for i, f in enumerate(functions)]}
+        names = [
+            f"function{self.SEP}{f['name']}\n```json\n" if self.code_block else f"{f['name']}{self.SEP}"
+            for f in functions
+        ]
+        schema = {
+            "anyOf": [
+                _rebased(f.get("parameters") or {"type": "object", "properties": {}}, f"#/anyOf/{i}")
+                for i, f in enumerate(functions)
+            ]
+        }
         return CallShape(self.CALL, schema, ("\n```" if self.code_block else "") + self.CALL_END, tuple(names))
 
 
@@ -273,8 +290,13 @@ class CallShape:
 
     def sampling(self, trigger: bool = False) -> dict:
         """The ``SamplingParams`` fields that constrain a reply to it."""
-        return {"json_schema": json.dumps(self.schema), "json_prefix": self.prefix, "json_suffix": self.suffix,
-                "json_branches": self.branches, **({"json_trigger": True} if trigger else {})}
+        return {
+            "json_schema": json.dumps(self.schema),
+            "json_prefix": self.prefix,
+            "json_suffix": self.suffix,
+            "json_branches": self.branches,
+            **({"json_trigger": True} if trigger else {}),
+        }
 
 
 def structural_shape(structures: list[dict], triggers: list[str]) -> CallShape:
@@ -285,16 +307,24 @@ def structural_shape(structures: list[dict], triggers: list[str]) -> CallShape:
         raise RequestError("structural_tag: one (non-empty) trigger is supported", field="response_format")
     trigger, ends = triggers[0], {s["end"] for s in structures}
     if not all(s["begin"].startswith(trigger) for s in structures) or len(ends) != 1:
-        raise RequestError("structural_tag: every structure's begin must start with the trigger, and all must share "
-                           "one end", field="response_format")
+        raise RequestError(
+            "structural_tag: every structure's begin must start with the trigger, and all must share one end",
+            field="response_format",
+        )
     schema = {"anyOf": [_rebased(s["schema"], f"#/anyOf/{i}") for i, s in enumerate(structures)]}
-    return CallShape(trigger, schema, ends.pop(), tuple(s["begin"][len(trigger):] for s in structures))
+    return CallShape(trigger, schema, ends.pop(), tuple(s["begin"][len(trigger) :] for s in structures))
 
 
 def partial_tag(text: str, *tags: str) -> int:
     """How many trailing characters of ``text`` are the start of one of ``tags`` (0: none)."""
-    return next((n for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1)
-                 if any(t.startswith(text[-n:]) for t in tags)), 0)
+    return next(
+        (
+            n
+            for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1)
+            if any(t.startswith(text[-n:]) for t in tags)
+        ),
+        0,
+    )
 
 
 @dataclass(frozen=True)
@@ -441,7 +471,7 @@ def _object_draft(held: str, start: int, i: int, args_keys: tuple[str, str]) -> 
     if key is None:
         return CallDraft(start, end, name, "{}" if end >= 0 else "", end >= 0)
     v, v_end = members[key]
-    return CallDraft(start, end, name, held[v:v_end if v_end >= 0 else len(held)], v_end >= 0)
+    return CallDraft(start, end, name, held[v : v_end if v_end >= 0 else len(held)], v_end >= 0)
 
 
 def _closing(text: str, i: int, *marks: str) -> int:
@@ -449,7 +479,7 @@ def _closing(text: str, i: int, *marks: str) -> int:
     become them, -2 where it cannot."""
     for mark in marks:
         i = _skip_ws(text, i)
-        written = text[i:i + len(mark)]
+        written = text[i : i + len(mark)]
         if written != mark:
             return -1 if i + len(written) == len(text) and mark.startswith(written) else -2
         i += len(mark)
@@ -459,11 +489,19 @@ def _closing(text: str, i: int, *marks: str) -> int:
 def _call_schema(functions: list[dict], arguments: str) -> dict:
     """A call object's schema: the function's name and its arguments under ``arguments`` (the markup's key). The
     parameters' local ``$ref``s (pydantic's ``#/$defs/...`` for nested models) are rebased to where they now sit."""
+
     def call(i: int, f: dict) -> dict:
         at = f"#/properties/{arguments}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{arguments}"
-        return {"type": "object", "additionalProperties": False, "required": ["name", arguments],
-                "properties": {"name": {"const": f["name"]},
-                               arguments: _rebased(f.get("parameters") or {"type": "object", "properties": {}}, at)}}
+        return {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name", arguments],
+            "properties": {
+                "name": {"const": f["name"]},
+                arguments: _rebased(f.get("parameters") or {"type": "object", "properties": {}}, at),
+            },
+        }
+
     calls = [call(i, f) for i, f in enumerate(functions)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
@@ -475,12 +513,19 @@ def _rebased(schema, base: str):
         return [_rebased(x, base) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
-            for k, v in schema.items()}
+    return {
+        k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+        for k, v in schema.items()
+    }
 
 
-TOOL_PARSERS = {"hermes": Hermes, "qwen3_coder": Qwen3Xml, "llama3_json": Llama3Json, "deepseek_v3": lambda: DeepSeekV3(code_block=True),
-                "deepseek_v31": lambda: DeepSeekV3(code_block=False)}  # --tool-call-parser's names (vLLM's)
+TOOL_PARSERS = {
+    "hermes": Hermes,
+    "qwen3_coder": Qwen3Xml,
+    "llama3_json": Llama3Json,
+    "deepseek_v3": lambda: DeepSeekV3(code_block=True),
+    "deepseek_v31": lambda: DeepSeekV3(code_block=False),
+}  # --tool-call-parser's names (vLLM's)
 
 
 def tool_markup(template: str | None, parser: str = "auto") -> ToolMarkup | None:
@@ -560,7 +605,7 @@ class ToolCallSplitter:
     def _drafts(self) -> list[CallDraft]:
         """The markup's drafts of the held text. While the last call's arguments are open, new text can only extend
         them until the value ends, so only the new text is scanned: a long call costs linear time, not quadratic."""
-        held = self._text[self._held_from:]
+        held = self._text[self._held_from :]
         if self._open is not None:
             drafts, begin, value = self._open
             if value.feed(held, begin) < 0:
@@ -578,22 +623,24 @@ class ToolCallSplitter:
     def finish(self) -> str:
         """The completion ended: check what was held; return the content not shown yet (all of it if the held text
         holds no valid call and none was streamed). ``calls`` then holds the OpenAI tool calls."""
-        held = self._text[self._held_from:] if self._held_from >= 0 else ""
+        held = self._text[self._held_from :] if self._held_from >= 0 else ""
         drafts, unbroken = self.markup.drafts(held) if held else ([], True)
         found = _valid_calls(drafts, self.names) if unbroken else None
         if found is not None:
             kept = found if self.parallel else found[:1]
             rest = _unwrapped(_outside(held, drafts), self.markup.WRAPPERS)
         elif self._sent:  # calls already streamed stay, delivered as written; the text around them is content
-            sent = drafts[:len(self._sent)]
+            sent = drafts[: len(self._sent)]
             valid = _valid_calls(sent, self.names)
             kept = valid or [(d.name, d.args if d.args.startswith("{") else "") for d in sent]
             rest, self.whole = _outside(held, sent), valid is not None
         else:
             return self._show(len(self._text))
         self._left = self._advance(kept)
-        self.calls = [{"id": sent[0], "type": "function", "function": {"name": name, "arguments": args}}
-                      for sent, (name, args) in zip(self._sent, kept)]
+        self.calls = [
+            {"id": sent[0], "type": "function", "function": {"name": name, "arguments": args}}
+            for sent, (name, args) in zip(self._sent, kept)
+        ]
         return self._show(self._held_from) + (rest if rest.strip() else "")
 
     def _advance(self, calls: list[tuple[str, str]]) -> list[dict]:
@@ -603,9 +650,15 @@ class ToolCallSplitter:
         for k, (name, args) in enumerate(calls):
             if k == len(self._sent):
                 self._sent.append([f"call_{uuid.uuid4().hex[:24]}", 0])
-                out.append({"index": k, "id": self._sent[k][0], "type": "function",
-                            "function": {"name": name, "arguments": ""}})
-            new, self._sent[k][1] = args[self._sent[k][1]:], max(len(args), self._sent[k][1])
+                out.append(
+                    {
+                        "index": k,
+                        "id": self._sent[k][0],
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }
+                )
+            new, self._sent[k][1] = args[self._sent[k][1] :], max(len(args), self._sent[k][1])
             if new and out and out[-1]["index"] == k:
                 out[-1]["function"]["arguments"] += new
             elif new:
@@ -613,7 +666,7 @@ class ToolCallSplitter:
         return out
 
     def _show(self, end: int) -> str:
-        out = self._text[self._shown:end] if end > self._shown else ""
+        out = self._text[self._shown : end] if end > self._shown else ""
         self._shown = max(self._shown, end)
         return out
 
@@ -622,7 +675,7 @@ def _outside(held: str, drafts: list[CallDraft]) -> str:
     """The held text outside the calls (none after a call still open)."""
     parts, pos = [], 0
     for d in drafts:
-        parts.append(held[pos:d.start])
+        parts.append(held[pos : d.start])
         pos = d.end if d.end >= 0 else len(held)
     return "".join(parts) + held[pos:]
 

@@ -2,6 +2,7 @@
 ``--disable-log-requests``, vLLM's flag) and, every ``STATS_INTERVAL_S`` while busy, a line of throughput, requests,
 KV cache use and cache hits by read path (``StatsLine``, as vLLM's "Avg prompt throughput" line; off with
 ``--disable-log-stats``). Both go through ``logging``: ``dualpath.access`` and ``dualpath.stats``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ _current: ContextVar[Access | None] = ContextVar("dualpath_access", default=None
 @dataclass
 class Access:
     """What one HTTP request generated, filled in as its choices finish (``note``)."""
+
     started: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -88,8 +90,10 @@ def access_line(scope, status: int, a: Access, now: float) -> str:
     if a.choices:
         if a.first_token_at is not None:
             parts.append(f"ttft={a.first_token_at - a.started:.3f}s")
-        parts.append(f"prompt_tokens={a.prompt_tokens} generated_tokens={a.generated_tokens} "
-                     f"cached_tokens={a.cached_tokens} read_path={a.read_path or 'none'}")
+        parts.append(
+            f"prompt_tokens={a.prompt_tokens} generated_tokens={a.generated_tokens} "
+            f"cached_tokens={a.cached_tokens} read_path={a.read_path or 'none'}"
+        )
     if client:
         parts.append(f"client={client[0]}:{client[1]}")
     rid = scope.get("state", {}).get("request_id")
@@ -102,6 +106,7 @@ def access_line(scope, status: int, a: Access, now: float) -> str:
 @dataclass(frozen=True)
 class Counts:
     """A frontend's cumulative token counts at one moment (its Prometheus counters) and its requests in flight."""
+
     prompt: float = 0.0
     generated: float = 0.0
     cached: tuple[tuple[str, float], ...] = ()  # prompt tokens loaded from storage, by read path
@@ -111,8 +116,12 @@ class Counts:
 def frontend_counts(front) -> Counts:
     """``front``'s (a ``Frontend``) counts, read back from its own counters (one source of truth with /metrics)."""
     cached = {dict(k).get("path", ""): v for k, v in sample_values(front.m_cached).items()}
-    return Counts(sum(sample_values(front.m_prompt).values()), sum(sample_values(front.m_completion).values()),
-                  tuple(sorted(cached.items())), front.in_flight)
+    return Counts(
+        sum(sample_values(front.m_prompt).values()),
+        sum(sample_values(front.m_completion).values()),
+        tuple(sorted(cached.items())),
+        front.in_flight,
+    )
 
 
 def scheduler_stats(client) -> dict | None:
@@ -129,8 +138,12 @@ class StatsLine:
     was idle (no token counted, no request in flight). ``counts`` and ``stats`` are read at each tick (``stats`` only
     when busy: it is an RPC); ``clock`` is injectable for tests."""
 
-    def __init__(self, counts: Callable[[], Counts], stats: Callable[[], dict | None],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        counts: Callable[[], Counts],
+        stats: Callable[[], dict | None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.counts, self.stats, self.clock = counts, stats, clock
         self._at, self._last = clock(), counts()
 
@@ -141,8 +154,10 @@ class StatsLine:
         if not prompt and not generated and not counts.in_flight:
             return None
         seconds = max(now - then, 1e-9)
-        parts = [f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s",
-                 f"Avg generation throughput: {generated / seconds:.1f} tokens/s"]
+        parts = [
+            f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s",
+            f"Avg generation throughput: {generated / seconds:.1f} tokens/s",
+        ]
         parts += _cluster_parts(self.stats())
         if prompt:
             parts.append(_hit_rate(dict(counts.cached), dict(last.cached), prompt))

@@ -22,6 +22,7 @@ What is modelled (and what is not):
   context`` seconds and gives every running request one token; a request holds prompt + generation KV tokens.
 * ``oracle`` reads no storage: hit KV is already in place (the paper's Oracle, an upper bound).
 """
+
 from __future__ import annotations
 
 import gc
@@ -204,8 +205,13 @@ class SimResult:
 
 
 class ClusterSim:
-    def __init__(self, cfg: SimConfig, rounds_per_agent: list[list[tuple[int, int]]],
-                 starts: list[float] | None = None, priorities: list[int] | None = None):
+    def __init__(
+        self,
+        cfg: SimConfig,
+        rounds_per_agent: list[list[tuple[int, int]]],
+        starts: list[float] | None = None,
+        priorities: list[int] | None = None,
+    ):
         self.cfg = cfg
         mode, policy, self.layerwise, self.reads = SYSTEMS[cfg.system]
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
@@ -214,10 +220,18 @@ class ClusterSim:
             caps["storage"] = cfg.storage_bps
         caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
-        self.core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", mode=mode, policy=policy,
-                                                  heartbeat_timeout_s=1e12, max_queued_requests=10 ** 9,
-                                                  scheduling_policy=cfg.scheduling_policy),
-                                  make_policy(policy), clock=lambda net=self.loop.net: net.now)
+        self.core = SchedulerCore(
+            SchedulerConfig(
+                kv_store="/nonexistent",
+                mode=mode,
+                policy=policy,
+                heartbeat_timeout_s=1e12,
+                max_queued_requests=10**9,
+                scheduling_policy=cfg.scheduling_policy,
+            ),
+            make_policy(policy),
+            clock=lambda net=self.loop.net: net.now,
+        )
         # one engine's timings and KV per role: a TP engine is one engine of its ranks' capacity
         self.models = {role: cfg.engine.with_tp(cfg.tp(role)) for role in (Role.PREFILL, Role.DECODE)}
         self.pe_model, self.de_model = self.models[Role.PREFILL], self.models[Role.DECODE]
@@ -226,8 +240,10 @@ class ClusterSim:
         for node in nodes:
             for i in range(cfg.engines_per_node(self._role(node))):
                 self._register(node, i)
-        self.agents = [Agent(i, r, start=starts[i] if starts else 0.0, priority=priorities[i] if priorities else 0)
-                       for i, r in enumerate(rounds_per_agent)]
+        self.agents = [
+            Agent(i, r, start=starts[i] if starts else 0.0, priority=priorities[i] if priorities else 0)
+            for i, r in enumerate(rounds_per_agent)
+        ]
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
         self.by_id: dict[str, SimRequest] = {}  # submitted, not yet assigned: by request id (a run keeps no history)
         self.ttft: list[float] = []
@@ -259,10 +275,25 @@ class ClusterSim:
         e, tp = self.models[role], cfg.tp(role)
         read_tokens = cfg.hardware.read_bps / cfg.model.kv_bytes_per_token
         beta = e.prefill.tokens_in(5.0)  # as the real prefill engines report it
-        info = EngineInfo(f"{node}-{i}", role, node, "sim", "sim", {}, [], 0, 0, cfg.block_size, e.num_layers,
-                          "00" * 16, e.decode_kv_tokens if role is Role.DECODE else 10 ** 9,
-                          max_model_len=10 ** 8, group_id=node, alpha_tokens=int(3.0 * read_tokens),
-                          beta_tokens=beta if role is Role.PREFILL else 0)
+        info = EngineInfo(
+            f"{node}-{i}",
+            role,
+            node,
+            "sim",
+            "sim",
+            {},
+            [],
+            0,
+            0,
+            cfg.block_size,
+            e.num_layers,
+            "00" * 16,
+            e.decode_kv_tokens if role is Role.DECODE else 10**9,
+            max_model_len=10**8,
+            group_id=node,
+            alpha_tokens=int(3.0 * read_tokens),
+            beta_tokens=beta if role is Role.PREFILL else 0,
+        )
         self.core.register(info)
         self.engines[info.engine_id] = SimEngine(info, (node, i * tp), tp)
         self.groups.setdefault(node, []).append(self.engines[info.engine_id])
@@ -279,10 +310,14 @@ class ClusterSim:
         self.by_id[rid] = req
         sampling = self._sampling.get((gen, priority))
         if sampling is None:  # one per (generation length, priority): building and checking them cost ~10 us a turn
-            sampling = self._sampling[gen, priority] = SamplingParams(max_tokens=gen, ignore_eos=True,
-                                                                      priority=priority).to_dict()
-        self.core.submit(SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
-                         lambda ev, r=req: self._on_event(ev, r), trust_hashes=True)
+            sampling = self._sampling[gen, priority] = SamplingParams(
+                max_tokens=gen, ignore_eos=True, priority=priority
+            ).to_dict()
+        self.core.submit(
+            SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
+            lambda ev, r=req: self._on_event(ev, r),
+            trust_hashes=True,
+        )
 
     def _on_event(self, ev: SubmitEvent, req: SimRequest) -> None:
         if ev.kind == "finished":
@@ -305,8 +340,11 @@ class ClusterSim:
         scheduler has nothing queued the group could take."""
         members, every = self.groups[group], self.cfg.every_pull
         read_q = self._read_q_tokens(group)  # a group is a node: one engine reports the node's queue
-        loads = [self._load(e, read_q if i == 0 else 0) for i, e in enumerate(members)
-                 if every or (e.dirty and self._changed(e)) or (i == 0 and read_q != self.reported_q.get(group))]
+        loads = [
+            self._load(e, read_q if i == 0 else 0)
+            for i, e in enumerate(members)
+            if every or (e.dirty and self._changed(e)) or (i == 0 and read_q != self.reported_q.get(group))
+        ]
         if loads and loads[0].engine_id == members[0].info.engine_id:
             self.reported_q[group] = read_q
         if every or loads or not self.core.idle_for(group):
@@ -337,9 +375,17 @@ class ClusterSim:
         stored, e.stored = b"".join(e.stored), []
         read, e.read_bytes = e.read_bytes, 0.0
         e.reported = (len(e.held), e.held_tokens, e.reserved)
-        return EngineLoad(e.info.engine_id, len(e.held), e.held_tokens, read_q_tokens,
-                          e.info.capacity_tokens - e.reserved, request_ids=list(e.held), finished=finished,
-                          stored_keys=stored, storage_read_bytes=int(read))
+        return EngineLoad(
+            e.info.engine_id,
+            len(e.held),
+            e.held_tokens,
+            read_q_tokens,
+            e.info.capacity_tokens - e.reserved,
+            request_ids=list(e.held),
+            finished=finished,
+            stored_keys=stored,
+            storage_read_bytes=int(read),
+        )
 
     # --- prefill ----------------------------------------------------------------------------------------------
     def _start_prefill(self, pe: SimEngine, a) -> None:
@@ -373,8 +419,11 @@ class ClusterSim:
         key = (on_pe, pe.gpu, de.gpu)  # a role's engines all have the same ranks
         if key not in self._routes:
             node = (pe.gpu if on_pe else de.gpu)[0]
-            self._routes[key] = path_route(PE_PATH if on_pe else DE_PATH, pe.gpu, de.gpu, pe.ranks, de.ranks) + (
-                (f"{node}/storage_read", 1.0),) + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
+            self._routes[key] = (
+                path_route(PE_PATH if on_pe else DE_PATH, pe.gpu, de.gpu, pe.ranks, de.ranks)
+                + ((f"{node}/storage_read", 1.0),)
+                + ((("storage", 1.0),) if math.isfinite(self.cfg.storage_bps) else ())
+            )
         return self._routes[key]
 
     def _issue_reads(self, node: str) -> None:
@@ -507,8 +556,9 @@ class ClusterSim:
             de.stored.append(block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
 
     # --- run --------------------------------------------------------------------------------------------------
-    def run(self, until: float = math.inf, progress: Callable[[float, int], None] | None = None,
-            every_s: float = 50.0) -> SimResult:
+    def run(
+        self, until: float = math.inf, progress: Callable[[float, int], None] | None = None, every_s: float = 50.0
+    ) -> SimResult:
         """Simulate to the end (or to ``until``); ``progress(simulated time, turns done)`` is called every ``every_s``
         simulated seconds."""
         for agent in self.agents:
@@ -532,8 +582,17 @@ class ClusterSim:
         finally:
             gc.set_threshold(*thresholds)
         jct = max((a.finished_at for a in self.agents), default=0.0)
-        return SimResult(jct, self.turns, dict(self.read_bytes), self.ttft, dict(self.loop.net.carried), self.tpot,
-                         self.ttft_at, self.tpot_at, self.ttft_agent)
+        return SimResult(
+            jct,
+            self.turns,
+            dict(self.read_bytes),
+            self.ttft,
+            dict(self.loop.net.carried),
+            self.tpot,
+            self.ttft_at,
+            self.tpot_at,
+            self.ttft_agent,
+        )
 
 
 @dataclass(frozen=True)
@@ -552,8 +611,16 @@ class Slo:
         return mean(ttft) <= self.ttft_s and mean(tpot) <= self.tpot_s
 
 
-def online_capacity(cfg: SimConfig, pool: list[list[tuple[int, int]]], duration_s: float, slo: Slo = Slo(),
-                    iters: int = 8, seed: int = 0, start: float = 1.0, warmup_s: float = 0.0) -> dict:
+def online_capacity(
+    cfg: SimConfig,
+    pool: list[list[tuple[int, int]]],
+    duration_s: float,
+    slo: Slo = Slo(),
+    iters: int = 8,
+    seed: int = 0,
+    start: float = 1.0,
+    warmup_s: float = 0.0,
+) -> dict:
     """The highest agent arrival rate (agents/s, Poisson over ``duration_s``) at which ``slo`` holds over the
     requests served from ``warmup_s`` to ``duration_s`` (the run stops there: requests still waiting are what an
     overloaded rate leaves behind, and a finite window admits a little more than the sustainable rate): doubling
@@ -588,20 +655,29 @@ def summarize(sim: ClusterSim, r: SimResult) -> dict:
     ends = sorted(a.finished_at for a in sim.agents if a.rounds and a.finished_at > 0)
     half = ends[len(ends) // 2] if ends else 0.0  # till half the agents are done the cluster is still full
     cfg = sim.cfg
-    return {"system": cfg.system, "prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.decode_nodes,
-            "prefill_tp": cfg.prefill_tp, "decode_tp": cfg.decode_tp,
-            "prefill_engines": cfg.prefill_nodes * cfg.engines_per_node(Role.PREFILL),
-            "decode_engines": cfg.decode_nodes * cfg.engines_per_node(Role.DECODE),
-            "agents": len(sim.agents), "jct_s": r.jct_s, "turns": r.turns,
-            "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
-            "busy_turns_per_s": sum(1 for t in r.tpot_at if t <= half) / half if half else 0.0,
-            "ttft_p50_s": float(np.median(r.ttft_s)) if r.ttft_s else 0.0,
-            "ttft_mean_s": float(np.mean(r.ttft_s)) if r.ttft_s else 0.0,
-            "tpot_mean_s": float(np.mean(r.tpot_s)) if r.tpot_s else 0.0,
-            "storage_read_bytes": {n: r.storage_read_bytes.get(n, 0.0) for n in sim.groups},
-            "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in sim.groups])
-            if sim.reads else 0.0,
-            "busiest_link": busiest, "busiest_utilization": util.get(busiest, 0.0)}
+    return {
+        "system": cfg.system,
+        "prefill_nodes": cfg.prefill_nodes,
+        "decode_nodes": cfg.decode_nodes,
+        "prefill_tp": cfg.prefill_tp,
+        "decode_tp": cfg.decode_tp,
+        "prefill_engines": cfg.prefill_nodes * cfg.engines_per_node(Role.PREFILL),
+        "decode_engines": cfg.decode_nodes * cfg.engines_per_node(Role.DECODE),
+        "agents": len(sim.agents),
+        "jct_s": r.jct_s,
+        "turns": r.turns,
+        "turns_per_s": r.turns / r.jct_s if r.jct_s else 0.0,
+        "busy_turns_per_s": sum(1 for t in r.tpot_at if t <= half) / half if half else 0.0,
+        "ttft_p50_s": float(np.median(r.ttft_s)) if r.ttft_s else 0.0,
+        "ttft_mean_s": float(np.mean(r.ttft_s)) if r.ttft_s else 0.0,
+        "tpot_mean_s": float(np.mean(r.tpot_s)) if r.tpot_s else 0.0,
+        "storage_read_bytes": {n: r.storage_read_bytes.get(n, 0.0) for n in sim.groups},
+        "storage_read_max_over_avg": max_over_avg([r.storage_read_bytes.get(n, 0.0) for n in sim.groups])
+        if sim.reads
+        else 0.0,
+        "busiest_link": busiest,
+        "busiest_utilization": util.get(busiest, 0.0),
+    }
 
 
 def engine_for(args) -> EngineModel:
@@ -632,8 +708,11 @@ def progress_printer(label: str, wall_every_s: float = 10.0, out=None) -> Callab
         now = time.perf_counter()
         if now - last >= wall_every_s:
             last = now
-            print(f"  ... {label}: {t:,.0f} simulated s, {turns:,} turns, {now - start:,.0f} s", file=out or sys.stderr,
-                  flush=True)
+            print(
+                f"  ... {label}: {t:,.0f} simulated s, {turns:,} turns, {now - start:,.0f} s",
+                file=out or sys.stderr,
+                flush=True,
+            )
 
     return report
 
@@ -653,8 +732,18 @@ def simulate_systems(args, hw: Hardware) -> list[dict]:
     storage = storage_bps(args.storage_gbps)
     rows = []
     for system in args.systems.split(","):
-        cfg = SimConfig(hw, MODELS[args.model], engine_for(args), args.prefill, args.decode, system, storage,
-                        pull_interval_s=args.pull_interval, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+        cfg = SimConfig(
+            hw,
+            MODELS[args.model],
+            engine_for(args),
+            args.prefill,
+            args.decode,
+            system,
+            storage,
+            pull_interval_s=args.pull_interval,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+        )
         sim = ClusterSim(cfg, rounds)
         rows.append(summarize(sim, sim.run(progress=progress_printer(system))))
         if args.online_seconds > 0:

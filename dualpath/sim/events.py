@@ -3,6 +3,7 @@
 Callbacks run in time order (ties in the order they were scheduled); a transfer's callback runs when its last
 byte arrives. Callbacks may schedule more work; nothing runs in the past.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -3,6 +3,7 @@
 Bandwidths are bytes per second and per direction unless named otherwise; DRAM bandwidth is the total a node's
 memory system sustains (reads plus writes), the paper's M.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -95,9 +96,14 @@ class EngineModel:
             return self  # TP 1 results stay bit-for-bit what they were
         f = 1 / self.tp_speedup(tp)
         p = self.prefill
-        return replace(self, prefill=CostModel(p.fixed * f, p.per_token * f, p.attention * f),
-                       decode_fixed_s=self.decode_fixed_s * f, decode_per_seq_s=self.decode_per_seq_s * f,
-                       decode_per_token_s=self.decode_per_token_s * f, decode_kv_tokens=self.decode_kv_tokens * tp)
+        return replace(
+            self,
+            prefill=CostModel(p.fixed * f, p.per_token * f, p.attention * f),
+            decode_fixed_s=self.decode_fixed_s * f,
+            decode_per_seq_s=self.decode_per_seq_s * f,
+            decode_per_token_s=self.decode_per_token_s * f,
+            decode_kv_tokens=self.decode_kv_tokens * tp,
+        )
 
 
 def engines_per_node(hw: Hardware, tp: int, role: str) -> int:
@@ -105,8 +111,10 @@ def engines_per_node(hw: Hardware, tp: int, role: str) -> int:
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"{role} tensor-parallel size must be a whole number of GPUs >= 1, got {tp!r}")
     if hw.gpus % tp:
-        raise ConfigError(f"{role} tensor-parallel size {tp} does not divide the node's {hw.gpus} GPUs (--gpus): an "
-                          f"engine's ranks are GPUs of one node, and every GPU of a node runs one")
+        raise ConfigError(
+            f"{role} tensor-parallel size {tp} does not divide the node's {hw.gpus} GPUs (--gpus): an "
+            f"engine's ranks are GPUs of one node, and every GPU of a node runs one"
+        )
     return hw.gpus // tp
 
 
@@ -134,10 +142,13 @@ class ModelPreset:
 #   from FLOPs at 45% of the H800's BF16 peak (65 GFLOP per token: 1.44e-4 s; attention 1.31 MFLOP per (new,
 #   cached) pair: 2.9e-9 s). Decode: TP8 weight reads ~20 ms per step, KV reads 1e-8 s per token; ~270K tokens.
 MODELS = {
-    "ds660b": ModelPreset("DeepSeek 660B", 40 * 1024, EngineModel(
-        CostModel(0.0, 6.49e-4, 5.0e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)),
-    "ds27b": ModelPreset("DeepSeek 27B", 30 * 576 * 2, EngineModel(
-        CostModel(0.0, 2.72e-4, 3.63e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)),
-    "qwen32b": ModelPreset("Qwen2.5-32B", 64 * 8 * 128 * 2 * 2, EngineModel(
-        CostModel(0.0, 1.44e-4, 2.9e-9), 0.02, 1e-4, 1e-8, 270_000, 64)),
+    "ds660b": ModelPreset(
+        "DeepSeek 660B", 40 * 1024, EngineModel(CostModel(0.0, 6.49e-4, 5.0e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)
+    ),
+    "ds27b": ModelPreset(
+        "DeepSeek 27B", 30 * 576 * 2, EngineModel(CostModel(0.0, 2.72e-4, 3.63e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)
+    ),
+    "qwen32b": ModelPreset(
+        "Qwen2.5-32B", 64 * 8 * 128 * 2 * 2, EngineModel(CostModel(0.0, 1.44e-4, 2.9e-9), 0.02, 1e-4, 1e-8, 270_000, 64)
+    ),
 }

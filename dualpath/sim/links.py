@@ -11,6 +11,7 @@ All GPU traffic, local copies included, goes through the GPU's paired CNIC (§5)
 the CNIC's read side and once on its write side. The miss tokens' KV (1-2% of a turn) is left out, as in §4.2.
 The simulator charges single transfers to the same crossings; this module sums steady-state rates.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,14 +22,28 @@ PREFILL, DECODE = "prefill", "decode"
 LINKS = ("snic", "dram", "cnic_read", "cnic_write")
 
 # (side, link, bytes crossing per byte of hit KV)
-PE_PATH = ((PREFILL, "snic", 1), (PREFILL, "dram", 2),            # SNIC writes the buffer, the CNIC reads it
-           (PREFILL, "cnic_read", 1), (PREFILL, "cnic_write", 1),  # loopback: buffer -> HBM
-           (PREFILL, "cnic_read", 1), (DECODE, "cnic_write", 1),   # prefill HBM -> decode buffer
-           (DECODE, "dram", 1),                                     # ... written into the decode buffer
-           (DECODE, "dram", 1), (DECODE, "cnic_read", 1), (DECODE, "cnic_write", 1))  # decode start: buffer -> HBM
-DE_PATH = ((DECODE, "snic", 1), (DECODE, "dram", 1),               # SNIC writes the decode buffer
-           (DECODE, "dram", 1), (DECODE, "cnic_read", 1), (PREFILL, "cnic_write", 1),  # buffer -> prefill HBM
-           (DECODE, "dram", 1), (DECODE, "cnic_read", 1), (DECODE, "cnic_write", 1))  # decode start: buffer -> HBM
+PE_PATH = (
+    (PREFILL, "snic", 1),
+    (PREFILL, "dram", 2),  # SNIC writes the buffer, the CNIC reads it
+    (PREFILL, "cnic_read", 1),
+    (PREFILL, "cnic_write", 1),  # loopback: buffer -> HBM
+    (PREFILL, "cnic_read", 1),
+    (DECODE, "cnic_write", 1),  # prefill HBM -> decode buffer
+    (DECODE, "dram", 1),  # ... written into the decode buffer
+    (DECODE, "dram", 1),
+    (DECODE, "cnic_read", 1),
+    (DECODE, "cnic_write", 1),
+)  # decode start: buffer -> HBM
+DE_PATH = (
+    (DECODE, "snic", 1),
+    (DECODE, "dram", 1),  # SNIC writes the decode buffer
+    (DECODE, "dram", 1),
+    (DECODE, "cnic_read", 1),
+    (PREFILL, "cnic_write", 1),  # buffer -> prefill HBM
+    (DECODE, "dram", 1),
+    (DECODE, "cnic_read", 1),
+    (DECODE, "cnic_write", 1),
+)  # decode start: buffer -> HBM
 
 
 @dataclass(frozen=True)
@@ -40,8 +55,10 @@ class LinkLoad:
 
     def bottleneck(self) -> tuple[str, str, float]:
         """(side, link, utilization) of the busiest link."""
-        return max(((side, link, u) for side, links in self.utilization.items() for link, u in links.items()),
-                   key=lambda t: t[2])
+        return max(
+            ((side, link, u) for side, links in self.utilization.items() for link, u in links.items()),
+            key=lambda t: t[2],
+        )
 
     def saturated(self, tolerance: float = 1e-9) -> list[tuple[str, str, float]]:
         return [(s, l, u) for s, links in self.utilization.items() for l, u in links.items() if u > 1 + tolerance]
@@ -49,12 +66,21 @@ class LinkLoad:
 
 def capacity(hw: Hardware, link: str) -> float:
     """A node's capacity on ``link``: CNIC traffic spreads over all the node's GPUs (load balanced)."""
-    return {"snic": hw.snic_bps, "dram": hw.dram_bps, "cnic_read": hw.gpus * hw.cnic_bps,
-            "cnic_write": hw.gpus * hw.cnic_bps}[link]
+    return {
+        "snic": hw.snic_bps,
+        "dram": hw.dram_bps,
+        "cnic_read": hw.gpus * hw.cnic_bps,
+        "cnic_write": hw.gpus * hw.cnic_bps,
+    }[link]
 
 
-def link_load(hw: Hardware, prefill_nodes: int, decode_nodes: int, pe_read_bps: float | None = None,
-              de_read_bps: float | None = None) -> LinkLoad:
+def link_load(
+    hw: Hardware,
+    prefill_nodes: int,
+    decode_nodes: int,
+    pe_read_bps: float | None = None,
+    de_read_bps: float | None = None,
+) -> LinkLoad:
     """Steady-state per-node link loads when every prefill node reads ``pe_read_bps`` of hit KV from storage (PE
     path) and every decode node ``de_read_bps`` (DE path); default: every storage NIC saturated, the state §4.2
     analyses. Traffic is spread evenly over the nodes of each side."""
@@ -82,8 +108,9 @@ def cluster_links(hw: Hardware, nodes: list[str]) -> dict[str, float]:
     return caps
 
 
-def path_route(path, prefill: tuple[str, int], decode: tuple[str, int], prefill_ranks: int = 1,
-               decode_ranks: int = 1) -> tuple[tuple[str, float], ...]:
+def path_route(
+    path, prefill: tuple[str, int], decode: tuple[str, int], prefill_ranks: int = 1, decode_ranks: int = 1
+) -> tuple[tuple[str, float], ...]:
     """The links one request's hit KV crosses on ``path`` (PE_PATH or DE_PATH) between a prefill engine and a decode
     engine, each (node, first GPU index) with its ranks on that GPU and the next ``*_ranks - 1``, with the factors of
     repeated crossings summed. Each rank moves its heads' slice, 1/ranks of the bytes, through its own CNIC (DESIGN

@@ -6,6 +6,7 @@ together until some link it crosses is full, then that link's flows are frozen, 
 set by its most contended link, and no link carries more than its capacity. Rates change only when a flow starts
 or ends, so completion times are exact piecewise-linear solutions, not time steps.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -113,7 +114,7 @@ class FlowNetwork:
     def _alone(self, f: Flow) -> None:
         """Rates for a new flow no link of whose route holds another flow: its fill; the others keep theirs
         (what ``_refill`` finds, without its search) unless a faster flow shares its new bottleneck."""
-        (rate, link), = self._fill({f.id: f}).values()
+        ((rate, link),) = self._fill({f.id: f}).values()
         if any(g.rate > rate * (1 + 1e-9) for g in self._on_link[link].values() if g is not f):
             self._refill({f.id: f})
             return
@@ -154,8 +155,7 @@ class FlowNetwork:
         if done:  # the links they crossed have room now: the flows those links hold may speed up
             links = {link for f in done for link, _ in f.route if self._held.get(link)}
             if links and not (len(links) == 1 and self._uniform(links.pop())):
-                self._refill({g.id: g for f in done for link, _ in f.route
-                              for g in self._held.get(link, {}).values()})
+                self._refill({g.id: g for f in done for link, _ in f.route for g in self._held.get(link, {}).values()})
         return [f.id for f in done]
 
     def utilization(self) -> dict[str, float]:
@@ -236,11 +236,15 @@ class FlowNetwork:
                     fastest[link] = max(fastest.get(link, 0.0), rate)
             for link, delta in changed.items():  # an outside flow held by a link whose load moved, or held where
                 moved = abs(delta) > 1e-9 * self.capacity[link]  # one of ours is now faster than it
-                grow.update((g.id, g) for g in self._held.get(link, {}).values()
-                            if g.id not in group and (moved or fastest[link] > g.rate * (1 + 1e-9)))
+                grow.update(
+                    (g.id, g)
+                    for g in self._held.get(link, {}).values()
+                    if g.id not in group and (moved or fastest[link] > g.rate * (1 + 1e-9))
+                )
             for fid, (rate, link) in rates.items():  # an outside flow faster than ours where ours is held
-                grow.update((g.id, g) for g in self._on_link[link].values()
-                            if g.id not in group and g.rate > rate * (1 + 1e-9))
+                grow.update(
+                    (g.id, g) for g in self._on_link[link].values() if g.id not in group and g.rate > rate * (1 + 1e-9)
+                )
             if not grow:
                 self.refilled += len(group)
                 for fid, (rate, link) in rates.items():
@@ -259,8 +263,10 @@ class FlowNetwork:
             (f,) = group.values()
             if len(f.factor) == len(f.route):  # each link once: the loop below gives exactly this
                 cap, load = self.capacity, self._load
-                level, link = min((max(cap[link] - load.get(link, 0.0) + f.rate * factor, 0.0) / factor, link)
-                                  for link, factor in f.route)
+                level, link = min(
+                    (max(cap[link] - load.get(link, 0.0) + f.rate * factor, 0.0) / factor, link)
+                    for link, factor in f.route
+                )
                 return {f.id: (max(level, 1e-300), link)}
         users: dict[str, list[Flow]] = {}
         weight: dict[str, float] = {}

@@ -1,5 +1,6 @@
 """The P/D planner's analytic part: the range of prefill/decode node ratios in which DualPath, with every storage
 NIC saturated, adds no bottleneck on any compute NIC or DRAM (paper §4.2)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ def bottleneck_free_range(hw: Hardware) -> RatioRange:
     """s/(g-s) <= P/D <= min{(g-2s)/s, (g-s)/(2s), (M/(Bs)-3)/2}, with s = storage_ratio, B the CNIC bandwidth."""
     g, s = hw.gpus, hw.storage_ratio
     low = s / (g - s) if g > s else float("inf")
-    highs = {"decode CNIC read": (g - 2 * s) / s, "decode CNIC write": (g - s) / (2 * s),
-             "decode DRAM": (hw.dram_bps / hw.snic_bps - 3) / 2}
+    highs = {
+        "decode CNIC read": (g - 2 * s) / s,
+        "decode CNIC write": (g - s) / (2 * s),
+        "decode DRAM": (hw.dram_bps / hw.snic_bps - 3) / 2,
+    }
     binding = min(highs, key=highs.get)
     return RatioRange(low, highs[binding], binding, 2 * s <= g)
 
@@ -40,16 +44,18 @@ def engine_layout(hw: Hardware, engine: EngineModel, prefill_tp: int, decode_tp:
     a TP that does not divide the node's GPUs. The §4.2 range is per node, so TP does not move it."""
     out = {}
     for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-        out[role] = {"tp": tp, "engines_per_node": engines_per_node(hw, tp, role),
-                     "compute_gpus": engine.tp_speedup(tp)}
+        out[role] = {
+            "tp": tp,
+            "engines_per_node": engines_per_node(hw, tp, role),
+            "compute_gpus": engine.tp_speedup(tp),
+        }
     out["decode"]["kv_tokens"] = engine.with_tp(decode_tp).decode_kv_tokens
     return out
 
 
 def node_counts(ratio_range: RatioRange, total_nodes: int) -> list[tuple[int, int]]:
     """Every (P, D) split of ``total_nodes`` inside the range."""
-    return [(p, total_nodes - p) for p in range(1, total_nodes)
-            if ratio_range.contains(p / (total_nodes - p))]
+    return [(p, total_nodes - p) for p in range(1, total_nodes) if ratio_range.contains(p / (total_nodes - p))]
 
 
 def storage_bound_turns_per_s(hw: Hardware, nodes: int, kv_bytes_per_token: int, hit_tokens: int) -> float:
@@ -87,9 +93,19 @@ def link_utilization(caps: dict[str, float], carried: dict[str, float], seconds:
     return {k: sum(v) / len(v) for k, v in used.items()}
 
 
-def simulate_split(hw: Hardware, model, prefill: int, decode: int, rounds, seconds: float,
-                   system: str = "dualpath", storage_gbps: float | None = None, prefill_tp: int = 1,
-                   decode_tp: int = 1, engine=None) -> dict:
+def simulate_split(
+    hw: Hardware,
+    model,
+    prefill: int,
+    decode: int,
+    rounds,
+    seconds: float,
+    system: str = "dualpath",
+    storage_gbps: float | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    engine=None,
+) -> dict:
     """One P/D split under a closed loop of agents (``rounds``) for ``seconds`` of simulated time: turns/s over
     the second half, prefill GPU busy fraction and link utilizations (the whole run). ``storage_gbps``: the
     storage system's aggregate read rate (None or 0: unlimited); ``*_tp``: GPUs per engine of each role;
@@ -97,16 +113,34 @@ def simulate_split(hw: Hardware, model, prefill: int, decode: int, rounds, secon
     from dualpath.sim.cluster import ClusterSim, SimConfig, storage_bps
 
     storage = storage_bps(storage_gbps)
-    sim = ClusterSim(SimConfig(hw, model, engine or model.engine, prefill, decode, system, storage,
-                               prefill_tp=prefill_tp, decode_tp=decode_tp), rounds)
+    sim = ClusterSim(
+        SimConfig(
+            hw,
+            model,
+            engine or model.engine,
+            prefill,
+            decode,
+            system,
+            storage,
+            prefill_tp=prefill_tp,
+            decode_tp=decode_tp,
+        ),
+        rounds,
+    )
     r = sim.run(until=seconds)
     done = sum(1 for t in r.tpot_at if t >= seconds / 2)
     util = link_utilization(sim.loop.net.capacity, r.link_bytes, seconds)
     busiest = max(util, key=util.get)
-    return {"prefill": prefill, "decode": decode, "turns_per_s": done / (seconds / 2),
-            "prefill_busy": sim.prefill_busy_s / (prefill * hw.gpus * seconds),
-            "ttft_mean_s": sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else 0.0,
-            "busiest": busiest, "busiest_utilization": util[busiest], "utilization": util}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "turns_per_s": done / (seconds / 2),
+        "prefill_busy": sim.prefill_busy_s / (prefill * hw.gpus * seconds),
+        "ttft_mean_s": sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else 0.0,
+        "busiest": busiest,
+        "busiest_utilization": util[busiest],
+        "utilization": util,
+    }
 
 
 def best_split(rows: list[dict]) -> dict:

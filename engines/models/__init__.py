@@ -1,4 +1,5 @@
 """Model registry: architecture name -> class, and ``load_model`` for a checkpoint directory."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,14 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 }
 
 
-def load_model(ckpt: Checkpoint | str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.float32, kernels: str = "auto",
-               quantize: WeightQuantConfig | None = None, shard: TPShard = TPShard()) -> CausalLM:
+def load_model(
+    ckpt: Checkpoint | str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    kernels: str = "auto",
+    quantize: WeightQuantConfig | None = None,
+    shard: TPShard = TPShard(),
+) -> CausalLM:
     """Build the model for a checkpoint on ``device`` in ``dtype`` and load its weights; ``kernels`` as in
     ``dualpath.kernels.attention.choose_backend``; ``quantize`` as in ``open_checkpoint`` (for a directory); ``shard``: the
     tensor-parallel rank whose part of the weights is read (the caller sets ``model.comm`` before a forward)."""
@@ -52,9 +58,15 @@ def _log_load(model: CausalLM, ckpt: Checkpoint, seconds: float) -> None:
     """What the weights take on the device, and which are FP8 (vLLM's "model weights took ... GiB")."""
     params = list(model.parameters())
     fp8 = sum(p.numel() for p in params if p.dtype == FP8) / sum(p.numel() for p in params)
-    log.info("%s: %.1f MiB of weights on %s in %.1f s, %.0f%% of them FP8%s", ckpt.path.name,
-             sum(p.numel() * p.element_size() for p in params) / 2 ** 20, params[0].device, seconds, 100 * fp8,
-             " (quantized at load)" if ckpt.quantize_at_load else "")
+    log.info(
+        "%s: %.1f MiB of weights on %s in %.1f s, %.0f%% of them FP8%s",
+        ckpt.path.name,
+        sum(p.numel() * p.element_size() for p in params) / 2**20,
+        params[0].device,
+        seconds,
+        100 * fp8,
+        " (quantized at load)" if ckpt.quantize_at_load else "",
+    )
 
 
 def open_update(model: CausalLM, model_dir: str | os.PathLike, quantize: WeightQuantConfig | None = None) -> Checkpoint:
@@ -63,11 +75,14 @@ def open_update(model: CausalLM, model_dir: str | os.PathLike, quantize: WeightQ
     reach a model held in FP8 only through the ``quantize`` it was loaded with) and every tensor present and
     shaped as the model needs, or ``CheckpointError`` naming what differs. Reads headers only."""
     ckpt = open_checkpoint(model_dir, quantize)
-    differ = [f.name for f in dataclasses.fields(ModelConfig)
-              if getattr(ckpt.config, f.name) != getattr(model.config, f.name)]
+    differ = [
+        f.name for f in dataclasses.fields(ModelConfig) if getattr(ckpt.config, f.name) != getattr(model.config, f.name)
+    ]
     if differ:
-        raise CheckpointError(f"{ckpt.path}: not new weights for the loaded model (its config differs in "
-                              f"{', '.join(differ)}); an update keeps the architecture and every shape")
+        raise CheckpointError(
+            f"{ckpt.path}: not new weights for the loaded model (its config differs in "
+            f"{', '.join(differ)}); an update keeps the architecture and every shape"
+        )
     model.check_checkpoint(ckpt)
     return ckpt
 
@@ -78,5 +93,13 @@ def reload_weights(model: CausalLM, model_dir: str | os.PathLike, quantize: Weig
     return model.reload_weights(open_update(model, model_dir, quantize))
 
 
-__all__ = ["CausalLM", "Checkpoint", "ForwardBatch", "ForwardContext", "load_model", "open_checkpoint",
-           "open_update", "reload_weights"]
+__all__ = [
+    "CausalLM",
+    "Checkpoint",
+    "ForwardBatch",
+    "ForwardContext",
+    "load_model",
+    "open_checkpoint",
+    "open_update",
+    "reload_weights",
+]

@@ -4,6 +4,7 @@ A forward is driven one layer at a time by the caller (the model runner, or the 
 each layer's KV to arrive): ``begin`` once per batch, ``forward_layer`` per layer, ``compute_logits`` at the end.
 Models hold no KV and no per-request state; the caller owns where KV comes from and where it goes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,15 @@ from dualpath.core.config import ModelConfig
 from dualpath.core.errors import CheckpointError, RequestError
 from dualpath.core.geometry import HeadShard
 from dualpath.engines.lora import AdapterRows, LoraWeights, Target, load_adapter
-from dualpath.engines.models.fp8 import SCALE_SUFFIX, Fp8Param, joins_stored_fp8, read_plain, scaled, source_problems, \
-    stays_fp8
+from dualpath.engines.models.fp8 import (
+    SCALE_SUFFIX,
+    Fp8Param,
+    joins_stored_fp8,
+    read_plain,
+    scaled,
+    source_problems,
+    stays_fp8,
+)
 from dualpath.engines.models.loader import Checkpoint, Cut
 from dualpath.engines.parallel.comm import TPShard
 from dualpath.kernels.attention import CachedRows
@@ -49,10 +57,14 @@ class ForwardBatch:
     adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if len(self.cached_lens) != len(self.new_lens) or any(n < 1 for n in self.new_lens) or \
-                len(self.adapters) not in (0, len(self.new_lens)):
-            raise ValueError(f"bad forward batch: cached {self.cached_lens}, new {self.new_lens}, adapters "
-                             f"{self.adapters}")
+        if (
+            len(self.cached_lens) != len(self.new_lens)
+            or any(n < 1 for n in self.new_lens)
+            or len(self.adapters) not in (0, len(self.new_lens))
+        ):
+            raise ValueError(
+                f"bad forward batch: cached {self.cached_lens}, new {self.new_lens}, adapters {self.adapters}"
+            )
 
     def adapter_rows(self) -> list[tuple[str, np.ndarray]]:
         """Each adapter the batch uses and the indices of its sequences' new tokens in the packed batch."""
@@ -94,7 +106,9 @@ class ForwardContext:
     sin: torch.Tensor
     cached_lens: torch.Tensor  # [B] int32
     cu_new: torch.Tensor  # [B + 1] int32
-    lora: tuple[AdapterRows, ...] = ()  # the rows each LoRA adapter in the batch changes (dualpath.engines.lora.add_lora)
+    lora: tuple[
+        AdapterRows, ...
+    ] = ()  # the rows each LoRA adapter in the batch changes (dualpath.engines.lora.add_lora)
     max_seen: int | None = None  # the most tokens a query sees (cached + new); None: unknown on the host
 
 
@@ -117,7 +131,7 @@ class WeightSpec:
     def cut_of(self, name: str, block: tuple[int, int] | None = None) -> Cut | None:
         """The cut of source ``name``, or of its FP8 scales (``name`` ending in the scale suffix, ``block``: the
         scale blocks)."""
-        base = name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
         for (n, _), cut in zip(self.sources, self.cuts):
             if n == base and cut is not None:
                 return cut.of_scales(block) if base != name else cut
@@ -131,7 +145,7 @@ def _joined(spec: WeightSpec, parts: list[torch.Tensor]) -> Iterator[tuple[int |
         yield ..., parts[0] if spec.op == "copy" else torch.cat(parts)
         return
     for i in range(0, len(parts), spec.per_item):
-        item = parts[i:i + spec.per_item]
+        item = parts[i : i + spec.per_item]
         yield i // spec.per_item, item[0] if len(item) == 1 else torch.cat(item)
 
 
@@ -164,8 +178,10 @@ def _misaligned_cuts(spec: WeightSpec, ckpt: Checkpoint, held_fp8: bool) -> list
             continue
         b = quant.block[0] if cut.dim == len(shape) - 2 else quant.block[1]
         if cut.start % b or cut.stop % b:
-            out.append(f"tensor {name}'s tensor-parallel part [{cut.start}, {cut.stop}) of dim {cut.dim} does not "
-                       f"fall on its {b}-element FP8 scale blocks; serve it at a tensor-parallel size that does")
+            out.append(
+                f"tensor {name}'s tensor-parallel part [{cut.start}, {cut.stop}) of dim {cut.dim} does not "
+                f"fall on its {b}-element FP8 scale blocks; serve it at a tensor-parallel size that does"
+            )
     return out
 
 
@@ -174,16 +190,18 @@ def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype), requires_grad=False)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None = None,
-           backend: str = "torch") -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None = None, backend: str = "torch"
+) -> torch.Tensor:
     """``x @ w^T + b``; an FP8 weight on ``backend``'s kernel (``dualpath.kernels.fp8``)."""
     if isinstance(w, Fp8Param):
         return fp8_linear(x, w.weight, b, backend)
     return F.linear(x, w, b)
 
 
-def add_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None,
-               backend: str) -> torch.Tensor:
+def add_linear(
+    residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Fp8Param, b: torch.Tensor | None, backend: str
+) -> torch.Tensor:
     """``residual + linear(x, w, b)``. On the fused path ("triton"), without a bias or with an FP8 weight (whose
     kernel adds the bias too), the sum is the GEMM's own epilogue (``addmm_``, beta = 1: one rounding, no add
     kernel), written over ``residual``: callers pass a residual stream no one else holds. The torch reference rounds
@@ -223,15 +241,20 @@ class CausalLM(nn.Module, ABC):
             self.dp.begin_forward()
         t, b = batch.num_tokens, len(batch.new_lens)
         lora = batch.adapter_rows() if any(batch.adapters) else []  # most steps: the base model alone
-        ints = np.concatenate([batch.positions(), np.array(batch.cached_lens, dtype=np.int32),
-                               np.cumsum([0, *batch.new_lens], dtype=np.int32),
-                               *[rows.astype(np.int32) for _, rows in lora]])
+        ints = np.concatenate(
+            [
+                batch.positions(),
+                np.array(batch.cached_lens, dtype=np.int32),
+                np.cumsum([0, *batch.new_lens], dtype=np.int32),
+                *[rows.astype(np.int32) for _, rows in lora],
+            ]
+        )
         dev = torch.from_numpy(ints).to(self.embed_tokens.device)
-        ctx = self._context(dev[:t], batch.new_lens, dev[t:t + b], dev[t + b:t + 2 * b + 1])
+        ctx = self._context(dev[:t], batch.new_lens, dev[t : t + b], dev[t + b : t + 2 * b + 1])
         ctx.max_seen = max(c + n for c, n in zip(batch.cached_lens, batch.new_lens))
         at = t + 2 * b + 1
         for adapter, rows in lora:
-            ctx.lora += (AdapterRows(self._adapter(adapter), dev[at:at + len(rows)] if len(rows) < t else None),)
+            ctx.lora += (AdapterRows(self._adapter(adapter), dev[at : at + len(rows)] if len(rows) < t else None),)
             at += len(rows)
         return ctx
 
@@ -259,16 +282,18 @@ class CausalLM(nn.Module, ABC):
         targets = self.lora_targets()
         if targets is None:
             raise CheckpointError(f"{path}: LoRA adapters are not supported for {self.config.architecture} models")
-        weights = load_adapter(path, targets, self.config.num_layers, self.embed_tokens.device,
-                               self.embed_tokens.dtype)
+        weights = load_adapter(path, targets, self.config.num_layers, self.embed_tokens.device, self.embed_tokens.dtype)
         self.adapters[weights.digest] = weights
         return weights.digest
 
     def check_adapter(self, adapter: str) -> None:
         """``RequestError`` unless a request with this adapter identity can run here."""
         if adapter and adapter not in self.adapters:
-            raise RequestError(f"this engine has no LoRA adapter {adapter[:12]} (its files differ from what the "
-                               f"frontend read, or the engine was started without it)", field="model")
+            raise RequestError(
+                f"this engine has no LoRA adapter {adapter[:12]} (its files differ from what the "
+                f"frontend read, or the engine was started without it)",
+                field="model",
+            )
 
     def _adapter(self, adapter: str) -> LoraWeights:
         self.check_adapter(adapter)
@@ -321,8 +346,9 @@ class CausalLM(nn.Module, ABC):
         return self.reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     @abstractmethod
-    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
-                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layer(
+        self, layer: int, hidden: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run layer ``layer`` on the new tokens' hidden states ``[T, hidden]``.
 
         ``cached_kv`` holds each sequence's cached KV rows of this layer: a list of ``[C_i, kv_elems]`` tensors
@@ -338,8 +364,13 @@ class CausalLM(nn.Module, ABC):
         return logits if self.shard.size == 1 else self.comm.all_gather(logits)  # every rank: the whole vocabulary
 
     @torch.inference_mode()
-    def forward_all(self, token_ids: torch.Tensor, batch: ForwardBatch,
-                    cached_kv: Sequence[Sequence[torch.Tensor]] | None = None, all_logits: bool = False):
+    def forward_all(
+        self,
+        token_ids: torch.Tensor,
+        batch: ForwardBatch,
+        cached_kv: Sequence[Sequence[torch.Tensor]] | None = None,
+        all_logits: bool = False,
+    ):
         """Every layer in one call: ``(logits, new_kv per layer)``; logits of each sequence's last token unless
         ``all_logits``. ``cached_kv[layer][i]`` as in ``forward_layer``; None means nothing cached."""
         with self.forward_pass(batch) as ctx:
@@ -411,8 +442,7 @@ class CausalLM(nn.Module, ABC):
                 elif (got := ckpt.tensor_shape(name)) != shape:
                     problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
                 elif held_fp8 and not scaled(ckpt, name) and not ckpt.quantize_at_load:
-                    problems.append(f"tensor {name} is not FP8 (no {name}{SCALE_SUFFIX}) but the model holds it in "
-                                    "FP8")
+                    problems.append(f"tensor {name} is not FP8 (no {name}{SCALE_SUFFIX}) but the model holds it in FP8")
                 else:
                     problems += source_problems(ckpt, name, shape)
             problems += _misaligned_cuts(spec, ckpt, held_fp8)
@@ -468,8 +498,9 @@ class CausalLM(nn.Module, ABC):
                 continue
             surprising.append(name)
         if surprising:
-            log.warning("checkpoint has %d tensors the model does not use, e.g. %s", len(surprising),
-                        sorted(surprising)[:3])
+            log.warning(
+                "checkpoint has %d tensors the model does not use, e.g. %s", len(surprising), sorted(surprising)[:3]
+            )
 
     def cast_(self, dtype: torch.dtype) -> "CausalLM":
         """Cast floating parameters to ``dtype``, keeping those pinned to float32 (routers) as they are."""

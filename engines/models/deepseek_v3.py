@@ -10,6 +10,7 @@ the KV. A batch in which no query sees more than ``index_topk`` tokens attends d
 past that, the choice and the attention run on the device (``dualpath.kernels.triton_sparse`` on the Triton kernels), so
 V3.2's decode steps are CUDA graphs as V3's are.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Sequence
@@ -88,7 +89,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         # tensor parallelism splits the attention heads; the latent (the whole KV row) is every rank's
         self.heads = shard.split(config.num_heads, "the number of attention heads")
         self.layers = nn.ModuleList(DeepseekV3Layer(config, i, shard) for i in range(config.num_layers))
-        self.scale = m.qk_head_dim ** -0.5 * softmax_scale_factor(config.rope)
+        self.scale = m.qk_head_dim**-0.5 * softmax_scale_factor(config.rope)
 
     @property
     def kv_shard(self) -> HeadShard | None:
@@ -105,43 +106,63 @@ class DeepseekV3ForCausalLM(CausalLM):
         else:
             q = linear(x, w.q_w, None, self.kernels)
         q = q.view(t, nh, m.qk_head_dim)
-        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
         ckv, r, dr = linear(x, w.kv_a_w, None, self.kernels), m.kv_lora_rank, m.qk_rope_head_dim
         # the KV row [normed latent | rotated k_pe | indexer key], each part written in place
         new_kv = ckv.new_empty(t, c.kv_elems_per_token)
         rms_norm(ckv[:, :r], w.kv_a_norm, c.rms_norm_eps, self.kernels, out=new_kv[:, :r])
-        apply_rope(ckv[:, r:].view(t, 1, dr), ctx.cos, ctx.sin, c.rope.interleaved, self.kernels,
-                   out=new_kv[:, r:m.key_width].view(t, 1, dr))
+        apply_rope(
+            ckv[:, r:].view(t, 1, dr),
+            ctx.cos,
+            ctx.sin,
+            c.rope.interleaved,
+            self.kernels,
+            out=new_kv[:, r : m.key_width].view(t, 1, dr),
+        )
         q_pe = apply_rope(q_pe, ctx.cos, ctx.sin, c.rope.interleaved, self.kernels)
         index = self._index(w.indexer, x, q_lat, ctx, new_kv) if m.indexer else None
         w_kv_b = w.kv_b_w.view(nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        out = mla_attention(q_nope, q_pe, new_kv, cached_kv, ctx.new_lens, w_kv_b[:, : m.qk_nope_head_dim],
-                            w_kv_b[:, m.qk_nope_head_dim:], m.kv_lora_rank, self.scale, self.kernels, ctx.cu_new,
-                            index)
+        out = mla_attention(
+            q_nope,
+            q_pe,
+            new_kv,
+            cached_kv,
+            ctx.new_lens,
+            w_kv_b[:, : m.qk_nope_head_dim],
+            w_kv_b[:, m.qk_nope_head_dim :],
+            m.kv_lora_rank,
+            self.scale,
+            self.kernels,
+            ctx.cu_new,
+            index,
+        )
         return self.reduce(linear(out.reshape(t, -1), w.o_w, None, self.kernels)), new_kv
 
-    def _index(self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext,
-               new_kv: torch.Tensor) -> IndexQuery | None:
+    def _index(
+        self, w: Indexer, x: torch.Tensor, q_lat: torch.Tensor, ctx: ForwardContext, new_kv: torch.Tensor
+    ) -> IndexQuery | None:
         """Write the new tokens' indexer keys into their KV rows; return the indexer's queries (None: no query
         sees more than topk tokens, so each attends to all it sees). The indexer rotates the first rope dims of
         its queries and key unpaired (not interleaved)."""
         m, t = self.config.mla, x.shape[0]
         i = m.indexer
-        key = new_kv[:, m.key_width:]
+        key = new_kv[:, m.key_width :]
         k = F.layer_norm(linear(x, w.k_w, None, self.kernels), (i.head_dim,), w.k_norm_w, w.k_norm_b, _INDEXER_NORM_EPS)
         apply_rope(k.view(t, 1, i.head_dim), ctx.cos, ctx.sin, False, self.kernels, out=key.view(t, 1, i.head_dim))
         if ctx.max_seen is not None and ctx.max_seen <= i.topk:
             return None
         q = linear(q_lat, w.q_w, None, self.kernels).view(t, i.num_heads, i.head_dim)
         q = apply_rope(q, ctx.cos, ctx.sin, False, self.kernels)
-        weights = linear(x, w.weights_w, None, self.kernels).float() * i.num_heads ** -0.5
-        return IndexQuery(q, weights, m.key_width, i.topk, i.head_dim ** -0.5)
+        weights = linear(x, w.weights_w, None, self.kernels).float() * i.num_heads**-0.5
+        return IndexQuery(q, weights, m.key_width, i.topk, i.head_dim**-0.5)
 
-    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
-                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layer(
+        self, layer: int, hidden: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         c, w = self.config, self.layers[layer]
-        attn, new_kv = self._attention(w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps, self.kernels), ctx,
-                                       cached_kv)
+        attn, new_kv = self._attention(
+            w.attn, rms_norm(hidden, w.input_norm, c.rms_norm_eps, self.kernels), ctx, cached_kv
+        )
         x, hidden = add_rms_norm(attn, hidden, w.post_norm, c.rms_norm_eps, self.kernels)
         # ``hidden`` is add_rms_norm's fresh sum, this layer's own: the dense MLP may write its output into it
         return w.mlp.add_to(hidden, x, self.kernels), new_kv
@@ -162,16 +183,20 @@ class DeepseekV3ForCausalLM(CausalLM):
             if m.q_lora_rank:
                 yield WeightSpec(a + "q_a_w", ((sa + "q_a_proj.weight", (m.q_lora_rank, h)),), fp8=True)
                 yield WeightSpec(a + "q_a_norm", ((sa + "q_a_layernorm.weight", (m.q_lora_rank,)),))
-                yield WeightSpec(a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),),
-                                 fp8=True, cuts=q)
+                yield WeightSpec(
+                    a + "q_b_w", ((sa + "q_b_proj.weight", (nh * m.qk_head_dim, m.q_lora_rank)),), fp8=True, cuts=q
+                )
             else:
                 yield WeightSpec(a + "q_w", ((sa + "q_proj.weight", (nh * m.qk_head_dim, h)),), fp8=True, cuts=q)
-            yield WeightSpec(a + "kv_a_w", ((sa + "kv_a_proj_with_mqa.weight",
-                                             (m.kv_lora_rank + m.qk_rope_head_dim, h)),), fp8=True)
+            yield WeightSpec(
+                a + "kv_a_w", ((sa + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h)),), fp8=True
+            )
             yield WeightSpec(a + "kv_a_norm", ((sa + "kv_a_layernorm.weight", (m.kv_lora_rank,)),))
-            yield WeightSpec(a + "kv_b_w", ((sa + "kv_b_proj.weight",
-                                             (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),),
-                             cuts=kv_b)
+            yield WeightSpec(
+                a + "kv_b_w",
+                ((sa + "kv_b_proj.weight", (nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),),
+                cuts=kv_b,
+            )
             yield WeightSpec(a + "o_w", ((sa + "o_proj.weight", (h, nh * m.v_head_dim)),), fp8=True, cuts=o)
             if m.indexer:
                 yield from _indexer_specs(m, h, a + "indexer.", sa + "indexer.")
@@ -187,9 +212,13 @@ class DeepseekV3ForCausalLM(CausalLM):
             return (), (), (), (), ()
         m, (h0, h1) = self.config.mla, self.heads
         inter = Cut(0, *self.shard.split(self.config.intermediate_size, "intermediate_size"))
-        return ((Cut(0, h0 * m.qk_head_dim, h1 * m.qk_head_dim),),
-                (Cut(0, h0 * (m.qk_nope_head_dim + m.v_head_dim), h1 * (m.qk_nope_head_dim + m.v_head_dim)),),
-                (Cut(1, h0 * m.v_head_dim, h1 * m.v_head_dim),), (inter, inter), (Cut(1, inter.start, inter.stop),))
+        return (
+            (Cut(0, h0 * m.qk_head_dim, h1 * m.qk_head_dim),),
+            (Cut(0, h0 * (m.qk_nope_head_dim + m.v_head_dim), h1 * (m.qk_nope_head_dim + m.v_head_dim)),),
+            (Cut(1, h0 * m.v_head_dim, h1 * m.v_head_dim),),
+            (inter, inter),
+            (Cut(1, inter.start, inter.stop),),
+        )
 
 
 def _indexer_specs(m, h: int, p: str, src: str) -> Iterator[WeightSpec]:

@@ -8,6 +8,7 @@ other FP8 source is dequantized at load into the model's dtype (e.g. DeepSeek's 
 absorbs). A checkpoint quantized at load (``Checkpoint.quantize_at_load``) holds every such parameter in FP8: its
 plain sources are joined, then quantized, so no join needs to meet a block edge.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ class Fp8Param(nn.Module):
     def __init__(self, shape: tuple[int, ...], block: tuple[int, int]):
         super().__init__()
         self.q = nn.Parameter(torch.empty(*shape, device="meta", dtype=FP8), requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(*scale_shape(shape, block), device="meta", dtype=torch.float32),
-                                  requires_grad=False)
+        self.scale = nn.Parameter(
+            torch.empty(*scale_shape(shape, block), device="meta", dtype=torch.float32), requires_grad=False
+        )
         self.block = block
 
     @property
@@ -57,8 +59,9 @@ def source_problems(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> list
         return [f"tensor {name} has a {SCALE_SUFFIX} but is stored as {ckpt.tensor_dtype(name)}, not F8_E4M3"]
     want, got = scale_shape(shape, quant.block), ckpt.tensor_shape(name + SCALE_SUFFIX)
     if got != want:
-        return [f"tensor {name}{SCALE_SUFFIX} has shape {list(got)}, expected {list(want)} (blocks of "
-                f"{list(quant.block)})"]
+        return [
+            f"tensor {name}{SCALE_SUFFIX} has shape {list(got)}, expected {list(want)} (blocks of {list(quant.block)})"
+        ]
     return []
 
 

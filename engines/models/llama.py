@@ -3,6 +3,7 @@
 
 KV row of one token in one layer: ``[K (kv_heads × head_dim) | V (kv_heads × head_dim)]``, K after RoPE.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Sequence
@@ -73,15 +74,16 @@ class LlamaForCausalLM(CausalLM):
             raise CheckpointError(f"activation {config.hidden_act!r} is not supported (only silu)")
         self.heads = Heads.of(config, shard)
         self.layers = nn.ModuleList(LlamaLayer(config, i, self.heads, shard) for i in range(config.num_layers))
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.split = gqa_split(self.heads.kv.num_local, config.head_dim)
 
     @property
     def kv_shard(self) -> HeadShard:
         return self.heads.kv
 
-    def forward_layer(self, layer: int, hidden: torch.Tensor, ctx: ForwardContext,
-                      cached_kv: CachedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_layer(
+        self, layer: int, hidden: torch.Tensor, ctx: ForwardContext, cached_kv: CachedRows
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         c, w, h = self.config, self.layers[layer], self.heads
         t, backend, tp = hidden.shape[0], self.kernels, self.shard.size > 1
         lora = ctx.lora
@@ -111,7 +113,7 @@ class LlamaForCausalLM(CausalLM):
         """Qwen3's RMSNorm of each query head and each key head, in place in the fused projection ``qkv``."""
         c, t, nq, nkv = self.config, qkv.shape[0], self.heads.num_q, self.heads.kv.num_local
         heads = qkv.view(t, -1, c.head_dim)
-        for norm, part in ((w.q_norm, heads[:, :nq]), (w.k_norm, heads[:, nq:nq + nkv])):
+        for norm, part in ((w.q_norm, heads[:, :nq]), (w.k_norm, heads[:, nq : nq + nkv])):
             part.copy_(rms_norm(part.reshape(-1, c.head_dim), norm, c.rms_norm_eps, self.kernels).view_as(part))
 
     def lora_targets(self) -> dict[str, Target]:
@@ -123,17 +125,22 @@ class LlamaForCausalLM(CausalLM):
         q_rows = (heads.q_first * hd, (heads.q_first + heads.num_q) * hd) if tp else None
         kv_rows = (heads.kv.first * hd, (heads.kv.first + heads.kv.num_local) * hd) if tp else None
         nq, nkv = heads.num_q * hd, heads.kv.num_local * hd
-        attention = {"q_proj": Target("qkv", 0, h, q, rows=q_rows),
-                     "k_proj": Target("qkv", nq, h, kv, rows=kv_rows),
-                     "v_proj": Target("qkv", nq + nkv, h, kv, rows=kv_rows),
-                     "o_proj": Target("o", 0, q, h, cols=q_rows)}
+        attention = {
+            "q_proj": Target("qkv", 0, h, q, rows=q_rows),
+            "k_proj": Target("qkv", nq, h, kv, rows=kv_rows),
+            "v_proj": Target("qkv", nq + nkv, h, kv, rows=kv_rows),
+            "o_proj": Target("o", 0, q, h, cols=q_rows),
+        }
         if c.moe is not None:
             return attention
         mine = heads.inter if tp else None
         local = heads.inter[1] - heads.inter[0]
-        return {**attention, "gate_proj": Target("gate_up", 0, h, inter, rows=mine),
-                "up_proj": Target("gate_up", local, h, inter, rows=mine),
-                "down_proj": Target("down", 0, inter, h, cols=mine)}
+        return {
+            **attention,
+            "gate_proj": Target("gate_up", 0, h, inter, rows=mine),
+            "up_proj": Target("gate_up", local, h, inter, rows=mine),
+            "down_proj": Target("down", 0, inter, h, cols=mine),
+        }
 
     def float32_params(self) -> Sequence[str]:
         return router_params(self)
@@ -147,11 +154,20 @@ class LlamaForCausalLM(CausalLM):
             p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             yield WeightSpec(p + "input_norm", ((f"model.layers.{i}.input_layernorm.weight", (h,)),))
             yield WeightSpec(p + "post_norm", ((f"model.layers.{i}.post_attention_layernorm.weight", (h,)),))
-            yield WeightSpec(p + "qkv_w", ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
-                                           (a + "v_proj.weight", (kv, h))), "cat", fp8=True, cuts=qkv_cuts)
+            yield WeightSpec(
+                p + "qkv_w",
+                ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)), (a + "v_proj.weight", (kv, h))),
+                "cat",
+                fp8=True,
+                cuts=qkv_cuts,
+            )
             if c.qkv_bias:
-                yield WeightSpec(p + "qkv_b", ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)),
-                                               (a + "v_proj.bias", (kv,))), "cat", cuts=qkv_cuts)
+                yield WeightSpec(
+                    p + "qkv_b",
+                    ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,))),
+                    "cat",
+                    cuts=qkv_cuts,
+                )
             yield WeightSpec(p + "o_w", ((a + "o_proj.weight", (h, q)),), fp8=True, cuts=o_cuts)
             if c.o_bias:
                 yield WeightSpec(p + "o_b", ((a + "o_proj.bias", (h,)),))
@@ -163,8 +179,12 @@ class LlamaForCausalLM(CausalLM):
                 continue
             yield from mlp_specs(p, m, h, inter, up_cuts, down_cuts)
             if c.mlp_bias:
-                yield WeightSpec(p + "gate_up_b", ((m + "gate_proj.bias", (inter,)), (m + "up_proj.bias", (inter,))),
-                                 "cat", cuts=up_cuts)
+                yield WeightSpec(
+                    p + "gate_up_b",
+                    ((m + "gate_proj.bias", (inter,)), (m + "up_proj.bias", (inter,))),
+                    "cat",
+                    cuts=up_cuts,
+                )
                 yield WeightSpec(p + "down_b", ((m + "down_proj.bias", (h,)),))
 
     def _cuts(self) -> tuple[tuple[Cut, ...], ...]:

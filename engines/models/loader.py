@@ -1,4 +1,5 @@
 """Reading a Hugging Face checkpoint directory: ``config.json`` and single or sharded ``*.safetensors``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -139,8 +140,9 @@ def open_checkpoint(model_dir: str | os.PathLike, quantize: WeightQuantConfig | 
     at_load = quantize is not None and config.quant is None
     if at_load:
         config = dataclasses.replace(config, quant=quantize)
-    return Checkpoint(path=path, hf_config=hf, config=config, weight_files=_weight_files(path),
-                      quantize_at_load=at_load)
+    return Checkpoint(
+        path=path, hf_config=hf, config=config, weight_files=_weight_files(path), quantize_at_load=at_load
+    )
 
 
 def _end_tokens(eos: tuple[int, ...], path: Path) -> tuple[int, ...]:

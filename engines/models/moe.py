@@ -1,5 +1,6 @@
 """Feed-forward blocks shared by architectures: the dense gated MLP and the mixture of experts (DeepSeek-V3's
 routing or Qwen3-MoE's, ``MoEConfig.scoring``), with the checkpoint tensors each is built from."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,10 +60,14 @@ class MoEPart:
         e = c.moe
         whole = (0, e.moe_intermediate_size)
         if shard.dp_size > 1:  # data-parallel attention (one rank per engine): the group's engines split the experts
-            return cls(ExpertMap(e.num_experts, shard.dp_rank, shard.dp_size), whole,
-                       (0, e.moe_intermediate_size * e.num_shared_experts))
-        experts = ExpertMap(e.num_experts, shard.rank, shard.size) if shard.expert_parallel else \
-            ExpertMap(e.num_experts)
+            return cls(
+                ExpertMap(e.num_experts, shard.dp_rank, shard.dp_size),
+                whole,
+                (0, e.moe_intermediate_size * e.num_shared_experts),
+            )
+        experts = (
+            ExpertMap(e.num_experts, shard.rank, shard.size) if shard.expert_parallel else ExpertMap(e.num_experts)
+        )
         inter = whole if shard.expert_parallel else shard.split(e.moe_intermediate_size, "moe_intermediate_size")
         shared = shard.split(e.moe_intermediate_size * e.num_shared_experts, "the shared experts' intermediate size")
         return cls(experts, inter, shared)
@@ -80,8 +85,9 @@ class MoE(nn.Module):
         # routed experts stacked, so a fused kernel can index them by expert id: [E, 2I, H] (gate | up), [E, H, I]
         self.experts_gate_up = param(n, 2 * inter, c.hidden_size)
         self.experts_down = param(n, c.hidden_size, inter)
-        self.shared = DenseMLP(c.hidden_size, self.part.shared[1] - self.part.shared[0]) \
-            if e.num_shared_experts else None
+        self.shared = (
+            DenseMLP(c.hidden_size, self.part.shared[1] - self.part.shared[0]) if e.num_shared_experts else None
+        )
         self.comm, self.dispatch = None, None  # ``connect``: at tensor-parallel size > 1
 
     def connect(self, comm, dispatch: str) -> None:
@@ -94,8 +100,15 @@ class MoE(nn.Module):
         """``residual + moe(x)``: the routed experts' weighted sum, plus the shared experts."""
         e, logits = self.config, linear(x.float(), self.router_w)
         if e.scoring == "sigmoid":
-            weights, ids = grouped_topk(logits, self.router_bias, e.num_groups, e.topk_group, e.num_experts_per_tok,
-                                        e.norm_topk_prob, e.routed_scaling_factor)
+            weights, ids = grouped_topk(
+                logits,
+                self.router_bias,
+                e.num_groups,
+                e.topk_group,
+                e.num_experts_per_tok,
+                e.norm_topk_prob,
+                e.routed_scaling_factor,
+            )
         else:
             weights, ids = softmax_topk(logits, e.num_experts_per_tok, e.norm_topk_prob)
         if self.dispatch is not None:  # whole experts on each rank: the pairs travel to them
@@ -104,8 +117,9 @@ class MoE(nn.Module):
                 return residual + self.dispatch.routed(x, weights, ids, self._compute(backend), shared)
             out = self.dispatch.routed(x, weights, ids, self._compute(backend))
             return residual + (out if shared is None else out.add_(shared))
-        out = routed_experts(x, weights, ids, as_weight(self.experts_gate_up), as_weight(self.experts_down),
-                             backend)  # a fresh sum
+        out = routed_experts(
+            x, weights, ids, as_weight(self.experts_gate_up), as_weight(self.experts_down), backend
+        )  # a fresh sum
         if self.comm is None:
             out = self.shared.add_to(out, x, backend) if self.shared is not None else out
             return residual + out
@@ -123,8 +137,12 @@ class MoE(nn.Module):
         a forward, and this one's experts serve its tokens)."""
         k, h = self.config.num_experts_per_tok, self.router_w.shape[1]
         x = self.router_w.new_empty(0, h, dtype=dtype)
-        self.dispatch.routed(x, self.router_w.new_empty(0, k), torch.empty(0, k, dtype=torch.long, device=x.device),
-                             self._compute(backend))
+        self.dispatch.routed(
+            x,
+            self.router_w.new_empty(0, k),
+            torch.empty(0, k, dtype=torch.long, device=x.device),
+            self._compute(backend),
+        )
 
 
 def moe_specs(c: ModelConfig, p: str, src: str, part: MoEPart | None = None) -> Iterator[WeightSpec]:
@@ -138,24 +156,46 @@ def moe_specs(c: ModelConfig, p: str, src: str, part: MoEPart | None = None) -> 
         yield WeightSpec(p + "router_bias", ((src + "gate.e_score_correction_bias", (e.num_experts,)),))
     ex = range(part.experts.first, part.experts.first + part.experts.per_rank)
     cut = part.inter != (0, inter)
-    yield WeightSpec(p + "experts_gate_up", tuple((f"{src}experts.{j}.{w}_proj.weight", (inter, h))
-                                                  for j in ex for w in ("gate", "up")), "stack", per_item=2, fp8=True,
-                     cuts=(Cut(0, *part.inter),) * 2 * len(ex) if cut else ())
-    yield WeightSpec(p + "experts_down", tuple((f"{src}experts.{j}.down_proj.weight", (h, inter)) for j in ex),
-                     "stack", fp8=True, cuts=(Cut(1, *part.inter),) * len(ex) if cut else ())
+    yield WeightSpec(
+        p + "experts_gate_up",
+        tuple((f"{src}experts.{j}.{w}_proj.weight", (inter, h)) for j in ex for w in ("gate", "up")),
+        "stack",
+        per_item=2,
+        fp8=True,
+        cuts=(Cut(0, *part.inter),) * 2 * len(ex) if cut else (),
+    )
+    yield WeightSpec(
+        p + "experts_down",
+        tuple((f"{src}experts.{j}.down_proj.weight", (h, inter)) for j in ex),
+        "stack",
+        fp8=True,
+        cuts=(Cut(1, *part.inter),) * len(ex) if cut else (),
+    )
     if e.num_shared_experts:
         shared, whole = part.shared, inter * e.num_shared_experts
         split = shared != (0, whole)
-        yield from mlp_specs(p + "shared.", src + "shared_experts.", h, whole,
-                             (Cut(0, *shared),) * 2 if split else (), (Cut(1, *shared),) if split else ())
+        yield from mlp_specs(
+            p + "shared.",
+            src + "shared_experts.",
+            h,
+            whole,
+            (Cut(0, *shared),) * 2 if split else (),
+            (Cut(1, *shared),) if split else (),
+        )
 
 
-def mlp_specs(p: str, src: str, hidden: int, inter: int, up_cuts: tuple = (),
-              down_cuts: tuple = ()) -> Iterator[WeightSpec]:
+def mlp_specs(
+    p: str, src: str, hidden: int, inter: int, up_cuts: tuple = (), down_cuts: tuple = ()
+) -> Iterator[WeightSpec]:
     """A dense MLP's weights; ``up_cuts`` / ``down_cuts``: a tensor-parallel rank's rows of gate and up, columns of
     down (``WeightSpec.cuts``)."""
-    yield WeightSpec(p + "gate_up_w", ((src + "gate_proj.weight", (inter, hidden)),
-                                       (src + "up_proj.weight", (inter, hidden))), "cat", fp8=True, cuts=up_cuts)
+    yield WeightSpec(
+        p + "gate_up_w",
+        ((src + "gate_proj.weight", (inter, hidden)), (src + "up_proj.weight", (inter, hidden))),
+        "cat",
+        fp8=True,
+        cuts=up_cuts,
+    )
     yield WeightSpec(p + "down_w", ((src + "down_proj.weight", (hidden, inter)),), fp8=True, cuts=down_cuts)
 
 

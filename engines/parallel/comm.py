@@ -5,6 +5,7 @@ Rendezvous is a TCP store that rank 0 hosts; each rank announces itself under ``
 which rank never came, and where it was expected. Tensors on CUDA go through NCCL, everything else (CPU engines,
 the step protocol's agreement flags) through gloo; every collective is bounded by ``collective_timeout_s``.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,8 +79,9 @@ class Comm:
         _collective("all_gather", dist.all_gather, parts, x, group=self._dev)
         return torch.cat(parts, dim)
 
-    def all_to_all(self, x: torch.Tensor, out_splits: list[int] | None = None,
-                   in_splits: list[int] | None = None) -> torch.Tensor:
+    def all_to_all(
+        self, x: torch.Tensor, out_splits: list[int] | None = None, in_splits: list[int] | None = None
+    ) -> torch.Tensor:
         """Rows ``x`` cut by ``in_splits`` (one part to each rank, in rank order) exchanged for the parts every rank
         sends this one (``out_splits`` rows from each); None: equal parts."""
         x = x.contiguous()
@@ -113,14 +115,28 @@ class Comm:
 def open_store(host: str, cfg: ParallelConfig) -> dist.TCPStore:
     """Rank 0's rendezvous store on ``cfg.master_port`` (0: a free port, read back from ``store.port``)."""
     try:
-        return dist.TCPStore(host, cfg.master_port, cfg.tensor_parallel_size, is_master=True,
-                             timeout=timedelta(seconds=cfg.join_timeout_s), wait_for_workers=False)
+        return dist.TCPStore(
+            host,
+            cfg.master_port,
+            cfg.tensor_parallel_size,
+            is_master=True,
+            timeout=timedelta(seconds=cfg.join_timeout_s),
+            wait_for_workers=False,
+        )
     except (RuntimeError, OSError) as e:
         raise RankLostError(f"cannot host the ranks' rendezvous on {host}:{cfg.master_port}: {e}") from None
 
 
-def join(rank: int, device: str, cfg: ParallelConfig, host: str, store: dist.TCPStore | None = None,
-         port: int = 0, gone: Callable[[int], str | None] = lambda r: None, size: int = 0) -> Comm:
+def join(
+    rank: int,
+    device: str,
+    cfg: ParallelConfig,
+    host: str,
+    store: dist.TCPStore | None = None,
+    port: int = 0,
+    gone: Callable[[int], str | None] = lambda r: None,
+    size: int = 0,
+) -> Comm:
     """Join the engine's group as ``rank``: rank 0 passes its ``store`` and waits for every rank to announce itself
     (``gone(r)``: why rank r can no longer come, e.g. its process exited); the others connect to ``host:port``.
     Raises ``RankLostError`` naming the rank and the address when one does not come in ``join_timeout_s``.
@@ -136,8 +152,9 @@ def join(rank: int, device: str, cfg: ParallelConfig, host: str, store: dist.TCP
         _await_ranks(store, size, cfg.join_timeout_s, address, gone)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=cfg.collective_timeout_s)
-    dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=size,
-                            timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("group", store), rank=rank, world_size=size, timeout=timeout
+    )
     cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     _mark_collective_sockets()
     return Comm(rank, size, dist.group.WORLD, cpu, address)
@@ -155,8 +172,9 @@ def _mark_collective_sockets() -> None:
         mark_own_sockets(int(tc), lambda s: True)
 
 
-def _await_ranks(store: dist.TCPStore, size: int, timeout_s: float, address: str,
-                 gone: Callable[[int], str | None]) -> None:
+def _await_ranks(
+    store: dist.TCPStore, size: int, timeout_s: float, address: str, gone: Callable[[int], str | None]
+) -> None:
     deadline = time.monotonic() + timeout_s
     for r in range(1, size):
         while not store.check([f"joined/{r}"]):

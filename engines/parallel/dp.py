@@ -18,6 +18,7 @@ use of the group's collectives would break the pairing.
 Balance (the paper's "all GPUs of an EP group finish attention at the same time", max/avg 1.06): each sync carries
 the engine's last forward time outside the MoE exchanges, so every engine knows the group's max/avg of it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,7 @@ class DPGroup(Dispatch):
         if self.started:
             self.own_s = time.perf_counter() - self.started - self.exchange_s
             self.started = 0.0
-        for moe in self.layers[self.done:]:
+        for moe in self.layers[self.done :]:
             moe.idle(self.backend, self.dtype)
         self.done = len(self.layers)
 
@@ -124,11 +125,18 @@ def join_group(p: ParallelConfig, device: str) -> Comm:
     store = None
     if p.data_parallel_rank == 0:
         try:
-            store = dist.TCPStore(host, int(port), p.data_parallel_size, is_master=True,
-                                  timeout=timedelta(seconds=p.join_timeout_s), wait_for_workers=False)
+            store = dist.TCPStore(
+                host,
+                int(port),
+                p.data_parallel_size,
+                is_master=True,
+                timeout=timedelta(seconds=p.join_timeout_s),
+                wait_for_workers=False,
+            )
         except (RuntimeError, OSError) as e:
-            raise RankLostError(f"cannot host the data-parallel group's rendezvous on {p.data_parallel_master}: "
-                                f"{e}") from None
+            raise RankLostError(
+                f"cannot host the data-parallel group's rendezvous on {p.data_parallel_master}: {e}"
+            ) from None
     return join(p.data_parallel_rank, device, p, host, store=store, port=int(port), size=p.data_parallel_size)
 
 

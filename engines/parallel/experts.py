@@ -10,6 +10,7 @@ NIXL-EP backend is a third ``Dispatch``.
 Tokens are ``replicated`` when attention is tensor-parallel (after its all-reduce every rank holds every token) or
 each rank's own when attention is data-parallel (each rank attends over its own requests).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -36,8 +37,10 @@ class ExpertMap:
 
     def __post_init__(self):
         if self.num_experts % self.size:
-            raise ConfigError(f"{self.num_experts} routed experts do not divide among {self.size} expert-parallel "
-                              f"ranks; use a size that divides {self.num_experts}")
+            raise ConfigError(
+                f"{self.num_experts} routed experts do not divide among {self.size} expert-parallel "
+                f"ranks; use a size that divides {self.num_experts}"
+            )
 
     @property
     def per_rank(self) -> int:
@@ -52,8 +55,9 @@ class ExpertMap:
         return torch.div(ids, self.per_rank, rounding_mode="floor")
 
 
-def local_pairs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertMap,
-                compute: Compute) -> torch.Tensor:
+def local_pairs(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertMap, compute: Compute
+) -> torch.Tensor:
     """``[T, H]``: for each row of ``x``, the weighted sum of those of its experts (``ids [T, k]``) this rank holds
     (zero where it holds none)."""
     mine = (ids >= experts.first) & (ids < experts.first + experts.per_rank)
@@ -75,8 +79,14 @@ class Dispatch(ABC):
         self.comm, self.experts, self.replicated = comm, experts, replicated
 
     @abstractmethod
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, compute: Compute,
-               partial: torch.Tensor | None = None) -> torch.Tensor:
+    def routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        compute: Compute,
+        partial: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Each row of ``x [T, H]``'s routed experts' weighted sum (routing ``weights``, ``ids [T, k]``), plus the
         sum over ranks of ``partial [T, H]`` (a tensor-parallel shared expert's part, replicated tokens only; a
         backend that reduces anyway adds it in the same reduction)."""
@@ -100,7 +110,7 @@ class AllGatherDispatch(Dispatch):
         out = local_pairs(*(t.index_select(0, keep) for t in every), self.experts, compute)
         rows = torch.zeros(len(counts) * most, x.shape[1], dtype=x.dtype, device=x.device).index_copy_(0, keep, out)
         mine = self.comm.reduce_scatter(rows)
-        return mine[:x.shape[0]]
+        return mine[: x.shape[0]]
 
 
 class AllToAllDispatch(Dispatch):
@@ -109,11 +119,18 @@ class AllToAllDispatch(Dispatch):
     computed twice."""
 
     def routed(self, x, weights, ids, compute, partial=None):
-        rows = torch.tensor_split(torch.arange(x.shape[0], device=x.device), self.comm.size)[self.comm.rank] \
-            if self.replicated else None
+        rows = (
+            torch.tensor_split(torch.arange(x.shape[0], device=x.device), self.comm.size)[self.comm.rank]
+            if self.replicated
+            else None
+        )
         mine = x if rows is None else x.index_select(0, rows)
-        out = self._exchange(mine, weights if rows is None else weights.index_select(0, rows),
-                             ids if rows is None else ids.index_select(0, rows), compute)
+        out = self._exchange(
+            mine,
+            weights if rows is None else weights.index_select(0, rows),
+            ids if rows is None else ids.index_select(0, rows),
+            compute,
+        )
         if rows is not None:
             out = self._gather_rows(out, x.shape[0])
         return out if partial is None else out.add_(self.comm.all_reduce(partial))
@@ -139,7 +156,7 @@ class AllToAllDispatch(Dispatch):
         most = -(-total // self.comm.size)
         every = self.comm.all_gather(_pad(out, most), dim=0)
         sizes = [len(s) for s in torch.tensor_split(torch.arange(total), self.comm.size)]
-        return torch.cat([every[r * most:r * most + n] for r, n in enumerate(sizes)])
+        return torch.cat([every[r * most : r * most + n] for r, n in enumerate(sizes)])
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ code and the reason in the log. Rank 0 dying ends the others (their pipe reaches
 The other ranks are ``python -m dualpath.engines.parallel.ranks`` processes (not ``multiprocessing``'s spawn, which would
 import the user's ``__main__`` again: a script without a main guard would start engines recursively).
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,12 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
     _check_data_parallel(model, engine.parallel)
     if size == 1:
         return
-    for what, n in (("attention heads", model.num_heads), ("vocab_size", model.vocab_size),
-                    ("intermediate_size", model.intermediate_size), *_moe_dims(model, engine.parallel)):
+    for what, n in (
+        ("attention heads", model.num_heads),
+        ("vocab_size", model.vocab_size),
+        ("intermediate_size", model.intermediate_size),
+        *_moe_dims(model, engine.parallel),
+    ):
         if n % size:
             raise ConfigError(f"--tensor-parallel-size {size} does not divide the model's {what} ({n})")
     try:
@@ -89,8 +94,10 @@ def check_parallel(model: ModelConfig, engine: EngineConfig) -> None:
         first = int(engine.device.partition(":")[2] or 0)
         have = torch.cuda.device_count()
         if first + size > have:
-            raise ConfigError(f"--tensor-parallel-size {size} from {engine.device} needs devices cuda:{first}.."
-                              f"cuda:{first + size - 1}, but this host has {have} GPU(s)")
+            raise ConfigError(
+                f"--tensor-parallel-size {size} from {engine.device} needs devices cuda:{first}.."
+                f"cuda:{first + size - 1}, but this host has {have} GPU(s)"
+            )
 
 
 def _check_data_parallel(model: ModelConfig, p) -> None:
@@ -100,11 +107,14 @@ def _check_data_parallel(model: ModelConfig, p) -> None:
     if d == 1:
         return
     if model.moe is None:
-        raise ConfigError(f"--data-parallel-size {d}: data-parallel attention splits an MoE model's experts among "
-                          f"its engines; {model.architecture} has none (run {d} engines of their own instead)")
+        raise ConfigError(
+            f"--data-parallel-size {d}: data-parallel attention splits an MoE model's experts among "
+            f"its engines; {model.architecture} has none (run {d} engines of their own instead)"
+        )
     if model.moe.num_experts % d:
-        raise ConfigError(f"--data-parallel-size {d} does not divide the model's {model.moe.num_experts} routed "
-                          "experts")
+        raise ConfigError(
+            f"--data-parallel-size {d} does not divide the model's {model.moe.num_experts} routed experts"
+        )
 
 
 def _moe_dims(model: ModelConfig, parallel) -> list[tuple[str, int]]:
@@ -113,16 +123,20 @@ def _moe_dims(model: ModelConfig, parallel) -> list[tuple[str, int]]:
     e = model.moe
     if e is None:
         return []
-    routed = ("routed experts (--enable-expert-parallel)", e.num_experts) if parallel.enable_expert_parallel else \
-        ("moe_intermediate_size (or pass --enable-expert-parallel)", e.moe_intermediate_size)
+    routed = (
+        ("routed experts (--enable-expert-parallel)", e.num_experts)
+        if parallel.enable_expert_parallel
+        else ("moe_intermediate_size (or pass --enable-expert-parallel)", e.moe_intermediate_size)
+    )
     return [routed, ("shared experts' intermediate size", e.moe_intermediate_size * e.num_shared_experts)]
 
 
 class Ranks:
     """Rank 0's hold on its engine's ranks (at TP 1, on itself alone: ``run`` is a plain call)."""
 
-    def __init__(self, state: RankState, procs: list = (), conns: list = (),
-                 on_lost: Callable[[str], None] | None = None):
+    def __init__(
+        self, state: RankState, procs: list = (), conns: list = (), on_lost: Callable[[str], None] | None = None
+    ):
         self.state, self.procs, self.conns, self.on_lost = state, list(procs), list(conns), on_lost
         self.lost: str | None = None  # why the engine's ranks can no longer work together
         self._lock = threading.RLock()  # one step at a time, whichever thread asks (steps nest: RLock)
@@ -192,8 +206,9 @@ def start_ranks(spec: RankSpec, on_lost: Callable[[str], None] | None = None) ->
     procs, conns = [], []
     for rank in range(1, spec.size):
         ours, theirs = socket.socketpair()
-        p = subprocess.Popen([sys.executable, "-m", "dualpath.engines.parallel.ranks", str(theirs.fileno())],
-                             pass_fds=(theirs.fileno(),))
+        p = subprocess.Popen(
+            [sys.executable, "-m", "dualpath.engines.parallel.ranks", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+        )
         theirs.close()
         conn = Connection(ours.detach())
         conn.send((spec, rank, store.port))
@@ -240,8 +255,9 @@ def follow(spec: RankSpec, rank: int, port: int, conn) -> None:
     """A rank other than 0: join, load this rank's part, then run the steps rank 0 sends until it says stop (or is
     gone). Any failure ends the process: the engine cannot go on with a rank out of step."""
     torch.set_num_threads(spec.torch_threads or 1)
-    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level, stream=sys.stderr, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
     try:
         comm = join(rank, spec.device(rank), spec.engine.parallel, spec.host, port=port)
         state = RankState(spec.load(rank, comm), comm, spec.device(rank), spec)

@@ -10,6 +10,7 @@ KV under tensor parallelism: a rank's device KV (paged cache, prefill workspace)
 transfers) keeps the canonical row of every head, in shared memory the engine's ranks map. A rank reads its heads'
 part of each Layer Block from there and writes it back (the first replica of a replicated head only).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,14 @@ from dualpath.engines.graphs import DecodeGraphs, make_decode_graphs
 from dualpath.engines.kv_cache import PagedKVCache
 from dualpath.engines.models.base import ForwardBatch
 from dualpath.kernels.attention import PagedKV, consecutive_tables
-from dualpath.kernels.kv_move import cache_dtype, cache_to_full_blocks, full_block_view, full_blocks_to_cache, to_cache, \
-    write_tokens
+from dualpath.kernels.kv_move import (
+    cache_dtype,
+    cache_to_full_blocks,
+    full_block_view,
+    full_blocks_to_cache,
+    to_cache,
+    write_tokens,
+)
 from dualpath.traffic.memory import HostMemory
 
 
@@ -88,8 +95,11 @@ class RankState:
             if error is not None:
                 raise error
             return result
-        failed = [(r, text) for r, text in enumerate(self.comm.gather_objects(None if error is None else str(error)))
-                  if text is not None]
+        failed = [
+            (r, text)
+            for r, text in enumerate(self.comm.gather_objects(None if error is None else str(error)))
+            if text is not None
+        ]
         if not failed:
             return result
         if self.comm.rank != 0:
@@ -131,14 +141,18 @@ class LayerHooks:
 
 
 # --- set-up ---------------------------------------------------------------------------------------------------
-def alloc_workspace(st: RankState, key: str, g: KVGeometry, slots: int, blocks: int,
-                    stage: tuple[str, int] | None) -> torch.Tensor:
+def alloc_workspace(
+    st: RankState, key: str, g: KVGeometry, slots: int, blocks: int, stage: tuple[str, int] | None
+) -> torch.Tensor:
     """A prefill workspace ``[slots, blocks, block_size, local elems]`` on this rank's device, and (sharded) the
     map of its canonical host staging ``stage`` (shared memory name, bytes)."""
     st.kv[key] = torch.zeros(slots, blocks, *st.local(g).layer_block_shape, dtype=cache_dtype(g), device=st.device)
     if stage is not None:
-        st.host[key] = st.attach(*stage)[:slots * blocks * g.layer_block_bytes].view(cache_dtype(g)).view(
-            slots, blocks, *g.layer_block_shape)
+        st.host[key] = (
+            st.attach(*stage)[: slots * blocks * g.layer_block_bytes]
+            .view(cache_dtype(g))
+            .view(slots, blocks, *g.layer_block_shape)
+        )
     return st.kv[key]
 
 
@@ -164,8 +178,17 @@ def attach_buffer(st: RankState, name: str, nbytes: int) -> None:
 
 # --- forwards ---------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def prefill_layers(st: RankState, g: KVGeometry, batch: ForwardBatch, ids: np.ndarray, slots: np.ndarray,
-                   bases: list[int], counts: list[int], key: str, hooks: LayerHooks | None = None) -> torch.Tensor:
+def prefill_layers(
+    st: RankState,
+    g: KVGeometry,
+    batch: ForwardBatch,
+    ids: np.ndarray,
+    slots: np.ndarray,
+    bases: list[int],
+    counts: list[int],
+    key: str,
+    hooks: LayerHooks | None = None,
+) -> torch.Tensor:
     """A prefill batch through every layer over workspace ``key`` (sequence i's cached KV in blocks ``bases[i]``
     onwards, its new tokens' rows at ``slots``); returns the last hidden states."""
     model, hooks = st.model, hooks or LayerHooks()
@@ -191,8 +214,9 @@ def prefill_layers(st: RankState, g: KVGeometry, batch: ForwardBatch, ids: np.nd
 
 
 @torch.inference_mode()
-def forward_paged(st: RankState, batch: ForwardBatch, ids: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-                  rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_paged(
+    st: RankState, batch: ForwardBatch, ids: np.ndarray, slots: np.ndarray, tables: np.ndarray, rows: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward over sequences whose earlier KV is in this rank's paged cache (block ``tables``, one row each),
     the new rows written at ``slots``: (hidden states of every fed token, logits of ``rows`` of them, all if
     None)."""
@@ -249,7 +273,7 @@ def time_forward(st: RankState, g: KVGeometry, items: list[tuple[int, int]]) -> 
 # --- KV between the paged cache and the DRAM buffer ---------------------------------------------------------------
 def _buffer_blocks(st: RankState, g: KVGeometry, slots: list[int]) -> torch.Tensor:
     """Canonical Full Blocks of buffer ``slots`` viewed ``[n, layers, block_size, elems]`` (a fresh tensor)."""
-    whole = st.host["buffer"][:(max(slots) + 1) * g.full_block_bytes].view(-1, g.full_block_bytes)
+    whole = st.host["buffer"][: (max(slots) + 1) * g.full_block_bytes].view(-1, g.full_block_bytes)
     return full_block_view(whole.index_select(0, torch.as_tensor(slots, dtype=torch.long)), g)
 
 
@@ -259,8 +283,13 @@ def buffer_to_cache(st: RankState, g: KVGeometry, table: list[int], slots: list[
     if st.sharded:
         blocks = st.shard.take(blocks).contiguous()
     lg = st.local(g)
-    full_blocks_to_cache(st.cache.storage, torch.tensor(table, device=st.device),
-                         blocks.view(torch.uint8).view(len(slots), lg.full_block_bytes), lg, st.model.kernels)
+    full_blocks_to_cache(
+        st.cache.storage,
+        torch.tensor(table, device=st.device),
+        blocks.view(torch.uint8).view(len(slots), lg.full_block_bytes),
+        lg,
+        st.model.kernels,
+    )
 
 
 def cache_to_buffer(st: RankState, g: KVGeometry, table: list[int], slots: list[int]) -> None:
@@ -268,9 +297,12 @@ def cache_to_buffer(st: RankState, g: KVGeometry, table: list[int], slots: list[
     engines only; one device's cache is copied out whole by ``dualpath.kernels.kv_move.cache_to_full_blocks``)."""
     lg = st.local(g)
     local = cache_to_full_blocks(st.cache.storage, torch.tensor(table, device=st.device), lg).cpu()
-    whole = full_block_view(st.host["buffer"][:(max(slots) + 1) * g.full_block_bytes], g)
-    st.put_rows(whole.view(whole.shape[0], -1, g.kv_elems_per_token), torch.as_tensor(slots),  # a slot: its rows
-                full_block_view(local, lg).reshape(len(slots), -1, lg.kv_elems_per_token))
+    whole = full_block_view(st.host["buffer"][: (max(slots) + 1) * g.full_block_bytes], g)
+    st.put_rows(
+        whole.view(whole.shape[0], -1, g.kv_elems_per_token),
+        torch.as_tensor(slots),  # a slot: its rows
+        full_block_view(local, lg).reshape(len(slots), -1, lg.kv_elems_per_token),
+    )
 
 
 def copy_block(st: RankState, src: int, dst: int) -> None:
@@ -311,16 +343,18 @@ def update_weights(st: RankState, model_dir: str, quantize) -> str:
 
 
 # --- decode graphs ------------------------------------------------------------------------------------------------
-def make_graphs(st: RankState, max_batch: int, max_model_len: int, enforce_eager: bool,
-                capture: bool = True) -> DecodeGraphs | None:
+def make_graphs(
+    st: RankState, max_batch: int, max_model_len: int, enforce_eager: bool, capture: bool = True
+) -> DecodeGraphs | None:
     """Each rank's decode steps over its cache, captured as CUDA graphs (``dualpath.engines.graphs``; the collectives inside
     are captured too, so ranks replay in step as they run eagerly); on every rank or on none, so a step is a graph
     replay on all of them or eager on all. ``capture`` False: the graphs' static buffers run eagerly (CPU tests)."""
     if capture:
         graphs = make_decode_graphs(st.model, st.cache, max_batch, max_model_len, enforce_eager)
     else:
-        graphs = DecodeGraphs(st.model, st.cache, max_batch, max_model_len, capture=False) \
-            if st.model.dp is None else None
+        graphs = (
+            DecodeGraphs(st.model, st.cache, max_batch, max_model_len, capture=False) if st.model.dp is None else None
+        )
     if st.comm is not None and not st.comm.agree(graphs is not None):
         graphs = None
     st.graphs = graphs
@@ -328,12 +362,36 @@ def make_graphs(st: RankState, max_batch: int, max_model_len: int, enforce_eager
 
 
 @torch.inference_mode()
-def decode_graph(st: RankState, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-                 adapters: list[str]) -> torch.Tensor:
+def decode_graph(
+    st: RankState,
+    tokens: list[int],
+    positions: list[int],
+    slots: list[int],
+    tables: list[list[int]],
+    adapters: list[str],
+) -> torch.Tensor:
     """One decode step from the rank's graphs (rank 0 checked that they fit): the logits ``[n, vocab]``."""
     return st.graphs.run(tokens, positions, slots, tables, adapters)
 
 
-STEPS = {f.__name__: f for f in (alloc_workspace, alloc_cache, cache_size, attach_buffer, prefill_layers, forward_paged,
-                                  forward_whole, logits_of, time_forward, buffer_to_cache, cache_to_buffer, copy_block,
-                                  load_adapter, update_weights, make_graphs, decode_graph)}
+STEPS = {
+    f.__name__: f
+    for f in (
+        alloc_workspace,
+        alloc_cache,
+        cache_size,
+        attach_buffer,
+        prefill_layers,
+        forward_paged,
+        forward_whole,
+        logits_of,
+        time_forward,
+        buffer_to_cache,
+        cache_to_buffer,
+        copy_block,
+        load_adapter,
+        update_weights,
+        make_graphs,
+        decode_graph,
+    )
+}

@@ -1,6 +1,7 @@
 """Failpoints fire once per run, and the chaos suite's short form (``bench/chaos.py --quick``: a prefill engine dying
 mid-prefill, a decode engine dying mid-reply, the scheduler killed, clients hanging up mid-chunk, corrupted blocks)
 meets its targets: no wrong or hung reply, nothing lost, crashed parts back."""
+
 import json
 import os
 import subprocess
@@ -45,9 +46,23 @@ def test_failpoints_are_off_without_the_variable(monkeypatch):
 def test_the_quick_chaos_suite_meets_its_targets(tmp_path):
     out = tmp_path / "chaos.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--agents", "3",
-                          "--heartbeat-timeout", "5", "--out", str(out)], capture_output=True, text=True, env=env,
-                         timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "chaos.py"),
+            "--quick",
+            "--agents",
+            "3",
+            "--heartbeat-timeout",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = result["rows"]

@@ -1,5 +1,6 @@
 """The runtime in real processes: a scheduler, one prefill and two decode engines (tiny random model, CPU),
 KV through real files and the shm transport. Outputs must equal the single-process ``LLM`` reference."""
+
 import json
 import os
 import signal
@@ -27,8 +28,18 @@ MODES = ["pe", "de", "dualpath", "basic"]
 
 
 def spec(model, kv, **kw):
-    base = dict(model=str(model), num_prefill=1, num_decode=2, block_size=BS, kv_store=str(kv), buffer_bytes=8 << 20,
-                cache_bytes=16 << 20, workspace_tokens=2048, cost_model="0.001,0.0001,0", heartbeat_timeout_s=5.0)
+    base = dict(
+        model=str(model),
+        num_prefill=1,
+        num_decode=2,
+        block_size=BS,
+        kv_store=str(kv),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+        heartbeat_timeout_s=5.0,
+    )
     return ClusterSpec(**{**base, **kw})
 
 
@@ -77,8 +88,10 @@ def test_five_turns_hit_storage_and_match_the_reference(cluster, reference, mode
         assert got.token_ids == want, f"{mode} turn {turn}"
         if turn >= 1:
             # every full block of the previous prompt and reply is stored, so the hit covers them
-            assert got.num_cached_tokens >= (len(results[turn - 1][0]) + len(results[turn - 1][1].token_ids) - 1) \
-                // BS * BS
+            assert (
+                got.num_cached_tokens
+                >= (len(results[turn - 1][0]) + len(results[turn - 1][1].token_ids) - 1) // BS * BS
+            )
             assert got.storage_bytes > 0
             assert got.path == ("pe" if mode == "basic" else mode if mode != "dualpath" else got.path)
     after = client.stats()["storage_read_bytes"]
@@ -113,8 +126,7 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v32", marks=pytest.mark.slow),
-                                  "deepseek_v3-fp8"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v32", marks=pytest.mark.slow), "deepseek_v3-fp8"])
 def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
     """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between), DeepSeek-V3.2 (sparse
     attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3
@@ -123,8 +135,9 @@ def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, t
     decode engine gives the single-process tokens."""
     model, quantization = tiny_dirs[arch.removesuffix("-fp8")], "fp8" if arch.endswith("-fp8") else None
     reference = LLM(str(model), block_size=BS, quantization=quantization)
-    with LocalCluster(spec(model, tmp_path / "kv", num_decode=1, quantization=quantization),
-                      run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(model, tmp_path / "kv", num_decode=1, quantization=quantization), run_dir=str(tmp_path / "run")
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         try:
             for mode in ("pe", "de"):
@@ -144,8 +157,18 @@ def test_a_schema_the_engines_cannot_enforce_fails_its_request_clearly(cluster, 
     bad = SamplingParams(temperature=0, max_tokens=8, json_schema=json.dumps({"type": "array", "uniqueItems": True}))
     with pytest.raises(DualPathError, match="uniqueItems"):
         client.generate(prompt, bad, mode=mode)
-    good = SamplingParams(temperature=0, max_tokens=60, json_schema=json.dumps(
-        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}))
+    good = SamplingParams(
+        temperature=0,
+        max_tokens=60,
+        json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        ),
+    )
     got = client.generate(prompt, good, mode=mode)
     with REFERENCE_LOCK:
         assert got.token_ids == reference.generate(prompt, good)[0].token_ids
@@ -205,7 +228,7 @@ def test_salted_conversations_hit_only_their_own_salts_blocks(cluster, reference
     got = client.generate(turn2, replace(GREEDY, cache_salt="tenant-a"))
     assert got.token_ids == reference.generate(turn2, GREEDY)[0].token_ids
     assert got.num_cached_tokens == len(with_kv) // BS * BS
-    short = prompt[:BS - 5]  # no full block: the reply's first one starts the chain, from the salted root
+    short = prompt[: BS - 5]  # no full block: the reply's first one starts the chain, from the salted root
     got = client.generate(short, replace(GREEDY, cache_salt="tenant-c"))
     first_block = block_hashes(short + got.token_ids, fp, BS, salt="tenant-c")[:1]
     assert set(first_block) <= set(list_stored_keys(kv / fp.hex()))
@@ -330,13 +353,13 @@ def test_corrupt_blocks_are_stored_again_so_their_hit_comes_back(cluster, refere
         client.generate(prompt, GREEDY, mode=mode)  # computes and stores the prompt's blocks
         before = client.generate(prompt, GREEDY, mode=mode)
         assert before.token_ids == want and before.num_cached_tokens >= 3 * BS, mode
-        for h in block_hashes(prompt, fp, BS)[:before.num_cached_tokens // BS]:
+        for h in block_hashes(prompt, fp, BS)[: before.num_cached_tokens // BS]:
             victim = kv / fp.hex() / h.hex()[:2] / f"{h.hex()}.kv"
             data = victim.read_bytes()
             if damage == "flip":
                 victim.write_bytes(data[:-10] + bytes([data[-10] ^ 0xFF]) + data[-9:])  # the last layer's bytes
             else:
-                victim.write_bytes(data[:len(data) // 2])
+                victim.write_bytes(data[: len(data) // 2])
         damaged = client.generate(prompt, GREEDY, mode=mode)
         assert damaged.token_ids == want and damaged.num_cached_tokens == 0, mode  # every block failed closed
         repaired = client.generate(prompt, GREEDY, mode=mode)
@@ -352,9 +375,12 @@ LONG = dict(max_tokens=300, ignore_eos=True)  # still going when an engine is ki
 # The sampled cases keep few candidates: a batch's rounding moves the logits in their last bits, and a draw that
 # close to a step of the distribution takes the neighbouring token (``dualpath.engines.sampler.sample``): over the whole
 # vocabulary, about one reply in four here when a decode engine's batch changes under it.
-MOVING = [SamplingParams(temperature=0, **LONG), SamplingParams(temperature=1.0, seed=11, n=2, top_k=4, **LONG),
-          SamplingParams(temperature=0.9, seed=4, frequency_penalty=0.6, top_k=8, **LONG),
-          SamplingParams(temperature=0, repetition_penalty=1.2, **LONG)]
+MOVING = [
+    SamplingParams(temperature=0, **LONG),
+    SamplingParams(temperature=1.0, seed=11, n=2, top_k=4, **LONG),
+    SamplingParams(temperature=0.9, seed=4, frequency_penalty=0.6, top_k=8, **LONG),
+    SamplingParams(temperature=0, repetition_penalty=1.2, **LONG),
+]
 
 
 def stream_choices(client, prompt, params, streaming: threading.Semaphore, outcomes: list) -> None:
@@ -377,8 +403,10 @@ def replies_while(client, cases, streaming, stop_engine) -> tuple[list, float]:
     """Stream each (prompt, params) of ``cases`` at once; once each has tokens, ``stop_engine()``; the outcomes and
     how long after the stop they all ended."""
     outcomes = []
-    threads = [threading.Thread(target=stream_choices, args=(client, prompt, params, streaming, outcomes))
-               for prompt, params in cases]
+    threads = [
+        threading.Thread(target=stream_choices, args=(client, prompt, params, streaming, outcomes))
+        for prompt, params in cases
+    ]
     for t in threads:
         t.start()
     for _ in threads:  # every request is generating
@@ -410,8 +438,9 @@ def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_sam
     load: it stores what it has, says it is leaving and hands its replies back, which go on on the replacement,
     the same again; it exits cleanly. Last, with migrations off, a reply fails naming its engine when that engine
     is killed."""
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=30.0),
-                      run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(tiny_dirs["llama"], tmp_path / "kv", heartbeat_timeout_s=30.0), run_dir=str(tmp_path / "run")
+    ) as c:
         moved: list[str] = []
         client = ClusterClient(c.scheduler_address, timeout=60, on_migration=moved.append)
         streaming = threading.Semaphore(0)
@@ -443,8 +472,9 @@ def test_replies_move_off_a_killed_or_stopped_decode_engine_and_come_out_the_sam
         client.close()
 
         strict = ClusterClient(c.scheduler_address, timeout=60, migration_limit=0)
-        outcomes, _ = replies_while(strict, [(conversation(400, 1)[0], MOVING[0])], streaming,
-                                    lambda: c.kill(replacement))
+        outcomes, _ = replies_while(
+            strict, [(conversation(400, 1)[0], MOVING[0])], streaming, lambda: c.kill(replacement)
+        )
         assert "decode engine" in str(outcomes[0][2]), outcomes
         strict.close()
 
@@ -465,12 +495,14 @@ def test_replies_outlive_a_scheduler_restart(tiny_dirs, tmp_path, reference):
         def restart():
             c.child("scheduler").proc.kill()
             c.child("scheduler").proc.wait(10)
-            sent = threading.Thread(target=stream_choices, args=(client, conversation(620, 1)[0], GREEDY,
-                                                                 threading.Semaphore(0), late))
+            sent = threading.Thread(
+                target=stream_choices, args=(client, conversation(620, 1)[0], GREEDY, threading.Semaphore(0), late)
+            )
             sent.start()  # while there is no scheduler
             time.sleep(1.0)
             c.restart_scheduler()
             sent.join(120)
+
         outcomes, _ = replies_while(client, cases, streaming, restart)
         assert_as_the_reference(reference, outcomes + late)
         assert client.stats()["engines_alive"] == 3
@@ -489,8 +521,16 @@ def test_replies_outlive_a_scheduler_restart(tiny_dirs, tmp_path, reference):
 def test_a_killed_prefill_engine_has_its_requests_retried(tiny_dirs, tmp_path, reference):
     # slow storage reads on the prefill nodes keep requests in flight there when one is killed
     # least-loaded over all prefill engines spreads the requests, so the killed one surely holds some
-    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, heartbeat_timeout_s=2.0,
-             storage_read_bps=50_000.0, policy="least-loaded", load_every_hit=True)
+    s = spec(
+        tiny_dirs["llama"],
+        tmp_path / "kv",
+        num_prefill=2,
+        num_decode=1,
+        heartbeat_timeout_s=2.0,
+        storage_read_bps=50_000.0,
+        policy="least-loaded",
+        load_every_hit=True,
+    )
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = []
@@ -532,8 +572,11 @@ def test_a_slow_store_is_recomputed_past_not_waited_for(tiny_dirs, tmp_path, ref
         config = open_checkpoint(tiny_dirs["llama"]).config
         load_s = stats["recomputed_hit_tokens"] * config.num_layers * config.kv_elems_per_token * 4 / 2_000.0
         assert stats["recomputed_hit_tokens"] >= 2 * BS and load_s > 10 and took < load_s / 4, (stats, took)
-        (rate,) = [float(ln.split()[-1]) for ln in render(stats).splitlines()
-                   if ln.startswith("dualpath_engine_prefill_tokens_per_second{")]
+        (rate,) = [
+            float(ln.split()[-1])
+            for ln in render(stats).splitlines()
+            if ln.startswith("dualpath_engine_prefill_tokens_per_second{")
+        ]
         assert rate > 100  # the tiny model on CPU: thousands of tokens a second
         client.close()
 
@@ -586,8 +629,13 @@ def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tm
     request's three choices fork on the decode engine and equal three seeded requests of the single-process
     reference."""
     g_bytes = 40 * 12288  # the tiny Llama's Full Block at block size 16 is 12,288 bytes
-    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=1, buffer_bytes=g_bytes,
-             extra_engine_args=("--max-num-seqs", "2"))  # and a decode batch of 2 rows: the rest wait for one
+    s = spec(
+        tiny_dirs["llama"],
+        tmp_path / "kv",
+        num_decode=1,
+        buffer_bytes=g_bytes,
+        extra_engine_args=("--max-num-seqs", "2"),
+    )  # and a decode batch of 2 rows: the rest wait for one
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(250)] for i in range(8)]
@@ -598,6 +646,7 @@ def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tm
                 got[i] = client.generate(prompts[i], GREEDY, mode="pe" if i % 2 else "de").token_ids
             except Exception as e:  # noqa: BLE001 - collected for the assertion
                 errors.append(e)
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
@@ -608,8 +657,10 @@ def test_prompts_beyond_the_buffers_wait_for_room_and_choices_fork(tiny_dirs, tm
         assert [got[i] for i in range(8)] == [w.token_ids for w in want]
         sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=3, n=3)
         choices = client.generate_choices(prompts[0][:37], sampled)
-        want = [reference.generate(prompts[0][:37], SamplingParams(temperature=1.0, max_tokens=8, seed=3 + i))[0]
-                for i in range(3)]
+        want = [
+            reference.generate(prompts[0][:37], SamplingParams(temperature=1.0, max_tokens=8, seed=3 + i))[0]
+            for i in range(3)
+        ]
         assert [r.token_ids for r in choices] == [w.token_ids for w in want] and [r.index for r in choices] == [0, 1, 2]
         stop = want[1].text[2:4]  # stop strings end a choice on the decode engine, the others run on
         stopping = SamplingParams(temperature=1.0, max_tokens=8, seed=3, n=3, stop=(stop,))
@@ -647,11 +698,13 @@ def test_engines_on_the_triton_kernels_match_the_reference(tiny_dirs, tmp_path, 
 
 @pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_engine_groups_pull_through_their_leader_and_survive_it(tiny_dirs, tmp_path, reference):
-    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=2, engines_per_node=2,
-             heartbeat_timeout_s=2.0)
+    s = spec(
+        tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=2, engines_per_node=2, heartbeat_timeout_s=2.0
+    )
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         import time
+
         time.sleep(0.5)  # members that registered first led alone until they learned of the others
         before = client.stats()["pulls_by_sender"]
         for mode in ("pe", "de"):
@@ -672,8 +725,9 @@ def test_engines_declared_gone_after_a_pause_rejoin_and_serve(tiny_dirs, tmp_pat
     """A paused process (SIGSTOP; in production a swap storm or a long GC) misses its heartbeats and is declared
     gone; when it resumes it registers again instead of idling unseen. Both ways back: a group member, told by
     its leader, and the leader, told by the scheduler."""
-    s = spec(tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, engines_per_node=2,
-             heartbeat_timeout_s=2.0)
+    s = spec(
+        tiny_dirs["llama"], tmp_path / "kv", num_prefill=2, num_decode=1, engines_per_node=2, heartbeat_timeout_s=2.0
+    )
     with LocalCluster(s, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         for name, seed in (("prefill-1", 710), ("prefill-0", 720)):

@@ -7,6 +7,7 @@ idle or compute their own; the group's balance reaches the scheduler's /metrics;
 its group out (the other engine exits 1 within seconds) and the replies move to another group, none lost; bad
 groups are refused before anything starts.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,10 @@ from test_cluster import MOVING, assert_as_the_reference, conversation, replies_
 def _run_conversations(client, reference, seeds, mode="dualpath", turns=2) -> list:
     """Conversations at once (so a group's engines hold requests of their own together)."""
     outs: list = []
-    threads = [threading.Thread(target=lambda s=s: outs.append(run_conversation(client, reference, s, turns, mode)))
-               for s in seeds]
+    threads = [
+        threading.Thread(target=lambda s=s: outs.append(run_conversation(client, reference, s, turns, mode)))
+        for s in seeds
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -42,8 +45,10 @@ def _run_conversations(client, reference, seeds, mode="dualpath", turns=2) -> li
 def test_groups_answer_as_one_process_on_every_read_path(tiny_dirs, tmp_path, arch):
     model = tiny_dirs[arch]
     reference = LLM(str(model), block_size=16)
-    with LocalCluster(spec(model, tmp_path / "kv", num_prefill=2, num_decode=2, data_parallel_size=2,
-                           scheduler_http_port=0), run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(model, tmp_path / "kv", num_prefill=2, num_decode=2, data_parallel_size=2, scheduler_http_port=0),
+        run_dir=str(tmp_path / "run"),
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         try:
             for mode in ("pe", "de", "split"):  # one request at a time: one engine computes, the other serves
@@ -74,8 +79,10 @@ def test_an_engine_killed_mid_reply_takes_its_group_out_and_the_replies_move(tin
     reference's, moved to the other group."""
     model = tiny_dirs["qwen3_moe"]
     reference = LLM(str(model), block_size=16)
-    with LocalCluster(spec(model, tmp_path / "kv", num_prefill=2, num_decode=4, data_parallel_size=2,
-                           heartbeat_timeout_s=30.0), run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(model, tmp_path / "kv", num_prefill=2, num_decode=4, data_parallel_size=2, heartbeat_timeout_s=30.0),
+        run_dir=str(tmp_path / "run"),
+    ) as c:
         moved: list[str] = []
         client = ClusterClient(c.scheduler_address, timeout=60, on_migration=moved.append)
         streaming = threading.Semaphore(0)
@@ -96,11 +103,14 @@ def test_an_engine_killed_mid_reply_takes_its_group_out_and_the_replies_move(tin
 def test_bad_groups_are_refused_before_anything_starts(tiny_dirs, tmp_path):
     config = open_checkpoint(tiny_dirs["qwen3_moe"]).config
     with pytest.raises(ConfigError, match="does not divide the model's 8 routed experts"):
-        check_parallel(config, EngineConfig(parallel=ParallelConfig(data_parallel_size=3,
-                                                                    data_parallel_master="127.0.0.1:1")))
+        check_parallel(
+            config, EngineConfig(parallel=ParallelConfig(data_parallel_size=3, data_parallel_master="127.0.0.1:1"))
+        )
     with pytest.raises(ConfigError, match="has none"):
-        check_parallel(open_checkpoint(tiny_dirs["llama"]).config,
-                       EngineConfig(parallel=ParallelConfig(data_parallel_size=2, data_parallel_master="h:1")))
+        check_parallel(
+            open_checkpoint(tiny_dirs["llama"]).config,
+            EngineConfig(parallel=ParallelConfig(data_parallel_size=2, data_parallel_master="h:1")),
+        )
     with pytest.raises(ConfigError, match="host:port"):
         ParallelConfig(data_parallel_size=2)
     with pytest.raises(ConfigError, match="one rank per engine"):
@@ -116,7 +126,9 @@ def test_a_nodes_engines_form_one_group(tmp_path):
 
     node = NodeEngines(NodeSpec("decode", "127.0.0.1:1", engines=4, data_parallel=True), str(tmp_path))
     args = [node.engine_args(i) for i in range(4)]
-    opts = [dict(zip(a[a.index("--data-parallel-size")::2], a[a.index("--data-parallel-size") + 1::2])) for a in args]
+    opts = [
+        dict(zip(a[a.index("--data-parallel-size") :: 2], a[a.index("--data-parallel-size") + 1 :: 2])) for a in args
+    ]
     assert [o["--data-parallel-rank"] for o in opts] == ["0", "1", "2", "3"]
     assert {o["--data-parallel-size"] for o in opts} == {"4"} and len({o["--data-parallel-master"] for o in opts}) == 1
     plain = NodeEngines(NodeSpec("decode", "127.0.0.1:1", engines=4), str(tmp_path / "p")).engine_args(0)

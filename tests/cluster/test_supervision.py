@@ -1,6 +1,7 @@
 """The single-host supervisor (``dualpath serve``'s): a dead or hung engine or scheduler comes back by itself, the
 requests it held are served elsewhere or after it returns, equal to the one-process reference; every port comes from
 the range given; a new run rotates the last run's logs."""
+
 import signal
 import threading
 import time
@@ -19,9 +20,19 @@ FAST = RestartPolicy(max_restarts=3, backoff_s=0.2, health_interval_s=0.5, healt
 
 
 def spec(model, kv, **kw):
-    base = dict(model=str(model), num_prefill=1, num_decode=1, block_size=BS, kv_store=str(kv), buffer_bytes=8 << 20,
-                cache_bytes=16 << 20, workspace_tokens=2048, cost_model="0.001,0.0001,0", heartbeat_timeout_s=3.0,
-                restart=FAST)
+    base = dict(
+        model=str(model),
+        num_prefill=1,
+        num_decode=1,
+        block_size=BS,
+        kv_store=str(kv),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+        heartbeat_timeout_s=3.0,
+        restart=FAST,
+    )
     return ClusterSpec(**{**base, **kw})
 
 
@@ -71,8 +82,9 @@ def test_a_killed_prefill_engine_comes_back_and_serves_what_it_held(tiny_dirs, t
     """Requests in flight when the only prefill engine is killed are served once the supervisor brought it back,
     equal to the one-process reference."""
     reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0),
-                      run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0), run_dir=str(tmp_path / "run")
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=120, reconnect_s=60)
         results = generate_during(client, [prompt(i) for i in range(4)], GREEDY, lambda: c.kill("prefill-0"))
         for i, got in enumerate(results):
@@ -88,8 +100,9 @@ def test_a_killed_scheduler_and_a_hung_decode_engine_come_back(tiny_dirs, tmp_pa
     a decode engine that stops answering (SIGSTOP) is killed after its failed health checks and restarted. Every
     reply equals the one-process reference."""
     reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0),
-                      run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(tiny_dirs["llama"], tmp_path / "kv", engine_wait_timeout_s=60.0), run_dir=str(tmp_path / "run")
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=120, reconnect_s=60)
         assert client.generate(prompt(9), GREEDY).token_ids  # (the client learns the model from a live scheduler)
         c.kill("scheduler")
@@ -108,9 +121,16 @@ def test_a_killed_scheduler_and_a_hung_decode_engine_come_back(tiny_dirs, tmp_pa
 
 @pytest.mark.slow  # (the default run stays under 10 minutes)
 def test_past_the_restart_cap_a_waiting_request_fails_as_unavailable_within_the_bound(tiny_dirs, tmp_path):
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", restart=RestartPolicy(), engine_wait_timeout_s=2.0,
-                           heartbeat_timeout_s=1.0),
-                      run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(
+            tiny_dirs["llama"],
+            tmp_path / "kv",
+            restart=RestartPolicy(),
+            engine_wait_timeout_s=2.0,
+            heartbeat_timeout_s=1.0,
+        ),
+        run_dir=str(tmp_path / "run"),
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=60)
         assert client.generate(prompt(1), GREEDY).token_ids
         c.kill("prefill-0")
@@ -131,12 +151,25 @@ def test_a_node_whose_engine_stops_answering_exits_and_its_alive_file_goes_stale
     stops them all and exits 1, so the pod's container restarts."""
     from dualpath.launcher import NodeEngines, NodeSpec
 
-    with LocalCluster(spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=0, restart=RestartPolicy()),
-                      run_dir=str(tmp_path / "run")) as c:
-        engine_args = ("--model", str(tiny_dirs["llama"]), "--block-size", str(BS), "--kv-store", str(tmp_path / "kv"),
-                       "--buffer-bytes", str(8 << 20), "--cache-bytes", str(16 << 20))
-        node = NodeEngines(NodeSpec("decode", c.scheduler_address, engines=1, torch_threads=1, engine_args=engine_args),
-                           run_dir=str(tmp_path / "node"))
+    with LocalCluster(
+        spec(tiny_dirs["llama"], tmp_path / "kv", num_decode=0, restart=RestartPolicy()), run_dir=str(tmp_path / "run")
+    ) as c:
+        engine_args = (
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--block-size",
+            str(BS),
+            "--kv-store",
+            str(tmp_path / "kv"),
+            "--buffer-bytes",
+            str(8 << 20),
+            "--cache-bytes",
+            str(16 << 20),
+        )
+        node = NodeEngines(
+            NodeSpec("decode", c.scheduler_address, engines=1, torch_threads=1, engine_args=engine_args),
+            run_dir=str(tmp_path / "node"),
+        )
         node.restart = RestartPolicy(health_interval_s=0.5, health_timeout_s=0.5, health_failures=2)
         alive = tmp_path / "alive"
         node.start(120)

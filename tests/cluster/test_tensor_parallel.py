@@ -4,6 +4,7 @@ Greedy tokens at TP 2 and 4 are TP 1's, and logits agree within 1e-4 (float32: t
 terms in another order); KV heads fewer than ranks are replicated; weights are read in slices; bad configurations
 fail before any process starts; a dead rank fails the engine's next step at once, never a hang.
 """
+
 from __future__ import annotations
 
 import json
@@ -138,8 +139,9 @@ def test_mistral_within_its_window_under_tp(tiny_dirs, tmp_path):
     """Mistral (the tiny Llama's weights under Mistral's config, a 128-token window) at TP 2."""
     d = shutil.copytree(tiny_dirs["llama"], tmp_path / "mistral")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
-                                               "model_type": "mistral", "sliding_window": 128}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128})
+    )
     assert open_checkpoint(d).config.sliding_window == 128
     _same(d, 2)
 
@@ -149,8 +151,15 @@ def test_fp8_at_load_cuts_on_scale_blocks(tmp_path):
     TP 1's and the tokens are too; a size whose parts would cut a block is refused with the numbers."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-    model = build_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=512, intermediate_size=512,
-                                  num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
+    model = build_tiny_checkpoint(
+        tmp_path / "m",
+        "llama",
+        hidden_size=512,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+    )
     _same(model, 2, quantization="fp8")
     with pytest.raises(Exception, match="does not fall on its 128-element FP8 scale blocks"):
         _tp(model, 4, quantization="fp8")
@@ -169,8 +178,9 @@ def test_bad_configurations_fail_before_any_process_starts(tiny_dirs):
     with pytest.raises(ConfigError, match="attention heads"):
         check_parallel(open_checkpoint(tiny_dirs["llama"]).config, EngineConfig(parallel=ParallelConfig(3)))
     with pytest.raises(ConfigError, match="devices"):
-        check_parallel(open_checkpoint(tiny_dirs["llama"]).config,
-                       EngineConfig(device="cuda:0", parallel=ParallelConfig(2)))
+        check_parallel(
+            open_checkpoint(tiny_dirs["llama"]).config, EngineConfig(device="cuda:0", parallel=ParallelConfig(2))
+        )
     with pytest.raises(ConfigError, match="master_port"):
         ParallelConfig(2, master_port=70000)
 
@@ -191,8 +201,6 @@ def test_a_dead_rank_fails_the_next_step_at_once(tiny_dirs):
         assert time.monotonic() - start < 5
 
 
-
-
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_a_cluster_of_mixed_parallelism_shares_kv_on_both_read_paths(tiny_dirs, tmp_path, prefill_tp, decode_tp):
     """1 prefill and 2 decode engines of different TP sizes: KV written by one parallelism (the decode engines
@@ -205,8 +213,10 @@ def test_a_cluster_of_mixed_parallelism_shares_kv_on_both_read_paths(tiny_dirs, 
 
     model = tiny_dirs["llama"]
     reference = LLM(str(model), block_size=16)
-    with LocalCluster(spec(model, tmp_path / "kv", prefill_tensor_parallel_size=prefill_tp,
-                           decode_tensor_parallel_size=decode_tp), run_dir=str(tmp_path / "run")) as c:
+    with LocalCluster(
+        spec(model, tmp_path / "kv", prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp),
+        run_dir=str(tmp_path / "run"),
+    ) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         try:
             for mode in ("pe", "de", "split"):

@@ -2,6 +2,7 @@
 ``-tp`` and its YAML key on ``serve``, per-role sizes, the devices and ports the launcher gives each engine, a
 size the model cannot take refused before anything starts, ``dualpath engine``/``node``/``generate``, and the
 Helm chart's and Slurm scripts' settings (docs/parallelism.md)."""
+
 from __future__ import annotations
 
 import os
@@ -46,9 +47,15 @@ def opt(argv: list[str], flag: str) -> str | None:
 
 def test_serve_refuses_a_size_that_does_not_divide_the_heads_before_starting_anything(llama, tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "dualpath.cli", "serve", "--model", str(llama), "-tp", "3",
-                        "--run-dir", str(run)], check=False, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "serve", "--model", str(llama), "-tp", "3", "--run-dir", str(run)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+    )
     assert r.returncode != 0
     assert "--tensor-parallel-size 3 does not divide the model's attention heads (4)" in r.stderr, r.stderr
     assert "starting" not in r.stdout and not run.exists()  # no process, not even a run directory
@@ -57,16 +64,34 @@ def test_serve_refuses_a_size_that_does_not_divide_the_heads_before_starting_any
 def test_a_refused_size_starts_no_cluster(llama, tmp_path, monkeypatch, capsys):
     started = []
     monkeypatch.setattr(LocalCluster, "__init__", lambda *a, **k: started.append(a))
-    for argv in (["-tp", "3"], ["--decode-tensor-parallel-size", "8"], ["-tp", "2", "--device", "cuda", "--decode", "200"]):
+    for argv in (
+        ["-tp", "3"],
+        ["--decode-tensor-parallel-size", "8"],
+        ["-tp", "2", "--device", "cuda", "--decode", "200"],
+    ):
         assert main(["serve", "--model", str(llama), "--run-dir", str(tmp_path / "run"), *argv]) == 2
         err = capsys.readouterr().err
         assert "dualpath: error: --tensor-parallel-size" in err, err
     assert not started
     # rollout and run-batch start their clusters the same way
-    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
-                                       '"body": {"prompt": "hi", "max_tokens": 2}}\n')
-    assert main(["run-batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model", str(llama),
-                 "-tp", "3"]) == 2
+    (tmp_path / "in.jsonl").write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}\n'
+    )
+    assert (
+        main(
+            [
+                "run-batch",
+                str(tmp_path / "in.jsonl"),
+                "-o",
+                str(tmp_path / "out.jsonl"),
+                "--model",
+                str(llama),
+                "-tp",
+                "3",
+            ]
+        )
+        == 2
+    )
     assert "does not divide the model's attention heads (4)" in capsys.readouterr().err and not started
 
 
@@ -88,8 +113,17 @@ def test_yaml_and_flags_land_in_each_engines_config(llama, tmp_path):
     from dualpath.serving.serve import cluster_spec
 
     config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump({"model": str(llama), "tensor_parallel_size": 2, "decode": 2,
-                                      "decode_tensor_parallel_size": 1, "tp_join_timeout": 30}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(llama),
+                "tensor_parallel_size": 2,
+                "decode": 2,
+                "decode_tensor_parallel_size": 1,
+                "tp_join_timeout": 30,
+            }
+        )
+    )
     args = _with_config(build_parser(), ["serve", "--config", str(config)])
     spec, _, _ = cluster_spec(args)
     assert (spec.tp("prefill"), spec.tp("decode"), spec.tp_join_timeout_s) == (2, 1, 30.0)
@@ -109,8 +143,11 @@ def test_yaml_and_flags_land_in_each_engines_config(llama, tmp_path):
 def test_engine_devices_step_by_the_tensor_parallel_size():
     def devices(**kw):
         c = LocalCluster(ClusterSpec(model="m", device="cuda", num_prefill=2, num_decode=2, **kw))
-        return [opt(c._engine_args(r, i, c.spec.first_device(r, i)), "--device")
-                for r in ("prefill", "decode") for i in range(2)]
+        return [
+            opt(c._engine_args(r, i, c.spec.first_device(r, i)), "--device")
+            for r in ("prefill", "decode")
+            for i in range(2)
+        ]
 
     assert devices() == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert devices(tensor_parallel_size=2) == ["cuda:0", "cuda:2", "cuda:4", "cuda:6"]
@@ -119,11 +156,14 @@ def test_engine_devices_step_by_the_tensor_parallel_size():
 
 
 def test_a_tensor_parallel_engine_takes_one_more_port_of_the_range():
-    c = LocalCluster(ClusterSpec(model="m", num_prefill=1, num_decode=2, prefill_tensor_parallel_size=2,
-                                 engine_ports=(20000, 20009)))
+    c = LocalCluster(
+        ClusterSpec(model="m", num_prefill=1, num_decode=2, prefill_tensor_parallel_size=2, engine_ports=(20000, 20009))
+    )
     got = [c._engine_args(r, i, 0) for r, i in (("prefill", 0), ("decode", 0))]
-    assert [(opt(a, "--port"), opt(a, "--transport-port"), opt(a, "--tp-master-port")) for a in got] == \
-        [("20000", "20001", "20003"), ("20004", "20005", None)]
+    assert [(opt(a, "--port"), opt(a, "--transport-port"), opt(a, "--tp-master-port")) for a in got] == [
+        ("20000", "20001", "20003"),
+        ("20004", "20005", None),
+    ]
     with pytest.raises(ConfigError, match="room for 3 engines"):  # 20007-20009 fit a TP 1 engine; the next, none
         c._engine_args("decode", 1, 0), c._engine_args("decode", 2, 0)
     # no range: the TP engines' rendezvous ports from --tp-master-port up, or any free one
@@ -136,8 +176,9 @@ def test_a_tensor_parallel_engine_takes_one_more_port_of_the_range():
 def test_serve_takes_a_master_port_or_a_port_range_not_both(llama):
     from dualpath.serving.serve import cluster_spec
 
-    args = build_parser().parse_args(["serve", "--model", str(llama), "-tp", "2", "--tp-master-port", "29500",
-                                      "--engine-port-range", "20000-20100"])
+    args = build_parser().parse_args(
+        ["serve", "--model", str(llama), "-tp", "2", "--tp-master-port", "29500", "--engine-port-range", "20000-20100"]
+    )
     with pytest.raises(ConfigError, match="give one"):
         cluster_spec(args)
 
@@ -152,12 +193,14 @@ def test_engine_flags():
 
 
 def test_node_engines_take_tp_devices_each():
-    node = NodeEngines(NodeSpec("prefill", "h:1", engines=2, device="cuda", node_id="n", tensor_parallel_size=4,
-                                torch_threads=1))
+    node = NodeEngines(
+        NodeSpec("prefill", "h:1", engines=2, device="cuda", node_id="n", tensor_parallel_size=4, torch_threads=1)
+    )
     argv = node.engine_args(1)
     assert opt(argv, "--device") == "cuda:4" and opt(argv, "--tensor-parallel-size") == "4"
-    assert "--tensor-parallel-size" not in NodeEngines(NodeSpec("prefill", "h:1", device="cuda",
-                                                                torch_threads=1)).engine_args(0)
+    assert "--tensor-parallel-size" not in NodeEngines(
+        NodeSpec("prefill", "h:1", device="cuda", torch_threads=1)
+    ).engine_args(0)
     args = build_parser().parse_args(["node", "--role", "decode", "--scheduler", "h:1", "-tp", "2"])
     assert args.tensor_parallel_size == 2
     assert _node_tp(1, ["--dtype", "bfloat16", "-tp", "2"]) == 2 and _node_tp(1, ["--tensor-parallel-size=8"]) == 8
@@ -189,6 +232,7 @@ def test_generate_passes_the_size_to_llm(monkeypatch, capsys):
 
 # ---- deploy ----
 
+
 def test_helm_gives_each_engine_its_gpus():
     from k8s_tools import helm_binary
 
@@ -198,10 +242,16 @@ def test_helm_gives_each_engine_its_gpus():
     chart = ROOT / "deploy/k8s/dualpath"
 
     def render(*sets: str):
-        r = subprocess.run([helm, "template", "dp", str(chart), *(x for s in sets for x in ("--set", s))],
-                           check=False, capture_output=True, text=True, timeout=120)
-        return r, {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d} if not \
-            r.returncode else {}
+        r = subprocess.run(
+            [helm, "template", "dp", str(chart), *(x for s in sets for x in ("--set", s))],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return r, {
+            (d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(r.stdout) if d
+        } if not r.returncode else {}
 
     r, objs = render("prefill.tensorParallelSize=2", "decode.gpusPerNode=4", "decode.tensorParallelSize=4")
     assert r.returncode == 0, r.stderr
@@ -247,10 +297,21 @@ def slurm(tmp_path: Path, **env: str) -> str:
     (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" >>"{tmp_path}/srun.args"\n')
     (bin_dir / "srun").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("DUALPATH")}
-    r = subprocess.run(["bash", "-c", SLURM], check=False, capture_output=True, text=True, timeout=60,
-                       env={**base, "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"),
-                            "PATH": f"{bin_dir}:{os.environ['PATH']}", "DUALPATH_RUN_DIR": str(tmp_path),
-                            "DUALPATH_GPUS_PER_NODE": "8", **env})
+    r = subprocess.run(
+        ["bash", "-c", SLURM],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **base,
+            "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "DUALPATH_RUN_DIR": str(tmp_path),
+            "DUALPATH_GPUS_PER_NODE": "8",
+            **env,
+        },
+    )
     return r.stdout + r.stderr
 
 
@@ -259,7 +320,8 @@ def test_slurm_engines_span_tp_gpus_each(tmp_path):
     assert "check=0" in out and "starting prefill engines on node1 (4 per node, tensor-parallel size 2)" in out, out
     prefill, decode = (tmp_path / "srun.args").read_text().split("--export=ALL")[1:]
     assert "--ntasks-per-node=4 --gpus-per-task=2 --cpus-per-task=2" in prefill and prefill.rstrip().endswith(
-        "prefill 2")
+        "prefill 2"
+    )
     assert "--ntasks-per-node=8 --gpus-per-task=1 --cpus-per-task=1" in decode and decode.rstrip().endswith("decode 1")
     assert '--tensor-parallel-size "$1"' in prefill
     out = slurm(tmp_path, DUALPATH_DATA_PARALLEL="1", DUALPATH_EXPERT_PARALLEL="1", RUN="1")

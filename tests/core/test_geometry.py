@@ -50,8 +50,11 @@ def test_parent_continues_the_chain():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 2**31 - 1), min_size=64 * 4, max_size=64 * 4), st.integers(0, 64 * 4 - 1),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=64 * 4, max_size=64 * 4),
+    st.integers(0, 64 * 4 - 1),
+    st.integers(0, 2**31 - 1),
+)
 def test_any_token_change_changes_that_block_and_every_later_hash(toks, pos, new):
     if toks[pos] == new:
         new = (new + 1) % 2**31
@@ -78,8 +81,17 @@ def test_fingerprint_covers_dtype_block_size_and_weights(tiny_dirs):
     cfg = ModelConfig.from_hf(json.loads((tiny_dirs["llama"] / "config.json").read_text()))
     base = model_fingerprint(cfg, "float32", 64, "w1")
     assert base == model_fingerprint(cfg, "float32", 64, "w1")
-    assert len({base, model_fingerprint(cfg, "bfloat16", 64, "w1"), model_fingerprint(cfg, "float32", 32, "w1"),
-                model_fingerprint(cfg, "float32", 64, "w2")}) == 4
+    assert (
+        len(
+            {
+                base,
+                model_fingerprint(cfg, "bfloat16", 64, "w1"),
+                model_fingerprint(cfg, "float32", 32, "w1"),
+                model_fingerprint(cfg, "float32", 64, "w2"),
+            }
+        )
+        == 4
+    )
 
 
 def test_a_salt_starts_its_own_chain_that_no_unsalted_block_can_join():

@@ -1,6 +1,7 @@
 """The internal plane is closed (issue 54): every gRPC call carries the cluster token and every server checks it
 before any handler runs (unary and streaming calls alike), refusals are counted; with certificates, mutual TLS; a
 token file others may read is refused; ``dualpath serve``'s cluster is closed with no setup."""
+
 from __future__ import annotations
 
 import datetime
@@ -11,8 +12,16 @@ import pytest
 
 from dualpath.core.errors import ConfigError
 from dualpath.core.messages import Ack, RequestRef, TokenEvent
-from dualpath.core.rpc import ENGINE_METHODS, TOKEN_ENV, TOKEN_FILE_ENV, Client, PlaneAuth, RpcError, ThreadedServer, \
-    ensure_cluster_token
+from dualpath.core.rpc import (
+    ENGINE_METHODS,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    Client,
+    PlaneAuth,
+    RpcError,
+    ThreadedServer,
+    ensure_cluster_token,
+)
 
 
 class _Engine:
@@ -86,18 +95,30 @@ def _pki(tmp_path):
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def cert(name, key, issuer_name, issuer_key, ca=False):
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-             .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=1)).not_valid_after(now + datetime.timedelta(hours=1))
-             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+            )
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         return b.sign(issuer_key, hashes.SHA256())
 
     def write(name, obj, key=False):
         path = tmp_path / name
-        data = obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption()) if key else obj.public_bytes(serialization.Encoding.PEM)
+        data = (
+            obj.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+            if key
+            else obj.public_bytes(serialization.Encoding.PEM)
+        )
         path.write_bytes(data)
         path.chmod(0o600)
         return data
@@ -110,8 +131,12 @@ def _pki(tmp_path):
         key = ec.generate_private_key(ec.SECP256R1())
         issuer_key = signer or key
         issuer = ca_name if signer else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, who)])
-        out[who] = PlaneAuth(token="t", cert=write(f"{who}.pem", cert(who, key, issuer, issuer_key)),
-                             key=write(f"{who}.key", key, key=True), ca=ca)
+        out[who] = PlaneAuth(
+            token="t",
+            cert=write(f"{who}.pem", cert(who, key, issuer, issuer_key)),
+            key=write(f"{who}.key", key, key=True),
+            ca=ca,
+        )
     return out
 
 
@@ -153,9 +178,15 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
     from dualpath.core.messages import EngineInfo, Role, SubmitRequest, pack_tokens
     from dualpath.core.rpc import SCHEDULER_METHODS
 
-    spec = ClusterSpec(model=str(tiny_dirs["llama"]), block_size=16, kv_store=str(tmp_path / "kv"),
-                       buffer_bytes=8 << 20, cache_bytes=16 << 20, workspace_tokens=2048,
-                       cost_model="0.001,0.0001,0")
+    spec = ClusterSpec(
+        model=str(tiny_dirs["llama"]),
+        block_size=16,
+        kv_store=str(tmp_path / "kv"),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+    )
     with LocalCluster(spec, run_dir=str(tmp_path / "run")) as c:
         client = ClusterClient(c.scheduler_address, timeout=60)
         assert client.generate(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4)).token_ids
@@ -167,8 +198,11 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
         with pytest.raises(RpcError, match="UNAUTHENTICATED"):
             rogue.call("Stats", RequestRef(""), timeout=5)
         with pytest.raises(RpcError, match="UNAUTHENTICATED"):
-            list(rogue.stream("Submit", SubmitRequest("x", pack_tokens(range(40)), SamplingParams().to_dict()),
-                              timeout=5))
+            list(
+                rogue.stream(
+                    "Submit", SubmitRequest("x", pack_tokens(range(40)), SamplingParams().to_dict()), timeout=5
+                )
+            )
         engine = Client("Engine", ENGINE_METHODS, c.engine_addresses["decode-0"])
         with pytest.raises(RpcError, match="UNAUTHENTICATED"):
             list(engine.stream("Stream", RequestRef("x.0"), timeout=5))
@@ -179,9 +213,14 @@ def test_a_launched_clusters_plane_refuses_callers_without_its_token(tiny_dirs, 
         monkeypatch.delenv(TOKEN_FILE_ENV)
         import subprocess
         import sys
-        status = subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", c.scheduler_address,
-                                 "--timeout", "60"], capture_output=True, text=True, timeout=60,
-                                env={k: v for k, v in os.environ.items() if not k.startswith(TOKEN_ENV)})
+
+        status = subprocess.run(
+            [sys.executable, "-m", "dualpath.cli", "status", "--scheduler", c.scheduler_address, "--timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith(TOKEN_ENV)},
+        )
         assert status.returncode == 1 and status.stdout.startswith("refused:"), status.stdout + status.stderr
         assert "DUALPATH_CLUSTER_TOKEN_FILE" in status.stdout  # at once, with what to do: not after --timeout
         deadline = time.monotonic() + 10  # the engine's refusal arrives with its next report

@@ -1,4 +1,5 @@
 """The engine RPC server: open token streams never starve control calls; the stream hub delivers in order."""
+
 from __future__ import annotations
 
 import asyncio
@@ -99,8 +100,11 @@ def test_a_stopping_scheduler_ends_its_open_sessions_normally(capfd):
 
     loop, stop, ports = asyncio.new_event_loop(), asyncio.Event(), queue.Queue()
     cfg = SchedulerConfig(host="127.0.0.1", heartbeat_timeout_s=60.0)
-    runner = threading.Thread(target=loop.run_until_complete, daemon=True,
-                              args=(run_scheduler_async(cfg, lambda port, http: ports.put(port), stop),))
+    runner = threading.Thread(
+        target=loop.run_until_complete,
+        daemon=True,
+        args=(run_scheduler_async(cfg, lambda port, http: ports.put(port), stop),),
+    )
     runner.start()
     client = ClusterClient(f"127.0.0.1:{ports.get(timeout=30)}")
     with pytest.raises(OverloadedError):  # a round trip on the session (no engines yet: refused), so it is open
@@ -142,8 +146,22 @@ def test_a_scheduler_that_froze_ends_its_sessions_within_two_keepalives(monkeypa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "scheduler", "--host", "127.0.0.1", "--port",
-                             str(port), "--http-port", "-1"], env={**os.environ}, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http-port",
+            "-1",
+        ],
+        env={**os.environ},
+        cwd=tmp_path,
+    )
     client = ClusterClient(f"127.0.0.1:{port}", timeout=600, reconnect_s=0.5)
     try:
         deadline = time.monotonic() + 60

@@ -3,16 +3,39 @@ the OpenAI API's published OpenAPI description, into openai_schemas.json (MIT li
 
     python tests/data/extract_openai_schemas.py ../shared/openai-openapi/openapi.json
 """
+
 import json
 import sys
 from pathlib import Path
 
-ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
-         "ListModelsResponse", "ErrorResponse", "Response", "ResponseItemList"] + [
-    f"Response{e}Event" for e in ("Completed", "ContentPartAdded", "ContentPartDone", "Created", "Failed",
-                                  "FunctionCallArgumentsDelta", "FunctionCallArgumentsDone", "InProgress", "Incomplete",
-                                  "OutputItemAdded", "OutputItemDone", "TextDelta", "TextDone", "ReasoningTextDelta",
-                                  "ReasoningTextDone")]
+ROOTS = [
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+    "CreateCompletionResponse",
+    "ListModelsResponse",
+    "ErrorResponse",
+    "Response",
+    "ResponseItemList",
+] + [
+    f"Response{e}Event"
+    for e in (
+        "Completed",
+        "ContentPartAdded",
+        "ContentPartDone",
+        "Created",
+        "Failed",
+        "FunctionCallArgumentsDelta",
+        "FunctionCallArgumentsDone",
+        "InProgress",
+        "Incomplete",
+        "OutputItemAdded",
+        "OutputItemDone",
+        "TextDelta",
+        "TextDone",
+        "ReasoningTextDelta",
+        "ReasoningTextDone",
+    )
+]
 
 
 def refs(node, out):
@@ -38,8 +61,10 @@ def main(path):
         found = set()
         refs(schemas[name], found)
         todo.extend(found - keep)
-    out = {"source": "openai/openai-openapi (commit f85dbe2), MIT license: see OPENAI_LICENSE",
-           "components": {"schemas": {k: schemas[k] for k in sorted(keep)}}}
+    out = {
+        "source": "openai/openai-openapi (commit f85dbe2), MIT license: see OPENAI_LICENSE",
+        "components": {"schemas": {k: schemas[k] for k in sorted(keep)}},
+    }
     (Path(__file__).parent / "openai_schemas.json").write_text(json.dumps(out, indent=1, sort_keys=True))
     print(f"{len(keep)} schemas")
 

@@ -2,6 +2,7 @@
 project's, torch comes before the project (so pip never swaps the build), the default command is one the CLI
 accepts, and the processes run as an unprivileged user (a fixed uid the Helm chart names) who owns the caches the
 runtime writes, with nothing world-writable left in the image."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,11 @@ DOCKERFILES = sorted((ROOT / "deploy/docker").glob("Dockerfile*"))
 
 def instructions(path: Path) -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", path.read_text())
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
-            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_there_is_a_gpu_and_a_cpu_image():
@@ -41,7 +45,7 @@ def test_dockerfile_is_consistent_with_the_project(path):
     torch_at = next(i for i, r in enumerate(runs) if "pip install" in r and "torch" in r)
     project_at = next(i for i, r in enumerate(runs) if re.search(r'pip install "?\.\[', r))
     assert torch_at < project_at
-    for group in re.findall(r'\.\[([a-z,]+)\]', runs[project_at]):
+    for group in re.findall(r"\.\[([a-z,]+)\]", runs[project_at]):
         assert set(group.split(",")) <= set(extras), group
     assert any("convert-default-model" in r for r in runs)
     cmd = json.loads(next(arg for op, arg in steps if op == "CMD"))
@@ -71,7 +75,7 @@ def test_the_image_runs_as_an_unprivileged_user(path):
     uid, _, gid = last.partition(":")
     assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0, last  # numeric: runAsNonRoot checks
     assert uid == gid == "1000"  # what the chart's securityContext.runAsUser / fsGroup default to
-    assert all(op not in ("RUN", "USER") for op, _ in steps[last_at + 1:]), "nothing runs as root after the switch"
+    assert all(op not in ("RUN", "USER") for op, _ in steps[last_at + 1 :]), "nothing runs as root after the switch"
     runs = " ".join(arg for op, arg in steps[:last_at] if op == "RUN")
     assert f"useradd --uid {uid} --gid {gid}" in runs and f"groupadd --gid {gid}" in runs
     env = env_of(steps)
@@ -84,5 +88,5 @@ def test_the_image_runs_as_an_unprivileged_user(path):
     # nothing world-writable but sticky scratch directories (/tmp), after every step that adds files as root
     scrub = next(i for i, (op, arg) in enumerate(steps) if op == "RUN" and "-perm -0002" in arg)
     assert "! -perm -1000 -exec chmod o-w" in steps[scrub][1]
-    assert all(op != "COPY" and not (op == "RUN" and "install" in arg) for op, arg in steps[scrub + 1:])
+    assert all(op != "COPY" and not (op == "RUN" and "install" in arg) for op, arg in steps[scrub + 1 :])
     assert dict(steps[last_at:]).get("WORKDIR") == home  # its working directory is its own, not the sources'

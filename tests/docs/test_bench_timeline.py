@@ -1,5 +1,6 @@
 """The GPU bench's idle-time split (bench/gpu/timeline.py) on hand-made traces: what the H200 run reports about
 where a call leaves the GPU idle must add up."""
+
 import importlib.util
 from pathlib import Path
 
@@ -7,7 +8,8 @@ import pytest
 
 # by file, not through sys.path: bench/gpu/kernels.py would shadow the kernels package for every later test
 _spec = importlib.util.spec_from_file_location(
-    "bench_gpu_timeline", Path(__file__).resolve().parents[2] / "bench" / "gpu" / "timeline.py")
+    "bench_gpu_timeline", Path(__file__).resolve().parents[2] / "bench" / "gpu" / "timeline.py"
+)
 _module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_module)
 timeline = _module.timeline

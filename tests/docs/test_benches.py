@@ -1,5 +1,6 @@
 """Benchmark scripts run end to end at toy sizes, so a change to the code they drive cannot leave them broken
 (``bench/layer_overlap.py`` was, for a while, after ``Job`` grew fields). Their numbers are not checked here."""
+
 import json
 import os
 import subprocess
@@ -14,24 +15,46 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_bench(script: str, *args: str, timeout: float = 240) -> dict:
     out = Path(args[args.index("--out") + 1])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
-                         timeout=timeout, env=env, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_layer_overlap_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("layer_overlap.py", "--model", str(tiny_dirs["llama"]), "--cached", "64", "--new", "16",
-                       "--repeats", "1", "--out", str(tmp_path / "lo.json"))
+    result = run_bench(
+        "layer_overlap.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--cached",
+        "64",
+        "--new",
+        "16",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "lo.json"),
+    )
     assert result["row"]["layerwise_s"] > 0 and result["row"]["basic_s"] > 0
 
 
-@pytest.mark.parametrize("script, args", [
-    ("sampling.py", ["--batch", "4", "--vocab", "300", "--prompt", "32", "--output", "8"]),
-    ("storage_read.py", ["--blocks", "8"]),
-    ("sparse_attention.py", ["--contexts", "64", "--batch", "2", "--prefill", "8", "--heads", "2", "--topk", "16",
-                             "--repeats", "1"]),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("sampling.py", ["--batch", "4", "--vocab", "300", "--prompt", "32", "--output", "8"]),
+        ("storage_read.py", ["--blocks", "8"]),
+        (
+            "sparse_attention.py",
+            ["--contexts", "64", "--batch", "2", "--prefill", "8", "--heads", "2", "--topk", "16", "--repeats", "1"],
+        ),
+    ],
+)
 def test_small_benches_run(script, args, tmp_path):
     result = run_bench(script, *args, "--out", str(tmp_path / "r.json"))
     assert result["benchmark"]
@@ -42,8 +65,19 @@ def test_the_priority_bench_shows_urgent_turns_jumping_a_queue_and_longest_first
     """Simulated time, so deterministic: at 1.5x the capacity the urgent agents' turns start within a second under
     priority scheduling, where first come, first served keeps them ~10 s like everyone else's; an offline job run
     longest first ends sooner (0.82x here)."""
-    result = run_bench("priority.py", "--seconds", "40", "--loads", "1.5", "--offline-agents", "150",
-                       "--offline-seeds", "1", "--out", str(tmp_path / "r.json"))
+    result = run_bench(
+        "priority.py",
+        "--seconds",
+        "40",
+        "--loads",
+        "1.5",
+        "--offline-agents",
+        "150",
+        "--offline-seeds",
+        "1",
+        "--out",
+        str(tmp_path / "r.json"),
+    )
     fcfs, prio = result["rows"]
     assert (fcfs["policy"], prio["policy"]) == ("fcfs", "priority")
     assert prio["urgent_ttft_p50_s"] < 1.0 < 5.0 < fcfs["urgent_ttft_p50_s"] and prio["urgent_p50_vs_fcfs"] < 0.2
@@ -54,11 +88,25 @@ def test_the_priority_bench_shows_urgent_turns_jumping_a_queue_and_longest_first
 @pytest.mark.slow  # ~10 s; structured output itself is test_guided's
 def test_guided_bench_runs(tiny_dirs, tmp_path):
     """The old engine (from git history) and llguidance side by side."""
-    result = run_bench("guided.py", "--model", str(tiny_dirs["llama"]), "--batch", "4", "--chats", "2",
-                       "--max-tokens", "8", "--repeats", "1", "--out", str(tmp_path / "g.json"))
+    result = run_bench(
+        "guided.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--batch",
+        "4",
+        "--chats",
+        "2",
+        "--max-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "g.json"),
+    )
     rows = result["rows"]
-    assert [r["part"] for r in rows] == ["setup"] * 2 + ["masks"] * 10 + ["step", "generate"] + \
-        ["generate patterns"] * 2
+    assert [r["part"] for r in rows] == ["setup"] * 2 + ["masks"] * 10 + ["step", "generate"] + [
+        "generate patterns"
+    ] * 2
     assert all(r["old_cold_us"] > 0 and r["new_cold_us"] > 0 for r in rows if r["part"] == "masks")
     for answers in rows[-2:]:
         assert answers["matched"] == answers["stopped"] >= 2  # a random model's answers match too
@@ -66,15 +114,37 @@ def test_guided_bench_runs(tiny_dirs, tmp_path):
 
 @pytest.mark.slow  # ~6 s; speculation's outputs are test_speculative's
 def test_spec_decode_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("spec_decode.py", "--model", str(tiny_dirs["llama"]), "--max-tokens", "12", "--batch", "2",
-                       "--out", str(tmp_path / "sd.json"))
+    result = run_bench(
+        "spec_decode.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-tokens",
+        "12",
+        "--batch",
+        "2",
+        "--out",
+        str(tmp_path / "sd.json"),
+    )
     assert len(result["rows"]) == 6 and all(r["identical"] for r in result["rows"])
 
 
 @pytest.mark.slow  # ~5 s; the adapters' numerics are test_lora's
 def test_lora_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("lora.py", "--model", str(tiny_dirs["llama"]), "--max-tokens", "6", "--batch", "3",
-                       "--prompt-tokens", "64", "--repeats", "1", "--out", str(tmp_path / "lora.json"))
+    result = run_bench(
+        "lora.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--max-tokens",
+        "6",
+        "--batch",
+        "3",
+        "--prompt-tokens",
+        "64",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "lora.json"),
+    )
     assert len(result["rows"]) == 3 and result["mixed_identical_to_alone"] and result["adapter_changes_replies"]
 
 
@@ -90,39 +160,95 @@ def test_tensor_parallel_bench_runs(tmp_path):
 def test_a_short_soak_finds_nothing_wrong(tiny_dirs, tmp_path):
     """``bench/soak.py`` for a few seconds on the tiny model, the store capped below what it writes: every check
     holds (no 5xx, nothing leaked in the frontend or the engines, the store under its cap, repeats the same)."""
-    result = run_bench("soak.py", "--model", str(tiny_dirs["llama"]), "--seconds", "6", "--agents", "2",
-                       "--storage-capacity", "300KB", "--out", str(tmp_path / "s.json"))
+    result = run_bench(
+        "soak.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--seconds",
+        "6",
+        "--agents",
+        "2",
+        "--storage-capacity",
+        "300KB",
+        "--out",
+        str(tmp_path / "s.json"),
+    )
     assert result["checks"] and all(result["checks"].values()), result["checks"]
     assert sum(r["count"] for r in result["rows"]) >= 10
 
 
 @pytest.mark.slow  # the default run's time: the kernels and models it runs are tested there
 def test_kv_fp8_bench_accuracy_part_runs(tiny_dirs, tmp_path):
-    result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--skip-serving", "--reply-tokens", "4",
-                       "--out", str(tmp_path / "f.json"))
+    result = run_bench(
+        "kv_fp8.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--skip-serving",
+        "--reply-tokens",
+        "4",
+        "--out",
+        str(tmp_path / "f.json"),
+    )
     assert [r["positions"] for r in result["accuracy"]] == [result["accuracy"][0]["positions"]] * 3
 
 
 @pytest.mark.slow  # the default run's time: the kernels and models it runs are tested there
 def test_fp8_weights_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("fp8_weights.py", "--model", str(tiny_dirs["llama"]), "--block", "16", "16",
-                       "--reply-tokens", "4", "--out", str(tmp_path / "w.json"))
+    result = run_bench(
+        "fp8_weights.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--block",
+        "16",
+        "16",
+        "--reply-tokens",
+        "4",
+        "--out",
+        str(tmp_path / "w.json"),
+    )
     assert 0.3 < result["memory"]["fp8_vs_bf16"] < 0.6 and 0.3 < result["memory"]["fp8_at_load_vs_bf16"] < 0.6
     assert len(result["accuracy"]) == 5 and result["cpu_load"]["at_load_vs_bf16"] > 0
 
 
 @pytest.mark.slow  # two server starts
 def test_kv_fp8_bench_serving_part_runs(tiny_dirs, tmp_path):
-    result = run_bench("kv_fp8.py", "--model", str(tiny_dirs["llama"]), "--agents", "1", "--turns", "2",
-                       "--context", "64", "--reply-tokens", "2", "--out", str(tmp_path / "f.json"))
+    result = run_bench(
+        "kv_fp8.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--agents",
+        "1",
+        "--turns",
+        "2",
+        "--context",
+        "64",
+        "--reply-tokens",
+        "2",
+        "--out",
+        str(tmp_path / "f.json"),
+    )
     auto, fp8 = result["serving"]
     assert fp8["bytes_vs_bf16_cache"] == 0.5 and auto["cached_share"] > 0
 
 
 @pytest.mark.slow  # two servers of three engines each
 def test_migration_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("migration.py", "--model", str(tiny_dirs["llama"]), "--agents", "2", "--context", "40",
-                       "--max-tokens", "400", "--kill-after", "24", "--out", str(tmp_path / "m.json"), timeout=400)
+    result = run_bench(
+        "migration.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--agents",
+        "2",
+        "--context",
+        "40",
+        "--max-tokens",
+        "400",
+        "--kill-after",
+        "24",
+        "--out",
+        str(tmp_path / "m.json"),
+        timeout=400,
+    )
     moved, again = result["rows"]
     assert moved["completed"] == again["completed"] == 2 and result["replies_identical"]
     assert moved["sent_again"] == 0 and moved["migrations"] == moved["on_killed_engine"] >= 1
@@ -130,10 +256,28 @@ def test_migration_bench_runs(tiny_dirs, tmp_path):
 
 @pytest.mark.slow  # two servers, a few background replies each
 def test_preemption_bench_runs(tiny_dirs, tmp_path):
-    result = run_bench("preemption.py", "--model", str(tiny_dirs["llama"]), "--background", "2",
-                       "--background-prompt", "60", "--background-tokens", "300", "--urgent", "2",
-                       "--urgent-prompt", "20", "--urgent-tokens", "4", "--interval", "1",
-                       "--out", str(tmp_path / "p.json"), timeout=400)
+    result = run_bench(
+        "preemption.py",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--background",
+        "2",
+        "--background-prompt",
+        "60",
+        "--background-tokens",
+        "300",
+        "--urgent",
+        "2",
+        "--urgent-prompt",
+        "20",
+        "--urgent-tokens",
+        "4",
+        "--interval",
+        "1",
+        "--out",
+        str(tmp_path / "p.json"),
+        timeout=400,
+    )
     preempting, waiting = result["rows"]
     assert preempting["preempted"] >= 1 and waiting["preempted"] == 0 and preempting["failed"] == 0
     assert result["replies_identical"] and result["replies_compared"] >= 4

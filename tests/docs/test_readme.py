@@ -1,4 +1,5 @@
 """The README's commands are the ones CI runs."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

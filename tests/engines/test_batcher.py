@@ -1,4 +1,5 @@
 """The compute-quota batcher with a fixed cost model: exact batches and chunk sizes."""
+
 from dualpath.engines.batcher import CostModel, Pending, form_batch
 
 # 1 ms per new token, nothing else: the quota is a token budget of quota / 1 ms.
@@ -61,8 +62,10 @@ def test_a_prefill_engine_batches_its_most_urgent_ready_work_first():
     from dualpath.core.sampling_params import SamplingParams
     from dualpath.engines.prefill import PrefillEngine
 
-    jobs = [SimpleNamespace(work_id=w, params=SamplingParams(priority=p), loaded=ok)
-            for w, p, ok in (("a", 0, True), ("b", 2, True), ("c", -1, True), ("d", 0, True), ("e", -5, False))]
+    jobs = [
+        SimpleNamespace(work_id=w, params=SamplingParams(priority=p), loaded=ok)
+        for w, p, ok in (("a", 0, True), ("b", 2, True), ("c", -1, True), ("d", 0, True), ("e", -5, False))
+    ]
     order = lambda: [j.work_id for j in PrefillEngine._batchable(jobs)]  # noqa: E731
     assert order() == ["c", "a", "d", "b"]
     for job in jobs:

@@ -1,4 +1,5 @@
 """Bad checkpoints fail with an error that names the problem."""
+
 import json
 import shutil
 
@@ -62,7 +63,7 @@ def test_missing_config_field_and_quantized(tmp_path, tiny_dirs):
         load_model(d)
 
 
-@pytest.mark.parametrize("body", ['{"eos_token_id": ["x"]}', '[1, 2]', '{"eos_token_id": {"a": 1}}', "{not json"])
+@pytest.mark.parametrize("body", ['{"eos_token_id": ["x"]}', "[1, 2]", '{"eos_token_id": {"a": 1}}', "{not json"])
 def test_a_bad_generation_config_is_named(tmp_path, tiny_dirs, body):
     d = _copy(tiny_dirs["llama"], tmp_path / "m")
     (d / "generation_config.json").write_text(body)

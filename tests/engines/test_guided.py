@@ -1,6 +1,7 @@
 """Structured output: JSON mode and schemas (llguidance, through ``dualpath.core.structured``) against Python's JSON parser
 and jsonschema, schemas it refuses, the engines' masks over a vocabulary against a token-by-token check, the sampler
 honouring masks, and whole generations (tiny random model, the real SmolLM2) that end as valid JSON."""
+
 import json
 import random
 import re
@@ -31,13 +32,24 @@ def text(**kwargs):
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | text(max_size=8),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(text(max_size=5), kids, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 OBJECTS = st.dictionaries(text(max_size=5), JSON, max_size=5)
-STYLES = st.sampled_from([dict(), dict(indent=2), dict(indent=4, ensure_ascii=False), dict(separators=(",", ":")),
-                          dict(indent="\t", ensure_ascii=False)])
+STYLES = st.sampled_from(
+    [
+        dict(),
+        dict(indent=2),
+        dict(indent=4, ensure_ascii=False),
+        dict(separators=(",", ":")),
+        dict(indent="\t", ensure_ascii=False),
+    ]
+)
 
 
 def _no_constants(name):
@@ -118,6 +130,7 @@ def test_limits():
 
 # --- schemas -----------------------------------------------------------------------------------------------------
 
+
 class Address(BaseModel):
     street: str
     city: str
@@ -145,27 +158,67 @@ class Account(BaseModel):
 
 SCHEMAS = {
     "pydantic": Person.model_json_schema(),
-    "strings": {**Account.model_json_schema(), "properties": {
-        **Account.model_json_schema()["properties"],
-        "quoted": {"type": "string", "pattern": "[\"\\\\ \n\u00e9a-c]{1,3}", "minLength": 2},
-        "word": {"enum": ["ab", "abcd", 7], "maxLength": 3}, "long": {"type": "string", "minLength": 3},
-        "free": {"type": "string", "pattern": "[^x]{0,6}"}}},  # reads quotes, backslashes, controls like text
-    "closed": {"type": "object", "properties": {"id": {"type": "integer"}, "kind": {"enum": ["a", "b", 3, None]},
-                                                 "xs": {"type": "array", "items": {"type": ["number", "null"]}}},
-               "required": ["id", "kind"], "additionalProperties": False},
-    "bounded": {"type": "object", "additionalProperties": False, "required": ["xs", "tags"], "properties": {
-        "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2},
-        "none": {"type": "array", "maxItems": 0}}},
-    "open": {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n", "m"],
-             "additionalProperties": {"type": "string"}},
-    "choice": {"anyOf": [{"type": "object", "properties": {"t": {"const": "x"}, "v": {"type": "integer"}},
-                          "required": ["t", "v"], "additionalProperties": False},
-                         {"type": "object", "properties": {"t": {"const": "y"}, "v": {"type": "string"}},
-                          "required": ["t", "v"], "additionalProperties": False}]},
-    "numbers": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 70},
-                                                  "x": {"type": "number", "exclusiveMinimum": 0}},
-                "required": ["n", "x"], "additionalProperties": False},  # bounds the old engine could not enforce
+    "strings": {
+        **Account.model_json_schema(),
+        "properties": {
+            **Account.model_json_schema()["properties"],
+            "quoted": {"type": "string", "pattern": '["\\\\ \n\u00e9a-c]{1,3}', "minLength": 2},
+            "word": {"enum": ["ab", "abcd", 7], "maxLength": 3},
+            "long": {"type": "string", "minLength": 3},
+            "free": {"type": "string", "pattern": "[^x]{0,6}"},
+        },
+    },  # reads quotes, backslashes, controls like text
+    "closed": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "kind": {"enum": ["a", "b", 3, None]},
+            "xs": {"type": "array", "items": {"type": ["number", "null"]}},
+        },
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+    },
+    "bounded": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["xs", "tags"],
+        "properties": {
+            "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2},
+            "none": {"type": "array", "maxItems": 0},
+        },
+    },
+    "open": {
+        "type": "object",
+        "properties": {"n": {"type": "number"}},
+        "required": ["n", "m"],
+        "additionalProperties": {"type": "string"},
+    },
+    "choice": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"t": {"const": "x"}, "v": {"type": "integer"}},
+                "required": ["t", "v"],
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"t": {"const": "y"}, "v": {"type": "string"}},
+                "required": ["t", "v"],
+                "additionalProperties": False,
+            },
+        ]
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 3, "maximum": 70},
+            "x": {"type": "number", "exclusiveMinimum": 0},
+        },
+        "required": ["n", "x"],
+        "additionalProperties": False,
+    },  # bounds the old engine could not enforce
 }
 
 
@@ -192,15 +245,21 @@ def instances(schema, root=None, depth=0):
         return _objects(schema, root, depth)
     if t == "array":
         least, most = schema.get("minItems", 0), schema.get("maxItems", 3 if depth < 3 else 0)
-        return st.lists(instances(schema.get("items", True), root, depth + 1), min_size=least,
-                        max_size=max(least, most))
+        return st.lists(
+            instances(schema.get("items", True), root, depth + 1), min_size=least, max_size=max(least, most)
+        )
     if t == "string" and ({"pattern", "minLength", "maxLength"} & set(schema)):
         return ruled_strings(schema)
     if t in ("integer", "number") and {"minimum", "maximum", "exclusiveMinimum"} & set(schema):
         lo, hi = schema.get("minimum", schema.get("exclusiveMinimum", 0) + 1), schema.get("maximum", 10**6)
         return st.integers(lo, hi) if t == "integer" else st.floats(lo, hi)
-    return {"string": text(max_size=6), "integer": st.integers(-10**9, 10**9), "boolean": st.booleans(),
-            "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(), "null": st.none()}[t]
+    return {
+        "string": text(max_size=6),
+        "integer": st.integers(-(10**9), 10**9),
+        "boolean": st.booleans(),
+        "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers(),
+        "null": st.none(),
+    }[t]
 
 
 def _objects(schema, root, depth):
@@ -208,27 +267,41 @@ def _objects(schema, root, depth):
     required = schema.get("required", [])
     extra = schema.get("additionalProperties", True)
     order = [k for k in list(props) + [k for k in required if k not in props] if k in required or depth < 3]
-    values = {k: instances(props[k], root, depth + 1) if k in props else instances(extra, root, depth + 1)
-              for k in order}
+    values = {
+        k: instances(props[k], root, depth + 1) if k in props else instances(extra, root, depth + 1) for k in order
+    }
     present = st.fixed_dictionaries({k: st.booleans() for k in order if k not in required})
-    more = st.just({}) if extra is False or depth >= 3 else st.dictionaries(
-        text(max_size=4).filter(lambda k: k not in order), instances(extra, root, depth + 1), max_size=2)
+    more = (
+        st.just({})
+        if extra is False or depth >= 3
+        else st.dictionaries(
+            text(max_size=4).filter(lambda k: k not in order), instances(extra, root, depth + 1), max_size=2
+        )
+    )
 
     def build(draw):
         chosen = draw(present)
         out = {k: draw(values[k]) for k in order if k in required or chosen.get(k)}
         return {**out, **draw(more)}
+
     return st.composite(lambda draw: build(draw))()
 
 
 def ruled_strings(schema):
     """Strings satisfying a string schema's pattern (as a whole) and length bounds, written escaped or raw."""
     least, most = schema.get("minLength", 0), schema.get("maxLength")
-    strings = st.from_regex(schema["pattern"], fullmatch=True) if "pattern" in schema else \
-        text(min_size=least, max_size=most if most is not None else least + 6)
+    strings = (
+        st.from_regex(schema["pattern"], fullmatch=True)
+        if "pattern" in schema
+        else text(min_size=least, max_size=most if most is not None else least + 6)
+    )
     bmp = strings.filter(lambda t: all(ord(c) <= 0xFFFF and c != "\x7f" for c in t))
-    return bmp.filter(lambda t: least <= len(t) <= (most if most is not None else len(t)) and (
-        "pattern" not in schema or re.fullmatch(schema["pattern"], t, re.ASCII)))
+    return bmp.filter(
+        lambda t: (
+            least <= len(t) <= (most if most is not None else len(t))
+            and ("pattern" not in schema or re.fullmatch(schema["pattern"], t, re.ASCII))
+        )
+    )
 
 
 @pytest.mark.parametrize("name", SCHEMAS)
@@ -252,32 +325,52 @@ def test_schema_instances_are_accepted_and_mutations_that_complete_are_valid(nam
     check()
 
 
-@pytest.mark.parametrize("s, words", [
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}, "look-around"),
-    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum (5) is greater than maximum (3)"),
-    ({"not": {"type": "object"}}, "not"),
-    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
-    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
-    ({"type": "object", "required": ["b"], "additionalProperties": False}, "'b' is unsatisfiable"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}, "does not exist"),
-    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "http://x/y"),
-    ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "matches nothing"),
-    ({"type": "object", "properties": {"a": {"type": "date"}}}, "date"),
-    ("object", "must be an object or boolean"),
-])
+@pytest.mark.parametrize(
+    "s, words",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)x"}}}, "look-around"),
+        ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum (5) is greater than maximum (3)"),
+        ({"not": {"type": "object"}}, "not"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+        ({"type": "string", "format": "no-such-format"}, "no-such-format"),
+        ({"type": "object", "required": ["b"], "additionalProperties": False}, "'b' is unsatisfiable"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}, "does not exist"),
+        ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "http://x/y"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}, "matches nothing"),
+        ({"type": "object", "properties": {"a": {"type": "date"}}}, "date"),
+        ("object", "must be an object or boolean"),
+    ],
+)
 def test_schemas_that_cannot_be_enforced_are_refused(s, words):
     with pytest.raises(GrammarError, match=re.escape(words)) as e:
         check(schema(s))
     assert e.value.field == "response_format" and str(e.value).startswith("response_format: ")
 
 
-KEYWORDS = st.sampled_from(["type", "properties", "required", "additionalProperties", "items", "enum", "const",
-                             "anyOf", "allOf", "$ref", "$defs", "title", "minLength", "oneOf"])
+KEYWORDS = st.sampled_from(
+    [
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "enum",
+        "const",
+        "anyOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "title",
+        "minLength",
+        "oneOf",
+    ]
+)
 SCHEMA_LIKE = st.recursive(
     JSON | st.sampled_from(["object", "array", "string", "#", "#/$defs/a", "#/properties/a"]),
     lambda kids: st.dictionaries(KEYWORDS | st.sampled_from(["a", "b"]), kids, max_size=4) | st.lists(kids, max_size=3),
-    max_leaves=10)
+    max_leaves=10,
+)
 
 
 @settings(max_examples=250, deadline=None)
@@ -309,8 +402,14 @@ def test_compiling_is_bounded_by_a_time_limit(monkeypatch):
 def test_schema_rules():
     c = schema(SCHEMAS["closed"])
     assert completes(c, b'{"id": 3, "kind": null}') and completes(c, b'{"id": -0, "kind": "b", "xs": [1.5, null]}')
-    for bad in (b'{"id": 3}', b'{"id": 3.0, "kind": 3}', b'{"id": 1, "kind": "c"}', b'{"id": 1, "kind": 3, "z": 1}',
-                b'{"id": 1, "id": 2, "kind": 3}', b'{"id": 1, "kind": "\\u0061"}'):
+    for bad in (
+        b'{"id": 3}',
+        b'{"id": 3.0, "kind": 3}',
+        b'{"id": 1, "kind": "c"}',
+        b'{"id": 1, "kind": 3, "z": 1}',
+        b'{"id": 1, "id": 2, "kind": 3}',
+        b'{"id": 1, "kind": "\\u0061"}',
+    ):
         assert not completes(c, bad), bad
     open_ = schema(SCHEMAS["open"])
     assert completes(open_, b'{"n": 1e5, "m": "x", "zz": "y"}') and not completes(open_, b'{"n": 1}')
@@ -318,8 +417,12 @@ def test_schema_rules():
     bounded = schema(SCHEMAS["bounded"])
     assert completes(bounded, b'{"xs": [1], "tags": ["a", "a"]}')
     assert completes(bounded, b'{"xs":[1,2,3],"tags":["b","a","b"],"none":[]}')
-    for bad in (b'{"xs": [], "tags": ["a", "a"]}', b'{"xs": [1, 2, 3, 4], "tags": ["a", "b"]}',
-                b'{"xs": [1], "tags": ["a"]}', b'{"xs": [1], "tags": ["a", "b"], "none": [1]}'):
+    for bad in (
+        b'{"xs": [], "tags": ["a", "a"]}',
+        b'{"xs": [1, 2, 3, 4], "tags": ["a", "b"]}',
+        b'{"xs": [1], "tags": ["a"]}',
+        b'{"xs": [1], "tags": ["a", "b"], "none": [1]}',
+    ):
         assert not completes(bounded, bad), bad
     choice = schema(SCHEMAS["choice"])
     assert completes(choice, b'{"t": "x", "v": 3}') and completes(choice, b'{"t": "y", "v": "3"}')
@@ -350,13 +453,60 @@ def test_top_level_values_other_than_objects_are_answers_too():
 
 # --- masks over a vocabulary ---------------------------------------------------------------------------------
 
+
 def toy_vocab() -> list:
     """Every byte, multi-byte tokens with several closers, escapes and literals, and special tokens (None)."""
-    multi = [b"}}", b"]}", b"}]", b'"}', b'"]}', b'}}}', b'": "', b'", "', b'":', b"\\n", b'\\"', b"\\u00",
-             b"true", b"false", b"null", b"truefalse", b"0.5e", b"-1", b"12", b"{\"", b"[[", b"[]", b"{}", b"  ",
-             b"\n  ", b"\n    ", b"}\n", b"1}", b'"a"', b"e+", b"\xc3\xa9", b"\xc3", b", ", b":[", b"],", b"},{",
-             b'"name', b'"street": "', b'admin"', b'"tags": ["', b"ity", b"age", b"abcd", b"\xc3\xa9t\xc3\xa9", b"ab_9",
-             b"@a.com", b"\\u00e9", b'\\"', b"AB12"]
+    multi = [
+        b"}}",
+        b"]}",
+        b"}]",
+        b'"}',
+        b'"]}',
+        b"}}}",
+        b'": "',
+        b'", "',
+        b'":',
+        b"\\n",
+        b'\\"',
+        b"\\u00",
+        b"true",
+        b"false",
+        b"null",
+        b"truefalse",
+        b"0.5e",
+        b"-1",
+        b"12",
+        b'{"',
+        b"[[",
+        b"[]",
+        b"{}",
+        b"  ",
+        b"\n  ",
+        b"\n    ",
+        b"}\n",
+        b"1}",
+        b'"a"',
+        b"e+",
+        b"\xc3\xa9",
+        b"\xc3",
+        b", ",
+        b":[",
+        b"],",
+        b"},{",
+        b'"name',
+        b'"street": "',
+        b'admin"',
+        b'"tags": ["',
+        b"ity",
+        b"age",
+        b"abcd",
+        b"\xc3\xa9t\xc3\xa9",
+        b"ab_9",
+        b"@a.com",
+        b"\\u00e9",
+        b'\\"',
+        b"AB12",
+    ]
     return [bytes([b]) for b in range(256)] + multi + [None, None]
 
 
@@ -369,19 +519,37 @@ def test_masks_equal_a_check_of_every_token(name):
         docs = [json.dumps(deep).encode(), b'{"k": [[[[[]]]]],\n  "z": 0}']
     elif name == "pydantic":
         c = schema(SCHEMAS["pydantic"])
+
         def kid(friends):  # (the properties in the schema's order)
-            return {"name": "b", "age": 2, "height": 1.5, "tags": [], "address": {"street": "s", "city": "c"},
-                    "friends": friends, "active": False}
-        person = {"name": "a\u00e9", "age": 3, "height": 1e2, "tags": ["admin", "guest"],
-                  "address": {"street": "s", "city": "c", "zip": None},
-                  "friends": [kid([kid([kid([])])])], "active": True, "note": "n"}
+            return {
+                "name": "b",
+                "age": 2,
+                "height": 1.5,
+                "tags": [],
+                "address": {"street": "s", "city": "c"},
+                "friends": friends,
+                "active": False,
+            }
+
+        person = {
+            "name": "a\u00e9",
+            "age": 3,
+            "height": 1e2,
+            "tags": ["admin", "guest"],
+            "address": {"street": "s", "city": "c", "zip": None},
+            "friends": [kid([kid([kid([])])])],
+            "active": True,
+            "note": "n",
+        }
         docs = [json.dumps(person, indent=1).encode()]
     elif name == "strings":
         c = schema(SCHEMAS["strings"])
-        docs = [b'{"handle": "ab_9", "display": "\xc3\xa9t\xc3\xa9 \\u00e9\\n", "email": "a.b@ab.org", "code": "AB12", '
-                b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9", "free": "ab\\"\xc3\xa9t\\n"}',
-                b'{"handle":"z99","display":"abcdabcdabcd","email":"x@y.com","code":null,"note":"abc",'
-                b'"quoted":"\xc3\xa9a"}']
+        docs = [
+            b'{"handle": "ab_9", "display": "\xc3\xa9t\xc3\xa9 \\u00e9\\n", "email": "a.b@ab.org", "code": "AB12", '
+            b'"quoted": "\\"\\\\", "word": "ab", "long": "abcd\\"\\u00e9", "free": "ab\\"\xc3\xa9t\\n"}',
+            b'{"handle":"z99","display":"abcdabcdabcd","email":"x@y.com","code":null,"note":"abc",'
+            b'"quoted":"\xc3\xa9a"}',
+        ]
     elif name == "choice":
         c = schema(SCHEMAS["choice"])
         docs = [b'{"t": "x", "v": 3}', b'{ "t" : "y" , "v" : "3" }']
@@ -397,7 +565,7 @@ def test_a_guide_follows_its_tokens_and_refuses_others():
     width = len(vocab)
     g = toy_guide(JSON_MODE, vocab, width)
     ids = {t: i for i, t in enumerate(vocab) if t is not None}
-    for tok in [b"{\"", b"a", b'": "', b"x", b'"', b",", b" ", b'"a"', b":[", b"true", b"]}"]:
+    for tok in [b'{"', b"a", b'": "', b"x", b'"', b",", b" ", b'"a"', b":[", b"true", b"]}"]:
         assert allowed(g, width)[ids[tok]]
         g.advance(ids[tok])
     assert g.complete
@@ -436,14 +604,22 @@ def test_random_walks_over_masks_end_valid():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from([None, r"[a-c]+", r"\d{2,4}", r"(ab|\n\")*x?", r"[^\x00-\x60]{1,3}", "é|[\\\\/]{2}"]),
-       st.integers(0, 4), st.one_of(st.none(), st.integers(0, 6)), st.randoms(use_true_random=False))
+@given(
+    st.sampled_from([None, r"[a-c]+", r"\d{2,4}", r"(ab|\n\")*x?", r"[^\x00-\x60]{1,3}", "é|[\\\\/]{2}"]),
+    st.integers(0, 4),
+    st.one_of(st.none(), st.integers(0, 6)),
+    st.randoms(use_true_random=False),
+)
 def test_ruled_strings_never_reach_a_dead_end(pattern, least, most, rng):
     """Random bytes among those a state allows, inside a string with a pattern and/or length bounds (escapes,
     \\u escapes and raw UTF-8 included): every state reached allows some byte, and what completes is valid."""
     rule = {k: v for k, v in (("pattern", pattern), ("minLength", least), ("maxLength", most)) if v is not None}
-    s = {"type": "object", "properties": {"s": {"type": "string", **rule}}, "required": ["s"],
-         "additionalProperties": False}
+    s = {
+        "type": "object",
+        "properties": {"s": {"type": "string", **rule}},
+        "required": ["s"],
+        "additionalProperties": False,
+    }
     try:
         check(schema(s))
     except GrammarError:
@@ -467,23 +643,39 @@ def test_ruled_strings_never_reach_a_dead_end(pattern, least, most, rng):
 # --- thinking first: a reasoning model's think block, then the output --------------------------------------------
 
 FORCED = ("<tool_call>\n", "\n</tool_call>")  # a forced call's markup around its object
-THINK_TOKENS = [b"<think>", b"</think>", b"</", b"think>", b"k>", b">", b"</think>\n\n", b'k>{"', b"k>\n<tool_call>",
-                b"</think>{}", b"\n<think>\n", b"x>", b"<<"]
+THINK_TOKENS = [
+    b"<think>",
+    b"</think>",
+    b"</",
+    b"think>",
+    b"k>",
+    b">",
+    b"</think>\n\n",
+    b'k>{"',
+    b"k>\n<tool_call>",
+    b"</think>{}",
+    b"\n<think>\n",
+    b"x>",
+    b"<<",
+]
 
 
-@pytest.mark.parametrize("thinking, text, ok", [
-    ("open", b'so {x</thi </think>\n\n{"a": 1}', True),
-    ("open", b'</think>{"a": 1}', True),  # an empty thought
-    ("open", b'<think>x<</think> {"a": 1}', True),  # anything, tags too, until </think>
-    ("open", b'{"a": 1}', False),  # the block never closed: no output yet
-    ("open", b"</think>" + b" " * (MAX_WS + 1) + b'{"a": 1}', False),
-    ("optional", b'{"a": 1}', True),
-    ("optional", b'\n <think>hm</think>\n{"a": 1}', True),
-    ("optional", b'</think>{"a": 1}', False),  # a close without an open
-    ("optional", b"x<think>", False),  # text before a block is output, and must be JSON
-    ("optional", b'<think>a</think>{"a": 1}<think>', False),
-    ("", b'<think>hm</think>{"a": 1}', False),
-])
+@pytest.mark.parametrize(
+    "thinking, text, ok",
+    [
+        ("open", b'so {x</thi </think>\n\n{"a": 1}', True),
+        ("open", b'</think>{"a": 1}', True),  # an empty thought
+        ("open", b'<think>x<</think> {"a": 1}', True),  # anything, tags too, until </think>
+        ("open", b'{"a": 1}', False),  # the block never closed: no output yet
+        ("open", b"</think>" + b" " * (MAX_WS + 1) + b'{"a": 1}', False),
+        ("optional", b'{"a": 1}', True),
+        ("optional", b'\n <think>hm</think>\n{"a": 1}', True),
+        ("optional", b'</think>{"a": 1}', False),  # a close without an open
+        ("optional", b"x<think>", False),  # text before a block is output, and must be JSON
+        ("optional", b'<think>a</think>{"a": 1}<think>', False),
+        ("", b'<think>hm</think>{"a": 1}', False),
+    ],
+)
 def test_thinking_before_the_object(thinking, text, ok):
     assert completes(schema(thinking=thinking), text) == ok
     forced = schema(None, *FORCED, thinking=thinking)
@@ -527,7 +719,7 @@ def test_random_walks_think_then_end_valid():
             m = allowed(guide, width)
             thinking = b"</think>" not in out
             matched = next((k for k in range(7, 0, -1) if out.endswith(b"</think>"[:k])), 0)
-            close = ids[b"</think>"[matched:matched + 1]]
+            close = ids[b"</think>"[matched : matched + 1]]
             if thinking and torch.rand(1, generator=rng) < 0.5 and m[close]:  # (not inside a character)
                 tok = close
             else:
@@ -559,6 +751,7 @@ def test_a_vocabulary_past_the_tokenizer_never_offers_its_extra_ids():
 
 
 # --- the sampler ---------------------------------------------------------------------------------------------
+
 
 def test_sampling_takes_only_allowed_tokens_and_leaves_other_rows_alone():
     torch.manual_seed(0)
@@ -609,16 +802,20 @@ def test_bitmask_rows_sample_as_their_boolean_masks():
 
 def _gen(p: SamplingParams):
     from dualpath.engines.sampler import make_generator
+
     return make_generator(p)
 
 
 # --- whole generations -----------------------------------------------------------------------------------------
 
+
 def test_tiny_model_json_mode_outputs_valid_json_object_prefixes(tiny_dirs):
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     prompts = ["hello", "give me json", "a b c d e f"]
-    for params in (SamplingParams(temperature=0, max_tokens=300, json_object=True),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=300, json_object=True)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=300, json_object=True),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=300, json_object=True),
+    ):
         outs = llm.generate(prompts, params)
         for o in outs:
             data = bytes(o.token_ids)  # the tiny tokenizer: one token per byte
@@ -649,12 +846,19 @@ def test_tiny_model_schema_outputs_are_valid(tiny_dirs):
 
 def test_tiny_model_strings_follow_their_patterns_and_lengths(tiny_dirs):
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
-    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": r"^[A-F0-9]{4}-\d{2}$"},
-                                               "tag": {"type": "string", "minLength": 2, "maxLength": 5}},
-              "required": ["id", "tag"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": r"^[A-F0-9]{4}-\d{2}$"},
+            "tag": {"type": "string", "minLength": 2, "maxLength": 5},
+        },
+        "required": ["id", "tag"],
+        "additionalProperties": False,
+    }
     validator = jsonschema.Draft202012Validator(schema)
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=300, json_schema=json.dumps(schema))
-              for seed in range(3)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=300, json_schema=json.dumps(schema)) for seed in range(3)
+    ]
     outs = [o for p in params for o in llm.generate(["a", "bb"], p)]
     assert sum(o.finish_reason == "stop" for o in outs) >= 3  # a random model writes much whitespace
     for o in outs:
@@ -669,20 +873,22 @@ def test_tiny_model_thinks_freely_then_writes_json(tiny_dirs):
     prompts = ["hello", "a b c d e f", "think first"]
     texts = [i for i, t in enumerate(Tokenizer(tiny_dirs["llama"]).token_bytes) if t]
     free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, allowed_token_ids=texts))
-    thought = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, json_object=True,
-                                                   json_thinking="open"))
+    thought = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=40, json_object=True, json_thinking="open")
+    )
     same = 0
     for f, o in zip(free, thought):
         text = _utf8_prefix(bytes(f.token_ids))  # the tiny tokenizer: a token a byte
-        assert b"</think>" not in bytes(f.token_ids) and o.token_ids[:len(text)] == f.token_ids[:len(text)]
+        assert b"</think>" not in bytes(f.token_ids) and o.token_ids[: len(text)] == f.token_ids[: len(text)]
         same += len(text)
     assert same >= 8
     json_first = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, json_object=True))
     assert all(read(JSON_MODE, bytes(o.token_ids)) is not None for o in json_first)
     assert [o.token_ids for o in json_first] != [o.token_ids for o in thought]
     optional = schema(thinking="optional")
-    for o in llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=40, json_object=True,
-                                                  json_thinking="optional")):
+    for o in llm.generate(
+        prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=40, json_object=True, json_thinking="optional")
+    ):
         assert read(optional, bytes(o.token_ids)) is not None
 
 
@@ -693,7 +899,7 @@ def _utf8_prefix(data: bytes) -> bytes:
     decoder = codecs.getincrementaldecoder("utf-8")()
     for i in range(len(data)):
         try:
-            decoder.decode(data[i:i + 1])
+            decoder.decode(data[i : i + 1])
         except UnicodeDecodeError:
             return data[:i]
     return data
@@ -706,14 +912,31 @@ def test_forced_tool_calls_from_a_model_parse_as_one_valid_call(tiny_dirs, marku
     from dualpath.serving.tools import DeepSeekV3, Hermes, Llama3Json, ToolCallSplitter
 
     # no free strings: a random model rarely closes one within the token budget
-    functions = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"days": {"type": "integer"}},
-                                                         "required": ["days"], "additionalProperties": False}},
-                 {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC"]}},
-                                                      "required": ["zone"], "additionalProperties": False}}]
+    functions = [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"days": {"type": "integer"}},
+                "required": ["days"],
+                "additionalProperties": False,
+            },
+        },
+        {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    ]
     m = {"hermes": Hermes(), "llama3": Llama3Json(), "deepseek_v3": DeepSeekV3()}[markup]
     shape = m.forced(functions)  # DeepSeek's names the function before the arguments: a branch per function
     assert (shape.prefix, shape.suffix) == {"hermes": ("<tool_call>\n", "\n</tool_call>"), "llama3": ("", "")}.get(
-        markup, (shape.prefix, shape.suffix))
+        markup, (shape.prefix, shape.suffix)
+    )
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     calls = 0
     for seed in range(2):  # every one of these 4 replies ends in a call (seeded; 8 of 8 with 4 seeds too)
@@ -733,22 +956,34 @@ def test_forced_tool_calls_from_a_model_parse_as_one_valid_call(tiny_dirs, marku
 @pytest.mark.slow  # ~14 s of the real model's decoding; JSON mode through engines and clusters runs by default
 def test_smollm2_answers_in_json(smollm2_dir):
     llm = LLM(str(smollm2_dir))
-    chats = [[{"role": "system", "content": "Reply in JSON."},
-              {"role": "user", "content": "Give a person with name and age as JSON."}],
-             [{"role": "user", "content": "List three colors."}]]
+    chats = [
+        [
+            {"role": "system", "content": "Reply in JSON."},
+            {"role": "user", "content": "Give a person with name and age as JSON."},
+        ],
+        [{"role": "user", "content": "List three colors."}],
+    ]
     for o in llm.chat(chats, SamplingParams(temperature=0, max_tokens=120, json_object=True)):
         assert o.finish_reason == "stop", o.text
         assert isinstance(json.loads(o.text), dict), o.text
     free = llm.chat(chats[1:], SamplingParams(temperature=0, max_tokens=40))[0].text
     assert not parses_as_object(free.encode())
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                               "city": {"enum": ["Paris", "London", "Rome"]}},
-              "required": ["name", "age", "city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "city": {"enum": ["Paris", "London", "Rome"]},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
     o = llm.chat(chats[0], SamplingParams(temperature=0, max_tokens=120, json_schema=json.dumps(schema)))[0]
     assert o.finish_reason == "stop" and jsonschema.Draft202012Validator(schema).is_valid(json.loads(o.text)), o.text
 
 
 # --- token bytes -------------------------------------------------------------------------------------------------
+
 
 def _write(tok, path):
     path.mkdir()
@@ -769,8 +1004,9 @@ def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers(tiny_dirs, tmp_p
 
     vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581hi": 256, "\u2581": 257, "lo": 258, "<s>": 259}
     sp = HF(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
+    sp.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     sp.add_special_tokens([AddedToken("<s>", special=True)])
     sp_bytes = _write(sp, tmp_path / "sp").token_bytes
     assert sp_bytes[0x41] == b"A" and sp_bytes[0xC3] == b"\xc3" and sp_bytes[256] == b" hi"
@@ -798,6 +1034,7 @@ def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
     def slow():
         time.sleep(0.5)
         return tok
+
     engine = SimpleNamespace(guides=GuideSource(slow, 320))
     json_mode, free = SamplingParams(json_object=True), SamplingParams()
     back = threading.Event()
@@ -809,6 +1046,7 @@ def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
 
     def broken():
         raise CheckpointError("no token bytes")
+
     engine = SimpleNamespace(guides=GuideSource(broken, 320))
     back.clear()
     assert not Engine.guides_ready(engine, json_mode, back.set) and back.wait(10)
@@ -817,8 +1055,9 @@ def test_an_engine_indexes_the_vocabulary_off_its_loop(tiny_dirs):
         engine.guides.guide_for(json_mode)
 
 
-def test_an_offline_grammar_llguidance_never_comes_back_from_is_refused_and_the_engine_serves_on(tiny_dirs,
-                                                                                                  monkeypatch):
+def test_an_offline_grammar_llguidance_never_comes_back_from_is_refused_and_the_engine_serves_on(
+    tiny_dirs, monkeypatch
+):
     """The offline ``LLM`` has no frontend to check its constraints: its engine runs the same check (a process of its
     own, killed past the limit) before it compiles one. A grammar whose first mask never returns (two greedy lexemes
     of one language in a row) is a GrammarError within the limit, no thread is left spinning, and the next request is

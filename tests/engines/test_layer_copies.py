@@ -1,5 +1,6 @@
 """Prefill's host-to-device copy stream: inline on CPU; on CUDA ordered with compute by events only (run by
 bench/gpu/run.sh on a GPU machine)."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """The single-process reference runtime: paged cache, continuous batching, stops, preemption."""
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -41,7 +42,7 @@ def test_stop_conditions(llm):
     text = llm.tokenizer.decode(out.token_ids)
     stop = text[3:5]
     out3 = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=7, stop=[stop]))[0]
-    assert out3.finish_reason == "stop" and out3.text == text[:text.find(stop)]
+    assert out3.finish_reason == "stop" and out3.text == text[: text.find(stop)]
 
 
 def test_ignore_eos_forces_length(tiny_dirs):
@@ -129,9 +130,9 @@ def test_generation_config_end_tokens_end_replies_as_in_transformers(tiny_dirs, 
     (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], end]}))
     llm = LLM(str(d), block_size=16)
     out = llm.generate(prompt, greedy)[0]
-    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(end) + 1]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(end) + 1]
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert out.token_ids == want
     assert llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids == free
 

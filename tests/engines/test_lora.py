@@ -1,6 +1,7 @@
 """LoRA adapters: the engines' forward under an adapter against PEFT on transformers and against transformers on the
 merged weights (float32, relative error under 1e-4), one batch mixing the base model and adapters, generation,
 the chain root an adapter gives stored KV, and the adapters refused with a clear error."""
+
 import json
 import shutil
 
@@ -49,11 +50,14 @@ def other_adapters(tiny_dirs, tmp_path_factory):
     experts are no target) under attention adapters, Qwen3 (per-head q/k norms, head_dim apart from hidden / heads)
     under one of every projection."""
     root = tmp_path_factory.mktemp("other-lora")
-    return {"qwen": (tiny_dirs["qwen2"], build_tiny_adapter(root / "qwen", tiny_dirs["qwen2"], seed=5,
-                                                            targets=ATTENTION)),
-            "qwen3": (tiny_dirs["qwen3"], build_tiny_adapter(root / "qwen3", tiny_dirs["qwen3"], seed=6)),
-            "qwen3_moe": (tiny_dirs["qwen3_moe"], build_tiny_adapter(root / "qwen3_moe", tiny_dirs["qwen3_moe"],
-                                                                     seed=7, targets=ATTENTION))}
+    return {
+        "qwen": (tiny_dirs["qwen2"], build_tiny_adapter(root / "qwen", tiny_dirs["qwen2"], seed=5, targets=ATTENTION)),
+        "qwen3": (tiny_dirs["qwen3"], build_tiny_adapter(root / "qwen3", tiny_dirs["qwen3"], seed=6)),
+        "qwen3_moe": (
+            tiny_dirs["qwen3_moe"],
+            build_tiny_adapter(root / "qwen3_moe", tiny_dirs["qwen3_moe"], seed=7, targets=ATTENTION),
+        ),
+    }
 
 
 def _case(name, tiny_dirs, tiny_adapters, other_adapters):
@@ -84,13 +88,13 @@ def test_an_adapter_computes_what_peft_computes(name, tiny_dirs, tiny_adapters, 
 
 
 @pytest.mark.parametrize("name", ["sql", "poet", "qwen", "qwen3"])
-def test_an_adapter_computes_what_its_merged_weights_compute(name, tiny_dirs, tiny_adapters, other_adapters,
-                                                             tmp_path):
+def test_an_adapter_computes_what_its_merged_weights_compute(name, tiny_dirs, tiny_adapters, other_adapters, tmp_path):
     import transformers
 
     base, adapter = _case(name, tiny_dirs, tiny_adapters, other_adapters)
-    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_checkpoint(base, adapter, tmp_path / "m"),
-                                                               dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        merged_checkpoint(base, adapter, tmp_path / "m"), dtype=torch.float32
+    )
     ids = torch.randint(0, 320, (33,))
     with torch.no_grad():
         ref = merged(ids[None]).logits[0]
@@ -107,8 +111,11 @@ def test_one_batch_mixes_the_base_model_and_adapters_over_cached_kv(tiny_dirs, t
     seqs = [torch.randint(0, 320, (c + n,)) for c, n in zip(cached_lens, new_lens)]
     cached_kv = [[] for _ in range(model.config.num_layers)]
     for s, c, a in zip(seqs, cached_lens, adapters):
-        kv = model.forward_all(s[:c], ForwardBatch((0,), (c,), (a,)))[1] if c else \
-            [torch.empty(0, model.config.kv_elems_per_token)] * model.config.num_layers
+        kv = (
+            model.forward_all(s[:c], ForwardBatch((0,), (c,), (a,)))[1]
+            if c
+            else [torch.empty(0, model.config.kv_elems_per_token)] * model.config.num_layers
+        )
         for layer in range(model.config.num_layers):
             cached_kv[layer].append(kv[layer])
     new = torch.cat([s[c:] for s, c in zip(seqs, cached_lens)])
@@ -132,27 +139,40 @@ def test_generation_under_adapters_in_one_batch_is_each_alone(tiny_dirs, tiny_ad
     mixed = llm.generate([prompt] * 3, greedy, lora_request=list(alone))
     assert [o.token_ids for o in mixed] == list(alone.values())
     merged = transformers.AutoModelForCausalLM.from_pretrained(
-        merged_checkpoint(tiny_dirs["llama"], tiny_adapters["sql"], tmp_path / "m"), dtype=torch.float32)
-    out = merged.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    assert out[0, len(prompt):].tolist() == alone["sql"]
+        merged_checkpoint(tiny_dirs["llama"], tiny_adapters["sql"], tmp_path / "m"), dtype=torch.float32
+    )
+    out = merged.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out[0, len(prompt) :].tolist() == alone["sql"]
 
 
 def test_an_adapters_stored_kv_chains_from_its_identity():
     fp = bytes(16)
     a, b = "a" * 64, "b" * 64
-    roots = {chain_root(fp), chain_root(fp, "", a), chain_root(fp, "", b), chain_root(fp, a),
-             chain_root(fp, "tenant", a), chain_root(fp, "tenant")}
+    roots = {
+        chain_root(fp),
+        chain_root(fp, "", a),
+        chain_root(fp, "", b),
+        chain_root(fp, a),
+        chain_root(fp, "tenant", a),
+        chain_root(fp, "tenant"),
+    }
     assert len(roots) == 6
     tokens = list(range(64))
     assert block_hashes(tokens, fp, 16, adapter=a) != block_hashes(tokens, fp, 16)
     assert block_hashes(tokens, fp, 16, adapter=a)[0] != block_hashes(tokens, fp, 16, salt=a)[0]
 
 
-@pytest.mark.parametrize("edit, match", [
-    ({"use_dora": True}, "DoRA"), ({"bias": "lora_only"}, "biases"), ({"modules_to_save": ["lm_head"]}, "modules_to"),
-    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"), ({"peft_type": "IA3"}, "not a LoRA"), ({"r": 0}, "r must"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "biases"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to"),
+        ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+        ({"peft_type": "IA3"}, "not a LoRA"),
+        ({"r": 0}, "r must"),
+    ],
+)
 def test_adapter_options_it_cannot_compute_are_refused(edit, match, tiny_dirs, tiny_adapters, tmp_path):
     bad = shutil.copytree(tiny_adapters["sql"], tmp_path / "bad")
     cfg = json.loads((bad / "adapter_config.json").read_text())
@@ -167,9 +187,11 @@ def test_adapter_tensors_that_do_not_fit_are_refused(tiny_dirs, tiny_adapters, t
     model = load_model(tiny_dirs["llama"], "cpu", torch.float32, "torch")
     src = load_file(str(tiny_adapters["sql"] / "adapter_model.safetensors"))
     key = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"
-    cases = {"shape": {**src, key: src[key][:-1]}, "extra": {**src, "base_model.model.lm_head.lora_A.weight":
-                                                             torch.zeros(4, 64)},
-             "layer": {**src, key.replace("layers.1", "layers.7"): src[key].clone()}}
+    cases = {
+        "shape": {**src, key: src[key][:-1]},
+        "extra": {**src, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+        "layer": {**src, key.replace("layers.1", "layers.7"): src[key].clone()},
+    }
     for name, tensors in cases.items():
         bad = shutil.copytree(tiny_adapters["sql"], tmp_path / name)
         save_file(tensors, str(bad / "adapter_model.safetensors"))
@@ -181,8 +203,11 @@ def test_adapter_tensors_that_do_not_fit_are_refused(tiny_dirs, tiny_adapters, t
     with pytest.raises(CheckpointError, match="not supported for deepseek_v3"):
         deepseek.add_adapter(tiny_adapters["sql"])
     moe = load_model(tiny_dirs["qwen3_moe"], "cpu", torch.float32, "torch")  # its one dense MLP (layer 1) too
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj.* not a LoRA matrix of this model's "
-                                              r"q_proj, k_proj, v_proj, o_proj in"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.1\.mlp\.down_proj.* not a LoRA matrix of this model's "
+        r"q_proj, k_proj, v_proj, o_proj in",
+    ):
         moe.add_adapter(build_tiny_adapter(tmp_path / "moe-mlp", tiny_dirs["qwen3_moe"], targets=("down_proj",)))
 
 
@@ -213,8 +238,9 @@ def test_speculative_decoding_under_an_adapter_changes_no_token(tiny_dirs, tiny_
     prompt = list(range(40, 70)) * 3
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(str(tiny_dirs["llama"]), block_size=16).generate(prompt, greedy, lora_request=str(tiny_adapters["sql"]))
-    spec = LLM(str(tiny_dirs["llama"]), block_size=16, speculative_config={"method": "ngram",
-                                                                           "num_speculative_tokens": 4})
+    spec = LLM(
+        str(tiny_dirs["llama"]), block_size=16, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
+    )
     got = spec.generate(prompt, greedy, lora_request=str(tiny_adapters["sql"]))
     assert got[0].token_ids == plain[0].token_ids and spec.engine.spec_stats["drafted"] > 0
 
@@ -273,7 +299,6 @@ def test_a_rollout_runs_every_round_under_its_adapter(tiny_adapters, tmp_path):
     assert agent_digest(agent, cfg) != agent_digest(agent) == agent_digest(agent, RolloutConfig())
 
 
-
 def test_an_adapter_in_bfloat16_rounds_about_as_peft_does(tiny_dirs, tiny_adapters, tmp_path):
     """bfloat16 (the GPU dtype) against the merged weights in float64: under 4e-2 (the base model alone is under
     2e-2, ``test_models_parity``), and within 1.5x of PEFT's own bfloat16 error where PEFT is installed (measured
@@ -283,8 +308,8 @@ def test_an_adapter_in_bfloat16_rounds_about_as_peft_does(tiny_dirs, tiny_adapte
     ids = torch.randint(0, 320, (29,))
     with torch.no_grad():
         ref = transformers.AutoModelForCausalLM.from_pretrained(
-            merged_checkpoint(tiny_dirs["llama"], tiny_adapters["sql"], tmp_path / "m"), dtype=torch.float64)(
-            ids[None]).logits[0]
+            merged_checkpoint(tiny_dirs["llama"], tiny_adapters["sql"], tmp_path / "m"), dtype=torch.float64
+        )(ids[None]).logits[0]
     model = load_model(tiny_dirs["llama"], "cpu", torch.bfloat16, "torch")
     digest = model.add_adapter(tiny_adapters["sql"])
     err = rel_err(model.forward_all(ids, ForwardBatch((0,), (29,), (digest,)), all_logits=True)[0], ref)
@@ -295,8 +320,9 @@ def test_an_adapter_in_bfloat16_rounds_about_as_peft_does(tiny_dirs, tiny_adapte
         return
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.bfloat16)
     with torch.no_grad():
-        theirs = rel_err(peft.PeftModel.from_pretrained(hf, tiny_adapters["sql"]).to(torch.bfloat16)(ids[None])
-                         .logits[0], ref)
+        theirs = rel_err(
+            peft.PeftModel.from_pretrained(hf, tiny_adapters["sql"]).to(torch.bfloat16)(ids[None]).logits[0], ref
+        )
     assert err < 1.5 * theirs, (err, theirs)
 
 
@@ -305,9 +331,12 @@ def test_an_adapter_on_the_fused_elementwise_path(tiny_dirs, tiny_adapters):
     before the adapter's delta joins it; every prompt position's logprobs are the torch reference's."""
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     prompt = list(range(60, 100))
-    outs = [LLM(str(tiny_dirs["llama"]), block_size=16, kernels=k).generate(prompt, params,
-                                                                            lora_request=str(tiny_adapters["sql"]))[0]
-            for k in ("torch", "triton")]
+    outs = [
+        LLM(str(tiny_dirs["llama"]), block_size=16, kernels=k).generate(
+            prompt, params, lora_request=str(tiny_adapters["sql"])
+        )[0]
+        for k in ("torch", "triton")
+    ]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
         assert abs(a.logprob - b.logprob) < 1e-4
@@ -318,8 +347,9 @@ def test_serve_refuses_an_unservable_adapter_before_any_engine_starts(tiny_adapt
     from dualpath.serving.serve import frontend_options
 
     bad = shutil.copytree(tiny_adapters["sql"], tmp_path / "dora")
-    (bad / "adapter_config.json").write_text(json.dumps({**json.loads((bad / "adapter_config.json").read_text()),
-                                                         "use_dora": True}))
+    (bad / "adapter_config.json").write_text(
+        json.dumps({**json.loads((bad / "adapter_config.json").read_text()), "use_dora": True})
+    )
     args = build_parser().parse_args(["serve", "--lora-modules", f"sql={tiny_adapters['sql']}", f"d={bad}"])
     with pytest.raises(CheckpointError, match="DoRA"):
         frontend_options(args)

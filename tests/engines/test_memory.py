@@ -1,6 +1,7 @@
 """The paged KV cache's size (``dualpath.engines.memory``): given, or vLLM's rule on CUDA (``gpu_memory_utilization`` of the
 device less the weights and the largest forward's activations, measured). The CUDA cases run on the GPU machine
 (bench/gpu/run.sh)."""
+
 import pytest
 import torch
 
@@ -21,10 +22,13 @@ def test_the_automatic_size_is_the_share_left_after_weights_and_activations():
     assert auto_cache_bytes(100 * GiB, 95 * GiB, 20 * GiB, 5 * GiB, 0.5) == 25 * GiB
 
 
-@pytest.mark.parametrize("free,held,utilization,match", [
-    (95, 40, 0.4, r"no device memory left for the KV cache on cuda:3: 0.40 of 100.0 GiB .* 40.00 GiB of weights"),
-    (50, 20, 0.9, r"cuda:3 has 50.00 GiB free, less than the 70.00 GiB .*other processes hold 30.00 GiB"),
-])
+@pytest.mark.parametrize(
+    "free,held,utilization,match",
+    [
+        (95, 40, 0.4, r"no device memory left for the KV cache on cuda:3: 0.40 of 100.0 GiB .* 40.00 GiB of weights"),
+        (50, 20, 0.9, r"cuda:3 has 50.00 GiB free, less than the 70.00 GiB .*other processes hold 30.00 GiB"),
+    ],
+)
 def test_sizes_that_cannot_be_had_are_refused_with_the_numbers(free, held, utilization, match):
     with pytest.raises(ConfigError, match=match):
         auto_cache_bytes(100 * GiB, free * GiB, held * GiB, 5 * GiB, utilization, "cuda:3")
@@ -34,8 +38,10 @@ def test_a_given_size_wins_and_a_cpu_gets_a_fixed_one(tiny_dirs):
     model = load_model(tiny_dirs["llama"])
     geometry = KVGeometry.for_model(model.config, "float32", 16)
     assert cache_blocks(CacheConfig(16, num_device_blocks=7, device_memory_bytes=GiB), geometry, model, 64, "cpu") == 7
-    assert cache_blocks(CacheConfig(16, device_memory_bytes=10 * geometry.full_block_bytes), geometry, model, 64,
-                        "cpu") == 10
+    assert (
+        cache_blocks(CacheConfig(16, device_memory_bytes=10 * geometry.full_block_bytes), geometry, model, 64, "cpu")
+        == 10
+    )
     want = dualpath.engines.memory.CPU_CACHE_BYTES // geometry.full_block_bytes  # (conftest makes it smaller for tests)
     assert cache_blocks(CacheConfig(16), geometry, model, 64, "cpu") == want
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
@@ -59,8 +65,9 @@ def test_an_llm_takes_its_share_of_the_gpu_and_runs_its_largest_batch(tiny_dirs)
     free, total = torch.cuda.mem_get_info()
     held = torch.cuda.memory_reserved()
     share = min(0.3, (free - 2 * GiB) / total)
-    llm = LLM(str(tiny_dirs["llama"]), device="cuda", block_size=16, max_num_batched_tokens=4096,
-              gpu_memory_utilization=share)
+    llm = LLM(
+        str(tiny_dirs["llama"]), device="cuda", block_size=16, max_num_batched_tokens=4096, gpu_memory_utilization=share
+    )
     cache_bytes = llm.cache.allocator.num_blocks * llm.geometry.full_block_bytes
     assert share * total - held - GiB < cache_bytes < share * total - held  # weights and activations: tiny
     prompt = [3 + i % (TINY_VOCAB - 3) for i in range(497)]

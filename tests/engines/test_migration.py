@@ -3,6 +3,7 @@ reply it continues, in the single-process reference (the disaggregated runtime m
 client's move itself (``dualpath.client.RequestHandle``) against a scripted test double of the cluster: which
 choices go on, as what, and how their events come back as one stream. The whole thing through real processes,
 with a decode engine killed mid-reply, is in ``test_cluster.py``."""
+
 import json
 import threading
 from dataclasses import replace
@@ -21,11 +22,28 @@ CASES = {
     "greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
     "seeded": SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=40, ignore_eos=True),
     # counts of the reply so far move every logit; EOS made likely, so min_tokens decides where it ends
-    "penalized": SamplingParams(temperature=0.8, seed=3, max_tokens=40, frequency_penalty=1.5, presence_penalty=0.5,
-                                repetition_penalty=1.3, min_tokens=21, logit_bias=((EOS_ID, 9.0),)),
-    "schema": SamplingParams(temperature=0.7, seed=1, max_tokens=60, json_schema=json.dumps({
-        "type": "object", "properties": {"note": {"type": "string", "minLength": 16}, "n": {"type": "integer"}},
-        "required": ["note", "n"]})),
+    "penalized": SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=40,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        min_tokens=21,
+        logit_bias=((EOS_ID, 9.0),),
+    ),
+    "schema": SamplingParams(
+        temperature=0.7,
+        seed=1,
+        max_tokens=60,
+        json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {"note": {"type": "string", "minLength": 16}, "n": {"type": "integer"}},
+                "required": ["note", "n"],
+            }
+        ),
+    ),
     "pattern": SamplingParams(temperature=1.0, seed=2, max_tokens=40, regex=r"(ab|c )+[0-9]{2,}"),
     "letters": SamplingParams(temperature=1.0, seed=9, max_tokens=60, allowed_token_ids=LETTERS),
 }
@@ -65,7 +83,7 @@ def test_a_stop_string_across_the_cut_still_ends_the_reply(llm):
     text = bytes(reply).decode()
     found = 0
     for end in range(12, len(text)):
-        stop = text[end - 3:end]
+        stop = text[end - 3 : end]
         if text.find(stop) != end - 3:  # it must first occur here, or the reply ends before the cut
             continue
         with_stop = replace(plain, stop=(stop,), include_stop_str_in_output=True)
@@ -124,8 +142,16 @@ class ScriptedClient:
 def delivered(tokens: list[int], ending: str = "", done: bool = False, cached: int = 0) -> _Delivered:
     d = _Delivered()
     for k, t in enumerate(tokens):
-        d.note(TokenEvent("r.0", t, ending=ending if k == len(tokens) - 1 else "",
-                          num_prompt_tokens=50 if k == 0 else 0, num_cached_tokens=cached, path="pe"))
+        d.note(
+            TokenEvent(
+                "r.0",
+                t,
+                ending=ending if k == len(tokens) - 1 else "",
+                num_prompt_tokens=50 if k == 0 else 0,
+                num_cached_tokens=cached,
+                path="pe",
+            )
+        )
     if done:
         d.note(TokenEvent("r.0", finish_reason=ending or "stop", final=False))
     return d
@@ -141,10 +167,24 @@ def test_the_unfinished_choices_go_on_where_they_were_and_come_back_as_one_strea
 
     def script(choice):
         n_new = 5 if choice == 2 else 3
-        toks = [TokenEvent(f"r+{choice}.0", 100 + k, num_prompt_tokens=0 if k else 50 + 7 * (choice == 2),
-                           num_cached_tokens=48 + 16 * (choice == 2)) for k in range(n_new)]
-        return toks + [TokenEvent(f"r+{choice}.0", finish_reason="length", num_prompt_tokens=57 if choice == 2 else 50,
-                                  num_cached_tokens=64 if choice == 2 else 48, path="de")]
+        toks = [
+            TokenEvent(
+                f"r+{choice}.0",
+                100 + k,
+                num_prompt_tokens=0 if k else 50 + 7 * (choice == 2),
+                num_cached_tokens=48 + 16 * (choice == 2),
+            )
+            for k in range(n_new)
+        ]
+        return toks + [
+            TokenEvent(
+                f"r+{choice}.0",
+                finish_reason="length",
+                num_prompt_tokens=57 if choice == 2 else 50,
+                num_cached_tokens=64 if choice == 2 else 48,
+                path="de",
+            )
+        ]
 
     client = ScriptedClient(script)
     handle = RequestHandle(client, "r", prompt, params, "de", migrations=2, label="rollout-3")
@@ -152,8 +192,9 @@ def test_the_unfinished_choices_go_on_where_they_were_and_come_back_as_one_strea
     out = list(handle._move(state, EngineLost("lost")))
     assert client.labels == ["rollout-3"] * 2  # an abort of its label ends the continuations too
     started = sorted(client.started, key=lambda s: s[0])
-    assert [(c, t[50:], p.n, p.seed, p.num_resumed_tokens, p.prompt_logprobs, mode, m)
-            for c, t, p, mode, m in started] == [(2, [6] * 7, 1, 12, 7, None, "de", 1), (3, [], 1, 13, 0, 1, "de", 1)]
+    assert [
+        (c, t[50:], p.n, p.seed, p.num_resumed_tokens, p.prompt_logprobs, mode, m) for c, t, p, mode, m in started
+    ] == [(2, [6] * 7, 1, 12, 7, None, "de", 1), (3, [], 1, 13, 0, 1, "de", 1)]
     assert all(t[:50] == prompt for _, t, *_ in started)
     assert client.moved == [("r", {2: 7, 3: 0})]
     assert out[0].finish_reason == "length" and out[0].index == 1 and not out[0].final  # made here
@@ -166,8 +207,10 @@ def test_the_unfinished_choices_go_on_where_they_were_and_come_back_as_one_strea
     assert sorted(e.index for e in finishes) == [1, 2, 3]
     # the continuations' numbers as the request's: its own 50 prompt tokens, at most all of them loaded
     assert {(e.num_prompt_tokens, e.num_cached_tokens) for e in finishes[1:]} == {(50, 48), (50, 50)}
-    assert {(e.num_prompt_tokens, e.num_cached_tokens) for e in out if e.token_id >= 0 and e.num_prompt_tokens} == \
-        {(50, 48), (50, 50)}
+    assert {(e.num_prompt_tokens, e.num_cached_tokens) for e in out if e.token_id >= 0 and e.num_prompt_tokens} == {
+        (50, 48),
+        (50, 50),
+    }
 
 
 def test_without_migrations_left_a_lost_engine_fails_the_request():
@@ -190,11 +233,16 @@ def test_a_reply_let_go_of_mid_move_cancels_its_continuations():
 def test_a_continuation_under_speculative_decoding_is_the_rest_of_its_reply(tiny_dirs, llm):
     """A speculative step draws once per token it keeps, so a seeded continuation skips as many draws as a plain
     one: the same reply, decoded with drafts (a repetitive prompt makes prompt lookup propose them)."""
-    spec = LLM(str(tiny_dirs["llama"]), block_size=16,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    spec = LLM(
+        str(tiny_dirs["llama"]),
+        block_size=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    )
     prompt = [5, 6, 7, 8] * 10
-    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                   SamplingParams(temperature=0.5, seed=21, max_tokens=40, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.5, seed=21, max_tokens=40, ignore_eos=True),
+    ):
         whole = llm.generate(prompt, params)[0]  # decoded plainly
         for cut in (3, 20):
             got = spec.generate(prompt + whole.token_ids[:cut], replace(params, num_resumed_tokens=cut))[0]

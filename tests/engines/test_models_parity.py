@@ -1,4 +1,5 @@
 """Our layerwise models against Hugging Face transformers on the same checkpoints (float32)."""
+
 import numpy as np
 import pytest
 import torch
@@ -19,8 +20,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def hf_models(tiny_dirs):
     import transformers
 
-    return {a: transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[a], dtype=torch.float32).eval()
-            for a in ARCHS}
+    return {
+        a: transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[a], dtype=torch.float32).eval() for a in ARCHS
+    }
 
 
 def prompts(seed: int):
@@ -37,7 +39,7 @@ def test_batched_logits_match_transformers(arch, tiny_dirs, hf_models):
     for s in seqs:
         with torch.no_grad():
             ref = hf_models[arch](s[None]).logits[0]
-        assert rel_err(ours[start:start + len(s)], ref) < 1e-4
+        assert rel_err(ours[start : start + len(s)], ref) < 1e-4
         start += len(s)
 
 
@@ -49,20 +51,21 @@ def test_prefix_reuse_through_full_block_bytes(arch, tiny_dirs):
     geom = KVGeometry.for_model(model.config, "float32", block_size=16)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 256, (n,), generator=g) for n in (40, 57, 33)]
-    one_shot, kv = model.forward_all(torch.cat(seqs), ForwardBatch((0,) * 3, tuple(len(s) for s in seqs)),
-                                     all_logits=True)
+    one_shot, kv = model.forward_all(
+        torch.cat(seqs), ForwardBatch((0,) * 3, tuple(len(s) for s in seqs)), all_logits=True
+    )
     offsets = np.cumsum([0] + [len(s) for s in seqs])
     cached_per_seq, rest_lens, expected = [], [], []
     for i, s in enumerate(seqs):
         n_hit = geom.num_full_blocks(len(s)) * geom.block_size
-        seq_kv = [layer_kv[offsets[i]:offsets[i] + n_hit] for layer_kv in kv]
+        seq_kv = [layer_kv[offsets[i] : offsets[i] + n_hit] for layer_kv in kv]
         stored = bytes(pack_full_blocks(seq_kv, geom).numpy().tobytes())  # what storage holds
         loaded = torch.frombuffer(bytearray(stored), dtype=torch.uint8).view(-1, geom.full_block_bytes)
         cached_per_seq.append([layer_tokens_from_full(loaded, l, geom) for l in range(geom.num_layers)])
         rest_lens.append(len(s) - n_hit)
-        expected.append(one_shot[offsets[i] + n_hit:offsets[i + 1]])
+        expected.append(one_shot[offsets[i] + n_hit : offsets[i + 1]])
     cached = [[cached_per_seq[i][l] for i in range(3)] for l in range(geom.num_layers)]
-    rest_ids = torch.cat([s[len(s) - r:] for s, r in zip(seqs, rest_lens)])
+    rest_ids = torch.cat([s[len(s) - r :] for s, r in zip(seqs, rest_lens)])
     hits = tuple(len(s) - r for s, r in zip(seqs, rest_lens))
     logits, _ = model.forward_all(rest_ids, ForwardBatch(hits, tuple(rest_lens)), cached, all_logits=True)
     assert rel_err(logits, torch.cat(expected)) < 1e-5
@@ -77,8 +80,13 @@ def test_greedy_generation_matches_transformers(arch, tiny_dirs, hf_models):
     outs = llm.generate([s.tolist() for s in seqs], SamplingParams(temperature=0, max_tokens=48))
     for s, out in zip(seqs, outs):
         with torch.no_grad():
-            ref = hf_models[arch].generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long),
-                                           max_new_tokens=48, do_sample=False)[0, len(s):].tolist()
+            ref = (
+                hf_models[arch]
+                .generate(
+                    s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), max_new_tokens=48, do_sample=False
+                )[0, len(s) :]
+                .tolist()
+            )
         assert out.token_ids == ref
 
 
@@ -114,8 +122,15 @@ def test_qwen3_moe_layouts_and_unnormalized_routing_match_transformers(tmp_path)
 
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
 
-    d = build_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=2, num_hidden_layers=4, decoder_sparse_step=2,
-                              mlp_only_layers=[3], norm_topk_prob=False)
+    d = build_tiny_checkpoint(
+        tmp_path / "moe",
+        "qwen3_moe",
+        seed=2,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=False,
+    )
     cfg = json.loads((d / "config.json").read_text())
     cfg["num_experts"] = cfg.pop("num_local_experts")
     (d / "config.json").write_text(json.dumps(cfg))
@@ -141,14 +156,16 @@ def test_a_sliding_window_bounds_the_context_served(tmp_path, tiny_dirs):
 
     d = shutil.copytree(tiny_dirs["llama"], tmp_path / "mistral")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
-                                               "model_type": "mistral", "sliding_window": 64}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64})
+    )
     assert LLM(str(d), block_size=16).engine.max_model_len == 64
     assert LLM(str(d), block_size=16, max_model_len=48).engine.max_model_len == 48
     with pytest.raises(ConfigError, match="exceeds the model's sliding window of 64 tokens"):
         LLM(str(d), block_size=16, max_model_len=128)
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
-                                               "model_type": "mistral", "sliding_window": None}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None})
+    )
     assert LLM(str(d), block_size=16).engine.max_model_len == cfg["max_position_embeddings"]
     (d / "config.json").write_text(json.dumps({**cfg, "layer_types": ["sliding_attention"] * 3}))
     with pytest.raises(CheckpointError, match="sliding-window attention"):

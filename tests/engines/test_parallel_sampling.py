@@ -1,6 +1,7 @@
 """Parallel sampling (``SamplingParams.n``): the prompt is computed once, the choices share its full blocks
 (reference-counted) and copy its partial one, and choice i samples exactly what a request of its own with
 seed + i samples. The cluster's path (one load, the decode engine's forks) is in ``test_serving``."""
+
 from collections import Counter
 from dataclasses import replace
 
@@ -25,8 +26,9 @@ def llm(tiny_dirs):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free"]), st.integers(0, 7), st.integers(1, 4)),
-                max_size=50))
+@given(
+    st.lists(st.tuples(st.sampled_from(["alloc", "share", "free"]), st.integers(0, 7), st.integers(1, 4)), max_size=50)
+)
 def test_shared_blocks_are_free_again_only_after_their_last_holder(ops):
     alloc, holders, lists = BlockAllocator(12), Counter(), []
     for op, pick, n in ops:
@@ -117,7 +119,7 @@ def test_choices_stop_on_their_own_and_share_the_prompt_logprobs(llm):
     outs = llm.generate(prompt, params)
     stop_text = outs[1].text[2:4]
     stopped = llm.generate(prompt, replace(params, stop=(stop_text,)))
-    assert stopped[1].finish_reason == "stop" and stopped[1].text == outs[1].text[:outs[1].text.find(stop_text)]
+    assert stopped[1].finish_reason == "stop" and stopped[1].text == outs[1].text[: outs[1].text.find(stop_text)]
     for full, cut in zip(outs, stopped):
         assert full.text.startswith(cut.text) and full.prompt_logprobs == cut.prompt_logprobs
     assert outs[0].prompt_logprobs == outs[2].prompt_logprobs and len(outs[0].prompt_logprobs) == len(prompt)
@@ -152,8 +154,22 @@ def test_aborting_a_request_before_its_prompt_ran_frees_its_choices(llm):
 def test_the_generate_command_prints_every_choice(tiny_dirs, capsys):
     from dualpath.cli import main
 
-    args = ["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "ab", "cd", "-n", "3", "--temperature", "1",
-            "--seed", "4", "--max-tokens", "3"]
+    args = [
+        "generate",
+        "--model",
+        str(tiny_dirs["llama"]),
+        "--prompt",
+        "ab",
+        "cd",
+        "-n",
+        "3",
+        "--temperature",
+        "1",
+        "--seed",
+        "4",
+        "--max-tokens",
+        "3",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("> ab\n") == 1 and out.count("> cd\n") == 1

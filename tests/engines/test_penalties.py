@@ -3,6 +3,7 @@ The sampler's batched form against a plain float64 computation row by row (fresh
 against transformers' own logits processors; whole greedy generations against transformers' ``generate`` and a
 float64 reference loop over the transformers model. Then ``allowed_token_ids`` and the text options
 (``include_stop_str_in_output``, ``skip_special_tokens``)."""
+
 from collections import Counter
 
 import pytest
@@ -36,18 +37,24 @@ def reference(row: torch.Tensor, p: SamplingParams, prompt, output, mask=None) -
 
 def random_row(g: torch.Generator):
     """Parameters and a history for one row: each adjustment on or off at random."""
+
     def pick(on, value, off):
         return value if torch.rand(1, generator=g).item() < on else off
+
     prompt = torch.randint(0, V, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
     output = torch.randint(0, V, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
-    bias_ids = torch.randperm(V, generator=g)[:int(torch.randint(1, 6, (1,), generator=g))].tolist()
+    bias_ids = torch.randperm(V, generator=g)[: int(torch.randint(1, 6, (1,), generator=g))].tolist()
     p = SamplingParams(
-        max_tokens=64, temperature=pick(0.5, 0.0, 0.8),
+        max_tokens=64,
+        temperature=pick(0.5, 0.0, 0.8),
         presence_penalty=pick(0.5, float(torch.empty(1).uniform_(-2, 2, generator=g)), 0.0),
         frequency_penalty=pick(0.5, float(torch.empty(1).uniform_(-2, 2, generator=g)), 0.0),
         repetition_penalty=pick(0.5, float(torch.empty(1).uniform_(0.5, 2, generator=g)), 1.0),
         logit_bias=pick(0.5, tuple((t, float(torch.empty(1).uniform_(-100, 100, generator=g))) for t in bias_ids), ()),
-        min_tokens=pick(0.3, 20, 0), stop_token_ids=pick(0.5, (5, 7), ()), ignore_eos=pick(0.2, True, False))
+        min_tokens=pick(0.3, 20, 0),
+        stop_token_ids=pick(0.5, (5, 7), ()),
+        ignore_eos=pick(0.2, True, False),
+    )
     return p, prompt, output
 
 
@@ -96,8 +103,11 @@ def test_min_p_keeps_the_tokens_transformers_keeps():
 
     for min_p in (0.0, 0.01, 0.1, 0.5, 1.0):
         scores = torch.randn(4, V) * 3
-        want = MinPLogitsWarper(min_p)(torch.zeros(4, 1, dtype=torch.long), scores.clone()) > float("-inf") \
-            if min_p > 0 else torch.ones(4, V, dtype=torch.bool)
+        want = (
+            MinPLogitsWarper(min_p)(torch.zeros(4, 1, dtype=torch.long), scores.clone()) > float("-inf")
+            if min_p > 0
+            else torch.ones(4, V, dtype=torch.bool)
+        )
         probs = filtered_probs(scores, torch.zeros(4), None, 0, torch.full((4,), min_p))
         assert torch.equal(probs > 0, want), min_p
         torch.testing.assert_close(probs.sum(-1), torch.ones(4))
@@ -144,14 +154,21 @@ def test_a_row_that_needs_its_history_without_one_is_an_error():
         sample(torch.randn(1, V), [SamplingParams(presence_penalty=1.0)], [make_generator(SamplingParams())])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(presence_penalty=2.1), "presence_penalty"), (dict(frequency_penalty=-2.1), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
-    (dict(min_p=-0.1), "min_p"), (dict(max_tokens=3, min_tokens=4), "min_tokens"),
-    (dict(logit_bias=((1, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
-    (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
-    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(presence_penalty=2.1), "presence_penalty"),
+        (dict(frequency_penalty=-2.1), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(max_tokens=3, min_tokens=4), "min_tokens"),
+        (dict(logit_bias=((1, 101.0),)), "logit_bias"),
+        (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+        (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+    ],
+)
 def test_invalid_values_are_request_errors(kwargs, field):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kwargs)
@@ -183,19 +200,26 @@ def hf(tiny_dirs):
 
 def hf_generate(hf, prompt, n, **kw):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_repetition_penalty_generation_equals_transformers(llm, hf):
     prompts = [[5, 6, 7, 8] * 6, list(range(30, 70))]
     for penalty in (1.5, 0.8):
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, repetition_penalty=penalty,
-                                                    ignore_eos=True))
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=24, repetition_penalty=penalty, ignore_eos=True)
+        )
         for prompt, out in zip(prompts, outs):
-            assert out.token_ids == hf_generate(hf, prompt, 24, repetition_penalty=penalty,
-                                                eos_token_id=None, pad_token_id=0), penalty
+            assert out.token_ids == hf_generate(
+                hf, prompt, 24, repetition_penalty=penalty, eos_token_id=None, pad_token_id=0
+            ), penalty
     plain = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert plain.token_ids != outs[0].token_ids or penalty == 1.0  # the penalty changed the answer
 
@@ -207,16 +231,24 @@ def test_min_tokens_generation_equals_transformers_min_new_tokens(llm, hf):
     early = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,)))[0]
     assert early.token_ids == [stop] and early.finish_reason == "stop"
     held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,), min_tokens=6))[0]
-    want = hf_generate(hf, prompt, 12, min_new_tokens=6, eos_token_id=[stop, *llm.model_config.eos_token_ids],
-                       pad_token_id=0)
+    want = hf_generate(
+        hf, prompt, 12, min_new_tokens=6, eos_token_id=[stop, *llm.model_config.eos_token_ids], pad_token_id=0
+    )
     assert held.token_ids == want and len(held.token_ids) >= 6 and stop not in held.token_ids[:6]  # ...held back
 
 
 def test_penalties_and_bias_generation_equals_a_float64_reference_loop(llm, hf):
     """Everything at once, greedy, against the transformers model's logits adjusted by ``reference``."""
     prompt = [9, 9, 9, 12, 13, 14] * 4
-    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=0.7, frequency_penalty=0.4,
-                       repetition_penalty=1.3, logit_bias=((7, 3.0), (8, -2.0)))
+    p = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        ignore_eos=True,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        logit_bias=((7, 3.0), (8, -2.0)),
+    )
     got = llm.generate(prompt, p)[0].token_ids
     out = []
     with torch.no_grad():
@@ -238,9 +270,10 @@ def test_min_tokens_holds_back_stop_strings_in_the_engine(llm):
     stop = llm.tokenizer.decode(free.token_ids[:1])
     early = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
     assert early.text == "" and early.finish_reason == "stop"
-    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
-                                               min_tokens=4))[0]
-    assert len(held.token_ids) >= 4 and held.token_ids == free.token_ids[:len(held.token_ids)]
+    held = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=4)
+    )[0]
+    assert len(held.token_ids) >= 4 and held.token_ids == free.token_ids[: len(held.token_ids)]
     assert held.finish_reason == "stop" and held.text.startswith(stop * 3)
 
 
@@ -250,16 +283,18 @@ def test_min_tokens_holds_back_stop_strings_in_the_engine(llm):
 def test_allowed_token_ids_restrict_greedy_and_sampled_rows(llm, hf):
     prompt = list(range(70, 90))
     allowed = (65, 66, 67, 32)
-    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
-                                                 allowed_token_ids=allowed))[0].token_ids
+    greedy = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed)
+    )[0].token_ids
     out = []
     with torch.no_grad():  # the reference: transformers' logits, argmax over the allowed ids
         for _ in range(10):
             logits = hf(torch.tensor([prompt + out])).logits[0, -1]
             out.append(allowed[int(logits[list(allowed)].argmax())])
     assert greedy == out
-    sampled = llm.generate([prompt] * 4, SamplingParams(temperature=1.5, seed=1, max_tokens=12, ignore_eos=True,
-                                                        allowed_token_ids=allowed))
+    sampled = llm.generate(
+        [prompt] * 4, SamplingParams(temperature=1.5, seed=1, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    )
     assert all(set(o.token_ids) <= set(allowed) for o in sampled)
     assert len({t for o in sampled for t in o.token_ids}) > 1  # sampled, not stuck on one
 
@@ -268,8 +303,13 @@ def test_allowed_token_ids_and_min_tokens_never_leave_a_row_empty():
     logits = torch.randn(2, V)
     only_end = SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=EOS)
     mixed = SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=(EOS[0], 40))
-    toks, _ = sample(logits, [only_end, mixed], [None, None], histories=[TokenHistory([1], only_end),
-                                                                          TokenHistory([1], mixed)], eos_ids=EOS)
+    toks, _ = sample(
+        logits,
+        [only_end, mixed],
+        [None, None],
+        histories=[TokenHistory([1], only_end), TokenHistory([1], mixed)],
+        eos_ids=EOS,
+    )
     assert toks[0] in EOS and toks[1] == 40
 
 
@@ -278,8 +318,10 @@ def test_include_stop_str_and_skip_special_tokens_in_the_text(llm):
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     stop = llm.tokenizer.decode(free.token_ids[1:2])
     cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[stop]))[0].text
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[stop],
-                                               include_stop_str_in_output=True))[0].text
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0].text
     assert kept == cut + stop and free.text.startswith(kept)
     eos = llm.model_config.eos_token_ids[0]
     forced = dict(temperature=0, max_tokens=1, logit_bias=((eos, 100.0),))
@@ -293,18 +335,28 @@ def test_include_stop_str_and_skip_special_tokens_in_the_text(llm):
 
 def banned_by_words(words, output) -> set[int]:
     """The tokens that would make the reply end in one of ``words``, found by trying each (the brute force)."""
-    return {t for t in range(V) for w in words
-            if len(w) <= len(output) + 1 and tuple(list(output) + [t])[-len(w):] == tuple(w)}
+    return {
+        t
+        for t in range(V)
+        for w in words
+        if len(w) <= len(output) + 1 and tuple(list(output) + [t])[-len(w) :] == tuple(w)
+    }
 
 
 def test_bad_words_ban_exactly_the_tokens_that_would_complete_one():
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     for _ in range(30):
         alphabet = torch.randperm(V, generator=g)[:4].tolist()  # few tokens: words often overlap the reply
-        words = tuple(tuple(alphabet[int(i)] for i in torch.randint(0, 4, (int(torch.randint(1, 4, (1,),
-                      generator=g)),), generator=g)) for _ in range(int(torch.randint(1, 5, (1,), generator=g))))
-        output = [alphabet[int(i)] for i in torch.randint(0, 4, (int(torch.randint(0, 8, (1,), generator=g)),),
-                                                          generator=g)]
+        words = tuple(
+            tuple(
+                alphabet[int(i)]
+                for i in torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+            )
+            for _ in range(int(torch.randint(1, 5, (1,), generator=g)))
+        )
+        output = [
+            alphabet[int(i)] for i in torch.randint(0, 4, (int(torch.randint(0, 8, (1,), generator=g)),), generator=g)
+        ]
         prompt = list(words[0][:-1]) * 3  # the prompt never counts: only the reply's tokens do
         p = SamplingParams(temperature=0, max_tokens=64, bad_words=words)
         h = TokenHistory(prompt, p, output[:2])
@@ -324,8 +376,14 @@ def test_bad_words_are_checked_and_survive_the_wire():
     assert p.bad_words == ((5, 6), (7,)) and p.bad_word_context == 1 and p.needs_history
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert SamplingParams(bad_words=((7,), (8,))).bad_word_context == 0  # one-token words read no reply
-    for bad, kw in (([()], {}), ([[1] * 33], {}), ([[-1]], {}), ([[i] for i in range(129)], {}),
-                    ([[1]], dict(json_object=True)), ([[1]], dict(allowed_token_ids=(1, 2)))):
+    for bad, kw in (
+        ([()], {}),
+        ([[1] * 33], {}),
+        ([[-1]], {}),
+        ([[i] for i in range(129)], {}),
+        ([[1]], dict(json_object=True)),
+        ([[1]], dict(allowed_token_ids=(1, 2))),
+    ):
         with pytest.raises(RequestError) as e:
             SamplingParams(bad_words=bad, **kw)
         assert e.value.field == "bad_words"
@@ -337,11 +395,12 @@ def test_bad_words_generation_equals_transformers_bad_words_ids(llm, hf):
     for words in (((free[5], free[6]),), ((free[2],), (free[5], free[6]), (free[8], free[9], free[10]))):
         # transformers matches the prompt's tail too; these words' prefixes do not end the prompt, so both agree
         assert all(tuple(prompt[-k:]) != w[:k] for w in words for k in range(1, len(w)))
-        got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                                                  bad_words=words))[0].token_ids
+        got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=words))[
+            0
+        ].token_ids
         want = hf_generate(hf, prompt, 16, bad_words_ids=[list(w) for w in words], eos_token_id=None, pad_token_id=0)
         assert got == want and got != free
-        assert not any(tuple(got[i:i + len(w)]) == w for w in words for i in range(len(got)))
+        assert not any(tuple(got[i : i + len(w)]) == w for w in words for i in range(len(got)))
         if len(words) == 1:  # the reply is the free one until the word's first token, then turns away
             assert got[:6] == free[:6] and got[6] != free[6]
     with pytest.raises(RequestError, match="bad_words"):
@@ -388,8 +447,9 @@ def test_prompt_logprobs_across_chunks_recomputes_and_gaps():
     done: list = []
     for start, end in ((0, 4), (0, 4), (4, 7), (2, 9), (9, 10)):
         extend_prompt_logprobs(done, prompt, start, hidden[start:end], lambda h: h @ head, 2)
-    assert len(whole) == 9 and [(x.token_id, x.rank, [t for t, _ in x.top]) for x in done] == \
-        [(x.token_id, x.rank, [t for t, _ in x.top]) for x in whole]
+    assert len(whole) == 9 and [(x.token_id, x.rank, [t for t, _ in x.top]) for x in done] == [
+        (x.token_id, x.rank, [t for t, _ in x.top]) for x in whole
+    ]
     assert all(abs(a.logprob - b.logprob) < 1e-5 for a, b in zip(done, whole))
     extend_prompt_logprobs(done, prompt, 10, hidden[:1], lambda h: h @ head, 2)  # a decode step: nothing
     extend_prompt_logprobs(fresh := [], prompt, 9, hidden[:1], lambda h: h @ head, 2)  # the last prompt position

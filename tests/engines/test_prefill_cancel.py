@@ -4,6 +4,7 @@ good: the engine loop goes on with other work, and the job's buffer slots are re
 The crash this guards against (issue 46): a client hung up while its long prompt was being prefilled in chunks;
 the engine put the partly prefilled job back on the ready list after the cancel removed it, and the loop died on
 ``KeyError`` in the next batch's choice."""
+
 import threading
 import time
 from types import SimpleNamespace
@@ -77,8 +78,9 @@ def _ready_job(pe: PrefillEngine, de: EngineInfo, de_pool: BufferPool, w: str, n
     g = pe.geometry
     tokens = list(range(3, 3 + n))
     params = SamplingParams(temperature=0, max_tokens=1)
-    job = Job(Assignment(w, tokens, params.to_dict(), [], ReadPath.PE, True, de), params, [make_generator(params)],
-              0, tokens)
+    job = Job(
+        Assignment(w, tokens, params.to_dict(), [], ReadPath.PE, True, de), params, [make_generator(params)], 0, tokens
+    )
     job.pe_slots = pe.buffer.allocate(g.num_blocks(n), w)
     job.de_slots = de_pool.allocate(g.num_blocks(n), w)
     assert pe.jobs.admit(job) and pe.jobs.requeue(job)

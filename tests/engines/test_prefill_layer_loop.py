@@ -2,6 +2,7 @@
 every layer's KV reaches the decode engine's buffer, and the wait for a layer's compute before its send is made by
 the pipeline's sender thread, never by the thread launching the layers (on a GPU that wait is where the device
 would sit idle)."""
+
 import threading
 
 import torch
@@ -43,5 +44,5 @@ def test_sends_wait_for_compute_off_the_launching_thread(tiny_dirs, tmp_path):
             _, want = pe.model.forward_all(torch.tensor(tokens), ForwardBatch((0,), (len(tokens),)))
         full = de_pool.full_blocks(job.de_slots)
         for layer in range(g.num_layers):
-            got = layer_tokens_from_full(full, layer, g)[:len(tokens)]
+            got = layer_tokens_from_full(full, layer, g)[: len(tokens)]
             assert torch.allclose(got, want[layer], atol=1e-5), layer

@@ -25,8 +25,9 @@ def test_greedy_picks_argmax():
 def kept(logits, top_k, top_p):
     """Which tokens ``filtered_probs`` keeps, in vocabulary order, for one row."""
     k_max = min(max(top_k, 0), logits.numel())
-    probs = filtered_probs(logits[None], torch.tensor([float(top_k)]), torch.tensor([top_p]) if top_p < 1 else None,
-                           k_max)
+    probs = filtered_probs(
+        logits[None], torch.tensor([float(top_k)]), torch.tensor([top_p]) if top_p < 1 else None, k_max
+    )
     return probs[0] > 0
 
 
@@ -63,12 +64,12 @@ def test_batched_filters_match_their_definition(seed):
 
 def test_a_draw_never_lands_on_a_dropped_token():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]] * 5))
-    u = torch.tensor([0.0, 0.4999, 0.7, 0.9999999, 1.0 - 2 ** -24])
+    u = torch.tensor([0.0, 0.4999, 0.7, 0.9999999, 1.0 - 2**-24])
     picked = _draw(filtered_probs(logits, torch.full((5,), 2.0), None, 2), u)
     assert picked.tolist() == [0, 0, 1, 1, 1]  # top-2: 0 takes 2/3 of the mass, 1 the rest
     assert _draw(filtered_probs(logits, torch.zeros(5), None, 0), u).tolist() == [0, 0, 1, 3, 3]
     # top-p leaves mass 0.9 unnormalized: a draw just under 1 lands on the last kept token, not the dropped one
-    top = torch.tensor([0.0, 1.0 - 2 ** -24, 0.999999])
+    top = torch.tensor([0.0, 1.0 - 2**-24, 0.999999])
     assert _draw(filtered_probs(logits[:3], torch.zeros(3), torch.full((3,), 0.8), 0), top).tolist() == [0, 2, 2]
     # rows with and without top-k in one batch: top_k 0 and -1 mean no top-k
     mixed = filtered_probs(logits[:3], torch.tensor([2.0, 0.0, -1.0]), None, 2)
@@ -78,11 +79,15 @@ def test_a_draw_never_lands_on_a_dropped_token():
 def test_a_batch_of_greedy_sampled_and_logprob_rows():
     """Greedy and sampled rows side by side, each with its own logprobs count: every row as it would be alone."""
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.7, seed=5, top_k=4),
-              SamplingParams(temperature=0), SamplingParams(temperature=1.2, seed=9, top_p=0.8, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.7, seed=5, top_k=4),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, seed=9, top_p=0.8, logprobs=0),
+    ]
     toks, lps = sample(logits, params, [make_generator(p) for p in params])
     for i, p in enumerate(params):
-        alone, alone_lp = sample(logits[i:i + 1], [p], [make_generator(p)])
+        alone, alone_lp = sample(logits[i : i + 1], [p], [make_generator(p)])
         assert toks[i] == alone[0] and lps[i] == alone_lp[0]
     assert toks[0] == int(logits[0].argmax()) and toks[2] == int(logits[2].argmax())
     assert toks[1] in logits[1].topk(4).indices.tolist()
@@ -117,19 +122,36 @@ def test_logprobs_of_chosen_and_top():
     assert [t for t, _ in lps[0].top] == [0, 1]
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(logprobs=21), dict(stop=[""])])
+@pytest.mark.parametrize(
+    "bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(logprobs=21), dict(stop=[""])]
+)
 def test_invalid_params_name_the_field(bad):
     with pytest.raises(RequestError) as e:
         SamplingParams(**bad)
     assert e.value.field == next(iter(bad))
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=True), dict(n=True), dict(temperature=True), dict(seed=False),
-                                 dict(logprobs=True), dict(top_k=2.0), dict(top_p="0.5"), dict(priority=True),
-                                 dict(ignore_eos=1), dict(skip_special_tokens="yes"), dict(cache_salt=7),
-                                 dict(stop=[3]), dict(stop_token_ids=[True]), dict(allowed_token_ids=[1.0]),
-                                 dict(bad_words=[(True,)]), dict(logit_bias=[(5, True)])])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_tokens=True),
+        dict(n=True),
+        dict(temperature=True),
+        dict(seed=False),
+        dict(logprobs=True),
+        dict(top_k=2.0),
+        dict(top_p="0.5"),
+        dict(priority=True),
+        dict(ignore_eos=1),
+        dict(skip_special_tokens="yes"),
+        dict(cache_salt=7),
+        dict(stop=[3]),
+        dict(stop_token_ids=[True]),
+        dict(allowed_token_ids=[1.0]),
+        dict(bad_words=[(True,)]),
+        dict(logit_bias=[(5, True)]),
+    ],
+)
 def test_a_value_of_another_type_is_refused_naming_the_field(bad):
     """A bool is no number (Python counts it an int), a number no bool, a string neither: never silently read."""
     with pytest.raises(RequestError) as e:
@@ -166,12 +188,17 @@ def test_a_seeded_row_samples_the_same_whatever_its_batch(seed, device):
     would be alone (on a GPU too, where the kernels must not depend on the batch's size)."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(5, 32000 if device == "cuda" else 300, generator=g) * 2).to(device)
-    choices = [dict(temperature=0.9), dict(temperature=0.7, top_k=20), dict(temperature=1.1, top_p=0.85),
-               dict(temperature=0.6, top_k=5, top_p=0.5), dict(temperature=0)]
+    choices = [
+        dict(temperature=0.9),
+        dict(temperature=0.7, top_k=20),
+        dict(temperature=1.1, top_p=0.85),
+        dict(temperature=0.6, top_k=5, top_p=0.5),
+        dict(temperature=0),
+    ]
     params = [SamplingParams(seed=100 + i, **choices[(seed + i) % 5]) for i in range(5)]
     batch_gens, alone_gens = [make_generator(p) for p in params], [make_generator(p) for p in params]
     for _ in range(3):  # three steps: each request's generator advances alike batched and alone
         together = sample(logits, params, batch_gens)[0]
-        apart = [sample(logits[i:i + 1], [p], [alone_gens[i]])[0][0] for i, p in enumerate(params)]
+        apart = [sample(logits[i : i + 1], [p], [alone_gens[i]])[0][0] for i, p in enumerate(params)]
         assert together == apart
         logits = logits.roll(7, dims=1)

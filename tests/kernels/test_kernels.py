@@ -1,4 +1,5 @@
 """Kernels against independent references: transformers' own functions, or a float64 computation."""
+
 import math
 
 import pytest
@@ -16,29 +17,54 @@ def _hf_inv_freq(rope_type: str, params: dict, head_dim: int):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
-                                   max_position_embeddings=4096, rope_parameters={"rope_type": rope_type, **params})
+    cfg = transformers.LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": rope_type, **params},
+    )
     return ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
 
 
 def test_llama3_scaling_matches_transformers():
-    params = {"rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
+    params = {
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     ref, _ = _hf_inv_freq("llama3", params, 128)
-    ours, attn = rope_inv_freq(RopeConfig(kind="llama3", theta=500000.0, rotary_dim=128, factor=8.0,
-                                          original_max_position=8192))
+    ours, attn = rope_inv_freq(
+        RopeConfig(kind="llama3", theta=500000.0, rotary_dim=128, factor=8.0, original_max_position=8192)
+    )
     assert torch.allclose(ours, ref, rtol=1e-6) and attn == 1.0
 
 
 @pytest.mark.parametrize("mscale,mscale_all", [(1.0, 1.0), (0.707, 1.0), (0.0, 0.0)])
 def test_yarn_matches_transformers(mscale, mscale_all):
-    params = {"rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-              "beta_slow": 1}
+    params = {
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
     if mscale:
         params.update(mscale=mscale, mscale_all_dim=mscale_all)
     ref, ref_attn = _hf_inv_freq("yarn", params, 64)
-    ours, attn = rope_inv_freq(RopeConfig(kind="yarn", theta=10000.0, rotary_dim=64, factor=40.0,
-                                          original_max_position=4096, mscale=mscale, mscale_all_dim=mscale_all))
+    ours, attn = rope_inv_freq(
+        RopeConfig(
+            kind="yarn",
+            theta=10000.0,
+            rotary_dim=64,
+            factor=40.0,
+            original_max_position=4096,
+            mscale=mscale,
+            mscale_all_dim=mscale_all,
+        )
+    )
     assert torch.allclose(ours, ref, rtol=1e-6) and math.isclose(attn, ref_attn, rel_tol=1e-9)
 
 
@@ -57,12 +83,12 @@ def test_apply_rope_against_float64(interleaved):
     x = torch.randn(7, 3, 32)
     cos, sin = rope_cos_sin(inv, pos, 1.0, torch.float32)
     # Angles are formed in float32 (as transformers does): at position ~3000 that costs ~4e-4 rad.
-    assert torch.allclose(apply_rope(x, cos, sin, interleaved).double(), _rope_f64(x, pos, inv, interleaved),
-                          atol=2e-3)
+    assert torch.allclose(apply_rope(x, cos, sin, interleaved).double(), _rope_f64(x, pos, inv, interleaved), atol=2e-3)
     near = torch.arange(7)
     cos, sin = rope_cos_sin(inv, near, 1.0, torch.float32)
-    assert torch.allclose(apply_rope(x, cos, sin, interleaved).double(), _rope_f64(x, near, inv, interleaved),
-                          atol=1e-5)
+    assert torch.allclose(
+        apply_rope(x, cos, sin, interleaved).double(), _rope_f64(x, near, inv, interleaved), atol=1e-5
+    )
 
 
 def _attention_f64(q, k, v, n_cached, scale):
@@ -77,8 +103,10 @@ def _attention_f64(q, k, v, n_cached, scale):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 70), st.integers(1, 20)), min_size=1, max_size=4),
-       st.sampled_from([(4, 4), (4, 2), (6, 1)]))
+@given(
+    st.lists(st.tuples(st.integers(0, 70), st.integers(1, 20)), min_size=1, max_size=4),
+    st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+)
 def test_varlen_attention_against_float64(lens, heads):
     hq, hk = heads
     d = 16
@@ -93,8 +121,9 @@ def test_varlen_attention_against_float64(lens, heads):
     start = 0
     for i, n in enumerate(new_lens):
         sl = slice(start, start + n)
-        ref = _attention_f64(q[sl], torch.cat([cached_k[i], k[sl]]), torch.cat([cached_v[i], v[sl]]),
-                             cached_k[i].shape[0], 0.25)
+        ref = _attention_f64(
+            q[sl], torch.cat([cached_k[i], k[sl]]), torch.cat([cached_v[i], v[sl]]), cached_k[i].shape[0], 0.25
+        )
         assert (out[sl].double() - ref).abs().max() < 1e-4
         start += n
 
@@ -118,7 +147,7 @@ def test_batched_decode_and_paged_rows_match_per_sequence():
     paged = PagedKV(cache, torch.tensor([t + [0] * (width - len(t)) for t in tables]), ctx)
     from_paged = varlen_attention(q, new_rows, paged, split, [1] * 5, 0.3)
     for i in range(5):
-        one = varlen_attention(q[i:i + 1], new_rows[i:i + 1], [rows[i]], split, [1], 0.3)
+        one = varlen_attention(q[i : i + 1], new_rows[i : i + 1], [rows[i]], split, [1], 0.3)
         assert torch.allclose(batched[i], one[0], atol=1e-5)
         assert torch.allclose(from_paged[i], one[0], atol=1e-5)
         assert torch.equal(paged.rows(i), rows[i])
@@ -133,13 +162,13 @@ def test_mla_absorbed_equals_expanded_attention():
     out = mla_attention(q_nope, q_pe, latent_new, cached, new_lens, w_kv_b[:, :dn], w_kv_b[:, dn:], r, 0.2)
     start = 0
     for i, n in enumerate(new_lens):
-        lat = torch.cat([cached[i], latent_new[start:start + n]]).double()
+        lat = torch.cat([cached[i], latent_new[start : start + n]]).double()
         k_nope = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double())
         vals = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, dn:].double())
         keys = torch.cat([k_nope, lat[:, None, r:].expand(-1, h, -1)], -1)
-        q = torch.cat([q_nope[start:start + n], q_pe[start:start + n]], -1)
+        q = torch.cat([q_nope[start : start + n], q_pe[start : start + n]], -1)
         ref = _attention_f64(q, keys, vals, cached[i].shape[0], 0.2)
-        assert (out[start:start + n].double() - ref).abs().max() < 1e-4
+        assert (out[start : start + n].double() - ref).abs().max() < 1e-4
         start += n
 
 
@@ -147,8 +176,15 @@ def test_grouped_topk_matches_transformers_router():
     import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    cfg = transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     router = DeepseekV3TopkRouter(cfg)
     torch.nn.init.normal_(router.weight, std=0.3)
     router.e_score_correction_bias.copy_(torch.randn(16) * 0.2)

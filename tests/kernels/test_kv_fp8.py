@@ -2,6 +2,7 @@
 reference that rounds its KV the same way, and the runtime's consistency (a token's output does not depend on
 whether its keys were computed in this forward, earlier, or loaded from storage). The kernels' own fp8 tests are
 in ``test_triton_kernels.py``."""
+
 import pytest
 import torch
 
@@ -35,8 +36,9 @@ def test_fingerprints_keep_kv_dtypes_apart_and_old_stores_valid(tiny_dirs):
     base = model_fingerprint(cfg, "bfloat16", 64, "w")
     assert model_fingerprint(cfg, "bfloat16", 64, "w", "bfloat16") == base  # the model's own: as before
     assert model_fingerprint(cfg, "bfloat16", 64, "w", "float8_e4m3fn") != base
-    assert model_fingerprint(cfg, "float32", 64, "w", "float8_e4m3fn") != \
-        model_fingerprint(cfg, "bfloat16", 64, "w", "float8_e4m3fn")
+    assert model_fingerprint(cfg, "float32", 64, "w", "float8_e4m3fn") != model_fingerprint(
+        cfg, "bfloat16", 64, "w", "float8_e4m3fn"
+    )
 
 
 def test_the_option_reaches_every_engine():
@@ -89,7 +91,7 @@ def test_decoded_tokens_see_what_a_prefill_of_them_sees(tiny_dirs):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True))[0]
     again = llm.generate(prompt + out.token_ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
     decoded = [lp.logprob for lp in out.logprobs]
-    prefilled = [lp.logprob for lp in again.prompt_logprobs[len(prompt):]]
+    prefilled = [lp.logprob for lp in again.prompt_logprobs[len(prompt) :]]
     assert max(abs(a - b) for a, b in zip(decoded, prefilled)) < 1e-4
 
 

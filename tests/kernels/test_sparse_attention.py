@@ -1,5 +1,6 @@
 """DeepSeek-V3.2's sparse attention: the indexer's choice of tokens against a float64 brute force, attention over
 the chosen tokens, and what the model refuses. (The model against transformers: test_models_parity.py.)"""
+
 import json
 from dataclasses import replace
 
@@ -48,14 +49,14 @@ def paged(rows: list[torch.Tensor]) -> PagedKV:
 def test_the_chosen_tokens_are_the_best_scoring_ones(monkeypatch, score_elems):
     """Prefill rows (within topk, beyond it, one token over a cached part) and a padded decode batch."""
     monkeypatch.setattr(sparse_attention, "_SCORE_ELEMS", score_elems)
-    topk, scale = 6, D ** -0.5
+    topk, scale = 6, D**-0.5
     lens = [(0, 3), (0, 11), (9, 1), (2, 5), (30, 4)]  # (cached, new)
     rows = [torch.randn(c + n, WIDTH) for c, n in lens]
     q, w = torch.randn(sum(n for _, n in lens), H, D), torch.randn(sum(n for _, n in lens), H)
     index, start = IndexQuery(q, w, OFF, topk, scale), 0
     for (c, n), r in zip(lens, rows):
         sl = slice(start, start + n)
-        check_choice(index.choose(r, c, sl), q[sl], w[sl], r[:, OFF:OFF + D], c, topk, scale)
+        check_choice(index.choose(r, c, sl), q[sl], w[sl], r[:, OFF : OFF + D], c, topk, scale)
         start += n
     seen = torch.tensor([3, 0, 9, 20, 5])  # decode: sequence b sees rows 0 .. seen[b]
     padded = torch.randn(5, 21, WIDTH)
@@ -66,7 +67,7 @@ def test_the_chosen_tokens_are_the_best_scoring_ones(monkeypatch, score_elems):
         chosen = torch.zeros(1, 21, dtype=torch.bool)
         chosen[0, idx[b][real[b]]] = True
         assert int(real[b].sum()) == len(set(idx[b][real[b]].tolist()))  # no row twice
-        check_choice(chosen, dq[b:b + 1], dw[b:b + 1], padded[b, :, OFF:OFF + D], int(seen[b]), topk, scale)
+        check_choice(chosen, dq[b : b + 1], dw[b : b + 1], padded[b, :, OFF : OFF + D], int(seen[b]), topk, scale)
 
 
 def test_ties_at_the_cut_go_to_the_earliest_tokens():
@@ -98,17 +99,29 @@ def test_sparse_attention_against_float64(monkeypatch, form, gather):
         new_lens = [n for _, n in lens]
         t = sum(new_lens)
         new, q_nope, q_pe = torch.randn(t, WIDTH), torch.randn(t, h, dn), torch.randn(t, h, dr)
-        index = IndexQuery(torch.randn(t, H, D), torch.randn(t, H), OFF, 6, D ** -0.5)
-        out = mla_attention(q_nope, q_pe, new, paged(cached) if form == "paged" else cached, new_lens,
-                            w_kv_b[:, :dn], w_kv_b[:, dn:], r, 0.2, index=index)
+        index = IndexQuery(torch.randn(t, H, D), torch.randn(t, H), OFF, 6, D**-0.5)
+        out = mla_attention(
+            q_nope,
+            q_pe,
+            new,
+            paged(cached) if form == "paged" else cached,
+            new_lens,
+            w_kv_b[:, :dn],
+            w_kv_b[:, dn:],
+            r,
+            0.2,
+            index=index,
+        )
         start = 0
         for i, (c, n) in enumerate(lens):
             sl = slice(start, start + n)
             rows = torch.cat([cached[i], new[sl]])
             chosen = index.choose(rows, c, sl)
             lat = rows.double()[:, :OFF]
-            keys = torch.cat([torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double()),
-                              lat[:, None, r:].expand(-1, h, -1)], -1)
+            keys = torch.cat(
+                [torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, :dn].double()), lat[:, None, r:].expand(-1, h, -1)],
+                -1,
+            )
             vals = torch.einsum("lr,hdr->lhd", lat[:, :r], w_kv_b[:, dn:].double())
             q = torch.cat([q_nope[sl], q_pe[sl]], -1).double()
             s = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
@@ -134,17 +147,29 @@ def _sparse_case(lens, dtype, bs):
         if c:
             cache.view(-1, width)[torch.tensor([b * bs + i for b in blocks for i in range(bs)][:c])] = rows
         tables.append(blocks + [0] * (max(need) - n))
-    index = IndexQuery(torch.randn(t, h, d, device=DEVICE).to(dtype), torch.randn(t, h, device=DEVICE), r + dr, 6,
-                       d ** -0.5)
-    return (torch.randn(t, 4, r + dr, device=DEVICE).to(dtype), torch.randn(t, width, device=DEVICE).to(dtype),
-            cached, PagedKV(cache, torch.tensor(tables, device=DEVICE), [c for c, _ in lens]), new_lens,
-            mla_split(r, r + dr), index)
+    index = IndexQuery(
+        torch.randn(t, h, d, device=DEVICE).to(dtype), torch.randn(t, h, device=DEVICE), r + dr, 6, d**-0.5
+    )
+    return (
+        torch.randn(t, 4, r + dr, device=DEVICE).to(dtype),
+        torch.randn(t, width, device=DEVICE).to(dtype),
+        cached,
+        PagedKV(cache, torch.tensor(tables, device=DEVICE), [c for c, _ in lens]),
+        new_lens,
+        mla_split(r, r + dr),
+        index,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8 cache"])
-@pytest.mark.parametrize("lens, bs", [([(6, 3), (9, 1), (0, 12), (30, 5)], 4),  # prefill rows over cached parts
-                                      ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16),  # a decode batch
-                                      ([(40, 9)], 16)])  # one sequence, its rows scored a few at a time
+@pytest.mark.parametrize(
+    "lens, bs",
+    [
+        ([(6, 3), (9, 1), (0, 12), (30, 5)], 4),  # prefill rows over cached parts
+        ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16),  # a decode batch
+        ([(40, 9)], 16),
+    ],
+)  # one sequence, its rows scored a few at a time
 def test_the_triton_sparse_path_matches_the_reference(monkeypatch, dtype, lens, bs):
     """``dualpath.kernels.triton_sparse`` (the interpreter here): the indexer's scores, the choice and MLA over the chosen
     rows on the device give the torch reference's output (within 1e-3 for float32, 2e-2 for bfloat16, of its
@@ -176,11 +201,12 @@ def test_the_triton_indexer_scores_against_float64():
     rows = QueryRows(torch.tensor([6, 0, 13], dtype=torch.int32, device=DEVICE), cu, 9)
     scores = index_scores(index, rows, new, paged_kv.cache, paged_kv.block_tables, 20)
     for b, (c, n) in enumerate(lens):
-        keys = torch.cat([cached[b], new[cu[b]:cu[b] + n]])[:, 32:].double()
+        keys = torch.cat([cached[b], new[cu[b] : cu[b] + n]])[:, 32:].double()
         for j in range(n):
             r, seen = int(cu[b]) + j, c + j + 1
-            want = (index.weights[r, :, None].double() * torch.relu(index.q[r].double() @ keys[:seen].T
-                                                                       * index.scale)).sum(0)
+            want = (
+                index.weights[r, :, None].double() * torch.relu(index.q[r].double() @ keys[:seen].T * index.scale)
+            ).sum(0)
             assert torch.allclose(scores[r, :seen].double(), want, rtol=1e-5, atol=1e-5)
             assert scores[r, seen:].eq(float("-inf")).all()
 
@@ -205,8 +231,10 @@ def _config(tiny_dirs, **changes):
 
 def test_configs_the_indexer_cannot_serve_are_refused(tiny_dirs):
     """...and both names transformers' versions give a sparse-attention layer are one."""
-    names = [ModelConfig.from_hf(_config(tiny_dirs, layer_types=[t] * 3))
-             for t in ("indexed_attention", "deepseek_sparse_attention")]
+    names = [
+        ModelConfig.from_hf(_config(tiny_dirs, layer_types=[t] * 3))
+        for t in ("indexed_attention", "deepseek_sparse_attention")
+    ]
     assert names[0] == names[1] and names[0].mla.indexer is not None
     with pytest.raises(CheckpointError, match="q_lora_rank"):
         ModelConfig.from_hf(_config(tiny_dirs, q_lora_rank=None))

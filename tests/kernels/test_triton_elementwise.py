@@ -7,6 +7,7 @@ attention kernels' bound: two roundings, which Triton's interpreter truncates wh
 against the torch reference, which rounds at the same places, within one bfloat16 step of the largest value per
 rounding (the order of RMSNorm's sum and the exponential's last bit may differ too).
 """
+
 import pytest
 import torch
 
@@ -28,14 +29,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def same_as_torch(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    step = 2.0 ** -6 if out.dtype == torch.bfloat16 else 1e-6  # two bfloat16 steps: an intermediate and the output
+    step = 2.0**-6 if out.dtype == torch.bfloat16 else 1e-6  # two bfloat16 steps: an intermediate and the output
     return out.dtype == ref.dtype and out.shape == ref.shape and rel_err(out, ref) <= step
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n", [(1, 64), (7, 48), (3, 1500)])  # a token, a row not a power of two, a wide row
 def test_rms_norm_against_float64_and_torch(dtype, t, n):
-    x = torch.randn(t, n + 5, dtype=dtype, device=DEVICE)[:, 2:n + 2]  # a strided view, as a slice of a projection
+    x = torch.randn(t, n + 5, dtype=dtype, device=DEVICE)[:, 2 : n + 2]  # a strided view, as a slice of a projection
     res = torch.randn(t, n, dtype=dtype, device=DEVICE)
     w = (torch.rand(n, device=DEVICE) + 0.5).to(dtype)
     out = rms_norm(x, w, 1e-6, "triton")
@@ -62,12 +63,12 @@ def test_rope_qkv_against_float64_and_torch(dtype, hq, hk, d, rot):
     assert q.shape == (t, hq, d) and kv.shape == (t, 2 * hk * d)
     q64, kv64 = rope_qkv(qkv.double(), cos.double(), sin.double(), hq, hk, d)  # the rotation of these angles
     assert rel_err(q, q64) < TOL[dtype] and rel_err(kv, kv64) < TOL[dtype]
-    assert torch.equal(kv[:, hk * d:], qkv[:, (hq + hk) * d:])  # values copied as they are
+    assert torch.equal(kv[:, hk * d :], qkv[:, (hq + hk) * d :])  # values copied as they are
     q_ref, kv_ref = rope_qkv(qkv, cos, sin, hq, hk, d)
     assert same_as_torch(q, q_ref) and same_as_torch(kv, kv_ref)
     # the torch form is the model's old composition: views, apply_rope, concatenation
-    k = apply_rope(qkv[:, hq * d:(hq + hk) * d].view(t, hk, d), cos, sin)
-    assert torch.equal(kv_ref[:, :hk * d], k.reshape(t, -1))
+    k = apply_rope(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), cos, sin)
+    assert torch.equal(kv_ref[:, : hk * d], k.reshape(t, -1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,8 +117,15 @@ def test_empty_batches():
     x = torch.randn(0, 16, device=DEVICE)
     assert rms_norm(x, torch.ones(16, device=DEVICE), 1e-6, "triton").shape == (0, 16)
     assert silu_and_mul(torch.randn(0, 32, device=DEVICE), "triton").shape == (0, 16)
-    q, kv = rope_qkv(torch.randn(0, 64, device=DEVICE), torch.randn(0, 8, device=DEVICE),
-                     torch.randn(0, 8, device=DEVICE), 2, 1, 16, "triton")
+    q, kv = rope_qkv(
+        torch.randn(0, 64, device=DEVICE),
+        torch.randn(0, 8, device=DEVICE),
+        torch.randn(0, 8, device=DEVICE),
+        2,
+        1,
+        16,
+        "triton",
+    )
     assert q.shape == (0, 2, 16) and kv.shape == (0, 32)
 
 

@@ -4,6 +4,7 @@ run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest); on a GPU 
 
 Tolerance: max |out - ref| / max |ref| under 1e-3 for float32 inputs and 2e-2 for bfloat16.
 """
+
 import pytest
 import torch
 
@@ -11,8 +12,13 @@ pytest.importorskip("triton")
 
 from dualpath.kernels import triton_attention as ta  # noqa: E402
 from dualpath.kernels import triton_kv  # noqa: E402
-from dualpath.kernels.attention import (PagedKV, choose_backend, gqa_split, mla_attention,  # noqa: E402
-                               varlen_attention)
+from dualpath.kernels.attention import (
+    PagedKV,
+    choose_backend,
+    gqa_split,
+    mla_attention,  # noqa: E402
+    varlen_attention,
+)
 from dualpath.kernels.kv_move import gather_blocks, scatter_blocks, write_tokens  # noqa: E402
 from grid import covering  # noqa: E402
 
@@ -33,7 +39,7 @@ def paged(lens: list[int], width: int, dtype, blocks_extra: int = 3, bs: int = B
     order = torch.randperm(cache.shape[0]).tolist()
     tables, at = [], 0
     for n in need:
-        tables.append(order[at:at + n])
+        tables.append(order[at : at + n])
         at += n
     w = max(max(need), 1)
     table = torch.tensor([t + [0] * (w - len(t)) for t in tables], device=DEVICE)
@@ -70,13 +76,25 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 # GQA, MHA with D not a power of 2, MQA, and a group wider than a row block (20 heads, block_m 16: a group spans
 # row blocks unevenly); each pair of a dtype, a head layout and a length case (the whole grid: -m slow)
-@pytest.mark.parametrize(*covering("dtype,heads,case", [DTYPES, [(4, 2, 16), (3, 3, 24), (8, 1, 32), (20, 1, 16)],
-                                                         CASES]))
+@pytest.mark.parametrize(
+    *covering("dtype,heads,case", [DTYPES, [(4, 2, 16), (3, 3, 24), (8, 1, 32), (20, 1, 16)], CASES])
+)
 def test_prefill_kernel_against_float64(dtype, heads, case):
     cached_lens, new_lens = case
     layout, cached, q, new_rows, out = gqa_inputs(heads, cached_lens, sum(new_lens), dtype)
-    ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, new_lens, layout, 0.3,
-                         block_m=16, block_n=16, out=out)
+    ta.prefill_attention(
+        q,
+        new_rows,
+        cached.cache,
+        cached.block_tables,
+        cached_lens,
+        new_lens,
+        layout,
+        0.3,
+        block_m=16,
+        block_n=16,
+        out=out,
+    )
     assert rel_err(out, reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
 
 
@@ -86,13 +104,35 @@ def test_kernels_with_tiles_smaller_and_larger_than_a_block(dtype, tiles):
     bs, block_n = tiles
     cached_lens, new_lens = [0, 5, 16, 33, 71], [1, 7, 16, 20, 9]
     layout, cached, q, new_rows, out = gqa_inputs((4, 2, 16), cached_lens, sum(new_lens), dtype, bs)
-    ta.prefill_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, new_lens, layout, 0.3,
-                         block_m=16, block_n=block_n, out=out)
+    ta.prefill_attention(
+        q,
+        new_rows,
+        cached.cache,
+        cached.block_tables,
+        cached_lens,
+        new_lens,
+        layout,
+        0.3,
+        block_m=16,
+        block_n=block_n,
+        out=out,
+    )
     assert rel_err(out, reference(q, new_rows, cached, layout, new_lens, 0.3)) < TOL[dtype]
     b = len(cached_lens)
     out = poisoned((b, 4, 16), dtype)
-    ta.decode_attention(q[:b], new_rows[:b], cached.cache, cached.block_tables, cached_lens, layout, 0.3,
-                        num_splits=3, min_chunk=1, block_n=block_n, out=out)
+    ta.decode_attention(
+        q[:b],
+        new_rows[:b],
+        cached.cache,
+        cached.block_tables,
+        cached_lens,
+        layout,
+        0.3,
+        num_splits=3,
+        min_chunk=1,
+        block_n=block_n,
+        out=out,
+    )
     assert rel_err(out, reference(q[:b], new_rows[:b], cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
@@ -101,8 +141,19 @@ def test_decode_kernel_splits_long_and_short_sequences(dtype, heads):
     cached_lens = [0, 1, 15, 16, 17, 100]  # 4 splits of at least 16 keys: sequences of 1 to 4 splits in one batch
     b = len(cached_lens)
     layout, cached, q, new_rows, out = gqa_inputs(heads, cached_lens, b, dtype)
-    ta.decode_attention(q, new_rows, cached.cache, cached.block_tables, cached_lens, layout, 0.3,
-                        num_splits=4, min_chunk=16, block_n=16, out=out)
+    ta.decode_attention(
+        q,
+        new_rows,
+        cached.cache,
+        cached.block_tables,
+        cached_lens,
+        layout,
+        0.3,
+        num_splits=4,
+        min_chunk=16,
+        block_n=16,
+        out=out,
+    )
     assert rel_err(out, reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
@@ -118,20 +169,23 @@ def test_decode_kernel_with_device_lengths_over_wide_tables(dtype):
     used = cached.block_tables.shape[1]
     wide = torch.cat([cached.block_tables, stale[:, used:]], 1)
     lens = torch.tensor(cached_lens, dtype=torch.int32, device=DEVICE)
-    ta.decode_attention(q, new_rows, cached.cache, wide, lens, layout, 0.3, num_splits=32, min_chunk=1, block_n=16,
-                        out=out)
+    ta.decode_attention(
+        q, new_rows, cached.cache, wide, lens, layout, 0.3, num_splits=32, min_chunk=1, block_n=16, out=out
+    )
     assert rel_err(out, reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
     # the torch reference takes device lengths too (it reads them on the host)
-    ref_dev = varlen_attention(q.double(), new_rows.double(), PagedKV(cached.cache.double(), wide, lens), layout,
-                               [1] * b, 0.3)
+    ref_dev = varlen_attention(
+        q.double(), new_rows.double(), PagedKV(cached.cache.double(), wide, lens), layout, [1] * b, 0.3
+    )
     assert rel_err(ref_dev.to(dtype), reference(q, new_rows, cached, layout, [1] * b, 0.3)) < TOL[dtype]
 
 
 # new lens [3, 1, 5]: the prefill kernel, [1, 1, 1]: decode; (heads, latent, rope): a 32-wide key in one tile; and
 # DeepSeek's form, a 48-wide key in two tiles (32 + 16) whose leading 32 columns are also the value (loaded once),
 # with 40 heads: three decode head blocks, the last partial
-@pytest.mark.parametrize(*covering("dtype,new_lens,shape", [DTYPES, [[3, 1, 5], [1, 1, 1]],
-                                                            [(4, 24, 8), (40, 32, 16)]]))
+@pytest.mark.parametrize(
+    *covering("dtype,new_lens,shape", [DTYPES, [[3, 1, 5], [1, 1, 1]], [(4, 24, 8), (40, 32, 16)]])
+)
 def test_mla_absorbed_kernels_against_float64(dtype, new_lens, shape):
     h, r, dr = shape
     dn, dv = 8, 6
@@ -143,8 +197,9 @@ def test_mla_absorbed_kernels_against_float64(dtype, new_lens, shape):
     w_uk, w_uv = (torch.randn(h, x, r, dtype=dtype, device=DEVICE) * 0.3 for x in (dn, dv))
     out = mla_attention(q_nope, q_pe, new_rows, cached, new_lens, w_uk, w_uv, r, 0.2, backend="triton")
     c64 = PagedKV(cached.cache.double(), cached.block_tables, cached.lens)
-    ref = mla_attention(q_nope.double(), q_pe.double(), new_rows.double(), c64, new_lens, w_uk.double(),
-                        w_uv.double(), r, 0.2)
+    ref = mla_attention(
+        q_nope.double(), q_pe.double(), new_rows.double(), c64, new_lens, w_uk.double(), w_uv.double(), r, 0.2
+    )
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -218,8 +273,9 @@ def fp8_reference(q, new_rows, cached: PagedKV, layout, new_lens, scale):
     return varlen_attention(q.double(), as_cached(new_rows, F8).double(), c64, layout, new_lens, scale)
 
 
-@pytest.mark.parametrize(*covering("dtype,backend,new_lens", [DTYPES, ["torch", "triton"],
-                                                               [[1, 7, 16, 20], [1, 1, 1, 1]]]))  # prefill, decode
+@pytest.mark.parametrize(
+    *covering("dtype,backend,new_lens", [DTYPES, ["torch", "triton"], [[1, 7, 16, 20], [1, 1, 1, 1]]])
+)  # prefill, decode
 def test_attention_over_an_fp8_cache_against_float64(dtype, backend, new_lens):
     """Queries in the model's dtype over e4m3 cached rows (widened as they load) and new rows as the cache will
     hold them. Without the rounding of new rows, or with tiles left in e4m3, the error is ~1e-2 (caught)."""
@@ -246,8 +302,17 @@ def test_mla_over_an_fp8_latent_cache_against_float64(backend, new_lens):
     w_uk, w_uv = (torch.randn(h, x, r, device=DEVICE) * 0.3 for x in (dn, dv))
     out = mla_attention(q_nope, q_pe, new_rows, cached, new_lens, w_uk, w_uv, r, 0.2, backend=backend)
     c64 = PagedKV(cached.cache.double(), cached.block_tables, cached.lens)
-    ref = mla_attention(q_nope.double(), q_pe.double(), as_cached(new_rows, F8).double(), c64, new_lens,
-                        w_uk.double(), w_uv.double(), r, 0.2)
+    ref = mla_attention(
+        q_nope.double(),
+        q_pe.double(),
+        as_cached(new_rows, F8).double(),
+        c64,
+        new_lens,
+        w_uk.double(),
+        w_uv.double(),
+        r,
+        0.2,
+    )
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
@@ -286,7 +351,7 @@ def test_row_writes_into_cache_slots_match_index_copy(width, dtype):
     strided view, as a layer's KV slice of a wider tensor would."""
     cache = torch.randn(6, BS, width, dtype=dtype, device=DEVICE)
     slots = torch.randperm(6 * BS, device=DEVICE)[:37]
-    rows = torch.randn(37, width + 3, dtype=dtype, device=DEVICE)[:, 1:width + 1]
+    rows = torch.randn(37, width + 3, dtype=dtype, device=DEVICE)[:, 1 : width + 1]
     mine, theirs = cache.clone(), cache.clone()
     write_tokens(mine, slots, rows, backend="triton")
     write_tokens(theirs, slots, rows)
@@ -318,8 +383,14 @@ def test_models_generate_the_same_tokens_on_the_kernels(tiny_dirs, arch):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = {}
     for kernels in ("torch", "triton"):
-        llm = LLM(str(tiny_dirs[arch]), device=DEVICE, block_size=16, max_num_batched_tokens=16, kernels=kernels,
-                  kv_cache_bytes=64 << 20)  # on CUDA the default takes 0.9 of the GPU: one LLM at a time
+        llm = LLM(
+            str(tiny_dirs[arch]),
+            device=DEVICE,
+            block_size=16,
+            max_num_batched_tokens=16,
+            kernels=kernels,
+            kv_cache_bytes=64 << 20,
+        )  # on CUDA the default takes 0.9 of the GPU: one LLM at a time
         assert llm.model.kernels == kernels
         outs[kernels] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]

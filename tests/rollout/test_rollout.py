@@ -1,4 +1,5 @@
 """Offline rollouts: the trajectory format, forced lengths, resuming after a kill, and the trace generator."""
+
 import json
 import signal
 import subprocess
@@ -76,9 +77,16 @@ def test_generated_trajectories_end_near_max_len_with_front_loaded_growth():
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, tmp_path_factory):
-    spec = ClusterSpec(model=str(tiny_dirs["llama"]), block_size=16, kv_store=str(tmp_path_factory.mktemp("kv")),
-                       buffer_bytes=8 << 20, cache_bytes=32 << 20, workspace_tokens=2048,
-                       cost_model="0.001,0.0001,0", scheduling_policy="priority")  # (longest-first's)
+    spec = ClusterSpec(
+        model=str(tiny_dirs["llama"]),
+        block_size=16,
+        kv_store=str(tmp_path_factory.mktemp("kv")),
+        buffer_bytes=8 << 20,
+        cache_bytes=32 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+        scheduling_policy="priority",
+    )  # (longest-first's)
     with LocalCluster(spec, run_dir=str(tmp_path_factory.mktemp("run"))) as c:
         yield c
 
@@ -104,8 +112,20 @@ def test_a_killed_job_resumes_to_the_same_results(cluster, tmp_path):
     ts, _ = generate_trace("64k", 8, scale=0.02, turns_scale=0.1, vocab=(3, 250), seed=2)
     traj = tmp_path / "t.jsonl"
     write_trajectories(traj, ts)
-    cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "rollout", str(traj),
-           "--scheduler", cluster.scheduler_address, "--no-progress", "--temperature", "0.8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualpath.cli",
+        "--log-level",
+        "WARNING",
+        "rollout",
+        str(traj),
+        "--scheduler",
+        cluster.scheduler_address,
+        "--no-progress",
+        "--temperature",
+        "0.8",
+    ]
     subprocess.run(cmd + ["--out", str(tmp_path / "clean.jsonl")], check=True, timeout=300)
     out = tmp_path / "resumed.jsonl"
     proc = subprocess.Popen(cmd + ["--out", str(out)])
@@ -162,8 +182,18 @@ def test_longest_first_through_the_cli_changes_no_result(cluster, tmp_path):
     ts, _ = generate_trace("64k", 4, scale=0.02, turns_scale=0.05, vocab=(3, 250), seed=5)
     traj = tmp_path / "t.jsonl"
     write_trajectories(traj, ts)
-    cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "rollout", str(traj),
-           "--scheduler", cluster.scheduler_address, "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualpath.cli",
+        "--log-level",
+        "WARNING",
+        "rollout",
+        str(traj),
+        "--scheduler",
+        cluster.scheduler_address,
+        "--no-progress",
+    ]
     outputs = []
     for name, extra in (("plain", []), ("longest", ["--longest-first", "--max-concurrency", "2"])):
         subprocess.run(cmd + ["--out", str(tmp_path / f"{name}.jsonl"), *extra], check=True, timeout=300)
@@ -201,16 +231,20 @@ def test_resume_refuses_results_of_other_trajectories(tmp_path):
     agents = make_agents(ts, RolloutConfig())
     digests = {a.id: agent_digest(a) for a in agents}
     out = tmp_path / "out.jsonl"
-    lines = [{"agent": a.id, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
-             for a in agents for i in range(len(a.rounds))]
+    lines = [
+        {"agent": a.id, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
+        for a in agents
+        for i in range(len(a.rounds))
+    ]
     out.write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]) + '{"agent": "cut sh')
     done, kept = completed_agents(out, digests)
     assert done == {a.id for a in agents[:-1]} and len(kept) == len(lines) - len(agents[-1].rounds)
     stale = {a.id: agent_digest(a) for a in make_agents(other, RolloutConfig())}  # same ids, other rounds
     with pytest.raises(DualPathError, match="out.jsonl:1: results of agent agent-0 come from other rounds"):
         completed_agents(out, stale)
-    assert agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=1))[0]) != \
-        agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=2))[0])
+    assert agent_digest(make_agents(ts, RolloutConfig(agents=4, seed=1))[0]) != agent_digest(
+        make_agents(ts, RolloutConfig(agents=4, seed=2))[0]
+    )
 
 
 def test_a_group_samples_its_first_round_in_one_request_and_each_sample_goes_on(cluster, tmp_path):
@@ -223,16 +257,20 @@ def test_a_group_samples_its_first_round_in_one_request_and_each_sample_goes_on(
     before = client.stats()["submitted"]
     summary = Rollout(client, cfg).run(ts, tmp_path / "out.jsonl", progress=False)
     assert client.stats()["submitted"] - before == sum(1 + 3 * (len(t.rounds) - 1) for t in ts)
-    recs = {(r["agent"], r["sample"], r["round"]): r
-            for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    recs = {
+        (r["agent"], r["sample"], r["round"]): r
+        for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
+    }
     assert len(recs) == summary["rounds"] == 3 * sum(len(t.rounds) for t in ts)
     for t in ts:
         first = [recs[(t.id, s, 0)]["output"] for s in range(3)]
         assert len({tuple(o) for o in first}) > 1  # the samples differ
         seed = round_seed(cfg, t.id, 0, 0)
         for s in range(3):
-            alone = client.generate(list(t.rounds[0].append), SamplingParams(
-                max_tokens=t.rounds[0].generate, ignore_eos=True, temperature=0.9, seed=seed + s))
+            alone = client.generate(
+                list(t.rounds[0].append),
+                SamplingParams(max_tokens=t.rounds[0].generate, ignore_eos=True, temperature=0.9, seed=seed + s),
+            )
             assert first[s] == alone.token_ids
             second = recs[(t.id, s, 1)]
             assert second["prompt_tokens"] == len(t.rounds[0].append) + len(first[s]) + len(t.rounds[1].append)
@@ -247,8 +285,12 @@ def test_a_group_resumes_only_whole_and_bad_groups_are_refused(tmp_path):
     agents = make_agents(ts, cfg)
     digests = {a.id: agent_digest(a, cfg) for a in agents}
     assert digests != {a.id: agent_digest(a) for a in agents}  # greedy single-sample results are not resumed from
-    lines = [{"agent": a.id, "sample": s, "samples": 2, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
-             for a in agents for s in range(2) for i in range(len(a.rounds))]
+    lines = [
+        {"agent": a.id, "sample": s, "samples": 2, "round": i, "rounds": len(a.rounds), "digest": digests[a.id]}
+        for a in agents
+        for s in range(2)
+        for i in range(len(a.rounds))
+    ]
     out = tmp_path / "out.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in lines[:-1]))  # the last sample lacks its last round
     done, kept = completed_agents(out, digests)
@@ -264,15 +306,26 @@ def test_agentic_bench_runs_each_system_on_the_same_trace(tiny_dirs, tmp_path):
     only the capped systems are capped, and the JSON and figures are written."""
     from dualpath.rollout.agentic import AgenticConfig, run
 
-    cfg = AgenticConfig(model=str(tiny_dirs["llama"]), agents=3, scale=0.03, turns_scale=0.05, block_size=16,
-                        systems=("basic", "oracle"))  # a capped and an uncapped system (dualpath: test_cluster)
+    cfg = AgenticConfig(
+        model=str(tiny_dirs["llama"]),
+        agents=3,
+        scale=0.03,
+        turns_scale=0.05,
+        block_size=16,
+        systems=("basic", "oracle"),
+    )  # a capped and an uncapped system (dualpath: test_cluster)
     result = run(cfg, tmp_path)
     rows = {r["system"]: r for r in result["systems"]}
     assert set(rows) == {"basic", "oracle"} and result["cap_bps"] > 0
     assert rows["oracle"]["storage_read_bps_cap"] == 0 and rows["basic"]["storage_read_bps_cap"] == result["cap_bps"]
     assert rows["basic"]["paths"].keys() == {"pe"} and rows["basic"]["hit_rate"] > 0
-    outputs = {s: sorted((json.loads(l)["agent"], json.loads(l)["round"], tuple(json.loads(l)["output"]))
-                         for l in open(tmp_path / f"rounds-{s}.jsonl")) for s in rows}
+    outputs = {
+        s: sorted(
+            (json.loads(l)["agent"], json.loads(l)["round"], tuple(json.loads(l)["output"]))
+            for l in open(tmp_path / f"rounds-{s}.jsonl")
+        )
+        for s in rows
+    }
     assert outputs["basic"] == outputs["oracle"]
     saved = json.loads((tmp_path / "agentic.json").read_text())
     assert [r["system"] for r in saved["systems"]] == ["basic", "oracle"]

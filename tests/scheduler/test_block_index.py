@@ -1,5 +1,6 @@
 """The scheduler's block index against a plain Python set of hashes: same answers through growth, deletions and
 re-insertions; the hit length is the leading run of stored blocks."""
+
 import os
 
 from hypothesis import given, settings
@@ -20,8 +21,10 @@ def leading(keys: list[bytes], stored: set[bytes]) -> int:
 
 
 # spans up to 120 keys: batches on both sides of the index's switch from a Python loop to numpy rounds (48 ids)
-ops = st.lists(st.tuples(st.sampled_from(["add", "remove", "ask"]), st.integers(0, 9), st.integers(0, 120),
-                         st.integers(0, 120)), max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "remove", "ask"]), st.integers(0, 9), st.integers(0, 120), st.integers(0, 120)),
+    max_size=60,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -30,7 +33,7 @@ def test_index_matches_a_set(script):
     chains = [chain(120, s) for s in range(10)]
     index, model = BlockIndex(capacity=16), set()  # tiny start: the script forces several resizes
     for op, c, a, b in script:
-        keys = chains[c][min(a, b):max(a, b)]
+        keys = chains[c][min(a, b) : max(a, b)]
         if op == "add":
             index.add(keys)
             model.update(keys)

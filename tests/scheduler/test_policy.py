@@ -1,10 +1,19 @@
 """The scheduling algorithms pinned on small hand-built states, and invariants checked on random ones."""
+
 from hypothesis import given, settings, strategies as st
 
 from dualpath.core.messages import Mode, ReadPath
 from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from dualpath.scheduler.paper import DualPathPolicy, classify
-from dualpath.scheduler.policy import EngineState, NodeState, PathChoice, QueuedRequest, blocks_to_load, make_policy, split_path
+from dualpath.scheduler.policy import (
+    EngineState,
+    NodeState,
+    PathChoice,
+    QueuedRequest,
+    blocks_to_load,
+    make_policy,
+    split_path,
+)
 
 BS = 64
 
@@ -19,12 +28,19 @@ def pe(eid, tok, node=None, beta=800):
 
 def test_algorithm1_prefers_c2_over_less_loaded_c3_and_skips_c1():
     engines = [pe("p0", 100), pe("p1", 50), pe("p2", 900)]
-    nodes = {"n-p0": NodeState(10, 100), "n-p1": NodeState(500, 100), "n-p2": NodeState(0, 100),
-             "dn": NodeState(0, 100)}
+    nodes = {
+        "n-p0": NodeState(10, 100),
+        "n-p1": NodeState(500, 100),
+        "n-p2": NodeState(0, 100),
+        "dn": NodeState(0, 100),
+    }
     pe_nodes = {e.engine_id: e.node_id for e in engines}
     c1, c2, c3 = classify(engines, nodes, pe_nodes)
-    assert [e.engine_id for e in c1] == ["p2"] and [e.engine_id for e in c2] == ["p0"] and \
-        [e.engine_id for e in c3] == ["p1"]
+    assert (
+        [e.engine_id for e in c1] == ["p2"]
+        and [e.engine_id for e in c2] == ["p0"]
+        and [e.engine_id for e in c3] == ["p1"]
+    )
     out = DualPathPolicy().assign_prefill([req("a", n=400, hit=0)], engines, {"p0", "p1", "p2"}, nodes, pe_nodes, BS)
     assert [(d.request_id, d.engine_id) for d in out] == [("a", "p0")]
 
@@ -103,8 +119,7 @@ def test_round_robin_and_random_baselines():
 
 
 # --- invariants on random states ------------------------------------------------------------------------------
-states = st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 5000), st.integers(0, 3000)), min_size=1,
-                  max_size=6)
+states = st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 5000), st.integers(0, 3000)), min_size=1, max_size=6)
 queues = st.lists(st.tuples(st.integers(1, 2000), st.integers(0, 100)), max_size=25)
 
 
@@ -115,7 +130,7 @@ def test_no_decode_engine_gets_more_than_its_free_memory(engine_specs, queue_spe
     free = {e.engine_id: e.free_tokens for e in engines}
     queue = [req(f"r{i}", n=n, reserve=n + g) for i, (n, g) in enumerate(queue_specs)]
     out = cls().assign_decode(queue, [EngineState(**e.__dict__) for e in engines], {e.engine_id for e in engines})
-    assert [rid for rid, _ in out] == [r.request_id for r in queue[:len(out)]]  # a FIFO prefix
+    assert [rid for rid, _ in out] == [r.request_id for r in queue[: len(out)]]  # a FIFO prefix
     used = {}
     for rid, eid in out:
         used[eid] = used.get(eid, 0) + next(r.reserve_tokens for r in queue if r.request_id == rid)
@@ -132,8 +147,9 @@ def test_algorithm1_never_gives_work_to_an_overloaded_engine(engine_specs, queue
     queue = [req(f"r{i}", n=n + 1, hit=0) for i, (n, _) in enumerate(queue_specs)]
     tok = {e.engine_id: e.tok for e in engines}
     beta = {e.engine_id: e.beta for e in engines}
-    out = DualPathPolicy().assign_prefill(queue, [EngineState(**e.__dict__) for e in engines],
-                                          set(pe_nodes), nodes, pe_nodes, BS)
+    out = DualPathPolicy().assign_prefill(
+        queue, [EngineState(**e.__dict__) for e in engines], set(pe_nodes), nodes, pe_nodes, BS
+    )
     for d in out:
         assert tok[d.engine_id] <= beta[d.engine_id], "assigned to a C1 engine"
         tok[d.engine_id] += next(r.num_miss_tokens for r in queue if r.request_id == d.request_id)
@@ -142,6 +158,7 @@ def test_algorithm1_never_gives_work_to_an_overloaded_engine(engine_specs, queue
 
 
 # --- recomputing a stored prefix's slow tail ----------------------------------------------------------------------
+
 
 def test_blocks_to_load_against_hand_computed_times():
     # 10 hit blocks (640 tokens), 64 new; the node reads 64 tokens/s (alpha = 3 s of it), the PE prefills 640/s.
@@ -157,16 +174,26 @@ def test_blocks_to_load_against_hand_computed_times():
     # unknown rates: load everything (the paper's behaviour)
     assert blocks_to_load(**{**slow, "alpha": 0}) == blocks_to_load(**{**slow, "beta": 0}) == 10
     # reads at 640/s, prefill at 512/s: loading (1.0 s) beats computing (1.25 s)
-    assert blocks_to_load(hit_blocks=10, block_size=64, miss_tokens=0, read_q=0, alpha=3 * 640, pe_tok=0,
-                          beta=5 * 512) == 10
+    assert (
+        blocks_to_load(hit_blocks=10, block_size=64, miss_tokens=0, read_q=0, alpha=3 * 640, pe_tok=0, beta=5 * 512)
+        == 10
+    )
     assert blocks_to_load(0, 64, 100, 0, 1, 0, 1) == 0  # no hit: nothing to decide
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 20_000), st.integers(0, 30_000),
-       st.integers(0, 30_000), st.integers(0, 20_000), st.integers(1, 50_000))
-def test_blocks_to_load_is_all_or_nothing_and_recomputes_only_what_is_sooner(hit_blocks, miss, read_q, alpha,
-                                                                             pe_tok, beta, more_queue):
+@given(
+    st.integers(0, 40),
+    st.integers(0, 5000),
+    st.integers(0, 20_000),
+    st.integers(0, 30_000),
+    st.integers(0, 30_000),
+    st.integers(0, 20_000),
+    st.integers(1, 50_000),
+)
+def test_blocks_to_load_is_all_or_nothing_and_recomputes_only_what_is_sooner(
+    hit_blocks, miss, read_q, alpha, pe_tok, beta, more_queue
+):
     k = blocks_to_load(hit_blocks, BS, miss, read_q, alpha, pe_tok, beta)
     assert k in (0, hit_blocks)
     if k == 0 and hit_blocks:
@@ -179,10 +206,12 @@ def test_blocks_to_load_is_all_or_nothing_and_recomputes_only_what_is_sooner(hit
 def test_a_policy_that_recomputes_charges_the_reading_node_and_the_engine_for_what_it_does():
     def engine():
         return [EngineState("p0", "n-p0", "g", beta=5 * 640, measured_beta=5 * 640)]
+
     r = req("a", n=704, hit=640, mode=Mode.PE)
     nodes, engines = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, engine()
-    (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill([r], engines, {"p0"}, nodes,
-                                                                            {"p0": "n-p0"}, BS)
+    (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill(
+        [r], engines, {"p0"}, nodes, {"p0": "n-p0"}, BS
+    )
     assert d.path == PathChoice(ReadPath.PE, load_blocks=0)
     assert nodes["n-p0"].read_q == 0 and engines[0].tok == 704  # nothing read; the whole prompt computed
     nodes, engines = {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, engine()
@@ -190,7 +219,8 @@ def test_a_policy_that_recomputes_charges_the_reading_node_and_the_engine_for_wh
     assert d.path == PathChoice(ReadPath.PE) and nodes["n-p0"].read_q == 640 and engines[0].tok == 64  # the paper's
     engines = [EngineState("p0", "n-p0", "g", beta=5 * 640)]  # no measured rate yet: load, whatever beta says
     (d,) = make_policy("dualpath", recompute_slow_hits=True).assign_prefill(
-        [r], engines, {"p0"}, {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, {"p0": "n-p0"}, BS)
+        [r], engines, {"p0"}, {"n-p0": NodeState(0, 3 * 64), "dn": NodeState(0, 3 * 64)}, {"p0": "n-p0"}, BS
+    )
     assert d.path == PathChoice(ReadPath.PE)
 
 
@@ -199,8 +229,10 @@ def test_preemption_ends_the_fewest_least_urgent_latest_replies_on_one_engine():
     the waiting one, on the engine where the fewest make room, and none when an engine already has room."""
     from dualpath.scheduler.policy import Running, preemption
 
-    running = {"d0": [Running("a", 5, 0, 300), Running("b", 5, 1, 100), Running("c", 0, 2, 900)],
-               "d1": [Running("x", 1, 3, 200), Running("y", 2, 4, 200), Running("u", -1, 5, 900)]}
+    running = {
+        "d0": [Running("a", 5, 0, 300), Running("b", 5, 1, 100), Running("c", 0, 2, 900)],
+        "d1": [Running("x", 1, 3, 200), Running("y", 2, 4, 200), Running("u", -1, 5, 900)],
+    }
     # d0: b (latest of rank 5) then a frees 400 of 500 needed: not enough; d1: y then x frees 400 + 100 free
     assert preemption(500, 0, {"d0": 50, "d1": 100}, running) == ("d1", ["y", "x"])
     assert preemption(150, 0, {"d0": 50, "d1": 0}, running) == ("d0", ["b"])  # d1's y would too: the first wins ties

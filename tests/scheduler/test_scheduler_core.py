@@ -1,4 +1,5 @@
 """The scheduler's bookkeeping driven directly (no sockets): random workloads against simulated engines."""
+
 import itertools
 import random
 
@@ -26,8 +27,25 @@ class Clock:
 
 
 def info(eid, role, node, group="", capacity=2000, alpha=0, beta=0):
-    return EngineInfo(eid, role, node, f"{eid}:1", "shm", {}, [], 1, 64, BS, 2, "ab" * 16, capacity,
-                      max_model_len=4096, group_id=group, alpha_tokens=alpha, beta_tokens=beta)
+    return EngineInfo(
+        eid,
+        role,
+        node,
+        f"{eid}:1",
+        "shm",
+        {},
+        [],
+        1,
+        64,
+        BS,
+        2,
+        "ab" * 16,
+        capacity,
+        max_model_len=4096,
+        group_id=group,
+        alpha_tokens=alpha,
+        beta_tokens=beta,
+    )
 
 
 class SimEngine:
@@ -40,15 +58,24 @@ class SimEngine:
     def load(self):
         used = sum(r for _, r in self.held.values())
         decode = self.info.role is Role.DECODE
-        return EngineLoad(self.info.engine_id, len(self.held), sum(t for t, _ in self.held.values()), 0,
-                          self.info.capacity_tokens - used, request_ids=list(self.held),
-                          finished=self.finished, started=list(self.held) if decode else [],
-                          failed=self.failed, read_intervals=self.read_intervals)
+        return EngineLoad(
+            self.info.engine_id,
+            len(self.held),
+            sum(t for t, _ in self.held.values()),
+            0,
+            self.info.capacity_tokens - used,
+            request_ids=list(self.held),
+            finished=self.finished,
+            started=list(self.held) if decode else [],
+            failed=self.failed,
+            read_intervals=self.read_intervals,
+        )
 
 
 def make_core(policy, clock, groups=False):
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", policy=policy, heartbeat_timeout_s=1e9),
-                         make_policy(policy), clock)
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", policy=policy, heartbeat_timeout_s=1e9), make_policy(policy), clock
+    )
     engines = {}
     for i in range(2):
         inf = info(f"p{i}", Role.PREFILL, f"n{i}", "pg" if groups else "", beta=3000)
@@ -103,14 +130,20 @@ def check(core, engines):
         assert q.weight == sum(core.requests[rid].spec.num_tokens for rid in q), g
     for e in engines.values():
         if e.info.role is Role.DECODE:
-            reserved = sum(choice_blocks(BS, r.spec.num_tokens, r.spec.num_tokens + r.params.max_new_tokens,
-                                         r.params.n) * BS for r in core.requests.values() if r.de == e.info.engine_id)
+            reserved = sum(
+                choice_blocks(BS, r.spec.num_tokens, r.spec.num_tokens + r.params.max_new_tokens, r.params.n) * BS
+                for r in core.requests.values()
+                if r.de == e.info.engine_id
+            )
             assert reserved <= e.info.capacity_tokens, f"{e.info.engine_id} over-committed"
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["submit", "pull", "finish"]), st.integers(0, 10 ** 6)), max_size=60),
-       st.sampled_from(["dualpath", "least-loaded", "round-robin", "random"]), st.booleans())
+@given(
+    st.lists(st.tuples(st.sampled_from(["submit", "pull", "finish"]), st.integers(0, 10**6)), max_size=60),
+    st.sampled_from(["dualpath", "least-loaded", "round-robin", "random"]),
+    st.booleans(),
+)
 def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
     clock = Clock()
     core, engines = make_core(policy, clock, groups)
@@ -120,17 +153,25 @@ def test_every_request_is_assigned_once_and_queues_drain(ops, policy, groups):
         clock.t += 0.01
         if op == "submit":
             n, choices = 20 + x % 400, 1 + x % 3  # parallel sampling: the prompt held once, n choices' budgets
-            core.submit(SubmitRequest(f"r{submitted}", pack_tokens(range(n)),
-                                      SamplingParams(max_tokens=8, n=choices).to_dict()))
+            core.submit(
+                SubmitRequest(f"r{submitted}", pack_tokens(range(n)), SamplingParams(max_tokens=8, n=choices).to_dict())
+            )
             submitted += 1
         elif op == "pull":
             g = group_ids[x % len(group_ids)]
             if core.idle_for(g):  # then a pull without new reports changes nothing
-                before = (list(core.global_queue), list(core.prefill_queue), {k: list(q) for k, q in core.private.items()})
+                before = (
+                    list(core.global_queue),
+                    list(core.prefill_queue),
+                    {k: list(q) for k, q in core.private.items()},
+                )
                 reply = core.pull(g, [])
                 assert not reply.assignments and not reply.cancelled
-                assert before == (list(core.global_queue), list(core.prefill_queue),
-                                  {k: list(q) for k, q in core.private.items()})
+                assert before == (
+                    list(core.global_queue),
+                    list(core.prefill_queue),
+                    {k: list(q) for k, q in core.private.items()},
+                )
             pull(core, engines, g)
         else:
             finish_one(engines, x)
@@ -162,7 +203,7 @@ OPS = st.sampled_from(OP_NAMES)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(OPS, st.integers(0, 10 ** 6)), min_size=40, max_size=80))
+@given(st.lists(st.tuples(OPS, st.integers(0, 10**6)), min_size=40, max_size=80))
 def test_preemption_under_random_workloads_overcommits_nothing_and_every_reply_ends_once(ops):
     """Priority scheduling with preemption against simulated engines that hand back what they are told to; the
     submitter continues each preempted reply as a request of its own (``dualpath.client``). Invariants: no engine
@@ -174,26 +215,36 @@ def test_preemption_under_random_workloads_overcommits_nothing_and_every_reply_e
 def test_a_seeded_random_workload_preempts():
     """(So the invariants above are known to be checked on preemptions: hypothesis's examples may have none.)"""
     rng = random.Random(1)
-    ops = [(rng.choice(OP_NAMES), rng.randrange(10 ** 6)) for _ in range(80)]
+    ops = [(rng.choice(OP_NAMES), rng.randrange(10**6)) for _ in range(80)]
     assert random_preemption_run(ops) >= 1
 
 
 def random_preemption_run(ops) -> int:
     """The workload of ``ops`` (see the test above); how many replies were handed back."""
     clock = Clock()
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
-                                         scheduling_policy="priority"), make_policy("dualpath"), clock)
-    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
-                                             SimEngine(info("d0", Role.DECODE, "n1", capacity=800)),
-                                             SimEngine(info("d1", Role.DECODE, "n2", capacity=800)))}
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9, scheduling_policy="priority"),
+        make_policy("dualpath"),
+        clock,
+    )
+    engines = {
+        e.info.engine_id: e
+        for e in (
+            SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+            SimEngine(info("d0", Role.DECODE, "n1", capacity=800)),
+            SimEngine(info("d1", Role.DECODE, "n2", capacity=800)),
+        )
+    }
     for e in engines.values():
         assert core.register(e.info).ok
     ended, handed_back, originals = {}, [0], []
 
     def submit(rid, n, priority, resumed=0):
         params = SamplingParams(max_tokens=40, priority=priority, num_resumed_tokens=resumed)
-        core.submit(SubmitRequest(rid, pack_tokens(range(n + resumed)), params.to_dict()),
-                    lambda ev, rid=rid, n=n, p=priority, k=resumed: on_event(rid, n, p, k, ev))
+        core.submit(
+            SubmitRequest(rid, pack_tokens(range(n + resumed)), params.to_dict()),
+            lambda ev, rid=rid, n=n, p=priority, k=resumed: on_event(rid, n, p, k, ev),
+        )
 
     def on_event(rid, n, priority, resumed, ev):
         if ev.kind == "failed" and ev.preempted:  # the client goes on from a few more tokens
@@ -391,8 +442,9 @@ def test_a_restarted_scheduler_has_unknown_engines_register_keeping_their_work()
 
     clock = Clock()
     core, engines = make_core("dualpath", clock)
-    fresh = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"),
-                          clock)
+    fresh = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"), clock
+    )
     with pytest.raises(UnavailableError, match="no prefill engine has registered yet; no decode engine"):
         fresh.submit(SubmitRequest("r0", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict()))
     reply = fresh.pull("d0", [engines["d0"].load()], "d0")
@@ -424,14 +476,16 @@ def test_the_block_index_rebuilds_in_the_background(tmp_path):
     import threading
 
     clock = Clock()
-    core = SchedulerCore(SchedulerConfig(kv_store=str(tmp_path), heartbeat_timeout_s=2.0), make_policy("dualpath"),
-                         clock)
+    core = SchedulerCore(
+        SchedulerConfig(kv_store=str(tmp_path), heartbeat_timeout_s=2.0), make_policy("dualpath"), clock
+    )
     keys = chain_keys(3)
     release = threading.Event()
 
     def slow_rebuild(root, fingerprint):
         assert release.wait(10)
         core.index.add(keys)
+
     core.index.rebuild = slow_rebuild
     assert core.register(info("p0", Role.PREFILL, "n0")).ok  # while the listing waits
     clock.t += 1.5
@@ -479,10 +533,18 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
     from dualpath.core.messages import pack_keys
 
     clock = Clock()
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
-                         make_policy("dualpath", recompute_slow_hits=True), clock)
-    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", alpha=300_000, beta=5_000)),
-                                             SimEngine(info("d0", Role.DECODE, "n1", alpha=300_000)))}
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9),
+        make_policy("dualpath", recompute_slow_hits=True),
+        clock,
+    )
+    engines = {
+        e.info.engine_id: e
+        for e in (
+            SimEngine(info("p0", Role.PREFILL, "n0", alpha=300_000, beta=5_000)),
+            SimEngine(info("d0", Role.DECODE, "n1", alpha=300_000)),
+        )
+    }
     for e in engines.values():
         assert core.register(e.info).ok
     core.report(replace(engines["p0"].load(), prefill_busy_s=1.0, prefill_tokens=1_000))  # prefills 1K tokens/s
@@ -493,8 +555,12 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
         for e in engines.values():
             e.read_intervals = intervals
         clock.t += 1.0  # past the measure's 0.5 s cache
-        core.submit(SubmitRequest(rid, pack_tokens(range(8 * BS + 4)), SamplingParams(max_tokens=4).to_dict(),
-                                  block_hashes=keys), trust_hashes=True)  # synthetic keys, as the simulator's
+        core.submit(
+            SubmitRequest(
+                rid, pack_tokens(range(8 * BS + 4)), SamplingParams(max_tokens=4).to_dict(), block_hashes=keys
+            ),
+            trust_hashes=True,
+        )  # synthetic keys, as the simulator's
         for g in ["d0", "p0"]:
             reply = pull(core, engines, g)
         (a,) = reply.assignments["p0"]
@@ -504,8 +570,10 @@ def test_a_node_whose_reads_drain_slowly_has_stored_prefixes_recomputed_though_i
     slow = [[clock.t - 4, clock.t - 2, 20.0]]  # 20 tokens in 2 s: alpha 30
     assert turn("r1", slow) == 0 and core.counters["recomputed_hit_tokens"] == 8 * BS
     stats = core.stats()
-    assert stats["node_alpha_tokens"] == {"n0": 30, "n1": 30} and stats["node_alpha_measured"] == {"n0": True,
-                                                                                                   "n1": True}
+    assert stats["node_alpha_tokens"] == {"n0": 30, "n1": 30} and stats["node_alpha_measured"] == {
+        "n0": True,
+        "n1": True,
+    }
     text = render(stats)
     assert 'dualpath_node_storage_read_tokens_per_second{node="n0"} 10' in text
     assert 'dualpath_node_storage_read_rate_measured{node="n1"} 1' in text
@@ -532,8 +600,17 @@ def test_a_salted_prompt_hits_only_the_blocks_stored_under_its_salt():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["append", "appendleft", "remove", "popleft"]), st.integers(0, 7),
-                          st.integers(-2, 2), st.integers(0, 50)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["append", "appendleft", "remove", "popleft"]),
+            st.integers(0, 7),
+            st.integers(-2, 2),
+            st.integers(0, 50),
+        ),
+        max_size=60,
+    )
+)
 def test_a_ranked_fifo_orders_by_rank_then_arrival_and_keeps_its_weight(ops):
     """``Fifo`` against a sorted list: lower ranks first; append keeps an id's place; appendleft puts it first of
     its rank."""
@@ -564,15 +641,24 @@ def test_a_ranked_fifo_orders_by_rank_then_arrival_and_keeps_its_weight(ops):
 
 
 def test_a_priority_scheduler_places_and_prefills_the_lowest_priority_first():
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9,
-                                         scheduling_policy="priority"), make_policy("dualpath"), Clock())
-    engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
-                                             SimEngine(info("d0", Role.DECODE, "n1", capacity=400)))}
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9, scheduling_policy="priority"),
+        make_policy("dualpath"),
+        Clock(),
+    )
+    engines = {
+        e.info.engine_id: e
+        for e in (
+            SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+            SimEngine(info("d0", Role.DECODE, "n1", capacity=400)),
+        )
+    }
     for e in engines.values():
         assert core.register(e.info).ok
     for rid, priority in (("a", 2), ("b", 0), ("c", -1), ("d", 0), ("e", 2)):
-        core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=20,
-                                                                               priority=priority).to_dict()))
+        core.submit(
+            SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=20, priority=priority).to_dict())
+        )
     assert core.stats()["waiting_by_priority"] == {"-1": 1, "0": 2, "2": 2}
     assert 'dualpath_scheduler_waiting_by_priority{priority="-1"} 1.0' in render(core.stats()).splitlines()
     order = []
@@ -595,18 +681,33 @@ def test_a_request_that_fits_no_decode_engine_has_a_less_urgent_reply_handed_bac
     from dataclasses import replace
 
     def setup(policy, preemption):
-        core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9, scheduling_policy=policy,
-                                             priority_preemption=preemption), make_policy("dualpath"), Clock())
-        engines = {e.info.engine_id: e for e in (SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
-                                                 SimEngine(info("d0", Role.DECODE, "n1", capacity=400)))}
+        core = SchedulerCore(
+            SchedulerConfig(
+                kv_store="/nonexistent",
+                heartbeat_timeout_s=1e9,
+                scheduling_policy=policy,
+                priority_preemption=preemption,
+            ),
+            make_policy("dualpath"),
+            Clock(),
+        )
+        engines = {
+            e.info.engine_id: e
+            for e in (
+                SimEngine(info("p0", Role.PREFILL, "n0", beta=3000)),
+                SimEngine(info("d0", Role.DECODE, "n1", capacity=400)),
+            )
+        }
         for e in engines.values():
             assert core.register(e.info).ok
         return core, engines
 
     def submit(core, rid, priority, resumed=0, events=None):
         params = SamplingParams(max_tokens=100 + resumed, priority=priority, num_resumed_tokens=resumed)
-        core.submit(SubmitRequest(rid, pack_tokens(range(100 + resumed)), params.to_dict()),
-                    (events if events is not None else []).append)
+        core.submit(
+            SubmitRequest(rid, pack_tokens(range(100 + resumed)), params.to_dict()),
+            (events if events is not None else []).append,
+        )
 
     for policy, preemption in (("priority", True), ("priority", False), ("fcfs", True)):
         core, engines = setup(policy, preemption)
@@ -644,8 +745,14 @@ def test_requests_wait_for_a_restarting_role_at_most_the_bound_and_then_fail_nam
     core, engines = make_core("dualpath", clock)
     core.config = SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1.0, engine_wait_timeout_s=10.0)
     events: dict[str, list] = {}
-    submit = lambda rid: core.submit(SubmitRequest(rid, pack_tokens(range(100)), SamplingParams(max_tokens=8)  # noqa: E731
-                                                   .to_dict()), events.setdefault(rid, []).append)
+    submit = lambda rid: core.submit(
+        SubmitRequest(
+            rid,
+            pack_tokens(range(100)),
+            SamplingParams(max_tokens=8).to_dict(),  # noqa: E731
+        ),
+        events.setdefault(rid, []).append,
+    )
     submit("gen")
     for _ in range(3):
         for g in ["d0", "d1", "d2", "p0", "p1"]:
@@ -681,8 +788,9 @@ def test_without_a_bound_or_before_any_engine_a_missing_role_refuses_submissions
     from dualpath.core.errors import UnavailableError
 
     clock = Clock()
-    core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", engine_wait_timeout_s=0), make_policy("dualpath"),
-                         clock)
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", engine_wait_timeout_s=0), make_policy("dualpath"), clock
+    )
     spec = SubmitRequest("r", pack_tokens(range(100)), SamplingParams(max_tokens=8).to_dict())
     with pytest.raises(UnavailableError, match="no prefill engine has registered yet; no decode engine has"):
         core.submit(spec)

@@ -1,5 +1,6 @@
 """New weights for a running model (an RL trainer's next policy): in place in one process, through the scheduler's
 pause / drain / load / resume, and across a real cluster, where no block computed by the old weights may hit."""
+
 import asyncio
 import hashlib
 import json
@@ -248,6 +249,7 @@ def test_a_flush_empties_the_index_and_removes_the_stored_blocks_only_when_idle(
 
     def refused(root, fp):
         raise PermissionError(13, "Permission denied", str(root))
+
     assert "could not be removed: [Errno 13] Permission denied" in core.flush(refused)
     assert len(core.index) == 6  # what is still stored still hits
 
@@ -285,8 +287,10 @@ def test_the_scheduler_hashes_every_prompt_itself_and_tells_a_stale_submitter():
     assert core.requests["current"].hashes == right and events.get().fingerprint == ""
     submit(core, "unnamed", 40, block_hashes=wrong)
     assert core.requests["unnamed"].hashes == right
-    core.submit(SubmitRequest("vouched", pack_tokens(range(40)), SamplingParams(max_tokens=8).to_dict(),
-                              block_hashes=wrong), trust_hashes=True)
+    core.submit(
+        SubmitRequest("vouched", pack_tokens(range(40)), SamplingParams(max_tokens=8).to_dict(), block_hashes=wrong),
+        trust_hashes=True,
+    )
     assert core.requests["vouched"].hashes == wrong
 
 
@@ -298,8 +302,13 @@ def test_another_tenants_hashes_sent_with_other_tokens_hit_nothing():
     theirs = block_hashes(secret, core.fingerprint, BS, salt="tenant-a")
     core.index.add(theirs)
     submit(core, "a", 64, block_hashes=pack_keys(theirs))  # (range(64): not the secret's tokens either)
-    probe = SubmitRequest("probe", pack_tokens([7] * 64), SamplingParams(max_tokens=8).to_dict(),
-                          block_hashes=pack_keys(theirs), fingerprint=core.fingerprint.hex())
+    probe = SubmitRequest(
+        "probe",
+        pack_tokens([7] * 64),
+        SamplingParams(max_tokens=8).to_dict(),
+        block_hashes=pack_keys(theirs),
+        fingerprint=core.fingerprint.hex(),
+    )
     assert core.submit(probe).get().num_hit_tokens == 0
     owner = SubmitRequest("owner", pack_tokens(secret), SamplingParams(max_tokens=8, cache_salt="tenant-a").to_dict())
     assert core.submit(owner).get().num_hit_tokens == 48  # the last block is always computed
@@ -360,6 +369,7 @@ def test_an_adapter_loads_on_every_engine_and_engines_joining_later_are_told():
             if eid in bad:
                 return AdapterLoadReply(False, "no such directory")
             return AdapterLoadReply(True, digest=("b" if eid in other else "a") * 64, engines=1)
+
         return load_on
 
     reply = asyncio.run(load_adapter(core, AdapterLoad("/lora/x"), load_on=fake(bad={"d1"})))
@@ -407,6 +417,7 @@ def test_an_update_waits_for_requests_in_flight_until_its_timeout():
         finish(engines, "r0")
         pull_all(core, engines)
         return await asyncio.wait_for(task, 10)
+
     assert asyncio.run(finish_soon()).ok and len(fake.calls) == 10
 
 
@@ -414,9 +425,18 @@ def test_an_update_waits_for_requests_in_flight_until_its_timeout():
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, tmp_path_factory):
     kv = tmp_path_factory.mktemp("kv")
-    spec = ClusterSpec(model=str(tiny_dirs["llama"]), num_prefill=1, num_decode=2, block_size=BS, kv_store=str(kv),
-                       buffer_bytes=8 << 20, cache_bytes=16 << 20, workspace_tokens=2048,
-                       cost_model="0.001,0.0001,0", heartbeat_timeout_s=5.0)
+    spec = ClusterSpec(
+        model=str(tiny_dirs["llama"]),
+        num_prefill=1,
+        num_decode=2,
+        block_size=BS,
+        kv_store=str(kv),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+        heartbeat_timeout_s=5.0,
+    )
     with LocalCluster(spec, run_dir=str(tmp_path_factory.mktemp("run"))) as c:
         client = ClusterClient(c.scheduler_address, timeout=120)
         yield c, client, kv
@@ -437,8 +457,9 @@ def test_a_cluster_serves_new_weights_and_no_block_of_the_old_hits(cluster, tiny
     events = handle.events()
     tokens = [next(events).token_id]
     updated = {}
-    updater = threading.Thread(target=lambda: updated.setdefault("reply", client.update_weights(
-        str(second["llama"]), "step-1")))
+    updater = threading.Thread(
+        target=lambda: updated.setdefault("reply", client.update_weights(str(second["llama"]), "step-1"))
+    )
     updater.start()
     tokens += [ev.token_id for ev in events if ev.token_id >= 0]
     updater.join(60)
@@ -475,44 +496,78 @@ def test_a_cluster_serves_new_weights_and_no_block_of_the_old_hits(cluster, tiny
 
 def test_the_http_endpoint_updates_weights_and_reports_the_version(cluster, tiny_dirs, second):
     c, client, _ = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    api_key="k", enable_admin_api=True, admin_api_key="admin",
-                                    allowed_model_dirs=(str(tiny_dirs["llama"].parent), str(second["llama"].parent))))
+    front = Frontend(
+        FrontendConfig(
+            "llama",
+            str(tiny_dirs["llama"]),
+            c.scheduler_address,
+            max_model_len=512,
+            api_key="k",
+            enable_admin_api=True,
+            admin_api_key="admin",
+            allowed_model_dirs=(str(tiny_dirs["llama"].parent), str(second["llama"].parent)),
+        )
+    )
     auth, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer admin"}
     with TestClient(front.app) as http:
         assert http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])}).status_code == 401
-        assert http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])},
-                         headers=auth).status_code == 403  # an inference key is no admin key
+        assert (
+            http.post("/update_weights_from_disk", json={"model_path": str(second["llama"])}, headers=auth).status_code
+            == 403
+        )  # an inference key is no admin key
         bad = http.post("/update_weights_from_disk", json={"model_path": "x", "load_format": "dummy"}, headers=admin)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_format"
         elsewhere = http.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"}, headers=admin)
         assert elsewhere.status_code == 400 and "--allowed-model-dirs" in elsewhere.json()["error"]["message"]
-        missing = http.post("/update_weights_from_disk", json={"model_path": str(second["llama"].parent / "none")},
-                            headers=admin)
+        missing = http.post(
+            "/update_weights_from_disk", json={"model_path": str(second["llama"].parent / "none")}, headers=admin
+        )
         assert missing.status_code == 400 and not missing.json()["success"]
         assert "no config.json" in missing.json()["message"]
-        ok = http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"]),
-                                                          "weight_version": "base-again"}, headers=admin)
+        ok = http.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(tiny_dirs["llama"]), "weight_version": "base-again"},
+            headers=admin,
+        )
         assert ok.status_code == 200, ok.json()
         assert ok.json()["success"] and ok.json()["engines"] == 3 and ok.json()["weight_version"] == "base-again"
         version = http.get("/get_weight_version", headers=auth).json()
         assert version == {"weight_version": "base-again", "fingerprint": ok.json()["fingerprint"]}
         reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
-        answer = http.post("/v1/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 8,
-                                                    "temperature": 0}, headers=auth).json()
+        answer = http.post(
+            "/v1/completions",
+            json={"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+            headers=auth,
+        ).json()
         assert answer["choices"][0]["text"] == reference.generate(PROMPT, GREEDY)[0].text
         # an RL rollout's turn through SGLang's /generate: token ids and logprobs of the weights just loaded
-        out = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
-                                           "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-                        headers=auth).json()
+        out = http.post(
+            "/generate",
+            json={
+                "input_ids": PROMPT,
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            },
+            headers=auth,
+        ).json()
         want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0]
         assert out["output_ids"] == want.token_ids
-        for (lp, tid, _), top, ref in zip(out["meta_info"]["output_token_logprobs"],
-                                          out["meta_info"]["output_top_logprobs"], want.logprobs):
+        for (lp, tid, _), top, ref in zip(
+            out["meta_info"]["output_token_logprobs"], out["meta_info"]["output_top_logprobs"], want.logprobs
+        ):
             assert tid == ref.token_id and abs(lp - ref.logprob) < 1e-4
             assert [t for _, t, _ in top] == [t for t, _ in ref.top]
-        scored = http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
-                                              "sampling_params": {"max_new_tokens": 1}}, headers=auth).json()
+        scored = http.post(
+            "/generate",
+            json={
+                "input_ids": PROMPT,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1},
+            },
+            headers=auth,
+        ).json()
         ref = reference.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
         got = scored["meta_info"]["input_token_logprobs"]
         assert got[0] == [None, PROMPT[0], None] and [t for _, t, _ in got] == PROMPT
@@ -530,30 +585,52 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
     request, not streamed ones and OpenAI endpoints' too; nothing is left running. A weight update's
     ``abort_all_requests`` ends a generating reply the same way."""
     c, client, _ = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    enable_admin_api=True, admin_api_key="admin"))
+    front = Frontend(
+        FrontendConfig(
+            "llama",
+            str(tiny_dirs["llama"]),
+            c.scheduler_address,
+            max_model_len=512,
+            enable_admin_api=True,
+            admin_api_key="admin",
+        )
+    )
     n = 512 - len(PROMPT)
-    want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    want = (
+        LLM(str(tiny_dirs["llama"]), block_size=BS)
+        .generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        .token_ids
+    )
     long = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     with TestClient(front.app, headers=ADMIN) as http:
         assert http.post("/abort_request", json={}).status_code == 400
         assert http.post("/abort_request", json={"rid": "nobody"}).status_code == 404
-        with http.stream("POST", "/generate", json={"input_ids": PROMPT, "rid": "r-1", "stream": True,
-                                                     "sampling_params": long}) as r:
+        with http.stream(
+            "POST", "/generate", json={"input_ids": PROMPT, "rid": "r-1", "stream": True, "sampling_params": long}
+        ) as r:
             lines = r.iter_lines()
             first = sse([next(x for x in lines if x.startswith("data: "))])
             assert http.post("/abort_request", json={"rid": "r-1"}).json() == {"aborted": 1}
             events = first + sse(lines)
         last = events[-1]
         assert last["meta_info"]["finish_reason"]["type"] == "abort" and last["meta_info"]["id"] == "r-1"
-        assert 0 < len(last["output_ids"]) < n and last["output_ids"] == want[:len(last["output_ids"])]
+        assert 0 < len(last["output_ids"]) < n and last["output_ids"] == want[: len(last["output_ids"])]
 
         got = {}
-        batch = threading.Thread(target=lambda: got.setdefault("generate", http.post("/generate", json={
-            "input_ids": [PROMPT, PROMPT], "sampling_params": long})))
-        completion = threading.Thread(target=lambda: got.setdefault("completion", http.post("/v1/completions", json={
-            "model": "llama", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True})))
+        batch = threading.Thread(
+            target=lambda: got.setdefault(
+                "generate", http.post("/generate", json={"input_ids": [PROMPT, PROMPT], "sampling_params": long})
+            )
+        )
+        completion = threading.Thread(
+            target=lambda: got.setdefault(
+                "completion",
+                http.post(
+                    "/v1/completions",
+                    json={"model": "llama", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+                ),
+            )
+        )
         batch.start()
         completion.start()
         deadline = time.monotonic() + 30
@@ -566,7 +643,9 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         outs = got["generate"].json()
         assert got["generate"].status_code == 200 and len(outs) == 2
         for o in outs:
-            assert o["meta_info"]["finish_reason"]["type"] == "abort" and o["output_ids"] == want[:len(o["output_ids"])]
+            assert (
+                o["meta_info"]["finish_reason"]["type"] == "abort" and o["output_ids"] == want[: len(o["output_ids"])]
+            )
         choice = got["completion"].json()["choices"][0]
         assert choice["finish_reason"] == "abort" and len(choice["text"]) < n
         assert front.in_flight == 0
@@ -574,11 +653,18 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         while client.stats()["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert client.stats()["in_flight"] == 0  # the scheduler and engines dropped them
-        assert 'dualpath_requests_aborted_total 4' in http.get("/metrics").text
+        assert "dualpath_requests_aborted_total 4" in http.get("/metrics").text
 
         # a weight update's abort_all_requests (SGLang's) ends a generating reply the same way, not as an error
-        update = threading.Thread(target=lambda: got.setdefault("update", http.post(
-            "/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"]), "abort_all_requests": True})))
+        update = threading.Thread(
+            target=lambda: got.setdefault(
+                "update",
+                http.post(
+                    "/update_weights_from_disk",
+                    json={"model_path": str(tiny_dirs["llama"]), "abort_all_requests": True},
+                ),
+            )
+        )
         with http.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True, "sampling_params": long}) as r:
             lines = r.iter_lines()
             first = sse([next(x for x in lines if x.startswith("data: "))])  # it generates: it is not requeued
@@ -587,7 +673,7 @@ def test_abort_request_ends_rollouts_where_they_are_with_what_they_generated(clu
         update.join(30)
         assert got["update"].status_code == 200 and got["update"].json()["num_aborted_requests"] == 1
         assert out["meta_info"]["finish_reason"]["type"] == "abort", out
-        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[:len(out["output_ids"])]
+        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[: len(out["output_ids"])]
         after = http.post("/generate", json={"input_ids": PROMPT, "sampling_params": {**long, "max_new_tokens": 8}})
         assert after.json()["output_ids"] == want[:8]
     front.client.close()
@@ -598,20 +684,36 @@ def test_abort_request_ends_requests_sent_through_another_frontend(cluster, tiny
     requests it names whichever frontend they came through (an OpenAI request by its X-Request-Id), each with the
     tokens it had."""
     c, client, _ = cluster
-    cfg = FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                         enable_admin_api=True, admin_api_key="admin")
+    cfg = FrontendConfig(
+        "llama",
+        str(tiny_dirs["llama"]),
+        c.scheduler_address,
+        max_model_len=512,
+        enable_admin_api=True,
+        admin_api_key="admin",
+    )
     one, two = Frontend(cfg), Frontend(cfg)
     n = 512 - len(PROMPT)
-    want = LLM(str(tiny_dirs["llama"]), block_size=BS).generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
-    body = {"model": "llama", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    want = (
+        LLM(str(tiny_dirs["llama"]), block_size=BS)
+        .generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        .token_ids
+    )
+    body = {
+        "model": "llama",
+        "prompt": PROMPT,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     got = {}
     with TestClient(one.app) as a, TestClient(two.app) as b:
         for name, rid in (("by rid", "rollout-7"), ("every", "rollout-8")):
             since = time.perf_counter()
-            t = threading.Thread(target=lambda: got.setdefault(name, a.post(
-                "/v1/completions", json=body, headers={"X-Request-Id": rid})))
+            t = threading.Thread(
+                target=lambda: got.setdefault(name, a.post("/v1/completions", json=body, headers={"X-Request-Id": rid}))
+            )
             t.start()
             deadline = time.monotonic() + 30
             while one.last_token_at < since and time.monotonic() < deadline:
@@ -621,8 +723,8 @@ def test_abort_request_ends_requests_sent_through_another_frontend(cluster, tiny
             t.join(30)
             choice = got[name].json()["choices"][0]
             assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < n
-            assert choice["token_ids"] == want[:len(choice["token_ids"])]
-        assert 'dualpath_requests_aborted_total 2' in b.get("/metrics").text and one.in_flight == 0
+            assert choice["token_ids"] == want[: len(choice["token_ids"])]
+        assert "dualpath_requests_aborted_total 2" in b.get("/metrics").text and one.in_flight == 0
     one.client.close()
     two.client.close()
 
@@ -632,8 +734,17 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
     streamed reply with its tokens so far; a request sent while paused waits, through a weight update, and runs
     after the resume; mode wait returns once the request sent before it finished whole."""
     c, client, _ = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    health_generate_timeout_s=5, enable_admin_api=True, bind_host="127.0.0.1"))
+    front = Frontend(
+        FrontendConfig(
+            "llama",
+            str(tiny_dirs["llama"]),
+            c.scheduler_address,
+            max_model_len=512,
+            health_generate_timeout_s=5,
+            enable_admin_api=True,
+            bind_host="127.0.0.1",
+        )
+    )
     n = 512 - len(PROMPT)
     reference = LLM(str(tiny_dirs["llama"]), block_size=BS)
     want = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
@@ -650,13 +761,19 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
             out = (first + sse(lines))[-1]
         assert paused.json() == {"status": "paused", "num_aborted_requests": 1}
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[:len(out["output_ids"])]
+        assert 0 < len(out["output_ids"]) < n and out["output_ids"] == want[: len(out["output_ids"])]
         assert http.get("/is_paused").json() == {"is_paused": True}
         probe = http.get("/health_generate")
         assert probe.status_code == 503 and "/pause" in probe.json()["error"]
 
-        waiting = threading.Thread(target=lambda: got.setdefault("held", http.post("/v1/completions", json={
-            "model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})))
+        waiting = threading.Thread(
+            target=lambda: got.setdefault(
+                "held",
+                http.post(
+                    "/v1/completions", json={"model": "llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+                ),
+            )
+        )
         waiting.start()
         update = http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"])})
         assert update.status_code == 200 and http.get("/is_paused").json() == {"is_paused": True}
@@ -667,8 +784,11 @@ def test_pause_ends_or_waits_for_requests_and_holds_new_ones_until_resume(cluste
         assert got["held"].json()["choices"][0]["text"] == reference.generate(PROMPT, GREEDY)[0].text
 
         some = {**long, "max_new_tokens": 24}
-        stream = threading.Thread(target=lambda: got.setdefault("whole", http.post("/generate", json={
-            "input_ids": PROMPT, "sampling_params": some})))
+        stream = threading.Thread(
+            target=lambda: got.setdefault(
+                "whole", http.post("/generate", json={"input_ids": PROMPT, "sampling_params": some})
+            )
+        )
         stream.start()
         deadline = time.monotonic() + 30
         while not client.stats()["in_flight"] and time.monotonic() < deadline:
@@ -688,11 +808,20 @@ def test_flush_cache_makes_the_next_request_compute_its_prompt_whole(cluster, ti
     """SGLang's /flush_cache and vLLM's /reset_prefix_cache: refused while a request runs; then the prompt's blocks
     are gone from the store and the index (the next request loads nothing, answers the same) and are stored again."""
     c, client, kv = cluster
-    front = Frontend(FrontendConfig("llama", str(tiny_dirs["llama"]), c.scheduler_address, max_model_len=512,
-                                    enable_admin_api=True, admin_api_key="admin"))
+    front = Frontend(
+        FrontendConfig(
+            "llama",
+            str(tiny_dirs["llama"]),
+            c.scheduler_address,
+            max_model_len=512,
+            enable_admin_api=True,
+            admin_api_key="admin",
+        )
+    )
     prompt = [(i * 7) % 250 + 3 for i in range(70)]
     body = {"model": "llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}
     with TestClient(front.app, headers=ADMIN) as http:
+
         def turn():
             out = http.post("/v1/completions", json=body).json()
             return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -738,8 +867,7 @@ def test_the_command_line_pauses_resumes_aborts_and_flushes_a_cluster(cluster, c
     assert main(["abort", "--all", *sched]) == 0
     assert main(["abort", "--rid", "nobody", *sched]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["paused; 0 requests aborted", "cache flushed", "resumed", "0 requests aborted",
-                   "0 requests aborted"]
+    assert out == ["paused; 0 requests aborted", "cache flushed", "resumed", "0 requests aborted", "0 requests aborted"]
     assert main(["pause", "--scheduler", "127.0.0.1:1"]) == 1  # no scheduler there: an error, not a hang
     assert "error:" in capsys.readouterr().err
 
@@ -763,9 +891,18 @@ def test_a_cluster_quantizing_at_load_serves_hits_and_updates_in_fp8(tiny_dirs, 
     """``--quantization fp8`` across real engine processes: replies equal the offline model quantized the same way,
     the prefill and decode engines agree on the fingerprint (a later turn hits the first's blocks), and a plain
     update is quantized as it loads."""
-    spec = ClusterSpec(model=str(tiny_dirs["llama"]), num_prefill=1, num_decode=1, block_size=BS, quantization="fp8",
-                       kv_store=str(tmp_path / "kv"), buffer_bytes=8 << 20, cache_bytes=16 << 20,
-                       workspace_tokens=2048, cost_model="0.001,0.0001,0")
+    spec = ClusterSpec(
+        model=str(tiny_dirs["llama"]),
+        num_prefill=1,
+        num_decode=1,
+        block_size=BS,
+        quantization="fp8",
+        kv_store=str(tmp_path / "kv"),
+        buffer_bytes=8 << 20,
+        cache_bytes=16 << 20,
+        workspace_tokens=2048,
+        cost_model="0.001,0.0001,0",
+    )
     old = LLM(str(tiny_dirs["llama"]), block_size=BS, quantization="fp8")
     new = LLM(str(second["llama"]), block_size=BS, quantization="fp8")
     with LocalCluster(spec, run_dir=str(tmp_path / "run")) as c:

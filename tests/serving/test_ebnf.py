@@ -3,6 +3,7 @@ grammars against Python's ``re`` on the regular expression they spell, recursive
 (Python's own parser for arithmetic, a stack for brackets, ``json`` for a JSON grammar), refused grammars, no dead
 ends, masks with the end token where a sentence may end, and whole generations of the tiny random model that are
 sentences of their grammar."""
+
 import ast
 import json
 import random
@@ -38,8 +39,20 @@ def expression(rule: int, rules: int):
     """A strategy for (GBNF text, Python regex) of one expression of rule ``rule``, referring only to later rules
     (so the grammar is not recursive and spells a regular expression: each reference inlined). GBNF's ``.`` is any
     character but a newline, as llguidance reads it."""
-    leaves = [st.sampled_from([('"a"', "a"), ('"ab"', "ab"), ('""', ""), ('"\\n"', "\\n"), ("[a-b]", "[a-b]"),
-                               ("[^a]", "[^a]"), (".", "[^\\n]"), ('"\\u00e9"', "\u00e9")])]
+    leaves = [
+        st.sampled_from(
+            [
+                ('"a"', "a"),
+                ('"ab"', "ab"),
+                ('""', ""),
+                ('"\\n"', "\\n"),
+                ("[a-b]", "[a-b]"),
+                ("[^a]", "[^a]"),
+                (".", "[^\\n]"),
+                ('"\\u00e9"', "\u00e9"),
+            ]
+        )
+    ]
     if rule + 1 < rules:
         leaves.append(st.integers(rule + 1, rules - 1).map(lambda r: (f"r{r}", f"(?:{{r{r}}})")))
     base = st.one_of(*leaves)
@@ -50,7 +63,10 @@ def expression(rule: int, rules: int):
             pair.map(lambda p: (f"{p[0][0]} {p[1][0]}", p[0][1] + p[1][1])),
             pair.map(lambda p: (f"({p[0][0]} | {p[1][0]})", f"(?:{p[0][1]}|{p[1][1]})")),
             st.tuples(inner, st.sampled_from(["*", "+", "?", "{0,2}", "{2}", "{1,}"])).map(
-                lambda t: (f"({t[0][0]}){t[1]}", f"(?:{t[0][1]}){t[1]}")))
+                lambda t: (f"({t[0][0]}){t[1]}", f"(?:{t[0][1]}){t[1]}")
+            ),
+        )
+
     return st.recursive(base, grow, max_leaves=5)
 
 
@@ -111,11 +127,15 @@ def test_random_regular_grammars_match_what_python_fullmatches(grammar, rng):
         assert not got or re.fullmatch(regex, s), (text, regex, s)
 
 
-@pytest.mark.parametrize("grammar, text, ok", [
-    ('root ::= item ("," item)*\nitem ::= [a-z]+', "ab,c,def", True), ('root ::= ("a" | "b")* "c"', "abbac", True),
-    ('root ::= r1*\nr1 ::= "a" "\\n" "a"*', "a\naa\n", False),  # greedy: "a\naa" is one token, "\n" no r1
-    ('root ::= r1*\nr1 ::= "a" "\\n" "a"*', "a\naa", True),
-])
+@pytest.mark.parametrize(
+    "grammar, text, ok",
+    [
+        ('root ::= item ("," item)*\nitem ::= [a-z]+', "ab,c,def", True),
+        ('root ::= ("a" | "b")* "c"', "abbac", True),
+        ('root ::= r1*\nr1 ::= "a" "\\n" "a"*', "a\naa\n", False),  # greedy: "a\naa" is one token, "\n" no r1
+        ('root ::= r1*\nr1 ::= "a" "\\n" "a"*', "a\naa", True),
+    ],
+)
 def test_rules_without_recursion_are_read_greedily(grammar, text, ok):
     assert accepts(gbnf(grammar), text) == ok
 
@@ -154,8 +174,9 @@ def balanced(s: str) -> bool:
     return not stack and bool(s)
 
 
-@pytest.mark.parametrize("grammar, reference, alphabet", [
-    (ARITHMETIC, python_arithmetic, "129+*/()-"), (BRACKETS, balanced, "()[]x")])
+@pytest.mark.parametrize(
+    "grammar, reference, alphabet", [(ARITHMETIC, python_arithmetic, "129+*/()-"), (BRACKETS, balanced, "()[]x")]
+)
 def test_recursive_grammars_accept_what_a_reference_recognizer_does(grammar, reference, alphabet):
     """On random strings and on every prefix of the ones accepted: accepted exactly when the reference accepts,
     every prefix of an accepted string a live state, and the state may end exactly where the prefix is accepted."""
@@ -173,10 +194,19 @@ def test_recursive_grammars_accept_what_a_reference_recognizer_does(grammar, ref
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
-                    st.text(max_size=6), lambda inner: st.lists(inner, max_size=3) |
-                    st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=10),
-       st.sampled_from([None, 1]), st.booleans())
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=6),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=10,
+    ),
+    st.sampled_from([None, 1]),
+    st.booleans(),
+)
 def test_a_json_grammar_accepts_what_json_dumps_writes(value, indent, ascii_only):
     """A JSON grammar in GBNF (strings with escapes, numbers with exponents, nesting): every object ``json.dumps``
     writes is a sentence; cut short it is a live prefix that may not end."""
@@ -185,16 +215,23 @@ def test_a_json_grammar_accepts_what_json_dumps_writes(value, indent, ascii_only
     assert not read(gbnf(JSON_GBNF), text[:-1]).may_end
 
 
-@pytest.mark.parametrize("grammar, words", [
-    ('root ::= x', "Rule 'x' not found"),
-    ('root ::= "" | ("")*', "only the empty string"),
-    ('root ::= [a-', "Unexpected end of input"), ('root ::= "abc', "Unexpected end of input"),
-    ('root ::= ("a"', "Expected ')'"), ('root ::= "\\q"', "Invalid escape sequence \\q"),
-    ('root ::= [z-a]', "invalid character class range"), ('root ::= "a"{3,2}', "range end must be >= start"),
-    ('root "a"', "Expected ::="), ('root ::= "a" | @', "Expected name"),
-    ('start: "a" | nope', 'unknown name: "nope"'),  # Lark syntax, read as it is
-    (12, "a grammar is a string"),
-])
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        ("root ::= x", "Rule 'x' not found"),
+        ('root ::= "" | ("")*', "only the empty string"),
+        ("root ::= [a-", "Unexpected end of input"),
+        ('root ::= "abc', "Unexpected end of input"),
+        ('root ::= ("a"', "Expected ')'"),
+        ('root ::= "\\q"', "Invalid escape sequence \\q"),
+        ("root ::= [z-a]", "invalid character class range"),
+        ('root ::= "a"{3,2}', "range end must be >= start"),
+        ('root "a"', "Expected ::="),
+        ('root ::= "a" | @', "Expected name"),
+        ('start: "a" | nope', 'unknown name: "nope"'),  # Lark syntax, read as it is
+        (12, "a grammar is a string"),
+    ],
+)
 def test_grammars_that_cannot_be_enforced_are_refused(grammar, words):
     with pytest.raises(GrammarError, match=re.escape(words)) as e:
         check(gbnf(grammar))
@@ -215,8 +252,9 @@ def test_a_grammar_llguidance_loops_on_is_refused_in_time():
 def test_left_recursion_ambiguity_and_lark_are_fine():
     """llguidance parses with Earley: left-recursive rules (which the old engine refused) and ambiguous grammars
     read as written, right recursion as deep as the text goes; a grammar in Lark's syntax is taken as it is."""
-    assert accepts(gbnf('root ::= root "+" "1" | "1"'), "1+1+1") and read(gbnf('root ::= root "+" "1" | "1"'), "+")\
-        is None
+    assert (
+        accepts(gbnf('root ::= root "+" "1" | "1"'), "1+1+1") and read(gbnf('root ::= root "+" "1" | "1"'), "+") is None
+    )
     assert accepts(gbnf('root ::= "x" root | "y"'), "x" * 500 + "y")
     ambiguous = gbnf('root ::= ("(" root ")" | "(" root? ")" | "x")+')
     assert accepts(ambiguous, "(" * 40 + "x" + ")" * 40) and read(ambiguous, "(" * 40 + ")" * 41) is None
@@ -264,8 +302,9 @@ def test_tiny_model_outputs_are_sentences_of_their_grammar(tiny_dirs):
     stopped = 0
     for grammar in (ARITHMETIC, BRACKETS, 'root ::= ("yes" | "no") ("," [ ]? ("yes" | "no"))*'):
         for seed in range(2):
-            for o in llm.generate(["hello", "x y"], SamplingParams(temperature=1.0, seed=seed, max_tokens=24,
-                                                                   grammar=grammar)):
+            for o in llm.generate(
+                ["hello", "x y"], SamplingParams(temperature=1.0, seed=seed, max_tokens=24, grammar=grammar)
+            ):
                 ids = o.token_ids[:-1] if o.token_ids[-1] == EOS_ID else o.token_ids
                 assert EOS_ID not in ids
                 if o.finish_reason == "stop":
@@ -286,16 +325,20 @@ def test_any_text_compiles_or_is_refused_with_a_grammar_error(text):
         assert e.field == "grammar"
 
 
-@pytest.mark.parametrize("grammar, text", [
-    (JSON_GBNF, json.dumps({"k": "a \"quoted\" wörd", "n": [1, -2.5e3, {"x": None}], "t": True}, indent=1)),
-    ('root ::= "say: " [^\\n]* "\\n" ("more" [a-z ]*)?', "say: hello there, é!\nmore words"),
-    ('root ::= "x" [a-z] [a-z] [0-9]+ [^0-9]*', "xqr12 fin"),
-])
+@pytest.mark.parametrize(
+    "grammar, text",
+    [
+        (JSON_GBNF, json.dumps({"k": 'a "quoted" wörd', "n": [1, -2.5e3, {"x": None}], "t": True}, indent=1)),
+        ('root ::= "say: " [^\\n]* "\\n" ("more" [a-z ]*)?', "say: hello there, é!\nmore words"),
+        ('root ::= "x" [a-z] [a-z] [0-9]+ [^0-9]*', "xqr12 fin"),
+    ],
+)
 def test_masks_of_broad_states_equal_a_token_by_token_check(grammar, text):
     """States where many bytes lead on (a string's text, a free line): every mask along the text equals reading
     each token from the state (random multi-byte tokens over the grammar's bytes)."""
     rng = random.Random(7)
     alphabet = [bytes([b]) for b in b'ab "\\{}[]:,.\n-0123456789etrunlsfx'] + ["é".encode(), "ö".encode()]
-    tokens = [bytes([b]) for b in range(256)] + sorted({b"".join(rng.choice(alphabet) for _ in range(rng.randint(
-        2, 6))) for _ in range(3000)})
+    tokens = [bytes([b]) for b in range(256)] + sorted(
+        {b"".join(rng.choice(alphabet) for _ in range(rng.randint(2, 6))) for _ in range(3000)}
+    )
     check_masks_along(gbnf(grammar), tokens + [None], text.encode(), len(tokens) + 1)

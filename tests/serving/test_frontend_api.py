@@ -4,6 +4,7 @@ logit bias and vLLM's extra sampling fields (``stop_token_ids``, ``ignore_eos``,
 boolean for a number, a number for a boolean) are a 400 on every endpoint, fields that would change the
 answer but are not implemented are a 400 rather than silently ignored, and vLLM's
 ``/tokenize`` and ``/detokenize`` agree with the tokenizer and the chat endpoint."""
+
 import asyncio
 import json
 import threading
@@ -43,15 +44,28 @@ def test_stop_token_ids_and_ignore_eos_reach_the_sampling_parameters(front):
 def test_penalties_bias_min_p_and_min_tokens_reach_the_sampling_parameters(front):
     http, fake, _ = front
     fake.reply = "ok"
-    knobs = dict(presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.3, min_p=0.05, min_tokens=2,
-                 logit_bias={"258": -100, "7": 2.5})
-    for path, body in (("/v1/completions", dict(prompt="hi")),
-                       ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+    knobs = dict(
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        min_tokens=2,
+        logit_bias={"258": -100, "7": 2.5},
+    )
+    for path, body in (
+        ("/v1/completions", dict(prompt="hi")),
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}])),
+    ):
         r = post(http, path, model="m", max_tokens=8, **knobs, **body)
         assert r.status_code == 200, r.text
         s = fake.samplings[-1]
-        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == \
-            (0.5, -1.5, 1.3, 0.05, 2)
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == (
+            0.5,
+            -1.5,
+            1.3,
+            0.05,
+            2,
+        )
         assert s.logit_bias == ((7, 2.5), (258, -100.0)) and s.needs_history
     post(http, "/v1/completions", model="m", prompt="hi")
     s = fake.samplings[-1]
@@ -84,14 +98,26 @@ def test_vllm_text_and_token_options(front):
     add_special_tokens do what vLLM's do."""
     http, fake, tok = front
     fake.reply = "ab. cd"
-    r = post(http, "/v1/completions", model="m", prompt="hi", stop=["."], include_stop_str_in_output=True,
-             allowed_token_ids=[97, 98, 46], skip_special_tokens=False)
+    r = post(
+        http,
+        "/v1/completions",
+        model="m",
+        prompt="hi",
+        stop=["."],
+        include_stop_str_in_output=True,
+        allowed_token_ids=[97, 98, 46],
+        skip_special_tokens=False,
+    )
     assert r.json()["choices"][0]["text"] == "ab.", r.text
     s = fake.samplings[-1]
     assert s.allowed_token_ids == (97, 98, 46) and s.include_stop_str_in_output and not s.skip_special_tokens
-    streamed = [json.loads(line[6:]) for line in post(http, "/v1/completions", model="m", prompt="hi", stop=["."],
-                                                      include_stop_str_in_output=True, stream=True).text.splitlines()
-                if line.startswith("data: {")]
+    streamed = [
+        json.loads(line[6:])
+        for line in post(
+            http, "/v1/completions", model="m", prompt="hi", stop=["."], include_stop_str_in_output=True, stream=True
+        ).text.splitlines()
+        if line.startswith("data: {")
+    ]
     assert "".join(c["choices"][0]["text"] for c in streamed) == "ab."
     fake.reply = "x<|im_end|>"  # a special token's text in the reply
     assert post(http, "/v1/completions", model="m", prompt="hi").json()["choices"][0]["text"] == "x"
@@ -101,8 +127,9 @@ def test_vllm_text_and_token_options(front):
     long = "the quick brown fox " * 4
     r = post(http, "/v1/completions", model="m", prompt=long, truncate_prompt_tokens=5)
     assert fake.prompts[-1] == tok.encode(long)[-5:] and r.json()["usage"]["prompt_tokens"] == 5
-    post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": long}],
-         truncate_prompt_tokens=7)
+    post(
+        http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": long}], truncate_prompt_tokens=7
+    )
     assert len(fake.prompts[-1]) == 7
     post(http, "/v1/completions", model="m", prompt=long, add_special_tokens=False)
     assert fake.prompts[-1] == tok.encode(long, add_special_tokens=False)
@@ -111,8 +138,10 @@ def test_vllm_text_and_token_options(front):
 def test_json_mode_reaches_the_sampling_parameters(front):
     http, fake, _ = front
     fake.reply = "{}"
-    for path, body in (("/v1/completions", dict(prompt="hi")),
-                       ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+    for path, body in (
+        ("/v1/completions", dict(prompt="hi")),
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}])),
+    ):
         assert post(http, path, model="m", response_format={"type": "json_object"}, **body).status_code == 200
         assert fake.samplings[-1].json_object
         assert post(http, path, model="m", response_format={"type": "text"}, **body).status_code == 200
@@ -123,26 +152,35 @@ def test_json_mode_reaches_the_sampling_parameters(front):
     assert r.status_code == 200, r.text
     assert json.loads(fake.samplings[-1].json_schema) == schema and not fake.samplings[-1].json_object
     # vLLM's extras for the same
-    for extra, want in ((dict(guided_json=schema), schema), (dict(guided_json=json.dumps(schema)), schema),
-                        (dict(structured_outputs={"json": schema}), schema),
-                        (dict(structured_outputs={"json_object": True}), None)):
+    for extra, want in (
+        (dict(guided_json=schema), schema),
+        (dict(guided_json=json.dumps(schema)), schema),
+        (dict(structured_outputs={"json": schema}), schema),
+        (dict(structured_outputs={"json_object": True}), None),
+    ):
         r = post(http, "/v1/completions", model="m", prompt="hi", **extra)
         assert r.status_code == 200, r.text
         s = fake.samplings[-1]
         assert (json.loads(s.json_schema) if s.json_schema else None) == want and s.json_object == (want is None)
     # patterns and choices (vLLM's guided_regex / guided_choice, structured_outputs regex / choice)
-    for extra, want in ((dict(guided_regex=r"\d{3}"), r"\d{3}"), (dict(structured_outputs={"regex": "a|b"}), "a|b"),
-                        (dict(guided_choice=["yes", "no (2)"]), r"(?:yes|no\ \(2\))"),
-                        (dict(structured_outputs={"choice": ["a.b"]}), r"(?:a\.b)")):
-        for path, body in (("/v1/completions", dict(prompt="hi")),
-                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+    for extra, want in (
+        (dict(guided_regex=r"\d{3}"), r"\d{3}"),
+        (dict(structured_outputs={"regex": "a|b"}), "a|b"),
+        (dict(guided_choice=["yes", "no (2)"]), r"(?:yes|no\ \(2\))"),
+        (dict(structured_outputs={"choice": ["a.b"]}), r"(?:a\.b)"),
+    ):
+        for path, body in (
+            ("/v1/completions", dict(prompt="hi")),
+            ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}])),
+        ):
             r = post(http, path, model="m", **extra, **body)
             assert r.status_code == 200, r.text
             s = fake.samplings[-1]
             assert s.regex == want and s.json_schema is None and not s.json_object
     # tools withheld by tool_choice "none": JSON mode is fine
-    r = post(http, "/v1/chat/completions", model="m", response_format={"type": "json_object"}, tool_choice="none",
-             **ask())
+    r = post(
+        http, "/v1/chat/completions", model="m", response_format={"type": "json_object"}, tool_choice="none", **ask()
+    )
     assert r.status_code == 200 and fake.samplings[-1].json_object
 
 
@@ -154,8 +192,10 @@ def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why
     fake.reply = "a,b"
     grammar = 'root ::= item ("," item)*\nitem ::= [a-z]+'
     for extra in (dict(guided_grammar=grammar), dict(structured_outputs={"grammar": grammar})):
-        for path, body in (("/v1/completions", dict(prompt="hi")),
-                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))):
+        for path, body in (
+            ("/v1/completions", dict(prompt="hi")),
+            ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}])),
+        ):
             r = post(http, path, model="m", **extra, **body)
             assert r.status_code == 200, r.text
             s = fake.samplings[-1]
@@ -167,19 +207,25 @@ def test_grammars_reach_the_sampling_parameters_and_bad_ones_are_400s_naming_why
     assert r.json()["error"]["param"] == "guided_grammar"
 
 
-@pytest.mark.parametrize("body, param", [
-    (dict(guided_regex="(a"), "guided_regex"), (dict(guided_regex=r"(a)\1"), "guided_regex"),
-    (dict(guided_regex="(?=a)a"), "guided_regex"), (dict(guided_choice=[]), "guided_choice"),
-    (dict(guided_choice=[""]), "guided_choice"), (dict(guided_choice="a"), "guided_choice"),
-    (dict(guided_grammar="root ::= x"), "guided_grammar"),
-    (dict(structured_outputs={"grammar": "root ::= x"}), "structured_outputs"),
-    (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
-    (dict(structured_outputs={"regex": "a{2,1}"}), "structured_outputs"),
-    (dict(guided_regex="a", guided_choice=["a"]), None),
-    (dict(guided_json="not json"), "guided_json"),
-    (dict(guided_json={"type": "array", "uniqueItems": True}), "guided_json"),
-    (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), None),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (dict(guided_regex="(a"), "guided_regex"),
+        (dict(guided_regex=r"(a)\1"), "guided_regex"),
+        (dict(guided_regex="(?=a)a"), "guided_regex"),
+        (dict(guided_choice=[]), "guided_choice"),
+        (dict(guided_choice=[""]), "guided_choice"),
+        (dict(guided_choice="a"), "guided_choice"),
+        (dict(guided_grammar="root ::= x"), "guided_grammar"),
+        (dict(structured_outputs={"grammar": "root ::= x"}), "structured_outputs"),
+        (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+        (dict(structured_outputs={"regex": "a{2,1}"}), "structured_outputs"),
+        (dict(guided_regex="a", guided_choice=["a"]), None),
+        (dict(guided_json="not json"), "guided_json"),
+        (dict(guided_json={"type": "array", "uniqueItems": True}), "guided_json"),
+        (dict(guided_json={"type": "object"}, response_format={"type": "json_object"}), None),
+    ],
+)
 def test_structured_output_requests_that_cannot_be_honoured_are_400s(front, body, param):
     http, fake, _ = front
     r = post(http, "/v1/completions", model="m", prompt="hi", **body)
@@ -202,16 +248,25 @@ def test_a_grammar_that_takes_too_long_to_compile_is_a_400(front, monkeypatch):
     assert post(http, "/v1/completions", model="m", prompt="hi", guided_grammar='root ::= "a"+').status_code == 200
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
-    ("/v1/completions", dict(prompt="hi", best_of=1, n=2), "best_of"),
-    ("/v1/completions", dict(prompt="hi", best_of=17), "best_of"),
-    ("/v1/completions", dict(prompt="hi", best_of=3, stream=True), "best_of"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]]),
-     "functions"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], modalities=["text", "audio"]),
-     "modalities"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), "stop_token_ids"),
+        ("/v1/completions", dict(prompt="hi", best_of=1, n=2), "best_of"),
+        ("/v1/completions", dict(prompt="hi", best_of=17), "best_of"),
+        ("/v1/completions", dict(prompt="hi", best_of=3, stream=True), "best_of"),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": "x"}], functions=[WEATHER["function"]]),
+            "functions",
+        ),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": "x"}], modalities=["text", "audio"]),
+            "modalities",
+        ),
+    ],
+)
 def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path, body, param):
     http, fake, _ = front
     r = post(http, path, model="m", **body)
@@ -219,29 +274,50 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored(front, path
     assert not fake.prompts
 
 
-@pytest.mark.parametrize("body, param", [
-    (dict(use_beam_search=True), "use_beam_search"), (dict(length_penalty=0.5), "length_penalty"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=1, stream=True), None),
-    (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=["x"], response_format={"type": "json_object"}), "bad_words"),
-    (dict(logits_processors=["a.b"]), "logits_processors"),
-    (dict(echo=True), "echo"),
-    (dict(add_special_tokens=True), "add_special_tokens"), (dict(documents=[{"text": "d"}]), "documents"),
-    (dict(documents=["not an object"]), "documents"),
-    (dict(reasoning_effort="high"), "reasoning_effort"), (dict(reasoning_effort="max"), "reasoning_effort"),
-    (dict(chat_template="{{ messages }}"), "chat_template"), (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-    (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
-    (dict(allowed_token_ids=[1], response_format={"type": "json_object"}), "allowed_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (dict(use_beam_search=True), "use_beam_search"),
+        (dict(length_penalty=0.5), "length_penalty"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=1, stream=True), None),
+        (dict(bad_words=[" "]), "bad_words"),
+        (dict(bad_words=["x"], response_format={"type": "json_object"}), "bad_words"),
+        (dict(logits_processors=["a.b"]), "logits_processors"),
+        (dict(echo=True), "echo"),
+        (dict(add_special_tokens=True), "add_special_tokens"),
+        (dict(documents=[{"text": "d"}]), "documents"),
+        (dict(documents=["not an object"]), "documents"),
+        (dict(reasoning_effort="high"), "reasoning_effort"),
+        (dict(reasoning_effort="max"), "reasoning_effort"),
+        (dict(chat_template="{{ messages }}"), "chat_template"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[1], response_format={"type": "json_object"}), "allowed_token_ids"),
+    ],
+)
 def test_vllm_extras_that_are_not_implemented_or_out_of_range_are_400s(front, body, param):
     http, fake, _ = front
     r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}], **body)
     assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), r.text
     assert not fake.prompts
-    neutral = dict(use_beam_search=False, length_penalty=1.0, prompt_logprobs=None, bad_words=[], echo=False,
-                   add_special_tokens=False, spaces_between_special_tokens=False, allowed_token_ids=[])
+    neutral = dict(
+        use_beam_search=False,
+        length_penalty=1.0,
+        prompt_logprobs=None,
+        bad_words=[],
+        echo=False,
+        add_special_tokens=False,
+        spaces_between_special_tokens=False,
+        allowed_token_ids=[],
+    )
     fake.reply = "ok"
-    assert post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}],
-                **neutral).status_code == 200
+    assert (
+        post(
+            http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "x"}], **neutral
+        ).status_code
+        == 200
+    )
 
 
 def test_a_requests_own_chat_template_renders_its_chat_when_the_server_trusts_them(tiny_dirs, tmp_path):
@@ -261,8 +337,10 @@ def test_a_requests_own_chat_template_renders_its_chat_when_the_server_trusts_th
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     rag = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[-1].content }}"
     docs = [{"title": "a", "text": "alpha"}, {"title": "b", "text": "beta"}]
-    assert post(http, "/v1/chat/completions", model="m", messages=messages, chat_template=rag,
-                documents=docs).status_code == 200
+    assert (
+        post(http, "/v1/chat/completions", model="m", messages=messages, chat_template=rag, documents=docs).status_code
+        == 200
+    )
     assert tok.decode(fake.prompts[-1]) == "[a: alpha][b: beta]hi"  # vLLM's documents, for RAG templates
 
 
@@ -273,8 +351,11 @@ def test_reasoning_effort_is_the_templates_variable_on_chats_and_responses(tiny_
     http, fake, tok = serve(tiny_dirs, tmp_path, template)
     fake.reply = "ok"
     messages = [{"role": "user", "content": "hi"}]
-    for extra, want in ((dict(), "[medium]hi"), (dict(reasoning_effort="high"), "[high]hi"),
-                        (dict(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}), "[low]hi")):
+    for extra, want in (
+        (dict(), "[medium]hi"),
+        (dict(reasoning_effort="high"), "[high]hi"),
+        (dict(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}), "[low]hi"),
+    ):
         assert post(http, "/v1/chat/completions", model="m", messages=messages, **extra).status_code == 200
         assert tok.decode(fake.prompts[-1]) == want
     r = http.post("/v1/responses", json={"model": "m", "input": "hi", "reasoning": {"effort": "minimal"}})
@@ -282,20 +363,26 @@ def test_reasoning_effort_is_the_templates_variable_on_chats_and_responses(tiny_
     assert r.json()["reasoning"] == {"effort": "minimal", "summary": None}
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", dict(prompt="hi", logit_bias={str(10**6): 5}), "logit_bias"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"a": 1}), "logit_bias"),
-    ("/v1/completions", dict(prompt="hi", logit_bias={"5": 101}), "logit_bias"),
-    ("/v1/completions", dict(prompt="hi", logit_bias={"5": 1, "05": 2}), "logit_bias"),
-    ("/v1/completions", dict(prompt="hi", logit_bias={"-5": 1}), "logit_bias"),
-    ("/v1/completions", dict(prompt="hi", presence_penalty=2.5), "presence_penalty"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], frequency_penalty=-3),
-     "frequency_penalty"),
-    ("/v1/completions", dict(prompt="hi", repetition_penalty=0), "repetition_penalty"),
-    ("/v1/completions", dict(prompt="hi", min_p=1.5), "min_p"),
-    ("/v1/completions", dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens"),
-    ("/v1/completions", dict(prompt="hi", min_tokens=-1), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", dict(prompt="hi", logit_bias={str(10**6): 5}), "logit_bias"),
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logit_bias={"a": 1}), "logit_bias"),
+        ("/v1/completions", dict(prompt="hi", logit_bias={"5": 101}), "logit_bias"),
+        ("/v1/completions", dict(prompt="hi", logit_bias={"5": 1, "05": 2}), "logit_bias"),
+        ("/v1/completions", dict(prompt="hi", logit_bias={"-5": 1}), "logit_bias"),
+        ("/v1/completions", dict(prompt="hi", presence_penalty=2.5), "presence_penalty"),
+        (
+            "/v1/chat/completions",
+            dict(messages=[{"role": "user", "content": "x"}], frequency_penalty=-3),
+            "frequency_penalty",
+        ),
+        ("/v1/completions", dict(prompt="hi", repetition_penalty=0), "repetition_penalty"),
+        ("/v1/completions", dict(prompt="hi", min_p=1.5), "min_p"),
+        ("/v1/completions", dict(prompt="hi", max_tokens=4, min_tokens=5), "min_tokens"),
+        ("/v1/completions", dict(prompt="hi", min_tokens=-1), "min_tokens"),
+    ],
+)
 def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     http, fake, _ = front
     r = post(http, path, model="m", **body)
@@ -303,29 +390,85 @@ def test_out_of_range_sampling_values_are_400s(front, path, body, param):
     assert not fake.prompts
 
 
-CHAT, COMPLETION, RESPONSE = (dict(model="m", messages=[{"role": "user", "content": "x"}]),
-                               dict(model="m", prompt="hi"), dict(model="m", input="hi"))
+CHAT, COMPLETION, RESPONSE = (
+    dict(model="m", messages=[{"role": "user", "content": "x"}]),
+    dict(model="m", prompt="hi"),
+    dict(model="m", input="hi"),
+)
 # (endpoint, a valid body, a field, a value of the wrong JSON type for it, the field an error names): OpenAI's API
 # types every field strictly, a boolean is no number, a number no boolean, a string neither
 MISTYPED = [
-    *[("/v1/chat/completions", CHAT, f, v, f) for f, v in [
-        ("max_tokens", True), ("max_completion_tokens", True), ("n", True), ("temperature", True), ("top_p", False),
-        ("seed", True), ("top_logprobs", True), ("logprobs", 1), ("stream", 0), ("presence_penalty", True),
-        ("frequency_penalty", True), ("top_k", True), ("min_tokens", True), ("priority", True), ("min_p", True),
-        ("repetition_penalty", True), ("ignore_eos", 1), ("skip_special_tokens", "false"), ("temperature", "0.5"),
-        ("max_tokens", "5"), ("max_tokens", 5.0), ("n", 1.0), ("parallel_tool_calls", 1), ("logit_bias", {"5": True}),
-        ("stop_token_ids", [True]), ("allowed_token_ids", [1.0]), ("stop", 1),
-        ("messages", [{"role": "user", "content": 5}]),
-        ("stream_options", {"include_usage": 1}), ("dualpath", {"usage": 1}), ("add_generation_prompt", 1),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}),
-        ("structured_outputs", {"json_object": 1}), ("model", 1)]],
-    *[("/v1/completions", COMPLETION, f, v, f) for f, v in [
-        ("max_tokens", True), ("logprobs", True), ("n", True), ("best_of", True), ("echo", 1), ("seed", "1"),
-        ("temperature", True), ("prompt", [True, False]), ("add_special_tokens", 0), ("truncate_prompt_tokens", True),
-        ("prompt_logprobs", True), ("include_stop_str_in_output", 1)]],
-    *[("/v1/responses", RESPONSE, f, v, f) for f, v in [
-        ("max_output_tokens", True), ("temperature", True), ("top_p", True), ("top_logprobs", True), ("store", 1),
-        ("stream", 1), ("parallel_tool_calls", 1), ("seed", True), ("top_k", True), ("instructions", 1)]],
+    *[
+        ("/v1/chat/completions", CHAT, f, v, f)
+        for f, v in [
+            ("max_tokens", True),
+            ("max_completion_tokens", True),
+            ("n", True),
+            ("temperature", True),
+            ("top_p", False),
+            ("seed", True),
+            ("top_logprobs", True),
+            ("logprobs", 1),
+            ("stream", 0),
+            ("presence_penalty", True),
+            ("frequency_penalty", True),
+            ("top_k", True),
+            ("min_tokens", True),
+            ("priority", True),
+            ("min_p", True),
+            ("repetition_penalty", True),
+            ("ignore_eos", 1),
+            ("skip_special_tokens", "false"),
+            ("temperature", "0.5"),
+            ("max_tokens", "5"),
+            ("max_tokens", 5.0),
+            ("n", 1.0),
+            ("parallel_tool_calls", 1),
+            ("logit_bias", {"5": True}),
+            ("stop_token_ids", [True]),
+            ("allowed_token_ids", [1.0]),
+            ("stop", 1),
+            ("messages", [{"role": "user", "content": 5}]),
+            ("stream_options", {"include_usage": 1}),
+            ("dualpath", {"usage": 1}),
+            ("add_generation_prompt", 1),
+            ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}),
+            ("structured_outputs", {"json_object": 1}),
+            ("model", 1),
+        ]
+    ],
+    *[
+        ("/v1/completions", COMPLETION, f, v, f)
+        for f, v in [
+            ("max_tokens", True),
+            ("logprobs", True),
+            ("n", True),
+            ("best_of", True),
+            ("echo", 1),
+            ("seed", "1"),
+            ("temperature", True),
+            ("prompt", [True, False]),
+            ("add_special_tokens", 0),
+            ("truncate_prompt_tokens", True),
+            ("prompt_logprobs", True),
+            ("include_stop_str_in_output", 1),
+        ]
+    ],
+    *[
+        ("/v1/responses", RESPONSE, f, v, f)
+        for f, v in [
+            ("max_output_tokens", True),
+            ("temperature", True),
+            ("top_p", True),
+            ("top_logprobs", True),
+            ("store", 1),
+            ("stream", 1),
+            ("parallel_tool_calls", 1),
+            ("seed", True),
+            ("top_k", True),
+            ("instructions", 1),
+        ]
+    ],
     ("/tokenize", dict(prompt="hi"), "add_special_tokens", 1, "add_special_tokens"),
     ("/tokenize", dict(), "prompt", 5, "prompt"),
     ("/detokenize", dict(), "tokens", [True], "tokens"),
@@ -352,18 +495,31 @@ def test_a_field_of_another_json_type_is_a_400_naming_it(tiny_dirs, tmp_path, pa
     assert not fake.prompts
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 5, "logit_bias": {"5": 1}}),
-    ("/v1/completions", {**COMPLETION, "logprobs": 2, "echo": False, "seed": 0, "max_tokens": 5, "min_p": 0}),
-    ("/v1/responses", {**RESPONSE, "max_output_tokens": 5, "store": False}),
-    ("/generate", dict(text="hi", sampling_params={"max_new_tokens": 5}, return_logprob=False)),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {**CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 5, "logit_bias": {"5": 1}},
+        ),
+        ("/v1/completions", {**COMPLETION, "logprobs": 2, "echo": False, "seed": 0, "max_tokens": 5, "min_p": 0}),
+        ("/v1/responses", {**RESPONSE, "max_output_tokens": 5, "store": False}),
+        ("/generate", dict(text="hi", sampling_params={"max_new_tokens": 5}, return_logprob=False)),
+    ],
+)
 def test_values_of_the_right_json_type_pass_and_an_integer_is_a_number(front, path, body):
     http, fake, _ = front
     fake.reply = "ok"
     numbers = dict(temperature=1, top_p=1)  # JSON integers where numbers are asked
-    r = post(http, path, **({**body, "sampling_params": {**body["sampling_params"], **numbers}} if path == "/generate"
-                            else {**body, **numbers}))
+    r = post(
+        http,
+        path,
+        **(
+            {**body, "sampling_params": {**body["sampling_params"], **numbers}}
+            if path == "/generate"
+            else {**body, **numbers}
+        ),
+    )
     assert r.status_code == 200, r.text
     s = fake.samplings[-1]
     assert (s.temperature, s.top_p, s.max_tokens) == (1.0, 1.0, 5) and type(s.temperature) is float
@@ -375,15 +531,21 @@ class EchoHandle:
     request_id = "echo"
 
     def __init__(self, prompt: list[int], reply: list[int]):
-        self.plps = [{"token_id": t, "logprob": -1.0 - k, "top": [[t, -1.0 - k]], "rank": 1}
-                     for k, t in enumerate(prompt[1:])]
+        self.plps = [
+            {"token_id": t, "logprob": -1.0 - k, "top": [[t, -1.0 - k]], "rank": 1} for k, t in enumerate(prompt[1:])
+        ]
         self.reply = reply
 
     def events(self):
         for k, t in enumerate(self.reply):
             end = k == len(self.reply) - 1
-            yield TokenEvent(self.request_id, t, {"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]},
-                             prompt_logprobs=None if k else self.plps, finish_reason="length" if end else "")
+            yield TokenEvent(
+                self.request_id,
+                t,
+                {"token_id": t, "logprob": -0.5, "top": [[t, -0.5]]},
+                prompt_logprobs=None if k else self.plps,
+                finish_reason="length" if end else "",
+            )
 
     def cancel(self):
         pass
@@ -411,8 +573,9 @@ def test_completions_echo_with_and_without_logprobs_streamed_or_not(front):
     ids, reply = tok.encode("hello"), tok.encode(" there", add_special_tokens=False)
     fake.reply = lambda sampling: EchoHandle(ids, reply)
     whole = post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=1).json()["choices"][0]
-    (chs,) = streamed_choices(post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=1,
-                                   stream=True)).values()
+    (chs,) = streamed_choices(
+        post(http, "/v1/completions", model="m", prompt="hello", echo=True, logprobs=1, stream=True)
+    ).values()
     assert chs[0]["text"] == "hello" and chs[0]["logprobs"]["token_logprobs"][0] is None
     assert "".join(c["text"] for c in chs) == whole["text"] == "hello there"
     for key in ("tokens", "token_logprobs"):
@@ -432,8 +595,11 @@ def test_tokenize_agrees_with_the_tokenizer_and_the_chat_endpoint(front):
     http, fake, tok = front
     r = post(http, "/tokenize", model="m", prompt="Hello there")
     assert r.status_code == 200, r.text
-    assert r.json() == {"count": len(tok.encode("Hello there")), "max_model_len": 4096,
-                        "tokens": tok.encode("Hello there")}
+    assert r.json() == {
+        "count": len(tok.encode("Hello there")),
+        "max_model_len": 4096,
+        "tokens": tok.encode("Hello there"),
+    }
     fake.reply = "ok"
     post(http, "/v1/chat/completions", model="m", **ask())
     r = post(http, "/tokenize", **ask())  # the model field is optional, as in vLLM
@@ -442,13 +608,16 @@ def test_tokenize_agrees_with_the_tokenizer_and_the_chat_endpoint(front):
     assert r.json() == {"prompt": "Hello there"}
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/tokenize", dict(), 400),
-    ("/tokenize", dict(prompt="a", messages=[{"role": "user", "content": "b"}]), 400),
-    ("/tokenize", dict(model="other", prompt="a"), 404),
-    ("/detokenize", dict(tokens=[-1]), 400),
-    ("/detokenize", dict(tokens="abc"), 400),
-])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/tokenize", dict(), 400),
+        ("/tokenize", dict(prompt="a", messages=[{"role": "user", "content": "b"}]), 400),
+        ("/tokenize", dict(model="other", prompt="a"), 404),
+        ("/detokenize", dict(tokens=[-1]), 400),
+        ("/detokenize", dict(tokens="abc"), 400),
+    ],
+)
 def test_utility_endpoints_answer_bad_requests_with_openai_errors(front, path, body, status):
     http, _, _ = front
     r = post(http, path, **body)
@@ -479,14 +648,18 @@ def test_chat_rendering_options(front):
     assert submitted(messages=started, add_generation_prompt=False).endswith("The capital is<|im_end|>\n")
     assert submitted(messages=started, continue_final_message=True).endswith("The capital is")
     assert submitted(messages=started, continue_final_message=True, add_generation_prompt=False).endswith(
-        "The capital is")
+        "The capital is"
+    )
 
 
-@pytest.mark.parametrize("extra, words", [
-    (dict(continue_final_message=True, add_generation_prompt=True), "cannot both be true"),
-    (dict(chat_template_kwargs={"messages": []}), "messages cannot be set here"),
-    (dict(continue_final_message=True, messages=[{"role": "user", "content": ""}]), "needs a final message"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (dict(continue_final_message=True, add_generation_prompt=True), "cannot both be true"),
+        (dict(chat_template_kwargs={"messages": []}), "messages cannot be set here"),
+        (dict(continue_final_message=True, messages=[{"role": "user", "content": ""}]), "needs a final message"),
+    ],
+)
 def test_chat_rendering_options_that_contradict_are_a_400(front, extra, words):
     http, fake, _ = front
     r = post(http, "/v1/chat/completions", model="m", **{"messages": [{"role": "user", "content": "x"}], **extra})
@@ -499,8 +672,13 @@ def test_chat_template_kwargs_reach_the_template(tiny_dirs, tmp_path):
     http, fake, tok = serve(tiny_dirs, tmp_path, template)
     fake.reply = "ok"
     for kwargs, end in ((None, "hi"), ({"shout": True}, "hi!")):
-        r = post(http, "/v1/chat/completions", model="m", messages=[{"role": "user", "content": "hi"}],
-                 chat_template_kwargs=kwargs)
+        r = post(
+            http,
+            "/v1/chat/completions",
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            chat_template_kwargs=kwargs,
+        )
         assert r.status_code == 200 and tok.decode(fake.prompts[-1]) == end
 
 
@@ -530,6 +708,7 @@ def test_served_names_from_the_command_line_and_a_config_file(tmp_path):
     from argparse import Namespace
 
     from dualpath.serving.serve import served_names
+
     assert served_names(Namespace(served_model_name=["a", "b"]), str(tmp_path)) == ("a", "b")
     assert served_names(Namespace(served_model_name="a"), str(tmp_path)) == ("a",)  # YAML's one name
     assert served_names(Namespace(served_model_name=None), str(tmp_path / "ckpt")) == ("ckpt",)
@@ -559,8 +738,11 @@ def test_n_choices_are_one_request_routed_by_choice(front):
 def test_n_choices_stream_interleaved_and_the_openai_client_reads_them(front):
     http, fake, _ = front
     fake.reply = lambda sampling: CALL if sampling.seed == 1 else "plain"
-    with http.stream("POST", "/v1/chat/completions", json={"model": "m", "stream": True, "n": 2, "seed": 0,
-                                                           "stream_options": {"include_usage": True}, **ask()}) as r:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "m", "stream": True, "n": 2, "seed": 0, "stream_options": {"include_usage": True}, **ask()},
+    ) as r:
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
     for c in chunks:
         validate("CreateChatCompletionStreamResponse", c)
@@ -650,8 +832,9 @@ class PacedHandle:
                     return
                 end = step == len(ids) - 1
                 left -= end
-                yield TokenEvent(self.request_id, ids[step], finish_reason="length" if end else "", index=i,
-                                 final=end and not left)
+                yield TokenEvent(
+                    self.request_id, ids[step], finish_reason="length" if end else "", index=i, final=end and not left
+                )
 
     def cancel(self):
         self.cancels += 1
@@ -688,23 +871,48 @@ def test_a_batch_of_prompts_is_one_request_each_with_choices_numbered_prompt_by_
     body = r.json()
     validate("CreateCompletionResponse", body)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
-        (0, "abseed 5"), (1, "abseed 6"), (2, "cdseed 5"), (3, "cdseed 6")]
+        (0, "abseed 5"),
+        (1, "abseed 6"),
+        (2, "cdseed 5"),
+        (3, "cdseed 6"),
+    ]
     assert fake.prompts == [tok.encode("ab"), tok.encode("cd")] and all(s.n == 2 for s in fake.samplings)
     assert body["usage"]["prompt_tokens"] == len(tok.encode("ab")) + len(tok.encode("cd"))
     assert body["usage"]["completion_tokens"] == 4 * len(tok.encode("seed 5", add_special_tokens=False))
-    streamed = [json.loads(x[6:]) for x in post(http, "/v1/completions", model="m", prompt=[[5, 6], [7]], n=2, seed=1,
-                                                stream=True, stream_options={"include_usage": True}).text.splitlines()
-                if x.startswith("data: {")]
+    streamed = [
+        json.loads(x[6:])
+        for x in post(
+            http,
+            "/v1/completions",
+            model="m",
+            prompt=[[5, 6], [7]],
+            n=2,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        ).text.splitlines()
+        if x.startswith("data: {")
+    ]
     texts = {}
     for c in streamed:
         for ch in c["choices"]:
             texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
     assert texts == {0: "seed 1", 1: "seed 2", 2: "seed 1", 3: "seed 2"} and streamed[-1]["usage"]["prompt_tokens"] == 3
     assert all("usage" not in c for c in streamed[:-1])
-    running = [json.loads(x[6:]) for x in post(  # vLLM's continuous_usage_stats: every chunk, the request's so far
-        http, "/v1/completions", model="m", prompt=[[5, 6], [7]], n=2, seed=1, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}).text.splitlines()
-        if x.startswith("data: {")]
+    running = [
+        json.loads(x[6:])
+        for x in post(  # vLLM's continuous_usage_stats: every chunk, the request's so far
+            http,
+            "/v1/completions",
+            model="m",
+            prompt=[[5, 6], [7]],
+            n=2,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ).text.splitlines()
+        if x.startswith("data: {")
+    ]
     so_far = [c["usage"]["completion_tokens"] for c in running]
     assert so_far == sorted(so_far) and so_far[-1] == streamed[-1]["usage"]["completion_tokens"] > so_far[0]
     assert all(c["usage"]["prompt_tokens"] == 3 for c in running)
@@ -726,8 +934,14 @@ class RankedHandle:
         for i, (ids, mean) in enumerate(zip(self.choices, self.means)):
             for k, t in enumerate(ids):
                 end = k == len(ids) - 1
-                yield TokenEvent(self.request_id, t, {"token_id": t, "logprob": mean, "top": []}, index=i,
-                                 finish_reason="length" if end else "", final=end and i == len(self.choices) - 1)
+                yield TokenEvent(
+                    self.request_id,
+                    t,
+                    {"token_id": t, "logprob": mean, "top": []},
+                    index=i,
+                    finish_reason="length" if end else "",
+                    final=end and i == len(self.choices) - 1,
+                )
 
     def cancel(self):
         pass
@@ -738,14 +952,17 @@ def test_best_of_returns_the_n_candidates_with_the_best_mean_logprob(front):
     logprob per token come back best first; the usage counts every candidate's tokens."""
     http, fake, tok = front
     texts = ["one one", "two", "three three three"]
-    fake.reply = lambda sampling: RankedHandle([tok.encode(t, add_special_tokens=False) for t in texts],
-                                               [-1.0, -0.2, -0.5])
+    fake.reply = lambda sampling: RankedHandle(
+        [tok.encode(t, add_special_tokens=False) for t in texts], [-1.0, -0.2, -0.5]
+    )
     r = post(http, "/v1/completions", model="m", prompt="hi", n=2, best_of=3)
     assert r.status_code == 200, r.text
     body = r.json()
     validate("CreateCompletionResponse", body)
-    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "two", None),
-                                                                                (1, "three three three", None)]
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "two", None),
+        (1, "three three three", None),
+    ]
     assert fake.samplings[-1].n == 3 and fake.samplings[-1].logprobs == 0
     assert body["usage"]["completion_tokens"] == sum(len(tok.encode(t, add_special_tokens=False)) for t in texts)
     r = post(http, "/v1/completions", model="m", prompt="hi", best_of=3, logprobs=2)
@@ -772,8 +989,10 @@ def _serving(frontend, drain_s: float):
     server, sock = frontend_server(frontend.app, "127.0.0.1", 0, drain_s)
     loop, ready = asyncio.new_event_loop(), threading.Event()
     stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(
-        _run(server, sock, ready.set, stop, lambda: frontend.in_flight)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(_run(server, sock, ready.set, stop, lambda: frontend.in_flight)),
+        daemon=True,
+    )
     thread.start()
     assert ready.wait(20)
     return f"http://127.0.0.1:{sock.getsockname()[1]}", lambda: loop.call_soon_threadsafe(stop.set), thread
@@ -869,26 +1088,48 @@ def test_the_models_generation_config_fills_the_sampling_a_request_leaves_out(ti
 
     gen = tmp_path / "gen"
     gen.mkdir()
-    (gen / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                                                             "repetition_penalty": 1.05, "max_new_tokens": 7,
-                                                             "eos_token_id": 2, "do_sample": True}))
+    (gen / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "max_new_tokens": 7,
+                "eos_token_id": 2,
+                "do_sample": True,
+            }
+        )
+    )
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, generation_config=str(gen))
     fake.reply = "ok"
     messages = [{"role": "user", "content": "hi"}]
     assert post(http, "/v1/chat/completions", model="m", messages=messages).status_code == 200
     s = fake.samplings[-1]
-    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.min_p, s.max_tokens) == (0.6, 0.95, 20, 1.05,
-                                                                                                0.0, 7)
-    assert post(http, "/v1/completions", model="m", prompt="hi", temperature=0, top_k=0, max_tokens=3).status_code \
-        == 200
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.min_p, s.max_tokens) == (
+        0.6,
+        0.95,
+        20,
+        1.05,
+        0.0,
+        7,
+    )
+    assert (
+        post(http, "/v1/completions", model="m", prompt="hi", temperature=0, top_k=0, max_tokens=3).status_code == 200
+    )
     s = fake.samplings[-1]
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.95, 0, 3)
     r = http.post("/v1/responses", json={"model": "m", "input": "hi", "top_p": 0.5})
     assert (fake.samplings[-1].temperature, fake.samplings[-1].top_p) == (0.6, 0.5)
     assert (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.5)  # what the response ran with
     assert model_defaults("vllm", gen) == {} and model_defaults("auto", tmp_path) == {}
-    assert model_defaults("auto", gen) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
-                                           "max_tokens": 7}
+    assert model_defaults("auto", gen) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 7,
+    }
     (gen / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(CheckpointError, match="unusable sampling defaults"):
         model_defaults(str(gen), "")

@@ -1,6 +1,7 @@
 """SGLang's native ``/generate`` on the frontend (against a test double of the cluster; the tiny tokenizer is one
 token per byte): its fields become the engines' sampling, its answers SGLang's shape, its errors 400s naming its
 own fields. The real cluster's answers (logprobs included) are checked in ``test_weight_updates.py``."""
+
 import json
 
 import pytest
@@ -29,10 +30,25 @@ def test_one_prompt_gives_one_object(front):
 
 def test_sampling_params_reach_the_engines_under_their_own_names(front):
     http, fake, _ = front
-    sp = {"max_new_tokens": 30, "min_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
-          "frequency_penalty": 0.1, "presence_penalty": 0.2, "repetition_penalty": 1.1, "stop": ["\n\n"],
-          "stop_token_ids": [7], "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True,
-          "sampling_seed": 11, "logit_bias": {"5": -2.0}, "spaces_between_special_tokens": True}
+    sp = {
+        "max_new_tokens": 30,
+        "min_new_tokens": 2,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.05,
+        "frequency_penalty": 0.1,
+        "presence_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "stop": ["\n\n"],
+        "stop_token_ids": [7],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "sampling_seed": 11,
+        "logit_bias": {"5": -2.0},
+        "spaces_between_special_tokens": True,
+    }
     assert http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": sp}).status_code == 200
     s = fake.samplings[-1]
     assert (s.max_tokens, s.min_tokens, s.temperature, s.top_p, s.top_k, s.min_p) == (30, 2, 0.7, 0.9, 0, 0.05)
@@ -46,8 +62,11 @@ def test_sampling_params_reach_the_engines_under_their_own_names(front):
     http.post("/generate", json={"text": "x", "priority": 3})
     assert fake.samplings[-1].priority == -3  # SGLang runs higher priorities first, the scheduler lower ones
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    for key, value, field in [("json_schema", json.dumps(schema), "json_schema"), ("regex", "[0-9]+", "regex"),
-                              ("ebnf", 'root ::= "yes" | "no"', "grammar")]:
+    for key, value, field in [
+        ("json_schema", json.dumps(schema), "json_schema"),
+        ("regex", "[0-9]+", "regex"),
+        ("ebnf", 'root ::= "yes" | "no"', "grammar"),
+    ]:
         fake.reply = "7"
         assert http.post("/generate", json={"text": "x", "sampling_params": {key: value}}).status_code == 200
         assert getattr(fake.samplings[-1], field)
@@ -56,8 +75,10 @@ def test_sampling_params_reach_the_engines_under_their_own_names(front):
 def test_a_batch_with_n_gives_every_choice_in_order(front):
     http, fake, tok = front
     fake.reply = lambda s: "ab" if (s.seed or 0) % 2 else "xyz"
-    out = http.post("/generate", json={"input_ids": [[5, 6], [7, 8, 9]], "rid": ["r1", "r2"],
-                                       "sampling_params": {"n": 2, "sampling_seed": 1}}).json()
+    out = http.post(
+        "/generate",
+        json={"input_ids": [[5, 6], [7, 8, 9]], "rid": ["r1", "r2"], "sampling_params": {"n": 2, "sampling_seed": 1}},
+    ).json()
     assert [o["text"] for o in out] == ["ab", "xyz", "ab", "xyz"] and [o["index"] for o in out] == [0, 1, 2, 3]
     assert [o["meta_info"]["id"] for o in out] == ["r1-0", "r1-1", "r2-0", "r2-1"]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 3, 3]
@@ -72,15 +93,16 @@ def test_stop_strings_and_lengths_are_reported_as_sglang_does(front):
     assert out["text"] == "Sunny," and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 21"}
     kept = http.post("/generate", json={"text": "W?", "sampling_params": {"stop": [" 21"], "no_stop_trim": True}})
     assert kept.json()["text"] == "Sunny, 21" and kept.json()["meta_info"]["finish_reason"]["matched"] == " 21"
-    fake.reply = lambda s: "abcdefgh"[:s.max_tokens]
+    fake.reply = lambda s: "abcdefgh"[: s.max_tokens]
     cut = http.post("/generate", json={"text": "W?", "sampling_params": {"max_new_tokens": 3}}).json()
     assert cut["text"] == "abc" and cut["meta_info"]["finish_reason"]["type"] == "stop"  # the double ends it
 
 
 def test_a_stream_carries_each_choices_text_and_ids_so_far(front):
     http, fake, tok = front
-    with http.stream("POST", "/generate", json={"text": "W?", "stream": True,
-                                                "sampling_params": {"n": 2, "sampling_seed": 3}}) as r:
+    with http.stream(
+        "POST", "/generate", json={"text": "W?", "stream": True, "sampling_params": {"n": 2, "sampling_seed": 3}}
+    ) as r:
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     events = [json.loads(x) for x in lines[:-1]]
@@ -96,34 +118,44 @@ def test_prompt_logprobs_from_logprob_start_len(front):
     """``logprob_start_len`` >= 0 asks for the prompt's logprobs from that position (the prompt is then computed
     whole, as with the completions endpoint's ``prompt_logprobs``); the double makes each one up as -1."""
     http, fake, _ = front
-    body = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 1,
-            "sampling_params": {"max_new_tokens": 4}}
+    body = {
+        "input_ids": [5, 6, 7],
+        "return_logprob": True,
+        "top_logprobs_num": 1,
+        "logprob_start_len": 1,
+        "sampling_params": {"max_new_tokens": 4},
+    }
     meta = http.post("/generate", json=body).json()["meta_info"]
     assert fake.samplings[-1].prompt_logprobs == 1
     assert meta["input_token_logprobs"] == [[-1.0, 6, None], [-1.0, 7, None]]
     assert meta["input_top_logprobs"] == [[[-1.0, 6, None]], [[-1.0, 7, None]]]
     meta = http.post("/generate", json={**body, "logprob_start_len": 0, "return_text_in_logprobs": True}).json()
     assert meta["meta_info"]["input_token_logprobs"][0] == [None, 5, "\x05"]
-    assert "input_token_logprobs" not in http.post("/generate", json={**body, "logprob_start_len": -1}).json()[
-        "meta_info"] and fake.samplings[-1].prompt_logprobs is None
+    assert (
+        "input_token_logprobs" not in http.post("/generate", json={**body, "logprob_start_len": -1}).json()["meta_info"]
+        and fake.samplings[-1].prompt_logprobs is None
+    )
 
 
-@pytest.mark.parametrize("body, param, why", [
-    ({"text": "a", "input_ids": [1]}, "text", "either text or input_ids"),
-    ({}, "text", "either text or input_ids"),
-    ({"input_ids": []}, "text", "not empty"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", "greater"),
-    ({"text": "a", "sampling_params": {"temperature": 9}}, "sampling_params.temperature", "less than"),
-    ({"text": "a", "sampling_params": {"lora_path": "x"}}, "sampling_params", "not supported: lora_path"),
-    ({"text": "a", "sampling_params": {"json_schema": "{nope"}}, "sampling_params", "not JSON"),
-    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", "a prompt position"),
-    ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "less than"),
-    ({"text": "a", "image_data": "x"}, "image_data", "Extra inputs"),
-    ({"text": ["a", "b"], "rid": ["one"]}, "rid", "1 ids for 2 prompts"),
-    ({"text": "a", "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", "one set"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": 10 ** 6}}, "sampling_params.max_new_tokens", "context"),
-    ({"input_ids": [10 ** 7]}, "input_ids", "token ids must be"),
-])
+@pytest.mark.parametrize(
+    "body, param, why",
+    [
+        ({"text": "a", "input_ids": [1]}, "text", "either text or input_ids"),
+        ({}, "text", "either text or input_ids"),
+        ({"input_ids": []}, "text", "not empty"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", "greater"),
+        ({"text": "a", "sampling_params": {"temperature": 9}}, "sampling_params.temperature", "less than"),
+        ({"text": "a", "sampling_params": {"lora_path": "x"}}, "sampling_params", "not supported: lora_path"),
+        ({"text": "a", "sampling_params": {"json_schema": "{nope"}}, "sampling_params", "not JSON"),
+        ({"text": "a", "logprob_start_len": -2}, "logprob_start_len", "a prompt position"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "less than"),
+        ({"text": "a", "image_data": "x"}, "image_data", "Extra inputs"),
+        ({"text": ["a", "b"], "rid": ["one"]}, "rid", "1 ids for 2 prompts"),
+        ({"text": "a", "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", "one set"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens", "context"),
+        ({"input_ids": [10**7]}, "input_ids", "token ids must be"),
+    ],
+)
 def test_bad_requests_are_400s_naming_sglangs_field(front, body, param, why):
     http, _, _ = front
     r = http.post("/generate", json=body)

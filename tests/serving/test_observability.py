@@ -2,6 +2,7 @@
 engines', KV cache's and transport's (pulled from the scheduler at each scrape), every series is documented in
 docs/metrics.md, each request gets an access-log line (off with ``--disable-log-requests``), a stats line is logged
 while busy and never while idle, and start-up reports each engine as it loads and becomes ready."""
+
 import asyncio
 import logging
 import subprocess
@@ -22,16 +23,45 @@ from dualpath.scheduler.http import render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 STATS = {  # a scheduler's stats with one of everything its series are made from
-    "submitted": 4, "finished": 3, "path_pe": 2, "path_de": 1, "hit_tokens": 32, "blocks_evicted": 2,
-    "global_queue": 1, "in_flight": 3, "waiting_by_priority": {"0": 1}, "engines_alive": 2, "index_blocks": 5,
-    "node_read_q_tokens": {"n0": 64}, "node_alpha_tokens": {"n0": 300}, "node_alpha_measured": {"n0": True},
-    "storage_read_bytes": {"n0": 4096}, "traffic_bytes": {"prefill-0": {"storage_read:kv": 4096}},
-    "speculative": {"decode-0": {"drafted": 8, "accepted": 5}}, "prefill_busy_max_over_avg": {"pg": 1.1},
+    "submitted": 4,
+    "finished": 3,
+    "path_pe": 2,
+    "path_de": 1,
+    "hit_tokens": 32,
+    "blocks_evicted": 2,
+    "global_queue": 1,
+    "in_flight": 3,
+    "waiting_by_priority": {"0": 1},
+    "engines_alive": 2,
+    "index_blocks": 5,
+    "node_read_q_tokens": {"n0": 64},
+    "node_alpha_tokens": {"n0": 300},
+    "node_alpha_measured": {"n0": True},
+    "storage_read_bytes": {"n0": 4096},
+    "traffic_bytes": {"prefill-0": {"storage_read:kv": 4096}},
+    "speculative": {"decode-0": {"drafted": 8, "accepted": 5}},
+    "prefill_busy_max_over_avg": {"pg": 1.1},
     "engines": {
-        "prefill-0": {"role": "prefill", "node": "n0", "group": "pg", "capacity_tokens": 1024, "free_tokens": 1024,
-                      "requests": 0, "measured_beta": 5000, "dp_balance": 1.05},
-        "decode-0": {"role": "decode", "node": "n0", "capacity_tokens": 1000, "free_tokens": 750, "requests": 2,
-                     "storage_used_bytes": 8192, "storage_capacity_bytes": 1 << 20}},
+        "prefill-0": {
+            "role": "prefill",
+            "node": "n0",
+            "group": "pg",
+            "capacity_tokens": 1024,
+            "free_tokens": 1024,
+            "requests": 0,
+            "measured_beta": 5000,
+            "dp_balance": 1.05,
+        },
+        "decode-0": {
+            "role": "decode",
+            "node": "n0",
+            "capacity_tokens": 1000,
+            "free_tokens": 750,
+            "requests": 2,
+            "storage_used_bytes": 8192,
+            "storage_capacity_bytes": 1 << 20,
+        },
+    },
 }
 
 
@@ -44,8 +74,14 @@ class Handle:
     def events(self):
         for i, t in enumerate(self.tokens):
             last = i == len(self.tokens) - 1
-            yield TokenEvent("fake", t, finish_reason="length" if last else "", num_cached_tokens=16 if last else 0,
-                             path="pe" if last else "", storage_bytes=1024 if last else 0)
+            yield TokenEvent(
+                "fake",
+                t,
+                finish_reason="length" if last else "",
+                num_cached_tokens=16 if last else 0,
+                path="pe" if last else "",
+                storage_bytes=1024 if last else 0,
+            )
 
     def cancel(self):
         pass
@@ -72,8 +108,9 @@ class FakeCluster:
 
 def frontend(tiny_dirs, **config):
     config = {"log_requests": True, **config}  # (as serve and frontend run it)
-    front = Frontend(FrontendConfig("m", str(tiny_dirs["llama"]), "unused:0", max_model_len=512, **config),
-                     client=FakeCluster())
+    front = Frontend(
+        FrontendConfig("m", str(tiny_dirs["llama"]), "unused:0", max_model_len=512, **config), client=FakeCluster()
+    )
     return front, TestClient(front.app)
 
 
@@ -108,8 +145,10 @@ def test_the_api_metrics_hold_the_frontend_scheduler_engine_kv_and_transport_ser
     assert value(fams, "dualpath_engine_kv_cache_tokens", engine="prefill-0") == 1024
     assert value(fams, "dualpath_storage_used_bytes", node="n0") == 8192  # the KV store's
     assert value(fams, "dualpath_scheduler_blocks_evicted_total") == 2
-    assert value(fams, "dualpath_engine_kv_bytes_total", engine="prefill-0", path="storage_read", **{"class": "kv"}) \
-        == 4096  # the transport's
+    assert (
+        value(fams, "dualpath_engine_kv_bytes_total", engine="prefill-0", path="storage_read", **{"class": "kv"})
+        == 4096
+    )  # the transport's
 
 
 def test_without_the_scheduler_the_api_metrics_still_answer_with_scheduler_up_0(tiny_dirs):
@@ -126,8 +165,11 @@ def test_the_scheduler_exposition_parses_and_every_series_is_documented(tiny_dir
     http.get("/health")
     names = set(families(render(STATS))) | set(families(http.get("/metrics").text))
     documented = DOCS.read_text()
-    missing = sorted(n for n in names if not n.endswith("_created") and
-                     f"`{n}_total`" not in documented and f"`{n}`" not in documented)
+    missing = sorted(
+        n
+        for n in names
+        if not n.endswith("_created") and f"`{n}_total`" not in documented and f"`{n}`" not in documented
+    )
     assert not missing, f"series not in docs/metrics.md: {missing}"
     assert len(names) > 40
 
@@ -187,9 +229,11 @@ def test_the_stats_line_reports_a_busy_interval_and_nothing_while_idle():
     counts[0] = Counts(prompt=400, generated=100, cached=(("de", 100.0), ("none", 0.0), ("pe", 200.0)), in_flight=2)
     clock.t += 10
     text = line.tick()
-    assert text == ("Avg prompt throughput: 40.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
-                    "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
-                    "Prefix cache hit rate: 75.0% (de 25.0%, pe 50.0%)")
+    assert text == (
+        "Avg prompt throughput: 40.0 tokens/s, Avg generation throughput: 10.0 tokens/s, "
+        "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, "
+        "Prefix cache hit rate: 75.0% (de 25.0%, pe 50.0%)"
+    )
     counts[0] = Counts(prompt=400, generated=150, cached=counts[0].cached, in_flight=1)
     clock.t += 10
     assert line.tick().startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 5.0 tokens/s")
@@ -239,8 +283,20 @@ def test_start_up_reports_each_engine_as_it_starts_and_is_ready(tmp_path):
     for name in ("prefill-0", "decode-0"):
         log_path = tmp_path / f"{name}.log"
         log_path.write_text("INFO dualpath.engines.models: llama: 1.0 MiB of weights on cpu in 0.5 s\n")
-        cmd = [sys.executable, "-m", "dualpath.cli", "engine", "--role", name[:-2], "--model", "/m/llama",
-               "--device", "cpu", "--ready-file", str(tmp_path / f"{name}.ready")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "engine",
+            "--role",
+            name[:-2],
+            "--model",
+            "/m/llama",
+            "--device",
+            "cpu",
+            "--ready-file",
+            str(tmp_path / f"{name}.ready"),
+        ]
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         children.append(Child(name, proc, log_path, tmp_path / f"{name}.ready", cmd))
     try:

@@ -2,6 +2,7 @@
 ``/health_generate`` answers from one real token, a busy server's tokens, or a timeout that lets the probe go;
 ``/get_model_info``, ``/get_server_info``, vLLM's ``/version`` and ``/ping``. The real cluster's answers, a wedged
 engine's included, are checked in ``test_serving.py``."""
+
 import asyncio
 import json
 import threading
@@ -51,12 +52,17 @@ def test_health_generate_makes_one_greedy_token_and_counts_no_usage(front):
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert fake.prompts == [tok.encode(PROBE_PROMPT)]
     assert fake.samplings[0].max_tokens == 1 and fake.samplings[0].temperature == 0.0
-    counted = [ln for ln in http.get("/metrics").text.splitlines()
-               if ln.startswith(("dualpath_prompt_tokens_total", "dualpath_completion_tokens_total"))]
+    counted = [
+        ln
+        for ln in http.get("/metrics").text.splitlines()
+        if ln.startswith(("dualpath_prompt_tokens_total", "dualpath_completion_tokens_total"))
+    ]
     assert all(float(ln.split()[-1]) == 0 for ln in counted)  # a probe is not usage
     assert http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8}).status_code == 200
-    assert any(ln.startswith("dualpath_completion_tokens_total") and float(ln.split()[-1]) > 0
-               for ln in http.get("/metrics").text.splitlines())  # where a request's are
+    assert any(
+        ln.startswith("dualpath_completion_tokens_total") and float(ln.split()[-1]) > 0
+        for ln in http.get("/metrics").text.splitlines()
+    )  # where a request's are
 
 
 def test_a_probe_no_engine_answers_is_a_503_within_its_timeout_and_is_let_go(front):
@@ -80,6 +86,7 @@ def test_another_requests_token_answers_a_waiting_probe(front):
     def other_requests_tokens():  # one every 0.4 s, so one comes after the probe began however late it begins
         while not done.wait(0.4):
             http.front.last_token_at = time.perf_counter()
+
     threading.Thread(target=other_requests_tokens, daemon=True).start()
     start = time.monotonic()
     r = http.get("/health_generate")
@@ -112,13 +119,18 @@ def test_concurrent_probes_share_one_generation(front):
     assert all("failed" in a.json()["error"] for a in answers)
 
 
-@pytest.mark.parametrize("stats, why", [
-    ({"ready": False}, "lacks engines"),
-    ({"ready": False, "missing": ["no prefill engine alive for 12 s (prefill-0 is gone: exited)"]},
-     "no prefill engine alive for 12 s (prefill-0 is gone: exited)"),
-    ({"ready": True, "paused": True}, "weights are being updated"),
-    (DualPathError("connection refused"), "did not answer"),
-])
+@pytest.mark.parametrize(
+    "stats, why",
+    [
+        ({"ready": False}, "lacks engines"),
+        (
+            {"ready": False, "missing": ["no prefill engine alive for 12 s (prefill-0 is gone: exited)"]},
+            "no prefill engine alive for 12 s (prefill-0 is gone: exited)",
+        ),
+        ({"ready": True, "paused": True}, "weights are being updated"),
+        (DualPathError("connection refused"), "did not answer"),
+    ],
+)
 def test_a_cluster_that_cannot_serve_is_a_503_at_once(front, stats, why):
     http, fake, _ = front
     fake.stats = (lambda: (_ for _ in ()).throw(stats)) if isinstance(stats, Exception) else (lambda: stats)
@@ -130,8 +142,10 @@ def test_health_names_what_is_missing(front):
     http, fake, _ = front
     fake.stats = lambda: {"ready": False, "missing": ["no decode engine has registered yet"]}
     r = http.get("/health")
-    assert r.status_code == 503 and r.json() == {"status": "unavailable",
-                                                 "missing": ["no decode engine has registered yet"]}
+    assert r.status_code == 503 and r.json() == {
+        "status": "unavailable",
+        "missing": ["no decode engine has registered yet"],
+    }
     fake.stats = lambda: {"ready": True}
     assert http.get("/health").json() == {"status": "ok"}
 
@@ -193,8 +207,12 @@ def test_a_clients_request_id_names_the_response_and_the_submission(front):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     r = http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
     assert r.headers["x-request-id"] == "trace-42" and r.json()["id"] == "chatcmpl-trace-42"
-    with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True},
-                     headers={"X-Request-Id": "trace-42"}) as s:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True},
+        headers={"X-Request-Id": "trace-42"},
+    ) as s:
         ids = {json.loads(ln[6:])["id"] for ln in s.iter_lines() if ln.startswith("data: {")}
     assert s.headers["x-request-id"] == "trace-42" and ids == {"cmpl-trace-42"}
     first, second = fake.request_ids[-2:]
@@ -212,9 +230,16 @@ def test_without_a_usable_request_id_one_is_made(front, given):
     assert http.get("/health").headers["x-request-id"]  # every response carries one
 
 
-@pytest.mark.parametrize("query, why", [("mode=keep", "freezes requests"), ("mode=later", "'abort' or 'wait'"),
-                                        ("mode=wait&timeout=0", "timeout"), ("mode=wait&timeout=inf", "timeout"),
-                                        ("timeout=nan", "timeout")])
+@pytest.mark.parametrize(
+    "query, why",
+    [
+        ("mode=keep", "freezes requests"),
+        ("mode=later", "'abort' or 'wait'"),
+        ("mode=wait&timeout=0", "timeout"),
+        ("mode=wait&timeout=inf", "timeout"),
+        ("timeout=nan", "timeout"),
+    ],
+)
 def test_pauses_it_cannot_make_are_400s_and_hold_nothing(tiny_dirs, tmp_path, query, why):
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin")
     fake.hold = lambda *a: pytest.fail("held")

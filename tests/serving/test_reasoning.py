@@ -1,5 +1,6 @@
 """Reasoning split from the answer (``dualpath.serving.reasoning``): however a reply is cut into deltas, the pieces
 join to the whole reply's split; the prompt or the reply itself opens the thinking."""
+
 from hypothesis import given, strategies as st
 
 from dualpath.serving.reasoning import ReasoningSplitter, knows_thinking, prompt_opens_thinking
@@ -37,8 +38,9 @@ def test_known_shapes():
     assert splitter("<think>never closed", False, [3, 7, 12])[2].tokens == 4
 
 
-@given(st.lists(st.sampled_from(WORDS), max_size=12).map("".join), st.booleans(),
-       st.lists(st.integers(0, 200), max_size=6))
+@given(
+    st.lists(st.sampled_from(WORDS), max_size=12).map("".join), st.booleans(), st.lists(st.integers(0, 200), max_size=6)
+)
 def test_any_cut_joins_to_the_whole_split(text, thinking, cuts):
     assert split(text, thinking, cuts) == split(text, thinking, [])
 
@@ -61,15 +63,18 @@ from grammar_check import completes, constraint  # noqa: E402
 from test_tools import CALL, HERMES_TEMPLATE, WEATHER, serve  # noqa: E402
 
 # DeepSeek-R1's way: the generation prompt opens the thinking, earlier replies lose theirs
-R1_TEMPLATE = HERMES_TEMPLATE.replace("{{ message['content'] }}{% endif %}",
-                                      "{{ message['content'].split('</think>')[-1] }}{% endif %}") \
-    .replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+R1_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{{ message['content'] }}{% endif %}", "{{ message['content'].split('</think>')[-1] }}{% endif %}"
+).replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
 # Qwen3's way: the model opens the block itself, unless enable_thinking is false (the prompt closes an empty one)
-QWEN3_TEMPLATE = HERMES_TEMPLATE.replace("{{ message['content'] }}{% endif %}",
-                                         "{{ message['content'].split('</think>')[-1] }}{% endif %}") \
-    .replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n{% if enable_thinking is defined and "
-                                                   "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
-                                                   "{% endif %}")
+QWEN3_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{{ message['content'] }}{% endif %}", "{{ message['content'].split('</think>')[-1] }}{% endif %}"
+).replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
 THOUGHT = 'Maybe <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>? No.'
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -130,8 +135,12 @@ def test_streamed_thinking_and_answer_join_to_the_whole_reply(r1):
 def test_the_model_may_open_the_block_itself_and_other_replies_are_all_answer(tiny_dirs, tmp_path):
     http, fake, _ = serve(tiny_dirs, tmp_path, QWEN3_TEMPLATE)
     fake.reply = "<think>hmm</think>Yes."
-    assert chat(http).json()["choices"][0]["message"] == {"role": "assistant", "content": "Yes.",
-                                                          "refusal": None, "reasoning_content": "hmm"}
+    assert chat(http).json()["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Yes.",
+        "refusal": None,
+        "reasoning_content": "hmm",
+    }
     fake.reply = "  Yes, </think> is a tag."
     message = chat(http).json()["choices"][0]["message"]
     assert message["content"] == "  Yes, </think> is a tag." and message["reasoning_content"] is None
@@ -154,12 +163,14 @@ def test_structured_replies_are_constrained_after_the_thinking(tiny_dirs, tmp_pa
     http, fake, _ = serve(tiny_dirs, tmp_path / "r1", R1_TEMPLATE)
     schema = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"]}
     fake.reply = 'It is warm, say {"temp": 20}.</think>\n\n{"temp": 21}'
-    message = chat(http, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})\
-        .json()["choices"][0]["message"]
+    message = chat(
+        http, response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    ).json()["choices"][0]["message"]
     assert fake.samplings[-1].json_thinking == "open" and accepted(fake.samplings[-1], fake.reply)
     assert message["reasoning_content"] == 'It is warm, say {"temp": 20}.' and message["content"] == '{"temp": 21}'
-    fake.reply = THOUGHT + "</think>" + CALL.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>",
-                                                                                            "\n</tool_call>")
+    fake.reply = (
+        THOUGHT + "</think>" + CALL.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>")
+    )
     choice = chat(http, tools=[WEATHER], tool_choice="required").json()["choices"][0]
     assert fake.samplings[-1].json_thinking == "open" and accepted(fake.samplings[-1], fake.reply)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning_content"] == THOUGHT
@@ -167,8 +178,7 @@ def test_structured_replies_are_constrained_after_the_thinking(tiny_dirs, tmp_pa
     chunks = stream(http, "/v1/chat/completions", messages=ASK, tools=[WEATHER], tool_choice="required")
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == THOUGHT
-    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if c.get("id")] == \
-        ["get_weather"]
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if c.get("id")] == ["get_weather"]
 
     http, fake, _ = serve(tiny_dirs, tmp_path / "qwen3", QWEN3_TEMPLATE)
     for reply, thought in (('<think>hm</think>\n{"a": 1}', "hm"), ('{"a": 1}', None)):
@@ -203,11 +213,13 @@ def test_responses_put_the_thinking_in_a_reasoning_item(r1):
     assert body["output"][0]["content"][0]["text"] == THOUGHT
     assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking_tokens(fake.tokenizer, fake.reply)
     events = stream(http, "/v1/responses", input="Weather in Paris?")
-    schema = {"response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
-              "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
-              "response.output_item.added": "ResponseOutputItemAddedEvent",
-              "response.output_item.done": "ResponseOutputItemDoneEvent",
-              "response.completed": "ResponseCompletedEvent"}
+    schema = {
+        "response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
+        "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
+        "response.output_item.added": "ResponseOutputItemAddedEvent",
+        "response.output_item.done": "ResponseOutputItemDoneEvent",
+        "response.completed": "ResponseCompletedEvent",
+    }
     for e in events:
         if e["type"] in schema:
             validate(schema[e["type"]], e)
@@ -219,9 +231,15 @@ def test_responses_put_the_thinking_in_a_reasoning_item(r1):
         got = s.get_final_response()
     assert got.output_text == "It is sunny." and got.output[0].content[0].text == THOUGHT
     # sent back as input (an agent managing its own context), the reasoning item is left out of the prompt
-    client.responses.create(model="m", input=[{"role": "user", "content": "Weather in Paris?"},
-                                              got.output[0].model_dump(exclude_none=True),
-                                              {"role": "user", "content": "And Rome?"}])
-    without = client.responses.create(model="m", input=[{"role": "user", "content": "Weather in Paris?"},
-                                                        {"role": "user", "content": "And Rome?"}])
+    client.responses.create(
+        model="m",
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            got.output[0].model_dump(exclude_none=True),
+            {"role": "user", "content": "And Rome?"},
+        ],
+    )
+    without = client.responses.create(
+        model="m", input=[{"role": "user", "content": "Weather in Paris?"}, {"role": "user", "content": "And Rome?"}]
+    )
     assert without.output_text and fake.prompts[-1] == fake.prompts[-2]

@@ -1,6 +1,7 @@
 """Patterns (vLLM's guided_regex / guided_choice), compiled by llguidance: what they match against Python's ``re``
 (with ``re.ASCII``, whose classes they use) on strings that match and on strings that do not, refused syntax, masks
 with the model's end tokens where a match may end, and whole generations of the tiny random model that match."""
+
 import random
 import re
 
@@ -17,13 +18,37 @@ from grammar_check import allowed, along, check_masks_along, completes, fullmatc
 
 # Python's syntax where Rust's regex (llguidance's) reads it alike; (?P<name>...) groups, lazy quantifiers, inline
 # flags for the pattern or a group, ^ and $ at the ends
-PATTERNS = [r"\d+", r"(yes|no|maybe)", r"[a-z]{2,4}@[a-z]+\.(com|org)", r"a*b?c{0,3}", r"[^\n\"]*", r"\w+ \s?\W",
-            r".{1,3}é", r"(ab|a)(bc|c)*", r"[\u00e0-\u00ff\u4e00-\u9fff]+", r"^-?\d+(\.\d+)?$",
-            r"(?P<pair>[A-F0-9]{2}:){2}x", r"a{0,2}b", r"[]a-]+", r"[^]]", r"\x41\u00e9\.", r"a|", r"(|a)b",
-            r"\(\d{3}\) \d{3}-\d{4}", r"[\U0001F600-\U0001F64F]{1,2}[^\x00-\x7f]?", r"(?:\[\d+(, \d+)*\])?x",
-            r"[+*?]{2}\{\}", r"(a|b)*?c+?", r"\D\W\S", r"[\d\s-]+", r"(?i)(yes|no)[^a]", r"a(?i:b[c-e](?-i:f))g",
-            r"(?s)x.{1,2}", r"(?i)A\x62"]
-ALPHABET = "abcxyz019 .@-\n\"éà中\U0001F600:ABF]_()[],+*?{}\tYESNOfgCDG"
+PATTERNS = [
+    r"\d+",
+    r"(yes|no|maybe)",
+    r"[a-z]{2,4}@[a-z]+\.(com|org)",
+    r"a*b?c{0,3}",
+    r"[^\n\"]*",
+    r"\w+ \s?\W",
+    r".{1,3}é",
+    r"(ab|a)(bc|c)*",
+    r"[\u00e0-\u00ff\u4e00-\u9fff]+",
+    r"^-?\d+(\.\d+)?$",
+    r"(?P<pair>[A-F0-9]{2}:){2}x",
+    r"a{0,2}b",
+    r"[]a-]+",
+    r"[^]]",
+    r"\x41\u00e9\.",
+    r"a|",
+    r"(|a)b",
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"[\U0001F600-\U0001F64F]{1,2}[^\x00-\x7f]?",
+    r"(?:\[\d+(, \d+)*\])?x",
+    r"[+*?]{2}\{\}",
+    r"(a|b)*?c+?",
+    r"\D\W\S",
+    r"[\d\s-]+",
+    r"(?i)(yes|no)[^a]",
+    r"a(?i:b[c-e](?-i:f))g",
+    r"(?s)x.{1,2}",
+    r"(?i)A\x62",
+]
+ALPHABET = 'abcxyz019 .@-\n"éà中\U0001f600:ABF]_()[],+*?{}\tYESNOfgCDG'
 
 
 def matches(pattern: str, text: str) -> bool:
@@ -65,16 +90,30 @@ def test_any_text_compiles_or_is_refused_with_a_regex_error(pattern):
         assert e.field == "regex" and str(e).startswith("regex: ")
 
 
-@pytest.mark.parametrize("pattern, words", [
-    ("(a", "unclosed group"), ("a)", "unopened group"), (r"(a)\1", "backreferences are not supported"),
-    ("(?=a)", "look-around"), ("(?<!a)b", "look-around"), ("(?Q)a", "unrecognized flag"),
-    (r"\bx", "lookarounds not supported"), ("a{3,2}", "invalid repetition count range"),
-    ("[b-a]", "invalid character class range"), ("*a", "repetition operator missing expression"),
-    ("a^", "lookarounds not supported"), ("$a", "lookarounds not supported"), ("(?P=x)", "unrecognized flag"),
-    (r"[^\s\S]", "matches nothing"), ("(?>a)", "unrecognized flag"), ("[a", "unclosed character class"),
-    (r"\q", "unrecognized escape sequence"), (r"\x4", "incomplete escape sequence"),
-    ("a{,2}", "repetition quantifier expects a valid decimal"),  # Python's {,n}: write {0,n}
-])
+@pytest.mark.parametrize(
+    "pattern, words",
+    [
+        ("(a", "unclosed group"),
+        ("a)", "unopened group"),
+        (r"(a)\1", "backreferences are not supported"),
+        ("(?=a)", "look-around"),
+        ("(?<!a)b", "look-around"),
+        ("(?Q)a", "unrecognized flag"),
+        (r"\bx", "lookarounds not supported"),
+        ("a{3,2}", "invalid repetition count range"),
+        ("[b-a]", "invalid character class range"),
+        ("*a", "repetition operator missing expression"),
+        ("a^", "lookarounds not supported"),
+        ("$a", "lookarounds not supported"),
+        ("(?P=x)", "unrecognized flag"),
+        (r"[^\s\S]", "matches nothing"),
+        ("(?>a)", "unrecognized flag"),
+        ("[a", "unclosed character class"),
+        (r"\q", "unrecognized escape sequence"),
+        (r"\x4", "incomplete escape sequence"),
+        ("a{,2}", "repetition quantifier expects a valid decimal"),  # Python's {,n}: write {0,n}
+    ],
+)
 def test_patterns_that_cannot_be_enforced_are_refused(pattern, words):
     with pytest.raises(GrammarError, match=re.escape(words)) as e:
         check(regex(pattern))
@@ -116,13 +155,24 @@ END = 300  # the toy vocabulary's end token (no bytes)
 
 
 def toy() -> list:
-    vocab = [bytes([b]) for b in range(256)] + [b"12", b"345", b"1a", b"ye", b"yes", b"no ", b"\xc3\xa9", b"\xc3",
-                                                b"\xa9x"]
+    vocab = [bytes([b]) for b in range(256)] + [
+        b"12",
+        b"345",
+        b"1a",
+        b"ye",
+        b"yes",
+        b"no ",
+        b"\xc3\xa9",
+        b"\xc3",
+        b"\xa9x",
+    ]
     return vocab + [None] * (END + 1 - len(vocab))
 
 
-@pytest.mark.parametrize("pattern, text", [(r"\d+", b"12345"), ("(yes|yesno|no)", b"yesno"), (r"é\d?x", b"\xc3\xa91x"),
-                                           (r"[^\n]{0,3}", b"abc")])
+@pytest.mark.parametrize(
+    "pattern, text",
+    [(r"\d+", b"12345"), ("(yes|yesno|no)", b"yesno"), (r"é\d?x", b"\xc3\xa91x"), (r"[^\n]{0,3}", b"abc")],
+)
 def test_masks_allow_the_end_token_exactly_where_the_match_may_end_or_read_on(pattern, text):
     check_masks_along(regex(pattern), toy(), text, END + 4, END)
 
@@ -145,6 +195,7 @@ def test_a_guide_ends_on_the_end_token_only_where_the_match_may_end():
 
 # --- whole generations -----------------------------------------------------------------------------------------
 
+
 def test_tiny_model_outputs_match_their_patterns(tiny_dirs):
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     stopped, by_end_token = 0, 0
@@ -162,8 +213,10 @@ def test_tiny_model_outputs_match_their_patterns(tiny_dirs):
                 else:
                     assert read(Constraint("regex", pattern), data) is not None
     assert stopped >= 8 and by_end_token >= 2  # \d+ reads on until the model ends it
-    outs = llm.generate(["a", "b", "c"], SamplingParams(temperature=1.0, seed=1, max_tokens=20,
-                                                        regex=choice_pattern(["red", "green", "blue (dark)"])))
+    outs = llm.generate(
+        ["a", "b", "c"],
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, regex=choice_pattern(["red", "green", "blue (dark)"])),
+    )
     assert all(o.text in ("red", "green", "blue (dark)") and o.finish_reason == "stop" for o in outs)
 
 
@@ -172,14 +225,24 @@ def test_min_tokens_holds_back_the_end_a_pattern_allows_until_it_is_reached(tiny
     tokens are out. Where only an end may follow (a choice spelled out) the reply ends all the same."""
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     prompts = ["hello", "x y", "a", "b"]
-    free = [o for seed in range(3) for o in llm.generate(prompts, SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+"))]
+    free = [
+        o
+        for seed in range(3)
+        for o in llm.generate(prompts, SamplingParams(temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+"))
+    ]
     assert any(o.token_ids[-1] == EOS_ID and len(o.token_ids) < 7 for o in free)  # the test means something
-    for o in (o for seed in range(3) for o in llm.generate(prompts, SamplingParams(
-            temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+", min_tokens=6))):
+    for o in (
+        o
+        for seed in range(3)
+        for o in llm.generate(
+            prompts, SamplingParams(temperature=1.0, seed=seed, max_tokens=24, regex=r"\d+", min_tokens=6)
+        )
+    ):
         assert len(o.token_ids) >= 6 and EOS_ID not in o.token_ids[:6] and o.text.isdigit(), o.token_ids
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=20, min_tokens=10,
-                                                regex=choice_pattern(["red", "green"])))
+    outs = llm.generate(
+        prompts,
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, min_tokens=10, regex=choice_pattern(["red", "green"])),
+    )
     assert all(o.text in ("red", "green") and o.finish_reason == "stop" for o in outs)
 
 

@@ -3,6 +3,7 @@ chat the items describe (rendered by the model's template), replies become outpu
 ``previous_response_id`` continues a stored conversation, the stream's events build the same response (through the
 ``openai`` client's own stream helper) and match the published schemas, and what is not supported is a 400 naming
 the field."""
+
 import json
 
 from dataclasses import replace
@@ -60,25 +61,34 @@ def chat_prompt(http, fake, messages, **extra) -> list[int]:
 def test_a_reply_is_one_message_item_and_the_prompt_is_the_chat(front):
     http, fake, tok = front
     fake.reply = "Hello there."
-    r = http.post("/v1/responses", json={"model": "m", "input": "hi", "instructions": "Be brief.",
-                                         "max_output_tokens": 20, "temperature": 0.5})
+    r = http.post(
+        "/v1/responses",
+        json={"model": "m", "input": "hi", "instructions": "Be brief.", "max_output_tokens": 20, "temperature": 0.5},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     validate("Response", body)
     prompt = fake.prompts[-1]
-    assert prompt == chat_prompt(http, fake, [{"role": "system", "content": "Be brief."},
-                                              {"role": "user", "content": "hi"}])
+    assert prompt == chat_prompt(
+        http, fake, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
     assert fake.samplings[-2].max_tokens == 20 and fake.samplings[-2].temperature == 0.5
     assert body["status"] == "completed" and body["id"].startswith("resp_")
     [item] = body["output"]
     assert item["type"] == "message" and item["content"][0]["text"] == "Hello there."
-    assert body["usage"]["input_tokens"] == len(prompt) and body["usage"]["output_tokens"] == \
-        len(tok.encode("Hello there.", add_special_tokens=False))
+    assert body["usage"]["input_tokens"] == len(prompt) and body["usage"]["output_tokens"] == len(
+        tok.encode("Hello there.", add_special_tokens=False)
+    )
     assert body["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": len(prompt) // 16 * 16}
     assert sdk(http).responses.create(model="m", input="hi").output_text == "Hello there."
     # OpenAI's developer role is the system role for a template that does not know it
-    http.post("/v1/responses", json={"model": "m", "input": [{"role": "developer", "content": "Be brief."},
-                                                             {"role": "user", "content": "hi"}]})
+    http.post(
+        "/v1/responses",
+        json={
+            "model": "m",
+            "input": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        },
+    )
     assert fake.prompts[-1] == prompt
 
 
@@ -91,49 +101,78 @@ def test_calls_come_back_as_items_and_a_continued_turn_sends_the_whole_conversat
     first = client.responses.create(model="m", input="Weather in Paris?", tools=[TOOL], instructions="Be brief.")
     message, call = first.output
     assert message.type == "message" and message.content[0].text.strip() == "Let me check."
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == \
-        {"city": "Paris"}
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
     fake.reply = "It is sunny."
-    second = client.responses.create(model="m", previous_response_id=first.id, tools=[TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}])
+    second = client.responses.create(
+        model="m",
+        previous_response_id=first.id,
+        tools=[TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}],
+    )
     assert second.output_text == "It is sunny." and second.previous_response_id == first.id
     continued = fake.prompts[-1]
-    assert continued == chat_prompt(http, fake, [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": message.content[0].text, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "get_weather",
-                                                                  "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C, sunny"}], tools=[WEATHER])
+    assert continued == chat_prompt(
+        http,
+        fake,
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": message.content[0].text,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "21 C, sunny"},
+        ],
+        tools=[WEATHER],
+    )
     # the same conversation sent whole, as items, renders the same prompt
-    client.responses.create(model="m", tools=[TOOL], input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text",
-                                                              "text": message.content[0].text}]},
-        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"}])
+    client.responses.create(
+        model="m",
+        tools=[TOOL],
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": message.content[0].text}],
+            },
+            {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "21 C, sunny"},
+        ],
+    )
     assert fake.prompts[-1] == continued
 
 
 def test_the_stream_builds_the_same_response_and_its_events_follow_the_schemas(front):
     http, fake, _ = front
     fake.reply = "Let me check. " + CALL
-    r = http.post("/v1/responses", json={"model": "m", "input": "Weather in Paris?", "tools": [TOOL],
-                                         "stream": True})
+    r = http.post("/v1/responses", json={"model": "m", "input": "Weather in Paris?", "tools": [TOOL], "stream": True})
     assert r.status_code == 200
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     names = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
     assert names == [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    schema = {"response.created": "ResponseCreatedEvent", "response.in_progress": "ResponseInProgressEvent",
-              "response.output_item.added": "ResponseOutputItemAddedEvent",
-              "response.output_item.done": "ResponseOutputItemDoneEvent",
-              "response.content_part.added": "ResponseContentPartAddedEvent",
-              "response.content_part.done": "ResponseContentPartDoneEvent",
-              "response.output_text.delta": "ResponseTextDeltaEvent",
-              "response.output_text.done": "ResponseTextDoneEvent",
-              "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
-              "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
-              "response.completed": "ResponseCompletedEvent"}
+    schema = {
+        "response.created": "ResponseCreatedEvent",
+        "response.in_progress": "ResponseInProgressEvent",
+        "response.output_item.added": "ResponseOutputItemAddedEvent",
+        "response.output_item.done": "ResponseOutputItemDoneEvent",
+        "response.content_part.added": "ResponseContentPartAddedEvent",
+        "response.content_part.done": "ResponseContentPartDoneEvent",
+        "response.output_text.delta": "ResponseTextDeltaEvent",
+        "response.output_text.done": "ResponseTextDoneEvent",
+        "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+        "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+        "response.completed": "ResponseCompletedEvent",
+    }
     for e in events:
         validate(schema[e["type"]], e)
     assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
@@ -151,8 +190,9 @@ def test_the_stream_builds_the_same_response_and_its_events_follow_the_schemas(f
         streamed = stream.get_final_response()
     whole = sdk(http).responses.create(model="m", input="Weather in Paris?", tools=[TOOL])
     assert "".join(deltas) == streamed.output_text == whole.output_text
-    assert [(o.type, getattr(o, "arguments", None)) for o in streamed.output] == \
-        [(o.type, getattr(o, "arguments", None)) for o in whole.output]
+    assert [(o.type, getattr(o, "arguments", None)) for o in streamed.output] == [
+        (o.type, getattr(o, "arguments", None)) for o in whole.output
+    ]
     stored = http.get(f"/v1/responses/{streamed.id}").json()  # a streamed response is stored once complete
     assert stored["id"] == streamed.id and stored["status"] == "completed"
 
@@ -166,8 +206,10 @@ def test_a_cut_reply_is_incomplete_and_stored_responses_can_be_read_and_deleted(
     assert body["output"][0]["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == "one two three"
     r = http.post("/v1/responses", json={"model": "m", "input": "count", "max_output_tokens": 3, "stream": True})
     last = json.loads([line for line in r.text.splitlines() if line.startswith("data: ")][-1][6:])
-    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"]["reason"] == \
-        "max_output_tokens"
+    assert (
+        last["type"] == "response.incomplete"
+        and last["response"]["incomplete_details"]["reason"] == "max_output_tokens"
+    )
     validate("ResponseIncompleteEvent", last)
     fake.reply = lambda s: Aborted([tok.encode("one two", add_special_tokens=False)])
     aborted = http.post("/v1/responses", json={"model": "m", "input": "count"}).json()
@@ -193,25 +235,28 @@ def test_an_empty_reply_is_one_empty_message(front):
     assert [o["type"] for o in final["output"]] == ["message"]
 
 
-@pytest.mark.parametrize("extra, param, message", [
-    ({"previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
-    ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "not supported"),
-    ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "takes no reasoning_effort"),  # the template reads none
-    ({"reasoning": {"effort": "extreme"}}, "reasoning", "should be 'none', 'minimal'"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning", "only effort"),
-    ({"truncation": "middle"}, "truncation", "disabled"),
-    ({"background": True}, "background", "not supported"),
-    ({"include": ["file_search_call.results"]}, "include", "cannot be included"),
-    ({"text": {"format": {"type": "grammar"}}}, "text", "not supported"),
-    ({"text": {"format": "json_object"}}, "text", "an object"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": 3, "arguments": "{}"}]}, "input", "a string"),
-    ({"input": []}, "input", "at least 1"),
-    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice", "tool_choice"),
-    ({"temperature": 3}, "temperature", "less than or equal"),
-])
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        ({"previous_response_id": "resp_nope"}, "previous_response_id", "no stored response"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "function tools only"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "text only"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "not supported"),
+        ({"max_output_tokens": 100000}, "max_output_tokens", "context"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "takes no reasoning_effort"),  # the template reads none
+        ({"reasoning": {"effort": "extreme"}}, "reasoning", "should be 'none', 'minimal'"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning", "only effort"),
+        ({"truncation": "middle"}, "truncation", "disabled"),
+        ({"background": True}, "background", "not supported"),
+        ({"include": ["file_search_call.results"]}, "include", "cannot be included"),
+        ({"text": {"format": {"type": "grammar"}}}, "text", "not supported"),
+        ({"text": {"format": "json_object"}}, "text", "an object"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": 3, "arguments": "{}"}]}, "input", "a string"),
+        ({"input": []}, "input", "at least 1"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "tool_choice", "tool_choice"),
+        ({"temperature": 3}, "temperature", "less than or equal"),
+    ],
+)
 def test_unsupported_or_bad_fields_are_a_400_naming_them(front, extra, param, message):
     http, fake, _ = front
     fake.reply = "ok"
@@ -228,14 +273,27 @@ def test_auto_truncation_drops_the_earliest_whole_exchanges_that_make_it_fit(fro
     fake.reply = "ok"
     said = ["a" * 300, "b" * 10, "c" * 120]
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
-    items = [{"role": "user", "content": said[0]}, call,
-             {"type": "function_call_output", "call_id": "call_1", "output": "x" * 10},
-             {"role": "assistant", "content": said[1]}, {"role": "user", "content": said[2]},
-             {"role": "assistant", "content": "d" * 60}, {"role": "user", "content": "last?"}]
+    items = [
+        {"role": "user", "content": said[0]},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "x" * 10},
+        {"role": "assistant", "content": said[1]},
+        {"role": "user", "content": said[2]},
+        {"role": "assistant", "content": "d" * 60},
+        {"role": "user", "content": "last?"},
+    ]
     system = {"role": "system", "content": "Be brief."}
-    kept = chat_prompt(http, fake, [system, {"role": "user", "content": said[2]},
-                                    {"role": "assistant", "content": "d" * 60}, {"role": "user", "content": "last?"}],
-                       tools=[WEATHER])
+    kept = chat_prompt(
+        http,
+        fake,
+        [
+            system,
+            {"role": "user", "content": said[2]},
+            {"role": "assistant", "content": "d" * 60},
+            {"role": "user", "content": "last?"},
+        ],
+        tools=[WEATHER],
+    )
     # room for the kept turns and ~100 tokens more: enough for the tool output and "b" too, but a cut there would
     # leave an output without its call
     http.front.cfg = replace(http.front.cfg, max_model_len=len(kept) + 20 + 100)
@@ -249,8 +307,14 @@ def test_auto_truncation_drops_the_earliest_whole_exchanges_that_make_it_fit(fro
     assert r.json()["usage"]["input_tokens"] == len(kept)
     r = http.post("/v1/responses", json={**body, "truncation": "auto", "max_output_tokens": 10})
     assert fake.prompts[-1] == kept  # a little more room: still the same cut (whole exchanges only)
-    r = http.post("/v1/responses", json={**body, "truncation": "auto", "input": items + [
-        {"role": "assistant", "content": "e"}, {"role": "user", "content": "z" * 400}]})
+    r = http.post(
+        "/v1/responses",
+        json={
+            **body,
+            "truncation": "auto",
+            "input": items + [{"role": "assistant", "content": "e"}, {"role": "user", "content": "z" * 400}],
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # the last turn alone
 
 
@@ -259,19 +323,26 @@ def test_a_stored_response_lists_its_input_items(front):
     (valid against the published schema), newest first unless asked, paged by item ids; the SDK's pager walks it."""
     http, fake, _ = front
     fake.reply = "It is sunny."
-    items = [{"type": "message", "role": "developer", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
-             {"type": "message", "role": "assistant", "content": "Sunny, 21 C.", "id": "msg_mine"},
-             {"role": "user", "content": "And tomorrow?"}]
+    items = [
+        {"type": "message", "role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+        {"type": "message", "role": "assistant", "content": "Sunny, 21 C.", "id": "msg_mine"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     rid = http.post("/v1/responses", json={"model": "m", "input": items, "tools": [TOOL]}).json()["id"]
     page = http.get(f"/v1/responses/{rid}/input_items").json()
     validate("ResponseItemList", page)
     data = page["data"][::-1]  # newest first
-    assert [(d["type"], d.get("role")) for d in data] == [("message", "developer"), ("message", "user"),
-                                                          ("function_call", None), ("function_call_output", None),
-                                                          ("message", "assistant"), ("message", "user")]
+    assert [(d["type"], d.get("role")) for d in data] == [
+        ("message", "developer"),
+        ("message", "user"),
+        ("function_call", None),
+        ("function_call_output", None),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
     assert data[1]["content"] == [{"type": "input_text", "text": "Weather in Paris?"}] and data[4]["id"] == "msg_mine"
     assert (data[2]["call_id"], data[2]["arguments"], data[3]["output"]) == ("call_1", '{"city": "Paris"}', "21 C")
     assert not page["has_more"] and (page["first_id"], page["last_id"]) == (data[-1]["id"], data[0]["id"])
@@ -287,8 +358,12 @@ def test_a_stored_response_lists_its_input_items(front):
     text = http.post("/v1/responses", json={"model": "m", "input": "Hi"}).json()["id"]
     (only,) = http.get(f"/v1/responses/{text}/input_items").json()["data"]
     assert only["role"] == "user" and only["content"][0]["text"] == "Hi"
-    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-                         ({"after": "msg_nope"}, "after")):
+    for query, param in (
+        ({"limit": 0}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "msg_nope"}, "after"),
+    ):
         r = http.get(f"/v1/responses/{rid}/input_items", params=query)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert http.get(f"/v1/responses/resp_{'0' * 32}/input_items").status_code == 404
@@ -332,9 +407,15 @@ def test_any_frontend_continues_a_conversation_another_stored(tiny_dirs, tmp_pat
     first = sdk(http_a).responses.create(model="m", input="Capital of France?")
     second = sdk(http_b).responses.create(model="m", input="And of Italy?", previous_response_id=first.id)
     assert second.output_text == "Paris."
-    assert fake_b.prompts[-1] == chat_prompt(http_b, fake_b, [
-        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Italy?"}])
+    assert fake_b.prompts[-1] == chat_prompt(
+        http_b,
+        fake_b,
+        [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+    )
     assert http_b.get(f"/v1/responses/{first.id}").json()["id"] == first.id
     assert http_b.delete(f"/v1/responses/{first.id}").status_code == 200
     assert http_a.get(f"/v1/responses/{first.id}").status_code == 404

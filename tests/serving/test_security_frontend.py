@@ -4,6 +4,7 @@ tests: admin routes are off unless enabled and then need the admin key; a browse
 while read; tokenizing and chat templates are bounded and off the event loop; stop strings are bounded; one key
 cannot take every generation slot, nor read, delete, continue or abort another key's responses and requests; keys
 are compared in constant time; stored responses are bounded in bytes and private files."""
+
 import asyncio
 import json
 import os
@@ -32,8 +33,9 @@ def recording(fake) -> list:
     fake.hold = lambda *a: calls.append("hold") or HoldReply()
     fake.flush_cache = lambda: calls.append("flush") or Ack()
     fake.update_weights = lambda path, *a: calls.append(("update", path)) or WeightUpdateReply(True, fingerprint="f")
-    fake.load_adapter = lambda path, *a: calls.append(("adapter", path)) or AdapterLoadReply(
-        True, digest=adapter_digest(path), engines=1)
+    fake.load_adapter = lambda path, *a: (
+        calls.append(("adapter", path)) or AdapterLoadReply(True, digest=adapter_digest(path), engines=1)
+    )
     abort = fake.abort
     fake.abort = lambda label="", every=False: calls.append(("abort", label, every)) or abort(label, every)
     return calls
@@ -41,20 +43,35 @@ def recording(fake) -> list:
 
 def admin_routes(model_dir: str, adapter: str) -> list[tuple[str, dict | None]]:
     """Every admin route with a body it would act on (None: no body, as ``curl -X POST`` sends)."""
-    return [("/update_weights_from_disk", {"model_path": model_dir}),
-            ("/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": adapter}),
-            ("/load_lora_adapter", {"lora_name": "a2", "lora_path": adapter}),
-            ("/v1/unload_lora_adapter", {"lora_name": "a1"}), ("/unload_lora_adapter", {"lora_name": "a2"}),
-            ("/flush_cache", None), ("/reset_prefix_cache", None), ("/pause", None), ("/resume", None),
-            ("/pause_generation", {}), ("/continue_generation", None), ("/abort_request", {"abort_all": True})]
+    return [
+        ("/update_weights_from_disk", {"model_path": model_dir}),
+        ("/v1/load_lora_adapter", {"lora_name": "a1", "lora_path": adapter}),
+        ("/load_lora_adapter", {"lora_name": "a2", "lora_path": adapter}),
+        ("/v1/unload_lora_adapter", {"lora_name": "a1"}),
+        ("/unload_lora_adapter", {"lora_name": "a2"}),
+        ("/flush_cache", None),
+        ("/reset_prefix_cache", None),
+        ("/pause", None),
+        ("/resume", None),
+        ("/pause_generation", {}),
+        ("/continue_generation", None),
+        ("/abort_request", {"abort_all": True}),
+    ]
 
 
 @pytest.fixture
 def keyed(tiny_dirs, tiny_adapters, tmp_path):
     """A frontend with two inference keys and an admin key, its admin routes on; its cluster's admin calls."""
-    http, fake, tok = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, api_key="user-key", api_keys=("other-key",),
-                            admin_api_key="admin-key", enable_admin_api=True,
-                            allowed_model_dirs=(str(tmp_path), str(tiny_adapters["sql"].parent)))
+    http, fake, tok = serve(
+        tiny_dirs,
+        tmp_path,
+        HERMES_TEMPLATE,
+        api_key="user-key",
+        api_keys=("other-key",),
+        admin_api_key="admin-key",
+        enable_admin_api=True,
+        allowed_model_dirs=(str(tmp_path), str(tiny_adapters["sql"].parent)),
+    )
     fake.reply = "ok"
     return http, fake, recording(fake)
 
@@ -135,13 +152,16 @@ def test_vllms_lora_variable_opens_the_adapter_routes_alone(tiny_dirs, tmp_path)
     assert r.status_code == 403 and "VLLM_SERVER_DEV_MODE" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("headers, content", [
-    ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, b'{"mode": "abort"}'),
-    ({"Content-Type": "application/x-www-form-urlencoded", "Origin": "http://evil.example"}, b"mode=abort"),
-    ({"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
-    ({"Origin": "http://evil.example"}, b""),  # a page's bodiless fetch
-    ({"Content-Type": "text/plain"}, b""),
-])
+@pytest.mark.parametrize(
+    "headers, content",
+    [
+        ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, b'{"mode": "abort"}'),
+        ({"Content-Type": "application/x-www-form-urlencoded", "Origin": "http://evil.example"}, b"mode=abort"),
+        ({"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
+        ({"Origin": "http://evil.example"}, b""),  # a page's bodiless fetch
+        ({"Content-Type": "text/plain"}, b""),
+    ],
+)
 def test_a_post_a_web_page_could_send_is_refused_before_it_runs(tiny_dirs, tmp_path, headers, content):
     """Before: /pause_generation ran from a text/plain POST carrying a foreign Origin (a page any site serves can
     send one without asking). Now: a 415, nothing run, even on a loopback server that takes no admin key."""
@@ -163,13 +183,29 @@ def test_weight_and_adapter_paths_stay_under_the_allowed_dirs(tiny_dirs, tiny_ad
     (outside / "ckpt").mkdir(parents=True)
     (allowed / "link").symlink_to(outside / "ckpt")
     (allowed / "inside").mkdir()
-    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin-key",
-                          allowed_model_dirs=(str(allowed),))
+    http, fake, _ = serve(
+        tiny_dirs,
+        tmp_path,
+        HERMES_TEMPLATE,
+        enable_admin_api=True,
+        admin_api_key="admin-key",
+        allowed_model_dirs=(str(allowed),),
+    )
     calls = recording(fake)
-    escapes = [str(allowed / ".." / "outside" / "ckpt"), str(allowed / "link"), str(outside / "ckpt"),
-               str(outside / "no-such-dir"), "/etc", "allowed/../../etc", str(allowed) + "-sibling", "a\0b"]
-    for field, path, extra in (("model_path", "/update_weights_from_disk", {}),
-                               ("lora_path", "/v1/load_lora_adapter", {"lora_name": "x"})):
+    escapes = [
+        str(allowed / ".." / "outside" / "ckpt"),
+        str(allowed / "link"),
+        str(outside / "ckpt"),
+        str(outside / "no-such-dir"),
+        "/etc",
+        "allowed/../../etc",
+        str(allowed) + "-sibling",
+        "a\0b",
+    ]
+    for field, path, extra in (
+        ("model_path", "/update_weights_from_disk", {}),
+        ("lora_path", "/v1/load_lora_adapter", {"lora_name": "x"}),
+    ):
         answers = set()
         for p in escapes:
             r = http.post(path, json={field: p, **extra}, headers=ADMIN)
@@ -184,15 +220,24 @@ def test_weight_and_adapter_paths_stay_under_the_allowed_dirs(tiny_dirs, tiny_ad
 def test_the_default_allowed_dirs_hold_the_model_and_its_adapters(tiny_dirs, tiny_adapters, tmp_path):
     from dualpath.core.lora import LoraModule
 
-    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, enable_admin_api=True, admin_api_key="admin-key",
-                          lora_modules=(LoraModule("sql", str(tiny_adapters["sql"])),))
+    http, fake, _ = serve(
+        tiny_dirs,
+        tmp_path,
+        HERMES_TEMPLATE,
+        enable_admin_api=True,
+        admin_api_key="admin-key",
+        lora_modules=(LoraModule("sql", str(tiny_adapters["sql"])),),
+    )
     calls = recording(fake)
     assert http.front.model_dirs == (os.path.realpath(tmp_path), os.path.realpath(tiny_adapters["sql"].parent))
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(tiny_adapters["poet"])},
-                  headers=ADMIN)  # beside a served adapter
+    r = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(tiny_adapters["poet"])}, headers=ADMIN
+    )  # beside a served adapter
     assert r.status_code == 200, r.text
-    assert http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"])},
-                     headers=ADMIN).status_code == 400  # another test directory
+    assert (
+        http.post("/update_weights_from_disk", json={"model_path": str(tiny_dirs["llama"])}, headers=ADMIN).status_code
+        == 400
+    )  # another test directory
     assert calls == [("adapter", os.path.realpath(tiny_adapters["poet"]))]
 
 
@@ -212,10 +257,20 @@ async def _ask(app, headers: list, chunks, method: str = "POST", path: str = "/v
         if message["type"] == "http.response.start":
             status.append(message["status"])
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(k.encode(), v.encode()) for k, v in [("host", "testserver"), *headers]],
-             "client": ("127.0.0.1", 5), "server": ("testserver", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.encode(), v.encode()) for k, v in [("host", "testserver"), *headers]],
+        "client": ("127.0.0.1", 5),
+        "server": ("testserver", 80),
+    }
     await app(scope, receive, send)
     return status[0], read[0]
 
@@ -248,6 +303,7 @@ def _post_while_health_answers(url: str, body: dict, after_s: float, within_s: f
         t0 = time.monotonic()
         got["r"] = httpx.post(url, json=body, timeout=60)
         got["s"] = time.monotonic() - t0
+
     t = threading.Thread(target=post)
     t.start()
     time.sleep(after_s)
@@ -279,20 +335,20 @@ def test_an_oversize_tokenize_is_refused_at_once_and_health_answers_meanwhile(ti
         thread.join(20)
 
 
-RUNAWAY = ("{% for i in range(5000) %}{% for j in range(5000) %}{% if messages[0] is defined and j < 0 %}x{% endif %}"
-           "{% endfor %}{% endfor %}")
+RUNAWAY = (
+    "{% for i in range(5000) %}{% for j in range(5000) %}{% if messages[0] is defined and j < 0 %}x{% endif %}"
+    "{% endfor %}{% endfor %}"
+)
 
 
 def test_a_runaway_request_chat_template_times_out_and_health_answers_meanwhile(tiny_dirs, tmp_path):
     """Before: a request's own template (--trust-request-chat-template) rendered on the event loop for as long as
     it ran, /health stalled behind it. Now: it renders on a worker thread and is cut at --render-timeout (a 400);
     one that renders fast but huge is refused by its size."""
-    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, trust_request_chat_template=True,
-                          render_timeout_s=2.0)
+    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, trust_request_chat_template=True, render_timeout_s=2.0)
     url, stop, thread = _serving(http.front, drain_s=1)
     try:
-        r, took = _post_while_health_answers(url + "/v1/chat/completions", {**CHAT, "chat_template": RUNAWAY}, 0.2,
-                                             0.5)
+        r, took = _post_while_health_answers(url + "/v1/chat/completions", {**CHAT, "chat_template": RUNAWAY}, 0.2, 0.5)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template" and took < 5, r.text
         assert "ran past 2 s" in r.json()["error"]["message"]
         huge = {**CHAT, "chat_template": "{{ 'x' * 1000000 }}"}
@@ -347,13 +403,15 @@ def _tag(key: str) -> str:
 def test_one_key_cannot_take_every_generation_slot(tiny_dirs, tmp_path):
     """Before: one client could hold every slot. Now: with two keys or more, one key has half the server's slots
     by default (--max-concurrent-requests-per-key), past them a 429 while the other key still gets in."""
-    http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, api_keys=("user-key", "other-key"),
-                          max_concurrent_requests=4)
+    http, fake, _ = serve(
+        tiny_dirs, tmp_path, HERMES_TEMPLATE, api_keys=("user-key", "other-key"), max_concurrent_requests=4
+    )
     handles = []
     fake.reply = lambda sampling: handles.append(EndlessHandle()) or handles[-1]
     assert http.front.admission.per_key == 2
-    with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": "hi", "n": 2, "stream": True},
-                     headers=USER) as held:
+    with http.stream(
+        "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "n": 2, "stream": True}, headers=USER
+    ) as held:
         held_lines = held.iter_lines()  # kept: a dropped iterator closes the stream
         next(held_lines)
         r = http.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=USER)
@@ -361,8 +419,9 @@ def test_one_key_cannot_take_every_generation_slot(tiny_dirs, tmp_path):
         assert r.headers["retry-after"] == "1"
         r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 3}, headers=OTHER)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # more than one key may ever have
-        with http.stream("POST", "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True},
-                         headers=OTHER) as other:
+        with http.stream(
+            "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}, headers=OTHER
+        ) as other:
             assert other.status_code == 200
             other_lines = other.iter_lines()
             next(other_lines)
@@ -377,14 +436,20 @@ def test_one_key_cannot_take_every_generation_slot(tiny_dirs, tmp_path):
     assert http.front.in_flight == 0 and not http.front.admission.by_owner
 
 
-@pytest.mark.parametrize("stop", [["a", "b", "c", "d", "e"], ["x" * (MAX_STOP_CHARS + 1)], "y" * 1_000_000],
-                         ids=["five", "257-characters", "one-megabyte"])
+@pytest.mark.parametrize(
+    "stop",
+    [["a", "b", "c", "d", "e"], ["x" * (MAX_STOP_CHARS + 1)], "y" * 1_000_000],
+    ids=["five", "257-characters", "one-megabyte"],
+)
 def test_stop_strings_are_bounded_in_count_and_length(tiny_dirs, tmp_path, stop):
     """Before: stop strings of 1 MB each were taken (each searched for at every token). Now: OpenAI's 4 over HTTP,
     of at most 256 characters; offline, SamplingParams takes at most 16."""
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE)
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": "m", "prompt": "hi"}),
-                       ("/generate", {"text": "hi", "sampling_params": {"stop": stop}})):
+    for path, body in (
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", {"model": "m", "prompt": "hi"}),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": stop}}),
+    ):
         r = http.post(path, json={**body, "stop": stop} if path != "/generate" else body)
         assert r.status_code == 400 and r.json()["error"]["param"] in ("stop", "sampling_params.stop"), r.text
     assert fake.prompts == []
@@ -422,8 +487,9 @@ def test_several_inference_keys_from_flags_a_file_and_the_environment(tmp_path, 
     keys.write_text("# team keys\nfile-1\n\n  file-2  \n")
     monkeypatch.setenv("DUALPATH_API_KEY", "env-key")
     monkeypatch.setenv("DUALPATH_ADMIN_API_KEY", "env-admin")
-    args = build_parser().parse_args(["frontend", "--scheduler", "x:1", "--api-key", "a", "--api-key", "b",
-                                      "--api-key-file", str(keys)])
+    args = build_parser().parse_args(
+        ["frontend", "--scheduler", "x:1", "--api-key", "a", "--api-key", "b", "--api-key-file", str(keys)]
+    )
     assert inference_keys(args) == ("a", "b", "file-1", "file-2", "env-key")
     assert http_options(args)["admin_api_key"] == "env-admin"
     args.api_key, args.allowed_model_dirs = "yaml-key", "/models"  # a YAML config's single values

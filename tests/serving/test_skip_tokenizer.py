@@ -2,6 +2,7 @@
 (``LLM``) the replies equal those of the model with its tokenizer, with empty text; through the frontend
 (``--skip-tokenizer-init``, a test double of the cluster) completions take token-id prompts and return token ids,
 and what needs text (text prompts, chats, stop strings, bad words, structured output) is a 400 naming the flag."""
+
 import json
 import shutil
 
@@ -71,21 +72,24 @@ def test_offline_token_ids_alone_equal_the_model_with_its_tokenizer(tiny_dirs, b
         LLM(str(bare), block_size=16)
     llm = LLM(str(bare), block_size=16, skip_tokenizer_init=True)
     params = SamplingParams(max_tokens=6, temperature=0)
-    out, = llm.generate([PROMPT], params)
-    want, = LLM(str(tiny_dirs["llama"]), block_size=16).generate([PROMPT], params)
+    (out,) = llm.generate([PROMPT], params)
+    (want,) = LLM(str(tiny_dirs["llama"]), block_size=16).generate([PROMPT], params)
     assert out.token_ids == want.token_ids and out.prompt_token_ids == PROMPT
     assert out.text == ""  # no detokenizer: the ids are the output
     assert [o.index for o in llm.generate(PROMPT, SamplingParams(max_tokens=2, n=2, seed=1))] == [0, 1]
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda llm: llm.generate("hi there", SamplingParams(max_tokens=2)), "prompt"),
-    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2)), "messages"),
-    (lambda llm: llm.chat([{"role": "user", "content": "hi"}], chat_template="{{ 'x' }}"), "messages"),
-    (lambda llm: llm.generate([PROMPT], SamplingParams(max_tokens=2, stop=["x"])), "stop"),
-    (lambda llm: llm.generate([PROMPT], SamplingParams(max_tokens=2, json_object=True)), "response_format"),
-    (lambda llm: llm.logits("hi"), "prompt"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda llm: llm.generate("hi there", SamplingParams(max_tokens=2)), "prompt"),
+        (lambda llm: llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2)), "messages"),
+        (lambda llm: llm.chat([{"role": "user", "content": "hi"}], chat_template="{{ 'x' }}"), "messages"),
+        (lambda llm: llm.generate([PROMPT], SamplingParams(max_tokens=2, stop=["x"])), "stop"),
+        (lambda llm: llm.generate([PROMPT], SamplingParams(max_tokens=2, json_object=True)), "response_format"),
+        (lambda llm: llm.logits("hi"), "prompt"),
+    ],
+)
 def test_offline_what_needs_text_is_refused(bare, call, field):
     llm = LLM(str(bare), block_size=16, skip_tokenizer_init=True)
     with pytest.raises(RequestError, match="tokenizer is not loaded") as e:
@@ -98,8 +102,9 @@ def test_offline_what_needs_text_is_refused(bare, call, field):
 def served(bare):
     """The frontend on the bare checkpoint (it has no tokenizer), a scripted cluster behind it."""
     fake = ScriptedClient()
-    front = Frontend(FrontendConfig("m", str(bare), "unused:0", max_model_len=512, skip_tokenizer_init=True),
-                     client=fake)
+    front = Frontend(
+        FrontendConfig("m", str(bare), "unused:0", max_model_len=512, skip_tokenizer_init=True), client=fake
+    )
     return TestClient(front.app), fake
 
 
@@ -113,20 +118,24 @@ def test_served_completions_take_and_return_token_ids(served):
     assert r.json()["usage"]["completion_tokens"] == 3
     batch = http.post("/v1/completions", json={"model": "m", "prompt": [PROMPT, [5, 6]], "max_tokens": 8})
     assert batch.status_code == 200 and fake.prompts[-1] == [5, 6]
-    chunks = stream(http, "/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 8,
-                                              "return_token_ids": True})
+    chunks = stream(
+        http, "/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True}
+    )
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == REPLY
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "hi there"}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
-    ("/v1/completions", {"prompt": PROMPT, "stop": ["x"]}, "stop"),
-    ("/v1/completions", {"prompt": PROMPT, "bad_words": ["x"]}, "bad_words"),
-    ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/tokenize", {"prompt": "hi there"}, "prompt"),
-    ("/detokenize", {"tokens": PROMPT}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi there"}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ("/v1/completions", {"prompt": PROMPT, "stop": ["x"]}, "stop"),
+        ("/v1/completions", {"prompt": PROMPT, "bad_words": ["x"]}, "bad_words"),
+        ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/tokenize", {"prompt": "hi there"}, "prompt"),
+        ("/detokenize", {"tokens": PROMPT}, "tokens"),
+    ],
+)
 def test_served_what_needs_text_is_a_400_naming_the_flag(served, path, body, param):
     http, fake = served
     r = http.post(path, json={"model": "m", "max_tokens": 4, **body})
@@ -159,18 +168,38 @@ def test_serve_skip_tokenizer_init_on_a_checkpoint_without_tokenizer_files(tiny_
 
     from serve_process import ServeProcess
 
-    server = ServeProcess("--model", str(bare), "--skip-tokenizer-init", "--block-size", "16",
-                          "--buffer-bytes", str(8 << 20), "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048",
-                          "--kv-store", str(tmp_path / "kv"), "--max-model-len", "512", "--torch-threads", "1")
+    server = ServeProcess(
+        "--model",
+        str(bare),
+        "--skip-tokenizer-init",
+        "--block-size",
+        "16",
+        "--buffer-bytes",
+        str(8 << 20),
+        "--cache-bytes",
+        str(32 << 20),
+        "--workspace-tokens",
+        "2048",
+        "--kv-store",
+        str(tmp_path / "kv"),
+        "--max-model-len",
+        "512",
+        "--torch-threads",
+        "1",
+    )
     try:
         body = {"model": "llama", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        want, = LLM(str(tiny_dirs["llama"]), block_size=16).generate([PROMPT], SamplingParams(max_tokens=6,
-                                                                                                  temperature=0))
+        (want,) = LLM(str(tiny_dirs["llama"]), block_size=16).generate(
+            [PROMPT], SamplingParams(max_tokens=6, temperature=0)
+        )
         assert r.json()["choices"][0]["token_ids"] == want.token_ids and r.json()["choices"][0]["text"] == ""
-        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
-                          json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]})
+        chat = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            timeout=60,
+            json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert chat.status_code == 400 and "--skip-tokenizer-init" in chat.json()["error"]["message"]
     finally:
         assert server.stop() == 0, server.log_tail()

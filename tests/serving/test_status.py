@@ -2,6 +2,7 @@
 (``dualpath.runs``: its scheduler and cluster-token file), drops records of runs that are gone, prints the stats as
 a table (``--json``: the stats), and says what to give where nothing runs. A real scheduler process answers (no
 engines: fast); the slow test runs ``dualpath serve`` itself."""
+
 import json
 import os
 import subprocess
@@ -15,27 +16,69 @@ from dualpath.runs import LocalRun, announce, local_runs, this_run, withdraw
 from dualpath.status import render
 
 ROOT = Path(__file__).resolve().parents[2]
-STATS = {"engines_alive_by_role": {"prefill": 1, "decode": 1}, "in_flight": 2, "submitted": 7, "finished": 5,
-         "global_queue": 1, "prefill_queue": 0, "decode_queue": 0, "waiting_by_priority": {"0": 1},
-         "index_blocks": 12, "block_size": 64, "prompt_tokens": 1000, "hit_tokens": 640, "path_pe": 3, "path_de": 2,
-         "scheduling_policy": "fcfs", "weights_version": "step-7", "missing": [],
-         "storage_read_bytes": {"n0": 2_500_000}, "node_read_q_tokens": {"n0": 128},
-         "engines": {"prefill-0": {"role": "prefill", "node": "n0", "group": "", "requests": 1, "tokens": 300,
-                                   "capacity_tokens": 2048, "free_tokens": 1748, "storage_used_bytes": 0},
-                     "decode-0": {"role": "decode", "node": "n0", "group": "", "requests": 1, "tokens": 1024,
-                                  "capacity_tokens": 4096, "free_tokens": 3072, "storage_used_bytes": 1_500_000,
-                                  "storage_capacity_bytes": 10**9}}}
+STATS = {
+    "engines_alive_by_role": {"prefill": 1, "decode": 1},
+    "in_flight": 2,
+    "submitted": 7,
+    "finished": 5,
+    "global_queue": 1,
+    "prefill_queue": 0,
+    "decode_queue": 0,
+    "waiting_by_priority": {"0": 1},
+    "index_blocks": 12,
+    "block_size": 64,
+    "prompt_tokens": 1000,
+    "hit_tokens": 640,
+    "path_pe": 3,
+    "path_de": 2,
+    "scheduling_policy": "fcfs",
+    "weights_version": "step-7",
+    "missing": [],
+    "storage_read_bytes": {"n0": 2_500_000},
+    "node_read_q_tokens": {"n0": 128},
+    "engines": {
+        "prefill-0": {
+            "role": "prefill",
+            "node": "n0",
+            "group": "",
+            "requests": 1,
+            "tokens": 300,
+            "capacity_tokens": 2048,
+            "free_tokens": 1748,
+            "storage_used_bytes": 0,
+        },
+        "decode-0": {
+            "role": "decode",
+            "node": "n0",
+            "group": "",
+            "requests": 1,
+            "tokens": 1024,
+            "capacity_tokens": 4096,
+            "free_tokens": 3072,
+            "storage_used_bytes": 1_500_000,
+            "storage_capacity_bytes": 10**9,
+        },
+    },
+}
 
 
 def status(env, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "dualpath.cli", "status", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "status", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def plain_env(cache):
     """This process's environment without a cluster token, its records under ``cache``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("DUALPATH_CLUSTER_TOKEN")},
-            "DUALPATH_CACHE_DIR": str(cache)}
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DUALPATH_CLUSTER_TOKEN")},
+        "DUALPATH_CACHE_DIR": str(cache),
+    }
 
 
 def test_the_table_shows_engines_load_kv_use_queues_and_weights():
@@ -45,8 +88,19 @@ def test_the_table_shows_engines_load_kv_use_queues_and_weights():
     assert "weights step-7" in text and "engines alive: 1 prefill, 1 decode" in text
     assert "2 in flight" in text and "global 1" in text and "priority 0: 1" in text and "640 of 1,000" in text
     head = next(i for i, line in enumerate(lines) if line.startswith("ENGINE"))
-    assert lines[head].split() == ["ENGINE", "ROLE", "NODE", "GROUP", "REQUESTS", "TOKENS", "KV", "USED", "KV",
-                                   "STORE", "ALIVE"]
+    assert lines[head].split() == [
+        "ENGINE",
+        "ROLE",
+        "NODE",
+        "GROUP",
+        "REQUESTS",
+        "TOKENS",
+        "KV",
+        "USED",
+        "KV",
+        "STORE",
+        "ALIVE",
+    ]
     decode = lines[head + 1].split()  # engines by name: decode-0 first
     assert decode[:6] == ["decode-0", "decode", "n0", "-", "1", "1024"] and "25.0%" in decode and "yes" in decode
     assert "1.5 MB / 1.0 GB" in lines[head + 1] and "14.6% of 2,048" in lines[head + 2]
@@ -88,9 +142,26 @@ def scheduler(tmp_path):
     token.chmod(0o600)
     ready = tmp_path / "scheduler.ready"
     env = {**plain_env(tmp_path / "cache"), "DUALPATH_CLUSTER_TOKEN": "s3cret-token"}
-    proc = subprocess.Popen([sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "scheduler", "--host",
-                             "127.0.0.1", "--port", "0", "--ready-file", str(ready)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "--log-level",
+            "WARNING",
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the scheduler did not start"
@@ -107,8 +178,9 @@ def test_status_finds_this_hosts_serve_and_calls_with_its_token(scheduler, tmp_p
     assert refused.returncode == 1 and refused.stdout.startswith("refused:"), refused
     os.environ["DUALPATH_CACHE_DIR"] = str(tmp_path / "cache")
     try:
-        record = announce(LocalRun(address, str(tmp_path), str(token), "http://127.0.0.1:9/v1", "tiny",
-                                   os.getpid(), time.time()))
+        record = announce(
+            LocalRun(address, str(tmp_path), str(token), "http://127.0.0.1:9/v1", "tiny", os.getpid(), time.time())
+        )
     finally:
         del os.environ["DUALPATH_CACHE_DIR"]
     r = status(env)
@@ -130,9 +202,24 @@ def test_status_of_a_running_serve_with_no_options(tiny_dirs, tmp_path):
     cache = tmp_path / "cache"
     os.environ["DUALPATH_CACHE_DIR"] = str(cache)  # (the serve process inherits it)
     try:
-        server = ServeProcess("--model", str(tiny_dirs["llama"]), "--block-size", "16", "--buffer-bytes",
-                              str(8 << 20), "--cache-bytes", str(32 << 20), "--workspace-tokens", "2048",
-                              "--kv-store", str(tmp_path / "kv"), "--max-model-len", "512", "--torch-threads", "1")
+        server = ServeProcess(
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--block-size",
+            "16",
+            "--buffer-bytes",
+            str(8 << 20),
+            "--cache-bytes",
+            str(32 << 20),
+            "--workspace-tokens",
+            "2048",
+            "--kv-store",
+            str(tmp_path / "kv"),
+            "--max-model-len",
+            "512",
+            "--torch-threads",
+            "1",
+        )
     finally:
         del os.environ["DUALPATH_CACHE_DIR"]
     try:

@@ -3,6 +3,7 @@ scripted test double in place of the cluster: tools and past calls reach the cha
 back as ``tool_calls`` (streamed and not, through the real ``openai`` client), a call that does not parse stays
 content, and what cannot be honoured (forced calls, JSON modes, templates without tools, non-text parts, broken
 Unicode) is a 400 naming the field."""
+
 import json
 import shutil
 from dataclasses import replace
@@ -24,7 +25,7 @@ from test_serving import validate
 # blocks with their arguments as JSON objects, tool results as <tool_response>.
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    '</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['role'] == 'tool' %}<tool_response>{{ message['content'] }}</tool_response>"
     "{% else %}{{ message['content'] }}{% endif %}"
@@ -36,7 +37,7 @@ HERMES_TEMPLATE = (
 # markup), past calls as {"name", "parameters"} objects, tool results in "ipython" turns.
 LLAMA3_TEMPLATE = (
     "{%- if tools %}<|im_start|>user\nGiven the following functions, respond with a JSON for a function call. "
-    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
     "\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{%- for message in messages %}"
     "<|im_start|>{{ 'ipython' if message['role'] == 'tool' else message['role'] }}\n{{ message['content'] }}"
@@ -44,9 +45,14 @@ LLAMA3_TEMPLATE = (
     "\"parameters\": {{ call['function']['arguments'] | tojson }}}{% endfor %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 NAMES = frozenset({"get_weather"})
 
@@ -75,8 +81,11 @@ class ScriptedClient:
             if hasattr(reply, "events"):  # a handle of the test's own
                 return reply
             replies.append(self.tokenizer.encode(reply, add_special_tokens=False))
-        plps = None if sampling.prompt_logprobs is None else \
-            [{"token_id": t, "logprob": -1.0, "top": [[t, -1.0]], "rank": 1} for t in list(prompt)[1:]]
+        plps = (
+            None
+            if sampling.prompt_logprobs is None
+            else [{"token_id": t, "logprob": -1.0, "top": [[t, -1.0]], "rank": 1} for t in list(prompt)[1:]]
+        )
         return ScriptedHandle(replies, plps)
 
     def stats(self):
@@ -102,8 +111,16 @@ class ScriptedHandle:
             for i, ids in enumerate(self.choices):
                 if step < len(ids):
                     end = step == len(ids) - 1
-                    out.append(TokenEvent(self.request_id, ids[step], finish_reason="stop" if end else "", index=i,
-                                          final=False, prompt_logprobs=None if step else self.prompt_logprobs))
+                    out.append(
+                        TokenEvent(
+                            self.request_id,
+                            ids[step],
+                            finish_reason="stop" if end else "",
+                            index=i,
+                            final=False,
+                            prompt_logprobs=None if step else self.prompt_logprobs,
+                        )
+                    )
         if out:
             out[-1] = replace(out[-1], final=True)
         yield from out
@@ -120,8 +137,11 @@ def serve(tiny_dirs, tmp_path, template, api_key=None, **config):
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     tok = Tokenizer(d)
     fake = ScriptedClient(tok)
-    front = Frontend(FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key, **config),
-                     client=fake, tokenizer=tok)
+    front = Frontend(
+        FrontendConfig("m", str(d), "unused:0", max_model_len=4096, api_key=api_key, **config),
+        client=fake,
+        tokenizer=tok,
+    )
     http = TestClient(front.app)
     http.front = front  # for checks of its admission count
     return http, fake, tok
@@ -169,21 +189,27 @@ def test_parallel_false_keeps_the_first_call():
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
 
 
-@pytest.mark.parametrize("bad", [
-    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
-    '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not one of the request's tools
-    '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',  # arguments not an object
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut off (max_tokens)
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',  # not one of the request's tools
+        '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa',  # cut off (max_tokens)
+    ],
+)
 def test_text_that_is_not_a_valid_call_stays_content(bad):
     assert split_whole("ok " + bad) == ("ok " + bad, [])
 
 
-@pytest.mark.parametrize("markup, text, secret", [
-    (Hermes(), "Let me look <tool_ that up. " + CALL + " done", "<tool_call>"),
-    (Llama3Json(), " <|python_tag|>" + '{"name": "get_weather", "parameters": {"city": "Paris"}}', "{"),
-    (Llama3Json(), " <|python_tug|> {}", "never held: not a call"),
-])
+@pytest.mark.parametrize(
+    "markup, text, secret",
+    [
+        (Hermes(), "Let me look <tool_ that up. " + CALL + " done", "<tool_call>"),
+        (Llama3Json(), " <|python_tag|>" + '{"name": "get_weather", "parameters": {"city": "Paris"}}', "{"),
+        (Llama3Json(), " <|python_tug|> {}", "never held: not a call"),
+    ],
+)
 def test_streamed_in_any_pieces_the_result_is_the_same(markup, text, secret):
     whole = split_whole(text, markup=markup)
     for cut in range(len(text) + 1):
@@ -197,24 +223,33 @@ def test_streamed_in_any_pieces_the_result_is_the_same(markup, text, secret):
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
-@pytest.mark.parametrize("text, calls", [
-    (LLAMA_CALL, [{"city": "Paris"}]),
-    (" \n" + LLAMA_CALL, [{"city": "Paris"}]),
-    ("<|python_tag|>" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Paris", "Oslo"), [{"city": "Paris"}, {"city": "Oslo"}]),
-    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [{"city": "Paris"}]),
-])
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        (LLAMA_CALL, [{"city": "Paris"}]),
+        (" \n" + LLAMA_CALL, [{"city": "Paris"}]),
+        (
+            "<|python_tag|>" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Paris", "Oslo"),
+            [{"city": "Paris"}, {"city": "Oslo"}],
+        ),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [{"city": "Paris"}]),
+    ],
+)
 def test_llama3_json_calls(text, calls):
     content, got = split_whole(text, markup=Llama3Json())
     assert content == "" and [json.loads(c["function"]["arguments"]) for c in got] == calls
 
 
-@pytest.mark.parametrize("text", [
-    "It is sunny.",  # prose
-    "Sure: " + LLAMA_CALL,  # a call not at the start is text
-    '{"name": "launch_rockets", "parameters": {}}',  # not one of the request's tools
-    '{"weather": "sunny"}',  # JSON the user may have asked for
-    LLAMA_CALL + " and more",  # calls then prose
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "It is sunny.",  # prose
+        "Sure: " + LLAMA_CALL,  # a call not at the start is text
+        '{"name": "launch_rockets", "parameters": {}}',  # not one of the request's tools
+        '{"weather": "sunny"}',  # JSON the user may have asked for
+        LLAMA_CALL + " and more",  # calls then prose
+    ],
+)
 def test_llama3_json_text_that_is_not_calls_stays_content(text):
     assert split_whole(text, markup=Llama3Json()) == (text, [])
 
@@ -282,11 +317,21 @@ def test_streamed_chunks_conform_and_text_before_the_call_streams(hermes):
 def test_history_with_calls_and_results_reaches_the_template(hermes):
     http, fake, tok = hermes
     fake.reply = "Sunny."
-    history = [{"role": "user", "content": "Weather in Paris?"},
-               {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+    ]
     r = chat(http, messages=history, tools=[WEATHER])
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Sunny.", "refusal": None}
@@ -314,12 +359,19 @@ def test_a_call_that_does_not_parse_is_returned_as_text(hermes):
     assert choice["finish_reason"] == "stop"
 
 
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
 
 
-@pytest.mark.parametrize("choice, names", [("required", ["get_weather", "get_time"]),
-                                           ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])])
+@pytest.mark.parametrize(
+    "choice, names",
+    [("required", ["get_weather", "get_time"]), ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])],
+)
 def test_a_forced_call_is_constrained_to_the_markup_and_the_tools_schemas(hermes, choice, names):
     """tool_choice "required" or named: the engines get the call's schema (the chosen functions' names and
     parameters) with the template's markup around it; the reply comes back as a tool call."""
@@ -338,22 +390,63 @@ def test_a_forced_call_is_constrained_to_the_markup_and_the_tools_schemas(hermes
     assert json.loads(choice0["message"]["tool_calls"][0]["function"]["arguments"]) == {"zone": "UTC"}
 
 
-@pytest.mark.parametrize("extra, param, words", [
-    (ask(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "one of the request's tools"),
-    (dict(messages=[{"role": "user", "content": "x"}], tool_choice="required", tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]),
-     "tools", "Unimplemented keys: [\"uniqueItems\"]"),
-    (dict(messages=[{"role": "user", "content": "x"}], tool_choice="auto"), "tool_choice", "needs tools"),
-    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}), "response_format",
-     "needs a json_schema"),
-    (dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}}}),
-     "response_format", "look-around"),
-    (ask(response_format={"type": "json_object"}), "response_format", "not supported"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages",
-     "'image_url' are not supported"),
-    (dict(messages=[{"role": "user", "content": "bad \ud800 char"}]), "messages", "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        (
+            ask(tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+            "one of the request's tools",
+        ),
+        (
+            dict(
+                messages=[{"role": "user", "content": "x"}],
+                tool_choice="required",
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ],
+            ),
+            "tools",
+            'Unimplemented keys: ["uniqueItems"]',
+        ),
+        (dict(messages=[{"role": "user", "content": "x"}], tool_choice="auto"), "tool_choice", "needs tools"),
+        (
+            dict(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}),
+            "response_format",
+            "needs a json_schema",
+        ),
+        (
+            dict(
+                messages=[{"role": "user", "content": "x"}],
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}},
+                    },
+                },
+            ),
+            "response_format",
+            "look-around",
+        ),
+        (ask(response_format={"type": "json_object"}), "response_format", "not supported"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "messages",
+            "'image_url' are not supported",
+        ),
+        (dict(messages=[{"role": "user", "content": "bad \ud800 char"}]), "messages", "lone surrogate"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(hermes, extra, param, words):
     http, fake, _ = hermes
     body = json.dumps({"model": "m", **extra})  # json.dumps escapes the lone surrogate, as a client would
@@ -390,11 +483,11 @@ def test_offline_chat_passes_tools_to_the_template(tiny_dirs, tmp_path):
     (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": HERMES_TEMPLATE}))
     llm = LLM(str(ckpt), block_size=16)
     msgs = ask()["messages"]
-    with_tools, = llm.chat(msgs, SamplingParams(max_tokens=1), tools=[WEATHER])
-    without, = llm.chat(msgs, SamplingParams(max_tokens=1))
+    (with_tools,) = llm.chat(msgs, SamplingParams(max_tokens=1), tools=[WEATHER])
+    (without,) = llm.chat(msgs, SamplingParams(max_tokens=1))
     assert '"name": "get_weather"' in llm.tokenizer.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
     assert "<tools>" not in llm.tokenizer.decode(without.prompt_token_ids, skip_special_tokens=False)
-    other, = llm.chat(msgs, SamplingParams(max_tokens=1), chat_template="Q: {{ messages[-1]['content'] }}\nA:")
+    (other,) = llm.chat(msgs, SamplingParams(max_tokens=1), chat_template="Q: {{ messages[-1]['content'] }}\nA:")
     assert llm.tokenizer.decode(other.prompt_token_ids) == "Q: Weather in Paris?\nA:"
 
 
@@ -405,8 +498,11 @@ def test_llama3_template_calls_through_the_frontend(tiny_dirs, tmp_path):
     choice = client.chat.completions.create(model="m", **ask()).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
-    history = [*ask()["messages"], choice.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"}]
+    history = [
+        *ask()["messages"],
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"},
+    ]
     fake.reply = "It is 21 C."
     again = client.chat.completions.create(model="m", messages=history, tools=[WEATHER]).choices[0]
     assert again.message.content == "It is 21 C." and again.finish_reason == "stop"
@@ -415,43 +511,75 @@ def test_llama3_template_calls_through_the_frontend(tiny_dirs, tmp_path):
 
 
 # --- DeepSeek-V3 (the paper's model) and V3.1 -------------------------------------------------------------------
-B, E, C, S, CE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", \
-    "<｜tool▁call▁end｜>"
+B, E, C, S, CE = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+)
 # DeepSeek-V3-style templates written for these tests: tools in the system turn, past calls in the model's markup
 DEEPSEEK_TEMPLATE = (
     "{%- if tools %}<｜System｜>Tools: {% for tool in tools %}{{ tool | tojson }}{% endfor %}{% endif %}"
     "{%- for message in messages %}{% if message['role'] == 'user' %}<｜User｜>{{ message['content'] }}"
     "{% elif message['role'] == 'tool' %}<｜tool▁output▁begin｜>{{ message['content'] }}<｜tool▁output▁end｜>"
-    "{% else %}<｜Assistant｜>{{ message['content'] or '' }}{% if message.get('tool_calls') %}" + B +
-    "{% for call in message['tool_calls'] %}" + C + "function" + S + "{{ call['function']['name'] }}\n```json\n"
+    "{% else %}<｜Assistant｜>{{ message['content'] or '' }}{% if message.get('tool_calls') %}"
+    + B
+    + "{% for call in message['tool_calls'] %}"
+    + C
+    + "function"
+    + S
+    + "{{ call['function']['name'] }}\n```json\n"
     "{{ call['function']['arguments'] | tojson }}\n```" + CE + "{% endfor %}" + E + "{% endif %}{% endif %}"
     "{% endfor %}{%- if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
-DEEPSEEK31_TEMPLATE = DEEPSEEK_TEMPLATE.replace(C + "function" + S + "{{ call['function']['name'] }}\n```json\n",
-                                                C + "{{ call['function']['name'] }}" + S).replace("\n```" + CE, CE)
+DEEPSEEK31_TEMPLATE = DEEPSEEK_TEMPLATE.replace(
+    C + "function" + S + "{{ call['function']['name'] }}\n```json\n", C + "{{ call['function']['name'] }}" + S
+).replace("\n```" + CE, CE)
 V3_CALL = B + C + "function" + S + 'get_weather\n```json\n{"city": "Paris"}\n```' + CE + E
-V31_CALL = B + C + 'get_weather' + S + '{"city": "Paris"}' + CE + E
+V31_CALL = B + C + "get_weather" + S + '{"city": "Paris"}' + CE + E
 
 
-@pytest.mark.parametrize("text, calls, content", [
-    (V3_CALL, [{"city": "Paris"}], ""),
-    ("Let me check. " + V3_CALL, [{"city": "Paris"}], "Let me check. "),
-    (V31_CALL, [{"city": "Paris"}], ""),
-    (B + C + "function" + S + 'get_weather\n```json\n{"city": "Paris"}\n```' + CE + "\n" + C + "function" + S +
-     'get_weather\n```json\n{"city": "Oslo"}\n```' + CE + E, [{"city": "Paris"}, {"city": "Oslo"}], ""),
-])
+@pytest.mark.parametrize(
+    "text, calls, content",
+    [
+        (V3_CALL, [{"city": "Paris"}], ""),
+        ("Let me check. " + V3_CALL, [{"city": "Paris"}], "Let me check. "),
+        (V31_CALL, [{"city": "Paris"}], ""),
+        (
+            B
+            + C
+            + "function"
+            + S
+            + 'get_weather\n```json\n{"city": "Paris"}\n```'
+            + CE
+            + "\n"
+            + C
+            + "function"
+            + S
+            + 'get_weather\n```json\n{"city": "Oslo"}\n```'
+            + CE
+            + E,
+            [{"city": "Paris"}, {"city": "Oslo"}],
+            "",
+        ),
+    ],
+)
 def test_deepseek_calls(text, calls, content):
     got_content, got = split_whole(text, markup=DeepSeekV3())
     assert got_content == content and [json.loads(c["function"]["arguments"]) for c in got] == calls
     assert all(c["function"]["name"] == "get_weather" for c in got)
 
 
-@pytest.mark.parametrize("bad", [
-    B + C + "function" + S + 'launch_rockets\n```json\n{}\n```' + CE + E,  # not one of the request's tools
-    B + C + "function" + S + 'get_weather\n```json\n{"city": \n```' + CE + E,  # not JSON
-    B + C + 'get_weather' + S + '[1]' + CE + E,  # arguments not an object
-    B + C + "function" + S + 'get_weather\n```json\n{"city": "Pa',  # cut off
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        B + C + "function" + S + "launch_rockets\n```json\n{}\n```" + CE + E,  # not one of the request's tools
+        B + C + "function" + S + 'get_weather\n```json\n{"city": \n```' + CE + E,  # not JSON
+        B + C + "get_weather" + S + "[1]" + CE + E,  # arguments not an object
+        B + C + "function" + S + 'get_weather\n```json\n{"city": "Pa',  # cut off
+    ],
+)
 def test_deepseek_text_that_is_not_a_valid_call_stays_content(bad):
     assert split_whole("ok " + bad, markup=DeepSeekV3()) == ("ok " + bad, [])
 
@@ -467,10 +595,13 @@ def test_deepseek_streamed_in_any_pieces_the_result_is_the_same():
         assert "".join(shown) == whole[0] and len(s.calls) == 1
 
 
-@pytest.mark.parametrize("template, reply, prefix, suffix", [
-    (DEEPSEEK_TEMPLATE, V3_CALL, B + C + "function" + S + "get_time\n```json\n", "\n```" + CE + E),
-    (DEEPSEEK31_TEMPLATE, V31_CALL, B + C + "get_time" + S, CE + E),
-])
+@pytest.mark.parametrize(
+    "template, reply, prefix, suffix",
+    [
+        (DEEPSEEK_TEMPLATE, V3_CALL, B + C + "function" + S + "get_time\n```json\n", "\n```" + CE + E),
+        (DEEPSEEK31_TEMPLATE, V31_CALL, B + C + "get_time" + S, CE + E),
+    ],
+)
 def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, reply, prefix, suffix):
     """The markup is recognised from each template's form; calls come back as tool_calls and go back into the
     template; a named (forced) call's prefix names the function, its schema is the parameters; "required" with
@@ -480,16 +611,24 @@ def test_deepseek_templates_through_the_frontend(tiny_dirs, tmp_path, template, 
     fake.reply = reply
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
     choice = client.chat.completions.create(model="m", **ask()).choices[0]
-    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == \
-        {"city": "Paris"}
-    history = [*ask()["messages"], choice.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"}]
+    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == {
+        "city": "Paris"
+    }
+    history = [
+        *ask()["messages"],
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "21 C"},
+    ]
     fake.reply = "It is 21 C."
     client.chat.completions.create(model="m", messages=history, tools=[WEATHER])
     assert S in tok.decode(fake.prompts[-1], skip_special_tokens=False)
     fake.reply = prefix + '{"zone": "UTC"}' + suffix
-    r = chat(http, messages=[{"role": "user", "content": "time?"}], tools=[WEATHER, CLOCK],
-             tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = chat(
+        http,
+        messages=[{"role": "user", "content": "time?"}],
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     s = fake.samplings[-1]
     assert (s.json_prefix + "".join(s.json_branches), s.json_suffix) == (prefix, suffix)
     assert json.loads(s.json_schema) == {"anyOf": [CLOCK["function"]["parameters"]]}
@@ -527,8 +666,11 @@ STREAMED = [
     (Hermes(), "Checking. " + CALL + " and " + CALL.replace("Paris", "Oslo")),
     (Hermes(), PRETTY),  # braces and escaped quotes inside strings, nesting, blanks
     (Llama3Json(), "<|python_tag|>" + LLAMA_CALL + "; " + LLAMA_CALL.replace("Paris", "Oslo")),
-    (DeepSeekV3(), "Let me check. " + V3_CALL.replace(CE, CE + "\n" + C + "function" + S +
-                                                       'get_weather\n```json\n{"city": "Oslo"}\n```' + CE)),
+    (
+        DeepSeekV3(),
+        "Let me check. "
+        + V3_CALL.replace(CE, CE + "\n" + C + "function" + S + 'get_weather\n```json\n{"city": "Oslo"}\n```' + CE),
+    ),
     (DeepSeekV3(code_block=False), V31_CALL),
 ]
 
@@ -541,8 +683,9 @@ def test_calls_stream_as_they_are_written_and_join_to_the_whole_reply(markup, te
     content, calls, s = stream_split(text, markup)
     whole_content, whole_calls = split_whole(text, markup=markup)
     assert content == whole_content and s.whole
-    assert [(c["name"], c["arguments"]) for c in calls] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
+    ]
     assert [c["id"] for c in calls] == [c["id"] for c in s.calls]
     for c in calls:
         assert isinstance(json.loads(c["arguments"]), dict) and c["arguments"] in text
@@ -566,15 +709,22 @@ def test_arguments_written_as_a_json_string_come_decoded_at_the_end():
     assert split_whole(text)[1][0]["function"]["arguments"] == '{"city": "Paris"}'
 
 
-@pytest.mark.parametrize("text, args, rest, whole", [
-    # a valid call streamed, then one to a tool the request does not have: that one is text
-    (CALL + ' <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', '{"city": "Paris"}',
-     ' <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', True),
-    # cut inside the arguments (max_tokens): the call as written, not complete
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa', "", False),
-    # arguments that do not parse
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call> ok', '{"city": }', " ok", False),
-])
+@pytest.mark.parametrize(
+    "text, args, rest, whole",
+    [
+        # a valid call streamed, then one to a tool the request does not have: that one is text
+        (
+            CALL + ' <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+            '{"city": "Paris"}',
+            ' <tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+            True,
+        ),
+        # cut inside the arguments (max_tokens): the call as written, not complete
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa', '{"city": "Pa', "", False),
+        # arguments that do not parse
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call> ok', '{"city": }', " ok", False),
+    ],
+)
 def test_a_streamed_call_stays_when_the_reply_then_breaks(text, args, rest, whole):
     """A call once streamed cannot be taken back: it is delivered as written and the text after it is content;
     ``whole`` says whether the calls delivered are complete. Unstreamed, the same reply is all text."""
@@ -588,45 +738,57 @@ def test_a_long_call_is_not_rescanned_for_every_piece():
     """While a call's arguments are open only the new text is read (rescanning the call from its start for every
     piece took 23 s for this one, quadratic in its length): a 100,000-character argument fed 4 characters at a
     time (25,000 pieces) makes the markup read the whole text a handful of times."""
+
     class Counted(Hermes):
         reads = 0
 
         def drafts(self, held):
             Counted.reads += 1
             return super().drafts(held)
-    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "' + "ab\\\"{}" * 20_000 + '"}}</tool_call>'
+
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "' + 'ab\\"{}' * 20_000 + '"}}</tool_call>'
     s, n = ToolCallSplitter(Counted(), NAMES), 0
     for i in range(0, len(text), 4):
-        s.feed(text[i:i + 4])
+        s.feed(text[i : i + 4])
         n += sum(len(d["function"]["arguments"]) for d in s.call_deltas())
     assert s.finish() == "" and s.whole
     n += sum(len(d["function"]["arguments"]) for d in s.call_deltas())
-    args = text[text.index('{"city"'):-len("}</tool_call>")]
+    args = text[text.index('{"city"') : -len("}</tool_call>")]
     assert s.calls[0]["function"]["arguments"] == args and n == len(args)
     assert Counted.reads < 30
 
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(alphabet='ab "\\{}[]:,\n\u00e9\U0001f600', max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k"\\{}', max_size=3), inner,
-                                                                max_size=3), max_leaves=8)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k"\\{}', max_size=3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(args=st.dictionaries(st.text(alphabet='xy"\\}', max_size=3), JSON_VALUES, max_size=3),
-       indent=st.sampled_from([None, 2]), cuts=st.lists(st.integers(1, 7), min_size=1, max_size=20),
-       markup=st.sampled_from([Hermes(), Llama3Json(), DeepSeekV3(), DeepSeekV3(code_block=False)]))
+@given(
+    args=st.dictionaries(st.text(alphabet='xy"\\}', max_size=3), JSON_VALUES, max_size=3),
+    indent=st.sampled_from([None, 2]),
+    cuts=st.lists(st.integers(1, 7), min_size=1, max_size=20),
+    markup=st.sampled_from([Hermes(), Llama3Json(), DeepSeekV3(), DeepSeekV3(code_block=False)]),
+)
 def test_any_arguments_in_any_pieces_stream_to_the_whole_call(args, indent, cuts, markup):
     """Arguments with quotes, backslashes, brackets and blanks inside strings, nested, pretty-printed or not, fed
     in random pieces: the streamed calls join to the calls parsed whole, the arguments exactly the model's text."""
     body = json.dumps(args, indent=indent, ensure_ascii=False)
-    text = {Hermes: f'<tool_call>\n{{"name": "get_weather", "arguments": {body}}}\n</tool_call>',
-            Llama3Json: f'{{"name": "get_weather", "parameters": {body}}}'}.get(type(markup)) or \
-        (B + C + "function" + S + f"get_weather\n```json\n{body}\n```" + CE + E if markup.code_block else
-         B + C + "get_weather" + S + body + CE + E)
+    text = {
+        Hermes: f'<tool_call>\n{{"name": "get_weather", "arguments": {body}}}\n</tool_call>',
+        Llama3Json: f'{{"name": "get_weather", "parameters": {body}}}',
+    }.get(type(markup)) or (
+        B + C + "function" + S + f"get_weather\n```json\n{body}\n```" + CE + E
+        if markup.code_block
+        else B + C + "get_weather" + S + body + CE + E
+    )
     s, pos, joined = ToolCallSplitter(markup, NAMES), 0, ""
     for cut in cuts * (len(text) // sum(cuts) + 1):
-        s.feed(text[pos:pos + cut])
+        s.feed(text[pos : pos + cut])
         pos += cut
         joined += "".join(d["function"]["arguments"] for d in s.call_deltas())
     assert s.finish() == ""
@@ -666,20 +828,29 @@ def test_a_chat_template_given_to_the_server_brings_tool_calling_to_a_model_with
     http, fake, tok = serve(tiny_dirs, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert chat(http, **ask()).status_code == 400
     (tmp_path / "other").mkdir()
-    http, fake, tok = serve(tiny_dirs, tmp_path / "other", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                            chat_template=HERMES_TEMPLATE)
+    http, fake, tok = serve(
+        tiny_dirs,
+        tmp_path / "other",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        chat_template=HERMES_TEMPLATE,
+    )
     fake.reply = CALL
     choice = chat(http, **ask()).json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == \
-        "get_weather"
+    assert (
+        choice["finish_reason"] == "tool_calls"
+        and choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    )
     assert "<tools>" in tok.decode(fake.prompts[-1], skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("parser, reply, calls", [
-    ("none", CALL, None),  # tools refused: no markup to parse
-    ("llama3_json", LLAMA_CALL, [{"city": "Paris"}]),  # named, whatever the template says
-    ("auto", CALL, [{"city": "Paris"}]),
-])
+@pytest.mark.parametrize(
+    "parser, reply, calls",
+    [
+        ("none", CALL, None),  # tools refused: no markup to parse
+        ("llama3_json", LLAMA_CALL, [{"city": "Paris"}]),  # named, whatever the template says
+        ("auto", CALL, [{"city": "Paris"}]),
+    ],
+)
 def test_the_tool_call_parser_can_be_named(tiny_dirs, tmp_path, parser, reply, calls):
     http, fake, _ = serve(tiny_dirs, tmp_path, HERMES_TEMPLATE, tool_call_parser=parser)
     fake.reply = reply
@@ -699,11 +870,27 @@ def test_chat_templates_load_from_a_file_or_as_text_and_bad_ones_fail_at_start(t
 
     f = tmp_path / "t.jinja"
     f.write_text(HERMES_TEMPLATE)
-    args = build_parser().parse_args(["serve", "--chat-template", str(f), "--tool-call-parser", "hermes",
-                                      "--migration-limit", "0", "--trust-request-chat-template"])
-    assert frontend_options(args) == dict(reasoning_parser="auto", tool_call_parser="hermes",
-                                          chat_template=HERMES_TEMPLATE, migration_limit=0,
-                                          trust_request_chat_template=True, generation_config="auto", lora_modules=())
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--chat-template",
+            str(f),
+            "--tool-call-parser",
+            "hermes",
+            "--migration-limit",
+            "0",
+            "--trust-request-chat-template",
+        ]
+    )
+    assert frontend_options(args) == dict(
+        reasoning_parser="auto",
+        tool_call_parser="hermes",
+        chat_template=HERMES_TEMPLATE,
+        migration_limit=0,
+        trust_request_chat_template=True,
+        generation_config="auto",
+        lora_modules=(),
+    )
     assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
     with pytest.raises(CheckpointError, match="neither a file nor"):
         load_chat_template(str(tmp_path / "missing.jinja"))
@@ -754,15 +941,38 @@ QWEN3_CODER_TEMPLATE = (
     "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-EDIT = {"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {
-    "path": {"type": "string"}, "line": {"type": "integer"}, "dry_run": {"type": "boolean"},
-    "ranges": {"type": "array"}, "zip": {"type": "string"}, "ratio": {"type": ["number", "null"]}}}}}
-QWEN_CALL = ("<tool_call>\n<function=edit_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=line>\n42\n"
-             "</parameter>\n<parameter=dry_run>\nfalse\n</parameter>\n<parameter=ranges>\n[[1, 2]]\n</parameter>\n"
-             "<parameter=zip>\n01234\n</parameter>\n<parameter=ratio>\nnull\n</parameter>\n<parameter=body>\n"
-             "def f():\n    return 1\n</parameter>\n</function>\n</tool_call>")
-QWEN_ARGS = {"path": "src/a.py", "line": 42, "dry_run": False, "ranges": [[1, 2]], "zip": "01234", "ratio": None,
-             "body": "def f():\n    return 1"}
+EDIT = {
+    "type": "function",
+    "function": {
+        "name": "edit_file",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "line": {"type": "integer"},
+                "dry_run": {"type": "boolean"},
+                "ranges": {"type": "array"},
+                "zip": {"type": "string"},
+                "ratio": {"type": ["number", "null"]},
+            },
+        },
+    },
+}
+QWEN_CALL = (
+    "<tool_call>\n<function=edit_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n<parameter=line>\n42\n"
+    "</parameter>\n<parameter=dry_run>\nfalse\n</parameter>\n<parameter=ranges>\n[[1, 2]]\n</parameter>\n"
+    "<parameter=zip>\n01234\n</parameter>\n<parameter=ratio>\nnull\n</parameter>\n<parameter=body>\n"
+    "def f():\n    return 1\n</parameter>\n</function>\n</tool_call>"
+)
+QWEN_ARGS = {
+    "path": "src/a.py",
+    "line": 42,
+    "dry_run": False,
+    "ranges": [[1, 2]],
+    "zip": "01234",
+    "ratio": None,
+    "body": "def f():\n    return 1",
+}
 
 
 def test_qwen3_coder_calls_are_typed_by_the_tools_parameters():
@@ -776,8 +986,7 @@ def test_qwen3_coder_calls_are_typed_by_the_tools_parameters():
     streamed, got, s = stream_split("Editing. " + QWEN_CALL, markup, names)
     assert streamed == "Editing. " and [json.loads(c["arguments"]) for c in got] == [QWEN_ARGS]
     assert got[0]["at"][0] < len("Editing. <tool_call>\n<function=edit_file>") + 5  # named as soon as written
-    for bad in (QWEN_CALL.replace("edit_file", "rm_rf"), QWEN_CALL.replace("</function>", "</func>"),
-                QWEN_CALL[:-30]):
+    for bad in (QWEN_CALL.replace("edit_file", "rm_rf"), QWEN_CALL.replace("</function>", "</func>"), QWEN_CALL[:-30]):
         assert split_whole(bad, names, markup=markup) == (bad, [])
 
 

@@ -1,4 +1,5 @@
 """The simulated cluster, driven by the real scheduler core, on scenarios whose timeline is worked out by hand."""
+
 import math
 
 import pytest
@@ -9,8 +10,14 @@ from dualpath.engines.batcher import CostModel
 
 FAST = Hardware(gpus=1, cnic_bps=1e12, snic_bps=1e12, dram_bps=1e12)
 MODEL = ModelPreset("toy", 1000)  # 1 KB of KV per token
-ENGINE = EngineModel(CostModel(0.01, 0.001, 0.0), decode_fixed_s=0.016, decode_per_seq_s=0.0, decode_per_token_s=0.0,
-                     decode_kv_tokens=100_000, num_layers=2)
+ENGINE = EngineModel(
+    CostModel(0.01, 0.001, 0.0),
+    decode_fixed_s=0.016,
+    decode_per_seq_s=0.0,
+    decode_per_token_s=0.0,
+    decode_kv_tokens=100_000,
+    num_layers=2,
+)
 
 
 def two_rounds(system: str, storage_bps: float = 1e6):
@@ -23,11 +30,14 @@ def two_rounds(system: str, storage_bps: float = 1e6):
 # three 16 ms decode steps -> done 0.211, reported at the decode pull at 0.25, where the next round is submitted,
 # routed and given a decode engine (the same pull); the prefill pull at 0.275 places it. Round 2: 192 tokens, 2
 # blocks (128 tokens) stored: 128 KB read at 1 MB/s = 0.128 s; prefill of 64 new tokens 0.074 s over 2 layers.
-@pytest.mark.parametrize("system, jct", [
-    ("dualpath", 0.5),   # layerwise: compute from 0.275, read ends 0.403, last layer +0.037 -> 0.44, done 0.488
-    ("basic", 0.55),     # whole KV first: 0.403 + 0.074 = 0.477, done 0.525
-    ("oracle", 0.4),     # no read: 0.275 + 0.074 = 0.349, done 0.397
-])
+@pytest.mark.parametrize(
+    "system, jct",
+    [
+        ("dualpath", 0.5),  # layerwise: compute from 0.275, read ends 0.403, last layer +0.037 -> 0.44, done 0.488
+        ("basic", 0.55),  # whole KV first: 0.403 + 0.074 = 0.477, done 0.525
+        ("oracle", 0.4),  # no read: 0.275 + 0.074 = 0.349, done 0.397
+    ],
+)
 def test_two_round_agent_timeline_by_hand(system, jct):
     r = two_rounds(system)
     assert r.jct_s == pytest.approx(jct, abs=1e-9)
@@ -66,8 +76,14 @@ def test_online_capacity_of_one_prefill_gpu():
     (rho - 1) T / 2, so a 4 s objective over 100 s admits rho up to ~1.08: the capacity found lies just above 10."""
     from dualpath.sim.cluster import Slo, online_capacity
 
-    engine = EngineModel(CostModel(0.1, 0.0, 0.0), decode_fixed_s=0.001, decode_per_seq_s=0.0,
-                         decode_per_token_s=0.0, decode_kv_tokens=10 ** 7, num_layers=2)
+    engine = EngineModel(
+        CostModel(0.1, 0.0, 0.0),
+        decode_fixed_s=0.001,
+        decode_per_seq_s=0.0,
+        decode_per_token_s=0.0,
+        decode_kv_tokens=10**7,
+        num_layers=2,
+    )
     cfg = SimConfig(FAST, MODEL, engine, 1, 1, "dualpath", pull_interval_s=0.05)
     found = online_capacity(cfg, [[(64, 2)]], duration_s=100.0, slo=Slo(4.0, 0.05), iters=5)
     assert 9.5 <= found["agents_per_s"] <= 11.5, found
@@ -103,10 +119,18 @@ def test_decode_segments_match_stepping_one_step_at_a_time(seed, per_token_s):
     from dualpath.sim.cluster import Agent, SimRequest
 
     rng = np.random.default_rng(seed)
-    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=0.01, decode_per_seq_s=0.002,
-                    decode_per_token_s=per_token_s, decode_kv_tokens=10 ** 7, num_layers=2)
-    arrivals = [(float(t), int(p), int(g)) for t, p, g in zip(np.sort(rng.uniform(0, 2.0, 12)),
-                                                               rng.integers(10, 5000, 12), rng.integers(1, 60, 12))]
+    e = EngineModel(
+        CostModel(0.0, 0.0, 0.0),
+        decode_fixed_s=0.01,
+        decode_per_seq_s=0.002,
+        decode_per_token_s=per_token_s,
+        decode_kv_tokens=10**7,
+        num_layers=2,
+    )
+    arrivals = [
+        (float(t), int(p), int(g))
+        for t, p, g in zip(np.sort(rng.uniform(0, 2.0, 12)), rng.integers(10, 5000, 12), rng.integers(1, 60, 12))
+    ]
     sim = ClusterSim(SimConfig(FAST, MODEL, e, 1, 1), [])
     pe, de = sim.engines["p0-0"], sim.engines["d0-0"]
     reqs = []
@@ -135,14 +159,20 @@ def test_a_joining_request_cuts_the_segment_at_the_first_boundary_after_now(seed
     from dualpath.sim.cluster import Agent, SimRequest
 
     rng = random.Random(seed)
-    e = EngineModel(CostModel(0.0, 0.0, 0.0), decode_fixed_s=rng.uniform(0.005, 0.05), decode_per_seq_s=1e-4,
-                    decode_per_token_s=rng.choice([0.0, 1e-7, 3e-6]), decode_kv_tokens=10 ** 8, num_layers=2)
+    e = EngineModel(
+        CostModel(0.0, 0.0, 0.0),
+        decode_fixed_s=rng.uniform(0.005, 0.05),
+        decode_per_seq_s=1e-4,
+        decode_per_token_s=rng.choice([0.0, 1e-7, 3e-6]),
+        decode_kv_tokens=10**8,
+        num_layers=2,
+    )
     sim = ClusterSim(SimConfig(FAST, MODEL, e, 1, 1), [])
     de = sim.engines["d0-0"]
     for _ in range(200):
         batch = rng.randint(1, 64)
         de.running = {f"w{i}": SimRequest(Agent(i, []), 100, 10, 0.0) for i in range(batch)}
-        de.seg_start, de.seg_context = rng.uniform(0, 100), rng.randint(batch, 10 ** 6)
+        de.seg_start, de.seg_context = rng.uniform(0, 100), rng.randint(batch, 10**6)
         de.seg_steps = rng.randint(1, 400)
         de.joining = [("new", SimRequest(Agent(-1, []), 10, 10, 0.0))]
         boundaries = [sim._steps_end(de, n) for n in range(1, de.seg_steps + 1)]
@@ -166,7 +196,9 @@ def test_storage_bound_throughput_follows_the_storage_nics_in_use():
         sim = ClusterSim(SimConfig(hw, heavy, ENGINE, 1, 1, system, pull_interval_s=0.02), rounds)
         r = sim.run()
         loaded = sum(r.storage_read_bytes.values())
-        assert loaded == 40 * sum(k * 648 // 64 * 64 for k in range(1, 10)) * 200_000  # each turn: the full blocks before
+        assert (
+            loaded == 40 * sum(k * 648 // 64 * 64 for k in range(1, 10)) * 200_000
+        )  # each turn: the full blocks before
         rate[system] = loaded / r.jct_s
     assert 0.75 * 0.5e9 <= rate["basic"] <= 0.5e9 * 1.001
     assert rate["dualpath"] >= 1.6 * rate["basic"]
@@ -177,16 +209,60 @@ def test_simulate_and_plan_commands(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "simulate", "--prefill", "1", "--decode", "1",
-                          "--gpus", "2", "--agents", "6", "--scale", "0.1", "--turns-scale", "0.1",
-                          "--systems", "basic,dualpath", "--json"], capture_output=True, text=True, check=True,
-                         timeout=120).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "simulate",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--gpus",
+            "2",
+            "--agents",
+            "6",
+            "--scale",
+            "0.1",
+            "--turns-scale",
+            "0.1",
+            "--systems",
+            "basic,dualpath",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     rows = json.loads(out)
     assert [r["system"] for r in rows] == ["basic", "dualpath"] and all(r["turns"] > 0 for r in rows)
-    text = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--nodes", "3", "--gpus", "2", "--simulate",
-                           "--agents-per-node", "4", "--seconds", "60", "--model", "ds27b",
-                           "--target-turns-per-s", "50"], capture_output=True, text=True, check=True,
-                          timeout=120).stdout
+    text = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "plan",
+            "--nodes",
+            "3",
+            "--gpus",
+            "2",
+            "--simulate",
+            "--agents-per-node",
+            "4",
+            "--seconds",
+            "60",
+            "--model",
+            "ds27b",
+            "--target-turns-per-s",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     assert "1P2D" in text and "2P1D" in text and "best: " in text and "needs about" in text
 
 
@@ -212,8 +288,10 @@ def test_leaving_unchanged_reports_and_idle_pulls_out_changes_no_decision():
 
     rounds, _ = trace_shapes("64k", 24, 1.0, 0.1, 1)
     hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
-    runs = [ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, every_pull=every),
-                       rounds).run() for every in (True, False)]
+    runs = [
+        ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, every_pull=every), rounds).run()
+        for every in (True, False)
+    ]
     assert runs[0].turns == runs[1].turns == sum(map(len, rounds))
     assert runs[0].jct_s == runs[1].jct_s and runs[0].ttft_s == runs[1].ttft_s
     assert runs[0].storage_read_bytes == runs[1].storage_read_bytes

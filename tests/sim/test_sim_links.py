@@ -1,4 +1,5 @@
 """Link accounting of the two read paths against the paper's §4.2 formulas, and the P/D planner's range."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def test_no_link_saturates_inside_the_range(p, d):
     assert not link_load(PAPER_NODE, p, d).saturated()
 
 
-@pytest.mark.parametrize("p,d,side,link", [(1, 8, PREFILL, "cnic_write"), (4, 1, DECODE, "cnic_write"),
-                                           (4, 1, DECODE, "dram")])
+@pytest.mark.parametrize(
+    "p,d,side,link", [(1, 8, PREFILL, "cnic_write"), (4, 1, DECODE, "cnic_write"), (4, 1, DECODE, "dram")]
+)
 def test_a_link_saturates_just_outside(p, d, side, link):
     """1/8 < 1/7: the prefill CNICs receive too much; 4 > 7/2: the decode CNIC writes and DRAM overflow."""
     assert (side, link) in {(s, l) for s, l, _ in link_load(PAPER_NODE, p, d).saturated()}
@@ -47,8 +49,7 @@ def test_loads_equal_the_papers_per_link_formulas():
 
 
 @settings(max_examples=200, deadline=None)
-@given(g=st.integers(2, 16), s=st.floats(0.25, 4), m=st.floats(3.5, 30), p=st.integers(1, 40),
-       d=st.integers(1, 40))
+@given(g=st.integers(2, 16), s=st.floats(0.25, 4), m=st.floats(3.5, 30), p=st.integers(1, 40), d=st.integers(1, 40))
 def test_the_closed_form_range_is_exactly_where_no_link_saturates(g, s, m, p, d):
     B = 50e9
     hw = Hardware(gpus=g, cnic_bps=B, snic_bps=s * B, dram_bps=m * s * B)
@@ -67,12 +68,22 @@ def test_partial_storage_load_scales_every_link():
 
 def test_node_splits_and_the_plan_command():
     assert node_counts(bottleneck_free_range(PAPER_NODE), 12)[0] == (2, 10)
-    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--nodes", "12", "--json"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "plan", "--nodes", "12", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     data = json.loads(out)
     assert data["low"] == pytest.approx(1 / 7) and [2, 10] in data["splits"] and [10, 2] not in data["splits"]
-    text = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--snic-gbps", str(5 * 400)],
-                          capture_output=True, text=True, check=True, timeout=60).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "plan", "--snic-gbps", str(5 * 400)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert "no P/D ratio is bottleneck-free" in text
 
 
@@ -83,8 +94,13 @@ def test_storage_bound_turn_rate_counts_every_nodes_storage_nic():
     kv = MODELS["ds660b"].kv_bytes_per_token
     assert kv == 40 * 1024 and MODELS["qwen32b"].kv_bytes_per_token == 256 * 1024
     assert storage_bound_turns_per_s(PAPER_NODE, 6, kv, 64000) == pytest.approx(6 * 50e9 / (kv * 64000))
-    out = subprocess.run([sys.executable, "-m", "dualpath.cli", "plan", "--prefill", "2", "--decode", "4",
-                          "--hit-tokens", "64000"], capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dualpath.cli", "plan", "--prefill", "2", "--decode", "4", "--hit-tokens", "64000"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert "114.4 turns/s with both paths, 38.1 through prefill nodes only" in out
 
 

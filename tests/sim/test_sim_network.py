@@ -1,4 +1,5 @@
 """The simulator's bandwidth sharing: completion times computed by hand for small scenarios."""
+
 from __future__ import annotations
 
 import pytest
@@ -94,6 +95,7 @@ def test_event_loop_orders_timers_and_transfers():
         def loaded():
             log.append((name, "loaded", loop.now))
             loop.after(0.010, lambda: log.append((name, "prefilled", loop.now)))
+
         loop.transfer(name, 1 * GB, path_route(PE_PATH, ("p0", gpu), ("d0", gpu)), loaded)
 
     request("a", 0)
@@ -147,9 +149,16 @@ def reference_rates(capacity: dict[str, float], routes: dict[str, list[tuple[str
     return rate
 
 
-@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([1.0, 2.0])), min_size=1, max_size=4,
-                         unique_by=lambda t: t[0]), min_size=1, max_size=12),
-       st.lists(st.floats(1.0, 100.0), min_size=6, max_size=6))
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 5), st.sampled_from([1.0, 2.0])), min_size=1, max_size=4, unique_by=lambda t: t[0]
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(st.floats(1.0, 100.0), min_size=6, max_size=6),
+)
 @settings(max_examples=200, deadline=None)
 def test_heap_filling_equals_the_plain_algorithm(routes, caps):
     capacity = {f"l{i}": c for i, c in enumerate(caps)}
@@ -164,10 +173,23 @@ def test_heap_filling_equals_the_plain_algorithm(routes, caps):
         assert u <= 1 + 1e-9
 
 
-@given(st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([1.0, 2.0])), min_size=1,
-                                   max_size=4, unique_by=lambda t: t[0]),
-                          st.floats(1.0, 50.0), st.floats(0.0, 0.5)), min_size=1, max_size=16),
-       st.lists(st.floats(1.0, 100.0), min_size=6, max_size=6))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(
+                st.tuples(st.integers(0, 5), st.sampled_from([1.0, 2.0])),
+                min_size=1,
+                max_size=4,
+                unique_by=lambda t: t[0],
+            ),
+            st.floats(1.0, 50.0),
+            st.floats(0.0, 0.5),
+        ),
+        min_size=1,
+        max_size=16,
+    ),
+    st.lists(st.floats(1.0, 100.0), min_size=6, max_size=6),
+)
 @settings(max_examples=200, deadline=None)
 def test_rates_stay_max_min_fair_as_flows_come_and_go(flows, caps):
     """Flows start at random times and end as their bytes arrive; after every change (fast path or full filling)
@@ -197,8 +219,9 @@ def test_rates_stay_max_min_fair_as_flows_come_and_go(flows, caps):
 def test_a_change_refills_only_the_flows_it_affects():
     """Reads held by their node's storage link (two prefill nodes, eight reads each, to separate decode nodes):
     starting or finishing one re-fills that node's reads, never the other node's."""
-    net = FlowNetwork(cluster_links(PAPER_NODE, ["p0", "p1", "d0", "d1"]) | {"p0/storage_read": 20e9,
-                                                                            "p1/storage_read": 20e9})
+    net = FlowNetwork(
+        cluster_links(PAPER_NODE, ["p0", "p1", "d0", "d1"]) | {"p0/storage_read": 20e9, "p1/storage_read": 20e9}
+    )
     for g in range(8):
         for p, d in (("p0", "d0"), ("p1", "d1")):
             net.add(f"{p}.{g}", (g + 1) * GB, path_route(PE_PATH, (p, g), (d, g)) + ((f"{p}/storage_read", 1.0),))

@@ -1,5 +1,6 @@
 """Tensor-parallel engines in the cluster simulator and in ``dualpath plan``/``simulate``: a node of g GPUs runs
 g / TP engines of TP GPUs, each with TP GPUs' KV tokens and TP GPUs' compute less the all-reduces."""
+
 import json
 
 import pytest
@@ -13,8 +14,14 @@ from dualpath.sim.links import PE_PATH, path_route
 from dualpath.engines.batcher import CostModel
 
 MODEL = ModelPreset("toy", 1000)  # 1 KB of KV per token
-ENGINE = EngineModel(CostModel(0.01, 0.001, 0.0), decode_fixed_s=0.016, decode_per_seq_s=0.0, decode_per_token_s=0.0,
-                     decode_kv_tokens=100_000, num_layers=2)
+ENGINE = EngineModel(
+    CostModel(0.01, 0.001, 0.0),
+    decode_fixed_s=0.016,
+    decode_per_seq_s=0.0,
+    decode_per_token_s=0.0,
+    decode_kv_tokens=100_000,
+    num_layers=2,
+)
 
 
 def _small_run(**tp):
@@ -151,8 +158,25 @@ def scheduler_log_level():
 
 
 def test_simulate_with_one_prefill_engine_per_node(capsys, scheduler_log_level):
-    argv = ["simulate", "--prefill", "1", "--decode", "1", "--gpus", "8", "--agents", "6", "--scale", "0.1",
-            "--turns-scale", "0.1", "--systems", "dualpath", "--model", "ds27b"]
+    argv = [
+        "simulate",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--gpus",
+        "8",
+        "--agents",
+        "6",
+        "--scale",
+        "0.1",
+        "--turns-scale",
+        "0.1",
+        "--systems",
+        "dualpath",
+        "--model",
+        "ds27b",
+    ]
     assert main(argv + ["--prefill-tp", "8", "--decode-tp", "4", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["prefill_engines"], row["decode_engines"], row["prefill_tp"], row["decode_tp"]) == (1, 2, 8, 4)

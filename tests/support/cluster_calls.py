@@ -1,4 +1,5 @@
 """Requests sent to a running cluster at once, with something done to the cluster meanwhile."""
+
 from __future__ import annotations
 
 import threading
@@ -6,8 +7,15 @@ import time
 from typing import Callable
 
 
-def generate_during(client, prompts: list[list[int]], params, action: Callable[[], None], after_s: float = 0.1,
-                    mode: str = "", join_s: float = 120.0) -> list:
+def generate_during(
+    client,
+    prompts: list[list[int]],
+    params,
+    action: Callable[[], None],
+    after_s: float = 0.1,
+    mode: str = "",
+    join_s: float = 120.0,
+) -> list:
     """Generate every prompt at once (a thread each); ``action()`` ``after_s`` seconds in. The results in prompt
     order; fails the test if a request hung or raised."""
     results: list = [None] * len(prompts)

@@ -1,5 +1,6 @@
 """Text read through a structured-output constraint as the engines' matcher reads a reply (llguidance, over its
 tokenizer of one token per byte): the tests' view of what a constraint accepts."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,14 @@ def constraint(what) -> Constraint:
     return Constraint.of(what) if isinstance(what, SamplingParams) else what
 
 
-def schema(s=None, prefix: str = "", suffix: str = "", thinking: str = "", trigger: bool = False,
-           branches: tuple[str, ...] = ()) -> Constraint:
+def schema(
+    s=None,
+    prefix: str = "",
+    suffix: str = "",
+    thinking: str = "",
+    trigger: bool = False,
+    branches: tuple[str, ...] = (),
+) -> Constraint:
     """A JSON answer's constraint (``s`` a schema; None: any object)."""
     return Constraint("json", None if s is None else json.dumps(s), prefix, suffix, thinking, trigger, branches)
 
@@ -153,5 +160,5 @@ def check_masks_along(what, vocab: list, doc: bytes, width: int, end: int | None
         else:
             assert torch.equal(got, want), (doc[:i], (got != want).nonzero().flatten().tolist())
         if i < len(doc):
-            guide.advance(ids[doc[i:i + 1]])
+            guide.advance(ids[doc[i : i + 1]])
     return len(states)

@@ -6,6 +6,7 @@ every pair of values of any two axes still meets in the default run (a kernel se
 length case, and each dtype with both); with strength 1, every value of every axis runs at least once.
 ``python -m pytest -m slow`` runs the rest.
 """
+
 from __future__ import annotations
 
 from itertools import combinations, product
@@ -25,6 +26,12 @@ def covering(names: str, axes: Sequence[Sequence], strength: int = 2) -> tuple[s
         keep.add(best)
         need -= {(g, tuple(best[d] for d in g)) for g in groups}
     labels = [n.strip() for n in names.split(",")]
-    params = [pytest.param(*(a[i] for a, i in zip(axes, c)), marks=() if c in keep else pytest.mark.slow,
-                           id="-".join(f"{n}{i}" for n, i in zip(labels, c))) for c in combos]
+    params = [
+        pytest.param(
+            *(a[i] for a, i in zip(axes, c)),
+            marks=() if c in keep else pytest.mark.slow,
+            id="-".join(f"{n}{i}" for n, i in zip(labels, c)),
+        )
+        for c in combos
+    ]
     return names, params

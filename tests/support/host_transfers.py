@@ -3,6 +3,7 @@
 GPU each is a copy, and most wait for the device; on CPU they are free, so this is how CPU tests check that a
 layer loop or a CUDA graph's step has none. Calls made by torch, Triton or the tests themselves are not counted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,12 +49,16 @@ def _spy(mp: pytest.MonkeyPatch, seen: list) -> None:
             seen.append((name, caller.co_filename, sys._getframe(2).f_lineno))
 
     for name in _TO_HOST:
+
         def method(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **k):
             note(_name)
             return _orig(self, *a, **k)
+
         mp.setattr(torch.Tensor, name, method)
     for name in _TO_DEVICE:
+
         def factory(*a, _orig=getattr(torch, name), _name=name, **k):
             note(_name)
             return _orig(*a, **k)
+
         mp.setattr(torch, name, factory)

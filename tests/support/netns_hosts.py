@@ -1,5 +1,6 @@
 """Hosts on one machine for multi-host tests: a network namespace per host, each with one veth into a bridge in the
 root namespace (10.213.0.0/24; the root namespace is 10.213.0.254), optionally rate-limited with tc. Needs root."""
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,22 @@ class Hosts:
                 sh(*ns, "ip", "link", "set", h.dev, "up")
                 sh(*ns, "ip", "link", "set", "lo", "up")
                 if name in self.rates:  # token bucket on the host's egress: its NIC's bandwidth
-                    sh(*ns, "tc", "qdisc", "add", "dev", h.dev, "root", "tbf", "rate", self.rates[name],
-                       "burst", "64kb", "latency", "400ms")
+                    sh(
+                        *ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        h.dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        self.rates[name],
+                        "burst",
+                        "64kb",
+                        "latency",
+                        "400ms",
+                    )
         except BaseException:
             self.down()
             raise

@@ -1,4 +1,5 @@
 """Run ``dualpath serve`` as a user would, in a subprocess, for the serving tests and benchmarks."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,21 @@ class ServeProcess:
         self.dir = Path(tempfile.mkdtemp(prefix="dualpath-serve-"))
         ready = self.dir / "ready"
         self.log = self.dir / "serve.log"
-        cmd = [sys.executable, "-m", "dualpath.cli", "--log-level", "WARNING", "serve", "--port", "0",
-               "--ready-file", str(ready), "--run-dir", str(self.dir / "run"), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dualpath.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--run-dir",
+            str(self.dir / "run"),
+            *args,
+        ]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

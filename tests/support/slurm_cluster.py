@@ -1,6 +1,7 @@
 """A real Slurm cluster of two nodes on this host, for tests: munged, slurmctld and one slurmd per node, all from
 Debian's slurm-wlm, configured in a private directory with their own ports and socket. GPUs are character devices
 (/dev/null's numbers) declared through gres.conf, so Slurm hands them out and sets CUDA_VISIBLE_DEVICES per task."""
+
 from __future__ import annotations
 
 import os
@@ -63,23 +64,47 @@ class SlurmCluster:
         for g in range(self.nodes * self.gpus):
             subprocess.run(["mknod", str(d / f"gpu{g}"), "c", "1", "3"], check=True)
         ctl, slurmd = free_port(), free_port()
-        conf = [f"ClusterName=dptest{os.getpid()}", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ctl}",
-                f"SlurmdPort={slurmd}", "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-                f"AuthInfo=socket={d}/munge.sock", "CredType=cred/munge", f"StateSaveLocation={d}/state",
-                f"SlurmdSpoolDir={d}/spool%n", f"SlurmctldPidFile={d}/slurmctld.pid",
-                f"SlurmdPidFile={d}/slurmd-%n.pid", f"SlurmctldLogFile={d}/log/slurmctld.log",
-                f"SlurmdLogFile={d}/log/slurmd-%n.log", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-                "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "GresTypes=gpu", "MpiDefault=none",
-                "ReturnToService=2", "SchedulerType=sched/backfill", "AccountingStorageType=accounting_storage/none",
-                "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none", "KillWait=10", "MinJobAge=600"]
+        conf = [
+            f"ClusterName=dptest{os.getpid()}",
+            f"SlurmctldHost={host}(127.0.0.1)",
+            f"SlurmctldPort={ctl}",
+            f"SlurmdPort={slurmd}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={d}/munge.sock",
+            "CredType=cred/munge",
+            f"StateSaveLocation={d}/state",
+            f"SlurmdSpoolDir={d}/spool%n",
+            f"SlurmctldPidFile={d}/slurmctld.pid",
+            f"SlurmdPidFile={d}/slurmd-%n.pid",
+            f"SlurmctldLogFile={d}/log/slurmctld.log",
+            f"SlurmdLogFile={d}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "GresTypes=gpu",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "SchedulerType=sched/backfill",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "KillWait=10",
+            "MinJobAge=600",
+        ]
         gres = []
         for i in range(1, self.nodes + 1):
-            conf.append(f"NodeName=node{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
-                        f"CPUs={self.cpus} RealMemory=8000 Gres=gpu:{self.gpus} State=UNKNOWN")
+            conf.append(
+                f"NodeName=node{i} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
+                f"CPUs={self.cpus} RealMemory=8000 Gres=gpu:{self.gpus} State=UNKNOWN"
+            )
             first = (i - 1) * self.gpus
             gres.append(f"NodeName=node{i} Name=gpu File={d}/gpu[{first}-{first + self.gpus - 1}]")
-        conf.append(f"PartitionName=debug Nodes=node[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP "
-                    "OverSubscribe=YES")
+        conf.append(
+            f"PartitionName=debug Nodes=node[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
+        )
         (d / "slurm.conf").write_text("\n".join(conf) + "\n")
         (d / "gres.conf").write_text("\n".join(gres) + "\n")
 
@@ -94,14 +119,36 @@ class SlurmCluster:
     def _start(self, timeout: float) -> "SlurmCluster":
         self._write_config()
         d, conf = self.dir, str(self.dir / "slurm.conf")
-        subprocess.run([_binary("munged"), f"--socket={d}/munge.sock", f"--key-file={d}/munge.key",
-                        f"--log-file={d}/log/munged.log", f"--pid-file={d}/munged.pid", f"--seed-file={d}/munge.seed",
-                        "--force"], check=True, env=self.env)
-        self.procs.append(subprocess.Popen([_binary("slurmctld"), "-D", "-f", conf, "-i"], env=self.env,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        subprocess.run(
+            [
+                _binary("munged"),
+                f"--socket={d}/munge.sock",
+                f"--key-file={d}/munge.key",
+                f"--log-file={d}/log/munged.log",
+                f"--pid-file={d}/munged.pid",
+                f"--seed-file={d}/munge.seed",
+                "--force",
+            ],
+            check=True,
+            env=self.env,
+        )
+        self.procs.append(
+            subprocess.Popen(
+                [_binary("slurmctld"), "-D", "-f", conf, "-i"],
+                env=self.env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         for i in range(1, self.nodes + 1):
-            self.procs.append(subprocess.Popen([_binary("slurmd"), "-D", "-f", conf, "-N", f"node{i}"], env=self.env,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [_binary("slurmd"), "-D", "-f", conf, "-N", f"node{i}"],
+                    env=self.env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
@@ -111,8 +158,9 @@ class SlurmCluster:
         raise RuntimeError(f"Slurm nodes not idle after {timeout} s:\n{self.log('slurmctld')[-3000:]}")
 
     def run(self, *cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run([_binary(cmd[0]), *cmd[1:]], env=self.env, capture_output=True, text=True,
-                              check=check, timeout=60, **kw)
+        return subprocess.run(
+            [_binary(cmd[0]), *cmd[1:]], env=self.env, capture_output=True, text=True, check=check, timeout=60, **kw
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         out = self.run("scontrol", "show", "job", "-o", job_id, check=False).stdout

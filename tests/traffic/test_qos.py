@@ -2,6 +2,7 @@
 traffic class; an engine's ranks started with NCCL's classes; and, in the slow run, the benchmark's short form on
 a shaped link between two network namespaces: the collectives under a KV flood do better with the classes than
 without."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,25 +39,41 @@ def test_one_config_gives_every_class():
     assert off.kv_traffic_class == off.collective_traffic_class == 0 and off.collective_env()["NCCL_IB_SL"] == "0"
 
 
-@pytest.mark.parametrize("fields, words", [
-    ({"kv_dscp": 26}, "one DSCP (26)"),  # KV on the collectives' class: the fabric could not tell them apart
-    ({"collective_service_level": 2}, "one service level (2)"),
-    ({"kv_dscp": 64}, "kv_dscp must be a DSCP"),
-    ({"collective_service_level": 16}, "collective_service_level must be an InfiniBand service level"),
-])
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"kv_dscp": 26}, "one DSCP (26)"),  # KV on the collectives' class: the fabric could not tell them apart
+        ({"collective_service_level": 2}, "one service level (2)"),
+        ({"kv_dscp": 64}, "kv_dscp must be a DSCP"),
+        ({"collective_service_level": 16}, "collective_service_level must be an InfiniBand service level"),
+    ],
+)
 def test_bad_classes_are_refused_with_the_numbers(fields, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         QosConfig(**fields)
 
 
 def _engine_args(*extra: str):
-    return build_parser().parse_args(["engine", "--role", "prefill", "--scheduler", "127.0.0.1:1", "--model",
-                                      "/nonexistent/model", *extra])
+    return build_parser().parse_args(
+        ["engine", "--role", "prefill", "--scheduler", "127.0.0.1:1", "--model", "/nonexistent/model", *extra]
+    )
 
 
 def test_engine_flags_build_the_transport_and_the_qos_config_from_one_source():
-    cfg = engine_config(_engine_args("--transport", "ucx", "--kv-service-level", "5", "--kv-dscp", "8",
-                                     "--collective-service-level", "1", "--collective-dscp", "34"))
+    cfg = engine_config(
+        _engine_args(
+            "--transport",
+            "ucx",
+            "--kv-service-level",
+            "5",
+            "--kv-dscp",
+            "8",
+            "--collective-service-level",
+            "1",
+            "--collective-dscp",
+            "34",
+        )
+    )
     assert cfg.qos == QosConfig(kv_service_level=5, kv_dscp=8, collective_service_level=1, collective_dscp=34)
     assert (cfg.transport.kv_service_level, cfg.transport.kv_traffic_class) == (5, 32)
     assert engine_config(_engine_args()).qos == QosConfig()  # the defaults
@@ -73,8 +90,19 @@ def test_a_cluster_passes_its_classes_to_every_engine(tmp_path, tiny_dirs):
     from dualpath.launcher import ClusterSpec, LocalCluster, qos_args
     from dualpath.serving.serve import cluster_spec
 
-    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama"]), "--kv-dscp", "12",
-                                      "--collective-dscp", "46", "--collective-service-level", "3"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--kv-dscp",
+            "12",
+            "--collective-dscp",
+            "46",
+            "--collective-service-level",
+            "3",
+        ]
+    )
     spec, _, _ = cluster_spec(args)
     want = QosConfig(kv_dscp=12, collective_dscp=46, collective_service_level=3)
     assert spec.qos == want
@@ -82,7 +110,8 @@ def test_a_cluster_passes_its_classes_to_every_engine(tmp_path, tiny_dirs):
     argv = cluster._engine_args("decode", 0, 0)
     assert engine_config(build_parser().parse_args(argv)).qos == want
     assert qos_args(QosConfig()) and "--kv-dscp" not in LocalCluster(
-        ClusterSpec(model=str(tiny_dirs["llama"])), run_dir=str(tmp_path / "d"))._engine_args("decode", 0, 0)
+        ClusterSpec(model=str(tiny_dirs["llama"])), run_dir=str(tmp_path / "d")
+    )._engine_args("decode", 0, 0)
 
 
 def test_the_engine_process_hands_the_collective_classes_to_its_ranks(tmp_path):
@@ -109,8 +138,14 @@ def test_the_engine_process_hands_the_collective_classes_to_its_ranks(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_") and k != "DUALPATH_PARENT_PID"}
     env["NCCL_IB_SL"] = "7"  # a stale value in the environment: the config wins
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**env, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr
     assert "rank sees 5 136" in r.stdout, r.stdout + r.stderr
     assert "NCCL_IB_SL=7 in the environment" in r.stderr
@@ -173,9 +208,21 @@ def test_the_ucx_transports_kv_sockets_carry_the_kv_traffic_class():
 @pytest.mark.skipif(not HAS_UCX, reason="ucxx not installed")
 def test_with_priorities_the_collectives_beat_the_unprioritized_case(tmp_path):
     out = tmp_path / "qos.json"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "qos.py"), "--quick", "--out", str(out),
-                             "--plot", str(tmp_path / "qos.png")], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "qos.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "qos.png"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     text, _ = proc.communicate(timeout=900)
     print(text)
     assert proc.returncode == 0, text
@@ -191,9 +238,14 @@ def test_with_priorities_the_collectives_beat_the_unprioritized_case(tmp_path):
     assert without["kv_sockets_tos"] == [0] and without["collective_sockets_tos"] == [0]
     assert with_p["bands"]["a"]["low"]["bytes"] > 0 and without["bands"]["a"]["low"]["bytes"] == 0
     assert (tmp_path / "qos.png").exists() or (tmp_path / "qos.svg").exists()
-    print("with priorities, p99 vs alone:", {n: round(with_p[n]["p99_vs_alone"], 2) for n in ("all_reduce",
-          "all_to_all")}, "KV share of the leftover rate:", round(with_p["kv_share_of_leftover"], 2),
-          "targets met:", r["met"])
+    print(
+        "with priorities, p99 vs alone:",
+        {n: round(with_p[n]["p99_vs_alone"], 2) for n in ("all_reduce", "all_to_all")},
+        "KV share of the leftover rate:",
+        round(with_p["kv_share_of_leftover"], 2),
+        "targets met:",
+        r["met"],
+    )
 
 
 def test_a_tensor_parallel_engines_collective_sockets_carry_the_high_class(tiny_dirs, monkeypatch):

@@ -1,4 +1,5 @@
 """The fs storage backend: round trips, every corrupt-input case, atomic concurrent writes, capacity, pacing."""
+
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ class Clock:
 
     def __call__(self):
         return self.t
+
 
 GEOM = KVGeometry(num_layers=4, block_size=16, kv_elems_per_token=8, dtype="float32")  # 2 KiB a block
 FP = bytes(range(16))
@@ -54,7 +56,7 @@ def test_round_trip_full_blocks_and_layer_ranges(tmp_path):
     off, n = GEOM.layer_range(1, 3)
     part = empty(5, n)
     assert s.read(ks, part, layers=(1, 3)).result() == [None] * 5
-    assert all(torch.equal(p, b[off:off + n]) for p, b in zip(part, bs))
+    assert all(torch.equal(p, b[off : off + n]) for p, b in zip(part, bs))
     assert s.contains(ks + keys(2, salt=9)) == [True] * 5 + [False] * 2
     assert sorted(s.list_keys()) == sorted(ks)
     assert s.write(ks[:1], bs[:1]).result() == [None]  # idempotent
@@ -92,13 +94,16 @@ def _flip(path, offset):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("case,match", [
-    ("short", "short read"),
-    ("data", "checksum mismatch in layer 2"),
-    ("header", "header checksum|header does not match|not a DualPath"),
-    ("magic", "not a DualPath KV block"),
-    ("empty", "short header"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("short", "short read"),
+        ("data", "checksum mismatch in layer 2"),
+        ("header", "header checksum|header does not match|not a DualPath"),
+        ("magic", "not a DualPath KV block"),
+        ("empty", "short header"),
+    ],
+)
 def test_corrupt_blocks_raise_typed_errors(tmp_path, case, match):
     def mutate(path, s):
         if case == "short":
@@ -144,10 +149,10 @@ def _damage(path, s, case):
     if case == "layer":
         _flip(path, s.header_size + 2 * GEOM.layer_block_bytes + 5)
     elif case == "truncated":
-        path.write_bytes(path.read_bytes()[:s.header_size + GEOM.layer_block_bytes])
+        path.write_bytes(path.read_bytes()[: s.header_size + GEOM.layer_block_bytes])
     elif case == "fingerprint":  # the header's model fingerprint (after magic, version, sizes, layers, layer bytes)
         data = bytearray(path.read_bytes())
-        data[20:20 + len(FP)] = bytes(len(FP))
+        data[20 : 20 + len(FP)] = bytes(len(FP))
         path.write_bytes(bytes(data))
     elif case == "empty":
         path.write_bytes(b"")
@@ -195,6 +200,7 @@ def test_a_corrupt_file_replaced_by_a_new_copy_before_its_removal_is_kept(tmp_pa
 def test_a_block_of_a_newer_format_is_not_removed(tmp_path):
     """A file whose header has our magic and a later format version is a newer writer's block, not damage: it fails
     to load here but stays."""
+
     def newer(path, s):
         data = bytearray(path.read_bytes())
         data[4:6] = (99).to_bytes(2, "little")
@@ -303,8 +309,11 @@ def test_contains_over_ten_thousand_keys(tmp_path):
 def test_full_disk_is_reported_not_raised(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mnt)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here")
     try:
         s = store(mnt)
@@ -455,7 +464,6 @@ def test_drain_intervals_count_the_time_blocks_wait_and_the_tokens_read_meanwhil
     clock.t += 30  # blocks waiting longer than the window are still reported
     acct.finish(10)
     assert acct.drain_intervals() == [[clock.t - 30, clock.t, 1.0]]
-
 
 
 def resident_pages(path) -> int:

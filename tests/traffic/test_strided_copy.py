@@ -1,6 +1,7 @@
 """One layer of buffer slots to and from a device: runs of consecutive slots found on plain data, each run moved
 as one strided copy (a 2-D DMA on CUDA from pinned memory), byte for byte what a copy per Layer Block gives.
 The CUDA cases run on the GPU machine (bench/gpu/run.sh)."""
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -37,7 +38,7 @@ def pool(pin=False):
 def reference(p, slots, layer):
     """``layer`` of ``slots`` cut from the raw bytes block by block, as token rows."""
     lb = GEOM.layer_block_bytes
-    parts = [p.memory.tensor[p.layout.offset(s, layer):][:lb] for s in slots]
+    parts = [p.memory.tensor[p.layout.offset(s, layer) :][:lb] for s in slots]
     return torch.cat(parts).view(torch.bfloat16).view(-1, GEOM.kv_elems_per_token)
 
 
@@ -52,8 +53,10 @@ def test_layer_to_and_from_host_tensors(layer):
     p.layer_from_device(SLOTS, layer, rows)
     assert torch.equal(reference(p, SLOTS, layer).view(torch.uint8), rows.view(torch.uint8))
     other = (layer + 1) % 3  # the other layers of those slots, and every other slot, untouched
-    assert torch.equal(reference(p, range(10), other).view(torch.uint8).reshape(-1),
-                       torch.cat([before[s * GEOM.full_block_bytes + other * 48:][:48] for s in range(10)]))
+    assert torch.equal(
+        reference(p, range(10), other).view(torch.uint8).reshape(-1),
+        torch.cat([before[s * GEOM.full_block_bytes + other * 48 :][:48] for s in range(10)]),
+    )
 
 
 def test_rows_that_do_not_fit_are_refused():

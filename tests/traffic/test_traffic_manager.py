@@ -1,4 +1,5 @@
 """Two traffic managers (a prefill side and a decode side) moving real KV bytes through both read paths."""
+
 import torch
 
 from dualpath.core.config import StorageConfig, TransportConfig
@@ -40,9 +41,11 @@ def test_pe_path_and_de_path_move_exact_bytes(tmp_path):
     pe_slots, de_slots = pe.buffer.allocate(3, "r1"), de.buffer.allocate(3, "r1")
     assert pe.load(keys, pe_slots).result() == [None] * 3
     de_buf = PeerRegion("de", de.buffer_region, de.buffer.layout)
-    pipe = LayerPipeline(GEOM.num_layers, lambda layer: None,
-                         lambda layer: pe.move_layers(Op.WRITE, pe.buffer_region, pe.buffer.layout, pe_slots,
-                                                      de_buf, de_slots, [layer]))
+    pipe = LayerPipeline(
+        GEOM.num_layers,
+        lambda layer: None,
+        lambda layer: pe.move_layers(Op.WRITE, pe.buffer_region, pe.buffer.layout, pe_slots, de_buf, de_slots, [layer]),
+    )
     pipe.begin()
     for layer in range(GEOM.num_layers):
         pipe.wait_layer(layer)
@@ -55,20 +58,21 @@ def test_pe_path_and_de_path_move_exact_bytes(tmp_path):
     de_slots2 = de.buffer.allocate(3, "r2")
     assert de.load(keys, de_slots2).result() == [None] * 3
     seen = []
-    pipe = LayerPipeline(GEOM.num_layers,
-                         lambda layer: pe.move_layers(Op.READ, work_region, work_layout, [0, 1, 2], de_buf,
-                                                      de_slots2, [layer]),
-                         lambda layer: None)
+    pipe = LayerPipeline(
+        GEOM.num_layers,
+        lambda layer: pe.move_layers(Op.READ, work_region, work_layout, [0, 1, 2], de_buf, de_slots2, [layer]),
+        lambda layer: None,
+    )
     pipe.begin()
     for layer in range(GEOM.num_layers):
         pipe.wait_layer(layer)
         slot = (layer % 2) * 4 * GEOM.layer_block_bytes
-        seen.append(work[slot:slot + 3 * GEOM.layer_block_bytes].clone())
+        seen.append(work[slot : slot + 3 * GEOM.layer_block_bytes].clone())
         pipe.layer_done(layer)
     pipe.finish()
     lb = GEOM.layer_block_bytes
     for layer, got in enumerate(seen):
-        want = torch.cat([b[layer * lb:(layer + 1) * lb] for b in blocks])
+        want = torch.cat([b[layer * lb : (layer + 1) * lb] for b in blocks])
         assert torch.equal(got, want)
 
     # Miss tokens only: tokens [5, 20) of layer 2 written back beside what is there.
@@ -81,8 +85,8 @@ def test_pe_path_and_de_path_move_exact_bytes(tmp_path):
         for t in range(8):
             tok = j * 8 + t
             off = FullBlockSlots(GEOM, 16).offset(0, 2) + t * tb
-            expect = work[(j * 8 + t) * tb:(j * 8 + t + 1) * tb] if 5 <= tok < 20 else before[j][off:off + tb]
-            assert torch.equal(after[off:off + tb], expect)
+            expect = work[(j * 8 + t) * tb : (j * 8 + t + 1) * tb] if 5 <= tok < 20 else before[j][off : off + tb]
+            assert torch.equal(after[off : off + tb], expect)
 
     counts = pe.snapshot()
     assert counts["storage_read:kv"] == 3 * GEOM.full_block_bytes

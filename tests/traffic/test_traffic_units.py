@@ -1,4 +1,5 @@
 """Planner, buffer pool, layer pipeline and verbs work requests: invariants checked on plain data."""
+
 import threading
 import time
 
@@ -88,7 +89,7 @@ def test_buffer_slot_views_follow_the_full_block_layout():
     pool.layer_to_device([3, 1], 2, rows)  # one layer of two slots, in the given order
     raw = rows.view(torch.uint8).reshape(-1)
     start = FullBlockSlots(GEOM, 4).offset(3, 2)
-    assert torch.equal(raw[:32], pool.memory.tensor[start:start + 32])
+    assert torch.equal(raw[:32], pool.memory.tensor[start : start + 32])
     full = pool.full_blocks([3, 1])  # whole slots, in the given order
     assert torch.equal(full[0], pool.slot_bytes(3)) and torch.equal(full[1], pool.slot_bytes(1))
 
@@ -251,8 +252,10 @@ def test_segments_of_a_killed_process_are_removed_by_pid():
 
     from dualpath.traffic.memory import SEGMENT_PREFIX, SHM_DIR, remove_segments
 
-    code = ("import time; from dualpath.traffic.memory import HostMemory; m = HostMemory(1 << 16, shared=True); "
-            "print(m.name, flush=True); time.sleep(60)")
+    code = (
+        "import time; from dualpath.traffic.memory import HostMemory; m = HostMemory(1 << 16, shared=True); "
+        "print(m.name, flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
     assert name.startswith(f"{SEGMENT_PREFIX}{proc.pid}-") and os.path.exists(os.path.join(SHM_DIR, name))

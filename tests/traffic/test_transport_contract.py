@@ -1,5 +1,6 @@
 """One contract, every transport that can run here: byte-exact READ/WRITE batches between two processes,
 bad segments rejected at submit, a dead peer reported within a timeout, and priority classes honoured."""
+
 import time
 
 import pytest
@@ -104,8 +105,9 @@ def test_read_batch_lands_byte_exact(pair):
     me.submit("peer", Op.READ, segs).wait(30)
     remote = pattern(7, REGION_BYTES)
     for s in segs:
-        assert torch.equal(mem.tensor[s.local_offset:s.local_offset + s.nbytes],
-                           remote[s.remote_offset:s.remote_offset + s.nbytes])
+        assert torch.equal(
+            mem.tensor[s.local_offset : s.local_offset + s.nbytes], remote[s.remote_offset : s.remote_offset + s.nbytes]
+        )
 
 
 def test_write_batch_lands_byte_exact(pair):
@@ -114,15 +116,16 @@ def test_write_batch_lands_byte_exact(pair):
     segs = _segments(lid, rid, seed=1)
     me.submit("peer", Op.WRITE, segs).wait(30)
     for s in segs:
-        assert peer.digest(s.remote_offset, s.remote_offset + s.nbytes) == \
-            digest(mem.tensor[s.local_offset:s.local_offset + s.nbytes])
+        assert peer.digest(s.remote_offset, s.remote_offset + s.nbytes) == digest(
+            mem.tensor[s.local_offset : s.local_offset + s.nbytes]
+        )
     # bytes outside the segments are untouched
     first = min(s.remote_offset for s in segs)
     if first > 0:
         assert peer.digest(0, first) == digest(pattern(7, REGION_BYTES)[:first])
     original = pattern(7, REGION_BYTES)  # put the peer's bytes back, for the tests that share it
     for s in segs:
-        mem.tensor[s.local_offset:s.local_offset + s.nbytes] = original[s.remote_offset:s.remote_offset + s.nbytes]
+        mem.tensor[s.local_offset : s.local_offset + s.nbytes] = original[s.remote_offset : s.remote_offset + s.nbytes]
     me.submit("peer", Op.WRITE, segs).wait(30)
     assert peer.digest(0, REGION_BYTES) == digest(original)
 
@@ -162,8 +165,14 @@ def test_dead_peer_errors_within_timeout(own_pair):
     assert time.monotonic() - start < CONFIG.op_timeout_s + 10
 
 
-@pytest.mark.parametrize("backend", ["shm", pytest.param("ucx", marks=pytest.mark.slow),  # ~7 s each: a peer
-                                     pytest.param("nixl", marks=pytest.mark.slow)])    # process started twice
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "shm",
+        pytest.param("ucx", marks=pytest.mark.slow),  # ~7 s each: a peer
+        pytest.param("nixl", marks=pytest.mark.slow),
+    ],
+)  # process started twice
 def test_a_peer_restarted_under_its_name_is_reached_at_its_new_address(backend):
     """An engine restarted by its supervisor comes back under its old name at a new address: ``add_peer`` with that
     address must drop the old lanes and mappings, or every transfer goes to the dead process."""

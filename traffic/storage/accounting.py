@@ -13,6 +13,7 @@ blocks wait every I/O thread is busy, so the tokens finished over that time are 
 concurrency (the last blocks of a burst finish after the waiting ends and are not counted, as its first blocks
 started before it began: the two even out).
 """
+
 from __future__ import annotations
 
 import threading
@@ -118,8 +119,13 @@ class ReadAccounting:
     def snapshot(self) -> ReadSnapshot:
         with self._lock:
             pending = self._waiting_bytes + self._inflight_bytes
-            return ReadSnapshot(int(-(-pending // self.bytes_per_token)), self._waiting_bytes, self._inflight_bytes,
-                                self._done_bytes, self._done_blocks)
+            return ReadSnapshot(
+                int(-(-pending // self.bytes_per_token)),
+                self._waiting_bytes,
+                self._inflight_bytes,
+                self._done_bytes,
+                self._done_blocks,
+            )
 
     @property
     def queue_tokens(self) -> int:

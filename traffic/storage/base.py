@@ -7,6 +7,7 @@ so the engine recomputes those tokens instead, and a corrupt one is removed, so 
 stores it again (a write of a stored key is a no-op); a full disk is reported (``StorageFullError``), never raised
 into the caller's thread.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -28,8 +29,9 @@ class StorageBackend(ABC):
         """Which keys are stored (a cheap metadata check; the bytes may still fail their checksum on read)."""
 
     @abstractmethod
-    def read(self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor],
-             layers: tuple[int, int] | None = None) -> "Future[Results]":
+    def read(
+        self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor], layers: tuple[int, int] | None = None
+    ) -> "Future[Results]":
         """Read each key's Full Block (or only layers ``[first, last)``) into the matching uint8 tensor, which
         holds exactly those bytes. Resolves to per-key results; a failed key's destination bytes are undefined."""
 

@@ -16,6 +16,7 @@ directory every ``rescan_s`` (and never more than 5% of the time): the cap holds
 store in that interval, where counting only this process's writes would let the store grow to the capacity times the
 number of writers.
 """
+
 from __future__ import annotations
 
 import errno
@@ -57,7 +58,7 @@ class _NewerFormatError(BlockCorruptError):
 def layer_checksums(block: torch.Tensor, layer_bytes: int) -> list[int]:
     """xxh3-64 of each consecutive ``layer_bytes`` run of a host uint8 tensor."""
     arr = block.numpy()
-    return [xxhash.xxh3_64_intdigest(arr[i:i + layer_bytes]) for i in range(0, arr.size, layer_bytes)]
+    return [xxhash.xxh3_64_intdigest(arr[i : i + layer_bytes]) for i in range(0, arr.size, layer_bytes)]
 
 
 def header_bytes(geometry: KVGeometry) -> int:
@@ -68,20 +69,28 @@ def header_bytes(geometry: KVGeometry) -> int:
 def pack_header(geometry: KVGeometry, fingerprint: BlockHash, key: BlockHash, block: torch.Tensor) -> bytes:
     lb, size = geometry.layer_block_bytes, header_bytes(geometry)
     sums = layer_checksums(block, lb)
-    body = _HEAD.pack(MAGIC, FORMAT_VERSION, size, geometry.num_layers, lb, fingerprint, key) + \
-        struct.pack(f"<{len(sums)}Q", *sums)
+    body = _HEAD.pack(MAGIC, FORMAT_VERSION, size, geometry.num_layers, lb, fingerprint, key) + struct.pack(
+        f"<{len(sums)}Q", *sums
+    )
     body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     return body.ljust(size, b"\0")
 
 
 class FsStorage(StorageBackend):
-    def __init__(self, root: Path, geometry: KVGeometry, fingerprint: BlockHash, config: StorageConfig,
-                 accounting: ReadAccounting | None = None):
+    def __init__(
+        self,
+        root: Path,
+        geometry: KVGeometry,
+        fingerprint: BlockHash,
+        config: StorageConfig,
+        accounting: ReadAccounting | None = None,
+    ):
         self.geometry, self.fingerprint, self.config = geometry, fingerprint, config
         self.dir = Path(root) / fingerprint.hex()
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.accounting = accounting or ReadAccounting(config.read_bandwidth_bps,
-                                                       geometry.full_block_bytes / geometry.block_size)
+        self.accounting = accounting or ReadAccounting(
+            config.read_bandwidth_bps, geometry.full_block_bytes / geometry.block_size
+        )
         self.header_size = header_bytes(geometry)
         self.file_bytes = self.header_size + geometry.full_block_bytes
         self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
@@ -115,8 +124,12 @@ class FsStorage(StorageBackend):
         with self._lock:
             used = self._used
             removed = self.corrupt_removed
-        return {"used_bytes": used, "capacity_bytes": self.config.capacity_bytes,
-                "num_blocks": used // self.file_bytes, "corrupt_removed": removed}
+        return {
+            "used_bytes": used,
+            "capacity_bytes": self.config.capacity_bytes,
+            "num_blocks": used // self.file_bytes,
+            "corrupt_removed": removed,
+        }
 
     def _count_due(self) -> bool:
         """Claims the next count if one is due (one at a time): every ``rescan_s``, or at once when the model's
@@ -151,8 +164,9 @@ class FsStorage(StorageBackend):
             self._next_count = now + max(self.config.rescan_s, 20 * (now - start))
 
     # --- reads ----------------------------------------------------------------------------------------------
-    def read(self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor],
-             layers: tuple[int, int] | None = None) -> "Future[Results]":
+    def read(
+        self, keys: Sequence[BlockHash], into: Sequence[torch.Tensor], layers: tuple[int, int] | None = None
+    ) -> "Future[Results]":
         first, last = layers if layers is not None else (0, self.geometry.num_layers)
         offset, nbytes = self.geometry.layer_range(first, last)
         for t in into:
@@ -162,8 +176,9 @@ class FsStorage(StorageBackend):
         # One task per I/O thread, each reading its share of the blocks in order: per-block tasks cost more in
         # scheduling than a page-cache read of a block takes.
         groups = _split(list(zip(keys, into)), self._pool._max_workers)
-        futures = [self._pool.submit(lambda g: [self._read_one(k, t, first, last, offset) for k, t in g], g)
-                   for g in groups]
+        futures = [
+            self._pool.submit(lambda g: [self._read_one(k, t, first, last, offset) for k, t in g], g) for g in groups
+        ]
         return _gather(futures, flatten=True)
 
     def _read_one(self, key: BlockHash, dest: torch.Tensor, first: int, last: int, offset: int):
@@ -287,7 +302,9 @@ class FsStorage(StorageBackend):
             return None
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the model's directory too, after ``remove_stored``
+            path.parent.mkdir(
+                mode=0o700, parents=True, exist_ok=True
+            )  # the model's directory too, after ``remove_stored``
             self._write_file(tmp, pack_header(self.geometry, self.fingerprint, key, block), block)
             os.rename(tmp, path)
         except OSError as e:
@@ -382,8 +399,9 @@ def remove_stored(root: Path, fingerprint: BlockHash, background: bool = True) -
     except FileNotFoundError:
         return False
     if background:
-        threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True,
-                         name="kv-remove").start()
+        threading.Thread(
+            target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True, name="kv-remove"
+        ).start()
     else:
         shutil.rmtree(aside, ignore_errors=True)
     return True

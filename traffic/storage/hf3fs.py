@@ -6,6 +6,7 @@ through the FUSE mount (the ``fs`` path), which 3FS serves well for whole-file w
 where the 3FS client library is importable; elsewhere choosing it is a ``ConfigError`` — the ``fs`` backend on
 the 3FS FUSE mount is the portable route.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,8 +28,10 @@ def _usrbio():
     try:
         from hf3fs_fuse import io as h3io
     except ImportError as e:
-        raise ConfigError(f"the hf3fs backend needs the 3FS client library (hf3fs_fuse), not installed here "
-                          f"({e}); use --kv-store on the 3FS FUSE mount with the fs backend instead") from None
+        raise ConfigError(
+            f"the hf3fs backend needs the 3FS client library (hf3fs_fuse), not installed here "
+            f"({e}); use --kv-store on the 3FS FUSE mount with the fs backend instead"
+        ) from None
     return h3io
 
 
@@ -50,8 +53,14 @@ class _ShmName:
 
 
 class Hf3fsStorage(FsStorage):
-    def __init__(self, root: Path, geometry: KVGeometry, fingerprint: BlockHash, config: StorageConfig,
-                 accounting: ReadAccounting | None = None):
+    def __init__(
+        self,
+        root: Path,
+        geometry: KVGeometry,
+        fingerprint: BlockHash,
+        config: StorageConfig,
+        accounting: ReadAccounting | None = None,
+    ):
         h3io = _usrbio()
         super().__init__(root, geometry, fingerprint, config, accounting)
         self.mount = h3io.extract_mount_point(str(self.dir))
@@ -83,7 +92,7 @@ class Hf3fsStorage(FsStorage):
         for b in buffers:
             view = torch.frombuffer(memoryview(b).cast("B"), dtype=torch.uint8)
             n = min(view.numel(), max(0, got - pos))
-            view[:n].copy_(ring.mem.tensor[pos:pos + n])
+            view[:n].copy_(ring.mem.tensor[pos : pos + n])
             pos += view.numel()
         if got > want:  # the client misbehaved, not the file (a corrupt block's file is removed: this one stays)
             raise StorageError("3FS returned more bytes than asked")

@@ -1,4 +1,5 @@
 """Transports by name: ``local``, ``shm``, ``ucx``, ``nixl``, ``verbs``."""
+
 from __future__ import annotations
 
 from dualpath.core.config import TransportConfig
@@ -14,18 +15,23 @@ def make_transport(config: TransportConfig, endpoint: str, **kwargs) -> Transpor
     name = config.name
     if name == "local":
         from dualpath.traffic.transport.local import LocalTransport
+
         return LocalTransport(config, endpoint, **kwargs)
     if name == "shm":
         from dualpath.traffic.transport.shm import ShmTransport
+
         return ShmTransport(config, endpoint)
     if name == "ucx":
         from dualpath.traffic.transport.ucx import UcxTransport
+
         return UcxTransport(config, endpoint)
     if name == "nixl":
         from dualpath.traffic.transport.nixl import NixlTransport
+
         return NixlTransport(config, endpoint)
     if name == "verbs":
         from dualpath.traffic.transport.verbs import VerbsTransport
+
         return VerbsTransport(config, endpoint)
     raise ConfigError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
 

@@ -10,6 +10,7 @@ than one piece.
 Who calls it: the traffic manager (and tests). What a backend may not do: interpret the bytes, copy outside
 the validated segments, or block ``submit``; a backend that cannot honour a call raises, it never pretends.
 """
+
 from __future__ import annotations
 
 import enum
@@ -191,8 +192,7 @@ class _Lane(threading.Thread):
             off = 0
             while off < s.nbytes:
                 n = min(s.nbytes - off, limit - size)
-                batch.append(Segment(s.local_region, s.local_offset + off, s.remote_region,
-                                     s.remote_offset + off, n))
+                batch.append(Segment(s.local_region, s.local_offset + off, s.remote_region, s.remote_offset + off, n))
                 size, off = size + n, off + n
                 if size == limit:
                     yield batch
@@ -260,8 +260,15 @@ class Transport(ABC):
     def describe(self, region_id: int) -> RegionDesc:
         r = self._regions[region_id]
         mem = r.memory
-        return RegionDesc(self.endpoint, r.region_id, r.nbytes, r.tensor.data_ptr(), str(r.tensor.device),
-                          mem.name if mem is not None else None, self._describe(r))
+        return RegionDesc(
+            self.endpoint,
+            r.region_id,
+            r.nbytes,
+            r.tensor.data_ptr(),
+            str(r.tensor.device),
+            mem.name if mem is not None else None,
+            self._describe(r),
+        )
 
     def regions(self) -> list[RegionDesc]:
         return [self.describe(i) for i in self._regions]
@@ -330,14 +337,17 @@ class Transport(ABC):
             if local is None:
                 raise SegmentError(f"local region {s.local_region} is not registered")
             if s.local_offset < 0 or s.local_offset + s.nbytes > local.nbytes:
-                raise SegmentError(f"local [{s.local_offset}, +{s.nbytes}) outside region {s.local_region} "
-                                   f"of {local.nbytes} bytes")
+                raise SegmentError(
+                    f"local [{s.local_offset}, +{s.nbytes}) outside region {s.local_region} of {local.nbytes} bytes"
+                )
             desc = remote.get(s.remote_region)
             if desc is None:
                 raise SegmentError(f"region {s.remote_region} of {peer} is not registered")
             if s.remote_offset < 0 or s.remote_offset + s.nbytes > desc.nbytes:
-                raise SegmentError(f"remote [{s.remote_offset}, +{s.nbytes}) outside region {s.remote_region} "
-                                   f"of {peer} ({desc.nbytes} bytes)")
+                raise SegmentError(
+                    f"remote [{s.remote_offset}, +{s.nbytes}) outside region {s.remote_region} "
+                    f"of {peer} ({desc.nbytes} bytes)"
+                )
             if self.remote_needs_shared_memory and desc.shm_name is None:
                 raise SegmentError(f"region {s.remote_region} of {peer} is not in shared memory")
 

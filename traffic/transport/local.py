@@ -1,4 +1,5 @@
 """``local``: transports in one process, found through a ``LocalHub``; a transfer is a plain copy."""
+
 from __future__ import annotations
 
 from dualpath.core.config import TransportConfig
@@ -36,8 +37,8 @@ class LocalTransport(Transport):
 
     def _execute(self, conn: "LocalTransport", op: Op, segments: list[Segment]) -> None:
         for s in segments:
-            local = self._regions[s.local_region].tensor[s.local_offset:s.local_offset + s.nbytes]
-            remote = conn._regions[s.remote_region].tensor[s.remote_offset:s.remote_offset + s.nbytes]
+            local = self._regions[s.local_region].tensor[s.local_offset : s.local_offset + s.nbytes]
+            remote = conn._regions[s.remote_region].tensor[s.remote_offset : s.remote_offset + s.nbytes]
             if op is Op.READ:
                 copy_bytes(local, remote)
             else:

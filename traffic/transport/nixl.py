@@ -4,6 +4,7 @@ Regions are registered with the agent (DRAM or VRAM); the agent's metadata trave
 region's address in its descriptor, so a peer builds remote descriptor lists without asking us anything.
 Note: processes that loaded NIXL must leave through ``os._exit`` (NIXL's destructors crash at interpreter exit).
 """
+
 from __future__ import annotations
 
 import base64
@@ -48,8 +49,7 @@ class NixlTransport(Transport):
         desc = super().register(memory)
         region = self._regions[desc.region_id]
         t = region.tensor
-        self.agent.register_memory([(t.data_ptr(), t.numel(), _dev_id(str(t.device)), "")],
-                                   _mem_type(t.device.type))
+        self.agent.register_memory([(t.data_ptr(), t.numel(), _dev_id(str(t.device)), "")], _mem_type(t.device.type))
         # descriptors are sent once regions are registered, so the metadata must include this one
         return self.describe(desc.region_id)
 
@@ -78,18 +78,31 @@ class NixlTransport(Transport):
 
     def _execute(self, peer: str, op: Op, segments: list[Segment]) -> None:
         agent_name = self._agent_of(peer)
-        local = np.array([(self._regions[s.local_region].tensor.data_ptr() + s.local_offset, s.nbytes,
-                           _dev_id(str(self._regions[s.local_region].tensor.device))) for s in segments],
-                         dtype=np.uint64)
+        local = np.array(
+            [
+                (
+                    self._regions[s.local_region].tensor.data_ptr() + s.local_offset,
+                    s.nbytes,
+                    _dev_id(str(self._regions[s.local_region].tensor.device)),
+                )
+                for s in segments
+            ],
+            dtype=np.uint64,
+        )
         remote_descs = [self.remote_desc(peer, s.remote_region) for s in segments]
-        remote = np.array([(d.address + s.remote_offset, s.nbytes, _dev_id(d.device))
-                           for d, s in zip(remote_descs, segments)], dtype=np.uint64)
+        remote = np.array(
+            [(d.address + s.remote_offset, s.nbytes, _dev_id(d.device)) for d, s in zip(remote_descs, segments)],
+            dtype=np.uint64,
+        )
         local_type = _mem_type(self._regions[segments[0].local_region].tensor.device.type)
         remote_type = _mem_type(remote_descs[0].device.split(":")[0])
         try:
-            handle = self.agent.initialize_xfer("READ" if op is Op.READ else "WRITE",
-                                                self.agent.get_xfer_descs(local, local_type),
-                                                self.agent.get_xfer_descs(remote, remote_type), agent_name)
+            handle = self.agent.initialize_xfer(
+                "READ" if op is Op.READ else "WRITE",
+                self.agent.get_xfer_descs(local, local_type),
+                self.agent.get_xfer_descs(remote, remote_type),
+                agent_name,
+            )
         except Exception as e:  # noqa: BLE001
             raise PeerDeadError(f"nixl: cannot start a transfer with {agent_name}: {e}") from None
         try:
@@ -103,8 +116,9 @@ class NixlTransport(Transport):
         pause = 1e-5
         while state == "PROC":
             if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"nixl: transfer with {agent_name} not done after "
-                                           f"{self.config.op_timeout_s} s")
+                raise TransferTimeoutError(
+                    f"nixl: transfer with {agent_name} not done after {self.config.op_timeout_s} s"
+                )
             time.sleep(pause)
             pause = min(pause * 2, 2e-4)
             state = self.agent.check_xfer_state(handle)

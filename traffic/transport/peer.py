@@ -1,5 +1,6 @@
 """A peer process that owns one registered region filled with a known pattern and answers commands over a
 pipe: the far side for transport contract tests and benchmarks. ``PeerProcess`` starts and drives it."""
+
 from __future__ import annotations
 
 import hashlib

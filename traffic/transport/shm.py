@@ -1,5 +1,6 @@
 """``shm``: processes on one host. Remote regions live in POSIX shared memory that we map by name; a transfer
 is a copy between our memory and the mapping. The default for single-host deployments."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,9 @@ class ShmTransport(Transport):
 
     def _connect(self, peer: str, address: dict, priority: Priority) -> tuple[str, int]:
         if address.get("host") != socket.gethostname():
-            raise TransportError(f"shm transport cannot reach {peer} on host {address.get('host')}; "
-                                 "use ucx or nixl across hosts")
+            raise TransportError(
+                f"shm transport cannot reach {peer} on host {address.get('host')}; use ucx or nixl across hosts"
+            )
         return peer, int(address["pid"])
 
     def _check_peer(self, peer: str, conn: tuple[str, int]) -> None:
@@ -64,8 +66,8 @@ class ShmTransport(Transport):
     def _execute(self, conn: tuple[str, int], op: Op, segments: list[Segment]) -> None:
         peer = conn[0]
         for s in segments:
-            local = self._regions[s.local_region].tensor[s.local_offset:s.local_offset + s.nbytes]
-            remote = self._mapping(peer, s.remote_region).tensor[s.remote_offset:s.remote_offset + s.nbytes]
+            local = self._regions[s.local_region].tensor[s.local_offset : s.local_offset + s.nbytes]
+            remote = self._mapping(peer, s.remote_region).tensor[s.remote_offset : s.remote_offset + s.nbytes]
             if op is Op.READ:
                 copy_bytes(local, remote)
             else:

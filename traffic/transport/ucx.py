@@ -13,6 +13,7 @@ and its ``tcp`` interfaces, found as the ports that appeared while it was create
 connection a peer opens to them is marked from its first packet; the connections this side opens to a peer's KV
 ports (``kv_ports`` in its address) are marked as they appear: after connecting, and after transfers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,9 @@ class _Worker:
     def _accept(self, conn_request) -> None:
         ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
         self.server_eps.append(ep)
-        threading.Thread(target=self.transport._serve, args=(ep,), daemon=True,
-                         name=f"ucx-serve-{self.priority.name.lower()}").start()
+        threading.Thread(
+            target=self.transport._serve, args=(ep,), daemon=True, name=f"ucx-serve-{self.priority.name.lower()}"
+        ).start()
 
     def close(self) -> None:
         for ep in self.server_eps:
@@ -108,12 +110,16 @@ class UcxTransport(Transport):
             self.kv_marker.mark(force=True)
         self.kv_qos_applied = low.applied
         if not self.kv_qos_applied:
-            log.info("ucx: this UCX has no InfiniBand support; KV service level %d not applied",
-                     config.kv_service_level)
+            log.info(
+                "ucx: this UCX has no InfiniBand support; KV service level %d not applied", config.kv_service_level
+            )
 
     def address(self) -> dict:
-        return {"host": self.config.host, "ports": {p.name: w.listener.port for p, w in self._workers.items()},
-                "kv_ports": sorted(self.kv_marker.local_ports)}
+        return {
+            "host": self.config.host,
+            "ports": {p.name: w.listener.port for p, w in self._workers.items()},
+            "kv_ports": sorted(self.kv_marker.local_ports),
+        }
 
     # --- initiator ------------------------------------------------------------------------------------------
     def _connect(self, peer: str, address: dict, priority: Priority):
@@ -151,6 +157,7 @@ class UcxTransport(Transport):
             if now - last[0] >= _FIRST_MARK_S:
                 last[0] = now
                 self.kv_marker.mark(force=True)
+
         return poll
 
     def _check_peer(self, peer: str, conn: "_Endpoint") -> None:
@@ -178,16 +185,17 @@ class UcxTransport(Transport):
         ep = conn.ep
         keep, requests, statuses = [], [], np.zeros(len(segments), dtype=np.uint64)
         for i, s in enumerate(segments):
-            local = self._regions[s.local_region].tensor[s.local_offset:s.local_offset + s.nbytes]
-            header = np.array([_READ if op is Op.READ else _WRITE, s.remote_region, s.remote_offset, s.nbytes],
-                              dtype=np.uint64)
+            local = self._regions[s.local_region].tensor[s.local_offset : s.local_offset + s.nbytes]
+            header = np.array(
+                [_READ if op is Op.READ else _WRITE, s.remote_region, s.remote_offset, s.nbytes], dtype=np.uint64
+            )
             keep += [header, local]
             requests.append(ep.stream_send(Array(header)))
             if op is Op.WRITE:
                 requests.append(ep.stream_send(Array(_buffer(local))))
-                requests.append(ep.stream_recv(Array(statuses[i:i + 1])))
+                requests.append(ep.stream_recv(Array(statuses[i : i + 1])))
             else:
-                requests.append(ep.stream_recv(Array(statuses[i:i + 1])))
+                requests.append(ep.stream_recv(Array(statuses[i : i + 1])))
                 requests.append(ep.stream_recv(Array(_buffer(local))))
         self._wait(requests, f"{op.value} of {len(segments)} segments", self._poll_marks(conn))
         self._mark_kv(conn)
@@ -206,7 +214,7 @@ class UcxTransport(Transport):
                 op, rid, off, n = (int(x) for x in header)
                 region = self._regions.get(rid)
                 ok = region is not None and off + n <= region.nbytes
-                target = region.tensor[off:off + n] if ok else torch.empty(n, dtype=torch.uint8)
+                target = region.tensor[off : off + n] if ok else torch.empty(n, dtype=torch.uint8)
                 status[0] = _OK if ok else _BAD_SEGMENT
                 if op == _WRITE:
                     self._wait_forever(ep.stream_recv(Array(_buffer(target))))

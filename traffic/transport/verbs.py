@@ -10,6 +10,7 @@ Without an RDMA device this backend cannot run; building it raises a ``ConfigErr
 without one is checked in the tests: queue-pair attributes carry the configured service level, and segments map
 to the right work requests (``qp_attr`` and ``work_requests`` are pure functions of plain data).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,6 +48,7 @@ def import_pyverbs():
     import pyverbs.pd
     import pyverbs.qp
     import pyverbs.wr
+
     return pyverbs
 
 
@@ -82,8 +84,12 @@ def qp_attr(config: TransportConfig, priority: Priority, remote: QPInfo, port: i
     kv = priority is Priority.LOW
     sl = config.kv_service_level if kv else 0
     if remote.gid:  # RoCE (or routed IB): the traffic class rides in the global route header
-        gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(remote.gid), sgid_index=config.gid_index, hop_limit=64,
-                                 traffic_class=config.kv_traffic_class if kv else 0)
+        gr = pv.addr.GlobalRoute(
+            dgid=pv.addr.GID(remote.gid),
+            sgid_index=config.gid_index,
+            hop_limit=64,
+            traffic_class=config.kv_traffic_class if kv else 0,
+        )
         ah = pv.addr.AHAttr(dlid=remote.lid, sl=sl, port_num=port, is_global=1, gr=gr)
     else:
         ah = pv.addr.AHAttr(dlid=remote.lid, sl=sl, port_num=port)
@@ -91,8 +97,9 @@ def qp_attr(config: TransportConfig, priority: Priority, remote: QPInfo, port: i
     return attr
 
 
-def work_requests(op: Op, segments: list[Segment], local: dict[int, tuple[int, int]],
-                  remote: dict[int, tuple[int, int]]):
+def work_requests(
+    op: Op, segments: list[Segment], local: dict[int, tuple[int, int]], remote: dict[int, tuple[int, int]]
+):
     """One RDMA work request per segment, chained, only the last signaled.
 
     ``local[region] = (address, lkey)``, ``remote[region] = (address, rkey)``.
@@ -106,8 +113,7 @@ def work_requests(op: Op, segments: list[Segment], local: dict[int, tuple[int, i
         raddr, rkey = remote[s.remote_region]
         sge = pv.wr.SGE(laddr + s.local_offset, s.nbytes, lkey)
         last = i == len(segments) - 1
-        wr = pv.wr.SendWR(wr_id=i, opcode=opcode, num_sge=1, sg=[sge],
-                          send_flags=e.IBV_SEND_SIGNALED if last else 0)
+        wr = pv.wr.SendWR(wr_id=i, opcode=opcode, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED if last else 0)
         wr.set_wr_rdma(rkey, raddr + s.remote_offset)
         if wrs:
             wrs[-1].next_wr = wr
@@ -201,10 +207,20 @@ class VerbsTransport(Transport):
 
     def _execute(self, conn, op: Op, segments: list[Segment]) -> None:
         peer, qp, cq = conn
-        local = {s.local_region: (self._regions[s.local_region].tensor.data_ptr(),
-                                  self.describe(s.local_region).extra["lkey"]) for s in segments}
-        remote = {s.remote_region: (self.remote_desc(peer, s.remote_region).address,
-                                    self.remote_desc(peer, s.remote_region).extra["rkey"]) for s in segments}
+        local = {
+            s.local_region: (
+                self._regions[s.local_region].tensor.data_ptr(),
+                self.describe(s.local_region).extra["lkey"],
+            )
+            for s in segments
+        }
+        remote = {
+            s.remote_region: (
+                self.remote_desc(peer, s.remote_region).address,
+                self.remote_desc(peer, s.remote_region).extra["rkey"],
+            )
+            for s in segments
+        }
         wrs = work_requests(op, segments, local, remote)
         qp.post_send(wrs[0])
         deadline = time.monotonic() + self.config.op_timeout_s
@@ -232,5 +248,6 @@ def _cuda_dmabuf_fd(ptr: int, nbytes: int) -> int | None:
     except ImportError:
         return None
     err, fd = driver.cuMemGetHandleForAddressRange(
-        ptr, nbytes, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
+        ptr, nbytes, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0
+    )
     return int(fd) if err == driver.CUresult.CUDA_SUCCESS else None
