@@ -542,7 +542,7 @@ class ParallelConfig:
     ``master_port`` of this host (0: a free one) within ``join_timeout_s``; a collective that waits longer than
     ``collective_timeout_s`` (a rank hung) takes the engine down rather than hang it. MoE models:
     ``enable_expert_parallel`` (vLLM's flag) gives each rank whole routed experts, which tokens reach by
-    ``moe_dispatch`` (``dualpath.engines.parallel.experts.DISPATCHES``); without it each rank holds a slice of every expert.
+    ``moe_dispatch`` (``dualpath.engines.experts.DISPATCHES``); without it each rank holds a slice of every expert.
 
     Data-parallel attention (``data_parallel_size`` D > 1, MoE models, one rank per engine): D engines, each with
     its own requests, KV cache and attention weights, hold E/D routed experts each and exchange tokens in every
@@ -566,7 +566,7 @@ class ParallelConfig:
             raise ConfigError(f"master_port must be a TCP port (0 for any), got {self.master_port}")
         if min(self.join_timeout_s, self.collective_timeout_s) <= 0:
             raise ConfigError("join_timeout_s and collective_timeout_s must be positive")
-        if self.moe_dispatch not in ("all_to_all", "all_gather"):  # dualpath.engines.parallel.experts.DISPATCHES
+        if self.moe_dispatch not in ("all_to_all", "all_gather"):  # dualpath.engines.experts.DISPATCHES
             raise ConfigError(f"moe_dispatch must be all_to_all or all_gather, got {self.moe_dispatch!r}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size <= 64:
             raise ConfigError(

@@ -15,7 +15,7 @@ from dualpath.engines.models.base import CausalLM, ForwardBatch, ForwardContext
 from dualpath.engines.models.deepseek_v3 import DeepseekV3ForCausalLM
 from dualpath.engines.models.llama import LlamaForCausalLM
 from dualpath.engines.models.loader import Checkpoint, open_checkpoint
-from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.comm import TPShard
 from dualpath.kernels.attention import choose_backend
 from dualpath.kernels.fp8 import FP8
 

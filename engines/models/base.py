@@ -35,7 +35,7 @@ from dualpath.engines.models.fp8 import (
     stays_fp8,
 )
 from dualpath.engines.models.loader import Checkpoint, Cut
-from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.comm import TPShard
 from dualpath.kernels.attention import CachedRows
 from dualpath.kernels.fp8 import fp8_linear, quantize_blocks
 from dualpath.kernels.norm import rms_norm

@@ -22,7 +22,7 @@ from torch import nn
 from dualpath.core.config import ModelConfig
 from dualpath.core.errors import CheckpointError
 from dualpath.core.geometry import HeadShard
-from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.comm import TPShard
 from dualpath.engines.models.loader import Cut
 from dualpath.engines.models.base import CausalLM, ForwardContext, WeightSpec, linear, param
 from dualpath.engines.models.moe import DenseMLP, MoE, mlp_specs, moe_specs, router_params

@@ -24,7 +24,7 @@ from dualpath.kernels.activation import silu_and_mul
 from dualpath.kernels.attention import CachedRows, gqa_split, varlen_attention
 from dualpath.kernels.norm import add_rms_norm, rms_norm
 from dualpath.kernels.rope import rope_qkv
-from dualpath.engines.parallel.comm import TPShard
+from dualpath.engines.comm import TPShard
 
 
 class LlamaLayer(nn.Module):

@@ -13,8 +13,8 @@ from dualpath.core.config import ModelConfig
 from dualpath.engines.models.base import WeightSpec, add_linear, linear, param
 from dualpath.engines.models.fp8 import as_weight
 from dualpath.engines.models.loader import Cut
-from dualpath.engines.parallel.comm import TPShard
-from dualpath.engines.parallel.experts import ExpertMap, make_dispatch
+from dualpath.engines.comm import TPShard
+from dualpath.engines.experts import ExpertMap, make_dispatch
 from dualpath.kernels.activation import silu_and_mul
 from dualpath.kernels.moe import grouped_topk, routed_experts, softmax_topk
 

@@ -2,7 +2,7 @@
 
 Each engine of the group is a whole engine to the scheduler (its own requests, paged KV cache, DRAM buffer and
 traffic manager) holding every weight but the routed experts, of which it holds E/D. In every MoE layer the
-engines exchange their tokens (``dualpath.engines.parallel.experts``, each rank's own tokens), so a forward on one engine
+engines exchange their tokens (``dualpath.engines.experts``, each rank's own tokens), so a forward on one engine
 needs all of them: the collectives of the group must come in the same order on every engine.
 
 The protocol, a sequence of units on every engine:
@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from dualpath.core.config import ParallelConfig
 from dualpath.core.errors import RankLostError
-from dualpath.engines.parallel.comm import Comm, join
-from dualpath.engines.parallel.experts import Compute, Dispatch
+from dualpath.engines.comm import Comm, join
+from dualpath.engines.experts import Compute, Dispatch
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def attach(model, comm: Comm, dispatch: str, on_lost: Callable[[str], None] | No
     """Make ``model`` (its experts this engine's E/D, ``TPShard.dp_rank``) one engine of ``comm``'s group: its MoE
     layers dispatch each engine's own tokens by ``dispatch``, and each forward syncs first."""
     from dualpath.engines.models.moe import MoE
-    from dualpath.engines.parallel.experts import make_dispatch
+    from dualpath.engines.experts import make_dispatch
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     group = DPGroup(comm, make_dispatch(dispatch, comm, layers[0].part.experts, replicated=False), on_lost)

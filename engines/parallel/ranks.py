@@ -33,7 +33,7 @@ from dualpath.core.config import EngineConfig, ModelConfig
 from dualpath.core.errors import ConfigError, RankLostError
 from dualpath.core.geometry import HeadShard
 from dualpath.engines.models import load_model
-from dualpath.engines.parallel.comm import Comm, TPShard, join, open_store
+from dualpath.engines.comm import Comm, TPShard, join, open_store
 from dualpath.engines.parallel.steps import STEPS, RankState, StepAborted
 
 log = logging.getLogger(__name__)

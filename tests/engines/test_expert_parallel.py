@@ -26,7 +26,7 @@ from dualpath import LLM, SamplingParams
 from dualpath.core.config import EngineConfig, ParallelConfig
 from dualpath.core.errors import ConfigError, RankLostError
 from dualpath.engines.models import open_checkpoint
-from dualpath.engines.parallel.experts import ExpertMap
+from dualpath.engines.experts import ExpertMap
 from dualpath.engines.parallel.ranks import check_parallel
 
 PROMPTS = [[1, 5, 9, 22, 7, 3] * 3, [40, 41, 42, 43, 44, 45, 46, 47, 48, 49] * 8]
@@ -129,8 +129,8 @@ def test_a_rank_killed_mid_generation_fails_the_engine_at_once(tiny_dirs):
 # --- the dispatch backends, on their own ------------------------------------------------------------------------
 _WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from dualpath.engines.parallel.comm import Comm
-    from dualpath.engines.parallel.experts import ExpertMap, make_dispatch
+    from dualpath.engines.comm import Comm
+    from dualpath.engines.experts import ExpertMap, make_dispatch
     rank, size, kind, replicated, store, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", \\
         sys.argv[5], sys.argv[6]
     rank, size = int(rank), int(size)

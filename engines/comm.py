@@ -24,7 +24,7 @@ from dualpath.core.errors import CheckpointError, RankLostError
 @dataclass(frozen=True)
 class TPShard:
     """Tensor-parallel rank ``rank`` of ``size``: which part of each split dimension it holds. ``expert_parallel``:
-    an MoE layer's routed experts are split among the ranks whole (``dualpath.engines.parallel.experts``), not each expert's
+    an MoE layer's routed experts are split among the ranks whole (``dualpath.engines.experts``), not each expert's
     matrices among all of them."""
 
     rank: int = 0
