@@ -33,9 +33,9 @@ def main(argv=None) -> dict:
 
     from dualpath import LLM, SamplingParams
     from dualpath.checkpoints.tiny import build_tiny_adapter
-    from dualpath.cli import _model_dir
+    from dualpath.args import resolve_model
 
-    model = _model_dir(args.model)
+    model = resolve_model(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = {
         name: str(build_tiny_adapter(tmp / name, model, seed=i, rank=args.rank, alpha=2.0 * args.rank, std=0.02))

@@ -31,7 +31,7 @@ class Sim:
         from dualpath.core.config import SchedulerConfig
         from dualpath.core.messages import EngineInfo, Role
         from dualpath.scheduler.core import SchedulerCore
-        from dualpath.scheduler.policy import make_policy
+        from dualpath.scheduler.policies import make_policy
 
         self.args, self.rng = args, random.Random(seed)
         self.core = SchedulerCore(

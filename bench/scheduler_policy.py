@@ -66,7 +66,7 @@ def requests(rng):
 def bench_policy(name: str, rng) -> dict:
     from dataclasses import replace
 
-    from dualpath.scheduler.policy import make_policy
+    from dualpath.scheduler.policies import make_policy
 
     policy = make_policy(name)
     pes, des, nodes = states(rng)
@@ -118,7 +118,7 @@ def bench_core(rng) -> dict:
     from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitRequest, pack_keys, pack_tokens
     from dualpath.core.sampling_params import SamplingParams
     from dualpath.scheduler.core import SchedulerCore
-    from dualpath.scheduler.policy import make_policy
+    from dualpath.scheduler.policies import make_policy
 
     core = SchedulerCore(SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"))
     fp = b"\x01" * 16

@@ -64,9 +64,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from dualpath import LLM, SamplingParams
-    from dualpath.cli import _model_dir
+    from dualpath.args import resolve_model
 
-    model = _model_dir(args.model)
+    model = resolve_model(args.model)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.tokens, "prompt_lookup_max": args.lookup_max}
     plain, spec = LLM(model), LLM(model, speculative_config=spec_cfg)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

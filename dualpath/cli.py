@@ -7,20 +7,14 @@ import argparse
 import logging
 import sys
 
-
-def _model_dir(arg: str | None) -> str:
-    if arg:
-        return arg
-    from dualpath.checkpoints.smollm2 import default_model_dir
-
-    return str(default_model_dir())
+from dualpath.args import qos_config, resolve_model
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from dualpath import LLM, SamplingParams
 
     llm = LLM(
-        _model_dir(args.model),
+        resolve_model(args.model),
         device=args.device,
         dtype=args.dtype,
         kernels=args.kernels,
@@ -71,7 +65,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from dualpath.core.config import SchedulerConfig
-    from dualpath.engines.main import run_scheduler
+    from dualpath.processes import run_scheduler
 
     run_scheduler(
         SchedulerConfig(
@@ -108,7 +102,7 @@ def engine_config(args: argparse.Namespace):
     qos = qos_config(args)
     return EngineProcessConfig(
         role=args.role,
-        model=_model_dir(args.model),
+        model=resolve_model(args.model),
         scheduler=args.scheduler,
         engine_id=args.engine_id,
         node_id=args.node_id,
@@ -333,7 +327,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         flush=True,
     )
     if args.ready_file:  # a readiness probe's file; gone again once the node stops
-        from dualpath.engines.main import write_ready
+        from dualpath.processes import write_ready
 
         write_ready(args.ready_file, "ready\n")
     try:
@@ -359,7 +353,7 @@ def _node_tp(given: int, engine_args: list[str]) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from dualpath.engines.main import run_engine
+    from dualpath.processes import run_engine
 
     run_engine(engine_config(args), args.ready_file)
     return 0
@@ -534,27 +528,6 @@ def _qos_args(p: argparse.ArgumentParser) -> None:
         default=d.collective_dscp,
         metavar="DSCP",
         help="DSCP of the collectives (NCCL_IB_TC = DSCP << 2 on RoCE; default 26, AF31)",
-    )
-
-
-def qos_config(args: argparse.Namespace):
-    """``QosConfig`` from ``_qos_args``' options (``--kv-traffic-class`` names the KV DSCP as a byte)."""
-    from dualpath.core.config import QosConfig
-    from dualpath.core.errors import ConfigError
-
-    kv_dscp = args.kv_dscp
-    if args.kv_traffic_class is not None:
-        tc = args.kv_traffic_class
-        if not 0 <= tc <= 255 or tc & 3:
-            raise ConfigError(f"--kv-traffic-class {tc}: a traffic class is DSCP << 2 (0..252, a multiple of 4)")
-        if kv_dscp is not None and kv_dscp != tc >> 2:
-            raise ConfigError(f"--kv-dscp {kv_dscp} and --kv-traffic-class {tc} (DSCP {tc >> 2}): give one")
-        kv_dscp = tc >> 2
-    return QosConfig(
-        kv_service_level=args.kv_service_level,
-        kv_dscp=QosConfig.kv_dscp if kv_dscp is None else kv_dscp,
-        collective_service_level=args.collective_service_level,
-        collective_dscp=args.collective_dscp,
     )
 
 

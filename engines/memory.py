@@ -15,7 +15,8 @@ from dualpath.core.config import CacheConfig
 from dualpath.core.errors import ConfigError
 from dualpath.core.geometry import KVGeometry
 from dualpath.engines.kv_cache import PagedKVCache
-from dualpath.engines.models.base import CausalLM
+from dualpath.engines.models.base import CausalLM, ForwardBatch
+from dualpath.kernels.attention import PagedKV
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +92,21 @@ def forward_peak_bytes(model: CausalLM, geometry: KVGeometry, tokens: int, devic
 @torch.inference_mode()
 def largest_forward(model: CausalLM, geometry: KVGeometry, tokens: int, device: torch.device | str) -> int:
     """Prefill ``tokens`` tokens in one forward, as prompts of at most the model's context (a sliding window's
-    included), over a cache of their own; returns how many prompts."""
-    from dualpath.core.sampling_params import SamplingParams
-    from dualpath.engines.local import ModelRunner
-    from dualpath.engines.sequence import Sequence
-
+    included), over a cache of their own; returns how many prompts. The model runs as ``parallel.steps``'
+    ``forward_paged`` runs it (every layer over the paged cache), without an engine's runner, which sits above
+    this module."""
     longest = model.config.context_limit() - 1
     lens = [min(longest, tokens - start) for start in range(0, tokens, longest)]
     cache = PagedKVCache(geometry, sum(geometry.num_blocks(n + 1) for n in lens), device)
-    seqs = [Sequence(f"memory-profile-{i}", [0] * n, SamplingParams(max_tokens=1)) for i, n in enumerate(lens)]
-    for s in seqs:
-        cache.reserve(s.seq_id, s.num_tokens + 1)
-    ModelRunner(model, cache).forward(seqs, lens)
-    return len(seqs)
+    for i, n in enumerate(lens):
+        cache.reserve(i, n + 1)
+    slots = torch.tensor([s for i, n in enumerate(lens) for s in cache.slots(i, 0, n)], device=device)
+    tables = torch.from_numpy(cache.padded_tables(list(range(len(lens))))).to(device)
+    batch = ForwardBatch(tuple(0 for _ in lens), tuple(lens))
+    with model.forward_pass(batch) as ctx:
+        hidden = model.embed(torch.zeros(sum(lens), dtype=torch.long, device=device))
+        for layer in range(model.config.num_layers):
+            hidden, kv = model.forward_layer(layer, hidden, ctx, PagedKV(cache.layers[layer], tables, ctx.cached_lens))
+            cache.write(layer, slots, kv, model.kernels)
+    model.compute_logits(hidden[batch.last_token_indices()])
+    return len(lens)

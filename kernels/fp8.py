@@ -15,9 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dualpath.kernels.kv_move import FP8_MAX
-
-FP8 = torch.float8_e4m3fn
+from dualpath.kernels.kv_move import FP8, FP8_MAX
 
 
 class Fp8Weight(NamedTuple):

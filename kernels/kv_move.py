@@ -17,6 +17,7 @@ import torch
 from dualpath.core.geometry import KVGeometry
 
 
+FP8 = torch.float8_e4m3fn  # the 8-bit float of FP8 caches and weights
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
@@ -56,7 +57,8 @@ def write_tokens(cache_layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tenso
     if backend == "triton":
         from dualpath.kernels import triton_kv
 
-        return triton_kv.scatter_blocks(cache_layer.view(-1, cache_layer.shape[-1]), slots, kv)  # rows as pieces
+        rows = cache_layer.view(-1, cache_layer.shape[-1])  # rows as pieces
+        return triton_kv.scatter_blocks(rows, slots, to_cache(kv, cache_layer.dtype).contiguous())
     _index_copy(cache_layer.view(-1, cache_layer.shape[-1]), slots, to_cache(kv, cache_layer.dtype))
 
 
@@ -76,7 +78,7 @@ def scatter_blocks(
     if backend == "triton":
         from dualpath.kernels import triton_kv
 
-        return triton_kv.scatter_blocks(cache_layer, block_ids, blocks)
+        return triton_kv.scatter_blocks(cache_layer, block_ids, to_cache(blocks, cache_layer.dtype).contiguous())
     _index_copy(cache_layer, block_ids, to_cache(blocks, cache_layer.dtype))
 
 

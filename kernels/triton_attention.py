@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from dualpath.kernels.attention import RowLayout
+if TYPE_CHECKING:  # (types only: the torch reference dispatches to this module at run time)
+    from dualpath.kernels.attention import RowLayout
+
 
 LOG2E = 1.4426950408889634  # the kernels exponentiate in base 2: scores are scaled by scale * log2(e)
 

@@ -17,14 +17,18 @@ tile's FP8 x FP8 product, exact in float32, scaled by the row's and the column's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from dualpath.kernels.fp8 import FP8, Fp8Weight
-from dualpath.kernels.kv_move import FP8_MAX
+from dualpath.kernels.kv_move import FP8, FP8_MAX
+
+if TYPE_CHECKING:  # (types only: the torch reference dispatches to this module at run time)
+    from dualpath.kernels.fp8 import Fp8Weight
 from dualpath.kernels.triton_attention import _dot, exact_products
 
 

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dualpath.kernels.kv_move import to_cache
 
 CHUNK = 4096
 
@@ -60,5 +59,9 @@ def gather_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, out: torch
 
 
 def scatter_blocks(cache_layer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-    """Inverse of ``gather_blocks``: ``blocks[i]`` into block ``block_ids[i]`` (ids distinct)."""
-    _launch(to_cache(blocks, cache_layer.dtype).contiguous(), cache_layer, block_ids, gather=False)
+    """Inverse of ``gather_blocks``: ``blocks[i]`` into block ``block_ids[i]`` (ids distinct), ``blocks`` contiguous
+    and already the cache's values (``dualpath.kernels.kv_move.to_cache``, which the callers in ``kv_move`` apply:
+    this module stays below it)."""
+    if blocks.dtype != cache_layer.dtype or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be contiguous {cache_layer.dtype} (to_cache first), not {blocks.dtype}")
+    _launch(blocks, cache_layer, block_ids, gather=False)

@@ -13,13 +13,12 @@ attends to a row's chosen positions, looking each one up (block table, or its ne
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from dualpath.kernels.attention import RowLayout
 from dualpath.kernels.sparse_attention import IndexQuery, _top, listed
 from dualpath.kernels.triton_attention import (
     LOG2E,
@@ -42,6 +41,9 @@ from dualpath.kernels.triton_attention import (
     reduce_splits,
     split_outputs,
 )
+
+if TYPE_CHECKING:  # (types only: the torch reference dispatches to this module at run time)
+    from dualpath.kernels.attention import RowLayout
 
 _CHOICE_ELEMS = 1 << 24  # scores per chunk of query rows: the choice's sort holds 8 bytes for each
 

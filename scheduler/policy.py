@@ -233,20 +233,3 @@ class Policy(ABC):
         take_prefill(e, r, r.num_hit_tokens - choice.loaded_tokens(r, block_size))
         add_read(choice, r, pn, dn, block_size)
         return PrefillDecision(r.request_id, e.engine_id, choice)
-
-
-def make_policy(name: str, recompute_slow_hits: bool = False, **kwargs) -> Policy:
-    from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
-    from dualpath.scheduler.paper import DualPathPolicy
-
-    policies = {
-        "dualpath": DualPathPolicy,
-        "least-loaded": LeastLoadedPolicy,
-        "round-robin": RoundRobinPolicy,
-        "random": RandomPolicy,
-    }
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(policies)}")
-    policy = policies[name](**kwargs)
-    policy.recompute_slow_hits = recompute_slow_hits
-    return policy

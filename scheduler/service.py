@@ -40,7 +40,7 @@ from dualpath.core.messages import (
 )
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
 from dualpath.scheduler.core import SchedulerCore
-from dualpath.scheduler.policy import make_policy
+from dualpath.scheduler.policies import make_policy
 from dualpath.scheduler.weights import drained_by, load_adapter, update_weights
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,10 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# dualpath.kernels, .engines, ... are the repository's top-level folders mapped into one namespace (pyproject's
+# package-dir): a bare checkout imports them once installed (no dependencies, no network)
+python3 -c "import dualpath.kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . \
+    || echo "pip install -e . failed: imports of dualpath.kernels will fail"
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,

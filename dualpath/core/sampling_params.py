@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.core.errors import CheckpointError, RequestError
-from dualpath.core.structured import THINKING_MODES
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
@@ -22,6 +21,7 @@ MAX_CACHE_SALT = 1024  # characters: the salt travels with the request to every 
 MAX_STOPS = 16  # stop strings per request: each is searched for in the reply's text as every token comes
 MAX_STOP_CHARS = 256  # characters per stop string: a streamed reply holds back as much text (HTTP takes 4 of them)
 ADAPTER_ID = re.compile(r"[0-9a-f]{64}")  # a LoRA adapter's identity (dualpath.core.lora.adapter_digest)
+THINKING_MODES = ("", "optional", "open")  # json_thinking: none, the reply may open a block, the prompt opened one
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # vLLM's, + max_new_tokens
 
 

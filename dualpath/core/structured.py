@@ -39,14 +39,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dualpath.core.errors import RequestError
+from dualpath.core.sampling_params import THINKING_MODES, SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
 
-    from dualpath.core.sampling_params import SamplingParams
-
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reasoning model's thinking (dualpath.serving.reasoning)
-THINKING_MODES = ("", "optional", "open")
 KINDS = ("json", "regex", "grammar")
 MAX_WS = 32  # whitespace bytes in a row before and inside a JSON answer, and after the thinking
 COMPILE_SECONDS = 5.0  # a constraint that takes longer to compile (and check) is refused

@@ -245,7 +245,7 @@ def run_batch(
 
 def batch_main(args) -> int:
     """``dualpath run-batch``: a cluster started here (or ``--scheduler``'s), the frontend in this process."""
-    from dualpath.cli import _model_dir
+    from dualpath.args import resolve_model
     from dualpath.serving.openai_api import Frontend, FrontendConfig
     from dualpath.serving.serve import cluster_from_args, frontend_options, served_names
     from dualpath.engines.models import open_checkpoint
@@ -258,7 +258,7 @@ def batch_main(args) -> int:
     cluster, options = None, frontend_options(args)
     try:
         if args.scheduler:
-            scheduler, model_dir = args.scheduler, _model_dir(args.model)
+            scheduler, model_dir = args.scheduler, resolve_model(args.model)
             max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
         else:
             cluster, model_dir, max_len = cluster_from_args(args)

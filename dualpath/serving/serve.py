@@ -10,7 +10,7 @@ import signal
 import socket
 from pathlib import Path
 
-from dualpath.engines.main import write_ready
+from dualpath.processes import write_ready
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,11 @@ def cluster_spec(args):
     """The single-host cluster the command-line options describe (``serve``, ``rollout``, ``run-batch``), and the
     model directory and context limit; its tensor parallelism checked against the checkpoint (``ConfigError``
     before any process starts)."""
-    from dualpath.cli import _model_dir, qos_config
+    from dualpath.args import qos_config, resolve_model
     from dualpath.launcher import ClusterSpec, RestartPolicy, check_parallelism, parse_port_range
     from dualpath.engines.models import open_checkpoint
 
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model(args.model)
     model_config = open_checkpoint(model_dir).config
     max_len = model_config.context_limit(args.max_model_len)
     tp = getattr(args, "tensor_parallel_size", 1)
@@ -338,11 +338,11 @@ def serve(args) -> int:
 
 
 def frontend_main(args) -> int:
-    from dualpath.cli import _model_dir
+    from dualpath.args import resolve_model
     from dualpath.serving.openai_api import Frontend, FrontendConfig
     from dualpath.engines.models import open_checkpoint
 
-    model_dir = _model_dir(args.model)
+    model_dir = resolve_model(args.model)
     max_len = open_checkpoint(model_dir).config.context_limit(args.max_model_len)
     names = served_names(args, model_dir)
     frontend = Frontend(

@@ -47,7 +47,7 @@ from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
 from dualpath.engines.batcher import CostModel
 from dualpath.scheduler.core import SchedulerCore, request_of
-from dualpath.scheduler.policy import make_policy
+from dualpath.scheduler.policies import make_policy
 
 SYSTEMS = {  # name -> (scheduler mode, policy, layerwise, reads storage)
     "basic": ("basic", "dualpath", False, True),

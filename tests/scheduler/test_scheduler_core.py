@@ -14,7 +14,7 @@ from dualpath.core.sampling_params import SamplingParams
 from dualpath.scheduler.balance import drain_rate, measured_alpha
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.http import render
-from dualpath.scheduler.policy import make_policy
+from dualpath.scheduler.policies import make_policy
 
 BS = 16
 

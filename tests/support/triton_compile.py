@@ -269,9 +269,11 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
     )
     for row in (2048, 512, 576):  # a forward's KV rows into cache slots: Llama-3-8B, TinyLlama, DeepSeek-V3's latent
         what = f"cache row writes {row} bf16"
-        triton_kv.scatter_blocks(torch.zeros(8 * 64, row, dtype=bf16), torch.tensor([3, 70]), torch.zeros(2, row))
+        triton_kv.scatter_blocks(
+            torch.zeros(8 * 64, row, dtype=bf16), torch.tensor([3, 70]), torch.zeros(2, row, dtype=bf16)
+        )
     what = "cache row writes 2048 into fp8 (as bytes)"
-    triton_kv.scatter_blocks(torch.zeros(8 * 64, 2048, dtype=f8), torch.tensor([3, 70]), torch.zeros(2, 2048))
+    triton_kv.scatter_blocks(torch.zeros(8 * 64, 2048, dtype=f8), torch.tensor([3, 70]), torch.zeros(2, 2048, dtype=f8))
     return launches
 
 

@@ -121,7 +121,7 @@ def test_the_engine_process_hands_the_collective_classes_to_its_ranks(tmp_path):
         import os, subprocess, sys
         import dualpath.engines.prefill
         from dualpath.cli import build_parser, engine_config
-        from dualpath.engines.main import run_engine
+        from dualpath.processes import run_engine
 
         class Engine:  # stands in for the prefill engine: starts a "rank" the way start_ranks does
             def __init__(self, cfg):
