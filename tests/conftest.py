@@ -6,6 +6,13 @@ import pytest
 
 # Tests mirror the package tree (tests/engines/, tests/serving/, ...); what they share lives in tests/support/.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# The repository's kernels/, engines/, traffic/, scheduler/ are dualpath's subpackages (pyproject's package-dir), and
+# the installed dualpath is what runs. Seen from the repository root as top-level names they would shadow other
+# distributions' (Hugging Face's `kernels`, which transformers imports): the root leaves sys.path (`python -m pytest`
+# puts it there), and subprocesses get PYTHONSAFEPATH (Python 3.11+), so their `python -m` and `-c` do not add it.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, Triton kernels run in its interpreter (numpy) on CPU tensors; it must be chosen before any
 # kernel is defined, so here, before test modules import them.

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "triton_compile.py"), "--target", target],
+        [sys.executable, str(ROOT / "tests" / "support" / "triton_compile.py"), "--target", target],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,9 +11,9 @@ from dualpath.scheduler.policy import (
     PathChoice,
     QueuedRequest,
     blocks_to_load,
-    make_policy,
     split_path,
 )
+from dualpath.scheduler.policies import make_policy
 
 BS = 64
 
