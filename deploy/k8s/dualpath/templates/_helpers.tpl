@@ -38,7 +38,7 @@ imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- end }}
 {{- if .Values.model.maxModelLen }}
 - --max-model-len
-- {{ .Values.model.maxModelLen | quote }}
+- {{ .Values.model.maxModelLen | int64 | quote }}
 {{- end }}
 {{- with .Values.model.loraModules }}
 - --lora-modules
