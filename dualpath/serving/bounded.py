@@ -22,6 +22,7 @@ import functools
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 CHARS_PER_TOKEN = 16  # the longest a text to tokenize may be, per token of the model's context
@@ -64,3 +65,28 @@ def within(seconds: float, fn, *args, **kwargs):
     if time.monotonic() > deadline:
         raise RenderTimeout(f"ran past {seconds:g} s")
     return out
+
+
+class Recent:
+    """What was made lately, by key: the ``size`` most recently used keys keep their value (grammars known to compile,
+    request chat templates compiled), so what agents send again and again is made once. Shared by the worker
+    threads: the lock guards the table, never the making (two threads may make one key at once; the last kept)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._table: OrderedDict = OrderedDict()
+
+    def get(self, key, make):
+        """``make()``'s value for ``key``, made again only once it left the ``size`` most recent keys (what ``make``
+        raises is raised, nothing kept)."""
+        with self._lock:
+            if key in self._table:
+                self._table.move_to_end(key)
+                return self._table[key]
+        value = make()
+        with self._lock:
+            self._table[key] = value
+            if len(self._table) > self.size:
+                self._table.popitem(last=False)
+        return value

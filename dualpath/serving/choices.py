@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from dualpath.serving.protocol import error_body
+from dualpath.serving.json_bodies import error_body
 
 
 class ApiError(Exception):
@@ -130,7 +130,7 @@ def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> boo
 
 
 class Generation:
-    """One choice's generation (``Frontend._generate``) whose ``aclose`` always ends it: it lets go of the request
+    """One choice's generation (``Generations._generate``) whose ``aclose`` always ends it: it lets go of the request
     and frees its admission slot even where iteration never began (an async generator's own cleanup runs only once
     it has started)."""
 

@@ -7,6 +7,7 @@ and answered in SGLang's shape: per choice ``text``, ``output_ids`` and ``meta_i
 ``[[logprob, token id, text or None], ...]`` and ``output_top_logprobs``). One prompt and ``n`` 1 gives one
 object; a batch or ``n`` > 1 a list, prompt after prompt, a prompt's choices together. Streamed, each event carries
 a choice's whole text and ids so far (SGLang's default, cumulative) and its ``index``; ``[DONE]`` ends the stream.
+The route, on the shared pipeline: ``dualpath.serving.routes.sglang``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ import json
 import time
 from typing import Any, Optional, Union
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dualpath.core.errors import RequestError
-from dualpath.serving.bounded import off_loop
-from dualpath.serving.choices import ApiError, Outcome, PromptLogprobs, merge
-from dualpath.serving.protocol import CompletionRequest, error_body, parse
+from dualpath.serving.choices import Outcome, PromptLogprobs, merge
+from dualpath.serving.json_bodies import parse
+from dualpath.serving.protocol import CompletionRequest
 
 # SGLang's sampling_params keys -> the completions request's fields (those not listed are named alike)
 RENAMED = {
@@ -67,51 +66,7 @@ class GenerateRequest(BaseModel):
     lora_path: Optional[Union[str, list[str]]] = None  # SGLang's: a served LoRA adapter's name (one for every prompt)
 
 
-class NativeApi:
-    def __init__(self, front):
-        self.front = front
-
-    async def generate(self, request: Request):
-        status = 200
-        try:
-            owner = self.front.auth.caller(request).owner
-            body = await request.body()
-            try:
-                req = parse(GenerateRequest, body)
-                comp = _as_completion(req, _model(req, self.front.cfg.model_name, self.front.adapters))
-            except RequestError as e:
-                raise ApiError(400, str(e), param=e.field) from None
-            prompts, samplings = await off_loop(self.front._prepared, comp, "completions")
-            single = comp.n == 1 and (isinstance(req.text, str) or isinstance((req.input_ids or [[]])[0], int))
-            answer = _Answers(self.front.tokenizer, req, comp, prompts, samplings, time.perf_counter())
-            gens = await self.front._start(
-                comp,
-                prompts,
-                samplings,
-                answer.given_rids,  # from here on they close
-                label=request.state.request_id,
-                owner=owner,
-            )
-            if req.stream:
-                return StreamingResponse(answer.events(gens), media_type="text/event-stream")
-            got = await self.front.gather(request, gens)
-            if got is None:
-                return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
-            texts, lps, ids, outcomes = got
-            outs = [
-                answer.one(i, "".join(t), lp, tid, o)
-                for i, (t, lp, tid, o) in enumerate(zip(texts, lps, ids, outcomes))
-            ]
-            return JSONResponse(outs[0] if single else outs)
-        except ApiError as e:
-            status = e.status
-            e.param = _sglang_name(e.param, req if "req" in locals() else None)
-            return e.response()
-        finally:
-            self.front.m_requests.labels(endpoint="generate", status=status).inc()
-
-
-def _model(req: GenerateRequest, base: str, adapters: dict[str, str]) -> str:
+def served_model(req: GenerateRequest, base: str, adapters: dict[str, str]) -> str:
     """The model a request runs on: the base, or the served LoRA adapter its ``lora_path`` names."""
     names = [req.lora_path] if isinstance(req.lora_path, str) else req.lora_path or [None]
     if any(n != names[0] for n in names):
@@ -122,7 +77,7 @@ def _model(req: GenerateRequest, base: str, adapters: dict[str, str]) -> str:
     return names[0] or base
 
 
-def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
+def as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
     """The completions request that asks for the same (``RequestError`` naming SGLang's field otherwise)."""
     if (req.text is None) == (req.input_ids is None) or req.input_ids == []:
         raise RequestError("give either text or input_ids (not empty)", field="text")
@@ -167,13 +122,14 @@ def _as_completion(req: GenerateRequest, model: str) -> CompletionRequest:
         "priority": -(req.priority or 0),
     }
     try:
+        # through JSON text again: a schema given as text (json_schema) is checked for lone surrogates as a body is
         return parse(CompletionRequest, json.dumps(body).encode())
     except RequestError as e:
-        name = _sglang_name(e.field, req)
+        name = sglang_name(e.field, req)
         raise RequestError(f"{name}: {str(e).split(': ', 1)[-1]}", field=name) from None
 
 
-def _sglang_name(field: str | None, req: GenerateRequest | None) -> str | None:
+def sglang_name(field: str | None, req: GenerateRequest | None) -> str | None:
     """SGLang's name of a completions request's field (what an error names)."""
     if field == "prompt":
         return "input_ids" if req is not None and req.input_ids is not None else "text"
@@ -184,15 +140,22 @@ def _sglang_name(field: str | None, req: GenerateRequest | None) -> str | None:
     return f"sampling_params.{name}" if name in ALIKE or name in RENAMED else field
 
 
-class _Answers:
-    """SGLang's objects of one request's choices."""
+def _rids(req: GenerateRequest, n_prompts: int) -> list[str | None]:
+    return req.rid if isinstance(req.rid, list) else [req.rid] * n_prompts
 
-    def __init__(self, tokenizer, req: GenerateRequest, comp: CompletionRequest, prompts, samplings, start: float):
-        self.tok, self.req, self.comp, self.prompts, self.samplings = tokenizer, req, comp, prompts, samplings
-        self.start = start
-        rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
-        self.rids = [r or f"gen-{start:.6f}-{i}" for i, r in enumerate(rids)]
-        self.given_rids = [r or "" for r in rids]  # what /abort_request names them by (none: the X-Request-Id)
+
+def given_rids(req: GenerateRequest, n_prompts: int) -> list[str]:
+    """What ``/abort_request`` names each prompt's request by ("": the X-Request-Id)."""
+    return [r or "" for r in _rids(req, n_prompts)]
+
+
+class Answers:
+    """SGLang's objects of one request's choices (``job``: ``dualpath.serving.pipeline.Job``)."""
+
+    def __init__(self, tokenizer, req: GenerateRequest, job):
+        self.tok, self.req, self.job = tokenizer, req, job
+        self.comp, self.prompts, self.samplings, self.start = job.req, job.prompts, job.samplings, job.started
+        self.rids = [r or f"gen-{self.start:.6f}-{i}" for i, r in enumerate(_rids(req, len(job.prompts)))]
 
     def one(self, i: int, text: str, lps: list, ids: list[int], outcome: Outcome | None) -> dict:
         p = i // self.comp.n
@@ -236,14 +199,17 @@ class _Answers:
                 return {"type": "stop", "matched": s}
         return {"type": "stop", "matched": ids[-1] if ids else None}
 
-    async def events(self, gens: list):
+    async def bodies(self):
+        """The streamed objects: each choice's whole text and ids so far, as its tokens come (SGLang's default,
+        cumulative). It closes the choices' generations when it ends."""
+        gens = self.job.gens
         texts, ids, lps = [""] * len(gens), [[] for _ in gens], [[] for _ in gens]
         try:
             async for i, item in merge(gens):
                 if isinstance(item, PromptLogprobs):
                     continue
                 if isinstance(item, Outcome):
-                    yield f"data: {json.dumps(self.one(i, texts[i], lps[i], ids[i], item))}\n\n"
+                    yield self.one(i, texts[i], lps[i], ids[i], item)
                     continue
                 delta, tokens, lp = item
                 texts[i] += delta
@@ -251,10 +217,7 @@ class _Answers:
                 if lp:
                     lps[i].append(lp)
                 if delta or tokens:
-                    yield f"data: {json.dumps(self.one(i, texts[i], lps[i], ids[i], None))}\n\n"
-        except ApiError as e:
-            yield f"data: {json.dumps(error_body(str(e), e.type, e.param, e.code))}\n\n"
+                    yield self.one(i, texts[i], lps[i], ids[i], None)
         finally:
             for g in gens:
                 await g.aclose()
-        yield "data: [DONE]\n\n"

@@ -1,16 +1,25 @@
-"""OpenAI request bodies: parsing, validation with errors that name the field, and the response shapes."""
+"""OpenAI's (and vLLM's and SGLang's) request bodies, validated with errors that name the field: the fields chat and
+completions share, each one's own, and the bodies of the routes that are not generations. A chat's messages and tools:
+``dualpath.serving.chat_messages``; structured output: ``dualpath.serving.structured_formats``; reading a body:
+``dualpath.serving.json_bodies``."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dualpath.core.errors import RequestError
 from dualpath.core.sampling_params import MAX_BAD_WORDS, MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_CHARS
 
-from dualpath.serving.tools import template_arguments
+from dualpath.serving.chat_messages import ChatRendering, Message, Tool
+from dualpath.serving.structured_formats import (
+    STRUCTURED_KINDS,
+    ResponseFormat,
+    asks_for,
+    choice_list,
+    pattern_text,
+    schema_object,
+)
 
 MAX_PROMPTS = 256  # completions' batch form: each prompt is submitted as a request of its own
 MAX_HTTP_STOPS = 4  # OpenAI's
@@ -31,76 +40,6 @@ class Extension(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class StructuralTag(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    begin: str
-    schema_: dict[str, Any] = Field(alias="schema")
-    end: str
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's ``response_format``: ``json_object`` constrains the reply to one JSON object (JSON mode),
-    ``json_schema`` to one valid against ``json_schema.schema`` (structured outputs, compiled by llguidance:
-    ``dualpath.core.structured``; what it cannot enforce is a 400). Enforced whatever ``strict`` says. vLLM's
-    ``structural_tag``: free text in which a ``trigger`` begins one of the ``structures`` (its ``begin`` text, an
-    object of its ``schema``, its ``end``), then free text again."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: Optional[JsonSchemaFormat] = None
-    structures: Optional[list[StructuralTag]] = None
-    triggers: Optional[list[str]] = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a json_schema object (name, schema)")
-        if self.type == "structural_tag" and not (self.structures and self.triggers):
-            raise ValueError("type 'structural_tag' needs structures and triggers")
-        return self
-
-
-def _schema(v, field: str) -> dict:
-    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError:
-            raise ValueError(f"{field} must be a JSON schema (an object, or its JSON text)") from None
-    if not isinstance(v, dict):
-        raise ValueError(f"{field} must be a JSON schema object")
-    return v
-
-
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # vLLM's structured_outputs kinds taken here
-
-
-def _pattern(v, field: str) -> Optional[str]:
-    """A regular expression or a grammar (compiled, and its errors named, where the request's sampling is built)."""
-    if v is not None and not isinstance(v, str):
-        raise ValueError(f"{field} must be a string")
-    return v
-
-
-def _asks(v) -> bool:
-    """Whether a structured_outputs entry asks for something: neither None nor False (0, though == False, is not)."""
-    return v is not None and v is not False
-
-
-def _choices(v, field: str) -> Optional[list[str]]:
-    if v is not None and (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
-        raise ValueError(f"{field} must be a non-empty list of strings")
-    return v
 
 
 class _Common(BaseModel):
@@ -224,22 +163,22 @@ class _Common(BaseModel):
     @field_validator("guided_json")
     @classmethod
     def _schema_object(cls, v):
-        return None if v is None else _schema(v, "guided_json")
+        return None if v is None else schema_object(v, "guided_json")
 
     @field_validator("guided_regex", "guided_grammar")
     @classmethod
     def _regex_text(cls, v, info):
-        return _pattern(v, info.field_name)
+        return pattern_text(v, info.field_name)
 
     @field_validator("guided_choice")
     @classmethod
     def _choice_list(cls, v):
-        return _choices(v, "guided_choice")
+        return choice_list(v, "guided_choice")
 
     @field_validator("structured_outputs")
     @classmethod
     def _known_kinds(cls, v):
-        other = sorted(k for k, x in (v or {}).items() if _asks(x) and k not in STRUCTURED_KINDS)
+        other = sorted(k for k, x in (v or {}).items() if asks_for(x) and k not in STRUCTURED_KINDS)
         if other:
             raise ValueError(
                 f"structured_outputs {', '.join(other)} is not supported; {', '.join(STRUCTURED_KINDS)} are"
@@ -248,11 +187,11 @@ class _Common(BaseModel):
         if v.get("json_object") is not None and not isinstance(v["json_object"], bool):
             raise ValueError("structured_outputs json_object must be a boolean")
         if v.get("json") is not None:
-            v["json"] = _schema(v["json"], "structured_outputs json")
-        v["regex"] = _pattern(v.get("regex"), "structured_outputs regex")
-        v["grammar"] = _pattern(v.get("grammar"), "structured_outputs grammar")
-        v["choice"] = _choices(v.get("choice"), "structured_outputs choice")
-        if sum(_asks(v.get(k)) for k in STRUCTURED_KINDS) > 1:
+            v["json"] = schema_object(v["json"], "structured_outputs json")
+        v["regex"] = pattern_text(v.get("regex"), "structured_outputs regex")
+        v["grammar"] = pattern_text(v.get("grammar"), "structured_outputs grammar")
+        v["choice"] = choice_list(v.get("choice"), "structured_outputs choice")
+        if sum(asks_for(v.get(k)) for k in STRUCTURED_KINDS) > 1:
             raise ValueError(f"structured_outputs takes one of {', '.join(STRUCTURED_KINDS)}")
         return v
 
@@ -340,118 +279,7 @@ class _Common(BaseModel):
         return next(iter(self._formats()), None)
 
 
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON, as the model wrote it
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn's calls
-    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts(cls, v):
-        for part in v if isinstance(v, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
-        return v
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it (Hugging Face's convention): text content, and a call's
-        arguments as an object."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name:
-            out["name"] = self.name
-        if self.tool_call_id:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": template_arguments(c.function.arguments)},
-                }
-                for c in self.tool_calls
-            ]
-        return out
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(min_length=1, max_length=64)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
-
-
-class Tool(BaseModel):
-    type: Literal["function"]
-    function: FunctionDef
-
-
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
-
-
-class ChatRendering(BaseModel):
-    """How a chat is rendered into a prompt (vLLM's extras): ``continue_final_message`` leaves the last message open
-    for the model to continue (an assistant reply's start, say), which implies no generation prompt;
-    ``chat_template_kwargs`` are extra variables for the template (e.g. Qwen3's ``enable_thinking``)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _not_reserved(cls, v):
-        taken = sorted(
-            set(v or ())
-            & {"messages", "tools", "documents", "add_generation_prompt", "continue_final", "bos_token", "eos_token"}
-        )
-        if taken:
-            raise ValueError(f"{', '.join(taken)} cannot be set here")
-        return v
-
-    @model_validator(mode="after")
-    def _open_or_prompted(self):
-        if (
-            self.continue_final_message
-            and self.add_generation_prompt
-            and "add_generation_prompt" in self.model_fields_set
-        ):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        return self
-
-    def render_options(self) -> dict[str, Any]:
-        """``Tokenizer.apply_chat_template``'s keyword arguments for this chat."""
-        return {
-            "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
-            "continue_final": self.continue_final_message,
-            **(self.chat_template_kwargs or {}),
-        }
 
 
 class ChatRequest(_Common, ChatRendering):
@@ -630,55 +458,3 @@ class PauseGenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     mode: Literal["abort", "retract", "in_place"] = "abort"
-
-
-def parse(model_cls, body: bytes):
-    """Parse and validate a request body; raise ``RequestError`` naming the offending field."""
-    try:
-        data = json.loads(body)
-        if not isinstance(data, dict):
-            raise RequestError("the body must be a JSON object")
-        _check_unicode(data, ())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise RequestError("the body nests too deeply") from None
-    return validated(model_cls, data)
-
-
-def validated(model_cls, data: dict, names: Optional[dict[str, str]] = None):
-    """``data`` (decoded JSON) as a ``model_cls`` request, every field strictly typed as OpenAI's API types it: a
-    boolean is no number (``max_tokens: true`` is not 1), a number no boolean, a string neither, ``5.0`` no integer;
-    an integer is a valid float. A ``RequestError`` names the first offending field (as ``names`` calls it: another
-    API's name)."""
-    try:
-        return model_cls.model_validate(data, strict=True)  # strict reaches every nested model too
-    except RecursionError:
-        raise RequestError("the body nests too deeply") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [(names or {}).get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(err["loc"])]
-        raise RequestError(f"{'.'.join(loc) or 'body'}: {err['msg']}", field=loc[0] if loc else None) from None
-
-
-def _check_unicode(node, where: tuple) -> None:
-    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode: name where it is."""
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            loc = ".".join(map(str, where)) or "body"
-            raise RequestError(
-                f"{loc}: invalid Unicode (a lone surrogate)", field=str(where[0]) if where else None
-            ) from None
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            _check_unicode(k, where)
-            _check_unicode(v, where + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            _check_unicode(v, where + (i,))
-
-
-def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

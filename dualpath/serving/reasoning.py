@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from dualpath.core.structured import THINK_CLOSE as CLOSE
 from dualpath.core.structured import THINK_OPEN as OPEN
-from dualpath.serving.tools import partial_tag
+from dualpath.serving.tool_json import partial_tag
 
 
 def knows_thinking(chat_template: str | None) -> bool:

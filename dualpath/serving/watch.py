@@ -115,10 +115,11 @@ class Counts:
 
 def frontend_counts(front) -> Counts:
     """``front``'s (a ``Frontend``) counts, read back from its own counters (one source of truth with /metrics)."""
-    cached = {dict(k).get("path", ""): v for k, v in sample_values(front.m_cached).items()}
+    m = front.metrics
+    cached = {dict(k).get("path", ""): v for k, v in sample_values(m.cached).items()}
     return Counts(
-        sum(sample_values(front.m_prompt).values()),
-        sum(sample_values(front.m_completion).values()),
+        sum(sample_values(m.prompt).values()),
+        sum(sample_values(m.completion).values()),
         tuple(sorted(cached.items())),
         front.in_flight,
     )

@@ -804,9 +804,9 @@ def test_a_non_streamed_request_whose_client_left_is_cancelled(front):
 
     async def collect():
         req = CompletionRequest.model_validate({"model": "m", "prompt": ["hi", "ho"], "n": 2})
-        prompts = frontend._prompts(req, "completions")
-        gens = await frontend._start(req, prompts, [SamplingParams(max_tokens=10_000, n=2)] * 2)
-        return await frontend._collect(Gone(), gens, req, "completions", prompts, "cmpl-test")
+        prompts = frontend.prompts.prompts(req, "completions")
+        gens = await frontend.generations.start(req, prompts, [SamplingParams(max_tokens=10_000, n=2)] * 2)
+        return await frontend.generations.gather(Gone(), gens)
 
     assert asyncio.run(collect()) is None  # the endpoint answers 499
     assert len(handles) == 2 and all(h.cancelled.is_set() for h in handles)  # both prompts' requests
@@ -1037,13 +1037,13 @@ def test_a_stopping_server_finishes_requests_in_flight_and_refuses_new_ones(fron
 def test_a_grammar_that_compiled_is_not_compiled_again(front, monkeypatch):
     """Agents send the same schemas and patterns again: the frontend checks each once (the last 256), and a bad
     one is a 400 every time."""
-    from dualpath.serving import openai_api
+    from dualpath.serving import sampling
 
     http, fake, _ = front
     fake.reply = "yes"
     compiled = []
-    real = openai_api.structured.check
-    monkeypatch.setattr(openai_api.structured, "check", lambda c: compiled.append(c.source) or real(c))
+    real = sampling.structured.check
+    monkeypatch.setattr(sampling.structured, "check", lambda c: compiled.append(c.source) or real(c))
     choices = [f"label {i}" for i in range(300)]
     for _ in range(3):
         assert post(http, "/v1/completions", model="m", prompt="hi", guided_choice=choices).status_code == 200
@@ -1073,7 +1073,7 @@ def test_logprob_bytes_are_each_tokens_own_so_a_split_character_joins_whole(fron
     http, _, tok = front
     ids = tok.encode("é🤖", add_special_tokens=False)
     assert len(ids) > 2  # byte-level BPE: the emoji's four bytes come in more than one token
-    content = http.front._chat_logprobs([{"token_id": t, "logprob": -1.0, "top": ()} for t in ids])["content"]
+    content = http.front.logprobs.chat([{"token_id": t, "logprob": -1.0, "top": ()} for t in ids])["content"]
     assert bytes(b for c in content for b in c["bytes"]).decode() == "é🤖"
     assert any(c["token"] == "\ufffd" for c in content)
 
