@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32")
+from archs import ARCHS  # noqa: E402 - (tests/support is on sys.path from here on)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ARCHS
+from archs import ARCHS
 from dualpath.core.errors import CheckpointError
 from dualpath.engines.models import ForwardBatch, load_model
 from grid import covering

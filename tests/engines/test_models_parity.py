@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ARCHS
+from archs import ARCHS
 from dualpath.core.geometry import KVGeometry
 from dualpath.engines.models import ForwardBatch, load_model
 from dualpath.kernels.kv_move import layer_tokens_from_full, pack_full_blocks
