@@ -163,6 +163,7 @@ class PrefillEngine(Engine):
         self.jobs: PrefillJobs[Job] = PrefillJobs()  # the only place jobs are added, queued, cancelled, removed
         self.de_clients: dict[str, Client] = {}
         self.de_peers: dict[str, str] = {}  # decode engine -> the transport address we added it with
+        self.de_lock = threading.Lock()  # assignments are prepared on threads of their own: one adds a new peer
         self.cost = CostModel(*self.cfg.cost_model) if self.cfg.cost_model else self.profile()
         log.info("prefill cost model: %s (quota %.0f ms)", self.cost, 1000 * self.cfg.compute_quota_s)
         assert g.block_size > 0
@@ -248,11 +249,13 @@ class PrefillEngine(Engine):
 
     def _de(self, a: Assignment) -> Client:
         de = a.decode
-        if self.de_peers.get(de.engine_id) != repr(de.transport_address):
-            self.transport.add_peer(de.engine_id, de.transport_address, [RegionDesc.from_dict(r) for r in de.regions])
-            self.de_peers[de.engine_id] = repr(de.transport_address)
-            self.de_clients[de.engine_id] = Client("Engine", ENGINE_METHODS, de.control_address)
-        return self.de_clients[de.engine_id]
+        with self.de_lock:
+            if self.de_peers.get(de.engine_id) != repr(de.transport_address):
+                regions = [RegionDesc.from_dict(r) for r in de.regions]
+                self.transport.add_peer(de.engine_id, de.transport_address, regions)
+                self.de_peers[de.engine_id] = repr(de.transport_address)
+                self.de_clients[de.engine_id] = Client("Engine", ENGINE_METHODS, de.control_address)
+            return self.de_clients[de.engine_id]
 
     def _prepare(self, job: Job) -> None:
         """Load this side's hit blocks and have the decode engine hold slots (and load its side) in parallel."""

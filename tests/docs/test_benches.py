@@ -1,5 +1,7 @@
 """Benchmark scripts run end to end at toy sizes, so a change to the code they drive cannot leave them broken
-(``bench/layer_overlap.py`` was, for a while, after ``Job`` grew fields). Their numbers are not checked here."""
+(``bench/layer_overlap.py`` was, for a while, after ``Job`` grew fields), and the quick ones show their headline
+ratio's direction at sizes chosen for it: what each bench exists to show must still come out, on a shared machine,
+with a margin stated next to each bound (measured on two busy cores)."""
 
 import json
 import os
@@ -27,37 +29,76 @@ def run_bench(script: str, *args: str, timeout: float = 240) -> dict:
     return json.loads(out.read_text())
 
 
-def test_layer_overlap_bench_runs(tiny_dirs, tmp_path):
+def test_layer_overlap_bench_shows_layerwise_loading_hidden_behind_compute(tiny_dirs, tmp_path):
+    """The read capped at 6 MB/s (loading the 2,048 cached tokens takes ~0.2 s, twice the compute): the layerwise
+    prefill reads layer l + 1 while layer l computes, the basic one reads everything first, so layerwise is the
+    faster by about the compute of all but one of the 3 layers (measured 0.77 x basic; bound 0.95 x)."""
     result = run_bench(
         "layer_overlap.py",
         "--model",
         str(tiny_dirs["llama"]),
         "--cached",
-        "64",
+        "2048",
         "--new",
-        "16",
+        "1024",
         "--repeats",
-        "1",
+        "2",
+        "--read-bps",
+        "6e6",
         "--out",
         str(tmp_path / "lo.json"),
     )
-    assert result["row"]["layerwise_s"] > 0 and result["row"]["basic_s"] > 0
+    row = result["row"]
+    assert row["compute_s"] > 0 and row["load_s"] > 0
+    assert row["layerwise_s"] < 0.95 * row["basic_s"], row
+    assert row["layerwise_vs_max"] < row["basic_vs_max"], row
 
 
-@pytest.mark.parametrize(
-    "script, args",
-    [
-        ("sampling.py", ["--batch", "4", "--vocab", "300", "--prompt", "32", "--output", "8"]),
-        ("storage_read.py", ["--blocks", "8"]),
-        (
-            "sparse_attention.py",
-            ["--contexts", "64", "--batch", "2", "--prefill", "8", "--heads", "2", "--topk", "16", "--repeats", "1"],
-        ),
-    ],
-)
-def test_small_benches_run(script, args, tmp_path):
-    result = run_bench(script, *args, "--out", str(tmp_path / "r.json"))
-    assert result["benchmark"]
+def test_sampling_bench_shows_the_batched_sampler_ahead_of_row_by_row(tmp_path):
+    """Every mix drawn for 16 rows in one batched pass beats drawing them a row at a time (measured 3.1-4.3 x;
+    bound 1.5 x), and the bad-words index beats comparing with every word (measured ~32 x; bound 2 x). The
+    penalties' sparse form wins only at a real vocabulary (2.6 x at 49,152 in bench/results): not checked here."""
+    result = run_bench(
+        "sampling.py",
+        "--batch",
+        "16",
+        "--vocab",
+        "300",
+        "--prompt",
+        "32",
+        "--output",
+        "8",
+        "--out",
+        str(tmp_path / "s.json"),
+    )
+    assert [r["mix"] for r in result["rows"]] == ["temperature", "top_p_top_k", "with_logprobs"]
+    assert all(r["speedup"] > 1.5 for r in result["rows"]), result["rows"]
+    assert result["bad_words"]["index_speedup"] > 2, result["bad_words"]
+
+
+def test_storage_read_bench_keeps_the_checked_read_near_a_raw_one(tmp_path):
+    """Warm page cache: the backend's read (header checks, a checksum per layer) against a raw sequential read of
+    the same bytes, toward the target of 0.8 x (0.98 x at 256 blocks on an idle machine; measured 0.60-0.75 x at 16
+    blocks on two busy cores; bound 0.4 x). Cold, where this process may drop the page cache: its parallel reads
+    at least keep up (measured 2.6-3.3 x; bound 0.8 x)."""
+    result = run_bench("storage_read.py", "--blocks", "16", "--out", str(tmp_path / "r.json"))
+    rows = {r["cache"]: r for r in result["rows"]}
+    assert rows["warm"]["ours_vs_raw"] > 0.4, rows
+    if "cold" in rows:
+        assert rows["cold"]["ours_vs_raw"] > 0.8, rows
+
+
+def test_sparse_attention_bench_shows_the_sparse_step_winning_at_long_context(tmp_path):
+    """At 4,096 cached tokens attending to the indexer's 128 beats attending to all of them (measured 15-37 x;
+    bound 2 x) and by more than at 256 (where the indexer's cost is most of it: measured 0.5-2.7 x)."""
+    result = run_bench(
+        "sparse_attention.py",
+        *("--contexts", "256", "4096", "--batch", "1", "--prefill", "4", "--heads", "8", "--topk", "128"),
+        *("--repeats", "1", "--out", str(tmp_path / "r.json")),
+    )
+    ratio = {(r["step"], r["context"]): r["dense_over_sparse"] for r in result["rows"]}
+    for step in ("decode", "prefill"):
+        assert ratio[(step, 4096)] > max(2.0, ratio[(step, 256)]), ratio
 
 
 @pytest.mark.slow  # (the default run stays under 10 minutes)

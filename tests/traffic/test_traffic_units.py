@@ -219,10 +219,11 @@ def test_verbs_queue_pairs_carry_the_kv_service_level_and_segments_map_to_work_r
     e = pv.enums
     cfg = TransportConfig(name="verbs", kv_service_level=5, kv_traffic_class=96)
     remote = QPInfo(qp_num=77, lid=3, gid="", psn=1234)
-    low = qp_attr(cfg, Priority.LOW, remote)
+    low = qp_attr(cfg, Priority.LOW, remote, 4321)
     assert low.ah_attr.sl == 5 and low.dest_qp_num == 77 and low.rq_psn == 1234 and low.ah_attr.dlid == 3
-    assert qp_attr(cfg, Priority.HIGH, remote).ah_attr.sl == 0
-    roce = qp_attr(cfg, Priority.LOW, QPInfo(78, 0, "fe80:0000:0000:0000:0000:0000:0000:0001", 5))
+    assert low.sq_psn == 4321  # sends from the PSN it told the peer, which expects it
+    assert qp_attr(cfg, Priority.HIGH, remote, 4321).ah_attr.sl == 0
+    roce = qp_attr(cfg, Priority.LOW, QPInfo(78, 0, "fe80:0000:0000:0000:0000:0000:0000:0001", 5), 6)
     assert roce.ah_attr.is_global == 1 and roce.ah_attr.traffic_class == 96
     segs = [Segment(1, 0, 9, 4096, 100), Segment(2, 64, 9, 0, 50)]
     wrs = work_requests(Op.READ, segs, {1: (1000, 11), 2: (5000, 22)}, {9: (1 << 20, 99)})

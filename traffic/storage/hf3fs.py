@@ -46,10 +46,11 @@ class _Ring:
 
 
 class _ShmName:
-    """What ``make_iovec`` reads from a SharedMemory: its name and size."""
+    """What ``make_iovec`` reads from a SharedMemory: its name (the FUSE process maps ``/dev/shm/<name>``) and its
+    buffer (the iovec the binding builds wraps it)."""
 
     def __init__(self, mem: HostMemory):
-        self.name, self.size = mem.name, mem.nbytes
+        self.name, self.size, self.buf = mem.name, mem.nbytes, mem.tensor.numpy()
 
 
 class Hf3fsStorage(FsStorage):

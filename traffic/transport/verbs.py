@@ -62,8 +62,10 @@ class QPInfo:
     psn: int
 
 
-def qp_attr(config: TransportConfig, priority: Priority, remote: QPInfo, port: int = 1):
-    """Attributes for the RTR/RTS transitions of a queue pair of class ``priority`` towards ``remote``.
+def qp_attr(config: TransportConfig, priority: Priority, remote: QPInfo, local_psn: int, port: int = 1):
+    """Attributes for the RTR/RTS transitions of a queue pair of class ``priority`` towards ``remote``: it expects
+    the peer's packets from ``remote.psn`` and sends its own from ``local_psn``, the PSN it told the peer (an RC
+    responder drops packets whose PSN is not the one it expects, and the requester's retries run out).
 
     KV (low priority) queue pairs get ``kv_service_level`` (and ``kv_traffic_class`` on RoCE); control queue
     pairs keep service level 0, the high-priority lane.
@@ -79,7 +81,7 @@ def qp_attr(config: TransportConfig, priority: Priority, remote: QPInfo, port: i
     attr.timeout = 14
     attr.retry_cnt = 7
     attr.rnr_retry = 7
-    attr.sq_psn = remote.psn
+    attr.sq_psn = local_psn
     attr.max_rd_atomic = 16
     kv = priority is Priority.LOW
     sl = config.kv_service_level if kv else 0
@@ -188,7 +190,7 @@ class VerbsTransport(Transport):
                 theirs = QPInfo(**json.loads(s.makefile().readline())["qp"])
         except OSError as e:
             raise PeerDeadError(f"verbs: cannot reach {peer}'s connection manager: {e}") from None
-        qp.to_rts(qp_attr(self.config, priority, theirs))
+        qp.to_rts(qp_attr(self.config, priority, theirs, mine.psn))
         return peer, qp, cq
 
     def _serve_cm(self) -> None:
@@ -201,7 +203,7 @@ class VerbsTransport(Transport):
                 req = json.loads(conn.makefile().readline())
                 qp, cq = self._new_qp()
                 mine = self._my_info(qp)
-                qp.to_rts(qp_attr(self.config, Priority[req["priority"]], QPInfo(**req["qp"])))
+                qp.to_rts(qp_attr(self.config, Priority[req["priority"]], QPInfo(**req["qp"]), mine.psn))
                 self._accepted.append((qp, cq))
                 conn.sendall((json.dumps({"qp": mine.__dict__}) + "\n").encode())
 
