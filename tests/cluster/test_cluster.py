@@ -141,7 +141,14 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
     assert paths == {"pe", "de"}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v32", marks=pytest.mark.slow), "deepseek_v3-fp8"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "qwen3_moe",
+        pytest.param("deepseek_v32", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3-fp8", marks=pytest.mark.slow),  # (fp8 KV: test_an_fp8_kv_cluster_..., by default)
+    ],
+)
 def test_other_architectures_match_the_reference_on_both_read_paths(tiny_dirs, tmp_path, arch):
     """Qwen3-MoE (per-head q/k norms, softmax-routed experts, a dense layer between), DeepSeek-V3.2 (sparse
     attention over 16 of the 40-80 tokens each query sees, its indexer keys stored in the KV rows) and DeepSeek-V3

@@ -146,6 +146,7 @@ def test_mistral_within_its_window_under_tp(tiny_dirs, tmp_path):
     _same(d, 2)
 
 
+@pytest.mark.slow  # (~9 s; FP8 weights under TP by default: tests/engines/test_expert_parallel.py's FP8 experts)
 def test_fp8_at_load_cuts_on_scale_blocks(tmp_path):
     """Quantized at load (block-scaled FP8, 128 x 128): each rank's parts fall on scale blocks, so its blocks are
     TP 1's and the tokens are too; a size whose parts would cut a block is refused with the numbers."""

@@ -11,10 +11,17 @@ from doc_blocks import ROOT, RUNS, SHOWN, blocks, commands, marks_without_blocks
 from doc_blocks import page_name, path_refs, run_blocks
 
 DOC_PAGES = [p for p in pages() if p.name != "README.md"]
+# pages whose examples take seconds each (a server's worth of requests, models loaded): the slow tier runs them; by
+# default their command lines still parse and their Python still compiles (below), and the README's examples run
+HEAVY_PAGES = {"api.md", "quickstart.md", "offline.md"}
 LOGGERS = {"dualpath.access", "dualpath.stats"}  # logger names the docs give, not modules
 
 
-@pytest.mark.parametrize("page", DOC_PAGES, ids=page_name)
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in HEAVY_PAGES else p for p in DOC_PAGES],
+    ids=page_name,
+)
 def test_the_pages_examples_run(page, doc_servers, tmp_path):
     todo = [b for b in blocks(page) if b.runs() and not b.slow()]
     if not todo:

@@ -51,7 +51,7 @@ def _same(model, n, ref_kw=None, **kw) -> None:
     [
         ("qwen3_moe", {"enable_expert_parallel": True}),
         ("deepseek_v3", {"enable_expert_parallel": True}),
-        ("deepseek_v3", {}),
+        pytest.param("deepseek_v3", {}, marks=pytest.mark.slow),  # plain TP of MLA + MoE: tests/cluster TP tests
         ("deepseek_v32", {"enable_expert_parallel": True, "moe_dispatch": "all_gather"}),
     ],
 )

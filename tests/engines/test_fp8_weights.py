@@ -272,7 +272,7 @@ def test_fp8_greedy_generation_matches_transformers(fp8_dirs):
     "arch,quantization",
     [
         pytest.param("llama", None, marks=pytest.mark.slow),  # the adapter's test runs the dense layers on triton
-        ("qwen3_moe", None),
+        pytest.param("qwen3_moe", None, marks=pytest.mark.slow),  # (the fp8 case below runs the same kernels)
         ("qwen3_moe", "fp8"),
         pytest.param("deepseek_v3", None, marks=pytest.mark.slow),
     ],

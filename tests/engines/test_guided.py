@@ -844,6 +844,7 @@ def test_tiny_model_schema_outputs_are_valid(tiny_dirs):
     assert stopped >= 3
 
 
+@pytest.mark.slow  # (~10 s; schemas and patterns through the tiny model run by default in the tests above)
 def test_tiny_model_strings_follow_their_patterns_and_lengths(tiny_dirs):
     llm = LLM(str(tiny_dirs["llama"]), block_size=16)
     schema = {

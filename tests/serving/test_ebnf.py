@@ -105,7 +105,7 @@ def accepted_walks(c: Constraint, rng, n: int, max_len: int = 16) -> list[bytes]
     return out
 
 
-@settings(max_examples=75, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(regular_grammars(), st.randoms(use_true_random=False))
 def test_random_regular_grammars_match_what_python_fullmatches(grammar, rng):
     """References (nullable ones too, under repetition), alternatives, repetition and classes accept only what the
