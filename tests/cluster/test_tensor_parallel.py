@@ -57,6 +57,7 @@ def test_four_ranks_replicate_kv_heads_fewer_than_ranks(tiny_dirs):
     _same(tiny_dirs["llama"], 4)
 
 
+@pytest.mark.slow  # (~7 s; TP steps, graphs, LoRA and weight updates run by default in this file)
 def test_speculative_decoding_and_sampling_under_tp(tiny_dirs):
     """Prompt-lookup drafts verified in one forward, and seeded sampling (the generator lives on rank 0)."""
     _same(tiny_dirs["llama"], 2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
