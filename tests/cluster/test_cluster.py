@@ -144,7 +144,7 @@ def test_concurrent_conversations_on_both_paths(cluster, reference):
 @pytest.mark.parametrize(
     "arch",
     [
-        "qwen3_moe",
+        pytest.param("qwen3_moe", marks=pytest.mark.slow),  # (~6 s; llama's cluster runs by default)
         pytest.param("deepseek_v32", marks=pytest.mark.slow),
         pytest.param("deepseek_v3-fp8", marks=pytest.mark.slow),  # (fp8 KV: test_an_fp8_kv_cluster_..., by default)
     ],

@@ -41,7 +41,11 @@ def _run_conversations(client, reference, seeds, mode="dualpath", turns=2) -> li
     return outs
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+# (~20 s each: the slow tier; by default groups form and bad ones are refused below, and the MoE exchange itself runs
+# in-process in tests/engines/test_expert_parallel.py)
+@pytest.mark.parametrize(
+    "arch", [pytest.param("qwen3_moe", marks=pytest.mark.slow), pytest.param("deepseek_v3", marks=pytest.mark.slow)]
+)
 def test_groups_answer_as_one_process_on_every_read_path(tiny_dirs, tmp_path, arch):
     model = tiny_dirs[arch]
     reference = LLM(str(model), block_size=16)
