@@ -31,7 +31,7 @@ class GenerateOptions(Options):
 
 @options
 class RolloutOptions(Options):
-    trajectories: str = opt(help="JSON Lines, one agent per line (see the README)", positional=True)
+    trajectories: str = opt(help="JSON Lines, one agent per line (docs/rollouts.md)", positional=True)
     out: str = opt(help="per-round results (JSONL); an interrupted job resumes from it")
     summary: str | None = opt(None, "job summary JSON", default_text="OUT.summary.json")
     scheduler: str | None = opt(None, "use a running cluster at this host:port", default_text="start one on this host")

@@ -187,7 +187,7 @@ class FrontendOptions(Options):
 
 @options
 class RunBatchOptions(Options):
-    input: str = opt(help="JSON Lines: custom_id, method, url, body per line (see the README)", positional=True)
+    input: str = opt(help="JSON Lines: custom_id, method, url, body per line (docs/offline.md)", positional=True)
     output: str = opt(help="results (JSONL); an interrupted job resumes from it", flags=("-o", "--output"))
     scheduler: str | None = opt(None, "use a running cluster at this host:port", default_text="start one on this host")
     model: str | None = _model_opt()
