@@ -203,7 +203,10 @@ def test_a_dead_rank_fails_the_next_step_at_once(tiny_dirs):
         assert time.monotonic() - start < 5
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+# (~8 s each: the slow tier, with tests/cluster/test_tp_cluster.py's HTTP clusters of mixed sizes)
+@pytest.mark.parametrize(
+    "prefill_tp,decode_tp", [pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)]
+)
 def test_a_cluster_of_mixed_parallelism_shares_kv_on_both_read_paths(tiny_dirs, tmp_path, prefill_tp, decode_tp):
     """1 prefill and 2 decode engines of different TP sizes: KV written by one parallelism (the decode engines
     store every full block; the prefill engine stages its heads' rows) and read by the other, by the prefill
