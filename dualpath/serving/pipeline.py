@@ -15,6 +15,7 @@ response (its ``param`` in the API's own names) and every answer counts in ``htt
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,15 +49,16 @@ class Job:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.label}"
 
 
-class GenerationCall:
-    """One request of one API through the pipeline; made per request, so it may keep what it read."""
+class GenerationCall(ABC):
+    """One request of one API through the pipeline; made per request, so it may keep what it read. ``run`` calls
+    ``read`` once, then ``stream`` or ``answer`` once; an implementation never submits or admits work itself."""
 
     endpoint = ""  # the ``http_requests_total`` label
     kind = "chat"
 
+    @abstractmethod
     async def read(self, body: bytes, owner: str):
         """The request prompts and sampling are built from (a ``RequestError`` is the 400)."""
-        raise NotImplementedError
 
     def streams(self, req) -> bool:
         return req.stream
@@ -65,13 +67,13 @@ class GenerationCall:
         """Each prompt's name for ``/abort_request`` (None: the request's id)."""
         return None
 
+    @abstractmethod
     def stream(self, job: Job):
         """The streamed body (an async iterator of text); it closes ``job``'s generations when it ends."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def answer(self, job: Job, got: tuple[list, list, list, list]) -> Any:
         """The JSON body from every choice gathered (``Generations.gather``)."""
-        raise NotImplementedError
 
     def param(self, name: str | None) -> str | None:
         """An error's ``param`` as this API names the field."""
