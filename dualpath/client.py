@@ -33,6 +33,7 @@ from dualpath.core.messages import (
     SubmitEvent,
     SubmitRequest,
     TokenEvent,
+    TurnEnd,
     WeightUpdate,
     WeightUpdateReply,
     pack_keys,
@@ -40,6 +41,7 @@ from dualpath.core.messages import (
 )
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError
 from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.sessions import SessionHint
 
 log = logging.getLogger(__name__)
 RECONNECT_PAUSE_S = 0.5  # between submissions of a request whose scheduler session ended
@@ -81,6 +83,7 @@ class GenerationResult:
     tpot_s: float = 0.0
     logprobs: list = field(default_factory=list)
     index: int = 0  # the choice (``SamplingParams.n``)
+    prefetched: bool = False  # an agent session's turn that read a prefetch of its KV (placed where it was)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class _Session:
                 [x for x in batch if isinstance(x, SubmitRequest)],
                 [x for x in batch if isinstance(x, str)],
                 [x.engine_id for x in batch if isinstance(x, _Unreachable)],
+                [x for x in batch if isinstance(x, TurnEnd)],
             )
 
     def _receive(self) -> None:
@@ -164,6 +168,10 @@ class _Session:
         """Tell the scheduler a token stream from ``engine_id`` broke (it checks the engine's health)."""
         if self.alive:
             self.outgoing.put(_Unreachable(engine_id))
+
+    def end_turn(self, turn: TurnEnd) -> None:
+        if self.alive:
+            self.outgoing.put(turn)
 
     def close(self) -> None:
         self.outgoing.put(None)
@@ -207,8 +215,11 @@ class RequestHandle:
         mode: str,
         migrations: int,
         label: str = "",
+        agent: SessionHint | None = None,
     ):
         self.client, self.request_id, self.base_id, self.label = client, request_id, request_id, label
+        self.agent = agent  # the agent session this request is a turn of
+        self.prefetched = False
         self.token_ids, self.sampling, self.mode = token_ids, sampling, mode
         self.migrations = migrations  # how many more times the reply may move off a lost decode engine
         self.queue: queue.Queue = queue.Queue()
@@ -238,6 +249,7 @@ class RequestHandle:
                 hashes,
                 fingerprint,
                 self.label,
+                self.agent,
             ),
             self._listen,
         )
@@ -261,6 +273,8 @@ class RequestHandle:
     def _listen(self, ev: SubmitEvent) -> None:
         if ev.fingerprint:  # the weights changed since the client learnt the fingerprint: hash with the new one
             self.client.model_changed(ev.fingerprint)
+        if ev.kind == "assigned":
+            self.prefetched = ev.prefetched
         if ev.kind == "lost":
             self.session_lost = True
             if self.active and self.got_tokens:
@@ -270,6 +284,15 @@ class RequestHandle:
             return  # its engine ends the stream itself once it has sent the tokens before the hand-back: read them
         if ev.kind in ("failed", "assigned", "lost") and self.active:
             self.active[0].cancel()  # retried elsewhere, given up or to be sent again: stop waiting on this attempt
+
+    def end_turn(self, output_tokens: list[int], tool_wait: bool = True, next_turn_in_s: float | None = None) -> None:
+        """This turn of an agent session replied ``output_tokens`` (what the next turn's prompt repeats after this
+        one's); ``tool_wait``: the reply called tools, so the next turn comes when they are done. The scheduler plans
+        the session's prefetch from it. Nothing for a request of no session."""
+        if self.agent is None:
+            return
+        hint = -1.0 if next_turn_in_s is None else next_turn_in_s
+        self.client.session().end_turn(TurnEnd(self.request_id, pack_tokens(output_tokens), tool_wait, hint))
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -586,10 +609,14 @@ class ClusterClient:
         request_id: str | None = None,
         mode: str = "",
         label: str = "",
+        session: SessionHint | None = None,
     ) -> "RequestHandle":
         """Submit a request; iterate ``handle.events()`` for its tokens, ``handle.cancel()`` (any thread) to drop it.
-        ``label``: a name it shares with others (``abort`` ends every request of a label)."""
-        return self._start(token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit, label)
+        ``label``: a name it shares with others (``abort`` ends every request of a label); ``session``: the agent
+        session it is a turn of (``handle.end_turn`` when it replied)."""
+        return self._start(
+            token_ids, sampling, request_id or uuid.uuid4().hex, mode, self.migration_limit, label, session
+        )
 
     def _start(
         self,
@@ -599,8 +626,9 @@ class ClusterClient:
         mode: str,
         migrations: int,
         label: str = "",
+        session: SessionHint | None = None,
     ) -> "RequestHandle":
-        handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations, label)
+        handle = RequestHandle(self, request_id, list(token_ids), sampling, mode, migrations, label, session)
         handle._submit()
         return handle
 
@@ -630,15 +658,23 @@ class ClusterClient:
         return self.generate_choices(token_ids, sampling, request_id, mode)[0]
 
     def generate_choices(
-        self, token_ids: list[int], sampling: SamplingParams, request_id: str | None = None, mode: str = ""
+        self,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        mode: str = "",
+        session: SessionHint | None = None,
+        tool_wait: bool = False,
     ) -> list[GenerationResult]:
         """Every choice of one request (``sampling.n``), in choice order. A choice a weight update aborted
-        (``update_weights(abort=True)``) ends with finish reason ``abort`` and the tokens it had."""
+        (``update_weights(abort=True)``) ends with finish reason ``abort`` and the tokens it had. A turn of an agent
+        ``session`` ends with ``end_turn`` of choice 0's reply (``tool_wait``: a tool now runs)."""
         start = time.perf_counter()
         times: list[list[float]] = [[] for _ in range(sampling.n)]
         tokens, logprobs = [[] for _ in range(sampling.n)], [[] for _ in range(sampling.n)]
         out: list[GenerationResult | None] = [None] * sampling.n
-        for ev in self.stream(token_ids, sampling, request_id, mode):
+        handle = self.start(token_ids, sampling, request_id, mode, session=session)
+        for ev in handle.events():
             i = ev.index
             if ev.token_id >= 0:
                 times[i].append(time.perf_counter())
@@ -659,9 +695,12 @@ class ClusterClient:
                     tpot,
                     logprobs[i],
                     i,
+                    handle.prefetched,
                 )
         if any(r is None for r in out):
             raise DualPathError("the token stream ended without every choice's finish reason")
+        if session is not None:
+            handle.end_turn(out[0].token_ids, tool_wait)
         return out
 
     def close(self) -> None:

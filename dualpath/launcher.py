@@ -95,6 +95,8 @@ class ClusterSpec:
     load_every_hit: bool = False  # the paper's systems: never recompute a stored prefix that is slow to load
     scheduling_policy: str = "fcfs"  # see SchedulerConfig.scheduling_policy
     priority_preemption: bool = True  # see SchedulerConfig.priority_preemption
+    session_prefetch: bool = True  # see SchedulerConfig.session_prefetch
+    session_affinity: bool = True  # see SchedulerConfig.session_affinity
     transport: str = "shm"
     qos: QosConfig = QosConfig()  # the engines' priority classes on the wire (``dualpath engine``'s QoS options)
     kv_store: str | None = None
@@ -113,6 +115,7 @@ class ClusterSpec:
     quantization: str | None = None  # see EngineConfig.quantization
     enforce_eager: bool = False  # see EngineConfig.enforce_eager
     speculative_config: str = ""  # see EngineConfig.speculative (vLLM's JSON; "" off)
+    kv_events_config: str = ""  # see KVEventsConfig (vLLM's JSON; "" off): engine i of a role at port offset 2i (+1)
     lora_modules: tuple[LoraModule, ...] = ()  # see EngineConfig.lora_modules
     block_size: int = 64
     buffer_bytes: int = 256 << 20
@@ -147,6 +150,11 @@ class ClusterSpec:
         ranks take the first devices, each engine ``tp(role)`` consecutive ones, the decode engines' the next."""
         before = self.num_prefill * self.tp("prefill") if role == "decode" else 0
         return before + index * self.tp(role)
+
+
+def _gives(args: tuple[str, ...], flag: str) -> bool:
+    """Whether command-line ``args`` give option ``flag`` (``--flag VALUE`` or ``--flag=VALUE``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def _free_port(host: str) -> int:
@@ -621,6 +629,9 @@ class LocalCluster(Supervisor):
             args += ["--quantization", s.quantization]
         if s.speculative_config:
             args += ["--speculative-config", s.speculative_config]
+        if s.kv_events_config:  # every engine of the host on ports of its own: prefill 2i, decode 2i + 1
+            args += ["--kv-events-config", s.kv_events_config]
+            args += ["--kv-events-port-offset", str(2 * index + (role == "decode"))]
         if s.lora_modules:
             args += ["--lora-modules", *(f"{m.name}={m.path}" for m in s.lora_modules)]
         if s.kv_store:
@@ -684,6 +695,10 @@ class LocalCluster(Supervisor):
             args.append("--load-every-hit")
         if not s.priority_preemption:
             args.append("--disable-priority-preemption")
+        if not s.session_prefetch:
+            args.append("--disable-session-prefetch")
+        if not s.session_affinity:
+            args.append("--disable-session-affinity")
         sched = self.spawn("scheduler", args)
         self.wait_ready([sched], timeout)
         self.restarted(sched)
@@ -791,6 +806,7 @@ class NodeEngines(Supervisor):
             str(self.torch_threads),
             *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
             *self._dp_args(index),
+            *(["--kv-events-port-offset", str(index)] if _gives(s.engine_args, "--kv-events-config") else []),
             *s.engine_args,
         ]
 

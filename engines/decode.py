@@ -299,7 +299,9 @@ class DecodeEngine(Engine):
         if n_full > first_new:
             keys = hashes[first_new:n_full]
             fut = self.traffic.store(keys, [self.buffer.slot_bytes(s) for s in h.slots[first_new:n_full]])
-            h.stores.append(self._indexed(fut, keys))
+            seq, bs = h.choices[0].seq, self.geometry.block_size
+            parent = hashes[first_new - 1] if first_new else None
+            h.stores.append(self._indexed(fut, keys, parent, seq.token_ids[first_new * bs : n_full * bs], seq))
             fut.add_done_callback(lambda _f, w=h.work_id: self.buffer.free_owner(w))
         else:
             self.buffer.free_owner(h.work_id)
@@ -357,7 +359,9 @@ class DecodeEngine(Engine):
         fut = self.traffic.store(new_keys, blocks)
         if self.ranks.size > 1:  # the blocks were gathered in buffer slots of their own
             fut.add_done_callback(lambda _f, owner=(seq.seq_id, c.persisted): self.buffer.free_owner(owner))
-        h.stores.append(self._indexed(fut, new_keys))
+        h.stores.append(
+            self._indexed(fut, new_keys, parent, tokens[c.persisted * g.block_size : full * g.block_size], seq)
+        )
         c.persisted = full
 
     def _full_blocks(self, table: list[int], owner) -> list[torch.Tensor] | None:
@@ -393,17 +397,22 @@ class DecodeEngine(Engine):
         reason = c.seq.finish_reason.value if c.seq.finish_reason else "abort"
         return TokenEvent(h.work_id, finish_reason=reason, index=c.seq.index, final=final, **h.info)
 
-    def _indexed(self, fut: Future, keys: list[BlockHash]) -> Future:
+    def _indexed(
+        self, fut: Future, keys: list[BlockHash], parent: BlockHash | None, tokens: list[int], seq: Sequence
+    ) -> Future:
         """``fut`` (a store of ``keys``) done once the keys it wrote are in the outbox: each as soon as it is
         written, not when its request ends, so a reply whose engine dies mid-way is found again (and loaded) by
-        its continuation (``dualpath.client``)."""
+        its continuation (``dualpath.client``). The blocks written are published too (KV events: ``parent``, the
+        block before the first; ``tokens``, theirs; ``seq``, whose)."""
         out: Future = Future()
 
         def done(f: Future) -> None:
             if f.exception() is not None:
                 out.set_exception(f.exception())
                 return
-            self.outbox.add("stored_keys", *[k for k, e in zip(keys, f.result()) if e is None])
+            ok = [e is None for e in f.result()]
+            self.outbox.add("stored_keys", *[k for k, stored in zip(keys, ok) if stored])
+            self.kv_events.stored(keys, parent, tokens, seq.params.adapter, ok)
             out.set_result(None)
 
         fut.add_done_callback(done)

@@ -38,11 +38,13 @@ from dualpath.core.messages import (
     WeightUpdate,
     WeightUpdateReply,
     pack_keys,
+    unpack_keys,
 )
 from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.core.tokenizer import Tokenizer
 from dualpath.engines.guided import GuideSource
+from dualpath.engines.kv_events import open_kv_events
 from dualpath.engines.models import open_checkpoint, open_update
 from dualpath.engines.parallel.dp import attach, join_group
 from dualpath.engines.parallel.ranks import RankSpec, check_parallel, start_ranks
@@ -51,6 +53,7 @@ from dualpath.kernels.attention import check_cache_dtype
 from dualpath.kernels.kv_move import cache_dtype
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.manager import TrafficManager
+from dualpath.traffic.prefetch import Prefetcher
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.storage import ReadAccounting, make_storage
 from dualpath.traffic.transport import make_transport
@@ -115,6 +118,7 @@ class Engine:
                 p.data_parallel_master,
             )
         self.runtime_adapters: list[str] = []  # LoRA adapters loaded since the start (a new scheduler learns them)
+        self.adapter_names: dict[str, str] = {}  # adapter identity -> the name requests give it (KV events)
         for m in cfg.engine.lora_modules:
             self._load_adapter(m.path, m.name)
         self.max_model_len = ckpt.config.context_limit(cfg.max_model_len)
@@ -138,8 +142,13 @@ class Engine:
             self.ranks.run(attach_buffer, self.buffer_memory.name, self.buffer_memory.nbytes)
         self.buffer = BufferPool(self.geometry, slots, self.buffer_memory)
         self.accounting = ReadAccounting(cfg.storage.read_bandwidth_bps, self.geometry.full_block_bytes / bs)
+        self.kv_events = open_kv_events(cfg.kv_events, bs, cfg.engine.parallel.data_parallel_rank, self.adapter_names)
         self.storage = self._open_storage(self.fingerprint)
         self.traffic = TrafficManager(self.geometry, self.storage, self.buffer, self.transport, self.buffer_region)
+        if cfg.prefetch_share > 0:
+            self.traffic.prefetcher = Prefetcher(
+                self.buffer, lambda: self.traffic.storage, self.accounting, cfg.prefetch_share
+            )
         self.updating = False  # loading new weights: no work is admitted (set and read under admission_lock)
         self.weights = ("", "")  # (checkpoint, version) an update loaded; ("", ""): the ones it started with
         self.outbox = Outbox()
@@ -344,6 +353,8 @@ class Engine:
 
     def _load_adapter(self, path: str, name: str = "", runtime: bool = False) -> str:
         digest = self.ranks.run(load_adapter, path)
+        if name:
+            self.adapter_names[digest] = name
         if runtime and path not in self.runtime_adapters:
             self.runtime_adapters.append(path)
         log.info("LoRA adapter %s (%s) loaded as %s", name or path, path, digest[:12])
@@ -381,6 +392,7 @@ class Engine:
             read_intervals=[] if self.cfg.alpha_tokens else self.accounting.drain_intervals(),
             traffic=self.traffic.snapshot(),
             speculative=self.spec_stats(),
+            prefetch=self.traffic.prefetcher.stats() if self.traffic.prefetcher else {},
             storage_used_bytes=stored["used_bytes"],
             storage_capacity_bytes=stored["capacity_bytes"],
             leaving=self.leaving,
@@ -468,14 +480,19 @@ class Engine:
             self._rejoin(keep_work=self.engine_id in reply.unknown)
         self._apply(reply)
         addresses = dict((m[0], m[1]) for m in self.members)
-        for eid, work in reply.assignments.items():
+        for eid in {**reply.assignments, **reply.prefetch}:
             if eid != self.engine_id:
+                work, ahead = reply.assignments.get(eid, []), reply.prefetch.get(eid, [])
                 self._forward(
-                    eid, addresses.get(eid), PullReply({eid: work}, reply.cancelled, preempted=reply.preempted)
+                    eid,
+                    addresses.get(eid),
+                    PullReply(
+                        {eid: work} if work else {}, reply.cancelled, preempted=reply.preempted, prefetch={eid: ahead}
+                    ),
                 )
         if reply.cancelled or reply.preempted:  # work ids: each member acts on its own
             for eid, addr in addresses.items():
-                if eid != self.engine_id and eid not in reply.assignments:
+                if eid != self.engine_id and eid not in reply.assignments and eid not in reply.prefetch:
                     self._forward(eid, addr, PullReply({}, reply.cancelled, preempted=reply.preempted))
 
     def _forward(self, eid: str, address: str | None, reply: PullReply) -> None:
@@ -548,12 +565,20 @@ class Engine:
             self.on_preempt(w)
         for a in reply.assignments.get(self.engine_id, []):
             self.on_assignment(a)
+        for order in reply.prefetch.get(self.engine_id, []):
+            self.traffic.prefetch(unpack_keys(order.keys), order.hold_s)
 
     # --- weights --------------------------------------------------------------------------------------------
     def _open_storage(self, fingerprint: bytes):
         storage = make_storage(self.cfg.storage, self.geometry, fingerprint, self.accounting)
-        storage.set_evict_callback(lambda keys: self.outbox.add("evicted_keys", *keys))
+        storage.set_evict_callback(self._evicted)
+        storage.set_corrupt_callback(self.kv_events.removed)  # (the scheduler learns those when a load fails)
+        storage.set_cleared_callback(self.kv_events.cleared)  # the store flushed by the scheduler
         return storage
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        self.outbox.add("evicted_keys", *keys)
+        self.kv_events.removed(keys)
 
     def update_weights(self, model_path: str, version: str = "", check_only: bool = False) -> bytes:
         """Load ``model_path``'s weights in place (the scheduler calls this once the engine holds no work) and
@@ -587,9 +612,12 @@ class Engine:
                 self.cfg.engine.kv_dtype,
             )
             if fp != self.fingerprint:
+                if self.traffic.prefetcher is not None:
+                    self.traffic.prefetcher.clear()
                 old, self.fingerprint = self.storage, fp
                 self.storage = self.traffic.storage = self._open_storage(fp)
                 threading.Thread(target=old.destroy, daemon=True, name="kv-retire").start()
+                self.kv_events.cleared()  # nothing stored under the old weights can hit again
             self.weights = (model_path, version)
             log.info(
                 "engine %s serves %s (version %r, fingerprint %s)", self.engine_id, model_path, version, fp.hex()[:12]
@@ -664,7 +692,10 @@ class Engine:
         self.leave()
         self.server.stop(grace=1)
         self.transport.close()
+        if self.traffic.prefetcher is not None:
+            self.traffic.prefetcher.close()
         self.storage.close()
+        self.kv_events.close()  # after the store: its last evictions are published
         self.buffer_memory.close()  # a shared segment outlives the process unless unlinked (no supervisor may be left)
         self.ranks.close()
         log.info("%s engine %s stopped", self.role.value, self.engine_id)

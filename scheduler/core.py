@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Iterable, Iterator
 from pathlib import Path
@@ -30,19 +31,36 @@ from dualpath.core.messages import (
     EngineInfo,
     EngineLoad,
     Mode,
+    PrefetchOrder,
     PullReply,
+    ReadPath,
     RegisterReply,
     Role,
     SubmitEvent,
     SubmitRequest,
+    TurnEnd,
     pack_keys,
+    unpack_keys,
     unpack_tokens,
 )
 from dualpath.core.paths import default_kv_store
 from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.sessions import session_key
 from dualpath.scheduler.balance import WindowedSums, max_over_avg, measured_alpha
 from dualpath.scheduler.index import BlockIndex
-from dualpath.scheduler.policy import EngineState, NodeState, Policy, QueuedRequest, Running, preemption
+from dualpath.scheduler.policy import (
+    Affinity,
+    EngineState,
+    NodeState,
+    Policy,
+    QueuedRequest,
+    Running,
+    preemption,
+    shorter_queue,
+)
+from dualpath.scheduler.sessions import Session, SessionBook
+from dualpath.scheduler.sessions_policy import load_time
+from dualpath.traffic.storage.pins import remove_pin, write_pin
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +231,8 @@ class RequestRecord:
     # the unguessable part of its work ids: an engine's ``Stream`` of a work id is a capability held only by the
     # submitter, told it by the scheduler, and the request's own engines (request ids are the clients' to choose)
     nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    session: str = ""  # the key of the agent session it is a turn of ("": none)
+    affinity: Affinity | None = None  # where that session's last turn ran, and its prefetch
 
     @property
     def work_id(self) -> str:
@@ -276,7 +296,18 @@ class SchedulerCore:
             "rpc_refused": 0,
             "blocks_stored": 0,
             "blocks_evicted": 0,
+            "session_turns": 0,
+            "session_turns_prefetched": 0,  # placed where their prefetch was
+            "session_turns_kept_decode": 0,  # on their last turn's decode engine
+            "prefetch_orders": 0,
+            "prefetch_blocks_ordered": 0,
         }
+        self.sessions = SessionBook()
+        self.pinned: dict[str, dict[str, int]] = {}  # tenant (cache salt) -> its sessions' pinned blocks
+        self._pins = ThreadPoolExecutor(1, thread_name_prefix="pins")  # pin files are written off the lock
+        self.prefetch_for: dict[str, list[PrefetchOrder]] = {}  # engine -> sessions' KV to read ahead
+        self.prefetch_stats: dict[str, dict] = {}  # engine -> its prefetcher's cumulative counts
+        self.policy.affinity = config.session_affinity
         self.storage_read_bytes: dict[str, int] = {}  # node -> completed storage read bytes (all time)
         self.prefill_busy_s: dict[str, float] = {}  # prefill engine -> attention seconds (all time)
         self.pulls_by_sender: dict[str, int] = {}
@@ -382,6 +413,7 @@ class SchedulerCore:
                     self._engine_gone(eid, f"no load report for {now - e.last_seen:.1f} s")
             if self.unserved_since and self.config.engine_wait_timeout_s > 0:
                 self._fail_unserved(now)
+            self._unpin(self.sessions.expire(now))
 
     def _fail_unserved(self, now: float) -> None:
         """A request waits for a missing role (its engines restarting) at most the bound, counted from when it
@@ -417,6 +449,8 @@ class SchedulerCore:
         self.alive_ids[e.info.role].discard(eid)
         self.last_gone[e.info.role] = f"{eid} is gone: {why}"
         self.preempt_for.pop(eid, None)
+        self.prefetch_for.pop(eid, None)
+        self.sessions.engine_gone(eid)
         self._roster_changed(e.info.role)
         # (once generating, a request's prefill engine is done with it)
         mine = [(rid, r) for rid, r in self.requests.items() if r.de == eid or (r.pe == eid and not r.streaming)]
@@ -496,6 +530,8 @@ class SchedulerCore:
             r = RequestRecord(
                 spec, params, mode, hashes, hit, notify, submitted_at=self.clock(), seq=self.counters["submitted"]
             )
+            if spec.session is not None:
+                self._begin_turn(r)
             self.requests[spec.request_id] = r
             self.by_work[r.work_id] = spec.request_id
             # a reply going on (moved off a lost engine, or preempted) was admitted before the requests of its rank
@@ -514,6 +550,103 @@ class SchedulerCore:
                 )
             )
             return events
+
+    def _begin_turn(self, r: RequestRecord) -> None:
+        hint = r.spec.session.checked()
+        r.session = session_key(hint.id, r.params.cache_salt, r.params.adapter)
+        tail = r.spec.tokens[len(r.hashes) // HASH_BYTES * self.block_size * 4 :]
+        a = self.sessions.begin_turn(
+            r.session,
+            hint,
+            r.spec.request_id,
+            tail,
+            r.hashes,
+            r.params.cache_salt,
+            r.params.adapter,
+            self.clock(),
+        )
+        de = self.engines.get(a.de)
+        r.affinity = replace(a, de_group=de.group if de and de.alive else "") if a.pe or a.de else None
+        self.counters["session_turns"] += 1
+
+    def end_turn(self, t: TurnEnd) -> None:
+        """A session's turn replied (its submitter says so): the session waits for its next turn, and that turn's
+        prefetch is planned."""
+        with self.lock:
+            s = self.sessions.of_request(t.request_id)
+            if s is None or not self.fingerprint:
+                return
+            more = s.tail + t.output_tokens  # the chain goes on from the session's last whole block
+            parent = s.hashes[-HASH_BYTES:] if s.hashes else None
+            new = block_hashes(
+                unpack_tokens(more), self.fingerprint, self.block_size, parent, salt=s.salt, adapter=s.adapter
+            )
+            tail = more[len(new) * self.block_size * 4 :]
+            hint = t.next_turn_in_s if t.next_turn_in_s >= 0 else None
+            s = self.sessions.turn_end(t.request_id, tail, s.hashes + pack_keys(new), t.tool_wait, hint, self.clock())
+            if s is not None:
+                self._plan_prefetch(s)
+
+    def _plan_prefetch(self, s: Session) -> None:
+        if self.config.session_prefetch:
+            self.sessions.schedule(s, self._read_seconds(s))
+        if s.ttl_s > 0:
+            self._pin(s)
+
+    def _pin(self, s: Session) -> None:
+        """Keep the session's stored blocks against eviction for its TTL, within its tenant's quota (a pin file the
+        stores' evictors read: ``dualpath.traffic.storage.pins``)."""
+        mine = self.pinned.setdefault(s.salt, {})
+        mine.pop(s.key, None)
+        room = self.config.session_pin_quota_tokens // self.block_size - sum(mine.values())
+        blocks = min(self.index.hit_blocks(s.hashes), max(0, room))
+        if blocks < self.index.hit_blocks(s.hashes):
+            log.warning("session %s: its tenant's pin quota holds %d of its blocks", s.key[:12], blocks)
+        mine[s.key] = blocks
+        keys = unpack_keys(s.hashes[: blocks * HASH_BYTES])
+        model_dir, until = self._store_root() / self.fingerprint.hex(), time.time() + s.ttl_s
+        self._pins.submit(_write_pin, model_dir, s.key, keys, until)
+
+    def _unpin(self, sessions: list[Session]) -> None:
+        for s in sessions:
+            if self.pinned.get(s.salt, {}).pop(s.key, None) is not None and self.fingerprint:
+                self._pins.submit(remove_pin, self._store_root() / self.fingerprint.hex(), s.key)
+
+    def _read_seconds(self, s: Session) -> float:
+        """How long the session's stored KV takes to read at the slower of its engines' nodes (unknown: forever, so
+        its prefetch goes out at once)."""
+        tokens = self.index.hit_blocks(s.hashes) * self.block_size
+        rates = [self.node_state(self.engines[e].info.node_id).alpha / 3 for e in (s.pe, s.de) if e in self.engines]
+        rate = min((x for x in rates if x > 0), default=0.0)
+        return load_time(tokens, rate)
+
+    def _order_prefetches(self) -> None:
+        """Send each session whose prefetch is due to the engine that will serve its next turn: its last decode or
+        prefill engine, on the side whose node has the shorter storage read queue (the paper's rule, now)."""
+        for s in self.sessions.due(self.clock()):
+            blocks = self.index.hit_blocks(s.hashes)
+            eid = self._prefetch_engine(s)
+            if not blocks or eid is None:
+                continue
+            hold = self.sessions.ordered(s, eid, blocks, self.clock())
+            self.prefetch_for.setdefault(eid, []).append(PrefetchOrder(s.key, s.hashes[: blocks * HASH_BYTES], hold))
+            self.counters["prefetch_orders"] += 1
+            self.counters["prefetch_blocks_ordered"] += blocks
+
+    def _prefetch_engine(self, s: Session) -> str | None:
+        """Where the session's next turn will most likely read: its decode engine is chosen first (and keeps the
+        turn where phase 2's Z bound allows), and any prefill engine reads its buffer on the DE path; its prefill
+        engine is as sure only when one prefill group pulls every request (then the side with the shorter read
+        queue, the paper's rule). A turn placed elsewhere reads storage as usual."""
+        pe, de = (self.engines.get(e) for e in (s.pe, s.de))
+        pe = pe if pe and pe.alive and self.mode is not Mode.DE else None
+        de = de if de and de.alive and self.mode not in (Mode.PE, Mode.BASIC) else None
+        if pe and de:
+            if len({e.group for e in self.alive(Role.PREFILL)}) > 1:
+                return de.info.engine_id
+            side = shorter_queue(None, self.node_state(pe.info.node_id), self.node_state(de.info.node_id)).path
+            return (pe if side is ReadPath.PE else de).info.engine_id
+        return (pe or de).info.engine_id if (pe or de) else None
 
     def _can_wait(self) -> bool:
         """Whether a request may queue although a role has no engine alive: every missing role had engines (they
@@ -538,7 +671,16 @@ class SchedulerCore:
     def queued(self, r: RequestRecord) -> QueuedRequest:
         n = r.spec.num_tokens
         de_node = self.engines[r.de].info.node_id if r.de else ""
-        return QueuedRequest(r.work_id, n, r.hit_blocks * self.block_size, self._decode_tokens(r), de_node, r.mode)
+        return QueuedRequest(
+            r.work_id,
+            n,
+            r.hit_blocks * self.block_size,
+            self._decode_tokens(r),
+            de_node,
+            r.mode,
+            r.de or "",
+            r.affinity,
+        )
 
     def _decode_tokens(self, r: "RequestRecord") -> int:
         """The most KV a decode engine holds for ``r`` (in tokens of whole blocks): the prompt once, every choice's
@@ -751,14 +893,23 @@ class SchedulerCore:
                 [w for e in group for w in self.cancelled_for.pop(e.info.engine_id, [])] if self.cancelled_for else []
             )
             self._route()
+            if self.sessions.has_due():
+                self._order_prefetches()
+            ahead = {
+                e.info.engine_id: self.prefetch_for.pop(e.info.engine_id)
+                for e in group
+                if e.info.engine_id in self.prefetch_for
+            }
             if group[0].info.role is Role.DECODE:
                 if not self.paused:  # the one gate (and _handed_out's): the prefill queue holds what a DE took
                     self._assign_decode(group_id, group, pulling)
                 preempted = (
                     [w for e in group for w in self.preempt_for.pop(e.info.engine_id, [])] if self.preempt_for else []
                 )
-                return PullReply({}, cancelled, list(members), rejoin, unknown, preempted)
-            return PullReply(self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown)
+                return PullReply({}, cancelled, list(members), rejoin, unknown, preempted, ahead)
+            return PullReply(
+                self._assign_prefill(group, pulling), cancelled, list(members), rejoin, unknown, prefetch=ahead
+            )
 
     def _view(self, group_id: str) -> tuple[list[EngineRecord], set[str], list[list[str]]]:
         """A group's alive engines, their ids and ``members()``, cached until an engine joins or leaves (every
@@ -795,6 +946,11 @@ class SchedulerCore:
             self.index.remove_packed(evicted)
             self.counters["blocks_evicted"] += len(evicted) // HASH_BYTES
 
+    def _turn_finished(self, rid: str) -> None:
+        s = self.sessions.finished(rid, self.clock())
+        if s is not None and s.waiting:
+            self._plan_prefetch(s)
+
     def _alive(self, eid: str) -> bool:
         e = self.engines.get(eid)
         return e is not None and e.alive
@@ -823,6 +979,8 @@ class SchedulerCore:
             self.traffic[load.engine_id] = dict(load.traffic)
         if load.speculative:
             self.speculative[load.engine_id] = dict(load.speculative)
+        if load.prefetch:
+            self.prefetch_stats[load.engine_id] = dict(load.prefetch)
         for w in load.started:
             rid = self.by_work.get(w)
             if rid is not None:
@@ -833,6 +991,8 @@ class SchedulerCore:
             rid = self.by_work.get(w)
             if rid is not None:
                 self.counters["finished"] += 1
+                if self.requests[rid].session:
+                    self._turn_finished(rid)
                 self._drop(rid, SubmitEvent("finished", rid))
         for w, reason in load.failed:
             rid = self.by_work.get(w)
@@ -903,6 +1063,9 @@ class SchedulerCore:
             rid = self.by_work[work_id]
             r = self.requests[rid]
             r.de = eid
+            if r.session:
+                self.sessions.placed(rid, de=eid)
+                self.counters["session_turns_kept_decode"] += bool(r.affinity and r.affinity.de == eid)
             n = r.spec.num_tokens
             self.engines[eid].outstanding.add(work_id, n, self._decode_tokens(r))
             private.remove(rid)
@@ -973,6 +1136,7 @@ class SchedulerCore:
             hit = r.hit_blocks * self.block_size
             r.pe, r.path = d.engine_id, ("split" if d.path.pe_blocks > 0 else d.path.path.value)
             self.counters[f"path_{r.path}"] += 1
+            prefetched = self._turn_placed(r)
             self.engines[d.engine_id].outstanding.add(d.request_id, r.spec.num_tokens - hit, 0)
             self.prefill_queue.remove(rid)
             de = self.engines[r.de].info
@@ -997,9 +1161,20 @@ class SchedulerCore:
                     decode_address=de.control_address,
                     path=r.path,
                     work_id=d.request_id,
+                    prefetched=prefetched,
                 )
             )
         return out
+
+    def _turn_placed(self, r: RequestRecord) -> bool:
+        """Record a session turn's prefill engine; whether it reads a prefetch of its KV."""
+        if not r.session:
+            return False
+        self.sessions.placed(r.spec.request_id, pe=r.pe)
+        a = r.affinity
+        used = bool(a and a.prefetch_blocks and a.prefetch_engine == (r.pe if r.path == "pe" else r.de))
+        self.counters["session_turns_prefetched"] += used
+        return used
 
     def node_state(self, node: str) -> NodeState:
         n = NodeState(recent_read=self.read_window.sum(node))
@@ -1067,9 +1242,22 @@ class SchedulerCore:
                 "pulls_by_sender": dict(self.pulls_by_sender),
                 "traffic_bytes": {e: dict(t) for e, t in self.traffic.items()},
                 "speculative": {e: dict(t) for e, t in self.speculative.items()},
+                **self.sessions.stats(),
+                "prefetch": self._prefetch_totals(),
                 "engines": {eid: self._engine_view(e) for eid, e in self.engines.items() if e.alive},
                 **self.balance(),
             }
+
+    def _prefetch_totals(self) -> dict[str, int]:
+        """The engines' prefetchers summed: blocks loaded, used (by a turn), wasted (freed unused), skipped (no room,
+        or missing), held now, and the bytes those are."""
+        out = dict.fromkeys(("ordered", "loaded", "used", "wasted", "skipped", "hit_reads", "held"), 0)
+        for eid, st in self.prefetch_stats.items():
+            for k in out:
+                out[k] += st.get(k, 0)
+            for k in ("loaded", "used", "wasted", "hit_reads", "held"):
+                out[f"{k}_bytes"] = out.get(f"{k}_bytes", 0) + st.get(k, 0) * st.get("block_bytes", 0)
+        return out
 
     def _waiting_by_priority(self) -> dict[str, int]:
         """Requests in the scheduler's queues (not yet on engines) by priority (text keys: the stats are JSON)."""
@@ -1115,3 +1303,10 @@ class _Nodes(dict):
 
     def setdefault(self, node, default=None):
         return self[node]
+
+
+def _write_pin(model_dir: Path, name: str, keys: list, until: float) -> None:
+    try:
+        write_pin(model_dir, name, keys, until)
+    except OSError as e:  # the session's KV is then evicted as any other's
+        log.warning("cannot pin session %s's blocks: %s", name[:12], e)

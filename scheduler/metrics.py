@@ -25,6 +25,19 @@ COUNTERS = {
     "rpc_refused": "Internal RPCs refused for a missing or wrong cluster token (the scheduler's and its engines')",
     "blocks_stored": "KV blocks written to the KV store (engines' reports)",
     "blocks_evicted": "KV blocks evicted from the KV store to stay under its cap (engines' reports)",
+    "session_turns": "Requests that named an agent session",
+    "session_turns_prefetched": "Agent sessions' turns placed where a prefetch of their KV was read ahead",
+    "session_turns_kept_decode": "Agent sessions' turns kept on their last turn's decode engine",
+    "prefetch_orders": "Prefetches of waiting agent sessions' KV ordered to engines",
+    "prefetch_blocks_ordered": "KV blocks those prefetches named",
+}
+# the engines' prefetchers summed (``stats()["prefetch"]``), each ``dualpath_prefetch_<name>_total``
+PREFETCH = {
+    "loaded_bytes": "Agent sessions' KV bytes read into DRAM buffers ahead of their next turns",
+    "used_bytes": "Of those, bytes a turn then read from the buffer (each block once)",
+    "wasted_bytes": "Of those, bytes freed unused (their turn came elsewhere, late, or not at all)",
+    "hit_reads": "KV blocks requests read from prefetched copies instead of storage",
+    "skipped": "KV blocks a prefetch did not read (no room, or not stored)",
 }
 READ_PATHS = ("pe", "de", "split")
 QUEUES = ("global_queue", "decode_queue", "prefill_queue", "in_flight")
@@ -44,8 +57,25 @@ class StatsCollector:
         yield up
         if stats is None:
             return
-        for part in (_scheduler, _nodes, _engines, _stores, _transport, _balance):
+        for part in (_scheduler, _sessions, _nodes, _engines, _stores, _transport, _balance):
             yield from part(stats)
+
+
+def _sessions(stats: dict) -> Iterator:
+    prefetch = stats.get("prefetch", {})
+    for name, help_ in PREFETCH.items():
+        c = counter_family(f"prefetch_{name}_total", help_)
+        c.add_metric([], prefetch.get(name, 0))
+        yield c
+    held = gauge_family("prefetch_held_bytes", "Agent sessions' KV bytes held in DRAM buffers for their next turns")
+    held.add_metric([], prefetch.get("held_bytes", 0))
+    yield held
+    n = gauge_family(
+        "sessions", "Agent sessions the scheduler tracks, and those waiting for their next turn", ["state"]
+    )
+    n.add_metric(["all"], stats.get("sessions", 0))
+    n.add_metric(["waiting"], stats.get("sessions_waiting", 0))
+    yield n
 
 
 def _scheduler(stats: dict) -> Iterator:

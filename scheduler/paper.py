@@ -12,11 +12,15 @@ Z = 1.05 × (Σ_{r∈R} len_r + Σ_e tok_e) / |E|; the head goes, among engines 
 that stays under Z, else to the least-``tok`` one; with no room anywhere the pull stops.
 
 Read path: the side whose node has the shorter read queue.
+
+Sessions (beyond the paper): a turn of an agent session prefers the engine holding a prefetch of its KV, and its last
+decode engine, but only among the engines the rules above allow: Algorithm 1's chosen class, phase 2's engines
+under Z (``dualpath.scheduler.policy.preferred``). It then reads where the prefetch is.
 """
 
 from __future__ import annotations
 
-from dualpath.scheduler.policy import EngineState, NodeState, Policy, take_decode
+from dualpath.scheduler.policy import EngineState, NodeState, Policy, preferred, take_decode
 
 INF = float("inf")
 _UNKNOWN_NODE = NodeState()  # read only: what classify assumes of a node with no report
@@ -53,7 +57,7 @@ class DualPathPolicy(Policy):
             pool = c2 or c3
             if not pool:
                 break  # every engine of the group is overloaded: stop this fetch
-            e = min(pool, key=lambda e: (e.tok, e.engine_id))
+            e = preferred(r, pool, self.affinity, "pe") or min(pool, key=lambda e: (e.tok, e.engine_id))
             out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size))
         return out
 
@@ -75,7 +79,7 @@ class DualPathPolicy(Policy):
                 break
             under = [e for e in room if e.tok + r.num_tokens <= z]
             e = (
-                min(under, key=lambda e: (e.seq, e.engine_id))
+                (preferred(r, under, self.affinity, "de") or min(under, key=lambda e: (e.seq, e.engine_id)))
                 if under
                 else min(room, key=lambda e: (e.tok, e.engine_id))
             )

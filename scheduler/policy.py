@@ -14,7 +14,7 @@ the pulling group's engines; they return decisions naming only pulling engines.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from dualpath.core.messages import Mode, ReadPath
@@ -42,6 +42,19 @@ class NodeState:
 
 
 @dataclass(frozen=True)
+class Affinity:
+    """A session's turn as placement may prefer it (``dualpath.scheduler.sessions``): the engines of its last turn
+    (``de_group``: that decode engine's group), and the engine holding a prefetch of its ``prefetch_blocks``
+    leading blocks. A preference only: the balance rules decide whether it holds."""
+
+    pe: str = ""
+    de: str = ""
+    de_group: str = ""
+    prefetch_engine: str = ""
+    prefetch_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class QueuedRequest:
     request_id: str
     num_tokens: int  # prompt tokens
@@ -49,6 +62,8 @@ class QueuedRequest:
     reserve_tokens: int  # device memory a decode engine needs: prompt + generation budget
     decode_node: str = ""  # set once a decode engine holds it
     mode: Mode = Mode.DUALPATH  # how its read path is chosen
+    decode_engine: str = ""  # set once a decode engine holds it
+    affinity: Affinity | None = None  # a session's turn: where it would rather go
 
     @property
     def num_miss_tokens(self) -> int:
@@ -148,6 +163,7 @@ def preemption(need: int, rank: int, free: dict[str, int], running: dict[str, li
     return best
 
 
+AFFINITY_SLACK = 1.05  # a session's turn keeps its decode group while that group holds at most this x the mean
 RECOMPUTE_GAIN = 0.75  # recompute a hit only if that ends the prefill in at most this share of the time
 
 
@@ -171,16 +187,49 @@ def blocks_to_load(
     return 0 if compute_all <= RECOMPUTE_GAIN * load_all else hit_blocks
 
 
+def prefetched_side(r: QueuedRequest, pe_engine: str) -> ReadPath | None:
+    """The side that holds a prefetch of ``r``'s KV if ``r`` runs on ``pe_engine``: its prefill engine (PE path) or
+    the decode engine it holds (DE path); None when neither does, or its mode reads on the other side only."""
+    a = r.affinity
+    if a is None or not a.prefetch_blocks or not a.prefetch_engine:
+        return None
+    if a.prefetch_engine == pe_engine and r.mode is not Mode.DE:
+        return ReadPath.PE
+    if a.prefetch_engine == r.decode_engine and r.mode not in (Mode.PE, Mode.BASIC):
+        return ReadPath.DE
+    return None
+
+
+def preferred(r: QueuedRequest, pool: Sequence[EngineState], sticky: bool, role: str) -> EngineState | None:
+    """The engine of ``pool`` (already bounded by the balance rules) a session's turn prefers: the one holding its
+    prefetch, else (``sticky``) the decode engine of its last turn; ``role``: "pe" or "de"."""
+    a = r.affinity
+    if a is None:
+        return None
+    want = a.prefetch_engine if a.prefetch_blocks else ""
+    if not want and sticky and role == "de":
+        want = a.de
+    return next((e for e in pool if e.engine_id == want), None) if want else None
+
+
 class Policy(ABC):
     """Decides placements. Called by the scheduler when requests arrive and when engine groups pull."""
 
     name = "policy"
     recompute_slow_hits = False  # the paper's systems load every hit; live schedulers turn this on (make_policy)
+    affinity = True  # a session's turn prefers its last decode engine where the balance rules allow (the core sets)
 
     def route_decode_group(self, r: QueuedRequest, groups: dict[str, int]) -> str | None:
         """Phase 1: the decode group whose private queue takes ``r`` (``groups``: group -> its total tokens, queued
-        included). Default: the least loaded."""
-        return min(zip(groups.values(), groups))[1] if groups else None  # ties: the first name
+        included). Default: the least loaded; a session's turn keeps its last decode engine's group while that
+        group holds no more than ``AFFINITY_SLACK`` times the groups' mean."""
+        if not groups:
+            return None
+        a = r.affinity
+        if a is not None and a.de_group in groups and (self.affinity or a.prefetch_blocks):
+            if groups[a.de_group] <= AFFINITY_SLACK * sum(groups.values()) / len(groups):
+                return a.de_group
+        return min(zip(groups.values(), groups))[1]  # ties: the first name
 
     @abstractmethod
     def assign_decode(
@@ -221,6 +270,13 @@ class Policy(ABC):
     ) -> PrefillDecision:
         """Commit ``r`` to prefill engine ``e``: pick the path, charge the engine and the reading node(s)."""
         pn, dn = nodes.setdefault(pe_node, NodeState()), nodes.setdefault(r.decode_node, NodeState())
+        side = prefetched_side(r, e.engine_id)
+        if side is not None:  # read where the prefetch is: from DRAM, only its tail (if any) from storage
+            choice = PathChoice(side)
+            take_prefill(e, r)
+            held = min(r.num_hit_tokens, r.affinity.prefetch_blocks * block_size)
+            add_read(choice, replace(r, num_hit_tokens=r.num_hit_tokens - held), pn, dn, block_size)
+            return PrefillDecision(r.request_id, e.engine_id, choice)
         choice = self.choose_path(r, pn, dn, r.mode, block_size)
         if self.recompute_slow_hits and choice.pe_blocks < 0 and r.num_hit_tokens:
             reader = pn if choice.path is ReadPath.PE else dn

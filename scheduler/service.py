@@ -149,6 +149,8 @@ class SchedulerService:
                     self.core.cancel(rid, "cancelled by the submitter")
                 for eid in batch.unreachable:
                     self._check(eid)
+                for t in batch.turn_ends:
+                    self.core.end_turn(t)
             wake.set()
 
         reader = asyncio.create_task(read())

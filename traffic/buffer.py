@@ -8,7 +8,7 @@ allocated per owner (a request id) so a leak names the request that leaked.
 from __future__ import annotations
 
 import threading
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -26,6 +26,10 @@ class BufferPool:
         self.geometry, self.layout, self.memory = geometry, layout, memory
         self.allocator = BlockAllocator(num_slots)
         self._lock = threading.Condition()  # request threads allocate (and wait) while storage callbacks free
+        # frees up to k slots held for later (prefetched session KV) when a request needs them; called with the
+        # lock held (re-entrant), before a request waits
+        self.reclaimer: Callable[[int], int] | None = None
+        self.waiting = 0  # requests waiting for slots
 
     @property
     def num_slots(self) -> int:
@@ -36,12 +40,19 @@ class BufferPool:
         with self._lock:
             return self.allocator.num_free
 
-    def allocate(self, n: int, owner: Hashable, wait_s: float = 0.0) -> list[int]:
-        """``n`` slots for ``owner``; waits up to ``wait_s`` for others to free them (requests in flight free
-        theirs as their KV moves on), then raises ``OutOfBlocksError`` — at once if the arena is smaller."""
+    def allocate(self, n: int, owner: Hashable, wait_s: float = 0.0, reclaim: bool = True) -> list[int]:
+        """``n`` slots for ``owner``; takes slots held for later first (``reclaimer``, unless not ``reclaim``), then
+        waits up to ``wait_s`` for others to free theirs (requests in flight free theirs as their KV moves on), then
+        raises ``OutOfBlocksError`` — at once if the arena is smaller."""
         with self._lock:
-            if n <= self.num_slots:
-                self._lock.wait_for(lambda: self.allocator.num_free >= n, timeout=wait_s)
+            if reclaim and self.reclaimer is not None and self.allocator.num_free < n:
+                self.reclaimer(n - self.allocator.num_free)
+            if n <= self.num_slots and self.allocator.num_free < n and wait_s > 0:
+                self.waiting += 1  # (slots held for later are not taken while a request waits)
+                try:
+                    self._lock.wait_for(lambda: self.allocator.num_free >= n, timeout=wait_s)
+                finally:
+                    self.waiting -= 1
             return self.allocator.allocate(n, owner)
 
     def free(self, slots: list[int]) -> None:

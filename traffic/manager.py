@@ -21,6 +21,7 @@ from dualpath.core.errors import DualPathError, TransferTimeoutError
 from dualpath.core.geometry import BlockHash, BlockLayout, KVGeometry
 from dualpath.traffic.buffer import BufferPool
 from dualpath.traffic.planner import plan_segments
+from dualpath.traffic.prefetch import Prefetcher
 from dualpath.traffic.storage.base import Results, StorageBackend
 from dualpath.traffic.transport.base import Op, Priority, Transport
 
@@ -91,6 +92,7 @@ class TrafficManager:
         self.buffer_region = buffer_region
         self.bytes = Counter()  # (path, class) -> bytes; paths: storage_read, storage_write, peer_read, ...
         self._lock = threading.Lock()
+        self.prefetcher: Prefetcher | None = None  # set by an engine that takes prefetch orders
 
     def count(self, path: str, nbytes: int, klass: str = "kv") -> None:
         with self._lock:
@@ -98,24 +100,41 @@ class TrafficManager:
 
     # --- storage --------------------------------------------------------------------------------------------
     def load(self, keys: Sequence[BlockHash], slots: Sequence[int], path: str = "storage_read") -> "Future[Results]":
-        """Read hit blocks from storage into buffer ``slots`` (all layers). Per-key results."""
-        dests = [self.buffer.slot_bytes(s) for s in slots]
-        fut = self.storage.read(keys, dests)
+        """Read hit blocks into buffer ``slots`` (all layers): prefetched ones from the buffer, the rest from
+        storage. Per-key results."""
+        rest = self._unprefetched(keys, slots)
+        dests = [self.buffer.slot_bytes(slots[i]) for i in rest]
+        fut = self.storage.read([keys[i] for i in rest], dests) if rest else _done([])
         fb = self.geometry.full_block_bytes
         fut.add_done_callback(lambda f: self.count(path, fb * sum(e is None for e in f.result())))
-        return fut
+        return _spread(fut, rest, len(keys))
 
     def load_layers(self, keys: Sequence[BlockHash], slots: Sequence[int]) -> list["Future[Results]"]:
         """Read hit blocks layer by layer (layer 0 of every block first), so a layerwise prefill can compute
-        layer l while layer l+1 is still being read. One future of per-key results per layer."""
+        layer l while layer l+1 is still being read; prefetched blocks come from the buffer at once. One future of
+        per-key results per layer."""
         lb = self.geometry.layer_block_bytes
+        rest = self._unprefetched(keys, slots)
         futures = []
         for layer in range(self.geometry.num_layers):
-            dests = [self.buffer.slot_bytes(s)[layer * lb : (layer + 1) * lb] for s in slots]
-            fut = self.storage.read(keys, dests, layers=(layer, layer + 1))
+            dests = [self.buffer.slot_bytes(slots[i])[layer * lb : (layer + 1) * lb] for i in rest]
+            fut = self.storage.read([keys[i] for i in rest], dests, layers=(layer, layer + 1)) if rest else _done([])
             fut.add_done_callback(lambda f: self.count("storage_read", lb * sum(e is None for e in f.result())))
-            futures.append(fut)
+            futures.append(_spread(fut, rest, len(keys)))
         return futures
+
+    def _unprefetched(self, keys: Sequence[BlockHash], slots: Sequence[int]) -> list[int]:
+        """Copy the prefetched ones of ``keys`` into their ``slots``; the indices of the others."""
+        if self.prefetcher is None:
+            return list(range(len(keys)))
+        served = self.prefetcher.served(keys, [self.buffer.slot_bytes(s) for s in slots])
+        self.count("prefetch_hit", self.geometry.full_block_bytes * sum(served))
+        return [i for i, hit in enumerate(served) if not hit]
+
+    def prefetch(self, keys: Sequence[BlockHash], hold_s: float) -> None:
+        """Read a session's stored blocks into spare buffer slots for its next turn (``Prefetcher``)."""
+        if self.prefetcher is not None:
+            self.prefetcher.order(keys, hold_s)
 
     def store(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor]) -> "Future[Results]":
         """Write Full Blocks (host uint8 tensors, e.g. buffer slots) to storage."""
@@ -327,3 +346,28 @@ class AllOf:
 
         for h in self.handles:
             h.add_done_callback(one)
+
+
+def _done(results: Results) -> "Future[Results]":
+    fut: Future = Future()
+    fut.set_result(results)
+    return fut
+
+
+def _spread(inner: "Future[Results]", where: list[int], n: int) -> "Future[Results]":
+    """``inner``'s per-key results at indices ``where`` of ``n`` keys; the others succeeded (served already)."""
+    if len(where) == n:
+        return inner
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            results: Results = [None] * n
+            for i, r in zip(where, f.result()):
+                results[i] = r
+            out.set_result(results)
+        except BaseException as e:  # noqa: BLE001 - the caller's wait raises it
+            out.set_exception(e)
+
+    inner.add_done_callback(done)
+    return out

@@ -10,6 +10,7 @@ from dualpath.cli.groups import (
     TRANSPORT_HELP,
     TRANSPORTS,
     CacheOptions,
+    EngineKVEventsOptions,
     EngineParallelOptions,
     EngineStorageOptions,
     ModelOptions,
@@ -22,6 +23,7 @@ from dualpath.core.config import (
     CacheConfig,
     EngineConfig,
     EngineProcessConfig,
+    KVEventsConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -129,7 +131,15 @@ class NodeOptions(Options):
 
 
 SCHEDULER = (SchedulerOptions, SchedulingOptions)
-ENGINE = (EngineOptions, ModelOptions, EngineParallelOptions, QosOptions, EngineStorageOptions, CacheOptions)
+ENGINE = (
+    EngineOptions,
+    ModelOptions,
+    EngineParallelOptions,
+    QosOptions,
+    EngineStorageOptions,
+    CacheOptions,
+    EngineKVEventsOptions,
+)
 NODE = (NodeOptions, TensorParallelOptions)
 
 
@@ -148,6 +158,8 @@ def scheduler_config(args: argparse.Namespace):
         recompute_slow_hits=not args.load_every_hit,
         scheduling_policy=args.scheduling_policy,
         priority_preemption=not args.disable_priority_preemption,
+        session_prefetch=not args.disable_session_prefetch,
+        session_affinity=not args.disable_session_affinity,
     )
 
 
@@ -211,6 +223,10 @@ def engine_config(args: argparse.Namespace):
             root=args.kv_store,
             capacity_bytes=args.storage_capacity,
             read_bandwidth_bps=args.storage_read_bps,
+        ),
+        kv_events=KVEventsConfig.parse(
+            args.kv_events_config,
+            args.data_parallel_rank if args.kv_events_port_offset is None else args.kv_events_port_offset,
         ),
         buffer_bytes=args.buffer_bytes,
         workspace_tokens=args.workspace_tokens,

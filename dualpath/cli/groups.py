@@ -5,7 +5,7 @@ config cannot differ."""
 
 from __future__ import annotations
 
-from dualpath.cli.options import Options, lora_module, opt, options, share, size, size_or_auto, speculative
+from dualpath.cli.options import Options, kv_events, lora_module, opt, options, share, size, size_or_auto, speculative
 from dualpath.core.config import (
     DTYPE_BYTES,
     KERNEL_BACKENDS,
@@ -280,6 +280,34 @@ class ClusterStorageOptions(StorageOptions):
 
 
 @options
+class KVEventsOptions(Options):
+    """The blocks engines store and remove, published for KV-aware routers (``KVEventsConfig``)."""
+
+    GROUP = "KV events (KV-aware routers: llm-d, Dynamo; docs/kv-events.md)"
+
+    kv_events_config: str = opt(
+        "",
+        "publish the blocks each engine stores and removes as vLLM does, ZeroMQ and MessagePack, vLLM's JSON: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv@HOST@MODEL"}\' (each engine of a '
+        "host on a port of its own)",
+        type=kv_events,
+        metavar="JSON",
+        default_text="off",
+    )
+
+
+@options
+class EngineKVEventsOptions(KVEventsOptions):
+    kv_events_port_offset: int | None = opt(
+        None,
+        "added to the ports the KV events endpoints bind (this engine's index on its host; dualpath serve and node "
+        "give it)",
+        metavar="N",
+        default_text="the engine's --data-parallel-rank, as vLLM",
+    )
+
+
+@options
 class SchedulingOptions(Options):
     """How the scheduler reads stored KV and places and orders requests (``SchedulerConfig``)."""
 
@@ -312,6 +340,15 @@ class SchedulingOptions(Options):
         not SchedulerConfig.priority_preemption,
         "under --scheduling-policy priority, never end a generating reply to make room for a more urgent request "
         "(SGLang's flag; by default the reply is handed back and continued later)",
+    )
+    disable_session_prefetch: bool = opt(
+        not SchedulerConfig.session_prefetch,
+        "never read a waiting agent session's stored KV into an engine's buffer before its next turn (sessions: "
+        "the X-Session-Id header or the dualpath.session field)",
+    )
+    disable_session_affinity: bool = opt(
+        not SchedulerConfig.session_affinity,
+        "place an agent session's turns by load alone, not preferring the decode engine of its last turn",
     )
     engine_wait_timeout: float = opt(
         SchedulerConfig.engine_wait_timeout_s,
@@ -369,4 +406,5 @@ CLUSTER = (
     SchedulingOptions,
     CacheOptions,
     ClusterStorageOptions,
+    KVEventsOptions,
 )

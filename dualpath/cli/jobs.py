@@ -40,7 +40,13 @@ class RolloutOptions(Options):
     agents: int | None = opt(
         None, "replicate the trajectories into this many agents", default_text="one per trajectory"
     )
-    think_time: float = opt(0.0, "seconds between an agent's rounds")
+    think_time: float = opt(0.0, "seconds between an agent's rounds (besides each round's own tool_s)")
+    no_sessions: bool = opt(
+        False, "send rounds as anonymous requests, not as turns of agent sessions (no prefetch between rounds)"
+    )
+    tool_hints: bool = opt(
+        False, "tell the scheduler each round's tool time (next_turn_in_s) instead of letting it learn the gaps"
+    )
     temperature: float = opt(0.0, "sampling temperature (0: greedy)")
     seed: int = opt(
         0, "the job's seed: each round's sampling seed and the replicated agents' first rounds derive from it"
@@ -75,6 +81,14 @@ class TraceOptions(Options):
     turns_scale: float = opt(1.0, "multiplies rounds per trajectory")
     vocab: str = opt("1000,32000", "token id range of the synthetic appends")
     seed: int = opt(0, "random seed")
+    tool_gap_median_s: float = opt(
+        0.0,
+        "a tool call after every round but a trajectory's last, log-normal with this median in seconds (0: no gaps, "
+        "as the paper; coding agents: about 1, see docs/rollouts.md)",
+    )
+    tool_gap_p90_s: float | None = opt(
+        None, "the tool calls' 90th percentile in seconds (coding agents: about 12)", default_text="12 x the median"
+    )
     out: str = opt(help="the trace (JSONL)")
 
 
@@ -92,8 +106,14 @@ class BenchAgenticOptions(Options):
     storage_cap: str = opt("auto", "bytes/s per node, or auto (a fraction of the oracle's read rate: --cap-factor)")
     cap_factor: float = opt(0.45, "with --storage-cap auto: each node's cap as a fraction of the oracle's read rate")
     systems: str = opt(
-        "basic,layerwise,dualpath-rr,dualpath,dualpath-split,oracle", "the systems to run, comma-separated"
+        "basic,layerwise,dualpath-rr,dualpath,dualpath-split,oracle",
+        "the systems to run, comma-separated (also: dualpath+affinity, dualpath+prefetch: agent sessions)",
     )
+    tool_gap_median_s: float = opt(0.0, "tool calls between rounds: their median in seconds (0: none, as the paper)")
+    tool_gap_p90_s: float | None = opt(
+        None, "the tool calls' 90th percentile in seconds", default_text="12 x the median"
+    )
+    buffer_mb: int = opt(256, "each engine's DRAM buffer in MiB (where prefetched session KV waits)")
     torch_threads: int = opt(0, "torch threads per engine (0: the cores shared out)")
     seed: int = opt(0, "the trace's random seed")
     out: str = opt("bench/results/agentic", "directory of the results (JSON, table, figures)")

@@ -232,6 +232,18 @@ def speculative(text: str) -> str:
     return text
 
 
+def kv_events(text: str) -> str:
+    """vLLM's ``--kv-events-config`` JSON, checked (and kept as text)."""
+    from dualpath.core.config import KVEventsConfig
+    from dualpath.core.errors import ConfigError
+
+    try:
+        KVEventsConfig.parse(text)
+    except (ConfigError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def gpu_count(text: str) -> int:
     """A tensor-parallel size of the simulator: a whole number of GPUs >= 1."""
     try:

@@ -397,6 +397,107 @@ class StorageConfig:
     rescan_s: float = 5.0
 
 
+KV_EVENT_ENCODINGS = ("array", "map")  # KVEventsConfig.encoding
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV events (``dualpath.engines.kv_events``): the blocks an engine stores and removes, published over ZeroMQ as
+    vLLM's ``--kv-events-config`` publishes its prefix cache's, for KV-aware routers (llm-d, Dynamo). vLLM's fields
+    with vLLM's defaults; then ours: ``medium``, the tier events name (the store: "DISK"); ``encoding``, each event
+    as a positional array ("array": vLLM before its PR #42892, which every consumer decodes) or a tagged map ("map":
+    vLLM since); ``port_offset``, added to the port of each endpoint this engine binds (its index on the host, as
+    vLLM adds the data-parallel rank), so engines of one host do not collide. Off unless ``enable_kv_cache_events``."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled (vLLM's)
+    endpoint: str = "tcp://*:5557"  # bound if it has a wildcard ("*", "::") or is ipc:// or inproc://, else connected
+    replay_endpoint: str | None = None  # a ROUTER socket answering replay requests (None: none)
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # events waiting for the publisher thread; past it new ones are dropped (counted)
+    topic: str = ""
+    medium: str | None = "DISK"
+    encoding: str = "array"
+    port_offset: int = 0
+
+    def __post_init__(self):
+        for name in ("endpoint", "topic", "encoding"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"kv events: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("replay_endpoint", "medium", "publisher"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"kv events: {name} must be a string or null, got {getattr(self, name)!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size", "port_offset"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"kv events: {name} must be a whole number >= 0, got {value!r}")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError(
+                f"kv events: enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}"
+            )
+        if self.publisher not in (None, "zmq", "null"):
+            raise ConfigError(f"kv events: publisher must be zmq or null, got {self.publisher!r}")
+        if self.encoding not in KV_EVENT_ENCODINGS:
+            raise ConfigError(
+                f"kv events: encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}, got {self.encoding!r}"
+            )
+        if self.max_queue_size < 1:
+            raise ConfigError("kv events: max_queue_size must be at least 1 (the queue is bounded)")
+        for ep in (self.endpoint, self.replay_endpoint):
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"kv events: {ep!r} is not a ZeroMQ endpoint (tcp://, ipc:// or inproc://)")
+
+    @classmethod
+    def parse(cls, text: str | dict | None, port_offset: int | None = None) -> "KVEventsConfig":
+        """vLLM's ``--kv-events-config`` JSON (or its dict; ""/None: off), ``port_offset`` given apart (the flag)."""
+        if not text:
+            given: dict = {}
+        elif isinstance(text, dict):
+            given = dict(text)
+        else:
+            try:
+                given = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"kv events config is not JSON: {e}") from None
+            if not isinstance(given, dict):
+                raise ConfigError(f"kv events config must be a JSON object, got {text!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(f"kv events config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if port_offset is not None:
+            given["port_offset"] = port_offset
+        return cls(**given)
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @staticmethod
+    def binds(endpoint: str) -> bool:
+        """Whether the publisher binds ``endpoint`` (vLLM's rule) rather than connecting to a subscriber that binds."""
+        return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+    def offset(self, endpoint: str | None, bound: bool = True) -> str | None:
+        """``endpoint`` moved by ``port_offset``: a TCP port plus it, an ipc:// or inproc:// name suffixed ``_N``. An
+        endpoint that is connected to (a central subscriber's) is the same for every engine: left as it is."""
+        if endpoint is None or not self.port_offset or not bound:
+            return endpoint
+        if endpoint.startswith("tcp://"):
+            base, _, port = endpoint.rpartition(":")
+            return f"{base}:{int(port) + self.port_offset}" if port.isdigit() else endpoint  # (":*": any port)
+        return f"{endpoint}_{self.port_offset}"
+
+    @property
+    def publish_endpoint(self) -> str:
+        return self.offset(self.endpoint, self.binds(self.endpoint))
+
+    @property
+    def replay_endpoint_bound(self) -> str | None:
+        return self.offset(self.replay_endpoint)  # (a ROUTER socket: always bound)
+
+
 @dataclass(frozen=True)
 class QosConfig:
     """The priority classes of an engine's traffic on the wire, one place for all of them (paper §5: model
@@ -666,6 +767,9 @@ class SchedulerConfig:
     recompute_slow_hits: bool = True  # recompute a stored prefix when loading it would take longer
     scheduling_policy: str = "fcfs"  # "priority": queues order requests by SamplingParams.priority (vLLM's flag)
     priority_preemption: bool = True  # under "priority": a request no decode engine has room for preempts
+    session_prefetch: bool = True  # read a waiting agent session's KV into a buffer before its next turn
+    session_affinity: bool = True  # a session's turn prefers its last decode engine where the balance rules allow
+    session_pin_quota_tokens: int = 1 << 20  # the most KV tokens one tenant's sessions may pin (ttl_s) in the store
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -698,6 +802,7 @@ class EngineProcessConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     qos: QosConfig = field(default_factory=QosConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # published stores and removals (routers)
     buffer_bytes: int = 256 << 20
     workspace_tokens: int = 16384
     compute_quota_s: float = 0.3
@@ -707,8 +812,11 @@ class EngineProcessConfig:
     torch_threads: int = 0  # 0: torch's default
     alpha_tokens: int = 0  # tokens this node reads in 3 s, pinned (0: probed at start, then measured live)
     beta_tokens: int = 0  # prefill: tokens the device prefills in 5 s (0: from the cost model)
+    prefetch_share: float = 0.5  # the most of the buffer sessions' prefetched KV may hold (0: take no prefetch orders)
 
     def __post_init__(self):
+        if not 0 <= self.prefetch_share <= 1:
+            raise ConfigError(f"prefetch_share must be between 0 and 1, got {self.prefetch_share}")
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role must be prefill or decode, got {self.role!r}")
         kv = {k: getattr(self.transport, k) for k in self.qos.transport_fields()}

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dualpath.core.geometry import HASH_BYTES
+from dualpath.core.sessions import SessionHint
 
 
 class Role(str, enum.Enum):
@@ -105,6 +106,7 @@ class EngineLoad:
     speculative: dict = field(default_factory=dict)  # decode engines: cumulative "drafted", "accepted" tokens
     storage_used_bytes: int = 0  # the KV store this engine writes to and reads from: stored bytes, its cap (0: none)
     storage_capacity_bytes: int = 0
+    prefetch: dict = field(default_factory=dict)  # cumulative block counts of the engine's Prefetcher (its stats)
     leaving: bool = False  # the engine's last report: it is stopping (count it gone now, move what it held)
 
 
@@ -117,10 +119,33 @@ class SubmitRequest:
     block_hashes: bytes = b""  # the prompt's chained block hashes, if the submitter computed them (packed)
     fingerprint: str = ""  # hex: the model fingerprint those hashes chain from (the weights may have changed since)
     label: str = ""  # the submitter's name for it (an HTTP request's id, SGLang's rid): what ``Abort`` matches
+    session: SessionHint | None = None  # the agent session it is a turn of (``dualpath.core.sessions``)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """Submitter -> scheduler, after a session's turn replied: what the next turn's prompt will repeat after this
+    turn's (``output_tokens``, packed: choice 0's reply as the context will hold it) and whether the session now
+    waits for a tool (the reply ended in tool calls: the next turn comes when the tool is done)."""
+
+    request_id: str
+    output_tokens: bytes = b""
+    tool_wait: bool = True
+    next_turn_in_s: float = -1.0  # the submitter's estimate of the gap (-1: none; the request's hint, or learned)
+
+
+@dataclass(frozen=True)
+class PrefetchOrder:
+    """Scheduler -> engine: read these stored blocks into your buffer now, at low priority, for a session's next
+    turn; free them if no request used them within ``hold_s``."""
+
+    session: str  # the session's key (logs and metrics)
+    keys: bytes  # packed hashes, leading block first
+    hold_s: float
 
 
 @dataclass(frozen=True)
@@ -141,6 +166,7 @@ class SubmitEvent:
     aborted: bool = False  # on "failed": ended by an abort (a weight update's): the reply so far stands, unfinished
     preempted: bool = False  # on "failed" with engine_lost: handed back for a more urgent request (it goes on)
     param: str = ""  # on "failed" for an invalid request: the request field at fault (HTTP errors' ``param``)
+    prefetched: bool = False  # on "assigned": a session's turn placed where a prefetch of its KV was read ahead
 
 
 @dataclass(frozen=True)
@@ -183,6 +209,7 @@ class PullReply:
     # decode engines: work ids to hand back to their submitters to go on later (priority scheduling made room for
     # a more urgent request: ``SchedulerCore._preempt_for``); what they generated is stored first
     preempted: list[str] = field(default_factory=list)
+    prefetch: dict[str, list[PrefetchOrder]] = field(default_factory=dict)  # engine id -> sessions' KV to read ahead
 
 
 @dataclass(frozen=True)
@@ -347,6 +374,7 @@ class SessionIn:
     submits: list[SubmitRequest] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)
+    turn_ends: list[TurnEnd] = field(default_factory=list)  # sessions' turns that replied (agent sessions)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,14 @@ The same trace runs on the same xPyD cluster as each system of the paper's ablat
 - ``dualpath``: both read paths and the paper's scheduler;
 - ``dualpath-split`` (beyond the paper): the paper's scheduler, each request's read divided between both sides so
   their queues drain together — a lone request (the tail of a job) reads at two nodes' bandwidth;
-- ``oracle``: the full system with no storage cap and the KV store in memory (``/dev/shm``): the I/O-free bound.
+- ``oracle``: the full system with no storage cap and the KV store in memory (``/dev/shm``): the I/O-free bound;
+- ``dualpath+affinity`` (beyond the paper): ``dualpath`` with agent sessions, each turn kept on its session's last
+  decode engine where the balance rules allow;
+- ``dualpath+prefetch`` (beyond the paper): that, and each session's KV read into the buffer of the engine that will
+  serve its next turn while its tool runs (``dualpath.traffic.prefetch``).
+
+The paper's systems run without sessions (as its traces have no tool time). ``--tool-gap-median-s`` gives every
+round but an agent's last a tool call (``dualpath trace``'s gaps), during which the agent sends nothing.
 
 Every node's storage reads are capped to the same bandwidth so the run is storage-bound, as the paper's are.
 ``--storage-cap auto`` measures the oracle's storage read rate R and caps each node at ``cap_factor × R``: one
@@ -28,14 +35,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = {  # name: (mode, policy, capped, kv store in memory)
-    "basic": ("basic", "round-robin", True, False),
-    "layerwise": ("pe", "round-robin", True, False),
-    "dualpath-rr": ("dualpath", "round-robin", True, False),
-    "dualpath": ("dualpath", "dualpath", True, False),
-    "dualpath-split": ("split", "dualpath", True, False),
-    "oracle": ("dualpath", "dualpath", False, True),
+SYSTEMS = {  # name: (mode, policy, capped, kv store in memory, sessions: affinity, prefetch)
+    "basic": ("basic", "round-robin", True, False, False, False),
+    "layerwise": ("pe", "round-robin", True, False, False, False),
+    "dualpath-rr": ("dualpath", "round-robin", True, False, False, False),
+    "dualpath": ("dualpath", "dualpath", True, False, False, False),
+    "dualpath-split": ("split", "dualpath", True, False, False, False),
+    "oracle": ("dualpath", "dualpath", False, True, False, False),
+    "dualpath+affinity": ("dualpath", "dualpath", True, False, True, False),
+    "dualpath+prefetch": ("dualpath", "dualpath", True, False, True, True),
 }
+PAPER_SYSTEMS = ("basic", "layerwise", "dualpath-rr", "dualpath", "dualpath-split", "oracle")
 
 
 @dataclass(frozen=True)
@@ -50,9 +60,12 @@ class AgenticConfig:
     block_size: int = 64
     storage_cap: str = "auto"
     cap_factor: float = 0.45
-    systems: tuple[str, ...] = tuple(SYSTEMS)
+    systems: tuple[str, ...] = PAPER_SYSTEMS
     seed: int = 0
     torch_threads: int = 1
+    tool_gap_median_s: float = 0.0  # tool calls between rounds (dualpath.rollout.tracegen.draw_tool_gaps); 0: none
+    tool_gap_p90_s: float = 0.0
+    buffer_bytes: int = 256 << 20
 
 
 def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_dir: Path) -> dict:
@@ -60,7 +73,7 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
     from dualpath.launcher import ClusterSpec, LocalCluster
     from dualpath.rollout.runner import Rollout, RolloutConfig
 
-    mode, policy, capped, in_memory = SYSTEMS[name]
+    mode, policy, capped, in_memory, affinity, prefetch = SYSTEMS[name]
     kv = tempfile.mkdtemp(prefix=f"dualpath-agentic-{name}-", dir="/dev/shm" if in_memory else None)
     spec = ClusterSpec(
         model=cfg.model,
@@ -70,19 +83,22 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
         policy=policy,
         kv_store=kv,
         block_size=cfg.block_size,
-        buffer_bytes=256 << 20,
+        buffer_bytes=cfg.buffer_bytes,
         cache_bytes=512 << 20,
         workspace_tokens=16384,
         storage_read_bps=cap_bps if capped else 0.0,
         torch_threads=cfg.torch_threads,
         load_every_hit=True,
+        session_affinity=affinity,
+        session_prefetch=prefetch,
     )  # as the paper's systems do
     try:
         with LocalCluster(spec, run_dir=str(out_dir / f"run-{name}")) as cluster:
             client = ClusterClient(cluster.scheduler_address)
             rounds = out_dir / f"rounds-{name}.jsonl"
             rounds.unlink(missing_ok=True)  # a benchmark measures whole runs: never resume an earlier one
-            summary = Rollout(client, RolloutConfig(sample_interval_s=0.25)).run(trajectories, rounds, progress=False)
+            rollout = Rollout(client, RolloutConfig(sample_interval_s=0.25, sessions=affinity or prefetch))
+            summary = rollout.run(trajectories, rounds, progress=False)
             client.close()
     finally:
         shutil.rmtree(kv, ignore_errors=True)
@@ -130,6 +146,53 @@ def figures(rows: list[dict], out_dir: Path) -> list[str]:
     return paths
 
 
+def _vs_plain(r: dict, plain: dict) -> dict:
+    """A sessions system against ``dualpath`` without sessions, on the same trace: follow-up turns' TTFT and the
+    storage bytes read."""
+    out = {}
+    for k in ("ttft_followup_p50_s", "ttft_followup_p99_s"):
+        if plain.get(k):
+            out[f"{k}_vs_dualpath"] = r[k] / plain[k]
+    if plain.get("storage_read_bytes"):
+        out["storage_reads_vs_dualpath"] = r["storage_read_bytes"] / plain["storage_read_bytes"]
+    return out
+
+
+def session_figure(rows: list[dict], out_dir: Path) -> list[str]:
+    """Follow-up turns' TTFT per system, and the working set over time: KV stored, and prefetched in DRAM."""
+    if not any(r["system"] in ("dualpath", "dualpath+affinity", "dualpath+prefetch") for r in rows):
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    names = [r["system"] for r in rows]
+    x = range(len(rows))
+    a.bar([i - 0.2 for i in x], [r.get("ttft_followup_p50_s", 0) for r in rows], 0.4, label="p50")
+    a.bar([i + 0.2 for i in x], [r.get("ttft_followup_p99_s", 0) for r in rows], 0.4, label="p99")
+    a.set_xticks(list(x), names, rotation=20, fontsize=8)
+    a.set_ylabel("TTFT of follow-up turns (s)")
+    a.legend(fontsize=8)
+    for r in rows:
+        tl = r["timeline"]
+        t = [s["t"] for s in tl]
+        b.plot(t, [s.get("storage_used_bytes", 0) / 1e6 for s in tl], label=f"{r['system']}: stored", linewidth=1)
+        if any(s.get("prefetch_held_bytes") for s in tl):
+            b.plot(t, [s["prefetch_held_bytes"] / 1e6 for s in tl], "--", label=f"{r['system']}: DRAM", linewidth=1)
+    b.set_xlabel("time (s)")
+    b.set_ylabel("working set (MB)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    path = str(out_dir / "agentic_sessions.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     from dualpath.rollout.tracegen import generate_trace, measure
     from dualpath.engines.models import open_checkpoint
@@ -138,7 +201,14 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = open_checkpoint(cfg.model).config.vocab_size
     trajectories, target = generate_trace(
-        cfg.preset, cfg.agents, cfg.scale, cfg.turns_scale, (3, min(vocab, 32000) - 1), cfg.seed
+        cfg.preset,
+        cfg.agents,
+        cfg.scale,
+        cfg.turns_scale,
+        (3, min(vocab, 32000) - 1),
+        cfg.seed,
+        cfg.tool_gap_median_s,
+        cfg.tool_gap_p90_s,
     )
     stats = measure(trajectories)
     order = ["oracle"] + [s for s in cfg.systems if s != "oracle"] if "oracle" in cfg.systems else list(cfg.systems)
@@ -158,18 +228,21 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     ordered = [rows[s] for s in cfg.systems if s in rows]
     base = rows.get("basic")
     oracle = rows.get("oracle")
+    plain = rows.get("dualpath")  # sessions' systems are measured against it
     for r in ordered:
         if base:
             r["jct_vs_basic"] = r["job_completion_time_s"] / base["job_completion_time_s"]
         if oracle:
             r["jct_vs_oracle"] = r["job_completion_time_s"] / oracle["job_completion_time_s"]
+        if plain and r["system"].startswith("dualpath+"):
+            r.update(_vs_plain(r, plain))
     result = {
         "config": {**cfg.__dict__, "systems": list(cfg.systems)},
         "cap_bps": cap,
         "trace": {"target": target.__dict__, "generated": stats.__dict__, "agents": len(trajectories)},
         "systems": ordered,
     }
-    result["figures"] = figures(ordered, out_dir)
+    result["figures"] = figures(ordered, out_dir) + session_figure(ordered, out_dir)
     slim = {**result, "systems": [{k: v for k, v in r.items() if k != "timeline"} for r in ordered]}
     (out_dir / "agentic.json").write_text(json.dumps(slim, indent=1))
     (out_dir / "agentic_timelines.json").write_text(json.dumps({r["system"]: r["timeline"] for r in ordered}))
@@ -185,6 +258,9 @@ def print_table(result: dict) -> None:
         "hit_rate",
         "storage_read_max_over_avg",
         "generated_tokens_per_s",
+        "ttft_followup_p50_s",
+        "ttft_followup_p50_s_vs_dualpath",
+        "storage_reads_vs_dualpath",
     ]
     print("  ".join(f"{c:>22}" for c in cols))
     for r in result["systems"]:
@@ -230,6 +306,9 @@ def bench_main(args) -> int:
         cap_factor=args.cap_factor,
         systems=tuple(args.systems.split(",")),
         seed=args.seed,
+        tool_gap_median_s=args.tool_gap_median_s,
+        tool_gap_p90_s=args.tool_gap_p90_s or 0.0,
+        buffer_bytes=args.buffer_mb << 20,
         torch_threads=args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode)),
     )
     result = run(cfg, args.out)

@@ -26,6 +26,8 @@ def rollout_main(args) -> int:
         group_size=args.group_size,
         longest_first=args.longest_first,
         adapter=rollout_adapter(args),
+        sessions=not args.no_sessions,
+        tool_hints=args.tool_hints,
     )
     if args.longest_first and not args.scheduler:
         args.scheduling_policy = "priority"  # the cluster this job starts orders its queues by the priorities,
@@ -104,7 +106,16 @@ def trace_main(args) -> int:
     from dualpath.rollout.trajectory import write_trajectories
 
     lo, hi = (int(x) for x in args.vocab.split(","))
-    trajectories, target = generate_trace(args.preset, args.agents, args.scale, args.turns_scale, (lo, hi), args.seed)
+    trajectories, target = generate_trace(
+        args.preset,
+        args.agents,
+        args.scale,
+        args.turns_scale,
+        (lo, hi),
+        args.seed,
+        args.tool_gap_median_s,
+        args.tool_gap_p90_s or 0.0,
+    )
     write_trajectories(args.out, trajectories)
     got = measure(trajectories)
     print(f"{len(trajectories)} trajectories -> {args.out}")
@@ -115,4 +126,9 @@ def trace_main(args) -> int:
             f"{st.limit:12.0f}"
         )
     print("(per-turn averages, as the paper's Table 2; longest: the generated trace's, else MaxLen)")
+    if got.tool_gaps:
+        print(
+            f"tool gaps: {got.tool_gaps} (after every round but the last), median {got.tool_median_s:.2f} s, "
+            f"p90 {got.tool_p90_s:.2f} s, mean {got.tool_mean_s:.2f} s"
+        )
     return 0

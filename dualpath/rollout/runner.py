@@ -30,6 +30,7 @@ from dualpath.client import ClusterClient, GenerationResult
 from dualpath.core.errors import DualPathError
 from dualpath.rollout.trajectory import Round, Trajectory
 from dualpath.core.sampling_params import MAX_CHOICES, SamplingParams
+from dualpath.core.sessions import SessionHint
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class RolloutConfig:
     # the JCT). Needs a scheduler run with --scheduling-policy priority; the results are the same.
     longest_first: bool = False
     adapter: str = ""  # every round runs under this LoRA adapter (its identity, SamplingParams.adapter); "": the base
+    # each agent sample is an agent session (dualpath.core.sessions): its next round is expected after the round's
+    # tool call (``Round.tool_s``), and the scheduler may prefetch its KV meanwhile; off: anonymous requests
+    sessions: bool = True
+    tool_hints: bool = False  # tell the scheduler each round's tool time (next_turn_in_s) instead of letting it learn
 
     def __post_init__(self):
         if not 1 <= self.group_size <= MAX_CHOICES:
@@ -191,8 +196,9 @@ class Rollout:
 
     def _continue(self, agent: Agent, sample: int, context: list[int], out, bar) -> None:
         for i in range(1, len(agent.rounds)):
-            if self.cfg.think_time_s:
-                time.sleep(self.cfg.think_time_s)
+            gap = (agent.rounds[i - 1].tool_s or 0.0) + self.cfg.think_time_s
+            if gap:  # the round's tool call runs (the session's KV may be prefetched meanwhile)
+                time.sleep(gap)
             context = context + self._tokens(agent.rounds[i].append)
             results = self._round(agent, i, context, [sample], out, bar)
             if results is None:
@@ -221,7 +227,13 @@ class Rollout:
                 self._write(out, {**base, "sample": s, "stopped": "context limit"})
             return None
         start = time.perf_counter() - self.t0
-        results = self.client.generate_choices(context, sampling, mode=self.cfg.mode)
+        results = self.client.generate_choices(
+            context,
+            sampling,
+            mode=self.cfg.mode,
+            session=self._session(agent, samples, i),
+            tool_wait=i + 1 < len(agent.rounds),
+        )
         end = time.perf_counter() - self.t0
         if any(res.finish_reason == "abort" for res in results):  # the round is not what the trace asked for
             raise DualPathError(
@@ -242,6 +254,7 @@ class Rollout:
                     "ttft": res.ttft_s,
                     "tpot": res.tpot_s,
                     "path": res.path,
+                    "prefetched": res.prefetched,
                     "kv_bytes": res.storage_bytes if s == samples[0] else 0,
                     "start": start,
                     "end": end,
@@ -249,6 +262,13 @@ class Rollout:
             )
             bar.update(1)
         return results
+
+    def _session(self, agent: Agent, samples: list[int], i: int) -> SessionHint | None:
+        """A sample's rounds are one agent session (a group's first round: the first sample's)."""
+        if not self.cfg.sessions:
+            return None
+        hint = agent.rounds[i].tool_s if self.cfg.tool_hints and i + 1 < len(agent.rounds) else None
+        return SessionHint(f"{agent.id}/{samples[0]}", next_turn_in_s=hint)
 
     def _write(self, out, rec: dict) -> None:
         with self._lock:
@@ -261,8 +281,16 @@ class Rollout:
         while not stop.is_set():
             try:
                 stats = self.client.stats()
+                engines = stats.get("engines", {}).values()
                 self.timeline.append(
-                    {"t": time.perf_counter() - self.t0, "storage_read_bytes": stats.get("storage_read_bytes", {})}
+                    {
+                        "t": time.perf_counter() - self.t0,
+                        "storage_read_bytes": stats.get("storage_read_bytes", {}),
+                        # the working set: KV stored (engines of a node share its store: the largest report), and
+                        # sessions' KV prefetched into DRAM buffers
+                        "storage_used_bytes": max((e.get("storage_used_bytes", 0) for e in engines), default=0),
+                        "prefetch_held_bytes": stats.get("prefetch", {}).get("held_bytes", 0),
+                    }
                 )
             except DualPathError:
                 pass  # a missed sample is a gap in the timeline, not a failed job
@@ -345,6 +373,8 @@ class Rollout:
         }
         from dualpath.scheduler.balance import max_over_avg
 
+        later = [r for r in recs if r["round"] > 0]
+
         return {
             "agents": n_agents,
             "agents_run": ran,
@@ -359,12 +389,25 @@ class Rollout:
             "hit_rate": sum(r["cached_tokens"] for r in recs) / prompt if prompt else 0.0,
             "ttft_p50_s": _pct(recs, "ttft", 50),
             "ttft_p99_s": _pct(recs, "ttft", 99),
+            # turns after an agent's first (the ones a session's prefetch can serve), and those that read one
+            "ttft_followup_p50_s": _pct(later, "ttft", 50),
+            "ttft_followup_p99_s": _pct(later, "ttft", 99),
+            "ttft_prefetched_p50_s": _pct([r for r in later if r.get("prefetched")], "ttft", 50),
+            "ttft_not_prefetched_p50_s": _pct([r for r in later if not r.get("prefetched")], "ttft", 50),
+            "prefetched_rounds": sum(1 for r in later if r.get("prefetched")),
+            "prefetch": _delta(before.get("prefetch", {}), after.get("prefetch", {})),
+            "storage_read_bytes": sum(reads.values()),
             "tpot_p50_s": _pct(recs, "tpot", 50),
             "storage_read_bytes_per_node": reads,
             "storage_read_max_over_avg": max_over_avg(reads.values()),
             "paths": {p: sum(1 for r in recs if r["path"] == p) for p in sorted({r["path"] for r in recs})},
             "timeline": self.timeline,
         }
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """Counters over the job (gauges such as ``held`` come out as their change)."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
 
 
 def _pct(recs: list[dict], key: str, q: int) -> float:

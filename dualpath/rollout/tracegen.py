@@ -13,20 +13,45 @@ with the mean and size-biased mean above, log-normal generation sizes (shrunk wh
 room for appends), and appends that fill the rest with weights ``(p + 1) x^p`` of the trajectory's progress x
 (p < 0 front-loads), ``p`` solved for so that the mean context matches. ``scale`` multiplies the token counts and
 ``turns_scale`` the number of rounds, for machines smaller than the paper's.
+
+**Tool gaps.** The paper replays its traces with no time between turns (``shared/paper-notes.md`` §8). With
+``tool_gap_median_s`` > 0 every round but a trajectory's last is followed by a tool call (``Round.tool_s``: the gap
+before the next round is sent) whose duration is log-normal with that median and ``tool_gap_p90_s`` as its 90th
+percentile (``sigma = ln(p90 / median) / 1.2816``; p90 0: ``TOOL_GAP_P90_OVER_MEDIAN`` x the median). The gaps are
+drawn from their own random stream: a trace's rounds and token ids are the same with or without them.
+
+Suggested values for coding agents, ``CODING_AGENT_TOOL_GAP`` = median 1 s, p90 12 s (mean 6.5 s, p99 ~90 s). The
+mean is near a measured one, the shape is our estimate. SyFI TraceLab (University of Washington,
+tracelab.cs.washington.edu; a public pool of 357,161 agent steps from Claude Code and Codex sessions), table "Codex
+tool end-to-end vs internal latency": 253k timed Codex tool calls took 418.1 h end to end, a mean of 5.9 s per call;
+shell commands (``exec_command``, 184k calls, 97.8 h) 1.9 s on average, interactive long-running processes
+(``write_stdin``, such as test runs and builds; 61k calls, 314.6 h) 18.6 s, patches (``apply_patch``) well under a
+second. So most calls (edits, reads, short commands) take about a second and a tenth of them (test runs, builds)
+tens of seconds: a median of 1 s with a p90 of 12 s gives a mean of 6.5 s, near the measured 5.9 s. The median and
+p90 are our estimate (the table gives means per tool, not per-call percentiles); harness overhead moves them (a
+Claude Code ``Bash`` call of ``echo hello`` took ~3.4 s end to end in a 5-run OpenTelemetry measurement), so measure
+your own agents' gaps where you can.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dualpath.core.errors import ConfigError
 from dualpath.rollout.trajectory import Round, Trajectory
 
 #: Table 2: total / MaxLen for its three sets (0.87, 0.87, 0.85); MaxLen for explicit stats that name none.
 TOTAL_OVER_MAXLEN = 0.86
 #: Generated tokens take at most this share of a trajectory (rounds of very long trajectories generate less).
 MAX_GEN_SHARE = 0.6
+#: Tool gaps of coding agents, (median, p90) seconds: see the module docstring for the sources and the estimate.
+CODING_AGENT_TOOL_GAP = (1.0, 12.0)
+#: A tool gap's p90 when only its median is given (the ratio of ``CODING_AGENT_TOOL_GAP``).
+TOOL_GAP_P90_OVER_MEDIAN = CODING_AGENT_TOOL_GAP[1] / CODING_AGENT_TOOL_GAP[0]
+Z90 = 1.2815515655446004  # the standard normal's 90th percentile
+_GAP_STREAM = 0x7001  # tool gaps draw from their own stream of the seed: the trace stays as it is without them
 
 
 @dataclass(frozen=True)
@@ -39,16 +64,22 @@ class TraceStats:
     context: float
     total: float
     max_len: float | None = None
+    # tool gaps (``Round.tool_s``): how many rounds are followed by one, and their median, p90 and mean in seconds
+    tool_gaps: int = 0
+    tool_median_s: float = 0.0
+    tool_p90_s: float = 0.0
+    tool_mean_s: float = 0.0
 
     def scaled(self, scale: float, turns_scale: float = 1.0) -> "TraceStats":
         tokens = scale * turns_scale  # a trajectory's length: tokens per round x rounds
-        return TraceStats(
-            self.turns * turns_scale,
-            self.append * scale,
-            self.gen * scale,
-            self.context * tokens,
-            self.total * tokens,
-            self.limit * tokens,
+        return replace(
+            self,
+            turns=self.turns * turns_scale,
+            append=self.append * scale,
+            gen=self.gen * scale,
+            context=self.context * tokens,
+            total=self.total * tokens,
+            max_len=self.limit * tokens,
         )
 
     @property
@@ -64,8 +95,50 @@ PRESETS = {  # the paper's Table 2
 
 
 def measure(trajectories: list[Trajectory]) -> TraceStats:
-    """The statistics of a trace (appends given as token ids), per-turn averages as Table 2's."""
-    return measure_shapes([[(len(r.append), r.generate or r.max_tokens) for r in t.rounds] for t in trajectories])
+    """The statistics of a trace (appends given as token ids), per-turn averages as Table 2's, and its tool gaps'."""
+    st = measure_shapes([[(len(r.append), r.generate or r.max_tokens) for r in t.rounds] for t in trajectories])
+    gaps = np.array([r.tool_s for t in trajectories for r in t.rounds if r.tool_s is not None], dtype=np.float64)
+    if not len(gaps):
+        return st
+    median, p90 = np.quantile(gaps, [0.5, 0.9])
+    return replace(
+        st, tool_gaps=len(gaps), tool_median_s=float(median), tool_p90_s=float(p90), tool_mean_s=float(gaps.mean())
+    )
+
+
+def tool_gap_sigma(median_s: float, p90_s: float = 0.0) -> float:
+    """The log-normal sigma of tool gaps with this median and p90 (p90 0: ``TOOL_GAP_P90_OVER_MEDIAN`` x the
+    median); ``ConfigError`` unless 0 < median <= p90, all finite."""
+    p90_s = p90_s or TOOL_GAP_P90_OVER_MEDIAN * median_s
+    if not (0 < median_s <= p90_s < np.inf):
+        raise ConfigError(
+            f"tool gaps need a median > 0 and a p90 >= the median, finite; got median {median_s!r}, p90 {p90_s!r}"
+        )
+    return float(np.log(p90_s / median_s) / Z90)
+
+
+def draw_tool_gaps(rounds: list[int], median_s: float, p90_s: float = 0.0, seed: int = 0) -> list[list[float | None]]:
+    """Per trajectory of ``rounds[i]`` rounds, the tool gap after each round (seconds; the last round's None):
+    log-normal with ``median_s`` and ``p90_s`` (``tool_gap_sigma``). ``median_s`` 0: no gaps (all None), as the
+    paper's traces. Drawn from the seed's own stream, so the trace's other draws do not move."""
+    if median_s == 0 and not p90_s:
+        return [[None] * n for n in rounds]
+    sigma = tool_gap_sigma(median_s, p90_s)
+    rng = np.random.default_rng((seed, _GAP_STREAM))
+    draws = (median_s * np.exp(sigma * rng.standard_normal(max(0, sum(rounds) - len(rounds))))).tolist()
+    out, k = [], 0
+    for n in rounds:
+        out.append([*draws[k : k + n - 1], None] if n else [])
+        k += max(0, n - 1)
+    return out
+
+
+def with_tool_gaps(
+    shapes: list[list[tuple[int, int]]], median_s: float, p90_s: float = 0.0, seed: int = 0
+) -> list[list[tuple[int, int, float]]]:
+    """``trace_shapes``' rounds as (appended, generated, tool gap after it) for the simulator (0.0: no gap)."""
+    gaps = draw_tool_gaps([len(rs) for rs in shapes], median_s, p90_s, seed)
+    return [[(a, g, t or 0.0) for (a, g), t in zip(rs, ts)] for rs, ts in zip(shapes, gaps)]
 
 
 def measure_shapes(shapes: list[list[tuple[int, int]]]) -> TraceStats:
@@ -169,13 +242,22 @@ def generate_trace(
     turns_scale: float = 1.0,
     vocab: tuple[int, int] = (1000, 32000),
     seed: int = 0,
+    tool_gap_median_s: float = 0.0,
+    tool_gap_p90_s: float = 0.0,
 ) -> tuple[list[Trajectory], TraceStats]:
     """``agents`` trajectories matching ``preset`` (a Table 2 name or explicit stats), token ids drawn at random;
-    returns them and the (scaled) target."""
+    returns them and the (scaled) target. ``tool_gap_median_s`` > 0: a log-normal tool gap after every round but
+    each trajectory's last (``draw_tool_gaps``; ``CODING_AGENT_TOOL_GAP`` suggests values); 0: none, as the paper."""
+    if tool_gap_median_s or tool_gap_p90_s:
+        tool_gap_sigma(tool_gap_median_s, tool_gap_p90_s)  # refuse bad values before the trace is drawn
     rng = np.random.default_rng(seed)
     shapes, target = trace_shapes(preset, agents, scale, turns_scale, rng)
+    gaps = draw_tool_gaps([len(rs) for rs in shapes], tool_gap_median_s, tool_gap_p90_s, seed)
     trajectories = []
-    for i, rounds in enumerate(shapes):
-        rs = tuple(Round(tuple(rng.integers(vocab[0], vocab[1], int(k)).tolist()), generate=int(g)) for k, g in rounds)
+    for i, (rounds, tools) in enumerate(zip(shapes, gaps)):
+        rs = tuple(
+            Round(tuple(rng.integers(vocab[0], vocab[1], int(k)).tolist()), generate=int(g), tool_s=t)
+            for (k, g), t in zip(rounds, tools)
+        )
         trajectories.append(Trajectory(f"agent-{i}", rs))
     return trajectories, target

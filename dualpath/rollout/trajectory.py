@@ -1,20 +1,22 @@
 """The trajectory format: JSON Lines, one agent per line.
 
     {"id": "agent-7", "rounds": [
-        {"append": [101, 2023, 318], "generate": 176},
+        {"append": [101, 2023, 318], "generate": 176, "tool_s": 2.5},
         {"append": "tool output as text", "max_tokens": 256}
     ]}
 
 Each round appends its input to the agent's context (token ids, or text tokenized without special tokens) and
 then generates: ``generate: N`` forces exactly N tokens (end-of-sequence ignored, as replays of recorded traces
 need); ``max_tokens: N`` stops normally (end of sequence) or at N. Round i's prompt is everything before it (all
-earlier appends and generated tokens) plus its own append.
+earlier appends and generated tokens) plus its own append. ``tool_s`` (optional: seconds, a non-negative finite
+number, or null) is the tool call that follows the round, the gap before the next round is sent (absent: none).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +37,7 @@ class Round:
     append: tuple[int, ...] | str
     generate: int | None = None  # forced length
     max_tokens: int | None = None  # normal stopping
+    tool_s: float | None = None  # the tool call after this round: seconds until the next round (None: no gap)
 
     @property
     def forced(self) -> bool:
@@ -51,7 +54,7 @@ def _round(line: int, i: int, r) -> Round:
     where = f"round {i}"
     if not isinstance(r, dict):
         raise TrajectoryError(line, f"{where} is not an object")
-    unknown = set(r) - {"append", "generate", "max_tokens"}
+    unknown = set(r) - {"append", "generate", "max_tokens", "tool_s"}
     if unknown:
         raise TrajectoryError(line, f"{where} has unknown fields {sorted(unknown)}")
     append = r.get("append")
@@ -69,7 +72,12 @@ def _round(line: int, i: int, r) -> Round:
         raise TrajectoryError(
             line, f"{where}: {'generate' if gen is not None else 'max_tokens'} must be a positive integer"
         )
-    return Round(append, gen, mx)
+    tool = r.get("tool_s")
+    if tool is not None and (
+        isinstance(tool, bool) or not isinstance(tool, (int, float)) or not math.isfinite(tool) or tool < 0
+    ):
+        raise TrajectoryError(line, f"{where}: tool_s must be a non-negative finite number of seconds")
+    return Round(append, gen, mx, None if tool is None else float(tool))
 
 
 def parse_line(line_no: int, text: str) -> Trajectory:
@@ -115,5 +123,7 @@ def write_trajectories(path: str | Path, trajectories) -> None:
             for r in t.rounds:
                 d = {"append": list(r.append) if isinstance(r.append, tuple) else r.append}
                 d.update({"generate": r.generate} if r.forced else {"max_tokens": r.max_tokens})
+                if r.tool_s is not None:
+                    d["tool_s"] = r.tool_s
                 rounds.append(d)
             f.write(json.dumps({"id": t.id, "rounds": rounds}) + "\n")

@@ -43,6 +43,8 @@ class Outcome:
     storage_bytes: int = 0
     prompt_logprobs: list | None = None  # TokenLogprob fields of prompt tokens 1.., when asked
     reasoning_tokens: int = 0  # a reasoning model's tokens before its answer (set where the reply is split)
+    tool_calls: bool = False  # the reply was parsed into tool calls (set where the reply is split)
+    token_ids: list[int] | None = None  # an agent session's turn: choice 0's tokens (what its next turn repeats)
 
 
 async def merge(gens: list):
@@ -137,6 +139,11 @@ class Generation:
     def __init__(self, gen, fan: Fanout, done):
         self._gen, self._fan, self._done = gen, fan, done
         self._started = self._closed = False
+
+    @property
+    def handle(self):
+        """The request it is a choice of (``dualpath.client.RequestHandle``)."""
+        return self._fan.handle
 
     def __aiter__(self):
         return self

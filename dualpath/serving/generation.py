@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from dualpath.client import OverloadedError
 from dualpath.core.errors import DualPathError, RequestError
 from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.sessions import SessionHint
 from dualpath.core.tokenizer import IncrementalDetokenizer, find_stop, stop_cut
 from dualpath.serving.auth import ANONYMOUS, owned_label
 from dualpath.serving.choices import ApiError, Fanout, Generation, Outcome, Prompt, PromptLogprobs, drain
@@ -32,12 +33,16 @@ class Generations:
         rids: list[str] | None = None,
         label: str = "",
         owner: str = ANONYMOUS,
+        agent: SessionHint | None = None,
     ) -> list[Generation]:
         """Submit each prompt (its ``n`` choices are sampled from one prefill, choice i with seed + i when seeded);
         one generation per choice, prompt after prompt. Admission counts every choice, the server's and ``owner``'s.
         ``rids``: each prompt's name for ``/abort_request`` (SGLang's ``rid``; default: ``label``), in ``owner``'s
         namespace. ``label``: the HTTP request's id, which begins each prompt's id at the scheduler and engines
-        (their logs name it; a random suffix keeps ids unique when clients reuse theirs)."""
+        (their logs name it; a random suffix keeps ids unique when clients reuse theirs). ``agent``: the session the
+        request is a turn of (one prompt)."""
+        if agent is not None and len(prompts) > 1:
+            raise ApiError(400, "a turn of a session is one prompt", param="prompt")
         k = req.samples()
         total = k * len(prompts)
         done = self._admit(owner, total, len(prompts), k)
@@ -49,9 +54,12 @@ class Generations:
             for j, (p, sampling) in enumerate(zip(prompts, samplings)):
                 sid = f"{label}-{uuid.uuid4().hex[:8]}" if label else None
                 name = owned_label(owner, (rids[j] if rids else "") or label)
-                handle = await asyncio.to_thread(self.front.client.start, p.ids, sampling, sid, mode, name)
+                handle = await asyncio.to_thread(self.front.client.start, p.ids, sampling, sid, mode, name, agent)
                 fan = Fanout(handle, k, loop)
-                gens += [Generation(self._generate(fan, i, p.ids, sampling, done), fan, done) for i in range(k)]
+                gens += [
+                    Generation(self._generate(fan, i, p.ids, sampling, done, agent is not None and i == 0), fan, done)
+                    for i in range(k)
+                ]
         except BaseException as e:
             for g in gens:  # the prompts already submitted are cancelled (each gives its slot back)
                 await g.aclose()
@@ -63,6 +71,13 @@ class Generations:
                 ) from None
             raise
         return gens
+
+    def end_turn(self, job, first: Outcome | None) -> None:
+        """A session's turn replied: its choice 0's tokens go to the scheduler, and whether the reply called tools
+        (then its next turn comes when they are done, and its KV may be prefetched meanwhile)."""
+        if job.agent is None or first is None or first.token_ids is None:
+            return
+        job.gens[0].handle.end_turn(first.token_ids, tool_wait=first.tool_calls)
 
     def _admit(self, owner: str, total: int, n_prompts: int, k: int):
         """Take ``total`` generation slots for ``owner`` (a 400 for more than one request may ever have, a 429 when
@@ -79,12 +94,15 @@ class Generations:
         return partial(admission.give, owner)
 
     async def _generate(
-        self, fan: Fanout, index: int, prompt: list[int], sampling: SamplingParams, done
+        self, fan: Fanout, index: int, prompt: list[int], sampling: SamplingParams, done, turn: bool = False
     ) -> AsyncIterator[Any]:
         """Choice ``index``. Closing it before its end lets go of the request (cancelled once no choice wants it);
-        ``done()`` gives back its admission slot, whatever way it ends."""
+        ``done()`` gives back its admission slot, whatever way it ends. ``turn``: choice 0 of an agent session's turn
+        (its tokens are kept for ``end_turn``)."""
         events, text = fan.queues[index], ChoiceText(self.front.tokenizer, prompt, sampling)
         outcome, clock, finished = Outcome(), _Clock(), False
+        if turn:
+            outcome.token_ids = []
         try:
             while not finished:
                 ev = await events.get()
@@ -93,6 +111,8 @@ class Generations:
                 if isinstance(ev, BaseException):
                     raise _failure(ev)
                 lp = self._received(ev, outcome, clock)
+                if turn and ev.token_id >= 0:
+                    outcome.token_ids.append(ev.token_id)
                 text.add(ev.token_id, bool(ev.finish_reason))
                 if ev.prompt_logprobs is not None:  # on a choice's first event
                     outcome.prompt_logprobs = ev.prompt_logprobs
@@ -114,6 +134,8 @@ class Generations:
                 raise ApiError(500, "generation ended without a finish reason", "server_error")
             n_prompt = len(prompt) if index == 0 else 0  # the prompt ran once, for every choice
             self.front.metrics.observe(outcome, n_prompt, clock.start, clock.first, clock.last)
+            if turn and clock.first is not None:
+                self.front.metrics.session_turn(fan.handle.prefetched, clock.first - clock.start)
             yield outcome
         finally:
             if not finished:

@@ -50,11 +50,20 @@ class HttpMetrics:
             "Time per output token after the first",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
         )
+        self.session_ttft = m.histogram(
+            "session_turn_ttft_seconds",
+            "Time to first token of agent sessions' turns, by whether the session's KV was prefetched",
+            ["prefetched"],
+        )
         self.e2e = m.histogram(
             "e2e_request_latency_seconds",
             "Time from a choice's arrival to its last token",
             buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
         )
+
+    def session_turn(self, prefetched: bool, ttft_s: float) -> None:
+        """An agent session's turn's first token, by whether its KV was prefetched while its tool ran."""
+        self.session_ttft.labels(prefetched="yes" if prefetched else "no").observe(ttft_s)
 
     def render(self) -> bytes:
         return self.registry.render()

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dualpath.core.errors import RequestError
 from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.sessions import SessionHint, parse_session
 from dualpath.serving.bounded import off_loop
 from dualpath.serving.choices import ApiError, Generation, Prompt
 from dualpath.serving.json_bodies import error_body, parse
@@ -42,6 +43,7 @@ class Job:
     gens: list[Generation]  # one per choice, prompt after prompt (a prompt's choices together)
     label: str  # the HTTP request's id (``dualpath.serving.request_ids``)
     started: float  # perf_counter when it was submitted
+    agent: SessionHint | None = None  # the agent session it is a turn of
 
     @property
     def rid(self) -> str:
@@ -112,24 +114,33 @@ async def run(front, request, call: GenerationCall) -> Response:
         body = await request.body()
         try:
             req = await call.read(body, owner)
+            agent = session_of(req, request.headers.get("x-session-id"))
         except RequestError as e:
             raise ApiError(400, str(e), param=e.field) from None
         prompts, samplings = await off_loop(prepared, front, req, call.kind)
         started, label = time.perf_counter(), request.state.request_id
-        gens = await front.generations.start(req, prompts, samplings, call.rids(len(prompts)), label, owner)
-        job = Job(req, call.kind, prompts, samplings, gens, label, started)
+        gens = await front.generations.start(req, prompts, samplings, call.rids(len(prompts)), label, owner, agent)
+        job = Job(req, call.kind, prompts, samplings, gens, label, started, agent)
         if call.streams(req):
             return StreamingResponse(call.stream(job), media_type="text/event-stream")
         got = await front.generations.gather(request, gens)
         if got is None:
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
-        return JSONResponse(await call.answer(job, got))
+        answer = await call.answer(job, got)
+        front.generations.end_turn(job, got[3][0])
+        return JSONResponse(answer)
     except ApiError as e:
         status = e.status
         e.param = call.param(e.param)
         return e.response()
     finally:
         front.metrics.count(call.endpoint, status)
+
+
+def session_of(req, header: str | None) -> SessionHint | None:
+    """The agent session a request names: its ``dualpath.session`` field and/or the ``X-Session-Id`` header."""
+    ext = getattr(req, "dualpath", None)
+    return parse_session(ext.session if ext is not None else None, header)
 
 
 def generation_router(front, path: str, call: Callable[[], GenerationCall]) -> APIRouter:

@@ -30,11 +30,14 @@ NEUTRAL = {"use_beam_search": (False,), "length_penalty": (1.0,), "logits_proces
 
 
 class Extension(BaseModel):
-    """The ``dualpath`` request field: opt-in usage details and a per-request read-path mode."""
+    """The ``dualpath`` request field: opt-in usage details, a per-request read-path mode, and the agent session the
+    request is a turn of (``{"id", "next_turn_in_s", "ttl_s"}``: ``dualpath.core.sessions``; checked there, so an
+    error names the field)."""
 
     model_config = ConfigDict(extra="forbid")
     usage: bool = False
     mode: Optional[Literal["dualpath", "pe", "de", "basic", "split"]] = None
+    session: Optional[Any] = None
 
 
 class StreamOptions(BaseModel):

@@ -65,6 +65,7 @@ class Replies:
         if splitter is not None:
             content = splitter.feed(content) + splitter.finish()
             if splitter.calls:
+                outcome.tool_calls = True
                 message.update(content=content if content.strip() else None, tool_calls=splitter.calls)
                 finish = "tool_calls" if splitter.whole else finish
         return {

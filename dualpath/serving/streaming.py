@@ -58,6 +58,7 @@ class ChunkStream:
             async for i, item in merge(gens):
                 for body in self._item(i, item):
                     yield body
+            self.front.generations.end_turn(self.job, self.outcomes.get(0))
             if self.req.stream_options and self.req.stream_options.include_usage:
                 outcomes = [self.outcomes[i] for i in range(len(gens))]
                 yield self._chunk(None, self.front.replies.usage(self.req, self.job.prompts, outcomes))
@@ -130,6 +131,7 @@ class ChunkStream:
                 out.append(self._chunk(self._choice(i, "", [], calls=calls)))
             if tail:  # the held text that is not calls: after them
                 out.append(self._chunk(self._choice(i, tail, [])))
+            outcome.tool_calls = bool(splitter.calls)
             if splitter.calls and splitter.whole:
                 finish = "tool_calls"
         out.append(self._chunk(self._choice(i, "", [], finish)))

@@ -21,6 +21,12 @@ What is modelled (and what is not):
 * A decode engine steps its running requests together: a step takes ``fixed + per_seq × batch + per_token × Σ
   context`` seconds and gives every running request one token; a request holds prompt + generation KV tokens.
 * ``oracle`` reads no storage: hit KV is already in place (the paper's Oracle, an upper bound).
+* Agent sessions (``dualpath.sim.sessions``): a round given as (append, gen, tool_s) is followed by a tool call of
+  ``tool_s`` seconds before the next round is sent; ``prefetch`` and ``affinity`` turn on the scheduler's own session
+  support (its ``session_prefetch`` and ``session_affinity``: turns name their sessions, the scheduler orders a
+  session's stored KV read into an engine's DRAM buffer during the gap and places the next turn by it), and the
+  engines' prefetchers are modelled; ``SimResult.sessions`` reports what they did (follow-up TTFT by prefetch, bytes,
+  the working set).
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ from typing import Callable
 import numpy as np
 
 from dualpath.core.config import SchedulerConfig
+from dualpath.core.sessions import SessionHint
 from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
 from dualpath.core.sampling_params import SamplingParams
 from dualpath.sim.events import EventLoop
 from dualpath.sim.hardware import EngineModel, Hardware, ModelPreset, engines_per_node
 from dualpath.sim.links import DE_PATH, PE_PATH, cluster_links, path_route
 from dualpath.sim.network import FlowNetwork
+from dualpath.sim.sessions import Sessions
 from dualpath.engines.batcher import CostModel
 from dualpath.scheduler.core import SchedulerCore, request_of
 from dualpath.scheduler.policies import make_policy
@@ -82,10 +90,39 @@ class SimConfig:
     # GPUs per engine (tensor parallelism) on prefill and decode nodes: each must divide ``hardware.gpus``
     prefill_tp: int = 1
     decode_tp: int = 1
+    # layerwise systems: a DE-path read overlaps the prefill layer by layer (the paper's design); False: the prefill
+    # starts once the decode engine's load has ended, as this runtime's engines do (DecodeEngine.Prepare answers
+    # after its DE-side load)
+    de_read_overlap: bool = True
+    # agent sessions (dualpath.sim.sessions): the scheduler's session_prefetch (a session's stored KV read into an
+    # engine's DRAM buffer during its tool gap) and session_affinity (its turns kept on their decode engine); each
+    # engine's DRAM buffer is its node's / the node's engines (the paper's DS setting: 80 GB), of which prefetched
+    # blocks take at most prefetch_share (the engines' EngineProcessConfig.prefetch_share)
+    prefetch: bool = False
+    affinity: bool = False
+    buffer_bytes_per_node: float = 80e9
+    prefetch_share: float = 0.5
+    prefetch_chunk_blocks: int = 1  # blocks a prefetch reads per transfer (the runtime: one; more: fewer events)
+    session_sample_s: float = 10.0  # how often the working set is sampled (runs with sessions)
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
             raise ValueError(f"system must be one of {sorted(SYSTEMS)}, got {self.system!r}")
+        _, policy, _, reads = SYSTEMS[self.system]
+        if (self.prefetch or self.affinity) and (policy != "dualpath" or not reads):
+            raise ValueError(
+                f"prefetch and affinity need a system that reads storage with the paper's policy, not {self.system}"
+            )
+        if (
+            self.prefetch_chunk_blocks < 1
+            or self.buffer_bytes_per_node < 0
+            or self.session_sample_s <= 0
+            or not 0 <= self.prefetch_share <= 1
+        ):
+            raise ValueError(
+                "prefetch_chunk_blocks >= 1, buffer_bytes_per_node >= 0, session_sample_s > 0 and prefetch_share in "
+                "[0, 1]"
+            )
         self.engines_per_node(Role.PREFILL), self.engines_per_node(Role.DECODE)  # refuse a TP the node cannot take
 
     def tp(self, role: Role) -> int:
@@ -97,10 +134,11 @@ class SimConfig:
 
 @dataclass
 class Agent:
-    """One trajectory: rounds of (appended tokens, generated tokens), issued back to back."""
+    """One trajectory: rounds of (appended tokens, generated tokens), each issued when the one before finished, or
+    (appended, generated, tool_s): ``tool_s`` seconds after it (a tool call; 0: at once)."""
 
     index: int
-    rounds: list[tuple[int, int]]
+    rounds: list[tuple]
     context: int = 0  # tokens before the next round's append
     next_round: int = 0
     finished_at: float = 0.0
@@ -121,6 +159,14 @@ class SimRequest:
     done: float = 0.0
     base: int = 0  # decode: generated - the engine's steps, fixed while it runs
     priority: int = 0  # its SamplingParams.priority
+    # sessions: whether it kept its last turn's (prefill, decode) engines, the buffer slots it holds until its prefill
+    # ends ((prefetcher, slots) pairs), the hit blocks it took from a DRAM buffer, and whether the scheduler placed it
+    # where its prefetch was (the "assigned" event's ``prefetched``)
+    kept: tuple[bool, bool] = (False, False)
+    buffer_slots: tuple | list = ()
+    prefetched: int = 0
+    on_prefetch: bool = False
+    on_pe: bool = True  # it reads on the PE path
 
 
 @dataclass
@@ -202,6 +248,7 @@ class SimResult:
     ttft_at: list[float] = field(default_factory=list)  # when each ttft_s entry's first token came
     tpot_at: list[float] = field(default_factory=list)  # when each tpot_s entry's request finished
     ttft_agent: list[int] = field(default_factory=list)  # whose turn each ttft_s entry is (the agent's index)
+    sessions: dict = field(default_factory=dict)  # runs with sessions: dualpath.sim.sessions.Sessions.summary
 
 
 class ClusterSim:
@@ -211,7 +258,11 @@ class ClusterSim:
         rounds_per_agent: list[list[tuple[int, int]]],
         starts: list[float] | None = None,
         priorities: list[int] | None = None,
+        first_rounds: list[int] | None = None,
     ):
+        """``starts``: when each agent sends its first round (default 0); ``priorities``: each agent's; and
+        ``first_rounds``: the round each agent starts at (default 0), its earlier rounds' context already stored (an
+        agent met mid-trajectory: a short run sees agents at every stage, as a long one's steady state does)."""
         self.cfg = cfg
         mode, policy, self.layerwise, self.reads = SYSTEMS[cfg.system]
         nodes = [f"p{i}" for i in range(cfg.prefill_nodes)] + [f"d{i}" for i in range(cfg.decode_nodes)]
@@ -220,6 +271,8 @@ class ClusterSim:
             caps["storage"] = cfg.storage_bps
         caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
+        gaps = any(len(r) > 2 and r[2] > 0 for rs in rounds_per_agent for r in rs)
+        self.sessions = Sessions(self, block_keys) if cfg.prefetch or cfg.affinity or gaps else None
         self.core = SchedulerCore(
             SchedulerConfig(
                 kv_store="/nonexistent",
@@ -228,6 +281,8 @@ class ClusterSim:
                 heartbeat_timeout_s=1e12,
                 max_queued_requests=10**9,
                 scheduling_policy=cfg.scheduling_policy,
+                session_prefetch=cfg.prefetch,
+                session_affinity=cfg.affinity,
             ),
             make_policy(policy),
             clock=lambda net=self.loop.net: net.now,
@@ -244,6 +299,12 @@ class ClusterSim:
             Agent(i, r, start=starts[i] if starts else 0.0, priority=priorities[i] if priorities else 0)
             for i, r in enumerate(rounds_per_agent)
         ]
+        for a, k in zip(self.agents, first_rounds or ()):
+            if 0 < k < len(a.rounds):
+                a.next_round, a.context = k, sum(r[0] + r[1] for r in a.rounds[:k])
+                self.core.index.add_packed(block_keys(a.index, 0, a.context // cfg.block_size))
+                if self.sessions is not None:
+                    self.sessions.joined(a)
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
         self.by_id: dict[str, SimRequest] = {}  # submitted, not yet assigned: by request id (a run keeps no history)
         self.ttft: list[float] = []
@@ -300,11 +361,13 @@ class ClusterSim:
 
     # --- agents -----------------------------------------------------------------------------------------------
     def _submit(self, agent: Agent) -> None:
-        append, gen = agent.rounds[agent.next_round]
+        append, gen = agent.rounds[agent.next_round][:2]
         prompt = agent.context + append
         bs = self.cfg.block_size
         keys = block_keys(agent.index, 0, prompt // bs)
         rid = f"a{agent.index}.r{agent.next_round}"
+        if self.sessions is not None:
+            self.sessions.submitted(agent, rid, self.loop.now)
         priority = agent.next_round - len(agent.rounds) if self.cfg.longest_first else agent.priority
         req = SimRequest(agent, prompt, gen, self.loop.now, priority=priority)
         self.by_id[rid] = req
@@ -313,8 +376,9 @@ class ClusterSim:
             sampling = self._sampling[gen, priority] = SamplingParams(
                 max_tokens=gen, ignore_eos=True, priority=priority
             ).to_dict()
+        session = SessionHint(f"a{agent.index}") if self.sessions is not None and self.sessions.tracked else None
         self.core.submit(
-            SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys),
+            SubmitRequest(rid, bytes(4 * prompt), sampling, block_hashes=keys, session=session),
             lambda ev, r=req: self._on_event(ev, r),
             trust_hashes=True,
         )
@@ -323,13 +387,22 @@ class ClusterSim:
         if ev.kind == "finished":
             agent = req.agent
             agent.context = req.prompt + req.gen
+            done = agent.rounds[agent.next_round]
             agent.next_round += 1
             self.turns += 1
+            gap = done[2] if len(done) > 2 else 0.0
+            if self.sessions is not None:
+                self.sessions.ended(agent, ev.request_id, self.loop.now)
             if agent.next_round < len(agent.rounds):
-                self._submit(agent)
+                if gap > 0:  # the agent's tool runs
+                    self.loop.after(gap, lambda: self._submit(agent))
+                else:
+                    self._submit(agent)
             else:
                 agent.finished_at = self.loop.now
                 self.unfinished -= 1
+        elif ev.kind == "assigned":
+            req.on_prefetch = ev.prefetched
         elif ev.kind == "failed":
             raise RuntimeError(f"simulated request {ev.request_id} failed: {ev.error}")
 
@@ -347,8 +420,11 @@ class ClusterSim:
         ]
         if loads and loads[0].engine_id == members[0].info.engine_id:
             self.reported_q[group] = read_q
-        if every or loads or not self.core.idle_for(group):
+        sessions = self.sessions
+        if every or loads or not self.core.idle_for(group) or (sessions is not None and sessions.needs_pull(members)):
             reply = self.core.pull(group, loads, members[0].info.engine_id)
+            if reply.prefetch:
+                sessions.order(reply.prefetch)
             for eid, work in reply.assignments.items():
                 for a in work:
                     self._start_prefill(self.engines[eid], a)
@@ -396,22 +472,43 @@ class ClusterSim:
         de = self.engines[req.de]
         pe.admit(a.request_id, req)
         de.admit(a.request_id, req)
-        hit_bytes = a.num_hit_blocks * self.cfg.block_size * self.cfg.model.kv_bytes_per_token
+        block_bytes = self.cfg.block_size * self.cfg.model.kv_bytes_per_token
+        hit_bytes = a.num_hit_blocks * block_bytes
+        reader = pe if a.path.value == "pe" else de
+        prefetched = 0
+        if self.sessions is not None:
+            prefetched = self.sessions.placed(req, pe, de, reader is pe)
         if not self.reads or hit_bytes == 0:
             self._compute(pe, a.request_id, req, self.loop.now, self.loop.now)
             return
-        reader = pe if a.path.value == "pe" else de
         node = reader.info.node_id
         route = self._route(reader is pe, pe, de)
+        stored = hit_bytes - prefetched * block_bytes  # what is read from storage
+        parts = [self.loop.now, self.loop.now, (stored > 0) + (prefetched > 0)]  # read start, end, parts to go
+        overlap = reader is pe or self.cfg.de_read_overlap
+
+        def part_done(start: float | None = None):
+            if start is not None:
+                parts[0] = start
+            parts[1], parts[2] = self.loop.now, parts[2] - 1
+            if not parts[2]:
+                self._compute(pe, a.request_id, req, parts[0] if overlap else parts[1], parts[1])
+
+        if prefetched:  # from the reader's DRAM buffer: the path's links after the buffer
+            self.loop.transfer(
+                f"buffer:{a.request_id}", prefetched * block_bytes, self._buffer_route(route, node), part_done
+            )
+        if stored <= 0:
+            return
 
         def loaded(start: float):
-            reader.read_bytes += hit_bytes
+            reader.read_bytes += stored
             reader.dirty = True
-            self.read_bytes[node] = self.read_bytes.get(node, 0.0) + hit_bytes
-            self._compute(pe, a.request_id, req, start, self.loop.now)
+            self.read_bytes[node] = self.read_bytes.get(node, 0.0) + stored
+            part_done(start)
 
-        self.read_queue.setdefault(node, deque()).append((f"read:{a.request_id}", hit_bytes, route, loaded))
-        self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + hit_bytes
+        self.read_queue.setdefault(node, deque()).append((f"read:{a.request_id}", stored, route, loaded))
+        self.queued_bytes[node] = self.queued_bytes.get(node, 0.0) + stored
         self._issue_reads(node)
 
     def _route(self, on_pe: bool, pe: SimEngine, de: SimEngine) -> tuple:
@@ -426,6 +523,19 @@ class ClusterSim:
             )
         return self._routes[key]
 
+    def _buffer_route(self, route: tuple, node: str) -> tuple:
+        """A read path's links after the reading node's DRAM buffer: no storage, no storage NIC, one DRAM crossing
+        less (the storage NIC's write into the buffer)."""
+        out = []
+        for link, f in route:
+            if link in (f"{node}/snic", f"{node}/storage_read", "storage"):
+                continue
+            if link == f"{node}/dram":
+                f -= 1
+            if f > 0:
+                out.append((link, f))
+        return tuple(out)
+
     def _issue_reads(self, node: str) -> None:
         """A node's storage client reads its queue FIFO, ``reads_per_node`` requests at a time."""
         queue, reading = self.read_queue.get(node), self.reading.setdefault(node, set())
@@ -437,6 +547,8 @@ class ClusterSim:
             def done(flow=flow, loaded=loaded, start=self.loop.now):
                 reading.discard(flow)
                 self._issue_reads(node)
+                if self.sessions is not None and not reading:  # the node's storage client is idle: prefetch
+                    self.sessions.pump(node)
                 loaded(start)
 
             self.loop.transfer(flow, size, route, done)
@@ -473,6 +585,8 @@ class ClusterSim:
         req = pe.release(work)
         req.prefill_done = self.loop.now
         self.ttft.append(self.loop.now - req.submitted)
+        if self.sessions is not None:
+            self.sessions.prefilled(req, self.loop.now - req.submitted)
         self.ttft_at.append(self.loop.now)
         self.ttft_agent.append(req.agent.index)
         de = self.engines[req.de]
@@ -567,6 +681,8 @@ class ClusterSim:
         groups = sorted(self.groups)
         for i, group in enumerate(groups):  # real groups' pull timers are not aligned: spread their phases
             self.loop.at(self.cfg.pull_interval_s * i / len(groups), lambda g=group: self._pull(g))
+        if self.sessions is not None:
+            self.loop.at(0.0, self.sessions.sample)
         thresholds = gc.get_threshold()
         # A large cluster keeps ~10^6 objects in flight (requests, timers' closures); the default thresholds run a
         # full collection over them every few thousand turns: 15-25% of the run at 48P96D. The sim makes little
@@ -592,6 +708,7 @@ class ClusterSim:
             self.ttft_at,
             self.tpot_at,
             self.ttft_agent,
+            self.sessions.summary() if self.sessions is not None else {},
         )
 
 

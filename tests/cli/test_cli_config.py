@@ -16,6 +16,7 @@ from dualpath.serving.serve import lora_modules
 
 TEXT = {  # what a flag whose converter checks its text is given (the rest: a value of its type, or any text)
     "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+    "kv_events_config": '{"enable_kv_cache_events": true, "topic": "kv@h@m"}',
     "gpu_memory_utilization": "0.5",
     "cache_bytes": "1G",
     "max_stored_response_bytes": "1G",

@@ -13,6 +13,7 @@ import pytest
 
 from dualpath import LLM, SamplingParams
 from dualpath.client import ClusterClient
+from dualpath.core.sessions import SessionHint
 from dualpath.core.errors import DualPathError, RequestError
 from dualpath.core.geometry import block_hashes, model_fingerprint
 from dualpath.launcher import ClusterSpec, LocalCluster
@@ -77,6 +78,42 @@ def run_conversation(client, reference, seed, turns, mode):
         results.append((prompt, got, want))
         prompt = prompt + got.token_ids + appends[t]
     return results
+
+
+def moved(now: dict, before: dict, what: str) -> int:
+    """Bytes the engines' traffic managers moved as ``what`` between two stats."""
+    total = lambda stats: sum(t.get(what, 0) for t in stats["traffic_bytes"].values())  # noqa: E731
+    return total(now) - total(before)
+
+
+def prefetched(now: dict, before: dict) -> bool:
+    """A prefetch was ordered since ``before`` and every block ordered is read (or skipped)."""
+    return now["ordered"] > before["ordered"] and now["loaded"] + now["skipped"] >= now["ordered"]
+
+
+def test_a_sessions_kv_is_prefetched_while_its_tool_runs_and_its_next_turn_reads_it(cluster, reference):
+    """An agent session's turn ends in a tool wait; its KV is read into an engine's buffer; the next turn goes there,
+    copies the prefetched blocks instead of reading storage, and replies exactly what the reference does."""
+    c, client, _ = cluster
+    prompt, appends = conversation(seed=11, turns=3)
+    session = SessionHint("agent-prefetch-test")
+    for t in range(3):
+        before = client.stats()
+        got = client.generate_choices(prompt, GREEDY, session=session, tool_wait=t < 2)[0]
+        with REFERENCE_LOCK:
+            assert got.token_ids == reference.generate(prompt, GREEDY)[0].token_ids, t
+        if t:
+            assert got.prefetched and got.num_cached_tokens >= (len(prompt) - 1 - len(appends[t - 1])) // BS * BS
+            # the turn's loads (not the next prefetch's reads, which may have begun): all from the prefetched copies
+            assert moved(client.stats(), before, "storage_read:kv") == 0
+            assert moved(client.stats(), before, "prefetch_hit:kv") == got.storage_bytes > 0
+        prompt = prompt + got.token_ids + appends[t]
+        deadline = time.monotonic() + 20  # the tool runs until the session's blocks are in a buffer
+        while t < 2 and not prefetched(client.stats()["prefetch"], before["prefetch"]):
+            assert time.monotonic() < deadline, client.stats()["prefetch"]
+            time.sleep(0.05)
+    stats = client.stats()
+    assert stats["session_turns_prefetched"] >= 2 and stats["prefetch"]["used"] > 0
 
 
 @pytest.mark.parametrize("mode", MODES)

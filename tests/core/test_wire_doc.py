@@ -115,7 +115,7 @@ def test_the_worked_example_is_the_codecs_output():
     request = m.SubmitRequest("r1", m.pack_tokens([1, 2, 300]), {"max_tokens": 8})
     head = (
         b'{"request_id":"r1","tokens":{"$b":0},"sampling":{"max_tokens":8},"mode":"","block_hashes":{"$b":1},'
-        b'"fingerprint":"","label":""}'
+        b'"fingerprint":"","label":"","session":null}'
     )
     segments = struct.pack("<Q", 12) + bytes([1, 0, 0, 0, 2, 0, 0, 0, 44, 1, 0, 0]) + struct.pack("<Q", 0)
     assert m.to_wire(request) == struct.pack("<I", len(head)) + head + segments

@@ -13,7 +13,7 @@ from doc_blocks import page_name, path_refs, run_blocks
 DOC_PAGES = [p for p in pages() if p.name != "README.md"]
 # pages whose examples take seconds each (a server's worth of requests, models loaded): the slow tier runs them; by
 # default their command lines still parse and their Python still compiles (below), and the README's examples run
-HEAVY_PAGES = {"api.md", "quickstart.md", "offline.md", "rollouts.md"}
+HEAVY_PAGES = {"api.md", "quickstart.md", "offline.md", "rollouts.md", "tools.md"}
 LOGGERS = {"dualpath.access", "dualpath.stats"}  # logger names the docs give, not modules
 
 

@@ -42,7 +42,12 @@ def test_graphs_only_where_they_can_be_captured(tiny_dirs):
 
 
 @pytest.mark.parametrize(
-    "arch,kernels,reads_host", [("llama", "triton", False), ("llama", "torch", True), ("deepseek_v32", "triton", False)]
+    "arch,kernels,reads_host",
+    [
+        ("llama", "triton", False),
+        ("llama", "torch", True),
+        pytest.param("deepseek_v32", "triton", False, marks=pytest.mark.slow),  # (graph_safe checked above)
+    ],
 )
 def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, arch, kernels, reads_host):
     """A CPU stand-in for "capturable": no code of ours turns a tensor into a host value, or host values into a

@@ -50,7 +50,8 @@ def _same(model, n, ref_kw=None, **kw) -> None:
     "arch,kw",
     [
         ("qwen3_moe", {"enable_expert_parallel": True}),
-        ("deepseek_v3", {"enable_expert_parallel": True}),
+        # MLA + EP: deepseek_v32 below runs it by default (with all_gather dispatch)
+        pytest.param("deepseek_v3", {"enable_expert_parallel": True}, marks=pytest.mark.slow),
         pytest.param("deepseek_v3", {}, marks=pytest.mark.slow),  # plain TP of MLA + MoE: tests/cluster TP tests
         ("deepseek_v32", {"enable_expert_parallel": True, "moe_dispatch": "all_gather"}),
     ],
@@ -153,7 +154,8 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", ["all_to_all", "all_gather"])
+# all_gather also runs by default through deepseek_v32's two ranks (test_moe_models_at_two_ranks_give_one_ranks_tokens)
+@pytest.mark.parametrize("kind", ["all_to_all", pytest.param("all_gather", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("replicated", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_dispatch_backends_give_the_one_process_sums(kind, replicated, tmp_path):
     """Three ranks, 2 experts each; the same 7 tokens (each rank dispatches 3, 2 and 2 of them), or their own 5,

@@ -150,15 +150,16 @@ class RecordingClient:
     request's (agent's first token, round's priority) in order."""
 
     def __init__(self, policy: str):
-        self.policy, self.sent = policy, []
+        self.policy, self.sent, self.sessions = policy, [], []
 
     def stats(self):
         return {"scheduling_policy": self.policy}
 
-    def generate_choices(self, context, sampling, mode=""):
+    def generate_choices(self, context, sampling, mode="", session=None, tool_wait=False):
         from dualpath.client import GenerationResult
 
         self.sent.append((context[0], sampling.priority))
+        self.sessions.append((session, tool_wait))
         return [GenerationResult("r", [3] * sampling.max_tokens, "length") for _ in range(sampling.n)]
 
 
@@ -171,6 +172,8 @@ def test_longest_first_sends_the_agents_with_most_rounds_left_first(tmp_path):
     client = RecordingClient("priority")
     Rollout(client, RolloutConfig(longest_first=True, max_concurrency=1)).run(ts, tmp_path / "o.jsonl", progress=False)
     assert client.sent == [(101, -4), (101, -3), (101, -2), (101, -1), (100, -2), (100, -1), (102, -1)]
+    # each agent is one session; every round but its last is followed by a tool call
+    assert [(s.id, wait) for s, wait in client.sessions[:4]] == [("t1/0", True)] * 3 + [("t1/0", False)]
     plain = RecordingClient("fcfs")
     Rollout(plain, RolloutConfig(max_concurrency=1)).run(ts, tmp_path / "p.jsonl", progress=False)
     assert [p for _, p in plain.sent] == [0] * 7 and [t for t, _ in plain.sent][:2] == [100, 100]

@@ -94,7 +94,7 @@ class FakeCluster:
     def __init__(self):
         self.stats_reply: dict | None = dict(STATS)
 
-    def start(self, prompt, sampling, request_id=None, mode="", label=""):
+    def start(self, prompt, sampling, request_id=None, mode="", label="", agent=None):
         return Handle([5, 6, 7])
 
     def stats(self):

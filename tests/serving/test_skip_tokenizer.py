@@ -24,7 +24,7 @@ class ScriptedClient:
     def __init__(self):
         self.prompts = []
 
-    def start(self, prompt, sampling, request_id=None, mode="", label=""):
+    def start(self, prompt, sampling, request_id=None, mode="", label="", agent=None):
         self.prompts.append(list(prompt))
         return ScriptedHandle()
 

@@ -111,7 +111,7 @@ class ModelClient:
     def __init__(self, llm: LLM):
         self.llm, self.prompts = llm, []
 
-    def start(self, prompt, sampling, request_id=None, mode="", label=""):
+    def start(self, prompt, sampling, request_id=None, mode="", label="", agent=None):
         self.prompts.append(list(prompt))
         return ModelHandle(self.llm.generate([list(prompt)], sampling))
 

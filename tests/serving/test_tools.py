@@ -10,6 +10,8 @@ from dataclasses import replace
 
 import openai
 import pytest
+
+from dualpath.core.sessions import SessionHint
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,9 +67,10 @@ class ScriptedClient:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.reply, self.prompts, self.samplings = tokenizer, "", [], []
-        self.request_ids, self.labels, self.aborts = [], [], []
+        self.request_ids, self.labels, self.aborts, self.agents, self.turns = [], [], [], [], []
 
-    def start(self, prompt, sampling, request_id=None, mode="", label=""):
+    def start(self, prompt, sampling, request_id=None, mode="", label="", agent=None):
+        self.agents.append(agent)
         self.prompts.append(list(prompt))
         self.request_ids.append(request_id)
         self.labels.append(label)
@@ -86,7 +89,9 @@ class ScriptedClient:
             if sampling.prompt_logprobs is None
             else [{"token_id": t, "logprob": -1.0, "top": [[t, -1.0]], "rank": 1} for t in list(prompt)[1:]]
         )
-        return ScriptedHandle(replies, plps)
+        handle = ScriptedHandle(replies, plps)
+        handle.agent, handle.turns = agent, self.turns
+        return handle
 
     def stats(self):
         return {"ready": True}
@@ -101,6 +106,7 @@ class ScriptedClient:
 
 class ScriptedHandle:
     request_id = "scripted"
+    agent, prefetched, turns = None, False, []
 
     def __init__(self, choices: list[list[int]], prompt_logprobs: list[dict] | None = None):
         self.choices, self.prompt_logprobs = choices, prompt_logprobs
@@ -127,6 +133,9 @@ class ScriptedHandle:
 
     def cancel(self):
         pass
+
+    def end_turn(self, output_tokens, tool_wait=True, next_turn_in_s=None):
+        self.turns.append((self.agent, list(output_tokens), tool_wait))
 
 
 def serve(tiny_dirs, tmp_path, template, api_key=None, **config):
@@ -312,6 +321,34 @@ def test_streamed_chunks_conform_and_text_before_the_call_streams(hermes):
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text == "One moment."
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_sessions_turn_that_calls_a_tool_tells_the_scheduler_it_waits(hermes, stream):
+    http, fake, tok = hermes
+    fake.reply = CALL
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "max_tokens": 64, "stream": stream, **ask(dualpath={"session": {"ttl_s": 60}})},
+        headers={"X-Session-Id": "agent-7"},
+    )
+    assert r.status_code == 200
+    assert fake.agents == [SessionHint("agent-7", ttl_s=60.0)]
+    assert fake.turns == [(SessionHint("agent-7", ttl_s=60.0), tok.encode(CALL, add_special_tokens=False), True)]
+    fake.reply = "Sunny."
+    chat(http, **ask(), stream=stream)  # no session: nothing to tell
+    assert len(fake.turns) == 1
+    http.post("/v1/chat/completions", json={"model": "m", **ask()}, headers={"X-Session-Id": "agent-7"})
+    assert fake.turns[-1][2] is False  # a reply without calls: the session does not wait for a tool
+
+
+def test_a_session_hint_out_of_bounds_is_a_400_naming_it(hermes):
+    http, fake, _ = hermes
+    r = chat(http, **ask(dualpath={"session": {"id": "a", "next_turn_in_s": -3}}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dualpath.session.next_turn_in_s"
+    r = http.post("/v1/chat/completions", json={"model": "m", **ask()}, headers={"X-Session-Id": "x" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Session-Id.id"
+    assert not fake.prompts  # nothing was submitted
 
 
 def test_history_with_calls_and_results_reaches_the_template(hermes):

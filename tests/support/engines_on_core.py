@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpath.core.config import SchedulerConfig, StorageConfig
+from dualpath.core.config import KVEventsConfig, SchedulerConfig, StorageConfig
 from dualpath.core.geometry import block_hashes
 from dualpath.core.messages import Ack, EngineLoad, SubmitRequest, from_wire, pack_tokens, to_wire
 from dualpath.core.sampling_params import SamplingParams
@@ -51,6 +51,7 @@ class EngineSpec:
     node_id: str
     capacity_bytes: int = 0  # its store's cap (0: none)
     read_bps: float = 0.0  # its node's storage read rate, capped (0: no cap)
+    kv_events: KVEventsConfig = KVEventsConfig()  # its KV events (off)
 
 
 @contextmanager
@@ -75,6 +76,7 @@ def engines_on_core(model, tmp_path, block_size: int, specs: list[EngineSpec], p
                 engine_id=s.engine_id,
                 node_id=s.node_id,
                 alpha_tokens=1 << 20,  # pinned: no start-up read probe, and Algorithm 1 never counts a node slow
+                kv_events=s.kv_events,
                 storage=StorageConfig(
                     root=str(kv), io_threads=1, capacity_bytes=s.capacity_bytes, read_bandwidth_bps=s.read_bps
                 ),

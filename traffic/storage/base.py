@@ -66,5 +66,14 @@ class StorageBackend(ABC):
         """Called with keys evicted to stay under capacity (so an index can forget them)."""
         self._on_evict = callback
 
+    def set_corrupt_callback(self, callback: Callable[[list[BlockHash]], None]) -> None:
+        """Called with keys this store found corrupt on read and removed (to be stored again)."""
+        self._on_corrupt = callback
+
+    def set_cleared_callback(self, callback: Callable[[], None]) -> None:
+        """Called when this store finds every block of its fingerprint gone at once (another process removed them:
+        a flush of the store, ``remove_stored``)."""
+        self._on_cleared = callback
+
     def close(self) -> None:
         """Finish queued work and release resources."""

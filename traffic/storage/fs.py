@@ -38,6 +38,7 @@ from dualpath.core.errors import BlockCorruptError, BlockMissingError, StorageEr
 from dualpath.core.faults import failpoint
 from dualpath.core.geometry import HASH_BYTES, BlockHash, KVGeometry
 from dualpath.traffic.storage.accounting import ReadAccounting
+from dualpath.traffic.storage.pins import pinned_keys
 from dualpath.traffic.storage.base import Results, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class FsStorage(StorageBackend):
         self.file_bytes = self.header_size + geometry.full_block_bytes
         self._pool = ThreadPoolExecutor(config.io_threads or 2 * (os.cpu_count() or 1), thread_name_prefix="kv-io")
         self._lock = threading.Lock()
-        self._on_evict = None
+        self._on_evict = self._on_corrupt = self._on_cleared = None
         self.corrupt_removed = 0  # block files this store found corrupt on read and removed (to be stored again)
         self._warned: set[BlockHash] = set()  # corrupt blocks that could not be removed, logged once
         self._used, self._next_count, self._counting = 0, 0.0, True
@@ -159,9 +160,12 @@ class FsStorage(StorageBackend):
     def _counted(self, used: int, start: float, where: tuple[int, int] | None) -> None:
         now = time.monotonic()
         with self._lock:
+            replaced = self._counted_dir is not None and where != self._counted_dir  # (flushed: every block went)
             self._used, self._counting = used, False
             self._counted_dir = where
             self._next_count = now + max(self.config.rescan_s, 20 * (now - start))
+        if replaced and self._on_cleared:
+            self._on_cleared()
 
     # --- reads ----------------------------------------------------------------------------------------------
     def read(
@@ -250,6 +254,8 @@ class FsStorage(StorageBackend):
             self._used = max(0, self._used - self.file_bytes)
             self.corrupt_removed += 1
         log.warning("%s; removed, so the next engine that computes the block stores it again", error)
+        if self._on_corrupt:
+            self._on_corrupt([key])
         return True
 
     def _warn_once(self, key: BlockHash) -> bool:
@@ -359,10 +365,12 @@ class FsStorage(StorageBackend):
                     continue
             self._used = len(entries) * self.file_bytes
             target = int(self.config.capacity_bytes * 0.9)
-            evicted = []
+            evicted, pinned = [], pinned_keys(self.dir)  # agent sessions' TTLs (dualpath.traffic.storage.pins)
             for _, key in sorted(entries):
                 if self._used <= target:
                     break
+                if key in pinned:
+                    continue
                 _unlink(self.path(key))
                 self._used -= self.file_bytes
                 evicted.append(key)
