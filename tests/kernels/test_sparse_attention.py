@@ -161,15 +161,21 @@ def _sparse_case(lens, dtype, bs):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8 cache"])
+PREFILL_ROWS = ([(6, 3), (9, 1), (0, 12), (30, 5)], 4)  # prefill rows over cached parts
+DECODE_BATCH = ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16)
+ONE_SEQUENCE = ([(40, 9)], 16)  # its rows scored a few at a time
+
+
 @pytest.mark.parametrize(
-    "lens, bs",
+    "dtype, lens, bs",
     [
-        ([(6, 3), (9, 1), (0, 12), (30, 5)], 4),  # prefill rows over cached parts
-        ([(9, 1), (0, 1), (20, 1), (3, 1), (70, 1)], 16),  # a decode batch
-        ([(40, 9)], 16),
+        (dtype, *case)
+        if dtype is torch.float32 or case is not PREFILL_ROWS
+        else pytest.param(dtype, *case, marks=pytest.mark.slow)  # (~3.5 s each; the other shapes cover the dtypes)
+        for case in (PREFILL_ROWS, DECODE_BATCH, ONE_SEQUENCE)
+        for dtype in (torch.float32, torch.bfloat16, "fp8 cache")
     ],
-)  # one sequence, its rows scored a few at a time
+)
 def test_the_triton_sparse_path_matches_the_reference(monkeypatch, dtype, lens, bs):
     """``dualpath.kernels.triton_sparse`` (the interpreter here): the indexer's scores, the choice and MLA over the chosen
     rows on the device give the torch reference's output (within 1e-3 for float32, 2e-2 for bfloat16, of its
