@@ -13,11 +13,16 @@ Parts (each a set of simulator runs, spread over ``--jobs`` processes):
   the second sees agents at every stage; 9,000 s probes give the same rates, 1,800 s ones ~1.5x too high: early
   rounds with short contexts dominated), Basic vs DualPath.
 * scale: DualPath at 2P4D with N agents vs 8P16D with 4N agents (the paper: 2P4D/2K agents vs 48P96D/48K).
+* hbm: DS 660B 2P4D Basic with less HBM for resident KV than the weights leave (``PrefillWeights``: 19.2 GB a GPU),
+  down to one long prompt's: where the bound starts to cost JCT (the layerwise ablation's arithmetic).
+* full4k: Basic, layerwise and DualPath with 4N agents, whose JCTs are the paper's "while full" numbers (its
+  4,096-agent runs: Basic 19,309 s, DualPath 10,312 s).
 * paperscale (not run by default): the paper's own pair, 2P4D with 2,048 agents and 48P96D with 49,152, and
   the large run's wall time (the issue's speed target):
   ``--parts paperscale --out bench/results/sim_paperscale.json``.
 
     PYTHONPATH=. python bench/sim_reproduction.py [--agents 1024] [--jobs 2] [--parts offline,pd,append,online,scale]
+    PYTHONPATH=. python bench/sim_reproduction.py --parts offline,hbm --merge   # re-run parts, keep the others' runs
 
 Writes ``bench/results/sim_reproduction.json`` and figures under ``bench/results/sim_reproduction/``; prints the
 table of each paper figure beside the simulated one.
@@ -66,8 +71,17 @@ def run_task(task: dict) -> dict:
     from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
 
     model = MODELS[task["model"]]
-    # no cap on the storage system as a whole: each node's client reads at most its own rate
-    cfg = SimConfig(PAPER_CLUSTER_NODE, model, model.engine, task["p"], task["d"], task["system"])
+    # no cap on the storage system as a whole: each node's client reads at most its own rate; a task's kv_budget
+    # (bytes a prefill GPU) replaces what the weights leave of its HBM
+    cfg = SimConfig(
+        PAPER_CLUSTER_NODE,
+        model,
+        model.engine,
+        task["p"],
+        task["d"],
+        task["system"],
+        prefill_kv_budget_bytes=task.get("kv_budget"),
+    )
     rounds = rounds_for(task)
     t0 = time.perf_counter()
     if task.get("online_s"):
@@ -117,6 +131,10 @@ def tasks_for(parts: list[str], agents: int, online_s: float) -> list[dict]:
         ]
     if "scale" in parts:
         t += [{**base, "part": "scale", "system": "dualpath", "p": 8, "d": 16, "agents": 4 * agents}]
+    if "hbm" in parts:  # GB of HBM a prefill GPU gives resident KV: 2.7 GB holds one 64K-token prompt (all layers)
+        t += [{**base, "part": "hbm", "system": "basic", "kv_budget": gb * 1e9} for gb in (5.4, 2.7)]
+    if "full4k" in parts:
+        t += [{**base, "part": "full4k", "system": s, "agents": 4 * agents} for s in ("basic", "layerwise", "dualpath")]
     if "paperscale" in parts:  # the paper's own pair (not in the default parts: the large run alone is long)
         t += [
             {**base, "part": "paperscale", "system": "dualpath", "p": p, "d": 2 * p, "agents": 1024 * p}
@@ -132,6 +150,68 @@ def pick(rows: list[dict], **match) -> dict:
         if all(task.get(k) == v for k, v in match.items()):
             return r
     raise KeyError(match)
+
+
+def window_mix(task: dict) -> dict:
+    """What the trace asks of a 2P4D cluster while it is full (until the median agent's last turn: every agent's first
+    k_med turns) and over the whole run: the mean predicted prefill and hit bytes a turn, and the turns/s the
+    prefill GPUs (all busy) and the prefill nodes' storage reads (all busy) could then sustain."""
+    import numpy as np
+
+    from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
+
+    model = MODELS[task["model"]]
+    rounds, cost, bs = rounds_for(task), model.engine.prefill, 64
+    k_med = int(np.median([len(a) for a in rounds]))
+    whole, window = [], []
+    for a in rounds:
+        context = 0
+        for i, (append, gen, *_) in enumerate(a):
+            hit = context // bs * bs
+            (window if i < k_med else whole).append((hit, context + append - hit))
+            context += append + gen
+    whole += window
+    out = {"k_med": k_med}
+    for name, turns in (("window", window), ("run", whole)):
+        prefill = float(np.mean([cost.predict([t]) for t in turns]))
+        hit_bytes = float(np.mean([h for h, _ in turns])) * model.kv_bytes_per_token
+        out[name] = {
+            "append": float(np.mean([n for _, n in turns])),
+            "prefill_s": prefill,
+            "hit_bytes": hit_bytes,
+            "prefill_turns_per_s": task["p"] * PAPER_CLUSTER_NODE.gpus / prefill,
+            "storage_turns_per_s": task["p"] * PAPER_CLUSTER_NODE.read_bps / hit_bytes,
+        }
+    return out
+
+
+def mix_note(task: dict) -> str:
+    """Why a "while full" row differs from the paper's JCT figure: what the window's turns ask against the run's."""
+    m = window_mix(task)
+    w, r = m["window"], m["run"]
+    return (
+        f"a metric of its own, not the paper's (a JCT): while full (every agent's first {m['k_med']} turns) a turn "
+        f"computes {w['append']:.0f} new tokens ({r['append']:.0f} over the run: early appends and every first turn "
+        f"fall there), {w['prefill_s']:.2f} s of prefill ({r['prefill_s']:.2f}), so the prefill GPUs cap every "
+        f"system at {w['prefill_turns_per_s']:.1f} turns/s ({r['prefill_turns_per_s']:.1f}) while the PE nodes' "
+        f"storage would allow {w['storage_turns_per_s']:.1f} ({r['storage_turns_per_s']:.1f}): DualPath's gain "
+        "over Basic is capped there, not over the run"
+    )
+
+
+def hbm_note(basic: dict) -> str:
+    """Why the prefill HBM bound leaves Basic's JCT where it was (docs/simulator.md has the whole arithmetic)."""
+    if basic.get("prefill_kv_budget_bytes") is None:
+        return ""
+    gb, turn_gb = basic["prefill_kv_budget_bytes"] / 1e9, 32_721 * 40 * 1024 / 1e9
+    return (
+        f"modelled: a prefill GPU's HBM after the weights, {gb:.1f} GB ({gb / turn_gb:.0f} mean prompts' KV over all "
+        f"61 layers; layerwise keeps 2 layers), bounds Basic's resident KV: {basic['hbm_waited_turns']:,} of its "
+        f"{basic['turns']:,} turns waited for it ({basic['hbm_wait_mean_s']:.1f} s on average), its JCT did not "
+        "move: storage-bound with a deep queue, a node's 8 GPUs still hold the 16 reads its storage client keeps in "
+        f"flight (~{16 * turn_gb:.0f} GB); prefill would have to take 2.6x the calibrated 0.35 s a turn to bind "
+        "instead. No honest HBM model gives -17% here: docs/simulator.md"
+    )
 
 
 def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
@@ -153,18 +233,21 @@ def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
             "JCT; paper at 1,024 agents (up to 1.87x)",
         )
         busy = lambda s: pick(rows, part="offline", system=s)["busy_turns_per_s"]  # noqa: E731
+        mix = mix_note({"model": "ds660b", "agents": agents, "p": 2})
         add(
             "same, turns/s while the cluster is full",
             19309 / 10312,
             busy("dualpath") / busy("basic"),
-            "until half the agents are done; paper: JCT at 4,096",
+            f"paper: JCT at 4,096 (like for like: the full4k part's JCT row); {mix}",
         )
         for system, paper in (("layerwise", -17.21), ("dualpath-rr", -38.19), ("dualpath", -45.62)):
-            add(f"ablation: JCT change vs Basic, {system} (%)", paper, 100 * (jct("offline", system) / basic - 1))
+            note = hbm_note(pick(rows, part="offline", system="basic")) if system == "layerwise" else ""
+            add(f"ablation: JCT change vs Basic, {system} (%)", paper, 100 * (jct("offline", system) / basic - 1), note)
             add(
                 f"ablation: time per turn while full vs Basic, {system} (%)",
                 paper,
                 100 * (busy("basic") / busy(system) - 1),
+                f"paper: JCT at 1,024 (the row above); {mix}",
             )
         add(
             "DualPath JCT / Oracle JCT",
@@ -211,12 +294,33 @@ def compare(rows: list[dict], parts: list[str], agents: int) -> list[dict]:
                 1.82 if k == 1.0 else 1.99 if k == 3.0 else 1.9,
                 pick(rows, part=part, system="dualpath", append=k)["busy_turns_per_s"]
                 / pick(rows, part=part, system="basic", append=k)["busy_turns_per_s"],
+                f"paper: JCT; {mix_note({'model': 'ds660b', 'agents': agents, 'p': 2, 'append': k})}",
             )
     if "online" in parts:
         b = pick(rows, part="online", system="basic")["online_agents_per_s"]
         d = pick(rows, part="online", system="dualpath")["online_agents_per_s"]
         add("online capacity at SLO, DualPath / Basic", 2.25, d / b if b else float("inf"))
         add("online capacity at SLO, DualPath 2P4D (agents/s)", 0.4, d)
+    if "hbm" in parts:
+        base_jct = jct("offline", "basic")
+        for r in rows:
+            if r["task"]["part"] == "hbm":
+                gb = r["task"]["kv_budget"] / 1e9
+                add(
+                    f"Basic JCT with {gb:g} GB of HBM for KV a prefill GPU / with the weights' remainder (%)",
+                    None,
+                    100 * (r["jct_s"] / base_jct - 1),
+                    f"{r['hbm_waited_turns']:,} turns waited for HBM, {r['hbm_wait_mean_s']:.2f} s on average",
+                )
+    if "full4k" in parts:
+        n = 4 * agents
+        b4, d4 = jct("full4k", "basic"), jct("full4k", "dualpath")
+        add(f"DualPath speedup over Basic, JCT at {n:,} agents", 19309 / 10312, b4 / d4, "paper: 4,096 agents")
+        add(f"Basic JCT at {n:,} agents (s)", 19309, b4, "paper: 4,096 agents")
+        add(f"DualPath JCT at {n:,} agents (s)", 10312, d4, "paper: 4,096 agents")
+        if any(r["task"]["part"] == "full4k" and r["system"] == "layerwise" for r in rows):
+            l4 = jct("full4k", "layerwise")
+            add(f"ablation at {n:,} agents: JCT change vs Basic, layerwise (%)", -17.21, 100 * (l4 / b4 - 1))
     if "scale" in parts:
         add(
             "scale: JCT 8P16D 4N agents / 2P4D N agents",
@@ -306,6 +410,23 @@ def figures(rows: list[dict], parts: list[str], out_dir: Path) -> list[str]:
     return made
 
 
+def task_key(task: dict) -> tuple:
+    return tuple(task.get(k) for k in ("part", "model", "system", "p", "d", "agents", "append", "kv_budget"))
+
+
+def merged(rows: list[dict], parts: list[str], args) -> tuple[list[dict], list[str]]:
+    """The new runs and the saved JSON's runs of every task not re-run (an offline run serves the append and scale
+    parts too: a re-run replaces it)."""
+    import json
+
+    saved = json.loads(Path(args.out or RESULTS / "sim_reproduction.json").read_text())
+    if saved["agents"] != args.agents:
+        raise SystemExit(f"--merge: the saved runs have {saved['agents']} agents, not {args.agents}")
+    ran = {task_key(r["task"]) for r in rows}
+    kept = [r for r in saved["runs"] if task_key(r["task"]) not in ran]
+    return kept + rows, list(dict.fromkeys(saved["parts"] + parts))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", type=int, default=1024, help="agents of the 2P4D runs (the paper: 1,024)")
@@ -324,6 +445,12 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--replot", action="store_true", help="table and figures again from the JSON at --out")
+    ap.add_argument("--systems", default="", help="comma-separated: run only these systems' tasks (default: all)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="run --parts and keep the other parts' runs from the JSON at --out (same --agents): a partial re-run",
+    )
     args = ap.parse_args()
     parts = args.parts.split(",")
     t0 = time.perf_counter()
@@ -334,9 +461,15 @@ def main() -> int:
         rows, parts, args.agents, t0 = saved["runs"], saved["parts"], saved["agents"], t0 - saved["wall_s"]
     else:
         tasks = tasks_for(parts, args.agents, args.online_seconds)
+        if args.systems:
+            tasks = [t for t in tasks if t["system"] in args.systems.split(",")]
+        if args.merge:  # the offline runs the append and scale parts compare against come from the saved JSON
+            tasks = [t for t in tasks if t["part"] in parts]
         print(f"{len(tasks)} simulator runs on {args.jobs} processes", flush=True)
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
             rows = pool.map(run_task, sorted(tasks, key=lambda t: -t["agents"] * t["p"]), chunksize=1)
+        if args.merge:
+            rows, parts = merged(rows, parts, args)
     table = compare(rows, parts, args.agents)
     figs = figures(
         rows, parts, Path(args.out).parent / "sim_reproduction" if args.out else RESULTS / "sim_reproduction"
@@ -349,6 +482,7 @@ def main() -> int:
             "agents": args.agents,
             "parts": parts,
             "wall_s": wall,
+            "merged": args.merge,  # True: only the parts run by the last command are new, the rest kept
             "simulated_turns": turns,
             "comparison": table,
             "runs": rows,

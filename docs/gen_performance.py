@@ -96,8 +96,25 @@ def agentic() -> str:
             f"Twice the agents (`{many['command']}`): DualPath {x(many['dualpath_vs_basic'])} Basic's JCT and "
             + ", ".join(x(v) for v in many["dualpath_vs_oracle"])
             + " Oracle's over three runs.",
-            source("agentic/agentic.json", "agentic_128_agents.json"),
+            budgeted(),
+            source("agentic/agentic.json", "agentic_128_agents.json", "agentic_kv_budget/agentic.json"),
         ]
+    )
+
+
+def budgeted() -> str:
+    """The agentic run with a prefill KV budget that binds basic batches (issue 53)."""
+    d = load("agentic_kv_budget/agentic.json")
+    s, cfg = by(d["systems"], "system"), d["config"]
+    storage = f"storage capped at {d['cap_bps'] / 1e6:.0f} MB/s a node" if d["cap_bps"] else "storage not capped"
+    return (
+        f"With the prefill engine's device memory for resident KV bounded (`--prefill-kv-budget "
+        f"{cfg['prefill_kv_budget_bytes'] >> 20}MiB` on SmolLM2-135M: a basic batch keeps all 30 layers of its KV "
+        f"resident, so {d['basic_batch_tokens']:,} tokens, a layerwise one two layers, so its whole "
+        f"{d['layerwise_batch_tokens']:,}-token workspace) and a compute quota a CPU forward fits "
+        f"(`--compute-quota-ms {cfg['compute_quota_ms']:g}`; {storage}), layerwise prefill takes "
+        f"{x(s['layerwise']['jct_vs_basic'])} Basic's JCT (the paper: 0.83×; `dualpath bench agentic --systems "
+        f"basic,layerwise --storage-cap 0 --prefill-kv-budget 48MiB --compute-quota-ms 3000 --buffer-mb 1024`)."
     )
 
 
@@ -185,7 +202,7 @@ def simulator() -> str:
         paper, sim = c["paper"], c["sim"]
         pct_metric = "(%)" in c["metric"]
         fmt = (lambda v: f"{v:+.1f}%") if pct_metric else (lambda v: num(v, 0) if abs(v) >= 100 else num(v, 2))
-        rows.append([c["metric"], fmt(paper), fmt(sim), c["note"] or ""])
+        rows.append([c["metric"], fmt(paper) if paper is not None else "—", fmt(sim), c["note"] or ""])
     return "\n\n".join(
         [
             "### The paper's figures on the simulator",
@@ -313,6 +330,145 @@ def gpu() -> str:
             + " `bench/results/gpu/README.md` says what each run measured.",
         ]
     )
+
+
+E2E = "gpu/e2e"  # bench/gpu/run_e2e.sh's results (issue 52), once a GPU run is committed
+NOT_YET = "Not yet measured on a GPU."
+
+
+def e2e_result(name: str) -> dict | None:
+    """``bench/results/gpu/e2e/NAME`` when a GPU run wrote it (not a smoke run's), else None."""
+    path = RESULTS / E2E / name
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    return None if d.get("smoke") else d
+
+
+def roofline_table(d: dict) -> str:
+    rows = []
+    for model in ("llama_1b", "llama3_8b"):
+        for r in d.get(model, {}).get("rows", []):
+            if "skipped" in r:
+                rows.append([model, str(r["batch"]), f"{r['context']:,}", "skipped", "", "", "", r["skipped"]])
+                continue
+            target = d["targets"][model]
+            rows.append(
+                [
+                    model,
+                    str(r["batch"]),
+                    f"{r['context']:,}",
+                    num(r["step_seconds"] * 1e3),
+                    num(r["bound_seconds"] * 1e3),
+                    f"**{x(r['vs_bound'])}**",
+                    str(r.get("launches_per_step") or ""),
+                    f"≤ {target}×: " + met(r["vs_bound"] <= target) if r["batch"] == 64 else "(report)",
+                ]
+            )
+    return table(["model", "batch", "context", "step (ms)", "bound (ms)", "÷ bound", "launches", "target"], rows)
+
+
+def serving_table(d: dict) -> str:
+    rows = []
+    for model in ("llama_1b", "llama3_8b"):
+        r = d.get(model)
+        if not r or "error" in r:
+            continue
+        sat, half = r["saturated"], r["half_load"]
+        rows.append(
+            [
+                model,
+                f"{r['offline']['output_tokens_per_s']:,.0f}",
+                f"{sat['output_tokens_per_s']:,.0f}",
+                f"≥ {r['target']}: **{x(r['serving_vs_offline'])}** " + met(r["serving_vs_offline"] >= r["target"]),
+                f"{half['ttft_p50_s'] * 1e3:.0f} / {half['ttft_p99_s'] * 1e3:.0f}",
+                f"{half['tpot_p50_s'] * 1e3:.1f}",
+            ]
+        )
+    head = ["model", "offline tok/s", "served tok/s", "÷ offline", "TTFT p50 / p99 (ms)", "TPOT p50 (ms)"]
+    return table(head, rows)
+
+
+def agentic_gpu_table(d: dict) -> str:
+    r = d["llama_1b"]
+    rows = [
+        [
+            name,
+            num(s["job_completion_time_s"], 1),
+            f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f}",
+            f"{s['tpot_p50_s'] * 1e3:.1f}",
+            num(s["hit_rate"]),
+        ]
+        for name, s in r["systems"].items()
+    ]
+    t = r["targets"]
+    ratios = (
+        f"DualPath {x(r['jct_vs_basic'])} Basic's JCT (≤ {t['jct_vs_basic']}×: {met(r['met']['jct_vs_basic'])}) and "
+        f"{x(r['jct_vs_oracle'])} Oracle's (≤ {t['jct_vs_oracle']}×: {met(r['met']['jct_vs_oracle'])}); every "
+        f"node's storage reads capped at {r['cap_bps'] / 1e6:.0f} MB/s."
+    )
+    return table(["system", "JCT (s)", "TTFT p50 / p99 (s)", "TPOT p50 (ms)", "hit rate"], rows) + "\n\n" + ratios
+
+
+def measured(what: str, render, d: dict | None) -> str:
+    """A part of the GPU run: what it measures, then ``render(d)`` (its table) or, without results, "not yet"."""
+    if d is None:
+        return f"{what} {NOT_YET}"
+    return f"{what}\n\n{render(d)}"
+
+
+def lora_line(d: dict) -> str:
+    one = d["lora"]["systems"]["one_adapter"]
+    ok = met(one["decode_vs_base"] >= d["lora"]["target_decode_vs_base"])
+    return f"One adapter: **{x(one['decode_vs_base'])}** the base model's decode ({ok}); on graphs: {yes(one['decode_graphs'])}."
+
+
+def gpu_e2e() -> str:
+    """Issue 52's run on one GPU (``bench/gpu/run_e2e.sh``): each part's table once its results are committed
+    under ``bench/results/gpu/e2e/``, and until then what it will measure, "Not yet measured on a GPU"."""
+    roof = e2e_result("decode_roofline.json")
+    agentic_gpu = e2e_result("gpu_agentic.json")
+    parts = [
+        "### One GPU, end to end",
+        "`bash bench/gpu/run_e2e.sh` (one prepared run, at most 8 minutes on an H200): decode against its memory "
+        "roofline, the server on the GPU against the offline `LLM`, the agentic benchmark with storage the "
+        "bottleneck, and LoRA decode on CUDA graphs.",
+        measured(
+            "**Decode against its roofline** (`bench/gpu/decode_roofline.py`): one decode step of `LLM`'s engine "
+            "(Triton kernels, CUDA graphs, sampling included) against (weight bytes + KV bytes read) ÷ the measured "
+            "copy bandwidth"
+            + (f" ({roof['copy']['copy_bytes_per_s'] / 1e12:.2f} TB/s)" if roof else "")
+            + "; the 1.1B Llama and Llama-3-8B's shape, bf16. Targets at batch 64: the 8B within 1.3×, the 1.1B "
+            "within 2×.",
+            roofline_table,
+            roof,
+        ),
+        measured(
+            "**The server on the GPU** (`bench/gpu/serve_bench.py serving`): `dualpath serve --device cuda:0`, a "
+            "prefill and a decode engine sharing the GPU, saturated by a fixed-rate open-loop load of random prompt "
+            "and output lengths, against the offline `LLM` on the same requests (target ≥ 0.9×); TTFT and TPOT at "
+            "half the offline request rate.",
+            serving_table,
+            e2e_result("gpu_serving.json"),
+        ),
+        measured(
+            "**The agentic benchmark on the GPU** (`bench/gpu/serve_bench.py agentic`): `dualpath bench agentic`, "
+            "1P2D on the one GPU, the 1.1B, storage reads capped so that Basic is storage-bound. Targets: DualPath ≤ "
+            "0.55 × Basic's JCT and ≤ 1.10 × Oracle's.",
+            agentic_gpu_table,
+            agentic_gpu if agentic_gpu and "systems" in agentic_gpu.get("llama_1b", {}) else None,
+        ),
+        measured(
+            "**LoRA on CUDA graphs** (`bench/gpu/kernels.py --only lora`): decode tokens/s with one rank-16 adapter "
+            "over every row against the base model's (target ≥ 0.7×).",
+            lora_line,
+            e2e_result("lora.json"),
+        ),
+    ]
+    names = [f"{E2E}/{n}" for n in ("decode_roofline.json", "gpu_serving.json", "gpu_agentic.json", "lora.json")]
+    have = [n for n in names if (RESULTS / n).exists()]
+    parts.append(source(*have) if have else f"Source: `bench/results/{E2E}/README.md` (the results land beside it).")
+    return "\n\n".join(parts)
 
 
 def met(ok: bool) -> str:
@@ -675,7 +831,7 @@ def reliability() -> str:
     )
 
 
-SECTIONS = (agentic, sessions, simulator, gpu, scheduler, serving, engine, traffic, reliability)
+SECTIONS = (agentic, sessions, simulator, gpu, gpu_e2e, scheduler, serving, engine, traffic, reliability)
 
 
 def generated() -> str:

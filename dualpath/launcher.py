@@ -122,6 +122,7 @@ class ClusterSpec:
     cache_bytes: int = 0  # see CacheConfig.device_memory_bytes (0: automatic)
     gpu_memory_utilization: float = 0.9  # see CacheConfig.gpu_memory_utilization
     workspace_tokens: int = 16384
+    prefill_kv_budget_bytes: int = 0  # see EngineProcessConfig.prefill_kv_budget_bytes
     storage_read_bps: float = 0.0
     storage_capacity: int = 0  # bytes of KV kept in the store (0: no cap)
     compute_quota_ms: float = 300.0
@@ -586,6 +587,8 @@ class LocalCluster(Supervisor):
             str(s.gpu_memory_utilization),
             "--workspace-tokens",
             str(s.workspace_tokens),
+            "--prefill-kv-budget",
+            str(s.prefill_kv_budget_bytes),
             "--storage-read-bps",
             str(s.storage_read_bps),
             "--storage-capacity",

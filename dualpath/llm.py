@@ -170,28 +170,37 @@ class LLM:
     def generate(
         self,
         prompts: str | Seq[int] | Seq[str | Seq[int]],
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs are in prompt order, a prompt's
-        ``sampling.n`` choices one after another (``RequestOutput.index``), its KV computed once for all of them."""
+        """Generate for each prompt (a string or a list of token ids) under ``sampling``, or each under its own
+        (a list as long as the prompts, vLLM's); outputs are in prompt order, a prompt's ``n`` choices one after
+        another (``RequestOutput.index``), its KV computed once for all of them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        sampling = sampling or self._default_sampling
+        samplings = (
+            list(sampling)
+            if isinstance(sampling, (list, tuple))
+            else [sampling or self._default_sampling] * len(prompts)
+        )
         loras = (
             [lora_request] * len(prompts)
             if lora_request is None or isinstance(lora_request, str)
             else list(lora_request)
         )
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        for name, values in (("lora requests", loras), ("sampling params", samplings)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(values)} {name} for {len(prompts)} prompts")
         if not self.tokenizer.takes_text:  # (the engine would otherwise ignore stop strings it cannot match)
-            self.tokenizer.check_sampling(sampling.stop, sampling.structured)
-        params = [dataclasses.replace(sampling, adapter=self._adapter(lora)) for lora in loras]
-        gens = lambda: [make_generator(sampling, i) for i in range(sampling.n)]  # noqa: E731
+            for s in samplings:
+                self.tokenizer.check_sampling(s.stop, s.structured)
+        params = [dataclasses.replace(s, adapter=self._adapter(lora)) for s, lora in zip(samplings, loras)]
         firsts = [
-            Sequence.choices(f"llm-{next(self._ids)}", self._prompt_ids(p), s, gens()) for p, s in zip(prompts, params)
+            Sequence.choices(
+                f"llm-{next(self._ids)}", self._prompt_ids(p), s, [make_generator(s, i) for i in range(s.n)]
+            )
+            for p, s in zip(prompts, params)
         ]
         seqs = [c for s in firsts for c in (s, *s.forks)]  # the engine empties ``forks`` as it forks them
         for s in firsts:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dualpath.core.errors import DualPathError, RequestError, StorageError
+from dualpath.core.errors import ConfigError, DualPathError, RequestError, StorageError
 from dualpath.core.faults import failpoint
 from dualpath.core.geometry import FullBlockSlots, LayerMajorBlocks
 from dualpath.core.messages import (
@@ -157,7 +157,7 @@ class PrefillEngine(Engine):
     def setup(self) -> None:
         g = self.geometry
         self.stages: list = []  # tensor parallelism: the workspaces' shared host staging (closed at the end)
-        self.workspace = self._workspace(2)
+        self.workspace = self._workspace(self._resident_layers(True))
         self.copies = LayerCopies(self.device)  # hit KV host -> device on its own stream (CUDA)
         self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
         self.jobs: PrefillJobs[Job] = PrefillJobs()  # the only place jobs are added, queued, cancelled, removed
@@ -168,9 +168,29 @@ class PrefillEngine(Engine):
         log.info("prefill cost model: %s (quota %.0f ms)", self.cost, 1000 * self.cfg.compute_quota_s)
         assert g.block_size > 0
 
-    def _workspace(self, slots: int, key: str = "ws") -> Workspace:
+    def _budget_blocks(self, resident_layers: int) -> int:
+        """Blocks per layer slot of a workspace that keeps ``resident_layers`` layers of a batch's KV in device
+        memory: ``workspace_tokens`` worth, fewer where ``prefill_kv_budget_bytes`` cannot hold that many layers of
+        them (0 blocks: not even one block of every layer fits). Layerwise prefill keeps two layers resident (the
+        one computing, the next arriving), basic all of them: under one budget a basic batch holds ~num_layers / 2
+        times fewer tokens (the paper's §2 reason for layerwise prefill)."""
         g = self.geometry
         blocks = max(1, self.cfg.workspace_tokens // g.block_size)
+        if self.cfg.prefill_kv_budget_bytes:
+            blocks = min(blocks, g.budget_blocks(self.cfg.prefill_kv_budget_bytes, resident_layers))
+        return blocks
+
+    def _resident_layers(self, layerwise: bool) -> int:
+        return 2 if layerwise else self.geometry.num_layers
+
+    def _workspace(self, slots: int, key: str = "ws") -> Workspace:
+        g = self.geometry
+        blocks = self._budget_blocks(slots)
+        if blocks < 1:
+            raise ConfigError(
+                f"a prefill KV budget of {self.cfg.prefill_kv_budget_bytes} bytes holds no block of {slots} layers "
+                f"({slots} x {g.layer_block_bytes} bytes)"
+            )
         if self.ranks.size == 1:
             t = self.ranks.run(alloc_workspace, key, g, slots, blocks, None)
             return Workspace(
@@ -234,6 +254,7 @@ class PrefillEngine(Engine):
             self.model.check_adapter(params.adapter)
             if params.prompt_logprobs is not None and a.num_hit_blocks:
                 raise RequestError("prompt_logprobs needs the whole prompt computed, not loaded")
+            self._check_fits(job)
         except RequestError as e:
             self._fail(job, str(e))
             return
@@ -246,6 +267,21 @@ class PrefillEngine(Engine):
             self._fail(job, "the prefill engine is loading new weights" if self.updating else "already held")
             return
         threading.Thread(target=self._prepare, args=(job,), daemon=True, name=f"prep-{a.request_id}").start()
+
+    def _check_fits(self, job: Job) -> None:
+        """A prompt whose KV cannot be resident at once (its last chunk attends over all of it) fails now, clearly:
+        queued, it would never fit a batch."""
+        g, layers = self.geometry, self._resident_layers(job.a.layerwise)
+        cap = self._budget_blocks(layers)
+        if g.num_blocks(job.n_prompt) > cap:
+            mode = "layerwise" if job.a.layerwise else "basic (non-layerwise)"
+            raise RequestError(
+                f"a {job.n_prompt}-token prompt's KV over {layers} resident layers "
+                f"({g.num_blocks(job.n_prompt) * layers * g.layer_block_bytes} bytes) does not fit this prefill "
+                f"engine's {mode} workspace of {cap * g.block_size} tokens (--workspace-tokens "
+                f"{self.cfg.workspace_tokens}, --prefill-kv-budget {self.cfg.prefill_kv_budget_bytes}); "
+                "raise them or prefill layerwise"
+            )
 
     def _de(self, a: Assignment) -> Client:
         de = a.decode
@@ -401,7 +437,7 @@ class PrefillEngine(Engine):
 
     def _basic_workspace(self) -> Workspace:
         if self.basic_workspace is None:
-            self.basic_workspace = self._workspace(self.geometry.num_layers, "basic")
+            self.basic_workspace = self._workspace(self._resident_layers(False), "basic")
         return self.basic_workspace
 
     def stop(self) -> None:

@@ -85,12 +85,16 @@ def fp8_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T + bias``, plus ``residual`` if given (on triton written over it, as ``add_linear`` does). The
-    reference rounds the product and then the sum; the kernel rounds once. On triton, a batch of prefill size
-    multiplies FP8 by FP8 (``dualpath.kernels.triton_fp8.uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does."""
+    reference rounds the product and then the sum; the kernel rounds once. On triton the rows choose the kernel: a
+    decode batch (``dualpath.kernels.triton_fp8.uses_swap_ab``: up to 64 rows) takes the swap-AB w8a16 GEMM, a
+    batch of prefill size multiplies FP8 by FP8 (``uses_w8a8``), as DeepSeek's and vLLM's FP8 serving does, and
+    the rows between take the w8a16 GEMM."""
     if backend == "triton":
-        from dualpath.kernels.triton_fp8 import uses_w8a8, w8a16_linear, w8a8_linear
+        from dualpath.kernels import triton_fp8 as t
 
-        linear = w8a8_linear if uses_w8a8(x, w) else w8a16_linear
+        if t.uses_swap_ab(x):
+            return t.w8a16_swap_linear(x, w, bias, residual)
+        linear = t.w8a8_linear if t.uses_w8a8(x, w) else t.w8a16_linear
         return linear(x, w, bias, residual)
     out = F.linear(x, w.dequantize(x.dtype), bias)
     return out if residual is None else residual + out

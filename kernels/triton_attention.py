@@ -263,14 +263,21 @@ def _decode_split_kernel(
     MIN_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    F16_MMA: tl.constexpr,
 ):
     """One program: one sequence, ``G_BLOCK`` query heads of one KV head (all of a GQA group; MLA's 128 heads
     in blocks, whose programs run side by side and share the tiles through L2), and split ``sp`` of the sequence's
-    keys (``_chunk``). Key n_cached (the last) is the sequence's new token, read from ``new_rows``. Writes the
-    partial output and its log-sum-exp; a split past the sequence's end writes nothing (the reduce never reads
-    it)."""
+    keys (``_chunk``): whole tiles of cached keys without masks, then the split's partial tile; key n_cached (the
+    last) is the sequence's new token, read from ``new_rows`` by the split that ends the sequence alone and folded
+    in as one key (a dot of vectors), so no tile of the loop carries it. ``F16_MMA`` (an e4m3 cache under bfloat16
+    queries): the products are float16, to which e4m3 widens in one conversion per pair (bfloat16 costs one more
+    per element). Writes the partial output and its log-sum-exp; a split past the sequence's end writes nothing
+    (the reduce never reads it)."""
     hg, b, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    dt = q_ptr.dtype.element_ty
+    if F16_MMA:  # e4m3 -> float16: one conversion per pair, exact; bfloat16 queries too in 2^-14..65504
+        dt = tl.float16
+    else:
+        dt = q_ptr.dtype.element_ty
     n_cached = tl.load(cached_lens_ptr + b)
     total = n_cached + 1
     chunk = _chunk(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
@@ -282,27 +289,32 @@ def _decode_split_kernel(
     offs_v, offs_n = tl.arange(0, DV_PAD), tl.arange(0, BLOCK_N)
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     qa, qb = _load_q(q_row, g_ok, offs_a, offs_b, D, HAS_B)
+    qa, qb = qa.to(dt), qb.to(dt)
     m_i = tl.full([G_BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([G_BLOCK], tl.float32)
     acc = tl.zeros([G_BLOCK, DV_PAD], tl.float32)
     col_a, col_b, col_v = kh * D + offs_a, kh * D + offs_b, V_OFF + kh * DV + offs_v
     mask_a, mask_b, mask_v = offs_a < D, offs_b < D, offs_v < DV
-    new_row = new_ptr + b.to(tl.int64) * stride_nb
+    table_row = tables_ptr + b * stride_tb
     hi = tl.minimum(lo + chunk, total)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + offs_n
-        in_cache, is_new = pos < n_cached, pos == n_cached
+    hi_cached = tl.minimum(hi, n_cached)  # the split's cached keys are [lo, hi_cached); lo <= n_cached
+    whole = lo + (hi_cached - lo) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, whole, BLOCK_N):  # whole tiles: no row masks, no -inf scores
         row = _cached_rows(
-            tables_ptr + b * stride_tb, cache_ptr, n0, offs_n, in_cache, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N
+            table_row, cache_ptr, n0, offs_n, offs_n < BLOCK_N, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N
         )
-        ka, kb, v = _load_kv(row, in_cache, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
-        # the new token's row joins the tile where its position falls (a zero-stride row, loaded only there)
-        na, nb, nv = _load_kv(
-            new_row + 0 * pos, is_new, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt
-        )
-        ka, kb, v = _joined(ka, kb, v, na, nb, nv, HAS_B, V_IS_KA)
-        s = tl.where((pos < hi)[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
+        ka, kb, v = _load_kv(row, None, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt, False)
+        m_i, l_i, acc = _online_softmax(_scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), v, m_i, l_i, acc, False, IEEE)
+    for n0 in range(whole, hi_cached, BLOCK_N):  # the split's last, partial tile (at most one)
+        ok = n0 + offs_n < hi_cached
+        row = _cached_rows(table_row, cache_ptr, n0, offs_n, ok, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N)
+        ka, kb, v = _load_kv(row, ok, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
+        s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, qk_scale, HAS_B, IEEE), float("-inf"))
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, True, IEEE)
+    if hi == total:  # the split that ends the sequence: its new token, key n_cached, read from new_rows
+        new_row = new_ptr + b.to(tl.int64) * stride_nb
+        ka, kb, v = _new_kv(new_row, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B, V_IS_KA, dt)
+        m_i, l_i, acc = _one_key(qa, qb, ka, kb, v, qk_scale, m_i, l_i, acc, HAS_B, dt)
     _store_split(
         part_ptr + b * stride_pb + sp * stride_ps,
         lse_ptr + b * stride_lb + sp,
@@ -316,6 +328,36 @@ def _decode_split_kernel(
         stride_ph,
         stride_lh,
     )
+
+
+@triton.jit
+def _new_kv(new_row, col_a, col_b, col_v, mask_a, mask_b, mask_v, HAS_B: tl.constexpr, V_IS_KA: tl.constexpr, dt):
+    """A sequence's new key and value, vectors in ``dt`` (as ``_load_kv`` reads a cached row)."""
+    ka = tl.load(new_row + col_a, mask=mask_a, other=0.0).to(dt)
+    kb = ka
+    if HAS_B:
+        kb = tl.load(new_row + col_b, mask=mask_b, other=0.0).to(dt)
+    if V_IS_KA:
+        v = ka
+    else:
+        v = tl.load(new_row + col_v, mask=mask_v, other=0.0).to(dt)
+    return ka, kb, v
+
+
+@triton.jit
+def _one_key(qa, qb, ka, kb, v, scale, m_i, l_i, acc, HAS_B: tl.constexpr, dt):
+    """``_online_softmax`` of one key: its score per query row as a float32 sum of exact products (a dot's), its
+    weight rounded to ``dt`` as a tile's is before the value product. Rows that saw no key yet (m = -inf) take
+    it whole."""
+    s = tl.sum(qa.to(tl.float32) * ka.to(tl.float32)[None, :], 1)
+    if HAS_B:
+        s += tl.sum(qb.to(tl.float32) * kb.to(tl.float32)[None, :], 1)
+    s = s * scale
+    m_new = tl.maximum(m_i, s)
+    p = tl.exp2(s - m_new)
+    alpha = tl.exp2(m_i - m_new)
+    acc = acc * alpha[:, None] + p.to(dt).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return m_new, l_i * alpha + p, acc
 
 
 @triton.jit
@@ -515,7 +557,7 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     min_chunk: int = 256,
-    block_n: int = 32,
+    block_n: int | None = None,
     head_block: int = 16,
     out: torch.Tensor | None = None,
     **launch,
@@ -526,7 +568,8 @@ def decode_attention(
 
     The grid does not depend on the lengths (a split's range is worked out on the device), so with
     ``cached_lens`` as a device tensor (int32) the call has no host work that depends on them, as a CUDA graph
-    needs. ``num_splits`` None: enough programs for ~32 per streaming multiprocessor, at most 64 splits."""
+    needs. ``num_splits`` None: enough programs for ~32 per streaming multiprocessor, at most 64 splits;
+    ``block_n`` None: ``decode_tile``."""
     b, hq, _ = q.shape
     dev = q.device
     out = q.new_empty(b, hq, layout.v_dim) if out is None else out
@@ -539,6 +582,7 @@ def decode_attention(
     part, lse = split_outputs(b, hq, splits, layout.v_dim, dev)
     q, new_rows = q.contiguous(), new_rows.contiguous()
     common = _common(cache, layout, q, launch)
+    block_n = block_n or decode_tile(cache, layout)
     chunking = dict(NUM_SPLITS=splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n)
     _decode_split_kernel[(layout.num_kv_heads * head_blocks, b, splits)](
         q,
@@ -563,10 +607,18 @@ def decode_attention(
         GROUP=group,
         G_BLOCK=g_block,
         HEAD_BLOCKS=head_blocks,
+        F16_MMA=cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         **chunking,
         **common,
     )
     return reduce_splits(part, lse, lens, 1, out, chunking, common["DV_PAD"])
+
+
+def decode_tile(cache: torch.Tensor, layout: RowLayout) -> int:
+    """Keys per decode tile: 64 over an 8-bit cache with heads up to 128 wide (a tile of the bytes of bfloat16's
+    32, half the loop's trips: its conversions make it issue-bound, not memory-bound), else 32 (the H200 sweep's
+    best over bfloat16; MLA's 512-wide latent in 64-key tiles would spill registers)."""
+    return 64 if cache.element_size() == 1 and _pad(layout.k_dim) <= 128 and _pad(layout.v_dim) <= 128 else 32
 
 
 def new_starts(new_lens: Sequence[int], cu_new: torch.Tensor | None, dev: torch.device) -> torch.Tensor:

@@ -41,7 +41,6 @@ from dualpath.core.messages import (
     TurnEnd,
     pack_keys,
     unpack_keys,
-    unpack_tokens,
 )
 from dualpath.core.paths import default_kv_store
 from dualpath.core.sampling_params import SamplingParams
@@ -314,6 +313,7 @@ class SchedulerCore:
         self.traffic: dict[str, dict[str, int]] = {}  # engine -> cumulative "path:class" -> bytes
         self.speculative: dict[str, dict[str, int]] = {}  # decode engine -> cumulative draft tokens fed, kept
         self._totals: dict[str, int] | None = None
+        self._room: int | None = None  # _decode_room's answer, dropped when the roster changes
         self._totals_at = 0.0
         self._alphas: dict[str, tuple[float, int]] = {}  # node -> (when measured, measured alpha)
         self.read_window = WindowedSums(balance_window_s, clock)
@@ -439,7 +439,7 @@ class SchedulerCore:
             self.unserved_since.pop(role, None)
         else:
             self.unserved_since.setdefault(role, self.clock())
-        self._totals = None
+        self._totals = self._room = None
         self._alive_sorted.pop(role, None)
         self._views.clear()
 
@@ -511,11 +511,7 @@ class SchedulerCore:
                     f"{params.num_resumed_tokens} resumed tokens of a {n}-token list leave no prompt",
                     field="num_resumed_tokens",
                 )
-            room = max(
-                e.info.capacity_tokens
-                for e in self.engines.values()
-                if e.info.role is Role.DECODE and (e.alive or not self.alive_ids[Role.DECODE])
-            )
+            room = self._decode_room()
             if self._choice_tokens(n, params) > room:  # it would wait at the head of its queue forever
                 raise RequestError(
                     f"{params.n} choice(s) of {params.max_tokens} tokens after a {n}-token prompt need "
@@ -578,9 +574,7 @@ class SchedulerCore:
                 return
             more = s.tail + t.output_tokens  # the chain goes on from the session's last whole block
             parent = s.hashes[-HASH_BYTES:] if s.hashes else None
-            new = block_hashes(
-                unpack_tokens(more), self.fingerprint, self.block_size, parent, salt=s.salt, adapter=s.adapter
-            )
+            new = block_hashes(more, self.fingerprint, self.block_size, parent, salt=s.salt, adapter=s.adapter)
             tail = more[len(new) * self.block_size * 4 :]
             hint = t.next_turn_in_s if t.next_turn_in_s >= 0 else None
             s = self.sessions.turn_end(t.request_id, tail, s.hashes + pack_keys(new), t.tool_wait, hint, self.clock())
@@ -648,6 +642,14 @@ class SchedulerCore:
             return (pe if side is ReadPath.PE else de).info.engine_id
         return (pe or de).info.engine_id if (pe or de) else None
 
+    def _decode_room(self) -> int:
+        """The most KV tokens one decode engine holds: of those alive, or while none is (they are restarting) of
+        every one registered. Kept until the roster changes: submit asks it for every request."""
+        if self._room is None:
+            pool = self.alive(Role.DECODE) or [e for e in self.engines.values() if e.info.role is Role.DECODE]
+            self._room = max(e.info.capacity_tokens for e in pool)
+        return self._room
+
     def _can_wait(self) -> bool:
         """Whether a request may queue although a role has no engine alive: every missing role had engines (they
         are restarting) and waits are bounded."""
@@ -656,9 +658,7 @@ class SchedulerCore:
 
     def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
         return pack_keys(
-            block_hashes(
-                unpack_tokens(tokens), self.fingerprint, self.block_size, salt=params.cache_salt, adapter=params.adapter
-            )
+            block_hashes(tokens, self.fingerprint, self.block_size, salt=params.cache_salt, adapter=params.adapter)
         )
 
     def _hit_blocks(self, hashes: bytes, n: int, params: SamplingParams) -> int:

@@ -7,14 +7,12 @@
 # Extra arguments go to kernels.py (e.g. --only model).
 #   OUT=/some/dir bash bench/gpu/run.sh      (default OUT: bench/results/gpu)
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# dualpath.kernels, .engines, ... are the repository's top-level folders mapped into one namespace (pyproject's
-# package-dir): a bare checkout imports them once installed (no dependencies, no network)
-python3 -c "import dualpath.kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . \
-    || echo "pip install -e . failed: imports of dualpath.kernels will fail"
+# shellcheck source=bench/gpu/setup_device.sh
+source bench/gpu/setup_device.sh  # the project installed (and serve's dependencies, where .wheels/ came along)
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -27,7 +25,7 @@ python3 -c "import xdist" 2>/dev/null && timing+=(-n 4 --dist load)
 TESTS=${TESTS:-tests/kernels/test_triton_kernels.py tests/kernels/test_triton_elementwise.py tests/engines/test_layer_copies.py
     tests/traffic/test_strided_copy.py tests/engines/test_decode_graphs.py tests/kernels/test_kernels.py tests/engines/test_sampling.py
     tests/engines/test_fp8_weights.py tests/kernels/test_sparse_attention.py tests/engines/test_memory.py}
-# shellcheck disable=SC2086 - TESTS is a list of files
+# shellcheck disable=SC2086 # TESTS is a list of files
 timeout "${TESTS_LIMIT_S:-150}" python3 -m pytest -p no:cacheprovider -m "slow or not slow" "${timing[@]}" $TESTS \
     -v -rfE --durations=15 2>&1 | tee "$OUT/tests.log" | grep -v ' PASSED \| SKIPPED \|PASSED$\|SKIPPED$'
 # the whole log is kept: a limit that cuts pytest loses its summary, and the per-test lines say how far it got

@@ -157,10 +157,17 @@ def _hf_config(arch: str, **overrides):
 
 
 def build_tiny_checkpoint(
-    path: str | Path, arch: str, seed: int = 0, max_shard_size: str | None = None, dtype: str = "float32", **overrides
+    path: str | Path,
+    arch: str,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **overrides,
 ) -> Path:
-    """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed.
-    ``overrides`` change the Hugging Face config (benchmarks build ~1B-parameter ones this way)."""
+    """Write a tiny random ``arch`` checkpoint to ``path`` and return it. Deterministic for a given seed and device.
+    ``overrides`` change the Hugging Face config (benchmarks build ~1B- and 8B-parameter ones this way); ``device``
+    is where the weights are drawn (a GPU draws billions of parameters in seconds, a CPU in minutes)."""
     import torch
     import transformers
 
@@ -168,7 +175,8 @@ def build_tiny_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     config = _hf_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if arch.startswith("deepseek"):  # random correction biases with enough spread that routing
         # exercises them and bfloat16 rounding does not flip expert choices
         for name, buf in model.named_buffers():

@@ -230,6 +230,7 @@ def engine_config(args: argparse.Namespace):
         ),
         buffer_bytes=args.buffer_bytes,
         workspace_tokens=args.workspace_tokens,
+        prefill_kv_budget_bytes=args.prefill_kv_budget,
         compute_quota_s=args.compute_quota_ms / 1000,
         pull_interval_s=args.pull_interval,
         cost_model=cost,

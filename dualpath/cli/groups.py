@@ -23,6 +23,11 @@ from dualpath.core.config import (
 )
 
 MODES = ("dualpath", "pe", "de", "basic", "split")  # the scheduler's read-path modes
+DEVICE_HELP = (
+    "cpu; cuda (engine i on cuda:i; at --tensor-parallel-size N on cuda:i*N .. cuda:i*N+N-1, prefill engines first); "
+    "or cuda:K, every engine on that one GPU, sharing it (at tensor-parallel size 1; each decode engine's part: "
+    "--gpu-memory-utilization or --cache-bytes)"
+)
 POLICIES = ("dualpath", "least-loaded", "round-robin", "random")  # scheduler.policies
 TRANSPORTS = ("local", "shm", "ucx", "nixl", "verbs")  # dualpath.traffic.transport
 TRANSPORT_HELP = (
@@ -243,6 +248,13 @@ class CacheOptions(Options):
         EngineProcessConfig.workspace_tokens,
         "a prefill engine's KV tokens per layer slot (two slots: the layer computing and the next one arriving)",
     )
+    prefill_kv_budget: int = opt(
+        EngineProcessConfig.prefill_kv_budget_bytes,
+        "the device memory a prefill batch's resident KV may take (40G, 512MiB, bytes; 0: no budget): layerwise "
+        "prefill keeps two layers of it resident, basic all layers, so a basic batch holds ~layers/2 times fewer "
+        "tokens",
+        type=size,
+    )
 
 
 @options
@@ -365,11 +377,7 @@ class ClusterOptions(Options):
 
     prefill: int = opt(1, "prefill engines")
     decode: int = opt(1, "decode engines")
-    device: str = opt(
-        "cpu",
-        "cpu, or cuda (engine i on cuda:i; at --tensor-parallel-size N on cuda:i*N .. cuda:i*N+N-1, prefill engines "
-        "first)",
-    )
+    device: str = opt("cpu", DEVICE_HELP)
     transport: str = opt(TransportConfig.name, TRANSPORT_HELP, choices=TRANSPORTS)
     compute_quota_ms: float = opt(
         EngineProcessConfig.compute_quota_s * 1000, "the predicted compute time a prefill batch may take, ms"

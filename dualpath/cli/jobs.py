@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 from dualpath.args import resolve_model
-from dualpath.cli.groups import CLUSTER, MAX_MODEL_LEN_HELP, ExpertParallelOptions, ModelOptions
-from dualpath.cli.options import Options, opt, options
+from dualpath.cli.groups import CLUSTER, DEVICE_HELP, MAX_MODEL_LEN_HELP, ExpertParallelOptions, ModelOptions
+from dualpath.cli.options import Options, opt, options, size
+from dualpath.core.config import DTYPE_BYTES, EngineConfig
 
 PRESETS = ["32k", "48k", "64k"]  # dualpath.rollout.tracegen.PRESETS: the paper's traces (Table 2)
 
@@ -102,6 +103,9 @@ class BenchAgenticOptions(Options):
     turns_scale: float = opt(0.1, "multiplies rounds per agent")
     prefill: int = opt(1, "prefill engines")
     decode: int = opt(2, "decode engines")
+    device: str = opt("cpu", DEVICE_HELP)
+    dtype: str = opt(EngineConfig.dtype, "the model's dtype", choices=list(DTYPE_BYTES))
+    cache_bytes: int = opt(512 << 20, "each decode engine's paged KV cache (40G, 512MiB, bytes)", type=size)
     block_size: int = opt(64, "tokens per KV block")
     storage_cap: str = opt("auto", "bytes/s per node, or auto (a fraction of the oracle's read rate: --cap-factor)")
     cap_factor: float = opt(0.45, "with --storage-cap auto: each node's cap as a fraction of the oracle's read rate")
@@ -114,6 +118,17 @@ class BenchAgenticOptions(Options):
         None, "the tool calls' 90th percentile in seconds", default_text="12 x the median"
     )
     buffer_mb: int = opt(256, "each engine's DRAM buffer in MiB (where prefetched session KV waits)")
+    compute_quota_ms: float = opt(
+        300.0,
+        "the predicted compute time a prefill batch may take, ms (the paper's 300 ms is an H800's; a CPU forward's "
+        "fixed cost can exceed it, and then every batch is one request)",
+    )
+    prefill_kv_budget: int = opt(
+        0,
+        "the prefill engines' device memory for a batch's resident KV (64MiB, bytes; 0: no budget): basic holds all "
+        "layers of it, layerwise two",
+        type=size,
+    )
     torch_threads: int = opt(0, "torch threads per engine (0: the cores shared out)")
     seed: int = opt(0, "the trace's random seed")
     out: str = opt("bench/results/agentic", "directory of the results (JSON, table, figures)")

@@ -784,7 +784,10 @@ class EngineProcessConfig:
 
     ``buffer_bytes`` is the DRAM buffer (Full Block slots); decode engines size their paged device cache from
     ``engine.cache``; prefill engines hold ``workspace_tokens`` of KV per layer slot (two slots: the layer computing
-    and the next one arriving). ``compute_quota_s`` bounds a prefill batch's predicted time; ``cost_model`` gives
+    and the next one arriving). ``prefill_kv_budget_bytes`` is the device memory a prefill batch's resident KV may
+    take (0: no budget, each layer slot holds ``workspace_tokens``): a layerwise batch keeps two layers of its KV
+    resident, a basic (non-layerwise) one all of them, so the budget bounds a basic batch ~``num_layers / 2`` times
+    harder (the paper's §2 reason for layerwise prefill). ``compute_quota_s`` bounds a prefill batch's predicted time; ``cost_model`` gives
     the prediction's coefficients ``(fixed, per_token, attention)`` instead of profiling at start. ``qos`` gives the
     priority classes on the wire: ``transport`` carries its KV classes (``QosConfig.transport_fields``), the engine
     process hands the collectives' to its ranks (``QosConfig.collective_env``).
@@ -805,6 +808,7 @@ class EngineProcessConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # published stores and removals (routers)
     buffer_bytes: int = 256 << 20
     workspace_tokens: int = 16384
+    prefill_kv_budget_bytes: int = 0
     compute_quota_s: float = 0.3
     pull_interval_s: float = 0.02
     cost_model: tuple[float, float, float] | None = None
@@ -817,6 +821,8 @@ class EngineProcessConfig:
     def __post_init__(self):
         if not 0 <= self.prefetch_share <= 1:
             raise ConfigError(f"prefetch_share must be between 0 and 1, got {self.prefetch_share}")
+        if self.prefill_kv_budget_bytes < 0:
+            raise ConfigError(f"prefill_kv_budget_bytes must be >= 0, got {self.prefill_kv_budget_bytes}")
         if self.role not in ("prefill", "decode"):
             raise ConfigError(f"role must be prefill or decode, got {self.role!r}")
         kv = {k: getattr(self.transport, k) for k in self.qos.transport_fields()}

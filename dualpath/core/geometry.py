@@ -86,6 +86,11 @@ class KVGeometry:
         """Blocks needed to hold ``num_tokens`` (the last one possibly partial)."""
         return -(-num_tokens // self.block_size)
 
+    def budget_blocks(self, budget_bytes: int, resident_layers: int) -> int:
+        """Token blocks ``budget_bytes`` of memory holds when each keeps ``resident_layers`` layers of KV resident
+        (a prefill batch: every layer for basic prefill, two for layerwise)."""
+        return budget_bytes // (resident_layers * self.layer_block_bytes)
+
 
 @dataclass(frozen=True)
 class HeadShard:
@@ -197,7 +202,7 @@ def chain_root(fingerprint: BlockHash, salt: str = "", adapter: str = "") -> Blo
 
 
 def block_hashes(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | bytes,
     fingerprint: BlockHash,
     block_size: int,
     parent: BlockHash | None = None,
@@ -205,16 +210,22 @@ def block_hashes(
     adapter: str = "",
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids``: ``h_i = H(h_{i-1} || tokens_i)``, ``h_{-1}`` =
-    ``chain_root(fingerprint, salt, adapter)``.
+    ``chain_root(fingerprint, salt, adapter)``, each block's tokens as little-endian uint32s.
 
-    A trailing partial block gets no hash. ``parent`` continues a chain whose earlier blocks were hashed
-    already (then ``token_ids`` starts at a block boundary, and the salt and adapter are in ``parent`` already).
+    ``token_ids``: the ids, or their bytes as packed for the wire (``pack_tokens``), hashed as they are (the
+    scheduler hashes every prompt it is sent: no conversion to a list and back). A trailing partial block gets no
+    hash. ``parent`` continues a chain whose earlier blocks were hashed already (then ``token_ids`` starts at a
+    block boundary, and the salt and adapter are in ``parent`` already).
     """
-    n_full = len(token_ids) // block_size
+    step = block_size * 4
+    packed = isinstance(token_ids, bytes)
+    n_full = len(token_ids) // (step if packed else block_size)
     if n_full == 0:
         return []
-    raw = np.asarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
-    step = block_size * 4
+    if packed:
+        raw = token_ids
+    else:
+        raw = np.asarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
     h = parent if parent is not None else chain_root(fingerprint, salt, adapter)
     out = []
     for i in range(n_full):

@@ -45,6 +45,7 @@ SYSTEMS = {  # name: (mode, policy, capped, kv store in memory, sessions: affini
     "dualpath+affinity": ("dualpath", "dualpath", True, False, True, False),
     "dualpath+prefetch": ("dualpath", "dualpath", True, False, True, True),
 }
+WORKSPACE_TOKENS = 16384  # each prefill engine's, per layer slot
 PAPER_SYSTEMS = ("basic", "layerwise", "dualpath-rr", "dualpath", "dualpath-split", "oracle")
 
 
@@ -57,6 +58,9 @@ class AgenticConfig:
     turns_scale: float = 0.1
     prefill: int = 1
     decode: int = 2
+    device: str = "cpu"  # ClusterSpec.device: "cuda:0" puts every engine on that one GPU
+    dtype: str = "float32"
+    cache_bytes: int = 512 << 20  # each decode engine's paged KV cache
     block_size: int = 64
     storage_cap: str = "auto"
     cap_factor: float = 0.45
@@ -66,6 +70,8 @@ class AgenticConfig:
     tool_gap_median_s: float = 0.0  # tool calls between rounds (dualpath.rollout.tracegen.draw_tool_gaps); 0: none
     tool_gap_p90_s: float = 0.0
     buffer_bytes: int = 256 << 20
+    prefill_kv_budget_bytes: int = 0  # EngineProcessConfig's: basic batches hold all layers' KV in it, layerwise two
+    compute_quota_ms: float = 300.0  # the prefill batch's predicted time (the paper's 300 ms is a GPU's)
 
 
 def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_dir: Path) -> dict:
@@ -82,10 +88,14 @@ def run_system(name: str, cfg: AgenticConfig, trajectories, cap_bps: float, out_
         mode=mode,
         policy=policy,
         kv_store=kv,
+        device=cfg.device,
+        dtype=cfg.dtype,
         block_size=cfg.block_size,
         buffer_bytes=cfg.buffer_bytes,
-        cache_bytes=512 << 20,
-        workspace_tokens=16384,
+        cache_bytes=cfg.cache_bytes,
+        workspace_tokens=WORKSPACE_TOKENS,
+        prefill_kv_budget_bytes=cfg.prefill_kv_budget_bytes,
+        compute_quota_ms=cfg.compute_quota_ms,
         storage_read_bps=cap_bps if capped else 0.0,
         torch_threads=cfg.torch_threads,
         load_every_hit=True,
@@ -193,6 +203,21 @@ def session_figure(rows: list[dict], out_dir: Path) -> list[str]:
     return [path]
 
 
+def prefill_batch_tokens(cfg: AgenticConfig, model) -> dict:
+    """The most prompt tokens (cached + new) a prefill batch holds, basic and layerwise: the workspace's, or fewer
+    where the KV budget cannot keep that many resident (every layer for basic, two for layerwise)."""
+    from dualpath.core.geometry import KVGeometry
+
+    g = KVGeometry.for_model(model, cfg.dtype, cfg.block_size)
+    cap = WORKSPACE_TOKENS // g.block_size
+    budget = cfg.prefill_kv_budget_bytes
+    blocks = {
+        mode: min(cap, g.budget_blocks(budget, layers)) if budget else cap
+        for mode, layers in (("basic", g.num_layers), ("layerwise", 2))
+    }
+    return {f"{mode}_batch_tokens": n * g.block_size for mode, n in blocks.items()}
+
+
 def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     from dualpath.rollout.tracegen import generate_trace, measure
     from dualpath.engines.models import open_checkpoint
@@ -211,6 +236,7 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
         cfg.tool_gap_p90_s,
     )
     stats = measure(trajectories)
+    batch_tokens = prefill_batch_tokens(cfg, open_checkpoint(cfg.model).config)
     order = ["oracle"] + [s for s in cfg.systems if s != "oracle"] if "oracle" in cfg.systems else list(cfg.systems)
     rows, cap = {}, 0.0
     for name in order:
@@ -239,6 +265,7 @@ def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:
     result = {
         "config": {**cfg.__dict__, "systems": list(cfg.systems)},
         "cap_bps": cap,
+        **batch_tokens,
         "trace": {"target": target.__dict__, "generated": stats.__dict__, "agents": len(trajectories)},
         "systems": ordered,
     }
@@ -256,6 +283,9 @@ def print_table(result: dict) -> None:
         "jct_vs_basic",
         "jct_vs_oracle",
         "hit_rate",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
         "storage_read_max_over_avg",
         "generated_tokens_per_s",
         "ttft_followup_p50_s",
@@ -301,6 +331,9 @@ def bench_main(args) -> int:
         turns_scale=args.turns_scale,
         prefill=args.prefill,
         decode=args.decode,
+        device=args.device,
+        dtype=args.dtype,
+        cache_bytes=args.cache_bytes,
         block_size=args.block_size,
         storage_cap=args.storage_cap,
         cap_factor=args.cap_factor,
@@ -309,6 +342,8 @@ def bench_main(args) -> int:
         tool_gap_median_s=args.tool_gap_median_s,
         tool_gap_p90_s=args.tool_gap_p90_s or 0.0,
         buffer_bytes=args.buffer_mb << 20,
+        prefill_kv_budget_bytes=args.prefill_kv_budget,
+        compute_quota_ms=args.compute_quota_ms,
         torch_threads=args.torch_threads or max(1, (os.cpu_count() or 2) // (args.prefill + args.decode)),
     )
     result = run(cfg, args.out)

@@ -170,6 +170,7 @@ def cluster_spec(args):
         cache_bytes=args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         workspace_tokens=args.workspace_tokens,
+        prefill_kv_budget_bytes=args.prefill_kv_budget,
         storage_read_bps=args.storage_read_bps,
         storage_capacity=store_capacity(args),
         compute_quota_ms=args.compute_quota_ms,

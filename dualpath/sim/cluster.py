@@ -10,6 +10,13 @@ What is modelled (and what is not):
   nor phase-locked, they wait a fixed time after each reply) with load reports built like the real engines' (seq,
   tok, the node's storage read queue in tokens, free KV tokens, held requests, finished ones and the blocks they
   stored).
+* A prefill GPU's HBM bounds the KV resident on it (``SimConfig.prefill_kv_budget_bytes``, by default what the
+  model's weights leave: ``hardware.PrefillWeights``). A request's hit KV lands in its prefill GPU as it is read (the
+  read is one flow ending there), so its room is taken when its read is issued to the node's storage queue (the
+  read's destination) and given back when its prefill ends: all layers of its prompt (cached + new) for basic
+  prefill, two layers (the one computing, the next arriving) for layerwise. A read whose KV does not fit waits, in
+  assignment order, for earlier prefills on that engine to end; a single request larger than the budget is an
+  error.
 * A prefill engine runs its requests one at a time (no batching across requests) for ``CostModel.predict`` seconds,
   the form the real engines fit at start-up, the most urgent ready one next (``SamplingParams.priority``; FIFO
   within a priority, as the real engines batch). Layerwise prefill starts computing when the request's read starts and
@@ -104,6 +111,9 @@ class SimConfig:
     prefetch_share: float = 0.5
     prefetch_chunk_blocks: int = 1  # blocks a prefetch reads per transfer (the runtime: one; more: fewer events)
     session_sample_s: float = 10.0  # how often the working set is sampled (runs with sessions)
+    # a prefill GPU's HBM for resident KV; None: what the model's weights leave (ModelPreset.prefill_weights; a model
+    # without them: no bound)
+    prefill_kv_budget_bytes: float | None = None
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
@@ -124,6 +134,14 @@ class SimConfig:
                 "[0, 1]"
             )
         self.engines_per_node(Role.PREFILL), self.engines_per_node(Role.DECODE)  # refuse a TP the node cannot take
+
+    def pe_kv_budget_bytes(self) -> float:
+        """One prefill engine's HBM for resident KV: its GPUs' (an EP deployment over every prefill GPU)."""
+        per_gpu = self.prefill_kv_budget_bytes
+        if per_gpu is None:
+            w = self.model.prefill_weights
+            per_gpu = w.kv_budget_bytes(self.hardware, self.prefill_nodes * self.hardware.gpus) if w else math.inf
+        return per_gpu * self.prefill_tp
 
     def tp(self, role: Role) -> int:
         return self.prefill_tp if role is Role.PREFILL else self.decode_tp
@@ -167,6 +185,7 @@ class SimRequest:
     prefetched: int = 0
     on_prefetch: bool = False
     on_pe: bool = True  # it reads on the PE path
+    resident_bytes: float = 0.0  # prefill: the KV it keeps in its prefill engine's HBM from read issue to prefill end
 
 
 @dataclass
@@ -198,6 +217,11 @@ class SimEngine:
     finish: list = field(default_factory=list)  # heap of (step it finishes at, join order, work) over running
     finished: list[str] = field(default_factory=list)
     stored: list[bytes] = field(default_factory=list)
+    # prefill: the KV resident in HBM (reads issued, prefills not ended), the assignments waiting for room (FIFO),
+    # and the most it held
+    resident: float = 0.0
+    hbm_wait: deque = field(default_factory=deque)
+    resident_peak: float = 0.0
     read_bytes: float = 0.0  # storage bytes completed since the last report
     reported: tuple = ()  # (seq, tok, reserved) as last reported
     dirty: bool = False  # touched since the last report (a cheap first test of ``ClusterSim._changed``)
@@ -313,6 +337,8 @@ class ClusterSim:
         self.ttft_agent: list[int] = []
         self.tpot_at: list[float] = []
         self.prefill_busy_s = 0.0  # GPU seconds of prefill compute, all prefill GPUs (an engine's: x its ranks)
+        self.pe_kv_budget = cfg.pe_kv_budget_bytes()
+        self.hbm_waits: list[float] = []  # seconds each assignment that found no HBM room waited for it
         self.read_bytes: dict[str, float] = {}
         self.reading: dict[str, set[str]] = {}  # node -> its storage reads in flight (flow ids)
         self.read_queue: dict[str, deque] = {}  # node -> reads waiting for a slot: (flow, bytes, route, loaded)
@@ -472,6 +498,26 @@ class ClusterSim:
         de = self.engines[req.de]
         pe.admit(a.request_id, req)
         de.admit(a.request_id, req)
+        req.resident_bytes = self._resident_bytes(req)
+        if req.resident_bytes > self.pe_kv_budget:
+            raise ValueError(
+                f"{a.request_id}: a {req.prompt}-token prompt keeps {req.resident_bytes / 1e9:.2f} GB of KV resident, "
+                f"over a prefill engine's HBM budget of {self.pe_kv_budget / 1e9:.2f} GB"
+            )
+        if pe.hbm_wait or pe.resident + req.resident_bytes > self.pe_kv_budget:
+            pe.hbm_wait.append((a, req, self.loop.now))  # FIFO: a later, smaller one does not pass it
+            return
+        self._read_hit(pe, de, a, req)
+
+    def _resident_bytes(self, req: SimRequest) -> float:
+        """The KV a request keeps in its prefill GPU's HBM: every layer of its prompt (basic), or two layers."""
+        kv = req.prompt * self.cfg.model.kv_bytes_per_token
+        return kv if not self.layerwise else kv * 2 / self.pe_model.num_layers
+
+    def _read_hit(self, pe: SimEngine, de: SimEngine, a, req: SimRequest) -> None:
+        """Its KV has room in the prefill engine's HBM: read its hit (or, nothing to read, queue its compute)."""
+        pe.resident += req.resident_bytes
+        pe.resident_peak = max(pe.resident_peak, pe.resident)
         block_bytes = self.cfg.block_size * self.cfg.model.kv_bytes_per_token
         hit_bytes = a.num_hit_blocks * block_bytes
         reader = pe if a.path.value == "pe" else de
@@ -577,7 +623,12 @@ class ClusterSim:
 
     def _prefilled(self, pe: SimEngine, work: str) -> None:
         pe.computing = False
+        pe.resident -= pe.held[work].resident_bytes
         self._hand_off(pe, work)
+        while pe.hbm_wait and pe.resident + pe.hbm_wait[0][1].resident_bytes <= self.pe_kv_budget:
+            a, req, since = pe.hbm_wait.popleft()
+            self.hbm_waits.append(self.loop.now - since)
+            self._read_hit(pe, self.engines[req.de], a, req)
         if pe.ready:
             self._next_prefill(pe)
 
@@ -794,6 +845,20 @@ def summarize(sim: ClusterSim, r: SimResult) -> dict:
         else 0.0,
         "busiest_link": busiest,
         "busiest_utilization": util.get(busiest, 0.0),
+        **_hbm_summary(sim),
+    }
+
+
+def _hbm_summary(sim: ClusterSim) -> dict:
+    """The prefill engines' HBM bound: its size, the most resident KV an engine held, and how many turns waited for
+    room (and how long, on average)."""
+    peak = max((e.resident_peak for e in sim.engines.values() if e.info.role is Role.PREFILL), default=0.0)
+    waits = sim.hbm_waits
+    return {
+        "prefill_kv_budget_bytes": sim.pe_kv_budget if math.isfinite(sim.pe_kv_budget) else None,
+        "prefill_resident_peak_bytes": peak,
+        "hbm_waited_turns": len(waits),
+        "hbm_wait_mean_s": sum(waits) / len(waits) if waits else 0.0,
     }
 
 

@@ -6,6 +6,7 @@ memory system sustains (reads plus writes), the paper's M.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from dualpath.core.errors import ConfigError
@@ -26,6 +27,7 @@ class Hardware:
     snic_bps: float = 400 * GBPS  # per node (s·B)
     dram_bps: float = 500e9  # per node, reads + writes (M)
     storage_read_bps: float = 0.0
+    hbm_bytes: float = 80 * 2**30  # per GPU: the paper's Hopper GPUs, H800s of 80 GiB HBM3
 
     @property
     def storage_ratio(self) -> float:
@@ -38,7 +40,11 @@ class Hardware:
         return min(self.snic_bps, self.storage_read_bps) if self.storage_read_bps > 0 else self.snic_bps
 
     def __post_init__(self):
-        if self.gpus < 1 or min(self.cnic_bps, self.snic_bps, self.dram_bps) <= 0 or self.storage_read_bps < 0:
+        if (
+            self.gpus < 1
+            or min(self.cnic_bps, self.snic_bps, self.dram_bps, self.hbm_bytes) <= 0
+            or self.storage_read_bps < 0
+        ):
             raise ValueError(f"hardware needs >= 1 GPU and positive bandwidths: {self}")
 
 
@@ -119,13 +125,47 @@ def engines_per_node(hw: Hardware, tp: int, role: str) -> int:
 
 
 @dataclass(frozen=True)
+class PrefillWeights:
+    """What a prefill GPU's HBM holds besides KV: the routed experts, spread over every prefill GPU of the
+    deployment by expert parallelism, the rest of the weights (attention, shared experts, dense layers, embeddings)
+    on every GPU, and a reserve for activations, communication buffers and the CUDA context."""
+
+    routed_bytes: float
+    replicated_bytes: float
+    reserve_bytes: float
+
+    def kv_budget_bytes(self, hw: Hardware, prefill_gpus: int) -> float:
+        """A prefill GPU's HBM left for resident KV when its deployment spans ``prefill_gpus`` GPUs (EP size); inf
+        where the weights would not fit at all (a toy layout, as small test clusters are: no bound is modelled)."""
+        free = hw.hbm_bytes - self.replicated_bytes - self.routed_bytes / prefill_gpus - self.reserve_bytes
+        return free if free > 0 else math.inf
+
+
+@dataclass(frozen=True)
 class ModelPreset:
-    """What the cluster model needs of a model: KV bytes per token (all layers), and its engines' timings on the
-    paper's GPU (None: give them explicitly)."""
+    """What the cluster model needs of a model: KV bytes per token (all layers), its engines' timings on the
+    paper's GPU (None: give them explicitly), and what its weights leave of a prefill GPU's HBM (None: KV is not
+    bounded by HBM)."""
 
     name: str
     kv_bytes_per_token: int
     engine: EngineModel | None = None
+    prefill_weights: PrefillWeights | None = None
+
+
+# DeepSeek 660B (V3.2) weights on a prefill GPU, from its configuration (hidden 7,168; 61 layers, the first 3 dense;
+# 256 routed experts of intermediate 2,048 and one shared; MLA with q rank 1,536 and kv rank 512; vocabulary
+# 129,280), FP8 weights (1 byte a parameter) but BF16 embeddings and output head:
+# * routed experts: 58 layers x 256 x 3 x 7,168 x 2,048 = 653.8e9 parameters -> 653.8 GB, spread by EP;
+# * on every GPU: attention 61 x 187.0M (q_a 11.0M, q_b 37.7M, kv_a 4.1M, kv_b 16.8M, o 117.4M) = 11.41e9, the
+#   sparse-attention indexer 61 x 14.0M = 0.85e9, shared experts 58 x 44.0M = 2.55e9, dense MLPs 3 x 396.4M =
+#   1.19e9, routers 0.11e9: 16.1 GB in FP8, + embeddings and head 2 x 0.93e9 in BF16 = 3.7 GB: 19.8 GB;
+# * reserve: 6 GB (activations of a ~16K-token batch through a 7,168-wide model and its MoE, ~2.5 GB; DeepEP's
+#   dispatch/combine buffers, ~3 GB; the CUDA context, ~0.5 GB). Not fitted: the result does not turn on it (see
+#   docs/simulator.md: the bound does not bind below a ~15 GB reserve).
+# At the paper's 2P (EP16) that leaves 85.9 - 19.8 - 40.9 - 6 = 19.2 GB a GPU: 469K tokens of all-layer KV
+# (~14 turns of the 64K trace's 32.7K-token context), or 28.6M tokens of one layer's.
+DS660B_PREFILL_WEIGHTS = PrefillWeights(653.8e9, 19.8e9, 6e9)
 
 
 # Calibration of the engines (one Hopper GPU each; a "GPU" of the simulator is 1/g of an expert-parallel node):
@@ -143,7 +183,10 @@ class ModelPreset:
 #   cached) pair: 2.9e-9 s). Decode: TP8 weight reads ~20 ms per step, KV reads 1e-8 s per token; ~270K tokens.
 MODELS = {
     "ds660b": ModelPreset(
-        "DeepSeek 660B", 40 * 1024, EngineModel(CostModel(0.0, 6.49e-4, 5.0e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61)
+        "DeepSeek 660B",
+        40 * 1024,
+        EngineModel(CostModel(0.0, 6.49e-4, 5.0e-9), 0.025, 1e-4, 5e-9, 1_200_000, 61),
+        DS660B_PREFILL_WEIGHTS,
     ),
     "ds27b": ModelPreset(
         "DeepSeek 27B", 30 * 576 * 2, EngineModel(CostModel(0.0, 2.72e-4, 3.63e-9), 0.012, 5e-5, 3e-9, 1_700_000, 30)

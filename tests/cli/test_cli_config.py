@@ -19,6 +19,7 @@ TEXT = {  # what a flag whose converter checks its text is given (the rest: a va
     "kv_events_config": '{"enable_kv_cache_events": true, "topic": "kv@h@m"}',
     "gpu_memory_utilization": "0.5",
     "cache_bytes": "1G",
+    "prefill_kv_budget": "64MiB",
     "max_stored_response_bytes": "1G",
     "storage_capacity": "2G",
     "lora_modules": "sql=/adapters/sql",

@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 from dualpath.core.config import ModelConfig
 from dualpath.core.errors import ConfigError
 from dualpath.core.geometry import KVGeometry, block_hashes, chain_root, model_fingerprint
+from dualpath.core.messages import pack_tokens
 
 FP = b"f" * 16
 
@@ -47,6 +48,18 @@ def test_parent_continues_the_chain():
     toks = list(range(64 * 4))
     full = block_hashes(toks, FP, 64)
     assert block_hashes(toks[128:], FP, 64, parent=full[1]) == full[2:]
+
+
+def test_packed_tokens_hash_as_their_ids():
+    """The scheduler hashes prompts as the wire packs them (little-endian uint32s): the same chain as the ids',
+    partial blocks, salts, adapters and a parent included."""
+    toks = [7, 2**31 - 1, 0, 65_535] * 50 + [3] * 30  # 3 full blocks of 64 and a partial one
+    packed = pack_tokens(toks)
+    for kw in ({}, {"salt": "tenant"}, {"adapter": "a1"}):
+        assert block_hashes(packed, FP, 64, **kw) == block_hashes(toks, FP, 64, **kw)
+    full = block_hashes(toks, FP, 64)
+    assert len(full) == 3 and block_hashes(packed[: 63 * 4], FP, 64) == []
+    assert block_hashes(packed[64 * 4 :], FP, 64, parent=full[0]) == full[1:]
 
 
 @settings(max_examples=60, deadline=None)

@@ -112,7 +112,7 @@ def test_the_report_carries_each_number_and_then_only_what_changed_since_it_was_
     assert (load.prefill_busy_s, load.prefill_tokens, load.storage_read_bytes) == (1.5, 300, 100)
     assert (load.kv_load_failures, load.kv_corrupt_removed, load.rpc_refused) == (2, 3, 4)
     assert load.read_intervals == [[100.0, 102.0, 10.0]]
-    assert (load.traffic, load.speculative, load.dp_balance) == ({"pe:low": 123}, {}, 0.0)
+    assert (load.traffic, load.speculative, load.dp_balance, load.prefetch) == ({"pe:low": 123}, {}, 0.0, {})
     assert (load.storage_used_bytes, load.storage_capacity_bytes, load.leaving) == (700, 9000, False)
     assert marks == {
         "items": marks["items"],
@@ -146,8 +146,10 @@ def test_a_pinned_alpha_sends_no_drain_intervals_and_the_dp_group_balance_is_rep
     e.accounting.start(100)
     e.accounting.finish(100)
     e.dp = SimpleNamespace(stats=lambda: {"attention_max_over_avg": 1.25})
+    e.traffic.prefetcher = SimpleNamespace(stats=lambda: {"blocks": 4})
     load, _ = e.load()
     assert load.read_intervals == [] and load.read_q_tokens == 10 and load.dp_balance == 1.25
+    assert load.prefetch == {"blocks": 4}
     assert _prefill([]).load()[0].read_intervals == []  # nothing waited: no interval
 
 

@@ -24,6 +24,18 @@ def test_batch_equals_one_at_a_time(llm):
     assert llm.cache.num_free_blocks == llm.cache.allocator.num_blocks
 
 
+def test_each_prompt_under_its_own_sampling_params(llm):
+    """vLLM's list of SamplingParams, one per prompt: each prompt generates as it would alone under its own."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 12, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 7, 1)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [3, 7, 1]
+    for p, sp, out in zip(prompts, params, outs):
+        assert llm.generate(p, sp)[0].token_ids == out.token_ids
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(prompts, params[:2])
+
+
 def test_preemption_and_chunked_prefill_keep_outputs(tiny_dirs, llm):
     prompts = [list(range(5, 5 + n)) for n in (40, 35, 50, 20)]
     ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]

@@ -42,6 +42,7 @@ def test_kernels_compile_for_the_gpu_and_fit_its_shared_memory(target):
         "_rope_kernel",
         "_silu_mul_kernel",
         "_w8a16_kernel",
+        "_w8a16_swap_kernel",
         "_index_score_kernel",
         "_sparse_split_kernel",
     } | (

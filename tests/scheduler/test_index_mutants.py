@@ -53,6 +53,10 @@ def test_keys_colliding_behind_occupied_slots_probe_past_them():
     _check_counts(index)
 
 
+def test_a_table_has_at_least_the_slots_asked_for_a_power_of_two():
+    assert [len(BlockIndex(capacity=c)._slots) for c in (1, 16, 17, 1000)] == [16, 16, 32, 1024]
+
+
 def test_tombstones_stay_until_the_table_must_grow_and_are_counted_until_then():
     index = BlockIndex(capacity=16)  # 16 slots: at most 4 used
     index.add([key(1, n, 4) for n in range(1, 5)])

@@ -7,7 +7,21 @@ import pytest
 from dualpath.core.messages import Mode, ReadPath
 from dualpath.scheduler.baselines import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 from dualpath.scheduler.paper import DualPathPolicy
-from dualpath.scheduler.policy import EngineState, NodeState, PathChoice, QueuedRequest, blocks_to_load, split_path
+from dualpath.scheduler.policy import (
+    Affinity,
+    EngineState,
+    NodeState,
+    PathChoice,
+    QueuedRequest,
+    add_read,
+    blocks_to_load,
+    preemption,
+    preferred,
+    prefetched_side,
+    split_path,
+    take_decode,
+    take_prefill,
+)
 
 BASELINES = [LeastLoadedPolicy, RoundRobinPolicy, RandomPolicy]
 
@@ -150,3 +164,71 @@ def test_random_forgets_the_draws_of_the_requests_it_placed():
     # a draw naming an engine of another group waits for that engine's pull, kept
     assert policy.assign_prefill(queue[:1], prefill, {"nobody"}, {}, {"p0": "n-p0", "p1": "n-p1"}, 16) == []
     assert list(policy._drawn) == [("prefill", "r0")]
+
+
+def test_preemption_skips_an_engine_with_no_reply_running():
+    assert preemption(100, 0, {"d0": 0}, {}) == ("", [])
+
+
+def test_placements_add_to_what_engines_and_nodes_already_hold():
+    e = EngineState("d0", "n", "g", seq=3, tok=100, free_tokens=1000)
+    r = QueuedRequest("a", 50, 32, 80)
+    take_decode(e, r)
+    assert (e.seq, e.tok, e.free_tokens) == (4, 150, 920)
+    take_prefill(e, r)
+    assert (e.seq, e.tok) == (5, 168)  # its 18 missing tokens
+    take_prefill(e, r, recomputed=16)
+    assert (e.seq, e.tok) == (6, 202)
+    pn, dn = NodeState(read_q=10, recent_read=5.0), NodeState(read_q=20, recent_read=7.0)
+    add_read(PathChoice(ReadPath.DE, 2), QueuedRequest("b", 100, 64, 200), pn, dn, 16)  # 2 of 4 blocks each side
+    assert (pn.read_q, pn.recent_read, dn.read_q, dn.recent_read) == (42, 37.0, 52, 39.0)
+    assert PathChoice(ReadPath.PE, load_blocks=2).loaded_tokens(QueuedRequest("c", 100, 64, 200), 16) == 32
+
+
+def test_the_recompute_rule_reads_the_queue_of_the_side_that_would_read():
+    """One node slow (a long read queue behind 30 tokens/s), the other fast: a request read on the slow side is
+    recomputed, on the fast side loaded, whichever side the slow one is."""
+    slow, fast = NodeState(read_q=10_000, alpha=90), NodeState(alpha=300_000)
+    policy = DualPathPolicy()
+    policy.recompute_slow_hits = True
+    for mode, pe_node, de_node, load in (
+        (Mode.PE, slow, fast, 0),
+        (Mode.PE, fast, slow, -1),
+        (Mode.DE, slow, fast, -1),
+        (Mode.DE, fast, slow, 0),
+    ):
+        nodes = {"n-pe": NodeState(**vars(pe_node)), "n-de": NodeState(**vars(de_node))}
+        e = EngineState("p0", "n-pe", "g", measured_beta=5000)
+        d = policy.place_prefill(QueuedRequest("a", 200, 128, 300, "n-de", mode), e, nodes, "n-pe", 64)
+        assert d.path.load_blocks == load, (mode, pe_node is slow)
+
+
+def test_a_turn_prefers_its_prefetch_then_on_decode_its_last_engine():
+    pool = [EngineState(i, "n", "g") for i in ("p0", "p1", "d0", "d1")]
+    by_id = {e.engine_id: e for e in pool}
+
+    def turn(**affinity):
+        return QueuedRequest("r", 100, 64, 200, affinity=Affinity(**affinity))
+
+    assert preferred(turn(prefetch_engine="p1", prefetch_blocks=1), pool, True, "pe") is by_id["p1"]
+    assert preferred(turn(prefetch_engine="d1", prefetch_blocks=1, de="d0"), pool, True, "de") is by_id["d1"]
+    assert preferred(turn(prefetch_engine="p1"), pool, True, "pe") is None  # no block prefetched: no preference
+    assert preferred(turn(de="d0"), pool, True, "de") is by_id["d0"]
+    assert preferred(turn(de="d0"), pool, False, "de") is None  # not sticky
+    assert preferred(turn(de="d0"), pool, True, "pe") is None  # the last decode engine means nothing to prefill
+    assert preferred(QueuedRequest("r", 100, 64, 200), pool, True, "de") is None
+    assert prefetched_side(turn(prefetch_engine="p0"), "p0") is None  # nothing prefetched there
+
+
+def test_a_turn_reads_a_prefetch_held_by_its_prefill_engine_on_that_side():
+    nodes = {"n0": NodeState(), "n2": NodeState()}
+    r = QueuedRequest(
+        "r", 256, 192, 300, "n2", Mode.DUALPATH, "d0", Affinity(pe="p1", prefetch_engine="p1", prefetch_blocks=2)
+    )
+    d = DualPathPolicy().place_prefill(r, EngineState("p1", "n0", "g"), nodes, "n0", 64)
+    assert d.path == PathChoice(ReadPath.PE) and (nodes["n0"].read_q, nodes["n2"].read_q) == (64, 0)
+
+
+def test_a_turn_keeps_its_decode_group_at_exactly_the_slack():
+    r = QueuedRequest("r", 10, 0, 20, affinity=Affinity(de="d1", de_group="g1"))
+    assert DualPathPolicy().route_decode_group(r, {"g0": 900, "g1": 1050, "g2": 1050}) == "g1"  # 1.05 x 1000

@@ -325,6 +325,21 @@ def test_choices_that_no_decode_engine_could_hold_are_refused_at_submission():
     assert choice_blocks(BS, 100, 300, 6) * BS == 96 + 6 * 208
 
 
+def test_the_room_a_request_is_checked_against_follows_the_decode_engines_alive():
+    """The largest decode engine's memory bounds a request (submit keeps it until the roster changes): a larger
+    engine joining admits what was refused, and once it is gone again the smaller engines' bound is back."""
+    core, _ = make_core("dualpath", Clock())
+    prompt, big = pack_tokens(range(100)), SamplingParams(max_tokens=240, n=6).to_dict()  # 96 + 6 x 256 > 1500
+    with pytest.raises(RequestError, match="more KV memory"):
+        core.submit(SubmitRequest("r0", prompt, big))
+    assert core.register(info("d9", Role.DECODE, "n9", capacity=1700)).ok
+    core.submit(SubmitRequest("r1", prompt, big))
+    core.lost("d9", "a test")
+    with pytest.raises(RequestError, match="more KV memory"):
+        core.submit(SubmitRequest("r2", prompt, big))
+    assert list(core.requests) == ["r1"]
+
+
 def test_decode_engines_are_charged_every_choice_in_whole_blocks():
     """3 choices of 8 tokens after a 100-token prompt hold 96 + 3 x 16 tokens of blocks (not 100 + 8): charging
     less would put more requests on an engine than its memory holds."""

@@ -143,3 +143,64 @@ def test_prefetch_at_and_hold_time():
     for _ in range(20):
         est.observe(40.0)
     assert hold_time(est) == pytest.approx(3 * est.mean()) and hold_time(est) > 30.0
+
+
+# the edges the tests above leave open (found by ``bench/mutation.py``)
+@pytest.mark.parametrize("q", [0.0, 1.0, 1.5, -0.1])
+def test_a_quantile_outside_0_1_is_refused(q):
+    est = GapEstimator()
+    est.observe(2.0)
+    with pytest.raises(ValueError, match="a quantile is in"):  # (not NormalDist's own words for it)
+        est.quantile(q)
+    with pytest.raises(ValueError, match="a quantile is in"):
+        est.prior.quantile(q)
+
+
+def test_the_prior_alone_is_nothing_before_its_first_gap_then_a_lognormal_of_every_gap():
+    prior = GapPrior()
+    assert (prior.median(), prior.quantile(0.2), prior.mean_log, prior.var_log) == (None, None, None, None)
+    for g in (1.0, math.e**2):  # log gaps 0 and 2: mean 1, variance 1
+        prior.observe(g)
+    assert (prior.mean_log, prior.var_log) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert prior.median() == pytest.approx(math.e)
+    assert prior.quantile(0.2) == pytest.approx(math.exp(1.0 - 0.8416212335729143), rel=1e-12)
+    assert prior.quantile(0.9) == pytest.approx(math.exp(1.0 + 1.2815515655446004), rel=1e-12)
+
+
+def test_a_hint_sets_the_median_mean_and_hold_before_the_first_gap():
+    est = GapEstimator()
+    assert (est.median(), est.mean()) == (None, None)
+    assert est.median(hint_s=50.0) == pytest.approx(50.0)
+    assert est.mean(hint_s=50.0) == pytest.approx(50.0)  # sigma 0 (no prior): the mean is the median
+    assert hold_time(est, hint_s=50.0) == pytest.approx(150.0)  # 3 x the expected gap, above the 30 s floor
+    est.prior.observe(1.0)
+    est.prior.observe(math.e**2)  # the prior's sigma: 1
+    assert est.mean(hint_s=50.0) == pytest.approx(50.0 * math.exp(0.5))
+
+
+def test_an_estimator_whose_prior_was_set_aside_estimates_from_its_own_gaps():
+    est = GapEstimator()
+    for g in (1.0, math.e**2):
+        est.observe(g)
+    est.prior = GapPrior()  # an empty prior weighs nothing: the session's own log-normal
+    assert est.log_params() == (pytest.approx(1.0), pytest.approx(1.0))
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 7.0])
+def test_any_finite_prior_weight_from_zero_is_taken(weight):
+    est = GapEstimator(weight=weight)
+    est.observe(4.0)
+    assert est.weight == weight
+
+
+@pytest.mark.parametrize("weight", [-1.0, -math.inf, math.inf, math.nan])
+def test_a_negative_or_unbounded_prior_weight_is_refused(weight):
+    with pytest.raises(ValueError):
+        GapEstimator(weight=weight)
+
+
+def test_load_time_under_one_byte_a_second_and_its_refusals():
+    assert load_time(10, 0.5) == 20.0
+    for stored, rate in ((10, -1), (-1, 10), (math.nan, 10), (10, math.nan)):
+        with pytest.raises(ValueError):
+            load_time(stored, rate)

@@ -134,6 +134,7 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
         te._rope_kernel,
         te._silu_mul_kernel,
         triton_fp8._w8a16_kernel,
+        triton_fp8._w8a16_swap_kernel,
         triton_fp8._w8a8_kernel,
         triton_fp8._act_quant_kernel,
         triton_sparse._index_score_kernel,
@@ -220,6 +221,17 @@ def recorded_launches(all_configs: bool, fp8: bool = True) -> list[tuple]:
                 num_splits=splits,
                 native=native,
             )
+        for m, splits in ((1, None), (16, 4), (64, 1)):  # decode batches: the swap-AB GEMM, split or not
+            triton_fp8.w8a16_swap_linear(torch.zeros(m, 4096, dtype=bf16), w, num_splits=splits, native=native)
+        if native:  # the bench's sweep: e4m3 widened by Triton's direct conversion
+            triton_fp8.w8a16_swap_linear(torch.zeros(16, 4096, dtype=bf16), w, native=native, direct=True)
+        triton_fp8.w8a16_swap_linear(
+            torch.zeros(64, 4096, dtype=bf16),
+            w,
+            torch.zeros(6144, dtype=bf16),
+            torch.zeros(64, 6144, dtype=bf16),
+            native=native,
+        )
         small = Fp8Weight(torch.empty(2560, 2048, dtype=f8), torch.empty(20, 16), (128, 128))  # the 1.1B's qkv
         for m, x_k, weight in ((64, 4096, w), (64, 2048, small)):  # decode batches past 16 rows: both tiles
             triton_fp8.w8a16_linear(torch.zeros(m, x_k, dtype=bf16), weight, native=native)
