@@ -25,6 +25,16 @@ def test_layer_block_and_full_block_layout():
         KVGeometry(1, 64, 8, "int4")
 
 
+def test_a_memory_budget_holds_whole_blocks_of_the_resident_layers():
+    """Blocks of a prefill batch a KV budget holds: each keeps ``resident_layers`` layer blocks (all 30 for basic
+    prefill, 2 for layerwise), rounded down to whole blocks."""
+    g = KVGeometry(num_layers=30, block_size=64, kv_elems_per_token=2 * 3 * 64, dtype="bfloat16")
+    budget = 10 * 30 * g.layer_block_bytes + g.layer_block_bytes  # ten blocks of every layer, and a spare layer
+    assert g.budget_blocks(budget, 30) == 10 and isinstance(g.budget_blocks(budget, 30), int)
+    assert g.budget_blocks(budget, 2) == 150  # 301 layer blocks, 2 a block
+    assert g.budget_blocks(g.layer_block_bytes - 1, 1) == 0
+
+
 def test_mla_geometry_uses_latent_plus_rope_dims(tiny_dirs):
     import json
 
