@@ -21,7 +21,8 @@ installed and the repository is not touched, but for ``--out``.
     python bench/mutation.py --out /tmp/mutation.json --min-score 0.9   # CI: fails below 0.9 or on a survivor
                                                                          # that EQUIVALENT does not explain
 
-Takes ~40 minutes on two busy cores (``nice``d, one child)."""
+Takes ~66 minutes for the whole scope on two busy cores (``nice``d, one child: 3,960 s on 2026-12-05); ``--only``
+reruns a part in minutes, ``--report-only`` collects every verdict the work copy holds."""
 
 from __future__ import annotations
 
@@ -837,6 +838,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, help="with --report-only: the run's wall time, for the result")
     ap.add_argument("--min-score", type=float, help="exit 1 below this score, or with a survivor not explained (CI)")
     ap.add_argument("--out", default=str(RESULTS / "mutation.json"))
+    ap.add_argument("--note", default="", help="how the verdicts were gathered (with --report-only: which runs)")
     args = ap.parse_args()
     work = Path(args.work).resolve()
     assert ROOT not in work.parents and work != ROOT, "the work copy must be outside the repository"
@@ -873,6 +875,7 @@ def main() -> None:
         "overall": total,
         "modules": modules,
         "seconds": seconds,
+        "note": args.note,
         "max_children": args.max_children,
         "tests": TESTS,
         "tests_left_out": f"those using a model fixture ({', '.join(MODEL_FIXTURES)}): seconds each per mutant",
