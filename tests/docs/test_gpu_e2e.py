@@ -60,6 +60,7 @@ def test_llama3_8b_step_reads_its_published_parameters_less_the_embedding():
         roofline.weight_bytes(dataclasses.replace(c, moe=object()))  # (an MoE step reads only its experts)
 
 
+@pytest.mark.slow  # ~8 s: eight shapes' smoke steps on CPU (the default run keeps under 10 minutes)
 def test_decode_roofline_smoke_reports_each_shape_against_its_bound(tmp_path):
     """The bench at tiny shapes on CPU: every shape measured, its bound (weights + the timed steps' mean KV over the
     copy bandwidth) as counted by hand from the built checkpoint's config, and the count of the weights equal to

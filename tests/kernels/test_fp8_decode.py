@@ -197,6 +197,7 @@ def test_mla_decode_over_an_e4m3_latent_cache_in_bfloat16():
     assert rel_err(out, fp8_attention_reference(q, new_rows, cached, layout, 0.3)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.slow  # ~6 s: the whole bench's smoke under the interpreter (the default run keeps under 10 minutes)
 def test_the_gpu_bench_smoke_mode_runs(tmp_path):
     """``bench/gpu/fp8_decode.py --smoke``: the GPU script's every part at toy shapes (the interpreter here), its
     JSON's summaries filled, the defaults' errors within the kernels' tolerance."""
