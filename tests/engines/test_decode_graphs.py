@@ -61,6 +61,7 @@ def test_the_captured_step_reads_nothing_on_the_host(tiny_dirs, monkeypatch, arc
     assert bool(reads) == reads_host, reads
 
 
+@pytest.mark.slow  # ~3.5 s; the base model's captured steps stay in the default run
 def test_the_captured_lora_step_reads_nothing_on_the_host(tiny_dirs, tiny_adapters):
     model = load_model(tiny_dirs["llama"], DEVICE, kernels="triton")
     model.add_adapter(tiny_adapters["poet"])

@@ -70,6 +70,7 @@ def test_moe_models_at_four_ranks(tiny_dirs, arch):
     _same(tiny_dirs[arch], 4, enable_expert_parallel=True)
 
 
+@pytest.mark.slow  # ~3.5 s; the bf16 expert-parallel cases stay in the default run
 def test_fp8_experts_under_expert_parallelism(tmp_path):
     """Quantized at load: each rank's experts are whole, so their scale blocks are TP 1's and so are the tokens."""
     from dualpath.checkpoints.tiny import build_tiny_checkpoint
