@@ -22,7 +22,7 @@ import torch
 
 from dualpath.core.errors import ConfigError, DualPathError, RequestError, StorageError
 from dualpath.core.faults import failpoint
-from dualpath.core.geometry import FullBlockSlots, LayerMajorBlocks
+from dualpath.core.geometry import LAYERWISE_RESIDENT_LAYERS, FullBlockSlots, KVGeometry, LayerMajorBlocks
 from dualpath.core.messages import (
     Assignment,
     PrefillDone,
@@ -47,6 +47,19 @@ from dualpath.traffic.manager import AllOf, FutureHandle, LayerPipeline, PeerReg
 from dualpath.traffic.transport.base import Op, RegionDesc
 
 log = logging.getLogger(__name__)
+
+
+def resident_layers(g: KVGeometry, layerwise: bool) -> int:
+    """Layers of a prefill batch's KV in device memory at once: two for layerwise prefill, every one for basic."""
+    return LAYERWISE_RESIDENT_LAYERS if layerwise else g.num_layers
+
+
+def workspace_blocks(g: KVGeometry, workspace_tokens: int, budget_bytes: int, layerwise: bool) -> int:
+    """Blocks per layer slot of a prefill workspace: ``workspace_tokens`` worth, fewer where ``budget_bytes`` (0: no
+    budget) cannot keep that many resident over ``resident_layers`` (0: not one block of them fits). Under one
+    budget a basic batch holds ~num_layers / 2 times fewer tokens (the paper's §2 reason for layerwise prefill)."""
+    blocks = max(1, workspace_tokens // g.block_size)
+    return min(blocks, g.budget_blocks(budget_bytes, resident_layers(g, layerwise))) if budget_bytes else blocks
 
 
 @dataclass
@@ -157,7 +170,7 @@ class PrefillEngine(Engine):
     def setup(self) -> None:
         g = self.geometry
         self.stages: list = []  # tensor parallelism: the workspaces' shared host staging (closed at the end)
-        self.workspace = self._workspace(self._resident_layers(True))
+        self.workspace = self._workspace(layerwise=True)
         self.copies = LayerCopies(self.device)  # hit KV host -> device on its own stream (CUDA)
         self.basic_workspace: Workspace | None = None  # all layers resident: allocated on first basic batch
         self.jobs: PrefillJobs[Job] = PrefillJobs()  # the only place jobs are added, queued, cancelled, removed
@@ -168,24 +181,12 @@ class PrefillEngine(Engine):
         log.info("prefill cost model: %s (quota %.0f ms)", self.cost, 1000 * self.cfg.compute_quota_s)
         assert g.block_size > 0
 
-    def _budget_blocks(self, resident_layers: int) -> int:
-        """Blocks per layer slot of a workspace that keeps ``resident_layers`` layers of a batch's KV in device
-        memory: ``workspace_tokens`` worth, fewer where ``prefill_kv_budget_bytes`` cannot hold that many layers of
-        them (0 blocks: not even one block of every layer fits). Layerwise prefill keeps two layers resident (the
-        one computing, the next arriving), basic all of them: under one budget a basic batch holds ~num_layers / 2
-        times fewer tokens (the paper's §2 reason for layerwise prefill)."""
-        g = self.geometry
-        blocks = max(1, self.cfg.workspace_tokens // g.block_size)
-        if self.cfg.prefill_kv_budget_bytes:
-            blocks = min(blocks, g.budget_blocks(self.cfg.prefill_kv_budget_bytes, resident_layers))
-        return blocks
+    def _blocks(self, layerwise: bool) -> int:
+        return workspace_blocks(self.geometry, self.cfg.workspace_tokens, self.cfg.prefill_kv_budget_bytes, layerwise)
 
-    def _resident_layers(self, layerwise: bool) -> int:
-        return 2 if layerwise else self.geometry.num_layers
-
-    def _workspace(self, slots: int, key: str = "ws") -> Workspace:
+    def _workspace(self, layerwise: bool, key: str = "ws") -> Workspace:
         g = self.geometry
-        blocks = self._budget_blocks(slots)
+        slots, blocks = resident_layers(g, layerwise), self._blocks(layerwise)
         if blocks < 1:
             raise ConfigError(
                 f"a prefill KV budget of {self.cfg.prefill_kv_budget_bytes} bytes holds no block of {slots} layers "
@@ -271,8 +272,8 @@ class PrefillEngine(Engine):
     def _check_fits(self, job: Job) -> None:
         """A prompt whose KV cannot be resident at once (its last chunk attends over all of it) fails now, clearly:
         queued, it would never fit a batch."""
-        g, layers = self.geometry, self._resident_layers(job.a.layerwise)
-        cap = self._budget_blocks(layers)
+        g, layers = self.geometry, resident_layers(self.geometry, job.a.layerwise)
+        cap = self._blocks(job.a.layerwise)
         if g.num_blocks(job.n_prompt) > cap:
             mode = "layerwise" if job.a.layerwise else "basic (non-layerwise)"
             raise RequestError(
@@ -437,7 +438,7 @@ class PrefillEngine(Engine):
 
     def _basic_workspace(self) -> Workspace:
         if self.basic_workspace is None:
-            self.basic_workspace = self._workspace(self._resident_layers(False), "basic")
+            self.basic_workspace = self._workspace(False, "basic")
         return self.basic_workspace
 
     def stop(self) -> None:

@@ -92,6 +92,9 @@ class KVGeometry:
         return budget_bytes // (resident_layers * self.layer_block_bytes)
 
 
+LAYERWISE_RESIDENT_LAYERS = 2  # a layerwise prefill keeps the layer computing and the next one arriving resident
+
+
 @dataclass(frozen=True)
 class HeadShard:
     """Which KV heads tensor-parallel rank ``rank`` of ``size`` holds, and where they sit in a canonical Layer Block

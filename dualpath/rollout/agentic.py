@@ -204,18 +204,17 @@ def session_figure(rows: list[dict], out_dir: Path) -> list[str]:
 
 
 def prefill_batch_tokens(cfg: AgenticConfig, model) -> dict:
-    """The most prompt tokens (cached + new) a prefill batch holds, basic and layerwise: the workspace's, or fewer
-    where the KV budget cannot keep that many resident (every layer for basic, two for layerwise)."""
+    """The most prompt tokens (cached + new) a prefill batch holds, basic and layerwise (the engines' rule:
+    ``dualpath.engines.prefill.workspace_blocks``)."""
     from dualpath.core.geometry import KVGeometry
+    from dualpath.engines.prefill import workspace_blocks
 
     g = KVGeometry.for_model(model, cfg.dtype, cfg.block_size)
-    cap = WORKSPACE_TOKENS // g.block_size
-    budget = cfg.prefill_kv_budget_bytes
-    blocks = {
-        mode: min(cap, g.budget_blocks(budget, layers)) if budget else cap
-        for mode, layers in (("basic", g.num_layers), ("layerwise", 2))
+    return {
+        f"{mode}_batch_tokens": g.block_size
+        * workspace_blocks(g, WORKSPACE_TOKENS, cfg.prefill_kv_budget_bytes, layerwise=mode == "layerwise")
+        for mode in ("basic", "layerwise")
     }
-    return {f"{mode}_batch_tokens": n * g.block_size for mode, n in blocks.items()}
 
 
 def run(cfg: AgenticConfig, out_dir: str | Path) -> dict:

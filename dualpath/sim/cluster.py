@@ -52,6 +52,7 @@ from typing import Callable
 import numpy as np
 
 from dualpath.core.config import SchedulerConfig
+from dualpath.core.geometry import LAYERWISE_RESIDENT_LAYERS
 from dualpath.core.sessions import SessionHint
 from dualpath.core.messages import EngineInfo, EngineLoad, Role, SubmitEvent, SubmitRequest
 from dualpath.core.sampling_params import SamplingParams
@@ -512,7 +513,7 @@ class ClusterSim:
     def _resident_bytes(self, req: SimRequest) -> float:
         """The KV a request keeps in its prefill GPU's HBM: every layer of its prompt (basic), or two layers."""
         kv = req.prompt * self.cfg.model.kv_bytes_per_token
-        return kv if not self.layerwise else kv * 2 / self.pe_model.num_layers
+        return kv if not self.layerwise else kv * LAYERWISE_RESIDENT_LAYERS / self.pe_model.num_layers
 
     def _read_hit(self, pe: SimEngine, de: SimEngine, a, req: SimRequest) -> None:
         """Its KV has room in the prefill engine's HBM: read its hit (or, nothing to read, queue its compute)."""

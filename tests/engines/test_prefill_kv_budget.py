@@ -35,7 +35,7 @@ def budgeted(tiny_dirs, tmp_path):
     """(prefill engine with a budget of 12 layer blocks, decode peer)."""
     with prefill_with_decode_peer(tiny_dirs["llama"], tmp_path, BS) as (pe, peer):
         pe.cfg = replace(pe.cfg, prefill_kv_budget_bytes=BUDGET_LAYER_BLOCKS * pe.geometry.layer_block_bytes)
-        pe.workspace = pe._workspace(pe._resident_layers(True))
+        pe.workspace = pe._workspace(layerwise=True)
         yield pe, peer
 
 
