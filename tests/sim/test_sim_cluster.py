@@ -70,6 +70,7 @@ def test_unknown_system_is_refused():
     assert math.isinf(SimConfig(FAST, MODEL, ENGINE, 1, 1).storage_bps)
 
 
+@pytest.mark.slow  # ~3 s: a search over arrival rates
 def test_online_capacity_of_one_prefill_gpu():
     """One-round agents, 0.1 s of prefill each on one prefill GPU, nothing stored: the GPU saturates at 10
     agents/s, beyond which TTFT grows with time: over a finite run of T seconds the mean TTFT at load rho is about
@@ -204,6 +205,7 @@ def test_storage_bound_throughput_follows_the_storage_nics_in_use():
     assert rate["dualpath"] >= 1.6 * rate["basic"]
 
 
+@pytest.mark.slow  # ~5 s: the CLI's simulate and plan end to end (the simulator's own tests stay in the default run)
 def test_simulate_and_plan_commands(tmp_path):
     import json
     import subprocess
