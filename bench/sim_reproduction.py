@@ -66,7 +66,7 @@ def rounds_for(task: dict) -> list[list[tuple[int, int]]]:
 
 def run_task(task: dict) -> dict:
     """One simulator run (or one online capacity search), as a summary row tagged with the task."""
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)
     from dualpath.sim.cluster import ClusterSim, SimConfig, online_capacity, progress_printer, summarize
     from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
 

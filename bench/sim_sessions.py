@@ -46,7 +46,7 @@ GB = 1e9
 
 def run_one(task: dict) -> dict:
     """One simulator run: the summary of its sessions, tagged with the task."""
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)
     import numpy as np
 
     from dualpath.rollout.tracegen import trace_shapes, with_tool_gaps

@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("run", nargs="?", default=str(RESULTS / "agentic_sessions"), help="the agentic run's output dir")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)
     run_dir = Path(args.run)
     result = json.loads((run_dir / "agentic.json").read_text())
     cfg, cap = result["config"], result["cap_bps"]

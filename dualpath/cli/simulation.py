@@ -159,7 +159,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from dualpath.sim.cluster import engine_for, simulate_systems
 
-    logging.getLogger("scheduler").setLevel(logging.WARNING)  # thousands of simulated engines join
+    logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)  # thousands of simulated engines join
     hw = _hardware(args)
     layout = _sim_layout(args, hw, engine_for(args))  # refuses a bad TP before the trace is built
     rows = simulate_systems(args, hw)
@@ -267,7 +267,7 @@ def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, 
     from dualpath.sim.hardware import MODELS
     from dualpath.sim.plan import best_split, simulate_split
 
-    logging.getLogger("scheduler").setLevel(logging.WARNING)
+    logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)
     if not args.nodes:
         raise SystemExit("plan --simulate needs --nodes")
     splits = [(p, args.nodes - p) for p in range(1, args.nodes)] if args.nodes <= 16 else in_range

@@ -2,6 +2,7 @@
 g / TP engines of TP GPUs, each with TP GPUs' KV tokens and TP GPUs' compute less the all-reduces."""
 
 import json
+import logging
 
 import pytest
 
@@ -151,13 +152,15 @@ def scheduler_log_level():
     """``dualpath simulate`` quiets the scheduler's logger; put its level back for the tests after."""
     import logging
 
-    logger = logging.getLogger("scheduler")
+    logger = logging.getLogger("dualpath.scheduler")
     level = logger.level
     yield
     logger.setLevel(level)
 
 
-def test_simulate_with_one_prefill_engine_per_node(capsys, scheduler_log_level):
+def test_simulate_with_one_prefill_engine_per_node(capsys, caplog, scheduler_log_level):
+    """(And the simulated engines' joining is not logged: a 48P96D run would print 1,152 lines.)"""
+    caplog.set_level(logging.INFO)
     argv = [
         "simulate",
         "--prefill",
@@ -183,3 +186,4 @@ def test_simulate_with_one_prefill_engine_per_node(capsys, scheduler_log_level):
     assert row["turns"] > 0 and row["jct_s"] > 0
     assert main(argv + ["--prefill-tp", "8"]) == 0
     assert "engines: prefill 1 (1 per node) at TP 8" in capsys.readouterr().out
+    assert not [r for r in caplog.records if r.name.startswith("dualpath.scheduler") and r.levelno < logging.WARNING]
