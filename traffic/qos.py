@@ -50,11 +50,17 @@ def socket_tos(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
 
 
-def fd_tos(fd: int) -> int:
-    """``socket_tos`` of the socket open on ``fd`` (which stays open)."""
-    s = socket.socket(fileno=os.dup(fd))
+def fd_tos(fd: int) -> int | None:
+    """``socket_tos`` of the socket open on ``fd`` (which stays open); None if it closed since it was listed
+    (another thread's connection may end at any time)."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
     try:
         return socket_tos(s)
+    except OSError:
+        return None
     finally:
         s.close()
 
