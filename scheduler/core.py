@@ -14,6 +14,7 @@ import bisect
 import itertools
 import logging
 import queue
+import random
 import secrets
 import threading
 import time
@@ -43,7 +44,7 @@ from dualpath.core.messages import (
     unpack_keys,
 )
 from dualpath.core.paths import default_kv_store
-from dualpath.core.sampling_params import SamplingParams
+from dualpath.core.sampling_params import ParamsCache, SamplingParams
 from dualpath.core.sessions import session_key
 from dualpath.scheduler.balance import WindowedSums, max_over_avg, measured_alpha
 from dualpath.scheduler.index import BlockIndex
@@ -300,7 +301,12 @@ class SchedulerCore:
             "session_turns_kept_decode": 0,  # on their last turn's decode engine
             "prefetch_orders": 0,
             "prefetch_blocks_ordered": 0,
+            "hashes_verified": 0,
+            "hash_mismatches": 0,
         }
+        self._params = ParamsCache()
+        self._verify_rng = random.Random()  # which trusted hashes are checked: unpredictable to a submitter
+        self._verify_all = False  # set for good by a mismatch
         self.sessions = SessionBook()
         self.pinned: dict[str, dict[str, int]] = {}  # tenant (cache salt) -> its sessions' pinned blocks
         self._pins = ThreadPoolExecutor(1, thread_name_prefix="pins")  # pin files are written off the lock
@@ -313,6 +319,7 @@ class SchedulerCore:
         self.traffic: dict[str, dict[str, int]] = {}  # engine -> cumulative "path:class" -> bytes
         self.speculative: dict[str, dict[str, int]] = {}  # decode engine -> cumulative draft tokens fed, kept
         self._totals: dict[str, int] | None = None
+        self._decode_by_group: tuple[list[EngineRecord], list[tuple[str, list[EngineRecord]]]] | None = None
         self._room: int | None = None  # _decode_room's answer, dropped when the roster changes
         self._totals_at = 0.0
         self._alphas: dict[str, tuple[float, int]] = {}  # node -> (when measured, measured alpha)
@@ -474,17 +481,22 @@ class SchedulerCore:
 
     # --- requests -------------------------------------------------------------------------------------------
     def submit(
-        self, spec: SubmitRequest, notify: Callable[[SubmitEvent], None] | None = None, trust_hashes: bool = False
+        self,
+        spec: SubmitRequest,
+        notify: Callable[[SubmitEvent], None] | None = None,
+        trust_hashes: bool = False,
+        member: bool = False,
     ):
         """Accept a request (or raise ``RequestError``). Events about it go to ``notify``; without one they go to a
-        ``queue.Queue``, which is returned. The prompt's block hashes are computed here from its tokens, salt and
-        adapter: hashes a submitter sends are used only with ``trust_hashes`` (in-process callers whose prompts are
-        synthetic, the simulator), so no submitter can claim another tenant's stored KV for its own tokens."""
+        ``queue.Queue``, which is returned. The prompt's block hashes (``_prompt_hashes``) are computed here from
+        its tokens, salt and adapter, so no submitter can claim another tenant's stored KV for its own tokens,
+        unless the submitter is a ``member`` the plane authenticated (its hashes are used, a share of them checked)
+        or an in-process caller whose prompts are synthetic (``trust_hashes``: used as sent, the simulator)."""
         events: queue.Queue | None = None
         if notify is None:
             events = queue.Queue()
             notify = events.put
-        params = SamplingParams.from_dict(spec.sampling)
+        params = self._params.get(spec.sampling)
         mode = Mode(spec.mode) if spec.mode else self.mode
         with self.lock:
             if not self.ready() and not self._can_wait():
@@ -519,7 +531,7 @@ class SchedulerCore:
                     field="max_tokens",
                 )
             stale = bool(spec.fingerprint) and spec.fingerprint != self.fingerprint.hex()
-            hashes = spec.block_hashes if trust_hashes and spec.block_hashes else self._hash(spec.tokens, params)
+            hashes = self._prompt_hashes(spec, params, (trust_hashes or member) and not stale, member)
             if len(hashes) != n // self.block_size * HASH_BYTES:
                 raise RequestError(f"{len(hashes) // HASH_BYTES} block hashes for {n} tokens", field="block_hashes")
             hit = self._hit_blocks(hashes, n, params)
@@ -655,6 +667,28 @@ class SchedulerCore:
         are restarting) and waits are bounded."""
         missing = [role for role in (Role.PREFILL, Role.DECODE) if not self.alive_ids[role]]
         return self.config.engine_wait_timeout_s > 0 and all(role in self.unserved_since for role in missing)
+
+    def _prompt_hashes(self, spec: SubmitRequest, params: SamplingParams, trusted: bool, member: bool) -> bytes:
+        """The prompt's chained block hashes: a trusted submitter's as sent for the current fingerprint (a
+        member's: a random ``verify_block_hashes`` share of them recomputed and compared), anyone else's computed
+        here. A member whose hashes differ from the tokens' has a bug: its request gets the right hashes, the
+        mismatch is logged and counted, and every later member's prompt is hashed here."""
+        sent = spec.block_hashes
+        if not (trusted and sent):
+            return self._hash(spec.tokens, params)
+        if not member or not (self._verify_all or self._verify_rng.random() < self.config.verify_block_hashes):
+            return sent
+        mine = self._hash(spec.tokens, params)
+        self.counters["hashes_verified"] += 1
+        if mine != sent:
+            self.counters["hash_mismatches"] += 1
+            self._verify_all = True
+            log.error(
+                "request %s: its submitter's block hashes differ from its tokens' (a member's bug): "
+                "the scheduler now hashes every prompt itself",
+                spec.request_id,
+            )
+        return mine
 
     def _hash(self, tokens: bytes, params: SamplingParams) -> bytes:
         return pack_keys(
@@ -895,11 +929,15 @@ class SchedulerCore:
             self._route()
             if self.sessions.has_due():
                 self._order_prefetches()
-            ahead = {
-                e.info.engine_id: self.prefetch_for.pop(e.info.engine_id)
-                for e in group
-                if e.info.engine_id in self.prefetch_for
-            }
+            ahead = (
+                {
+                    e.info.engine_id: self.prefetch_for.pop(e.info.engine_id)
+                    for e in group
+                    if e.info.engine_id in self.prefetch_for
+                }
+                if self.prefetch_for
+                else {}
+            )
             if group[0].info.role is Role.DECODE:
                 if not self.paused:  # the one gate (and _handed_out's): the prefill queue holds what a DE took
                     self._assign_decode(group_id, group, pulling)
@@ -926,8 +964,9 @@ class SchedulerCore:
         it leaves such pulls out.)"""
         with self.lock:
             group = self.by_group.get(group_id, ())
-            if self.global_queue or any(
-                e.info.engine_id in self.cancelled_for or e.info.engine_id in self.preempt_for for e in group
+            if self.global_queue or (
+                (self.cancelled_for or self.preempt_for)
+                and any(e.info.engine_id in self.cancelled_for or e.info.engine_id in self.preempt_for for e in group)
             ):
                 return False
             if group and group[0].info.role is Role.DECODE:
@@ -972,9 +1011,10 @@ class SchedulerCore:
             self.busy_window.add(load.engine_id, load.prefill_busy_s)
             tokens, seconds = e.prefilled  # older reports fade: the rate follows contention and prompt lengths
             e.prefilled = (0.8 * tokens + load.prefill_tokens, 0.8 * seconds + load.prefill_busy_s)
-        self.counters["kv_load_failures"] += load.kv_load_failures
-        self.counters["kv_corrupt_removed"] += load.kv_corrupt_removed
-        self.counters["rpc_refused"] += load.rpc_refused
+        if load.kv_load_failures or load.kv_corrupt_removed or load.rpc_refused:  # (rare: most reports skip this)
+            self.counters["kv_load_failures"] += load.kv_load_failures
+            self.counters["kv_corrupt_removed"] += load.kv_corrupt_removed
+            self.counters["rpc_refused"] += load.rpc_refused
         if load.traffic:
             self.traffic[load.engine_id] = dict(load.traffic)
         if load.speculative:
@@ -1009,17 +1049,16 @@ class SchedulerCore:
             self._engine_gone(load.engine_id, "it is stopping")
 
     def _state(self, e: EngineRecord) -> EngineState:
-        load = e.load
-        out = e.outstanding
-        return EngineState(
-            e.info.engine_id,
-            e.info.node_id,
+        load, out, info = e.load, e.outstanding, e.info
+        return EngineState(  # positional (every pull builds its group's): engine, node, group, seq, tok, free, betas
+            info.engine_id,
+            info.node_id,
             e.group,
-            seq=(load.seq if load else 0) + len(out),
-            tok=(load.tok if load else 0) + out.tokens,
-            free_tokens=(load.free_tokens if load else e.info.capacity_tokens) - out.reserve,
-            beta=e.info.beta_tokens,
-            measured_beta=e.measured_beta(),
+            (load.seq if load else 0) + len(out),
+            (load.tok if load else 0) + out.tokens,
+            (load.free_tokens if load else info.capacity_tokens) - out.reserve,
+            info.beta_tokens,
+            e.measured_beta(),
         )
 
     def _group_totals(self) -> dict[str, int]:
@@ -1028,13 +1067,26 @@ class SchedulerCore:
         now = self.clock()
         if self._totals is None or now - self._totals_at > 0.05:
             totals: dict[str, int] = {}
-            for e in self.alive(Role.DECODE):  # the tok of _state(e), without building the state
-                load = e.load
-                totals[e.group] = totals.get(e.group, 0) + (load.tok if load else 0) + e.outstanding.tokens
-            for g in totals:
-                totals[g] += self.private[g].weight if g in self.private else 0
+            for g, members in self._decode_groups():
+                tok = 0
+                for e in members:  # the tok of _state(e), without building the state
+                    load = e.load
+                    tok += (load.tok if load else 0) + e.outstanding.tokens
+                totals[g] = tok + (self.private[g].weight if g in self.private else 0)
             self._totals, self._totals_at = totals, now
         return self._totals
+
+    def _decode_groups(self) -> list[tuple[str, list[EngineRecord]]]:
+        """``alive(DECODE)`` by group, groups in order of first appearance; rebuilt when that list is (it is
+        replaced, not changed, when an engine joins or leaves)."""
+        alive = self.alive(Role.DECODE)
+        cached = self._decode_by_group
+        if cached is None or cached[0] is not alive:
+            groups: dict[str, list[EngineRecord]] = {}
+            for e in alive:
+                groups.setdefault(e.group, []).append(e)
+            cached = self._decode_by_group = (alive, list(groups.items()))
+        return cached[1]
 
     def _route(self) -> None:
         """Phase 1: drain the global queue into decode groups' private queues."""
@@ -1049,12 +1101,15 @@ class SchedulerCore:
                 break
             self.global_queue.popleft()
             r.group = g
-            self.private.setdefault(g, Fifo()).append(rid, r.spec.num_tokens, r.rank)
+            private = self.private.get(g)
+            if private is None:
+                private = self.private[g] = Fifo()
+            private.append(rid, r.spec.num_tokens, r.rank)
             totals[g] += r.spec.num_tokens
 
     def _assign_decode(self, group_id: str, group: list[EngineRecord], pulling: set[str]) -> None:
         """Phase 2 for a pulling decode group (``group``: its alive engines, ``pulling``: their ids)."""
-        private = self.private.get(group_id, Fifo())
+        private = self.private.get(group_id)
         if not private:  # nothing to place: skip building the group's states
             return
         waiting = Lazy(self.queued(self.requests[rid]) for rid in self._handed_out(private))

@@ -118,8 +118,7 @@ class BlockIndex:
         """How many leading blocks of a prompt are stored (``packed``: its chained hashes, concatenated)."""
         ids = key_ids(packed)
         with self._lock:
-            missing = np.flatnonzero(self._find(ids) < 0)
-            n = int(missing[0]) if len(missing) else len(ids)
+            n = self._first_missing(ids) if len(ids) > _FEW else self._first_missing_few(ids.tolist())
             self.lookups += 1
             self.hit_blocks_total += n
             self.blocks_total += len(ids)
@@ -145,6 +144,25 @@ class BlockIndex:
             go = ~hit & (seen != _EMPTY)  # a deleted slot does not end a probe sequence
             todo, pos = todo[go], (pos[go] + 1) & mask
         return where
+
+    def _first_missing(self, ids: np.ndarray) -> int:
+        """The index of the first id not in the table (``len(ids)``: none), probing as ``_find`` does but only
+        the ids before the first one known missing (a probe that meets an empty slot)."""
+        slots, mask = self._slots, len(self._slots) - 1
+        first = len(ids)
+        todo, pos = np.arange(first), self._home(ids)
+        while len(todo):
+            seen = slots.take(pos)
+            empty = seen == _EMPTY
+            if empty.any():  # todo is ascending and below first: its first empty probe is a new earliest miss
+                first = int(todo[empty.argmax()])
+            go = (seen != ids.take(todo)) & ~empty & (todo < first)
+            todo, pos = todo[go], (pos[go] + 1) & mask
+        return first
+
+    def _first_missing_few(self, ids: list[int]) -> int:
+        slots, mask = self._slots, len(self._slots) - 1
+        return next((k for k, i in enumerate(ids) if self._find_one(i, slots, mask) < 0), len(ids))
 
     def _find_one(self, i: int, slots: np.ndarray, mask: int) -> int:
         pos = i >> (64 - self._bits)

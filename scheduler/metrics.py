@@ -30,6 +30,8 @@ COUNTERS = {
     "session_turns_kept_decode": "Agent sessions' turns kept on their last turn's decode engine",
     "prefetch_orders": "Prefetches of waiting agent sessions' KV ordered to engines",
     "prefetch_blocks_ordered": "KV blocks those prefetches named",
+    "hashes_verified": "Members' prompt block hashes the scheduler recomputed to check them (a sampled share)",
+    "hash_mismatches": "Members' block hashes that differed from their tokens' (then every prompt is hashed)",
 }
 # the engines' prefetchers summed (``stats()["prefetch"]``), each ``dualpath_prefetch_<name>_total``
 PREFETCH = {

@@ -38,7 +38,7 @@ from dualpath.core.messages import (
     WeightUpdate,
     WeightUpdateReply,
 )
-from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, serve_async
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, PlaneAuth, RpcError, serve_async
 from dualpath.scheduler.core import SchedulerCore
 from dualpath.scheduler.policies import make_policy
 from dualpath.scheduler.weights import drained_by, load_adapter, update_weights
@@ -57,8 +57,11 @@ def _refusal(request_id: str, e: RequestError) -> SubmitEvent:
 
 
 class SchedulerService:
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: SchedulerCore, members_authenticated: bool = False):
         self.core = core
+        # the plane checks every caller's token: a submitter is a cluster member, whose block hashes (named with
+        # the fingerprint they chain from) are used, a share of them checked (``SchedulerCore._prompt_hashes``)
+        self.members_authenticated = members_authenticated
         self._updating = False
         self._checking: dict[str, asyncio.Task] = {}  # engine -> its health check under way (held: tasks are weak)
         self._open: set = set()  # how to wake each open Submit or Session stream so that it ends (``close_streams``)
@@ -71,6 +74,9 @@ class SchedulerService:
         self._closing = True
         for wake in list(self._open):
             wake()
+
+    def _vouched(self, req: SubmitRequest) -> bool:
+        return self.members_authenticated and bool(req.fingerprint)
 
     async def Register(self, info: EngineInfo, ctx) -> RegisterReply:
         return self.core.register(info)
@@ -141,7 +147,7 @@ class SchedulerService:
             async for batch in requests:
                 for req in batch.submits:
                     try:
-                        self.core.submit(req, notify)
+                        self.core.submit(req, notify, member=self._vouched(req))
                         mine.add(req.request_id)
                     except RequestError as e:
                         notify(_refusal(req.request_id, e))
@@ -196,7 +202,7 @@ class SchedulerService:
     async def Submit(self, req: SubmitRequest, ctx):
         events: asyncio.Queue = asyncio.Queue()
         try:
-            self.core.submit(req, events.put_nowait)
+            self.core.submit(req, events.put_nowait, member=self._vouched(req))
         except RequestError as e:
             yield _refusal(req.request_id, e)
             return
@@ -219,9 +225,10 @@ class SchedulerService:
 
 async def run_scheduler_async(config: SchedulerConfig, ready=None, stop: asyncio.Event | None = None) -> None:
     core = SchedulerCore(config, make_policy(config.policy, recompute_slow_hits=config.recompute_slow_hits))
-    service = SchedulerService(core)
+    auth = PlaneAuth.from_env()
+    service = SchedulerService(core, members_authenticated=bool(auth.token))
     server, port = await serve_async(
-        "Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}", on_refused=core.refused_call
+        "Scheduler", SCHEDULER_METHODS, service, f"{config.host}:{config.port}", auth, on_refused=core.refused_call
     )
     http = None
     if config.http_port >= 0:

@@ -49,6 +49,11 @@ class SchedulerOptions(Options):
     )
     max_queued: int = opt(SchedulerConfig.max_queued_requests, "requests waiting at once; past it new ones are refused")
     http_port: int = opt(SchedulerConfig.http_port, "serve /health and /metrics here (0: any port; -1: off)")
+    verify_block_hashes: float = opt(
+        SchedulerConfig.verify_block_hashes,
+        "the share of cluster members' prompt block hashes recomputed to check them (1: every prompt hashed "
+        "here; without a cluster token every prompt is)",
+    )
     ready_file: str | None = opt(None, hidden=True)
 
 
@@ -160,6 +165,7 @@ def scheduler_config(args: argparse.Namespace):
         priority_preemption=not args.disable_priority_preemption,
         session_prefetch=not args.disable_session_prefetch,
         session_affinity=not args.disable_session_affinity,
+        verify_block_hashes=args.verify_block_hashes,
     )
 
 

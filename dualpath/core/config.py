@@ -770,8 +770,13 @@ class SchedulerConfig:
     session_prefetch: bool = True  # read a waiting agent session's KV into a buffer before its next turn
     session_affinity: bool = True  # a session's turn prefers its last decode engine where the balance rules allow
     session_pin_quota_tokens: int = 1 << 20  # the most KV tokens one tenant's sessions may pin (ttl_s) in the store
+    # the share of an authenticated member's block hashes the scheduler recomputes and compares (1.0: every
+    # prompt's, as on an open plane, where every prompt is hashed here; a mismatch makes it 1.0 for good)
+    verify_block_hashes: float = 1 / 64
 
     def __post_init__(self):
+        if not 0 <= self.verify_block_hashes <= 1:
+            raise ConfigError(f"verify_block_hashes must be between 0 and 1, got {self.verify_block_hashes}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"

@@ -216,7 +216,7 @@ def block_hashes(
     ``chain_root(fingerprint, salt, adapter)``, each block's tokens as little-endian uint32s.
 
     ``token_ids``: the ids, or their bytes as packed for the wire (``pack_tokens``), hashed as they are (the
-    scheduler hashes every prompt it is sent: no conversion to a list and back). A trailing partial block gets no
+    scheduler hashes prompts as they were sent: no conversion to a list and back). A trailing partial block gets no
     hash. ``parent`` continues a chain whose earlier blocks were hashed already (then ``token_ids`` starts at a
     block boundary, and the salt and adapter are in ``parent`` already).
     """

@@ -8,6 +8,7 @@ import numbers
 import re
 import types
 import typing
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,11 +272,50 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}  # JSON-ready
+        """JSON-ready, naming the fields that differ from their defaults (``from_dict`` fills the rest in): a
+        request's wire form is as long as what its client set, and ``ParamsCache`` keys on few fields."""
+        return {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in self.__dict__.items()
+            if type(v) is not type(_DEFAULTS[k]) or v != _DEFAULTS[k]
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+class ParamsCache:
+    """``SamplingParams.from_dict`` for a scheduler that decodes thousands of requests a second, most of them sent
+    with one of a few parameter sets: each set is built and checked once (they are frozen, so one object serves
+    every request naming it). A set with an unhashable value (``logit_bias``, a stop list of lists) is built each
+    time; the cache is dropped whole at ``capacity`` sets, so callers with ever-new seeds cost one dict each."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._sets: dict[tuple, SamplingParams] = {}
+
+    def get(self, d: dict) -> SamplingParams:
+        # typed: True == 1 == 1.0 as dict keys, and max_tokens=True must be refused, not served as 1
+        key = tuple((k, type(v), tuple(map(_typed, v)) if type(v) is list else v) for k, v in d.items())
+        try:
+            return self._sets[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value
+            return SamplingParams.from_dict(d)
+        params = SamplingParams.from_dict(d)
+        if len(self._sets) >= self.capacity:
+            self._sets.clear()
+        self._sets[key] = params
+        return params
+
+
+def _typed(v) -> tuple:
+    return type(v), v
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 def _is_number(v, kind: type) -> bool:

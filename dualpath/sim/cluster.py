@@ -73,6 +73,7 @@ SYSTEMS = {  # name -> (scheduler mode, policy, layerwise, reads storage)
     "oracle": ("dualpath", "dualpath", True, False),
 }
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying by it is a bijection of 64-bit integers
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class SimConfig:
         return engines_per_node(self.hardware, self.tp(role), role.value)
 
 
-@dataclass
+@dataclass(slots=True)  # the run reads and writes these fields millions of times
 class Agent:
     """One trajectory: rounds of (appended tokens, generated tokens), each issued when the one before finished, or
     (appended, generated, tool_s): ``tool_s`` seconds after it (a tool call; 0: at once)."""
@@ -165,7 +166,7 @@ class Agent:
     priority: int = 0  # every round's SamplingParams.priority (unless SimConfig.longest_first)
 
 
-@dataclass
+@dataclass(slots=True)
 class SimRequest:
     agent: Agent
     prompt: int
@@ -189,7 +190,7 @@ class SimRequest:
     resident_bytes: float = 0.0  # prefill: the KV it keeps in its prefill engine's HBM from read issue to prefill end
 
 
-@dataclass
+@dataclass(slots=True)
 class SimEngine:
     info: EngineInfo
     gpu: tuple[str, int]  # (node, its first GPU's index) for link routes
@@ -262,6 +263,26 @@ def block_key(agent: int, block: int) -> bytes:
     return block_keys(agent, block, block + 1)
 
 
+class BlockKeys:
+    """``block_keys`` with one numpy operation a call: blocks are below 2^32, so ``((agent + 1) << 32 | block) x MIX``
+    is ``(agent + 1) x 2^32 x MIX + block x MIX`` (mod 2^64), and ``block x MIX`` comes from a table grown as
+    contexts grow. Every turn's prompt keys are built this way (~1,000 blocks each): half the time of
+    ``block_keys``'s."""
+
+    def __init__(self) -> None:
+        self._mixed = np.zeros(0, dtype=np.uint64)  # block x MIX (mod 2^64) for blocks 0 .. len - 1
+
+    def keys(self, agent: int, first: int, last: int) -> bytes:
+        n = max(0, last - first)
+        if first + n > len(self._mixed):
+            size = max(first + n, 2 * len(self._mixed), 1024)
+            self._mixed = np.arange(size, dtype=np.uint64) * np.uint64(_MIX)
+        out = np.empty((n, 2), dtype="<u8")
+        np.add(self._mixed[first : first + n], ((agent + 1) << 32) * _MIX & _MASK64, out=out[:, 0])  # wraps
+        out[:, 1] = agent
+        return out.tobytes()
+
+
 @dataclass
 class SimResult:
     jct_s: float
@@ -296,8 +317,9 @@ class ClusterSim:
             caps["storage"] = cfg.storage_bps
         caps.update({f"{n}/storage_read": cfg.hardware.read_bps for n in nodes})  # what a node's client reads
         self.loop = EventLoop(FlowNetwork(caps))
+        self.block_keys = BlockKeys().keys  # block_keys, faster
         gaps = any(len(r) > 2 and r[2] > 0 for rs in rounds_per_agent for r in rs)
-        self.sessions = Sessions(self, block_keys) if cfg.prefetch or cfg.affinity or gaps else None
+        self.sessions = Sessions(self, self.block_keys) if cfg.prefetch or cfg.affinity or gaps else None
         self.core = SchedulerCore(
             SchedulerConfig(
                 kv_store="/nonexistent",
@@ -327,7 +349,7 @@ class ClusterSim:
         for a, k in zip(self.agents, first_rounds or ()):
             if 0 < k < len(a.rounds):
                 a.next_round, a.context = k, sum(r[0] + r[1] for r in a.rounds[:k])
-                self.core.index.add_packed(block_keys(a.index, 0, a.context // cfg.block_size))
+                self.core.index.add_packed(self.block_keys(a.index, 0, a.context // cfg.block_size))
                 if self.sessions is not None:
                     self.sessions.joined(a)
         self.unfinished = sum(1 for a in self.agents if a.rounds)  # pulls go on while any agent has rounds left
@@ -391,7 +413,7 @@ class ClusterSim:
         append, gen = agent.rounds[agent.next_round][:2]
         prompt = agent.context + append
         bs = self.cfg.block_size
-        keys = block_keys(agent.index, 0, prompt // bs)
+        keys = self.block_keys(agent.index, 0, prompt // bs)
         rid = f"a{agent.index}.r{agent.next_round}"
         if self.sessions is not None:
             self.sessions.submitted(agent, rid, self.loop.now)
@@ -440,10 +462,11 @@ class ClusterSim:
         scheduler has nothing queued the group could take."""
         members, every = self.groups[group], self.cfg.every_pull
         read_q = self._read_q_tokens(group)  # a group is a node: one engine reports the node's queue
+        new_q = every or read_q != self.reported_q.get(group)
         loads = [
             self._load(e, read_q if i == 0 else 0)
             for i, e in enumerate(members)
-            if every or (e.dirty and self._changed(e)) or (i == 0 and read_q != self.reported_q.get(group))
+            if every or (e.dirty and self._changed(e)) or (i == 0 and new_q)
         ]
         if loads and loads[0].engine_id == members[0].info.engine_id:
             self.reported_q[group] = read_q
@@ -719,7 +742,7 @@ class ClusterSim:
             self.tpot.append((self.loop.now - req.prefill_done) / max(req.gen - 1, 1))
             self.tpot_at.append(self.loop.now)
             # what storage lacks: blocks after the hit part, up to the last full one
-            de.stored.append(block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
+            de.stored.append(self.block_keys(req.agent.index, req.hit_tokens // bs, (req.prompt + req.gen) // bs))
 
     # --- run --------------------------------------------------------------------------------------------------
     def run(

@@ -47,7 +47,7 @@ class EventLoop:
 
     def run(self, until: float = float("inf")) -> float:
         """Process events until none are left (or time ``until``); returns the time reached."""
-        timers, net, inf = self._timers, self.net, float("inf")
+        timers, net, inf, pop = self._timers, self.net, float("inf"), heapq.heappop
         while True:
             timer = timers[0][0] if timers else inf
             flow = net.next_completion()
@@ -65,4 +65,4 @@ class EventLoop:
                     self._on_done.pop(fid)()
             horizon = net.now + 1e-12
             while timers and timers[0][0] <= horizon:
-                heapq.heappop(timers)[2]()
+                pop(timers)[2]()

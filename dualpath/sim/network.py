@@ -20,7 +20,7 @@ def rounding(t: float) -> float:
     return 1e-12 * max(1.0, t)
 
 
-@dataclass
+@dataclass(slots=True)  # attribute access is most of the network's time
 class Flow:
     id: str
     size: float
@@ -143,17 +143,20 @@ class FlowNetwork:
         self.now = max(self.now, to)
         eps = rounding(self.now)
         done: list[Flow] = []
-        while (nxt := self.next_completion()) is not None and nxt[0] <= self.now + eps:
-            done.append(self.flows[heapq.heappop(self._heap)[2]])
+        flows, due = self.flows, self.now + eps
+        while (nxt := self.next_completion()) is not None and nxt[0] <= due:
+            done.append(flows[heapq.heappop(self._heap)[2]])
+        carried, load, on_link, held = self._carried, self._load, self._on_link, self._held
         for f in done:  # due now: whatever rounding left of them arrives too
+            fid, size, rate = f.id, f.size, f.rate
             for link, factor in f.route:
-                self._carried[link] = self._carried.get(link, 0.0) + f.size * factor
-                self._load[link] -= f.rate * factor
-                del self._on_link[link][f.id]
-            del self._held[f.bottleneck][f.id]
-            del self.flows[f.id]
+                carried[link] = carried.get(link, 0.0) + size * factor
+                load[link] -= rate * factor
+                del on_link[link][fid]
+            del held[f.bottleneck][fid]
+            del flows[fid]
         if done:  # the links they crossed have room now: the flows those links hold may speed up
-            links = {link for f in done for link, _ in f.route if self._held.get(link)}
+            links = {link for f in done for link, _ in f.route if held.get(link)}
             if links and not (len(links) == 1 and self._uniform(links.pop())):
                 self._refill({g.id: g for f in done for link, _ in f.route for g in self._held.get(link, {}).values()})
         return [f.id for f in done]
@@ -168,14 +171,15 @@ class FlowNetwork:
 
     def _set_rate(self, f: Flow, rate: float) -> None:
         """Settle the flow's bytes at its old rate up to now, then move it (and its links' load) to ``rate``."""
-        moved = min(f.remaining, f.rate * (self.now - f.since))
+        now = self.now
+        moved = min(f.remaining, f.rate * (now - f.since))
         if moved > 0:
             f.remaining -= moved
-        f.since = self.now
+        f.since = now
         load, change = self._load, rate - f.rate
         for link, factor in f.route:
             load[link] += change * factor  # every route's links have entries (``_check``)
-        f.rate, f.version, f.done_at = rate, f.version + 1, self.now + f.remaining / rate
+        f.rate, f.version, f.done_at = rate, f.version + 1, now + f.remaining / rate
         heapq.heappush(self._heap, (f.done_at, f.version, f.id))
 
     def _hold(self, f: Flow, link: str) -> None:
@@ -190,36 +194,48 @@ class FlowNetwork:
         on the link is faster, no other link the group crosses overflows, and none that holds flows loses load
         (its flows could then speed up): else nothing is changed and False says to re-fill. (A storage system
         shared by every node's reads holds them all: re-filling them costs O(flows x route) per change.)"""
-        group = list(self._held.get(link, {}).values())
+        holds = self._held.get(link)
+        group = list(holds.values()) if holds else []
         if new is not None and new.bottleneck != link:
             group.append(new)
         cap = self.capacity[link]
-        weight = sum(f.factor[link] for f in group)
-        others = self._load.get(link, 0.0) - sum(f.rate * f.factor[link] for f in group)
+        # sum() over lists, not generators: the same additions in the same order, less overhead
+        weight = sum([f.factor[link] for f in group])
+        others = self._load.get(link, 0.0) - sum([f.rate * f.factor[link] for f in group])
         rate = (cap - others) / weight if weight > 0 else 0.0
         if rate <= 0:
             return False
         on_link = self._on_link[link]
         if len(on_link) > len(group):  # (a storage client's link carries only the reads it holds)
-            members = {f.id for f in group}
-            if any(g.rate > rate * (1 + 1e-9) for g in on_link.values() if g.id not in members):
-                return False
-        delta: dict[str, float] = {}
-        for f in group:
-            change = rate - f.rate
-            for other, factor in f.route:
-                if other != link:
-                    delta[other] = delta.get(other, 0.0) + change * factor
-        load, held, caps = self._load, self._held, self.capacity
-        for other, d in delta.items():
-            c = caps[other]
-            if (d > 0 and load[other] + d > c * (1 + 1e-9)) or (d < -1e-9 * c and held[other]):
-                return False
+            # the group is the flows ``link`` holds (bottleneck == link) and ``new``
+            faster = rate * (1 + 1e-9)
+            for g in on_link.values():
+                if g.rate > faster and g.bottleneck != link and g is not new:
+                    return False
+        if not self._others_fit(group, link, rate):
+            return False
         self.refilled += len(group)
         for f in group:
             self._set_rate(f, rate)
             if f.bottleneck != link:
                 self._hold(f, link)
+        return True
+
+    def _others_fit(self, group: list[Flow], link: str, rate: float) -> bool:
+        """Whether moving ``group`` to ``rate`` overflows no other link it crosses and takes load off none that
+        holds flows (``_uniform``'s conditions)."""
+        delta: dict[str, float] = {}
+        get = delta.get
+        for f in group:
+            change = rate - f.rate
+            for other, factor in f.route:
+                if other != link:
+                    delta[other] = get(other, 0.0) + change * factor
+        load, held, caps = self._load, self._held, self.capacity
+        for other, d in delta.items():
+            c = caps[other]
+            if (d > 0 and load[other] + d > c * (1 + 1e-9)) or (d < -1e-9 * c and held[other]):
+                return False
         return True
 
     def _refill(self, seed: dict[str, Flow]) -> None:

@@ -174,8 +174,30 @@ def test_thinking_first_needs_json_output_and_a_known_mode(bad):
 
 
 def test_params_round_trip_through_dict():
+    """The wire form names only what differs from the defaults."""
     p = SamplingParams(max_tokens=5, stop=["a", "b"], stop_token_ids=[3], seed=1, logprobs=2)
     assert SamplingParams.from_dict(p.to_dict()) == p
+    assert p.to_dict() == {"max_tokens": 5, "stop": ["a", "b"], "stop_token_ids": [3], "seed": 1, "logprobs": 2}
+    assert SamplingParams().to_dict() == {} and SamplingParams(seed=0).to_dict() == {"seed": 0}
+
+
+def test_the_params_cache_builds_each_set_once_and_tells_true_from_1():
+    """The scheduler's ``ParamsCache``: one frozen object per parameter set; a bool is never served as the int it
+    equals as a dict key (``max_tokens=True`` is refused, as ``SamplingParams`` refuses it); a set with an
+    unhashable value is built each time; the cache is bounded."""
+    from dualpath.core.sampling_params import ParamsCache
+
+    cache = ParamsCache(capacity=2)
+    one = cache.get({"max_tokens": 1})
+    assert cache.get({"max_tokens": 1}) is one and one.max_tokens == 1
+    with pytest.raises(RequestError, match="max_tokens"):
+        cache.get({"max_tokens": True})
+    with pytest.raises(RequestError, match="integer token ids"):
+        cache.get({"stop_token_ids": [True]}) if cache.get({"stop_token_ids": [1]}) else None
+    bias = {"logit_bias": [[3, 1.0]]}
+    assert cache.get(bias) == cache.get(bias) and cache.get(bias) is not cache.get(bias)
+    cache.get({"max_tokens": 2})
+    assert cache.get({"max_tokens": 1}) is not one and len(cache._sets) <= 2
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA on the GPU machine (bench/gpu/run.sh)

@@ -273,10 +273,12 @@ def test_new_weights_rehash_queued_requests_and_drop_engines_that_did_not_load()
 
 
 def test_the_scheduler_hashes_every_prompt_itself_and_tells_a_stale_submitter():
-    """A submitter's hashes are never taken as given (one could claim another tenant's stored KV for its own
-    tokens, issue 54): they are computed from the tokens, salt and adapter, whatever fingerprint is named; only an
-    in-process caller with synthetic prompts (the simulator) passes ``trust_hashes``."""
+    """A submitter's hashes are not taken as given unless it is vouched for (one could claim another tenant's
+    stored KV for its own tokens, issue 54): they are computed from the tokens, salt and adapter, whatever
+    fingerprint is named; ``trust_hashes`` (an in-process caller with synthetic prompts, the simulator) takes them as
+    sent, never checked (a ``member``'s are: the next test)."""
     core, _ = make_core("dualpath", Clock())
+    core.config = replace(core.config, verify_block_hashes=1.0)  # (trust_hashes is not a member's: never checked)
     fp, tokens = core.fingerprint, list(range(40))
     right = pack_keys(block_hashes(tokens, fp, BS))
     wrong = pack_keys(block_hashes(tokens, b"\x01" * 16, BS))
@@ -292,6 +294,52 @@ def test_the_scheduler_hashes_every_prompt_itself_and_tells_a_stale_submitter():
         trust_hashes=True,
     )
     assert core.requests["vouched"].hashes == wrong
+
+
+def vouched(core, rid, tokens, hashes, fingerprint):
+    spec = SubmitRequest(
+        rid, pack_tokens(tokens), SamplingParams(max_tokens=8).to_dict(), block_hashes=hashes, fingerprint=fingerprint
+    )
+    core.submit(spec, member=True)
+    return core.requests[rid].hashes
+
+
+def test_a_members_hashes_are_used_a_sampled_share_checked_and_a_mismatch_ends_the_trust():
+    """On an authenticated plane the scheduler uses a member's hashes (hashing 2,400 prompts a second would take
+    more than a core) and recomputes a ``verify_block_hashes`` share of them. A mismatch (a member's bug) gets the
+    request the right hashes, is counted, and has every later prompt hashed here; a stale fingerprint's hashes are
+    never used."""
+    core, _ = make_core("dualpath", Clock())
+    fp, tokens = core.fingerprint, list(range(40))
+    right = pack_keys(block_hashes(tokens, fp, BS))
+    wrong = pack_keys(block_hashes(tokens, b"\x01" * 16, BS))
+    core.config = replace(core.config, verify_block_hashes=0.0)
+    assert vouched(core, "a", tokens, wrong, fp.hex()) == wrong and core.counters["hashes_verified"] == 0
+    assert vouched(core, "stale", tokens, wrong, "01" * 16) == right
+    core.config = replace(core.config, verify_block_hashes=1.0)
+    assert vouched(core, "b", tokens, right, fp.hex()) == right
+    assert core.counters["hashes_verified"] == 1 and core.counters["hash_mismatches"] == 0
+    assert vouched(core, "c", tokens, wrong, fp.hex()) == right and core.counters["hash_mismatches"] == 1
+    core.config = replace(core.config, verify_block_hashes=0.0)
+    assert vouched(core, "d", tokens, wrong, fp.hex()) == right  # trusted no more
+    assert core.counters["hashes_verified"] == 3 and core.counters["hash_mismatches"] == 2
+    core, _ = make_core("dualpath", Clock())  # a share is a share: 1/2 checks about half
+    core.config = replace(core.config, verify_block_hashes=0.5)
+    for i in range(200):
+        vouched(core, f"r{i}", tokens, right, fp.hex())
+    assert 60 <= core.counters["hashes_verified"] <= 140
+
+
+def test_the_service_vouches_for_members_of_an_authenticated_plane_only():
+    """The gRPC service counts a submitter a ``member`` only when the plane checks every caller's token (otherwise
+    anyone who reaches the port is a submitter) and the submitter names the fingerprint its hashes chain from."""
+    from dualpath.scheduler.service import SchedulerService
+
+    core, _ = make_core("dualpath", Clock())
+    named = SubmitRequest("x", b"", {}, fingerprint=core.fingerprint.hex())
+    assert SchedulerService(core, members_authenticated=True)._vouched(named)
+    assert not SchedulerService(core, members_authenticated=True)._vouched(replace(named, fingerprint=""))
+    assert not SchedulerService(core)._vouched(named)
 
 
 def test_another_tenants_hashes_sent_with_other_tokens_hit_nothing():

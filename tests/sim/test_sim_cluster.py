@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dualpath.sim.cluster import ClusterSim, SimConfig, block_key
+from dualpath.sim.cluster import BlockKeys, ClusterSim, SimConfig, block_key, block_keys
 from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
 from dualpath.engines.batcher import CostModel
 
@@ -62,6 +62,15 @@ def test_storage_bandwidth_is_shared_by_concurrent_reads():
 def test_block_keys_are_distinct_per_agent_and_position():
     keys = {block_key(a, b)[:8] for a in range(50) for b in range(500)}
     assert len(keys) == 50 * 500  # the index keys on the first 8 bytes
+
+
+def test_block_keys_table_gives_the_same_keys():
+    """BlockKeys (the run's, from a table of block x MIX) packs exactly block_keys's bytes, its table grown on
+    demand; an empty or reversed range packs nothing."""
+    fast = BlockKeys()
+    for agent, first, last in [(0, 0, 1), (7, 0, 900), (7, 899, 2500), (49151, 3, 5000), (2**31, 10, 20), (3, 5, 2)]:
+        assert fast.keys(agent, first, last) == block_keys(agent, first, last)
+    assert fast.keys(1, 4, 4) == b""
 
 
 def test_unknown_system_is_refused():
