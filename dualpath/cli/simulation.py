@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from dualpath.cli.options import Options, gpu_count, opt, options
 from dualpath.sim.hardware import MODELS  # plain data
@@ -85,6 +86,7 @@ class PlanOptions(Options):
     agents_per_node: int = opt(170, "with --simulate: agents (enough to saturate)")
     seconds: float = opt(900.0, "with --simulate: simulated seconds per split")
     target_turns_per_s: float = opt(0.0, "with --simulate: the nodes this rate needs at the best ratio")
+    jobs: int = opt(0, "with --simulate: splits simulated at once, one process each", default_text="the CPUs")
 
 
 @options
@@ -265,7 +267,7 @@ def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, 
 
     from dualpath.rollout.tracegen import trace_shapes
     from dualpath.sim.hardware import MODELS
-    from dualpath.sim.plan import best_split, simulate_split
+    from dualpath.sim.plan import best_split, simulate_splits
 
     logging.getLogger("dualpath.scheduler").setLevel(logging.WARNING)
     if not args.nodes:
@@ -279,22 +281,20 @@ def _plan_by_simulation(args: argparse.Namespace, hw, in_range: list[tuple[int, 
     print(f"{'split':>7} {'in range':>8} {'turns/s':>8} {'prefill busy':>12} {'TTFT s':>7}  busiest link")
     rows = []
     engine = _with_tp_comm(args, MODELS[args.model].engine)
-    for p, d in splits:
-        rows.append(
-            simulate_split(
-                hw,
-                MODELS[args.model],
-                p,
-                d,
-                rounds,
-                args.seconds,
-                storage_gbps=args.storage_gbps,
-                prefill_tp=args.prefill_tp,
-                decode_tp=args.decode_tp,
-                engine=engine,
-            )
-        )
-        r = rows[-1]
+    runs = simulate_splits(
+        hw,
+        MODELS[args.model],
+        splits,
+        rounds,
+        args.seconds,
+        jobs=args.jobs or os.cpu_count() or 1,
+        storage_gbps=args.storage_gbps,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        engine=engine,
+    )
+    for (p, d), r in zip(splits, runs):
+        rows.append(r)
         print(
             f"{p:>3}P{d}D {'yes' if (p, d) in in_range else 'no':>8} {r['turns_per_s']:>8.1f} "
             f"{r['prefill_busy']:>12.0%} {r['ttft_mean_s']:>7.2f}  {r['busiest']} {r['busiest_utilization']:.0%}",

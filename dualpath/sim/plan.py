@@ -3,8 +3,11 @@ NIC saturated, adds no bottleneck on any compute NIC or DRAM (paper §4.2)."""
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
 
 from dualpath.sim.hardware import EngineModel, Hardware, engines_per_node
 from dualpath.sim.links import DECODE, PREFILL, link_load
@@ -141,6 +144,23 @@ def simulate_split(
         "busiest_utilization": util[busiest],
         "utilization": util,
     }
+
+
+def simulate_splits(
+    hw: Hardware, model, splits: list[tuple[int, int]], rounds, seconds: float, jobs: int = 1, **kw
+) -> Iterator[dict]:
+    """``simulate_split`` of each (prefill, decode) in ``splits``, in their order, each as it is ready: on ``jobs``
+    forked processes (the runs share nothing; each is one core's work)."""
+    run = partial(_simulate_pair, hw, model, rounds, seconds, kw)
+    if jobs <= 1 or len(splits) <= 1:
+        yield from map(run, splits)
+        return
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(splits))) as pool:
+        yield from pool.imap(run, splits)
+
+
+def _simulate_pair(hw: Hardware, model, rounds, seconds: float, kw: dict, split: tuple[int, int]) -> dict:
+    return simulate_split(hw, model, split[0], split[1], rounds, seconds, **kw)
 
 
 def best_split(rows: list[dict]) -> dict:

@@ -110,3 +110,18 @@ def test_bad_hardware_is_rejected():
     with pytest.raises(ValueError):
         link_load(PAPER_NODE, 0, 1)
     assert GBPS == 125e6
+
+
+def test_splits_simulated_on_two_processes_give_one_processs_rows_in_order():
+    """``plan --simulate`` runs its splits on forked processes (a 6-node plan: 67 s on one core, 34 s on two):
+    each split's row is what a run in this process gives, and the rows come in the splits' order."""
+    from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
+    from dualpath.sim.plan import simulate_splits
+
+    rounds, _ = trace_shapes("64k", 16, scale=0.05, turns_scale=0.5)
+    splits = [(1, 2), (2, 1), (1, 1)]
+    args = (PAPER_CLUSTER_NODE, MODELS["ds27b"], splits, rounds, 20.0)
+    alone, forked = list(simulate_splits(*args, jobs=1)), list(simulate_splits(*args, jobs=2))
+    assert forked == alone and [(r["prefill"], r["decode"]) for r in forked] == splits
+    assert all(r["turns_per_s"] > 0 for r in alone)
