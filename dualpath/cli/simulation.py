@@ -86,7 +86,7 @@ class PlanOptions(Options):
     agents_per_node: int = opt(170, "with --simulate: agents (enough to saturate)")
     seconds: float = opt(900.0, "with --simulate: simulated seconds per split")
     target_turns_per_s: float = opt(0.0, "with --simulate: the nodes this rate needs at the best ratio")
-    jobs: int = opt(0, "with --simulate: splits simulated at once, one process each", default_text="the CPUs")
+    jobs: int | None = opt(None, "with --simulate: splits simulated at once, one process each", default_text="the CPUs")
 
 
 @options
