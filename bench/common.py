@@ -1,8 +1,9 @@
-"""Shared helpers for benchmark scripts: timing, JSON results, tables."""
+"""Shared helpers for benchmark scripts: timing, CPU use, JSON results, tables."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -22,6 +23,14 @@ def best_of(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> floa
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from ``/proc`` (another process's, unlike
+    ``time.process_time``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rel_err(out, ref) -> float:

@@ -22,15 +22,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_result  # noqa: E402
+from common import cpu_seconds, print_table, write_result  # noqa: E402
 
 GROUPS, PER_GROUP = 144, 8
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _codecs(codec: bool):

@@ -31,16 +31,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_result  # noqa: E402
+from common import cpu_seconds, print_table, write_result  # noqa: E402
 
 PE_NODES, DE_NODES, PER_NODE, BS = 48, 96, 8, 64
 NEW_BLOCKS = 9  # blocks a finished turn adds to storage
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def main_async(args) -> dict:

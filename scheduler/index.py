@@ -118,7 +118,7 @@ class BlockIndex:
         """How many leading blocks of a prompt are stored (``packed``: its chained hashes, concatenated)."""
         ids = key_ids(packed)
         with self._lock:
-            n = self._first_missing(ids) if len(ids) > _FEW else self._first_missing_few(ids.tolist())
+            n = self._first_missing(ids)
             self.lookups += 1
             self.hit_blocks_total += n
             self.blocks_total += len(ids)
@@ -149,6 +149,8 @@ class BlockIndex:
         """The index of the first id not in the table (``len(ids)``: none), probing as ``_find`` does but only
         the ids before the first one known missing (a probe that meets an empty slot)."""
         slots, mask = self._slots, len(self._slots) - 1
+        if len(ids) <= _FEW:
+            return next((k for k, i in enumerate(ids.tolist()) if self._find_one(i, slots, mask) < 0), len(ids))
         first = len(ids)
         todo, pos = np.arange(first), self._home(ids)
         while len(todo):
@@ -159,10 +161,6 @@ class BlockIndex:
             go = (seen != ids.take(todo)) & ~empty & (todo < first)
             todo, pos = todo[go], (pos[go] + 1) & mask
         return first
-
-    def _first_missing_few(self, ids: list[int]) -> int:
-        slots, mask = self._slots, len(self._slots) - 1
-        return next((k for k, i in enumerate(ids) if self._find_one(i, slots, mask) < 0), len(ids))
 
     def _find_one(self, i: int, slots: np.ndarray, mask: int) -> int:
         pos = i >> (64 - self._bits)

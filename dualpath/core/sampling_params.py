@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
 import re
 import types
 import typing
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,15 +299,14 @@ class ParamsCache:
         # typed: True == 1 == 1.0 as dict keys, and max_tokens=True must be refused, not served as 1
         key = tuple((k, type(v), tuple(map(_typed, v)) if type(v) is list else v) for k, v in d.items())
         try:
-            return self._sets[key]
-        except KeyError:
-            pass
+            params = self._sets.get(key)
         except TypeError:  # an unhashable value
             return SamplingParams.from_dict(d)
-        params = SamplingParams.from_dict(d)
-        if len(self._sets) >= self.capacity:
-            self._sets.clear()
-        self._sets[key] = params
+        if params is None:
+            params = SamplingParams.from_dict(d)
+            if len(self._sets) >= self.capacity:
+                self._sets.clear()
+            self._sets[key] = params
         return params
 
 
