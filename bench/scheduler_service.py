@@ -1,9 +1,9 @@
 """The scheduler process under the paper's largest offline rate: 2,400 requests/s (48K agents x 157 turns in
 3,201 s) at 48P96D (1,152 engines in 144 groups), measured through gRPC with its CPU use.
 
-A load generator in this process registers the engines, runs one pull loop per engine group (decode groups report
-the requests they were given as finished, with the blocks they stored, on their next pull, so a request's latency
-is about two pull intervals) and submits requests at the target rate through one Session stream, as a frontend
+A load generator in this process registers the engines, runs one pull loop per engine group (on one open
+``PullStream`` each, as engines pull; decode groups report the requests they were given as finished, with the
+blocks they stored, on their next pull, so a request's latency is about two pull intervals) and submits requests at the target rate through one Session stream, as a frontend
 does, each ~33K tokens with ~99% of its blocks stored. Reported: completed requests/s after a 2 s warm-up,
 submit-to-finish latency, and the scheduler's CPU seconds per wall second (cores), from /proc. A rate the scheduler
 cannot keep up with never drains: its row says so (``drained_in_30s`` false, ``backlog_at_stop``).
@@ -99,6 +99,11 @@ async def main_async(args) -> dict:
         return lambda request: stub(request, metadata=md)
 
     register, pull = call("Register", RegisterReply), call("Pull", PullReply)
+    pull_stream = channel.stream_stream(
+        "/dualpath.Scheduler/PullStream",
+        request_serializer=to_wire,
+        response_deserializer=lambda b: from_wire(PullReply, b),
+    )
     session = channel.stream_stream(
         "/dualpath.Scheduler/Session",
         request_serializer=to_wire,
@@ -151,8 +156,9 @@ async def main_async(args) -> dict:
     sent_at: dict[str, float] = {}
     latency: list[float] = []
 
-    async def group_loop(g):
+    async def group_loop(g):  # as an engine group's leader pulls: messages on one open stream
         es = groups[g]
+        pulls = pull_stream(metadata=md)
         while not stop.is_set():
             done, finished[g] = finished[g], []
             # a finished turn stores its new blocks (~605 appended and generated tokens): the index grows
@@ -168,12 +174,14 @@ async def main_async(args) -> dict:
                 )
                 for e in es
             ]
-            reply = await pull(PullRequest(g, loads, es[0].engine_id))
+            await pulls.write(PullRequest(g, loads, es[0].engine_id))
+            reply = await pulls.read()
             stats["pulls"] += 1
             for work in reply.assignments.values():
                 for a in work:
                     finished[a.decode.group_id].append(a.request_id)  # decoding takes no time here
             await asyncio.sleep(args.pull_interval)
+        await pulls.done_writing()
 
     sampling = SamplingParams(max_tokens=176).to_dict()
     outgoing: asyncio.Queue = asyncio.Queue()

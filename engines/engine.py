@@ -461,8 +461,8 @@ class Engine:
             members, self.member_loads = self.member_loads, []
             gone = sorted(self.unreachable)
             try:
-                reply = self.scheduler.call(
-                    "Pull", PullRequest(self.group, [load, *members], self.engine_id, gone), timeout=10
+                reply = self.scheduler.exchange(
+                    "PullStream", PullRequest(self.group, [load, *members], self.engine_id, gone), 10, unary="Pull"
                 )
                 self._delivered(marks)
                 self.unreachable.difference_update(gone)

@@ -405,23 +405,51 @@ def unpack_keys(data: bytes) -> list[bytes]:
 _PLAIN = frozenset((str, int, float, bool, type(None)))
 
 
+_REQUIRED = object()
+
+
 @lru_cache(maxsize=None)
-def _names(cls) -> tuple[str, ...] | None:
-    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+def _fields(cls) -> tuple[tuple[str, Any], ...] | None:
+    """A dataclass's fields as (name, default), ``_REQUIRED`` for a field without one (a factory's default is its
+    value: every factory here makes an empty container); None for any other type."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(
+        (
+            f.name,
+            f.default
+            if f.default is not dataclasses.MISSING
+            else f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else _REQUIRED,
+        )
+        for f in dataclasses.fields(cls)
+    )
+
+
+def _sparse(obj: Any, fields: tuple[tuple[str, Any], ...], blobs: list[bytes]) -> dict:
+    """A message's header object without the fields equal to their defaults (readers fill them in): a load report
+    of 26 fields, most of them zero or empty, travels as the few that say something."""
+    out = {}
+    for name, default in fields:
+        v = getattr(obj, name)
+        if default is _REQUIRED or type(v) is not type(default) or v != default:
+            out[name] = _plain(v, blobs)
+    return out
 
 
 def _plain(obj: Any, blobs: list[bytes]) -> Any:
     if type(obj) in _PLAIN:  # most values: checked before anything costlier
         return obj
-    names = _names(type(obj))
-    if names is not None:
+    fields = _fields(type(obj))
+    if fields is not None:
         if type(obj) is EngineInfo:  # sent with every assignment: convert once per engine, not per message
             cached = obj.__dict__.get("_wire")
             if cached is None:  # (EngineInfo has no bytes fields, so the cached form holds no blob references)
-                cached = {n: _plain(getattr(obj, n), blobs) for n in names}
+                cached = _sparse(obj, fields, blobs)
                 object.__setattr__(obj, "_wire", cached)
             return cached
-        return {n: _plain(getattr(obj, n), blobs) for n in names}
+        return _sparse(obj, fields, blobs)
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -470,8 +498,9 @@ def _decoder(tp: Any) -> Callable[[Any, list[bytes]], Any]:
         return _keep if item is _keep else _none_passes(lambda v, b: {k: item(x, b) for k, x in v.items()})
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        fields = tuple((f.name, _decoder(hints[f.name])) for f in dataclasses.fields(tp))
-        return _none_passes(lambda d, b: tp(**{n: conv(d[n], b) for n, conv in fields if n in d}))
+        convs = {f.name: _decoder(hints[f.name]) for f in dataclasses.fields(tp)}
+        # a header names only the fields that differ from their defaults, and may name some this reader lacks
+        return _none_passes(lambda d, b: tp(**{n: convs[n](v, b) for n, v in d.items() if n in convs}))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _none_passes(lambda v, b: tp(v))
     if tp is bytes:

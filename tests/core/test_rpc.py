@@ -1,4 +1,5 @@
-"""The engine RPC server: open token streams never starve control calls; the stream hub delivers in order."""
+"""The engine RPC server: open token streams never starve control calls; the stream hub delivers in order; pulls
+ride one open stream."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 
 import pytest
 
-from dualpath.core.messages import Ack, RequestRef, TokenEvent
-from dualpath.core.rpc import ENGINE_METHODS, Client, ThreadedServer
+from dualpath.core.messages import Ack, PullReply, PullRequest, RequestRef, TokenEvent
+from dualpath.core.rpc import ENGINE_METHODS, SCHEDULER_METHODS, Client, RpcError, ThreadedServer
 from dualpath.engines.streams import StreamHub
 
 
@@ -187,3 +188,67 @@ def test_a_scheduler_that_froze_ends_its_sessions_within_two_keepalives(monkeypa
         proc.terminate()
         proc.wait(30)
         client.close()
+
+
+class _Puller:
+    """A test double for a scheduler: answers each pull with its group id; ``slow`` ones late; counts streams."""
+
+    def __init__(self, streaming: bool = True):
+        self.streams, self.unary = 0, 0
+        if not streaming:  # an older scheduler: no PullStream
+            self.PullStream = None
+
+    async def Pull(self, req, ctx):
+        self.unary += 1
+        return PullReply({}, cancelled=[req.group_id])
+
+    async def PullStream(self, requests, ctx):
+        self.streams += 1
+        async for req in requests:
+            if req.group_id == "slow":
+                await asyncio.sleep(1.0)
+            yield PullReply({}, cancelled=[req.group_id])
+
+
+def _pulls(handler):
+    server = ThreadedServer("Scheduler", max_workers=2)
+    server.start(SCHEDULER_METHODS, handler, "127.0.0.1:0")
+    return server, Client("Scheduler", SCHEDULER_METHODS, f"127.0.0.1:{server.port}")
+
+
+def test_exchanges_ride_one_stream_and_a_late_reply_never_answers_the_next_request():
+    handler = _Puller()
+    server, client = _pulls(handler)
+    try:
+        for i in range(20):
+            assert client.exchange("PullStream", PullRequest(f"g{i}", []), 5, unary="Pull").cancelled == [f"g{i}"]
+        assert (handler.streams, handler.unary) == (1, 0)
+        t0 = time.monotonic()
+        with pytest.raises(RpcError, match="no reply within"):
+            client.exchange("PullStream", PullRequest("slow", []), 0.3)
+        assert time.monotonic() - t0 < 1.0
+        # the slow reply still comes, on the stream the timeout gave up: the next request has its own answer
+        assert client.exchange("PullStream", PullRequest("next", []), 5).cancelled == ["next"]
+        assert handler.streams == 2
+        server.stop(grace=0)
+        with pytest.raises(RpcError, match="PullStream"):  # a scheduler gone: an error within the deadline, no hang
+            client.exchange("PullStream", PullRequest("gone", []), 2)
+    finally:
+        client.close()
+        server.stop(grace=0)
+
+
+def test_a_scheduler_without_pull_streams_is_pulled_from_by_unary_calls():
+    handler = _Puller(streaming=False)
+    server, client = _pulls(handler)
+    try:
+        for i in range(3):
+            assert client.exchange("PullStream", PullRequest(f"g{i}", []), 5, unary="Pull").cancelled == [f"g{i}"]
+        assert (handler.streams, handler.unary) == (0, 3)
+        with pytest.raises(RpcError, match="UNIMPLEMENTED"):  # no unary fallback named: the error stands
+            Client("Scheduler", SCHEDULER_METHODS, f"127.0.0.1:{server.port}").exchange(
+                "PullStream", PullRequest("g", []), 5
+            )
+    finally:
+        client.close()
+        server.stop(grace=0)

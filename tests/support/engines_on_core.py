@@ -43,6 +43,10 @@ class CoreLink:
             return Ack()
         raise NotImplementedError(method)
 
+    def exchange(self, method: str, request, timeout: float, unary: str = ""):
+        assert method == "PullStream"
+        return self.call("Pull", request, timeout)
+
 
 @dataclass(frozen=True)
 class EngineSpec:
