@@ -259,6 +259,8 @@ class SchedulerCore:
         self.last_gone: dict[Role, str] = {}
         self._alive_sorted: dict[Role, list[EngineRecord]] = {}  # cache of alive(); dropped when alive_ids change
         self._views: dict[str, tuple] = {}  # group -> (alive members, their ids, members()); dropped likewise
+        # prefill group -> what its engines were (``_prefill_key``) when the policy said they could take nothing
+        self._full_prefill: dict[str, tuple] = {}
         self.requests: dict[str, RequestRecord] = {}  # by request id
         self.by_work: dict[str, str] = {}  # work id -> request id
         self.global_queue = Fifo()
@@ -971,7 +973,7 @@ class SchedulerCore:
                 return False
             if group and group[0].info.role is Role.DECODE:
                 return not self.private.get(group_id)
-            return not self.prefill_queue
+            return not self.prefill_queue or self._still_full(self._view(group_id)[0])
 
     def _index_reports(self, loads: list[EngineLoad]) -> None:
         """Blocks written and evicted since the last reports, one index update per pull (not per engine). Runs
@@ -1159,12 +1161,30 @@ class SchedulerCore:
     def _node_states(self) -> "_Nodes":
         return _Nodes(self)
 
+    @staticmethod
+    def _prefill_key(group: list[EngineRecord]) -> tuple:
+        """All that a per-group policy's view of a prefill group is built from (``_state``): the engines, their
+        descriptions, last reports, outstanding work and recent prefill rates."""
+        return tuple(
+            (e, e.info, e.load, len(e.outstanding), e.outstanding.tokens, e.outstanding.reserve, e.prefilled)
+            for e in group
+        )
+
+    def _still_full(self, group: list[EngineRecord]) -> bool:
+        """The group could take no prefill at its last pull (``Policy.takes_no_prefill``), and nothing about its
+        engines changed since: placement would find the same."""
+        full = self._full_prefill.get(group[0].group) if group else None
+        return full is not None and full == self._prefill_key(group)
+
     def _assign_prefill(self, group: list[EngineRecord], pulling: set[str]) -> dict[str, list[Assignment]]:
         """Prefill engines and read paths for the queue's head (``group``: the pulling group's alive engines)."""
         if not self.prefill_queue:
             return {}
         # policies with a per-group view (the paper's) see only the pulling group: pulls stay O(group)
-        candidates = self.alive(Role.PREFILL) if getattr(self.policy, "global_view", True) else group
+        per_group = not getattr(self.policy, "global_view", True)
+        if per_group and self._still_full(group):  # (in a saturated cluster, most prefill pulls)
+            return {}
+        candidates = group if per_group else self.alive(Role.PREFILL)
         pe_nodes = {e.info.engine_id: e.info.node_id for e in candidates}
         waiting = Lazy(
             itertools.islice(
@@ -1177,11 +1197,12 @@ class SchedulerCore:
             )
         )
         out: dict[str, list[Assignment]] = {}
+        states = [self._state(e) for e in candidates]
         decisions = list(
-            self.policy.assign_prefill(
-                waiting, [self._state(e) for e in candidates], pulling, self._node_states(), pe_nodes, self.block_size
-            )
+            self.policy.assign_prefill(waiting, states, pulling, self._node_states(), pe_nodes, self.block_size)
         )  # then remove
+        if per_group and not decisions and self.policy.takes_no_prefill(states):
+            self._full_prefill[group[0].group] = self._prefill_key(group)
         for d in decisions:
             rid = self.by_work[d.request_id]
             r = self.requests[rid]

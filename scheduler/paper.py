@@ -26,14 +26,18 @@ INF = float("inf")
 _UNKNOWN_NODE = NodeState()  # read only: what classify assumes of a node with no report
 
 
+def overloaded(e: EngineState) -> bool:
+    """C1 of Algorithm 1: tok > β. An unknown β (0) never excludes an engine."""
+    return e.tok > (e.beta or INF)
+
+
 def classify(engines: list[EngineState], nodes: dict[str, NodeState], pe_nodes: dict[str, str]):
     """(C1, C2, C3) of Algorithm 1. Unknown α or β (0) never excludes an engine."""
     c1, c2, c3 = [], [], []
     for e in engines:
-        beta = e.beta or INF
         node = nodes.get(pe_nodes[e.engine_id]) or _UNKNOWN_NODE
         alpha = node.alpha or INF
-        if e.tok > beta:
+        if overloaded(e):
             c1.append(e)
         elif node.read_q <= alpha:
             c2.append(e)
@@ -60,6 +64,9 @@ class DualPathPolicy(Policy):
             e = preferred(r, pool, self.affinity, "pe") or min(pool, key=lambda e: (e.tok, e.engine_id))
             out.append(self.place_prefill(r, e, nodes, pe_nodes[e.engine_id], block_size))
         return out
+
+    def takes_no_prefill(self, group):
+        return all(map(overloaded, group))  # C2 and C3 empty: every fetch stops at once
 
     def assign_decode(self, queue, engines, pulling):
         group = [e for e in engines if e.engine_id in pulling]

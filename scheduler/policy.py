@@ -251,6 +251,12 @@ class Policy(ABC):
         """Prefill engines and read paths for a FIFO prefix of ``queue`` (requests that hold a decode engine),
         naming pulling engines. ``pe_nodes``: prefill engine -> its node; ``nodes`` may be updated."""
 
+    def takes_no_prefill(self, group: list[EngineState]) -> bool:
+        """Whether a pulling prefill ``group`` (per-group policies) could be given no request, whatever the queue
+        holds: the scheduler then skips its pulls' placement until one of its engines changes. False unless a
+        policy knows; it must never be True where ``assign_prefill`` could place something."""
+        return False
+
     def choose_path(
         self, r: QueuedRequest, pe_node: NodeState, de_node: NodeState, mode: Mode, block_size: int
     ) -> PathChoice:

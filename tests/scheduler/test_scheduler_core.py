@@ -369,6 +369,32 @@ def test_idle_for_says_when_a_pull_could_take_work():
     assert core.idle_for("pg") and core.idle_for("dg")
 
 
+def test_a_full_prefill_group_is_not_placed_for_again_until_one_of_its_engines_changes():
+    """Algorithm 1 gives a group whose engines all have tok > beta nothing; the core remembers that, and skips the
+    group's placement (and ``idle_for`` says so) until a report or its outstanding work changes."""
+    core = SchedulerCore(
+        SchedulerConfig(kv_store="/nonexistent", heartbeat_timeout_s=1e9), make_policy("dualpath"), Clock()
+    )
+    engines = {i.engine_id: SimEngine(i) for i in (info(f"p{k}", Role.PREFILL, "n0", "pg", beta=100) for k in (0, 1))}
+    engines["d0"] = SimEngine(info("d0", Role.DECODE, "n1", "dg", capacity=100_000))
+    for e in engines.values():
+        assert core.register(e.info).ok
+    for k in range(4):
+        core.submit(SubmitRequest(f"r{k}", pack_tokens(range(200)), SamplingParams(max_tokens=8).to_dict()))
+    pull(core, engines, "dg")
+    assert len(pull(core, engines, "pg").assignments) == 2  # one each: 200 tokens > beta, both in C1 now
+    assert not pull(core, engines, "pg").assignments and core.idle_for("pg")
+    calls = []
+    real = core.policy.assign_prefill
+    core.policy.assign_prefill = lambda *a: calls.append(1) or real(*a)
+    assert not pull(core, engines, "pg").assignments and not calls  # the same reports: not placed for
+    engines["p0"].held.clear()  # p0's prefill is done: its next report frees it
+    assert pull(core, engines, "pg").assignments.keys() == {"p0"} and calls
+    assert not pull(core, engines, "pg").assignments and core.idle_for("pg")  # full again
+    core.engines["p1"].outstanding.add("w", 0, 0)  # work its reports do not count yet: a change too
+    assert not core.idle_for("pg")
+
+
 def test_an_engine_declared_gone_is_told_to_rejoin_and_serves_again():
     clock = Clock()
     core, engines = make_core("dualpath", clock)

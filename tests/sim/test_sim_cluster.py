@@ -294,18 +294,27 @@ def test_prefill_groups_share_the_queue_when_pulls_drift():
     assert set(share[0.2]) == {"p0", "p1"} and min(share[0.2].values()) > 0.35, share
 
 
-def test_leaving_unchanged_reports_and_idle_pulls_out_changes_no_decision():
+def test_leaving_unchanged_reports_and_idle_pulls_out_changes_no_decision(monkeypatch):
+    """Also the scheduler's own skip: a prefill group that could take nothing at its last pull, unchanged since, is
+    not placed for (``SchedulerCore._still_full``): a run without that skip decides the same."""
     from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.scheduler.paper import DualPathPolicy
 
-    rounds, _ = trace_shapes("64k", 24, 1.0, 0.1, 1)
+    rounds, _ = trace_shapes("64k", 96, 1.0, 0.1, 1)  # enough agents to fill the prefill engines at times
     hw, model = Hardware(gpus=4, storage_read_bps=13e9), MODELS["ds27b"]
-    runs = [
-        ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, every_pull=every), rounds).run()
-        for every in (True, False)
-    ]
-    assert runs[0].turns == runs[1].turns == sum(map(len, rounds))
-    assert runs[0].jct_s == runs[1].jct_s and runs[0].ttft_s == runs[1].ttft_s
-    assert runs[0].storage_read_bytes == runs[1].storage_read_bytes
+
+    def run(every: bool):
+        sim = ClusterSim(SimConfig(hw, model, model.engine, 1, 2, "dualpath", 40e9, every_pull=every), rounds)
+        return sim.run(), sim.core
+
+    (skipping, core), (lean, _) = run(True), run(False)
+    assert core._full_prefill, "no prefill pull found its group full: the comparison below would test nothing"
+    monkeypatch.setattr(DualPathPolicy, "takes_no_prefill", lambda self, group: False)
+    runs = [run(True)[0], skipping, lean]
+    for r in runs[1:]:
+        assert r.turns == runs[0].turns == sum(map(len, rounds))
+        assert r.jct_s == runs[0].jct_s and r.ttft_s == runs[0].ttft_s
+        assert r.storage_read_bytes == runs[0].storage_read_bytes
 
 
 def test_progress_reports_along_the_run_without_changing_it():
