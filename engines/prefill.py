@@ -299,9 +299,19 @@ class PrefillEngine(Engine):
         a, g = job.a, self.geometry
         try:
             nb = g.num_blocks(job.n_prompt)
-            # PE path keeps every computed chunk locally, so the buffer holds the whole prompt
+            # PE path keeps every computed chunk locally, so the buffer holds the whole prompt; while the buffer is
+            # full of the work ahead, this request waits its turn (it counts in this engine's load meanwhile)
             want = nb if a.path is ReadPath.PE else job.pe_blocks
-            job.pe_slots = self.buffer.allocate(want, a.request_id, self.cfg.transport.op_timeout_s) if want else []
+            job.pe_slots = (
+                self.buffer.allocate_while_moving(
+                    want,
+                    a.request_id,
+                    self.cfg.transport.op_timeout_s,
+                    lambda: not self.stopping.is_set() and not self.jobs.cancelled(job.work_id),
+                )
+                if want
+                else []
+            )
             keys = job.hit_keys[: job.pe_blocks]
             if keys:  # layer by layer: the prefill may start once layer 0 is in
                 job.layer_loads = self.traffic.load_layers(keys, job.pe_slots[: job.pe_blocks])

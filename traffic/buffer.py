@@ -13,6 +13,7 @@ from typing import Callable, Hashable
 import torch
 
 from dualpath.core.allocator import BlockAllocator
+from dualpath.core.errors import OutOfBlocksError
 from dualpath.core.geometry import FullBlockSlots, KVGeometry
 from dualpath.traffic.memory import HostMemory
 from dualpath.traffic.strided_copy import copy_rows, slot_runs
@@ -30,6 +31,7 @@ class BufferPool:
         # lock held (re-entrant), before a request waits
         self.reclaimer: Callable[[int], int] | None = None
         self.waiting = 0  # requests waiting for slots
+        self.freed = 0  # slots freed so far: whether the buffer moves (``allocate_while_moving``)
 
     @property
     def num_slots(self) -> int:
@@ -55,15 +57,32 @@ class BufferPool:
                     self.waiting -= 1
             return self.allocator.allocate(n, owner)
 
+    def allocate_while_moving(
+        self, n: int, owner: Hashable, window_s: float, go_on: Callable[[], bool] = lambda: True
+    ) -> list[int]:
+        """``allocate`` for work that would rather queue than fail: it waits ``window_s`` at a time for as long as
+        each window freed some slot (the work ahead is moving on) and ``go_on()``. Raises ``OutOfBlocksError`` when
+        a whole window freed nothing (a stuck buffer is an error, not a hang), ``go_on()`` is False, or ``n`` exceeds
+        the arena."""
+        while True:
+            freed = self.freed
+            try:
+                return self.allocate(n, owner, window_s)
+            except OutOfBlocksError:
+                if n > self.num_slots or self.freed == freed or not go_on():
+                    raise
+
     def free(self, slots: list[int]) -> None:
         with self._lock:
             self.allocator.free(slots)
+            self.freed += len(slots)
             self._lock.notify_all()
 
     def free_owner(self, owner: Hashable) -> int:
         with self._lock:
             slots = self.allocator.owned_by(owner)
             self.allocator.free(slots)
+            self.freed += len(slots)
             self._lock.notify_all()
             return len(slots)
 

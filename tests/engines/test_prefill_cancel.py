@@ -3,7 +3,10 @@ good: the engine loop goes on with other work, and the job's buffer slots are re
 
 The crash this guards against (issue 46): a client hung up while its long prompt was being prefilled in chunks;
 the engine put the partly prefilled job back on the ready list after the cancel removed it, and the loop died on
-``KeyError`` in the next batch's choice."""
+``KeyError`` in the next batch's choice.
+
+Also: a request queued behind a full buffer waits its turn while the buffer moves, and is not failed after one
+timeout."""
 
 import threading
 import time
@@ -151,3 +154,34 @@ def test_a_decode_engine_keeps_a_cancelled_prompts_buffer_slots_until_its_prefil
     finally:
         de.stopping.set()
         de.stop()
+
+
+def test_a_prompt_queued_behind_a_full_buffer_waits_its_turn_instead_of_failing(engine):
+    """The buffer is full of the work ahead, which frees it a slot at a time over longer than the transport's op
+    timeout: the request waits as long as slots keep freeing, then prepares; it is not failed after one timeout (as
+    it was: "preparing failed: need 3 blocks, 0 free")."""
+    from dataclasses import replace
+
+    from dualpath.core.messages import PrepareReply
+
+    pe, de, de_pool = engine
+    pe.cfg = replace(pe.cfg, transport=replace(pe.cfg.transport, op_timeout_s=0.3))
+    n = 2 * BS + 3  # 3 blocks
+    ahead = pe.buffer.allocate(pe.buffer.num_free, "ahead")
+    for i, slot in enumerate(ahead[:3]):
+        threading.Timer(0.2 * (i + 1), pe.buffer.free, args=([slot],)).start()
+    pe._de = lambda a: SimpleNamespace(call=lambda *_, **__: PrepareReply(True, de_pool.allocate(3, a.request_id)))
+    params = SamplingParams(temperature=0, max_tokens=1)
+    tokens = list(range(3, 3 + n))
+    job = Job(
+        Assignment("w", tokens, params.to_dict(), [], ReadPath.PE, True, de),
+        params,
+        [make_generator(params)],
+        0,
+        tokens,
+    )
+    assert pe.jobs.admit(job)
+    t = time.monotonic()
+    pe._prepare(job)
+    assert time.monotonic() - t > 0.5  # longer than one op timeout
+    assert len(job.pe_slots) == 3 and "w" in pe.jobs and not pe.outbox.take()["failed"]

@@ -282,3 +282,23 @@ def test_a_full_buffer_is_waited_out_up_to_a_limit():
     with pytest.raises(OutOfBlocksError):
         pool.allocate(7, "d", wait_s=10)
     assert time.perf_counter() - t < 1 and pool.num_free == 2 and held
+
+
+def test_work_queued_for_a_full_buffer_waits_while_it_moves_and_fails_when_it_is_stuck():
+    """Slots freed one at a time, each within a window but all of them over several: the request waits its turn
+    (a single bounded wait would have failed it). A window that frees nothing, or a request cancelled meanwhile,
+    ends the wait with an error instead of a hang."""
+    pool = BufferPool(GEOM, 4, HostMemory(4 * GEOM.full_block_bytes))
+    held = pool.allocate(4, "a")
+    for i, slot in enumerate(held):
+        threading.Timer(0.15 * (i + 1), pool.free, args=([slot],)).start()
+    t = time.perf_counter()
+    assert len(pool.allocate_while_moving(4, "b", window_s=0.25)) == 4
+    assert 0.5 < time.perf_counter() - t < 5
+    t = time.perf_counter()
+    with pytest.raises(OutOfBlocksError):  # nothing frees: one window, then an error
+        pool.allocate_while_moving(1, "c", window_s=0.2)
+    assert time.perf_counter() - t < 1
+    threading.Timer(0.1, pool.free, args=(pool.allocator.owned_by("b")[:1],)).start()
+    with pytest.raises(OutOfBlocksError):  # slots moved, but the request was cancelled: it stops waiting
+        pool.allocate_while_moving(2, "d", window_s=0.2, go_on=lambda: False)
