@@ -205,6 +205,7 @@ class SimEngine:
     # and whether the GPU runs one (its end event may be due at ``busy_until`` = now and not yet have fired)
     ready: list = field(default_factory=list)
     computing: bool = False
+    compute_s: float = 0.0  # the compute time of the prefill it runs (or ran last)
     # Decode runs in segments of steps with a fixed membership: ``seg_steps`` steps from ``seg_start`` with
     # ``running`` as it was then, ending at the first finish (or earlier, at a step boundary, when a request joins).
     seg_start: float = 0.0
@@ -641,9 +642,19 @@ class ClusterSim:
             begin = max(pe.busy_until, read_end)
             end = begin + t
         pe.busy_until = max(end, self.loop.now)
-        pe.computing = True
+        pe.computing, pe.compute_s = True, t
         self.prefill_busy_s += t * pe.ranks
         self.loop.at(pe.busy_until, lambda: self._prefilled(pe, work))
+
+    def prefill_busy_by(self, t: float) -> float:
+        """GPU seconds of prefill compute done by ``t`` (a run stopped there): ``prefill_busy_s`` counts a prefill
+        whole when it starts, so one still running at ``t`` counts only what of it can lie before ``t``."""
+        past = sum(
+            min(pe.compute_s, pe.busy_until - t) * pe.ranks
+            for pe in self.engines.values()
+            if pe.computing and pe.busy_until > t
+        )
+        return self.prefill_busy_s - past
 
     def _prefilled(self, pe: SimEngine, work: str) -> None:
         pe.computing = False

@@ -138,7 +138,7 @@ def simulate_split(
         "prefill": prefill,
         "decode": decode,
         "turns_per_s": done / (seconds / 2),
-        "prefill_busy": sim.prefill_busy_s / (prefill * hw.gpus * seconds),
+        "prefill_busy": sim.prefill_busy_by(seconds) / (prefill * hw.gpus * seconds),
         "ttft_mean_s": sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else 0.0,
         "busiest": busiest,
         "busiest_utilization": util[busiest],

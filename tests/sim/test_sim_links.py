@@ -125,3 +125,21 @@ def test_splits_simulated_on_two_processes_give_one_processs_rows_in_order():
     alone, forked = list(simulate_splits(*args, jobs=1)), list(simulate_splits(*args, jobs=2))
     assert forked == alone and [(r["prefill"], r["decode"]) for r in forked] == splits
     assert all(r["turns_per_s"] > 0 for r in alone)
+
+
+def test_a_short_plan_run_counts_prefill_busy_time_only_inside_it():
+    """A run stopped while prefills still compute: their time past its end is not counted (it printed 101%)."""
+    from dualpath.rollout.tracegen import trace_shapes
+    from dualpath.sim.cluster import ClusterSim, SimConfig
+    from dualpath.sim.hardware import MODELS, PAPER_CLUSTER_NODE
+    from dualpath.sim.plan import simulate_split
+
+    rounds, _ = trace_shapes("64k", 256, turns_scale=0.5)  # the GPUs busy throughout (the whole-prefill count: 114%)
+    model = MODELS["ds27b"]
+    row = simulate_split(PAPER_CLUSTER_NODE, model, 1, 2, rounds, 5.0)
+    assert 0.9 < row["prefill_busy"] <= 1.0
+    sim = ClusterSim(SimConfig(PAPER_CLUSTER_NODE, model, model.engine, 1, 2, "dualpath"), rounds)
+    sim.run(until=5.0)
+    running = [pe for pe in sim.engines.values() if pe.computing and pe.busy_until > 5.0]
+    assert running and sim.prefill_busy_by(5.0) < sim.prefill_busy_s  # (the case at hand: some still run)
+    assert sim.prefill_busy_by(1e9) == sim.prefill_busy_s
