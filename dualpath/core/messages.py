@@ -427,29 +427,33 @@ def _fields(cls) -> tuple[tuple[str, Any], ...] | None:
     )
 
 
-def _sparse(obj: Any, fields: tuple[tuple[str, Any], ...], blobs: list[bytes]) -> dict:
-    """A message's header object without the fields equal to their defaults (readers fill them in): a load report
-    of 26 fields, most of them zero or empty, travels as the few that say something."""
-    out = {}
-    for name, default in fields:
+def changed_fields(obj: Any) -> list[tuple[str, Any]]:
+    """(name, value) of each field of the dataclass ``obj`` that a wire form must name: every required one, and
+    those that differ from their defaults (readers fill the rest in). A load report of 26 fields, most of them zero
+    or empty, travels as the few that say something."""
+    out = []
+    for name, default in _fields(type(obj)):
         v = getattr(obj, name)
         if default is _REQUIRED or type(v) is not type(default) or v != default:
-            out[name] = _plain(v, blobs)
+            out.append((name, v))
     return out
+
+
+def _sparse(obj: Any, blobs: list[bytes]) -> dict:
+    return {name: _plain(v, blobs) for name, v in changed_fields(obj)}
 
 
 def _plain(obj: Any, blobs: list[bytes]) -> Any:
     if type(obj) in _PLAIN:  # most values: checked before anything costlier
         return obj
-    fields = _fields(type(obj))
-    if fields is not None:
+    if _fields(type(obj)) is not None:
         if type(obj) is EngineInfo:  # sent with every assignment: convert once per engine, not per message
             cached = obj.__dict__.get("_wire")
             if cached is None:  # (EngineInfo has no bytes fields, so the cached form holds no blob references)
-                cached = _sparse(obj, fields, blobs)
+                cached = _sparse(obj, blobs)
                 object.__setattr__(obj, "_wire", cached)
             return cached
-        return _sparse(obj, fields, blobs)
+        return _sparse(obj, blobs)
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (bytes, bytearray, memoryview)):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import numbers
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dualpath.core.errors import CheckpointError, RequestError
+from dualpath.core.messages import changed_fields
 
 MAX_LOGIT_BIAS = 1024  # entries per request: each is an index write on every step
 MAX_CHOICES = 16  # n: every choice is a row of the decode batch
@@ -274,11 +274,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """JSON-ready, naming the fields that differ from their defaults (``from_dict`` fills the rest in): a
         request's wire form is as long as what its client set, and ``ParamsCache`` keys on few fields."""
-        return {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in self.__dict__.items()
-            if type(v) is not type(_DEFAULTS[k]) or v != _DEFAULTS[k]
-        }
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in changed_fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -312,9 +308,6 @@ class ParamsCache:
 
 def _typed(v) -> tuple:
     return type(v), v
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
 def _is_number(v, kind: type) -> bool:

@@ -250,25 +250,12 @@ class SimEngine:
         return req
 
 
-def block_keys(agent: int, first: int, last: int) -> bytes:
-    """Stored blocks' hashes, packed, for blocks ``first`` to ``last`` (exclusive) of an agent's context: unique
-    per (agent, position), so an agent's turns share their prefix blocks."""
-    blocks = np.arange(first, max(first, last), dtype=np.uint64)
-    out = np.empty((len(blocks), 2), dtype="<u8")
-    out[:, 0] = ((np.uint64(agent + 1) << np.uint64(32)) | blocks) * np.uint64(_MIX)  # wraps: a bijection
-    out[:, 1] = agent
-    return out.tobytes()
-
-
-def block_key(agent: int, block: int) -> bytes:
-    return block_keys(agent, block, block + 1)
-
-
 class BlockKeys:
-    """``block_keys`` with one numpy operation a call: blocks are below 2^32, so ``((agent + 1) << 32 | block) x MIX``
-    is ``(agent + 1) x 2^32 x MIX + block x MIX`` (mod 2^64), and ``block x MIX`` comes from a table grown as
-    contexts grow. Every turn's prompt keys are built this way (~1,000 blocks each): half the time of
-    ``block_keys``'s."""
+    """Stored blocks' hashes, packed, for blocks ``first`` to ``last`` (exclusive) of an agent's context: the first
+    8 bytes ``((agent + 1) << 32 | block) x MIX`` (mod 2^64: a bijection), the next the agent, so they are unique
+    per (agent, position) and an agent's turns share their prefix blocks. Blocks are below 2^32, so the product is
+    ``(agent + 1) x 2^32 x MIX + block x MIX``, and ``block x MIX`` comes from a table grown as contexts grow: one
+    numpy operation a call (every turn's prompt keys are built here, ~1,000 blocks each)."""
 
     def __init__(self) -> None:
         self._mixed = np.zeros(0, dtype=np.uint64)  # block x MIX (mod 2^64) for blocks 0 .. len - 1

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dualpath.sim.cluster import BlockKeys, ClusterSim, SimConfig, block_key, block_keys
+from dualpath.sim.cluster import _MIX, BlockKeys, ClusterSim, SimConfig
 from dualpath.sim.hardware import MODELS, EngineModel, Hardware, ModelPreset
 from dualpath.engines.batcher import CostModel
 
@@ -59,17 +59,27 @@ def test_storage_bandwidth_is_shared_by_concurrent_reads():
     assert r.jct_s == pytest.approx(0.7, abs=1e-9)
 
 
+def reference_block_keys(agent: int, first: int, last: int) -> bytes:
+    """``BlockKeys.keys`` as its docstring defines it, in Python integers."""
+    mask = (1 << 64) - 1
+    return b"".join(
+        ((((agent + 1) << 32 | b) * _MIX) & mask).to_bytes(8, "little") + agent.to_bytes(8, "little")
+        for b in range(first, max(first, last))
+    )
+
+
 def test_block_keys_are_distinct_per_agent_and_position():
-    keys = {block_key(a, b)[:8] for a in range(50) for b in range(500)}
-    assert len(keys) == 50 * 500  # the index keys on the first 8 bytes
+    keys = BlockKeys()
+    firsts = {keys.keys(a, b, b + 1)[:8] for a in range(50) for b in range(500)}
+    assert len(firsts) == 50 * 500  # the index keys on the first 8 bytes
 
 
-def test_block_keys_table_gives_the_same_keys():
-    """BlockKeys (the run's, from a table of block x MIX) packs exactly block_keys's bytes, its table grown on
-    demand; an empty or reversed range packs nothing."""
+def test_block_keys_table_gives_the_formulas_keys():
+    """BlockKeys (from a table of block x MIX, grown on demand) packs exactly the formula's bytes; an empty or
+    reversed range packs nothing."""
     fast = BlockKeys()
     for agent, first, last in [(0, 0, 1), (7, 0, 900), (7, 899, 2500), (49151, 3, 5000), (2**31, 10, 20), (3, 5, 2)]:
-        assert fast.keys(agent, first, last) == block_keys(agent, first, last)
+        assert fast.keys(agent, first, last) == reference_block_keys(agent, first, last)
     assert fast.keys(1, 4, 4) == b""
 
 
